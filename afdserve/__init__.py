@@ -1,0 +1,21 @@
+"""afdserve: an inference engine for Mixture-of-Experts models with Attention-FFN Disaggregation."""
+
+from __future__ import annotations
+
+from afdserve.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch.distributed and the launcher; import it only when asked for.
+    if name == "LLM":
+        from afdserve.engine.llm import LLM
+
+        return LLM
+    if name == "RequestOutput":
+        from afdserve.engine.engine_core import RequestOutput
+
+        return RequestOutput
+    raise AttributeError(name)

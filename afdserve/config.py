@@ -1,0 +1,114 @@
+"""User-facing configuration: one frozen dataclass per concern, validated on construction.
+
+Every error names the field, the value it got and what is allowed, and is raised before any process
+starts or any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+GRAPH_MODES = ("none", "full_decode_only", "full")
+
+
+def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    _require(ok, owner, name, value, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One attention rank's engine: model, device, cache and scheduler limits."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_blocks: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.85
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "EngineConfig"
+        _require(self.device.split(":")[0] in DEVICES, owner, "device", self.device,
+                 f"one of {DEVICES} (optionally 'cuda:N')")
+        _require(self.dtype in DTYPES, owner, "dtype", self.dtype, f"one of {DTYPES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive_int(owner, "max_model_len", self.max_model_len)
+        if self.kv_cache_blocks is not None:
+            _positive_int(owner, "kv_cache_blocks", self.kv_cache_blocks)
+        ok = isinstance(self.gpu_memory_utilization, float) and 0 < self.gpu_memory_utilization <= 1
+        _require(ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization,
+                 "a float in (0, 1]")
+
+
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (which is always included)."""
+    ladder = [s for s in (1, 2, 4) if s < max_num_seqs]
+    ladder += list(range(8, max_num_seqs, 8))
+    return tuple(sorted(set(ladder + [max_num_seqs])))
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA-graph policy. `sizes=None` means the default ladder up to max_num_seqs."""
+
+    mode: str = "none"
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "GraphConfig"
+        _require(self.mode in GRAPH_MODES, owner, "mode", self.mode, f"one of {GRAPH_MODES}")
+        if self.sizes is not None:
+            sizes = tuple(self.sizes)
+            ok = len(sizes) > 0 and all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+            )
+            _require(ok, owner, "sizes", self.sizes, "a non-empty list of integers >= 1")
+            object.__setattr__(self, "sizes", tuple(sorted(set(sizes))))
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        if self.mode == "none":
+            return ()
+        return self.sizes if self.sizes is not None else default_capture_sizes(max_num_seqs)
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """How the model is split across ranks."""
+
+    topology: str = "colocated"
+    ubatches: int = 1
+    gate_on_attention: bool = False
+    log_step_plan: bool | str = False
+    # A rank that does not answer within this many seconds is treated as dead.
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        from afdserve.afd.topology import Topology
+
+        owner = "AFDConfig"
+        Topology.parse(self.topology)
+        ok = isinstance(self.ubatches, int) and 1 <= self.ubatches <= 4
+        _require(ok, owner, "ubatches", self.ubatches, "an integer in 1..4")
+        _require(isinstance(self.gate_on_attention, bool), owner, "gate_on_attention",
+                 self.gate_on_attention, "True or False")
+        _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
+
+    @property
+    def parsed_topology(self):  # -> Topology (imported lazily: topology has no torch import)
+        from afdserve.afd.topology import Topology
+
+        return Topology.parse(self.topology)

@@ -1,0 +1,230 @@
+"""One attention rank's engine: requests in, scheduled steps through the model, outputs out.
+
+The step itself is split so that AFD can put the control plane in the middle:
+`schedule()` -> report `RankStep` -> (all ranks agree on the StepPlan) -> `execute(out, plan, boundary)`.
+Colocated, `step()` does all three with a one-rank plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from afdserve.afd.plan import AttentionRankPlan, GraphTable, RankStep, plan_step
+from afdserve.afd.topology import Topology
+from afdserve.engine.block_manager import BlockManager
+from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
+from afdserve.engine.sampler import sample
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from afdserve.engine.sequence import Sequence
+from afdserve.model.config import ModelConfig
+from afdserve.model.model import MoECausalLM
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and what is allowed."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (stop string excluded)
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    arrival_time: float
+    first_token_time: float | None = None
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    text_limit: int | None = None  # truncation point once a stop string is found
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        tokenizer,
+        kv_cache: KVCache,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+    ) -> None:
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.config: ModelConfig = model.config
+        self.kv_cache = kv_cache
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.runner = ModelRunner(model, kv_cache, device)
+        self.max_model_len = scheduler_config.max_model_len
+        self.requests: dict[str, _Tracked] = {}
+        eos = self.config.eos_token_ids
+        self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
+        self.extra_stop_ids = tuple(eos[1:])
+
+    # ----- requests -----
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise RequestError("prompt: must not be empty")
+        limit = self.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise RequestError(
+                f"prompt: {len(prompt_token_ids)} tokens, but max_model_len={limit} leaves room "
+                f"for at most {limit - 1} prompt tokens"
+            )
+        vocab = self.config.vocab_size
+        for i, tok in enumerate(prompt_token_ids):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise RequestError(
+                    f"prompt: token id {tok!r} at position {i} is outside the vocabulary [0, {vocab})"
+                )
+        blocks = -(-limit // self.block_manager.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(
+                f"max_model_len={limit} needs {blocks} KV blocks but the cache has "
+                f"{self.block_manager.num_blocks}"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        self.validate(prompt_token_ids)
+        if self.extra_stop_ids:
+            params = _with_stop_ids(params, self.extra_stop_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        self.requests[request_id] = _Tracked(seq, detok, time.monotonic())
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return sum(
+            t.seq.num_uncomputed_tokens + t.seq.params.max_tokens - t.seq.num_output_tokens
+            for t in self.requests.values()
+        )
+
+    # ----- steps -----
+    def schedule(self) -> tuple[SchedulerOutput, RankStep]:
+        out = self.scheduler.schedule()
+        return out, RankStep(out.num_tokens, out.num_reqs, out.uniform_decode)
+
+    def execute(
+        self, out: SchedulerOutput, plan: AttentionRankPlan, boundary: FFNBoundary
+    ) -> list[RequestOutput]:
+        """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
+        when the plan gives it any, so that its FFN rank receives every tile it expects."""
+        if plan.padded_rows == 0:
+            return []
+        inputs = self.runner.prepare(out, plan.padded_rows)
+        hidden = self.runner.forward(inputs, plan.ubatch_rows, boundary)
+        if not inputs.sample_seqs:
+            self.scheduler.update(out, [None] * len(out.scheduled))
+            return self._collect(out)
+        logits = self.runner.logits(hidden, inputs)
+        result = sample(logits, inputs.sample_seqs)
+        by_seq = dict(zip((id(s) for s in inputs.sample_seqs), result.token_ids))
+        logprobs = dict(zip((id(s) for s in inputs.sample_seqs), result.logprobs))
+        sampled = [by_seq.get(id(entry.seq)) for entry in out.scheduled]
+        for entry in out.scheduled:
+            if id(entry.seq) in logprobs and entry.seq.params.logprobs is not None:
+                entry.seq.output_logprobs.append(logprobs[id(entry.seq)])
+        self.scheduler.update(out, sampled)
+        return self._collect(out)
+
+    def step(self, boundary: FFNBoundary | None = None,
+             graph_table: GraphTable | None = None) -> list[RequestOutput]:
+        """Colocated step: schedule, plan for one rank, execute."""
+        out, report = self.schedule()
+        if out.is_empty:
+            return []
+        plan = plan_step([report], Topology(1, 0), graph_table or GraphTable(), 1)
+        return self.execute(out, plan.attention[0], boundary or LocalFFN(self.model))
+
+    def _collect(self, out: SchedulerOutput) -> list[RequestOutput]:
+        results = []
+        for entry in out.scheduled:
+            tracked = self.requests.get(entry.seq.request_id)
+            if tracked is not None:
+                result = self._advance(tracked)
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def _advance(self, t: _Tracked) -> RequestOutput | None:
+        seq = t.seq
+        new_ids = seq.output_token_ids[t.emitted_tokens :]
+        if not new_ids and not seq.is_finished:
+            return None
+        now = time.monotonic()
+        if new_ids and t.first_token_time is None:
+            t.first_token_time = now
+        for tok in new_ids:
+            t.detok.add(tok)
+        if seq.is_finished:
+            t.detok.flush()
+        stops = seq.params.stop
+        if stops and t.text_limit is None:
+            hit = find_stop_string(t.detok.text, stops, t.emitted_text)
+            if hit is not None:
+                t.text_limit = hit
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+        text = t.detok.text if t.text_limit is None else t.detok.text[: t.text_limit]
+        if not seq.is_finished and stops:
+            # Hold back a tail that could still grow into a stop string.
+            text = text[: max(t.emitted_text, len(text) - max(len(s) for s in stops) + 1)]
+        new_text = text[t.emitted_text :]
+        t.emitted_tokens += len(new_ids)
+        t.emitted_text = len(text)
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs),
+            arrival_time=t.arrival_time,
+            first_token_time=t.first_token_time,
+        )
+
+
+def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)

@@ -1,0 +1,106 @@
+"""Builds one attention rank's engine (or a colocated engine) from an EngineConfig."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.config import EngineConfig
+from afdserve.engine.engine_core import EngineCore
+from afdserve.engine.kv_cache import KVCache, bytes_per_block
+from afdserve.engine.scheduler import SchedulerConfig
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import LoadReport, load_model
+from afdserve.model.model import MoECausalLM, ModelParts
+
+log = logging.getLogger(__name__)
+
+CPU_CACHE_BUDGET = 1 << 30  # bytes of KV cache on CPU when kv_cache_blocks is not given
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    role: str
+    rank: int
+    parameter_bytes: int
+    cache_bytes: int
+    parameter_names: int
+
+    def line(self) -> str:
+        return (
+            f"{self.role} rank {self.rank}: parameters {self.parameter_bytes} bytes "
+            f"({self.parameter_names} tensors), KV cache {self.cache_bytes} bytes"
+        )
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+            f"max_position_embeddings={limit}"
+        )
+    return config.max_model_len
+
+
+def kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                  max_model_len: int, device: torch.device) -> int:
+    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    needed_one = -(-max_model_len // config.block_size)
+    if config.kv_cache_blocks is not None:
+        return config.kv_cache_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1 - config.gpu_memory_utilization)
+        blocks = int(budget // per_block)
+    else:
+        want = config.max_num_seqs * needed_one
+        blocks = min(want, CPU_CACHE_BUDGET // per_block)
+    if blocks < needed_one:
+        raise ValueError(
+            f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one sequence of "
+            f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free memory"
+        )
+    return blocks
+
+
+def create_engine_core(
+    config: EngineConfig, parts: ModelParts, rank: int = 0
+) -> tuple[EngineCore, LoadReport, MemoryReport]:
+    device = torch.device(config.device)
+    model, report = load_model(config.model, parts, config.dtype, str(device))
+    dtype = next(model.parameters()).dtype
+    max_len = max_model_len_for(config, model.config)
+    blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
+    cache = KVCache(model.config, blocks, config.block_size, dtype, device)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+    )
+    engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
+    memory = MemoryReport("attention", rank, parameter_bytes(model), cache.bytes,
+                          len(model.expected_tensors()))
+    return engine, report, memory
+
+
+def parameter_bytes(model: MoECausalLM) -> int:
+    return sum(t.numel() * t.element_size() for t in model.expected_tensors().values())
+
+
+def half_parts(role: str, gate_on_attention: bool) -> ModelParts:
+    if role == "attention":
+        return ModelParts(attention=True, ffn=False, gate_on_attention=gate_on_attention)
+    if role == "ffn":
+        return ModelParts(attention=False, ffn=True, gate_on_attention=gate_on_attention)
+    return ModelParts.colocated(gate_on_attention)

@@ -1,0 +1,150 @@
+"""Turns a scheduled batch into model inputs and runs the attention side's layer loop.
+
+The FFN half is reached through an `FFNBoundary`: colocated it is a direct call, in AFD a connector
+that sends the rows to an FFN rank and brings the output back. The loop is layer-major and
+ubatch-minor and waits for ubatch u's FFN output only when its next attention needs it, so with
+m > 1 ubatches the attention of ubatch u+1 overlaps the FFN of ubatch u.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.scheduler import SchedulerOutput
+from afdserve.engine.sequence import Sequence
+from afdserve.kernels.reference import AttentionMetadata, Segment
+from afdserve.model.model import MoECausalLM
+from afdserve.model.moe import Routing
+
+
+class PendingFFN(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class FFNBoundary(Protocol):
+    def post(
+        self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
+        routing: Routing | None,
+    ) -> PendingFFN: ...
+
+
+@dataclass
+class Ready:
+    value: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class LocalFFN:
+    """Colocated: the FFN half of the same model, called directly."""
+
+    def __init__(self, model: MoECausalLM) -> None:
+        self.model = model
+
+    def post(self, layer, ubatch, x, route_ids, routing) -> PendingFFN:
+        return Ready(self.model.ffn_half(layer, x, route_ids, routing))
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [rows] (pad rows: 0, a valid embedding row)
+    route_ids: torch.Tensor  # [rows] (pad rows: -1, the id that travels to the FFN)
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [n] row of each sampling sequence's last token
+    sample_seqs: list[Sequence]
+    real_rows: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class ModelRunner:
+    def __init__(self, model: MoECausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.block_size = kv_cache.block_size
+
+    def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []  # row_start, row_end, seq index, context
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        tables = [entry.seq.block_table for entry in out.scheduled]
+        bs = self.block_size
+        for index, entry in enumerate(out.scheduled):
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            end = start + entry.num_new_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            spans.append((row, len(ids), index, end))
+            if entry.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        real = len(ids)
+        if padded_rows < real:
+            raise ValueError(f"padded_rows={padded_rows} < real rows {real}")
+        pad = padded_rows - real
+        dev = self.device
+        width = max((len(t) for t in tables), default=0)
+        table_tensor = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
+        ).to(dev)
+        segments = tuple(
+            Segment(r0, r1, table_tensor[index], context) for r0, r1, index, context in spans
+        )
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64).to(dev),
+            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64).to(dev),
+            segments=segments,
+        )
+        input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev)
+        route_ids = torch.tensor(ids + [-1] * pad, dtype=torch.int64).to(dev)
+        return StepInputs(
+            input_ids, route_ids, meta, torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            sample_seqs, real,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: StepInputs, ubatch_rows: tuple[int, ...], boundary: FFNBoundary
+    ) -> torch.Tensor:
+        """Runs every layer; returns the final hidden states [rows, hidden]."""
+        model = self.model
+        bounds, start = [], 0
+        for rows in ubatch_rows:
+            bounds.append((start, start + rows))
+            start += rows
+        if start != inputs.rows:
+            raise ValueError(f"ubatch rows {ubatch_rows} do not add up to {inputs.rows} rows")
+        h = model.embed(inputs.input_ids)
+        cos, sin = model.cos_sin(inputs.meta.positions)
+        metas = [inputs.meta.rows(lo, hi) for lo, hi in bounds]
+        hs = [h[lo:hi] for lo, hi in bounds]
+        ids = [inputs.route_ids[lo:hi] for lo, hi in bounds]
+        trig = [(cos[lo:hi], sin[lo:hi]) for lo, hi in bounds]
+        pending: list[PendingFFN | None] = [None] * len(bounds)
+        for layer in range(model.config.num_layers):
+            cache = self.kv_cache.layers[layer]
+            for u in range(len(bounds)):
+                if pending[u] is not None:
+                    hs[u] = hs[u] + pending[u].wait()
+                x, hs[u] = model.attention_half(layer, hs[u], metas[u], cache, trig[u])
+                routing = model.route_on_attention(layer, x, ids[u])
+                pending[u] = boundary.post(layer, u, x, ids[u], routing)
+        for u in range(len(bounds)):
+            hs[u] = hs[u] + pending[u].wait()
+        return torch.cat(hs) if len(hs) > 1 else hs[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        return self.model.logits(hidden[inputs.sample_rows])

@@ -1,0 +1,132 @@
+"""Plain-torch reference kernels: the CPU path and the oracle every GPU fast path is tested against.
+
+KV caches are paged: `cache[num_blocks, block_size, heads, dim]`; a sequence's token at position p lives
+in slot `block_table[p // block_size] * block_size + p % block_size`. Slot -1 (pad rows) writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive rows of one sequence in a step batch: rows [row_start, row_end) hold the
+    positions [context_len - (row_end - row_start), context_len) of that sequence."""
+
+    row_start: int
+    row_end: int
+    block_table: torch.Tensor  # [max_blocks] int32/int64 on the cache device
+    context_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [rows] int64
+    slot_mapping: torch.Tensor  # [rows] int64, -1 for pad rows
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    def rows(self, start: int, end: int) -> AttentionMetadata:
+        """The metadata of rows [start, end) alone (a ubatch). A sequence cut by the boundary keeps
+        its part; its earlier rows' KV is written by the earlier ubatch before this one runs."""
+        segments = []
+        for seg in self.segments:
+            lo, hi = max(seg.row_start, start), min(seg.row_end, end)
+            if lo >= hi:
+                continue
+            context = seg.context_len - (seg.row_end - hi)
+            segments.append(Segment(lo - start, hi - start, seg.block_table, context))
+        return AttentionMetadata(
+            self.positions[start:end], self.slot_mapping[start:end], tuple(segments)
+        )
+
+
+def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped."""
+    flat = cache.view(-1, *cache.shape[2:])
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        flat.index_copy_(0, slot_mapping, values.to(cache.dtype))
+    else:
+        flat.index_copy_(0, slot_mapping[keep], values[keep].to(cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, *shape]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [rows, heads, dk] are the last `rows` positions of k/v [ctx, kv_heads, d]. -> [rows, heads, dv]"""
+    rows, heads, ctx = q.shape[0], q.shape[1], k.shape[0]
+    group = heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dk]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dv]
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, rows, ctx]
+    query_pos = torch.arange(ctx - rows, ctx, device=q.device)[:, None]
+    mask = torch.arange(ctx, device=q.device)[None, :] > query_pos
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)  # [rows, heads, dv]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every segment's rows over its cached context (prefill, chunked prefill and decode
+    alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come out zero."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for seg in meta.segments:
+        k = gather_kv(k_cache, seg.block_table, seg.context_len)
+        v = gather_kv(v_cache, seg.block_table, seg.context_len)
+        out[seg.row_start : seg.row_end] = causal_attention(
+            q[seg.row_start : seg.row_end], k, v, scale
+        )
+    return out
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts, SiLU-gated. x [rows, hidden]; topk_ids/weights [rows, k];
+    gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter]. -> [rows, hidden]"""
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]
+        tokens = token_of[start : start + count]
+        start += count
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
+        out.index_add_(0, tokens, (y * weight).to(out.dtype))
+    return out

@@ -1,0 +1,113 @@
+"""Attention of the two kinds afdserve serves: GQA (Qwen3-MoE, Mixtral) and MLA (DeepSeek-V2/V3).
+
+Each layer owns its slice of the paged KV cache, handed in per call: `(k_cache, v_cache)` for GQA,
+`(latent_cache, None)` for MLA, which caches the compressed latent plus the rotated key part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afdserve.kernels import ops
+from afdserve.kernels.reference import AttentionMetadata, causal_attention, gather_kv
+from afdserve.model.config import ModelConfig
+from afdserve.model.layers import RMSNorm, Rotary
+
+LayerCache = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = config.softmax_scale
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, rotary: Rotary, cache: LayerCache,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
+        k_cache, v_cache = cache
+        ops.write_kv(k_cache, k, meta.slot_mapping)
+        ops.write_kv(v_cache, v, meta.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [rows, heads, dim]
+        return self.o_proj(out.reshape(rows, -1))
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention. The cache holds `[kv_lora_rank + rope_dim]` per token; keys and
+    values are re-expanded from the latent with kv_b_proj when attending."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads = c.num_heads
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        q_dim = self.heads * (self.nope + self.rope)
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_dim, bias=False)
+        self.q_lora = c.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden_size, c.kv_lora_rank + self.rope, bias=c.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.scale = c.softmax_scale
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, rotary: Rotary, cache: LayerCache,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(rows, self.heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        cos, sin = cos_sin
+        q_pe = rotary.rotate(q_pe, cos, sin)
+        k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
+        latent_cache, _ = cache
+        ops.write_kv(latent_cache, torch.cat((latent[:, None, :], k_pe), dim=-1), meta.slot_mapping)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = q.new_zeros(rows, self.heads, self.v_dim)
+        for seg in meta.segments:
+            cached = gather_kv(latent_cache, seg.block_table, seg.context_len)[:, 0]  # [ctx, L+R]
+            ctx_latent, ctx_pe = cached.split([self.kv_lora_rank, self.rope], dim=-1)
+            kv = self.kv_b_proj(ctx_latent).view(-1, self.heads, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat((k_nope, ctx_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+            out[seg.row_start : seg.row_end] = causal_attention(
+                q[seg.row_start : seg.row_end], k, v, self.scale
+            )
+        return self.o_proj(out.reshape(rows, -1))
+
+
+def make_attention(config: ModelConfig) -> nn.Module:
+    return MLAAttention(config) if config.attention == "mla" else GQAAttention(config)

@@ -1,0 +1,210 @@
+"""Build one half of a model and fill it from a local Hugging Face directory.
+
+Checkpoints keep experts one by one (`mlp.experts.{e}.gate_proj.weight`; Mixtral:
+`block_sparse_moe.experts.{e}.w1.weight`); afdserve stacks them into `experts.gate_up_proj [E, 2I, H]`
+and `experts.down_proj [E, H, I]`. Already-stacked checkpoints load as they are. A role reads only
+the tensors of its own half; a tensor the model lacks entirely is reported as unexpected, and a missing
+one stops the load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.model import MoECausalLM, ModelParts
+from afdserve.model.moe import Router
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PER_EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: names the tensors concerned."""
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    skipped_other_half: int = 0
+    bytes: int = 0
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+            str(config.torch_dtype), "float32"
+        )
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported: one of {sorted(TORCH_DTYPES)} or 'auto'")
+    return TORCH_DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    config: ModelConfig, parts: ModelParts, dtype: torch.dtype, device: torch.device | str
+) -> MoECausalLM:
+    """An uninitialised half on `device` (no host copy, no random init)."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = MoECausalLM(config, parts)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
+            # The correction bias decides expert choice; keep it exact.
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
+    if parts.attention:
+        inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
+        model.rotary.inv_freq = inv
+    return model.eval()
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(p.name) for p in files if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def _target(name: str) -> tuple[str, int | None, str | None]:
+    """Checkpoint name -> (model tensor name, expert index, part) with Mixtral's names mapped."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return name, None, None
+    prefix, expert, proj = m.group(1), int(m.group(2)), _PART[m.group(3)]
+    stacked = "experts.down_proj" if proj == "down" else "experts.gate_up_proj"
+    return prefix + stacked, expert, proj
+
+
+def load_weights(
+    model: MoECausalLM, model_dir: str | Path, known_names: set[str] | None = None
+) -> LoadReport:
+    """Fill `model` from the checkpoint. `known_names`: every tensor name of the whole model, so a
+    tensor of the other half counts as skipped rather than unexpected."""
+    model_dir = Path(model_dir)
+    expected = model.expected_tensors()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    filled: dict[str, set] = {name: set() for name in expected}
+    report = LoadReport()
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target, expert, part = _target(name)
+                if target not in expected:
+                    if known_names is not None and target in known_names:
+                        report.skipped_other_half += 1
+                    elif not (model.config.tie_word_embeddings and target == "lm_head.weight"):
+                        report.unexpected.append(name)
+                    continue
+                _copy_into(expected[target], f.get_tensor(name), expert, part, name)
+                filled[target].add((expert, part))
+                report.loaded.append(name)
+    missing = _missing(model.config, expected, filled)
+    if missing:
+        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    if report.unexpected:
+        log.warning("%s: %d unexpected tensors ignored: %s", model_dir, len(report.unexpected),
+                    ", ".join(report.unexpected[:10]))
+    report.bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    return report
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None,
+               name: str) -> None:
+    if expert is not None:
+        if expert >= dst.shape[0]:
+            raise CheckpointError(f"{name}: expert {expert} but the config has {dst.shape[0]}")
+        dst = dst[expert]
+        if part != "down":
+            half = dst.shape[0] // 2
+            dst = dst[:half] if part == "gate" else dst[half:]
+    if tuple(src.shape) != tuple(dst.shape):
+        raise CheckpointError(
+            f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _missing(config: ModelConfig, expected: dict, filled: dict[str, set]) -> list[str]:
+    missing = []
+    for name, tensor in expected.items():
+        got = filled[name]
+        if (None, None) in got:
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            want = {(e, p) for e in range(tensor.shape[0]) for p in ("gate", "up")}
+        elif name.endswith("experts.down_proj"):
+            want = {(e, "down") for e in range(tensor.shape[0])}
+        else:
+            want = {(None, None)}
+        for expert, part in sorted(want - got, key=str):
+            missing.append(name if expert is None else name.replace(
+                "experts.gate_up_proj" if part != "down" else "experts.down_proj",
+                f"experts.{expert}.{part}_proj.weight"))
+    return missing
+
+
+def all_tensor_names(config: ModelConfig) -> set[str]:
+    with torch.device("meta"):
+        full = MoECausalLM(config, ModelParts.colocated())
+    return set(full.state_dict().keys())
+
+
+def load_model(
+    model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu"
+) -> tuple[MoECausalLM, LoadReport]:
+    config = load_model_config(model_dir)
+    model = build_model(config, parts, resolve_dtype(dtype, config), device)
+    report = load_weights(model, model_dir, all_tensor_names(config))
+    return model, report
+
+
+@torch.no_grad()
+def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks at real sizes (presets), drawn on the model's device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("tid2eid"):
+            experts = model.config.num_experts
+            keys = torch.rand(tensor.shape[0], experts, generator=gen, device=tensor.device)
+            tensor.copy_(keys.argsort(dim=-1)[:, : tensor.shape[1]])
+        elif name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            tensor.normal_(0.0, 0.01, generator=gen)
+        else:
+            tensor.normal_(0.0, std, generator=gen)

@@ -1,0 +1,144 @@
+"""The FFN half of a layer: router -> routed experts (+ shared experts), or a dense MLP.
+
+`ffn(x, token_ids, routing=None) -> y`. Token ids travel with the hidden states because hash-routed
+layers pick experts from `tid2eid[token_id]`; pad rows carry id -1, which looks up row 0 and whose
+output the caller drops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afdserve.kernels import ops
+from afdserve.model.config import ModelConfig
+from afdserve.model.layers import GatedMLP
+
+Routing = tuple[torch.Tensor, torch.Tensor]  # topk ids [rows, k] int64, weights [rows, k] float32
+
+
+class TokenIdError(ValueError):
+    """A token id outside a hash layer's table: a layout bug upstream, never a valid input."""
+
+
+def check_token_ids(token_ids: torch.Tensor, table_size: int, layer: int) -> None:
+    """Ids must be -1 (pad) or in [0, table_size). On CUDA inside a graph capture this becomes a
+    device-side assert; elsewhere it raises with the layer and the first offending row."""
+    bad = (token_ids < -1) | (token_ids >= table_size)
+    if token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        torch._assert_async(~bad.any(), "token id outside the hash table")
+        return
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise TokenIdError(
+            f"layer {layer}: token id {int(token_ids[row])} at row {row} is outside the hash "
+            f"table [0, {table_size}) (pad rows use -1)"
+        )
+
+
+class Router(nn.Module):
+    """Picks top-k experts per row and their weights, computed in float32."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.hash = c.layer_types[layer] == "hash_moe"
+        self.top_k, self.num_experts = c.top_k, c.num_experts
+        self.scoring, self.method = c.scoring, c.topk_method
+        self.n_group, self.topk_group = c.n_group, c.topk_group
+        self.normalize, self.scale = c.norm_topk_prob, c.routed_scaling_factor
+        if self.method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.empty(c.num_experts))
+        if self.hash:
+            self.register_buffer(
+                "tid2eid", torch.empty(c.vocab_size, c.top_k, dtype=torch.long)
+            )
+
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.weight.float())
+        if self.scoring == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> Routing:
+        scores = self._scores(x)  # [rows, experts]
+        if self.hash:
+            check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
+            ids = self.tid2eid[token_ids.clamp(min=0).long()]
+            weights = scores.gather(1, ids)
+            return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale
+        if self.method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+            groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            ids = choice.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if self.normalize:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return ids, weights * self.scale
+        if self.method == "group_limited_greedy":
+            group_scores = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(-1)
+            scores = self._mask_groups(scores, group_scores, 0.0)
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights * self.scale
+
+    def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor, fill: float):
+        keep = group_scores.topk(self.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        mask = mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+        return scores.masked_fill(~mask, fill)
+
+
+class Experts(nn.Module):
+    """All routed experts as stacked weights: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        ids, weights = routing
+        return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, with_router: bool = True) -> None:
+        super().__init__()
+        self.gate = Router(config, layer) if with_router else None
+        self.experts = Experts(config)
+        shared = config.n_shared_experts * config.moe_intermediate_size
+        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        if routing is None:
+            routing = self.gate(x, token_ids)
+        y = self.experts(x, routing)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DenseFFN(GatedMLP):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size)
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        return super().forward(x)
+
+
+def make_ffn(config: ModelConfig, layer: int, with_router: bool = True) -> nn.Module:
+    if config.layer_types[layer] == "dense":
+        return DenseFFN(config)
+    return MoEBlock(config, layer, with_router)
