@@ -40,8 +40,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
-        _require(self.device.split(":")[0] in DEVICES, owner, "device", self.device,
-                 f"one of {DEVICES} (optionally 'cuda:N')")
+        _require(
+            self.device.split(":")[0] in DEVICES,
+            owner,
+            "device",
+            self.device,
+            f"one of {DEVICES} (optionally 'cuda:N')",
+        )
         _require(self.dtype in DTYPES, owner, "dtype", self.dtype, f"one of {DTYPES}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _positive_int(owner, name, getattr(self, name))
@@ -50,8 +55,9 @@ class EngineConfig:
         if self.kv_cache_blocks is not None:
             _positive_int(owner, "kv_cache_blocks", self.kv_cache_blocks)
         ok = isinstance(self.gpu_memory_utilization, float) and 0 < self.gpu_memory_utilization <= 1
-        _require(ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization,
-                 "a float in (0, 1]")
+        _require(
+            ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]"
+        )
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -103,8 +109,13 @@ class AFDConfig:
         Topology.parse(self.topology)
         ok = isinstance(self.ubatches, int) and 1 <= self.ubatches <= 4
         _require(ok, owner, "ubatches", self.ubatches, "an integer in 1..4")
-        _require(isinstance(self.gate_on_attention, bool), owner, "gate_on_attention",
-                 self.gate_on_attention, "True or False")
+        _require(
+            isinstance(self.gate_on_attention, bool),
+            owner,
+            "gate_on_attention",
+            self.gate_on_attention,
+            "True or False",
+        )
         _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
 
     @property

@@ -33,6 +33,38 @@ class RequestError(ValueError):
     """A request the engine refuses; the message names the field and what is allowed."""
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Refuse what can never run, before it reaches a scheduler (so nothing else is disturbed)."""
+    if len(prompt) == 0:
+        raise RequestError("prompt: must not be empty")
+    if len(prompt) >= limits.max_model_len:
+        raise RequestError(
+            f"prompt: {len(prompt)} tokens, but max_model_len={limits.max_model_len} leaves room "
+            f"for at most {limits.max_model_len - 1} prompt tokens"
+        )
+    for i, tok in enumerate(prompt):
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < limits.vocab_size:
+            raise RequestError(
+                f"prompt: token id {tok!r} at position {i} is outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+    longest = min(len(prompt) + params.max_tokens, limits.max_model_len)
+    blocks = -(-longest // limits.block_size)
+    if blocks > limits.num_blocks:
+        raise RequestError(
+            f"prompt + max_tokens: {longest} tokens need {blocks} KV blocks, but the cache holds "
+            f"{limits.num_blocks} blocks of {limits.block_size} tokens"
+        )
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -79,36 +111,20 @@ class EngineCore:
         eos = self.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
         self.extra_stop_ids = tuple(eos[1:])
+        self.limits = RequestLimits(
+            self.max_model_len, self.config.vocab_size, kv_cache.num_blocks, kv_cache.block_size
+        )
 
     # ----- requests -----
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise RequestError("prompt: must not be empty")
-        limit = self.max_model_len
-        if len(prompt_token_ids) >= limit:
-            raise RequestError(
-                f"prompt: {len(prompt_token_ids)} tokens, but max_model_len={limit} leaves room "
-                f"for at most {limit - 1} prompt tokens"
-            )
-        vocab = self.config.vocab_size
-        for i, tok in enumerate(prompt_token_ids):
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
-                raise RequestError(
-                    f"prompt: token id {tok!r} at position {i} is outside the vocabulary [0, {vocab})"
-                )
-        blocks = -(-limit // self.block_manager.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"max_model_len={limit} needs {blocks} KV blocks but the cache has "
-                f"{self.block_manager.num_blocks}"
-            )
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_token_ids, params, self.limits)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running")
-        self.validate(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
         if self.extra_stop_ids:
             params = _with_stop_ids(params, self.extra_stop_ids)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
@@ -144,7 +160,7 @@ class EngineCore:
     ) -> list[RequestOutput]:
         """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
         when the plan gives it any, so that its FFN rank receives every tile it expects."""
-        if plan.padded_rows == 0:
+        if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
         hidden = self.runner.forward(inputs, plan.ubatch_rows, boundary)
@@ -162,8 +178,9 @@ class EngineCore:
         self.scheduler.update(out, sampled)
         return self._collect(out)
 
-    def step(self, boundary: FFNBoundary | None = None,
-             graph_table: GraphTable | None = None) -> list[RequestOutput]:
+    def step(
+        self, boundary: FFNBoundary | None = None, graph_table: GraphTable | None = None
+    ) -> list[RequestOutput]:
         """Colocated step: schedule, plan for one rank, execute."""
         out, report = self.schedule()
         if out.is_empty:

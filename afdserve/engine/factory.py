@@ -13,7 +13,7 @@ from afdserve.engine.kv_cache import KVCache, bytes_per_block
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import LoadReport, load_model
-from afdserve.model.model import MoECausalLM, ModelParts
+from afdserve.model.model import ModelParts, MoECausalLM
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,13 @@ def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
     return config.max_model_len
 
 
-def kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                  max_model_len: int, device: torch.device) -> int:
+def kv_blocks_for(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
     per_block = bytes_per_block(model_config, config.block_size, dtype)
     needed_one = -(-max_model_len // config.block_size)
     if config.kv_cache_blocks is not None:
@@ -89,8 +94,9 @@ def create_engine_core(
         max_model_len=max_len,
     )
     engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
-    memory = MemoryReport("attention", rank, parameter_bytes(model), cache.bytes,
-                          len(model.expected_tensors()))
+    memory = MemoryReport(
+        "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors())
+    )
     return engine, report, memory
 
 

@@ -15,7 +15,11 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class KVCache:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -23,6 +27,10 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for _ in range(config.num_layers):
             first = torch.zeros(shape, dtype=dtype, device=device)
-            second = None if config.attention == "mla" else torch.zeros(shape, dtype=dtype, device=device)
+            second = (
+                None
+                if config.attention == "mla"
+                else torch.zeros(shape, dtype=dtype, device=device)
+            )
             self.layers.append((first, second))
         self.bytes = bytes_per_block(config, block_size, dtype) * num_blocks

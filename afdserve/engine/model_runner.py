@@ -27,7 +27,11 @@ class PendingFFN(Protocol):
 
 class FFNBoundary(Protocol):
     def post(
-        self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
+        self,
+        layer: int,
+        ubatch: int,
+        x: torch.Tensor,
+        route_ids: torch.Tensor,
         routing: Routing | None,
     ) -> PendingFFN: ...
 
@@ -110,8 +114,12 @@ class ModelRunner:
         input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev)
         route_ids = torch.tensor(ids + [-1] * pad, dtype=torch.int64).to(dev)
         return StepInputs(
-            input_ids, route_ids, meta, torch.tensor(sample_rows, dtype=torch.int64).to(dev),
-            sample_seqs, real,
+            input_ids,
+            route_ids,
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            sample_seqs,
+            real,
         )
 
     @torch.inference_mode()

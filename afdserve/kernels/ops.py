@@ -14,14 +14,20 @@ def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tens
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def moe_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
 ) -> torch.Tensor:
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)

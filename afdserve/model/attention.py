@@ -21,7 +21,9 @@ class GQAAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, config.head_dim
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
         )
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
@@ -36,7 +38,11 @@ class GQAAttention(nn.Module):
         self.scale = config.softmax_scale
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rotary: Rotary, cache: LayerCache,
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        cache: LayerCache,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
@@ -51,7 +57,7 @@ class GQAAttention(nn.Module):
         ops.write_kv(k_cache, k, meta.slot_mapping)
         ops.write_kv(v_cache, v, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [rows, heads, dim]
-        return self.o_proj(out.reshape(rows, -1))
+        return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 
 
 class MLAAttention(nn.Module):
@@ -76,12 +82,18 @@ class MLAAttention(nn.Module):
             c.hidden_size, c.kv_lora_rank + self.rope, bias=c.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.scale = c.softmax_scale
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rotary: Rotary, cache: LayerCache,
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        cache: LayerCache,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
@@ -106,7 +118,7 @@ class MLAAttention(nn.Module):
             out[seg.row_start : seg.row_end] = causal_attention(
                 q[seg.row_start : seg.row_end], k, v, self.scale
             )
-        return self.o_proj(out.reshape(rows, -1))
+        return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
 
 
 def make_attention(config: ModelConfig) -> nn.Module:

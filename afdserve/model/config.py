@@ -77,9 +77,7 @@ class ModelConfig:
         if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
             self.n_group < 1 or self.num_experts % self.n_group
         ):
-            raise ValueError(
-                f"n_group={self.n_group}: must divide num_experts={self.num_experts}"
-            )
+            raise ValueError(f"n_group={self.n_group}: must divide num_experts={self.num_experts}")
 
     @property
     def kv_cache_dim(self) -> int:
@@ -104,7 +102,9 @@ class ModelConfig:
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        raise FileNotFoundError(
+            f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -127,7 +127,8 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
         sparse_step = raw.get("decoder_sparse_step", 1) or 1
         dense_only = set(raw.get("mlp_only_layers") or ())
         base = [
-            "dense" if i in dense_only or (i + 1) % sparse_step else "moe" for i in range(num_layers)
+            "dense" if i in dense_only or (i + 1) % sparse_step else "moe"
+            for i in range(num_layers)
         ]
     elif family in ("deepseek_v2", "deepseek_v3"):
         first_dense = raw.get("first_k_dense_replace", 0) or 0
@@ -188,7 +189,9 @@ def _rope_frequencies(
     hf = AutoConfig.for_model(**raw)
     kind = params.get("rope_type", params.get("type"))
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope type {kind!r} is not supported: one of {sorted(ROPE_INIT_FUNCTIONS)}")
+        raise ValueError(
+            f"rope type {kind!r} is not supported: one of {sorted(ROPE_INIT_FUNCTIONS)}"
+        )
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
     if inv_freq.numel() * 2 != dim:
         raise ValueError(f"rope {kind!r} gave {inv_freq.numel()} frequencies for rotary dim {dim}")

@@ -46,7 +46,9 @@ class Rotary(nn.Module):
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         if not self.interleave:
             # Match the half-rotation's own rounding: cos/sin are laid out as cat(freqs, freqs).
-            return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+            return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat(
+                (sin, sin), -1
+            )
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 

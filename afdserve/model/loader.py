@@ -21,14 +21,21 @@ import torch
 from safetensors import safe_open
 
 from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.model import MoECausalLM, ModelParts
+from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.moe import Router
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PER_EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PART = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 class CheckpointError(ValueError):
@@ -49,7 +56,9 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
             str(config.torch_dtype), "float32"
         )
     if name not in TORCH_DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported: one of {sorted(TORCH_DTYPES)} or 'auto'")
+        raise ValueError(
+            f"dtype={name!r} is not supported: one of {sorted(TORCH_DTYPES)} or 'auto'"
+        )
     return TORCH_DTYPES[name]
 
 
@@ -133,17 +142,24 @@ def load_weights(
                 report.loaded.append(name)
     missing = _missing(model.config, expected, filled)
     if missing:
-        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        shown = ", ".join(missing[:20]) + (
+            f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
+        )
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {shown}")
     if report.unexpected:
-        log.warning("%s: %d unexpected tensors ignored: %s", model_dir, len(report.unexpected),
-                    ", ".join(report.unexpected[:10]))
+        log.warning(
+            "%s: %d unexpected tensors ignored: %s",
+            model_dir,
+            len(report.unexpected),
+            ", ".join(report.unexpected[:10]),
+        )
     report.bytes = sum(t.numel() * t.element_size() for t in expected.values())
     return report
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None,
-               name: str) -> None:
+def _copy_into(
+    dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None, name: str
+) -> None:
     if expert is not None:
         if expert >= dst.shape[0]:
             raise CheckpointError(f"{name}: expert {expert} but the config has {dst.shape[0]}")
@@ -172,9 +188,14 @@ def _missing(config: ModelConfig, expected: dict, filled: dict[str, set]) -> lis
         else:
             want = {(None, None)}
         for expert, part in sorted(want - got, key=str):
-            missing.append(name if expert is None else name.replace(
-                "experts.gate_up_proj" if part != "down" else "experts.down_proj",
-                f"experts.{expert}.{part}_proj.weight"))
+            missing.append(
+                name
+                if expert is None
+                else name.replace(
+                    "experts.gate_up_proj" if part != "down" else "experts.down_proj",
+                    f"experts.{expert}.{part}_proj.weight",
+                )
+            )
     return missing
 
 

@@ -66,7 +66,9 @@ class ModelBody(nn.Module):
         if parts.attention:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parts) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, parts) for i in range(config.num_layers)
+        )
 
 
 class MoECausalLM(nn.Module):
@@ -88,7 +90,11 @@ class MoECausalLM(nn.Module):
         return self.rotary.cos_sin(positions)
 
     def attention_half(
-        self, layer: int, h: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
+        self,
+        layer: int,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [rows, hidden] residual stream -> (x normalised FFN input, h after attention)."""
@@ -107,7 +113,9 @@ class MoECausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
         weight = (
-            self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
         )
         return torch.nn.functional.linear(h, weight).float()
 

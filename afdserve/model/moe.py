@@ -53,9 +53,7 @@ class Router(nn.Module):
         if self.method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.empty(c.num_experts))
         if self.hash:
-            self.register_buffer(
-                "tid2eid", torch.empty(c.vocab_size, c.top_k, dtype=torch.long)
-            )
+            self.register_buffer("tid2eid", torch.empty(c.vocab_size, c.top_k, dtype=torch.long))
 
     def _scores(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.weight.float())

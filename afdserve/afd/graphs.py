@@ -1,0 +1,96 @@
+"""Graph policy bookkeeping shared by every rank: the graph table, the per-step decision log, and
+lockstep warm-up. The decisions themselves come from the StepPlan only.
+
+On CPU there are no CUDA graphs: a `capture` or `replay` step runs eagerly with exactly the padded
+layout the graph would have, and the decision is recorded, so the policy is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from afdserve.afd.plan import GraphTable, StepPlan, capture_reports, plan_step
+from afdserve.afd.topology import Topology
+
+if TYPE_CHECKING:
+    from afdserve.engine.engine_core import EngineCore, RequestOutput
+
+
+class StepRecorder:
+    """One rank's view: the graph table all ranks keep identical, and its step log."""
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        graph_mode: str = "none",
+        sizes: tuple[int, ...] = (),
+        log_path: str | None = None,
+        keep_records: bool = False,
+        ubatches: int = 1,
+    ) -> None:
+        self.role, self.rank, self.ubatches = role, rank, ubatches
+        self.table = GraphTable(mode=graph_mode, sizes=tuple(sizes))
+        self.step = 0
+        self.keep_records = keep_records or log_path is not None
+        self.records: list[dict] = []
+        self.mode_counts: Counter[str] = Counter()
+        self._log = open(log_path, "a") if log_path else None  # noqa: SIM115
+
+    def plan(self, reports, topology: Topology) -> StepPlan:
+        return plan_step(reports, topology, self.table, self.ubatches)
+
+    def record(self, plan: StepPlan, ranks: tuple[int, ...] | None = None) -> None:
+        """Log this rank's line (or the given ranks' lines) and mark new captures on every rank."""
+        mine = [r for r in plan.log_records(self.step) if r["rank"] in (ranks or (self.rank,))]
+        for rec in mine:
+            self.mode_counts[f"{rec['role']}:{rec['mode']}"] += 1
+            if self.keep_records:
+                self.records.append(rec)
+            if self._log is not None:
+                self._log.write(json.dumps(rec) + "\n")
+                self._log.flush()
+        self.table = self.table.with_captured(plan.capture_keys)
+        self.step += 1
+
+    def colocated_step(self, core: EngineCore) -> list[RequestOutput]:
+        from afdserve.engine.model_runner import LocalFFN
+
+        out, report = core.schedule()
+        if out.is_empty:
+            return []
+        plan = self.plan([report], Topology(1, 0))
+        results = core.execute(out, plan.attention[0], LocalFFN(core.model))
+        self.record(plan)
+        return results
+
+    def warmup_colocated(self, core: EngineCore) -> None:
+        """Capture every size, largest first (so smaller graphs can share its memory pool)."""
+        from afdserve.engine.model_runner import LocalFFN
+        from afdserve.engine.scheduler import SchedulerOutput
+
+        for size in sorted(self.table.sizes, reverse=True):
+            plan = self.plan(capture_reports(size, Topology(1, 0)), Topology(1, 0))
+            core.execute(SchedulerOutput([], []), plan.attention[0], LocalFFN(core.model))
+            self.record(plan)
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def log_path_for(base: str | bool, rank: int) -> str | None:
+    """`--log-step-plan PATH` writes PATH itself for rank 0 and PATH.rankN for the others... unless
+    PATH is a directory, where each rank writes rank{N}.jsonl."""
+    if not base:
+        return None
+    if base is True:
+        return None
+    p = Path(base)
+    if p.is_dir():
+        return str(p / f"rank{rank}.jsonl")
+    return str(p) if rank == 0 else f"{p}.rank{rank}"

@@ -1,0 +1,176 @@
+"""The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+
+from afdserve.afd.graphs import StepRecorder
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.engine.client import ColocatedClient, EngineClient
+from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.factory import create_engine_core, half_parts, load_tokenizer
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.model.bundled import resolve_model
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs colocated in this process, or starts every rank of an AFD topology as a process.
+
+    Use as a context manager (or call `shutdown()`) so that every rank process is stopped.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        topology: str = "colocated",
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_cache_blocks: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.85,
+        graph_mode: str = "none",
+        cuda_graph_sizes: Sequence[int] | None = None,
+        ubatches: int = 1,
+        gate_on_attention: bool = False,
+        log_step_plan: bool | str = False,
+        seed: int = 0,
+    ) -> None:
+        model = resolve_model(model)
+        self.engine_config = EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_blocks=kv_cache_blocks,
+            block_size=block_size,
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            seed=seed,
+        )
+        self.afd_config = AFDConfig(
+            topology=topology,
+            ubatches=ubatches,
+            gate_on_attention=gate_on_attention,
+            log_step_plan=log_step_plan,
+        )
+        sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
+        self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
+        self.topology = self.afd_config.parsed_topology
+        self.model_name = model
+        self._log_path = self._step_log_path(log_step_plan)
+        self._ids = itertools.count()
+        self.tokenizer = load_tokenizer(model)
+        self.engine: EngineClient = self._start()
+
+    def _step_log_path(self, log_step_plan: bool | str) -> str | None:
+        if log_step_plan is True:
+            fd, path = tempfile.mkstemp(prefix="afdserve-step-plan-", suffix=".jsonl")
+            os.close(fd)
+            return path
+        return log_step_plan or None
+
+    def _start(self) -> EngineClient:
+        topo = self.topology
+        if topo.attention_ranks == 1 and topo.ffn_ranks == 0:
+            sizes = self.graph_config.capture_sizes(self.engine_config.max_num_seqs)
+            core, _, memory = create_engine_core(
+                self.engine_config, half_parts("colocated", self.afd_config.gate_on_attention)
+            )
+            self.memory_reports = [memory]
+            recorder = StepRecorder(
+                "attention",
+                0,
+                self.graph_config.mode,
+                sizes,
+                self._log_path,
+                ubatches=self.afd_config.ubatches,
+            )
+            recorder.warmup_colocated(core)
+            return ColocatedClient(core, recorder)
+        from afdserve.afd.launcher import ProcessClient
+        from afdserve.afd.worker import WorkerSpec
+
+        spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
+        client = ProcessClient(spec)
+        self.memory_reports = [client.ready[r]["memory"] for r in sorted(client.ready)]
+        self.rank_tensor_names = {r: client.ready[r]["tensor_names"] for r in client.ready}
+        return client
+
+    # ----- generation -----
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in prompt order. Every prompt is checked before any runs."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: {len(params)} given for {len(prompts)} prompts (one, or one each)"
+            )
+        encoded = [self.encode(p) for p in prompts]
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for request_id, tokens, p in zip(ids, encoded, params):
+            try:
+                self.engine.add_request(request_id, tokens, p)
+            except Exception:
+                for earlier in ids[: ids.index(request_id)]:
+                    self.engine.abort(earlier)
+                raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def step_log(self) -> list[dict]:
+        """Every rank's step-plan records (needs log_step_plan)."""
+        if self._log_path is None:
+            return []
+        with open(self._log_path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
