@@ -16,7 +16,7 @@ import torch
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
-from afdserve.kernels.reference import AttentionMetadata, Segment
+from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Routing
 
@@ -110,6 +110,7 @@ class ModelRunner:
             positions=torch.tensor(positions + [0] * pad, dtype=torch.int64).to(dev),
             slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64).to(dev),
             segments=segments,
+            batched=batch_segments(segments, dev) if dev.type == "cuda" else None,
         )
         input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev)
         route_ids = torch.tensor(ids + [-1] * pad, dtype=torch.int64).to(dev)

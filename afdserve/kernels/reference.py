@@ -28,10 +28,38 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class BatchedSegments:
+    """The segments as device tensors, for kernels that handle the whole batch in one launch."""
+
+    query_start: torch.Tensor  # [n + 1] int32, row offsets of each segment
+    context_lens: torch.Tensor  # [n] int32
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    max_query_len: int
+    max_context_len: int
+
+
+def batch_segments(segments: tuple[Segment, ...], device: torch.device) -> BatchedSegments:
+    starts = [seg.row_start for seg in segments] + [segments[-1].row_end if segments else 0]
+    tables = (
+        torch.stack([seg.block_table for seg in segments]).to(torch.int32)
+        if segments
+        else torch.zeros(0, 1, dtype=torch.int32, device=device)
+    )
+    return BatchedSegments(
+        query_start=torch.tensor(starts, dtype=torch.int32).to(device),
+        context_lens=torch.tensor([s.context_len for s in segments], dtype=torch.int32).to(device),
+        block_tables=tables,
+        max_query_len=max((s.num_rows for s in segments), default=0),
+        max_context_len=max((s.context_len for s in segments), default=0),
+    )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [rows] int64
     slot_mapping: torch.Tensor  # [rows] int64, -1 for pad rows
     segments: tuple[Segment, ...]
+    batched: BatchedSegments | None = None
 
     @property
     def num_rows(self) -> int:
@@ -40,6 +68,8 @@ class AttentionMetadata:
     def rows(self, start: int, end: int) -> AttentionMetadata:
         """The metadata of rows [start, end) alone (a ubatch). A sequence cut by the boundary keeps
         its part; its earlier rows' KV is written by the earlier ubatch before this one runs."""
+        if start == 0 and end == self.num_rows:
+            return self
         segments = []
         for seg in self.segments:
             lo, hi = max(seg.row_start, start), min(seg.row_end, end)
@@ -47,8 +77,12 @@ class AttentionMetadata:
                 continue
             context = seg.context_len - (seg.row_end - hi)
             segments.append(Segment(lo - start, hi - start, seg.block_table, context))
+        segments = tuple(segments)
+        batched = None
+        if self.batched is not None:
+            batched = batch_segments(segments, self.positions.device)
         return AttentionMetadata(
-            self.positions[start:end], self.slot_mapping[start:end], tuple(segments)
+            self.positions[start:end], self.slot_mapping[start:end], segments, batched
         )
 
 

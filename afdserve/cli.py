@@ -1,0 +1,144 @@
+"""`afdserve serve | generate | bench | make-tiny-model`. Defaults come from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig.__dataclass_fields__
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory (default: the bundled tiny model)")
+    p.add_argument("--topology", default=AFDConfig.topology,
+                   help="'colocated' or <A>A<F>F, e.g. 2A1F")
+    p.add_argument("--device", default=e["device"].default, help="cpu or cuda")
+    p.add_argument("--dtype", default=e["dtype"].default,
+                   help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-num-seqs", type=int, default=e["max_num_seqs"].default)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=e["max_num_batched_tokens"].default)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=e["block_size"].default)
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=e["gpu_memory_utilization"].default)
+    p.add_argument("--graph-mode", default=GraphConfig.mode,
+                   help="none, full_decode_only or full")
+    p.add_argument("--cuda-graph-sizes", type=_sizes, default=None,
+                   help="comma-separated capture sizes (default: 1,2,4,8,16,... up to max-num-seqs)")
+    p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
+    p.add_argument("--gate-on-attention", action="store_true",
+                   help="run the MoE router on the attention ranks")
+    p.add_argument("--log-step-plan", nargs="?", const=True, default=False, metavar="PATH",
+                   help="write one JSON line per rank per step (to PATH)")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "model": args.model, "topology": args.topology, "device": args.device,
+        "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "kv_cache_blocks": args.kv_cache_blocks,
+        "block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "graph_mode": args.graph_mode, "cuda_graph_sizes": args.cuda_graph_sizes,
+        "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
+        "log_step_plan": args.log_step_plan,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from afdserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    with LLM(**llm_kwargs(args)) as llm:
+        prompts = args.prompt or ["Hello, my name is"]
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                                  "finish_reason": out.finish_reason}))
+            else:
+                print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from afdserve import LLM
+    from afdserve.server.app import run_server
+
+    kwargs = llm_kwargs(args)
+    run_server(lambda: LLM(**kwargs), args.host, args.port, args.served_model_name)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from afdserve.model.tiny import make_tiny_model
+
+    path = make_tiny_model(args.dir, args.family, hash_layers=args.hash_layers, seed=args.seed,
+                           dtype=args.dtype)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="afdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.set_defaults(func=cmd_serve)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--family", required=True,
+                      choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"))
+    tiny.add_argument("--hash-layers", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    try:
+        from afdserve.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"afdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
