@@ -11,6 +11,13 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 GRAPH_MODES = ("none", "full_decode_only", "full")
+CONNECTORS = ("auto", "p2p", "inprocess")
+
+
+def _one_one():
+    from afdserve.afd.topology import Topology
+
+    return Topology(1, 1)
 
 
 def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> None:
@@ -99,6 +106,9 @@ class AFDConfig:
     ubatches: int = 1
     gate_on_attention: bool = False
     log_step_plan: bool | str = False
+    # "p2p": one process per rank over torch.distributed; "inprocess": 1A1F with both halves in
+    # this process (one device); "auto": in-process for 1A1F on CUDA, p2p otherwise.
+    connector: str = "auto"
     # A rank that does not answer within this many seconds is treated as dead.
     timeout_s: float = 300.0
 
@@ -117,6 +127,17 @@ class AFDConfig:
             "True or False",
         )
         _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
+        _require(self.connector in CONNECTORS, owner, "connector", self.connector,
+                 f"one of {CONNECTORS}")
+        if self.connector == "inprocess" and self.parsed_topology != Topology(1, 1):
+            raise ValueError(
+                f"AFDConfig.connector='inprocess' needs topology 1A1F, got {self.topology!r}"
+            )
+
+    def in_process(self, device: str) -> bool:
+        if self.connector == "auto":
+            return self.parsed_topology == _one_one() and device.startswith("cuda")
+        return self.connector == "inprocess"
 
     @property
     def parsed_topology(self):  # -> Topology (imported lazily: topology has no torch import)

@@ -131,6 +131,45 @@ class AttentionConnector:
         return _Pending(works, out, rows, tuple(sends))
 
 
+class InProcessConnector:
+    """1A1F in one process: the attention side hands its padded tile straight to the FFN half.
+    Same plan, same padding and the same pad-row ids as over the wire, with no copies beyond the pad."""
+
+    def __init__(self, ffn_model, vocab_size: int) -> None:
+        self.ffn_model, self.vocab = ffn_model, vocab_size
+        self.plan: AttentionRankPlan | None = None
+
+    def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
+        self.plan = plan
+
+    def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
+             routing: Routing | None):
+        tile, rows = self.plan.tile_rows[ubatch], x.shape[0]
+        if rows > tile:
+            raise LayoutError(
+                f"attention rank {self.plan.rank}, layer {layer}, ubatch {ubatch}: "
+                f"{rows} rows exceed the planned tile of {tile}"
+            )
+        if tile == 0:
+            return _Empty(x)
+        if tile > rows:
+            x = torch.cat((x, x.new_zeros(tile - rows, x.shape[1])))
+            route_ids = torch.cat((route_ids, route_ids.new_full((tile - rows,), -1)))
+            if routing is not None:
+                routing = tuple(torch.cat((t, t.new_zeros(tile - rows, t.shape[1])))
+                                for t in routing)
+        y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
+        return _Ready(y[:rows])
+
+
+class _Ready:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
 class FFNExchange:
     """FFN side: receive every peer's tile, run the FFN half once over all of them, send back."""
 

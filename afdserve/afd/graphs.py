@@ -56,26 +56,30 @@ class StepRecorder:
         self.table = self.table.with_captured(plan.capture_keys)
         self.step += 1
 
-    def colocated_step(self, core: EngineCore) -> list[RequestOutput]:
-        from afdserve.engine.model_runner import LocalFFN
-
+    def single_process_step(self, core: EngineCore, topology: Topology, boundary
+                            ) -> list[RequestOutput]:
+        """One step of a one-process engine: colocated (1A0F) or in-process AFD (1A1F)."""
         out, report = core.schedule()
         if out.is_empty:
             return []
-        plan = self.plan([report], Topology(1, 0))
-        results = core.execute(out, plan.attention[0], LocalFFN(core.model))
-        self.record(plan)
-        return results
+        return self._run_single(core, topology, boundary, out, [report])
 
-    def warmup_colocated(self, core: EngineCore) -> None:
+    def warmup_single_process(self, core: EngineCore, topology: Topology, boundary) -> None:
         """Capture every size, largest first (so smaller graphs can share its memory pool)."""
-        from afdserve.engine.model_runner import LocalFFN
         from afdserve.engine.scheduler import SchedulerOutput
 
         for size in sorted(self.table.sizes, reverse=True):
-            plan = self.plan(capture_reports(size, Topology(1, 0)), Topology(1, 0))
-            core.execute(SchedulerOutput([], []), plan.attention[0], LocalFFN(core.model))
-            self.record(plan)
+            empty = SchedulerOutput([], [])
+            self._run_single(core, topology, boundary, empty, capture_reports(size, topology))
+
+    def _run_single(self, core, topology, boundary, out, reports) -> list[RequestOutput]:
+        plan = self.plan(reports, topology)
+        mine = plan.attention[0]
+        if hasattr(boundary, "begin_step"):
+            boundary.begin_step(mine, self.step)
+        results = core.execute(out, mine, boundary)
+        self.record(plan, ranks=tuple(range(topology.world_size)))
+        return results
 
     def close(self) -> None:
         if self._log is not None:

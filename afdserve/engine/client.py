@@ -51,16 +51,15 @@ class EngineClient(ABC):
         return None
 
 
-class ColocatedClient(EngineClient):
-    """One process, one device: the correctness reference and the speed baseline."""
+class SingleProcessClient(EngineClient):
+    """One process, one device. Colocated (the correctness reference and the speed baseline), or
+    in-process 1A1F with the FFN half behind an InProcessConnector."""
 
-    def __init__(self, core: EngineCore, graphs=None) -> None:
-        from afdserve.afd.graphs import StepRecorder
-
-        self.core = core
+    def __init__(self, core: EngineCore, recorder, topology, boundary) -> None:
+        self.core, self.recorder, self.topology, self.boundary = core, recorder, topology, boundary
         self.max_model_len = core.max_model_len
         self.vocab_size = core.config.vocab_size
-        self.recorder = graphs or StepRecorder(role="attention", rank=0)
+        recorder.warmup_single_process(core, topology, boundary)
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         self.core.add_request(request_id, prompt_token_ids, params)
@@ -69,7 +68,7 @@ class ColocatedClient(EngineClient):
         self.core.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        return self.recorder.colocated_step(self.core)
+        return self.recorder.single_process_step(self.core, self.topology, self.boundary)
 
     @property
     def has_unfinished(self) -> bool:

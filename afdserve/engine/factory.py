@@ -94,6 +94,9 @@ def create_engine_core(
         max_model_len=max_len,
     )
     engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
+    # Requests without a seed draw from torch's default generator: seeding it here makes two runs
+    # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
+    torch.manual_seed(config.seed + rank)
     memory = MemoryReport(
         "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors())
     )

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 from afdserve.afd.graphs import StepRecorder
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.engine.client import ColocatedClient, EngineClient
+from afdserve.engine.client import EngineClient, SingleProcessClient
 from afdserve.engine.engine_core import RequestOutput
-from afdserve.engine.factory import create_engine_core, half_parts, load_tokenizer
+from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts, load_tokenizer
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.model.bundled import resolve_model
 
@@ -43,6 +43,7 @@ class LLM:
         ubatches: int = 1,
         gate_on_attention: bool = False,
         log_step_plan: bool | str = False,
+        connector: str = "auto",
         seed: int = 0,
     ) -> None:
         model = resolve_model(model)
@@ -63,6 +64,7 @@ class LLM:
             ubatches=ubatches,
             gate_on_attention=gate_on_attention,
             log_step_plan=log_step_plan,
+            connector=connector,
         )
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
@@ -81,23 +83,29 @@ class LLM:
         return log_step_plan or None
 
     def _start(self) -> EngineClient:
-        topo = self.topology
-        if topo.attention_ranks == 1 and topo.ffn_ranks == 0:
-            sizes = self.graph_config.capture_sizes(self.engine_config.max_num_seqs)
-            core, _, memory = create_engine_core(
-                self.engine_config, half_parts("colocated", self.afd_config.gate_on_attention)
-            )
+        topo, gate = self.topology, self.afd_config.gate_on_attention
+        colocated = topo.attention_ranks == 1 and topo.ffn_ranks == 0
+        if colocated or self.afd_config.in_process(self.engine_config.device):
+            from afdserve.afd.connector import InProcessConnector
+            from afdserve.engine.factory import parameter_bytes
+            from afdserve.engine.model_runner import LocalFFN
+            from afdserve.model.loader import load_model
+
+            role = "colocated" if colocated else "attention"
+            core, _, memory = create_engine_core(self.engine_config, half_parts(role, gate))
             self.memory_reports = [memory]
-            recorder = StepRecorder(
-                "attention",
-                0,
-                self.graph_config.mode,
-                sizes,
-                self._log_path,
-                ubatches=self.afd_config.ubatches,
-            )
-            recorder.warmup_colocated(core)
-            return ColocatedClient(core, recorder)
+            if colocated:
+                boundary = LocalFFN(core.model)
+            else:
+                ffn_model, _ = load_model(self.engine_config.model, half_parts("ffn", gate),
+                                          self.engine_config.dtype, self.engine_config.device)
+                boundary = InProcessConnector(ffn_model, core.config.vocab_size)
+                self.memory_reports.append(MemoryReport(
+                    "ffn", 1, parameter_bytes(ffn_model), 0, len(ffn_model.expected_tensors())))
+            sizes = self.graph_config.capture_sizes(self.engine_config.max_num_seqs)
+            recorder = StepRecorder("attention", 0, self.graph_config.mode, sizes, self._log_path,
+                                    ubatches=self.afd_config.ubatches)
+            return SingleProcessClient(core, recorder, topo, boundary)
         from afdserve.afd.launcher import ProcessClient
         from afdserve.afd.worker import WorkerSpec
 

@@ -1,5 +1,9 @@
 """The kernels the model calls. Each name resolves to the plain-torch reference; a GPU fast path
-replaces it only for CUDA tensors and only where a test compares it against the reference."""
+replaces it only for CUDA tensors, and each fast path is compared against the reference in
+tests/gpu/test_kernels.py. The fast modules import Triton, so they load on first CUDA use only.
+
+`FAST_PATHS` lets a benchmark or a test switch every fast path off (reference on CUDA too).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,25 @@ import torch
 from afdserve.kernels import reference
 from afdserve.kernels.reference import AttentionMetadata
 
+FAST_PATHS = {"attention": True, "write_kv": True, "moe": True}
+
+
+def _triton_ready(t: torch.Tensor) -> bool:
+    if not t.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if FAST_PATHS["write_kv"] and cache.is_contiguous() and _triton_ready(cache):
+        from afdserve.kernels import triton_attention
+
+        triton_attention.write_kv(cache, values, slot_mapping)
+        return
     reference.write_kv(cache, values, slot_mapping)
 
 
@@ -20,6 +41,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if (
+        FAST_PATHS["attention"]
+        and meta.batched is not None
+        and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1]
+        and _triton_ready(q)
+    ):
+        from afdserve.kernels import triton_attention
+
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
@@ -30,4 +60,9 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
+    if FAST_PATHS["moe"] and x.is_cuda:
+        from afdserve.kernels import moe_gpu
+
+        if moe_gpu.supports(x, gate_up, down):
+            return moe_gpu.moe_experts(x, topk_ids, topk_weights, gate_up, down)
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)

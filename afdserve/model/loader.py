@@ -188,15 +188,21 @@ def _missing(config: ModelConfig, expected: dict, filled: dict[str, set]) -> lis
         else:
             want = {(None, None)}
         for expert, part in sorted(want - got, key=str):
-            missing.append(
-                name
-                if expert is None
-                else name.replace(
-                    "experts.gate_up_proj" if part != "down" else "experts.down_proj",
-                    f"experts.{expert}.{part}_proj.weight",
-                )
-            )
+            missing.append(_checkpoint_name(config, name, expert, part))
     return missing
+
+
+_MIXTRAL_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
+
+
+def _checkpoint_name(config: ModelConfig, name: str, expert: int | None, part: str | None) -> str:
+    """A missing tensor as the family's checkpoints spell it (the inverse of `_target`)."""
+    mixtral = config.family == "mixtral"
+    if expert is not None:
+        stacked = "experts.down_proj" if part == "down" else "experts.gate_up_proj"
+        proj = _MIXTRAL_PROJ[part] if mixtral else f"{part}_proj"
+        name = name.replace(stacked, f"experts.{expert}.{proj}.weight")
+    return name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
 
 
 def all_tensor_names(config: ModelConfig) -> set[str]:

@@ -1,0 +1,430 @@
+"""`afdserve bench decode`: time whole decode steps (embedding -> layers -> logits -> greedy sample)
+at a fixed batch and context length, and set the bytes a step must read against the device's
+measured copy bandwidth. Decode is memory-bound, so that fraction is the figure of merit.
+
+Bytes a step must read: every non-expert weight once (attention, norms, routers, dense and shared
+MLPs, lm_head), one embedding row per sequence, each routed expert the batch touches once per
+layer, and every sequence's cached K/V. Writes (one token of KV, activations) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.config import GRAPH_MODES
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.model_runner import LocalFFN, ModelRunner, StepInputs
+from afdserve.kernels.reference import AttentionMetadata, BatchedSegments, Segment
+from afdserve.model.config import parse_model_config, read_hf_config
+from afdserve.model.loader import (
+    TORCH_DTYPES,
+    all_tensor_names,
+    build_model,
+    init_random_weights,
+    load_weights,
+)
+from afdserve.model.model import ModelParts, MoECausalLM
+from afdserve.model.moe import Experts
+from afdserve.model.presets import PRESETS, preset_hf_config
+
+TOPOLOGIES = ("colocated", "in-process")
+WARMUP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class DecodeBench:
+    model_dir: str | None
+    preset: str | None
+    random_weights: bool
+    batch_sizes: tuple[int, ...]
+    context_len: int
+    topology: str = "colocated"
+    graph_mode: str = "none"
+    ubatches: int = 1
+    steps: int = 20
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    block_size: int = 16
+    compare_hf: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> ValueError:
+            return ValueError(f"bench.{field}={getattr(self, field)!r} is not allowed: {allowed}")
+
+        if (self.model_dir is None) == (self.preset is None):
+            raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise bad("preset", f"one of {sorted(PRESETS)}")
+        if self.preset is not None and not self.random_weights:
+            raise bad("random_weights", "a preset has no checkpoint: add --random-weights")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise bad("batch_sizes", "a non-empty list of integers >= 1")
+        for field in ("context_len", "ubatches", "block_size"):
+            if getattr(self, field) < 1:
+                raise bad(field, "an integer >= 1")
+        if self.steps < 2:
+            raise bad("steps", "an integer >= 2")
+        if self.topology not in TOPOLOGIES:
+            raise bad("topology", f"one of {TOPOLOGIES} (AFD topologies are not benchmarked yet)")
+        if self.graph_mode not in GRAPH_MODES:
+            raise bad("graph_mode", f"one of {GRAPH_MODES}")
+        if self.graph_mode != "none" and (self.device != "cuda" or self.ubatches != 1):
+            raise bad("graph_mode", "'none' unless --device cuda and --ubatches 1")
+        if self.dtype not in TORCH_DTYPES:
+            raise bad("dtype", f"one of {sorted(TORCH_DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise bad("device", "'cpu' or 'cuda'")
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    batch: int
+    step_ms: float
+    weight_bytes: int
+    kv_bytes: int
+    copy_gbps: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.step_ms / 1e3)
+
+    @property
+    def achieved_gbps(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / (self.step_ms / 1e3) / 1e9
+
+
+def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written (median of 10)."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * size_bytes / statistics.median(times) / 1e9
+
+
+class DecodeSteps:
+    """A batch of `batch` sequences with `context_len` random cached tokens, decoded in lockstep.
+    Device buffers are static, so one CUDA graph of a step replays for every step."""
+
+    def __init__(self, model: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int):
+        config, dev = model.config, next(model.parameters()).device
+        self.model, self.spec, self.batch, self.device = model, spec, batch, dev
+        bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
+        self.width = math.ceil(last / bs)
+        dtype = TORCH_DTYPES[spec.dtype]
+        self.kv = KVCache(config, batch * self.width, bs, dtype, dev)
+        gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
+        for first, second in self.kv.layers:
+            for t in (first, second):
+                if t is not None:
+                    t.normal_(generator=gen)
+        self.tables = torch.arange(batch * self.width, device=dev, dtype=torch.int32).view(
+            batch, self.width
+        )
+        self.input_ids = torch.randint(0, config.vocab_size, (batch,), device=dev, generator=gen)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.runner = ModelRunner(model, self.kv, dev)
+        self.boundary = LocalFFN(ffn)
+        self.ubatch_rows = tuple(
+            batch // spec.ubatches + (u < batch % spec.ubatches) for u in range(spec.ubatches)
+        )
+        self.step_index = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _inputs(self) -> StepInputs:
+        context = self.spec.context_len + self.step_index + 1
+        segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
+        batched = None
+        if self.device.type == "cuda":
+            # The bound must hold for every step a graph replays, so it is the last step's length.
+            bound = self.spec.context_len + WARMUP_STEPS + self.spec.steps
+            batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, bound)
+        meta = AttentionMetadata(self.positions, self.slots, segments, batched)
+        sample_rows = self.query_start[:-1].long()
+        return StepInputs(self.input_ids, self.input_ids, meta, sample_rows, [], self.batch)
+
+    def _advance(self) -> None:
+        """Point the static buffers at the next position (device-side writes only)."""
+        position = self.spec.context_len + self.step_index
+        bs = self.spec.block_size
+        self.positions.fill_(position)
+        base = self.tables[:, position // bs].long() * bs
+        self.slots.copy_(base + position % bs)
+        self.context_lens.fill_(position + 1)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        hidden = self.runner.forward(inputs, self.ubatch_rows, self.boundary)
+        return self.runner.logits(hidden, inputs).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        self._advance()
+        if self.graph is not None:
+            self.graph.replay()
+            next_ids = self.graph_out
+        else:
+            next_ids = self._forward(self._inputs())
+        self.input_ids.copy_(next_ids)
+        self.step_index += 1
+        return next_ids
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        inputs = self._inputs()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(inputs)  # allocate outside the graph first
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.graph_out = self._forward(inputs)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call takes, measured with CUDA events on CUDA."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _touched_experts(steps: DecodeSteps, ffn: MoECausalLM) -> dict[str, int]:
+    """Distinct routed experts each MoE layer uses in one step of this batch (all ubatches)."""
+    ids: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, module in ffn.named_modules():
+        if isinstance(module, Experts):
+
+            def record(mod, args, out, name=name):
+                ids.setdefault(name, []).append(args[1][0].reshape(-1))
+
+            hooks.append(module.register_forward_hook(record))
+    try:
+        steps.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
+
+
+def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
+    total, seen = 0, set()
+    for model in (attn, ffn):
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                layer = name.rsplit(".", 1)[0]
+                total += size // p.shape[0] * hit.get(layer, 0)
+            elif name.endswith("embed_tokens.weight"):
+                rows = min(batch, p.shape[0])
+                tied = attn.config.tie_word_embeddings
+                total += size if tied else size // p.shape[0] * rows
+            else:
+                total += size
+    return total
+
+
+def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize: int) -> int:
+    c = model.config
+    tensors = 1 if c.attention == "mla" else 2
+    per_token = c.num_layers * tensors * c.num_cache_heads * c.kv_cache_dim * itemsize
+    return int(batch * mean_context * per_token)
+
+
+def build_halves(spec: DecodeBench, raw: dict) -> tuple[MoECausalLM, MoECausalLM]:
+    config = parse_model_config(raw)
+    dtype, dev = TORCH_DTYPES[spec.dtype], torch.device(spec.device)
+    if spec.topology == "colocated":
+        parts = [ModelParts.colocated()]
+    else:
+        parts = [ModelParts(True, False), ModelParts(False, True)]
+    halves = []
+    for i, part in enumerate(parts):
+        model = build_model(config, part, dtype, dev)
+        if spec.random_weights:
+            init_random_weights(model, spec.seed + i)
+        else:
+            load_weights(model, spec.model_dir, all_tensor_names(config))
+        halves.append(model)
+    return halves[0], halves[-1]
+
+
+def bench_batch(
+    attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int, copy_gbps: float | None
+) -> DecodeResult:
+    steps = DecodeSteps(attn, ffn, spec, batch)
+    for _ in range(WARMUP_STEPS - 1):
+        steps.step()
+    hit = _touched_experts(steps, ffn)
+    if spec.graph_mode != "none":
+        steps.capture()
+    times = [_timed(steps.step, steps.device) for _ in range(spec.steps)]
+    mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
+    itemsize = TORCH_DTYPES[spec.dtype].itemsize
+    result = DecodeResult(
+        batch=batch,
+        step_ms=statistics.median(times) * 1e3,
+        weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
+        kv_bytes=step_kv_bytes(attn, batch, mean_context, itemsize),
+        copy_gbps=copy_gbps,
+    )
+    del steps
+    if spec.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None) -> str:
+    head = "batch  step_ms  tokens/s  weights_MB  kv_MB  GB/s  of_copy_bw"
+    if hf is not None:
+        head += "  hf_tokens/s  speedup"
+    lines = [head]
+    for r in results:
+        frac = f"{r.achieved_gbps / r.copy_gbps:10.1%}" if r.copy_gbps else "         -"
+        line = (
+            f"{r.batch:5d}  {r.step_ms:7.2f}  {r.tokens_per_s:8.1f}  {r.weight_bytes / 1e6:10.1f}"
+            f"  {r.kv_bytes / 1e6:5.1f}  {r.achieved_gbps:4.0f}  {frac}"
+        )
+        if hf is not None and r.batch in hf:
+            line += f"  {hf[r.batch]:11.1f}  {r.tokens_per_s / hf[r.batch]:6.1f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, float] | None]:
+    raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
+    dev = torch.device(spec.device)
+    copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    attn, ffn = build_halves(spec, raw)
+    results = [bench_batch(attn, ffn, spec, b, copy_gbps) for b in spec.batch_sizes]
+    hf = None
+    if spec.compare_hf:
+        hf_model = hf_sharing_weights(attn, ffn, raw, TORCH_DTYPES[spec.dtype], dev)
+        hf = {b: hf_tokens_per_s(hf_model, spec, b) for b in spec.batch_sizes}
+    return results, hf
+
+
+def hf_sharing_weights(
+    attn: MoECausalLM, ffn: MoECausalLM, raw: dict, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The transformers model of the same config, its parameters the very tensors afdserve holds
+    (no second copy of the weights: a 30B model fits once, not twice)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = {**attn.state_dict(), **ffn.state_dict()}
+    hf.load_state_dict(state, strict=False, assign=True)
+    rotary = getattr(hf.model, "rotary_emb", None)
+    if rotary is not None:  # non-persistent buffers are not in any state dict
+        hf.model.rotary_emb = type(rotary)(config=hf.config, device=device)
+    left = [n for n, t in (*hf.named_parameters(), *hf.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"transformers model has tensors afdserve does not: {left[:10]}")
+    return hf.eval()
+
+
+@torch.inference_mode()
+def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeBench, batch: int) -> float:
+    """Decode tokens/s of `generate` at the same batch and context: (time for `steps` new tokens
+    - time for 1) / (steps - 1), so the prefill both runs share cancels out."""
+    dev = next(hf.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(spec.seed + 2)
+    vocab = hf.config.vocab_size
+    prompt = torch.randint(0, vocab, (batch, spec.context_len), device=dev, generator=gen)
+    mask = torch.ones_like(prompt)
+
+    def generate(new_tokens: int) -> None:
+        hf.generate(
+            input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, pad_token_id=0,
+        )  # fmt: skip
+
+    generate(2)  # warm-up
+    one = _timed(lambda: generate(1), dev)
+    many = _timed(lambda: generate(spec.steps), dev)
+    return batch * (spec.steps - 1) / max(many - one, 1e-9)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
+    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--graph-mode", default="none", choices=GRAPH_MODES)
+    p.add_argument("--ubatches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=main_bench)
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    try:
+        sizes = tuple(int(s) for s in str(args.batch_sizes).split(",") if s.strip())
+    except ValueError as e:
+        raise ValueError(f"bench.batch_sizes={args.batch_sizes!r}: comma-separated integers") from e
+    spec = DecodeBench(
+        model_dir=args.model_dir, preset=args.preset, random_weights=args.random_weights,
+        batch_sizes=sizes, context_len=args.context_len, topology=args.topology,
+        graph_mode=args.graph_mode, ubatches=args.ubatches, steps=args.steps, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, compare_hf=args.compare_hf,
+        seed=args.seed,
+    )  # fmt: skip
+    results, hf = run_decode_bench(spec)
+    copy = results[0].copy_gbps if results else None
+    name = spec.preset or spec.model_dir
+    print(
+        f"decode bench: {name}, context {spec.context_len}, {spec.dtype}, {spec.topology}, "
+        f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"
+        + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
+    )
+    print(format_table(results, hf))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(prog="afdserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    parsed = parser.parse_args(sys.argv[1:])
+    sys.exit(parsed.func(parsed))

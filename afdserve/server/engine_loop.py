@@ -1,0 +1,313 @@
+"""The one thread that owns the EngineClient (which is not thread-safe), and `Generation`, a
+handler's asyncio-side view of the engine requests it started.
+
+HTTP handlers never touch the client: they put commands on a thread-safe queue and receive each
+RequestOutput of their request through a `Deliver` callback, which hands it to their asyncio loop.
+The thread alternates: apply queued adds and aborts, then `client.step()`.
+
+If `step()` raises anything but a per-request refusal, a rank is gone: every in-flight request is
+failed with an EngineFailure, new ones are refused, and `healthy` turns False for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from afdserve.engine.client import EngineClient, EngineStats
+from afdserve.engine.engine_core import RequestError, RequestOutput
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.server.metrics import ServerMetrics
+from afdserve.server.protocol import APIError, bad_request, usage
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005  # how long an idle loop waits for a command before stepping again
+STOP_TIMEOUT_S = 30.0
+CLIENT_GONE = object()  # queued by the disconnect watcher to end a generation's events
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Delivered instead of an output when the request can no longer finish."""
+
+    message: str
+    status: int = 500
+
+
+Deliver = Callable[[RequestOutput | EngineFailure], None]
+
+
+def asyncio_deliver(q: asyncio.Queue, tag: int) -> Deliver:
+    """A Deliver that puts `(tag, item)` on `q` from any thread. Call it inside the event loop."""
+    loop = asyncio.get_running_loop()
+
+    def deliver(item: RequestOutput | EngineFailure) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, (tag, item))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    return deliver
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    deliver: Deliver
+    accepted: Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, client: EngineClient, idle_wait_s: float = IDLE_WAIT_S) -> None:
+        self.client = client
+        self.idle_wait_s = idle_wait_s
+        self.error: str | None = None
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._routes: dict[str, Deliver] = {}  # owned by the engine thread
+        self._closed = False
+        self._lock = threading.Lock()  # orders submit() against the thread's exit
+        self._stop = threading.Event()
+        self._stats: EngineStats | None = None
+        self._thread = threading.Thread(target=self._run, name="afdserve-engine", daemon=True)
+
+    # ----- any thread -----
+    def start(self) -> EngineLoop:
+        self._stats = self.client.stats()
+        self._thread.start()
+        return self
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._closed and self._thread.is_alive()
+
+    def stats(self) -> EngineStats | None:
+        return self._stats
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, deliver: Deliver
+    ) -> Future:
+        """Queue a request. The future resolves to None once the engine accepted it, or raises
+        RequestError (refused: a client error) or RuntimeError (engine down)."""
+        accepted: Future = Future()
+        with self._lock:
+            if self._closed:
+                accepted.set_exception(RuntimeError(self.error or "the engine is shutting down"))
+            else:
+                self._commands.put(_Add(request_id, prompt, params, deliver, accepted))
+        return accepted
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_Abort(request_id))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the thread and fail whatever is in flight; the client itself stays open."""
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ----- the engine thread -----
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply(self._next_commands())
+                if self._stop.is_set():
+                    break
+                self._step()
+        except Exception as e:  # a rank died or the client broke: nothing can finish now
+            log.exception("engine loop failed")
+            self.error = f"engine failed: {type(e).__name__}: {e}"
+        finally:
+            self._close()
+
+    def _next_commands(self) -> list[_Add | _Abort | None]:
+        commands = []
+        if not self.client.has_unfinished and not self._routes:
+            try:  # idle: sleep on the queue so a new request wakes us at once
+                commands.append(self._commands.get(timeout=self.idle_wait_s))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Add | _Abort | None]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                try:
+                    self.client.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                except RequestError as e:
+                    cmd.accepted.set_exception(e)
+                    continue
+                except Exception as e:
+                    cmd.accepted.set_exception(RuntimeError(f"engine failed: {e}"))
+                    raise
+                self._routes[cmd.request_id] = cmd.deliver
+                cmd.accepted.set_result(None)
+            elif isinstance(cmd, _Abort) and self._routes.pop(cmd.request_id, None) is not None:
+                self.client.abort(cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.client.step()
+        except RequestError as e:
+            # A rank refused a request the frontend's checks let through. Fail that request when
+            # the error says which one; the engine itself is fine.
+            request_id = getattr(e, "request_id", None)
+            deliver = self._routes.pop(request_id, None) if request_id else None
+            if deliver is not None:
+                deliver(EngineFailure(str(e), status=400))
+            else:
+                log.warning("engine refused a request: %s", e)
+            return
+        for out in outputs:
+            deliver = self._routes.get(out.request_id)
+            if deliver is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._routes[out.request_id]
+            deliver(out)
+        self._stats = self.client.stats()
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+        message = self.error or "the server is shutting down"
+        for deliver in self._routes.values():
+            deliver(EngineFailure(message))
+        if self.error is None:
+            for request_id in self._routes:
+                try:
+                    self.client.abort(request_id)
+                except Exception:  # shutting down anyway; the client is closed next
+                    log.debug("abort of %s during shutdown failed", request_id, exc_info=True)
+        self._routes.clear()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.accepted.set_exception(RuntimeError(message))
+
+
+class Generation:
+    """The engine requests behind one HTTP request (prompts x n choices), gathered on one queue;
+    output i belongs to choice i."""
+
+    def __init__(
+        self,
+        engine: EngineLoop,
+        metrics: ServerMetrics,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ) -> None:
+        self.engine, self.metrics, self.prompts, self.params = engine, metrics, prompts, params
+        self.ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.open: set[int] = set()
+        self.outputs: list[RequestOutput | None] = [None] * len(prompts)
+        self.accepted_at = 0.0
+        self.first_token_at: list[float | None] = [None] * len(prompts)
+
+    async def start(self) -> None:
+        """Submit every request; if any is refused, abort the others and raise APIError."""
+        futures = [
+            self.engine.submit(rid, prompt, params, asyncio_deliver(self.queue, i))
+            for i, (rid, prompt, params) in enumerate(zip(self.ids, self.prompts, self.params))
+        ]
+        self.open = set(range(len(futures)))
+        errors = []
+        for future in futures:
+            try:
+                await asyncio.wrap_future(future)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            self.abort()
+            if isinstance(errors[0], RequestError):
+                raise bad_request(str(errors[0]))
+            raise APIError(500, str(errors[0]))
+        self.accepted_at = time.monotonic()
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
+
+    def abort(self) -> int:
+        """Abort the engine requests still running; returns how many there were."""
+        aborted = len(self.open)
+        for index in self.open:
+            self.engine.abort(self.ids[index])
+        self.open.clear()
+        return aborted
+
+    async def watch_disconnect(self, receive: Callable) -> None:
+        """Run beside the response: when the client goes away, abort and end `events()`."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        aborted = self.abort()
+        if aborted:
+            self.metrics.aborted.inc(aborted)
+        self.queue.put_nowait((-1, CLIENT_GONE))
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every request finished or the client went away."""
+        while self.open:
+            index, item = await self.queue.get()
+            if item is CLIENT_GONE:
+                return
+            if isinstance(item, EngineFailure):
+                self.abort()
+                raise APIError(item.status, item.message)
+            self._observe(index, item)
+            yield index, item
+
+    def _observe(self, index: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        self.outputs[index] = out
+        if out.new_token_ids:
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if self.first_token_at[index] is None:
+                self.first_token_at[index] = now
+                self.metrics.time_to_first_token.observe(now - self.accepted_at)
+        if out.finished:
+            self.open.discard(index)
+            first, count = self.first_token_at[index], len(out.token_ids)
+            if first is not None and count > 1:
+                self.metrics.time_per_output_token.observe((now - first) / (count - 1))
+
+    async def collect(self, receive: Callable) -> list[RequestOutput] | None:
+        """Every final output in choice order, or None when the client went away first."""
+        watcher = asyncio.ensure_future(self.watch_disconnect(receive))
+        try:
+            async for _ in self.events():
+                pass
+        finally:
+            watcher.cancel()
+            self.abort()
+        if any(out is None or not out.finished for out in self.outputs):
+            return None
+        return list(self.outputs)  # type: ignore[arg-type]
+
+    def usage(self, n: int) -> dict[str, int]:
+        # Like OpenAI: a prompt counts once however many choices it has.
+        prompt = sum(len(p) for p in self.prompts[::n])
+        completion = sum(len(out.token_ids) for out in self.outputs if out is not None)
+        return usage(prompt, completion)
