@@ -1,4 +1,4 @@
-"""`afdserve serve | generate | bench | make-tiny-model`. Defaults come from the config dataclasses."""
+"""`afdserve serve | generate | bench | make-tiny-model`; defaults come from the config classes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def _sizes(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-mode", default=GraphConfig.mode,
                    help="none, full_decode_only or full")
     p.add_argument("--cuda-graph-sizes", type=_sizes, default=None,
-                   help="comma-separated capture sizes (default: 1,2,4,8,16,... up to max-num-seqs)")
+                   help="comma-separated capture sizes (default: 1,2,4,8,16,... to max-num-seqs)")
     p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
     p.add_argument("--gate-on-attention", action="store_true",
                    help="run the MoE router on the attention ranks")

@@ -4,7 +4,8 @@ Per layer and ubatch each attention peer sends its FFN rank, in this order:
   hidden  [tile_rows, hidden]  model dtype; pad rows are zeros
   ids     [4 + tile_rows]      int32: header (step, layer, ubatch, tile_rows), then token ids,
                                -1 on pad rows
-  routing (gate on the attention side only): topk ids [tile_rows, k] int32, weights [tile_rows, k] fp32
+  routing (gate on the attention side only): topk ids [tile_rows, k] int32,
+                               weights [tile_rows, k] fp32
 and receives the FFN output [tile_rows, hidden] back. The header lets the FFN rank prove it reads
 the tile its peer wrote for this very step, layer and ubatch, instead of trusting that both agree.
 """
@@ -40,7 +41,7 @@ def check_payload(
     ids: torch.Tensor,
     vocab_size: int,
 ) -> None:
-    """The receiver's check: the rows and header match the plan and every id is -1 or in the vocab."""
+    """The receiver's check: rows and header match the plan; every id is -1 or in the vocab."""
     where = f"FFN rank {rank} from attention rank {peer}, layer {layer}, ubatch {ubatch}"
     if hidden.shape[0] != tile_rows:
         raise LayoutError(f"{where}: expected {tile_rows} hidden rows, got {hidden.shape[0]}")
@@ -133,7 +134,7 @@ class AttentionConnector:
 
 class InProcessConnector:
     """1A1F in one process: the attention side hands its padded tile straight to the FFN half.
-    Same plan, same padding and the same pad-row ids as over the wire, with no copies beyond the pad."""
+    Same plan, same padding and the same pad-row ids as over the wire; no copy beyond the pad."""
 
     def __init__(self, ffn_model, vocab_size: int) -> None:
         self.ffn_model, self.vocab = ffn_model, vocab_size

@@ -1,7 +1,8 @@
 """One attention rank's engine: requests in, scheduled steps through the model, outputs out.
 
 The step itself is split so that AFD can put the control plane in the middle:
-`schedule()` -> report `RankStep` -> (all ranks agree on the StepPlan) -> `execute(out, plan, boundary)`.
+`schedule()` -> report `RankStep` -> (all ranks agree on the StepPlan) ->
+`execute(out, plan, boundary)`.
 Colocated, `step()` does all three with a one-rank plan.
 """
 
@@ -217,6 +218,10 @@ class EngineCore:
                 t.text_limit = hit
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "stop")
+                elif seq.finish_reason == "length":
+                    # The stop string completed on the last allowed token: the text was cut at
+                    # the stop string, so that is why it ended.
+                    seq.finish_reason = "stop"
         text = t.detok.text if t.text_limit is None else t.detok.text[: t.text_limit]
         if not seq.is_finished and stops:
             # Hold back a tail that could still grow into a stop string.

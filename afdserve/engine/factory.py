@@ -73,7 +73,8 @@ def kv_blocks_for(
         blocks = min(want, CPU_CACHE_BUDGET // per_block)
     if blocks < needed_one:
         raise ValueError(
-            f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one sequence of "
+            f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one "
+            f"sequence of "
             f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free memory"
         )
     return blocks

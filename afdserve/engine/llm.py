@@ -126,7 +126,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order. Every prompt is checked before any runs."""
+        """One finished output per prompt, in prompt order; every prompt is checked first."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -141,7 +141,8 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(
-                f"sampling_params: {len(params)} given for {len(prompts)} prompts (one, or one each)"
+                f"sampling_params: {len(params)} given for {len(prompts)} prompts "
+                "(one, or one each)"
             )
         encoded = [self.encode(p) for p in prompts]
         ids = [f"gen-{next(self._ids)}" for _ in prompts]

@@ -1,7 +1,8 @@
 """Plain-torch reference kernels: the CPU path and the oracle every GPU fast path is tested against.
 
-KV caches are paged: `cache[num_blocks, block_size, heads, dim]`; a sequence's token at position p lives
-in slot `block_table[p // block_size] * block_size + p % block_size`. Slot -1 (pad rows) writes nothing.
+KV caches are paged: `cache[num_blocks, block_size, heads, dim]`; a sequence's token at position p
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. Slot -1 (pad rows)
+writes nothing.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [rows, heads, dk] are the last `rows` positions of k/v [ctx, kv_heads, d]. -> [rows, heads, dv]"""
+    """q [rows, heads, dk] are the last `rows` positions of k/v [ctx, kv_heads, d].
+    Returns [rows, heads, dv]."""
     rows, heads, ctx = q.shape[0], q.shape[1], k.shape[0]
     group = heads // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dk]
@@ -126,8 +128,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of every segment's rows over its cached context (prefill, chunked prefill and decode
-    alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come out zero."""
+    """Attention of every segment's rows over its cached context (prefill, chunked prefill and
+    decode alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come
+    out zero."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     for seg in meta.segments:
         k = gather_kv(k_cache, seg.block_table, seg.context_len)

@@ -117,7 +117,8 @@ def detect_family(raw: dict[str, Any]) -> str:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     raise ValueError(
-        f"unknown model family: model_type={model_type!r}, architectures={raw.get('architectures')!r}; "
+        f"unknown model family: model_type={model_type!r}, "
+        f"architectures={raw.get('architectures')!r}; "
         f"supported model_type values: {FAMILIES}"
     )
 
@@ -249,7 +250,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         rope_inv_freq=inv_freq,
         rope_attention_scaling=rope_scaling,
-        # DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; Qwen and Mixtral rotate halves.
+        # DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; Qwen, Mixtral rotate halves.
         rope_interleave=mla,
         q_lora_rank=raw.get("q_lora_rank") if mla else None,
         kv_lora_rank=int(raw.get("kv_lora_rank") or 0) if mla else 0,

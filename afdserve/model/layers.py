@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Rotary position embedding. `interleave` rotates pairs (x0, x1), (x2, x3), ... (DeepSeek) and
-    returns them de-interleaved; q and k get the same permutation, so their dot products are unchanged."""
+    returns them de-interleaved; q and k get the same permutation, so their dot products are
+    unchanged."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

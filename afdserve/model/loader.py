@@ -1,10 +1,10 @@
 """Build one half of a model and fill it from a local Hugging Face directory.
 
 Checkpoints keep experts one by one (`mlp.experts.{e}.gate_proj.weight`; Mixtral:
-`block_sparse_moe.experts.{e}.w1.weight`); afdserve stacks them into `experts.gate_up_proj [E, 2I, H]`
-and `experts.down_proj [E, H, I]`. Already-stacked checkpoints load as they are. A role reads only
-the tensors of its own half; a tensor the model lacks entirely is reported as unexpected, and a missing
-one stops the load.
+`block_sparse_moe.experts.{e}.w1.weight`); afdserve stacks them into
+`experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`. Already-stacked checkpoints
+load as they are. A role reads only the tensors of its own half; a tensor the model lacks entirely is
+reported as unexpected, and a missing one stops the load.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def _copy_into(
             dst = dst[:half] if part == "gate" else dst[half:]
     if tuple(src.shape) != tuple(dst.shape):
         raise CheckpointError(
-            f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies {tuple(dst.shape)}"
+            f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies "
+            f"{tuple(dst.shape)}"
         )
     with torch.no_grad():
         dst.copy_(src)

@@ -105,7 +105,7 @@ class MoECausalLM(nn.Module):
     def route_on_attention(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor
     ) -> Routing | None:
-        """With gate_on_attention, the top-k ids and weights computed here travel instead of x alone."""
+        """With gate_on_attention the top-k ids and weights computed here travel along with x."""
         if not self.parts.gate_on_attention or self.config.layer_types[layer] == "dense":
             return None
         return self.model.layers[layer].mlp.gate(x, token_ids)

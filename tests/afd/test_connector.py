@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from afdserve import LLM
-from afdserve.afd.connector import HEADER, LayoutError, check_payload
+from afdserve.afd.connector import LayoutError, check_payload
 from afdserve.afd.launcher import free_port
 from afdserve.afd.plan import GraphTable, RankStep, plan_step
 from afdserve.afd.topology import Topology
@@ -23,8 +23,14 @@ def _ids(step, layer, ubatch, rows, tokens):
 
 def _check(hidden_rows=4, ids=None, tile=4):
     check_payload(
-        rank=2, peer=1, step=7, layer=3, ubatch=1, tile_rows=tile,
-        hidden=torch.zeros(hidden_rows, 8), ids=ids if ids is not None else _ids(7, 3, 1, 4, [1, 2, -1, -1]),
+        rank=2,
+        peer=1,
+        step=7,
+        layer=3,
+        ubatch=1,
+        tile_rows=tile,
+        hidden=torch.zeros(hidden_rows, 8),
+        ids=ids if ids is not None else _ids(7, 3, 1, 4, [1, 2, -1, -1]),
         vocab_size=100,
     )
 
@@ -34,14 +40,20 @@ def test_valid_payload_passes():
 
 
 def test_rows_differ_from_plan():
-    with pytest.raises(LayoutError, match=r"FFN rank 2 from attention rank 1, layer 3, ubatch 1: "
-                                          r"expected 4 hidden rows, got 3"):
+    with pytest.raises(
+        LayoutError,
+        match=r"FFN rank 2 from attention rank 1, layer 3, ubatch 1: "
+        r"expected 4 hidden rows, got 3",
+    ):
         _check(hidden_rows=3)
 
 
 def test_header_from_another_step_or_layout():
-    with pytest.raises(LayoutError, match=r"expected \(step, layer, ubatch, rows\) = \(7, 3, 1, 4\), "
-                                          r"the peer wrote \(7, 2, 1, 4\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"expected \(step, layer, ubatch, rows\) = \(7, 3, 1, 4\), "
+        r"the peer wrote \(7, 2, 1, 4\)",
+    ):
         _check(ids=_ids(7, 2, 1, 4, [1, 2, 3, 4]))
 
 
@@ -51,8 +63,9 @@ def test_token_id_out_of_range():
 
 
 def _rank(rank: int, port: int, model_dir: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                      RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank)
+    )
     import torch.distributed as dist
 
     from afdserve.afd.connector import AttentionConnector, FFNExchange
@@ -65,15 +78,24 @@ def _rank(rank: int, port: int, model_dir: str, errors) -> None:
     try:
         if rank == 0:
             model, _ = load_model(model_dir, half_parts("attention", False), "float32")
-            connector = AttentionConnector(1, model.config.hidden_size, torch.float32,
-                                           torch.device("cpu"))
+            connector = AttentionConnector(
+                1, model.config.hidden_size, torch.float32, torch.device("cpu")
+            )
             connector.begin_step(plan.attention[0], step=5)  # this peer believes it is step 5
-            connector.post(0, 0, torch.randn(3, model.config.hidden_size),
-                           torch.tensor([1, 2, 3]), None).wait()
+            connector.post(
+                0, 0, torch.randn(3, model.config.hidden_size), torch.tensor([1, 2, 3]), None
+            ).wait()
         else:
             model, _ = load_model(model_dir, half_parts("ffn", False), "float32")
-            exchange = FFNExchange(model, 1, model.config.vocab_size, model.config.top_k, False,
-                                   torch.float32, torch.device("cpu"))
+            exchange = FFNExchange(
+                model,
+                1,
+                model.config.vocab_size,
+                model.config.top_k,
+                False,
+                torch.float32,
+                torch.device("cpu"),
+            )
             exchange.run_step(plan.ffn[0], step=0)
     except LayoutError as e:
         errors.put(str(e))
@@ -83,8 +105,10 @@ def test_receiver_rejects_desynchronised_peer_over_gloo(afd_models):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(afd_models["qwen3_moe"]), errors))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, str(afd_models["qwen3_moe"]), errors))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -97,8 +121,10 @@ def test_receiver_rejects_desynchronised_peer_over_gloo(afd_models):
             if p.is_alive():
                 p.terminate()
                 p.join()
-    assert message == ("FFN rank 1 from attention rank 0, layer 0, ubatch 0: expected "
-                       "(step, layer, ubatch, rows) = (0, 0, 0, 3), the peer wrote (5, 0, 0, 3)")
+    assert message == (
+        "FFN rank 1 from attention rank 0, layer 0, ubatch 0: expected "
+        "(step, layer, ubatch, rows) = (0, 0, 0, 3), the peer wrote (5, 0, 0, 3)"
+    )
 
 
 def test_memory_split_matches_checkpoint_halves(afd_models):
@@ -110,7 +136,9 @@ def test_memory_split_matches_checkpoint_halves(afd_models):
     nbytes = {name: 4 * int(torch.Size(shape).numel()) for name, shape in sizes.items()}
     attention_bytes = sum(b for n, b in nbytes.items() if ".mlp." not in n)
     ffn_bytes = sum(b for n, b in nbytes.items() if ".mlp." in n and not n.endswith("tid2eid"))
-    ffn_bytes += sum(2 * 4 * int(torch.Size(sizes[n]).numel()) for n in sizes if n.endswith("tid2eid"))
+    ffn_bytes += sum(
+        2 * 4 * int(torch.Size(sizes[n]).numel()) for n in sizes if n.endswith("tid2eid")
+    )
     with LLM(str(model), topology="2A1F", dtype="float32") as llm:
         reports = {m.rank: m for m in llm.memory_reports}
         names = llm.rank_tensor_names

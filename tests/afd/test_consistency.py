@@ -1,4 +1,4 @@
-"""AFD runs over real rank processes (gloo) give the colocated engine's greedy tokens, token for token."""
+"""AFD runs over real rank processes (gloo) give the colocated greedy tokens, token for token."""
 
 from __future__ import annotations
 
@@ -23,8 +23,15 @@ def test_afd_matches_colocated(afd_models, topology, family, ubatches, budget, g
     model = afd_models[family]
     prompts = mixed_prompts()
     want = colocated_tokens(model, prompts)
-    with LLM(str(model), topology=topology, dtype="float32", ubatches=ubatches,
-             max_num_batched_tokens=budget, gate_on_attention=gate, log_step_plan=True) as llm:
+    with LLM(
+        str(model),
+        topology=topology,
+        dtype="float32",
+        ubatches=ubatches,
+        max_num_batched_tokens=budget,
+        gate_on_attention=gate,
+        log_step_plan=True,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         records = llm.step_log()
     assert got == want
@@ -67,17 +74,31 @@ def test_afd_requests_added_while_running(afd_models):
     assert [done[f"r{i}"] for i in range(len(prompts))] == want
 
 
-@pytest.mark.parametrize(("ubatches", "gate", "graph_mode"), [
-    (1, False, "none"), (2, True, "full_decode_only"), (3, False, "full"),
-])
+@pytest.mark.parametrize(
+    ("ubatches", "gate", "graph_mode"),
+    [
+        (1, False, "none"),
+        (2, True, "full_decode_only"),
+        (3, False, "full"),
+    ],
+)
 def test_in_process_1a1f_matches_colocated(afd_models, ubatches, gate, graph_mode):
     """Both halves in one process (the one-device AFD): same plan, same padding, same tokens."""
     model = afd_models["deepseek_v3"]
     prompts = mixed_prompts()
     want = colocated_tokens(model, prompts)
-    with LLM(str(model), topology="1A1F", connector="inprocess", dtype="float32",
-             ubatches=ubatches, gate_on_attention=gate, graph_mode=graph_mode,
-             cuda_graph_sizes=[1, 2, 4, 8], max_num_batched_tokens=8, log_step_plan=True) as llm:
+    with LLM(
+        str(model),
+        topology="1A1F",
+        connector="inprocess",
+        dtype="float32",
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=8,
+        log_step_plan=True,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         modes = {(r["role"], r["mode"]) for r in llm.step_log()}
     assert got == want

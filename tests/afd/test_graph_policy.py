@@ -35,36 +35,67 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
     short = [[10 + i, 20 + i, 30 + i] for i in range(8)]  # equal costs: 4 per rank
     long_prompt = [(3 * i + 1) % 250 for i in range(30)]
     uneven = [[1, 2]] * 2 + [[7, 8, 9]]  # first request of each generate() picks rank 0
-    uneven_params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-                     for m in (30, 4, 4)]
-    with LLM(str(model), topology="2A1F", dtype="float32", graph_mode="full_decode_only",
-             cuda_graph_sizes=[1, 2, 4, 8], max_num_batched_tokens=7,
-             log_step_plan=True) as llm:
+    uneven_params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 4, 4)
+    ]
+    with LLM(
+        str(model),
+        topology="2A1F",
+        dtype="float32",
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=7,
+        log_step_plan=True,
+    ) as llm:
         got_short = [o.token_ids for o in llm.generate(short, decode)]
-        got_mixed = [o.token_ids for o in llm.generate([long_prompt, [5]], [
-            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)])]
+        got_mixed = [
+            o.token_ids
+            for o in llm.generate(
+                [long_prompt, [5]],
+                [
+                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                ],
+            )
+        ]
         got_uneven = [o.token_ids for o in llm.generate(uneven, uneven_params)]
         records = llm.step_log()
     assert got_short == colocated_tokens(model, short, decode)
-    assert got_mixed[0] == colocated_tokens(model, [long_prompt], SamplingParams(
-        max_tokens=3, temperature=0.0, ignore_eos=True))[0]
-    assert got_uneven[1:] == [colocated_tokens(model, [p], SamplingParams(
-        max_tokens=4, temperature=0.0, ignore_eos=True))[0] for p in uneven[1:]]
+    assert (
+        got_mixed[0]
+        == colocated_tokens(
+            model, [long_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )[0]
+    )
+    assert got_uneven[1:] == [
+        colocated_tokens(
+            model, [p], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )[0]
+        for p in uneven[1:]
+    ]
 
     steps = _steps(records)
     # Warm-up captured every size on both roles together.
     captures = [r for r in records if r["mode"] == "capture"]
     assert {(r["role"], r["padded_rows"]) for r in captures if r["role"] == "attention"} == {
-        ("attention", s) for s in (1, 2, 4, 8)}
-    assert {tuple(r["tile_rows"]) for r in captures if r["role"] == "ffn"} == {(1,), (2,), (4,), (8,)}
+        ("attention", s) for s in (1, 2, 4, 8)
+    }
+    assert {tuple(r["tile_rows"]) for r in captures if r["role"] == "ffn"} == {
+        (1,),
+        (2,),
+        (4,),
+        (8,),
+    }
     _assert_paired_replay(records)
 
     def layout(roles):
         return tuple(sorted((r["rank"], r["real_rows"]) for r in roles["attention"]))
 
-    four_four = [s for s, roles in steps.items() if layout(roles) == ((0, 4), (1, 4))
-                 and roles["ffn"][0]["mode"] == "replay"]
+    four_four = [
+        s
+        for s, roles in steps.items()
+        if layout(roles) == ((0, 4), (1, 4)) and roles["ffn"][0]["mode"] == "replay"
+    ]
     assert four_four, "decode 4+4 should replay"
     seven_one = [roles for roles in steps.values() if layout(roles) == ((0, 7), (1, 1))]
     assert seven_one, "the chunked prefill 7+1 step did not happen"
@@ -79,7 +110,8 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
             keys_by_layout[layout(roles)].add(repr(roles["ffn"][0]["key"]))
     if ((0, 2), (1, 6)) in keys_by_layout or ((0, 6), (1, 2)) in keys_by_layout:
         six_two = keys_by_layout.get(((0, 6), (1, 2)), set()) | keys_by_layout.get(
-            ((0, 2), (1, 6)), set())
+            ((0, 2), (1, 6)), set()
+        )
         assert not six_two & keys_by_layout[((0, 4), (1, 4))]
 
 
@@ -91,15 +123,25 @@ def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models):
     big = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     prompts = [[1 + (i % 200), 2 + (i % 100)] for i in range(49)]
     params = [small] * 3 + [big] + [small] * 45  # rank 3 takes the big one and nothing else
-    with LLM(str(model), topology="4A2F", dtype="float32", graph_mode="full_decode_only",
-             cuda_graph_sizes=[4, 8, 16], max_num_seqs=16, log_step_plan=True) as llm:
+    with LLM(
+        str(model),
+        topology="4A2F",
+        dtype="float32",
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[4, 8, 16],
+        max_num_seqs=16,
+        log_step_plan=True,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         records = llm.step_log()
     want = [colocated_tokens(model, [p], sp)[0] for p, sp in zip(prompts[:5], params[:5])]
     assert got[:5] == want
     _assert_paired_replay(records)
-    uneven = [roles for roles in _steps(records).values()
-              if sorted(r["real_rows"] for r in roles["attention"]) == [1, 16, 16, 16]]
+    uneven = [
+        roles
+        for roles in _steps(records).values()
+        if sorted(r["real_rows"] for r in roles["attention"]) == [1, 16, 16, 16]
+    ]
     assert uneven, "no 16/16/16/1 decode step"
     for roles in uneven:
         for ffn in roles["ffn"]:
