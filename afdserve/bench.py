@@ -189,7 +189,8 @@ class DecodeSteps:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        inputs = self._inputs()
+        # The graph reads these tensors by address: they must outlive every replay.
+        self.graph_inputs = inputs = self._inputs()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -3,8 +3,8 @@
 Checkpoints keep experts one by one (`mlp.experts.{e}.gate_proj.weight`; Mixtral:
 `block_sparse_moe.experts.{e}.w1.weight`); afdserve stacks them into
 `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`. Already-stacked checkpoints
-load as they are. A role reads only the tensors of its own half; a tensor the model lacks entirely is
-reported as unexpected, and a missing one stops the load.
+load as they are. A role reads only the tensors of its own half; a tensor the model lacks entirely
+is reported as unexpected, and a missing one stops the load.
 """
 
 from __future__ import annotations

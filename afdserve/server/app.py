@@ -138,7 +138,7 @@ def new_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float] | N
 
 # ----- responses -----
 
-Choice = Callable[[int, str, "dict | None", "str | None"], dict]
+Choice = Callable[[int, str, dict | None, str | None], dict]
 Logprobs = Callable[[list[int], list], dict]
 
 
@@ -268,7 +268,9 @@ def create_app(served_model_name: str | None = None) -> FastAPI:
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
         prompt = chat_prompt(llm, body)
         check_n(body.n, 1)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
         if max_tokens is None:  # as much as fits; the engine refuses a prompt that fills it
             max_tokens = max(1, state.max_model_len - len(prompt))
         top = body.top_logprobs or 0

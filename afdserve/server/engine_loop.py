@@ -192,8 +192,9 @@ class EngineLoop:
         with self._lock:
             self._closed = True
         message = self.error or "the server is shutting down"
+        failure = EngineFailure(message, status=500 if self.error else 503)
         for deliver in self._routes.values():
-            deliver(EngineFailure(message))
+            deliver(failure)
         if self.error is None:
             for request_id in self._routes:
                 try:
@@ -226,11 +227,12 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open: set[int] = set()
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)
-        self.accepted_at = 0.0
+        self.submitted_at = 0.0
         self.first_token_at: list[float | None] = [None] * len(prompts)
 
     async def start(self) -> None:
         """Submit every request; if any is refused, abort the others and raise APIError."""
+        self.submitted_at = time.monotonic()
         futures = [
             self.engine.submit(rid, prompt, params, asyncio_deliver(self.queue, i))
             for i, (rid, prompt, params) in enumerate(zip(self.ids, self.prompts, self.params))
@@ -247,7 +249,6 @@ class Generation:
             if isinstance(errors[0], RequestError):
                 raise bad_request(str(errors[0]))
             raise APIError(500, str(errors[0]))
-        self.accepted_at = time.monotonic()
         self.metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
 
     def abort(self) -> int:
@@ -286,7 +287,7 @@ class Generation:
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             if self.first_token_at[index] is None:
                 self.first_token_at[index] = now
-                self.metrics.time_to_first_token.observe(now - self.accepted_at)
+                self.metrics.time_to_first_token.observe(now - self.submitted_at)
         if out.finished:
             self.open.discard(index)
             first, count = self.first_token_at[index], len(out.token_ids)

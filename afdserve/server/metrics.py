@@ -79,7 +79,7 @@ class ServerMetrics:
         )
         self.time_to_first_token = Histogram(
             "afdserve_time_to_first_token_seconds",
-            "Seconds from accepting a request to its first generated token",
+            "Seconds from submitting a request to the engine to its first generated token",
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
