@@ -109,6 +109,7 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
         self.requests: dict[str, _Tracked] = {}
+        self.graphs = None  # a CudaGraphRunner when CUDA graphs are on
         eos = self.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
         self.extra_stop_ids = tuple(eos[1:])
@@ -164,7 +165,10 @@ class EngineCore:
         if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
-        hidden = self.runner.forward(inputs, plan.ubatch_rows, boundary)
+        if self.graphs is not None:
+            hidden = self.graphs.forward(inputs, plan, boundary)
+        else:
+            hidden = self.runner.forward(inputs, plan.ubatch_rows, boundary)
         if not inputs.sample_seqs:
             self.scheduler.update(out, [None] * len(out.scheduled))
             return self._collect(out)

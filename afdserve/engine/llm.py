@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from afdserve.engine.sampling_params import SamplingParams
 from afdserve.model.bundled import resolve_model
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -103,6 +105,8 @@ class LLM:
                 self.memory_reports.append(MemoryReport(
                     "ffn", 1, parameter_bytes(ffn_model), 0, len(ffn_model.expected_tensors())))
             sizes = self.graph_config.capture_sizes(self.engine_config.max_num_seqs)
+            if sizes and self.engine_config.device.startswith("cuda"):
+                self._enable_cuda_graphs(core, max(sizes))
             recorder = StepRecorder("attention", 0, self.graph_config.mode, sizes, self._log_path,
                                     ubatches=self.afd_config.ubatches)
             return SingleProcessClient(core, recorder, topo, boundary)
@@ -114,6 +118,16 @@ class LLM:
         self.memory_reports = [client.ready[r]["memory"] for r in sorted(client.ready)]
         self.rank_tensor_names = {r: client.ready[r]["tensor_names"] for r in client.ready}
         return client
+
+    def _enable_cuda_graphs(self, core, max_rows: int) -> None:
+        from afdserve.engine.cuda_graphs import CudaGraphRunner, graphs_supported
+
+        reason = graphs_supported(core.runner, self.afd_config.ubatches)
+        if reason is not None:
+            log.warning("graph_mode=%s runs eagerly: %s", self.graph_config.mode, reason)
+            return
+        core.graphs = CudaGraphRunner(core.runner, max_rows, core.max_model_len,
+                                      allow_prefill=self.graph_config.mode == "full")
 
     # ----- generation -----
     def encode(self, prompt: Prompt) -> list[int]:

@@ -1,0 +1,84 @@
+"""CUDA graphs on the GPU: graph replay gives the eager engine's tokens (bf16: up to reported
+near-ties), colocated and in-process 1A1F, and every captured size replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams
+from afdserve.model.tiny import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 2, 4, 8, 16]
+NEAR_TIE = 0.15  # bf16 logit gap under which two kernels may legitimately pick different tokens
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "m", "qwen3_moe", hash_layers=1,
+                           seed=5, dtype="bfloat16")
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(13 * i + 7 * j + 1) % 250 for j in range(3 + i % 5)] for i in range(n)]
+
+
+def _check(eager: LLM, prompts, got, want) -> list[float]:
+    """Equal tokens, or a divergence at a near-tie of the eager engine (gap returned)."""
+    gaps = []
+    for p, g, w in zip(prompts, got, want, strict=True):
+        if g == w:
+            continue
+        i = next(k for k in range(len(w)) if g[k] != w[k])
+        out = eager.generate([p + w[:i]], SamplingParams(max_tokens=1, temperature=0.0,
+                                                          logprobs=2, ignore_eos=True))[0]
+        top = sorted(out.logprobs[0].values(), reverse=True)
+        gap = top[0] - top[1]
+        assert gap < NEAR_TIE, f"prompt {p}: diverged at {i} with a logprob gap of {gap}"
+        gaps.append(gap)
+    return gaps
+
+
+@pytest.mark.parametrize("topology", ["colocated", "1A1F"])
+def test_graph_tokens_equal_eager(bf16_model, topology):
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256)
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(str(bf16_model), topology=topology, connector="inprocess"
+                 if topology == "1A1F" else "auto", graph_mode="full_decode_only",
+                 cuda_graph_sizes=SIZES, log_step_plan=True, **common) as graphs:
+            assert graphs.engine.core.graphs is not None
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            modes = {r["mode"] for r in graphs.step_log()}
+        gaps = _check(eager, prompts, got, want)
+    assert "replay" in modes and "capture" in modes
+    print(f"{topology}: {len(gaps)} near-tie divergences, gaps {gaps}")
+
+
+def test_every_captured_size_replays(bf16_model):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=16,
+             max_model_len=256, graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
+             log_step_plan=True) as llm:
+        for n in SIZES:
+            llm.generate(_prompts(n), params)
+        replayed = {r["padded_rows"] for r in llm.step_log() if r["mode"] == "replay"}
+        assert set(SIZES) <= replayed
+        captured = {key[2][0] for key in llm.engine.core.graphs.graphs}  # key[2]: ubatch rows
+        assert captured == set(SIZES)
+
+
+def test_batch_above_largest_capture_runs_eagerly(bf16_model):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=24,
+             max_model_len=256, graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4],
+             log_step_plan=True) as llm:
+        outs = llm.generate(_prompts(20), params)
+        records = llm.step_log()
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert any(r["real_rows"] > 4 and r["mode"] == "eager" for r in records)
+    torch.cuda.synchronize()
