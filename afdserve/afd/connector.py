@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from afdserve.afd.plan import AttentionRankPlan, FFNRankPlan
+from afdserve.engine.model_runner import Ready
 from afdserve.model.moe import Routing
 
 HEADER = 4
@@ -63,6 +64,17 @@ def check_payload(
         )
 
 
+def planned_tile(plan: AttentionRankPlan, layer: int, ubatch: int, rows: int) -> tuple[int, int]:
+    """The tile this rank sends in `ubatch`; more rows than the plan's tile is a layout bug."""
+    tile = plan.tile_rows[ubatch]
+    if rows > tile:
+        raise LayoutError(
+            f"attention rank {plan.rank}, layer {layer}, ubatch {ubatch}: "
+            f"{rows} rows exceed the planned tile of {tile}"
+        )
+    return tile, rows
+
+
 class _Pending:
     def __init__(self, works: list, out: torch.Tensor, rows: int, keep: tuple) -> None:
         self.works, self.out, self.rows, self.keep = works, out, rows, keep
@@ -103,13 +115,7 @@ class AttentionConnector:
         route_ids: torch.Tensor,
         routing: Routing | None,
     ):
-        tile = self.plan.tile_rows[ubatch]
-        rows = x.shape[0]
-        if rows > tile:
-            raise LayoutError(
-                f"attention rank {self.plan.rank}, layer {layer}, ubatch {ubatch}: "
-                f"{rows} rows exceed the planned tile of {tile}"
-            )
+        tile, rows = planned_tile(self.plan, layer, ubatch, x.shape[0])
         if tile == 0:
             return _Empty(x)
         hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
@@ -145,12 +151,7 @@ class InProcessConnector:
 
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
              routing: Routing | None):
-        tile, rows = self.plan.tile_rows[ubatch], x.shape[0]
-        if rows > tile:
-            raise LayoutError(
-                f"attention rank {self.plan.rank}, layer {layer}, ubatch {ubatch}: "
-                f"{rows} rows exceed the planned tile of {tile}"
-            )
+        tile, rows = planned_tile(self.plan, layer, ubatch, x.shape[0])
         if tile == 0:
             return _Empty(x)
         if tile > rows:
@@ -160,15 +161,7 @@ class InProcessConnector:
                 routing = tuple(torch.cat((t, t.new_zeros(tile - rows, t.shape[1])))
                                 for t in routing)
         y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
-        return _Ready(y[:rows])
-
-
-class _Ready:
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value
+        return Ready(y[:rows])
 
 
 class FFNExchange:
