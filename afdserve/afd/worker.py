@@ -7,6 +7,7 @@ Every step starts with the control-plane all-gather, so all ranks plan the same 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,8 @@ from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts
 from afdserve.engine.model_runner import LocalFFN
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.model.loader import load_model
+
+log = logging.getLogger("afdserve.worker")
 
 IDLE_SLEEP_S = 0.002
 STATS_EVERY_STEPS = 64
@@ -79,6 +82,7 @@ def worker_main(rank: int, conn: Connection) -> None:
     WORLD_SIZE and RANK come from the environment (the launcher or torchrun sets them)."""
     conn.send(("hello", rank))
     spec: WorkerSpec = conn.recv()
+    logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
     torch.set_num_threads(spec.threads)
     try:
         control_group, device = init_world(spec, rank)
@@ -131,6 +135,7 @@ class AttentionRank:
             rank,
         )
         self.memory = memory
+        log.info("%s", memory.line())
         self.control = ControlPlane(self.topology, control_group)
         self.recorder = _recorder(spec, "attention", rank)
         ffn_rank = self.topology.ffn_rank_of(rank)
@@ -238,6 +243,7 @@ class FFNRank:
         self.memory = MemoryReport(
             "ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors())
         )
+        log.info("%s", self.memory.line())
 
     def _run(self, plan) -> None:
         mine = plan.ffn[self.f]
