@@ -58,6 +58,7 @@ class ProcessClient(EngineClient):
         self.cost: dict[str, int] = {}
         self.outstanding = [0] * topology.attention_ranks
         self.rank_stats: dict[int, tuple] = {}
+        self._carried: list[RequestOutput] = []
         self.authkey = os.urandom(16)
         self.listener = Listener(frontend_address, authkey=self.authkey)
         self.address = self.listener.address
@@ -194,8 +195,9 @@ class ProcessClient(EngineClient):
     def step(self) -> list[RequestOutput]:
         if self.closed:
             raise WorkerError("the engine is shut down")
-        results: list[RequestOutput] = []
-        for msg in self._messages(0.05):
+        results, self._carried = self._carried, []
+        rejected: RequestError | None = None
+        for msg in self._messages(0.0 if results else 0.05):
             kind = msg[0]
             if kind == "outputs":
                 _, rank, outs, stats = msg
@@ -206,14 +208,17 @@ class ProcessClient(EngineClient):
                     results.append(out)
                     if out.finished:
                         self._forget(out.request_id)
-            elif kind == "rejected":
+            elif kind == "rejected":  # a rank refused what passed the frontend's checks
                 _, _, request_id, message = msg
                 self._forget(request_id)
-                raise RequestError(message)
+                rejected = RequestError(message, request_id)
             elif kind in ("error", "lost"):
                 detail = msg[2] if kind == "error" else "connection lost"
                 self.shutdown()
                 raise WorkerError(f"rank {msg[1]} failed:\n{detail}")
+        if rejected is not None:
+            self._carried = results  # handed out by the next step()
+            raise rejected
         if not results:
             try:
                 self._check_alive("while serving")

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 class RequestError(ValueError):
     """A request the engine refuses; the message names the field and what is allowed."""
 
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
 
 @dataclass(frozen=True)
 class RequestLimits:

@@ -48,6 +48,8 @@ class LLM:
         connector: str = "auto",
         seed: int = 0,
     ) -> None:
+        # The bundled model is served under a short name (its path is a cache detail).
+        self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
         model = resolve_model(model)
         self.engine_config = EngineConfig(
             model=model,
@@ -71,7 +73,6 @@ class LLM:
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology
-        self.model_name = model
         self._log_path = self._step_log_path(log_step_plan)
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(model)

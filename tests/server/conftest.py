@@ -1,0 +1,141 @@
+"""A real `run_server` in a subprocess (bundled tiny model), shared by the module, and the process
+bookkeeping the shutdown tests need: every process a test server starts carries a marker in its
+environment, so that a test finds them all, ranks whose parent is gone included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+SERVED_NAME = "tiny"
+MARKER = "AFDSERVE_TEST_SERVER"  # in the environment of every process a test server starts
+STARTUP_DEADLINE_S = 240.0  # a 2A1F start on a busy 2-core machine
+SERVER_CODE = """
+import sys
+from afdserve.engine.llm import LLM
+from afdserve.server.app import run_server
+
+run_server(lambda: LLM(topology=sys.argv[3]), "127.0.0.1", int(sys.argv[1]),
+           served_model_name=sys.argv[2], log_level="warning")
+"""
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    marker: str
+    log_path: Path
+    health_seen: set[int] = field(default_factory=set)  # /health statuses while starting
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.health_seen.add(httpx.get(f"{self.url}/health", timeout=2).status_code)
+                if 200 in self.health_seen:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"/health not 200 in {STARTUP_DEADLINE_S:.0f} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in marked_pids(self.marker):  # whatever failed, leave no rank behind
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_server(tmp_path: Path, port: int, topology: str = "2A1F") -> ServerProcess:
+    marker = uuid.uuid4().hex
+    log_path = tmp_path / f"server-{port}.log"
+    # One intra-op thread per process: three ranks and the tests share two cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER_CODE, str(port), SERVED_NAME, topology],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return ServerProcess(proc, port, marker, log_path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int, recursive: bool = True) -> set[int]:
+    """The children (or every descendant) of `pid`, from /proc/<pid>/task/*/children."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(p) for p in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            if recursive:
+                todo.extend(kids - found)
+            found |= kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running; a zombie has exited (only its exit status is left to collect)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes started by the test server with this marker, orphans included."""
+    needle = f"{MARKER}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in pids if alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(tmp_path_factory.mktemp("server"), free_port())
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
