@@ -17,8 +17,9 @@ NEAR_TIE = 0.15  # bf16 logit gap under which two kernels may legitimately pick 
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "m", "qwen3_moe", hash_layers=1,
-                           seed=5, dtype="bfloat16")
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gpu") / "m", "qwen3_moe", hash_layers=1, seed=5, dtype="bfloat16"
+    )
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -32,8 +33,9 @@ def _check(eager: LLM, prompts, got, want) -> list[float]:
         if g == w:
             continue
         i = next(k for k in range(len(w)) if g[k] != w[k])
-        out = eager.generate([p + w[:i]], SamplingParams(max_tokens=1, temperature=0.0,
-                                                          logprobs=2, ignore_eos=True))[0]
+        out = eager.generate(
+            [p + w[:i]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, ignore_eos=True)
+        )[0]
         top = sorted(out.logprobs[0].values(), reverse=True)
         gap = top[0] - top[1]
         assert gap < NEAR_TIE, f"prompt {p}: diverged at {i} with a logprob gap of {gap}"
@@ -48,9 +50,15 @@ def test_graph_tokens_equal_eager(bf16_model, topology):
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256)
     with LLM(str(bf16_model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(bf16_model), topology=topology, connector="inprocess"
-                 if topology == "1A1F" else "auto", graph_mode="full_decode_only",
-                 cuda_graph_sizes=SIZES, log_step_plan=True, **common) as graphs:
+        with LLM(
+            str(bf16_model),
+            topology=topology,
+            connector="inprocess" if topology == "1A1F" else "auto",
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=SIZES,
+            log_step_plan=True,
+            **common,
+        ) as graphs:
             assert graphs.engine.core.graphs is not None
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             modes = {r["mode"] for r in graphs.step_log()}
@@ -61,9 +69,16 @@ def test_graph_tokens_equal_eager(bf16_model, topology):
 
 def test_every_captured_size_replays(bf16_model):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    with LLM(str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=16,
-             max_model_len=256, graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
-             log_step_plan=True) as llm:
+    with LLM(
+        str(bf16_model),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=16,
+        max_model_len=256,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=SIZES,
+        log_step_plan=True,
+    ) as llm:
         for n in SIZES:
             llm.generate(_prompts(n), params)
         replayed = {r["padded_rows"] for r in llm.step_log() if r["mode"] == "replay"}
@@ -74,9 +89,16 @@ def test_every_captured_size_replays(bf16_model):
 
 def test_batch_above_largest_capture_runs_eagerly(bf16_model):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    with LLM(str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=24,
-             max_model_len=256, graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4],
-             log_step_plan=True) as llm:
+    with LLM(
+        str(bf16_model),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=24,
+        max_model_len=256,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4],
+        log_step_plan=True,
+    ) as llm:
         outs = llm.generate(_prompts(20), params)
         records = llm.step_log()
     assert all(len(o.token_ids) == 3 for o in outs)

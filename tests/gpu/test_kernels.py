@@ -1,0 +1,148 @@
+"""GPU fast paths against the plain-torch reference, on fresh random inputs each time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from afdserve.kernels import ops, reference
+from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def paged_case(
+    query_lens: list[int],
+    context_lens: list[int],
+    pad_rows: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step batch of segments over a randomly filled cache with shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    needs = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = sum(needs) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(needs)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    segments, positions, slots, row, used = [], [], [], 0, 0
+    for q_len, ctx in zip(query_lens, context_lens):
+        blocks = perm[used : used + math.ceil(ctx / block_size)]
+        used += len(blocks)
+        table = torch.tensor(blocks + [0] * (width - len(blocks)), dtype=torch.int32, device=device)
+        segments.append(Segment(row, row + q_len, table, ctx))
+        for p in range(ctx - q_len, ctx):
+            positions.append(p)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        row += q_len
+    positions += [0] * pad_rows
+    slots += [-1] * pad_rows
+    segments = tuple(segments)
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        segments=segments,
+        batched=batch_segments(segments, torch.device(device)),
+    )
+    q = torch.randn(row + pad_rows, heads, dim, generator=gen).to(dtype).to(device)
+    return q, k_cache, v_cache, meta
+
+
+CASES = {
+    "decode": ([1] * 7, [1, 15, 16, 17, 100, 333, 1024], 3),
+    "prefill": ([37, 1, 64], [37, 50, 200], 0),
+    "chunked": ([5, 130], [261, 130], 2),
+    # Enough programs that the context is not split: the kernel writes the output directly.
+    "wide": ([1] * 160, [1 + (7 * i) % 300 for i in range(160)], 1),
+}
+# Qwen3-MoE's heads at every case and dtype; other GQA groups and head sizes on a few. Each shape
+# compiles its own kernels, which is most of this file's run time.
+SHAPES = [(32, 4, 128, case, dtype) for case in CASES for dtype in ("bf16", "fp32")] + [
+    (8, 8, 64, "decode", "bf16"),
+    (8, 8, 64, "chunked", "fp32"),
+    (12, 2, 96, "prefill", "bf16"),
+    (12, 2, 96, "wide", "bf16"),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads,kv_heads,dim,case,dtype_name", SHAPES)
+def test_paged_attention_matches_reference(heads, kv_heads, dim, case, dtype_name, block_size):
+    dtype = DTYPES[dtype_name]
+    query_lens, context_lens, pad = CASES[case]
+    q, k_cache, v_cache, meta = paged_case(
+        query_lens, context_lens, pad, heads, kv_heads, dim, block_size, dtype, "cuda",
+        seed=hash((case, block_size, heads)) % 1000,
+    )  # fmt: skip
+    scale = dim**-0.5
+    out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    ref = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), meta, scale)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert rel_err(out, ref) < tol
+    if pad:
+        assert (out[-pad:] == 0).all(), "pad rows must come out zero"
+
+
+def test_write_kv_skips_pad_rows_without_sync():
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(9, 16, 4, 128, generator=gen).to(torch.bfloat16).cuda()
+    expected = cache.clone()
+    values = torch.randn(6, 4, 128, generator=gen).cuda()  # float32 in, cast on write
+    slots = torch.tensor([5, 140, -1, 17, -1, 0], device="cuda")
+    reference.write_kv(expected, values, slots)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.write_kv(cache, values, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_moe_experts_matches_reference(rows):
+    gen = torch.Generator().manual_seed(rows)
+    experts, hidden, inter, top_k = 16, 256, 96, 4
+    x = torch.randn(rows, hidden, generator=gen).bfloat16().cuda()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).bfloat16().cuda()
+    down = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).bfloat16().cuda()
+    logits = torch.randn(rows, experts, generator=gen).cuda()
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ops.moe_experts(x, ids, weights, gate_up, down)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = reference.moe_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_moe_fp32_falls_back_to_reference():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen).cuda()
+    gate_up = torch.randn(4, 64, 64, generator=gen).cuda() * 0.1
+    down = torch.randn(4, 64, 32, generator=gen).cuda() * 0.1
+    ids = torch.randint(0, 4, (5, 2), generator=gen).cuda()
+    weights = torch.rand(5, 2, generator=gen).cuda()
+    out = ops.moe_experts(x, ids, weights, gate_up, down)
+    assert torch.allclose(out, reference.moe_experts(x, ids, weights, gate_up, down))
