@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
     p.add_argument("--gate-on-attention", action="store_true",
                    help="run the MoE router on the attention ranks")
+    p.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
+                   help="listen here for ranks started elsewhere (torchrun) instead of spawning")
     p.add_argument("--log-step-plan", nargs="?", const=True, default=False, metavar="PATH",
                    help="write one JSON line per rank per step (to PATH)")
 
@@ -55,6 +57,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "graph_mode": args.graph_mode, "cuda_graph_sizes": args.cuda_graph_sizes,
         "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
         "log_step_plan": args.log_step_plan,
+        "frontend_address": args.frontend_address,
     }
 
 

@@ -59,7 +59,8 @@ class ProcessClient(EngineClient):
         self.outstanding = [0] * topology.attention_ranks
         self.rank_stats: dict[int, tuple] = {}
         self._carried: list[RequestOutput] = []
-        self.authkey = os.urandom(16)
+        key = os.environ.get("AFDSERVE_AUTHKEY")
+        self.authkey = bytes.fromhex(key) if key else os.urandom(16)
         self.listener = Listener(frontend_address, authkey=self.authkey)
         self.address = self.listener.address
         try:

@@ -34,6 +34,7 @@ from afdserve.model.loader import load_model
 log = logging.getLogger("afdserve.worker")
 
 IDLE_SLEEP_S = 0.002
+CONNECT_TIMEOUT_S = 300.0
 STATS_EVERY_STEPS = 64
 
 
@@ -106,7 +107,15 @@ def main() -> None:
     AFDSERVE_FRONTEND=host:port and AFDSERVE_AUTHKEY (hex) say where the frontend listens."""
     host, port = os.environ["AFDSERVE_FRONTEND"].rsplit(":", 1)
     authkey = bytes.fromhex(os.environ["AFDSERVE_AUTHKEY"])
-    conn = Client((host, int(port)), authkey=authkey)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:  # under torchrun a rank may start before the frontend listens
+        try:
+            conn = Client((host, int(port)), authkey=authkey)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     try:
         worker_main(int(os.environ["RANK"]), conn)
     except BaseException:

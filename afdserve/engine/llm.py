@@ -21,6 +21,15 @@ Prompt = str | list[int]
 log = logging.getLogger(__name__)
 
 
+def _parse_address(text: str | None) -> tuple[str, int] | None:
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"frontend_address={text!r}: expected HOST:PORT, e.g. 0.0.0.0:5555")
+    return host or "0.0.0.0", int(port)
+
+
 class LLM:
     """Runs colocated in this process, or starts every rank of an AFD topology as a process.
 
@@ -46,6 +55,7 @@ class LLM:
         gate_on_attention: bool = False,
         log_step_plan: bool | str = False,
         connector: str = "auto",
+        frontend_address: str | None = None,
         seed: int = 0,
     ) -> None:
         # The bundled model is served under a short name (its path is a cache detail).
@@ -74,6 +84,7 @@ class LLM:
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology
         self._log_path = self._step_log_path(log_step_plan)
+        self._frontend_address = _parse_address(frontend_address)
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(model)
         self.engine: EngineClient = self._start()
@@ -115,7 +126,11 @@ class LLM:
         from afdserve.afd.worker import WorkerSpec
 
         spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
-        client = ProcessClient(spec)
+        if self._frontend_address is None:
+            client = ProcessClient(spec)
+        else:  # ranks are started elsewhere (torchrun, Slurm) and connect here
+            client = ProcessClient(spec, spawn=False, frontend_address=self._frontend_address)
+        self.frontend_address = client.address
         self.memory_reports = [client.ready[r]["memory"] for r in sorted(client.ready)]
         self.rank_tensor_names = {r: client.ready[r]["tensor_names"] for r in client.ready}
         return client

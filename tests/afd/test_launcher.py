@@ -88,3 +88,44 @@ def test_rank_dying_mid_serve_fails_requests_and_stops_all(afd_models):
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_ranks_started_elsewhere_join_the_frontend(afd_models, monkeypatch):
+    """The torchrun path: ranks are started by someone else with env:// variables and connect to a
+    frontend that only listens."""
+    import subprocess
+    import sys
+
+    from afdserve.afd.launcher import free_port
+
+    key, frontend, master = os.urandom(16).hex(), free_port(), free_port()
+    monkeypatch.setenv("AFDSERVE_AUTHKEY", key)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "afdserve.afd.worker"],
+            env=dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master),
+                WORLD_SIZE="3",
+                RANK=str(rank),
+                AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}",
+            ),
+        )
+        for rank in range(3)
+    ]
+    try:
+        model = afd_models["qwen3_moe"]
+        with LLM(
+            str(model), topology="2A1F", dtype="float32", frontend_address=f"127.0.0.1:{frontend}"
+        ) as llm:
+            got = llm.generate([[3, 4, 5], [6, 7]], GREEDY)
+        with LLM(str(model), dtype="float32") as ref:
+            want = ref.generate([[3, 4, 5], [6, 7]], GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
