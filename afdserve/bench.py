@@ -189,6 +189,9 @@ class DecodeSteps:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # The warm-up forward writes KV at the current slots: point them at the step the first
+        # replay runs, which rewrites the same values there.
+        self._advance()
         # The graph reads these tensors by address: they must outlive every replay.
         self.graph_inputs = inputs = self._inputs()
         stream = torch.cuda.Stream()
@@ -348,7 +351,7 @@ def hf_sharing_weights(
     hf.load_state_dict(state, strict=False, assign=True)
     rotary = getattr(hf.model, "rotary_emb", None)
     if rotary is not None:  # non-persistent buffers are not in any state dict
-        hf.model.rotary_emb = type(rotary)(config=hf.config, device=device)
+        hf.model.rotary_emb = type(rotary)(config=hf.config).to(device)
     left = [n for n, t in (*hf.named_parameters(), *hf.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(f"transformers model has tensors afdserve does not: {left[:10]}")

@@ -104,3 +104,20 @@ def test_batch_above_largest_capture_runs_eagerly(bf16_model):
     assert all(len(o.token_ids) == 3 for o in outs)
     assert any(r["real_rows"] > 4 and r["mode"] == "eager" for r in records)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"])
+def test_cuda_float32_matches_cpu(tmp_path, family):
+    """device='cuda' runs every family (fast attention for GQA, reference MLA and MoE in float32)
+    and gives the CPU engine's greedy tokens; in-process 1A1F on the GPU too."""
+    model = make_tiny_model(tmp_path / family, family, hash_layers=1, seed=2)
+    prompts = _prompts(6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), dtype="float32") as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    for topology in ("colocated", "1A1F"):
+        with LLM(
+            str(model), device="cuda", dtype="float32", topology=topology, max_num_batched_tokens=16
+        ) as gpu:
+            got = [o.token_ids for o in gpu.generate(prompts, params)]
+        assert got == want, topology
