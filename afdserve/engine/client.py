@@ -85,3 +85,16 @@ class SingleProcessClient(EngineClient):
 
     def step_log(self) -> list[dict]:
         return list(self.recorder.records)
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache and any graphs so the next engine gets the memory."""
+        self.recorder.close()
+        if self.core is None or self.core.device.type != "cuda":
+            return
+        import gc
+
+        import torch
+
+        self.core = self.boundary = None
+        gc.collect()
+        torch.cuda.empty_cache()

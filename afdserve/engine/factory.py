@@ -66,6 +66,8 @@ def kv_blocks_for(
         return config.kv_cache_blocks
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # Memory this process's allocator holds but does not use is free for the cache too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free - total * (1 - config.gpu_memory_utilization)
         blocks = int(budget // per_block)
     else:

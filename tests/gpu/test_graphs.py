@@ -47,7 +47,10 @@ def _check(eager: LLM, prompts, got, want) -> list[float]:
 def test_graph_tokens_equal_eager(bf16_model, topology):
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256)
+    # Two engines live at once here: give each a fixed cache instead of a share of free memory.
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512
+    )
     with LLM(str(bf16_model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
         with LLM(
