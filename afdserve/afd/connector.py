@@ -97,10 +97,8 @@ class _Empty:
 class AttentionConnector:
     """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(
-        self, ffn_rank: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.ffn_rank, self.hidden, self.dtype, self.device = ffn_rank, hidden_size, dtype, device
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.hidden, self.dtype, self.device = hidden_size, dtype, device
         self.plan: AttentionRankPlan | None = None
         self.step = 0
 
@@ -132,8 +130,9 @@ class AttentionConnector:
             packed_w = torch.zeros(tile, k, dtype=torch.float32, device=self.device)
             packed_ids[:rows], packed_w[:rows] = topk_ids, topk_w
             sends += [packed_ids, packed_w]
-        ops = [dist.P2POp(dist.isend, t, self.ffn_rank) for t in sends]
-        ops.append(dist.P2POp(dist.irecv, out, self.ffn_rank))
+        peer = self.plan.ffn_rank  # the plan names the FFN rank, like every other layout fact
+        ops = [dist.P2POp(dist.isend, t, peer) for t in sends]
+        ops.append(dist.P2POp(dist.irecv, out, peer))
         works = dist.batch_isend_irecv(ops)
         return _Pending(works, out, rows, tuple(sends))
 

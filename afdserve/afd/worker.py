@@ -147,14 +147,11 @@ class AttentionRank:
         log.info("%s", memory.line())
         self.control = ControlPlane(self.topology, control_group)
         self.recorder = _recorder(spec, "attention", rank)
-        ffn_rank = self.topology.ffn_rank_of(rank)
-        if ffn_rank is None:
+        if self.topology.colocated:
             self.boundary = LocalFFN(self.core.model)
         else:
             dtype = next(self.core.model.parameters()).dtype
-            self.boundary = AttentionConnector(
-                ffn_rank, self.core.config.hidden_size, dtype, device
-            )
+            self.boundary = AttentionConnector(self.core.config.hidden_size, dtype, device)
 
     def _ready_info(self) -> dict:
         core = self.core
@@ -229,7 +226,6 @@ class FFNRank:
         self, spec: WorkerSpec, rank: int, device: torch.device, control_group, conn: Connection
     ) -> None:
         self.spec, self.rank, self.topology, self.conn = spec, rank, spec.topology, conn
-        self.f = self.topology.ffn_index(rank)
         model, _ = load_model(
             spec.engine.model,
             half_parts("ffn", spec.afd.gate_on_attention),
@@ -255,7 +251,7 @@ class FFNRank:
         log.info("%s", self.memory.line())
 
     def _run(self, plan) -> None:
-        mine = plan.ffn[self.f]
+        mine = plan.for_rank(self.rank)
         if mine.mode != "idle":
             self.exchange.run_step(mine, self.recorder.step)
         self.recorder.record(plan)

@@ -79,7 +79,7 @@ def _rank(rank: int, port: int, model_dir: str, errors) -> None:
         if rank == 0:
             model, _ = load_model(model_dir, half_parts("attention", False), "float32")
             connector = AttentionConnector(
-                1, model.config.hidden_size, torch.float32, torch.device("cpu")
+                model.config.hidden_size, torch.float32, torch.device("cpu")
             )
             connector.begin_step(plan.attention[0], step=5)  # this peer believes it is step 5
             connector.post(
