@@ -72,6 +72,9 @@ class ModelRunner:
     def __init__(self, model: MoECausalLM, kv_cache: KVCache, device: torch.device) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
+        # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);
+        # the CPU reference loops over segments instead.
+        self.batched_metadata = device.type == "cuda"
 
     def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
         ids: list[int] = []
@@ -110,7 +113,7 @@ class ModelRunner:
             positions=torch.tensor(positions + [0] * pad, dtype=torch.int64).to(dev),
             slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64).to(dev),
             segments=segments,
-            batched=batch_segments(segments, dev) if dev.type == "cuda" else None,
+            batched=batch_segments(segments, dev) if self.batched_metadata else None,
         )
         input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev)
         route_ids = torch.tensor(ids + [-1] * pad, dtype=torch.int64).to(dev)

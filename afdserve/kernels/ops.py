@@ -63,6 +63,14 @@ def moe_experts(
     if FAST_PATHS["moe"] and x.is_cuda:
         from afdserve.kernels import moe_gpu
 
+        # Few pairs (decode): the fused Triton kernels, which read each touched expert once and
+        # skip the sort/scatter round trip. More: the grouped GEMM. The crossover was measured.
+        if _triton_ready(x):
+            from afdserve.kernels import triton_moe
+
+            small = topk_ids.numel() <= triton_moe.MAX_PAIRS
+            if small and triton_moe.supports(x, gate_up, down):
+                return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
         if moe_gpu.supports(x, gate_up, down):
             return moe_gpu.moe_experts(x, topk_ids, topk_weights, gate_up, down)
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)

@@ -107,6 +107,8 @@ class MLAAttention(nn.Module):
         k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
         latent_cache, _ = cache
         ops.write_kv(latent_cache, torch.cat((latent[:, None, :], k_pe), dim=-1), meta.slot_mapping)
+        if meta.batched is not None:
+            return self._absorbed(q_nope, q_pe, latent_cache, meta)
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_zeros(rows, self.heads, self.v_dim)
         for seg in meta.segments:
@@ -118,6 +120,24 @@ class MLAAttention(nn.Module):
             out[seg.row_start : seg.row_end] = causal_attention(
                 q[seg.row_start : seg.row_end], k, v, self.scale
             )
+        return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
+
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Attention in the latent space: kv_b_proj's key part is folded into the query and its
+        value part applied after, so every head attends straight over the cached
+        [latent, rope key] rows as one shared KV head (MQA). One batched kernel launch, no
+        per-sequence expansion, and CUDA-graph capturable. Equal to the expanded form:
+        q_nope . (W_uk c) = (W_uk^T q_nope) . c."""
+        rows = q_nope.shape[0]
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, L], [H, v, L]
+        q_latent = torch.einsum("rhn,hnl->rhl", q_nope, w_uk)
+        q = torch.cat((q_latent, q_pe), dim=-1)  # [rows, H, L + R]
+        # Values are the latent part of the same cached rows; the rope part of the output is unused.
+        out = ops.paged_attention(q, latent_cache, latent_cache, meta, self.scale)
+        out = torch.einsum("rhl,hvl->rhv", out[..., : self.kv_lora_rank], w_uv)
         return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
 
 

@@ -43,8 +43,30 @@ def _check(eager: LLM, prompts, got, want) -> list[float]:
     return gaps
 
 
-@pytest.mark.parametrize("topology", ["colocated", "1A1F"])
-def test_graph_tokens_equal_eager(bf16_model, topology):
+@pytest.fixture(scope="module")
+def bf16_mla_model(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gpu") / "mla",
+        "deepseek_v3",
+        hash_layers=1,
+        seed=5,
+        dtype="bfloat16",
+    )
+
+
+@pytest.mark.parametrize(
+    ("topology", "family"),
+    [
+        ("colocated", "qwen3_moe"),
+        ("1A1F", "qwen3_moe"),
+        ("colocated", "deepseek_v3"),
+        ("1A1F", "deepseek_v3"),
+    ],
+)
+def test_graph_tokens_equal_eager(bf16_model, bf16_mla_model, topology, family):
+    """GQA and MLA (latent-space attention) alike."""
+    if family == "deepseek_v3":
+        bf16_model = bf16_mla_model
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     # Two engines live at once here: give each a fixed cache instead of a share of free memory.
@@ -67,7 +89,7 @@ def test_graph_tokens_equal_eager(bf16_model, topology):
             modes = {r["mode"] for r in graphs.step_log()}
         gaps = _check(eager, prompts, got, want)
     assert "replay" in modes and "capture" in modes
-    print(f"{topology}: {len(gaps)} near-tie divergences, gaps {gaps}")
+    print(f"{topology} {family}: {len(gaps)} near-tie divergences, gaps {gaps}")
 
 
 def test_every_captured_size_replays(bf16_model):
