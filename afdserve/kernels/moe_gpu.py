@@ -3,7 +3,8 @@
 Rows are sorted by expert on the device; per-expert row counts become the grouped GEMM's offsets,
 so the number of rows each expert gets never reaches the host (the reference's `.tolist()` does).
 Experts that get no rows are skipped by the grouped kernel: a decode step reads only the experts
-its batch touches.
+its batch touches. `ops.moe_experts` uses this path above `triton_moe.MAX_PAIRS` (token, expert)
+pairs; below it, the Triton decode kernels measured faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ is resolved inside the kernels, from the pair list held in registers: each progr
 collects that expert's pairs (a prefix sum over the list) and streams the expert's weight tile once
 for all of them. With fewer pairs than experts, program `s` takes the expert of pair `s` and runs
 only if `s` is that expert's first pair, so the grid is never larger than the pair count; with
-more, program `s` takes expert `s` and exits if no pair chose it. Pair lists up to a few hundred
-fit in registers, which is why this path is for small batches.
+more, program `s` takes expert `s` and exits if no pair chose it. The pair list lives in registers
+of every program, which is why this path is for small batches (up to `MAX_PAIRS`).
 
 1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
@@ -24,14 +24,20 @@ import triton
 import triton.language as tl
 
 # Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the grouped GEMM: the
-# crossover measured on an H200 for Qwen3-30B-A3B's experts (docs/benchmarks.md, kernel table).
-MAX_PAIRS = 512
+# largest pair count timed (a batch of 128 at top-8) on an H200 for Qwen3-30B-A3B's experts, where
+# this path was still 1.25x faster (docs/benchmarks.md, kernel table). Larger counts are untimed.
+MAX_PAIRS = 1024
 
-GATE_UP_COLUMNS = 16  # intermediate columns per gate/up program (gate and up tiles each)
-DOWN_COLUMNS = 32  # hidden columns per down program
+# Tile shapes by pair count, each row used up to its first field: (pairs, intermediate columns
+# per gate/up program, hidden columns per down program, warps, pipeline stages). Timed on an H200
+# for Qwen3-30B-A3B's experts. Wider tiles mean fewer programs, each paying the routing prologue
+# once; narrower ones spread the few experts of a small batch over more SMs.
+TILES = ((8, 32, 64, 4, 4), (64, 32, 64, 2, 4), (1024, 64, 64, 4, 4))
 SUM_COLUMNS = 512
-NUM_WARPS = 4
-NUM_STAGES = 4
+
+
+def _tiles(pairs: int) -> tuple[int, int, int, int]:
+    return next((row[1:] for row in TILES if pairs <= row[0]), TILES[-1][1:])
 
 
 def _rows_per_tile(pairs: int, experts: int) -> int:
@@ -177,13 +183,14 @@ def moe_experts(
         ROWS=_rows_per_tile(pairs, experts),
     )
     slots = min(pairs, experts)
-    _gate_up_kernel[(triton.cdiv(inter, GATE_UP_COLUMNS), slots)](
-        x, ids, gate_up, h, pairs, top_k, hidden, inter, **routing, COLUMNS=GATE_UP_COLUMNS,
-        K_BLOCK=_k_block(hidden), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    gate_up_columns, down_columns, warps, stages = _tiles(pairs)
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+        x, ids, gate_up, h, pairs, top_k, hidden, inter, **routing, COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _down_kernel[(triton.cdiv(hidden, DOWN_COLUMNS), slots)](
-        h, ids, weights, down, y, pairs, hidden, inter, **routing, COLUMNS=DOWN_COLUMNS,
-        K_BLOCK=_k_block(inter), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
+        h, ids, weights, down, y, pairs, hidden, inter, **routing, COLUMNS=down_columns,
+        K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
         y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
