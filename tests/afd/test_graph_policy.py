@@ -119,8 +119,8 @@ def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models):
     """4A2F decode loads 16/16/16/1: every member of a group computes and sends the same tile; the
     FFN receives peers x tile and validates each payload; outputs equal colocated."""
     model = afd_models["deepseek_v3"]
-    small = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    big = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    small = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    big = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     prompts = [[1 + (i % 200), 2 + (i % 100)] for i in range(49)]
     params = [small] * 3 + [big] + [small] * 45  # rank 3 takes the big one and nothing else
     with LLM(
