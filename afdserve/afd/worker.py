@@ -33,7 +33,9 @@ from afdserve.model.loader import load_model
 
 log = logging.getLogger("afdserve.worker")
 
-IDLE_SLEEP_S = 0.002
+# Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
+# round, and idle worlds do not keep every core busy.
+IDLE_SLEEP_S = (0.001, 0.020)
 CONNECT_TIMEOUT_S = 300.0
 STATS_EVERY_STEPS = 64
 
@@ -205,6 +207,7 @@ class AttentionRank:
     def serve(self) -> None:
         self._warmup()
         self.conn.send(("ready", self.rank, self._ready_info()))
+        idle_sleep = IDLE_SLEEP_S[0]
         while True:
             shutdown = self._drain()
             out, report = self.core.schedule()
@@ -217,8 +220,11 @@ class AttentionRank:
             self.recorder.record(plan)
             if results or self.recorder.step % STATS_EVERY_STEPS == 0:
                 self.conn.send(("outputs", self.rank, results, self._stats()))
-            if not plan.has_work:
-                time.sleep(IDLE_SLEEP_S)
+            if plan.has_work:
+                idle_sleep = IDLE_SLEEP_S[0]
+            else:
+                time.sleep(idle_sleep)
+                idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_S[1])
 
 
 class FFNRank:
