@@ -12,7 +12,7 @@ import torch
 from afdserve.kernels import reference
 from afdserve.kernels.reference import AttentionMetadata
 
-FAST_PATHS = {"attention": True, "write_kv": True, "moe": True}
+FAST_PATHS = {"attention": True, "write_kv": True, "moe": True, "rms_norm": True}
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -23,6 +23,14 @@ def _triton_ready(t: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if FAST_PATHS["rms_norm"] and _triton_ready(x) and x.shape[-1] <= 16384:
+        from afdserve.kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
 
 
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:

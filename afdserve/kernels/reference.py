@@ -87,6 +87,14 @@ class AttentionMetadata:
         )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32; the normalised row is rounded to x's dtype before the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped."""
     flat = cache.view(-1, *cache.shape[2:])

@@ -248,3 +248,29 @@ def test_moe_fp32_falls_back_to_reference():
     weights = torch.rand(5, 2, generator=gen).cuda()
     out = ops.moe_experts(x, ids, weights, gate_up, down)
     assert torch.allclose(out, reference.moe_experts(x, ids, weights, gate_up, down))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (37, 4, 128), (5, 40), (0, 64)])
+def test_rms_norm_matches_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype).cuda()
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype).cuda()
+    want = reference.rms_norm(x, weight, 1e-6)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.rms_norm(x, weight, 1e-6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # One rounding of the same float32 value: equal up to the last bit of the output dtype.
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=1e-5 if tol == 0 else tol)
+
+
+def test_rms_norm_strided_rows():
+    x = torch.randn(8, 3, 256, device="cuda", dtype=torch.bfloat16)[:, 1]  # row stride 768
+    weight = torch.rand(256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), rtol=1e-2, atol=1e-2
+    )
