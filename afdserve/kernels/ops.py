@@ -12,7 +12,7 @@ import torch
 from afdserve.kernels import reference
 from afdserve.kernels.reference import AttentionMetadata
 
-FAST_PATHS = {"attention": True, "write_kv": True, "moe": True, "rms_norm": True}
+FAST_PATHS = {"attention": True, "write_kv": True, "moe": True, "rms_norm": True, "rotary": True}
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -23,6 +23,16 @@ def _triton_ready(t: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    if FAST_PATHS["rotary"] and _triton_ready(x):
+        from afdserve.kernels import triton_rotary
+
+        return triton_rotary.rotate(x, cos, sin, interleave)
+    return reference.rotate(x, cos, sin, interleave)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,6 +87,21 @@ class AttentionMetadata:
         )
 
 
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """Rotary embedding. x [rows, heads, dim]; cos/sin [rows, dim / 2]. Pairs (x[i], x[i + dim/2]),
+    or (x[2i], x[2i+1]) when interleaved (DeepSeek), whose output comes back de-interleaved: q and
+    k get the same permutation, so their dot products are unchanged."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    # The half-rotation's own rounding: cos/sin laid out as cat(freqs, freqs), as in transformers.
+    return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Statistics in float32; the normalised row is rounded to x's dtype before the weight."""
     dtype = x.dtype

@@ -38,17 +38,7 @@ class Rotary(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [rows, heads, dim]; cos/sin [rows, dim / 2]."""
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        if not self.interleave:
-            # Match the half-rotation's own rounding: cos/sin are laid out as cat(freqs, freqs).
-            return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat(
-                (sin, sin), -1
-            )
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return ops.rotate(x, cos, sin, self.interleave)
 
 
 class GatedMLP(nn.Module):

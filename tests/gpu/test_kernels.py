@@ -274,3 +274,25 @@ def test_rms_norm_strided_rows():
     torch.testing.assert_close(
         ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), rtol=1e-2, atol=1e-2
     )
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "heads", "dim"), [(1, 32, 128), (64, 4, 128), (9, 16, 64), (5, 1, 8)]
+)
+def test_rotary_matches_reference(interleave, dtype, rows, heads, dim):
+    gen = torch.Generator().manual_seed(rows * heads + dim)
+    base = torch.randn(rows, heads, dim + 8, generator=gen).to(dtype).cuda()
+    x = base[..., 8:]  # a strided view, as q_pe is after split
+    angles = torch.rand(rows, dim // 2, generator=gen).cuda() * 50
+    cos, sin = angles.cos(), angles.sin()
+    want = reference.rotate(x.double(), cos.double(), sin.double(), interleave)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.rotate(x, cos, sin, interleave)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
