@@ -44,7 +44,11 @@ class StepRecorder:
         return plan_step(reports, topology, self.table, self.ubatches)
 
     def record(self, plan: StepPlan, ranks: tuple[int, ...] | None = None) -> None:
-        """Log this rank's line (or the given ranks' lines) and mark new captures on every rank."""
+        """Log this rank's line (or the given ranks' lines) and mark new captures on every rank.
+        Rounds in which no rank has work are counted but not logged: an idle world polls often."""
+        if not plan.has_work:
+            self.step += 1
+            return
         mine = [r for r in plan.log_records(self.step) if r["rank"] in (ranks or (self.rank,))]
         for rec in mine:
             self.mode_counts[f"{rec['role']}:{rec['mode']}"] += 1
