@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from afdserve.afd.plan import GraphTable, StepPlan, capture_reports, plan_step
@@ -89,16 +88,3 @@ class StepRecorder:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-
-def log_path_for(base: str | bool, rank: int) -> str | None:
-    """`--log-step-plan PATH` writes PATH itself for rank 0 and PATH.rankN for the others... unless
-    PATH is a directory, where each rank writes rank{N}.jsonl."""
-    if not base:
-        return None
-    if base is True:
-        return None
-    p = Path(base)
-    if p.is_dir():
-        return str(p / f"rank{rank}.jsonl")
-    return str(p) if rank == 0 else f"{p}.rank{rank}"

@@ -79,20 +79,18 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        row_seq: list[int] = []  # which scheduled sequence each row belongs to
         spans: list[tuple[int, int, int, int]] = []  # row_start, row_end, seq index, context
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         tables = [entry.seq.block_table for entry in out.scheduled]
-        bs = self.block_size
         for index, entry in enumerate(out.scheduled):
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
             row = len(ids)
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            row_seq.extend([index] * (end - start))
             spans.append((row, len(ids), index, end))
             if entry.samples:
                 sample_rows.append(len(ids) - 1)
@@ -106,17 +104,24 @@ class ModelRunner:
         table_tensor = torch.tensor(
             [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
         ).to(dev)
+        # One host-to-device copy for every per-row input; pad rows: id 0 to embed, -1 to route.
+        host = torch.tensor(
+            [ids + [0] * pad, ids + [-1] * pad, positions + [0] * pad, row_seq + [0] * pad],
+            dtype=torch.int64,
+        )
+        input_ids, route_ids, position_tensor, seq_of_row = host.to(dev).unbind(0)
+        bs = self.block_size
+        slots = table_tensor[seq_of_row, position_tensor // bs] * bs + position_tensor % bs
+        slots[real:] = -1  # pad rows write no KV
         segments = tuple(
             Segment(r0, r1, table_tensor[index], context) for r0, r1, index, context in spans
         )
         meta = AttentionMetadata(
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64).to(dev),
-            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64).to(dev),
+            positions=position_tensor,
+            slot_mapping=slots,
             segments=segments,
             batched=batch_segments(segments, dev) if self.batched_metadata else None,
         )
-        input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev)
-        route_ids = torch.tensor(ids + [-1] * pad, dtype=torch.int64).to(dev)
         return StepInputs(
             input_ids,
             route_ids,
