@@ -10,9 +10,17 @@ from __future__ import annotations
 import torch
 
 from afdserve.kernels import reference
-from afdserve.kernels.reference import AttentionMetadata
+from afdserve.kernels.reference import AttentionMetadata, QKVLayout
 
-FAST_PATHS = {"attention": True, "write_kv": True, "moe": True, "rms_norm": True, "rotary": True}
+FAST_PATHS = {
+    "attention": True,
+    "write_kv": True,
+    "moe": True,
+    "rms_norm": True,
+    "rotary": True,
+    "qkv": True,
+    "router": True,
+}
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -43,6 +51,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it."""
+    fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
+    if FAST_PATHS["rms_norm"] and fits and _triton_ready(h) and h.shape[-1] <= 16384:
+        from afdserve.kernels import triton_norm
+
+        return triton_norm.add_rms_norm(h, delta, weight, eps)
+    return reference.add_rms_norm(h, delta, weight, eps)
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    layout: QKVLayout,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Norms + rotary + KV write of GQA's packed projection (see `reference.prepare_qkv`)."""
+    args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping)
+    if FAST_PATHS["qkv"] and _triton_ready(qkv):
+        from afdserve.kernels import triton_qkv
+
+        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
+            return triton_qkv.prepare_qkv(*args)
+    return reference.prepare_qkv(*args)
+
+
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if FAST_PATHS["write_kv"] and cache.is_contiguous() and _triton_ready(cache):
         from afdserve.kernels import triton_attention
@@ -69,6 +108,20 @@ def paged_attention(
 
         return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def route_greedy(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str, normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
+    where the fast path does not apply and the caller keeps its torch form."""
+    if FAST_PATHS["router"] and _triton_ready(x):
+        from afdserve.kernels import triton_router
+
+        if triton_router.supports(x, weight, top_k):
+            return triton_router.route(x, weight, top_k, scoring, normalize, scale)
+    return None
 
 
 def moe_experts(

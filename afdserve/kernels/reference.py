@@ -110,6 +110,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: (rms_norm(h + delta), h + delta)."""
+    h = h + delta
+    return rms_norm(h, weight, eps), h
+
+
+@dataclass(frozen=True)
+class QKVLayout:
+    """How GQA's packed projection [rows, (heads + 2 kv_heads) * head_dim] splits into heads, and
+    what its prologue applies: per-head q/k norms (both or neither) and the rotary's pairing."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    interleave: bool
+
+    def __post_init__(self) -> None:
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm come together: give both or neither")
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    layout: QKVLayout,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """GQA's prologue on the packed projection: per-head q/k norms (when given), rotary on q and
+    k, k and v into the cache. Returns q [rows, heads, head_dim]."""
+    rows, d, lay = qkv.shape[0], layout.head_dim, layout
+    q, k, v = qkv.split([lay.heads * d, lay.kv_heads * d, lay.kv_heads * d], dim=-1)
+    q, k = q.view(rows, lay.heads, d), k.view(rows, lay.kv_heads, d)
+    v = v.view(rows, lay.kv_heads, d)
+    if lay.q_norm is not None and lay.k_norm is not None:
+        q, k = rms_norm(q, lay.q_norm, lay.eps), rms_norm(k, lay.k_norm, lay.eps)
+    q, k = rotate(q, cos, sin, lay.interleave), rotate(k, cos, sin, lay.interleave)
+    write_kv(k_cache, k, slot_mapping)
+    write_kv(v_cache, v, slot_mapping)
+    return q
+
+
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped."""
     flat = cache.view(-1, *cache.shape[2:])

@@ -22,7 +22,12 @@ from afdserve.kernels.reference import AttentionMetadata
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner tile
 MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
-PROGRAMS_PER_SM = 4  # split the context until about this many programs run per SM
+# Split the context until about this many programs run per SM, and the kernel's launch shape:
+# the fastest of a sweep over BLOCK_N 32/64/128, warps 4/8, stages 2/3/4 and 2/4/8 programs per
+# SM, timed on an H200 at decode batch 1 and 64 with Qwen3-30B-A3B's heads and context 1024
+# (docs/benchmarks.md, "Kernel choices: decode attention").
+PROGRAMS_PER_SM = 2
+WARPS, STAGES = 4, 3
 
 
 @triton.jit
@@ -151,13 +156,53 @@ def plan_splits(
     return splits, tiles_per_split * BLOCK_N
 
 
+@triton.jit
+def _combine_kernel(
+    Parts, LSE, Out,
+    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+    num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass.
+    A slice with no keys (or a row no segment covers) has lse -inf: weight 0, and its partial
+    output is not read at all, so `Parts` needs no zero fill."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(
+        LSE + row * stride_lr + head * stride_lh + split,
+        mask=split < num_splits,
+        other=float("-inf"),
+    )
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    weight = weight / tl.maximum(tl.sum(weight, axis=0), 1e-30)
+    dims = tl.arange(0, DIM_PAD)
+    has = lse > float("-inf")
+    parts = tl.load(
+        Parts + row * stride_pr + head * stride_ph + split[:, None] * stride_ps + dims[None, :],
+        mask=has[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], axis=0)
+    tl.store(Out + row * stride_or + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dims < HEAD_DIM)  # fmt: skip
+
+
 def combine_splits(parts: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """parts [rows, heads, splits, dim] float32, lse [rows, heads, splits] (log2 units)."""
-    top = lse.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # rows with no keys: all -inf
-    weights = torch.exp2(lse - top)
-    weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return (parts * weights.unsqueeze(-1)).sum(dim=2).to(out_dtype)
+    rows, heads, splits, dim = parts.shape
+    out = torch.empty(rows, heads, dim, dtype=out_dtype, device=parts.device)
+    if rows:
+        _combine_kernel[(rows, heads)](
+            parts, lse, out,
+            *parts.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+            splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            DIM_PAD=triton.next_power_of_2(dim),
+        )  # fmt: skip
+    return out
 
 
 def paged_attention(
@@ -181,19 +226,22 @@ def paged_attention(
     else:
         block_q = max(1, 64 // group_pad)
     segments = int(batched.context_lens.shape[0])
-    out = torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
     if segments == 0 or batched.max_context_len == 0:
-        return out
+        return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     splits, split_tokens = plan_splits(
         segments, kv_heads, q_blocks, batched.max_context_len, _sm_count(q.device.index or 0)
     )
     direct = splits == 1
     if direct:
+        # Rows no segment covers (graph padding) are never written by the kernel: zero them.
+        out = torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
         parts = lse = out  # unused placeholders
         part_strides, lse_strides = (0, 0, 0), (0, 0)
     else:
-        parts = torch.zeros(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+        out = q  # unused placeholder: combine_splits writes the output
+        # Every slice of a covered row writes its lse; only uncovered rows keep this -inf.
+        parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.full((rows, heads, splits), float("-inf"), device=q.device)
         part_strides, lse_strides = parts.stride()[:3], lse.stride()[:2]
     tables = batched.block_tables
@@ -213,7 +261,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
         BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if direct:
         return out

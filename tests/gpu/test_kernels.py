@@ -268,6 +268,26 @@ def test_rms_norm_matches_reference(dtype, shape):
     torch.testing.assert_close(got, want, rtol=tol, atol=1e-5 if tol == 0 else tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,width", [(1, 2048), (64, 2048), (7, 40), (0, 64)])
+def test_add_rms_norm_matches_reference(dtype, rows, width):
+    """The residual add fused into the norm: the sum bit-equal to `h + delta`, the norm to one
+    rounding of the same value."""
+    gen = torch.Generator().manual_seed(rows + width)
+    h = (torch.randn(rows, width, generator=gen) * 3).to(dtype).cuda()
+    delta = torch.randn(rows, width, generator=gen).to(dtype).cuda()
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype).cuda()
+    want_x, want_h = reference.add_rms_norm(h, delta, weight, 1e-6)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got_x, got_h = ops.add_rms_norm(h, delta, weight, 1e-6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got_h, want_h)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_x, want_x, rtol=tol, atol=1e-5 if tol == 0 else tol)
+
+
 def test_rms_norm_strided_rows():
     x = torch.randn(8, 3, 256, device="cuda", dtype=torch.bfloat16)[:, 1]  # row stride 768
     weight = torch.rand(256, device="cuda", dtype=torch.bfloat16)
