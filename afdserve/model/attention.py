@@ -7,10 +7,16 @@ Each layer owns its slice of the paged KV cache, handed in per call: `(k_cache, 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference import AttentionMetadata, causal_attention, gather_kv
+from afdserve.kernels.reference import (
+    AttentionMetadata,
+    QKVLayout,
+    causal_attention,
+    gather_kv,
+)
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm, Rotary
 
@@ -36,6 +42,24 @@ class GQAAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = config.softmax_scale
+        self.eps = config.rms_norm_eps
+        self.qkv_weight: torch.Tensor | None = None  # set by pack_qkv
+        self.qkv_bias: torch.Tensor | None = None
+
+    def pack_qkv(self) -> None:
+        """Lay q, k and v's weights out as one [q + k + v, hidden] matrix, so a step runs one GEMM
+        instead of three. The three projections become views of it: checkpoints still load (and
+        state dicts still read) by the Hugging Face names. Call once the weights are allocated."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [p.out_features for p in projections]
+        for name in ("weight", "bias"):
+            tensors = [getattr(p, name) for p in projections]
+            if tensors[0] is None:
+                continue
+            packed = torch.cat([t.detach() for t in tensors])
+            for proj, view in zip(projections, packed.split(sizes), strict=True):
+                setattr(proj, name, nn.Parameter(view, requires_grad=False))
+            setattr(self, f"qkv_{name}", packed)
 
     def forward(
         self,
@@ -46,16 +70,16 @@ class GQAAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         k_cache, v_cache = cache
-        ops.write_kv(k_cache, k, meta.slot_mapping)
-        ops.write_kv(v_cache, v, meta.slot_mapping)
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        layout = QKVLayout(
+            self.heads, self.kv_heads, self.head_dim, *norms, self.eps, rotary.interleave
+        )
+        q = ops.prepare_qkv(qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [rows, heads, dim]
         return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
 from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.moe import Router
@@ -86,6 +87,9 @@ def build_model(
     if parts.attention:
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
+        for module in model.modules():
+            if isinstance(module, GQAAttention):
+                module.pack_qkv()
     return model.eval()
 
 

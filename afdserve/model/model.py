@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from afdserve.kernels import ops
 from afdserve.kernels.reference import AttentionMetadata
 from afdserve.model.attention import LayerCache, make_attention
 from afdserve.model.config import ModelConfig
@@ -93,14 +94,23 @@ class MoECausalLM(nn.Module):
         self,
         layer: int,
         h: torch.Tensor,
+        ffn_out: torch.Tensor | None,
         meta: AttentionMetadata,
         cache: LayerCache,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [rows, hidden] residual stream -> (x normalised FFN input, h after attention)."""
+        """h [rows, hidden] residual stream, plus the previous layer's FFN output (None at layer
+        0) -> (x normalised FFN input, h after attention). Each residual add runs fused with the
+        norm that follows it."""
         block = self.model.layers[layer]
-        h = h + block.self_attn(block.input_layernorm(h), meta, self.rotary, cache, cos_sin)
-        return block.post_attention_layernorm(h), h
+        norm = block.input_layernorm
+        if ffn_out is None:
+            x = norm(h)
+        else:
+            x, h = ops.add_rms_norm(h, ffn_out, norm.weight, norm.eps)
+        attn = block.self_attn(x, meta, self.rotary, cache, cos_sin)
+        norm = block.post_attention_layernorm
+        return ops.add_rms_norm(h, attn, norm.weight, norm.eps)
 
     def route_on_attention(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor

@@ -62,6 +62,12 @@ class Router(nn.Module):
         return logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> Routing:
+        if self.method == "greedy" and not self.hash:
+            fused = ops.route_greedy(
+                x, self.weight, self.top_k, self.scoring, self.normalize, self.scale
+            )
+            if fused is not None:
+                return fused
         scores = self._scores(x)  # [rows, experts]
         if self.hash:
             check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
