@@ -3,8 +3,9 @@
 One graph per attention key from the StepPlan covers the whole forward: embedding, every layer's
 attention half and the FFN boundary (so the FFN half of in-process AFD is inside the same graph).
 Logits and sampling stay outside. Static buffers are sized to the largest capture size; a replay
-copies the step's inputs into them. Pad rows write no KV (slot -1), carry token id -1, and belong to
-no attention segment, so their outputs are zero and dropped.
+copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers. Pad rows
+write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
+zero and dropped.
 
 Whether a step captures, replays or runs eagerly is read from the plan, never decided here.
 """
@@ -22,54 +23,32 @@ class GraphCaptureError(RuntimeError):
     pass
 
 
-def graphs_supported(runner: ModelRunner, ubatches: int) -> str | None:
+def graphs_supported(runner: ModelRunner) -> str | None:
     """None when CUDA graphs can be used, else the reason they cannot."""
     if runner.device.type != "cuda":
         return "CUDA graphs need device='cuda'"
-    if ubatches != 1:
-        return "CUDA graphs are captured for ubatches=1 only"
     return None
 
 
-class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_rows: int, max_model_len: int,
-                 allow_prefill: bool) -> None:
-        self.runner = runner
-        dev = runner.device
-        self.max_rows, self.max_model_len = max_rows, max_model_len
-        # full mode replays steps with prefill chunks too, so its graphs budget for long queries.
-        self.allow_prefill = allow_prefill
-        width = -(-max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self.route_ids = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
-        self.query_start = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(max_rows, width, dtype=torch.int32, device=dev)
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+class UbatchBuffers:
+    """Static segment tensors of one ubatch: the graph's kernels read them by address, a replay
+    refills them. Segments past the step's real ones are empty (no rows, no context)."""
 
-    def _static_inputs(self, rows: int) -> StepInputs:
-        batched = BatchedSegments(
+    def __init__(self, max_rows: int, width: int, device: torch.device) -> None:
+        self.query_start = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_rows, width, dtype=torch.int32, device=device)
+
+    def batched(self, rows: int, max_query_len: int, max_context_len: int) -> BatchedSegments:
+        return BatchedSegments(
             query_start=self.query_start[: rows + 1],
             context_lens=self.context_lens[:rows],
             block_tables=self.block_tables[:rows],
-            max_query_len=rows if self.allow_prefill else 1,
-            max_context_len=self.max_model_len,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
         )
-        meta = AttentionMetadata(self.positions[:rows], self.slots[:rows], (), batched)
-        return StepInputs(self.input_ids[:rows], self.route_ids[:rows], meta,
-                          torch.zeros(0, dtype=torch.int64), [], 0)
 
-    def _load(self, inputs: StepInputs, rows: int) -> None:
-        """Copy one step's inputs into the static buffers; segments past the real ones are empty."""
-        real = inputs.real_rows
-        self.input_ids[:rows].copy_(inputs.input_ids)
-        self.route_ids[:rows].copy_(inputs.route_ids)
-        self.positions[:rows].copy_(inputs.meta.positions)
-        self.slots[:rows].copy_(inputs.meta.slot_mapping)
-        batched = inputs.meta.batched
+    def load(self, batched: BatchedSegments | None, rows: int, real: int) -> None:
         segments = int(batched.context_lens.shape[0]) if batched is not None else 0
         if segments > rows:
             raise GraphCaptureError(f"{segments} segments do not fit a graph of {rows} rows")
@@ -83,6 +62,55 @@ class CudaGraphRunner:
         self.query_start[segments + 1 : rows + 1] = real
         self.context_lens[segments:rows] = 0
 
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, max_rows: int, max_model_len: int,
+                 allow_prefill: bool, ubatches: int = 1) -> None:
+        self.runner = runner
+        dev = runner.device
+        self.max_rows, self.max_model_len = max_rows, max_model_len
+        # full mode replays steps with prefill chunks too, so its graphs budget for long queries.
+        self.allow_prefill = allow_prefill
+        width = -(-max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.route_ids = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _static_inputs(self, ubatch_rows: tuple[int, ...]) -> StepInputs:
+        rows = sum(ubatch_rows)
+        metas, lo = [], 0
+        for buffers, n in zip(self.ubatches, ubatch_rows, strict=True):
+            batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
+            hi = lo + n
+            metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
+            lo = hi
+        # The whole batch's view (positions feed the rotary tables of every ubatch).
+        whole = AttentionMetadata(self.positions[:rows], self.slots[:rows], (),
+                                  metas[0].batched if len(metas) == 1 else None)
+        return StepInputs(self.input_ids[:rows], self.route_ids[:rows], whole,
+                          torch.zeros(0, dtype=torch.int64), [], 0, tuple(metas))
+
+    def _load(self, inputs: StepInputs, ubatch_rows: tuple[int, ...]) -> None:
+        """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
+        rows = sum(ubatch_rows)
+        self.input_ids[:rows].copy_(inputs.input_ids)
+        self.route_ids[:rows].copy_(inputs.route_ids)
+        self.positions[:rows].copy_(inputs.meta.positions)
+        self.slots[:rows].copy_(inputs.meta.slot_mapping)
+        if len(ubatch_rows) == 1:
+            self.ubatches[0].load(inputs.meta.batched, rows, inputs.real_rows)
+            return
+        lo = 0
+        for buffers, n in zip(self.ubatches, ubatch_rows, strict=True):
+            # Real rows fill the padded batch from the front (the plan's layout rule).
+            real = min(max(inputs.real_rows - lo, 0), n)
+            buffers.load(inputs.meta.rows(lo, lo + n).batched, n, real)
+            lo += n
+
     def forward(self, inputs: StepInputs, plan: AttentionRankPlan,
                 boundary: FFNBoundary) -> torch.Tensor:
         if plan.mode not in ("capture", "replay"):
@@ -90,16 +118,22 @@ class CudaGraphRunner:
         rows = plan.padded_rows
         if rows > self.max_rows:
             raise GraphCaptureError(f"a graph of {rows} rows exceeds the buffers ({self.max_rows})")
-        self._load(inputs, rows)
+        if len(plan.ubatch_rows) != len(self.ubatches):
+            raise GraphCaptureError(
+                f"the plan has {len(plan.ubatch_rows)} ubatches, the graph buffers "
+                f"{len(self.ubatches)}"
+            )
+        self._load(inputs, plan.ubatch_rows)
         key = plan.key
         if plan.mode == "capture" or key not in self.graphs:
-            self._capture(key, rows, plan, boundary)
+            self._capture(key, plan, boundary)
         graph, out = self.graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, key, rows: int, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
-        static = self._static_inputs(rows)
+    def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
+        rows = plan.padded_rows
+        static = self._static_inputs(plan.ubatch_rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm the kernels' autotuning and caches first

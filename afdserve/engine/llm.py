@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -90,6 +91,10 @@ class LLM:
         self.engine: EngineClient = self._start()
 
     def _step_log_path(self, log_step_plan: bool | str) -> str | None:
+        """A path the caller named is theirs to keep; a temporary one (log_step_plan=True) is
+        read into memory and removed at shutdown."""
+        self._own_log = log_step_plan is True
+        self._closed_log: list[dict] | None = None
         if log_step_plan is True:
             fd, path = tempfile.mkstemp(prefix="afdserve-step-plan-", suffix=".jsonl")
             os.close(fd)
@@ -138,12 +143,13 @@ class LLM:
     def _enable_cuda_graphs(self, core, max_rows: int) -> None:
         from afdserve.engine.cuda_graphs import CudaGraphRunner, graphs_supported
 
-        reason = graphs_supported(core.runner, self.afd_config.ubatches)
+        reason = graphs_supported(core.runner)
         if reason is not None:
             log.warning("graph_mode=%s runs eagerly: %s", self.graph_config.mode, reason)
             return
         core.graphs = CudaGraphRunner(core.runner, max_rows, core.max_model_len,
-                                      allow_prefill=self.graph_config.mode == "full")
+                                      allow_prefill=self.graph_config.mode == "full",
+                                      ubatches=self.afd_config.ubatches)
 
     # ----- generation -----
     def encode(self, prompt: Prompt) -> list[int]:
@@ -192,6 +198,8 @@ class LLM:
 
     def step_log(self) -> list[dict]:
         """Every rank's step-plan records (needs log_step_plan)."""
+        if self._closed_log is not None:
+            return list(self._closed_log)
         if self._log_path is None:
             return []
         with open(self._log_path) as f:
@@ -201,6 +209,10 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if getattr(self, "_own_log", False) and self._closed_log is None:
+            self._closed_log = self.step_log()  # every rank has stopped writing
+            with contextlib.suppress(OSError):
+                os.remove(self._log_path)
 
     def __enter__(self) -> LLM:
         return self

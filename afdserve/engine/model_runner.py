@@ -62,6 +62,9 @@ class StepInputs:
     sample_rows: torch.Tensor  # [n] row of each sampling sequence's last token
     sample_seqs: list[Sequence]
     real_rows: int
+    # Per-ubatch metadata given up front (CUDA graphs read it from static buffers); None: sliced
+    # from `meta` per ubatch.
+    ubatch_metas: tuple[AttentionMetadata, ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -141,11 +144,14 @@ class ModelRunner:
         for rows in ubatch_rows:
             bounds.append((start, start + rows))
             start += rows
-        if start != inputs.rows:
-            raise ValueError(f"ubatch rows {ubatch_rows} do not add up to {inputs.rows} rows")
+        if start != inputs.rows or inputs.meta.num_rows != inputs.rows:
+            raise ValueError(
+                f"ubatch rows {ubatch_rows} and {inputs.meta.num_rows} metadata rows must both "
+                f"add up to the step's {inputs.rows} rows"
+            )
         h = model.embed(inputs.input_ids)
         cos, sin = model.cos_sin(inputs.meta.positions)
-        metas = [inputs.meta.rows(lo, hi) for lo, hi in bounds]
+        metas = inputs.ubatch_metas or [inputs.meta.rows(lo, hi) for lo, hi in bounds]
         hs = [h[lo:hi] for lo, hi in bounds]
         ids = [inputs.route_ids[lo:hi] for lo, hi in bounds]
         trig = [(cos[lo:hi], sin[lo:hi]) for lo, hi in bounds]
@@ -153,9 +159,8 @@ class ModelRunner:
         for layer in range(model.config.num_layers):
             cache = self.kv_cache.layers[layer]
             for u in range(len(bounds)):
-                if pending[u] is not None:
-                    hs[u] = hs[u] + pending[u].wait()
-                x, hs[u] = model.attention_half(layer, hs[u], metas[u], cache, trig[u])
+                ffn_out = pending[u].wait() if pending[u] is not None else None
+                x, hs[u] = model.attention_half(layer, hs[u], ffn_out, metas[u], cache, trig[u])
                 routing = model.route_on_attention(layer, x, ids[u])
                 pending[u] = boundary.post(layer, u, x, ids[u], routing)
         for u in range(len(bounds)):

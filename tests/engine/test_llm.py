@@ -4,6 +4,8 @@ while it keeps serving the others."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from afdserve import LLM, SamplingParams
@@ -308,3 +310,14 @@ def test_duplicate_request_id_is_refused(llm: LLM, reference: list) -> None:
     while llm.engine.has_unfinished:
         done.update({o.request_id: o for o in llm.engine.step() if o.finished})
     assert done["twice"].token_ids == reference[1]
+
+
+def test_temporary_step_log_outlives_shutdown_but_not_its_file(model_dir: str) -> None:
+    """log_step_plan=True logs to a temporary file: read back after shutdown, then removed."""
+    with LLM(model_dir, dtype="float32", max_model_len=64, log_step_plan=True) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+        path = llm._log_path
+        during = llm.step_log()
+    assert during and all(r["role"] == "attention" for r in during)
+    assert llm.step_log() == during
+    assert path is not None and not os.path.exists(path)
