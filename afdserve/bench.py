@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.afd.connector import InProcessConnector
+from afdserve.afd.graphs import StepRecorder
+from afdserve.afd.plan import RankStep
+from afdserve.afd.topology import Topology
 from afdserve.config import GRAPH_MODES
+from afdserve.engine.cuda_graphs import CudaGraphRunner
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.model_runner import LocalFFN, ModelRunner, StepInputs
 from afdserve.kernels.reference import AttentionMetadata, BatchedSegments, Segment
@@ -76,8 +81,8 @@ class DecodeBench:
             raise bad("topology", f"one of {TOPOLOGIES} (AFD topologies are not benchmarked yet)")
         if self.graph_mode not in GRAPH_MODES:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
-        if self.graph_mode != "none" and (self.device != "cuda" or self.ubatches != 1):
-            raise bad("graph_mode", "'none' unless --device cuda and --ubatches 1")
+        if self.graph_mode != "none" and self.device != "cuda":
+            raise bad("graph_mode", "'none' unless --device cuda")
         if self.dtype not in TORCH_DTYPES:
             raise bad("dtype", f"one of {sorted(TORCH_DTYPES)}")
         if self.device not in ("cpu", "cuda"):
@@ -120,7 +125,10 @@ def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> f
 
 class DecodeSteps:
     """A batch of `batch` sequences with `context_len` random cached tokens, decoded in lockstep.
-    Device buffers are static, so one CUDA graph of a step replays for every step."""
+
+    Steps run the engine's own path: a one-rank StepPlan decides capture / replay / eager, and
+    graph steps go through the engine's `CudaGraphRunner` (its input copies included in the
+    timing); in-process 1A1F hands tiles to the FFN half through the `InProcessConnector`."""
 
     def __init__(self, model: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int):
         config, dev = model.config, next(model.parameters()).device
@@ -143,27 +151,29 @@ class DecodeSteps:
         self.context_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         self.runner = ModelRunner(model, self.kv, dev)
-        self.boundary = LocalFFN(ffn)
-        self.ubatch_rows = tuple(
-            batch // spec.ubatches + (u < batch % spec.ubatches) for u in range(spec.ubatches)
-        )
+        colocated = spec.topology == "colocated"
+        self.topology = Topology(1, 0 if colocated else 1)
+        self.boundary = LocalFFN(ffn) if colocated else InProcessConnector(ffn, config.vocab_size)
+        self.recorder = StepRecorder("attention", 0, spec.graph_mode, (batch,),
+                                     keep_records=True, ubatches=spec.ubatches)  # fmt: skip
+        self.graphs = None
+        if spec.graph_mode != "none":
+            self.graphs = CudaGraphRunner(self.runner, batch, last, spec.graph_mode == "full",
+                                          spec.ubatches)  # fmt: skip
         self.step_index = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
 
     def _inputs(self) -> StepInputs:
         context = self.spec.context_len + self.step_index + 1
         segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
         batched = None
         if self.device.type == "cuda":
-            # The bound must hold for every step a graph replays, so it is the last step's length.
-            bound = self.spec.context_len + WARMUP_STEPS + self.spec.steps
-            batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, bound)
+            batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, context)
         meta = AttentionMetadata(self.positions, self.slots, segments, batched)
         sample_rows = self.query_start[:-1].long()
         return StepInputs(self.input_ids, self.input_ids, meta, sample_rows, [], self.batch)
 
     def _advance(self) -> None:
-        """Point the static buffers at the next position (device-side writes only)."""
+        """Point the step's tensors at the next position (device-side writes only)."""
         position = self.spec.context_len + self.step_index
         bs = self.spec.block_size
         self.positions.fill_(position)
@@ -171,51 +181,55 @@ class DecodeSteps:
         self.slots.copy_(base + position % bs)
         self.context_lens.fill_(position + 1)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        hidden = self.runner.forward(inputs, self.ubatch_rows, self.boundary)
-        return self.runner.logits(hidden, inputs).argmax(dim=-1)
-
     @torch.inference_mode()
-    def step(self) -> torch.Tensor:
+    def step(self, eager: bool = False) -> tuple[torch.Tensor, float]:
+        """One decode step: (next token ids, seconds of device time). The planning on the host
+        comes before the timed span; the copies into the graph's buffers, the forward, logits
+        and the greedy pick are inside it. `eager` runs the forward without graphs."""
+        plan = self.recorder.plan([RankStep(self.batch, self.batch, True)], self.topology)
+        mine = plan.attention[0]
+        if hasattr(self.boundary, "begin_step"):
+            self.boundary.begin_step(mine, self.recorder.step)
+        inputs = self._inputs()
+        timer = _Timer(self.device)
         self._advance()
-        if self.graph is not None:
-            self.graph.replay()
-            next_ids = self.graph_out
+        if self.graphs is not None and not eager:
+            hidden = self.graphs.forward(inputs, mine, self.boundary)
         else:
-            next_ids = self._forward(self._inputs())
+            hidden = self.runner.forward(inputs, mine.ubatch_rows, self.boundary)
+        next_ids = self.runner.logits(hidden, inputs).argmax(dim=-1)
         self.input_ids.copy_(next_ids)
+        seconds = timer.stop()
+        if not eager:  # an eager side step must not mark a graph as captured
+            self.recorder.record(plan)
         self.step_index += 1
-        return next_ids
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        # The warm-up forward writes KV at the current slots: point them at the step the first
-        # replay runs, which rewrites the same values there.
-        self._advance()
-        # The graph reads these tensors by address: they must outlive every replay.
-        self.graph_inputs = inputs = self._inputs()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(inputs)  # allocate outside the graph first
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.graph_out = self._forward(inputs)
+        return next_ids, seconds
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds one call takes, measured with CUDA events on CUDA."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+class _Timer:
+    """Device time from construction to `stop()`: CUDA events on CUDA, wall time elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    timer = _Timer(device)
     fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return timer.stop()
 
 
 def _touched_experts(steps: DecodeSteps, ffn: MoECausalLM) -> dict[str, int]:
@@ -230,7 +244,7 @@ def _touched_experts(steps: DecodeSteps, ffn: MoECausalLM) -> dict[str, int]:
 
             hooks.append(module.register_forward_hook(record))
     try:
-        steps.step()
+        steps.step(eager=True)
     finally:
         for hook in hooks:
             hook.remove()
@@ -286,12 +300,10 @@ def bench_batch(
     attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int, copy_gbps: float | None
 ) -> DecodeResult:
     steps = DecodeSteps(attn, ffn, spec, batch)
-    for _ in range(WARMUP_STEPS - 1):
-        steps.step()
     hit = _touched_experts(steps, ffn)
-    if spec.graph_mode != "none":
-        steps.capture()
-    times = [_timed(steps.step, steps.device) for _ in range(spec.steps)]
+    for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
+        steps.step()
+    times = [steps.step()[1] for _ in range(spec.steps)]
     mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
     itemsize = TORCH_DTYPES[spec.dtype].itemsize
     result = DecodeResult(
@@ -375,8 +387,8 @@ def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeBench, batch: int) -> float
         )  # fmt: skip
 
     generate(2)  # warm-up
-    one = _timed(lambda: generate(1), dev)
-    many = _timed(lambda: generate(spec.steps), dev)
+    one = _seconds(lambda: generate(1), dev)
+    many = _seconds(lambda: generate(spec.steps), dev)
     return batch * (spec.steps - 1) / max(many - one, 1e-9)
 
 

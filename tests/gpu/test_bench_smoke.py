@@ -24,16 +24,24 @@ def spec(**overrides) -> DecodeBench:
     return DecodeBench(**fields)
 
 
-def test_graph_replay_decodes_the_eager_tokens():
-    s = spec()
+@pytest.mark.parametrize(
+    ("topology", "ubatches", "graph_mode"),
+    [("colocated", 1, "full_decode_only"), ("in-process", 2, "full_decode_only"),
+     ("in-process", 1, "full")],
+)  # fmt: skip
+def test_graph_replay_decodes_the_eager_tokens(topology, ubatches, graph_mode):
+    """The bench's steps go through the engine's graph runner: the first captures, the rest
+    replay, and every step picks the eager steps' tokens."""
+    s = spec(topology=topology, ubatches=ubatches, graph_mode=graph_mode)
     attn, ffn = build_halves(s, preset_hf_config("tiny"))
-    eager, graphed = DecodeSteps(attn, ffn, s, 5), DecodeSteps(attn, ffn, s, 5)
-    want = [eager.step().clone() for _ in range(6)]
-    got = [graphed.step().clone() for _ in range(2)]
-    graphed.capture()
-    got += [graphed.step().clone() for _ in range(4)]
+    eager = DecodeSteps(attn, ffn, spec(topology=topology, ubatches=ubatches), 5)
+    graphed = DecodeSteps(attn, ffn, s, 5)
+    want = [eager.step()[0].clone() for _ in range(6)]
+    got = [graphed.step()[0].clone() for _ in range(6)]
     for step, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"step {step}: eager {a.tolist()} graph {b.tolist()}"
+    modes = [r["mode"] for r in graphed.recorder.records]
+    assert modes == ["capture"] + ["replay"] * 5, modes
 
 
 @pytest.mark.parametrize("graph_mode", ["none", "full"])
