@@ -183,16 +183,18 @@ class DecodeSteps:
 
     @torch.inference_mode()
     def step(self, eager: bool = False) -> tuple[torch.Tensor, float]:
-        """One decode step: (next token ids, seconds of device time). The planning on the host
-        comes before the timed span; the copies into the graph's buffers, the forward, logits
-        and the greedy pick are inside it. `eager` runs the forward without graphs."""
+        """One decode step: (next token ids, seconds of device time). The timed span is the
+        engine's step on the device: the graph runner's copies into its buffers and the replay
+        (or the eager forward), logits and the greedy pick. The plan and this bench's stand-in
+        for the scheduler's input preparation (`_advance`) come before it. `eager` runs the
+        forward without graphs."""
         plan = self.recorder.plan([RankStep(self.batch, self.batch, True)], self.topology)
         mine = plan.attention[0]
         if hasattr(self.boundary, "begin_step"):
             self.boundary.begin_step(mine, self.recorder.step)
         inputs = self._inputs()
-        timer = _Timer(self.device)
         self._advance()
+        timer = _Timer(self.device)
         if self.graphs is not None and not eager:
             hidden = self.graphs.forward(inputs, mine, self.boundary)
         else:

@@ -59,8 +59,9 @@ class UbatchBuffers:
             self.block_tables[:segments, :width].copy_(batched.block_tables)
         else:
             self.query_start[0] = 0
-        self.query_start[segments + 1 : rows + 1] = real
-        self.context_lens[segments:rows] = 0
+        if segments < rows:  # segments past the real ones: no rows, no context
+            self.query_start[segments + 1 : rows + 1] = real
+            self.context_lens[segments:rows] = 0
 
 
 class CudaGraphRunner:
