@@ -95,20 +95,17 @@ class CudaGraphRunner:
         return StepInputs(self.input_ids[:rows], self.route_ids[:rows], whole,
                           torch.zeros(0, dtype=torch.int64), [], 0, tuple(metas))
 
-    def _load(self, inputs: StepInputs, ubatch_rows: tuple[int, ...]) -> None:
+    def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
+        ubatch_rows = plan.ubatch_rows
         rows = sum(ubatch_rows)
         self.input_ids[:rows].copy_(inputs.input_ids)
         self.route_ids[:rows].copy_(inputs.route_ids)
         self.positions[:rows].copy_(inputs.meta.positions)
         self.slots[:rows].copy_(inputs.meta.slot_mapping)
-        if len(ubatch_rows) == 1:
-            self.ubatches[0].load(inputs.meta.batched, rows, inputs.real_rows)
-            return
-        lo = 0
-        for buffers, n in zip(self.ubatches, ubatch_rows, strict=True):
-            # Real rows fill the padded batch from the front (the plan's layout rule).
-            real = min(max(inputs.real_rows - lo, 0), n)
+        lo = 0  # one ubatch: rows(0, rows) is the step's own metadata, no new segment tensors
+        per_ubatch = zip(self.ubatches, ubatch_rows, plan.ubatch_real_rows, strict=True)
+        for buffers, n, real in per_ubatch:
             buffers.load(inputs.meta.rows(lo, lo + n).batched, n, real)
             lo += n
 
@@ -124,7 +121,7 @@ class CudaGraphRunner:
                 f"the plan has {len(plan.ubatch_rows)} ubatches, the graph buffers "
                 f"{len(self.ubatches)}"
             )
-        self._load(inputs, plan.ubatch_rows)
+        self._load(inputs, plan)
         key = plan.key
         if plan.mode == "capture" or key not in self.graphs:
             self._capture(key, plan, boundary)
