@@ -9,6 +9,7 @@ import torch
 
 from afdserve.kernels import ops, reference
 from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
+from tests.gpu.sync import no_sync
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,11 +111,7 @@ def test_write_kv_skips_pad_rows_without_sync():
     values = torch.randn(6, 4, 128, generator=gen).cuda()  # float32 in, cast on write
     slots = torch.tensor([5, 140, -1, 17, -1, 0], device="cuda")
     reference.write_kv(expected, values, slots)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ops.write_kv(cache, values, slots)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    no_sync(ops.write_kv, cache, values, slots)
     assert torch.equal(cache, expected)
 
 
@@ -127,11 +124,7 @@ def test_moe_experts_matches_reference(rows):
     down = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).bfloat16().cuda()
     logits = torch.randn(rows, experts, generator=gen).cuda()
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = ops.moe_experts(x, ids, weights, gate_up, down)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    out = no_sync(ops.moe_experts, x, ids, weights, gate_up, down)
     ref = reference.moe_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 2e-2
@@ -160,13 +153,6 @@ def moe_case(
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     return x, ids, weights, gate_up, down
 
-
-def no_sync(fn, *args):
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
@@ -257,11 +243,7 @@ def test_rms_norm_matches_reference(dtype, shape):
     x = (torch.randn(*shape, generator=gen) * 3).to(dtype).cuda()
     weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype).cuda()
     want = reference.rms_norm(x, weight, 1e-6)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = ops.rms_norm(x, weight, 1e-6)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got = no_sync(ops.rms_norm, x, weight, 1e-6)
     assert got.dtype == want.dtype and got.shape == want.shape
     # One rounding of the same float32 value: equal up to the last bit of the output dtype.
     tol = 0 if dtype == torch.float32 else 1e-2
@@ -278,11 +260,7 @@ def test_add_rms_norm_matches_reference(dtype, rows, width):
     delta = torch.randn(rows, width, generator=gen).to(dtype).cuda()
     weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype).cuda()
     want_x, want_h = reference.add_rms_norm(h, delta, weight, 1e-6)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got_x, got_h = ops.add_rms_norm(h, delta, weight, 1e-6)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got_x, got_h = no_sync(ops.add_rms_norm, h, delta, weight, 1e-6)
     assert torch.equal(got_h, want_h)
     tol = 0 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got_x, want_x, rtol=tol, atol=1e-5 if tol == 0 else tol)
@@ -308,11 +286,7 @@ def test_rotary_matches_reference(interleave, dtype, rows, heads, dim):
     angles = torch.rand(rows, dim // 2, generator=gen).cuda() * 50
     cos, sin = angles.cos(), angles.sin()
     want = reference.rotate(x.double(), cos.double(), sin.double(), interleave)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = ops.rotate(x, cos, sin, interleave)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got = no_sync(ops.rotate, x, cos, sin, interleave)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -10,6 +10,7 @@ import torch
 
 from afdserve.kernels import reference
 from afdserve.kernels.reference import QKVLayout
+from tests.gpu.sync import no_sync
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,11 +128,7 @@ def test_prepare_qkv_does_not_sync():
 
     case = qkv_case(9, 32, 4, 128, torch.bfloat16, True, 3)
     k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = triton_qkv.prepare_qkv(**case)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got = no_sync(triton_qkv.prepare_qkv, **case)
     check_case(case, got, k_before, v_before)
 
 

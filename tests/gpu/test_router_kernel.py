@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.sync import no_sync
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -81,13 +83,6 @@ def assert_routing_matches(
         weights.gather(1, order)[keep], ref_weights.gather(1, ref_order)[keep], rtol=1e-5, atol=1e-7
     )
 
-
-def no_sync(fn, *args):
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 # Each combination compiles its own kernels on the GPU: the grid is kept to the cases that differ.
