@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM pulls in torch.distributed and the launcher; import it only when asked for.
     if name == "LLM":
-        from afdserve.engine.llm import LLM
+        from afdserve.llm import LLM
 
         return LLM
     if name == "RequestOutput":

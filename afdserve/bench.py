@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.afd.connector import InProcessConnector
-from afdserve.afd.graphs import StepRecorder
-from afdserve.afd.plan import RankStep
-from afdserve.afd.topology import Topology
+from afdserve.afd.driver import AttentionDriver, LocalControl
+from afdserve.afd.recorder import StepRecorder
 from afdserve.config import GRAPH_MODES
-from afdserve.engine.cuda_graphs import CudaGraphRunner
+from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
 from afdserve.engine.kv_cache import KVCache
-from afdserve.engine.model_runner import LocalFFN, ModelRunner, StepInputs
+from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner, StepInputs
 from afdserve.kernels.reference import AttentionMetadata, BatchedSegments, Segment
+from afdserve.layout.plan import RankStep
+from afdserve.layout.topology import Topology
 from afdserve.model.config import parse_model_config, read_hf_config
 from afdserve.model.loader import (
     TORCH_DTYPES,
@@ -39,7 +40,8 @@ from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.moe import Experts
 from afdserve.model.presets import PRESETS, preset_hf_config
 
-TOPOLOGIES = ("colocated", "in-process")
+# "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench_p2p.py).
+TOPOLOGIES = ("colocated", "in-process", "1A1F")
 WARMUP_STEPS = 3
 
 
@@ -78,7 +80,7 @@ class DecodeBench:
         if self.steps < 2:
             raise bad("steps", "an integer >= 2")
         if self.topology not in TOPOLOGIES:
-            raise bad("topology", f"one of {TOPOLOGIES} (AFD topologies are not benchmarked yet)")
+            raise bad("topology", f"one of {TOPOLOGIES}")
         if self.graph_mode not in GRAPH_MODES:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
         if self.graph_mode != "none" and self.device != "cuda":
@@ -130,7 +132,8 @@ class DecodeSteps:
     graph steps go through the engine's `CudaGraphRunner` (its input copies included in the
     timing); in-process 1A1F hands tiles to the FFN half through the `InProcessConnector`."""
 
-    def __init__(self, model: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int):
+    def __init__(self, model: MoECausalLM, ffn: MoECausalLM | None, spec: DecodeBench, batch: int,
+                 boundary: FFNBoundary | None = None):
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
         bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
@@ -152,14 +155,19 @@ class DecodeSteps:
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         self.runner = ModelRunner(model, self.kv, dev)
         colocated = spec.topology == "colocated"
-        self.topology = Topology(1, 0 if colocated else 1)
-        self.boundary = LocalFFN(ffn) if colocated else InProcessConnector(ffn, config.vocab_size)
-        self.recorder = StepRecorder("attention", 0, spec.graph_mode, (batch,),
-                                     keep_records=True, ubatches=spec.ubatches)  # fmt: skip
-        self.graphs = None
+        topology = Topology(1, 0 if colocated else 1)
+        if boundary is None:
+            boundary = LocalFFN(ffn) if colocated else InProcessConnector(ffn, False)
+        graphs = None
         if spec.graph_mode != "none":
-            self.graphs = CudaGraphRunner(self.runner, batch, last, spec.graph_mode == "full",
-                                          spec.ubatches)  # fmt: skip
+            graphs = CudaGraphRunner(self.runner, batch, last, spec.graph_mode == "full",
+                                     spec.ubatches)  # fmt: skip
+        self.eager = PlannedForward(self.runner, boundary)
+        recorder = StepRecorder(0, spec.graph_mode, (batch,), keep_records=True,
+                                ubatches=spec.ubatches)  # fmt: skip
+        self.driver = AttentionDriver(self, PlannedForward(self.runner, boundary, graphs),
+                                      recorder, LocalControl(), topology, 0,
+                                      tuple(range(topology.world_size)))  # fmt: skip
         self.step_index = 0
 
     def _inputs(self) -> StepInputs:
@@ -181,31 +189,38 @@ class DecodeSteps:
         self.slots.copy_(base + position % bs)
         self.context_lens.fill_(position + 1)
 
+    # ----- the attention driver's work source: one fixed decode batch -----
+    def schedule(self) -> tuple[None, RankStep]:
+        return None, RankStep(self.batch, self.batch, True)
+
+    def idle_work(self) -> None:
+        return None
+
     @torch.inference_mode()
-    def step(self, eager: bool = False) -> tuple[torch.Tensor, float]:
+    def execute(self, work: None, plan, forward: PlannedForward, step: int
+                ) -> tuple[torch.Tensor, float]:
         """One decode step: (next token ids, seconds of device time). The timed span is the
         engine's step on the device: the graph runner's copies into its buffers and the replay
         (or the eager forward), logits and the greedy pick. The plan and this bench's stand-in
-        for the scheduler's input preparation (`_advance`) come before it. `eager` runs the
-        forward without graphs."""
-        plan = self.recorder.plan([RankStep(self.batch, self.batch, True)], self.topology)
-        mine = plan.attention[0]
-        if hasattr(self.boundary, "begin_step"):
-            self.boundary.begin_step(mine, self.recorder.step)
+        for the scheduler's input preparation (`_advance`) come before it."""
         inputs = self._inputs()
         self._advance()
         timer = _Timer(self.device)
-        if self.graphs is not None and not eager:
-            hidden = self.graphs.forward(inputs, mine, self.boundary)
-        else:
-            hidden = self.runner.forward(inputs, mine.ubatch_rows, self.boundary)
+        hidden = forward(inputs, plan, step)
         next_ids = self.runner.logits(hidden, inputs).argmax(dim=-1)
         self.input_ids.copy_(next_ids)
         seconds = timer.stop()
-        if not eager:  # an eager side step must not mark a graph as captured
-            self.recorder.record(plan)
         self.step_index += 1
         return next_ids, seconds
+
+    def step(self, eager: bool = False) -> tuple[torch.Tensor, float]:
+        """One step through the attention driver; `eager` runs one outside it, without graphs
+        and unrecorded (so it marks no graph as captured)."""
+        if not eager:
+            return self.driver.step().outputs
+        recorder = self.driver.recorder
+        plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
+        return self.execute(None, plan, self.eager, recorder.step)
 
 
 class _Timer:
@@ -339,6 +354,10 @@ def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None
 
 
 def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, float] | None]:
+    if spec.topology == "1A1F":
+        from afdserve.bench_p2p import run_p2p_decode_bench
+
+        return run_p2p_decode_bench(spec), None
     raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
     dev = torch.device(spec.device)
     copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None

@@ -15,7 +15,7 @@ CONNECTORS = ("auto", "p2p", "inprocess")
 
 
 def _one_one():
-    from afdserve.afd.topology import Topology
+    from afdserve.layout.topology import Topology
 
     return Topology(1, 1)
 
@@ -111,9 +111,12 @@ class AFDConfig:
     connector: str = "auto"
     # A rank that does not answer within this many seconds is treated as dead.
     timeout_s: float = 300.0
+    # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
+    # header it receives) to rank<N>.jsonl there, for `afdserve.afd.wire.mirror_errors`.
+    log_data_plane: str | None = None
 
     def __post_init__(self) -> None:
-        from afdserve.afd.topology import Topology
+        from afdserve.layout.topology import Topology
 
         owner = "AFDConfig"
         Topology.parse(self.topology)
@@ -141,6 +144,6 @@ class AFDConfig:
 
     @property
     def parsed_topology(self):  # -> Topology (imported lazily: topology has no torch import)
-        from afdserve.afd.topology import Topology
+        from afdserve.layout.topology import Topology
 
         return Topology.parse(self.topology)

@@ -1,70 +1,69 @@
-"""The data plane between attention and FFN ranks. Every size comes from the StepPlan.
+"""The attention side of the data plane. Every size comes from the rank's plan.
 
-Per layer and ubatch each attention peer sends its FFN rank, in this order:
-  hidden  [tile_rows, hidden]  model dtype; pad rows are zeros
-  ids     [4 + tile_rows]      int32: header (step, layer, ubatch, tile_rows), then token ids,
-                               -1 on pad rows
-  routing (gate on the attention side only): topk ids [tile_rows, k] int32,
-                               weights [tile_rows, k] fp32
-and receives the FFN output [tile_rows, hidden] back. The header lets the FFN rank prove it reads
-the tile its peer wrote for this very step, layer and ubatch, instead of trusting that both agree.
+Per layer and ubatch each attention peer posts two batches with its FFN rank, in this order:
+  1. sends:   hidden  [tile_rows, hidden]  model dtype; pad rows are zeros
+              ids     [4 + tile_rows]      int32: header (step, layer, ubatch, tile_rows), then
+                                           token ids, -1 on pad rows
+              routing (layers in `routed_layers` only): topk ids [tile_rows, k] int32,
+                                           weights [tile_rows, k] fp32
+  2. receive: the FFN output [tile_rows, hidden]
+and the FFN rank posts their mirrors (afd/ffn.py): one batch receiving every peer's tile, one
+batch sending every peer its output (the contract is in afd/wire.py). The header lets the FFN rank
+prove it reads the tile its peer wrote for this very step, layer and ubatch.
+
+Everything here is CUDA-graph capturable: the step number is read from a device tensor that
+`begin_step` fills, and the other header fields are constants of the captured layout.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from afdserve.afd.plan import AttentionRankPlan, FFNRankPlan
+from afdserve.afd.wire import P2P, Wire
 from afdserve.engine.model_runner import Ready
+from afdserve.layout.plan import AttentionRankPlan
+from afdserve.model.config import ModelConfig
 from afdserve.model.moe import Routing
 
 HEADER = 4
+STEP_MODULO = 1 << 31  # the step travels as int32
 
 
 class LayoutError(RuntimeError):
     """A payload that does not match the plan: names rank, layer, ubatch, expected and actual."""
 
 
-def _header(step: int, layer: int, ubatch: int, rows: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([step % (1 << 31), layer, ubatch, rows], dtype=torch.int32, device=device)
+def routed_layers(config: ModelConfig, gate_on_attention: bool) -> tuple[bool, ...]:
+    """Per layer, whether top-k routing travels with the hidden states: the gate sits on the
+    attention side and the layer has experts. Both sides of the wire read this one answer."""
+    return tuple(gate_on_attention and kind != "dense" for kind in config.layer_types)
 
 
-def check_payload(
-    *,
-    rank: int,
-    peer: int,
-    step: int,
-    layer: int,
-    ubatch: int,
-    tile_rows: int,
-    hidden: torch.Tensor,
-    ids: torch.Tensor,
-    vocab_size: int,
-) -> None:
-    """The receiver's check: rows and header match the plan; every id is -1 or in the vocab."""
-    where = f"FFN rank {rank} from attention rank {peer}, layer {layer}, ubatch {ubatch}"
-    if hidden.shape[0] != tile_rows:
-        raise LayoutError(f"{where}: expected {tile_rows} hidden rows, got {hidden.shape[0]}")
-    if ids.shape[0] != HEADER + tile_rows:
-        raise LayoutError(f"{where}: expected {tile_rows} token ids, got {ids.shape[0] - HEADER}")
-    header = ids[:HEADER].tolist()
-    expected = [step % (1 << 31), layer, ubatch, tile_rows]
-    if header != expected:
-        raise LayoutError(
-            f"{where}: expected (step, layer, ubatch, rows) = {tuple(expected)}, "
-            f"the peer wrote {tuple(header)}"
-        )
-    tokens = ids[HEADER:]
-    bad = (tokens < -1) | (tokens >= vocab_size)
+class StepCounter:
+    """The step number on the device, so a captured graph reads the step it replays in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.value = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def set(self, step: int) -> None:
+        self.value.fill_(step % STEP_MODULO)
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    """Every id is -1 (pad) or in the vocabulary. On CUDA a device-side assert: reading the ids
+    back would sync every layer (and cannot happen inside a graph)."""
+    bad = (ids < -1) | (ids >= vocab_size)
+    if ids.is_cuda:
+        torch._assert_async(~bad.any(), "AFD payload: token id outside [-1, vocab)")
+        return
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise LayoutError(
-            f"{where}: token id {int(tokens[row])} at row {row} is outside [-1, {vocab_size})"
+            f"{where}: token id {int(ids[row])} at row {row} is outside [-1, {vocab_size})"
         )
 
 
-def planned_tile(plan: AttentionRankPlan, layer: int, ubatch: int, rows: int) -> tuple[int, int]:
+def planned_tile(plan: AttentionRankPlan, layer: int, ubatch: int, rows: int) -> int:
     """The tile this rank sends in `ubatch`; more rows than the plan's tile is a layout bug."""
     tile = plan.tile_rows[ubatch]
     if rows > tile:
@@ -72,7 +71,17 @@ def planned_tile(plan: AttentionRankPlan, layer: int, ubatch: int, rows: int) ->
             f"attention rank {plan.rank}, layer {layer}, ubatch {ubatch}: "
             f"{rows} rows exceed the planned tile of {tile}"
         )
-    return tile, rows
+    return tile
+
+
+def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
+                  routed: tuple[bool, ...]) -> None:
+    if (routing is not None) != routed[layer]:
+        raise LayoutError(
+            f"attention rank {plan.rank}, layer {layer}: routing "
+            f"{'present' if routing is not None else 'absent'}, but routed_layers says "
+            f"{routed[layer]}"
+        )
 
 
 class _Pending:
@@ -86,42 +95,40 @@ class _Pending:
         return self.out[: self.rows]
 
 
-class _Empty:
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-
-    def wait(self) -> torch.Tensor:
-        return torch.zeros_like(self.x)
-
-
 class AttentionConnector:
     """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.hidden, self.dtype, self.device = hidden_size, dtype, device
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 gate_on_attention: bool, wire: Wire) -> None:
+        self.hidden, self.dtype, self.device, self.wire = config.hidden_size, dtype, device, wire
+        self.routed = routed_layers(config, gate_on_attention)
+        self.step = StepCounter(device)
+        self.step_number = 0
         self.plan: AttentionRankPlan | None = None
-        self.step = 0
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
-        self.plan, self.step = plan, step
+        self.plan, self.step_number = plan, step
+        self.step.set(step)
 
-    def post(
-        self,
-        layer: int,
-        ubatch: int,
-        x: torch.Tensor,
-        route_ids: torch.Tensor,
-        routing: Routing | None,
-    ):
-        tile, rows = planned_tile(self.plan, layer, ubatch, x.shape[0])
-        if tile == 0:
-            return _Empty(x)
-        hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
-        hidden[:rows] = x
+    def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
+             routing: Routing | None) -> _Pending | Ready:
+        plan = self.plan
+        rows = x.shape[0]
+        tile = planned_tile(plan, layer, ubatch, rows)
+        check_routing(plan, layer, routing, self.routed)
+        if tile == 0:  # an empty ubatch: nothing travels, and its FFN rank expects nothing
+            return Ready(x)
+        if rows == tile and x.dtype == self.dtype and x.is_contiguous():
+            hidden = x
+        else:
+            hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
+            hidden[:rows] = x
         ids = torch.full((HEADER + tile,), -1, dtype=torch.int32, device=self.device)
-        ids[:HEADER] = _header(self.step, layer, ubatch, tile, self.device)
+        ids[0:1].copy_(self.step.value)
+        ids[1].fill_(layer)
+        ids[2].fill_(ubatch)
+        ids[3].fill_(tile)
         ids[HEADER : HEADER + rows] = route_ids
-        out = torch.empty(tile, self.hidden, dtype=self.dtype, device=self.device)
         sends = [hidden, ids]
         if routing is not None:
             topk_ids, topk_w = routing
@@ -130,117 +137,48 @@ class AttentionConnector:
             packed_w = torch.zeros(tile, k, dtype=torch.float32, device=self.device)
             packed_ids[:rows], packed_w[:rows] = topk_ids, topk_w
             sends += [packed_ids, packed_w]
-        peer = self.plan.ffn_rank  # the plan names the FFN rank, like every other layout fact
-        ops = [dist.P2POp(dist.isend, t, peer) for t in sends]
-        ops.append(dist.P2POp(dist.irecv, out, peer))
-        works = dist.batch_isend_irecv(ops)
+        out = torch.empty(tile, self.hidden, dtype=self.dtype, device=self.device)
+        peer = plan.ffn_rank  # the plan names the FFN rank, like every other layout fact
+        where = {"step": self.step_number, "layer": layer, "ubatch": ubatch}
+        works = self.wire.post([P2P("send", t, peer) for t in sends], **where)
+        works += self.wire.post([P2P("recv", out, peer)], **where)
         return _Pending(works, out, rows, tuple(sends))
 
 
 class InProcessConnector:
     """1A1F in one process: the attention side hands its padded tile straight to the FFN half.
-    Same plan, same padding and the same pad-row ids as over the wire; no copy beyond the pad."""
+    Same plan, same padding, the same pad-row ids and the same id check as over the wire."""
 
-    def __init__(self, ffn_model, vocab_size: int) -> None:
-        self.ffn_model, self.vocab = ffn_model, vocab_size
+    def __init__(self, ffn_model, gate_on_attention: bool, wire: Wire | None = None) -> None:
+        self.ffn_model, self.wire = ffn_model, wire  # the wire only logs: nothing travels
+        self.vocab = ffn_model.config.vocab_size
+        self.routed = routed_layers(ffn_model.config, gate_on_attention)
         self.plan: AttentionRankPlan | None = None
+        self.step_number = 0
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
-        self.plan = plan
+        self.plan, self.step_number = plan, step
 
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
-             routing: Routing | None):
-        tile, rows = planned_tile(self.plan, layer, ubatch, x.shape[0])
+             routing: Routing | None) -> Ready:
+        rows = x.shape[0]
+        tile = planned_tile(self.plan, layer, ubatch, rows)
+        check_routing(self.plan, layer, routing, self.routed)
         if tile == 0:
-            return _Empty(x)
+            return Ready(x)
         if tile > rows:
             x = torch.cat((x, x.new_zeros(tile - rows, x.shape[1])))
             route_ids = torch.cat((route_ids, route_ids.new_full((tile - rows,), -1)))
             if routing is not None:
                 routing = tuple(torch.cat((t, t.new_zeros(tile - rows, t.shape[1])))
                                 for t in routing)
+        if layer == 0:  # the same ids travel in every layer: one check per ubatch and step
+            check_token_ids(route_ids, self.vocab, f"FFN half in process, ubatch {ubatch}")
+        if self.wire is not None and self.wire.logging and not x.is_cuda:
+            # What the FFN half ran, in the FFN rank's receive-log format.
+            header = [self.step_number % STEP_MODULO, layer, ubatch, tile]
+            self.wire.note(step=self.step_number, layer=layer, ubatch=ubatch,
+                           peer=self.plan.rank, header=header,
+                           real_rows=int((route_ids != -1).sum()))
         y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
         return Ready(y[:rows])
-
-
-class FFNExchange:
-    """FFN side: receive every peer's tile, run the FFN half once over all of them, send back."""
-
-    def __init__(
-        self,
-        model,
-        rank: int,
-        vocab_size: int,
-        top_k: int,
-        gate_on_attention: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.model, self.rank, self.vocab = model, rank, vocab_size
-        self.top_k, self.gate_on_attention = top_k, gate_on_attention
-        self.dtype, self.device = dtype, device
-        self.hidden = model.config.hidden_size
-
-    @torch.inference_mode()
-    def run_step(self, plan: FFNRankPlan, step: int) -> None:
-        pending_sends: list = []
-        for layer in range(self.model.config.num_layers):
-            moe_routed = self.gate_on_attention and self.model.config.layer_types[layer] != "dense"
-            for ubatch, tile in enumerate(plan.tile_rows):
-                if tile == 0:
-                    continue
-                y, sends = self._one(plan, step, layer, ubatch, tile, moe_routed)
-                pending_sends.extend(dist.batch_isend_irecv(sends))
-                del y
-        for work in pending_sends:
-            work.wait()
-
-    def _one(self, plan, step, layer, ubatch, tile, routed):
-        peers = plan.peers
-        hidden = torch.empty(len(peers) * tile, self.hidden, dtype=self.dtype, device=self.device)
-        ids = torch.empty(len(peers), HEADER + tile, dtype=torch.int32, device=self.device)
-        ops = []
-        topk_ids = topk_w = None
-        if routed:
-            topk_ids = torch.empty(
-                len(peers) * tile, self.top_k, dtype=torch.int32, device=self.device
-            )
-            topk_w = torch.empty(
-                len(peers) * tile, self.top_k, dtype=torch.float32, device=self.device
-            )
-        for i, peer in enumerate(peers):
-            rows = slice(i * tile, (i + 1) * tile)
-            ops.append(dist.P2POp(dist.irecv, hidden[rows], peer))
-            ops.append(dist.P2POp(dist.irecv, ids[i], peer))
-            if routed:
-                ops.append(dist.P2POp(dist.irecv, topk_ids[rows], peer))
-                ops.append(dist.P2POp(dist.irecv, topk_w[rows], peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        if self.device.type == "cpu":
-            for i, peer in enumerate(peers):
-                check_payload(
-                    rank=self.rank,
-                    peer=peer,
-                    step=step,
-                    layer=layer,
-                    ubatch=ubatch,
-                    tile_rows=tile,
-                    hidden=hidden[i * tile : (i + 1) * tile],
-                    ids=ids[i],
-                    vocab_size=self.vocab,
-                )
-        else:
-            # Reading the header back would sync the GPU every layer: assert on the device.
-            expected = _header(step, layer, ubatch, tile, self.device)
-            tokens = ids[:, HEADER:]
-            ok = (ids[:, :HEADER] == expected).all() & (tokens >= -1).all()
-            torch._assert_async(ok & (tokens < self.vocab).all(), "AFD payload off the plan")
-        token_ids = ids[:, HEADER:].reshape(-1).long()
-        routing = (topk_ids.long(), topk_w) if routed else None
-        y = self.model.ffn_half(layer, hidden, token_ids, routing).to(self.dtype).contiguous()
-        sends = [
-            dist.P2POp(dist.isend, y[i * tile : (i + 1) * tile], peer)
-            for i, peer in enumerate(peers)
-        ]
-        return y, sends

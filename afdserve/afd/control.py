@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from afdserve.afd.plan import RankStep
-from afdserve.afd.topology import Topology
+from afdserve.layout.plan import RankStep
+from afdserve.layout.topology import Topology
 
 _FIELDS = 4  # num_tokens, num_reqs, uniform_decode, shutdown
 

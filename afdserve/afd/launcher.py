@@ -18,7 +18,18 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
-from afdserve.afd.worker import WorkerSpec
+from afdserve.afd.messages import (
+    AbortRequest,
+    AddRequest,
+    Hello,
+    Outputs,
+    RankFailed,
+    RankReady,
+    RankStats,
+    Rejected,
+    Shutdown,
+    WorkerSpec,
+)
 from afdserve.engine.client import EngineClient, EngineStats
 from afdserve.engine.engine_core import RequestError, RequestLimits, RequestOutput, check_request
 from afdserve.engine.sampling_params import SamplingParams
@@ -31,6 +42,13 @@ JOIN_TIMEOUT_S = 20.0
 
 class WorkerError(RuntimeError):
     """A rank failed; carries the rank's own traceback."""
+
+
+class _Lost:
+    """The connection to a rank broke (frontend-side only, never sent)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
 
 
 def free_port() -> int:
@@ -53,11 +71,11 @@ class ProcessClient(EngineClient):
         self.closed = False
         self.procs: list[subprocess.Popen] = []
         self.conns: dict[int, Connection] = {}
-        self.ready: dict[int, dict] = {}
+        self.ready: dict[int, RankReady] = {}
         self.owner: dict[str, int] = {}  # request id -> attention rank
         self.cost: dict[str, int] = {}
         self.outstanding = [0] * topology.attention_ranks
-        self.rank_stats: dict[int, tuple] = {}
+        self.rank_stats: dict[int, RankStats] = {}
         self._carried: list[RequestOutput] = []
         key = os.environ.get("AFDSERVE_AUTHKEY")
         self.authkey = bytes.fromhex(key) if key else os.urandom(16)
@@ -78,7 +96,7 @@ class ProcessClient(EngineClient):
         except BaseException:
             self.shutdown()
             raise
-        limits = [info["limits"] for info in self.ready.values() if info["limits"] is not None]
+        limits = [info.limits for info in self.ready.values() if info.limits is not None]
         self.limits = RequestLimits(
             min(lim.max_model_len for lim in limits),
             limits[0].vocab_size,
@@ -129,11 +147,13 @@ class ProcessClient(EngineClient):
                     f"only {len(accepted)} of {self.world} ranks connected within {timeout_s:.0f} s"
                 )
         for conn in accepted:
-            kind, rank = conn.recv()
-            self.conns[rank] = conn
+            hello = conn.recv()
+            if not isinstance(hello, Hello):
+                raise WorkerError(f"a rank opened with {type(hello).__name__}, not Hello")
+            self.conns[hello.rank] = conn
             conn.send(self.spec)
 
-    def _messages(self, timeout: float) -> list[tuple]:
+    def _messages(self, timeout: float) -> list:
         msgs = []
         for conn in wait(list(self.conns.values()), timeout=timeout):
             try:
@@ -142,21 +162,21 @@ class ProcessClient(EngineClient):
             except (EOFError, OSError):
                 rank = next(r for r, c in self.conns.items() if c is conn)
                 self.conns.pop(rank)
-                msgs.append(("lost", rank))
+                msgs.append(_Lost(rank))
         return msgs
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.ready) < self.world:
             for msg in self._messages(0.2):
-                if msg[0] == "error":
-                    raise WorkerError(f"rank {msg[1]} failed during start-up:\n{msg[2]}")
-                if msg[0] == "lost":
+                if isinstance(msg, RankFailed):
+                    raise WorkerError(f"rank {msg.rank} failed during start-up:\n{msg.traceback}")
+                if isinstance(msg, _Lost):
                     self._check_alive("during start-up")
-                    raise WorkerError(f"rank {msg[1]} disconnected during start-up")
-                if msg[0] == "ready":
-                    self.ready[msg[1]] = msg[2]
-                    log.info("%s", msg[2]["memory"].line())
+                    raise WorkerError(f"rank {msg.rank} disconnected during start-up")
+                if isinstance(msg, RankReady):
+                    self.ready[msg.rank] = msg
+                    log.info("%s", msg.memory.line())
             self._check_alive("during start-up")
             if time.monotonic() > deadline:
                 raise WorkerError(f"ranks not ready after {timeout_s:.0f} s")
@@ -180,12 +200,12 @@ class ProcessClient(EngineClient):
         cost = len(prompt_token_ids) + params.max_tokens
         self.owner[request_id], self.cost[request_id] = rank, cost
         self.outstanding[rank] += cost
-        self.conns[rank].send(("add", request_id, list(prompt_token_ids), params))
+        self.conns[rank].send(AddRequest(request_id, tuple(prompt_token_ids), params))
 
     def abort(self, request_id: str) -> None:
         rank = self.owner.get(request_id)
         if rank is not None:
-            self.conns[rank].send(("abort", request_id))
+            self.conns[rank].send(AbortRequest(request_id))
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -199,24 +219,21 @@ class ProcessClient(EngineClient):
         results, self._carried = self._carried, []
         rejected: RequestError | None = None
         for msg in self._messages(0.0 if results else 0.05):
-            kind = msg[0]
-            if kind == "outputs":
-                _, rank, outs, stats = msg
-                self.rank_stats[rank] = stats
-                for out in outs:
+            if isinstance(msg, Outputs):
+                self.rank_stats[msg.rank] = msg.stats
+                for out in msg.outputs:
                     if out.request_id not in self.owner:
                         continue  # aborted meanwhile
                     results.append(out)
                     if out.finished:
                         self._forget(out.request_id)
-            elif kind == "rejected":  # a rank refused what passed the frontend's checks
-                _, _, request_id, message = msg
-                self._forget(request_id)
-                rejected = RequestError(message, request_id)
-            elif kind in ("error", "lost"):
-                detail = msg[2] if kind == "error" else "connection lost"
+            elif isinstance(msg, Rejected):  # a rank refused what passed the frontend's checks
+                self._forget(msg.request_id)
+                rejected = RequestError(msg.message, msg.request_id)
+            elif isinstance(msg, (RankFailed, _Lost)):
+                detail = msg.traceback if isinstance(msg, RankFailed) else "connection lost"
                 self.shutdown()
-                raise WorkerError(f"rank {msg[1]} failed:\n{detail}")
+                raise WorkerError(f"rank {msg.rank} failed:\n{detail}")
         if rejected is not None:
             self._carried = results  # handed out by the next step()
             raise rejected
@@ -235,11 +252,11 @@ class ProcessClient(EngineClient):
     def stats(self) -> EngineStats:
         stats = EngineStats()
         ranks = max(len(self.outstanding), 1)
-        for running, waiting, usage, modes in self.rank_stats.values():
-            stats.running += running
-            stats.waiting += waiting
-            stats.kv_cache_usage += usage / ranks
-            for mode, count in modes.items():
+        for rank_stats in self.rank_stats.values():
+            stats.running += rank_stats.running
+            stats.waiting += rank_stats.waiting
+            stats.kv_cache_usage += rank_stats.kv_cache_usage / ranks
+            for mode, count in rank_stats.steps.items():
                 stats.steps[mode] = stats.steps.get(mode, 0) + count
         return stats
 
@@ -251,7 +268,7 @@ class ProcessClient(EngineClient):
             conn = self.conns.get(rank)
             if conn is not None:
                 try:
-                    conn.send(("shutdown",))
+                    conn.send(Shutdown())
                 except OSError:
                     pass
         deadline = time.monotonic() + JOIN_TIMEOUT_S

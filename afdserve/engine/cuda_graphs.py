@@ -1,7 +1,9 @@
-"""CUDA graphs for the attention side of a one-process engine (colocated or in-process 1A1F).
+"""CUDA graphs for the attention side: colocated, in-process 1A1F, and attention ranks of
+multi-process AFD.
 
 One graph per attention key from the StepPlan covers the whole forward: embedding, every layer's
-attention half and the FFN boundary (so the FFN half of in-process AFD is inside the same graph).
+attention half and the FFN boundary (the FFN half of in-process AFD, or the sends and receives of
+an attention rank, whose FFN rank replays its own graph of the same step).
 Logits and sampling stay outside. Static buffers are sized to the largest capture size; a replay
 copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers. Pad rows
 write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
@@ -14,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.afd.plan import AttentionRankPlan
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.reference import AttentionMetadata, BatchedSegments
+from afdserve.layout.plan import AttentionRankPlan
 
 
 class GraphCaptureError(RuntimeError):
@@ -81,14 +83,13 @@ class CudaGraphRunner:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
-    def _static_inputs(self, ubatch_rows: tuple[int, ...]) -> StepInputs:
-        rows = sum(ubatch_rows)
-        metas, lo = [], 0
-        for buffers, n in zip(self.ubatches, ubatch_rows, strict=True):
+    def _static_inputs(self, plan: AttentionRankPlan) -> StepInputs:
+        rows = plan.padded_rows
+        metas = []
+        for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
+            n = hi - lo
             batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
-            hi = lo + n
             metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
-            lo = hi
         # The whole batch's view (positions feed the rotary tables of every ubatch).
         whole = AttentionMetadata(self.positions[:rows], self.slots[:rows], (),
                                   metas[0].batched if len(metas) == 1 else None)
@@ -97,22 +98,20 @@ class CudaGraphRunner:
 
     def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
-        ubatch_rows = plan.ubatch_rows
-        rows = sum(ubatch_rows)
+        rows = plan.padded_rows
         self.input_ids[:rows].copy_(inputs.input_ids)
         self.route_ids[:rows].copy_(inputs.route_ids)
         self.positions[:rows].copy_(inputs.meta.positions)
         self.slots[:rows].copy_(inputs.meta.slot_mapping)
-        lo = 0  # one ubatch: rows(0, rows) is the step's own metadata, no new segment tensors
-        per_ubatch = zip(self.ubatches, ubatch_rows, plan.ubatch_real_rows, strict=True)
-        for buffers, n, real in per_ubatch:
-            buffers.load(inputs.meta.rows(lo, lo + n).batched, n, real)
-            lo += n
+        # one ubatch: rows(0, rows) is the step's own metadata, no new segment tensors
+        per_ubatch = zip(self.ubatches, plan.ubatch_bounds, plan.ubatch_real_rows, strict=True)
+        for buffers, (lo, hi), real in per_ubatch:
+            buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
 
     def forward(self, inputs: StepInputs, plan: AttentionRankPlan,
                 boundary: FFNBoundary) -> torch.Tensor:
         if plan.mode not in ("capture", "replay"):
-            return self.runner.forward(inputs, plan.ubatch_rows, boundary)
+            return self.runner.forward(inputs, plan, boundary)
         rows = plan.padded_rows
         if rows > self.max_rows:
             raise GraphCaptureError(f"a graph of {rows} rows exceeds the buffers ({self.max_rows})")
@@ -121,9 +120,13 @@ class CudaGraphRunner:
                 f"the plan has {len(plan.ubatch_rows)} ubatches, the graph buffers "
                 f"{len(self.ubatches)}"
             )
-        self._load(inputs, plan)
         key = plan.key
-        if plan.mode == "capture" or key not in self.graphs:
+        if plan.mode == "replay" and key not in self.graphs:
+            raise GraphCaptureError(
+                f"attention rank {plan.rank}: the plan replays {key}, which was never captured"
+            )
+        self._load(inputs, plan)
+        if plan.mode == "capture":
             self._capture(key, plan, boundary)
         graph, out = self.graphs[key]
         graph.replay()
@@ -131,16 +134,17 @@ class CudaGraphRunner:
 
     def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
         rows = plan.padded_rows
-        static = self._static_inputs(plan.ubatch_rows)
+        static = self._static_inputs(plan)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm the kernels' autotuning and caches first
-            self.runner.forward(static, plan.ubatch_rows, boundary)
+            self.runner.forward(static, plan, boundary)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.runner.forward(static, plan.ubatch_rows, boundary)
+            # thread_local: a process group's watchdog thread polls events during the capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self.runner.forward(static, plan, boundary)
         except RuntimeError as e:
             raise GraphCaptureError(
                 f"capturing the graph for {rows} rows failed ({e}); the forward must not sync "
@@ -149,3 +153,19 @@ class CudaGraphRunner:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, out)
+
+
+class PlannedForward:
+    """The attention side's forward under its rank's plan: the boundary learns the plan first,
+    then the step runs eagerly or as the CUDA graph the plan names (`graphs` is None without CUDA
+    graphs; a capture or replay step then runs eagerly with the same padded layout)."""
+
+    def __init__(self, runner: ModelRunner, boundary: FFNBoundary,
+                 graphs: CudaGraphRunner | None = None) -> None:
+        self.runner, self.boundary, self.graphs = runner, boundary, graphs
+
+    def __call__(self, inputs: StepInputs, plan: AttentionRankPlan, step: int) -> torch.Tensor:
+        self.boundary.begin_step(plan, step)
+        if self.graphs is not None:
+            return self.graphs.forward(inputs, plan, self.boundary)
+        return self.runner.forward(inputs, plan, self.boundary)

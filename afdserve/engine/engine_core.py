@@ -1,9 +1,8 @@
 """One attention rank's engine: requests in, scheduled steps through the model, outputs out.
 
-The step itself is split so that AFD can put the control plane in the middle:
-`schedule()` -> report `RankStep` -> (all ranks agree on the StepPlan) ->
-`execute(out, plan, boundary)`.
-Colocated, `step()` does all three with a one-rank plan.
+The step is split so that the control plane fits in the middle: `schedule()` -> report
+`RankStep` -> (every rank plans the same step) -> `execute(out, plan, forward, step)`. The
+attention driver (afd/driver.py) runs that loop for every topology, colocated included.
 """
 
 from __future__ import annotations
@@ -14,16 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afdserve.afd.plan import AttentionRankPlan, GraphTable, RankStep, plan_step
-from afdserve.afd.topology import Topology
 from afdserve.engine.block_manager import BlockManager
+from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.kv_cache import KVCache
-from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
+from afdserve.engine.model_runner import ModelRunner
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.config import ModelConfig
 from afdserve.model.model import MoECausalLM
 
@@ -113,7 +112,6 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
         self.requests: dict[str, _Tracked] = {}
-        self.graphs = None  # a CudaGraphRunner when CUDA graphs are on
         eos = self.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
         self.extra_stop_ids = tuple(eos[1:])
@@ -149,30 +147,24 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    @property
-    def outstanding_tokens(self) -> int:
-        return sum(
-            t.seq.num_uncomputed_tokens + t.seq.params.max_tokens - t.seq.num_output_tokens
-            for t in self.requests.values()
-        )
-
     # ----- steps -----
     def schedule(self) -> tuple[SchedulerOutput, RankStep]:
         out = self.scheduler.schedule()
         return out, RankStep(out.num_tokens, out.num_reqs, out.uniform_decode)
 
+    def idle_work(self) -> SchedulerOutput:
+        """What a warm-up step executes: no request, only the pad rows the plan gives."""
+        return SchedulerOutput([], [])
+
     def execute(
-        self, out: SchedulerOutput, plan: AttentionRankPlan, boundary: FFNBoundary
+        self, out: SchedulerOutput, plan: AttentionRankPlan, forward: PlannedForward, step: int
     ) -> list[RequestOutput]:
         """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
         when the plan gives it any, so that its FFN rank receives every tile it expects."""
         if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
-        if self.graphs is not None:
-            hidden = self.graphs.forward(inputs, plan, boundary)
-        else:
-            hidden = self.runner.forward(inputs, plan.ubatch_rows, boundary)
+        hidden = forward(inputs, plan, step)
         if not inputs.sample_seqs:
             self.scheduler.update(out, [None] * len(out.scheduled))
             return self._collect(out)
@@ -186,16 +178,6 @@ class EngineCore:
                 entry.seq.output_logprobs.append(logprobs[id(entry.seq)])
         self.scheduler.update(out, sampled)
         return self._collect(out)
-
-    def step(
-        self, boundary: FFNBoundary | None = None, graph_table: GraphTable | None = None
-    ) -> list[RequestOutput]:
-        """Colocated step: schedule, plan for one rank, execute."""
-        out, report = self.schedule()
-        if out.is_empty:
-            return []
-        plan = plan_step([report], Topology(1, 0), graph_table or GraphTable(), 1)
-        return self.execute(out, plan.attention[0], boundary or LocalFFN(self.model))
 
     def _collect(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []

@@ -83,9 +83,10 @@ def kv_blocks_for(
 
 
 def create_engine_core(
-    config: EngineConfig, parts: ModelParts, rank: int = 0
+    config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
-    device = torch.device(config.device)
+    """`device` overrides config.device (a rank process picks its own GPU)."""
+    device = device if device is not None else torch.device(config.device)
     model, report = load_model(config.model, parts, config.dtype, str(device))
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, model.config)

@@ -17,6 +17,7 @@ from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
+from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Routing
 
@@ -26,6 +27,11 @@ class PendingFFN(Protocol):
 
 
 class FFNBoundary(Protocol):
+    """Where the attention side hands each layer's rows to the FFN half. `begin_step` gives it
+    the rank's plan before the forward: every tile size it uses is read from there."""
+
+    def begin_step(self, plan: AttentionRankPlan, step: int) -> None: ...
+
     def post(
         self,
         layer: int,
@@ -49,6 +55,9 @@ class LocalFFN:
 
     def __init__(self, model: MoECausalLM) -> None:
         self.model = model
+
+    def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
+        return None
 
     def post(self, layer, ubatch, x, route_ids, routing) -> PendingFFN:
         return Ready(self.model.ffn_half(layer, x, route_ids, routing))
@@ -136,18 +145,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: StepInputs, ubatch_rows: tuple[int, ...], boundary: FFNBoundary
+        self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
     ) -> torch.Tensor:
-        """Runs every layer; returns the final hidden states [rows, hidden]."""
+        """Runs every layer over the plan's ubatches; returns the final hidden states
+        [rows, hidden]."""
         model = self.model
-        bounds, start = [], 0
-        for rows in ubatch_rows:
-            bounds.append((start, start + rows))
-            start += rows
-        if start != inputs.rows or inputs.meta.num_rows != inputs.rows:
+        bounds = plan.ubatch_bounds
+        if plan.padded_rows != inputs.rows or inputs.meta.num_rows != inputs.rows:
             raise ValueError(
-                f"ubatch rows {ubatch_rows} and {inputs.meta.num_rows} metadata rows must both "
-                f"add up to the step's {inputs.rows} rows"
+                f"the plan's {plan.padded_rows} rows and {inputs.meta.num_rows} metadata rows "
+                f"must both equal the step's {inputs.rows} rows"
             )
         h = model.embed(inputs.input_ids)
         cos, sin = model.cos_sin(inputs.meta.positions)

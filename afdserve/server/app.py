@@ -33,7 +33,7 @@ from afdserve.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from afdserve.server.protocol import APIError, bad_request
 
 if TYPE_CHECKING:
-    from afdserve.engine.llm import LLM
+    from afdserve.llm import LLM
 
 MAX_CHOICES = 128  # engine requests one HTTP request may start (prompts x n)
 CLIENT_CLOSED = 499  # logged and counted when the client left before its answer

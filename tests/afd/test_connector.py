@@ -11,10 +11,11 @@ import torch
 from safetensors import safe_open
 
 from afdserve import LLM
-from afdserve.afd.connector import LayoutError, check_payload
+from afdserve.afd.connector import LayoutError
+from afdserve.afd.ffn import check_payload
 from afdserve.afd.launcher import free_port
-from afdserve.afd.plan import GraphTable, RankStep, plan_step
-from afdserve.afd.topology import Topology
+from afdserve.layout.plan import GraphTable, RankStep, plan_step
+from afdserve.layout.topology import Topology
 
 
 def _ids(step, layer, ubatch, rows, tokens):
@@ -68,35 +69,29 @@ def _rank(rank: int, port: int, model_dir: str, errors) -> None:
     )
     import torch.distributed as dist
 
-    from afdserve.afd.connector import AttentionConnector, FFNExchange
+    from afdserve.afd.connector import AttentionConnector
+    from afdserve.afd.ffn import FFNExchange
+    from afdserve.afd.wire import Wire
     from afdserve.engine.factory import half_parts
     from afdserve.model.loader import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     plan = plan_step([RankStep(3, 3, True)], Topology(1, 1), GraphTable(), 1)
+    cpu = torch.device("cpu")
     try:
         if rank == 0:
             model, _ = load_model(model_dir, half_parts("attention", False), "float32")
-            connector = AttentionConnector(
-                model.config.hidden_size, torch.float32, torch.device("cpu")
-            )
+            connector = AttentionConnector(model.config, torch.float32, cpu, False, Wire(0))
             connector.begin_step(plan.attention[0], step=5)  # this peer believes it is step 5
             connector.post(
                 0, 0, torch.randn(3, model.config.hidden_size), torch.tensor([1, 2, 3]), None
             ).wait()
         else:
             model, _ = load_model(model_dir, half_parts("ffn", False), "float32")
-            exchange = FFNExchange(
-                model,
-                1,
-                model.config.vocab_size,
-                model.config.top_k,
-                False,
-                torch.float32,
-                torch.device("cpu"),
-            )
-            exchange.run_step(plan.ffn[0], step=0)
+            exchange = FFNExchange(model, 1, False, cpu, Wire(1))
+            exchange.step.set(0)
+            exchange.run(plan.ffn[0], step=0)
     except LayoutError as e:
         errors.put(str(e))
 

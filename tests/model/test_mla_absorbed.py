@@ -6,25 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.config import EngineConfig
-from afdserve.engine.factory import create_engine_core, half_parts
+from afdserve.afd.local import SingleProcessClient
+from afdserve.afd.messages import WorkerSpec
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 3, 4], [42] * 11, list(range(1, 30)), [7]]
 
 
 def _run(model_dir, batched: bool, budget: int):
-    core, _, _ = create_engine_core(
-        EngineConfig(model=str(model_dir), dtype="float32", max_num_batched_tokens=budget),
-        half_parts("colocated", False),
-    )
-    core.runner.batched_metadata = batched
+    engine = EngineConfig(model=str(model_dir), dtype="float32", max_num_batched_tokens=budget)
+    client = SingleProcessClient(WorkerSpec(engine, AFDConfig(), GraphConfig()))
+    client.core.runner.batched_metadata = batched
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, p in enumerate(PROMPTS):
-        core.add_request(str(i), p, params)
+        client.add_request(str(i), p, params)
     done = {}
-    while core.has_unfinished:
-        for out in core.step():
+    while client.has_unfinished:
+        for out in client.step():
             if out.finished:
                 done[out.request_id] = out
     return [done[str(i)] for i in range(len(PROMPTS))]

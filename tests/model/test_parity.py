@@ -17,6 +17,7 @@ from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.model_runner import LocalFFN, ModelRunner
 from afdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.byte_tokenizer import PAD_ID, build_byte_tokenizer
 from afdserve.model.loader import load_model
 from afdserve.model.model import ModelParts, MoECausalLM
@@ -67,7 +68,11 @@ def afdserve_prefill_logits(
                 scheduled.append(ScheduledSeq(seq, end - seq.num_computed_tokens))
         out = SchedulerOutput(scheduled, [])
         inputs = runner.prepare(out, out.num_tokens + pad_rows)
-        hidden = runner.forward(inputs, (inputs.rows,), LocalFFN(model))
+        real, rows = out.num_tokens, inputs.rows
+        # One ubatch holding the step's real rows and `pad_rows` pad rows after them.
+        plan = AttentionRankPlan(0, None, real, rows, (real,), (rows,), (0,), "eager",
+                                 ("attention", 0, (rows,), (0,)))
+        hidden = runner.forward(inputs, plan, LocalFFN(model))
         logits = model.logits(hidden)  # [rows, vocab]
         row = 0
         for entry in scheduled:

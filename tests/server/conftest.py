@@ -22,7 +22,7 @@ MARKER = "AFDSERVE_TEST_SERVER"  # in the environment of every process a test se
 STARTUP_DEADLINE_S = 240.0  # a 2A1F start on a busy 2-core machine
 SERVER_CODE = """
 import sys
-from afdserve.engine.llm import LLM
+from afdserve.llm import LLM
 from afdserve.server.app import run_server
 
 run_server(lambda: LLM(topology=sys.argv[3]), "127.0.0.1", int(sys.argv[1]),

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from afdserve.afd.topology import Topology
+from afdserve.layout.topology import Topology
 
 RunMode = Literal["idle", "eager", "capture", "replay"]
 RUN_MODES = ("idle", "eager", "capture", "replay")
@@ -156,6 +156,15 @@ class AttentionRankPlan:
             raise ValueError(f"rank {self.rank}: a tile is smaller than its ubatch: {self}")
         _check_mode_and_key(self.mode, self.key, self.rank)
 
+    @property
+    def ubatch_bounds(self) -> tuple[tuple[int, int], ...]:
+        """(first row, end row) of every ubatch in the padded batch, in order."""
+        bounds, start = [], 0
+        for rows in self.ubatch_rows:
+            bounds.append((start, start + rows))
+            start += rows
+        return tuple(bounds)
+
 
 @dataclass(frozen=True)
 class FFNRankPlan:
@@ -173,6 +182,12 @@ class FFNRankPlan:
         if self.receive_rows != tuple(len(self.peers) * tile for tile in self.tile_rows):
             raise ValueError(f"FFN rank {self.rank}: receive_rows != peers x tile_rows: {self}")
         _check_mode_and_key(self.mode, self.key, self.rank)
+
+    def peer_rows(self, ubatch: int) -> tuple[tuple[int, int, int], ...]:
+        """(peer, first row, end row) of every peer's tile in the receive buffer of `ubatch`:
+        tiles sit in peer order, each `tile_rows[ubatch]` rows long."""
+        tile = self.tile_rows[ubatch]
+        return tuple((peer, i * tile, (i + 1) * tile) for i, peer in enumerate(self.peers))
 
 
 def _jsonable(value: Any) -> Any:
@@ -237,7 +252,9 @@ class StepPlan:
         records: list[dict[str, Any]] = []
         for plan in self.attention:
             peers = [] if plan.ffn_rank is None else [plan.ffn_rank]
-            records.append(_record(step, "attention", plan, plan.padded_rows, peers))
+            record = _record(step, "attention", plan, plan.padded_rows, peers)
+            record["ubatch_real_rows"] = list(plan.ubatch_real_rows)
+            records.append(record)
         for plan in self.ffn:
             records.append(_record(step, "ffn", plan, sum(plan.receive_rows), list(plan.peers)))
         return records
@@ -258,6 +275,12 @@ def capture_reports(size: int, topology: Topology) -> tuple[RankStep, ...]:
     """Warm-up reports: every attention rank decodes `size` requests, one token each."""
     _check_int("capture size", size, 1)
     return tuple(RankStep(size, size, True) for _ in range(topology.attention_ranks))
+
+
+def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep, ...]]:
+    """The lockstep warm-up, the same on every rank: one capture step per capture size, largest
+    first (smaller graphs then share the largest one's memory pool)."""
+    return [capture_reports(size, topology) for size in sorted(table.sizes, reverse=True)]
 
 
 def _real_per_ubatch(real: int, ubatch_rows: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,4 +1,7 @@
-"""The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`.
+
+It sits on top: it picks the one-process engine (colocated, in-process 1A1F) or starts one process
+per rank (afd/launcher.py), and drives either through the same EngineClient interface."""
 
 from __future__ import annotations
 
@@ -10,11 +13,13 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from afdserve.afd.graphs import StepRecorder
+from afdserve.afd.launcher import ProcessClient
+from afdserve.afd.local import SingleProcessClient
+from afdserve.afd.messages import RankReady, WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.engine.client import EngineClient, SingleProcessClient
+from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput
-from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts, load_tokenizer
+from afdserve.engine.factory import load_tokenizer
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.model.bundled import resolve_model
 
@@ -55,6 +60,7 @@ class LLM:
         ubatches: int = 1,
         gate_on_attention: bool = False,
         log_step_plan: bool | str = False,
+        log_data_plane: str | None = None,
         connector: str = "auto",
         frontend_address: str | None = None,
         seed: int = 0,
@@ -80,6 +86,7 @@ class LLM:
             gate_on_attention=gate_on_attention,
             log_step_plan=log_step_plan,
             connector=connector,
+            log_data_plane=log_data_plane,
         )
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
@@ -102,54 +109,23 @@ class LLM:
         return log_step_plan or None
 
     def _start(self) -> EngineClient:
-        topo, gate = self.topology, self.afd_config.gate_on_attention
-        colocated = topo.attention_ranks == 1 and topo.ffn_ranks == 0
-        if colocated or self.afd_config.in_process(self.engine_config.device):
-            from afdserve.afd.connector import InProcessConnector
-            from afdserve.engine.factory import parameter_bytes
-            from afdserve.engine.model_runner import LocalFFN
-            from afdserve.model.loader import load_model
-
-            role = "colocated" if colocated else "attention"
-            core, _, memory = create_engine_core(self.engine_config, half_parts(role, gate))
-            self.memory_reports = [memory]
-            if colocated:
-                boundary = LocalFFN(core.model)
-            else:
-                ffn_model, _ = load_model(self.engine_config.model, half_parts("ffn", gate),
-                                          self.engine_config.dtype, self.engine_config.device)
-                boundary = InProcessConnector(ffn_model, core.config.vocab_size)
-                self.memory_reports.append(MemoryReport(
-                    "ffn", 1, parameter_bytes(ffn_model), 0, len(ffn_model.expected_tensors())))
-            sizes = self.graph_config.capture_sizes(self.engine_config.max_num_seqs)
-            if sizes and self.engine_config.device.startswith("cuda"):
-                self._enable_cuda_graphs(core, max(sizes))
-            recorder = StepRecorder("attention", 0, self.graph_config.mode, sizes, self._log_path,
-                                    ubatches=self.afd_config.ubatches)
-            return SingleProcessClient(core, recorder, topo, boundary)
-        from afdserve.afd.launcher import ProcessClient
-        from afdserve.afd.worker import WorkerSpec
-
         spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
+        if self.topology.colocated or self.afd_config.in_process(self.engine_config.device):
+            if self.topology.attention_ranks == 1:
+                client: EngineClient = SingleProcessClient(spec)
+                self._describe(client.ready)
+                return client
         if self._frontend_address is None:
             client = ProcessClient(spec)
         else:  # ranks are started elsewhere (torchrun, Slurm) and connect here
             client = ProcessClient(spec, spawn=False, frontend_address=self._frontend_address)
         self.frontend_address = client.address
-        self.memory_reports = [client.ready[r]["memory"] for r in sorted(client.ready)]
-        self.rank_tensor_names = {r: client.ready[r]["tensor_names"] for r in client.ready}
+        self._describe(client.ready)
         return client
 
-    def _enable_cuda_graphs(self, core, max_rows: int) -> None:
-        from afdserve.engine.cuda_graphs import CudaGraphRunner, graphs_supported
-
-        reason = graphs_supported(core.runner)
-        if reason is not None:
-            log.warning("graph_mode=%s runs eagerly: %s", self.graph_config.mode, reason)
-            return
-        core.graphs = CudaGraphRunner(core.runner, max_rows, core.max_model_len,
-                                      allow_prefill=self.graph_config.mode == "full",
-                                      ubatches=self.afd_config.ubatches)
+    def _describe(self, ready: dict[int, RankReady]) -> None:
+        self.memory_reports = [ready[r].memory for r in sorted(ready)]
+        self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
 
     # ----- generation -----
     def encode(self, prompt: Prompt) -> list[int]:

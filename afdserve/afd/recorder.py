@@ -1,5 +1,6 @@
-"""Graph policy bookkeeping shared by every rank: the graph table, the per-step decision log, and
-lockstep warm-up. The decisions themselves come from the StepPlan only.
+"""One rank's record of the steps it took part in: the graph table (which keys every rank has
+captured so far, identical on all ranks) and the per-step decision log (`--log-step-plan`).
+The decisions themselves come from the StepPlan only.
 
 On CPU there are no CUDA graphs: a `capture` or `replay` step runs eagerly with exactly the padded
 layout the graph would have, and the decision is recorded, so the policy is tested without a GPU.
@@ -9,13 +10,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import TYPE_CHECKING
 
-from afdserve.afd.plan import GraphTable, StepPlan, capture_reports, plan_step
-from afdserve.afd.topology import Topology
-
-if TYPE_CHECKING:
-    from afdserve.engine.engine_core import EngineCore, RequestOutput
+from afdserve.layout.plan import GraphTable, StepPlan, plan_step
+from afdserve.layout.topology import Topology
 
 
 class StepRecorder:
@@ -23,7 +20,6 @@ class StepRecorder:
 
     def __init__(
         self,
-        role: str,
         rank: int,
         graph_mode: str = "none",
         sizes: tuple[int, ...] = (),
@@ -31,7 +27,7 @@ class StepRecorder:
         keep_records: bool = False,
         ubatches: int = 1,
     ) -> None:
-        self.role, self.rank, self.ubatches = role, rank, ubatches
+        self.rank, self.ubatches = rank, ubatches
         self.table = GraphTable(mode=graph_mode, sizes=tuple(sizes))
         self.step = 0
         self.keep_records = keep_records or log_path is not None
@@ -58,31 +54,6 @@ class StepRecorder:
                 self._log.flush()
         self.table = self.table.with_captured(plan.capture_keys)
         self.step += 1
-
-    def single_process_step(self, core: EngineCore, topology: Topology, boundary
-                            ) -> list[RequestOutput]:
-        """One step of a one-process engine: colocated (1A0F) or in-process AFD (1A1F)."""
-        out, report = core.schedule()
-        if out.is_empty:
-            return []
-        return self._run_single(core, topology, boundary, out, [report])
-
-    def warmup_single_process(self, core: EngineCore, topology: Topology, boundary) -> None:
-        """Capture every size, largest first (so smaller graphs can share its memory pool)."""
-        from afdserve.engine.scheduler import SchedulerOutput
-
-        for size in sorted(self.table.sizes, reverse=True):
-            empty = SchedulerOutput([], [])
-            self._run_single(core, topology, boundary, empty, capture_reports(size, topology))
-
-    def _run_single(self, core, topology, boundary, out, reports) -> list[RequestOutput]:
-        plan = self.plan(reports, topology)
-        mine = plan.attention[0]
-        if hasattr(boundary, "begin_step"):
-            boundary.begin_step(mine, self.step)
-        results = core.execute(out, mine, boundary)
-        self.record(plan, ranks=tuple(range(topology.world_size)))
-        return results
 
     def close(self) -> None:
         if self._log is not None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afdserve.afd.plan import (
+from afdserve.layout.plan import (
     GRAPH_MODES,
     AttentionRankPlan,
     FFNRankPlan,
@@ -18,7 +18,7 @@ from afdserve.afd.plan import (
     plan_step,
     split_rows,
 )
-from afdserve.afd.topology import Topology
+from afdserve.layout.topology import Topology
 
 PROPERTY = settings(max_examples=2000, deadline=None, database=None)
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afdserve.afd.topology import Topology
+from afdserve.layout.topology import Topology
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,105 @@
+"""Builds one rank (attention, FFN, or a whole one-process engine) from a WorkerSpec: loads its
+half, picks its boundary, sets up CUDA graphs, and wraps it all in its role's step driver. The
+offline API and the rank workers both build ranks here, so both get the same parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.afd.connector import AttentionConnector, InProcessConnector
+from afdserve.afd.driver import AttentionDriver, Control, FFNDriver
+from afdserve.afd.ffn import FFNExchange, FFNStepRunner
+from afdserve.afd.messages import RankReady, WorkerSpec
+from afdserve.afd.recorder import StepRecorder
+from afdserve.afd.wire import Wire
+from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
+from afdserve.engine.engine_core import EngineCore
+from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts, parameter_bytes
+from afdserve.engine.model_runner import FFNBoundary, LocalFFN
+from afdserve.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltRank:
+    driver: AttentionDriver | FFNDriver
+    core: EngineCore | None  # attention ranks
+    wire: Wire | None
+    ready: tuple[RankReady, ...]  # one per rank this process holds (two for in-process 1A1F)
+
+
+def _recorder(spec: WorkerSpec, rank: int) -> StepRecorder:
+    sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+    return StepRecorder(rank, spec.graphs.mode, sizes, spec.log_path, ubatches=spec.afd.ubatches)
+
+
+def _wire(spec: WorkerSpec, rank: int) -> Wire:
+    directory = spec.afd.log_data_plane
+    return Wire(rank, os.path.join(directory, f"rank{rank}.jsonl") if directory else None)
+
+
+def _uses_graphs(spec: WorkerSpec, device: torch.device) -> bool:
+    sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+    if sizes and device.type != "cuda":
+        log.info("graph_mode=%s on %s: capture and replay steps run eagerly with the graph "
+                 "layout (CUDA graphs need device='cuda')", spec.graphs.mode, device)
+    return bool(sizes) and device.type == "cuda"
+
+
+def _ready(rank: int, role: str, memory: MemoryReport, model, limits) -> RankReady:
+    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits)
+
+
+def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
+                         in_process: bool = False) -> BuiltRank:
+    """An attention rank. Colocated topologies hold the FFN half too; `in_process` (1A1F on one
+    device) holds the FFN rank's half behind an InProcessConnector and logs both ranks' lines."""
+    topology, gate = spec.topology, spec.afd.gate_on_attention
+    role = "colocated" if topology.colocated else "attention"
+    core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
+    ready = [_ready(rank, "attention", memory, core.model, core.limits)]
+    wire = None
+    boundary: FFNBoundary
+    if topology.colocated:
+        boundary = LocalFFN(core.model)
+    elif in_process:
+        ffn_model, _ = load_model(spec.engine.model, half_parts("ffn", gate), spec.engine.dtype,
+                                  str(device))
+        wire = _wire(spec, 1)
+        boundary = InProcessConnector(ffn_model, gate, wire)
+        ffn_memory = MemoryReport("ffn", 1, parameter_bytes(ffn_model), 0,
+                                  len(ffn_model.expected_tensors()))
+        ready.append(_ready(1, "ffn", ffn_memory, ffn_model, None))
+    else:
+        wire = _wire(spec, rank)
+        dtype = next(core.model.parameters()).dtype
+        boundary = AttentionConnector(core.config, dtype, device, gate, wire)
+    graphs = None
+    if _uses_graphs(spec, device):
+        sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+        graphs = CudaGraphRunner(core.runner, max(sizes), core.max_model_len,
+                                 allow_prefill=spec.graphs.mode == "full",
+                                 ubatches=spec.afd.ubatches)
+    forward = PlannedForward(core.runner, boundary, graphs)
+    log_ranks = tuple(range(topology.world_size)) if in_process else None
+    driver = AttentionDriver(core, forward, _recorder(spec, rank), control, topology, rank,
+                             log_ranks)
+    return BuiltRank(driver, core, wire, tuple(ready))
+
+
+def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device,
+                   control: Control) -> BuiltRank:
+    model, _ = load_model(spec.engine.model, half_parts("ffn", spec.afd.gate_on_attention),
+                          spec.engine.dtype, str(device))
+    wire = _wire(spec, rank)
+    exchange = FFNExchange(model, rank, spec.afd.gate_on_attention, device, wire)
+    runner = FFNStepRunner(exchange, _uses_graphs(spec, device))
+    driver = FFNDriver(runner, _recorder(spec, rank), control, spec.topology, rank)
+    memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()))
+    return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),))
