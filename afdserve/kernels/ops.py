@@ -144,4 +144,7 @@ def moe_experts(
                 return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
         if moe_gpu.supports(x, gate_up, down):
             return moe_gpu.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        if torch.cuda.is_current_stream_capturing():
+            # The reference reads per-expert counts back to the host, which a graph cannot.
+            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
