@@ -10,6 +10,7 @@ tile, no compute, captured in a CUDA graph over every layer) and each GPU's busy
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from datetime import timedelta
@@ -135,7 +136,9 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
         if rank == 0:
             wire = Wire(0)
             connector = AttentionConnector(config, dtype, device, False, wire)
-            steps = DecodeSteps(model, None, spec, batch, boundary=connector)
+            # The KV cache of the batch is sized for the profiled steps too.
+            sized = dataclasses.replace(spec, steps=spec.steps + PROFILED_STEPS)
+            steps = DecodeSteps(model, None, sized, batch, boundary=connector)
             times = [steps.step()[1] for _ in range(steps_total)][WARMUP_STEPS - 1:]
             busy = _busy_share(steps.step, PROFILED_STEPS)
             del steps
