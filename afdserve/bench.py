@@ -21,6 +21,12 @@ import torch
 from afdserve.afd.connector import InProcessConnector
 from afdserve.afd.driver import AttentionDriver, LocalControl
 from afdserve.afd.recorder import StepRecorder
+from afdserve.bench_bytes import (
+    measure_copy_bandwidth,
+    step_kv_bytes,
+    step_weight_bytes,
+    touched_experts,
+)
 from afdserve.config import GRAPH_MODES
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
 from afdserve.engine.kv_cache import KVCache
@@ -37,7 +43,6 @@ from afdserve.model.loader import (
     load_weights,
 )
 from afdserve.model.model import ModelParts, MoECausalLM
-from afdserve.model.moe import Experts
 from afdserve.model.presets import PRESETS, preset_hf_config
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench_p2p.py).
@@ -106,23 +111,6 @@ class DecodeResult:
     @property
     def achieved_gbps(self) -> float:
         return (self.weight_bytes + self.kv_bytes) / (self.step_ms / 1e3) / 1e9
-
-
-def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written (median of 10)."""
-    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * size_bytes / statistics.median(times) / 1e9
 
 
 class DecodeSteps:
@@ -249,52 +237,6 @@ def _seconds(fn: Callable[[], object], device: torch.device) -> float:
     return timer.stop()
 
 
-def _touched_experts(steps: DecodeSteps, ffn: MoECausalLM) -> dict[str, int]:
-    """Distinct routed experts each MoE layer uses in one step of this batch (all ubatches)."""
-    ids: dict[str, list[torch.Tensor]] = {}
-    hooks = []
-    for name, module in ffn.named_modules():
-        if isinstance(module, Experts):
-
-            def record(mod, args, out, name=name):
-                ids.setdefault(name, []).append(args[1][0].reshape(-1))
-
-            hooks.append(module.register_forward_hook(record))
-    try:
-        steps.step(eager=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
-
-
-def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
-    total, seen = 0, set()
-    for model in (attn, ffn):
-        for name, p in model.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            size = p.numel() * p.element_size()
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                layer = name.rsplit(".", 1)[0]
-                total += size // p.shape[0] * hit.get(layer, 0)
-            elif name.endswith("embed_tokens.weight"):
-                rows = min(batch, p.shape[0])
-                tied = attn.config.tie_word_embeddings
-                total += size if tied else size // p.shape[0] * rows
-            else:
-                total += size
-    return total
-
-
-def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize: int) -> int:
-    c = model.config
-    tensors = 1 if c.attention == "mla" else 2
-    per_token = c.num_layers * tensors * c.num_cache_heads * c.kv_cache_dim * itemsize
-    return int(batch * mean_context * per_token)
-
-
 def build_halves(spec: DecodeBench, raw: dict) -> tuple[MoECausalLM, MoECausalLM]:
     config = parse_model_config(raw)
     dtype, dev = TORCH_DTYPES[spec.dtype], torch.device(spec.device)
@@ -317,7 +259,7 @@ def bench_batch(
     attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int, copy_gbps: float | None
 ) -> DecodeResult:
     steps = DecodeSteps(attn, ffn, spec, batch)
-    hit = _touched_experts(steps, ffn)
+    hit = touched_experts(steps, ffn)
     for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
         steps.step()
     times = [steps.step()[1] for _ in range(spec.steps)]
@@ -365,52 +307,11 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
     results = [bench_batch(attn, ffn, spec, b, copy_gbps) for b in spec.batch_sizes]
     hf = None
     if spec.compare_hf:
+        from afdserve.bench_hf import hf_sharing_weights, hf_tokens_per_s
+
         hf_model = hf_sharing_weights(attn, ffn, raw, TORCH_DTYPES[spec.dtype], dev)
         hf = {b: hf_tokens_per_s(hf_model, spec, b) for b in spec.batch_sizes}
     return results, hf
-
-
-def hf_sharing_weights(
-    attn: MoECausalLM, ffn: MoECausalLM, raw: dict, dtype: torch.dtype, device: torch.device
-) -> torch.nn.Module:
-    """The transformers model of the same config, its parameters the very tensors afdserve holds
-    (no second copy of the weights: a 30B model fits once, not twice)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_config = AutoConfig.for_model(**raw)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    state = {**attn.state_dict(), **ffn.state_dict()}
-    hf.load_state_dict(state, strict=False, assign=True)
-    rotary = getattr(hf.model, "rotary_emb", None)
-    if rotary is not None:  # non-persistent buffers are not in any state dict
-        hf.model.rotary_emb = type(rotary)(config=hf.config).to(device)
-    left = [n for n, t in (*hf.named_parameters(), *hf.named_buffers()) if t.is_meta]
-    if left:
-        raise ValueError(f"transformers model has tensors afdserve does not: {left[:10]}")
-    return hf.eval()
-
-
-@torch.inference_mode()
-def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeBench, batch: int) -> float:
-    """Decode tokens/s of `generate` at the same batch and context: (time for `steps` new tokens
-    - time for 1) / (steps - 1), so the prefill both runs share cancels out."""
-    dev = next(hf.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(spec.seed + 2)
-    vocab = hf.config.vocab_size
-    prompt = torch.randint(0, vocab, (batch, spec.context_len), device=dev, generator=gen)
-    mask = torch.ones_like(prompt)
-
-    def generate(new_tokens: int) -> None:
-        hf.generate(
-            input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, pad_token_id=0,
-        )  # fmt: skip
-
-    generate(2)  # warm-up
-    one = _seconds(lambda: generate(1), dev)
-    many = _seconds(lambda: generate(spec.steps), dev)
-    return batch * (spec.steps - 1) / max(many - one, 1e-9)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -75,6 +75,3 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]

@@ -1,8 +1,6 @@
 """The kernels the model calls. Each name resolves to the plain-torch reference; a GPU fast path
 replaces it only for CUDA tensors, and each fast path is compared against the reference in
 tests/gpu/test_kernels.py. The fast modules import Triton, so they load on first CUDA use only.
-
-`FAST_PATHS` lets a benchmark or a test switch every fast path off (reference on CUDA too).
 """
 
 from __future__ import annotations
@@ -11,16 +9,6 @@ import torch
 
 from afdserve.kernels import reference
 from afdserve.kernels.reference import AttentionMetadata, QKVLayout
-
-FAST_PATHS = {
-    "attention": True,
-    "write_kv": True,
-    "moe": True,
-    "rms_norm": True,
-    "rotary": True,
-    "qkv": True,
-    "router": True,
-}
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -36,7 +24,7 @@ def _triton_ready(t: torch.Tensor) -> bool:
 def rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 ) -> torch.Tensor:
-    if FAST_PATHS["rotary"] and _triton_ready(x):
+    if _triton_ready(x):
         from afdserve.kernels import triton_rotary
 
         return triton_rotary.rotate(x, cos, sin, interleave)
@@ -44,7 +32,7 @@ def rotate(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if FAST_PATHS["rms_norm"] and _triton_ready(x) and x.shape[-1] <= 16384:
+    if _triton_ready(x) and x.shape[-1] <= 16384:
         from afdserve.kernels import triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
@@ -56,7 +44,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it."""
     fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
-    if FAST_PATHS["rms_norm"] and fits and _triton_ready(h) and h.shape[-1] <= 16384:
+    if fits and _triton_ready(h) and h.shape[-1] <= 16384:
         from afdserve.kernels import triton_norm
 
         return triton_norm.add_rms_norm(h, delta, weight, eps)
@@ -74,7 +62,7 @@ def prepare_qkv(
 ) -> torch.Tensor:
     """Norms + rotary + KV write of GQA's packed projection (see `reference.prepare_qkv`)."""
     args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping)
-    if FAST_PATHS["qkv"] and _triton_ready(qkv):
+    if _triton_ready(qkv):
         from afdserve.kernels import triton_qkv
 
         if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
@@ -83,7 +71,7 @@ def prepare_qkv(
 
 
 def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    if FAST_PATHS["write_kv"] and cache.is_contiguous() and _triton_ready(cache):
+    if cache.is_contiguous() and _triton_ready(cache):
         from afdserve.kernels import triton_attention
 
         triton_attention.write_kv(cache, values, slot_mapping)
@@ -99,8 +87,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     if (
-        FAST_PATHS["attention"]
-        and meta.batched is not None
+        meta.batched is not None
         and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1]
         and _triton_ready(q)
     ):
@@ -116,7 +103,7 @@ def route_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
     where the fast path does not apply and the caller keeps its torch form."""
-    if FAST_PATHS["router"] and _triton_ready(x):
+    if _triton_ready(x):
         from afdserve.kernels import triton_router
 
         if triton_router.supports(x, weight, top_k):
@@ -131,7 +118,7 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    if FAST_PATHS["moe"] and x.is_cuda:
+    if x.is_cuda:
         from afdserve.kernels import moe_gpu
 
         # Few pairs (decode): the fused Triton kernels, which read each touched expert once and

@@ -91,10 +91,6 @@ class ModelConfig:
         return 1 if self.attention == "mla" else self.num_kv_heads
 
     @property
-    def has_hash_layers(self) -> bool:
-        return "hash_moe" in self.layer_types
-
-    @property
     def hash_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_types) if k == "hash_moe")
 

@@ -7,6 +7,7 @@ import pytest
 from afdserve import LLM
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
+from .wire_logs import assert_data_plane_matches_plan
 
 CASES = [
     # topology, family, ubatches, budget, gate_on_attention
@@ -19,7 +20,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("topology", "family", "ubatches", "budget", "gate"), CASES)
-def test_afd_matches_colocated(afd_models, topology, family, ubatches, budget, gate):
+def test_afd_matches_colocated(afd_models, tmp_path, topology, family, ubatches, budget, gate):
     model = afd_models[family]
     prompts = mixed_prompts()
     want = colocated_tokens(model, prompts)
@@ -31,9 +32,10 @@ def test_afd_matches_colocated(afd_models, topology, family, ubatches, budget, g
         max_num_batched_tokens=budget,
         gate_on_attention=gate,
         log_step_plan=True,
+        log_data_plane=str(tmp_path),
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        records = llm.step_log()
+    records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == want
     attention = [r for r in records if r["role"] == "attention"]
     by_step: dict[int, list[dict]] = {}
@@ -48,10 +50,9 @@ def test_afd_matches_colocated(afd_models, topology, family, ubatches, budget, g
             len({r["real_rows"] for r in rs}) > 1 and max(r["real_rows"] for r in rs) >= 8
             for rs in by_step.values()
         )
-    # Every FFN rank took part in every step its peers had work in.
-    for r in records:
-        if r["role"] == "ffn" and r["mode"] != "idle":
-            assert r["padded_rows"] == len(r["peers"]) * sum(r["tile_rows"])
+    # What each FFN rank really received: every peer's tile of every working step, with the
+    # header of its step, layer and ubatch and exactly the real rows the plan gave that peer.
+    assert assert_data_plane_matches_plan(tmp_path, records, warmup_steps=0) > 0
 
 
 def test_afd_requests_added_while_running(afd_models):
@@ -82,7 +83,7 @@ def test_afd_requests_added_while_running(afd_models):
         (3, False, "full"),
     ],
 )
-def test_in_process_1a1f_matches_colocated(afd_models, ubatches, gate, graph_mode):
+def test_in_process_1a1f_matches_colocated(afd_models, tmp_path, ubatches, gate, graph_mode):
     """Both halves in one process (the one-device AFD): same plan, same padding, same tokens."""
     model = afd_models["deepseek_v3"]
     prompts = mixed_prompts()
@@ -98,10 +99,15 @@ def test_in_process_1a1f_matches_colocated(afd_models, ubatches, gate, graph_mod
         cuda_graph_sizes=[1, 2, 4, 8],
         max_num_batched_tokens=8,
         log_step_plan=True,
+        log_data_plane=str(tmp_path),
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        modes = {(r["role"], r["mode"]) for r in llm.step_log()}
+        records = llm.step_log()
+    modes = {(r["role"], r["mode"]) for r in records}
     assert got == want
+    # What the in-process FFN half ran: every tile, with the planned real rows.
+    warmup = 4 if graph_mode != "none" else 0
+    assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     assert {role for role, _ in modes} == {"attention", "ffn"}
     if graph_mode != "none":
         assert ("ffn", "replay") in modes and ("ffn", "capture") in modes

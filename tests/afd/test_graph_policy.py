@@ -8,6 +8,7 @@ from collections import defaultdict
 from afdserve import LLM, SamplingParams
 
 from .conftest import colocated_tokens
+from .wire_logs import assert_data_plane_matches_plan, received
 
 
 def _steps(records: list[dict]) -> dict[int, dict[str, list[dict]]]:
@@ -38,6 +39,12 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
     uneven_params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 4, 4)
     ]
+    # Six decodes beside two: requests go to the rank with the fewest outstanding tokens
+    # (prompt + max_tokens, ties to rank 0), so costs 8, 44, 8, 8, 8, 8, 8, 8 put the first and
+    # the third to seventh on rank 0, the second and the eighth on rank 1.
+    six_two = [[1 + i, 2 + i] for i in range(8)]
+    six_two_params = [SamplingParams(max_tokens=42 if i == 1 else 6, temperature=0.0,
+                                     ignore_eos=True) for i in range(8)]
     with LLM(
         str(model),
         topology="2A1F",
@@ -59,7 +66,8 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
             )
         ]
         got_uneven = [o.token_ids for o in llm.generate(uneven, uneven_params)]
-        records = llm.step_log()
+        got_six_two = [o.token_ids for o in llm.generate(six_two, six_two_params)]
+    records = llm.step_log()
     assert got_short == colocated_tokens(model, short, decode)
     assert (
         got_mixed[0]
@@ -74,6 +82,8 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
         for p in uneven[1:]
     ]
 
+    assert got_six_two == [colocated_tokens(model, [p], sp)[0]
+                           for p, sp in zip(six_two, six_two_params)]
     steps = _steps(records)
     # Warm-up captured every size on both roles together.
     captures = [r for r in records if r["mode"] == "capture"]
@@ -104,18 +114,17 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
         assert {r["mode"] for r in roles["attention"]} == {"eager"}
     key_44 = steps[four_four[0]]["ffn"][0]["key"]
     assert all(roles["ffn"][0]["key"] != key_44 for roles in seven_one)
-    keys_by_layout: dict[tuple, set] = defaultdict(set)
-    for roles in steps.values():
-        if roles["ffn"]:
-            keys_by_layout[layout(roles)].add(repr(roles["ffn"][0]["key"]))
-    if ((0, 2), (1, 6)) in keys_by_layout or ((0, 6), (1, 2)) in keys_by_layout:
-        six_two = keys_by_layout.get(((0, 6), (1, 2)), set()) | keys_by_layout.get(
-            ((0, 2), (1, 6)), set()
-        )
-        assert not six_two & keys_by_layout[((0, 4), (1, 4))]
+    # 6+2 and 4+4 decode the same total, but pad to different graphs: their keys differ, and
+    # the FFN rank replays the 6+2 graph only in steps where both peers replay it.
+    six_two_steps = [roles for roles in steps.values() if layout(roles) == ((0, 6), (1, 2))]
+    assert six_two_steps, "no step decoded six requests on rank 0 beside two on rank 1"
+    for roles in six_two_steps:
+        assert roles["ffn"][0]["key"] != key_44
+        assert roles["ffn"][0]["tile_rows"] == [8]
+    assert any(roles["ffn"][0]["mode"] == "replay" for roles in six_two_steps)
 
 
-def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models):
+def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models, tmp_path):
     """4A2F decode loads 16/16/16/1: every member of a group computes and sends the same tile; the
     FFN receives peers x tile and validates each payload; outputs equal colocated."""
     model = afd_models["deepseek_v3"]
@@ -131,9 +140,10 @@ def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models):
         cuda_graph_sizes=[4, 8, 16],
         max_num_seqs=16,
         log_step_plan=True,
+        log_data_plane=str(tmp_path),
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        records = llm.step_log()
+    records = llm.step_log()
     want = [colocated_tokens(model, [p], sp)[0] for p, sp in zip(prompts[:5], params[:5])]
     assert got[:5] == want
     _assert_paired_replay(records)
@@ -146,5 +156,11 @@ def test_uneven_peers_padded_to_equal_tiles_4a2f(afd_models):
     for roles in uneven:
         for ffn in roles["ffn"]:
             assert ffn["mode"] == "replay" and ffn["tile_rows"] == [16]
-            assert ffn["padded_rows"] == 2 * 16
         assert {r["padded_rows"] for r in roles["attention"]} == {16}
+    # What the FFN ranks received: in those steps the lone request's rank sent a 16-row tile
+    # holding 1 real row, and every other peer 16 real rows (checked against each peer's plan).
+    assert assert_data_plane_matches_plan(tmp_path, records, warmup_steps=3) > 0
+    tiles = received(tmp_path)
+    for step in {r["step"] for roles in uneven for r in roles["attention"]}:
+        rows = sorted(t["real_rows"] for t in tiles if t["step"] == step and t["layer"] == 0)
+        assert rows == [1, 16, 16, 16], (step, rows)

@@ -57,7 +57,7 @@ def test_data_plane_contract(afd_models, tmp_path, topology, family, ubatches, g
              max_num_batched_tokens=16, log_step_plan=True, log_data_plane=str(tmp_path),
              connector="p2p") as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        records = llm.step_log()
+    records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == colocated_tokens(model, prompts)
     warmup = 4 if graph_mode != "none" else 0
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0

@@ -85,7 +85,7 @@ def test_nccl_1a1f_matches_colocated(models, tmp_path, family, ubatches, gate, g
              cuda_graph_sizes=SIZES, max_num_batched_tokens=16, log_step_plan=True,
              log_data_plane=str(tmp_path)) as llm:
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
-        records = llm.step_log()
+    records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == colocated(model)
     _assert_paired(records, graph_mode)
     batches = read_wire_log(str(p) for p in tmp_path.glob("rank*.jsonl"))
