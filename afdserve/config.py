@@ -109,8 +109,12 @@ class AFDConfig:
     # "p2p": one process per rank over torch.distributed; "inprocess": 1A1F with both halves in
     # this process (one device); "auto": in-process for 1A1F on CUDA, p2p otherwise.
     connector: str = "auto"
-    # A rank that does not answer within this many seconds is treated as dead.
+    # A collective or transfer that does not complete within this many seconds fails (the
+    # process groups' timeout).
     timeout_s: float = 300.0
+    # An attention rank that reports no step for this many seconds is hung (or waits on a hung
+    # rank): the frontend fails every request and stops the world.
+    heartbeat_timeout_s: float = 10.0
     # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
     # header it receives) to rank<N>.jsonl there, for `afdserve.afd.wire.mirror_errors`.
     log_data_plane: str | None = None
@@ -130,6 +134,9 @@ class AFDConfig:
             "True or False",
         )
         _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
+        _require(isinstance(self.heartbeat_timeout_s, (int, float))
+                 and self.heartbeat_timeout_s > 0, owner, "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, "a number of seconds > 0")
         _require(self.connector in CONNECTORS, owner, "connector", self.connector,
                  f"one of {CONNECTORS}")
         if self.connector == "inprocess" and self.parsed_topology != Topology(1, 1):

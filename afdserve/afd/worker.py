@@ -14,11 +14,12 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
+from afdserve.afd.channel import connect
 from afdserve.afd.control import ControlPlane
 from afdserve.afd.messages import (
     AbortRequest,
@@ -40,7 +41,9 @@ log = logging.getLogger("afdserve.worker")
 # round, and idle worlds do not keep every core busy.
 IDLE_SLEEP_S = (0.001, 0.020)
 CONNECT_TIMEOUT_S = 300.0
-STATS_EVERY_STEPS = 64
+# An attention rank reports at least this often, also when idle: the frontend's proof of
+# progress (AFDConfig.heartbeat_timeout_s).
+HEARTBEAT_S = 0.5
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -50,17 +53,33 @@ def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store. The built-in launcher hands rank 0 a socket bound to loopback
+    (AFDSERVE_STORE_FD), so the store listens there only, not on every interface (a store made
+    from MASTER_ADDR alone listens on all of them); every rank of such a world then builds its
+    store itself. Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
+    if "AFDSERVE_STORE_PORT" not in os.environ:
+        return None
+    port = int(os.environ["AFDSERVE_STORE_PORT"])
+    if rank == 0:
+        fd = int(os.environ["AFDSERVE_STORE_FD"])
+        return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=fd)
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+
+
 def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.device]:
     """The data-plane world (NCCL on CUDA, gloo on CPU) and the control plane's gloo group."""
     device = rank_device(spec, rank)
     timeout = timedelta(seconds=spec.afd.timeout_s)
     world = spec.topology.world_size
+    store = _store(rank, world, timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
-                                device_id=device)
+                                device_id=device, store=store)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout,
+                                store=store)
     return dist.new_group(backend="gloo", timeout=timeout), device
 
 
@@ -132,12 +151,14 @@ def _stats(built: BuiltRank) -> RankStats:
 
 def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
     idle_sleep = IDLE_SLEEP_S[0]
+    last_sent = time.monotonic()
     while True:
         result = built.driver.step(shutdown=_apply(built, rank, conn))
         if result.shutdown:
             return
-        if result.outputs or built.driver.recorder.step % STATS_EVERY_STEPS == 0:
+        if result.outputs or time.monotonic() - last_sent > HEARTBEAT_S:
             conn.send(Outputs(rank, tuple(result.outputs), _stats(built)))
+            last_sent = time.monotonic()
         if result.has_work:
             idle_sleep = IDLE_SLEEP_S[0]
         else:
@@ -153,7 +174,7 @@ def main() -> None:
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:  # under torchrun a rank may start before the frontend listens
         try:
-            conn = Client((host, int(port)), authkey=authkey)
+            conn = connect((host, int(port)), authkey)
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
