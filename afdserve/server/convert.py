@@ -1,0 +1,144 @@
+"""HTTP request -> engine requests: field checks, prompts, max_tokens against the context, and one
+SamplingParams per engine sequence (n choices, or best_of candidates, per prompt)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from afdserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from afdserve.server import protocol as api
+from afdserve.server.protocol import bad_request
+
+if TYPE_CHECKING:
+    from afdserve.engine.llm import LLM
+
+log = logging.getLogger("afdserve.server")
+
+MAX_CHOICES = 128  # engine sequences one HTTP request may start (prompts x best_of)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_fields(body: api.SamplingFields) -> None:
+    """Refuse what we cannot honour; log what we do not know (it is ignored, as by vLLM)."""
+    field = body.unsupported_field()
+    if field is not None:
+        value = (body.model_extra or {})[field]
+        raise bad_request(f"{field}: {value!r} is not supported by this server", field)
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("request fields not recognised and ignored: %s", ", ".join(unknown))
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed with stream: true", "stream_options")
+
+
+def completion_prompts(llm: LLM, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [llm.encode(prompt)]
+    if prompt and isinstance(prompt[0], (str, list)):
+        return [llm.encode(p) for p in prompt]
+    return [list(prompt)]
+
+
+def chat_prompt(llm: LLM, messages: list[api.ChatMessage], add_generation_prompt=True) -> list[int]:
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = llm.tokenizer.apply_chat_template(
+            turns, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as e:  # the template refuses this conversation (roles, order, ...)
+        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+    return llm.encode(text)
+
+
+def max_tokens_for(
+    requested: int | None, default: int | None, prompts: list[list[int]], max_model_len: int
+) -> int:
+    """An explicit max_tokens that does not fit beside the longest prompt is refused (vLLM's
+    rule); the default shrinks to the room left. A prompt that fills the context is left to the
+    engine, which names the prompt."""
+    longest = max(len(p) for p in prompts)
+    room = max_model_len - longest
+    if requested is None:
+        return max(1, room if default is None else min(default, room))
+    if room > 0 and requested > room:
+        raise bad_request(
+            f"max_tokens: {requested} tokens do not fit: the context holds {max_model_len} tokens "
+            f"and the prompt takes {longest}, which leaves {room}",
+            "max_tokens",
+        )
+    return requested
+
+
+def sampling_params(
+    body: api.SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """The request's SamplingParams; every bound is SamplingParams' own (named in the 400)."""
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "stop": body.stop or (),
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+    }
+    for name in (
+        "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    ):  # fmt: skip
+        value = getattr(body, name)
+        if value is not None:
+            fields[name] = value
+    if body.logit_bias:
+        fields["logit_bias"] = logit_bias(body.logit_bias)
+    try:
+        params = SamplingParams(**fields)
+        params.check_vocab(vocab_size)
+    except ValueError as e:
+        raise bad_request(str(e).removeprefix("SamplingParams.")) from None
+    if body.stream and params.candidates > params.n:
+        raise bad_request("best_of: must equal n when streaming", "best_of")
+    return params
+
+
+def logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """JSON object keys are strings: {"50256": -100}."""
+    try:
+        return {int(token): value for token, value in raw.items()}
+    except ValueError:
+        raise bad_request("logit_bias: keys must be token ids (integers)", "logit_bias") from None
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """The engine sequences behind one HTTP request, prompt-major: `candidates` per prompt."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+    candidates: int
+
+
+def fan_out(prompts: list[list[int]], params: SamplingParams) -> Fanout:
+    """With a seed and several candidates, candidate i gets seed + i (wrapped into int64), so
+    that they differ yet the set is reproducible. best_of ranks by cumulative logprob, so its
+    candidates are generated with the sampled token's logprob."""
+    count = params.candidates
+    if count * len(prompts) > MAX_CHOICES:
+        field = "best_of" if params.best_of is not None else "n"
+        allowed = f"{field} x prompts <= {MAX_CHOICES}"
+        raise bad_request(f"{field}: {count} for {len(prompts)} prompt(s); allowed: {allowed}")
+    one = replace(params, n=1, best_of=None)
+    if count > params.n and one.logprobs is None:
+        one = replace(one, logprobs=0)
+    per_candidate = []
+    for i in range(count):
+        seed = one.seed
+        if seed is not None and count > 1:
+            seed = (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        per_candidate.append(replace(one, seed=seed))
+    return Fanout(
+        prompts=[p for p in prompts for _ in range(count)],
+        params=per_candidate * len(prompts),
+        n=params.n,
+        candidates=count,
+    )
