@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from afdserve.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 
@@ -14,8 +14,8 @@ def __getattr__(name: str):
         from afdserve.engine.llm import LLM
 
         return LLM
-    if name == "RequestOutput":
-        from afdserve.engine.engine_core import RequestOutput
+    if name in ("RequestOutput", "CompletionOutput"):
+        from afdserve.engine import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
     raise AttributeError(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20
 # Below this a temperature is greedy (vLLM's rule): dividing logits by 1e-45 overflows to inf and
@@ -143,3 +143,18 @@ class SamplingParams:
                 raise ValueError(
                     f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def candidate_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per engine sequence of a prompt: `n`, or `best_of` candidates. With a
+    seed, candidate i gets seed + i (wrapped into int64), so that candidates differ yet the set
+    is reproducible. best_of ranks by cumulative logprob, so its candidates are generated with
+    the sampled token's logprob."""
+    count = params.candidates
+    one = replace(params, n=1, best_of=None)
+    if count > params.n and one.logprobs is None:
+        one = replace(one, logprobs=0)
+    if one.seed is None or count == 1:
+        return [one] * count
+    span = SEED_MAX - SEED_MIN + 1
+    return [replace(one, seed=(one.seed + i - SEED_MIN) % span + SEED_MIN) for i in range(count)]

@@ -4,10 +4,10 @@ SamplingParams per engine sequence (n choices, or best_of candidates, per prompt
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from afdserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.server import protocol as api
 from afdserve.server.protocol import bad_request
 
@@ -119,26 +119,14 @@ class Fanout:
 
 
 def fan_out(prompts: list[list[int]], params: SamplingParams) -> Fanout:
-    """With a seed and several candidates, candidate i gets seed + i (wrapped into int64), so
-    that they differ yet the set is reproducible. best_of ranks by cumulative logprob, so its
-    candidates are generated with the sampled token's logprob."""
     count = params.candidates
     if count * len(prompts) > MAX_CHOICES:
         field = "best_of" if params.best_of is not None else "n"
         allowed = f"{field} x prompts <= {MAX_CHOICES}"
         raise bad_request(f"{field}: {count} for {len(prompts)} prompt(s); allowed: {allowed}")
-    one = replace(params, n=1, best_of=None)
-    if count > params.n and one.logprobs is None:
-        one = replace(one, logprobs=0)
-    per_candidate = []
-    for i in range(count):
-        seed = one.seed
-        if seed is not None and count > 1:
-            seed = (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
-        per_candidate.append(replace(one, seed=seed))
     return Fanout(
         prompts=[p for p in prompts for _ in range(count)],
-        params=per_candidate * len(prompts),
+        params=candidate_params(params) * len(prompts),
         n=params.n,
         candidates=count,
     )
