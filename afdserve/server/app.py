@@ -336,9 +336,12 @@ def create_app(
 
 
 def build_app(
-    llm: LLM, served_model_name: str | None = None, api_key: str | None = None
+    llm: LLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    log_requests: bool = True,
 ) -> FastAPI:
     """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(served_model_name, api_key)
+    app = create_app(served_model_name, api_key, log_requests)
     app.state.server.attach(llm)
     return app
