@@ -210,6 +210,23 @@ def test_bad_requests_name_the_field_and_others_keep_working(
     assert client.completions.create(model=SERVED_NAME, prompt="hi", **GREEDY).choices[0].text
 
 
+def test_requests_that_stopped_the_service_are_served_or_refused(
+    server: ServerProcess, client: openai.OpenAI, oracle: LLM
+) -> None:
+    """Issue 12, on 2A1F: a tiny temperature is greedy, seeds are bounded at validation, and the
+    service keeps answering after each."""
+    got = client.completions.create(
+        model=SERVED_NAME, prompt=HELLO, temperature=1e-45, max_tokens=8
+    )
+    assert got.choices[0].text == expected(oracle, HELLO, **GREEDY).text
+    url = f"{server.url}/v1/completions"
+    r = httpx.post(url, json={"prompt": HELLO, "seed": 2**64, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    body = {"prompt": HELLO, "seed": 2**63 - 1, "n": 2, "max_tokens": 2}
+    assert len(httpx.post(url, json=body, timeout=60).json()["choices"]) == 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     before = metrics(server)
     for _ in range(3):
