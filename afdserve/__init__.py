@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

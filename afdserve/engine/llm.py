@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -169,7 +170,7 @@ class LLM:
         (`out.outputs[i]`). A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids". Every prompt is checked before any runs."""
         prompts = _prompt_list(prompts)
-        params = _params_list(sampling_params, len(prompts))
+        params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
         encoded = [_prompt_tokens(self, p) for p in prompts]
         for p in params:
             p.check_vocab(self.engine.vocab_size)
@@ -315,3 +316,14 @@ def _run(
                     if open_in_group[group] == 0:
                         bar.update(1)
     return done
+
+
+def _with_tokenizer_dir(llm: LLM, params: SamplingParams) -> SamplingParams:
+    """Structured output: the ranks find the tokenizer in the model directory; the grammar is
+    compiled here first, so that a bad one fails before anything runs."""
+    structured = params.structured_outputs
+    if structured is None:
+        return params
+    structured = dataclasses.replace(structured, tokenizer_dir=llm.engine_config.model)
+    structured.check()
+    return dataclasses.replace(params, structured_outputs=structured)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.engine.sequence import Sequence
+from afdserve.engine.structured import constrain
 
 
 @dataclass
@@ -46,6 +47,9 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """min_tokens, logit_bias, then the penalties: what may change even a greedy choice.
     Returns `logits` itself when no row asks for any of them. [n, vocab] -> [n, vocab]"""
     vocab = logits.shape[-1]
+    constrained = [row for row, s in enumerate(seqs) if s.params.structured_outputs is not None]
+    if constrained:  # the grammar first: nothing below may bring back a token it forbids
+        logits = constrain(logits, seqs, constrained)
     masked = [row for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
     biased = [row for row, s in enumerate(seqs) if s.params.logit_bias]
     penalized = [row for row, s in enumerate(seqs) if s.params.penalized]
@@ -67,7 +71,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         index = torch.tensor(penalized, device=out.device)
         out[index] = _penalize(out[index], [seqs[row] for row in penalized])
     # A row whose every token was masked (min_tokens over a stop list that covers the vocabulary)
-    # has nothing to sample: it falls back to the model's own logits rather than to NaN.
+    # has nothing to sample: it falls back to the model's own (grammar-masked) logits, not NaN.
     empty = ~torch.isfinite(out).any(dim=-1, keepdim=True)  # [n, 1]
     return torch.where(empty, logits, out)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from afdserve.engine.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # Below this a temperature is greedy (vLLM's rule): dividing logits by 1e-45 overflows to inf and
 # the softmax of the row turns into NaN.
@@ -56,6 +58,8 @@ class SamplingParams:
     # Choices per prompt (`n`), drawn from `best_of` candidates ranked by cumulative logprob.
     n: int = 1
     best_of: int | None = None
+    # Constrains the output to a JSON schema, regex, choice or grammar (needs llguidance).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -90,6 +94,13 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if self.best_of is not None and not (_is_int(self.best_of) and self.best_of >= self.n):
             raise bad("best_of", f"must be None or an integer >= n={self.n}")
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
+            # The grammar ends the output with EOS: it must be allowed to stop it, at once.
+            if self.ignore_eos or self.min_tokens:
+                raise bad("structured_outputs", "cannot be combined with ignore_eos or min_tokens")
 
         # Frozen dataclass: normalise the sequence fields in place so that the stored value is
         # always a hashable tuple whatever the caller passed (str, list or tuple).

@@ -47,6 +47,7 @@ class Sequence:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
         self.output_logprobs: list[dict[int, float] | None] = []
+        self.grammar = None  # a structured.GrammarState once a constrained sequence samples
 
     def __repr__(self) -> str:
         return (

@@ -280,7 +280,9 @@ def create_app(
         max_tokens = convert.max_tokens_for(
             body.max_tokens, convert.COMPLETION_MAX_TOKENS, prompts, state.max_model_len
         )
-        params = convert.sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
+        params = convert.sampling_params(
+            body, max_tokens, body.logprobs, state.vocab_size, llm.engine_config.model
+        )
         gen = await start(state, engine, "completion", convert.fan_out(prompts, params))
         head = shape.envelope("text_completion", f"cmpl-{gen.ids[0][:24]}", state.model_name)
 
@@ -306,7 +308,9 @@ def create_app(
         top = body.top_logprobs or 0
         try:
             logprobs_k = top if body.logprobs else None
-            params = convert.sampling_params(body, max_tokens, logprobs_k, state.vocab_size)
+            params = convert.sampling_params(
+                body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model
+            )
         except APIError as e:
             if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
                 e.param, e.message = "top_logprobs", "top_" + e.message

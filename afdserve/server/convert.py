@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.engine.structured import StructuredOutputsParams
 from afdserve.server import protocol as api
 from afdserve.server.protocol import bad_request
 
@@ -71,8 +72,40 @@ def max_tokens_for(
     return requested
 
 
+def structured_outputs(
+    response_format: dict[str, Any] | None, tokenizer_dir: str
+) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        params = StructuredOutputsParams(json_object=True, tokenizer_dir=tokenizer_dir)
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")  # type: ignore[union-attr]
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format: json_schema needs json_schema.schema, an object",
+                "response_format",
+            )
+        params = StructuredOutputsParams(json=schema, tokenizer_dir=tokenizer_dir)
+    else:
+        allowed = "text, json_object or json_schema"
+        raise bad_request(f"response_format: type {kind!r}; allowed: {allowed}", "response_format")
+    try:
+        params.check()
+    except ValueError as e:
+        raise bad_request(f"response_format: {e}", "response_format") from None
+    return params
+
+
 def sampling_params(
-    body: api.SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+    body: api.SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    tokenizer_dir: str = "",
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400)."""
     fields: dict[str, Any] = {
@@ -90,11 +123,16 @@ def sampling_params(
             fields[name] = value
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
+    fields["structured_outputs"] = structured_outputs(body.response_format, tokenizer_dir)
     try:
         params = SamplingParams(**fields)
         params.check_vocab(vocab_size)
     except ValueError as e:
-        raise bad_request(str(e).removeprefix("SamplingParams.")) from None
+        message = str(e).removeprefix("SamplingParams.")
+        if message.startswith("structured_outputs"):  # what the request called it
+            message = "response_format" + message.split(":", 1)[1]
+            raise bad_request(message, "response_format") from None
+        raise bad_request(message) from None
     if body.stream and params.candidates > params.n:
         raise bad_request("best_of: must equal n when streaming", "best_of")
     return params

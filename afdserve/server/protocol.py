@@ -23,7 +23,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "audio": (None,),
@@ -75,6 +74,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(self.model_extra or ()) - set(UNSUPPORTED) - IGNORED)

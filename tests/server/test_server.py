@@ -227,6 +227,16 @@ def test_requests_that_stopped_the_service_are_served_or_refused(
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_structured_output_on_the_ranks(client: openai.OpenAI) -> None:
+    """The grammar runs beside the sampler on each attention rank of 2A1F."""
+    answer = client.completions.create(
+        model=SERVED_NAME, prompt=["a", "b"], max_tokens=32, seed=3,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"enum": ["alpha", "beta", "gamma"]}}}},
+    )  # fmt: skip
+    assert [json.loads(c.text) in ("alpha", "beta", "gamma") for c in answer.choices] == [1, 1]
+
+
 def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     before = metrics(server)
     for _ in range(3):

@@ -96,8 +96,17 @@ plausible = {
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "model": st.just(SERVED_NAME),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"schema": {"enum": ["a", "b"]}}},
+        ]
+    ),
 }
-fields = sorted({*plausible, "best_of", "stream_options", "logprobs", "tools", "unknown_field_x"})
+fields = sorted(
+    {*plausible, "best_of", "stream_options", "logprobs", "tools", "response_format", "unknown_x"}
+)
 
 
 def with_odd_field(base: dict) -> st.SearchStrategy[dict]:
@@ -245,7 +254,12 @@ def test_best_of_returns_the_most_likely_candidates(http: httpx.Client, oracle: 
     ("body", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 600}, "max_tokens"),
         ({"best_of": 2, "stream": True}, "best_of"),
@@ -261,6 +275,24 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(
     r = http.post("/v1/completions", json={"prompt": HELLO, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+        "required": ["ok", "color"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "JSON please"}], n=3, seed=1,
+        max_tokens=64, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    for choice in answer.choices:
+        value = json.loads(choice.message.content)
+        assert isinstance(value["ok"], bool) and value["color"] in ("red", "green")
+        assert set(value) == {"ok", "color"} and choice.finish_reason == "stop"
 
 
 def test_unknown_fields_are_logged_by_name(http: httpx.Client, served: ServerProcess) -> None:
