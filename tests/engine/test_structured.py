@@ -64,3 +64,14 @@ def test_bad_grammars_and_combinations_are_refused(llm: LLM) -> None:
         StructuredOutputsParams(json=SCHEMA, regex="a")
     with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), ignore_eos=True)
+
+
+def test_a_grammar_the_rank_cannot_run_refuses_only_that_request(llm: LLM) -> None:
+    """A tokenizer directory the rank cannot read fails that request at admission, as a
+    RequestError; the engine keeps serving."""
+    from afdserve.engine.engine_core import RequestError
+
+    broken = StructuredOutputsParams(choice=["yes"], tokenizer_dir="/no/such/tokenizer")
+    with pytest.raises(RequestError, match="structured_outputs: this rank cannot run"):
+        llm.engine.add_request("broken", [1, 2, 3], SamplingParams(structured_outputs=broken))
+    assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
