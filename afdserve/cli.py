@@ -102,6 +102,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (like vLLM)."""
+    if value is None or "{" in value:
+        return value
+    if not os.path.isfile(value):
+        raise ValueError(f"chat_template={value!r}: no such file, and not a Jinja template")
+    with open(value) as f:
+        return f.read()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from afdserve import LLM
     from afdserve.server.serve import ServeOptions, run_server
@@ -113,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         log_requests=not args.disable_log_requests, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
+        chat_template=read_chat_template(args.chat_template),
     )
     run_server(lambda: LLM(**kwargs), options)
     return 0
@@ -156,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (default: $AFDSERVE_API_KEY); "
                             "/health and /metrics stay open")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (or a file holding one) instead of the "
+                            "tokenizer's")
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="do not log a line per request")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,

@@ -43,8 +43,14 @@ CLIENT_CLOSED = 499  # logged and counted when the client left before its answer
 class ServerState:
     """What the handlers share. The engine part is attached once the LLM is built."""
 
-    def __init__(self, served_model_name: str | None, log_requests: bool = True) -> None:
+    def __init__(
+        self,
+        served_model_name: str | None,
+        log_requests: bool = True,
+        chat_template: str | None = None,
+    ) -> None:
         self.served_model_name = served_model_name
+        self.chat_template = chat_template
         self.model_name = served_model_name or ""
         self.log_requests = log_requests
         self.llm: LLM | None = None
@@ -185,10 +191,14 @@ async def start(
 
 
 def create_app(
-    served_model_name: str | None = None, api_key: str | None = None, log_requests: bool = True
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    log_requests: bool = True,
+    chat_template: str | None = None,
 ) -> FastAPI:
-    """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`."""
-    state = ServerState(served_model_name, log_requests)
+    """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`.
+    `chat_template` (a Jinja template) replaces the tokenizer's own."""
+    state = ServerState(served_model_name, log_requests, chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -253,7 +263,9 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = convert.chat_prompt(llm, body.messages, body.add_generation_prompt)
+            tokens = convert.chat_prompt(
+                llm, body.messages, body.add_generation_prompt, state.chat_template
+            )
         else:
             text = body.prompt or ""
             tokens = llm.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
@@ -299,7 +311,7 @@ def create_app(
         convert.check_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        prompt = convert.chat_prompt(llm, body.messages)
+        prompt = convert.chat_prompt(llm, body.messages, chat_template=state.chat_template)
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
@@ -344,8 +356,9 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     log_requests: bool = True,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(served_model_name, api_key, log_requests)
+    app = create_app(served_model_name, api_key, log_requests, chat_template)
     app.state.server.attach(llm)
     return app

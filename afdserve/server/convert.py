@@ -42,11 +42,21 @@ def completion_prompts(llm: LLM, prompt: Any) -> list[list[int]]:
     return [list(prompt)]
 
 
-def chat_prompt(llm: LLM, messages: list[api.ChatMessage], add_generation_prompt=True) -> list[int]:
+def chat_prompt(
+    llm: LLM,
+    messages: list[api.ChatMessage],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """The conversation through `chat_template` (the server's --chat-template), else the
+    tokenizer's own template."""
     turns = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = llm.tokenizer.apply_chat_template(
-            turns, add_generation_prompt=add_generation_prompt, tokenize=False
+            turns,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
     except Exception as e:  # the template refuses this conversation (roles, order, ...)
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None

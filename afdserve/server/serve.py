@@ -161,6 +161,7 @@ class ServeOptions:
     log_level: str = "info"  # afdserve's loggers
     uvicorn_log_level: str = "warning"
     stats_interval_s: float = STATS_INTERVAL_S
+    chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
 
     def __post_init__(self) -> None:
         for name in ("log_level", "uvicorn_log_level"):
@@ -194,7 +195,9 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> None:
     setup_logging(options.log_level)
     host, port = options.host, options.port
     sock = listen_socket(host, port)
-    app = create_app(options.served_model_name, options.api_key, options.log_requests)
+    app = create_app(
+        options.served_model_name, options.api_key, options.log_requests, options.chat_template
+    )
     state: ServerState = app.state.server
     config = uvicorn.Config(
         app,

@@ -398,3 +398,26 @@ def test_config_errors_are_one_line_before_anything_starts(args: list[str], mess
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("afdserve: error:")
     assert "Traceback" not in proc.stderr and "listening" not in proc.stderr
+
+
+def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from afdserve.cli import read_chat_template
+    from afdserve.server.app import build_app
+
+    template = "{% for m in messages %}<{{ m.role }}:{{ m.content }}>{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == read_chat_template(template) == template
+    with pytest.raises(ValueError, match="chat_template='nofile.jinja': no such file"):
+        read_chat_template("nofile.jinja")
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(oracle, SERVED_NAME, chat_template=template)) as local:
+        tokens = local.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        assert tokens == oracle.encode("<user:hi>")
+        body = {"messages": messages, "temperature": 0, "max_tokens": 4}
+        answer = local.post("/v1/chat/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == len("<user:hi>")
+    want = offline(oracle, "<user:hi>", temperature=0.0, max_tokens=4)
+    assert answer["choices"][0]["message"]["content"] == want.text
