@@ -124,7 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=read_chat_template(args.chat_template),
+        generation_config=args.generation_config,
     )
+    if args.generation_config not in ("auto", "vllm"):
+        from afdserve.server.convert import generation_defaults
+
+        generation_defaults(args.generation_config, "")  # a wrong path: one line, now
     run_server(lambda: LLM(**kwargs), options)
     return 0
 
@@ -170,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                        help="a Jinja chat template (or a file holding one) instead of the "
                             "tokenizer's")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="defaults of omitted request fields: the model's "
+                            "generation_config.json (auto), none (vllm), or DIR's")
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="do not log a line per request")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,

@@ -48,9 +48,12 @@ class ServerState:
         served_model_name: str | None,
         log_requests: bool = True,
         chat_template: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         self.served_model_name = served_model_name
         self.chat_template = chat_template
+        self.generation_config = generation_config
+        self.defaults: dict[str, Any] = {}
         self.model_name = served_model_name or ""
         self.log_requests = log_requests
         self.llm: LLM | None = None
@@ -67,6 +70,11 @@ class ServerState:
         self.model_name = self.served_model_name or llm.model_name
         self.max_model_len = llm.engine.max_model_len
         self.vocab_size = llm.engine.vocab_size
+        self.defaults = convert.generation_defaults(self.generation_config, llm.engine_config.model)
+        if self.defaults:
+            log.info(
+                "defaults of requests that leave them out (generation config): %s", self.defaults
+            )
         self.engine = EngineLoop(llm.engine).start()
 
     def stop(self) -> None:
@@ -195,10 +203,12 @@ def create_app(
     api_key: str | None = None,
     log_requests: bool = True,
     chat_template: str | None = None,
+    generation_config: str = "auto",
 ) -> FastAPI:
     """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`.
-    `chat_template` (a Jinja template) replaces the tokenizer's own."""
-    state = ServerState(served_model_name, log_requests, chat_template)
+    `chat_template` (a Jinja template) replaces the tokenizer's own; `generation_config` says
+    where request defaults come from (convert.generation_defaults)."""
+    state = ServerState(served_model_name, log_requests, chat_template, generation_config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -289,12 +299,12 @@ def create_app(
         state.check_model(body.model)
         convert.check_fields(body)
         prompts = convert.completion_prompts(llm, body.prompt)
-        max_tokens = convert.max_tokens_for(
-            body.max_tokens, convert.COMPLETION_MAX_TOKENS, prompts, state.max_model_len
-        )
+        default = state.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
+        max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, state.max_model_len)
         params = convert.sampling_params(
-            body, max_tokens, body.logprobs, state.vocab_size, llm.engine_config.model
-        )
+            body, max_tokens, body.logprobs, state.vocab_size, llm.engine_config.model,
+            state.defaults,
+        )  # fmt: skip
         gen = await start(state, engine, "completion", convert.fan_out(prompts, params))
         head = shape.envelope("text_completion", f"cmpl-{gen.ids[0][:24]}", state.model_name)
 
@@ -316,13 +326,15 @@ def create_app(
         if requested is None:
             requested = body.max_tokens
         # Unset: as much as fits; the engine refuses a prompt that fills the context.
-        max_tokens = convert.max_tokens_for(requested, None, [prompt], state.max_model_len)
+        default = state.defaults.get("max_tokens")
+        max_tokens = convert.max_tokens_for(requested, default, [prompt], state.max_model_len)
         top = body.top_logprobs or 0
         try:
             logprobs_k = top if body.logprobs else None
             params = convert.sampling_params(
-                body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model
-            )
+                body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model,
+                state.defaults,
+            )  # fmt: skip
         except APIError as e:
             if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
                 e.param, e.message = "top_logprobs", "top_" + e.message
@@ -357,8 +369,9 @@ def build_app(
     api_key: str | None = None,
     log_requests: bool = True,
     chat_template: str | None = None,
+    generation_config: str = "auto",
 ) -> FastAPI:
     """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(served_model_name, api_key, log_requests, chat_template)
+    app = create_app(served_model_name, api_key, log_requests, chat_template, generation_config)
     app.state.server.attach(llm)
     return app

@@ -3,8 +3,10 @@ SamplingParams per engine sequence (n choices, or best_of candidates, per prompt
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
@@ -19,6 +21,33 @@ log = logging.getLogger("afdserve.server")
 
 MAX_CHOICES = 128  # engine sequences one HTTP request may start (prompts x best_of)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# generation_config.json key -> request field, the keys vLLM reads as server defaults.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: str, model_dir: str) -> dict[str, Any]:
+    """--generation-config: "auto" reads the model's generation_config.json (if any), "vllm"
+    uses none, anything else is a directory holding a generation_config.json. The values become
+    the defaults of requests that leave those fields out."""
+    if source == "vllm":
+        return {}
+    directory = Path(model_dir if source == "auto" else source)
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        if source == "auto":
+            return {}
+        raise ValueError(f"generation_config={source!r}: no generation_config.json there")
+    config = json.loads(path.read_text())
+    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items() if key in config}
 
 
 def check_fields(body: api.SamplingFields) -> None:
@@ -116,8 +145,10 @@ def sampling_params(
     logprobs: int | None,
     vocab_size: int,
     tokenizer_dir: str = "",
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams; every bound is SamplingParams' own (named in the 400)."""
+    """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
+    `defaults` (from --generation-config) fill the fields the request left out."""
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "logprobs": logprobs,
@@ -129,6 +160,8 @@ def sampling_params(
         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     ):  # fmt: skip
         value = getattr(body, name)
+        if value is None and defaults:
+            value = defaults.get(name)
         if value is not None:
             fields[name] = value
     if body.logit_bias:

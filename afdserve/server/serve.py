@@ -162,6 +162,7 @@ class ServeOptions:
     uvicorn_log_level: str = "warning"
     stats_interval_s: float = STATS_INTERVAL_S
     chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (convert.generation_defaults)
 
     def __post_init__(self) -> None:
         for name in ("log_level", "uvicorn_log_level"):
@@ -196,7 +197,11 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> None:
     host, port = options.host, options.port
     sock = listen_socket(host, port)
     app = create_app(
-        options.served_model_name, options.api_key, options.log_requests, options.chat_template
+        options.served_model_name,
+        options.api_key,
+        options.log_requests,
+        options.chat_template,
+        options.generation_config,
     )
     state: ServerState = app.state.server
     config = uvicorn.Config(

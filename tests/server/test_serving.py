@@ -386,6 +386,8 @@ def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureF
         (["/no/such/model"], "model='/no/such/model': no such directory"),
         (["--topology", "2A3F"], "topology"),
         (["--max-num-seqs", "0"], "EngineConfig.max_num_seqs=0"),
+        (["--generation-config", "/no/dir"], "generation_config='/no/dir'"),
+        (["--chat-template", "missing.jinja"], "chat_template='missing.jinja'"),
     ],
 )
 def test_config_errors_are_one_line_before_anything_starts(args: list[str], message: str) -> None:
@@ -421,3 +423,24 @@ def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
     assert answer["usage"]["prompt_tokens"] == len("<user:hi>")
     want = offline(oracle, "<user:hi>", temperature=0.0, max_tokens=4)
     assert answer["choices"][0]["message"]["content"] == want.text
+
+
+def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from afdserve.server.app import build_app
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 3, "do_sample": False})
+    )
+    greedy = {n: offline(oracle, HELLO, temperature=0.0, max_tokens=n, ignore_eos=True).text
+              for n in (3, 5)}  # fmt: skip
+    body = {"prompt": HELLO, "ignore_eos": True}
+    for source, tokens in ((str(tmp_path), 3), ("vllm", 16), ("auto", 16)):
+        with TestClient(build_app(oracle, SERVED_NAME, generation_config=source)) as local:
+            answer = local.post("/v1/completions", json=body).json()
+            assert answer["usage"]["completion_tokens"] == tokens, source
+            if source == str(tmp_path):  # temperature 0 by default: greedy
+                assert answer["choices"][0]["text"] == greedy[3]
+                explicit = local.post("/v1/completions", json={**body, "max_tokens": 5}).json()
+                assert explicit["choices"][0]["text"] == greedy[5]
