@@ -92,9 +92,13 @@ def startup_summary(llm: LLM, model_name: str) -> str:
     kv_tokens = limits.num_blocks * limits.block_size * ranks
     full = kv_tokens / limits.max_model_len
     concurrency = min(full, config.max_num_seqs * ranks)
+    dtype = config.dtype
+    core = getattr(engine, "core", None)  # one-process engines: say what "auto" resolved to
+    if dtype == "auto" and core is not None:
+        dtype = f"auto ({str(next(core.model.parameters()).dtype).removeprefix('torch.')})"
     return (
         f"afdserve {afdserve.__version__}: model {model_name!r} ({config.model}), "
-        f"topology {llm.afd_config.topology}, device {config.device}, dtype {config.dtype}, "
+        f"topology {llm.afd_config.topology}, device {config.device}, dtype {dtype}, "
         f"max_model_len {limits.max_model_len}, KV cache {kv_tokens} tokens "
         f"({ranks} attention rank(s) x {limits.num_blocks} blocks x {limits.block_size}), "
         f"max concurrency {concurrency:.1f} requests of {limits.max_model_len} tokens "
