@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 
@@ -14,8 +15,8 @@ def __getattr__(name: str):
         from afdserve.llm import LLM
 
         return LLM
-    if name == "RequestOutput":
-        from afdserve.engine.engine_core import RequestOutput
+    if name in ("RequestOutput", "CompletionOutput"):
+        from afdserve.engine import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
     raise AttributeError(name)

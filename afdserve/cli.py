@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig, check_model_dir
 
 
 def _sizes(text: str) -> list[int]:
@@ -58,7 +59,29 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
         "log_step_plan": args.log_step_plan,
         "frontend_address": args.frontend_address,
+        "seed": getattr(args, "engine_seed", EngineConfig.seed),
     }
+
+
+def check_engine_args(kwargs: dict) -> None:
+    """Every configuration error, in one line, before any port is bound or process started."""
+    from afdserve.model.bundled import resolve_model
+
+    if kwargs["model"] not in (None, "", "tiny"):
+        check_model_dir(kwargs["model"])
+    EngineConfig(
+        model=resolve_model(kwargs["model"]), device=kwargs["device"], dtype=kwargs["dtype"],
+        max_num_seqs=kwargs["max_num_seqs"],
+        max_num_batched_tokens=kwargs["max_num_batched_tokens"],
+        max_model_len=kwargs["max_model_len"], kv_cache_blocks=kwargs["kv_cache_blocks"],
+        block_size=kwargs["block_size"],
+        gpu_memory_utilization=float(kwargs["gpu_memory_utilization"]), seed=kwargs["seed"],
+    )
+    AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
+              gate_on_attention=kwargs["gate_on_attention"],
+              log_step_plan=kwargs["log_step_plan"])
+    sizes = kwargs["cuda_graph_sizes"]
+    GraphConfig(mode=kwargs["graph_mode"], sizes=tuple(sizes) if sizes is not None else None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -66,7 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    with LLM(**llm_kwargs(args)) as llm:
+    kwargs = llm_kwargs(args)
+    check_engine_args(kwargs)
+    with LLM(**kwargs) as llm:
         prompts = args.prompt or ["Hello, my name is"]
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
             if args.json:
@@ -77,12 +102,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (like vLLM)."""
+    if value is None or "{" in value:
+        return value
+    if not os.path.isfile(value):
+        raise ValueError(f"chat_template={value!r}: no such file, and not a Jinja template")
+    with open(value) as f:
+        return f.read()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from afdserve import LLM
-    from afdserve.server.app import run_server
+    from afdserve.server.serve import ServeOptions, run_server
 
     kwargs = llm_kwargs(args)
-    run_server(lambda: LLM(**kwargs), args.host, args.port, args.served_model_name)
+    check_engine_args(kwargs)
+    options = ServeOptions(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
+        log_requests=not args.disable_log_requests, log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        chat_template=read_chat_template(args.chat_template),
+        generation_config=args.generation_config,
+    )
+    if args.generation_config not in ("auto", "vllm"):
+        from afdserve.server.convert import generation_defaults
+
+        generation_defaults(args.generation_config, "")  # a wrong path: one line, now
+    run_server(lambda: LLM(**kwargs), options)
     return 0
 
 
@@ -93,6 +141,9 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
                            dtype=args.dtype)
     print(path)
     return 0
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the model path)")
+    serve.add_argument("--seed", dest="engine_seed", type=int, default=EngineConfig.seed,
+                       help="seed of the engine's generator, for requests without a seed")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (default: $AFDSERVE_API_KEY); "
+                            "/health and /metrics stay open")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (or a file holding one) instead of the "
+                            "tokenizer's")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="defaults of omitted request fields: the model's "
+                            "generation_config.json (auto), none (vllm), or DIR's")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="do not log a line per request")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="afdserve's own log level")
+    serve.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
+                       help="uvicorn's log level (its access log shows at info)")
     serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")

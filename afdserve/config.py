@@ -7,6 +7,7 @@ starts or any weight is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -23,6 +24,15 @@ def _one_one():
 def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
+
+
+def check_model_dir(model: str) -> None:
+    """A model must be a local Hugging Face directory: say so in one line, before loading."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model={model!r}: no such directory (expected a Hugging Face model dir)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={model!r}: the directory has no config.json")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:

@@ -6,6 +6,7 @@ per rank (afd/launcher.py), and drives either through the same EngineClient inte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -18,12 +19,14 @@ from afdserve.afd.local import SingleProcessClient
 from afdserve.afd.messages import RankReady, WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.engine_core import RequestOutput as SequenceOutput
 from afdserve.engine.factory import load_tokenizer
-from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.outputs import RequestOutput, gather
+from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.model.bundled import resolve_model
 
 Prompt = str | list[int]
+PromptInput = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}
 log = logging.getLogger(__name__)
 
 
@@ -62,6 +65,7 @@ class LLM:
         log_step_plan: bool | str = False,
         log_data_plane: str | None = None,
         connector: str = "auto",
+        heartbeat_timeout_s: float = 10.0,
         frontend_address: str | None = None,
         seed: int = 0,
     ) -> None:
@@ -86,6 +90,7 @@ class LLM:
             gate_on_attention=gate_on_attention,
             log_step_plan=log_step_plan,
             connector=connector,
+            heartbeat_timeout_s=heartbeat_timeout_s,
             log_data_plane=log_data_plane,
         )
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
@@ -135,42 +140,51 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order; every prompt is checked first."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params: {len(params)} given for {len(prompts)} prompts "
-                "(one, or one each)"
-            )
-        encoded = [self.encode(p) for p in prompts]
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, tokens, p in zip(ids, encoded, params):
-            try:
-                self.engine.add_request(request_id, tokens, p)
-            except Exception:
-                for earlier in ids[: ids.index(request_id)]:
-                    self.engine.abort(earlier)
-                raise
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+        """One finished RequestOutput per prompt, in prompt order, each with `n` CompletionOutputs
+        (`out.outputs[i]`). A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids". Every prompt is checked before any runs."""
+        prompts = _prompt_list(prompts)
+        params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
+        encoded = [_prompt_tokens(self, p) for p in prompts]
+        for p in params:
+            p.check_vocab(self.engine.vocab_size)
+        groups = [[f"gen-{next(self._ids)}" for _ in range(p.candidates)] for p in params]
+        added: list[str] = []
+        try:
+            for ids, tokens, p in zip(groups, encoded, params):
+                for request_id, one in zip(ids, candidate_params(p)):
+                    self.engine.add_request(request_id, tokens, one)
+                    added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        done = _run(self, added, groups, use_tqdm)
+        return [
+            gather(ids[0], _prompt_text(p), [done[i] for i in ids], sp.n, sp.logprobs is not None)
+            for ids, p, sp in zip(groups, prompts, params)
+        ]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of {"role", "content"} dicts) or to several,
+        rendered through the tokenizer's chat template (or `chat_template`)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = [
+            {"prompt": _render_chat(self, c, chat_template, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def step_log(self) -> list[dict]:
         """Every rank's step-plan records (needs log_step_plan)."""
@@ -201,3 +215,93 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+# ----- offline API helpers (vLLM's shape: chat, dict prompts, progress) -----
+
+
+def _render_chat(
+    llm: LLM, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool
+) -> str:
+    return llm.tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+
+
+def _prompt_text(prompt: PromptInput) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: {len(params)} given for {count} prompts (one, or one each)"
+        )
+    return params
+
+
+def _prompt_tokens(llm: LLM, prompt: PromptInput) -> list[int]:
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise ValueError(
+                f"prompt: a dict prompt has exactly one of 'prompt' or 'prompt_token_ids', "
+                f"got keys {sorted(prompt)}"
+            )
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        prompt = prompt["prompt"]
+    return llm.encode(prompt)
+
+
+def _run(
+    llm: LLM, request_ids: list[str], groups: list[list[str]], use_tqdm: bool
+) -> dict[str, SequenceOutput]:
+    """Step until every request finished; with `use_tqdm`, a progress bar over prompts."""
+    from tqdm.auto import tqdm
+
+    group_of = {rid: g for g, ids in enumerate(groups) for rid in ids}
+    open_in_group = [len(ids) for ids in groups]
+    done: dict[str, SequenceOutput] = {}
+    with tqdm(total=len(groups), desc="Processed prompts", unit="prompt",
+              disable=not use_tqdm, dynamic_ncols=True) as bar:  # fmt: skip
+        while len(done) < len(request_ids):
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    group = group_of[out.request_id]
+                    open_in_group[group] -= 1
+                    if open_in_group[group] == 0:
+                        bar.update(1)
+    return done
+
+
+def _with_tokenizer_dir(llm: LLM, params: SamplingParams) -> SamplingParams:
+    """Structured output: the ranks find the tokenizer in the model directory; the grammar is
+    compiled here first, so that a bad one fails before anything runs."""
+    structured = params.structured_outputs
+    if structured is None:
+        return params
+    structured = dataclasses.replace(structured, tokenizer_dir=llm.engine_config.model)
+    structured.check()
+    return dataclasses.replace(params, structured_outputs=structured)

@@ -99,7 +99,7 @@ class ProcessClient(EngineClient):
                 rejected = RequestError(msg.message, msg.request_id)
             elif isinstance(msg, (RankFailed, Lost)):
                 detail = msg.traceback if isinstance(msg, RankFailed) else "connection lost"
-                self.shutdown()
+                self._fail()
                 raise WorkerError(f"rank {msg.rank} failed:\n{detail}")
         if rejected is not None:
             self._carried = results  # handed out by the next step()
@@ -109,7 +109,7 @@ class ProcessClient(EngineClient):
                 self.world.check_alive("while serving")
                 self.world.check_progress(self.spec.afd.heartbeat_timeout_s)
             except WorkerError:
-                self.shutdown()
+                self._fail()
                 raise
         return results
 
@@ -127,6 +127,12 @@ class ProcessClient(EngineClient):
             for mode, count in rank_stats.steps.items():
                 stats.steps[mode] = stats.steps.get(mode, 0) + count
         return stats
+
+    def _fail(self) -> None:
+        """A rank died or hangs: the world cannot step again. Kill it now rather than wait for
+        ranks that may never answer a shutdown."""
+        self.world.kill()
+        self.shutdown()
 
     def shutdown(self) -> None:
         if not self.closed:

@@ -5,11 +5,15 @@ some tokenizers render a token differently depending on what precedes it (a lead
 So text is produced by decoding a short window of tokens twice, with and without the newest ones,
 and emitting the difference once it no longer ends in U+FFFD, the replacement character a decoder
 yields for an incomplete UTF-8 sequence.
+
+Where the tokenizer is a fast one (a `tokenizers.Tokenizer`, or a transformers tokenizer backed
+by one), the `tokenizers` library's own `DecodeStream` does that window bookkeeping in Rust, with
+one decode per token instead of two. Other tokenizers take the Python window below.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the first output token, so that the first output token is
@@ -21,6 +25,28 @@ class Tokenizer(Protocol):
     """What both `tokenizers.Tokenizer` and Hugging Face `transformers` tokenizers provide."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def fast_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` that decodes exactly as `tokenizer.decode` does, or None.
+    transformers' clean-up of tokenization spaces happens after the backend's decode, so a
+    tokenizer that cleans up takes the Python window."""
+    try:
+        from tokenizers import Tokenizer as FastTokenizer
+    except ImportError:
+        return None
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer
+    backend = (
+        getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "is_fast", False)
+        else None
+    )
+    if isinstance(backend, FastTokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
+        return backend
+    return None
 
 
 class IncrementalDetokenizer:
@@ -41,6 +67,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._text = ""
+        self._backend = fast_backend(tokenizer)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        return self._stream is not None
 
     @property
     def text(self) -> str:
@@ -50,6 +86,15 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one output token; return the text that became stable with it (may be "")."""
         self._ids.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if not delta:
+                return ""
+            # The stream keeps its own window; ours only serves flush().
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self._text += delta
+            return delta
         emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         if len(window) <= len(emitted) or window.endswith(REPLACEMENT_CHAR):

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: logits processing (min_tokens, logit_bias, penalties), greedy, temperature,
+min-p, top-k, top-p, per-request seeds, logprobs. The order is documented on SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.engine.sequence import Sequence
+from afdserve.engine.structured import constrain
 
 
 @dataclass
@@ -25,36 +27,105 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             f"expected [{len(seqs)}, vocab]"
         )
     logits = logits.float()  # [n, vocab]
+    processed = process_logits(logits, seqs)  # [n, vocab]
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
 
     greedy_rows = [row for row, seq in enumerate(seqs) if seq.params.greedy]
     random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
     if greedy_rows:
         index = torch.tensor(greedy_rows, device=logits.device)
-        tokens[index] = logits[index].argmax(dim=-1)
+        tokens[index] = processed[index].argmax(dim=-1)
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
-        tokens[index] = _draw(logits[index], [seqs[row] for row in random_rows])
+        tokens[index] = _draw(processed[index], [seqs[row] for row in random_rows])
 
     token_ids = tokens.tolist()
     return SampleResult(token_ids, _logprobs(logits, tokens, token_ids, seqs))
 
 
+def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """min_tokens, logit_bias, then the penalties: what may change even a greedy choice.
+    Returns `logits` itself when no row asks for any of them. [n, vocab] -> [n, vocab]"""
+    vocab = logits.shape[-1]
+    constrained = [row for row, s in enumerate(seqs) if s.params.structured_outputs is not None]
+    if constrained:  # the grammar first: nothing below may bring back a token it forbids
+        logits = constrain(logits, seqs, constrained)
+    masked = [row for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    biased = [row for row, s in enumerate(seqs) if s.params.logit_bias]
+    penalized = [row for row, s in enumerate(seqs) if s.params.penalized]
+    if not (masked or biased or penalized):
+        return logits
+    out = logits.clone()
+    for row in masked:  # the stop tokens may not end the request yet
+        seq = seqs[row]
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos and seq.eos_token_id is not None:
+            stops.add(seq.eos_token_id)
+        ids = [t for t in stops if t < vocab]
+        out[row, ids] = -torch.inf
+    for row in biased:
+        bias = {t: v for t, v in seqs[row].params.logit_bias.items() if t < vocab}
+        ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
+        out[row, ids] += torch.tensor(list(bias.values()), device=out.device)
+    if penalized:
+        index = torch.tensor(penalized, device=out.device)
+        out[index] = _penalize(out[index], [seqs[row] for row in penalized])
+    # A row whose every token was masked (min_tokens over a stop list that covers the vocabulary)
+    # has nothing to sample: it falls back to the model's own (grammar-masked) logits, not NaN.
+    empty = ~torch.isfinite(out).any(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(empty, logits, out)
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens, then frequency and presence penalties
+    over output tokens (OpenAI's formula). [m, vocab] -> [m, vocab]"""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def counts(token_lists: list[list[int]]) -> torch.Tensor:  # [m, vocab]
+        rows = [row for row, ids in enumerate(token_lists) for _ in ids]
+        ids = [min(t, vocab - 1) for ids in token_lists for t in ids]
+        result = torch.zeros(len(seqs), vocab, device=device)
+        result.index_put_(
+            (torch.tensor(rows, dtype=torch.long, device=device),
+             torch.tensor(ids, dtype=torch.long, device=device)),
+            torch.ones(len(ids), device=device),
+            accumulate=True,
+        )  # fmt: skip
+        return result
+
+    output = counts([s.output_token_ids for s in seqs])
+    prompt = counts([s.token_ids[: s.num_prompt_tokens] for s in seqs])
+    repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
+    frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
+    presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device)[:, None]
+    seen = (output + prompt) > 0
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, scaled, logits)
+    return logits - frequency * output - presence * (output > 0).float()
+
+
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then one inverse-CDF draw per row. [m, vocab] -> [m]"""
+    """Temperature, then min-p, top-k, top-p, then one inverse-CDF draw per row.
+    [m, vocab] -> [m]"""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+    # Clipped to the vocabulary here, in Python: a huge top_k would not fit a torch integer.
     top_k = torch.tensor(
-        [s.params.top_k if s.params.top_k >= 1 else vocab for s in seqs], device=device
+        [min(s.params.top_k, vocab) if s.params.top_k >= 1 else vocab for s in seqs],
+        device=device,
     )
     top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
 
     # Stable sort: ties keep vocabulary order, so a row's result never depends on its batch.
     sorted_logits, sorted_ids = torch.sort(
         logits / temperature[:, None], dim=-1, descending=True, stable=True
     )  # [m, vocab]
     rank = torch.arange(vocab, device=device)
-    probs = torch.softmax(sorted_logits, dim=-1).masked_fill(rank >= top_k[:, None], 0.0)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # min-p: drop tokens less likely than min_p times the most likely one (column 0 once sorted).
+    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    probs = probs.masked_fill(rank >= top_k[:, None], 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     # Keep a token while the mass strictly before it is below top_p: the smallest prefix whose
     # mass reaches top_p, never empty. top_p == 1 keeps all, whatever the rounding of the sums.
@@ -72,7 +143,8 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     position = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # u * total can round up to total; the draw must still land on a token with mass. Those form
     # a prefix of the sorted row: the filters and underflow only zero its tail.
-    position = torch.minimum(position, (probs > 0).sum(dim=-1) - 1)
+    # clamp(min=0): a row with no mass at all (NaN logits) takes its top token, never index -1.
+    position = torch.minimum(position, (probs > 0).sum(dim=-1) - 1).clamp(min=0)
     return sorted_ids.gather(-1, position[:, None]).squeeze(-1)
 
 

@@ -229,9 +229,13 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if token in params.stop_token_ids:
+        # The sampler masks stop tokens during min_tokens; this also covers a row it had to
+        # leave unmasked (every token was a stop token).
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and token in params.stop_token_ids:
             return "stop"
-        if not params.ignore_eos and seq.eos_token_id is not None and token == seq.eos_token_id:
+        eos = not params.ignore_eos and seq.eos_token_id is not None and token == seq.eos_token_id
+        if may_stop and eos:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"

@@ -47,6 +47,9 @@ class Sequence:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
         self.output_logprobs: list[dict[int, float] | None] = []
+        self.grammar = None  # a structured.GrammarState for a constrained sequence
+        if params.structured_outputs is not None:
+            self.grammar = _grammar_state(request_id, params)
 
     def __repr__(self) -> str:
         return (
@@ -75,3 +78,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+
+def _grammar_state(request_id: str, params: SamplingParams):
+    """Built with the sequence, so that a grammar this rank cannot run (llguidance missing, no
+    tokenizer at the path) refuses this one request instead of failing a step of all of them."""
+    from afdserve.engine.engine_core import RequestError  # engine_core imports this module
+    from afdserve.engine.structured import GrammarState
+
+    try:
+        return GrammarState(params.structured_outputs)
+    except Exception as e:
+        message = f"structured_outputs: this rank cannot run the grammar: {type(e).__name__}: {e}"
+        raise RequestError(message, request_id) from None

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from afdserve.engine.client import EngineClient, EngineStats
 from afdserve.engine.engine_core import RequestError, RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.server.convert import Fanout
 from afdserve.server.metrics import ServerMetrics
-from afdserve.server.protocol import APIError, bad_request, usage
+from afdserve.server.protocol import APIError, bad_request
+from afdserve.server.responses import usage
 
 log = logging.getLogger(__name__)
 
@@ -212,23 +214,20 @@ class EngineLoop:
 
 
 class Generation:
-    """The engine requests behind one HTTP request (prompts x n choices), gathered on one queue;
-    output i belongs to choice i."""
+    """The engine requests behind one HTTP request (prompts x candidates), gathered on one queue;
+    output i belongs to engine request i."""
 
-    def __init__(
-        self,
-        engine: EngineLoop,
-        metrics: ServerMetrics,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-    ) -> None:
-        self.engine, self.metrics, self.prompts, self.params = engine, metrics, prompts, params
-        self.ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
+    def __init__(self, engine: EngineLoop, metrics: ServerMetrics, fanout: Fanout) -> None:
+        self.engine, self.metrics, self.fanout = engine, metrics, fanout
+        self.prompts, self.params = fanout.prompts, fanout.params
+        self.ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(self.prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open: set[int] = set()
-        self.outputs: list[RequestOutput | None] = [None] * len(prompts)
+        self.outputs: list[RequestOutput | None] = [None] * len(self.prompts)
+        self.arrived_at = time.monotonic()
         self.submitted_at = 0.0
-        self.first_token_at: list[float | None] = [None] * len(prompts)
+        self.last_token_at: list[float | None] = [None] * len(self.prompts)
+        self.on_finish: Callable[[str], None] | None = None  # called once, with a summary
 
     async def start(self) -> None:
         """Submit every request; if any is refused, abort the others and raise APIError."""
@@ -249,7 +248,8 @@ class Generation:
             if isinstance(errors[0], RequestError):
                 raise bad_request(str(errors[0]))
             raise APIError(500, str(errors[0]))
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
+        self.metrics.queued(time.monotonic() - self.arrived_at)
+        self.metrics.prompt_tokens(sum(len(p) for p in self.prompts))
 
     def abort(self) -> int:
         """Abort the engine requests still running; returns how many there were."""
@@ -263,6 +263,9 @@ class Generation:
         """Run beside the response: when the client goes away, abort and end `events()`."""
         while (await receive())["type"] != "http.disconnect":
             pass
+        now = time.monotonic()
+        for _ in self.open:
+            self.metrics.finished("abort", now - self.arrived_at)
         aborted = self.abort()
         if aborted:
             self.metrics.aborted.inc(aborted)
@@ -284,15 +287,24 @@ class Generation:
         now = time.monotonic()
         self.outputs[index] = out
         if out.new_token_ids:
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            if self.first_token_at[index] is None:
-                self.first_token_at[index] = now
-                self.metrics.time_to_first_token.observe(now - self.submitted_at)
+            self.metrics.generation_tokens(len(out.new_token_ids))
+            last = self.last_token_at[index]
+            if last is None:
+                self.metrics.first_token(now - self.submitted_at)
+            else:  # tokens that arrive together share the interval since the previous ones
+                for _ in out.new_token_ids:
+                    self.metrics.inter_token((now - last) / len(out.new_token_ids))
+            self.last_token_at[index] = now
         if out.finished:
             self.open.discard(index)
-            first, count = self.first_token_at[index], len(out.token_ids)
-            if first is not None and count > 1:
-                self.metrics.time_per_output_token.observe((now - first) / (count - 1))
+            self.metrics.finished(out.finish_reason, now - self.arrived_at)
+            if not self.open and self.on_finish is not None:
+                self.on_finish(self.summary(now))
+
+    def summary(self, now: float) -> str:
+        reasons = ",".join(str(o.finish_reason) for o in self.outputs if o is not None)
+        tokens = sum(len(o.token_ids) for o in self.outputs if o is not None)
+        return f"{tokens} tokens in {now - self.arrived_at:.3f} s ({reasons})"
 
     async def collect(self, receive: Callable) -> list[RequestOutput] | None:
         """Every final output in choice order, or None when the client went away first."""
@@ -307,8 +319,9 @@ class Generation:
             return None
         return list(self.outputs)  # type: ignore[arg-type]
 
-    def usage(self, n: int) -> dict[str, int]:
-        # Like OpenAI: a prompt counts once however many choices it has.
-        prompt = sum(len(p) for p in self.prompts[::n])
+    def usage(self) -> dict[str, int]:
+        # Like OpenAI: a prompt counts once however many choices it has; every candidate's
+        # tokens count, best_of's unreturned ones included.
+        prompt = sum(len(p) for p in self.prompts[:: self.fanout.candidates])
         completion = sum(len(out.token_ids) for out in self.outputs if out is not None)
         return usage(prompt, completion)

@@ -1,48 +1,97 @@
-"""OpenAI-compatible request bodies (pydantic) and the JSON shapes of responses and errors.
+"""OpenAI-compatible request bodies (pydantic) and the OpenAI-style errors.
 
-Requests ignore fields they do not know (clients send `user`, `metadata`, ...), so that a standard
-client works; fields whose value would change the result in a way we cannot honour are refused.
+Every field a request may carry is in one of three groups: honoured (a model field below),
+refused with a 400 that names it (`UNSUPPORTED`: it would change the answer in a way we cannot
+honour), or ignored because it cannot change the answer (`IGNORED`). Anything else is unknown:
+it is ignored too, like vLLM, but logged with its name.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
 TokenIds = list[StrictInt]
+
+# Field -> the values that are harmless (the default meaning); any other value is refused.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "suffix": (None, ""),
+    "prompt_logprobs": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "add_special_tokens": (None, False),
+    "echo": (None, False),
+}
+# Fields that cannot change the generated text: accepted without a warning.
+IGNORED = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority", "request_id"}
+)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat; `top_k` and `ignore_eos` are extensions."""
+    """Fields shared by completions and chat. `None` means "the default", as OpenAI clients may
+    send null. Beyond OpenAI's fields, vLLM's extensions: `top_k`, `min_p`, `min_tokens`,
+    `repetition_penalty`, `stop_token_ids`, `ignore_eos`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    best_of: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or ()) - set(UNSUPPORTED) - IGNORED)
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value we cannot honour, or None."""
+        extra = self.model_extra or {}
+        for name, harmless in UNSUPPORTED.items():
+            if name in extra and extra[name] not in harmless:
+                return name
+        return None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
 
 
 class ContentPart(BaseModel):
@@ -70,14 +119,34 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: TokenIds
 
 
 # ----- errors -----
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -159,103 +228,3 @@ def validation_message(errors: list[dict]) -> tuple[str, str]:
     if others:
         message += f" (also: {', '.join(sorted(others))})"
     return message, path.split(".")[0]
-
-
-# ----- responses -----
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
-    return {
-        "id": response_id,
-        "object": kind,
-        "created": created if created is not None else int(time.time()),
-        "model": model,
-    }
-
-
-class TokenText:
-    """Token id -> text, for logprobs. A byte token that is part of a longer UTF-8 character
-    decodes to U+FFFD; `bytes` keeps its real value where the tokenizer knows it."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def bytes(self, token_id: int) -> list[int]:
-        return list(self.text(token_id).encode("utf-8"))
-
-
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    # The engine's dict holds the sampled token plus the top k; the sampled one is only among
-    # the top k if it ranks there.
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-
-
-def completion_logprobs(
-    names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None], k: int
-) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
-    for token_id, entry in zip(token_ids, entries):
-        text = names.text(token_id)
-        tokens.append(text)
-        token_logprobs.append(entry.get(token_id) if entry else None)
-        top.append({names.text(t): v for t, v in _top(entry, k)} if entry else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(
-    names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None], k: int
-) -> dict:
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        entry = entry or {}
-        content.append(
-            {
-                "token": names.text(token_id),
-                "logprob": entry.get(token_id, float("nan")),
-                "bytes": names.bytes(token_id),
-                "top_logprobs": [
-                    {"token": names.text(t), "logprob": v, "bytes": names.bytes(t)}
-                    for t, v in _top(entry, k)
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
-    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
-
-
-def completion_choice(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def chat_choice(
-    index: int, text: str, logprobs: dict | None, finish: str | None, delta: bool = False
-) -> dict:
-    if not delta:
-        message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    content = {"content": text} if text else {}
-    return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}

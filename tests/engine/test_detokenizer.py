@@ -45,6 +45,16 @@ def hf_tokenizer(tokenizer: Tokenizer) -> object:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
 
 
+class SlowTokenizer:
+    """Only `decode`, like a pure-Python tokenizer: takes the Python window, not DecodeStream."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def stream(tok: object, prompt: list[int], ids: list[int], **kwargs: bool) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt, **kwargs)
     deltas = [detok.add(token) for token in ids]
@@ -54,11 +64,16 @@ def stream(tok: object, prompt: list[int], ids: list[int], **kwargs: bool) -> li
 
 
 @pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("which", ["tokenizers", "transformers"])
+@pytest.mark.parametrize("which", ["tokenizers", "transformers", "slow"])
 def test_deltas_concatenate_to_full_decode(
     tokenizer: Tokenizer, hf_tokenizer: object, text: str, which: str
 ) -> None:
-    tok = tokenizer if which == "tokenizers" else hf_tokenizer
+    """Multi-byte characters split across tokens: the stream's deltas add up to the full decode,
+    through tokenizers' DecodeStream (fast tokenizers) and through the Python window (slow)."""
+    tok = {"tokenizers": tokenizer, "transformers": hf_tokenizer}.get(
+        which, SlowTokenizer(tokenizer)
+    )
+    assert IncrementalDetokenizer(tok, []).uses_decode_stream == (which != "slow")
     ids = tokenizer.encode(text).ids
     if not text.isascii():
         assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids), "no split character"
@@ -79,9 +94,10 @@ def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
     assert "".join(deltas).endswith(" ok")
 
 
-def test_held_back_bytes_are_released_by_flush(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("slow", [False, True])
+def test_held_back_bytes_are_released_by_flush(tokenizer: Tokenizer, slow: bool) -> None:
     ids = tokenizer.encode("ab🙂").ids
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(SlowTokenizer(tokenizer) if slow else tokenizer, [])
     partial = ids[:-1]  # the emoji without its last byte
     out = "".join(detok.add(token) for token in partial)
     assert out == "ab"
@@ -99,13 +115,17 @@ def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:
     assert "".join(kept) == "hi ✓" + EOS
 
 
-def test_random_token_streams_never_emit_partial_characters(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("slow", [False, True])
+def test_random_token_streams_never_emit_partial_characters(
+    tokenizer: Tokenizer, slow: bool
+) -> None:
     rng = random.Random(0)
     pieces = ["a", "é", "✓", "你", "🙂", " ", "fox", "ö"]
+    tok = SlowTokenizer(tokenizer) if slow else tokenizer
     for _ in range(50):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 20)))
         ids = tokenizer.encode(text).ids
-        deltas = stream(tokenizer, tokenizer.encode("ctx ").ids, ids)
+        deltas = stream(tok, tokenizer.encode("ctx ").ids, ids)
         assert "".join(deltas) == text
         assert not any("\ufffd" in delta for delta in deltas)
 
@@ -162,3 +182,20 @@ def test_find_stop_string_incremental_equals_full_search() -> None:
             found = find_stop_string(text[:end], stops, searched)
             searched = end
         assert found == truth, (text, stops)
+
+
+def test_bundled_tokenizer_streams_through_decode_stream() -> None:
+    """The engine's own tokenizer (byte-level, one token per byte) takes the fast path, and a
+    random byte stream (what random weights produce) decodes as a full decode does."""
+    from afdserve.engine.factory import load_tokenizer
+    from afdserve.model.bundled import resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    rng = random.Random(1)
+    prompt = tok.encode("naïve ✓ ", add_special_tokens=False)
+    for _ in range(20):
+        ids = [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert detok.uses_decode_stream
+        text = "".join(detok.add(t) for t in ids) + detok.flush()
+        assert text == tok.decode(ids, skip_special_tokens=True)

@@ -2,8 +2,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
-from afdserve.engine.sampler import sample
+from afdserve.engine.sampler import process_logits, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.sequence import Sequence
 
@@ -195,6 +203,18 @@ def test_shape_mismatch_is_rejected() -> None:
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"logit_bias": {3: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
     ],
 )
 def test_sampling_params_validation(kwargs: dict, field_name: str) -> None:
@@ -209,3 +229,114 @@ def test_sampling_params_normalisation() -> None:
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     assert SamplingParams(top_k=0).top_k == 0
     hash(SamplingParams(stop=["x"], stop_token_ids=[1]))  # frozen and hashable after normalising
+
+
+# ----- logits processing: transformers' processors and OpenAI's penalty formula as oracles -----
+
+EOS = 0
+
+
+def with_history(prompt: list[int], output: list[int], **params: object) -> Sequence:
+    seq = Sequence("h", prompt, SamplingParams(max_tokens=64, **params), eos_token_id=EOS)
+    seq.token_ids.extend(output)
+    return seq
+
+
+def reference_processing(
+    logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """The documented order: min_tokens, logit_bias, repetition, frequency and presence."""
+    ids = torch.tensor([prompt + output])
+    scores = logits[None].clone()
+    stops = [*params.stop_token_ids, *([] if params.ignore_eos else [EOS])]
+    if stops:
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_tokens, stops)(
+            ids, scores
+        )
+    if params.logit_bias:
+        bias = [[[t], v] for t, v in params.logit_bias.items()]
+        scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
+    scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB).float()
+    scores = scores[0] - params.frequency_penalty * counts
+    return scores - params.presence_penalty * (counts > 0).float()
+
+
+tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
+processing = st.fixed_dictionaries(
+    {},
+    optional={
+        "repetition_penalty": st.floats(0.1, 3.0),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "min_tokens": st.integers(0, 8),
+        "stop_token_ids": st.lists(st.integers(1, VOCAB - 1), max_size=3),
+        "ignore_eos": st.booleans(),
+        "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=4),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=tokens.filter(bool), output=tokens, params=processing, seed=st.integers(0, 99))
+def test_processing_matches_transformers_processors(
+    prompt: list[int], output: list[int], params: dict, seed: int
+) -> None:
+    logits = random_logits(1, seed=seed)[0]
+    seq = with_history(prompt, output, temperature=0.0, **params)
+    want = reference_processing(logits, prompt, output, seq.params)
+    if not torch.isfinite(want).any():  # everything masked: the model's own logits are used
+        want = logits
+    got = process_logits(logits[None], [seq])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # Greedy picks the argmax of the processed logits, whatever else shares the batch.
+    batch = [make_seq("x", temperature=1.0, seed=1), seq, make_seq("y", temperature=0.0)]
+    row = torch.stack([random_logits(1, seed=7)[0], logits, logits])
+    assert sample(row, batch).token_ids[1] == int(got.argmax())
+
+
+def test_min_tokens_only_while_output_is_short() -> None:
+    logits = torch.zeros(VOCAB)
+    logits[EOS], logits[5] = 10.0, 9.0
+    for produced, want in ((0, 5), (2, 5), (3, EOS)):
+        seq = with_history([1, 2], [7] * produced, temperature=0.0, min_tokens=3)
+        assert sample(logits[None], [seq]).token_ids == [want]
+    stop = with_history([1], [], temperature=0.0, min_tokens=1, stop_token_ids=[5])
+    logits[EOS] = -10.0
+    assert sample(logits[None], [stop]).token_ids != [5]
+
+
+def test_min_p_frequencies_match_transformers() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
+    for temperature, min_p in ((1.0, 0.3), (0.7, 0.1)):
+        scaled = logits[None] / temperature
+        kept = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), scaled)[0]
+        expected = torch.softmax(kept.double(), dim=-1)
+        freq = empirical(logits, {"temperature": temperature, "min_p": min_p})
+        assert (freq - expected).abs().max() < 0.015, (min_p, freq, expected)
+        assert freq[expected == 0].sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9.99e-6])
+def test_tiny_temperatures_are_greedy(temperature: float) -> None:
+    """vLLM's rule; 1e-45 used to overflow to inf logits, NaN probabilities and index -1."""
+    assert SamplingParams(temperature=temperature).greedy
+    logits = random_logits(8, seed=9)
+    seqs = [make_seq(f"t{i}", temperature=temperature, seed=i) for i in range(8)]
+    assert sample(logits, seqs).token_ids == logits.argmax(dim=-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_extreme_values_never_break_a_draw() -> None:
+    logits = random_logits(5, seed=4)
+    logits[3] = torch.nan  # a broken row must not take its batch down with it
+    seqs = [
+        make_seq("huge-k", temperature=1.0, top_k=10**30, seed=1),
+        make_seq("hot", temperature=1e30, seed=2),
+        make_seq("cool", temperature=1e-5, seed=3),
+        make_seq("nan", temperature=1.0, seed=4),
+        make_seq("edge", temperature=1.0, top_p=1e-300, min_p=1.0, seed=2**63 - 1),
+    ]
+    tokens = sample(logits, seqs).token_ids
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert tokens[2] == int(logits[2].argmax()) and tokens[4] == int(logits[4].argmax())

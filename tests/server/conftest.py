@@ -4,6 +4,7 @@ environment, so that a test finds them all, ranks whose parent is gone included.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,12 +22,12 @@ SERVED_NAME = "tiny"
 MARKER = "AFDSERVE_TEST_SERVER"  # in the environment of every process a test server starts
 STARTUP_DEADLINE_S = 240.0  # a 2A1F start on a busy 2-core machine
 SERVER_CODE = """
-import sys
+import json, sys
 from afdserve.llm import LLM
-from afdserve.server.app import run_server
+from afdserve.server.serve import ServeOptions, run_server
 
-run_server(lambda: LLM(topology=sys.argv[3]), "127.0.0.1", int(sys.argv[1]),
-           served_model_name=sys.argv[2], log_level="warning")
+options = ServeOptions(host="127.0.0.1", port=int(sys.argv[1]), **json.loads(sys.argv[3]))
+run_server(lambda: LLM(topology=sys.argv[2]), options)
 """
 
 
@@ -71,14 +72,18 @@ class ServerProcess:
             os.kill(pid, signal.SIGKILL)
 
 
-def start_server(tmp_path: Path, port: int, topology: str = "2A1F") -> ServerProcess:
+def start_server(
+    tmp_path: Path, port: int, topology: str = "2A1F", **options: object
+) -> ServerProcess:
+    """`options` are ServeOptions fields; the served name is SERVED_NAME unless they say."""
+    options = {"served_model_name": SERVED_NAME, "uvicorn_log_level": "warning", **options}
     marker = uuid.uuid4().hex
     log_path = tmp_path / f"server-{port}.log"
     # One intra-op thread per process: three ranks and the tests share two cores.
     env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER_CODE, str(port), SERVED_NAME, topology],
+            [sys.executable, "-c", SERVER_CODE, str(port), topology, json.dumps(options)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -36,6 +36,8 @@ from .conftest import (
 )
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
+RUNNING = ("vllm:num_requests_running", (("model_name", SERVED_NAME),))
+KV_USAGE = ("vllm:kv_cache_usage_perc", (("model_name", SERVED_NAME),))
 HELLO = "Hello, world"
 
 
@@ -208,6 +210,33 @@ def test_bad_requests_name_the_field_and_others_keep_working(
     assert client.completions.create(model=SERVED_NAME, prompt="hi", **GREEDY).choices[0].text
 
 
+def test_requests_that_stopped_the_service_are_served_or_refused(
+    server: ServerProcess, client: openai.OpenAI, oracle: LLM
+) -> None:
+    """Issue 12, on 2A1F: a tiny temperature is greedy, seeds are bounded at validation, and the
+    service keeps answering after each."""
+    got = client.completions.create(
+        model=SERVED_NAME, prompt=HELLO, temperature=1e-45, max_tokens=8
+    )
+    assert got.choices[0].text == expected(oracle, HELLO, **GREEDY).text
+    url = f"{server.url}/v1/completions"
+    r = httpx.post(url, json={"prompt": HELLO, "seed": 2**64, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    body = {"prompt": HELLO, "seed": 2**63 - 1, "n": 2, "max_tokens": 2}
+    assert len(httpx.post(url, json=body, timeout=60).json()["choices"]) == 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_structured_output_on_the_ranks(client: openai.OpenAI) -> None:
+    """The grammar runs beside the sampler on each attention rank of 2A1F."""
+    answer = client.completions.create(
+        model=SERVED_NAME, prompt=["a", "b"], max_tokens=32, seed=3,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"enum": ["alpha", "beta", "gamma"]}}}},
+    )  # fmt: skip
+    assert [json.loads(c.text) in ("alpha", "beta", "gamma") for c in answer.choices] == [1, 1]
+
+
 def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     before = metrics(server)
     for _ in range(3):
@@ -222,13 +251,23 @@ def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     requests = "afdserve_requests_total"
+    model = {"model_name": SERVED_NAME}
     assert delta(requests, endpoint="/v1/completions", status="200") == 3
     assert delta(requests, endpoint="/v1/chat/completions", status="200") == 1
-    assert delta("afdserve_prompt_tokens_total") >= 3 * len(HELLO)
-    assert 4 <= delta("afdserve_generation_tokens_total") <= 16
-    assert delta("afdserve_time_to_first_token_seconds_count") == 4
-    assert after[("afdserve_requests_running", ())] == 0
-    assert 0.0 <= after[("afdserve_kv_cache_usage", ())] <= 1.0
+    assert delta("vllm:prompt_tokens_total", **model) >= 3 * len(HELLO)
+    assert 4 <= delta("vllm:generation_tokens_total", **model) <= 16
+    assert delta("vllm:time_to_first_token_seconds_count", **model) == 4
+    assert delta("vllm:e2e_request_latency_seconds_count", **model) == 4
+    assert delta("vllm:request_queue_time_seconds_count", **model) == 4
+    finished = sum(
+        delta("vllm:request_success_total", finished_reason=reason, **model)
+        for reason in ("stop", "length")
+    )
+    assert finished == 4
+    tokens_after_first = delta("vllm:generation_tokens_total", **model) - 4
+    assert delta("vllm:inter_token_latency_seconds_count", **model) == tokens_after_first
+    assert after[("vllm:num_requests_running", (("model_name", SERVED_NAME),))] == 0
+    assert 0.0 <= after[("vllm:kv_cache_usage_perc", (("model_name", SERVED_NAME),))] <= 1.0
     steps = {labels: v for (name, labels), v in after.items() if name.startswith("afdserve_engine")}
     assert steps[(("mode", "eager"), ("role", "attention"))] > 0
 
@@ -250,13 +289,13 @@ def test_client_disconnect_aborts(server: ServerProcess, client: openai.OpenAI) 
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
     wait_for(lambda: metrics(server).get(aborted, 0.0) == before + 1)
-    wait_for(lambda: metrics(server)[("afdserve_requests_running", ())] == 0)
+    wait_for(lambda: metrics(server)[RUNNING] == 0)
 
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
     wait_for(lambda: metrics(server).get(aborted, 0.0) == before + 2)
-    wait_for(lambda: metrics(server)[("afdserve_requests_running", ())] == 0)
-    wait_for(lambda: metrics(server)[("afdserve_kv_cache_usage", ())] == 0)
+    wait_for(lambda: metrics(server)[RUNNING] == 0)
+    wait_for(lambda: metrics(server)[KV_USAGE] == 0)
     assert client.completions.create(model=SERVED_NAME, prompt="hi", **GREEDY).choices
 
 

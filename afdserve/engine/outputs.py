@@ -1,0 +1,106 @@
+"""The offline API's results in vLLM's shape: a `RequestOutput` per prompt holding one
+`CompletionOutput` per choice (`out.outputs[0].text`).
+
+The engine itself produces one `engine_core.RequestOutput` per sequence; `n` choices and
+`best_of` candidates are several engine sequences gathered here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from afdserve.engine.engine_core import RequestOutput as SequenceOutput
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}; None if not asked
+    finish_reason: str | None  # "stop", "length" or "abort"
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
+
+    # The first choice's fields, as the flat output of afdserve 0.1 had them.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+def cumulative_logprob(out: SequenceOutput) -> float | None:
+    """Sum of the sampled tokens' logprobs (under the model's unmodified distribution), or None
+    when the sequence was generated without logprobs."""
+    if len(out.logprobs) != len(out.token_ids) or any(e is None for e in out.logprobs):
+        return None
+    return sum(entry[token] for token, entry in zip(out.token_ids, out.logprobs))  # type: ignore[index]
+
+
+def best(candidates: list[SequenceOutput], n: int) -> list[int]:
+    """Indices of the `n` candidates with the highest cumulative logprob, best first; ties (and
+    candidates without logprobs) keep their order."""
+    scores = [cumulative_logprob(c) for c in candidates]
+    order = sorted(
+        range(len(candidates)),
+        key=lambda i: -scores[i] if scores[i] is not None else float("inf"),
+    )
+    return order[:n]
+
+
+def gather(
+    request_id: str,
+    prompt: str | None,
+    candidates: list[SequenceOutput],
+    n: int,
+    keep_logprobs: bool,
+) -> RequestOutput:
+    """One prompt's RequestOutput from its finished candidate sequences (n of best_of)."""
+    chosen = best(candidates, n) if len(candidates) > n else list(range(n))
+    outputs = [
+        CompletionOutput(
+            index=i,
+            text=candidates[c].text,
+            token_ids=candidates[c].token_ids,
+            cumulative_logprob=cumulative_logprob(candidates[c]),
+            logprobs=list(candidates[c].logprobs) if keep_logprobs else None,  # type: ignore[arg-type]
+            finish_reason=candidates[c].finish_reason,
+        )
+        for i, c in enumerate(chosen)
+    ]
+    firsts = [c.first_token_time for c in candidates if c.first_token_time is not None]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=candidates[0].prompt_token_ids,
+        outputs=outputs,
+        finished=all(c.finished for c in candidates),
+        arrival_time=min(c.arrival_time for c in candidates),
+        first_token_time=min(firsts) if firsts else None,
+        candidates=candidates,
+    )

@@ -1,0 +1,213 @@
+"""HTTP request -> engine requests: field checks, prompts, max_tokens against the context, and one
+SamplingParams per engine sequence (n choices, or best_of candidates, per prompt)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.engine.structured import StructuredOutputsParams
+from afdserve.server import protocol as api
+from afdserve.server.protocol import bad_request
+
+if TYPE_CHECKING:
+    from afdserve.llm import LLM
+
+log = logging.getLogger("afdserve.server")
+
+MAX_CHOICES = 128  # engine sequences one HTTP request may start (prompts x best_of)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# generation_config.json key -> request field, the keys vLLM reads as server defaults.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: str, model_dir: str) -> dict[str, Any]:
+    """--generation-config: "auto" reads the model's generation_config.json (if any), "vllm"
+    uses none, anything else is a directory holding a generation_config.json. The values become
+    the defaults of requests that leave those fields out."""
+    if source == "vllm":
+        return {}
+    directory = Path(model_dir if source == "auto" else source)
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        if source == "auto":
+            return {}
+        raise ValueError(f"generation_config={source!r}: no generation_config.json there")
+    config = json.loads(path.read_text())
+    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items() if key in config}
+
+
+def check_fields(body: api.SamplingFields) -> None:
+    """Refuse what we cannot honour; log what we do not know (it is ignored, as by vLLM)."""
+    field = body.unsupported_field()
+    if field is not None:
+        value = (body.model_extra or {})[field]
+        raise bad_request(f"{field}: {value!r} is not supported by this server", field)
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("request fields not recognised and ignored: %s", ", ".join(unknown))
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed with stream: true", "stream_options")
+
+
+def completion_prompts(llm: LLM, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [llm.encode(prompt)]
+    if prompt and isinstance(prompt[0], (str, list)):
+        return [llm.encode(p) for p in prompt]
+    return [list(prompt)]
+
+
+def chat_prompt(
+    llm: LLM,
+    messages: list[api.ChatMessage],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """The conversation through `chat_template` (the server's --chat-template), else the
+    tokenizer's own template."""
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = llm.tokenizer.apply_chat_template(
+            turns,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except Exception as e:  # the template refuses this conversation (roles, order, ...)
+        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+    return llm.encode(text)
+
+
+def max_tokens_for(
+    requested: int | None, default: int | None, prompts: list[list[int]], max_model_len: int
+) -> int:
+    """An explicit max_tokens that does not fit beside the longest prompt is refused (vLLM's
+    rule); the default shrinks to the room left. A prompt that fills the context is left to the
+    engine, which names the prompt."""
+    longest = max(len(p) for p in prompts)
+    room = max_model_len - longest
+    if requested is None:
+        return max(1, room if default is None else min(default, room))
+    if room > 0 and requested > room:
+        raise bad_request(
+            f"max_tokens: {requested} tokens do not fit: the context holds {max_model_len} tokens "
+            f"and the prompt takes {longest}, which leaves {room}",
+            "max_tokens",
+        )
+    return requested
+
+
+def structured_outputs(
+    response_format: dict[str, Any] | None, tokenizer_dir: str
+) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        params = StructuredOutputsParams(json_object=True, tokenizer_dir=tokenizer_dir)
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")  # type: ignore[union-attr]
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format: json_schema needs json_schema.schema, an object",
+                "response_format",
+            )
+        params = StructuredOutputsParams(json=schema, tokenizer_dir=tokenizer_dir)
+    else:
+        allowed = "text, json_object or json_schema"
+        raise bad_request(f"response_format: type {kind!r}; allowed: {allowed}", "response_format")
+    try:
+        params.check()
+    except ValueError as e:
+        raise bad_request(f"response_format: {e}", "response_format") from None
+    return params
+
+
+def sampling_params(
+    body: api.SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    tokenizer_dir: str = "",
+    defaults: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
+    `defaults` (from --generation-config) fill the fields the request left out."""
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "stop": body.stop or (),
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+    }
+    for name in (
+        "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    ):  # fmt: skip
+        value = getattr(body, name)
+        if value is None and defaults:
+            value = defaults.get(name)
+        if value is not None:
+            fields[name] = value
+    if body.logit_bias:
+        fields["logit_bias"] = logit_bias(body.logit_bias)
+    fields["structured_outputs"] = structured_outputs(body.response_format, tokenizer_dir)
+    try:
+        params = SamplingParams(**fields)
+        params.check_vocab(vocab_size)
+    except ValueError as e:
+        message = str(e).removeprefix("SamplingParams.")
+        if message.startswith("structured_outputs"):  # what the request called it
+            message = "response_format" + message.split(":", 1)[1]
+            raise bad_request(message, "response_format") from None
+        raise bad_request(message) from None
+    if body.stream and params.candidates > params.n:
+        raise bad_request("best_of: must equal n when streaming", "best_of")
+    return params
+
+
+def logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """JSON object keys are strings: {"50256": -100}."""
+    try:
+        return {int(token): value for token, value in raw.items()}
+    except ValueError:
+        raise bad_request("logit_bias: keys must be token ids (integers)", "logit_bias") from None
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """The engine sequences behind one HTTP request, prompt-major: `candidates` per prompt."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+    candidates: int
+
+
+def fan_out(prompts: list[list[int]], params: SamplingParams) -> Fanout:
+    count = params.candidates
+    if count * len(prompts) > MAX_CHOICES:
+        field = "best_of" if params.best_of is not None else "n"
+        allowed = f"{field} x prompts <= {MAX_CHOICES}"
+        raise bad_request(f"{field}: {count} for {len(prompts)} prompt(s); allowed: {allowed}")
+    return Fanout(
+        prompts=[p for p in prompts for _ in range(count)],
+        params=candidate_params(params) * len(prompts),
+        n=params.n,
+        candidates=count,
+    )
