@@ -202,7 +202,8 @@ class EngineCore:
         if seq.is_finished:
             t.detok.flush()
         stops = seq.params.stop
-        if stops and t.text_limit is None:
+        # Stop strings count once min_tokens are out (vLLM's rule), like stop tokens do.
+        if stops and t.text_limit is None and seq.num_output_tokens >= seq.params.min_tokens:
             hit = find_stop_string(t.detok.text, stops, t.emitted_text)
             if hit is not None:
                 t.text_limit = hit
