@@ -45,6 +45,7 @@ CASES = [
     ("2A1F", "qwen3_moe", 3, False, "full_decode_only"),
     ("3A2F", "deepseek_v2", 2, True, "full"),
     ("3A1F", "deepseek_v3", 2, False, "none"),
+    ("2A2F", "qwen3_moe", 2, True, "full_decode_only"),
 ]
 
 
