@@ -5,18 +5,15 @@ per rank (afd/launcher.py), and drives either through the same EngineClient inte
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import json
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 
 from afdserve.afd.launcher import ProcessClient
 from afdserve.afd.local import SingleProcessClient
 from afdserve.afd.messages import RankReady, WorkerSpec
+from afdserve.afd.recorder import StepLogFile
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput as SequenceOutput
@@ -96,22 +93,12 @@ class LLM:
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology
-        self._log_path = self._step_log_path(log_step_plan)
+        self._step_log = StepLogFile(log_step_plan)
+        self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(model)
         self.engine: EngineClient = self._start()
-
-    def _step_log_path(self, log_step_plan: bool | str) -> str | None:
-        """A path the caller named is theirs to keep; a temporary one (log_step_plan=True) is
-        read into memory and removed at shutdown."""
-        self._own_log = log_step_plan is True
-        self._closed_log: list[dict] | None = None
-        if log_step_plan is True:
-            fd, path = tempfile.mkstemp(prefix="afdserve-step-plan-", suffix=".jsonl")
-            os.close(fd)
-            return path
-        return log_step_plan or None
 
     def _start(self) -> EngineClient:
         spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
@@ -188,21 +175,14 @@ class LLM:
 
     def step_log(self) -> list[dict]:
         """Every rank's step-plan records (needs log_step_plan)."""
-        if self._closed_log is not None:
-            return list(self._closed_log)
-        if self._log_path is None:
-            return []
-        with open(self._log_path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return self._step_log.read()
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-        if getattr(self, "_own_log", False) and self._closed_log is None:
-            self._closed_log = self.step_log()  # every rank has stopped writing
-            with contextlib.suppress(OSError):
-                os.remove(self._log_path)
+        if hasattr(self, "_step_log"):
+            self._step_log.close()  # every rank has stopped writing
 
     def __enter__(self) -> LLM:
         return self

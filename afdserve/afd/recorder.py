@@ -8,7 +8,10 @@ layout the graph would have, and the decision is recorded, so the policy is test
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from collections import Counter
 
 from afdserve.layout.plan import GraphTable, StepPlan, plan_step
@@ -59,3 +62,32 @@ class StepRecorder:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+class StepLogFile:
+    """Where the ranks of one engine append their step records (`log_step_plan`). A path the
+    caller named is theirs to keep; a temporary one (`log_step_plan=True`) is read into memory
+    and removed at `close()`, once every rank has stopped writing."""
+
+    def __init__(self, log_step_plan: bool | str) -> None:
+        self.owned = log_step_plan is True
+        self._closed: list[dict] | None = None
+        if self.owned:
+            fd, self.path = tempfile.mkstemp(prefix="afdserve-step-plan-", suffix=".jsonl")
+            os.close(fd)
+        else:
+            self.path = str(log_step_plan) if log_step_plan else None
+
+    def read(self) -> list[dict]:
+        if self._closed is not None:
+            return list(self._closed)
+        if self.path is None:
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def close(self) -> None:
+        if self.owned and self._closed is None:
+            self._closed = self.read()
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
