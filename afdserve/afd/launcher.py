@@ -104,13 +104,14 @@ class ProcessClient(EngineClient):
         if rejected is not None:
             self._carried = results  # handed out by the next step()
             raise rejected
-        if not results:
-            try:
+        try:
+            if not results:
                 self.world.check_alive("while serving")
-                self.world.check_progress(self.spec.afd.heartbeat_timeout_s)
-            except WorkerError:
-                self._fail()
-                raise
+            # Also while other ranks deliver: one silent rank is stuck whatever the rest do.
+            self.world.check_progress(self.spec.afd.heartbeat_timeout_s)
+        except WorkerError:
+            self._fail()
+            raise
         return results
 
     @property
