@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from afdserve.afd.connector import LayoutError
 from afdserve.afd.wire import Wire
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Routing
@@ -45,6 +46,10 @@ class ExpertGroup:
         if self.layer_types[layer] == "dense":
             return block(x, token_ids)
         rows, k, dev = x.shape[0], self.top_k, x.device
+        if rows > group_rows:  # the plan sizes group_rows to hold every rank's rows: a bug
+            raise LayoutError(f"FFN group {self.group}, layer {layer}, ubatch "
+                              f"{where.get('ubatch')}: {rows} rows exceed the planned "
+                              f"group_rows of {group_rows}")
         hidden = torch.zeros(group_rows, self.hidden, dtype=self.dtype, device=dev)
         route = torch.full((group_rows, 2 * k), -1, dtype=torch.int32, device=dev)
         route[:, k:] = 0  # weight bits of 0.0 on pad rows
