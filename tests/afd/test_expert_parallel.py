@@ -6,10 +6,13 @@ loaded only its shard."""
 
 from __future__ import annotations
 
+import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from afdserve import LLM
 from afdserve.cli import build_parser, llm_kwargs
@@ -26,6 +29,17 @@ CASES = [
     ("2A4F", "deepseek_v3", 2, False, "full", None),
     ("2A4F", "qwen3_moe", 1, True, "none", [[7, 0], [3, 4], [1, 6], [2, 5]]),
 ]
+
+
+def _expert_bytes(model: Path) -> dict[int, int]:
+    """Float32 bytes of each routed expert over all layers, from the checkpoint."""
+    out: dict[int, int] = defaultdict(int)
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            match = re.search(r"\.experts\.(\d+)\.", name)
+            if match:
+                out[int(match[1])] += 4 * math.prod(f.get_slice(name).get_shape())
+    return out
 
 
 def _assert_group_collectives(log_dir: Path, records: list[dict], topology) -> int:
@@ -71,6 +85,11 @@ def test_expert_parallel_matches_colocated(afd_models, tmp_path, topology, famil
     assert held == list(range(len(held))) and all(len(s) < len(held) for s in shards)
     if placement is not None:
         assert shards == [tuple(sorted(s)) for s in placement]
+    # ... and its bytes are the replicated part (the same on every FFN rank) plus its experts'.
+    per_expert = _expert_bytes(model)
+    replicated = {m.parameter_bytes - sum(per_expert[e] for e in m.experts)
+                  for m in memory if m.role == "ffn"}
+    assert len(replicated) == 1 and replicated.pop() > 0
 
     warmup = 4 if graph_mode != "none" else 0
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
