@@ -1,7 +1,9 @@
 """The FFN side of the data plane: for every layer and ubatch of a step, receive every peer's tile,
 run the FFN half once over all of them, send each peer its rows back. Every size comes from the
 FFN rank's plan (`receive_rows`, `peer_rows`, `tile_rows`); the batches mirror the attention
-side's (afd/connector.py, contract in afd/wire.py).
+side's (afd/connector.py, contract in afd/wire.py). In an expert-parallel group the FFN half
+runs through `ExpertGroup` (afd/expert_group.py) over the plan's `group_rows`, and a rank whose
+peers sent nothing in a ubatch (or that has no peers) still takes part in the group's exchange.
 
 `FFNGraphRunner` captures that whole step, per plan key, as one CUDA graph, and replays it exactly
 when the plan says so; capture follows the attention side's order (a warm run, the capture, one
@@ -67,7 +69,7 @@ class FFNExchange:
         sends: list = []
         for layer in range(self.model.config.num_layers):
             # In an expert-parallel group a rank whose peers sent nothing still serves its experts.
-            for ubatch, rows in enumerate(plan.exchanges):
+            for ubatch, rows in enumerate(plan.exchange_rows):
                 if rows:
                     sends += self._layer(plan, step, layer, ubatch)
         for work in sends:

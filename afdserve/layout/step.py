@@ -160,7 +160,7 @@ class FFNRankPlan:
         _check_mode_and_key(self.mode, self.key, self.rank)
 
     @property
-    def exchanges(self) -> tuple[int, ...]:
+    def exchange_rows(self) -> tuple[int, ...]:
         """Per ubatch, the rows this rank runs its FFN exchange over: its receive rows, or in an
         expert-parallel group the group's rows (a rank without peers still serves its experts)."""
         return self.group_rows if self.group else self.receive_rows

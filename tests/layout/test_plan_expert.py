@@ -77,7 +77,7 @@ def test_group_rows_hold_every_received_row(scenario: Scenario) -> None:
         assert ffn_plan.group == topology.ffn_group
         assert ffn_plan.peers == tuple(r for r in range(a) if r % f_count == ffn_plan.rank - a)
         assert ffn_plan.receive_rows == tuple(len(ffn_plan.peers) * t for t in ffn_plan.tile_rows)
-        assert ffn_plan.exchanges == rows
+        assert ffn_plan.exchange_rows == rows
     # The exchange's capacity is the largest receive: an upper bound by construction, and tight.
     assert rows == tuple(max(p.receive_rows[u] for p in plan.ffn) for u in range(ubatches))
     assert sum(rows) * f_count >= sum(sum(p.receive_rows) for p in plan.ffn)
@@ -98,7 +98,7 @@ def test_the_world_shares_one_run_mode(scenario: Scenario) -> None:
     working = [r for r in reports if r.num_tokens > 0]
     if not working:
         assert mode == "idle"
-        assert all(not any(p.exchanges) and p.key is None for p in plan.ffn)
+        assert all(not any(p.exchange_rows) and p.key is None for p in plan.ffn)
         return
     largest = max(r.num_tokens for r in working)
     graph_allowed = largest <= table.largest and (
@@ -108,8 +108,8 @@ def test_the_world_shares_one_run_mode(scenario: Scenario) -> None:
     assert (mode in ("capture", "replay")) == graph_allowed
     keys = [p.key for p in plan.attention + plan.ffn]
     assert (mode == "replay") == (graph_allowed and all(k in table.captured for k in keys))
-    # A working world exchanges in every ubatch that has rows anywhere.
-    assert all(any(p.exchanges) for p in plan.ffn)
+    # A working world exchanges rows in every ubatch that has rows anywhere.
+    assert all(any(p.exchange_rows) for p in plan.ffn)
 
 
 @PROPERTY
@@ -146,7 +146,7 @@ def test_an_eager_rank_anywhere_keeps_the_group_eager() -> None:
     decoding = plan_step([RankStep(4, 4, True), RankStep(3, 3, True)], topology, table)
     assert {p.mode for p in decoding.attention + decoding.ffn} == {"replay"}
     # Rank 1 prefills: its own FFN rank would be eager anyway; FFN rank 2 (peer: rank 0, a
-    # decode with a captured layout) must not replay, since it exchanges with FFN rank 3.
+    # decode with a captured layout) must not replay, since it exchanges rows with FFN rank 3.
     mixed = plan_step([RankStep(4, 4, True), RankStep(3, 1, False)], topology, table)
     assert {p.mode for p in mixed.attention + mixed.ffn} == {"eager"}
     assert [p.group_rows for p in mixed.ffn] == [(4,), (4,)]
