@@ -18,6 +18,14 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def _placement(text: str) -> list[list[int]]:
+    try:
+        return [[int(e) for e in shard.split(",") if e.strip()] for shard in text.split(";")]
+    except ValueError:
+        msg = f"expected expert ids per FFN rank like '0,1,2;3,4,5', got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     e = EngineConfig.__dataclass_fields__
     p.add_argument("model", nargs="?", default=None,
@@ -42,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
     p.add_argument("--gate-on-attention", action="store_true",
                    help="run the MoE router on the attention ranks")
+    p.add_argument("--ffn-expert-parallel", action="store_true",
+                   help="FFN ranks shard the routed experts (allows A < F, e.g. 1A2F)")
+    p.add_argument("--expert-placement", type=_placement, default=None, metavar="E,E;E,E",
+                   help="with --ffn-expert-parallel: the experts of each FFN rank, ';' between "
+                        "ranks (default: contiguous shards)")
     p.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
                    help="listen here for ranks started elsewhere (torchrun) instead of spawning")
     p.add_argument("--log-step-plan", nargs="?", const=True, default=False, metavar="PATH",
@@ -60,6 +73,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "log_step_plan": args.log_step_plan,
         "frontend_address": args.frontend_address,
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
+        "ffn_expert_parallel": args.ffn_expert_parallel,
+        "expert_placement": args.expert_placement,
     }
 
 

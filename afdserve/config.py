@@ -128,12 +128,26 @@ class AFDConfig:
     # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
     # header it receives) to rank<N>.jsonl there, for `afdserve.afd.wire.mirror_errors`.
     log_data_plane: str | None = None
+    # The FFN ranks form one expert-parallel group: each holds a disjoint shard of the routed
+    # experts (router, shared experts and dense layers are replicated), and A < F is allowed.
+    ffn_expert_parallel: bool = False
+    # With ffn_expert_parallel: the routed experts of each FFN rank, one list per FFN index
+    # (every expert exactly once); None = contiguous near-equal shards.
+    expert_placement: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
+        from afdserve.layout.experts import check_placement_shape
         from afdserve.layout.topology import Topology
 
         owner = "AFDConfig"
-        Topology.parse(self.topology)
+        _require(isinstance(self.ffn_expert_parallel, bool), owner, "ffn_expert_parallel",
+                 self.ffn_expert_parallel, "True or False")
+        topology = Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
+        if self.expert_placement is not None:
+            _require(self.ffn_expert_parallel, owner, "expert_placement",
+                     self.expert_placement, "None unless ffn_expert_parallel=True")
+            placement = check_placement_shape(self.expert_placement, topology.ffn_ranks)
+            object.__setattr__(self, "expert_placement", placement)
         ok = isinstance(self.ubatches, int) and 1 <= self.ubatches <= 4
         _require(ok, owner, "ubatches", self.ubatches, "an integer in 1..4")
         _require(
@@ -149,9 +163,11 @@ class AFDConfig:
                  self.heartbeat_timeout_s, "a number of seconds > 0")
         _require(self.connector in CONNECTORS, owner, "connector", self.connector,
                  f"one of {CONNECTORS}")
-        if self.connector == "inprocess" and self.parsed_topology != Topology(1, 1):
+        if self.connector == "inprocess" and topology != Topology(1, 1):
             raise ValueError(
-                f"AFDConfig.connector='inprocess' needs topology 1A1F, got {self.topology!r}"
+                f"AFDConfig.connector='inprocess' needs topology 1A1F without "
+                f"ffn_expert_parallel, got {self.topology!r} "
+                f"(ffn_expert_parallel={self.ffn_expert_parallel})"
             )
 
     def in_process(self, device: str) -> bool:
@@ -163,4 +179,4 @@ class AFDConfig:
     def parsed_topology(self):  # -> Topology (imported lazily: topology has no torch import)
         from afdserve.layout.topology import Topology
 
-        return Topology.parse(self.topology)
+        return Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)

@@ -20,7 +20,9 @@ from afdserve.engine.engine_core import RequestOutput as SequenceOutput
 from afdserve.engine.factory import load_tokenizer
 from afdserve.engine.outputs import RequestOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.layout.experts import resolve_placement
 from afdserve.model.bundled import resolve_model
+from afdserve.model.config import load_model_config
 
 Prompt = str | list[int]
 PromptInput = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}
@@ -65,6 +67,8 @@ class LLM:
         heartbeat_timeout_s: float = 10.0,
         frontend_address: str | None = None,
         seed: int = 0,
+        ffn_expert_parallel: bool = False,
+        expert_placement: Sequence[Sequence[int]] | None = None,
     ) -> None:
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
@@ -89,10 +93,17 @@ class LLM:
             connector=connector,
             heartbeat_timeout_s=heartbeat_timeout_s,
             log_data_plane=log_data_plane,
+            ffn_expert_parallel=ffn_expert_parallel,
+            expert_placement=expert_placement,
         )
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology
+        if ffn_expert_parallel:
+            # Checked against the model's experts here, before any rank process starts.
+            self.expert_placement = resolve_placement(
+                self.afd_config.expert_placement, load_model_config(model).num_experts,
+                self.topology.ffn_ranks)
         self._step_log = StepLogFile(log_step_plan)
         self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)

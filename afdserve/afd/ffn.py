@@ -1,7 +1,9 @@
 """The FFN side of the data plane: for every layer and ubatch of a step, receive every peer's tile,
 run the FFN half once over all of them, send each peer its rows back. Every size comes from the
 FFN rank's plan (`receive_rows`, `peer_rows`, `tile_rows`); the batches mirror the attention
-side's (afd/connector.py, contract in afd/wire.py).
+side's (afd/connector.py, contract in afd/wire.py). In an expert-parallel group the FFN half
+runs through `ExpertGroup` (afd/expert_group.py) over the plan's `group_rows`, and a rank whose
+peers sent nothing in a ubatch (or that has no peers) still takes part in the group's exchange.
 
 `FFNGraphRunner` captures that whole step, per plan key, as one CUDA graph, and replays it exactly
 when the plan says so; capture follows the attention side's order (a warm run, the capture, one
@@ -20,6 +22,7 @@ from afdserve.afd.connector import (
     check_token_ids,
     routed_layers,
 )
+from afdserve.afd.expert_group import ExpertGroup
 from afdserve.afd.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import GraphCaptureError
 from afdserve.layout.plan import FFNRankPlan
@@ -47,8 +50,9 @@ def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, t
 
 class FFNExchange:
     def __init__(self, model: MoECausalLM, rank: int, gate_on_attention: bool,
-                 device: torch.device, wire: Wire) -> None:
+                 device: torch.device, wire: Wire, expert: ExpertGroup | None = None) -> None:
         self.model, self.rank, self.device, self.wire = model, rank, device, wire
+        self.expert = expert  # this rank's expert-parallel group, if it is in one
         config = model.config
         self.vocab, self.top_k, self.hidden = config.vocab_size, config.top_k, config.hidden_size
         self.dtype = next(model.parameters()).dtype
@@ -59,9 +63,13 @@ class FFNExchange:
     def run(self, plan: FFNRankPlan, step: int) -> None:
         """One step, eagerly (or under capture: then the graph holds exactly this). The caller
         sets `self.step` first: a graph must read it, not hold it as a constant."""
+        if plan.group and self.expert is None:
+            raise LayoutError(f"FFN rank {self.rank}: the plan puts it in the expert-parallel "
+                              f"group {plan.group}, but it was built without one")
         sends: list = []
         for layer in range(self.model.config.num_layers):
-            for ubatch, rows in enumerate(plan.receive_rows):
+            # In an expert-parallel group a rank whose peers sent nothing still serves its experts.
+            for ubatch, rows in enumerate(plan.exchange_rows):
                 if rows:
                     sends += self._layer(plan, step, layer, ubatch)
         for work in sends:
@@ -81,12 +89,19 @@ class FFNExchange:
             if routed:
                 ops += [P2P("recv", topk_ids[lo:hi], peer), P2P("recv", topk_w[lo:hi], peer)]
         where = {"step": step, "layer": layer, "ubatch": ubatch}
-        for work in self.wire.post(ops, **where):
-            work.wait()
-        self._check(plan, step, layer, ubatch, hidden, ids)
+        if rows:  # an expert-parallel rank without tiles this ubatch posts no batch at all
+            for work in self.wire.post(ops, **where):
+                work.wait()
+            self._check(plan, step, layer, ubatch, hidden, ids)
         token_ids = ids[:, HEADER:].reshape(-1).long()
         routing = (topk_ids.long(), topk_w) if routed else None
-        y = self.model.ffn_half(layer, hidden, token_ids, routing).to(self.dtype).contiguous()
+        if plan.group:
+            y = self.expert.ffn(layer, hidden, token_ids, routing, plan.group_rows[ubatch], where)
+        else:
+            y = self.model.ffn_half(layer, hidden, token_ids, routing)
+        y = y.to(self.dtype).contiguous()
+        if not rows:
+            return []
         out = [P2P("send", y[lo:hi], peer) for peer, lo, hi in plan.peer_rows(ubatch)]
         return self.wire.post(out, **where)
 

@@ -5,14 +5,17 @@ offline API and the rank workers both build ranks here, so both get the same par
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from afdserve.afd.connector import AttentionConnector, InProcessConnector
 from afdserve.afd.driver import AttentionDriver, Control, FFNDriver
+from afdserve.afd.expert_group import ExpertGroup
 from afdserve.afd.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.messages import RankReady, WorkerSpec
 from afdserve.afd.recorder import StepRecorder
@@ -21,6 +24,8 @@ from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts, parameter_bytes
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN
+from afdserve.layout.experts import resolve_placement
+from afdserve.model.config import load_model_config
 from afdserve.model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -93,13 +98,27 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     return BuiltRank(driver, core, wire, tuple(ready))
 
 
-def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device,
-                   control: Control) -> BuiltRank:
-    model, _ = load_model(spec.engine.model, half_parts("ffn", spec.afd.gate_on_attention),
-                          spec.engine.dtype, str(device))
+def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
+                   expert_group: dist.ProcessGroup | None = None) -> BuiltRank:
+    """An FFN rank; in an expert-parallel topology it loads only its shard of the routed experts
+    and exchanges rows with the other FFN ranks over `expert_group` (FFN ranks only)."""
+    topology, gate = spec.topology, spec.afd.gate_on_attention
+    parts = half_parts("ffn", gate)
+    held = None
+    if topology.expert_parallel:
+        config = load_model_config(spec.engine.model)
+        placement = resolve_placement(spec.afd.expert_placement, config.num_experts,
+                                      topology.ffn_ranks)
+        held = placement[topology.ffn_index(rank)]
+        parts = dataclasses.replace(parts, experts=held)
+    model, _ = load_model(spec.engine.model, parts, spec.engine.dtype, str(device))
     wire = _wire(spec, rank)
-    exchange = FFNExchange(model, rank, spec.afd.gate_on_attention, device, wire)
+    expert = None
+    if topology.expert_parallel:
+        expert = ExpertGroup(model, topology.ffn_group, expert_group, wire)
+    exchange = FFNExchange(model, rank, gate, device, wire, expert)
     runner = FFNStepRunner(exchange, _uses_graphs(spec, device))
-    driver = FFNDriver(runner, _recorder(spec, rank), control, spec.topology, rank)
-    memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()))
+    driver = FFNDriver(runner, _recorder(spec, rank), control, topology, rank)
+    memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()),
+                          experts=held)
     return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),))

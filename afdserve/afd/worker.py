@@ -83,6 +83,16 @@ def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.de
     return dist.new_group(backend="gloo", timeout=timeout), device
 
 
+def init_expert_group(spec: WorkerSpec) -> dist.ProcessGroup | None:
+    """The FFN ranks' own group for expert-parallel collectives (the data-plane backend). Every
+    rank of the world takes part in creating it, as torch.distributed requires; a group of
+    its own keeps the collectives apart from the point-to-point batches NCCL pairs one to one."""
+    ranks = spec.topology.ffn_group
+    if not ranks:
+        return None
+    return dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=spec.afd.timeout_s))
+
+
 def worker_main(rank: int, conn: Connection) -> None:
     """Entry point of one rank. MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK come from the
     environment (the launcher or torchrun sets them)."""
@@ -95,11 +105,12 @@ def worker_main(rank: int, conn: Connection) -> None:
     built = None
     try:
         control_group, device = init_world(spec, rank)
+        expert_group = init_expert_group(spec)
         control = ControlPlane(spec.topology, control_group)
         if spec.topology.is_attention(rank):
             built = build_attention_rank(spec, rank, device, control)
         else:
-            built = build_ffn_rank(spec, rank, device, control)
+            built = build_ffn_rank(spec, rank, device, control, expert_group)
         for ready in built.ready:
             log.info("%s", ready.memory.line())
         built.driver.warmup()

@@ -27,11 +27,13 @@ class MemoryReport:
     parameter_bytes: int
     cache_bytes: int
     parameter_names: int
+    experts: tuple[int, ...] | None = None  # the routed experts held (an expert-parallel shard)
 
     def line(self) -> str:
+        held = "" if self.experts is None else f", routed experts {list(self.experts)}"
         return (
             f"{self.role} rank {self.rank}: parameters {self.parameter_bytes} bytes "
-            f"({self.parameter_names} tensors), KV cache {self.cache_bytes} bytes"
+            f"({self.parameter_names} tensors{held}), KV cache {self.cache_bytes} bytes"
         )
 
 

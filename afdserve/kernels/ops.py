@@ -121,6 +121,15 @@ def moe_experts(
     if x.is_cuda:
         from afdserve.kernels import moe_gpu
 
+        # The GPU kernels index experts by id; a pair with id -1 (no expert here) becomes
+        # expert 0 with weight 0: correct, but it costs a row of expert 0's work.
+        # TODO(expert-parallel): skip those pairs inside the kernels.
+        if gate_up.shape[0] == 0:  # a shard without experts (more FFN ranks than experts)
+            return torch.zeros_like(x)
+        absent = topk_ids < 0
+        topk_ids = topk_ids.masked_fill(absent, 0)
+        topk_weights = topk_weights.masked_fill(absent, 0.0)
+
         # Few pairs (decode): the fused Triton kernels, which read each touched expert once and
         # skip the sort/scatter round trip. More: the grouped GEMM. The crossover was measured.
         if _triton_ready(x):

@@ -221,14 +221,16 @@ def moe_experts(
     down: torch.Tensor,
 ) -> torch.Tensor:
     """Routed experts, SiLU-gated. x [rows, hidden]; topk_ids/weights [rows, k];
-    gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter]. -> [rows, hidden]"""
+    gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter]. -> [rows, hidden]
+    A pair with id -1 goes to no expert (pad rows, experts another rank holds)."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    # Shifted by one so that id -1 counts (and sorts) first; its pairs are skipped.
+    counts = torch.bincount(flat_ids + 1, minlength=gate_up.shape[0] + 1).tolist()
     token_of = order // topk_ids.shape[1]
-    start = 0
-    for expert, count in enumerate(counts):
+    start = counts[0]
+    for expert, count in enumerate(counts[1:]):
         if count == 0:
             continue
         picks = order[start : start + count]
@@ -252,8 +254,9 @@ def moe_experts_dense(
     over every row and rows it does not serve get weight 0. Accumulates per row in expert order,
     like `moe_experts`. Costs experts x rows: for graphs of small float32 models only."""
     rows, experts = x.shape[0], gate_up.shape[0]
-    weights = torch.zeros(rows, experts, dtype=topk_weights.dtype, device=x.device)
-    weights.scatter_(1, topk_ids, topk_weights)  # [rows, experts]
+    weights = torch.zeros(rows, experts + 1, dtype=topk_weights.dtype, device=x.device)
+    weights.scatter_(1, topk_ids + 1, topk_weights)  # [rows, 1 + experts]; column 0: id -1
+    weights = weights[:, 1:]
     out = torch.zeros_like(x)
     for expert in range(experts):
         gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)

@@ -36,6 +36,17 @@ Rules:
 
 Every peer sends exactly `tile_rows[u]` rows per layer in ubatch u and its FFN rank receives
 `len(peers) * tile_rows[u]`; pad rows carry zero hidden states and token id -1.
+
+Expert parallelism (`topology.expert_parallel`): the FFN ranks exchange rows among themselves,
+so they must agree on the sizes of that exchange and on one run mode, and each of them replays
+only when every attention rank whose rows reach the group replays. So the whole world is one
+group: rules 2-6 apply with every attention rank as a member and every FFN rank as its FFN side.
+Each FFN rank still receives from its own peers (r mod F == f, none for f >= A); in addition
+7. group_rows[u] = the largest receive_rows[u] in the group: every FFN rank contributes exactly
+   that many rows to the group's exchange in ubatch u (its received rows, then pad rows that go
+   to no expert), so the exchange holds every row of the group by construction and drops none;
+8. the FFN key also spells out group_rows: ("ffn", rank, peers' ubatch_rows, tile_rows,
+   group_rows).
 """
 
 from __future__ import annotations
@@ -108,31 +119,41 @@ def _graph_size(group: Sequence[RankStep], table: GraphTable) -> int | None:
     return next((size for size in table.sizes if size >= largest_real), None)
 
 
-def _groups(topology: Topology) -> list[tuple[int | None, tuple[int, ...]]]:
-    """(global FFN rank or None, member attention ranks) for every group."""
+def _groups(topology: Topology) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(global FFN ranks, member attention ranks) for every group; no FFN ranks when colocated."""
     if topology.colocated:
-        return [(None, (rank,)) for rank in range(topology.attention_ranks)]
-    return [(topology.attention_ranks + f, topology.peers(f)) for f in range(topology.ffn_ranks)]
+        return [((), (rank,)) for rank in range(topology.attention_ranks)]
+    if topology.expert_parallel:
+        return [(topology.ffn_group, tuple(range(topology.attention_ranks)))]
+    return [((topology.attention_ranks + f,), topology.peers(f))
+            for f in range(topology.ffn_ranks)]
 
 
 def _plan_group(
-    ffn_rank: int | None,
+    ffn_ranks: tuple[int, ...],
     members: tuple[int, ...],
     reports: tuple[RankStep, ...],
     table: GraphTable,
     ubatches: int,
-) -> tuple[list[AttentionRankPlan], FFNRankPlan | None]:
-    """Plans of one group: its member attention ranks and its FFN rank (None when colocated)."""
+    topology: Topology,
+) -> tuple[list[AttentionRankPlan], list[FFNRankPlan]]:
+    """Plans of one group: its member attention ranks and its FFN ranks."""
     group = [reports[rank] for rank in members]
     no_rows = (0,) * ubatches
+    peers = {f: topology.peers(topology.ffn_index(f)) for f in ffn_ranks}
+    home = {rank: topology.ffn_rank_of(rank) for rank in members}
+    expert = topology.expert_parallel
     if all(report.num_tokens == 0 for report in group):
         idle = [
-            AttentionRankPlan(rank, ffn_rank, 0, 0, no_rows, no_rows, no_rows, "idle", None)
+            AttentionRankPlan(rank, home[rank], 0, 0, no_rows, no_rows, no_rows, "idle", None)
             for rank in members
         ]
-        if ffn_rank is None:
-            return idle, None
-        return idle, FFNRankPlan(ffn_rank, members, 0, no_rows, no_rows, "idle", None)
+        ffn_idle = [
+            FFNRankPlan(f, peers[f], 0, no_rows, no_rows, "idle", None,
+                        group=topology.ffn_group, group_rows=no_rows if expert else ())
+            for f in ffn_ranks
+        ]
+        return idle, ffn_idle
 
     size = _graph_size(group, table)
     if size is None:
@@ -141,12 +162,18 @@ def _plan_group(
     else:
         tile = split_rows(size, ubatches)
         rows = {rank: tile for rank in members}
-    if ffn_rank is None:
+    if not ffn_ranks:
         tile = no_rows
+    receive = {f: tuple(len(peers[f]) * rows_u for rows_u in tile) for f in ffn_ranks}
+    group_rows = (
+        tuple(max(receive[f][u] for f in ffn_ranks) for u in range(ubatches)) if expert else ()
+    )
 
     keys: dict[int, GraphKey] = {rank: ("attention", rank, rows[rank], tile) for rank in members}
-    if ffn_rank is not None:
-        keys[ffn_rank] = ("ffn", ffn_rank, tuple(rows[rank] for rank in members), tile)
+    for f in ffn_ranks:
+        keys[f] = ("ffn", f, tuple(rows[rank] for rank in peers[f]), tile)
+        if expert:
+            keys[f] += (group_rows,)
     mode: RunMode
     if size is None:
         mode = "eager"
@@ -158,7 +185,7 @@ def _plan_group(
     member_plans = [
         AttentionRankPlan(
             rank=rank,
-            ffn_rank=ffn_rank,
+            ffn_rank=home[rank],
             real_rows=reports[rank].num_tokens,
             padded_rows=sum(rows[rank]),
             ubatch_real_rows=_real_per_ubatch(reports[rank].num_tokens, rows[rank]),
@@ -169,18 +196,21 @@ def _plan_group(
         )
         for rank in members
     ]
-    if ffn_rank is None:
-        return member_plans, None
-    ffn_plan = FFNRankPlan(
-        rank=ffn_rank,
-        peers=members,
-        real_rows=sum(report.num_tokens for report in group),
-        tile_rows=tile,
-        receive_rows=tuple(len(members) * rows_u for rows_u in tile),
-        mode=mode,
-        key=keys[ffn_rank],
-    )
-    return member_plans, ffn_plan
+    ffn_plans = [
+        FFNRankPlan(
+            rank=f,
+            peers=peers[f],
+            real_rows=sum(reports[rank].num_tokens for rank in peers[f]),
+            tile_rows=tile,
+            receive_rows=receive[f],
+            mode=mode,
+            key=keys[f],
+            group=topology.ffn_group,
+            group_rows=group_rows,
+        )
+        for f in ffn_ranks
+    ]
+    return member_plans, ffn_plans
 
 
 def plan_step(
@@ -208,13 +238,14 @@ def plan_step(
 
     attention: list[AttentionRankPlan] = []
     ffn: list[FFNRankPlan] = []
-    for ffn_rank, members in _groups(topology):
-        member_plans, ffn_plan = _plan_group(ffn_rank, members, reports, graph_table, ubatches)
+    for ffn_ranks, members in _groups(topology):
+        member_plans, ffn_plans = _plan_group(
+            ffn_ranks, members, reports, graph_table, ubatches, topology
+        )
         attention.extend(member_plans)
-        if ffn_plan is not None:
-            ffn.append(ffn_plan)
+        ffn.extend(ffn_plans)
     return StepPlan(
         ubatches=ubatches,
         attention=tuple(sorted(attention, key=lambda plan: plan.rank)),
-        ffn=tuple(ffn),
+        ffn=tuple(sorted(ffn, key=lambda plan: plan.rank)),
     )

@@ -131,19 +131,39 @@ class AttentionRankPlan:
 @dataclass(frozen=True)
 class FFNRankPlan:
     rank: int  # global rank
-    peers: tuple[int, ...]  # attention ranks served, increasing
+    peers: tuple[int, ...]  # attention ranks served, increasing (empty only in an EP group)
     real_rows: int  # sum of the peers' real rows
     tile_rows: tuple[int, ...]  # per ubatch, identical to every peer's tile_rows
     receive_rows: tuple[int, ...]  # per ubatch, len(peers) * tile_rows
     mode: RunMode
     key: GraphKey | None
+    # Expert parallelism (empty tuples without it): the FFN group's global ranks in group order,
+    # and per ubatch the rows every member contributes to the group's exchange: its receive
+    # rows, then pad rows (zero hidden states, no expert) up to the group's largest receive.
+    group: tuple[int, ...] = ()
+    group_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.peers or list(self.peers) != sorted(set(self.peers)):
-            raise ValueError(f"FFN rank {self.rank}: peers must be increasing, got {self.peers}")
+        if list(self.peers) != sorted(set(self.peers)) or not (self.peers or self.group):
+            raise ValueError(f"FFN rank {self.rank}: peers must be increasing and non-empty "
+                             f"outside an expert-parallel group, got {self.peers}")
         if self.receive_rows != tuple(len(self.peers) * tile for tile in self.tile_rows):
             raise ValueError(f"FFN rank {self.rank}: receive_rows != peers x tile_rows: {self}")
+        if self.group:
+            if self.rank not in self.group or len(self.group_rows) != len(self.tile_rows):
+                raise ValueError(f"FFN rank {self.rank}: not in its group, or group_rows per "
+                                 f"ubatch missing: {self}")
+            if any(g < r for g, r in zip(self.group_rows, self.receive_rows, strict=True)):
+                raise ValueError(f"FFN rank {self.rank}: group_rows < receive_rows: {self}")
+        elif self.group_rows:
+            raise ValueError(f"FFN rank {self.rank}: group_rows without a group: {self}")
         _check_mode_and_key(self.mode, self.key, self.rank)
+
+    @property
+    def exchange_rows(self) -> tuple[int, ...]:
+        """Per ubatch, the rows this rank runs its FFN exchange over: its receive rows, or in an
+        expert-parallel group the group's rows (a rank without peers still serves its experts)."""
+        return self.group_rows if self.group else self.receive_rows
 
     def peer_rows(self, ubatch: int) -> tuple[tuple[int, int, int], ...]:
         """(peer, first row, end row) of every peer's tile in the receive buffer of `ubatch`:
@@ -218,5 +238,8 @@ class StepPlan:
             record["ubatch_real_rows"] = list(plan.ubatch_real_rows)
             records.append(record)
         for plan in self.ffn:
-            records.append(_record(step, "ffn", plan, sum(plan.receive_rows), list(plan.peers)))
+            record = _record(step, "ffn", plan, sum(plan.receive_rows), list(plan.peers))
+            if plan.group:
+                record["group_rows"] = list(plan.group_rows)
+            records.append(record)
         return records

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
 from afdserve.model.model import ModelParts, MoECausalLM
-from afdserve.model.moe import Router
+from afdserve.model.moe import Experts, Router
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ def build_model(
         if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
             # The correction bias decides expert choice; keep it exact.
             module.e_score_correction_bias = module.e_score_correction_bias.float()
+        if isinstance(module, Experts):
+            module.index_held()  # to_empty left the shard's expert index unwritten
     if parts.attention:
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
@@ -130,6 +132,7 @@ def load_weights(
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     filled: dict[str, set] = {name: set() for name in expected}
+    held = _held_experts(model)
     report = LoadReport()
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -141,10 +144,24 @@ def load_weights(
                     elif not (model.config.tie_word_embeddings and target == "lm_head.weight"):
                         report.unexpected.append(name)
                     continue
-                _copy_into(expected[target], f.get_tensor(name), expert, part, name)
+                shard = held.get(target)
+                if shard is not None and expert is not None:
+                    # An expert-parallel shard reads only its own experts, one by one.
+                    if expert >= model.config.num_experts:
+                        raise CheckpointError(f"{name}: expert {expert} but the config has "
+                                              f"{model.config.num_experts}")
+                    if expert not in shard:
+                        report.skipped_other_half += 1
+                        continue
+                    _copy_into(expected[target], f.get_tensor(name), shard.index(expert), part,
+                               name)
+                elif shard is not None:  # an already-stacked checkpoint: slice the shard out
+                    _copy_into(expected[target], f.get_tensor(name)[list(shard)], None, None, name)
+                else:
+                    _copy_into(expected[target], f.get_tensor(name), expert, part, name)
                 filled[target].add((expert, part))
                 report.loaded.append(name)
-    missing = _missing(model.config, expected, filled)
+    missing = _missing(model.config, expected, filled, held)
     if missing:
         shown = ", ".join(missing[:20]) + (
             f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
@@ -180,16 +197,27 @@ def _copy_into(
         dst.copy_(src)
 
 
-def _missing(config: ModelConfig, expected: dict, filled: dict[str, set]) -> list[str]:
+def _held_experts(model: MoECausalLM) -> dict[str, tuple[int, ...]]:
+    """Stacked expert tensor name -> the experts its shard holds (expert-parallel halves only)."""
+    held = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and module.held is not None:
+            held[f"{name}.gate_up_proj"] = held[f"{name}.down_proj"] = module.held
+    return held
+
+
+def _missing(config: ModelConfig, expected: dict, filled: dict[str, set],
+             held: dict[str, tuple[int, ...]]) -> list[str]:
     missing = []
     for name, tensor in expected.items():
         got = filled[name]
         if (None, None) in got:
             continue
+        experts = held.get(name, range(tensor.shape[0]))
         if name.endswith("experts.gate_up_proj"):
-            want = {(e, p) for e in range(tensor.shape[0]) for p in ("gate", "up")}
+            want = {(e, p) for e in experts for p in ("gate", "up")}
         elif name.endswith("experts.down_proj"):
-            want = {(e, "down") for e in range(tensor.shape[0])}
+            want = {(e, "down") for e in experts}
         else:
             want = {(None, None)}
         for expert, part in sorted(want - got, key=str):

@@ -30,6 +30,8 @@ class ModelParts:
     attention: bool = True
     ffn: bool = True
     gate_on_attention: bool = False
+    # The routed experts this FFN half holds (an expert-parallel shard); None = all of them.
+    experts: tuple[int, ...] | None = None
 
     @staticmethod
     def colocated(gate_on_attention: bool = False) -> ModelParts:
@@ -54,7 +56,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = make_attention(config)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if parts.ffn:
-            self.mlp = make_ffn(config, layer, with_router=not router_here_on_attention)
+            self.mlp = make_ffn(config, layer, with_router=not router_here_on_attention,
+                                held=parts.experts)
             if router_here_on_attention and parts.attention:
                 self.mlp.gate = Router(config, layer)  # colocated: one module holds both
         elif router_here_on_attention:

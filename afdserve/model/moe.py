@@ -2,7 +2,8 @@
 
 `ffn(x, token_ids, routing=None) -> y`. Token ids travel with the hidden states because hash-routed
 layers pick experts from `tid2eid[token_id]`; pad rows carry id -1, which looks up row 0 and whose
-output the caller drops.
+output the caller drops. A routing id of -1 means "no expert" (the pair contributes nothing): an
+expert-parallel shard uses it for pairs held elsewhere and for pad rows.
 """
 
 from __future__ import annotations
@@ -100,24 +101,45 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts as stacked weights: gate_up [E, 2I, H], down [E, H, I]."""
+    """Routed experts as stacked weights: gate_up [E, 2I, H], down [E, H, I]. With `held` (an
+    expert-parallel shard) only those experts, in that order: routing ids stay global and the
+    pairs of experts held elsewhere contribute nothing here (the group sums the shards)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, held: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        h, i = config.hidden_size, config.moe_intermediate_size
+        self.held = held
+        e = config.num_experts if held is None else len(held)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if held is not None:
+            # global expert id -> index in this shard, -1 when held elsewhere (not a checkpoint
+            # tensor, so not persistent; filled by `index_held` once the module has storage)
+            self.register_buffer("local_index", torch.empty(config.num_experts, dtype=torch.long),
+                                 persistent=False)
+            self.index_held()
+
+    def index_held(self) -> None:
+        if self.held is None or self.local_index.is_meta:
+            return
+        self.local_index.fill_(-1)
+        self.local_index[list(self.held)] = torch.arange(
+            len(self.held), device=self.local_index.device)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         ids, weights = routing
+        if self.held is not None:
+            # Pad rows (id -1) stay -1; experts held elsewhere become -1.
+            ids = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
         return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, with_router: bool = True) -> None:
+    def __init__(self, config: ModelConfig, layer: int, with_router: bool = True,
+                 held: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.gate = Router(config, layer) if with_router else None
-        self.experts = Experts(config)
+        self.experts = Experts(config, held)
         shared = config.n_shared_experts * config.moe_intermediate_size
         self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
 
@@ -142,7 +164,8 @@ class DenseFFN(GatedMLP):
         return super().forward(x)
 
 
-def make_ffn(config: ModelConfig, layer: int, with_router: bool = True) -> nn.Module:
+def make_ffn(config: ModelConfig, layer: int, with_router: bool = True,
+             held: tuple[int, ...] | None = None) -> nn.Module:
     if config.layer_types[layer] == "dense":
         return DenseFFN(config)
-    return MoEBlock(config, layer, with_router)
+    return MoEBlock(config, layer, with_router, held)

@@ -44,3 +44,14 @@ def assert_data_plane_matches_plan(log_dir: Path, step_log: list[dict], warmup_s
     }
     assert {(t["step"], t["peer"], t["ubatch"]) for t in tiles} == expected
     return len(tiles)
+
+
+def collectives(log_dir: Path) -> dict[int, list[dict]]:
+    """Every collective each FFN rank of an expert-parallel group ran, in order, by rank."""
+    out: dict[int, list[dict]] = {}
+    for path in sorted(log_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "collective" in record:
+                out.setdefault(record["rank"], []).append(record)
+    return out

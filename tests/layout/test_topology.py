@@ -95,11 +95,27 @@ def test_parse_rejects_missing_attention_ranks(text: str) -> None:
 
 
 def test_fewer_attention_than_ffn_ranks_states_the_rule() -> None:
-    rule = r"r mod F == f.*at least one attention peer.*expert parallelism.*not support"
-    with pytest.raises(ValueError, match=r"topology '1A2F'.*" + rule):
+    rule = r"r mod F == f.*at least one attention peer.*expert-parallel FFN group"
+    with pytest.raises(ValueError, match=r"topology '1A2F'.*" + rule + r".*--ffn-expert-parallel"):
         Topology.parse("1A2F")
     with pytest.raises(ValueError, match=r"ffn_ranks \(3\) must not exceed attention_ranks \(2\)"):
         Topology(attention_ranks=2, ffn_ranks=3)
+
+
+def test_expert_parallel_allows_fewer_attention_ranks() -> None:
+    topology = Topology.parse("2A4F", expert_parallel=True)
+    assert topology == Topology(2, 4, expert_parallel=True)
+    assert topology.ffn_group == (2, 3, 4, 5)
+    assert [topology.peers(f) for f in range(4)] == [(0,), (1,), (), ()]
+    assert [topology.ffn_rank_of(r) for r in range(2)] == [2, 3]
+    assert Topology.parse("4A2F", expert_parallel=True).ffn_group == (4, 5)
+    assert Topology(4, 2).ffn_group == ()
+    with pytest.raises(ValueError, match="expert_parallel=True needs ffn_ranks >= 1"):
+        Topology(2, 0, expert_parallel=True)
+    with pytest.raises(ValueError, match="'colocated': an expert-parallel FFN group needs FFN"):
+        Topology.parse("colocated", expert_parallel=True)
+    with pytest.raises(ValueError, match="expert_parallel must be a bool, got 1"):
+        Topology(2, 2, expert_parallel=1)
 
 
 @pytest.mark.parametrize(
