@@ -82,8 +82,9 @@ Scenario = tuple[Topology, GraphTable, int, list[tuple[RankStep, ...]]]
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, steps: st.SearchStrategy[int] = st.just(1)) -> Scenario:
-    topology = draw(topologies)
+def scenarios(draw: st.DrawFn, steps: st.SearchStrategy[int] = st.just(1),
+              topology_strategy: st.SearchStrategy[Topology] | None = None) -> Scenario:
+    topology = draw(topologies if topology_strategy is None else topology_strategy)
     ubatches = draw(ubatch_counts)
     mode = draw(graph_modes)
     sizes = tuple(sorted({_count(draw(codes)) or 1 for _ in range(draw(ladder_lengths))}))

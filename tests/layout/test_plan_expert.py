@@ -17,18 +17,7 @@ from afdserve.layout.experts import (
 from afdserve.layout.plan import GraphTable, RankStep, plan_step
 from afdserve.layout.topology import Topology
 
-from .test_plan import (
-    Scenario,
-    _count,
-    _rank_step,
-    codes,
-    forget_strides,
-    graph_modes,
-    ladder_lengths,
-    rank_codes,
-    ubatch_counts,
-    warmed_table,
-)
+from .test_plan import Scenario, scenarios, warmed_table
 
 PROPERTY = settings(max_examples=400, deadline=None, database=None)
 
@@ -37,23 +26,8 @@ expert_topologies = st.sampled_from(
 )
 
 
-@st.composite
-def expert_scenarios(draw: st.DrawFn, steps: st.SearchStrategy[int] = st.just(1)) -> Scenario:
-    topology = draw(expert_topologies)
-    ubatches = draw(ubatch_counts)
-    mode = draw(graph_modes)
-    sizes = tuple(sorted({_count(draw(codes)) or 1 for _ in range(draw(ladder_lengths))}))
-    warm = tuple(size for size in sizes if draw(st.booleans()))
-    table = warmed_table(topology, mode, sizes, warm, ubatches)
-    forget = draw(forget_strides)
-    if forget:
-        keys = sorted(table.captured, key=repr)
-        table = GraphTable(mode, sizes, frozenset(keys) - frozenset(keys[forget - 1 :: forget]))
-    reports = [
-        tuple(_rank_step(draw(rank_codes)) for _ in range(topology.attention_ranks))
-        for _ in range(draw(steps))
-    ]
-    return topology, table, ubatches, reports
+def expert_scenarios(steps: st.SearchStrategy[int] = st.just(1)) -> st.SearchStrategy[Scenario]:
+    return scenarios(steps, topology_strategy=expert_topologies)
 
 
 @PROPERTY
