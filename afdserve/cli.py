@@ -170,6 +170,8 @@ RELIABILITY_OPTIONS = {
     "timeout_keep_alive_s": ("--timeout-keep-alive", int,
                              "uvicorn: seconds an idle keep-alive connection stays open"),
     "max_header_bytes": ("--max-header-bytes", int, "h11: the largest request head accepted"),
+    "header_timeout_s": ("--header-timeout", float,
+                         "close a connection that sent no complete request head in time"),
 }
 
 

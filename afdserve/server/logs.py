@@ -17,8 +17,9 @@ RATE_LIMITED_LOGGERS = ("uvicorn.error", "asyncio")
 
 
 class RateLimit(logging.Filter):
-    """At most `burst` records per (logger, message template) per `window_s`; the first record
-    of the next window says how many were dropped."""
+    """At most `burst` warnings or errors per (logger, message template) per `window_s`; the
+    first record of the next window says how many were dropped. Info lines (one per request,
+    the stats line) pass: their volume follows the traffic, not a fault."""
 
     def __init__(self, window_s: float = RATE_WINDOW_S, burst: int = RATE_BURST) -> None:
         super().__init__()
@@ -27,6 +28,8 @@ class RateLimit(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}  # start, written, dropped
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         key = (record.name, str(record.msg))
         now = time.monotonic()
         with self._lock:

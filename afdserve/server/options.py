@@ -38,6 +38,7 @@ class ServeOptions:
     limit_concurrency: int | None = 1024  # uvicorn: open connections + tasks before a 503
     timeout_keep_alive_s: int = 5  # uvicorn: idle keep-alive connections close after this
     max_header_bytes: int = 64 * 1024  # h11: a request head larger than this is refused
+    header_timeout_s: float = 10.0  # a connection without a complete request head is closed
 
     def __post_init__(self) -> None:
         for name in ("log_level", "uvicorn_log_level"):
@@ -59,6 +60,7 @@ class ServeOptions:
             )
         _positive(self, "stats_interval_s", "a number of seconds > 0")
         _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
+        _positive(self, "header_timeout_s", "a number of seconds > 0")
         _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",
                      "limit_concurrency"):  # fmt: skip

@@ -7,6 +7,7 @@ traceback, the per-request timeout, the log rate limit."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from .conftest import SERVED_NAME, ServerProcess, free_port, marked_pids, start_
 from .test_reliability import clean, counters
 
 BODY_LIMIT = 1_000_000
+HEADER_TIMEOUT_S = 1.0
 REJECTED = 'afdserve_requests_rejected_total{"reason": "%s"}'
 ABORTED = "afdserve_requests_aborted_total{}"
 WAITING = "afdserve_waiting_requests{}"
@@ -37,7 +39,8 @@ WAITING = "afdserve_waiting_requests{}"
 def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_cli_server(tmp_path_factory.mktemp("busy"), free_port(), "--topology",
                            "colocated", "--max-num-seqs", "1", "--max-waiting-requests", "2",
-                           "--max-request-body-bytes", str(BODY_LIMIT))  # fmt: skip
+                           "--max-request-body-bytes", str(BODY_LIMIT),
+                           "--header-timeout", str(HEADER_TIMEOUT_S))  # fmt: skip
     try:
         srv.wait_healthy()
         yield srv
@@ -143,6 +146,20 @@ def test_invalid_unicode_is_a_400(busy: ServerProcess) -> None:
     assert ok.status_code == 200
 
 
+def test_connections_without_a_request_head_are_closed(busy: ServerProcess) -> None:
+    """Silent and slow (half a head) connections are closed after --header-timeout, so they
+    cannot pile up until the server runs out of file descriptors."""
+    silent = socket.create_connection(("127.0.0.1", busy.port), timeout=10)
+    slow = socket.create_connection(("127.0.0.1", busy.port), timeout=10)
+    with silent, slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert silent.recv(1024) == b"" and slow.recv(1024) == b""
+        closed_after = time.monotonic() - start
+    assert HEADER_TIMEOUT_S - 0.5 < closed_after < HEADER_TIMEOUT_S + 4, closed_after
+    assert httpx.get(f"{busy.url}/health", timeout=10).status_code == 200
+
+
 # ----- in-process -----
 
 
@@ -197,3 +214,6 @@ def test_repeated_log_lines_are_rate_limited() -> None:
     assert sum(limit.filter(record) for _ in range(1000)) == 5
     other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "other", (), None)
     assert limit.filter(other)
+    info = logging.LogRecord("afdserve.server", logging.INFO, __file__, 1, "request %s", ("r",),
+                             None)  # fmt: skip
+    assert all(limit.filter(info) for _ in range(1000))  # one line per request is not a flood
