@@ -166,7 +166,8 @@ RELIABILITY_OPTIONS = {
     "request_timeout_s": ("--request-timeout", float,
                           "504 for a request not finished this many seconds after arrival"),
     "limit_concurrency": ("--limit-concurrency", int,
-                          "uvicorn: open connections and tasks before it answers 503"),
+                          "requests in progress beyond this get 503 + Retry-After; connections "
+                          "beyond it are closed"),
     "timeout_keep_alive_s": ("--timeout-keep-alive", int,
                              "uvicorn: seconds an idle keep-alive connection stays open"),
     "max_header_bytes": ("--max-header-bytes", int, "h11: the largest request head accepted"),

@@ -33,7 +33,7 @@ from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.auth import APIKeyCheck
 from afdserve.server.engine_loop import EngineLoop, Generation
-from afdserve.server.limits import BodyLimit, check_prompt_chars, check_text
+from afdserve.server.limits import BodyLimit, ConcurrencyLimit, check_prompt_chars, check_text
 from afdserve.server.metrics import CONTENT_TYPE, UNCOUNTED_PATHS, RequestCounter
 from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError, bad_request
@@ -170,8 +170,8 @@ def create_app(
 
     app = FastAPI(title="afdserve", version=afdserve.__version__, lifespan=lifespan)
     app.state.server = state
-    # The last added runs first: count, then check the key, then read the body (bounded), so
-    # that a client without the key cannot make the server read a body.
+    # The last added runs first: count, bound the requests in progress, check the key, then
+    # read the body (bounded), so that a client without the key cannot make us read a body.
     app.add_middleware(
         BodyLimit,
         max_bytes=options.max_request_body_bytes,
@@ -179,6 +179,14 @@ def create_app(
     )
     if options.api_key:
         app.add_middleware(APIKeyCheck, api_key=options.api_key)
+    if options.limit_concurrency is not None:
+        app.add_middleware(
+            ConcurrencyLimit,
+            limit=options.limit_concurrency,
+            retry_after_s=options.retry_after_s,
+            exempt=UNCOUNTED_PATHS,
+            on_refused=lambda: state.metrics.rejected("concurrency"),
+        )
     app.add_middleware(RequestCounter, metrics=state.metrics)
 
     @app.exception_handler(APIError)

@@ -58,11 +58,11 @@ class Admission:
         self.tokens -= prompt_tokens
 
 
-def _send_error(status: int, message: str) -> Callable:
+def _send_error(status: int, message: str, extra: tuple = ()) -> Callable:
     async def respond(send: Callable) -> None:
         body = json.dumps(error_body(status, message)).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+                   (b"content-length", str(len(body)).encode()), *extra]  # fmt: skip
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -110,6 +110,35 @@ class BodyLimit:
             return await receive()  # then disconnects, as the handlers expect
 
         await self.app(scope, replay, send)
+
+
+class ConcurrencyLimit:
+    """ASGI middleware: beyond `limit` HTTP requests at once, a 503 with Retry-After in OpenAI's
+    shape (uvicorn's own limit_concurrency answers in plain text, so it is not used). Probes
+    (`exempt` paths) always pass: a liveness probe must not fail because the server is busy."""
+
+    def __init__(
+        self, app: Any, limit: int, retry_after_s: int, exempt: tuple[str, ...],
+        on_refused: Callable[[], None],
+    ) -> None:  # fmt: skip
+        self.app, self.limit, self.exempt, self.on_refused = app, limit, exempt, on_refused
+        self.retry_after = (b"retry-after", str(retry_after_s).encode())
+        self.active = 0
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            self.on_refused()
+            message = f"the server is overloaded: {self.active} requests in progress; retry later"
+            await _send_error(503, message, (self.retry_after,))(send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 def check_text(value: Any, param: str) -> None:

@@ -35,7 +35,7 @@ class ServeOptions:
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
     request_timeout_s: float | None = None  # from arrival to the last token; None: no limit
-    limit_concurrency: int | None = 1024  # uvicorn: open connections + tasks before a 503
+    limit_concurrency: int | None = 1024  # requests in progress (503 beyond), open connections
     timeout_keep_alive_s: int = 5  # uvicorn: idle keep-alive connections close after this
     max_header_bytes: int = 64 * 1024  # h11: a request head larger than this is refused
     header_timeout_s: float = 10.0  # a connection without a complete request head is closed

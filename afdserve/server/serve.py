@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import afdserve
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.app import create_app
-from afdserve.server.connections import h11_with_head_timeout
+from afdserve.server.connections import guarded_h11
 from afdserve.server.logs import rate_limit_servers, setup_logging
 from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
 from afdserve.server.state import ServerState
@@ -209,10 +209,9 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         log_level=options.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
-        limit_concurrency=options.limit_concurrency,
         timeout_keep_alive=options.timeout_keep_alive_s,
         h11_max_incomplete_event_size=options.max_header_bytes,
-        http=h11_with_head_timeout(options.header_timeout_s),
+        http=guarded_h11(options.header_timeout_s, options.limit_concurrency),
     )
     rate_limit_servers()
     server = uvicorn.Server(config)

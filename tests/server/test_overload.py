@@ -6,7 +6,10 @@ traceback, the per-request timeout, the log rate limit."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -20,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from afdserve import LLM
 from afdserve.server.app import build_app
-from afdserve.server.limits import Admission
+from afdserve.server.limits import Admission, ConcurrencyLimit
 from afdserve.server.logs import RateLimit
 from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError
@@ -30,6 +33,7 @@ from .test_reliability import clean, counters
 
 BODY_LIMIT = 1_000_000
 HEADER_TIMEOUT_S = 1.0
+CONNECTIONS = 8
 REJECTED = 'afdserve_requests_rejected_total{"reason": "%s"}'
 ABORTED = "afdserve_requests_aborted_total{}"
 WAITING = "afdserve_waiting_requests{}"
@@ -40,7 +44,8 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_cli_server(tmp_path_factory.mktemp("busy"), free_port(), "--topology",
                            "colocated", "--max-num-seqs", "1", "--max-waiting-requests", "2",
                            "--max-request-body-bytes", str(BODY_LIMIT),
-                           "--header-timeout", str(HEADER_TIMEOUT_S))  # fmt: skip
+                           "--header-timeout", str(HEADER_TIMEOUT_S),
+                           "--limit-concurrency", str(CONNECTIONS))  # fmt: skip
     try:
         srv.wait_healthy()
         yield srv
@@ -158,6 +163,64 @@ def test_connections_without_a_request_head_are_closed(busy: ServerProcess) -> N
         closed_after = time.monotonic() - start
     assert HEADER_TIMEOUT_S - 0.5 < closed_after < HEADER_TIMEOUT_S + 4, closed_after
     assert httpx.get(f"{busy.url}/health", timeout=10).status_code == 200
+
+
+def test_connections_beyond_the_limit_are_closed_at_once(busy: ServerProcess) -> None:
+    socks = [socket.create_connection(("127.0.0.1", busy.port), timeout=10)
+             for _ in range(CONNECTIONS + 1)]  # fmt: skip
+    start = time.monotonic()
+    try:
+        closed_after = []
+        with selectors.DefaultSelector() as selector:
+            for sock in socks:
+                selector.register(sock, selectors.EVENT_READ)
+            while len(closed_after) < len(socks) and time.monotonic() - start < 15:
+                for key, _ in selector.select(timeout=1):
+                    assert key.fileobj.recv(1024) == b""  # type: ignore[union-attr]
+                    closed_after.append(time.monotonic() - start)
+                    selector.unregister(key.fileobj)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len(closed_after) == len(socks), closed_after
+    assert min(closed_after) < 0.5 * HEADER_TIMEOUT_S, closed_after  # the one over the cap
+    assert max(closed_after) < HEADER_TIMEOUT_S + 4, closed_after  # the others: silent
+    assert httpx.get(f"{busy.url}/health", timeout=10).status_code == 200
+
+
+def test_requests_beyond_the_concurrency_limit_get_an_openai_503() -> None:
+    refused: list[int] = []
+    release = asyncio.Event()
+
+    async def slow_app(scope: dict, receive: object, send: object) -> None:
+        await release.wait()
+
+    limit = ConcurrencyLimit(slow_app, limit=2, retry_after_s=3, exempt=("/health",),
+                             on_refused=lambda: refused.append(1))  # fmt: skip
+
+    async def call(path: str) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await limit({"type": "http", "path": path}, None, send)
+        return sent
+
+    async def scenario() -> tuple[list[dict], list[dict]]:
+        running = [asyncio.ensure_future(call("/v1/completions")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        over = await call("/v1/completions")
+        probe = asyncio.ensure_future(call("/health"))  # exempt: it waits like the others
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(*running, probe)
+        return over, probe.result()
+
+    over, probe = asyncio.run(scenario())
+    assert over[0]["status"] == 503 and (b"retry-after", b"3") in over[0]["headers"]
+    assert json.loads(over[1]["body"])["error"]["type"] == "service_unavailable"
+    assert probe == [] and refused == [1] and limit.active == 0
 
 
 # ----- in-process -----

@@ -131,7 +131,16 @@ def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
         stop(srv)
 
 
-def test_hung_rank_is_detected_and_the_ranks_restart(restarting: ServerProcess) -> None:
+@pytest.mark.parametrize(
+    ("victim", "sig", "within_s", "says"),
+    [
+        (2, signal.SIGSTOP, HEARTBEAT_S + 4, "no progress"),  # the FFN rank hangs mid-load
+        (0, signal.SIGKILL, 5.0, "rank 0"),  # then an attention rank of the new world dies
+    ],
+)
+def test_failed_rank_is_detected_and_the_ranks_restart(
+    restarting: ServerProcess, victim: int, sig: signal.Signals, within_s: float, says: str
+) -> None:
     srv = restarting
     old = rank_pids(srv.proc.pid)
     first, lines = threading.Event(), []
@@ -139,13 +148,13 @@ def test_hung_rank_is_detected_and_the_ranks_restart(restarting: ServerProcess) 
         streaming = pool.submit(stream_lines, srv.url, LONG, first, lines)
         assert first.wait(60), srv.log()[-3000:]
         stopped = time.monotonic()
-        os.kill(old[2], signal.SIGSTOP)  # the FFN rank hangs mid-load
+        os.kill(old[victim], sig)
         streaming.result(timeout=60)
         failed_after = time.monotonic() - stopped
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
-    assert "no progress" in error["message"] and clean(lines[-2]), error
-    assert failed_after < HEARTBEAT_S + 4, failed_after
+    assert says in error["message"] and clean(lines[-2]), error
+    assert failed_after < within_s, failed_after
     assert health(srv.url) == 503  # restarting
     deadline = time.monotonic() + STARTUP_DEADLINE_S
     while health(srv.url) != 200 and time.monotonic() < deadline:
