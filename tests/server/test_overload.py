@@ -31,7 +31,8 @@ from afdserve.server.protocol import APIError
 from .conftest import SERVED_NAME, ServerProcess, free_port, marked_pids, start_cli_server
 from .test_reliability import clean, counters
 
-BODY_LIMIT = 1_000_000
+BODY_LIMIT = 4_000_000
+PROMPT_CHARS = 3_000_000  # above what the tokenizer does in well under a second
 HEADER_TIMEOUT_S = 1.0
 CONNECTIONS = 8
 REJECTED = 'afdserve_requests_rejected_total{"reason": "%s"}'
@@ -44,6 +45,7 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_cli_server(tmp_path_factory.mktemp("busy"), free_port(), "--topology",
                            "colocated", "--max-num-seqs", "1", "--max-waiting-requests", "2",
                            "--max-request-body-bytes", str(BODY_LIMIT),
+                           "--max-prompt-chars", str(PROMPT_CHARS),
                            "--header-timeout", str(HEADER_TIMEOUT_S),
                            "--limit-concurrency", str(CONNECTIONS))  # fmt: skip
     try:
@@ -78,7 +80,10 @@ class HealthProbe:
         self._thread.join(30)
 
 
-def test_large_body_and_prompt_are_refused_before_tokenizing(busy: ServerProcess) -> None:
+def test_large_input_is_refused_and_never_stalls_health(busy: ServerProcess) -> None:
+    """A 10 MB body is a 413 and a 3.5 M-character prompt a 400, both before tokenizing; a
+    2.4 M-character prompt is tokenized (about 2 s of tokenizer time on this machine) in a
+    worker thread and then refused for its length. /health answers fast throughout."""
     before = counters(busy.url)
     url = f"{busy.url}/v1/completions"
     with HealthProbe(busy.url) as probe:
@@ -87,11 +92,14 @@ def test_large_body_and_prompt_are_refused_before_tokenizing(busy: ServerProcess
         big = httpx.post(url, json={"prompt": "x" * 10_000_000, "max_tokens": 1}, timeout=60)
         big_s = time.monotonic() - start
         start = time.monotonic()
-        long = httpx.post(url, json={"prompt": "y " * 450_000, "max_tokens": 1}, timeout=60)
+        long = httpx.post(url, json={"prompt": "y" * 3_500_000, "max_tokens": 1}, timeout=60)
         long_s = time.monotonic() - start
+        tokenized = httpx.post(url, json={"prompt": "y " * 1_200_000}, timeout=120)
         time.sleep(0.2)
     assert big.status_code == 413 and "body" in big.json()["error"]["message"], big.text
     assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+    assert "characters" in long.json()["error"]["message"]
+    assert tokenized.status_code == 400 and "prompt" in tokenized.json()["error"]["message"]
     assert big_s < 5 and long_s < 5, (big_s, long_s)
     assert probe.statuses == {200} and probe.slowest < 1.0, probe.slowest
     after = counters(busy.url)
@@ -280,3 +288,21 @@ def test_repeated_log_lines_are_rate_limited() -> None:
     info = logging.LogRecord("afdserve.server", logging.INFO, __file__, 1, "request %s", ("r",),
                              None)  # fmt: skip
     assert all(limit.filter(info) for _ in range(1000))  # one line per request is not a flood
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("on_engine_failure", "retry", "('exit', 'restart')"),
+        ("drain_timeout_s", -1, "seconds >= 0"),
+        ("max_waiting_requests", 0, "an integer > 0, or none"),
+        ("max_request_body_bytes", 1.5, "an integer > 0"),
+        ("request_timeout_s", 0, "seconds > 0, or none"),
+    ],
+)
+def test_serve_options_name_the_field_the_value_and_what_is_allowed(
+    field: str, value: object, allowed: str
+) -> None:
+    with pytest.raises(ValueError) as error:
+        ServeOptions(**{field: value})
+    assert f"ServeOptions.{field}={value!r}" in str(error.value) and allowed in str(error.value)
