@@ -230,6 +230,11 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         progress(f"ready: serving {state.model_name!r} on http://{host}:{port}")
         while thread.is_alive():
             thread.join(WATCH_INTERVAL_S)
+            error = state.engine.error if state.engine is not None else None
+            if error is not None and options.on_engine_failure == "exit":
+                progress(f"{error}; exiting (on_engine_failure=exit)")
+                code = 1  # also while draining: the supervisor should know
+                break
             if state.draining:
                 if not state.live:
                     progress("drained: every request finished")
@@ -237,17 +242,18 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
                 if time.monotonic() > signals.drain_deadline:
                     progress(f"drain timeout: stopping {len(state.live)} unfinished request(s)")
                     break
-            elif state.failed:
-                error = state.engine.error if state.engine else "engine failed"
-                if options.on_engine_failure == "exit":
-                    progress(f"{error}; exiting (on_engine_failure=exit)")
-                    code = 1
-                    break
+            elif error is not None:
                 progress(f"{error}; restarting the ranks (on_engine_failure=restart)")
                 state.detach(str(error))
                 llm.shutdown()
                 llm = None
-                llm = start_engine(llm_factory, state)
+                try:
+                    llm = start_engine(llm_factory, state)
+                except Exception:
+                    log.exception("the restart failed")
+                    progress("the restart failed (its error is above); exiting")
+                    code = 1
+                    break
                 progress(f"restarted: serving {state.model_name!r} again")
     except KeyboardInterrupt:
         progress("shutting down")

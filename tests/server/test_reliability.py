@@ -29,7 +29,7 @@ from .conftest import (
     start_cli_server,
 )
 
-HEARTBEAT_S = 3.0
+HEARTBEAT_S = 4.0  # short, but not so short that a busy 2-core machine trips it
 LONG = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
 TRACE_MARKERS = ("Traceback", 'File "', ".py", "/afdserve/")
 
@@ -142,6 +142,7 @@ def test_failed_rank_is_detected_and_the_ranks_restart(
     restarting: ServerProcess, victim: int, sig: signal.Signals, within_s: float, says: str
 ) -> None:
     srv = restarting
+    assert srv.proc.poll() is None, srv.log()[-5000:]
     old = rank_pids(srv.proc.pid)
     first, lines = threading.Event(), []
     with ThreadPoolExecutor(1) as pool:
@@ -173,6 +174,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_every_rank(
     restarting: ServerProcess,
 ) -> None:
     srv = restarting
+    assert srv.proc.poll() is None, srv.log()[-5000:]
     ranks = rank_pids(srv.proc.pid)
     first, lines = threading.Event(), []
     body = {**LONG, "max_tokens": 48}
@@ -193,3 +195,27 @@ def test_sigterm_drains_in_flight_requests_then_stops_every_rank(
     assert srv.proc.wait(60) == 0
     assert "drained" in srv.log()
     assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+def test_drain_timeout_cuts_off_what_is_left(tmp_path: Path) -> None:
+    srv = start_cli_server(tmp_path, free_port(), "--topology", "colocated",
+                           "--drain-timeout", "1")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        first, lines = threading.Event(), []
+        body = {**LONG, "n": 8}  # far more than a second of work
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream_lines, srv.url, body, first, lines)
+            assert first.wait(60), srv.log()[-3000:]
+            signalled = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            streaming.result(timeout=60)
+            ended_after = time.monotonic() - signalled
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"], error
+        assert 0.8 < ended_after < 8, ended_after
+        assert srv.proc.wait(30) == 0
+        assert "drain timeout" in srv.log()
+    finally:
+        stop(srv)
