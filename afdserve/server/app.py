@@ -73,6 +73,24 @@ def chosen(outs: list[RequestOutput], n: int, candidates: int) -> list[RequestOu
     return picked
 
 
+class GenerationStream(StreamingResponse):
+    """A stream that releases its Generation however the response ends. The events generator's
+    own `finally` does that too, but it never runs when the client leaves before the first
+    chunk: a generator that never started has nothing to clean up, so its engine requests would
+    run on and its admission and drain counts would never drop."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abort()
+            self.gen.close()
+
+
 async def respond(
     gen: Generation,
     request: Request,
@@ -119,7 +137,7 @@ async def respond(
             gen.close()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return GenerationStream(gen, events(), media_type="text/event-stream")
 
 
 async def start(
