@@ -59,6 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="listen here for ranks started elsewhere (torchrun) instead of spawning")
     p.add_argument("--log-step-plan", nargs="?", const=True, default=False, metavar="PATH",
                    help="write one JSON line per rank per step (to PATH)")
+    p.add_argument("--heartbeat-timeout", type=float, default=AFDConfig.heartbeat_timeout_s,
+                   metavar="S", help="an attention rank silent this long means a rank is hung")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -71,6 +73,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "graph_mode": args.graph_mode, "cuda_graph_sizes": args.cuda_graph_sizes,
         "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
         "log_step_plan": args.log_step_plan,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
         "frontend_address": args.frontend_address,
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
         "ffn_expert_parallel": args.ffn_expert_parallel,
@@ -94,7 +97,8 @@ def check_engine_args(kwargs: dict) -> None:
     )
     AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
               gate_on_attention=kwargs["gate_on_attention"],
-              log_step_plan=kwargs["log_step_plan"])
+              log_step_plan=kwargs["log_step_plan"],
+              heartbeat_timeout_s=kwargs["heartbeat_timeout_s"])
     sizes = kwargs["cuda_graph_sizes"]
     GraphConfig(mode=kwargs["graph_mode"], sizes=tuple(sizes) if sizes is not None else None)
 
@@ -140,13 +144,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=read_chat_template(args.chat_template),
         generation_config=args.generation_config,
+        **{name: getattr(args, name) for name in RELIABILITY_OPTIONS},
     )
     if args.generation_config not in ("auto", "vllm"):
         from afdserve.server.convert import generation_defaults
 
         generation_defaults(args.generation_config, "")  # a wrong path: one line, now
-    run_server(lambda: LLM(**kwargs), options)
-    return 0
+    return run_server(lambda: LLM(**kwargs), options)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -159,6 +163,32 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# ServeOptions field -> (flag, type, help); defaults come from ServeOptions.
+RELIABILITY_OPTIONS = {
+    "on_engine_failure": ("--on-engine-failure", str,
+                          "when a rank dies or hangs: exit 1 (for a supervisor) or restart "
+                          "the ranks in place"),
+    "drain_timeout_s": ("--drain-timeout", float,
+                        "SIGTERM: seconds in-flight requests may take to finish"),
+    "max_waiting_requests": ("--max-waiting-requests", int,
+                             "503 + Retry-After beyond this many requests without a first token"),
+    "max_waiting_tokens": ("--max-waiting-tokens", int,
+                           "503 + Retry-After beyond this many prompt tokens waiting"),
+    "max_request_body_bytes": ("--max-request-body-bytes", int, "413 for a larger body"),
+    "max_prompt_chars": ("--max-prompt-chars", int,
+                         "400 for a longer prompt, before tokenizing (default: 32 x "
+                         "max-model-len)"),
+    "request_timeout_s": ("--request-timeout", float,
+                          "504 for a request not finished this many seconds after arrival"),
+    "limit_concurrency": ("--limit-concurrency", int,
+                          "requests in progress beyond this get 503 + Retry-After; connections "
+                          "beyond it are closed"),
+    "timeout_keep_alive_s": ("--timeout-keep-alive", int,
+                             "uvicorn: seconds an idle keep-alive connection stays open"),
+    "max_header_bytes": ("--max-header-bytes", int, "h11: the largest request head accepted"),
+    "header_timeout_s": ("--header-timeout", float,
+                         "close a connection that sent no complete request head in time"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="afdserve's own log level")
     serve.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
                        help="uvicorn's log level (its access log shows at info)")
+    from afdserve.server.options import ON_ENGINE_FAILURE, ServeOptions
+
+    for name, (flag, kind, text) in RELIABILITY_OPTIONS.items():
+        default = ServeOptions.__dataclass_fields__[name].default
+        choices = ON_ENGINE_FAILURE if name == "on_engine_failure" else None
+        text = text if "default:" in text else f"{text} (default: {default})"
+        serve.add_argument(flag, dest=name, type=kind, default=default, choices=choices,
+                           help=text)
     serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")

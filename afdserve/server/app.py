@@ -5,6 +5,10 @@ Every HTTP request becomes one or more engine requests (n choices, or best_of ca
 prompt; convert.py), submitted to the engine thread (engine_loop.py) and gathered on one asyncio
 queue. A client that goes away aborts its engine requests at once, so that their KV blocks are
 freed for the others.
+
+Everything that may take long with a large input (tokenizing, applying the chat template,
+detokenizing) runs in a worker thread, so that one big request cannot stall /health or the other
+streams; sizes are bounded before that (limits.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.auth import APIKeyCheck
 from afdserve.server.engine_loop import EngineLoop, Generation
-from afdserve.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from afdserve.server.limits import BodyLimit, ConcurrencyLimit, check_prompt_chars, check_text
+from afdserve.server.metrics import CONTENT_TYPE, UNCOUNTED_PATHS, RequestCounter
+from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError, bad_request
+from afdserve.server.state import ServerState
 
 if TYPE_CHECKING:
     from afdserve.llm import LLM
@@ -38,70 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("afdserve.server")
 
 CLIENT_CLOSED = 499  # logged and counted when the client left before its answer
-
-
-class ServerState:
-    """What the handlers share. The engine part is attached once the LLM is built."""
-
-    def __init__(
-        self,
-        served_model_name: str | None,
-        log_requests: bool = True,
-        chat_template: str | None = None,
-        generation_config: str = "auto",
-    ) -> None:
-        self.served_model_name = served_model_name
-        self.chat_template = chat_template
-        self.generation_config = generation_config
-        self.defaults: dict[str, Any] = {}
-        self.model_name = served_model_name or ""
-        self.log_requests = log_requests
-        self.llm: LLM | None = None
-        self.engine: EngineLoop | None = None
-        self.names: shape.TokenText | None = None
-        self.max_model_len = 0
-        self.vocab_size = 0
-        self.metrics = ServerMetrics(
-            lambda: self.engine.stats() if self.engine else None, lambda: self.model_name
-        )
-
-    def attach(self, llm: LLM) -> None:
-        self.llm, self.names = llm, shape.TokenText(llm.tokenizer)
-        self.model_name = self.served_model_name or llm.model_name
-        self.max_model_len = llm.engine.max_model_len
-        self.vocab_size = llm.engine.vocab_size
-        self.defaults = convert.generation_defaults(self.generation_config, llm.engine_config.model)
-        if self.defaults:
-            log.info(
-                "defaults of requests that leave them out (generation config): %s", self.defaults
-            )
-        self.engine = EngineLoop(llm.engine).start()
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
-
-    def ready(self) -> tuple[EngineLoop, LLM, shape.TokenText]:
-        if self.engine is None or self.llm is None or self.names is None:
-            raise APIError(503, "the model is still loading")
-        if not self.engine.healthy:
-            raise APIError(503, self.engine.error or "the server is shutting down")
-        return self.engine, self.llm, self.names
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            message = f"model: {model!r} does not exist; this server serves {self.model_name!r}"
-            raise APIError(404, message, "model", "model_not_found")
-
-    def model_card(self) -> dict:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "afdserve",
-            "root": self.llm.model_name if self.llm else self.model_name,
-            "max_model_len": self.max_model_len,
-        }
 
 
 def new_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -128,6 +71,24 @@ def chosen(outs: list[RequestOutput], n: int, candidates: int) -> list[RequestOu
         group = outs[start : start + candidates]
         picked += [group[i] for i in best(group, n)]
     return picked
+
+
+class GenerationStream(StreamingResponse):
+    """A stream that releases its Generation however the response ends. The events generator's
+    own `finally` does that too, but it never runs when the client leaves before the first
+    chunk: a generator that never started has nothing to clean up, so its engine requests would
+    run on and its admission and drain counts would never drop."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abort()
+            self.gen.close()
 
 
 async def respond(
@@ -173,15 +134,18 @@ async def respond(
         finally:
             watcher.cancel()
             gen.abort()
+            gen.close()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return GenerationStream(gen, events(), media_type="text/event-stream")
 
 
 async def start(
     state: ServerState, engine: EngineLoop, kind: str, fanout: convert.Fanout
 ) -> Generation:
-    gen = Generation(engine, state.metrics, fanout)
+    gen = Generation(
+        engine, state.metrics, fanout, state.admission, state.options.request_timeout_s, state.live
+    )
     await gen.start()
     if state.log_requests:
         log.info(
@@ -204,11 +168,18 @@ def create_app(
     log_requests: bool = True,
     chat_template: str | None = None,
     generation_config: str = "auto",
+    options: ServeOptions | None = None,
 ) -> FastAPI:
     """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`.
     `chat_template` (a Jinja template) replaces the tokenizer's own; `generation_config` says
-    where request defaults come from (convert.generation_defaults)."""
-    state = ServerState(served_model_name, log_requests, chat_template, generation_config)
+    where request defaults come from (convert.generation_defaults). `options` gives the limits
+    (and, when given, every other field: the arguments before it are then ignored)."""
+    if options is None:
+        options = ServeOptions(
+            served_model_name=served_model_name, api_key=api_key, log_requests=log_requests,
+            chat_template=chat_template, generation_config=generation_config,
+        )  # fmt: skip
+    state = ServerState(options)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -217,13 +188,30 @@ def create_app(
 
     app = FastAPI(title="afdserve", version=afdserve.__version__, lifespan=lifespan)
     app.state.server = state
-    if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
+    # The last added runs first: count, bound the requests in progress, check the key, then
+    # read the body (bounded), so that a client without the key cannot make us read a body.
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=options.max_request_body_bytes,
+        on_refused=lambda: state.metrics.rejected("body_too_large"),
+    )
+    if options.api_key:
+        app.add_middleware(APIKeyCheck, api_key=options.api_key)
+    if options.limit_concurrency is not None:
+        app.add_middleware(
+            ConcurrencyLimit,
+            limit=options.limit_concurrency,
+            retry_after_s=options.retry_after_s,
+            exempt=UNCOUNTED_PATHS,
+            on_refused=lambda: state.metrics.rejected("concurrency"),
+        )
     app.add_middleware(RequestCounter, metrics=state.metrics)
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+        if e.rejected is not None and request.url.path not in UNCOUNTED_PATHS:
+            state.metrics.rejected(e.rejected)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -238,8 +226,9 @@ def create_app(
     @app.exception_handler(Exception)
     async def on_bug(request: Request, e: Exception) -> JSONResponse:
         # A bug while serving one request fails that request; the engine thread is not involved.
+        # The client gets no text of the exception: it may name files and values of the server.
         log.exception("%s %s failed", request.method, request.url.path)
-        message = f"internal error while serving this request: {type(e).__name__}: {e}"
+        message = f"internal error while serving this request ({type(e).__name__}); see the log"
         return JSONResponse(api.error_body(500, message), status_code=500)
 
     @app.get("/health")
@@ -273,12 +262,17 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = convert.chat_prompt(
-                llm, body.messages, body.add_generation_prompt, state.chat_template
-            )
+            check_messages(state, body.messages)
+            tokens = await asyncio.to_thread(
+                convert.chat_prompt, llm, body.messages, body.add_generation_prompt,
+                state.chat_template,
+            )  # fmt: skip
         else:
             text = body.prompt or ""
-            tokens = llm.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            check_text(text, "prompt")
+            check_prompt_chars(text, state.max_prompt_chars, "prompt")
+            special = body.add_special_tokens
+            tokens = await asyncio.to_thread(llm.tokenizer.encode, text, add_special_tokens=special)
         return JSONResponse(
             {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
         )
@@ -291,14 +285,21 @@ def create_app(
         if outside:
             message = f"tokens: {outside[0]} is outside the vocabulary [0, {state.vocab_size})"
             raise bad_request(message, "tokens")
-        return JSONResponse({"prompt": llm.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         engine, llm, names = state.ready()
         state.check_model(body.model)
         convert.check_fields(body)
-        prompts = convert.completion_prompts(llm, body.prompt)
+        check_text(body.prompt, "prompt")
+        check_text(body.stop, "stop")
+        check_prompt_chars(body.prompt, state.max_prompt_chars, "prompt")
+        if body.prompt and isinstance(body.prompt, list):
+            state.admission.check(len(body.prompt) if isinstance(body.prompt[0], str | list) else 1)
+        else:
+            state.admission.check(1)
+        prompts = await asyncio.to_thread(convert.completion_prompts, llm, body.prompt)
         default = state.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
         max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, state.max_model_len)
         params = convert.sampling_params(
@@ -321,7 +322,12 @@ def create_app(
         convert.check_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        prompt = convert.chat_prompt(llm, body.messages, chat_template=state.chat_template)
+        check_messages(state, body.messages)
+        check_text(body.stop, "stop")
+        state.admission.check(1)
+        prompt = await asyncio.to_thread(
+            convert.chat_prompt, llm, body.messages, chat_template=state.chat_template
+        )
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
@@ -363,6 +369,12 @@ def create_app(
     return app
 
 
+def check_messages(state: ServerState, messages: list[api.ChatMessage]) -> None:
+    texts = [m.text() for m in messages]
+    check_text(texts, "messages")
+    check_prompt_chars(texts, state.max_prompt_chars, "messages")
+
+
 def build_app(
     llm: LLM,
     served_model_name: str | None = None,
@@ -370,8 +382,11 @@ def build_app(
     log_requests: bool = True,
     chat_template: str | None = None,
     generation_config: str = "auto",
+    options: ServeOptions | None = None,
 ) -> FastAPI:
     """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(served_model_name, api_key, log_requests, chat_template, generation_config)
+    app = create_app(
+        served_model_name, api_key, log_requests, chat_template, generation_config, options
+    )
     app.state.server.attach(llm)
     return app

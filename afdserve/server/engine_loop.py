@@ -6,7 +6,9 @@ RequestOutput of their request through a `Deliver` callback, which hands it to t
 The thread alternates: apply queued adds and aborts, then `client.step()`.
 
 If `step()` raises anything but a per-request refusal, a rank is gone: every in-flight request is
-failed with an EngineFailure, new ones are refused, and `healthy` turns False for good.
+failed with an EngineFailure, new ones are refused, and `healthy` turns False for good (serve.py
+then exits or restarts the ranks). Clients see the first line of the error; the log keeps all of
+it, rank tracebacks included.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from afdserve.engine.client import EngineClient, EngineStats
 from afdserve.engine.engine_core import RequestError, RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.convert import Fanout
+from afdserve.server.limits import Admission
 from afdserve.server.metrics import ServerMetrics
-from afdserve.server.protocol import APIError, bad_request
+from afdserve.server.protocol import APIError, bad_request, public_message
 from afdserve.server.responses import usage
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,7 @@ class EngineLoop:
                 self._step()
         except Exception as e:  # a rank died or the client broke: nothing can finish now
             log.exception("engine loop failed")
-            self.error = f"engine failed: {type(e).__name__}: {e}"
+            self.error = f"engine failed: {public_message(f'{type(e).__name__}: {e}')}"
         finally:
             self._close()
 
@@ -161,7 +164,8 @@ class EngineLoop:
                     cmd.accepted.set_exception(e)
                     continue
                 except Exception as e:
-                    cmd.accepted.set_exception(RuntimeError(f"engine failed: {e}"))
+                    message = f"engine failed: {public_message(str(e))}"
+                    cmd.accepted.set_exception(RuntimeError(message))
                     raise
                 self._routes[cmd.request_id] = cmd.deliver
                 cmd.accepted.set_result(None)
@@ -215,14 +219,31 @@ class EngineLoop:
 
 class Generation:
     """The engine requests behind one HTTP request (prompts x candidates), gathered on one queue;
-    output i belongs to engine request i."""
+    output i belongs to engine request i.
 
-    def __init__(self, engine: EngineLoop, metrics: ServerMetrics, fanout: Fanout) -> None:
+    Every engine request ends exactly one way in the metrics: finished (stop, length), aborted
+    (the client left, or the request timed out: `afdserve_requests_aborted_total`), or failed
+    with the engine (finish reason "error"). It counts as waiting (limits.Admission) from its
+    admission until its first token or its end.
+    """
+
+    def __init__(
+        self,
+        engine: EngineLoop,
+        metrics: ServerMetrics,
+        fanout: Fanout,
+        admission: Admission | None = None,
+        timeout_s: float | None = None,
+        live: set[Generation] | None = None,
+    ) -> None:
         self.engine, self.metrics, self.fanout = engine, metrics, fanout
         self.prompts, self.params = fanout.prompts, fanout.params
+        self.admission, self.timeout_s = admission, timeout_s
+        self.live = live if live is not None else set()
         self.ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(self.prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open: set[int] = set()
+        self.waiting: set[int] = set()  # admitted, no token yet
         self.outputs: list[RequestOutput | None] = [None] * len(self.prompts)
         self.arrived_at = time.monotonic()
         self.submitted_at = 0.0
@@ -230,7 +251,11 @@ class Generation:
         self.on_finish: Callable[[str], None] | None = None  # called once, with a summary
 
     async def start(self) -> None:
-        """Submit every request; if any is refused, abort the others and raise APIError."""
+        """Submit every request; if any is refused, drop the others and raise APIError."""
+        if self.admission is not None:
+            self.admission.admit(self.prompts)
+            self.waiting = set(range(len(self.prompts)))
+        self.live.add(self)
         self.submitted_at = time.monotonic()
         futures = [
             self.engine.submit(rid, prompt, params, asyncio_deliver(self.queue, i))
@@ -244,48 +269,83 @@ class Generation:
             except Exception as e:
                 errors.append(e)
         if errors:
-            self.abort()
+            self._drop()
+            self.close()
             if isinstance(errors[0], RequestError):
                 raise bad_request(str(errors[0]))
-            raise APIError(500, str(errors[0]))
+            raise APIError(503, public_message(str(errors[0])), rejected="unavailable")
         self.metrics.queued(time.monotonic() - self.arrived_at)
         self.metrics.prompt_tokens(sum(len(p) for p in self.prompts))
 
-    def abort(self) -> int:
-        """Abort the engine requests still running; returns how many there were."""
-        aborted = len(self.open)
+    def _drop(self) -> None:
+        """Abort the engine requests still open without counting them (they never ran)."""
         for index in self.open:
             self.engine.abort(self.ids[index])
         self.open.clear()
+
+    def abort(self) -> int:
+        """Abort the engine requests still running, counted as aborted; returns how many."""
+        now = time.monotonic()
+        aborted = len(self.open)
+        for index in self.open:
+            self.engine.abort(self.ids[index])
+            self.metrics.finished("abort", now - self.arrived_at)
+        if aborted:
+            self.metrics.aborted.inc(aborted)
+        self.open.clear()
         return aborted
+
+    def close(self) -> None:
+        """The HTTP request is over: whatever still counted as waiting stops counting."""
+        self.live.discard(self)
+        for index in self.waiting:
+            self._started(index)
+        self.waiting = set()
+
+    def _started(self, index: int) -> None:
+        if self.admission is not None:
+            self.admission.started(len(self.prompts[index]))
 
     async def watch_disconnect(self, receive: Callable) -> None:
         """Run beside the response: when the client goes away, abort and end `events()`."""
         while (await receive())["type"] != "http.disconnect":
             pass
-        now = time.monotonic()
-        for _ in self.open:
-            self.metrics.finished("abort", now - self.arrived_at)
-        aborted = self.abort()
-        if aborted:
-            self.metrics.aborted.inc(aborted)
+        self.abort()
         self.queue.put_nowait((-1, CLIENT_GONE))
+
+    async def _next(self) -> tuple[int, object]:
+        if self.timeout_s is None:
+            return await self.queue.get()
+        left = self.arrived_at + self.timeout_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(left, 0.0))
+        except TimeoutError:
+            self.abort()
+            message = f"request timed out after {self.timeout_s:g} s (the server's limit)"
+            raise APIError(504, message, code="timeout") from None
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every request finished or the client went away."""
         while self.open:
-            index, item = await self.queue.get()
+            index, item = await self._next()
             if item is CLIENT_GONE:
                 return
             if isinstance(item, EngineFailure):
-                self.abort()
+                now = time.monotonic()
+                for _ in self.open:
+                    self.metrics.finished("error", now - self.arrived_at)
+                self._drop()
                 raise APIError(item.status, item.message)
+            assert isinstance(item, RequestOutput)
             self._observe(index, item)
             yield index, item
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         now = time.monotonic()
         self.outputs[index] = out
+        if index in self.waiting and (out.new_token_ids or out.finished):
+            self.waiting.discard(index)
+            self._started(index)
         if out.new_token_ids:
             self.metrics.generation_tokens(len(out.new_token_ids))
             last = self.last_token_at[index]
@@ -315,6 +375,7 @@ class Generation:
         finally:
             watcher.cancel()
             self.abort()
+            self.close()
         if any(out is None or not out.finished for out in self.outputs):
             return None
         return list(self.outputs)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, under vLLM's names (`vllm:*`, each with a `model_name` label)
 so that dashboards written for vLLM read them; the mapping is in docs/serving.md. Metrics vLLM has
-no name for keep the `afdserve_` prefix: HTTP requests by endpoint and status, aborts, engine steps.
+no name for keep the `afdserve_` prefix: HTTP requests by endpoint and status, aborts, rejections,
+the frontend's waiting bound, engine steps.
 
 Each app owns its own registry (several apps may live in one test process). Engine gauges and step
 counts are read from the engine thread's latest stats snapshot when /metrics is scraped.
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,6 +25,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why the server refused a request without running it (afdserve_requests_rejected_total).
+REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
+                  "body_too_large", "prompt_too_large")  # fmt: skip
 
 COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes would drown the API traffic
@@ -63,7 +67,10 @@ class EngineCollector(Collector):
 
 class ServerMetrics:
     def __init__(
-        self, snapshot: Callable[[], EngineStats | None], model: Callable[[], str]
+        self,
+        snapshot: Callable[[], EngineStats | None],
+        model: Callable[[], str],
+        waiting: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.registry = CollectorRegistry()
         self.model = model
@@ -75,9 +82,24 @@ class ServerMetrics:
         )  # fmt: skip
         self.aborted = Counter(
             "afdserve_requests_aborted",
-            "Engine requests aborted because their client disconnected",
+            "Engine requests aborted before they finished: client gone or request timed out",
             registry=registry,
         )
+        self._rejected = Counter(
+            "afdserve_requests_rejected",
+            "HTTP requests the server refused to run, by reason", ["reason"], registry=registry,
+        )  # fmt: skip
+        for reason in REJECT_REASONS:  # present at 0, so that rates start from the beginning
+            self._rejected.labels(reason)
+        Gauge(
+            "afdserve_waiting_requests",
+            "Engine requests admitted by the frontend that have no token yet",
+            registry=registry,
+        ).set_function(lambda: waiting()[0])
+        Gauge(
+            "afdserve_waiting_tokens", "Prompt tokens of afdserve_waiting_requests",
+            registry=registry,
+        ).set_function(lambda: waiting()[1])
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens admitted to the engine", labels, registry=registry
         )
@@ -141,6 +163,9 @@ class ServerMetrics:
         reason = reason if reason in FINISH_REASONS else "stop"
         self._success.labels(self.model(), reason).inc()
         self._e2e.labels(self.model()).observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in COUNTED_ENDPOINTS else "other"

@@ -148,8 +148,10 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "request_too_large",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -168,13 +170,42 @@ class APIError(Exception):
     """An error the client gets as an OpenAI-style body with this HTTP status."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        rejected: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        # Why the server refused to run the request (afdserve_requests_rejected_total's reason),
+        # when it refused it as a server: overload, draining, engine down. None for client errors.
+        self.headers, self.rejected = headers, rejected
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
+
+
+def overloaded(message: str, retry_after_s: int, reason: str) -> APIError:
+    """503 with Retry-After: the server is busy (or draining); the client may try again."""
+    headers = {"Retry-After": str(retry_after_s)}
+    return APIError(503, message, code="overloaded", headers=headers, rejected=reason)
+
+
+# Clients see one line of an internal error; its traceback (rank tracebacks name source files)
+# stays in the server log.
+_TRACE_MARKERS = re.compile(r"Traceback|File \"|\.py\b")
+
+
+def public_message(text: str) -> str:
+    """The first line of an internal error, without anything that looks like a traceback."""
+    first = text.strip().splitlines()[0] if text.strip() else "internal error"
+    first = first.rstrip(":").strip()
+    if _TRACE_MARKERS.search(first):
+        return "internal error (details are in the server log)"
+    return first
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

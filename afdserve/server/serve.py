@@ -1,22 +1,32 @@
-"""`afdserve serve`: bind the port, start uvicorn, build the LLM, warm it up, attach it, and stop
-everything on SIGINT or SIGTERM."""
+"""`afdserve serve`: bind the port, start uvicorn, build the LLM, warm it up, attach it; then watch
+for a failed engine (exit non-zero, or restart the ranks: `on_engine_failure`) and for SIGINT or
+SIGTERM (drain: new requests 503, in-flight ones finish within `drain_timeout_s`; a second signal
+forces), and stop every rank process at the end."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
+import resource
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import afdserve
 from afdserve.engine.sampling_params import SamplingParams
-from afdserve.server.app import ServerState, create_app
+from afdserve.server.app import create_app
+from afdserve.server.connections import guarded_h11
+from afdserve.server.logs import rate_limit_servers, setup_logging
+from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
+from afdserve.server.state import ServerState
+
+__all__ = ["ServeOptions", "run_server"]
 
 if TYPE_CHECKING:
     from afdserve.llm import LLM
@@ -25,8 +35,7 @@ log = logging.getLogger("afdserve.server")
 
 WARMUP_TIMEOUT_S = 600.0
 GRACEFUL_SHUTDOWN_S = 3
-STATS_INTERVAL_S = 5.0
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+WATCH_INTERVAL_S = 0.2  # how often the main thread looks at the engine and the drain
 
 
 def progress(message: str) -> None:
@@ -65,23 +74,6 @@ def warm_up(llm: LLM) -> None:
     while not any(out.finished for out in llm.engine.step()):
         if time.monotonic() > deadline:
             raise RuntimeError(f"warm-up request did not finish within {WARMUP_TIMEOUT_S:.0f} s")
-
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def setup_logging(level: str = "info") -> None:
-    """afdserve's own loggers print at `level` (the frontend's log.info included), in one format,
-    whatever uvicorn's level is."""
-    logger = logging.getLogger("afdserve")
-    if not any(getattr(h, "afdserve", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        handler.afdserve = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-    logger.setLevel("DEBUG" if level == "trace" else level.upper())
-    logger.propagate = False
 
 
 def startup_summary(llm: LLM, model_name: str) -> str:
@@ -153,88 +145,142 @@ class StatsLogger:
                 log.info(line)
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """The frontend's own settings (the engine's are the LLM's)."""
+class Signals:
+    """SIGINT / SIGTERM. While serving, the first one starts the drain; during start-up or a
+    restart, and the second time, it interrupts the main thread (KeyboardInterrupt)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    log_requests: bool = True
-    log_level: str = "info"  # afdserve's loggers
-    uvicorn_log_level: str = "warning"
-    stats_interval_s: float = STATS_INTERVAL_S
-    chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
-    generation_config: str = "auto"  # "auto", "vllm" or a directory (convert.generation_defaults)
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.received = 0
+        self.drain_deadline = 0.0
 
-    def __post_init__(self) -> None:
-        for name in ("log_level", "uvicorn_log_level"):
-            value = getattr(self, name)
-            if value not in LOG_LEVELS:
-                raise ValueError(
-                    f"ServeOptions.{name}={value!r} is not allowed: one of {LOG_LEVELS}"
-                )
-        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
-            raise ValueError(
-                f"ServeOptions.port={self.port!r} is not allowed: an integer in 0..65535"
-            )
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("ServeOptions.api_key='' is not allowed: a non-empty key, or none")
-        if not self.stats_interval_s > 0:
-            raise ValueError(
-                f"ServeOptions.stats_interval_s={self.stats_interval_s!r}: must be > 0"
-            )
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.received += 1
+        name = signal.Signals(signum).name
+        if self.received > 1 or self.state.engine is None or self.state.failed:
+            raise KeyboardInterrupt(name)
+        self.state.draining = True
+        self.drain_deadline = time.monotonic() + self.state.options.drain_timeout_s
+        progress(f"{name}: draining {len(self.state.live)} request(s) for up to "
+                 f"{self.state.options.drain_timeout_s:g} s (a second signal stops at once)")
 
 
-def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> None:
-    """Serve until SIGINT or SIGTERM, then stop uvicorn and every rank process. A port that is
-    taken (or cannot be bound) raises SystemExit with a message before the LLM is built.
+def raise_open_files_limit() -> None:
+    """Each connection is a file: take the hard limit, as vLLM does, so that a burst of clients
+    meets limit_concurrency's 503 before it meets "Too many open files"."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def kill_leftover_ranks() -> None:
+    """The last line of defence against a leaked rank: a signal lands between any two bytecodes,
+    so one that interrupts a (re)start may leave a world that no object owns yet. SIGKILL every
+    child of this process that runs a rank (Linux's /proc; elsewhere nothing to do)."""
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                if b"afdserve.afd.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    log.warning("killing rank process %s left by an interrupted start", pid)
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def start_engine(llm_factory: Callable[[], LLM], state: ServerState) -> LLM:
+    llm = llm_factory()
+    try:
+        progress("warming up")
+        warm_up(llm)
+        state.attach(llm)
+    except BaseException:
+        llm.shutdown()
+        raise
+    return llm
+
+
+def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
+    """Serve until SIGINT or SIGTERM (then drain), or until the engine fails with
+    on_engine_failure="exit"; stop uvicorn and every rank process. Returns the exit code: 0, or 1
+    after an engine failure. A port that is taken (or cannot be bound) raises SystemExit with a
+    message before the LLM is built.
 
     uvicorn runs in a thread from the start (so /health answers 503 while loading) and the main
-    thread builds the LLM: a signal raises KeyboardInterrupt there, which also interrupts a
-    start-up in progress; the LLM's own clean-up then stops the ranks already started.
+    thread builds the LLM and then watches it: a signal during start-up raises KeyboardInterrupt
+    there, which interrupts the start-up; the LLM's own clean-up stops the ranks already started.
     """
     import uvicorn
 
     setup_logging(options.log_level)
+    raise_open_files_limit()
     host, port = options.host, options.port
     sock = listen_socket(host, port)
-    app = create_app(
-        options.served_model_name,
-        options.api_key,
-        options.log_requests,
-        options.chat_template,
-        options.generation_config,
-    )
+    app = create_app(options=options)
     state: ServerState = app.state.server
     config = uvicorn.Config(
         app,
         log_level=options.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
+        timeout_keep_alive=options.timeout_keep_alive_s,
+        h11_max_incomplete_event_size=options.max_header_bytes,
+        http=guarded_h11(options.header_timeout_s, options.limit_concurrency),
     )
+    rate_limit_servers()
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn")
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = Signals(state)
+    previous = {sig: signal.signal(sig, signals) for sig in (signal.SIGINT, signal.SIGTERM)}
     llm = None
     stats: StatsLogger | None = None
+    code = 0
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
-        llm = llm_factory()
-        progress("warming up")
-        warm_up(llm)
-        state.attach(llm)
+        llm = start_engine(llm_factory, state)
         log.info(startup_summary(llm, state.model_name))
         stats = StatsLogger(state, options.stats_interval_s).start()
         progress(f"ready: serving {state.model_name!r} on http://{host}:{port}")
         while thread.is_alive():
-            thread.join(0.5)
+            thread.join(WATCH_INTERVAL_S)
+            error = state.engine.error if state.engine is not None else None
+            if error is not None and options.on_engine_failure == "exit":
+                progress(f"{error}; exiting (on_engine_failure=exit)")
+                code = 1  # also while draining: the supervisor should know
+                break
+            if state.draining:
+                if not state.live:
+                    progress("drained: every request finished")
+                    break
+                if time.monotonic() > signals.drain_deadline:
+                    progress(f"drain timeout: stopping {len(state.live)} unfinished request(s)")
+                    break
+            elif error is not None:
+                progress(f"{error}; restarting the ranks (on_engine_failure=restart)")
+                state.detach(str(error))
+                llm.shutdown()
+                llm = None
+                try:
+                    llm = start_engine(llm_factory, state)
+                except Exception:
+                    log.exception("the restart failed")
+                    progress("the restart failed (its error is above); exiting")
+                    code = 1
+                    break
+                progress(f"restarted: serving {state.model_name!r} again")
     except KeyboardInterrupt:
         progress("shutting down")
+        if state.failed and options.on_engine_failure == "exit":
+            code = 1  # a signal that came before the failure was acted on changes nothing
     finally:
-        # A second signal must not cut the clean-up short: that would leave ranks behind.
+        # A further signal must not cut the clean-up short: that would leave ranks behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if stats is not None:
@@ -245,7 +291,9 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> None:
             thread.join(GRACEFUL_SHUTDOWN_S + 5)
         if llm is not None:
             llm.shutdown()
+        kill_leftover_ranks()
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         progress("stopped")
+    return code

@@ -27,7 +27,7 @@ from afdserve.llm import LLM
 from afdserve.server.serve import ServeOptions, run_server
 
 options = ServeOptions(host="127.0.0.1", port=int(sys.argv[1]), **json.loads(sys.argv[3]))
-run_server(lambda: LLM(topology=sys.argv[2]), options)
+sys.exit(run_server(lambda: LLM(topology=sys.argv[2]), options))
 """
 
 
@@ -90,6 +90,35 @@ def start_server(
             stdin=subprocess.DEVNULL,
         )
     return ServerProcess(proc, port, marker, log_path)
+
+
+def start_cli_server(tmp_path: Path, port: int, *args: str) -> ServerProcess:
+    """`afdserve serve ARGS` as an operator runs it (python -m afdserve.cli, so that the
+    PYTHONPATH of the tests decides which afdserve runs)."""
+    marker = uuid.uuid4().hex
+    log_path = tmp_path / f"cli-server-{port}.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
+    command = [sys.executable, "-m", "afdserve.cli", "serve", "--port", str(port),
+               "--served-model-name", SERVED_NAME, *args]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    return ServerProcess(proc, port, marker, log_path)
+
+
+def rank_pids(pid: int) -> dict[int, int]:
+    """rank -> pid of the rank processes the server `pid` started (RANK in their environment)."""
+    ranks = {}
+    for child in child_pids(pid, recursive=False):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK=") and alive(child):
+                ranks[int(item[5:])] = child
+    return ranks
 
 
 def free_port() -> int:

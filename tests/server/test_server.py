@@ -315,8 +315,9 @@ def test_port_in_use_fails_fast(tmp_path) -> None:
     assert marked_pids(srv.marker) == []
 
 
-def test_sigterm_stops_every_process(server: ServerProcess) -> None:
-    """The last test of the shared server: it stops it while a request is in flight."""
+def test_second_sigterm_stops_every_process_at_once(server: ServerProcess) -> None:
+    """The last test of the shared server: it stops it while a request is in flight. The first
+    SIGTERM starts the drain (test_reliability.py); the second one cuts it short."""
     ranks = child_pids(server.proc.pid)
     assert len(ranks) >= 3, ranks  # three ranks (and whatever else the frontend started)
     body = {"prompt": HELLO, "max_tokens": 480, "ignore_eos": True, "stream": True}
@@ -324,6 +325,8 @@ def test_sigterm_stops_every_process(server: ServerProcess) -> None:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
         start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
         server.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line]  # the stream ends with an error: no hang
     assert rest[-1] == "data: [DONE]"
@@ -336,7 +339,8 @@ def test_sigterm_stops_every_process(server: ServerProcess) -> None:
 
 def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
     """A rank killed mid-request: in-flight requests get a 500 error (streamed or not), /health
-    turns 503, new requests are refused, and SIGTERM still leaves nothing behind."""
+    turns 503, new requests are refused, and the server exits 1 (on_engine_failure="exit",
+    whether or not a SIGTERM comes first) leaving nothing behind."""
     srv = start_server(tmp_path, free_port(), topology="1A1F")  # 2 ranks: the cheapest AFD
     try:
         srv.wait_healthy()
@@ -357,7 +361,7 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
         assert httpx.get(f"{srv.url}/health").status_code == 503
         assert httpx.post(url, json=body, timeout=10).status_code == 503
         srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(60) == 0
+        assert srv.proc.wait(60) == 1
         assert marked_pids(srv.marker) == []
     finally:
         srv.stop()
