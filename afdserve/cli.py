@@ -98,7 +98,9 @@ def check_engine_args(kwargs: dict) -> None:
     AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
               gate_on_attention=kwargs["gate_on_attention"],
               log_step_plan=kwargs["log_step_plan"],
-              heartbeat_timeout_s=kwargs["heartbeat_timeout_s"])
+              heartbeat_timeout_s=kwargs["heartbeat_timeout_s"],
+              ffn_expert_parallel=kwargs["ffn_expert_parallel"],
+              expert_placement=kwargs["expert_placement"])
     sizes = kwargs["cuda_graph_sizes"]
     GraphConfig(mode=kwargs["graph_mode"], sizes=tuple(sizes) if sizes is not None else None)
 

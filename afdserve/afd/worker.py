@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -180,6 +181,13 @@ def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
 def main() -> None:
     """`python -m afdserve.afd.worker`: one rank, under the launcher or torchrun.
     AFDSERVE_FRONTEND=host:port and AFDSERVE_AUTHKEY (hex) say where the frontend listens."""
+    if "AFDSERVE_STORE_PORT" in os.environ:
+        # Spawned by the built-in launcher: the frontend owns this process's life (it drains,
+        # then sends Shutdown, and SIGKILLs what is left). A SIGINT or SIGTERM sent to the whole
+        # process group (a terminal's Ctrl-C, a supervisor stopping the service) must not kill
+        # the rank under requests the frontend is still draining.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     host, port = os.environ["AFDSERVE_FRONTEND"].rsplit(":", 1)
     authkey = bytes.fromhex(os.environ["AFDSERVE_AUTHKEY"])
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
