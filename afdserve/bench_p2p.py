@@ -119,6 +119,12 @@ def _wire_only(rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtyp
     return statistics.median(times)
 
 
+def recorder_plan(spec: DecodeBench, batch: int, topology: Topology):
+    """The step plan both ranks run for a decode batch of `batch` (the graph size is `batch`)."""
+    return StepRecorder(0, spec.graph_mode, (batch,), ubatches=spec.ubatches).plan(
+        (RankStep(batch, batch, True),), topology)
+
+
 def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
@@ -152,7 +158,7 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
                 driver.step()
             busy = _busy_share(driver.step, PROFILED_STEPS)
             del driver, runner
-        tile = -(-batch // spec.ubatches)
+        tile = max(recorder_plan(spec, batch, topology).ffn[0].tile_rows)  # the plan's tile
         wire_us = _wire_only(rank, config.num_layers, tile, config.hidden_size, dtype, device,
                              spec.steps)
         torch.cuda.synchronize()

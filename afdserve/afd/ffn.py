@@ -24,7 +24,7 @@ from afdserve.afd.connector import (
 )
 from afdserve.afd.expert_group import ExpertGroup
 from afdserve.afd.wire import P2P, Wire
-from afdserve.engine.cuda_graphs import GraphCaptureError
+from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.model import MoECausalLM
 
@@ -132,10 +132,6 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class GraphKeyError(GraphCaptureError):
-    """The plan said replay, but this rank holds no graph for the key: a pairing bug upstream."""
-
-
 class FFNStepRunner:
     """Runs the FFN rank's step as its plan says: eagerly, or as the CUDA graph of the plan's key
     (one per key). Without CUDA graphs (CPU, graph mode none) "capture" and "replay" run eagerly
@@ -153,11 +149,9 @@ class FFNStepRunner:
         if plan.mode == "eager" or not self.use_graphs:
             self.exchange.run(plan, step)
             return
+        check_replayable(plan.rank, plan.mode, plan.key, self.graphs)
         if plan.mode == "capture":
             self._capture(plan, step)
-        elif plan.key not in self.graphs:
-            raise GraphKeyError(f"FFN rank {plan.rank}: the plan replays {plan.key}, "
-                                f"which this rank never captured")
         self.graphs[plan.key].replay()
 
     def _capture(self, plan: FFNRankPlan, step: int) -> None:

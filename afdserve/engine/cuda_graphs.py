@@ -25,6 +25,16 @@ class GraphCaptureError(RuntimeError):
     pass
 
 
+class GraphKeyError(GraphCaptureError):
+    """The plan said replay, but this rank holds no graph for the key: a pairing bug upstream.
+    Raised by the graph runners of both roles."""
+
+
+def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
+    if mode == "replay" and key not in graphs:
+        raise GraphKeyError(f"rank {rank}: the plan replays {key}, which it never captured")
+
+
 def graphs_supported(runner: ModelRunner) -> str | None:
     """None when CUDA graphs can be used, else the reason they cannot."""
     if runner.device.type != "cuda":
@@ -121,10 +131,7 @@ class CudaGraphRunner:
                 f"{len(self.ubatches)}"
             )
         key = plan.key
-        if plan.mode == "replay" and key not in self.graphs:
-            raise GraphCaptureError(
-                f"attention rank {plan.rank}: the plan replays {key}, which was never captured"
-            )
+        check_replayable(plan.rank, plan.mode, key, self.graphs)
         self._load(inputs, plan)
         if plan.mode == "capture":
             self._capture(key, plan, boundary)
