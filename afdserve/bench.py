@@ -336,6 +336,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     from afdserve.bench_control import add_control_parser
 
     add_control_parser(kinds)
+    from afdserve.bench_transport import add_transport_parser
+
+    add_transport_parser(kinds)
 
 
 def main_bench(args: argparse.Namespace) -> int:
