@@ -58,6 +58,7 @@ class DecodeBench:
     batch_sizes: tuple[int, ...]
     context_len: int
     topology: str = "colocated"
+    connector: str = "p2p"  # the data plane of --topology 1A1F: "p2p" (NCCL) or "ipc"
     graph_mode: str = "none"
     ubatches: int = 1
     steps: int = 20
@@ -86,6 +87,8 @@ class DecodeBench:
             raise bad("steps", "an integer >= 2")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {TOPOLOGIES}")
+        if self.connector not in ("p2p", "ipc"):
+            raise bad("connector", "p2p or ipc (with --topology 1A1F)")
         if self.graph_mode not in GRAPH_MODES:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
         if self.graph_mode != "none" and self.device != "cuda":
@@ -324,6 +327,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--connector", default="p2p", choices=("p2p", "ipc"),
+                   help="data plane of --topology 1A1F")
     p.add_argument("--graph-mode", default="none", choices=GRAPH_MODES)
     p.add_argument("--ubatches", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
@@ -349,6 +354,7 @@ def main_bench(args: argparse.Namespace) -> int:
     spec = DecodeBench(
         model_dir=args.model_dir, preset=args.preset, random_weights=args.random_weights,
         batch_sizes=sizes, context_len=args.context_len, topology=args.topology,
+        connector=args.connector,
         graph_mode=args.graph_mode, ubatches=args.ubatches, steps=args.steps, dtype=args.dtype,
         device=args.device, block_size=args.block_size, compare_hf=args.compare_hf,
         seed=args.seed,

@@ -119,6 +119,17 @@ def _wire_only(rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtyp
     return statistics.median(times)
 
 
+def _ipc_only(inboxes, rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtype,
+              device: torch.device, steps: int) -> float:
+    """As `_wire_only`, over connector="ipc"'s inboxes and push kernels."""
+    from afdserve.bench_transport import ipc_layers, time_graph
+
+    x = torch.zeros(tile, hidden, dtype=dtype, device=device)
+    ids = torch.zeros(tile, dtype=torch.int32, device=device)
+    step = torch.zeros(1, dtype=torch.int32, device=device)
+    return time_graph(lambda: ipc_layers(inboxes, rank, layers, x, ids, step), layers, steps)
+
+
 def recorder_plan(spec: DecodeBench, batch: int, topology: Topology):
     """The step plan both ranks run for a decode batch of `batch` (the graph size is `batch`)."""
     return StepRecorder(0, spec.graph_mode, (batch,), ubatches=spec.ubatches).plan(
@@ -139,9 +150,20 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
     rows = []
     for batch in spec.batch_sizes:
         steps_total = WARMUP_STEPS - 1 + spec.steps
+        tile = max(recorder_plan(spec, batch, topology).ffn[0].tile_rows)  # the plan's tile
+        inboxes = None
+        if spec.connector == "ipc":
+            from afdserve.afd.ipc import Inboxes
+
+            inboxes = Inboxes(dist.group.WORLD, device, dtype, config.hidden_size, config.top_k,
+                              spec.ubatches, 1, tile)
         if rank == 0:
-            wire = Wire(0)
-            connector = AttentionConnector(config, dtype, device, False, wire)
+            if inboxes is not None:
+                from afdserve.afd.ipc import IPCAttentionConnector
+
+                connector = IPCAttentionConnector(config, inboxes, 0, False)
+            else:
+                connector = AttentionConnector(config, dtype, device, False, Wire(0))
             # The KV cache of the batch is sized for the profiled steps too.
             sized = dataclasses.replace(spec, steps=spec.steps + PROFILED_STEPS)
             steps = DecodeSteps(model, None, sized, batch, boundary=connector)
@@ -149,7 +171,12 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
             busy = _busy_share(steps.step, PROFILED_STEPS)
             del steps
         else:
-            exchange = FFNExchange(model, 1, False, device, Wire(1))
+            transport = None
+            if inboxes is not None:
+                from afdserve.afd.ipc import IPCTransport
+
+                transport = IPCTransport(inboxes, 1)
+            exchange = FFNExchange(model, 1, False, device, Wire(1), transport=transport)
             recorder = StepRecorder(1, spec.graph_mode, (batch,), ubatches=spec.ubatches)
             runner = FFNStepRunner(exchange, spec.graph_mode != "none")
             driver = FFNDriver(runner, recorder, FixedControl((RankStep(batch, batch, True),)),
@@ -158,9 +185,12 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
                 driver.step()
             busy = _busy_share(driver.step, PROFILED_STEPS)
             del driver, runner
-        tile = max(recorder_plan(spec, batch, topology).ffn[0].tile_rows)  # the plan's tile
-        wire_us = _wire_only(rank, config.num_layers, tile, config.hidden_size, dtype, device,
-                             spec.steps)
+        if inboxes is None:
+            wire_us = _wire_only(rank, config.num_layers, tile, config.hidden_size, dtype, device,
+                                 spec.steps)
+        else:
+            wire_us = _ipc_only(inboxes, rank, config.num_layers, tile, config.hidden_size,
+                                dtype, device, spec.steps)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         if rank == 0:

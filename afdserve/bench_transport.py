@@ -5,10 +5,12 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 
 Transports:
   nccl        the mirrored point-to-point batches of afd/wire.py (NCCL send/recv kernels)
-  ipc         symmetric memory (CUDA IPC, no multicast): the sender copies the rows straight into
-              the receiver's buffer over NVLink, then raises a flag in the receiver's signal pad;
-              the receiver's stream waits on that flag
-  ipc-signal  the flags of `ipc` alone, no rows: the floor of any flag-based transport
+  ipc         connector="ipc" (afd/ipc.py): symmetric memory (CUDA IPC, no multicast); the
+              sender's push kernel writes rows, pad rows and ids straight into the receiver's
+              inbox over NVLink, then raises a flag in the receiver's signal pad; the receiver's
+              stream waits on that flag
+  ipc-copy    as ipc, but the rows and ids go by `copy_` (copy-engine transfers)
+  ipc-signal  the flags alone, no rows: the floor of any flag-based transport
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from afdserve.afd.connector import HEADER
 from afdserve.afd.wire import P2P, Wire
 from afdserve.model.loader import TORCH_DTYPES
 
-TRANSPORTS = ("nccl", "ipc", "ipc-signal")
+TRANSPORTS = ("nccl", "ipc", "ipc-copy", "ipc-signal")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def _nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
 
 
 class _IPC:
-    """Two symmetric buffers per rank: an inbox (hidden rows, then ids) the peer writes into."""
+    """One symmetric buffer per rank: an inbox (hidden rows, then ids) the peer copies into."""
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -105,7 +107,26 @@ class _IPC:
                 self.handle.put_signal(peer)
 
 
-def _time_graph(body, layers: int, steps: int) -> float:
+def ipc_layers(inboxes, rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
+               step: torch.Tensor) -> None:
+    """connector="ipc"'s hand-over of one tile per layer, both ways, with no compute: rank 0 as
+    the attention rank, rank 1 as the FFN rank replying with the rows it received."""
+    from afdserve.afd.ipc import push
+
+    rows = x.shape[0]
+    for layer in range(layers):
+        if rank == 0:
+            push(x, inboxes.hidden(1, 0)[:rows], ids, inboxes.ids(1, 0)[: HEADER + rows], step,
+                 layer, 0)
+            inboxes.signal(1, 0)
+            inboxes.wait(1, 0)
+        else:
+            inboxes.wait(0, 0)
+            push(inboxes.hidden(1, 0)[:rows], inboxes.hidden(0, 0)[:rows])
+            inboxes.signal(0, 0)
+
+
+def time_graph(body, layers: int, steps: int) -> float:
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -141,18 +162,30 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
             if name == "nccl":
                 def body(x=x, ids=ids, out=out):
                     _nccl_layers(rank, spec.layers, x, ids, out)
+            elif name == "ipc":
+                from afdserve.afd.ipc import Inboxes
+
+                inboxes = Inboxes(dist.group.WORLD, device, dtype, spec.hidden, 1, 1, 1, rows)
+                step = torch.zeros(1, dtype=torch.int32, device=device)
+
+                def body(inboxes=inboxes, x=x, ids=ids[HEADER:], step=step):
+                    ipc_layers(inboxes, rank, spec.layers, x, ids, step)
             else:
                 ipc = _IPC(rows, spec.hidden, dtype, device)
 
-                def body(ipc=ipc, x=x, ids=ids, data=(name == "ipc")):
+                def body(ipc=ipc, x=x, ids=ids, data=(name == "ipc-copy")):
                     ipc.layers(rank, spec.layers, x, ids, data)
             dist.barrier()
-            us = _time_graph(body, spec.layers, spec.steps)
+            us = time_graph(body, spec.layers, spec.steps)
             if name == "ipc" and rank == 0:  # the reply equals what was sent
+                torch.cuda.synchronize()
+                if not torch.equal(inboxes.hidden(0, 0)[:rows], x):
+                    raise RuntimeError(f"ipc transport: the reply of {rows} rows differs")
+            if name == "ipc-copy" and rank == 0:
                 reply, _ = ipc.view(0)
                 torch.cuda.synchronize()
                 if not torch.equal(reply, x):
-                    raise RuntimeError(f"ipc transport: the reply of {rows} rows differs")
+                    raise RuntimeError(f"ipc-copy transport: the reply of {rows} rows differs")
             rows_out.append((rows, name, us))
     if rank == 0:
         results.put(rows_out)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from afdserve.config import AFDConfig, EngineConfig, GraphConfig, check_model_dir
+from afdserve.config import CONNECTORS, AFDConfig, EngineConfig, GraphConfig, check_model_dir
 
 
 def _sizes(text: str) -> list[int]:
@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=_sizes, default=None,
                    help="comma-separated capture sizes (default: 1,2,4,8,16,... to max-num-seqs)")
     p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
+    p.add_argument("--connector", default=AFDConfig.connector, choices=CONNECTORS,
+                   help="data plane of an AFD topology: p2p (torch.distributed), ipc (symmetric "
+                        "GPU memory, one host), inprocess (1A1F in one process), auto")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="run the MoE router on the attention ranks")
     p.add_argument("--ffn-expert-parallel", action="store_true",
@@ -71,7 +74,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "kv_cache_blocks": args.kv_cache_blocks,
         "block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
         "graph_mode": args.graph_mode, "cuda_graph_sizes": args.cuda_graph_sizes,
-        "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
+        "ubatches": args.ubatches, "connector": args.connector,
+        "gate_on_attention": args.gate_on_attention,
         "log_step_plan": args.log_step_plan,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "frontend_address": args.frontend_address,
@@ -95,12 +99,14 @@ def check_engine_args(kwargs: dict) -> None:
         block_size=kwargs["block_size"],
         gpu_memory_utilization=float(kwargs["gpu_memory_utilization"]), seed=kwargs["seed"],
     )
-    AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
-              gate_on_attention=kwargs["gate_on_attention"],
-              log_step_plan=kwargs["log_step_plan"],
-              heartbeat_timeout_s=kwargs["heartbeat_timeout_s"],
-              ffn_expert_parallel=kwargs["ffn_expert_parallel"],
-              expert_placement=kwargs["expert_placement"])
+    afd = AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
+                    connector=kwargs["connector"],
+                    gate_on_attention=kwargs["gate_on_attention"],
+                    log_step_plan=kwargs["log_step_plan"],
+                    heartbeat_timeout_s=kwargs["heartbeat_timeout_s"],
+                    ffn_expert_parallel=kwargs["ffn_expert_parallel"],
+                    expert_placement=kwargs["expert_placement"])
+    afd.check_device(kwargs["device"])
     sizes = kwargs["cuda_graph_sizes"]
     GraphConfig(mode=kwargs["graph_mode"], sizes=tuple(sizes) if sizes is not None else None)
 

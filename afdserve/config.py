@@ -12,7 +12,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 GRAPH_MODES = ("none", "full_decode_only", "full")
-CONNECTORS = ("auto", "p2p", "inprocess")
+CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
 
 
 def _one_one():
@@ -116,8 +116,10 @@ class AFDConfig:
     ubatches: int = 1
     gate_on_attention: bool = False
     log_step_plan: bool | str = False
-    # "p2p": one process per rank over torch.distributed; "inprocess": 1A1F with both halves in
-    # this process (one device); "auto": in-process for 1A1F on CUDA, p2p otherwise.
+    # "p2p": one process per rank over torch.distributed point-to-point (NCCL on CUDA, gloo on
+    # CPU); "ipc": one process per rank, each on its own GPU of one host, tiles written straight
+    # into the peer's symmetric memory (afd/ipc.py); "inprocess": 1A1F with both halves in this
+    # process (one device); "auto": in-process for 1A1F on CUDA, p2p otherwise.
     connector: str = "auto"
     # A collective or transfer that does not complete within this many seconds fails (the
     # process groups' timeout).
@@ -163,12 +165,21 @@ class AFDConfig:
                  self.heartbeat_timeout_s, "a number of seconds > 0")
         _require(self.connector in CONNECTORS, owner, "connector", self.connector,
                  f"one of {CONNECTORS}")
+        if self.connector == "ipc" and topology.colocated:
+            raise ValueError("AFDConfig.connector='ipc' needs an AFD topology such as 1A1F, "
+                             f"got {self.topology!r}")
         if self.connector == "inprocess" and topology != Topology(1, 1):
             raise ValueError(
                 f"AFDConfig.connector='inprocess' needs topology 1A1F without "
                 f"ffn_expert_parallel, got {self.topology!r} "
                 f"(ffn_expert_parallel={self.ffn_expert_parallel})"
             )
+
+    def check_device(self, device: str) -> None:
+        """The connector can run on `device` (checked before any rank starts)."""
+        if self.connector == "ipc" and not device.startswith("cuda"):
+            raise ValueError(f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
+                             f"memory), got device={device!r}; use connector='p2p' on CPU")
 
     def in_process(self, device: str) -> bool:
         if self.connector == "auto":

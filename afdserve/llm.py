@@ -96,6 +96,7 @@ class LLM:
             ffn_expert_parallel=ffn_expert_parallel,
             expert_placement=expert_placement,
         )
+        self.afd_config.check_device(device)
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology

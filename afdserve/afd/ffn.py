@@ -48,9 +48,43 @@ def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, t
     check_token_ids(ids[HEADER:], vocab_size, where)
 
 
+class WireTransport:
+    """How an FFN rank receives its peers' tiles and replies over torch.distributed
+    point-to-point: one batch receiving every peer's tile, one batch sending every peer its rows
+    (the mirrors of the attention side's batches, afd/wire.py)."""
+
+    def __init__(self, wire: Wire, device: torch.device, dtype: torch.dtype, hidden: int,
+                 top_k: int) -> None:
+        self.wire, self.device, self.dtype = wire, device, dtype
+        self.hidden, self.top_k = hidden, top_k
+
+    def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
+        """(hidden [rows, hidden], ids [peers, HEADER + tile], topk ids, topk weights)."""
+        rows, tile, dev = plan.receive_rows[ubatch], plan.tile_rows[ubatch], self.device
+        hidden = torch.empty(rows, self.hidden, dtype=self.dtype, device=dev)
+        ids = torch.empty(len(plan.peers), HEADER + tile, dtype=torch.int32, device=dev)
+        topk_ids = topk_w = None
+        if routed:
+            topk_ids = torch.empty(rows, self.top_k, dtype=torch.int32, device=dev)
+            topk_w = torch.empty(rows, self.top_k, dtype=torch.float32, device=dev)
+        ops: list[P2P] = []
+        for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
+            ops += [P2P("recv", hidden[lo:hi], peer), P2P("recv", ids[i], peer)]
+            if routed:
+                ops += [P2P("recv", topk_ids[lo:hi], peer), P2P("recv", topk_w[lo:hi], peer)]
+        for work in self.wire.post(ops, **where):
+            work.wait()
+        return hidden, ids, topk_ids, topk_w
+
+    def reply(self, plan: FFNRankPlan, ubatch: int, y: torch.Tensor, where: dict) -> list:
+        out = [P2P("send", y[lo:hi], peer) for peer, lo, hi in plan.peer_rows(ubatch)]
+        return self.wire.post(out, **where)
+
+
 class FFNExchange:
     def __init__(self, model: MoECausalLM, rank: int, gate_on_attention: bool,
-                 device: torch.device, wire: Wire, expert: ExpertGroup | None = None) -> None:
+                 device: torch.device, wire: Wire, expert: ExpertGroup | None = None,
+                 transport=None) -> None:
         self.model, self.rank, self.device, self.wire = model, rank, device, wire
         self.expert = expert  # this rank's expert-parallel group, if it is in one
         config = model.config
@@ -58,6 +92,9 @@ class FFNExchange:
         self.dtype = next(model.parameters()).dtype
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
+        # WireTransport, or afd/ipc.py's IPCTransport: both receive views and reply alike.
+        self.transport = transport or WireTransport(wire, device, self.dtype, self.hidden,
+                                                    self.top_k)
 
     @torch.inference_mode()
     def run(self, plan: FFNRankPlan, step: int) -> None:
@@ -76,23 +113,16 @@ class FFNExchange:
             work.wait()
 
     def _layer(self, plan: FFNRankPlan, step: int, layer: int, ubatch: int) -> list:
-        rows, tile, dev = plan.receive_rows[ubatch], plan.tile_rows[ubatch], self.device
-        hidden = torch.empty(rows, self.hidden, dtype=self.dtype, device=dev)
-        ids = torch.empty(len(plan.peers), HEADER + tile, dtype=torch.int32, device=dev)
-        routed = self.routed[layer]
-        if routed:
-            topk_ids = torch.empty(rows, self.top_k, dtype=torch.int32, device=dev)
-            topk_w = torch.empty(rows, self.top_k, dtype=torch.float32, device=dev)
-        ops: list[P2P] = []
-        for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
-            ops += [P2P("recv", hidden[lo:hi], peer), P2P("recv", ids[i], peer)]
-            if routed:
-                ops += [P2P("recv", topk_ids[lo:hi], peer), P2P("recv", topk_w[lo:hi], peer)]
+        rows, routed = plan.receive_rows[ubatch], self.routed[layer]
         where = {"step": step, "layer": layer, "ubatch": ubatch}
-        if rows:  # an expert-parallel rank without tiles this ubatch posts no batch at all
-            for work in self.wire.post(ops, **where):
-                work.wait()
+        if rows:
+            hidden, ids, topk_ids, topk_w = self.transport.receive(plan, ubatch, routed, where)
             self._check(plan, step, layer, ubatch, hidden, ids)
+        else:  # an expert-parallel rank without tiles this ubatch receives nothing at all
+            hidden = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
+            ids = torch.empty(0, HEADER, dtype=torch.int32, device=self.device)
+            topk_ids = torch.empty(0, self.top_k, dtype=torch.int32, device=self.device)
+            topk_w = torch.empty(0, self.top_k, dtype=torch.float32, device=self.device)
         token_ids = ids[:, HEADER:].reshape(-1).long()
         routing = (topk_ids.long(), topk_w) if routed else None
         if plan.group:
@@ -102,8 +132,7 @@ class FFNExchange:
         y = y.to(self.dtype).contiguous()
         if not rows:
             return []
-        out = [P2P("send", y[lo:hi], peer) for peer, lo, hi in plan.peer_rows(ubatch)]
-        return self.wire.post(out, **where)
+        return self.transport.reply(plan, ubatch, y, where)
 
     def _check(self, plan: FFNRankPlan, step: int, layer: int, ubatch: int,
                hidden: torch.Tensor, ids: torch.Tensor) -> None:

@@ -57,6 +57,22 @@ def _uses_graphs(spec: WorkerSpec, device: torch.device) -> bool:
     return bool(sizes) and device.type == "cuda"
 
 
+def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype, config):
+    """The symmetric inboxes of connector="ipc" (a collective over the whole world: every rank
+    builds them once, with these same sizes), or None for the other connectors."""
+    if spec.afd.connector != "ipc":
+        return None
+    from afdserve.afd.ipc import Inboxes
+
+    topology = spec.topology
+    peers_cap = max(len(topology.peers(f)) for f in range(topology.ffn_ranks))
+    # A tile is at most one attention rank's padded rows of a ubatch: its tokens, or a graph size.
+    sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+    tile_cap = max((spec.engine.max_num_batched_tokens, *sizes))
+    return Inboxes(dist.group.WORLD, device, dtype, config.hidden_size, config.top_k,
+                   spec.afd.ubatches, peers_cap, tile_cap)
+
+
 def _ready(rank: int, role: str, memory: MemoryReport, model, limits) -> RankReady:
     return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits)
 
@@ -84,7 +100,13 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     else:
         wire = _wire(spec, rank)
         dtype = next(core.model.parameters()).dtype
-        boundary = AttentionConnector(core.config, dtype, device, gate, wire)
+        inboxes = _inboxes(spec, device, dtype, core.config)
+        if inboxes is not None:
+            from afdserve.afd.ipc import IPCAttentionConnector
+
+            boundary = IPCAttentionConnector(core.config, inboxes, rank, gate)
+        else:
+            boundary = AttentionConnector(core.config, dtype, device, gate, wire)
     graphs = None
     if _uses_graphs(spec, device):
         sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
@@ -116,7 +138,13 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
     expert = None
     if topology.expert_parallel:
         expert = ExpertGroup(model, topology.ffn_group, expert_group, wire)
-    exchange = FFNExchange(model, rank, gate, device, wire, expert)
+    inboxes = _inboxes(spec, device, next(model.parameters()).dtype, model.config)
+    transport = None
+    if inboxes is not None:
+        from afdserve.afd.ipc import IPCTransport
+
+        transport = IPCTransport(inboxes, rank)
+    exchange = FFNExchange(model, rank, gate, device, wire, expert, transport)
     runner = FFNStepRunner(exchange, _uses_graphs(spec, device))
     driver = FFNDriver(runner, _recorder(spec, rank), control, topology, rank)
     memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()),

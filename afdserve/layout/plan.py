@@ -129,6 +129,10 @@ def _groups(topology: Topology) -> list[tuple[tuple[int, ...], tuple[int, ...]]]
             for f in range(topology.ffn_ranks)]
 
 
+def _peer_index(rank: int, ffn_rank: int | None, peers: dict[int, tuple[int, ...]]) -> int:
+    return 0 if ffn_rank is None else peers[ffn_rank].index(rank)
+
+
 def _plan_group(
     ffn_ranks: tuple[int, ...],
     members: tuple[int, ...],
@@ -193,6 +197,7 @@ def _plan_group(
             tile_rows=tile,
             mode=mode,
             key=keys[rank],
+            peer_index=_peer_index(rank, home[rank], peers),
         )
         for rank in members
     ]

@@ -102,6 +102,9 @@ class AttentionRankPlan:
     tile_rows: tuple[int, ...]  # rows sent to and received from the FFN rank per ubatch
     mode: RunMode
     key: GraphKey | None
+    # This rank's place among its FFN rank's peers (FFNRankPlan.peers): its tiles sit at that
+    # position in the FFN rank's receive buffer. 0 when colocated.
+    peer_index: int = 0
 
     def __post_init__(self) -> None:
         # Only plan_step builds these; the checks make a planner bug fail where it happens.
@@ -117,6 +120,12 @@ class AttentionRankPlan:
         if self.ffn_rank is not None and any(tile < rows for _, rows, tile in pairs):
             raise ValueError(f"rank {self.rank}: a tile is smaller than its ubatch: {self}")
         _check_mode_and_key(self.mode, self.key, self.rank)
+
+    def ffn_rows(self, ubatch: int) -> tuple[int, int]:
+        """(first row, end row) of this rank's tile in its FFN rank's receive buffer of `ubatch`;
+        the FFN rank's `peer_rows` names the same rows."""
+        tile = self.tile_rows[ubatch]
+        return self.peer_index * tile, (self.peer_index + 1) * tile
 
     @property
     def ubatch_bounds(self) -> tuple[tuple[int, int], ...]:
@@ -209,6 +218,15 @@ class StepPlan:
         for index, plan in enumerate(self.ffn):
             if plan.rank != len(self.attention) + index:
                 raise ValueError(f"ffn[{index}] holds the plan of rank {plan.rank}")
+        for plan in self.ffn:  # every peer writes exactly the rows its FFN rank reads
+            for u in range(len(plan.tile_rows)):
+                for peer, lo, hi in plan.peer_rows(u):
+                    if peer < len(self.attention) and plan.mode != "idle":
+                        theirs = self.attention[peer]
+                        if theirs.ffn_rank == plan.rank and theirs.ffn_rows(u) != (lo, hi):
+                            raise ValueError(
+                                f"ubatch {u}: FFN rank {plan.rank} reads rows {lo}:{hi} of "
+                                f"attention rank {peer}, which writes {theirs.ffn_rows(u)}")
 
     def for_rank(self, rank: int) -> AttentionRankPlan | FFNRankPlan:
         """The plan of a global rank."""

@@ -1,6 +1,8 @@
-"""Multi-process AFD across two GPUs over NCCL: 1A1F with one rank per GPU gives the colocated
-tokens in float32 for every family, ubatch count, gate side and graph mode; both roles capture and
-replay in pairs; the batches each rank posts mirror its peer's."""
+"""Multi-process AFD across two GPUs, over NCCL (connector="p2p") and over symmetric memory
+(connector="ipc"): 1A1F with one rank per GPU gives the colocated tokens in float32 for every
+family, ubatch count, gate side and graph mode; both roles capture and replay in pairs; the
+batches each rank posts mirror its peer's, and every tile the FFN rank ran carries the header and
+the real rows its peer's plan gave it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.afd.wire import mirror_errors, read_wire_log
 from afdserve.model.tiny import make_tiny_model
+from tests.afd.wire_logs import assert_data_plane_matches_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,24 +66,31 @@ def _assert_paired(records: list[dict], graph_mode: str) -> None:
 
 
 CASES = [
-    # family, ubatches, gate on attention, graph mode
-    ("qwen3_moe", 1, False, "none"),
-    ("qwen3_moe", 2, True, "full_decode_only"),
-    ("qwen3_moe", 3, False, "full"),
-    ("deepseek_v2", 1, True, "full"),
-    ("deepseek_v2", 2, False, "none"),
-    ("deepseek_v3", 3, True, "full_decode_only"),
-    ("deepseek_v3", 1, False, "full"),
-    ("mixtral", 2, False, "full"),
-    ("mixtral", 3, True, "none"),
-    ("mixtral", 1, False, "full_decode_only"),
+    # connector, family, ubatches, gate on attention, graph mode
+    ("p2p", "qwen3_moe", 1, False, "none"),
+    ("p2p", "qwen3_moe", 2, True, "full_decode_only"),
+    ("p2p", "qwen3_moe", 3, False, "full"),
+    ("p2p", "deepseek_v2", 1, True, "full"),
+    ("p2p", "deepseek_v2", 2, False, "none"),
+    ("p2p", "deepseek_v3", 3, True, "full_decode_only"),
+    ("p2p", "deepseek_v3", 1, False, "full"),
+    ("p2p", "mixtral", 2, False, "full"),
+    ("p2p", "mixtral", 3, True, "none"),
+    ("p2p", "mixtral", 1, False, "full_decode_only"),
+    ("ipc", "qwen3_moe", 1, False, "none"),
+    ("ipc", "qwen3_moe", 2, True, "full"),
+    ("ipc", "deepseek_v2", 3, False, "full_decode_only"),
+    ("ipc", "deepseek_v3", 2, True, "none"),
+    ("ipc", "mixtral", 1, True, "full_decode_only"),
+    ("ipc", "mixtral", 3, False, "full"),
 ]
 
 
-@pytest.mark.parametrize(("family", "ubatches", "gate", "graph_mode"), CASES)
-def test_nccl_1a1f_matches_colocated(models, tmp_path, family, ubatches, gate, graph_mode):
+@pytest.mark.parametrize(("connector", "family", "ubatches", "gate", "graph_mode"), CASES)
+def test_1a1f_across_gpus_matches_colocated(models, tmp_path, connector, family, ubatches, gate,
+                                            graph_mode):
     model = models[family]
-    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector="p2p",
+    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector=connector,
              ubatches=ubatches, gate_on_attention=gate, graph_mode=graph_mode,
              cuda_graph_sizes=SIZES, max_num_batched_tokens=16, log_step_plan=True,
              log_data_plane=str(tmp_path)) as llm:
@@ -89,14 +99,17 @@ def test_nccl_1a1f_matches_colocated(models, tmp_path, family, ubatches, gate, g
     assert got == colocated(model)
     _assert_paired(records, graph_mode)
     batches = read_wire_log(str(p) for p in tmp_path.glob("rank*.jsonl"))
-    assert set(batches) == {0, 1}
+    assert set(batches) == ({0, 1} if connector == "p2p" else set())  # ipc posts no batches
     assert mirror_errors(batches) == []
+    if graph_mode == "none":  # a replayed graph runs no Python: only eager steps log tiles
+        assert assert_data_plane_matches_plan(tmp_path, records, warmup_steps=0) > 0
 
 
-def test_nccl_requests_arriving_mid_run(models):
+@pytest.mark.parametrize("connector", ["p2p", "ipc"])
+def test_requests_arriving_mid_run(models, connector):
     model = models["qwen3_moe"]
     prompts = _prompts()
-    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector="p2p",
+    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector=connector,
              ubatches=2, graph_mode="full", cuda_graph_sizes=SIZES,
              max_num_batched_tokens=16) as llm:
         engine, done = llm.engine, {}
@@ -111,13 +124,14 @@ def test_nccl_requests_arriving_mid_run(models):
     assert [done[f"r{i}"] for i in range(len(prompts))] == colocated(model)
 
 
-def test_nccl_bfloat16_differences_are_reported(models, capsys):
+@pytest.mark.parametrize("connector", ["p2p", "ipc"])
+def test_bfloat16_differences_are_reported(models, capsys, connector):
     """bf16 on two GPUs against bf16 colocated: the same math in the same order on the FFN
     side, but its routed rows arrive padded to the tile, so GEMM shapes (and bf16 rounding)
     can differ; greedy tokens may then split at near-ties. The count is printed."""
     model = models["deepseek_v3"]
     want = colocated(model, "bfloat16")
-    with LLM(str(model), device="cuda", dtype="bfloat16", topology="1A1F", connector="p2p",
+    with LLM(str(model), device="cuda", dtype="bfloat16", topology="1A1F", connector=connector,
              graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
              max_num_batched_tokens=16) as llm:
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
@@ -127,7 +141,7 @@ def test_nccl_bfloat16_differences_are_reported(models, capsys):
         for w, g in zip(want, got)
     )
     with capsys.disabled():
-        print(f"\nbf16 1A1F over NCCL: {differ} of {total} greedy tokens differ from colocated "
-              f"(counted from each sequence's first split)")
+        print(f"\nbf16 1A1F, connector {connector}: {differ} of {total} greedy tokens differ "
+              f"from colocated (counted from each sequence's first split)")
     assert all(len(g) == len(w) for g, w in zip(got, want))
     assert differ <= total // 2
