@@ -245,10 +245,10 @@ def build_halves(spec: DecodeBench, raw: dict) -> tuple[MoECausalLM, MoECausalLM
     else:
         parts = [ModelParts(True, False), ModelParts(False, True)]
     halves = []
-    for i, part in enumerate(parts):
+    for part in parts:
         model = build_model(config, part, dtype, dev)
-        if spec.random_weights:
-            init_random_weights(model, spec.seed + i)
+        if spec.random_weights:  # the halves hold what a colocated model of this seed holds
+            init_random_weights(model, spec.seed)
         else:
             load_weights(model, spec.model_dir, all_tensor_names(config))
         halves.append(model)

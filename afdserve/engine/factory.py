@@ -11,6 +11,7 @@ from afdserve.config import EngineConfig
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import KVCache, bytes_per_block
 from afdserve.engine.scheduler import SchedulerConfig
+from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import LoadReport, load_model
 from afdserve.model.model import ModelParts, MoECausalLM
@@ -35,12 +36,6 @@ class MemoryReport:
             f"{self.role} rank {self.rank}: parameters {self.parameter_bytes} bytes "
             f"({self.parameter_names} tensors{held}), KV cache {self.cache_bytes} bytes"
         )
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -89,7 +84,7 @@ def create_engine_core(
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
-    model, report = load_model(config.model, parts, config.dtype, str(device))
+    model, report = load_half(config, parts, device)
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
@@ -107,6 +102,14 @@ def create_engine_core(
         "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors())
     )
     return engine, report, memory
+
+
+def load_half(config: EngineConfig, parts: ModelParts, device: torch.device
+              ) -> tuple[MoECausalLM, LoadReport]:
+    """One half of the configured model, read or drawn as `config.load_format` says. Every rank
+    draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
+    return load_model(config.model, parts, config.dtype, str(device), config.load_format,
+                      config.seed)
 
 
 def parameter_bytes(model: MoECausalLM) -> int:
