@@ -50,6 +50,11 @@ TOPOLOGIES = ("colocated", "in-process", "1A1F")
 WARMUP_STEPS = 3
 
 
+def invalid(spec: object, field: str, allowed: str) -> ValueError:
+    """The error of a bench spec's field: its name, its value, and what is allowed."""
+    return ValueError(f"bench.{field}={getattr(spec, field)!r} is not allowed: {allowed}")
+
+
 @dataclass(frozen=True)
 class DecodeBench:
     model_dir: str | None
@@ -69,7 +74,7 @@ class DecodeBench:
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
-            return ValueError(f"bench.{field}={getattr(self, field)!r} is not allowed: {allowed}")
+            return invalid(self, field, allowed)
 
         if (self.model_dir is None) == (self.preset is None):
             raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
@@ -334,8 +339,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main_bench)
     from afdserve.bench_control import add_control_parser
+    from afdserve.bench_generate import add_generate_parser
 
     add_control_parser(kinds)
+    add_generate_parser(kinds)
 
 
 def main_bench(args: argparse.Namespace) -> int:
