@@ -338,11 +338,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main_bench)
+    from afdserve.bench_capacity import add_capacity_parser
     from afdserve.bench_control import add_control_parser
     from afdserve.bench_generate import add_generate_parser
 
     add_control_parser(kinds)
     add_generate_parser(kinds)
+    add_capacity_parser(kinds)
 
 
 def main_bench(args: argparse.Namespace) -> int:

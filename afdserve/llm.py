@@ -129,6 +129,9 @@ class LLM:
         return client
 
     def _describe(self, ready: dict[int, RankReady]) -> None:
+        # Each rank's ready message: its parameter bytes, and for an attention rank the KV cache
+        # its engine really allocated (limits.num_blocks of limits.block_size tokens).
+        self.rank_ready = dict(sorted(ready.items()))
         self.memory_reports = [ready[r].memory for r in sorted(ready)]
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
 

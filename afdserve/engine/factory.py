@@ -50,6 +50,13 @@ def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
     return config.max_model_len
 
 
+def blocks_in_budget(free: int, total: int, utilization: float, per_block: int) -> int:
+    """KV blocks in the device memory still free once the rank's weights are loaded, less the
+    share `1 - utilization` of the device held back (activations, graphs, other processes). A
+    rank that holds fewer weights (an attention rank holds no experts) gets more blocks."""
+    return int((free - total * (1 - utilization)) // per_block)
+
+
 def kv_blocks_for(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -65,8 +72,7 @@ def kv_blocks_for(
         free, total = torch.cuda.mem_get_info(device)
         # Memory this process's allocator holds but does not use is free for the cache too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = free - total * (1 - config.gpu_memory_utilization)
-        blocks = int(budget // per_block)
+        blocks = blocks_in_budget(free, total, config.gpu_memory_utilization, per_block)
     else:
         want = config.max_num_seqs * needed_one
         blocks = min(want, CPU_CACHE_BUDGET // per_block)
