@@ -50,6 +50,11 @@ TOPOLOGIES = ("colocated", "in-process", "1A1F")
 WARMUP_STEPS = 3
 
 
+def invalid(spec: object, field: str, allowed: str) -> ValueError:
+    """The error of a bench spec's field: its name, its value, and what is allowed."""
+    return ValueError(f"bench.{field}={getattr(spec, field)!r} is not allowed: {allowed}")
+
+
 @dataclass(frozen=True)
 class DecodeBench:
     model_dir: str | None
@@ -70,7 +75,7 @@ class DecodeBench:
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
-            return ValueError(f"bench.{field}={getattr(self, field)!r} is not allowed: {allowed}")
+            return invalid(self, field, allowed)
 
         if (self.model_dir is None) == (self.preset is None):
             raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
@@ -248,10 +253,10 @@ def build_halves(spec: DecodeBench, raw: dict) -> tuple[MoECausalLM, MoECausalLM
     else:
         parts = [ModelParts(True, False), ModelParts(False, True)]
     halves = []
-    for i, part in enumerate(parts):
+    for part in parts:
         model = build_model(config, part, dtype, dev)
-        if spec.random_weights:
-            init_random_weights(model, spec.seed + i)
+        if spec.random_weights:  # the halves hold what a colocated model of this seed holds
+            init_random_weights(model, spec.seed)
         else:
             load_weights(model, spec.model_dir, all_tensor_names(config))
         halves.append(model)
@@ -338,12 +343,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main_bench)
+    from afdserve.bench_capacity import add_capacity_parser
     from afdserve.bench_control import add_control_parser
+    from afdserve.bench_generate import add_generate_parser
 
     add_control_parser(kinds)
     from afdserve.bench_transport import add_transport_parser
 
     add_transport_parser(kinds)
+    add_generate_parser(kinds)
+    add_capacity_parser(kinds)
 
 
 def main_bench(args: argparse.Namespace) -> int:

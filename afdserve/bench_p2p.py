@@ -46,7 +46,7 @@ def _half(spec: DecodeBench, raw: dict, rank: int, device: torch.device):
     part = ModelParts(True, False) if rank == 0 else ModelParts(False, True)
     model = build_model(config, part, TORCH_DTYPES[spec.dtype], device)
     if spec.random_weights:
-        init_random_weights(model, spec.seed + rank)
+        init_random_weights(model, spec.seed)
     else:
         load_weights(model, spec.model_dir, all_tensor_names(config))
     return model

@@ -7,7 +7,14 @@ import json
 import os
 import sys
 
-from afdserve.config import CONNECTORS, AFDConfig, EngineConfig, GraphConfig, check_model_dir
+from afdserve.config import (
+    CONNECTORS,
+    LOAD_FORMATS,
+    AFDConfig,
+    EngineConfig,
+    GraphConfig,
+    check_model_dir,
+)
 
 
 def _sizes(text: str) -> list[int]:
@@ -33,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=AFDConfig.topology,
                    help="'colocated' or <A>A<F>F, e.g. 2A1F")
     p.add_argument("--device", default=e["device"].default, help="cpu or cuda")
+    p.add_argument("--load-format", default=e["load_format"].default, choices=LOAD_FORMATS,
+                   help="dummy: random weights from config.json alone (reads no safetensors)")
     p.add_argument("--dtype", default=e["dtype"].default,
                    help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-num-seqs", type=int, default=e["max_num_seqs"].default)
@@ -80,6 +89,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "frontend_address": args.frontend_address,
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
+        "load_format": args.load_format,
         "ffn_expert_parallel": args.ffn_expert_parallel,
         "expert_placement": args.expert_placement,
     }
@@ -98,6 +108,7 @@ def check_engine_args(kwargs: dict) -> None:
         max_model_len=kwargs["max_model_len"], kv_cache_blocks=kwargs["kv_cache_blocks"],
         block_size=kwargs["block_size"],
         gpu_memory_utilization=float(kwargs["gpu_memory_utilization"]), seed=kwargs["seed"],
+        load_format=kwargs["load_format"],
     )
     afd = AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
                     connector=kwargs["connector"],
@@ -167,6 +178,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_model(args.dir, args.family, hash_layers=args.hash_layers, seed=args.seed,
                            dtype=args.dtype)
     print(path)
+    return 0
+
+
+def cmd_make_config(args: argparse.Namespace) -> int:
+    from afdserve.model.presets import write_preset_config
+
+    print(write_preset_config(args.preset, args.dir))
     return 0
 
 
@@ -255,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     tiny.set_defaults(func=cmd_make_tiny)
+
+    from afdserve.model.presets import PRESETS
+
+    make_config = sub.add_parser(
+        "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
+    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    make_config.add_argument("dir")
+    make_config.set_defaults(func=cmd_make_config)
 
     try:
         from afdserve.bench import add_bench_parser

@@ -13,6 +13,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 GRAPH_MODES = ("none", "full_decode_only", "full")
 CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
+# "auto" and "safetensors" read the checkpoint's safetensors; "dummy" builds the model from
+# config.json alone with random weights drawn from EngineConfig.seed (like vLLM's dummy format).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def _one_one():
@@ -54,9 +57,12 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.85
     seed: int = 0
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
+        _require(self.load_format in LOAD_FORMATS, owner, "load_format", self.load_format,
+                 f"one of {LOAD_FORMATS}")
         _require(
             self.device.split(":")[0] in DEVICES,
             owner,

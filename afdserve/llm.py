@@ -17,9 +17,9 @@ from afdserve.afd.recorder import StepLogFile
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput as SequenceOutput
-from afdserve.engine.factory import load_tokenizer
 from afdserve.engine.outputs import RequestOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
 from afdserve.model.bundled import resolve_model
 from afdserve.model.config import load_model_config
@@ -67,6 +67,7 @@ class LLM:
         heartbeat_timeout_s: float = 10.0,
         frontend_address: str | None = None,
         seed: int = 0,
+        load_format: str = "auto",
         ffn_expert_parallel: bool = False,
         expert_placement: Sequence[Sequence[int]] | None = None,
     ) -> None:
@@ -84,6 +85,7 @@ class LLM:
             block_size=block_size,
             gpu_memory_utilization=float(gpu_memory_utilization),
             seed=seed,
+            load_format=load_format,
         )
         self.afd_config = AFDConfig(
             topology=topology,
@@ -128,6 +130,9 @@ class LLM:
         return client
 
     def _describe(self, ready: dict[int, RankReady]) -> None:
+        # Each rank's ready message: its parameter bytes, and for an attention rank the KV cache
+        # its engine really allocated (limits.num_blocks of limits.block_size tokens).
+        self.rank_ready = dict(sorted(ready.items()))
         self.memory_reports = [ready[r].memory for r in sorted(ready)]
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
 

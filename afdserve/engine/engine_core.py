@@ -22,6 +22,7 @@ from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.config import ModelConfig
 from afdserve.model.model import MoECausalLM
@@ -122,6 +123,9 @@ class EngineCore:
     # ----- requests -----
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.limits)
+        if params.stop and isinstance(self.tokenizer, TokenIdsOnly):
+            raise RequestError(f"stop: {list(params.stop)} needs text, but the model directory "
+                               f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

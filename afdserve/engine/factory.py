@@ -11,6 +11,7 @@ from afdserve.config import EngineConfig
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import KVCache, bytes_per_block
 from afdserve.engine.scheduler import SchedulerConfig
+from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import LoadReport, load_model
 from afdserve.model.model import ModelParts, MoECausalLM
@@ -37,12 +38,6 @@ class MemoryReport:
         )
 
 
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     if config.max_model_len is None:
@@ -53,6 +48,13 @@ def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
             f"max_position_embeddings={limit}"
         )
     return config.max_model_len
+
+
+def blocks_in_budget(free: int, total: int, utilization: float, per_block: int) -> int:
+    """KV blocks in the device memory still free once the rank's weights are loaded, less the
+    share `1 - utilization` of the device held back (activations, graphs, other processes). A
+    rank that holds fewer weights (an attention rank holds no experts) gets more blocks."""
+    return int((free - total * (1 - utilization)) // per_block)
 
 
 def kv_blocks_for(
@@ -70,8 +72,7 @@ def kv_blocks_for(
         free, total = torch.cuda.mem_get_info(device)
         # Memory this process's allocator holds but does not use is free for the cache too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = free - total * (1 - config.gpu_memory_utilization)
-        blocks = int(budget // per_block)
+        blocks = blocks_in_budget(free, total, config.gpu_memory_utilization, per_block)
     else:
         want = config.max_num_seqs * needed_one
         blocks = min(want, CPU_CACHE_BUDGET // per_block)
@@ -89,7 +90,7 @@ def create_engine_core(
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
-    model, report = load_model(config.model, parts, config.dtype, str(device))
+    model, report = load_half(config, parts, device)
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
@@ -107,6 +108,14 @@ def create_engine_core(
         "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors())
     )
     return engine, report, memory
+
+
+def load_half(config: EngineConfig, parts: ModelParts, device: torch.device
+              ) -> tuple[MoECausalLM, LoadReport]:
+    """One half of the configured model, read or drawn as `config.load_format` says. Every rank
+    draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
+    return load_model(config.model, parts, config.dtype, str(device), config.load_format,
+                      config.seed)
 
 
 def parameter_bytes(model: MoECausalLM) -> int:

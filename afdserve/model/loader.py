@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from afdserve.config import LOAD_FORMATS
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
 from afdserve.model.model import ModelParts, MoECausalLM
@@ -174,7 +176,7 @@ def load_weights(
             len(report.unexpected),
             ", ".join(report.unexpected[:10]),
         )
-    report.bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    report.bytes = _tensor_bytes(expected)
     return report
 
 
@@ -245,26 +247,58 @@ def all_tensor_names(config: ModelConfig) -> set[str]:
 
 
 def load_model(
-    model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu"
+    model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu",
+    load_format: str = "auto", seed: int = 0,
 ) -> tuple[MoECausalLM, LoadReport]:
+    """One half of the model in `model_dir`. `load_format`: "auto" and "safetensors" read the
+    checkpoint; "dummy" reads config.json only and draws random weights from `seed` (the same
+    tensor gets the same values in every half that holds it: see `init_random_weights`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not allowed: one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
     model = build_model(config, parts, resolve_dtype(dtype, config), device)
+    if load_format == "dummy":
+        init_random_weights(model, seed)
+        return model, LoadReport(bytes=_tensor_bytes(model.expected_tensors()))
     report = load_weights(model, model_dir, all_tensor_names(config))
     return model, report
 
 
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _tensor_seed(seed: int, name: str, expert: int | None = None) -> int:
+    """A generator seed that depends on the tensor's name (and expert), not on which other
+    tensors the half holds or in what order. 32 bits: the CPU generator keeps no more."""
+    key = f"{seed}:{name}" if expert is None else f"{seed}:{name}#{expert}"
+    return zlib.crc32(key.encode())
+
+
 @torch.no_grad()
 def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights for benchmarks at real sizes (presets), drawn on the model's device."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights for benchmarks at real sizes (presets), drawn on the model's device.
+
+    Every tensor draws from its own generator seeded by (seed, name), and each routed expert of
+    a stacked expert tensor by (seed, name, global expert id): a colocated model, the attention
+    and FFN halves of AFD ranks, and expert-parallel shards built with the same seed hold equal
+    values for every tensor they share (on the same device type and dtype)."""
+    gen = torch.Generator(device=next(model.parameters()).device)
+    held = _held_experts(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("tid2eid"):
             experts = model.config.num_experts
+            gen.manual_seed(_tensor_seed(seed, name))
             keys = torch.rand(tensor.shape[0], experts, generator=gen, device=tensor.device)
             tensor.copy_(keys.argsort(dim=-1)[:, : tensor.shape[1]])
         elif name.endswith("norm.weight"):
             tensor.fill_(1.0)
-        elif name.endswith("e_score_correction_bias"):
-            tensor.normal_(0.0, 0.01, generator=gen)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts = held.get(name, range(tensor.shape[0]))
+            for index, expert in enumerate(experts):  # [E, out, in]: one slice per expert
+                gen.manual_seed(_tensor_seed(seed, name, expert))
+                tensor[index].normal_(0.0, std, generator=gen)
         else:
-            tensor.normal_(0.0, std, generator=gen)
+            gen.manual_seed(_tensor_seed(seed, name))
+            spread = 0.01 if name.endswith("e_score_correction_bias") else std
+            tensor.normal_(0.0, spread, generator=gen)

@@ -1,11 +1,14 @@
 """Published model configs, as Hugging Face config.json dicts, for random-weight benchmarks at real
 sizes (`afdserve bench decode --preset NAME --random-weights`). Only fields afdserve or transformers
-read are kept; each preset names the config.json it was copied from.
+read are kept; each preset names the config.json it was copied from. `write_preset_config` (the
+`afdserve make-config` command) writes one as a model directory for `load_format="dummy"`.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 from afdserve.model.config import ModelConfig, parse_model_config
@@ -153,3 +156,21 @@ def preset_hf_config(name: str) -> dict[str, Any]:
 
 def preset_config(name: str) -> ModelConfig:
     return parse_model_config(preset_hf_config(name))
+
+
+def write_preset_config(name: str, out_dir: str | Path) -> Path:
+    """Write the preset's config.json into `out_dir` (created if needed): a model directory with
+    no weights and no tokenizer, for `load_format="dummy"`. An equal config.json already there is
+    kept; any other file there is refused."""
+    config = preset_hf_config(name)
+    out_dir = Path(out_dir)
+    path = out_dir / "config.json"
+    existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if existing:
+        if existing != ["config.json"] or json.loads(path.read_text()) != config:
+            raise FileExistsError(f"out_dir={str(out_dir)!r} holds {existing}, not this preset's "
+                                  f"config.json alone; give a new or empty folder")
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
