@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write one JSON line per rank per step (to PATH)")
     p.add_argument("--heartbeat-timeout", type=float, default=AFDConfig.heartbeat_timeout_s,
                    metavar="S", help="an attention rank silent this long means a rank is hung")
+    p.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction,
+                   default=e["use_tqdm_on_load"].default,
+                   help="a progress bar over checkpoint shards while loading (on a terminal)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -78,6 +81,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
         "ffn_expert_parallel": args.ffn_expert_parallel,
         "expert_placement": args.expert_placement,
+        "use_tqdm_on_load": args.use_tqdm_on_load,
     }
 
 
@@ -94,6 +98,7 @@ def check_engine_args(kwargs: dict) -> None:
         max_model_len=kwargs["max_model_len"], kv_cache_blocks=kwargs["kv_cache_blocks"],
         block_size=kwargs["block_size"],
         gpu_memory_utilization=float(kwargs["gpu_memory_utilization"]), seed=kwargs["seed"],
+        use_tqdm_on_load=kwargs["use_tqdm_on_load"],
     )
     AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
               gate_on_attention=kwargs["gate_on_attention"],

@@ -69,6 +69,7 @@ class LLM:
         seed: int = 0,
         ffn_expert_parallel: bool = False,
         expert_placement: Sequence[Sequence[int]] | None = None,
+        use_tqdm_on_load: bool = True,
     ) -> None:
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
@@ -84,6 +85,7 @@ class LLM:
             block_size=block_size,
             gpu_memory_utilization=float(gpu_memory_utilization),
             seed=seed,
+            use_tqdm_on_load=use_tqdm_on_load,
         )
         self.afd_config = AFDConfig(
             topology=topology,

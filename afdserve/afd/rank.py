@@ -22,7 +22,13 @@ from afdserve.afd.recorder import StepRecorder
 from afdserve.afd.wire import Wire
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
 from afdserve.engine.engine_core import EngineCore
-from afdserve.engine.factory import MemoryReport, create_engine_core, half_parts, parameter_bytes
+from afdserve.engine.factory import (
+    MemoryReport,
+    create_engine_core,
+    half_parts,
+    load_progress,
+    parameter_bytes,
+)
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN
 from afdserve.layout.experts import resolve_placement
 from afdserve.model.config import load_model_config
@@ -75,7 +81,7 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
         boundary = LocalFFN(core.model)
     elif in_process:
         ffn_model, _ = load_model(spec.engine.model, half_parts("ffn", gate), spec.engine.dtype,
-                                  str(device))
+                                  str(device), load_progress(spec.engine, rank))
         wire = _wire(spec, 1)
         boundary = InProcessConnector(ffn_model, gate, wire)
         ffn_memory = MemoryReport("ffn", 1, parameter_bytes(ffn_model), 0,
@@ -111,7 +117,8 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
                                       topology.ffn_ranks)
         held = placement[topology.ffn_index(rank)]
         parts = dataclasses.replace(parts, experts=held)
-    model, _ = load_model(spec.engine.model, parts, spec.engine.dtype, str(device))
+    model, _ = load_model(spec.engine.model, parts, spec.engine.dtype, str(device),
+                          load_progress(spec.engine, rank))
     wire = _wire(spec, rank)
     expert = None
     if topology.expert_parallel:

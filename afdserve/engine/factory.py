@@ -84,12 +84,20 @@ def kv_blocks_for(
     return blocks
 
 
+def load_progress(config: EngineConfig, rank: int) -> bool | None:
+    """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
+    as in vLLM, because bars from several processes on one terminal overwrite each other."""
+    return None if config.use_tqdm_on_load and rank == 0 else False
+
+
 def create_engine_core(
     config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
-    model, report = load_model(config.model, parts, config.dtype, str(device))
+    model, report = load_model(
+        config.model, parts, config.dtype, str(device), load_progress(config, rank)
+    )
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)

@@ -13,12 +13,14 @@ import contextlib
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
@@ -37,6 +39,9 @@ _PART = {
     "down_proj": "down",
     "w2": "down",
 }
+
+
+PROGRESS_DESC = "Loading safetensors checkpoint shards"
 
 
 class CheckpointError(ValueError):
@@ -123,18 +128,26 @@ def _target(name: str) -> tuple[str, int | None, str | None]:
 
 
 def load_weights(
-    model: MoECausalLM, model_dir: str | Path, known_names: set[str] | None = None
+    model: MoECausalLM,
+    model_dir: str | Path,
+    known_names: set[str] | None = None,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Fill `model` from the checkpoint. `known_names`: every tensor name of the whole model, so a
-    tensor of the other half counts as skipped rather than unexpected."""
+    tensor of the other half counts as skipped rather than unexpected. `progress`: a bar over the
+    shards on stderr; None draws it only when stderr is a terminal, so that logs and pipes get no
+    carriage returns."""
     model_dir = Path(model_dir)
+    files = _checkpoint_files(model_dir)
     expected = model.expected_tensors()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     filled: dict[str, set] = {name: set() for name in expected}
     held = _held_experts(model)
     report = LoadReport()
-    for path in _checkpoint_files(model_dir):
+    bar = tqdm(files, desc=PROGRESS_DESC, unit="shard", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)  # fmt: skip
+    for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target, expert, part = _target(name)
@@ -245,11 +258,15 @@ def all_tensor_names(config: ModelConfig) -> set[str]:
 
 
 def load_model(
-    model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu"
+    model_dir: str | Path,
+    parts: ModelParts,
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool | None = None,
 ) -> tuple[MoECausalLM, LoadReport]:
     config = load_model_config(model_dir)
     model = build_model(config, parts, resolve_dtype(dtype, config), device)
-    report = load_weights(model, model_dir, all_tensor_names(config))
+    report = load_weights(model, model_dir, all_tensor_names(config), progress)
     return model, report
 
 
