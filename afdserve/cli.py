@@ -153,11 +153,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         **{name: getattr(args, name) for name in RELIABILITY_OPTIONS},
     )
-    if args.generation_config not in ("auto", "vllm"):
-        from afdserve.server.convert import generation_defaults
+    from afdserve.engine.generation_config import generation_defaults
+    from afdserve.model.bundled import resolve_model
 
-        generation_defaults(args.generation_config, "")  # a wrong path: one line, now
-    return run_server(lambda: LLM(**kwargs), options)
+    # A bad file or directory: one line, now. The LLM reads the same source, so that its
+    # get_default_sampling_params() agrees with the server's request defaults.
+    generation_defaults(args.generation_config, resolve_model(kwargs["model"]))
+    return run_server(lambda: LLM(**kwargs, generation_config=args.generation_config), options)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
