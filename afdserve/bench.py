@@ -334,8 +334,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main_bench)
     from afdserve.bench_control import add_control_parser
+    from afdserve.bench_serve import add_serve_parser
 
     add_control_parser(kinds)
+    add_serve_parser(kinds)
     from afdserve.bench_transport import add_transport_parser
 
     add_transport_parser(kinds)
