@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from afdserve.config import AFDConfig, EngineConfig, GraphConfig, check_model_dir
+from afdserve.config import CONNECTORS, AFDConfig, EngineConfig, GraphConfig, check_model_dir
 
 
 def _sizes(text: str) -> list[int]:
@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=_sizes, default=None,
                    help="comma-separated capture sizes (default: 1,2,4,8,16,... to max-num-seqs)")
     p.add_argument("--ubatches", type=int, default=AFDConfig.ubatches)
+    p.add_argument("--connector", default=AFDConfig.connector, choices=CONNECTORS,
+                   help="p2p: one process (and device) per rank; inprocess: 1A1F with both "
+                        "halves in one process; auto: inprocess for 1A1F on cuda, else p2p")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="run the MoE router on the attention ranks")
     p.add_argument("--ffn-expert-parallel", action="store_true",
@@ -75,7 +78,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
         "graph_mode": args.graph_mode, "cuda_graph_sizes": args.cuda_graph_sizes,
         "ubatches": args.ubatches, "gate_on_attention": args.gate_on_attention,
-        "log_step_plan": args.log_step_plan,
+        "log_step_plan": args.log_step_plan, "connector": args.connector,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "frontend_address": args.frontend_address,
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
@@ -102,7 +105,7 @@ def check_engine_args(kwargs: dict) -> None:
     )
     AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
               gate_on_attention=kwargs["gate_on_attention"],
-              log_step_plan=kwargs["log_step_plan"],
+              log_step_plan=kwargs["log_step_plan"], connector=kwargs["connector"],
               heartbeat_timeout_s=kwargs["heartbeat_timeout_s"],
               ffn_expert_parallel=kwargs["ffn_expert_parallel"],
               expert_placement=kwargs["expert_placement"])
