@@ -153,7 +153,7 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
                     last = now
                 elif chunk.get("usage"):
                     result.output_tokens = int(chunk["usage"]["completion_tokens"])
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # transport or a bad chunk
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.e2e_s = (last if last is not None else time.perf_counter()) - start
