@@ -346,10 +346,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     from afdserve.bench_capacity import add_capacity_parser
     from afdserve.bench_control import add_control_parser
     from afdserve.bench_generate import add_generate_parser
-
-    add_control_parser(kinds)
+    from afdserve.bench_serve import add_serve_parser
     from afdserve.bench_transport import add_transport_parser
 
+    add_control_parser(kinds)
+    add_serve_parser(kinds)
     add_transport_parser(kinds)
     add_generate_parser(kinds)
     add_capacity_parser(kinds)

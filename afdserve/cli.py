@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write one JSON line per rank per step (to PATH)")
     p.add_argument("--heartbeat-timeout", type=float, default=AFDConfig.heartbeat_timeout_s,
                    metavar="S", help="an attention rank silent this long means a rank is hung")
+    p.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction,
+                   default=e["use_tqdm_on_load"].default,
+                   help="a progress bar over checkpoint shards while loading (on a terminal)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -92,6 +95,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "load_format": args.load_format,
         "ffn_expert_parallel": args.ffn_expert_parallel,
         "expert_placement": args.expert_placement,
+        "use_tqdm_on_load": args.use_tqdm_on_load,
     }
 
 
@@ -108,7 +112,7 @@ def check_engine_args(kwargs: dict) -> None:
         max_model_len=kwargs["max_model_len"], kv_cache_blocks=kwargs["kv_cache_blocks"],
         block_size=kwargs["block_size"],
         gpu_memory_utilization=float(kwargs["gpu_memory_utilization"]), seed=kwargs["seed"],
-        load_format=kwargs["load_format"],
+        load_format=kwargs["load_format"], use_tqdm_on_load=kwargs["use_tqdm_on_load"],
     )
     afd = AFDConfig(topology=kwargs["topology"], ubatches=kwargs["ubatches"],
                     connector=kwargs["connector"],
@@ -165,11 +169,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         **{name: getattr(args, name) for name in RELIABILITY_OPTIONS},
     )
-    if args.generation_config not in ("auto", "vllm"):
-        from afdserve.server.convert import generation_defaults
+    from afdserve.engine.generation_config import generation_defaults
+    from afdserve.model.bundled import resolve_model
 
-        generation_defaults(args.generation_config, "")  # a wrong path: one line, now
-    return run_server(lambda: LLM(**kwargs), options)
+    # A bad file or directory: one line, now. The LLM reads the same source, so that its
+    # get_default_sampling_params() agrees with the server's request defaults.
+    generation_defaults(args.generation_config, resolve_model(kwargs["model"]))
+    return run_server(lambda: LLM(**kwargs, generation_config=args.generation_config), options)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

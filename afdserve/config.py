@@ -58,6 +58,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     seed: int = 0
     load_format: str = "auto"
+    use_tqdm_on_load: bool = True  # a progress bar over checkpoint shards, on a terminal
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -81,6 +82,8 @@ class EngineConfig:
         _require(
             ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]"
         )
+        _require(isinstance(self.use_tqdm_on_load, bool), owner, "use_tqdm_on_load",
+                 self.use_tqdm_on_load, "True or False")  # fmt: skip
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from afdserve.afd.recorder import StepLogFile
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput as SequenceOutput
+from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.outputs import RequestOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.tokenizer import load_tokenizer
@@ -70,10 +71,17 @@ class LLM:
         load_format: str = "auto",
         ffn_expert_parallel: bool = False,
         expert_placement: Sequence[Sequence[int]] | None = None,
+        use_tqdm_on_load: bool = True,
+        generation_config: str = "auto",
     ) -> None:
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
         model = resolve_model(model)
+        self.generation_config = generation_config
+        self._generation_defaults = generation_defaults(generation_config, model)
+        if self._generation_defaults:
+            log.info("default sampling parameters from the generation config: %s",
+                     self._generation_defaults)
         self.engine_config = EngineConfig(
             model=model,
             device=device,
@@ -86,6 +94,7 @@ class LLM:
             gpu_memory_utilization=float(gpu_memory_utilization),
             seed=seed,
             load_format=load_format,
+            use_tqdm_on_load=use_tqdm_on_load,
         )
         self.afd_config = AFDConfig(
             topology=topology,
@@ -137,6 +146,12 @@ class LLM:
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
 
     # ----- generation -----
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams (vLLM's rule): the
+        generation config's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens (as max_tokens) where it sets them, SamplingParams' defaults elsewhere."""
+        return SamplingParams(**self._generation_defaults)
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -152,6 +167,8 @@ class LLM:
         (`out.outputs[i]`). A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids". Every prompt is checked before any runs."""
         prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
         encoded = [_prompt_tokens(self, p) for p in prompts]
         for p in params:
@@ -243,10 +260,8 @@ def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInp
 
 
 def _params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     params = list(sampling_params)

@@ -95,7 +95,7 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     if topology.colocated:
         boundary = LocalFFN(core.model)
     elif in_process:
-        ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device)
+        ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
         wire = _wire(spec, 1)
         boundary = InProcessConnector(ffn_model, gate, wire)
         ffn_memory = MemoryReport("ffn", 1, parameter_bytes(ffn_model), 0,
@@ -137,7 +137,7 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
                                       topology.ffn_ranks)
         held = placement[topology.ffn_index(rank)]
         parts = dataclasses.replace(parts, experts=held)
-    model, _ = load_half(spec.engine, parts, device)
+    model, _ = load_half(spec.engine, parts, device, rank)
     wire = _wire(spec, rank)
     expert = None
     if topology.expert_parallel:

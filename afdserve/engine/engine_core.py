@@ -81,8 +81,17 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    arrival_time: float = 0.0
+    # time.monotonic() of this rank's process: compare them with each other, not across hosts.
+    arrival_time: float = 0.0  # the engine accepted the request
+    first_scheduled_time: float | None = None  # the first step that computes any of its tokens
     first_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds in the scheduler's waiting queue before its first step (vLLM's queue time)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -90,6 +99,7 @@ class _Tracked:
     seq: Sequence
     detok: IncrementalDetokenizer
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     emitted_tokens: int = 0
     emitted_text: int = 0
@@ -154,6 +164,11 @@ class EngineCore:
     # ----- steps -----
     def schedule(self) -> tuple[SchedulerOutput, RankStep]:
         out = self.scheduler.schedule()
+        now = time.monotonic()
+        for entry in out.scheduled:
+            tracked = self.requests.get(entry.seq.request_id)
+            if tracked is not None and tracked.first_scheduled_time is None:
+                tracked.first_scheduled_time = now
         return out, RankStep(out.num_tokens, out.num_reqs, out.uniform_decode)
 
     def idle_work(self) -> SchedulerOutput:
@@ -237,6 +252,7 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs),
             arrival_time=t.arrival_time,
+            first_scheduled_time=t.first_scheduled_time,
             first_token_time=t.first_token_time,
         )
 

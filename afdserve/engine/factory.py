@@ -85,12 +85,18 @@ def kv_blocks_for(
     return blocks
 
 
+def load_progress(config: EngineConfig, rank: int) -> bool | None:
+    """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
+    as in vLLM, because bars from several processes on one terminal overwrite each other."""
+    return None if config.use_tqdm_on_load and rank == 0 else False
+
+
 def create_engine_core(
     config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
-    model, report = load_half(config, parts, device)
+    model, report = load_half(config, parts, device, rank)
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
@@ -110,12 +116,12 @@ def create_engine_core(
     return engine, report, memory
 
 
-def load_half(config: EngineConfig, parts: ModelParts, device: torch.device
+def load_half(config: EngineConfig, parts: ModelParts, device: torch.device, rank: int = 0
               ) -> tuple[MoECausalLM, LoadReport]:
     """One half of the configured model, read or drawn as `config.load_format` says. Every rank
     draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
     return load_model(config.model, parts, config.dtype, str(device), config.load_format,
-                      config.seed)
+                      config.seed, load_progress(config, rank))
 
 
 def parameter_bytes(model: MoECausalLM) -> int:

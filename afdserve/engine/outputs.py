@@ -32,7 +32,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # The engine's clock (time.monotonic() of the rank that ran the prompt), earliest candidate.
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
 
@@ -93,7 +95,10 @@ def gather(
         )
         for i, c in enumerate(chosen)
     ]
-    firsts = [c.first_token_time for c in candidates if c.first_token_time is not None]
+    def earliest(times: list[float | None]) -> float | None:
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
+
     return RequestOutput(
         request_id=request_id,
         prompt=prompt,
@@ -101,6 +106,7 @@ def gather(
         outputs=outputs,
         finished=all(c.finished for c in candidates),
         arrival_time=min(c.arrival_time for c in candidates),
-        first_token_time=min(firsts) if firsts else None,
+        first_scheduled_time=earliest([c.first_scheduled_time for c in candidates]),
+        first_token_time=earliest([c.first_token_time for c in candidates]),
         candidates=candidates,
     )

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import re
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from afdserve.config import LOAD_FORMATS
 from afdserve.model.attention import GQAAttention
@@ -39,6 +41,9 @@ _PART = {
     "down_proj": "down",
     "w2": "down",
 }
+
+
+PROGRESS_DESC = "Loading safetensors checkpoint shards"
 
 
 class CheckpointError(ValueError):
@@ -125,18 +130,26 @@ def _target(name: str) -> tuple[str, int | None, str | None]:
 
 
 def load_weights(
-    model: MoECausalLM, model_dir: str | Path, known_names: set[str] | None = None
+    model: MoECausalLM,
+    model_dir: str | Path,
+    known_names: set[str] | None = None,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Fill `model` from the checkpoint. `known_names`: every tensor name of the whole model, so a
-    tensor of the other half counts as skipped rather than unexpected."""
+    tensor of the other half counts as skipped rather than unexpected. `progress`: a bar over the
+    shards on stderr; None draws it only when stderr is a terminal, so that logs and pipes get no
+    carriage returns."""
     model_dir = Path(model_dir)
+    files = _checkpoint_files(model_dir)
     expected = model.expected_tensors()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     filled: dict[str, set] = {name: set() for name in expected}
     held = _held_experts(model)
     report = LoadReport()
-    for path in _checkpoint_files(model_dir):
+    bar = tqdm(files, desc=PROGRESS_DESC, unit="shard", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)  # fmt: skip
+    for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target, expert, part = _target(name)
@@ -248,7 +261,7 @@ def all_tensor_names(config: ModelConfig) -> set[str]:
 
 def load_model(
     model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu",
-    load_format: str = "auto", seed: int = 0,
+    load_format: str = "auto", seed: int = 0, progress: bool | None = None,
 ) -> tuple[MoECausalLM, LoadReport]:
     """One half of the model in `model_dir`. `load_format`: "auto" and "safetensors" read the
     checkpoint; "dummy" reads config.json only and draws random weights from `seed` (the same
@@ -260,7 +273,7 @@ def load_model(
     if load_format == "dummy":
         init_random_weights(model, seed)
         return model, LoadReport(bytes=_tensor_bytes(model.expected_tensors()))
-    report = load_weights(model, model_dir, all_tensor_names(config))
+    report = load_weights(model, model_dir, all_tensor_names(config), progress)
     return model, report
 
 

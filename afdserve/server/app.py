@@ -172,7 +172,7 @@ def create_app(
 ) -> FastAPI:
     """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`.
     `chat_template` (a Jinja template) replaces the tokenizer's own; `generation_config` says
-    where request defaults come from (convert.generation_defaults). `options` gives the limits
+    where request defaults come from (engine/generation_config.py). `options` gives the limits
     (and, when given, every other field: the arguments before it are then ignored)."""
     if options is None:
         options = ServeOptions(

@@ -3,10 +3,8 @@ SamplingParams per engine sequence (n choices, or best_of candidates, per prompt
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
@@ -21,33 +19,6 @@ log = logging.getLogger("afdserve.server")
 
 MAX_CHOICES = 128  # engine sequences one HTTP request may start (prompts x best_of)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-# generation_config.json key -> request field, the keys vLLM reads as server defaults.
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def generation_defaults(source: str, model_dir: str) -> dict[str, Any]:
-    """--generation-config: "auto" reads the model's generation_config.json (if any), "vllm"
-    uses none, anything else is a directory holding a generation_config.json. The values become
-    the defaults of requests that leave those fields out."""
-    if source == "vllm":
-        return {}
-    directory = Path(model_dir if source == "auto" else source)
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        if source == "auto":
-            return {}
-        raise ValueError(f"generation_config={source!r}: no generation_config.json there")
-    config = json.loads(path.read_text())
-    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items() if key in config}
 
 
 def check_fields(body: api.SamplingFields) -> None:
@@ -148,7 +119,8 @@ def sampling_params(
     defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
-    `defaults` (from --generation-config) fill the fields the request left out."""
+    `defaults` (engine/generation_config.py, from --generation-config) fill the fields the
+    request left out."""
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "logprobs": logprobs,

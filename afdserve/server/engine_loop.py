@@ -274,7 +274,6 @@ class Generation:
             if isinstance(errors[0], RequestError):
                 raise bad_request(str(errors[0]))
             raise APIError(503, public_message(str(errors[0])), rejected="unavailable")
-        self.metrics.queued(time.monotonic() - self.arrived_at)
         self.metrics.prompt_tokens(sum(len(p) for p in self.prompts))
 
     def _drop(self) -> None:
@@ -342,6 +341,8 @@ class Generation:
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         now = time.monotonic()
+        if self.outputs[index] is None and out.queue_time is not None:
+            self.metrics.queued(out.queue_time)
         self.outputs[index] = out
         if index in self.waiting and (out.new_token_ids or out.finished):
             self.waiting.discard(index)

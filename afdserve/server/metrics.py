@@ -137,7 +137,8 @@ class ServerMetrics:
         )
         self._queue = histogram(
             "vllm:request_queue_time_seconds",
-            "Seconds from the HTTP request's arrival to the engine accepting it",
+            "Seconds from a request's arrival at its attention rank's engine to the first step "
+            "that computes any of its tokens",
             REQUEST_BUCKETS,
         )
         self.registry.register(EngineCollector(snapshot, model))

@@ -25,7 +25,7 @@ class ServeOptions:
     uvicorn_log_level: str = "warning"
     stats_interval_s: float = STATS_INTERVAL_S
     chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
-    generation_config: str = "auto"  # "auto", "vllm" or a directory (convert.generation_defaults)
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (engine/generation_config.py)
     # Reliability. "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
     on_engine_failure: str = "exit"
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from afdserve.server import convert
+from afdserve.engine.generation_config import generation_defaults
 from afdserve.server import responses as shape
 from afdserve.server.engine_loop import EngineLoop, Generation
 from afdserve.server.limits import Admission
@@ -56,7 +56,7 @@ class ServerState:
         self.model_name = self.served_model_name or llm.model_name
         self.max_model_len = llm.engine.max_model_len
         self.vocab_size = llm.engine.vocab_size
-        self.defaults = convert.generation_defaults(self.generation_config, llm.engine_config.model)
+        self.defaults = generation_defaults(self.generation_config, llm.engine_config.model)
         if self.defaults:
             log.info(
                 "defaults of requests that leave them out (generation config): %s", self.defaults

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.loader import CheckpointError, load_model
+from afdserve.config import EngineConfig
+from afdserve.model.loader import PROGRESS_DESC, CheckpointError, load_model
 from afdserve.model.model import ModelParts
 from afdserve.model.tiny import make_tiny_model, shard_checkpoint
 
@@ -59,6 +60,28 @@ def test_sharded_checkpoint_loads_and_generates_identically(
     for name, tensor in split.state_dict().items():
         assert torch.equal(tensor, want[name]), name
     assert greedy(sharded) == greedy(src)
+
+
+def test_progress_bar_over_shards_can_be_switched_off(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    src = tiny_models["qwen3_moe"]
+    total = (src / "model.safetensors").stat().st_size
+    sharded = shard_checkpoint(src, tmp_path / "sharded", max_shard_bytes=total // 3)
+    shards = len(list(sharded.glob("*.safetensors")))
+    single, _ = load_model(src, ModelParts.colocated(), "float32", progress=False)
+    assert capsys.readouterr().err == ""
+    shown, _ = load_model(sharded, ModelParts.colocated(), "float32", progress=True)
+    err = capsys.readouterr().err
+    assert PROGRESS_DESC in err and f"{shards}/{shards}" in err
+    # The default draws only on a terminal; pytest's captured stderr is not one.
+    load_model(sharded, ModelParts.colocated(), "float32")
+    assert capsys.readouterr().err == ""
+    want = single.state_dict()
+    for name, tensor in shown.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    with pytest.raises(ValueError, match="EngineConfig.use_tqdm_on_load='no'"):
+        EngineConfig(model=str(src), use_tqdm_on_load="no")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", sorted(EXPERT_DOWN))

@@ -107,6 +107,18 @@ def start_cli_server(tmp_path: Path, port: int, *args: str) -> ServerProcess:
     return ServerProcess(proc, port, marker, log_path)
 
 
+def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def rank_pids(pid: int) -> dict[int, int]:
     """rank -> pid of the rank processes the server `pid` started (RANK in their environment)."""
     ranks = {}

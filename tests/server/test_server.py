@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from afdserve import LLM, SamplingParams
 from afdserve.server.app import build_app, create_app
@@ -32,6 +31,7 @@ from .conftest import (
     child_pids,
     free_port,
     marked_pids,
+    metrics,
     start_server,
 )
 
@@ -68,15 +68,6 @@ def chat_ids(oracle: LLM, messages: list[dict]) -> list[int]:
         messages, add_generation_prompt=True, tokenize=False
     )
     return oracle.encode(text)
-
-
-def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def requests_counted(server: ServerProcess, endpoint: str, status: int) -> float:

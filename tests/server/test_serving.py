@@ -386,6 +386,7 @@ def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureF
         (["/no/such/model"], "model='/no/such/model': no such directory"),
         (["--topology", "2A3F"], "topology"),
         (["--max-num-seqs", "0"], "EngineConfig.max_num_seqs=0"),
+        (["--topology", "2A1F", "--connector", "inprocess"], "AFDConfig.connector='inprocess'"),
         (["--generation-config", "/no/dir"], "generation_config='/no/dir'"),
         (["--chat-template", "missing.jinja"], "chat_template='missing.jinja'"),
     ],
@@ -400,6 +401,17 @@ def test_config_errors_are_one_line_before_anything_starts(args: list[str], mess
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("afdserve: error:")
     assert "Traceback" not in proc.stderr and "listening" not in proc.stderr
+
+
+def test_engine_flags_reach_the_llm() -> None:
+    from afdserve.cli import build_parser, llm_kwargs
+
+    args = build_parser().parse_args(
+        ["serve", "--topology", "1A1F", "--connector", "p2p", "--no-use-tqdm-on-load"]
+    )
+    kwargs = llm_kwargs(args)
+    assert (kwargs["connector"], kwargs["use_tqdm_on_load"]) == ("p2p", False)
+    assert llm_kwargs(build_parser().parse_args(["serve"]))["use_tqdm_on_load"] is True
 
 
 def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
