@@ -132,6 +132,7 @@ class DecodeSteps:
                  boundary: FFNBoundary | None = None):
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
+        self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
         bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
         self.width = math.ceil(last / bs)
         dtype = TORCH_DTYPES[spec.dtype]
@@ -202,9 +203,13 @@ class DecodeSteps:
         inputs = self._inputs()
         self._advance()
         timer = _Timer(self.device)
+        if self.stamps is not None:
+            self.stamps.mark()
         hidden = forward(inputs, plan, step)
         next_ids = self.runner.logits(hidden, inputs).argmax(dim=-1)
         self.input_ids.copy_(next_ids)
+        if self.stamps is not None:
+            self.stamps.mark()
         seconds = timer.stop()
         self.step_index += 1
         return next_ids, seconds

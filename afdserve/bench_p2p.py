@@ -4,13 +4,15 @@ attention driver with an `AttentionConnector`; the FFN process steps its FFN dri
 reports, so both plan the same steps (capture on the first, replay after, when graphs are on).
 
 Also measured, per batch: the data plane alone (a layer's A2E send and E2A reply of the batch's
-tile, no compute, captured in a CUDA graph over every layer) and each GPU's busy share of a step
-(kernel time other than NCCL's, from the profiler, over the step time).
+tile, no compute, captured in a CUDA graph over every layer) and each GPU's busy time per step:
+the step's span less the time its stream stood waiting for the peer, from device timestamps
+around every wait (kernels/triton_stamp.py), in a second run whose graphs hold the stamps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import statistics
 from datetime import timedelta
@@ -52,32 +54,25 @@ def _half(spec: DecodeBench, raw: dict, rank: int, device: torch.device):
     return model
 
 
-def _busy_share(fn, steps: int) -> float:
-    """Share of the wall time of `steps` calls during which the GPU ran kernels other than
-    NCCL's (NCCL kernels include the wait for the peer, which is not work)."""
-    from torch.profiler import ProfilerActivity, profile
+def busy_ns(stamps: list[int]) -> tuple[int, int]:
+    """(span, busy) of one step stamped as [start, (before wait, after wait)..., end]: busy is the
+    span less the time the stream stood in waits for its peer."""
+    if len(stamps) < 2 or len(stamps) % 2:
+        raise ValueError(f"a step needs a start, pairs around waits and an end: {len(stamps)}")
+    span = stamps[-1] - stamps[0]
+    waiting = sum(after - before for before, after in zip(stamps[1:-1:2], stamps[2:-1:2]))
+    return span, span - waiting
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type.name == "CUDA" and "nccl" not in e.name.lower() and e.time_range.end
-    )
-    busy, last = 0.0, float("-inf")
-    for lo, hi in spans:  # union of the kernels' intervals (concurrent kernels count once)
-        lo = max(lo, last)
-        if hi > lo:
-            busy += hi - lo
-            last = hi
-    return busy / 1e3 / max(start.elapsed_time(end), 1e-9)
+
+def _busy(stamps, steps: int) -> float:
+    """Median seconds per step during which the GPU was not waiting for its peer: each step
+    stamped [start, (before, after) every wait..., end] (kernels/triton_stamp.py)."""
+    marks = stamps.read()
+    if len(marks) % steps:
+        raise RuntimeError(f"{len(marks)} stamps do not split into {steps} steps")
+    per = len(marks) // steps
+    return statistics.median(busy_ns(marks[i * per : (i + 1) * per])[1]
+                             for i in range(steps)) / 1e9
 
 
 def _wire_only(rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtype,
@@ -136,6 +131,65 @@ def recorder_plan(spec: DecodeBench, batch: int, topology: Topology):
         (RankStep(batch, batch, True),), topology)
 
 
+def _attention_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, count: int
+                     ) -> list[float]:
+    """`count` decode steps of the attention rank; with `stamps`, the last PROFILED_STEPS are
+    stamped. Returns the step times after warm-up."""
+    config, dtype = model.config, TORCH_DTYPES[spec.dtype]
+    device = next(model.parameters()).device
+    if inboxes is not None:
+        from afdserve.afd.ipc import IPCAttentionConnector
+
+        connector = IPCAttentionConnector(config, inboxes, 0, False)
+    else:
+        connector = AttentionConnector(config, dtype, device, False, Wire(0))
+    connector.stamps = stamps
+    steps = DecodeSteps(model, None, dataclasses.replace(spec, steps=count), batch,
+                        boundary=connector)
+    times = []
+    for i in range(count):
+        steps.stamps = stamps if stamps is not None and i >= count - PROFILED_STEPS else None
+        if steps.stamps is not None and i == count - PROFILED_STEPS:
+            torch.cuda.synchronize()
+            stamps.reset()
+        times.append(steps.step()[1])
+    del steps, connector
+    torch.cuda.synchronize()
+    gc.collect()  # the graphs and the KV cache of this run go before the next run's
+    torch.cuda.empty_cache()
+    return times[WARMUP_STEPS - 1:]
+
+
+def _ffn_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, count: int) -> None:
+    """The FFN rank's side of `_attention_steps`."""
+    device = next(model.parameters()).device
+    transport = None
+    if inboxes is not None:
+        from afdserve.afd.ipc import IPCTransport
+
+        transport = IPCTransport(inboxes, 1)
+    exchange = FFNExchange(model, 1, False, device, Wire(1), transport=transport)
+    recorder = StepRecorder(1, spec.graph_mode, (batch,), ubatches=spec.ubatches)
+    runner = FFNStepRunner(exchange, spec.graph_mode != "none")
+    driver = FFNDriver(runner, recorder, FixedControl((RankStep(batch, batch, True),)),
+                       Topology(1, 1), 1)
+    exchange.transport.stamps = stamps  # captured into the graphs, so set from the first step
+    for i in range(count):
+        profiled = stamps is not None and i >= count - PROFILED_STEPS
+        if profiled and i == count - PROFILED_STEPS:
+            torch.cuda.synchronize()
+            stamps.reset()
+        if profiled:
+            stamps.mark()
+        driver.step()
+        if profiled:
+            stamps.mark()
+    torch.cuda.synchronize()
+    del driver, runner, exchange
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
@@ -157,34 +211,19 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
 
             inboxes = Inboxes(dist.group.WORLD, device, dtype, config.hidden_size, config.top_k,
                               spec.ubatches, 1, tile)
+        # A timed run, then a run with device timestamps around every wait (its graphs hold the
+        # stamp kernels, so it is not the timed one): each role's busy time per step.
+        from afdserve.kernels.triton_stamp import Stamps
+
         if rank == 0:
-            if inboxes is not None:
-                from afdserve.afd.ipc import IPCAttentionConnector
-
-                connector = IPCAttentionConnector(config, inboxes, 0, False)
-            else:
-                connector = AttentionConnector(config, dtype, device, False, Wire(0))
-            # The KV cache of the batch is sized for the profiled steps too.
-            sized = dataclasses.replace(spec, steps=spec.steps + PROFILED_STEPS)
-            steps = DecodeSteps(model, None, sized, batch, boundary=connector)
-            times = [steps.step()[1] for _ in range(steps_total)][WARMUP_STEPS - 1:]
-            busy = _busy_share(steps.step, PROFILED_STEPS)
-            del steps
+            times = _attention_steps(spec, model, batch, inboxes, None, steps_total)
+            stamps = Stamps(device)
+            _attention_steps(spec, model, batch, inboxes, stamps, WARMUP_STEPS + PROFILED_STEPS)
         else:
-            transport = None
-            if inboxes is not None:
-                from afdserve.afd.ipc import IPCTransport
-
-                transport = IPCTransport(inboxes, 1)
-            exchange = FFNExchange(model, 1, False, device, Wire(1), transport=transport)
-            recorder = StepRecorder(1, spec.graph_mode, (batch,), ubatches=spec.ubatches)
-            runner = FFNStepRunner(exchange, spec.graph_mode != "none")
-            driver = FFNDriver(runner, recorder, FixedControl((RankStep(batch, batch, True),)),
-                               topology, 1)
-            for _ in range(steps_total):
-                driver.step()
-            busy = _busy_share(driver.step, PROFILED_STEPS)
-            del driver, runner
+            _ffn_steps(spec, model, batch, inboxes, None, steps_total)
+            stamps = Stamps(device)
+            _ffn_steps(spec, model, batch, inboxes, stamps, WARMUP_STEPS + PROFILED_STEPS)
+        busy = _busy(stamps, PROFILED_STEPS)
         if inboxes is None:
             wire_us = _wire_only(rank, config.num_layers, tile, config.hidden_size, dtype, device,
                                  spec.steps)
@@ -219,8 +258,11 @@ def run_p2p_decode_bench(spec: DecodeBench) -> list[DecodeResult]:
     ffn_busy = dict(got[1])
     out = []
     for batch, step_ms, attention_busy, wire_us in got[0]:
-        print(f"1A1F batch {batch}: step {step_ms:.2f} ms, A2E+E2A {wire_us:.1f} us/layer "
-              f"(data plane alone), busy: attention GPU {attention_busy:.0%}, "
-              f"FFN GPU {ffn_busy[batch]:.0%}")
+        busy = (attention_busy * 1e3, ffn_busy[batch] * 1e3)  # ms per step
+        print(f"1A1F over {spec.connector}, batch {batch}, ubatches {spec.ubatches}: step "
+              f"{step_ms:.2f} ms, A2E+E2A {wire_us:.1f} us/layer (data plane alone); busy per "
+              f"step (not waiting for the peer): attention GPU {busy[0]:.2f} ms "
+              f"({busy[0] / step_ms:.0%}), FFN GPU {busy[1]:.2f} ms ({busy[1] / step_ms:.0%}); "
+              f"step / busier role {step_ms / max(busy):.2f}")
         out.append(DecodeResult(batch, step_ms, 0, 0, None))
     return out

@@ -6,6 +6,7 @@ starts or any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,7 +129,7 @@ class AFDConfig:
     # "p2p": one process per rank over torch.distributed point-to-point (NCCL on CUDA, gloo on
     # CPU); "ipc": one process per rank, each on its own GPU of one host, tiles written straight
     # into the peer's symmetric memory (afd/ipc.py); "inprocess": 1A1F with both halves in this
-    # process (one device); "auto": in-process for 1A1F on CUDA, p2p otherwise.
+    # process (one device); "auto": see `resolve_connector`.
     connector: str = "auto"
     # A collective or transfer that does not complete within this many seconds fails (the
     # process groups' timeout).
@@ -189,6 +190,23 @@ class AFDConfig:
         if self.connector == "ipc" and not device.startswith("cuda"):
             raise ValueError(f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
                              f"memory), got device={device!r}; use connector='p2p' on CPU")
+
+    def resolve_connector(self, device: str, gpus: int, spawned: bool) -> AFDConfig:
+        """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in
+        launcher spawns every rank on a GPU of its own (one host; measured fastest, see
+        afd/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p" otherwise
+        (CPU, ranks started elsewhere, and expert-parallel groups, not yet run over ipc)."""
+        topology = self.parsed_topology
+        if self.connector != "auto" or topology.colocated:
+            return self
+        cuda = device.startswith("cuda")
+        if cuda and spawned and gpus >= topology.world_size and not topology.expert_parallel:
+            chosen = "ipc"
+        elif cuda and spawned and topology == _one_one():
+            chosen = "inprocess"
+        else:
+            chosen = "p2p"
+        return dataclasses.replace(self, connector=chosen)
 
     def in_process(self, device: str) -> bool:
         if self.connector == "auto":

@@ -39,6 +39,14 @@ def _parse_address(text: str | None) -> tuple[str, int] | None:
     return host or "0.0.0.0", int(port)
 
 
+def _cuda_devices(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class LLM:
     """Runs colocated in this process, or starts every rank of an AFD topology as a process.
 
@@ -107,6 +115,8 @@ class LLM:
             ffn_expert_parallel=ffn_expert_parallel,
             expert_placement=expert_placement,
         )
+        self.afd_config = self.afd_config.resolve_connector(
+            device, _cuda_devices(device), spawned=frontend_address is None)
         self.afd_config.check_device(device)
         sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
         self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)

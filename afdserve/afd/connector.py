@@ -85,12 +85,17 @@ def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
 
 
 class _Pending:
-    def __init__(self, works: list, out: torch.Tensor, rows: int, keep: tuple) -> None:
-        self.works, self.out, self.rows, self.keep = works, out, rows, keep
+    def __init__(self, works: list, out: torch.Tensor, rows: int, keep: tuple,
+                 stamps=None) -> None:
+        self.works, self.out, self.rows, self.keep, self.stamps = works, out, rows, keep, stamps
 
     def wait(self) -> torch.Tensor:
+        if self.stamps is not None:
+            self.stamps.mark()
         for work in self.works:
             work.wait()
+        if self.stamps is not None:
+            self.stamps.mark()
         self.keep = ()
         return self.out[: self.rows]
 
@@ -105,6 +110,7 @@ class AttentionConnector:
         self.step = StepCounter(device)
         self.step_number = 0
         self.plan: AttentionRankPlan | None = None
+        self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
         self.plan, self.step_number = plan, step
@@ -142,7 +148,7 @@ class AttentionConnector:
         where = {"step": self.step_number, "layer": layer, "ubatch": ubatch}
         works = self.wire.post([P2P("send", t, peer) for t in sends], **where)
         works += self.wire.post([P2P("recv", out, peer)], **where)
-        return _Pending(works, out, rows, tuple(sends))
+        return _Pending(works, out, rows, tuple(sends), self.stamps)
 
 
 class InProcessConnector:

@@ -57,6 +57,7 @@ class WireTransport:
                  top_k: int) -> None:
         self.wire, self.device, self.dtype = wire, device, dtype
         self.hidden, self.top_k = hidden, top_k
+        self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
         """(hidden [rows, hidden], ids [peers, HEADER + tile], topk ids, topk weights)."""
@@ -72,8 +73,13 @@ class WireTransport:
             ops += [P2P("recv", hidden[lo:hi], peer), P2P("recv", ids[i], peer)]
             if routed:
                 ops += [P2P("recv", topk_ids[lo:hi], peer), P2P("recv", topk_w[lo:hi], peer)]
-        for work in self.wire.post(ops, **where):
+        works = self.wire.post(ops, **where)
+        if self.stamps is not None:
+            self.stamps.mark()
+        for work in works:
             work.wait()
+        if self.stamps is not None:
+            self.stamps.mark()
         return hidden, ids, topk_ids, topk_w
 
     def reply(self, plan: FFNRankPlan, ubatch: int, y: torch.Tensor, where: dict) -> list:

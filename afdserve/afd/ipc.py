@@ -118,8 +118,10 @@ def push(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor | None = None,
 
 
 class _Reply:
-    def __init__(self, inboxes: Inboxes, peer: int, ubatch: int, out: torch.Tensor) -> None:
+    def __init__(self, inboxes: Inboxes, peer: int, ubatch: int, out: torch.Tensor,
+                 stamps=None) -> None:
         self.inboxes, self.peer, self.ubatch, self.out = inboxes, peer, ubatch, out
+        self.stamps = stamps
         self.waited = False
 
     def wait(self) -> torch.Tensor:
@@ -128,7 +130,11 @@ class _Reply:
         if self.waited:
             raise RuntimeError("an IPC reply is waited for once")
         self.waited = True
+        if self.stamps is not None:
+            self.stamps.mark()
         self.inboxes.wait(self.peer, self.ubatch)
+        if self.stamps is not None:
+            self.stamps.mark()
         return self.out
 
 
@@ -142,6 +148,7 @@ class IPCAttentionConnector:
         self.step = StepCounter(inboxes.local.device)
         self.step_number = 0
         self.plan: AttentionRankPlan | None = None
+        self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
         self.plan, self.step_number = plan, step
@@ -169,7 +176,8 @@ class IPCAttentionConnector:
             topk_ids[lo : lo + rows].copy_(routing[0])
             topk_w[lo : lo + rows].copy_(routing[1])
         inboxes.signal(ffn, ubatch)
-        return _Reply(inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows])
+        return _Reply(inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows],
+                      self.stamps)
 
 
 class IPCTransport:
@@ -177,6 +185,7 @@ class IPCTransport:
 
     def __init__(self, inboxes: Inboxes, rank: int) -> None:
         self.inboxes, self.rank = inboxes, rank
+        self.stamps = None  # kernels/triton_stamp.Stamps around the waits: the benches set it
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
         """(hidden [rows, hidden], ids [peers, HEADER + tile], topk ids, topk weights) as views of
@@ -184,8 +193,12 @@ class IPCTransport:
         inboxes = self.inboxes
         rows, tile = plan.receive_rows[ubatch], plan.tile_rows[ubatch]
         inboxes.check_rows(rows, f"FFN rank {self.rank}, {where}")
+        if self.stamps is not None:
+            self.stamps.mark()
         for peer, _, _ in plan.peer_rows(ubatch):
             inboxes.wait(peer, ubatch)
+        if self.stamps is not None:
+            self.stamps.mark()
         peers = len(plan.peers)
         hidden = inboxes.hidden(self.rank, ubatch)[:rows]
         ids = inboxes.ids(self.rank, ubatch)[: peers * (HEADER + tile)].view(peers, HEADER + tile)

@@ -90,7 +90,8 @@ def startup_summary(llm: LLM, model_name: str) -> str:
         dtype = f"auto ({str(next(core.model.parameters()).dtype).removeprefix('torch.')})"
     return (
         f"afdserve {afdserve.__version__}: model {model_name!r} ({config.model}), "
-        f"topology {llm.afd_config.topology}, device {config.device}, dtype {dtype}, "
+        f"topology {llm.afd_config.topology} (connector {llm.afd_config.connector}), "
+        f"device {config.device}, dtype {dtype}, "
         f"max_model_len {limits.max_model_len}, KV cache {kv_tokens} tokens "
         f"({ranks} attention rank(s) x {limits.num_blocks} blocks x {limits.block_size}), "
         f"max concurrency {concurrency:.1f} requests of {limits.max_model_len} tokens "

@@ -129,3 +129,35 @@ def test_ranks_started_elsewhere_join_the_frontend(afd_models, monkeypatch):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize(
+    ("topology", "device", "gpus", "spawned", "chosen"),
+    [
+        ("1A1F", "cuda", 2, True, "ipc"),  # a GPU per rank on this host: the fastest data plane
+        ("2A2F", "cuda", 8, True, "ipc"),
+        ("1A1F", "cuda", 1, True, "inprocess"),  # one GPU: both halves in one process
+        ("2A1F", "cuda", 2, True, "p2p"),  # fewer GPUs than ranks: NCCL refuses, as it says
+        ("1A1F", "cuda", 2, False, "p2p"),  # ranks started elsewhere (torchrun): maybe 2 hosts
+        ("2A1F", "cpu", 0, True, "p2p"),
+        ("colocated", "cuda", 2, True, "auto"),  # no data plane at all
+    ],
+)
+def test_auto_connector_resolves_by_where_ranks_run(topology, device, gpus, spawned, chosen):
+    from afdserve.config import AFDConfig
+
+    resolved = AFDConfig(topology=topology).resolve_connector(device, gpus, spawned)
+    assert resolved.connector == chosen
+    assert AFDConfig(topology=topology, connector="p2p").resolve_connector(
+        device, gpus, spawned).connector == "p2p"  # an explicit choice is kept
+
+
+def test_ipc_needs_cuda_and_an_afd_topology():
+    from afdserve.config import AFDConfig
+
+    with pytest.raises(ValueError, match="connector='ipc' needs device='cuda'"):
+        AFDConfig(topology="1A1F", connector="ipc").check_device("cpu")
+    with pytest.raises(ValueError, match="needs an AFD topology"):
+        AFDConfig(topology="colocated", connector="ipc")
+    with pytest.raises(ValueError, match="connector='ipc' needs device='cuda'"):
+        LLM(None, topology="1A1F", connector="ipc", device="cpu")

@@ -169,7 +169,8 @@ def test_batch_above_largest_capture_runs_eagerly(bf16_model):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"])
 def test_cuda_float32_matches_cpu(tmp_path, family):
     """device='cuda' runs every family (fast attention for GQA, reference MLA and MoE in float32)
-    and gives the CPU engine's greedy tokens; in-process 1A1F on the GPU too."""
+    and gives the CPU engine's greedy tokens; 1A1F on the GPU too, over whatever connector "auto"
+    picks (both halves in one process on one GPU, connector "ipc" on two)."""
     model = make_tiny_model(tmp_path / family, family, hash_layers=1, seed=2)
     prompts = _prompts(6)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

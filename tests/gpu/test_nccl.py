@@ -105,6 +105,15 @@ def test_1a1f_across_gpus_matches_colocated(models, tmp_path, connector, family,
         assert assert_data_plane_matches_plan(tmp_path, records, warmup_steps=0) > 0
 
 
+def test_auto_picks_ipc_with_a_gpu_per_rank(models):
+    model = models["deepseek_v2"]
+    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F",
+             max_num_batched_tokens=16) as llm:
+        assert llm.afd_config.connector == "ipc"
+        got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert got == colocated(model)
+
+
 @pytest.mark.parametrize("connector", ["p2p", "ipc"])
 def test_requests_arriving_mid_run(models, connector):
     model = models["qwen3_moe"]
