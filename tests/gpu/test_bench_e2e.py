@@ -4,6 +4,7 @@ allocates more KV cache than a colocated engine under the same gpu_memory_utiliz
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -44,11 +45,15 @@ def test_generate_bench_1a1f_with_graphs(tmp_path):
 
 
 def test_attention_rank_has_the_room_of_the_experts(tmp_path):
-    """Experts of 3.2 GB in bf16 (64 x 3 x 1024 x 2048 x 4 layers x 2 bytes): the attention
-    rank's cache gets most of that room (the processes' CUDA contexts blur the exact figure)."""
+    """Experts of 6.4 GB in bf16 (64 x 3 x 1024 x 2048 x 8 layers x 2 bytes): the attention
+    rank's cache gets most of that room. The processes' CUDA contexts, and the memory this test
+    process still caches from earlier tests on GPU 0 (the attention rank sees it as used), blur
+    the exact figure: the cache is emptied first and the experts are large against the blur."""
+    gc.collect()
+    torch.cuda.empty_cache()
     config = preset_hf_config("tiny")
     config.update(hidden_size=1024, moe_intermediate_size=2048, num_experts=64,
-                  num_hidden_layers=4, torch_dtype="bfloat16")
+                  num_hidden_layers=8, torch_dtype="bfloat16")
     model = tmp_path / "wide"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))
@@ -58,5 +63,5 @@ def test_attention_rank_has_the_room_of_the_experts(tmp_path):
     assert (attention.topology, colocated.topology) == ("1A1F", "colocated")
     per_block = colocated.cache_bytes // colocated.num_blocks
     experts = colocated.parameter_bytes - attention.parameter_bytes
-    assert experts > 3e9
+    assert experts > 6e9
     assert attention.num_blocks - colocated.num_blocks > 0.7 * experts / per_block

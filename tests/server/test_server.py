@@ -328,6 +328,13 @@ def test_second_sigterm_stops_every_process_at_once(server: ServerProcess) -> No
     assert marked_pids(server.marker) == []
 
 
+def _not_serving(request) -> bool:
+    try:
+        return request().status_code == 503
+    except httpx.ConnectError:
+        return True
+
+
 def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
     """A rank killed mid-request: in-flight requests get a 500 error (streamed or not), /health
     turns 503, new requests are refused, and the server exits 1 (on_engine_failure="exit",
@@ -349,8 +356,10 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
         assert answer.status_code == 500 and "rank" in answer.json()["error"]["message"]
-        assert httpx.get(f"{srv.url}/health").status_code == 503
-        assert httpx.post(url, json=body, timeout=10).status_code == 503
+        # The server may already be on its way out (it exits on engine failure): a refused
+        # connection is as much "not serving" as a 503.
+        assert _not_serving(lambda: httpx.get(f"{srv.url}/health"))
+        assert _not_serving(lambda: httpx.post(url, json=body, timeout=10))
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 1
         assert marked_pids(srv.marker) == []
