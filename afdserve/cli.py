@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction,
                    default=e["use_tqdm_on_load"].default,
                    help="a progress bar over checkpoint shards while loading (on a terminal)")
+    p.add_argument("--control-plane", default=AFDConfig.control_plane,
+                   help="how ranks exchange step reports: auto, gloo or shm (shared memory, "
+                        "one host; auto takes it for worlds this command spawns)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -90,6 +93,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "gate_on_attention": args.gate_on_attention,
         "log_step_plan": args.log_step_plan,
         "heartbeat_timeout_s": args.heartbeat_timeout,
+        "control_plane": args.control_plane,
         "frontend_address": args.frontend_address,
         "seed": getattr(args, "engine_seed", EngineConfig.seed),
         "load_format": args.load_format,
@@ -119,6 +123,7 @@ def check_engine_args(kwargs: dict) -> None:
                     gate_on_attention=kwargs["gate_on_attention"],
                     log_step_plan=kwargs["log_step_plan"],
                     heartbeat_timeout_s=kwargs["heartbeat_timeout_s"],
+                    control_plane=kwargs["control_plane"],
                     ffn_expert_parallel=kwargs["ffn_expert_parallel"],
                     expert_placement=kwargs["expert_placement"])
     afd.check_device(kwargs["device"])

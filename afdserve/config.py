@@ -17,6 +17,7 @@ CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
 # "auto" and "safetensors" read the checkpoint's safetensors; "dummy" builds the model from
 # config.json alone with random weights drawn from EngineConfig.seed (like vLLM's dummy format).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+CONTROL_PLANES = ("auto", "gloo", "shm")
 
 
 def _one_one():
@@ -137,6 +138,10 @@ class AFDConfig:
     # An attention rank that reports no step for this many seconds is hung (or waits on a hung
     # rank): the frontend fails every request and stops the world.
     heartbeat_timeout_s: float = 10.0
+    # How ranks exchange their step reports: "gloo" (an all-gather, any hosts), "shm" (a
+    # shared-memory board, every rank on one x86-64 Linux host), "auto": shm when the built-in
+    # launcher started every rank on this host and the host supports it, gloo otherwise.
+    control_plane: str = "auto"
     # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
     # header it receives) to rank<N>.jsonl there, for `afdserve.afd.wire.mirror_errors`.
     log_data_plane: str | None = None
@@ -173,6 +178,8 @@ class AFDConfig:
         _require(isinstance(self.heartbeat_timeout_s, (int, float))
                  and self.heartbeat_timeout_s > 0, owner, "heartbeat_timeout_s",
                  self.heartbeat_timeout_s, "a number of seconds > 0")
+        _require(self.control_plane in CONTROL_PLANES, owner, "control_plane",
+                 self.control_plane, f"one of {CONTROL_PLANES}")
         _require(self.connector in CONNECTORS, owner, "connector", self.connector,
                  f"one of {CONNECTORS}")
         if self.connector == "ipc" and topology.colocated:

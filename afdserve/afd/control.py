@@ -1,10 +1,16 @@
-"""The control plane: each step every rank all-gathers the attention ranks' RankStep reports over a
-CPU (gloo) group, so every rank holds the same vector and computes the same StepPlan. The same
-all-gather carries shutdown: a rank that sets the flag stops every rank at the same step."""
+"""The control plane: before each step every rank learns every attention rank's RankStep report,
+so every rank holds the same vector and computes the same StepPlan. The same round carries
+shutdown: a rank that sets the flag stops every rank at the same step.
+
+Two implementations, one interface (`exchange`, `close`): `ControlPlane`, an all-gather over a
+CPU (gloo) group, which works across hosts; and `SharedMemoryControl` (control_shm.py), a board in
+shared memory for worlds on one host, several times cheaper per round. `open_control_plane` picks.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,7 +18,10 @@ import torch.distributed as dist
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 
-_FIELDS = 4  # num_tokens, num_reqs, uniform_decode, shutdown
+if TYPE_CHECKING:
+    from afdserve.afd.control_shm import SharedMemoryControl
+
+FIELDS = 4  # num_tokens, num_reqs, uniform_decode, shutdown
 
 
 @dataclass(frozen=True)
@@ -21,27 +30,43 @@ class ControlRound:
     shutdown: bool
 
 
+def encode(report: RankStep | None, shutdown: bool) -> tuple[int, int, int, int]:
+    """One rank's row; FFN ranks (no report) send zeros."""
+    if report is None:
+        return 0, 0, 0, int(shutdown)
+    return report.num_tokens, report.num_reqs, int(report.uniform_decode), int(shutdown)
+
+
+def decode(rows: list[list[int]], topology: Topology) -> ControlRound:
+    """Every rank's row, in rank order -> the attention ranks' reports and the shutdown flag."""
+    reports = tuple(RankStep(rows[r][0], rows[r][1], bool(rows[r][2]))
+                    for r in range(topology.attention_ranks))
+    return ControlRound(reports, any(row[3] for row in rows))
+
+
 class ControlPlane:
     def __init__(self, topology: Topology, group: dist.ProcessGroup) -> None:
         self.topology, self.group = topology, group
-        self._mine = torch.zeros(_FIELDS, dtype=torch.int64)
-        self._all = [torch.zeros(_FIELDS, dtype=torch.int64) for _ in range(topology.world_size)]
+        self._mine = torch.zeros(FIELDS, dtype=torch.int64)
+        self._all = [torch.zeros(FIELDS, dtype=torch.int64) for _ in range(topology.world_size)]
 
     def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
         """Attention ranks pass their report; FFN ranks pass None."""
-        mine = self._mine
-        mine.zero_()
-        if report is not None:
-            mine[0], mine[1], mine[2] = (
-                report.num_tokens,
-                report.num_reqs,
-                int(report.uniform_decode),
-            )
-        mine[3] = int(shutdown)
-        dist.all_gather(self._all, mine, group=self.group)
-        rows = [t.tolist() for t in self._all]
-        reports = tuple(
-            RankStep(rows[r][0], rows[r][1], bool(rows[r][2]))
-            for r in range(self.topology.attention_ranks)
-        )
-        return ControlRound(reports, any(row[3] for row in rows))
+        self._mine.copy_(torch.tensor(encode(report, shutdown), dtype=torch.int64))
+        dist.all_gather(self._all, self._mine, group=self.group)
+        return decode([t.tolist() for t in self._all], self.topology)
+
+    def close(self) -> None:
+        pass
+
+
+def open_control_plane(choice: str, topology: Topology, group: dist.ProcessGroup, rank: int,
+                       timeout_s: float, one_host: bool) -> ControlPlane | SharedMemoryControl:
+    """Every rank of a world calls this at start-up with the same arguments (`one_host`: the
+    built-in launcher spawned the world, so every rank runs on this host); "auto" takes shared
+    memory there when this host supports it, and gloo otherwise (torchrun, several hosts)."""
+    from afdserve.afd.control_shm import SharedMemoryControl, shared_memory_supported
+
+    if choice == "shm" or (choice == "auto" and one_host and shared_memory_supported()):
+        return SharedMemoryControl(topology, group, rank, timeout_s)
+    return ControlPlane(topology, group)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from afdserve.afd.channel import connect
-from afdserve.afd.control import ControlPlane
+from afdserve.afd.control import open_control_plane
 from afdserve.afd.messages import (
     AbortRequest,
     AddRequest,
@@ -54,12 +54,17 @@ def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def spawned_by_frontend() -> bool:
+    """The built-in launcher started this rank, and every rank of its world, on this host."""
+    return "AFDSERVE_STORE_PORT" in os.environ
+
+
 def _store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
     """The rendezvous store. The built-in launcher hands rank 0 a socket bound to loopback
     (AFDSERVE_STORE_FD), so the store listens there only, not on every interface (a store made
     from MASTER_ADDR alone listens on all of them); every rank of such a world then builds its
     store itself. Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
-    if "AFDSERVE_STORE_PORT" not in os.environ:
+    if not spawned_by_frontend():
         return None
     port = int(os.environ["AFDSERVE_STORE_PORT"])
     if rank == 0:
@@ -103,11 +108,12 @@ def worker_main(rank: int, conn: Connection) -> None:
         raise TypeError(f"rank {rank}: expected a WorkerSpec first, got {type(spec).__name__}")
     logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
     torch.set_num_threads(spec.threads)
-    built = None
+    built = control = None
     try:
         control_group, device = init_world(spec, rank)
         expert_group = init_expert_group(spec)
-        control = ControlPlane(spec.topology, control_group)
+        control = open_control_plane(spec.afd.control_plane, spec.topology, control_group, rank,
+                                     spec.afd.timeout_s, one_host=spawned_by_frontend())
         if spec.topology.is_attention(rank):
             built = build_attention_rank(spec, rank, device, control)
         else:
@@ -130,6 +136,8 @@ def worker_main(rank: int, conn: Connection) -> None:
     finally:
         if built is not None and built.wire is not None:
             built.wire.close()
+        if control is not None:
+            control.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -181,7 +189,7 @@ def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
 def main() -> None:
     """`python -m afdserve.afd.worker`: one rank, under the launcher or torchrun.
     AFDSERVE_FRONTEND=host:port and AFDSERVE_AUTHKEY (hex) say where the frontend listens."""
-    if "AFDSERVE_STORE_PORT" in os.environ:
+    if spawned_by_frontend():
         # Spawned by the built-in launcher: the frontend owns this process's life (it drains,
         # then sends Shutdown, and SIGKILLs what is left). A SIGINT or SIGTERM sent to the whole
         # process group (a terminal's Ctrl-C, a supervisor stopping the service) must not kill

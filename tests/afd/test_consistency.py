@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from afdserve import LLM
@@ -73,6 +75,35 @@ def test_afd_requests_added_while_running(afd_models):
                 if out.finished:
                     done[out.request_id] = out.token_ids
     assert [done[f"r{i}"] for i in range(len(prompts))] == want
+
+
+def _control_boards(pid: int) -> set[str]:
+    """The shared-memory control boards a process has mapped, as /proc names them (a name
+    already unlinked ends in ' (deleted)')."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if "/afdserve-control-" in line}
+
+
+@pytest.mark.parametrize("control_plane", ["auto", "gloo", "shm"])
+def test_control_planes_match_colocated(afd_models, control_plane):
+    """Either control plane, as chosen (auto: shm for a world the launcher spawns): the same
+    tokens as colocated. With shm every rank maps the one board, already unlinked; with gloo
+    none maps any."""
+    model = afd_models["qwen3_moe"]
+    prompts = mixed_prompts()
+    want = colocated_tokens(model, prompts)
+    with LLM(str(model), topology="2A1F", dtype="float32", max_num_batched_tokens=16,
+             control_plane=control_plane) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        boards = [_control_boards(p.pid) for p in llm.engine.world.procs]
+    assert got == want
+    if control_plane in ("auto", "shm"):
+        assert len(boards) == 3 and boards[0] == boards[1] == boards[2]
+        (board,) = boards[0]
+        assert board.startswith("/dev/shm/afdserve-control-") and board.endswith(" (deleted)")
+        assert not os.path.exists(board.removesuffix(" (deleted)"))
+    else:
+        assert boards == [set(), set(), set()]
 
 
 @pytest.mark.parametrize(

@@ -26,17 +26,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("victim", "sig", "within_s"),
+    ("victim", "sig", "within_s", "control_plane"),
     [
-        (2, signal.SIGSTOP, HEARTBEAT_S + 3),  # the FFN rank hangs mid-load
-        (1, signal.SIGSTOP, HEARTBEAT_S + 3),  # an attention rank hangs
-        (0, signal.SIGKILL, 3.0),  # an attention rank dies: seen at once
-        (2, signal.SIGKILL, 3.0),  # the FFN rank dies
+        (2, signal.SIGSTOP, HEARTBEAT_S + 3, "shm"),  # the FFN rank hangs mid-load
+        (1, signal.SIGSTOP, HEARTBEAT_S + 3, "shm"),  # an attention rank hangs
+        (0, signal.SIGKILL, 3.0, "shm"),  # an attention rank dies: seen at once
+        (2, signal.SIGKILL, 3.0, "shm"),  # the FFN rank dies
+        (2, signal.SIGSTOP, HEARTBEAT_S + 3, "gloo"),
+        (0, signal.SIGKILL, 3.0, "gloo"),
     ],
 )
-def test_dead_or_hung_rank_fails_the_engine_quickly(afd_models, victim, sig, within_s):
+def test_dead_or_hung_rank_fails_the_engine_quickly(afd_models, victim, sig, within_s,
+                                                    control_plane):
     llm = LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32",
-              heartbeat_timeout_s=HEARTBEAT_S, max_num_batched_tokens=16)
+              heartbeat_timeout_s=HEARTBEAT_S, max_num_batched_tokens=16,
+              control_plane=control_plane)
     pids = [p.pid for p in llm.engine.world.procs]
     try:
         for i in range(4):

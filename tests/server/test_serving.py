@@ -387,6 +387,7 @@ def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureF
         (["--topology", "2A3F"], "topology"),
         (["--max-num-seqs", "0"], "EngineConfig.max_num_seqs=0"),
         (["--topology", "2A1F", "--connector", "inprocess"], "AFDConfig.connector='inprocess'"),
+        (["--control-plane", "nccl"], "AFDConfig.control_plane='nccl' is not allowed"),
         (["--generation-config", "/no/dir"], "generation_config='/no/dir'"),
         (["--chat-template", "missing.jinja"], "chat_template='missing.jinja'"),
     ],
@@ -407,10 +408,12 @@ def test_engine_flags_reach_the_llm() -> None:
     from afdserve.cli import build_parser, llm_kwargs
 
     args = build_parser().parse_args(
-        ["serve", "--topology", "1A1F", "--connector", "p2p", "--no-use-tqdm-on-load"]
+        ["serve", "--topology", "1A1F", "--connector", "p2p", "--no-use-tqdm-on-load",
+         "--control-plane", "shm"]
     )
     kwargs = llm_kwargs(args)
     assert (kwargs["connector"], kwargs["use_tqdm_on_load"]) == ("p2p", False)
+    assert kwargs["control_plane"] == "shm"
     assert llm_kwargs(build_parser().parse_args(["serve"]))["use_tqdm_on_load"] is True
 
 
