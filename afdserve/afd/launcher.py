@@ -10,6 +10,7 @@ import logging
 from afdserve.afd.messages import (
     AbortRequest,
     AddRequest,
+    OutputDelta,
     Outputs,
     RankFailed,
     RankStats,
@@ -30,6 +31,36 @@ log = logging.getLogger(__name__)
 ROUTING_MAX_NEW_TOKENS = 1024
 
 
+class OutputAccumulator:
+    """Rebuilds each request's cumulative `RequestOutput` from the deltas its rank sends."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, tuple[list[int], list[int], list[str], list]] = {}
+
+    def start(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self._requests[request_id] = (list(prompt_token_ids), [], [], [])
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def add(self, delta: OutputDelta) -> RequestOutput:
+        prompt, tokens, texts, logprobs = self._requests[delta.request_id]
+        tokens += delta.new_token_ids
+        texts.append(delta.new_text)
+        logprobs += delta.new_logprobs
+        if len(tokens) != delta.num_tokens:
+            raise WorkerError(f"request {delta.request_id!r}: the rank counts {delta.num_tokens} "
+                              f"tokens, its deltas add up to {len(tokens)}")
+        if len(texts) > 1:  # keep one string: appending stays linear over a long request
+            texts[:] = ["".join(texts)]
+        return RequestOutput(
+            request_id=delta.request_id, prompt_token_ids=prompt, token_ids=list(tokens),
+            text=texts[0], new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
+            finished=delta.finished, finish_reason=delta.finish_reason, logprobs=list(logprobs),
+            arrival_time=delta.arrival_time, first_scheduled_time=delta.first_scheduled_time,
+            first_token_time=delta.first_token_time)
+
+
 class ProcessClient(EngineClient):
     def __init__(
         self,
@@ -45,6 +76,7 @@ class ProcessClient(EngineClient):
         self.outstanding = [0] * spec.topology.attention_ranks
         self.rank_stats: dict[int, RankStats] = {}
         self._carried: list[RequestOutput] = []
+        self._outputs = OutputAccumulator()
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         self.address, self.ready = self.world.address, self.world.ready
         limits = [info.limits for info in self.ready.values() if info.limits is not None]
@@ -67,6 +99,7 @@ class ProcessClient(EngineClient):
         cost = len(prompt_token_ids) + min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
         self.owner[request_id], self.cost[request_id] = rank, cost
         self.outstanding[rank] += cost
+        self._outputs.start(request_id, prompt_token_ids)
         self.world.send(rank, AddRequest(request_id, tuple(prompt_token_ids), params))
 
     def abort(self, request_id: str) -> None:
@@ -76,6 +109,7 @@ class ProcessClient(EngineClient):
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self._outputs.forget(request_id)
         rank = self.owner.pop(request_id, None)
         if rank is not None:
             self.outstanding[rank] -= self.cost.pop(request_id)
@@ -88,9 +122,10 @@ class ProcessClient(EngineClient):
         for msg in self.world.messages(0.0 if results else 0.05):
             if isinstance(msg, Outputs):
                 self.rank_stats[msg.rank] = msg.stats
-                for out in msg.outputs:
-                    if out.request_id not in self.owner:
+                for delta in msg.outputs:
+                    if delta.request_id not in self.owner:
                         continue  # aborted meanwhile
+                    out = self._outputs.add(delta)
                     results.append(out)
                     if out.finished:
                         self._forget(out.request_id)

@@ -26,6 +26,7 @@ from afdserve.afd.messages import (
     AbortRequest,
     AddRequest,
     Hello,
+    OutputDelta,
     Outputs,
     RankFailed,
     RankStats,
@@ -177,7 +178,8 @@ def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
         if result.shutdown:
             return
         if result.outputs or time.monotonic() - last_sent > HEARTBEAT_S:
-            conn.send(Outputs(rank, tuple(result.outputs), _stats(built)))
+            deltas = tuple(OutputDelta.of(out) for out in result.outputs)
+            conn.send(Outputs(rank, deltas, _stats(built)))
             last_sent = time.monotonic()
         if result.has_work:
             idle_sleep = IDLE_SLEEP_S[0]
