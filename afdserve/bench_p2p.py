@@ -25,7 +25,7 @@ from afdserve.afd.connector import HEADER, AttentionConnector
 from afdserve.afd.driver import FFNDriver, FixedControl
 from afdserve.afd.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.recorder import StepRecorder
-from afdserve.afd.wire import P2P, Wire
+from afdserve.afd.wire import Wire
 from afdserve.bench import WARMUP_STEPS, DecodeBench, DecodeResult, DecodeSteps
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
@@ -75,51 +75,18 @@ def _busy(stamps, steps: int) -> float:
                              for i in range(steps)) / 1e9
 
 
-def _wire_only(rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtype,
-               device: torch.device, steps: int) -> float:
-    """Microseconds per layer for the A2E send and E2A reply of one tile, nothing else: each
-    side posts its two mirrored batches per layer, all layers in one CUDA graph."""
-    wire = Wire(rank)
-    x = torch.zeros(tile, hidden, dtype=dtype, device=device)
-    ids = torch.zeros(HEADER + tile, dtype=torch.int32, device=device)
-    out = torch.empty_like(x)
-    peer = 1 - rank
-
-    def layer_loop() -> None:
-        for _ in range(layers):
-            if rank == 0:
-                works = wire.post([P2P("send", x, peer), P2P("send", ids, peer)])
-                works += wire.post([P2P("recv", out, peer)])
-            else:
-                works = wire.post([P2P("recv", x, peer), P2P("recv", ids, peer)])
-                works += wire.post([P2P("send", out, peer)])
-            for work in works:
-                work.wait()
-
-    layer_loop()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        layer_loop()
-    graph.replay()
-    times = []
-    for _ in range(steps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
-
-
-def _ipc_only(inboxes, rank: int, layers: int, tile: int, hidden: int, dtype: torch.dtype,
-              device: torch.device, steps: int) -> float:
-    """As `_wire_only`, over connector="ipc"'s inboxes and push kernels."""
-    from afdserve.bench_transport import ipc_layers, time_graph
+def _data_plane_only(inboxes, rank: int, layers: int, tile: int, hidden: int,
+                     dtype: torch.dtype, device: torch.device, steps: int) -> float:
+    """Microseconds per layer for the A2E send and E2A reply of one tile, nothing else, all
+    layers in one CUDA graph: NCCL's mirrored batches, or connector="ipc"'s push kernels and
+    flags when `inboxes` is given (the bodies `afdserve bench transport` times)."""
+    from afdserve.bench_transport import ipc_layers, nccl_layers, time_graph
 
     x = torch.zeros(tile, hidden, dtype=dtype, device=device)
+    if inboxes is None:
+        ids = torch.zeros(HEADER + tile, dtype=torch.int32, device=device)
+        out = torch.empty_like(x)
+        return time_graph(lambda: nccl_layers(rank, layers, x, ids, out), layers, steps)
     ids = torch.zeros(tile, dtype=torch.int32, device=device)
     step = torch.zeros(1, dtype=torch.int32, device=device)
     return time_graph(lambda: ipc_layers(inboxes, rank, layers, x, ids, step), layers, steps)
@@ -224,12 +191,8 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
             stamps = Stamps(device)
             _ffn_steps(spec, model, batch, inboxes, stamps, WARMUP_STEPS + PROFILED_STEPS)
         busy = _busy(stamps, PROFILED_STEPS)
-        if inboxes is None:
-            wire_us = _wire_only(rank, config.num_layers, tile, config.hidden_size, dtype, device,
-                                 spec.steps)
-        else:
-            wire_us = _ipc_only(inboxes, rank, config.num_layers, tile, config.hidden_size,
-                                dtype, device, spec.steps)
+        wire_us = _data_plane_only(inboxes, rank, config.num_layers, tile, config.hidden_size,
+                                   dtype, device, spec.steps)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         if rank == 0:

@@ -54,8 +54,10 @@ class TransportBench:
                 raise ValueError(f"bench.transports: {name!r} is not allowed: one of {TRANSPORTS}")
 
 
-def _nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
+def nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
                  out: torch.Tensor) -> None:
+    """The mirrored batches of afd/wire.py for one tile per layer, both ways, with no compute:
+    rank 0 as the attention rank, rank 1 as the FFN rank."""
     wire, peer = Wire(rank), 1 - rank
     for _ in range(layers):
         if rank == 0:
@@ -161,7 +163,7 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
         for name in spec.transports:
             if name == "nccl":
                 def body(x=x, ids=ids, out=out):
-                    _nccl_layers(rank, spec.layers, x, ids, out)
+                    nccl_layers(rank, spec.layers, x, ids, out)
             elif name == "ipc":
                 from afdserve.afd.ipc import Inboxes
 

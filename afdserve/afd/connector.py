@@ -100,12 +100,12 @@ class _Pending:
         return self.out[: self.rows]
 
 
-class AttentionConnector:
-    """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
+class AttentionSide:
+    """What every multi-process attention connector shares: the routed layers, the step number
+    on the device, the rank plan of the step, and the tile checks that open every post."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 gate_on_attention: bool, wire: Wire) -> None:
-        self.hidden, self.dtype, self.device, self.wire = config.hidden_size, dtype, device, wire
+    def __init__(self, config: ModelConfig, device: torch.device,
+                 gate_on_attention: bool) -> None:
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
         self.step_number = 0
@@ -116,13 +116,28 @@ class AttentionConnector:
         self.plan, self.step_number = plan, step
         self.step.set(step)
 
+    def _tile(self, layer: int, ubatch: int, rows: int, routing: Routing | None) -> int:
+        """The plan's tile for this post (0: an empty ubatch, nothing travels and its FFN rank
+        expects nothing), after checking the rows and the routing against the plan."""
+        tile = planned_tile(self.plan, layer, ubatch, rows)
+        check_routing(self.plan, layer, routing, self.routed)
+        return tile
+
+
+class AttentionConnector(AttentionSide):
+    """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 gate_on_attention: bool, wire: Wire) -> None:
+        super().__init__(config, device, gate_on_attention)
+        self.hidden, self.dtype, self.device, self.wire = config.hidden_size, dtype, device, wire
+
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
              routing: Routing | None) -> _Pending | Ready:
         plan = self.plan
         rows = x.shape[0]
-        tile = planned_tile(plan, layer, ubatch, rows)
-        check_routing(plan, layer, routing, self.routed)
-        if tile == 0:  # an empty ubatch: nothing travels, and its FFN rank expects nothing
+        tile = self._tile(layer, ubatch, rows, routing)
+        if tile == 0:
             return Ready(x)
         if rows == tile and x.dtype == self.dtype and x.is_contiguous():
             hidden = x

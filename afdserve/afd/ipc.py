@@ -27,16 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from afdserve.afd.connector import (
-    HEADER,
-    LayoutError,
-    StepCounter,
-    check_routing,
-    planned_tile,
-    routed_layers,
-)
+from afdserve.afd.connector import HEADER, AttentionSide, LayoutError
 from afdserve.engine.model_runner import Ready
-from afdserve.layout.plan import AttentionRankPlan, FFNRankPlan
+from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.moe import Routing
 
@@ -138,28 +131,19 @@ class _Reply:
         return self.out
 
 
-class IPCAttentionConnector:
+class IPCAttentionConnector(AttentionSide):
     """Attention side of connector="ipc". Same plan, padding, header and ids as over the wire."""
 
     def __init__(self, config: ModelConfig, inboxes: Inboxes, rank: int,
                  gate_on_attention: bool) -> None:
+        super().__init__(config, inboxes.local.device, gate_on_attention)
         self.inboxes, self.rank = inboxes, rank
-        self.routed = routed_layers(config, gate_on_attention)
-        self.step = StepCounter(inboxes.local.device)
-        self.step_number = 0
-        self.plan: AttentionRankPlan | None = None
-        self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
-
-    def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
-        self.plan, self.step_number = plan, step
-        self.step.set(step)
 
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
              routing: Routing | None) -> _Reply | Ready:
         plan, inboxes = self.plan, self.inboxes
         rows = x.shape[0]
-        tile = planned_tile(plan, layer, ubatch, rows)
-        check_routing(plan, layer, routing, self.routed)
+        tile = self._tile(layer, ubatch, rows, routing)
         if tile == 0:
             return Ready(x)
         ffn = plan.ffn_rank
