@@ -179,7 +179,9 @@ def test_sigterm_drains_in_flight_requests_then_stops_every_rank(
     assert srv.proc.poll() is None, srv.log()[-5000:]
     ranks = rank_pids(srv.proc.pid)
     first, lines = threading.Event(), []
-    body = {**LONG, "max_tokens": 48}
+    # Long enough to be still in flight when the probes below go out, half a second after the
+    # signal (48 tokens could finish by then, and the drained server is gone).
+    body = LONG
     with ThreadPoolExecutor(1) as pool:
         streaming = pool.submit(stream_lines, srv.url, body, first, lines)
         assert first.wait(60), srv.log()[-3000:]
