@@ -124,7 +124,10 @@ async def respond(
                 yield sse(obj)
             async for index, out in gen.events():
                 ids, entries = new_tokens(out)
-                if out.new_text or out.finished or (ids and logprobs is not None):
+                # A chunk for every step that produced tokens, as vLLM does, even when the
+                # detokenizer holds their text back (a partial UTF-8 character, a possible stop
+                # string, a model without a tokenizer): clients time tokens by chunks.
+                if ids or out.new_text or out.finished:
                     c = make(index, out.new_text, ids, entries, out)
                     yield sse({**head, "choices": [c]})
             if include_usage and not gen.open:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import afdserve
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
 from afdserve.server.logs import rate_limit_servers, setup_logging
@@ -68,7 +69,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def warm_up(llm: LLM) -> None:
     """One short greedy request through every rank before reporting ready."""
-    prompt = llm.encode("Hello") or [0]
+    # A model directory without tokenizer files (a dummy-weight preset) serves token ids only.
+    ids_only = isinstance(llm.tokenizer, TokenIdsOnly)
+    prompt = [0] if ids_only else (llm.encode("Hello") or [0])
     llm.engine.add_request("warm-up", prompt, SamplingParams(max_tokens=2, temperature=0.0))
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
     while not any(out.finished for out in llm.engine.step()):

@@ -90,3 +90,31 @@ def test_queue_time_is_the_wait_for_the_scheduler(
     queued = delta(before, after, "vllm:request_queue_time_seconds_sum")
     first_token = delta(before, after, "vllm:time_to_first_token_seconds_sum")
     assert 0.5 * first_token <= queued <= first_token
+
+
+def test_a_model_without_tokenizer_streams_a_chunk_per_token(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A dummy-weight preset has no tokenizer files: the server warms up on token ids, and every
+    generated token reaches the client as its own chunk (with empty text), so that the bench
+    measures the time between tokens and not only the time to the whole answer."""
+    model_dir = tmp_path_factory.mktemp("ids-only") / "tiny"
+    command = [sys.executable, "-m", "afdserve.cli", "make-config", "--preset", "tiny"]
+    command.append(str(model_dir))
+    made = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    srv = start_cli_server(tmp_path, free_port(), str(model_dir), "--load-format", "dummy",
+                           "--topology", "colocated", "--max-num-seqs", "1",
+                           "--disable-log-requests", "--no-use-tqdm-on-load")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        report = bench(srv, tmp_path / "bench.json", "--num-prompts", "2", "--input-len", "8",
+                       "--output-len", "6", "--request-rate", "inf",
+                       "--model-dir", str(model_dir))  # fmt: skip
+    finally:
+        srv.stop()
+    (rate,) = report["results"]
+    assert (rate["completed"], rate["failed"]) == (2, 0)
+    for request in rate["requests"]:
+        assert request["output_tokens"] == 6
+        assert len(request["itl_s"]) == 5
