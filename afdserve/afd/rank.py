@@ -88,14 +88,18 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     device) holds the FFN rank's half behind an InProcessConnector and logs both ranks' lines."""
     topology, gate = spec.topology, spec.afd.gate_on_attention
     role = "colocated" if topology.colocated else "attention"
+    ffn_model = None
+    if in_process and not topology.colocated:
+        # Loaded before the attention half: the KV cache is sized from the memory still free,
+        # and it must leave the experts their room.
+        ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
     core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
     ready = [_ready(rank, "attention", memory, core.model, core.limits)]
     wire = None
     boundary: FFNBoundary
     if topology.colocated:
         boundary = LocalFFN(core.model)
-    elif in_process:
-        ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
+    elif ffn_model is not None:
         wire = _wire(spec, 1)
         boundary = InProcessConnector(ffn_model, gate, wire)
         ffn_memory = MemoryReport("ffn", 1, parameter_bytes(ffn_model), 0,
