@@ -37,8 +37,6 @@ from afdserve.afd.messages import (
 from afdserve.afd.rank import BuiltRank, build_attention_rank, build_ffn_rank
 from afdserve.engine.engine_core import RequestError
 
-log = logging.getLogger("afdserve.worker")
-
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
 # round, and idle worlds do not keep every core busy.
 IDLE_SLEEP_S = (0.001, 0.020)
@@ -119,9 +117,7 @@ def worker_main(rank: int, conn: Connection) -> None:
             built = build_attention_rank(spec, rank, device, control)
         else:
             built = build_ffn_rank(spec, rank, device, control, expert_group)
-        for ready in built.ready:
-            log.info("%s", ready.memory.line())
-        built.driver.warmup()
+        built.driver.warmup()  # the frontend logs each rank's memory line from its RankReady
         conn.send(built.ready[0])
         if built.core is not None:
             serve_attention(built, rank, conn)
