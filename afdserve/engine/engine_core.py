@@ -146,7 +146,7 @@ class EngineCore:
         if self.extra_stop_ids:
             params = _with_stop_ids(params, self.extra_stop_ids)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = _Tracked(seq, detok, time.monotonic())
         self.scheduler.add(seq)
 
@@ -226,6 +226,9 @@ class EngineCore:
             hit = find_stop_string(t.detok.text, stops, t.emitted_text)
             if hit is not None:
                 t.text_limit = hit
+                if seq.params.include_stop_str_in_output:
+                    text = t.detok.text
+                    t.text_limit += next(len(stop) for stop in stops if text.startswith(stop, hit))
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "stop")
                 elif seq.finish_reason == "length":

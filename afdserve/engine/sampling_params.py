@@ -60,6 +60,10 @@ class SamplingParams:
     best_of: int | None = None
     # Constrains the output to a JSON schema, regex, choice or grammar (needs llguidance).
     structured_outputs: StructuredOutputsParams | None = None
+    # Detokenization: drop special tokens (EOS, chat markers) from the text; keep the stop
+    # string that ended the output.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -77,8 +81,9 @@ class SamplingParams:
             raise bad("min_p", "must be a number in [0, 1]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be a bool")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (

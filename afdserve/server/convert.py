@@ -82,16 +82,47 @@ def max_tokens_for(
     return requested
 
 
+# vLLM's older per-kind fields -> the StructuredOutputsParams field each fills.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+
+
 def structured_outputs(
-    response_format: dict[str, Any] | None, tokenizer_dir: str
-) -> StructuredOutputsParams | None:
+    body: api.SamplingFields, tokenizer_dir: str
+) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint and the field that carried it: OpenAI's
+    response_format, vLLM's structured_outputs, or vLLM's older guided_json / guided_regex /
+    guided_choice / guided_grammar. More than one is a 400, as is a grammar that does not
+    compile; every message names the field the request used."""
+    constraints = {"response_format": _response_format(body.response_format),
+                   "structured_outputs": _structured(body.structured_outputs)}
+    for name, kind in GUIDED.items():
+        value = getattr(body, name)
+        constraints[name] = {} if value is None else {kind: value}
+    given = [name for name, kwargs in constraints.items() if kwargs]
+    if not given:
+        return None, ""
+    name, *others = given
+    if others:
+        raise bad_request(f"{others[0]}: cannot be combined with {name}; give one output "
+                          "constraint", others[0])  # fmt: skip
+    try:
+        params = StructuredOutputsParams(**constraints[name], tokenizer_dir=tokenizer_dir)
+        params.check()
+    except ValueError as e:
+        message = str(e).removeprefix("StructuredOutputsParams").lstrip(".: ")
+        raise bad_request(f"{name}: {message}", name) from None
+    return params, name
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any]:
     """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
-        return None
+        return {}
     if kind == "json_object":
-        params = StructuredOutputsParams(json_object=True, tokenizer_dir=tokenizer_dir)
-    elif kind == "json_schema":
+        return {"json_object": True}
+    if kind == "json_schema":
         spec = response_format.get("json_schema")  # type: ignore[union-attr]
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
@@ -99,15 +130,21 @@ def structured_outputs(
                 "response_format: json_schema needs json_schema.schema, an object",
                 "response_format",
             )
-        params = StructuredOutputsParams(json=schema, tokenizer_dir=tokenizer_dir)
-    else:
-        allowed = "text, json_object or json_schema"
-        raise bad_request(f"response_format: type {kind!r}; allowed: {allowed}", "response_format")
-    try:
-        params.check()
-    except ValueError as e:
-        raise bad_request(f"response_format: {e}", "response_format") from None
-    return params
+        return {"json": schema}
+    allowed = "text, json_object or json_schema"
+    raise bad_request(f"response_format: type {kind!r}; allowed: {allowed}", "response_format")
+
+
+def _structured(fields: api.StructuredOutputs | None) -> dict[str, Any]:
+    if fields is None:
+        return {}
+    kwargs = {"json": fields.json_schema, "regex": fields.regex, "choice": fields.choice,
+              "grammar": fields.grammar, "json_object": bool(fields.json_object)}  # fmt: skip
+    kwargs = {k: v for k, v in kwargs.items() if v not in (None, False)}
+    if not kwargs:
+        raise bad_request("structured_outputs: give one of json, regex, choice, grammar, "
+                          "json_object", "structured_outputs")  # fmt: skip
+    return kwargs
 
 
 def sampling_params(
@@ -130,6 +167,7 @@ def sampling_params(
     for name in (
         "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+        "skip_special_tokens", "include_stop_str_in_output",
     ):  # fmt: skip
         value = getattr(body, name)
         if value is None and defaults:
@@ -138,15 +176,15 @@ def sampling_params(
             fields[name] = value
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
-    fields["structured_outputs"] = structured_outputs(body.response_format, tokenizer_dir)
+    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir)
     try:
         params = SamplingParams(**fields)
         params.check_vocab(vocab_size)
     except ValueError as e:
         message = str(e).removeprefix("SamplingParams.")
         if message.startswith("structured_outputs"):  # what the request called it
-            message = "response_format" + message.split(":", 1)[1]
-            raise bad_request(message, "response_format") from None
+            message = constraint + message.split(":", 1)[1]
+            raise bad_request(message, constraint) from None
         raise bad_request(message) from None
     if body.stream and params.candidates > params.n:
         raise bad_request("best_of: must equal n when streaming", "best_of")

@@ -28,13 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
     "add_special_tokens": (None, False),
     "echo": (None, False),
 }
@@ -49,10 +42,26 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint. `disable_fallback` and
+    `disable_any_whitespace` change nothing here (one grammar backend; JSON is always compact)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat. `None` means "the default", as OpenAI clients may
     send null. Beyond OpenAI's fields, vLLM's extensions: `top_k`, `min_p`, `min_tokens`,
-    `repetition_penalty`, `stop_token_ids`, `ignore_eos`."""
+    `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
+    `include_stop_str_in_output`, `structured_outputs` and the older `guided_*`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -75,6 +84,14 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # vLLM's output constraints: the current field, and the older guided_* ones.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(self.model_extra or ()) - set(UNSUPPORTED) - IGNORED)

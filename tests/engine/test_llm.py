@@ -10,7 +10,7 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.engine_core import RequestError, RequestOutput
-from afdserve.model.byte_tokenizer import VOCAB_SIZE
+from afdserve.model.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -158,17 +158,20 @@ def ascii_stop(text: str) -> str | None:
     return None
 
 
-def test_stop_strings_truncate_text(llm: LLM, reference: list) -> None:
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_truncate_text(llm: LLM, reference: list, include: bool) -> None:
+    """The text ends before the stop string, or with it (vLLM's include_stop_str_in_output)."""
     checked = 0
     for prompt, want in zip(PROMPTS, reference, strict=True):
         full = llm.tokenizer.decode(want, skip_special_tokens=True)
         stop = ascii_stop(full)
         if stop is None:
             continue
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=[stop, "\x00\x01"])
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=["\x00\x01", stop],
+                                include_stop_str_in_output=include)  # fmt: skip
         (out,) = llm.generate([prompt], params)
         assert out.finish_reason == "stop"
-        assert out.text == full[: full.index(stop)]
+        assert out.text == full[: full.index(stop) + (len(stop) if include else 0)]
         # Generation stops at the token that completes the stop string.
         assert want[: len(out.token_ids)] == out.token_ids
         assert stop in llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -321,3 +324,16 @@ def test_temporary_step_log_outlives_shutdown_but_not_its_file(model_dir: str) -
     assert during and all(r["role"] == "attention" for r in during)
     assert llm.step_log() == during
     assert path is not None and not os.path.exists(path)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(llm: LLM, skip: bool) -> None:
+    """Greedy on a logit bias that forces the EOS token (ignore_eos keeps going): the text is the
+    tokenizer's own decode of the tokens, with or without the special ones."""
+    eos = llm.tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                            logit_bias={eos: 100.0}, skip_special_tokens=skip)
+    (out,) = llm.generate(["ab"], params)
+    assert out.token_ids == [eos] * 4
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=skip)
+    assert (EOS_TOKEN in out.text) is (not skip)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.outputs import cumulative_logprob
+from afdserve.engine.structured import StructuredOutputsParams
 
 from .conftest import SERVED_NAME, ServerProcess, free_port, start_server
 
@@ -94,6 +96,8 @@ plausible = {
     "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3))),
     "stop_token_ids": st.one_of(token_ids, st.just(list(range(VOCAB)))),
     "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
     "stream": st.booleans(),
     "model": st.just(SERVED_NAME),
     "response_format": st.sampled_from(
@@ -103,9 +107,14 @@ plausible = {
             {"type": "json_schema", "json_schema": {"schema": {"enum": ["a", "b"]}}},
         ]
     ),
+    "structured_outputs": st.sampled_from(
+        [{"regex": "[ab]{1,3}"}, {"choice": ["x", "yz"]}, {"json_object": True}, {"grammar": "("}]
+    ),
+    "guided_choice": st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3),
 }
 fields = sorted(
-    {*plausible, "best_of", "stream_options", "logprobs", "tools", "response_format", "unknown_x"}
+    {*plausible, "best_of", "stream_options", "logprobs", "tools", "response_format", "unknown_x",
+     "guided_regex", "guided_json"}
 )
 
 
@@ -293,6 +302,85 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         value = json.loads(choice.message.content)
         assert isinstance(value["ok"], bool) and value["color"] in ("red", "green")
         assert set(value) == {"ok", "color"} and choice.finish_reason == "stop"
+
+
+def test_detokenization_fields(http: httpx.Client, oracle: LLM) -> None:
+    """vLLM's include_stop_str_in_output and skip_special_tokens reach the detokenizer: the
+    text is the offline API's with the same fields, streamed or not."""
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    full = offline(oracle, HELLO, **greedy).text
+    stop = next(full[i : i + 2] for i in range(1, len(full) - 1)
+                if full[i : i + 2].isascii() and full[i : i + 2].isprintable())  # fmt: skip
+    eos = oracle.tokenizer.eos_token_id
+    cases = [
+        {"stop": [stop], "include_stop_str_in_output": True},
+        {"stop": [stop], "include_stop_str_in_output": False},
+        {"logit_bias": {eos: 100.0}, "skip_special_tokens": False},
+        {"logit_bias": {eos: 100.0}, "skip_special_tokens": True},
+    ]
+    for fields in cases:
+        expected = offline(oracle, HELLO, **greedy, **fields).text
+        body = {"prompt": HELLO, **greedy, **fields,
+                "logit_bias": {str(k): v for k, v in fields.get("logit_bias", {}).items()}}
+        answer = http.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["text"] == expected, fields
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]  # fmt: skip
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+    assert offline(oracle, HELLO, **greedy, **cases[0]).text.endswith(stop)
+    assert "<|eos|>" in offline(oracle, HELLO, **greedy, **cases[2]).text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "constraint"),
+    [
+        ("structured_outputs", {"regex": "[ab]{2,4}!"}, {"regex": "[ab]{2,4}!"}),
+        ("guided_regex", "[ab]{2,4}!", {"regex": "[ab]{2,4}!"}),
+        ("structured_outputs", {"choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ("guided_choice", ["yes", "no"], {"choice": ["yes", "no"]}),
+        ("guided_json", {"enum": ["red", "green"]}, {"json": {"enum": ["red", "green"]}}),
+        ("structured_outputs", {"grammar": 'start: "a" "b"+'}, {"grammar": 'start: "a" "b"+'}),
+    ],
+)
+def test_vllm_structured_output_fields(
+    http: httpx.Client, oracle: LLM, field: str, value: object, constraint: dict
+) -> None:
+    """vLLM's structured_outputs and its older guided_* fields constrain the answer exactly as
+    the offline StructuredOutputsParams does (greedy: the same text)."""
+    body = {"prompt": HELLO, "temperature": 0.0, "max_tokens": 12, field: value}
+    answer = http.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    params = StructuredOutputsParams(**constraint, tokenizer_dir=oracle.engine_config.model)
+    expected = offline(oracle, HELLO, temperature=0.0, max_tokens=12, structured_outputs=params)
+    (choice,) = answer.json()["choices"]
+    assert choice["text"] == expected.text
+    if "regex" in constraint:
+        assert re.fullmatch(constraint["regex"], choice["text"])
+    elif "choice" in constraint:
+        assert choice["text"] in constraint["choice"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"structured_outputs": {"regex": "a", "frobnicate": 1}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"guided_regex": "a+", "ignore_eos": True}, "guided_regex"),
+    ],
+)
+def test_bad_structured_output_fields_are_a_400_naming_the_field(
+    http: httpx.Client, body: dict, param: str
+) -> None:
+    r = http.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
 
 
 def test_unknown_fields_are_logged_by_name(http: httpx.Client, served: ServerProcess) -> None:
