@@ -205,6 +205,12 @@ RELIABILITY_OPTIONS = {
     "on_engine_failure": ("--on-engine-failure", str,
                           "when a rank dies or hangs: exit 1 (for a supervisor) or restart "
                           "the ranks in place"),
+    "max_restarts": ("--max-restarts", int,
+                     "--on-engine-failure restart: exit 1 on the failure after this many "
+                     "restarts within --restart-window; restarts after the first wait 1, 2, "
+                     "4, ... s"),
+    "restart_window_s": ("--restart-window", float,
+                         "seconds over which --max-restarts counts restarts"),
     "drain_timeout_s": ("--drain-timeout", float,
                         "SIGTERM: seconds in-flight requests may take to finish"),
     "max_waiting_requests": ("--max-waiting-requests", int,

@@ -28,6 +28,9 @@ class ServeOptions:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (engine/generation_config.py)
     # Reliability. "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
     on_engine_failure: str = "exit"
+    # "restart": at most this many restarts within any restart_window_s (server/restarts.py).
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     max_waiting_requests: int | None = None  # engine requests without a first token yet
     max_waiting_tokens: int | None = None  # their prompt tokens
@@ -60,6 +63,8 @@ class ServeOptions:
             )
         _positive(self, "stats_interval_s", "a number of seconds > 0")
         _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
+        _positive(self, "max_restarts", "an integer >= 0", zero=True, integer=True)
+        _positive(self, "restart_window_s", "a number of seconds > 0")
         _positive(self, "header_timeout_s", "a number of seconds > 0")
         _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",

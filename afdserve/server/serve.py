@@ -25,6 +25,7 @@ from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
 from afdserve.server.logs import rate_limit_servers, setup_logging
 from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
+from afdserve.server.restarts import RestartBudget
 from afdserve.server.state import ServerState
 
 __all__ = ["ServeOptions", "run_server"]
@@ -231,6 +232,16 @@ def start_engine(llm_factory: Callable[[], LLM], state: ServerState) -> LLM:
     return llm
 
 
+def back_off(delay_s: float, state: ServerState, thread: threading.Thread) -> bool:
+    """Wait `delay_s` before a restart; False as soon as the server drains or HTTP stops."""
+    deadline = time.monotonic() + delay_s
+    while time.monotonic() < deadline:
+        if state.draining or not thread.is_alive():
+            return False
+        time.sleep(max(0.0, min(WATCH_INTERVAL_S, deadline - time.monotonic())))
+    return not state.draining
+
+
 def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     """Serve until SIGINT or SIGTERM (then drain), or until the engine fails with
     on_engine_failure="exit"; stop uvicorn and every rank process. Returns the exit code: 0, or 1
@@ -266,6 +277,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     llm = None
     stats: StatsLogger | None = None
     code = 0
+    budget = RestartBudget(options.max_restarts, options.restart_window_s)
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
@@ -288,10 +300,18 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
                     progress(f"drain timeout: stopping {len(state.live)} unfinished request(s)")
                     break
             elif error is not None:
-                progress(f"{error}; restarting the ranks (on_engine_failure=restart)")
+                delay = budget.next_delay(time.monotonic())
+                if delay is None:
+                    progress(f"{error}; no restart left ({budget.describe()}); exiting")
+                    code = 1
+                    break
+                progress(f"{error}; restarting the ranks in {delay:g} s "
+                         "(on_engine_failure=restart)")  # fmt: skip
                 state.detach(str(error))
                 llm.shutdown()
                 llm = None
+                if not back_off(delay, state, thread):
+                    continue  # SIGTERM while waiting: the loop drains (nothing is in flight)
                 try:
                     llm = start_engine(llm_factory, state)
                 except Exception:

@@ -298,6 +298,9 @@ def test_repeated_log_lines_are_rate_limited() -> None:
         ("max_waiting_requests", 0, "an integer > 0, or none"),
         ("max_request_body_bytes", 1.5, "an integer > 0"),
         ("request_timeout_s", 0, "seconds > 0, or none"),
+        ("max_restarts", -1, "an integer >= 0"),
+        ("max_restarts", 1.5, "an integer >= 0"),
+        ("restart_window_s", 0, "seconds > 0"),
     ],
 )
 def test_serve_options_name_the_field_the_value_and_what_is_allowed(

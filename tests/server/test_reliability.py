@@ -172,6 +172,35 @@ def test_failed_rank_is_detected_and_the_ranks_restart(
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_world_that_keeps_failing_exhausts_the_restart_budget(tmp_path: Path) -> None:
+    """--max-restarts 1: the first failure restarts the ranks, the second (within the window)
+    exits 1 with a line that says why, and no rank is left behind."""
+    srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
+                           "restart", "--max-restarts", "1")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        for attempt in range(2):
+            ranks = rank_pids(srv.proc.pid)
+            first, lines = threading.Event(), []
+            with ThreadPoolExecutor(1) as pool:
+                streaming = pool.submit(stream_lines, srv.url, LONG, first, lines)
+                assert first.wait(60), srv.log()[-3000:]
+                os.kill(ranks[1], signal.SIGKILL)  # the FFN rank
+                streaming.result(timeout=60)
+            assert "error" in lines[-2], lines[-3:]
+            if attempt == 0:
+                deadline = time.monotonic() + STARTUP_DEADLINE_S
+                while health(srv.url) != 200 and time.monotonic() < deadline:
+                    assert srv.proc.poll() is None, srv.log()[-3000:]
+                    time.sleep(0.25)
+                assert health(srv.url) == 200, srv.log()[-3000:]
+        assert srv.proc.wait(30) == 1
+        assert "no restart left (1 restart(s) within 600 s)" in srv.log()
+        assert srv.log().count("restarting the ranks in 0 s") == 1
+    finally:
+        stop(srv)
+
+
 def test_sigterm_drains_in_flight_requests_then_stops_every_rank(
     restarting: ServerProcess,
 ) -> None:
