@@ -14,6 +14,7 @@ streams; sizes are bounded before that (limits.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 import afdserve
 from afdserve.engine.engine_core import RequestOutput
 from afdserve.engine.outputs import best
-from afdserve.server import convert
+from afdserve.server import convert, tools
 from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.auth import APIKeyCheck
@@ -327,10 +328,12 @@ def create_app(
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
         check_messages(state, body.messages)
         check_text(body.stop, "stop")
+        forced = tools.tool_choice(body)
         state.admission.check(1)
         prompt = await asyncio.to_thread(
-            convert.chat_prompt, llm, body.messages, chat_template=state.chat_template
-        )
+            convert.chat_prompt, llm, body.messages, chat_template=state.chat_template,
+            tools=tools.template_tools(body),
+        )  # fmt: skip
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
@@ -342,7 +345,7 @@ def create_app(
             logprobs_k = top if body.logprobs else None
             params = convert.sampling_params(
                 body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model,
-                state.defaults,
+                state.defaults, forced.schema if forced else None,
             )  # fmt: skip
         except APIError as e:
             if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
@@ -355,6 +358,14 @@ def create_app(
             return shape.chat_logprobs(names, token_ids, entries, top)
 
         formatter = logprobs if body.logprobs else None
+        if forced is not None:
+            if not body.stream:
+                message = functools.partial(tools.message_choice, forced)
+                return await respond(gen, request, body, head, message, formatter)
+            head = {**head, "object": "chat.completion.chunk"}
+            stream = tools.ToolStream(forced)
+            opening = stream.opening(head, params.n)
+            return await respond(gen, request, body, head, stream.delta, formatter, opening)
         if not body.stream:
             return await respond(gen, request, body, head, shape.chat_choice, formatter)
         head = {**head, "object": "chat.completion.chunk"}

@@ -47,16 +47,18 @@ def chat_prompt(
     messages: list[api.ChatMessage],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """The conversation through `chat_template` (the server's --chat-template), else the
-    tokenizer's own template."""
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    """The conversation (and the tools, for templates that show them to the model) through
+    `chat_template` (the server's --chat-template), else the tokenizer's own template."""
+    turns = [m.turn() for m in messages]
     try:
         text = llm.tokenizer.apply_chat_template(
             turns,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **({"tools": tools} if tools else {}),
         )
     except Exception as e:  # the template refuses this conversation (roles, order, ...)
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
@@ -88,17 +90,19 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 def structured_outputs(
-    body: api.SamplingFields, tokenizer_dir: str
+    body: api.SamplingFields, tokenizer_dir: str, tool_schema: dict[str, Any] | None = None
 ) -> tuple[StructuredOutputsParams | None, str]:
     """The request's output constraint and the field that carried it: OpenAI's
     response_format, vLLM's structured_outputs, or vLLM's older guided_json / guided_regex /
-    guided_choice / guided_grammar. More than one is a 400, as is a grammar that does not
-    compile; every message names the field the request used."""
+    guided_choice / guided_grammar, or a forced tool call (`tool_schema`, server/tools.py).
+    More than one is a 400, as is a grammar that does not compile; every message names the
+    field the request used."""
     constraints = {"response_format": _response_format(body.response_format),
                    "structured_outputs": _structured(body.structured_outputs)}
     for name, kind in GUIDED.items():
         value = getattr(body, name)
         constraints[name] = {} if value is None else {kind: value}
+    constraints["tool_choice"] = {} if tool_schema is None else {"json": tool_schema}
     given = [name for name, kwargs in constraints.items() if kwargs]
     if not given:
         return None, ""
@@ -154,6 +158,7 @@ def sampling_params(
     vocab_size: int,
     tokenizer_dir: str = "",
     defaults: dict[str, Any] | None = None,
+    tool_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
     `defaults` (engine/generation_config.py, from --generation-config) fill the fields the
@@ -176,7 +181,8 @@ def sampling_params(
             fields[name] = value
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
-    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir)
+    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir,
+                                                                  tool_schema)
     try:
         params = SamplingParams(**fields)
         params.check_vocab(vocab_size)

@@ -19,6 +19,7 @@ TokenIds = list[StrictInt]
 
 # Field -> the values that are harmless (the default meaning); any other value is refused.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    # Chat declares these (server/tools.py); on completions they mean nothing we could honour.
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -33,7 +34,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Fields that cannot change the generated text: accepted without a warning.
 IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority", "request_id"}
+    {"user", "metadata", "store", "service_tier", "priority", "request_id"}
 )
 
 
@@ -123,6 +124,17 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    # An assistant turn's calls and a tool turn's answer, for templates that render them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def turn(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+                 "name": self.name}  # fmt: skip
+        return {"role": self.role, "content": self.text(),
+                **{k: v for k, v in extra.items() if v is not None}}  # fmt: skip
 
     def text(self) -> str:
         if self.content is None:
@@ -132,8 +144,37 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -114,7 +114,7 @@ plausible = {
 }
 fields = sorted(
     {*plausible, "best_of", "stream_options", "logprobs", "tools", "response_format", "unknown_x",
-     "guided_regex", "guided_json"}
+     "guided_regex", "guided_json", "tool_choice", "parallel_tool_calls"}
 )
 
 
@@ -547,3 +547,94 @@ def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
                 assert answer["choices"][0]["text"] == greedy[3]
                 explicit = local.post("/v1/completions", json={**body, "max_tokens": 5}).json()
                 assert explicit["choices"][0]["text"] == greedy[5]
+
+
+# ----- tool calls: tool_choice "required" or a named function -----
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+           "required": ["city"], "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+             "required": ["zone"], "additionalProperties": False}}}]  # fmt: skip
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def streamed_calls(client: openai.OpenAI, **request: object) -> tuple[dict, str | None]:
+    """Tool-call deltas put together as OpenAI's SDK users do: index -> name, arguments."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=SERVED_NAME, stream=True, **request):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return calls, finish
+
+
+def test_named_tool_choice_writes_the_functions_arguments(
+    client: openai.OpenAI, oracle: LLM
+) -> None:
+    """The arguments are what the offline API writes under the function's parameter schema."""
+    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 40,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    answer = client.chat.completions.create(model=SERVED_NAME, **request)
+    (choice,) = answer.choices
+    params = StructuredOutputsParams(json=WEATHER, tokenizer_dir=oracle.engine_config.model)
+    expected = oracle.chat(ASK, SamplingParams(temperature=0.0, max_tokens=40,
+                                               structured_outputs=params), use_tqdm=False)[0]
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", expected.text)
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    calls, finish = streamed_calls(client, **request)
+    assert calls == {0: {"name": "get_weather", "arguments": expected.text}} and finish == "stop"
+
+
+def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> None:
+    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 60,
+               "tool_choice": "required", "parallel_tool_calls": False}
+    (choice,) = client.chat.completions.create(model=SERVED_NAME, **request).choices
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert arguments["city"] in ("Paris", "Oslo")
+    else:
+        assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
+    assert choice.finish_reason == "tool_calls"
+    calls, finish = streamed_calls(client, **request)
+    assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+    assert finish == "tool_calls"
+
+
+def test_a_conversation_with_tool_turns_is_served(http: httpx.Client) -> None:
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                       "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3}
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: needs a parser
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+    ],
+)
+def test_tool_requests_we_cannot_honour_are_a_400(http: httpx.Client, body: dict,
+                                                   param: str) -> None:  # fmt: skip
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
