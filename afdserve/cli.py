@@ -172,6 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=read_chat_template(args.chat_template),
         generation_config=args.generation_config,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         **{name: getattr(args, name) for name in RELIABILITY_OPTIONS},
     )
     from afdserve.engine.generation_config import generation_defaults
@@ -249,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
+    from afdserve.server.tool_parsers import PARSERS
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -266,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                        help="defaults of omitted request fields: the model's "
                             "generation_config.json (auto), none (vllm), or DIR's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='honour tool_choice "auto" by reading the model\'s calls with '
+                            "--tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                       help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3)")
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="do not log a line per request")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,

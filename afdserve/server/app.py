@@ -14,7 +14,6 @@ streams; sizes are bounded before that (limits.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -328,7 +327,9 @@ def create_app(
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
         check_messages(state, body.messages)
         check_text(body.stop, "stop")
-        forced = tools.tool_choice(body)
+        options = state.options
+        parser = options.tool_call_parser if options.enable_auto_tool_choice else None
+        answering = tools.tool_choice(body, parser)
         state.admission.check(1)
         prompt = await asyncio.to_thread(
             convert.chat_prompt, llm, body.messages, chat_template=state.chat_template,
@@ -345,7 +346,7 @@ def create_app(
             logprobs_k = top if body.logprobs else None
             params = convert.sampling_params(
                 body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model,
-                state.defaults, forced.schema if forced else None,
+                state.defaults, answering.schema if answering else None,
             )  # fmt: skip
         except APIError as e:
             if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
@@ -358,12 +359,11 @@ def create_app(
             return shape.chat_logprobs(names, token_ids, entries, top)
 
         formatter = logprobs if body.logprobs else None
-        if forced is not None:
+        if answering is not None:
             if not body.stream:
-                message = functools.partial(tools.message_choice, forced)
-                return await respond(gen, request, body, head, message, formatter)
+                return await respond(gen, request, body, head, answering.message, formatter)
             head = {**head, "object": "chat.completion.chunk"}
-            stream = tools.ToolStream(forced)
+            stream = answering.stream()
             opening = stream.opening(head, params.n)
             return await respond(gen, request, body, head, stream.delta, formatter, opening)
         if not body.stream:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from afdserve.server.tool_parsers import PARSERS
+
 STATS_INTERVAL_S = 5.0
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ON_ENGINE_FAILURE = ("exit", "restart")
@@ -26,6 +28,9 @@ class ServeOptions:
     stats_interval_s: float = STATS_INTERVAL_S
     chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
     generation_config: str = "auto"  # "auto", "vllm" or a directory (engine/generation_config.py)
+    # tool_choice "auto" (vLLM's two flags): the model's calls read by this parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # Reliability. "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
     on_engine_failure: str = "exit"
     # "restart": at most this many restarts within any restart_window_s (server/restarts.py).
@@ -61,6 +66,12 @@ class ServeOptions:
                 f"ServeOptions.on_engine_failure={self.on_engine_failure!r} is not allowed: "
                 f"one of {ON_ENGINE_FAILURE}"
             )
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"ServeOptions.tool_call_parser={self.tool_call_parser!r} is not "
+                             f"allowed: one of {PARSERS}")  # fmt: skip
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("ServeOptions.enable_auto_tool_choice=True is not allowed without "
+                             f"a tool_call_parser (one of {PARSERS})")  # fmt: skip
         _positive(self, "stats_interval_s", "a number of seconds > 0")
         _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
         _positive(self, "max_restarts", "an integer >= 0", zero=True, integer=True)

@@ -301,6 +301,8 @@ def test_repeated_log_lines_are_rate_limited() -> None:
         ("max_restarts", -1, "an integer >= 0"),
         ("max_restarts", 1.5, "an integer >= 0"),
         ("restart_window_s", 0, "seconds > 0"),
+        ("tool_call_parser", "xml", "('hermes',)"),
+        ("enable_auto_tool_choice", True, "a tool_call_parser"),
     ],
 )
 def test_serve_options_name_the_field_the_value_and_what_is_allowed(

@@ -638,3 +638,43 @@ def test_tool_requests_we_cannot_honour_are_a_400(http: httpx.Client, body: dict
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def auto_tools(tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(tmp_path_factory.mktemp("auto-tools"), free_port(), topology="colocated",
+                       enable_auto_tool_choice=True, tool_call_parser="hermes")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
+    finally:
+        srv.stop()
+
+
+def test_auto_tool_choice_reads_hermes_calls(auto_tools: openai.OpenAI) -> None:
+    """A regex makes the tiny model write a preamble and one hermes call; the parser turns it
+    into content and tool_calls, the same whole and streamed."""
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 120,
+               "extra_body": {"structured_outputs": {"regex": re.escape("Checking." + block)}}}
+    (choice,) = auto_tools.chat.completions.create(model=SERVED_NAME, **request).choices
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                         {"city": "Oslo"})
+    assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+    calls, finish = streamed_calls(auto_tools, **request)
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert finish == "tool_calls"
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in
+                      auto_tools.chat.completions.create(model=SERVED_NAME, stream=True,
+                                                         **request) if chunk.choices)  # fmt: skip
+    assert content == "Checking."
+
+
+def test_auto_tool_choice_without_a_call_is_a_plain_answer(
+    auto_tools: openai.OpenAI, oracle: LLM
+) -> None:
+    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 8}
+    (choice,) = auto_tools.chat.completions.create(model=SERVED_NAME, **request).choices
+    expected = oracle.chat(ASK, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert choice.message.content == expected[0].text and not choice.message.tool_calls
