@@ -101,11 +101,29 @@ async def respond(
     opening: tuple[dict, ...] = (),
 ) -> Response:
     """Run `gen` to the end as one JSON body, or as server-sent events when `body.stream`.
-    `logprobs` formats a choice's logprobs; None when the request asked for none."""
+    `logprobs` formats a choice's logprobs; None when the request asked for none.
+    vLLM's `return_token_ids` adds each choice's `token_ids` (streamed: the new ones) and the
+    prompt's `prompt_token_ids` (streamed: in the first chunk), per choice for completions,
+    once per response for chat."""
+    with_ids = bool(body.return_token_ids)
+    prompt_ids_per_choice = not head["object"].startswith("chat.")
+    prompts_sent: set[int] = set()
 
     def make(index: int, text: str, ids: list[int], entries: list, out: RequestOutput) -> dict:
         lp = logprobs(ids, entries) if logprobs is not None else None
-        return choice(index, text, lp, shape.finish_reason(out))
+        made = choice(index, text, lp, shape.finish_reason(out))
+        if with_ids:
+            made["token_ids"] = list(ids)
+            if prompt_ids_per_choice and index not in prompts_sent:
+                made["prompt_token_ids"] = list(out.prompt_token_ids)
+                prompts_sent.add(index)
+        return made
+
+    def prompt_ids(out: RequestOutput) -> dict:
+        if not with_ids or prompt_ids_per_choice or prompts_sent:
+            return {}
+        prompts_sent.add(-1)
+        return {"prompt_token_ids": list(out.prompt_token_ids)}
 
     if not body.stream:
         outs = await gen.collect(request.receive)
@@ -113,7 +131,8 @@ async def respond(
             return Response(status_code=CLIENT_CLOSED)
         outs = chosen(outs, gen.fanout.n, gen.fanout.candidates)
         choices = [make(i, o.text, o.token_ids, o.logprobs, o) for i, o in enumerate(outs)]
-        return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
+        return JSONResponse({**head, **prompt_ids(outs[0]), "choices": choices,
+                             "usage": gen.usage()})  # fmt: skip
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -129,7 +148,7 @@ async def respond(
                 # string, a model without a tokenizer): clients time tokens by chunks.
                 if ids or out.new_text or out.finished:
                     c = make(index, out.new_text, ids, entries, out)
-                    yield sse({**head, "choices": [c]})
+                    yield sse({**head, **prompt_ids(out), "choices": [c]})
             if include_usage and not gen.open:
                 yield sse({**head, "choices": [], "usage": gen.usage()})
         except APIError as e:  # the engine failed mid-stream: tell the client in-band

@@ -62,7 +62,8 @@ class SamplingFields(BaseModel):
     """Fields shared by completions and chat. `None` means "the default", as OpenAI clients may
     send null. Beyond OpenAI's fields, vLLM's extensions: `top_k`, `min_p`, `min_tokens`,
     `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
-    `include_stop_str_in_output`, `structured_outputs` and the older `guided_*`."""
+    `include_stop_str_in_output`, `return_token_ids`, `structured_outputs` and the older
+    `guided_*`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -87,6 +88,7 @@ class SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    return_token_ids: bool | None = None
     # vLLM's output constraints: the current field, and the older guided_* ones.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None

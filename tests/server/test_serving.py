@@ -98,6 +98,7 @@ plausible = {
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "return_token_ids": st.booleans(),
     "stream": st.booleans(),
     "model": st.just(SERVED_NAME),
     "response_format": st.sampled_from(
@@ -678,3 +679,40 @@ def test_auto_tool_choice_without_a_call_is_a_plain_answer(
     (choice,) = auto_tools.chat.completions.create(model=SERVED_NAME, **request).choices
     expected = oracle.chat(ASK, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert choice.message.content == expected[0].text and not choice.message.tool_calls
+
+
+def sse_objects(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(http: httpx.Client, oracle: LLM) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's ids, which are the offline
+    API's; streamed, the token ids add up and the prompt's come once."""
+    greedy = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    prompts = [[72, 105, 33], [10, 20, 30, 40]]
+    body = {"prompt": prompts, **greedy}
+    answer = http.post("/v1/completions", json=body).json()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for choice, prompt in zip(answer["choices"], prompts, strict=True):
+        expected = oracle.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert choice["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == expected.token_ids
+    chunks = sse_objects(http, "/v1/completions", body)
+    for index, prompt in enumerate(prompts):
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        mine = [c for c in choices if c["index"] == index]
+        assert [c["prompt_token_ids"] for c in mine if "prompt_token_ids" in c] == [prompt]
+        streamed = [t for c in mine for t in c["token_ids"]]
+        assert streamed == answer["choices"][index]["token_ids"]
+
+    chat = {"messages": ASK, **greedy}
+    answer = http.post("/v1/chat/completions", json=chat).json()
+    expected = oracle.chat(ASK, params, use_tqdm=False)[0]
+    assert answer["prompt_token_ids"] == expected.prompt_token_ids
+    assert answer["choices"][0]["token_ids"] == expected.token_ids
+    chunks = sse_objects(http, "/v1/chat/completions", chat)
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [
+        expected.prompt_token_ids]
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    assert streamed == expected.token_ids
