@@ -35,6 +35,7 @@ BODY_LIMIT = 4_000_000
 PROMPT_CHARS = 3_000_000  # above what the tokenizer does in well under a second
 HEADER_TIMEOUT_S = 1.0
 CONNECTIONS = 8
+WAITING_TOKENS = 64
 REJECTED = 'afdserve_requests_rejected_total{"reason": "%s"}'
 ABORTED = "afdserve_requests_aborted_total{}"
 WAITING = "afdserve_waiting_requests{}"
@@ -44,6 +45,7 @@ WAITING = "afdserve_waiting_requests{}"
 def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_cli_server(tmp_path_factory.mktemp("busy"), free_port(), "--topology",
                            "colocated", "--max-num-seqs", "1", "--max-waiting-requests", "2",
+                           "--max-waiting-tokens", str(WAITING_TOKENS),
                            "--max-request-body-bytes", str(BODY_LIMIT),
                            "--max-prompt-chars", str(PROMPT_CHARS),
                            "--header-timeout", str(HEADER_TIMEOUT_S),
@@ -139,6 +141,35 @@ def test_waiting_bound_503_with_retry_after_and_exact_counters(busy: ServerProce
     assert after[REJECTED % "waiting_requests"] - before[REJECTED % "waiting_requests"] == 1
     assert after[ABORTED] - before[ABORTED] == 1
     assert after[WAITING] == 0 and after["afdserve_waiting_tokens{}"] == 0
+
+
+def test_waiting_tokens_bound_on_a_live_server(busy: ServerProcess) -> None:
+    """With one sequence running and a 40-token prompt waiting, a 30-token prompt would bring
+    the waiting prompt tokens to 70 > 64: 503; a 20-token one (60) is admitted. The byte-level
+    tokenizer makes a prompt of N ASCII characters N tokens."""
+    before = counters(busy.url)
+    url = f"{busy.url}/v1/completions"
+    long = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+    def prompt(n: int) -> dict:
+        return {"prompt": "a" * n, "max_tokens": 2, "temperature": 0.0}
+
+    with ThreadPoolExecutor(2) as pool:
+        with httpx.stream("POST", url, json=long, timeout=120) as running:
+            lines = (line for line in running.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            first = pool.submit(httpx.post, url, json=prompt(40), timeout=120)
+            assert wait_for(lambda: counters(busy.url)["afdserve_waiting_tokens{}"] == 40)
+            refused = httpx.post(url, json=prompt(30), timeout=30)
+            second = pool.submit(httpx.post, url, json=prompt(20), timeout=120)
+            assert wait_for(lambda: counters(busy.url)["afdserve_waiting_tokens{}"] == 60)
+        answers = [first.result(timeout=120), second.result(timeout=120)]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+    assert "max_waiting_tokens=64" in refused.json()["error"]["message"]
+    assert [a.status_code for a in answers] == [200, 200]
+    after = counters(busy.url)
+    assert after[REJECTED % "waiting_tokens"] - before[REJECTED % "waiting_tokens"] == 1
+    assert wait_for(lambda: counters(busy.url)["afdserve_waiting_tokens{}"] == 0)
 
 
 def test_invalid_unicode_is_a_400(busy: ServerProcess) -> None:
