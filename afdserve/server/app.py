@@ -135,6 +135,8 @@ async def respond(
                              "usage": gen.usage()})  # fmt: skip
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far too.
+    every_chunk = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     async def events() -> AsyncIterator[str]:
         watcher = asyncio.ensure_future(gen.watch_disconnect(request.receive))
@@ -148,7 +150,8 @@ async def respond(
                 # string, a model without a tokenizer): clients time tokens by chunks.
                 if ids or out.new_text or out.finished:
                     c = make(index, out.new_text, ids, entries, out)
-                    yield sse({**head, **prompt_ids(out), "choices": [c]})
+                    usage = {"usage": gen.usage()} if every_chunk else {}
+                    yield sse({**head, **prompt_ids(out), "choices": [c], **usage})
             if include_usage and not gen.open:
                 yield sse({**head, "choices": [], "usage": gen.usage()})
         except APIError as e:  # the engine failed mid-stream: tell the client in-band
@@ -322,6 +325,8 @@ def create_app(
         else:
             state.admission.check(1)
         prompts = await asyncio.to_thread(convert.completion_prompts, llm, body.prompt)
+        prompts = convert.truncate_prompts(prompts, body.truncate_prompt_tokens,
+                                           state.max_model_len)  # fmt: skip
         default = state.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
         max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, state.max_model_len)
         params = convert.sampling_params(
@@ -354,6 +359,8 @@ def create_app(
             convert.chat_prompt, llm, body.messages, chat_template=state.chat_template,
             tools=tools.template_tools(body),
         )  # fmt: skip
+        (prompt,) = convert.truncate_prompts([prompt], body.truncate_prompt_tokens,
+                                             state.max_model_len)  # fmt: skip
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens

@@ -65,6 +65,20 @@ def chat_prompt(
     return llm.encode(text)
 
 
+def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int
+                     ) -> list[list[int]]:  # fmt: skip
+    """vLLM's truncate_prompt_tokens: keep each prompt's last `keep` tokens (-1: as many as
+    max_model_len). More than max_model_len is a 400: no prompt that long could run."""
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = max_model_len
+    if keep == 0 or keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens: {keep}; allowed: -1 (max_model_len) or "
+                          f"1..{max_model_len}", "truncate_prompt_tokens")  # fmt: skip
+    return [p[-keep:] for p in prompts]
+
+
 def max_tokens_for(
     requested: int | None, default: int | None, prompts: list[list[int]], max_model_len: int
 ) -> int:

@@ -62,8 +62,8 @@ class SamplingFields(BaseModel):
     """Fields shared by completions and chat. `None` means "the default", as OpenAI clients may
     send null. Beyond OpenAI's fields, vLLM's extensions: `top_k`, `min_p`, `min_tokens`,
     `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
-    `include_stop_str_in_output`, `return_token_ids`, `structured_outputs` and the older
-    `guided_*`."""
+    `include_stop_str_in_output`, `return_token_ids`, `truncate_prompt_tokens`,
+    `structured_outputs` and the older `guided_*`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -89,6 +89,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM's output constraints: the current field, and the older guided_* ones.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -99,6 +99,7 @@ plausible = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "return_token_ids": st.booleans(),
+    "truncate_prompt_tokens": st.integers(-2, 12),
     "stream": st.booleans(),
     "model": st.just(SERVED_NAME),
     "response_format": st.sampled_from(
@@ -716,3 +717,37 @@ def test_return_token_ids(http: httpx.Client, oracle: LLM) -> None:
         expected.prompt_token_ids]
     streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
     assert streamed == expected.token_ids
+
+
+def test_truncate_prompt_tokens(http: httpx.Client, oracle: LLM) -> None:
+    """vLLM's truncate_prompt_tokens keeps the prompt's last tokens: the answer is the offline
+    API's on that tail."""
+    prompt = list(range(40, 60))
+    greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    answer = http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 5,
+                                                **greedy}).json()  # fmt: skip
+    expected = oracle.generate([{"prompt_token_ids": prompt[-5:]}], params, use_tqdm=False)[0]
+    (choice,) = answer["choices"]
+    assert choice["prompt_token_ids"] == prompt[-5:] and answer["usage"]["prompt_tokens"] == 5
+    assert choice["token_ids"] == expected.token_ids
+    whole = http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1,
+                                               **greedy}).json()  # fmt: skip
+    assert whole["choices"][0]["prompt_token_ids"] == prompt
+    chat = http.post("/v1/chat/completions", json={"messages": ASK, "truncate_prompt_tokens": 3,
+                                                   **greedy}).json()  # fmt: skip
+    full = oracle.chat(ASK, params, use_tqdm=False)[0].prompt_token_ids
+    assert chat["prompt_token_ids"] == full[-3:]
+    for bad in (0, -2, 10**6):
+        r = http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_continuous_usage_stats(http: httpx.Client) -> None:
+    body = {"prompt": HELLO, "max_tokens": 6, "ignore_eos": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_objects(http, "/v1/completions", body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) == 6
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(HELLO)}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
