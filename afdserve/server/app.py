@@ -320,6 +320,9 @@ def create_app(
         check_text(body.prompt, "prompt")
         check_text(body.stop, "stop")
         check_prompt_chars(body.prompt, state.max_prompt_chars, "prompt")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo: with logprobs it needs the prompt's logprobs, which this "
+                              "server does not compute; drop one of them", "echo")  # fmt: skip
         if body.prompt and isinstance(body.prompt, list):
             state.admission.check(len(body.prompt) if isinstance(body.prompt[0], str | list) else 1)
         else:
@@ -340,7 +343,20 @@ def create_app(
             return shape.completion_logprobs(names, token_ids, entries, body.logprobs or 0)
 
         formatter = logprobs if body.logprobs is not None else None
-        return await respond(gen, request, body, head, shape.completion_choice, formatter)
+        if not body.echo:
+            return await respond(gen, request, body, head, shape.completion_choice, formatter)
+        # echo: each choice's text starts with its prompt's (streamed: in its first chunk).
+        echoes = await asyncio.to_thread(
+            lambda: [llm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
+        echoed: set[int] = set()
+
+        def echoing(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+            if index not in echoed:
+                echoed.add(index)
+                text = echoes[index // params.n] + text
+            return shape.completion_choice(index, text, lp, finish)
+
+        return await respond(gen, request, body, head, echoing, formatter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:

@@ -113,6 +113,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = None
     logprobs: int | None = None
+    echo: bool | None = None  # the prompt's text before each choice's (chat refuses it)
 
 
 class ContentPart(BaseModel):

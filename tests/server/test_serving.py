@@ -99,6 +99,7 @@ plausible = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "return_token_ids": st.booleans(),
+    "echo": st.booleans(),
     "truncate_prompt_tokens": st.integers(-2, 12),
     "stream": st.booleans(),
     "model": st.just(SERVED_NAME),
@@ -751,3 +752,20 @@ def test_continuous_usage_stats(http: httpx.Client) -> None:
     assert counts == sorted(counts) and counts[-1] == 6 and len(counts) == 6
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(HELLO)}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_echo_puts_the_prompt_before_the_answer(http: httpx.Client, oracle: LLM) -> None:
+    greedy = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True}
+    expected = offline(oracle, HELLO, **greedy).text
+    answer = http.post("/v1/completions", json={"prompt": HELLO, "echo": True, **greedy}).json()
+    assert answer["choices"][0]["text"] == HELLO + expected
+    prompts = [[72, 105], [79, 107, 33]]  # "Hi", "Ok!"
+    body = {"prompt": prompts, "echo": True, "n": 2, **greedy}
+    answer = http.post("/v1/completions", json=body).json()
+    assert [c["text"][: len(p)] for c, p in zip(answer["choices"], ["Hi", "Hi", "Ok!", "Ok!"],
+                                                strict=True)] == ["Hi", "Hi", "Ok!", "Ok!"]
+    texts = {i: "" for i in range(4)}
+    for chunk in sse_objects(http, "/v1/completions", body):
+        for c in chunk["choices"]:
+            texts[c["index"]] += c["text"]
+    assert [texts[i] for i in range(4)] == [c["text"] for c in answer["choices"]]
