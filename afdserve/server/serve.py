@@ -75,10 +75,10 @@ def warm_up(llm: LLM) -> None:
     ids_only = isinstance(llm.tokenizer, TokenIdsOnly)
     prompts = [[0] if ids_only else (llm.encode("Hello") or [0])]
     if llm.engine_config.device.startswith("cuda"):
-        limits = getattr(llm.engine, "limits", None) or llm.engine.core.limits  # type: ignore[attr-defined]
-        longest = min(llm.engine_config.max_num_batched_tokens, limits.max_model_len - 2)
+        engine = llm.engine
+        longest = min(llm.engine_config.max_num_batched_tokens, engine.max_model_len - 2)
         # Distinct token ids per prompt, so that a prefix cache serves none of them.
-        prompts += [[(31 * i + 7 * j) % limits.vocab_size for j in range(n)]
+        prompts += [[(31 * i + 7 * j) % engine.vocab_size for j in range(n)]
                     for i, n in enumerate(prefill_sizes(longest), start=1)]
     params = SamplingParams(max_tokens=2, temperature=0.0)
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
