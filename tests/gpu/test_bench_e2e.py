@@ -13,7 +13,7 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.bench_capacity import CapacityBench, run_capacity_bench
 from afdserve.cli import main
-from afdserve.model.presets import preset_hf_config, write_preset_config
+from afdserve.model.presets import write_preset_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,21 +44,15 @@ def test_generate_bench_1a1f_with_graphs(tmp_path):
     assert [r["output_tokens"] for r in results] == [4 * 16, 8 * 16]
 
 
-def test_attention_rank_has_the_room_of_the_experts(tmp_path):
-    """Experts of 6.4 GB in bf16 (64 x 3 x 1024 x 2048 x 8 layers x 2 bytes): the attention
-    rank's cache gets most of that room. The attention rank's NCCL buffers, the processes' CUDA
+def test_attention_rank_has_the_room_of_the_experts(wide_model):
+    """Experts of 6.4 GB in bf16 (the wide_model fixture): the attention rank's cache gets most
+    of that room. The attention rank's NCCL buffers, the processes' CUDA
     contexts and whatever this test process still holds on GPU 0 (the attention rank sees it as
     used) take a GB or two of it: the cache is emptied first, and the experts are large against
     that blur."""
     gc.collect()
     torch.cuda.empty_cache()
-    config = preset_hf_config("tiny")
-    config.update(hidden_size=1024, moe_intermediate_size=2048, num_experts=64,
-                  num_hidden_layers=8, torch_dtype="bfloat16")
-    model = tmp_path / "wide"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
-    spec = CapacityBench(model_dir=str(model), context_len=1024, gpu_memory_utilization=0.3,
+    spec = CapacityBench(model_dir=str(wide_model), context_len=1024, gpu_memory_utilization=0.3,
                          load_format="dummy", max_num_seqs=64)
     attention, colocated = run_capacity_bench(spec)
     assert (attention.topology, colocated.topology) == ("1A1F", "colocated")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from afdserve import LLM
-from afdserve.model.presets import preset_hf_config
+
+from .conftest import WIDE_EXPERT_BYTES
 
 pytestmark = pytest.mark.gpu
 
@@ -23,20 +24,16 @@ def kv_blocks(model: str, topology: str, connector: str) -> int:
         return llm.engine.core.limits.num_blocks
 
 
-def test_in_process_1a1f_leaves_the_experts_their_room(tmp_path):
-    """Experts of 6.4 GB in bf16 (64 x 3 x 1024 x 2048 x 8 layers x 2 bytes) against KV blocks of
-    a few hundred KB: sizing the cache before the experts are loaded would give it ~6 GB more."""
-    config = preset_hf_config("tiny")
-    config.update(hidden_size=1024, moe_intermediate_size=2048, num_experts=64,
-                  num_hidden_layers=8, torch_dtype="bfloat16")
-    model = tmp_path / "wide"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
+def test_in_process_1a1f_leaves_the_experts_their_room(wide_model):
+    """Experts of 6.4 GB against KV blocks of a few KB: sizing the cache before the experts are
+    loaded would give it their room."""
     blocks = {}
     for topology, connector in (("colocated", "auto"), ("1A1F", "inprocess")):
         gc.collect()
         torch.cuda.empty_cache()
-        blocks[topology] = kv_blocks(str(model), topology, connector)
-    experts_in_blocks = 6.4e9 / (2 * 8 * 16 * config["num_key_value_heads"]
-                                 * config["head_dim"] * 2)
+        blocks[topology] = kv_blocks(str(wide_model), topology, connector)
+    config = json.loads((wide_model / "config.json").read_text())
+    per_block = (2 * config["num_hidden_layers"] * 16 * config["num_key_value_heads"]
+                 * config["head_dim"] * 2)  # K and V, block size 16, bf16
+    experts_in_blocks = WIDE_EXPERT_BYTES / per_block
     assert abs(blocks["1A1F"] - blocks["colocated"]) < 0.05 * experts_in_blocks, blocks
