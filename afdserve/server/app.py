@@ -411,11 +411,7 @@ def create_app(
         if not body.stream:
             return await respond(gen, request, body, head, shape.chat_choice, formatter)
         head = {**head, "object": "chat.completion.chunk"}
-        role = {"role": "assistant", "content": ""}
-        opening = tuple(
-            {**head, "choices": [{**shape.chat_choice(i, "", None, None, True), "delta": role}]}
-            for i in range(params.n)
-        )
+        opening = shape.role_chunks(head, params.n)
 
         def delta(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
             return shape.chat_choice(index, text, lp, finish, delta=True)

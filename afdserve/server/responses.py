@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from afdserve.engine.engine_core import RequestOutput
@@ -99,7 +100,21 @@ def chat_choice(
     index: int, text: str, logprobs: dict | None, finish: str | None, delta: bool = False
 ) -> dict:
     if not delta:
-        message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    content = {"content": text} if text else {}
-    return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        return message_choice(index, {"role": "assistant", "content": text}, logprobs, finish)
+    return delta_choice(index, {"content": text} if text else {}, logprobs, finish)
+
+
+def message_choice(index: int, message: dict, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def delta_choice(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def role_chunks(head: dict, n: int, first: Callable[[], dict] | None = None
+                ) -> tuple[dict, ...]:  # fmt: skip
+    """The opening chunk of each of `n` streamed chat choices: the role, and what `first()`
+    gives instead of the empty content."""
+    make = first or (lambda: {"role": "assistant", "content": ""})
+    return tuple({**head, "choices": [delta_choice(i, make(), None, None)]} for i in range(n))

@@ -82,7 +82,7 @@ class AutoTools:
 def tool_message(index: int, content: str | None, calls: list[dict], logprobs: dict | None,
                  finish: str | None) -> dict:  # fmt: skip
     message = {"role": "assistant", "content": content, "tool_calls": calls}
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return shape.message_choice(index, message, logprobs, finish)
 
 
 def call(name: str, arguments: str) -> dict:
@@ -143,14 +143,13 @@ class ToolStream:
         self.texts: dict[int, str] = {}
 
     def opening(self, head: dict, n: int) -> tuple[dict, ...]:
-        chunks = []
-        for i in range(n):
+        def first() -> dict:
             delta: dict[str, Any] = {"role": "assistant", "content": None}
             if self.forced.name is not None:
                 delta["tool_calls"] = [{"index": 0, **call(self.forced.name, "")}]
-            chunks.append({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                                "finish_reason": None}]})  # fmt: skip
-        return tuple(chunks)
+            return delta
+
+        return shape.role_chunks(head, n, first)
 
     def delta(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
         delta: dict[str, Any] = {}
@@ -165,7 +164,7 @@ class ToolStream:
                 finish = self.forced.finish_reason
             elif finish is not None and self.texts[index]:
                 delta = {"content": self.texts[index]}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return shape.delta_choice(index, delta, logprobs, finish)
 
 
 class AutoToolStream:
@@ -176,9 +175,7 @@ class AutoToolStream:
         self.calls: dict[int, int] = {}
 
     def opening(self, head: dict, n: int) -> tuple[dict, ...]:
-        return tuple({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                      "content": ""}, "logprobs": None, "finish_reason": None}]}
-                     for i in range(n))  # fmt: skip
+        return shape.role_chunks(head, n)
 
     def delta(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
         stream = self.streams.setdefault(index, HermesStream())
@@ -191,4 +188,4 @@ class AutoToolStream:
             self.calls[index] = first + len(calls)
         if finish == "stop" and self.calls.get(index):
             finish = "tool_calls"
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return shape.delta_choice(index, delta, logprobs, finish)
