@@ -31,8 +31,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
+
+try:
+    import httpx
+except ImportError:  # the `bench` extra: `afdserve serve` and the other commands run without it
+    httpx = None  # type: ignore[assignment]
 
 PERCENTILE = 99
 CONNECT_TIMEOUT_S = 60.0
@@ -351,6 +355,9 @@ def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def main_serve(args: argparse.Namespace) -> int:
+    if httpx is None:
+        print("afdserve bench serve: needs httpx; pip install 'afdserve[bench]'", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get("AFDSERVE_API_KEY") or os.environ.get(
         "OPENAI_API_KEY")
     spec = ServeBench(

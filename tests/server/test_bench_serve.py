@@ -118,3 +118,19 @@ def test_a_model_without_tokenizer_streams_a_chunk_per_token(
     for request in rate["requests"]:
         assert request["output_tokens"] == 6
         assert len(request["itl_s"]) == 5
+
+
+def test_the_cli_runs_without_the_bench_extra() -> None:
+    """httpx comes with the `bench` extra only: `afdserve serve` (the README's main command
+    installs the `server` extra) must parse its arguments without it, and `bench serve` must
+    say what to install."""
+    code = """
+import sys
+sys.modules["httpx"] = None  # as if not installed: importing it raises ImportError
+from afdserve.cli import build_parser, main
+assert build_parser().parse_args(["serve", "--port", "1"]).port == 1
+sys.exit(main(["bench", "serve", "--base-url", "http://127.0.0.1:1"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install 'afdserve[bench]'" in proc.stderr
