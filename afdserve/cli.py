@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_config.set_defaults(func=cmd_make_config)
 
     try:
-        from afdserve.bench import add_bench_parser
+        from afdserve.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:

@@ -129,8 +129,8 @@ class AFDConfig:
     log_step_plan: bool | str = False
     # "p2p": one process per rank over torch.distributed point-to-point (NCCL on CUDA, gloo on
     # CPU); "ipc": one process per rank, each on its own GPU of one host, tiles written straight
-    # into the peer's symmetric memory (afd/ipc.py); "inprocess": 1A1F with both halves in this
-    # process (one device); "auto": see `resolve_connector`.
+    # into the peer's symmetric memory (afd/dataplane/ipc.py); "inprocess": 1A1F with both halves
+    # in this process (one device); "auto": see `resolve_connector`.
     connector: str = "auto"
     # A collective or transfer that does not complete within this many seconds fails (the
     # process groups' timeout).
@@ -143,7 +143,7 @@ class AFDConfig:
     # launcher started every rank on this host and the host supports it, gloo otherwise.
     control_plane: str = "auto"
     # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
-    # header it receives) to rank<N>.jsonl there, for `afdserve.afd.wire.mirror_errors`.
+    # header it receives) to rank<N>.jsonl there, for `afdserve.afd.dataplane.wire.mirror_errors`.
     log_data_plane: str | None = None
     # The FFN ranks form one expert-parallel group: each holds a disjoint shard of the routed
     # experts (router, shared experts and dense layers are replicated), and A < F is allowed.
@@ -201,8 +201,9 @@ class AFDConfig:
     def resolve_connector(self, device: str, gpus: int, spawned: bool) -> AFDConfig:
         """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in
         launcher spawns every rank on a GPU of its own (one host; measured fastest, see
-        afd/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p" otherwise
-        (CPU, ranks started elsewhere, and expert-parallel groups, not yet run over ipc)."""
+        afd/dataplane/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p"
+        otherwise (CPU, ranks started elsewhere, and expert-parallel groups, not yet run over
+        ipc)."""
         topology = self.parsed_topology
         if self.connector != "auto" or topology.colocated:
             return self

@@ -1,7 +1,7 @@
 """The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`.
 
 It sits on top: it picks the one-process engine (colocated, in-process 1A1F) or starts one process
-per rank (afd/launcher.py), and drives either through the same EngineClient interface."""
+per rank (afd/clients/process.py), and drives either through the same EngineClient interface."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from afdserve.afd.launcher import ProcessClient
-from afdserve.afd.local import SingleProcessClient
-from afdserve.afd.messages import RankReady, WorkerSpec
-from afdserve.afd.recorder import StepLogFile
+from afdserve.afd.clients.process import ProcessClient
+from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.afd.ranks.messages import RankReady, WorkerSpec
+from afdserve.afd.step.recorder import StepLogFile
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput as SequenceOutput

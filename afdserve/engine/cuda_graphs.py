@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
-from afdserve.kernels.reference import AttentionMetadata, BatchedSegments
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 from afdserve.layout.plan import AttentionRankPlan
 
 

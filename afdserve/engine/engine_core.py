@@ -2,7 +2,7 @@
 
 The step is split so that the control plane fits in the middle: `schedule()` -> report
 `RankStep` -> (every rank plans the same step) -> `execute(out, plan, forward, step)`. The
-attention driver (afd/driver.py) runs that loop for every topology, colocated included.
+attention driver (afd/step/driver.py) runs that loop for every topology, colocated included.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.model_runner import ModelRunner
+from afdserve.engine.requests import RequestError, RequestLimits, check_request
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -28,46 +29,6 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.model import MoECausalLM
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the field and what is allowed."""
-
-    def __init__(self, message: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-
-
-def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimits) -> None:
-    """Refuse what can never run, before it reaches a scheduler (so nothing else is disturbed)."""
-    if len(prompt) == 0:
-        raise RequestError("prompt: must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise RequestError(
-            f"prompt: {len(prompt)} tokens, but max_model_len={limits.max_model_len} leaves room "
-            f"for at most {limits.max_model_len - 1} prompt tokens"
-        )
-    for i, tok in enumerate(prompt):
-        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < limits.vocab_size:
-            raise RequestError(
-                f"prompt: token id {tok!r} at position {i} is outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
-    longest = min(len(prompt) + params.max_tokens, limits.max_model_len)
-    blocks = -(-longest // limits.block_size)
-    if blocks > limits.num_blocks:
-        raise RequestError(
-            f"prompt + max_tokens: {longest} tokens need {blocks} KV blocks, but the cache holds "
-            f"{limits.num_blocks} blocks of {limits.block_size} tokens"
-        )
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
-from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Routing

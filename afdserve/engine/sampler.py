@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.engine.sequence import Sequence
-from afdserve.engine.structured import constrain
+from afdserve.engine.structured import GrammarState
 
 
 @dataclass
@@ -173,3 +173,16 @@ def _logprobs(
             entry.setdefault(token, value)
         result.append(entry)
     return result
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Masks the forbidden tokens of every constrained row. [n, vocab] -> [n, vocab]"""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row in rows:
+        seq = seqs[row]
+        if seq.grammar is None:
+            seq.grammar = GrammarState(seq.params.structured_outputs)
+        allowed = seq.grammar.allowed(seq.output_token_ids, vocab, logits.device)
+        out[row] = out[row].masked_fill(~allowed, -torch.inf)
+    return out

@@ -7,6 +7,7 @@ import enum
 
 import torch
 
+from afdserve.engine.requests import RequestError
 from afdserve.engine.sampling_params import SamplingParams
 
 
@@ -82,7 +83,6 @@ class Sequence:
 def _grammar_state(request_id: str, params: SamplingParams):
     """Built with the sequence, so that a grammar this rank cannot run (llguidance missing, no
     tokenizer at the path) refuses this one request instead of failing a step of all of them."""
-    from afdserve.engine.engine_core import RequestError  # engine_core imports this module
     from afdserve.engine.structured import GrammarState
 
     try:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where it is used: SamplingParams imports this module
     import torch
 
-    from afdserve.engine.sequence import Sequence
 
 INSTALL_HINT = "structured output needs llguidance: pip install 'afdserve[structured]'"
 
@@ -130,18 +129,3 @@ class GrammarState:
         n = min(vocab, allowed.numel())
         row[:n] = allowed[:n]
         return row.to(device)
-
-
-def constrain(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-    """Masks the forbidden tokens of every constrained row. [n, vocab] -> [n, vocab]"""
-    import torch
-
-    out = logits.clone()
-    vocab = logits.shape[-1]
-    for row in rows:
-        seq = seqs[row]
-        if seq.grammar is None:
-            seq.grammar = GrammarState(seq.params.structured_outputs)
-        allowed = seq.grammar.allowed(seq.output_token_ids, vocab, logits.device)
-        out[row] = out[row].masked_fill(~allowed, -torch.inf)
-    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from afdserve.kernels import reference
-from afdserve.kernels.reference import AttentionMetadata, QKVLayout
+from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 
 def _triton_ready(t: torch.Tensor) -> bool:

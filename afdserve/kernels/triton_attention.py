@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.reference import AttentionMetadata
+from afdserve.kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner tile

@@ -1,5 +1,5 @@
-"""One launch that writes a tile into a peer's inbox (afd/ipc.py): the hidden rows, zeros on the
-pad rows, and optionally the token-id payload (header, then one id per row, -1 on pad rows).
+"""One launch that writes a tile into a peer's inbox (afd/dataplane/ipc.py): the hidden rows, zeros
+on the pad rows, and optionally the token-id payload (header, then one id per row, -1 on pad rows).
 
 A copy through `tensor.copy_` into peer memory becomes a copy-engine transfer, whose start-up
 dominates at these sizes (about 7.6 us per copy inside a CUDA graph on two H200s, from

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.reference import QKVLayout
+from afdserve.kernels.metadata import QKVLayout
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

@@ -11,12 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference import (
-    AttentionMetadata,
-    QKVLayout,
-    causal_attention,
-    gather_kv,
-)
+from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.reference import causal_attention, gather_kv
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm, Rotary
 

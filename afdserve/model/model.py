@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference import AttentionMetadata
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.attention import LayerCache, make_attention
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm, Rotary

@@ -24,7 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestError, RequestOutput
+from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.requests import RequestError
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.convert import Fanout
 from afdserve.server.limits import Admission

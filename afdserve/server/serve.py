@@ -213,7 +213,7 @@ def kill_leftover_ranks() -> None:
             continue
         for pid in children:
             try:
-                if b"afdserve.afd.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"afdserve.afd.ranks.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     log.warning("killing rank process %s left by an interrupted start", pid)
                     os.kill(int(pid), signal.SIGKILL)
             except OSError:

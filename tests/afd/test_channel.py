@@ -12,7 +12,7 @@ import time
 import pytest
 
 from afdserve import LLM
-from afdserve.afd.channel import HANDSHAKE_TIMEOUT_S, ChannelError, RankListener, connect
+from afdserve.afd.ranks.channel import HANDSHAKE_TIMEOUT_S, ChannelError, RankListener, connect
 
 KEY = os.urandom(32)
 

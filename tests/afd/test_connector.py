@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from afdserve import LLM
-from afdserve.afd.connector import LayoutError
-from afdserve.afd.ffn import check_payload
-from afdserve.afd.launcher import free_port
+from afdserve.afd.clients.process import free_port
+from afdserve.afd.dataplane.ffn import check_payload
+from afdserve.afd.dataplane.payload import LayoutError
 from afdserve.layout.plan import GraphTable, RankStep, plan_step
 from afdserve.layout.topology import Topology
 
@@ -69,9 +69,9 @@ def _rank(rank: int, port: int, model_dir: str, errors) -> None:
     )
     import torch.distributed as dist
 
-    from afdserve.afd.connector import AttentionConnector
-    from afdserve.afd.ffn import FFNExchange
-    from afdserve.afd.wire import Wire
+    from afdserve.afd.dataplane.connector import AttentionConnector
+    from afdserve.afd.dataplane.ffn import FFNExchange
+    from afdserve.afd.dataplane.wire import Wire
     from afdserve.engine.factory import half_parts
     from afdserve.model.loader import load_model
 

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import pytest
 
-from afdserve.afd.control_shm import shared_memory_supported
-from afdserve.afd.launcher import free_port
+from afdserve.afd.clients.process import free_port
+from afdserve.afd.step.control_shm import shared_memory_supported
 from afdserve.config import AFDConfig
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
@@ -73,7 +73,7 @@ def _rank(rank: int, topology: Topology, port: int, scenario, arg: int, timeout_
           results) -> None:
     import torch.distributed as dist
 
-    from afdserve.afd.control_shm import SharedMemoryControl
+    from afdserve.afd.step.control_shm import SharedMemoryControl
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=topology.world_size,

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.launcher import WorkerError
+from afdserve.afd.clients.process import WorkerError
 
 from .conftest import GREEDY
 
@@ -67,7 +67,7 @@ def _stray_workers() -> list[int]:
                 fields = f.read().split(")")[-1].split()
         except OSError:
             continue
-        if b"afdserve.afd.worker" in cmd and int(fields[1]) == me and fields[0] != "Z":
+        if b"afdserve.afd.ranks.worker" in cmd and int(fields[1]) == me and fields[0] != "Z":
             found.append(int(entry))
     return found
 
@@ -96,13 +96,13 @@ def test_ranks_started_elsewhere_join_the_frontend(afd_models, monkeypatch):
     import subprocess
     import sys
 
-    from afdserve.afd.launcher import free_port
+    from afdserve.afd.clients.process import free_port
 
     key, frontend, master = os.urandom(16).hex(), free_port(), free_port()
     monkeypatch.setenv("AFDSERVE_AUTHKEY", key)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "afdserve.afd.worker"],
+            [sys.executable, "-m", "afdserve.afd.ranks.worker"],
             env=dict(
                 os.environ,
                 MASTER_ADDR="127.0.0.1",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.engine_core import RequestError
+from afdserve.engine.requests import RequestError
 from afdserve.model.presets import write_preset_config
 
 from .conftest import GREEDY, mixed_prompts

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.launcher import OutputAccumulator
-from afdserve.afd.messages import OutputDelta
-from afdserve.afd.processes import WorkerError
+from afdserve.afd.clients.process import OutputAccumulator
+from afdserve.afd.ranks.messages import OutputDelta
+from afdserve.afd.ranks.world import WorkerError
 
 
 def _engine_outputs(params: list[SamplingParams], prompts: list[str]):

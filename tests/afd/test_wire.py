@@ -1,13 +1,13 @@
-"""The data-plane contract (afd/wire.py) over real gloo worlds: every batch a rank posts with a
-peer mirrors one batch the peer posts with it, as NCCL requires, and every FFN half receives the
-rows the plan says, under mixed loads, ubatches, gate placement and graph warm-up."""
+"""The data-plane contract (afd/dataplane/wire.py) over real gloo worlds: every batch a rank posts
+with a peer mirrors one batch the peer posts with it, as NCCL requires, and every FFN half receives
+the rows the plan says, under mixed loads, ubatches, gate placement and graph warm-up."""
 
 from __future__ import annotations
 
 import pytest
 
 from afdserve import LLM
-from afdserve.afd.wire import mirror_errors
+from afdserve.afd.dataplane.wire import mirror_errors
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
 from .wire_logs import assert_data_plane_matches_plan

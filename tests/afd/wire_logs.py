@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from afdserve.afd.wire import mirror_errors, read_wire_log
+from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
 
 
 def received(log_dir: Path) -> list[dict]:

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.engine_core import RequestError, RequestOutput
+from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.requests import RequestError
 from afdserve.model.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
 NEW_TOKENS = 24

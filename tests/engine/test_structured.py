@@ -69,7 +69,7 @@ def test_bad_grammars_and_combinations_are_refused(llm: LLM) -> None:
 def test_a_grammar_the_rank_cannot_run_refuses_only_that_request(llm: LLM) -> None:
     """A tokenizer directory the rank cannot read fails that request at admission, as a
     RequestError; the engine keeps serving."""
-    from afdserve.engine.engine_core import RequestError
+    from afdserve.engine.requests import RequestError
 
     broken = StructuredOutputsParams(choice=["yes"], tokenizer_dir="/no/such/tokenizer")
     with pytest.raises(RequestError, match="structured_outputs: this rank cannot run"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.bench_capacity import CapacityBench, run_capacity_bench
+from afdserve.bench.capacity import CapacityBench, run_capacity_bench
 from afdserve.cli import main
 from afdserve.model.presets import write_preset_config
 

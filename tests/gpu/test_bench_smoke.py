@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.bench import DecodeBench, DecodeSteps, build_halves, run_decode_bench
+from afdserve.bench.decode import DecodeBench, DecodeSteps, build_halves, run_decode_bench
 from afdserve.model.presets import preset_hf_config
 
 pytestmark = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from afdserve.kernels import ops, reference
-from afdserve.kernels.reference import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from tests.gpu.sync import no_sync
 
 pytestmark = [

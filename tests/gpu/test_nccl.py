@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.wire import mirror_errors, read_wire_log
+from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
 from afdserve.model.tiny import make_tiny_model
 from tests.afd.wire_logs import assert_data_plane_matches_plan
 

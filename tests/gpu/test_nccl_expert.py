@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from afdserve import LLM
-from afdserve.afd.wire import mirror_errors, read_wire_log
+from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
 
 from .test_nccl import GREEDY, SIZES, _prompts, colocated, models  # noqa: F401 (fixture)
 

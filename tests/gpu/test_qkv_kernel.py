@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from afdserve.kernels import reference
-from afdserve.kernels.reference import QKVLayout
+from afdserve.kernels.metadata import QKVLayout
 from tests.gpu.sync import no_sync
 
 pytestmark = [

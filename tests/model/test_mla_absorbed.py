@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.afd.local import SingleProcessClient
-from afdserve.afd.messages import WorkerSpec
+from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.sampling_params import SamplingParams
 
