@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from afdserve.bench.decode import DecodeBench, invalid, run_decode_bench
-from afdserve.bench.generate import model_dir_for, report
+from afdserve.bench.decode import DecodeBench, run_decode_bench
+from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.llm import LLM
 from afdserve.model.presets import PRESETS

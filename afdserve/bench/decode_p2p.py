@@ -21,39 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from afdserve.afd.dataplane.connector import AttentionConnector
-from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import Wire
+from afdserve.afd.ranks.build import StepGraphs, attention_boundary, ffn_driver, open_inboxes
 from afdserve.afd.step.control import FixedControl
-from afdserve.afd.step.driver import FFNDriver
-from afdserve.afd.step.recorder import StepRecorder
-from afdserve.bench.decode import WARMUP_STEPS, DecodeBench, DecodeResult, DecodeSteps
+from afdserve.bench.decode_steps import DecodeResult, DecodeSpec, DecodeSteps, build_half
+from afdserve.bench.report import WARMUP_STEPS
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-from afdserve.model.config import parse_model_config, read_hf_config
-from afdserve.model.loader import (
-    TORCH_DTYPES,
-    all_tensor_names,
-    build_model,
-    init_random_weights,
-    load_weights,
-)
+from afdserve.model.config import read_hf_config
+from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts
 from afdserve.model.presets import preset_hf_config
 
 PROFILED_STEPS = 5
-
-
-def _half(spec: DecodeBench, raw: dict, rank: int, device: torch.device):
-    config = parse_model_config(raw)
-    part = ModelParts(True, False) if rank == 0 else ModelParts(False, True)
-    model = build_model(config, part, TORCH_DTYPES[spec.dtype], device)
-    if spec.random_weights:
-        init_random_weights(model, spec.seed)
-    else:
-        load_weights(model, spec.model_dir, all_tensor_names(config))
-    return model
 
 
 def busy_ns(stamps: list[int]) -> tuple[int, int]:
@@ -94,24 +75,21 @@ def _data_plane_only(inboxes, rank: int, layers: int, tile: int, hidden: int,
     return time_graph(lambda: ipc_layers(inboxes, rank, layers, x, ids, step), layers, steps)
 
 
-def recorder_plan(spec: DecodeBench, batch: int, topology: Topology):
+def _graphs(spec: DecodeSpec, batch: int) -> StepGraphs:
+    """Both ranks' graph settings for a decode batch of `batch`: the batch is the one size."""
+    return StepGraphs(spec.graph_mode, (batch,), spec.ubatches)
+
+
+def recorder_plan(spec: DecodeSpec, batch: int, topology: Topology):
     """The step plan both ranks run for a decode batch of `batch` (the graph size is `batch`)."""
-    return StepRecorder(0, spec.graph_mode, (batch,), ubatches=spec.ubatches).plan(
-        (RankStep(batch, batch, True),), topology)
+    return _graphs(spec, batch).recorder(0).plan((RankStep(batch, batch, True),), topology)
 
 
-def _attention_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, count: int
+def _attention_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int
                      ) -> list[float]:
     """`count` decode steps of the attention rank; with `stamps`, the last PROFILED_STEPS are
     stamped. Returns the step times after warm-up."""
-    config, dtype = model.config, TORCH_DTYPES[spec.dtype]
-    device = next(model.parameters()).device
-    if inboxes is not None:
-        from afdserve.afd.dataplane.ipc import IPCAttentionConnector
-
-        connector = IPCAttentionConnector(config, inboxes, 0, False)
-    else:
-        connector = AttentionConnector(config, dtype, device, False, Wire(0))
+    connector = attention_boundary(model, Topology(1, 1), 0, False, Wire(0), inboxes=inboxes)
     connector.stamps = stamps
     steps = DecodeSteps(model, None, dataclasses.replace(spec, steps=count), batch,
                         boundary=connector)
@@ -129,20 +107,15 @@ def _attention_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, coun
     return times[WARMUP_STEPS - 1:]
 
 
-def _ffn_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, count: int) -> None:
+def _ffn_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int) -> None:
     """The FFN rank's side of `_attention_steps`."""
     device = next(model.parameters()).device
-    transport = None
-    if inboxes is not None:
-        from afdserve.afd.dataplane.ipc import IPCTransport
-
-        transport = IPCTransport(inboxes, 1)
-    exchange = FFNExchange(model, 1, False, device, Wire(1), transport=transport)
-    recorder = StepRecorder(1, spec.graph_mode, (batch,), ubatches=spec.ubatches)
-    runner = FFNStepRunner(exchange, spec.graph_mode != "none")
-    driver = FFNDriver(runner, recorder, FixedControl((RankStep(batch, batch, True),)),
-                       Topology(1, 1), 1)
-    exchange.transport.stamps = stamps  # captured into the graphs, so set from the first step
+    graphs = _graphs(spec, batch)
+    driver = ffn_driver(model, 1, device, Wire(1), graphs, graphs.recorder(1),
+                        FixedControl((RankStep(batch, batch, True),)), topology=Topology(1, 1),
+                        inboxes=inboxes)
+    # Captured into the graphs, so set from the first step.
+    driver.runner.exchange.transport.stamps = stamps
     for i in range(count):
         profiled = stamps is not None and i >= count - PROFILED_STEPS
         if profiled and i == count - PROFILED_STEPS:
@@ -154,19 +127,20 @@ def _ffn_steps(spec: DecodeBench, model, batch: int, inboxes, stamps, count: int
         if profiled:
             stamps.mark()
     torch.cuda.synchronize()
-    del driver, runner, exchange
+    del driver
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
+def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device,
                             timeout=timedelta(seconds=300))
     raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
-    model = _half(spec, raw, rank, device)
+    parts = ModelParts(True, False) if rank == 0 else ModelParts(False, True)
+    model = build_half(spec, raw, parts, device)
     config = model.config
     dtype = TORCH_DTYPES[spec.dtype]
     topology = Topology(1, 1)
@@ -176,10 +150,7 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
         tile = max(recorder_plan(spec, batch, topology).ffn[0].tile_rows)  # the plan's tile
         inboxes = None
         if spec.connector == "ipc":
-            from afdserve.afd.dataplane.ipc import Inboxes
-
-            inboxes = Inboxes(dist.group.WORLD, device, dtype, config.hidden_size, config.top_k,
-                              spec.ubatches, 1, tile)
+            inboxes = open_inboxes(topology, config, dtype, device, spec.ubatches, tile)
         # A timed run, then a run with device timestamps around every wait (its graphs hold the
         # stamp kernels, so it is not the timed one): each role's busy time per step.
         from afdserve.kernels.triton_stamp import Stamps
@@ -206,7 +177,7 @@ def _rank_main(rank: int, spec: DecodeBench, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def run_p2p_decode_bench(spec: DecodeBench) -> list[DecodeResult]:
+def run_p2p_decode_bench(spec: DecodeSpec) -> list[DecodeResult]:
     if torch.cuda.device_count() < 2:
         raise ValueError("bench --topology 1A1F needs two GPUs (attention on 0, FFN on 1)")
     from afdserve.afd.clients.process import free_port

@@ -10,49 +10,20 @@ torch.distributed (on CUDA rank r uses cuda:r: attention on GPU 0, the FFN half 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from afdserve.bench.decode import invalid
+from afdserve.bench.report import invalid, model_dir_for, parse_sizes, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESETS, write_preset_config
+from afdserve.model.presets import PRESETS
 
 TOPOLOGIES = ("colocated", "1A1F")
-
-
-def parse_sizes(field: str, text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in str(text).split(",") if s.strip())
-    except ValueError:
-        raise ValueError(f"bench.{field}={text!r}: comma-separated integers") from None
-    return sizes
-
-
-@contextlib.contextmanager
-def model_dir_for(model_dir: str | None, preset: str | None, load_format: str) -> Iterator[str]:
-    """The model directory: `model_dir`, or a temporary one holding the preset's config.json
-    (dummy weights only: a preset has no checkpoint)."""
-    if (model_dir is None) == (preset is None):
-        raise ValueError("bench.model_dir: give exactly one of --model DIR and --preset NAME")
-    if model_dir is not None:
-        yield model_dir
-        return
-    if preset not in PRESETS:
-        raise ValueError(f"bench.preset={preset!r} is not allowed: one of {sorted(PRESETS)}")
-    if load_format != "dummy":
-        raise ValueError(f"bench.load_format={load_format!r} is not allowed with --preset: "
-                         f"'dummy' (a preset has no checkpoint)")
-    with tempfile.TemporaryDirectory(prefix=f"afdserve-{preset}-") as tmp:
-        yield str(write_preset_config(preset, tmp))
 
 
 @dataclass(frozen=True)
@@ -222,16 +193,3 @@ def main_generate(args: argparse.Namespace) -> int:
               f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}")
     report("generate", name, spec, header, results, args.json)
     return 0
-
-
-def report(bench: str, name: str, spec: object, header: str, rows: Sequence, path: str | None
-           ) -> None:
-    """Print the header and a line per row; with `path`, write the spec and the rows as JSON."""
-    print(header)
-    for row in rows:
-        print(row.line())
-    if path:
-        record = {"bench": bench, "model": name, **asdict(spec),
-                  "results": [row.as_dict() for row in rows]}
-        with open(path, "w") as f:
-            json.dump(record, f, indent=2)

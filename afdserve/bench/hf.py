@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.bench.decode import DecodeBench, _seconds
+from afdserve.bench.decode_steps import DecodeSpec
+from afdserve.bench.report import device_seconds
 from afdserve.model.model import MoECausalLM
 
 
@@ -31,7 +32,7 @@ def hf_sharing_weights(
 
 
 @torch.inference_mode()
-def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeBench, batch: int) -> float:
+def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeSpec, batch: int) -> float:
     """Decode tokens/s of `generate` at the same batch and context: (time for `steps` new tokens
     - time for 1) / (steps - 1), so the prefill both runs share cancels out."""
     dev = next(hf.parameters()).device
@@ -47,6 +48,6 @@ def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeBench, batch: int) -> float
         )  # fmt: skip
 
     generate(2)  # warm-up
-    one = _seconds(lambda: generate(1), dev)
-    many = _seconds(lambda: generate(spec.steps), dev)
+    one = device_seconds(lambda: generate(1), dev)
+    many = device_seconds(lambda: generate(spec.steps), dev)
     return batch * (spec.steps - 1) / max(many - one, 1e-9)
