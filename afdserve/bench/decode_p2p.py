@@ -28,6 +28,7 @@ from afdserve.afd.step.control import FixedControl
 from afdserve.bench.decode_steps import DecodeResult, DecodeSpec, DecodeSteps, build_half
 from afdserve.bench.report import WARMUP_STEPS
 from afdserve.layout.plan import RankStep
+from afdserve.layout.step import StepPlan
 from afdserve.layout.topology import Topology
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
@@ -80,7 +81,7 @@ def _graphs(spec: DecodeSpec, batch: int) -> StepGraphs:
     return StepGraphs(spec.graph_mode, (batch,), spec.ubatches)
 
 
-def recorder_plan(spec: DecodeSpec, batch: int, topology: Topology):
+def recorder_plan(spec: DecodeSpec, batch: int, topology: Topology) -> StepPlan:
     """The step plan both ranks run for a decode batch of `batch` (the graph size is `batch`)."""
     return _graphs(spec, batch).recorder(0).plan((RankStep(batch, batch, True),), topology)
 

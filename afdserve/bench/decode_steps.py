@@ -118,7 +118,7 @@ class DecodeSteps:
     `InProcessConnector`, and `boundary` puts another in their place (1A1F across GPUs)."""
 
     def __init__(self, model: MoECausalLM, ffn: MoECausalLM | None, spec: DecodeSpec, batch: int,
-                 boundary: FFNBoundary | None = None):
+                 boundary: FFNBoundary | None = None) -> None:
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
         self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
