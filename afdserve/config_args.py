@@ -48,14 +48,16 @@ def option(
     choices: values argparse enforces. allowed: values only shown (as the metavar), left to
         the class's own validation so that a wrong value is its one-line error.
     parse: turns the flag's text into the value, for types other than str, int, float, bool.
-    shown: what "(default: X)" says, where the default's repr would not tell (None = ...).
+    shown: what "(default: X)" says where the value alone would not tell what it means
+        (max_model_len=None: "the model's max_position_embeddings").
     negate: a True-by-default bool set False by the flag (`--disable-log-requests`).
     positional: an optional positional argument rather than a flag.
     """
     meta = {"help": help, "flag": flag, "kwarg": kwarg, "choices": choices, "allowed": allowed,
             "parse": parse, "metavar": metavar, "shown": shown, "nargs": nargs, "const": const,
             "negate": negate, "positional": positional}  # fmt: skip
-    return dataclasses.field(default=default, metadata={k: v for k, v in meta.items() if v})
+    kept = {k: v for k, v in meta.items() if v is not None and v is not False}
+    return dataclasses.field(default=default, metadata=kept)
 
 
 def kwarg_of(field: dataclasses.Field) -> str:
