@@ -7,15 +7,17 @@ starts or any weight is read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+from afdserve.config_args import build, option, parse_placement, parse_sizes, split_kwargs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 GRAPH_MODES = ("none", "full_decode_only", "full")
 CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
-# "auto" and "safetensors" read the checkpoint's safetensors; "dummy" builds the model from
-# config.json alone with random weights drawn from EngineConfig.seed (like vLLM's dummy format).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 CONTROL_PLANES = ("auto", "gloo", "shm")
 
@@ -49,18 +51,34 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 class EngineConfig:
     """One attention rank's engine: model, device, cache and scheduler limits."""
 
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_blocks: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.85
-    seed: int = 0
-    load_format: str = "auto"
-    use_tqdm_on_load: bool = True  # a progress bar over checkpoint shards, on a terminal
+    model: str = option(help="a Hugging Face model directory", positional=True,
+                        shown="the bundled tiny model")
+    device: str = option("cpu", help="where the engine runs: cpu, cuda or cuda:N")
+    dtype: str = option("auto", allowed=DTYPES,
+                        help="of weights and activations; auto: the checkpoint's torch_dtype")
+    max_num_seqs: int = option(64, help="the most sequences one step runs")
+    max_num_batched_tokens: int = option(
+        2048, help="the most tokens one step runs (prompt chunks and decodes together)")
+    max_model_len: int | None = option(
+        None, help="the longest prompt plus output, in tokens",
+        shown="the model's max_position_embeddings")
+    kv_cache_blocks: int | None = option(
+        None, help="KV-cache blocks per attention rank",
+        shown="what gpu_memory_utilization leaves on CUDA; max_num_seqs x max_model_len on CPU, "
+              "at most 1 GiB")  # fmt: skip
+    block_size: int = option(16, help="tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.85, help="the share of its GPU's memory a rank may fill: its KV cache gets what is "
+                   "left of that share once its weights are loaded")  # fmt: skip
+    seed: int = option(0, help="seed of the engine's generator, for requests without a seed, "
+                               "and of dummy weights")
+    load_format: str = option(
+        "auto", choices=LOAD_FORMATS,
+        help="auto and safetensors read the checkpoint's safetensors; dummy builds the model "
+             "from config.json alone with random weights drawn from the seed (like vLLM's dummy "
+             "format), the same on every rank of every topology")  # fmt: skip
+    use_tqdm_on_load: bool = option(
+        True, help="a progress bar over checkpoint shards while loading (on a terminal)")
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -99,8 +117,13 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class GraphConfig:
     """CUDA-graph policy. `sizes=None` means the default ladder up to max_num_seqs."""
 
-    mode: str = "none"
-    sizes: tuple[int, ...] | None = None
+    mode: str = option("none", kwarg="graph_mode", allowed=GRAPH_MODES,
+                       help="CUDA graphs: full_decode_only captures decode-only steps, full "
+                            "also steps with prompt chunks")
+    sizes: tuple[int, ...] | None = option(
+        None, kwarg="cuda_graph_sizes", parse=parse_sizes, metavar="N,N,...",
+        help="the batch sizes captured, comma-separated",
+        shown="1,2,4,8,16,... up to max_num_seqs")
 
     def __post_init__(self) -> None:
         owner = "GraphConfig"
@@ -123,34 +146,46 @@ class GraphConfig:
 class AFDConfig:
     """How the model is split across ranks."""
 
-    topology: str = "colocated"
-    ubatches: int = 1
-    gate_on_attention: bool = False
-    log_step_plan: bool | str = False
-    # "p2p": one process per rank over torch.distributed point-to-point (NCCL on CUDA, gloo on
-    # CPU); "ipc": one process per rank, each on its own GPU of one host, tiles written straight
-    # into the peer's symmetric memory (afd/dataplane/ipc.py); "inprocess": 1A1F with both halves
-    # in this process (one device); "auto": see `resolve_connector`.
-    connector: str = "auto"
-    # A collective or transfer that does not complete within this many seconds fails (the
-    # process groups' timeout).
-    timeout_s: float = 300.0
-    # An attention rank that reports no step for this many seconds is hung (or waits on a hung
-    # rank): the frontend fails every request and stops the world.
-    heartbeat_timeout_s: float = 10.0
-    # How ranks exchange their step reports: "gloo" (an all-gather, any hosts), "shm" (a
-    # shared-memory board, every rank on one x86-64 Linux host), "auto": shm when the built-in
-    # launcher started every rank on this host and the host supports it, gloo otherwise.
-    control_plane: str = "auto"
-    # A directory: every rank writes each point-to-point batch it posts (and an FFN rank each
-    # header it receives) to rank<N>.jsonl there, for `afdserve.afd.dataplane.wire.mirror_errors`.
-    log_data_plane: str | None = None
-    # The FFN ranks form one expert-parallel group: each holds a disjoint shard of the routed
-    # experts (router, shared experts and dense layers are replicated), and A < F is allowed.
-    ffn_expert_parallel: bool = False
-    # With ffn_expert_parallel: the routed experts of each FFN rank, one list per FFN index
-    # (every expert exactly once); None = contiguous near-equal shards.
-    expert_placement: tuple[tuple[int, ...], ...] | None = None
+    topology: str = option("colocated", help="'colocated' or <A>A<F>F, e.g. 2A1F")
+    ubatches: int = option(1, help="micro-batches per step (1..4), so that attention and FFN "
+                                   "ranks work at once")
+    gate_on_attention: bool = option(False, help="run the MoE router on the attention ranks")
+    log_step_plan: bool | str = option(
+        False, parse=str, nargs="?", const=True, metavar="PATH",
+        help="write one JSON line per rank per step (to PATH; LLM.step_log() reads them)")
+    connector: str = option(
+        "auto", choices=CONNECTORS,
+        help="the data plane of an AFD topology: p2p, one process per rank over "
+             "torch.distributed point-to-point (NCCL on CUDA, gloo on CPU); ipc, one process "
+             "per rank, each on its own GPU of one host, tiles written straight into the "
+             "peer's symmetric memory; inprocess, 1A1F with both halves in this process (one "
+             "device); auto: ipc when every rank gets a GPU of its own, else inprocess for "
+             "1A1F on CUDA, else p2p")  # fmt: skip
+    timeout_s: float = option(
+        300.0, flag="--dist-timeout", metavar="S",
+        help="a collective or transfer that does not complete in this many seconds fails")
+    heartbeat_timeout_s: float = option(
+        10.0, metavar="S",
+        help="an attention rank that reports no step for this many seconds is hung (or waits "
+             "on a hung rank): every request fails and the world stops")  # fmt: skip
+    control_plane: str = option(
+        "auto", allowed=CONTROL_PLANES,
+        help="how ranks exchange their step reports: gloo (an all-gather, any hosts), shm (a "
+             "shared-memory board, every rank on one x86-64 Linux host); auto: shm when the "
+             "built-in launcher started every rank on this host and the host supports it, gloo "
+             "otherwise")  # fmt: skip
+    # Read back by `afdserve.afd.dataplane.wire.mirror_errors`.
+    log_data_plane: str | None = option(
+        None, metavar="DIR",
+        help="every rank writes each point-to-point batch it posts (and an FFN rank each "
+             "header it receives) to DIR/rank<N>.jsonl")  # fmt: skip
+    ffn_expert_parallel: bool = option(
+        False, help="the FFN ranks form one expert-parallel group, each holding a disjoint "
+                    "shard of the routed experts (allows A < F, e.g. 1A2F)")
+    expert_placement: tuple[tuple[int, ...], ...] | None = option(
+        None, parse=parse_placement, metavar="E,E;E,E",
+        help="with ffn_expert_parallel: the routed experts of each FFN rank, ';' between ranks "
+             "(every expert exactly once)", shown="contiguous near-equal shards")
 
     def __post_init__(self) -> None:
         from afdserve.layout.experts import check_placement_shape
@@ -226,3 +261,25 @@ class AFDConfig:
         from afdserve.layout.topology import Topology
 
         return Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
+
+
+ENGINE_CONFIGS = (EngineConfig, AFDConfig, GraphConfig)
+
+
+class EngineConfigs(NamedTuple):
+    engine: EngineConfig
+    afd: AFDConfig
+    graph: GraphConfig
+
+
+def engine_configs(
+    kwargs: Mapping[str, object], owner: str = "LLM()", also: Iterable[str] = ()
+) -> EngineConfigs:
+    """The three configs from keywords named as `LLM`'s (`model` a resolved directory): an
+    unknown keyword is a TypeError naming it and the allowed ones (`also`: the caller's own),
+    a wrong value the ValueError of its field, before any process starts."""
+    engine, afd, graph = split_kwargs(kwargs, ENGINE_CONFIGS, owner, also)
+    engine_config = build(EngineConfig, engine)
+    afd_config = build(AFDConfig, afd)
+    afd_config.check_device(engine_config.device)
+    return EngineConfigs(engine_config, afd_config, build(GraphConfig, graph))

@@ -14,7 +14,7 @@ from afdserve.afd.clients.process import ProcessClient
 from afdserve.afd.clients.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.recorder import StepLogFile
-from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.config import engine_configs
 from afdserve.engine.client import EngineClient
 from afdserve.engine.engine_core import RequestOutput as SequenceOutput
 from afdserve.engine.generation_config import generation_defaults
@@ -57,78 +57,35 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        topology: str = "colocated",
-        device: str = "cpu",
-        dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_blocks: int | None = None,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.85,
-        graph_mode: str = "none",
-        cuda_graph_sizes: Sequence[int] | None = None,
-        ubatches: int = 1,
-        gate_on_attention: bool = False,
-        log_step_plan: bool | str = False,
-        log_data_plane: str | None = None,
-        connector: str = "auto",
-        heartbeat_timeout_s: float = 10.0,
-        control_plane: str = "auto",
         frontend_address: str | None = None,
-        seed: int = 0,
-        load_format: str = "auto",
-        ffn_expert_parallel: bool = False,
-        expert_placement: Sequence[Sequence[int]] | None = None,
-        use_tqdm_on_load: bool = True,
         generation_config: str = "auto",
+        **kwargs: object,
     ) -> None:
+        """`kwargs`: the fields of EngineConfig, AFDConfig and GraphConfig by their keywords
+        (topology=, device=, graph_mode=, cuda_graph_sizes=, ...; `afdserve serve --help`
+        lists every one with its default). `frontend_address`: HOST:PORT to listen on for
+        ranks started elsewhere instead of spawning them; `generation_config`: "auto",
+        "vllm" or a directory, the defaults of `get_default_sampling_params()`."""
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
         model = resolve_model(model)
+        self.engine_config, afd, self.graph_config = engine_configs(
+            {"model": model, **kwargs}, also=("frontend_address", "generation_config"))
         self.generation_config = generation_config
         self._generation_defaults = generation_defaults(generation_config, model)
         if self._generation_defaults:
             log.info("default sampling parameters from the generation config: %s",
                      self._generation_defaults)
-        self.engine_config = EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kv_cache_blocks=kv_cache_blocks,
-            block_size=block_size,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            seed=seed,
-            load_format=load_format,
-            use_tqdm_on_load=use_tqdm_on_load,
-        )
-        self.afd_config = AFDConfig(
-            topology=topology,
-            ubatches=ubatches,
-            gate_on_attention=gate_on_attention,
-            log_step_plan=log_step_plan,
-            connector=connector,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            control_plane=control_plane,
-            log_data_plane=log_data_plane,
-            ffn_expert_parallel=ffn_expert_parallel,
-            expert_placement=expert_placement,
-        )
-        self.afd_config = self.afd_config.resolve_connector(
+        device = self.engine_config.device
+        self.afd_config = afd.resolve_connector(
             device, _cuda_devices(device), spawned=frontend_address is None)
-        self.afd_config.check_device(device)
-        sizes = tuple(cuda_graph_sizes) if cuda_graph_sizes is not None else None
-        self.graph_config = GraphConfig(mode=graph_mode, sizes=sizes)
         self.topology = self.afd_config.parsed_topology
-        if ffn_expert_parallel:
+        if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
                 self.afd_config.expert_placement, load_model_config(model).num_experts,
                 self.topology.ffn_ranks)
-        self._step_log = StepLogFile(log_step_plan)
+        self._step_log = StepLogFile(self.afd_config.log_step_plan)
         self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)
         self._ids = itertools.count()

@@ -13,6 +13,7 @@ PACKAGE = Path(afdserve.__file__).parent
 LAYERS = {  # module prefix -> layer; a module may import only its own layer and those below
     "afdserve.layout": 0,
     "afdserve.config": 0,
+    "afdserve.config_args": 0,  # flags and keywords from the config dataclasses (no torch)
     "afdserve.kernels": 1,
     "afdserve.model": 2,
     "afdserve.engine": 3,

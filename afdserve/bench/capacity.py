@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from afdserve.bench.decode import DecodeBench, run_decode_bench
+from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
+from afdserve.config_args import build
 from afdserve.llm import LLM
 from afdserve.model.presets import PRESETS
 
@@ -33,7 +35,7 @@ class CapacityBench:
     context_len: int = 8192
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
-    connector: str = "p2p"  # the data plane of 1A1F: "p2p" (NCCL) or "ipc" (symmetric memory)
+    connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
     device: str = "cuda"
     dtype: str = "bfloat16"
     block_size: int = 16
@@ -61,7 +63,7 @@ class CapacityBench:
             raise bad("gpu_memory_utilization", "a float in (0, 1]")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {LOAD_FORMATS}")
-        if self.connector not in ("p2p", "ipc"):
+        if self.connector not in BENCH_CONNECTORS:
             raise bad("connector", "p2p or ipc")
         if self.graph_mode not in GRAPH_MODES:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
@@ -170,25 +172,18 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a preset's config.json in a temporary dir (needs --load-format dummy)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    add_engine_flags(p, CapacityBench, ("load_format",))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES))
-    p.add_argument("--connector", default="p2p", choices=("p2p", "ipc"),
-                   help="data plane of 1A1F")
+    add_engine_flags(p, CapacityBench, ("connector",))
     p.add_argument("--context-len", type=int, default=CapacityBench.context_len)
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=CapacityBench.gpu_memory_utilization)
-    p.add_argument("--max-num-seqs", type=int, default=CapacityBench.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=CapacityBench.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=CapacityBench.block_size)
-    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    add_engine_flags(p, CapacityBench, (
+        "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
+        "device", "dtype"))  # fmt: skip
     p.add_argument("--measure", action="store_true",
                    help="also time decode steps at that batch (the decode bench)")
-    p.add_argument("--graph-mode", default="none", choices=GRAPH_MODES,
-                   help="graph mode of the measured decode steps")
+    add_engine_flags(p, CapacityBench, ("graph_mode",))
     p.add_argument("--steps", type=int, default=CapacityBench.steps)
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_flags(p, CapacityBench, ("seed",))
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     p.set_defaults(func=main_capacity)
 
@@ -196,16 +191,7 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
 def main_capacity(args: argparse.Namespace) -> int:
     topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
     with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
-        spec = CapacityBench(
-            model_dir=model_dir, topologies=topologies, context_len=args.context_len,
-            gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
-            connector=args.connector, device=args.device, dtype=args.dtype,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, measure=args.measure,
-            graph_mode=args.graph_mode,
-            steps=args.steps, seed=args.seed,
-        )  # fmt: skip
+        spec = build(CapacityBench, args, model_dir=model_dir, topologies=topologies)
         found = run_capacity_bench(spec)
     name = args.preset or args.model_dir
     header = (f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "

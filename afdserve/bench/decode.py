@@ -23,9 +23,11 @@ from afdserve.bench.bytes import (
 )
 from afdserve.bench.decode_p2p import run_p2p_decode_bench
 from afdserve.bench.decode_steps import DecodeResult, DecodeSteps, build_halves
+from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import WARMUP_STEPS, invalid
-from afdserve.config import GRAPH_MODES
+from afdserve.config import DEVICES, GRAPH_MODES
+from afdserve.config_args import build
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import MoECausalLM
@@ -43,7 +45,7 @@ class DecodeBench:
     batch_sizes: tuple[int, ...]
     context_len: int
     topology: str = "colocated"
-    connector: str = "p2p"  # the data plane of --topology 1A1F: "p2p" (NCCL) or "ipc"
+    connector: str = "p2p"  # the data plane of --topology 1A1F: one of BENCH_CONNECTORS
     graph_mode: str = "none"
     ubatches: int = 1
     steps: int = 20
@@ -72,7 +74,7 @@ class DecodeBench:
             raise bad("steps", "an integer >= 2")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {TOPOLOGIES}")
-        if self.connector not in ("p2p", "ipc"):
+        if self.connector not in BENCH_CONNECTORS:
             raise bad("connector", "p2p or ipc (with --topology 1A1F)")
         if self.graph_mode not in GRAPH_MODES:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
@@ -80,7 +82,7 @@ class DecodeBench:
             raise bad("graph_mode", "'none' unless --device cuda")
         if self.dtype not in TORCH_DTYPES:
             raise bad("dtype", f"one of {sorted(TORCH_DTYPES)}")
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise bad("device", "'cpu' or 'cuda'")
 
 
@@ -147,14 +149,9 @@ def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
-    p.add_argument("--connector", default="p2p", choices=("p2p", "ipc"),
-                   help="data plane of --topology 1A1F")
-    p.add_argument("--graph-mode", default="none", choices=GRAPH_MODES)
-    p.add_argument("--ubatches", type=int, default=1)
+    add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
-    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main_decode)
@@ -165,14 +162,7 @@ def main_decode(args: argparse.Namespace) -> int:
         sizes = tuple(int(s) for s in str(args.batch_sizes).split(",") if s.strip())
     except ValueError as e:
         raise ValueError(f"bench.batch_sizes={args.batch_sizes!r}: comma-separated integers") from e
-    spec = DecodeBench(
-        model_dir=args.model_dir, preset=args.preset, random_weights=args.random_weights,
-        batch_sizes=sizes, context_len=args.context_len, topology=args.topology,
-        connector=args.connector,
-        graph_mode=args.graph_mode, ubatches=args.ubatches, steps=args.steps, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, compare_hf=args.compare_hf,
-        seed=args.seed,
-    )  # fmt: skip
+    spec = build(DecodeBench, args, batch_sizes=sizes)
     results, hf = run_decode_bench(spec)
     copy = results[0].copy_gbps if results else None
     name = spec.preset or spec.model_dir

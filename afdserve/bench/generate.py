@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
 from afdserve.bench.report import invalid, model_dir_for, parse_sizes, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
+from afdserve.config_args import build
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
@@ -33,7 +35,7 @@ class GenerateBench:
     input_len: int = 512
     output_len: int = 256
     topology: str = "colocated"
-    connector: str = "p2p"  # the data plane of 1A1F: "p2p" (NCCL) or "ipc" (symmetric memory)
+    connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
     load_format: str = "auto"
     graph_mode: str = "none"
     cuda_graph_sizes: tuple[int, ...] | None = None
@@ -56,7 +58,7 @@ class GenerateBench:
                 raise bad(field, "an integer >= 1")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {TOPOLOGIES}")
-        if self.connector not in ("p2p", "ipc"):
+        if self.connector not in BENCH_CONNECTORS:
             raise bad("connector", "p2p or ipc")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {LOAD_FORMATS}")
@@ -152,23 +154,15 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a preset's config.json in a temporary dir (needs --load-format dummy)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    add_engine_flags(p, GenerateBench, ("load_format",))
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
-    p.add_argument("--connector", default="p2p", choices=("p2p", "ipc"),
-                   help="data plane of --topology 1A1F")
+    add_engine_flags(p, GenerateBench, ("connector",))
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--graph-mode", default="none", choices=GRAPH_MODES)
-    p.add_argument("--cuda-graph-sizes", default=None,
-                   help="comma-separated capture sizes (default: 1,2,4,8,16,... to the batch)")
-    p.add_argument("--ubatches", type=int, default=1)
-    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=GenerateBench.max_num_batched_tokens)
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_flags(p, GenerateBench, (
+        "graph_mode", "cuda_graph_sizes", "ubatches", "device", "dtype", "gpu_memory_utilization",
+        "max_num_batched_tokens", "seed"))  # fmt: skip
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     p.set_defaults(func=main_generate)
 
@@ -176,14 +170,10 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
 def main_generate(args: argparse.Namespace) -> int:
     with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
         sizes = args.cuda_graph_sizes
-        spec = GenerateBench(
-            model_dir=model_dir, batch_sizes=parse_sizes("batch_sizes", args.batch_sizes),
-            input_len=args.input_len, output_len=args.output_len, topology=args.topology,
-            connector=args.connector, load_format=args.load_format, graph_mode=args.graph_mode,
-            cuda_graph_sizes=parse_sizes("cuda_graph_sizes", sizes) if sizes else None,
-            ubatches=args.ubatches, device=args.device, dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        spec = build(
+            GenerateBench, args, model_dir=model_dir,
+            batch_sizes=parse_sizes("batch_sizes", args.batch_sizes),
+            cuda_graph_sizes=tuple(sizes) if sizes else None,
         )  # fmt: skip
         results = run_generate_bench(spec)
     name = args.preset or args.model_dir

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import P2P, Wire
+from afdserve.bench.flags import add_engine_flags
 from afdserve.model.loader import TORCH_DTYPES
 
 TRANSPORTS = ("nccl", "ipc", "ipc-copy", "ipc-signal")
@@ -225,7 +226,7 @@ def add_transport_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", default="1,64,256")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
+    add_engine_flags(p, TransportBench, ("dtype",))
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--steps", type=int, default=20)
     p.set_defaults(func=main_transport)

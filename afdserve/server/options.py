@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from afdserve.config_args import option
 from afdserve.server.tool_parsers import PARSERS
 
 STATS_INTERVAL_S = 5.0
@@ -18,35 +19,69 @@ PROMPT_CHARS_PER_TOKEN = 32
 
 @dataclass(frozen=True)
 class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    log_requests: bool = True
-    log_level: str = "info"  # afdserve's loggers
-    uvicorn_log_level: str = "warning"
-    stats_interval_s: float = STATS_INTERVAL_S
-    chat_template: str | None = None  # a Jinja template (the CLI reads --chat-template FILE)
-    generation_config: str = "auto"  # "auto", "vllm" or a directory (engine/generation_config.py)
+    """Each field is a flag of `afdserve serve` (config_args.option declares it)."""
+
+    host: str = option("127.0.0.1", help="the address to listen on")
+    port: int = option(8000, help="the port to listen on")
+    served_model_name: str | None = option(
+        None, help="the model name clients use", shown="the model path")
+    api_key: str | None = option(
+        None, help="require 'Authorization: Bearer KEY'; /health and /metrics stay open",
+        shown="$AFDSERVE_API_KEY")  # the CLI reads the variable
+    log_requests: bool = option(True, flag="--disable-log-requests", negate=True,
+                                help="do not log a line per request")
+    log_level: str = option("info", choices=LOG_LEVELS, help="afdserve's own log level")
+    uvicorn_log_level: str = option(
+        "warning", choices=LOG_LEVELS, help="uvicorn's log level (its access log shows at info)")
+    stats_interval_s: float = option(
+        STATS_INTERVAL_S, help="seconds between the engine statistics lines in the log")
+    # The CLI reads --chat-template FILE; the field holds the template itself.
+    chat_template: str | None = option(
+        None, metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
+    generation_config: str = option(
+        "auto", metavar="auto|vllm|DIR",  # read by engine/generation_config.py
+        help="defaults of omitted request fields: the model's generation_config.json (auto), "
+             "none (vllm), or DIR's")  # fmt: skip
     # tool_choice "auto" (vLLM's two flags): the model's calls read by this parser.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    # Reliability. "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
-    on_engine_failure: str = "exit"
-    # "restart": at most this many restarts within any restart_window_s (server/restarts.py).
-    max_restarts: int = 3
-    restart_window_s: float = 600.0
-    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
-    max_waiting_requests: int | None = None  # engine requests without a first token yet
-    max_waiting_tokens: int | None = None  # their prompt tokens
-    retry_after_s: int = 1  # the Retry-After of a 503 for overload
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
-    request_timeout_s: float | None = None  # from arrival to the last token; None: no limit
-    limit_concurrency: int | None = 1024  # requests in progress (503 beyond), open connections
-    timeout_keep_alive_s: int = 5  # uvicorn: idle keep-alive connections close after this
-    max_header_bytes: int = 64 * 1024  # h11: a request head larger than this is refused
-    header_timeout_s: float = 10.0  # a connection without a complete request head is closed
+    enable_auto_tool_choice: bool = option(
+        False, help='honour tool_choice "auto" by reading the model\'s calls with '
+                    "--tool-call-parser")
+    tool_call_parser: str | None = option(
+        None, choices=PARSERS, help="the model's tool-call format (hermes: Hermes, Qwen2.5, "
+                                    "Qwen3)")
+    # "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
+    on_engine_failure: str = option(
+        "exit", choices=ON_ENGINE_FAILURE,
+        help="when a rank dies or hangs: exit 1 (for a supervisor) or restart the ranks in place")
+    # server/restarts.py counts them.
+    max_restarts: int = option(
+        3, help="--on-engine-failure restart: exit 1 on the failure after this many restarts "
+                "within --restart-window; restarts after the first wait 1, 2, 4, ... s")
+    restart_window_s: float = option(
+        600.0, help="seconds over which --max-restarts counts restarts")
+    drain_timeout_s: float = option(
+        30.0, help="SIGTERM: seconds in-flight requests may take to finish")
+    max_waiting_requests: int | None = option(
+        None, help="503 + Retry-After beyond this many requests without a first token")
+    max_waiting_tokens: int | None = option(
+        None, help="503 + Retry-After beyond this many prompt tokens waiting")
+    retry_after_s: int = option(1, help="the Retry-After of a 503 for overload, in seconds")
+    max_request_body_bytes: int = option(8 * 1024 * 1024, help="413 for a larger body")
+    max_prompt_chars: int | None = option(
+        None, help="400 for a longer prompt, before tokenizing",
+        shown=f"{PROMPT_CHARS_PER_TOKEN} x max-model-len")
+    request_timeout_s: float | None = option(
+        None, help="504 for a request not finished this many seconds after arrival",
+        shown="None, no limit")
+    limit_concurrency: int | None = option(
+        1024, help="requests in progress beyond this get 503 + Retry-After; connections beyond "
+                   "it are closed")
+    timeout_keep_alive_s: int = option(
+        5, help="uvicorn: seconds an idle keep-alive connection stays open")
+    max_header_bytes: int = option(64 * 1024, help="h11: the largest request head accepted")
+    header_timeout_s: float = option(
+        10.0, help="close a connection that sent no complete request head in time")
 
     def __post_init__(self) -> None:
         for name in ("log_level", "uvicorn_log_level"):
