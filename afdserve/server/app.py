@@ -18,7 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,14 +33,17 @@ from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.auth import APIKeyCheck
 from afdserve.server.engine_loop import EngineLoop, Generation
-from afdserve.server.limits import BodyLimit, ConcurrencyLimit, check_prompt_chars, check_text
+from afdserve.server.limits import (
+    BodyLimit,
+    ConcurrencyLimit,
+    check_messages,
+    check_prompt_chars,
+    check_text,
+)
 from afdserve.server.metrics import CONTENT_TYPE, UNCOUNTED_PATHS, RequestCounter
 from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError, bad_request
 from afdserve.server.state import ServerState
-
-if TYPE_CHECKING:
-    from afdserve.llm import LLM
 
 log = logging.getLogger("afdserve.server")
 
@@ -195,7 +198,8 @@ def create_app(
     generation_config: str = "auto",
     options: ServeOptions | None = None,
 ) -> FastAPI:
-    """The app without an engine: /health answers 503 until `app.state.server.attach(llm)`.
+    """The app without an engine: /health answers 503 until `app.state.server.attach(view)`
+    (serve.py builds the EngineView from an LLM).
     `chat_template` (a Jinja template) replaces the tokenizer's own; `generation_config` says
     where request defaults come from (engine/generation_config.py). `options` gives the limits
     (and, when given, every other field: the arguments before it are then ignored)."""
@@ -271,55 +275,56 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        state.ready()
-        return JSONResponse({"object": "list", "data": [state.model_card()]})
+        _, view = state.ready()
+        return JSONResponse({"object": "list", "data": [state.model_card(view)]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        state.ready()
+        _, view = state.ready()
         state.check_model(model_id)
-        return JSONResponse(state.model_card())
+        return JSONResponse(state.model_card(view))
 
     @app.post("/tokenize")
     async def tokenize(body: api.TokenizeRequest) -> Response:
-        _, llm, _ = state.ready()
+        _, view = state.ready()
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            check_messages(state, body.messages)
+            check_messages(body.messages, state.max_prompt_chars(view))
             tokens = await asyncio.to_thread(
-                convert.chat_prompt, llm, body.messages, body.add_generation_prompt,
+                convert.chat_prompt, view, body.messages, body.add_generation_prompt,
                 state.chat_template,
             )  # fmt: skip
         else:
             text = body.prompt or ""
             check_text(text, "prompt")
-            check_prompt_chars(text, state.max_prompt_chars, "prompt")
+            check_prompt_chars(text, state.max_prompt_chars(view), "prompt")
             special = body.add_special_tokens
-            tokens = await asyncio.to_thread(llm.tokenizer.encode, text, add_special_tokens=special)
+            tokens = await asyncio.to_thread(view.tokenizer.encode, text,
+                                             add_special_tokens=special)  # fmt: skip
         return JSONResponse(
-            {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+            {"count": len(tokens), "max_model_len": view.max_model_len, "tokens": tokens}
         )
 
     @app.post("/detokenize")
     async def detokenize(body: api.DetokenizeRequest) -> Response:
-        _, llm, _ = state.ready()
+        _, view = state.ready()
         state.check_model(body.model)
-        outside = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        outside = [t for t in body.tokens if not 0 <= t < view.vocab_size]
         if outside:
-            message = f"tokens: {outside[0]} is outside the vocabulary [0, {state.vocab_size})"
+            message = f"tokens: {outside[0]} is outside the vocabulary [0, {view.vocab_size})"
             raise bad_request(message, "tokens")
-        return JSONResponse({"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)})
+        return JSONResponse({"prompt": await asyncio.to_thread(view.tokenizer.decode, body.tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
-        engine, llm, names = state.ready()
+        engine, view = state.ready()
         state.check_model(body.model)
         convert.check_fields(body)
         check_text(body.prompt, "prompt")
         check_text(body.stop, "stop")
-        check_prompt_chars(body.prompt, state.max_prompt_chars, "prompt")
+        check_prompt_chars(body.prompt, state.max_prompt_chars(view), "prompt")
         if body.echo and body.logprobs is not None:
             raise bad_request("echo: with logprobs it needs the prompt's logprobs, which this "
                               "server does not compute; drop one of them", "echo")  # fmt: skip
@@ -327,17 +332,18 @@ def create_app(
             state.admission.check(len(body.prompt) if isinstance(body.prompt[0], str | list) else 1)
         else:
             state.admission.check(1)
-        prompts = await asyncio.to_thread(convert.completion_prompts, llm, body.prompt)
+        prompts = await asyncio.to_thread(convert.completion_prompts, view, body.prompt)
         prompts = convert.truncate_prompts(prompts, body.truncate_prompt_tokens,
-                                           state.max_model_len)  # fmt: skip
-        default = state.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
-        max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, state.max_model_len)
+                                           view.max_model_len)  # fmt: skip
+        default = view.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
+        max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, view.max_model_len)
         params = convert.sampling_params(
-            body, max_tokens, body.logprobs, state.vocab_size, llm.engine_config.model,
-            state.defaults,
+            body, max_tokens, body.logprobs, view.vocab_size, view.model_dir,
+            view.defaults,
         )  # fmt: skip
         gen = await start(state, engine, "completion", convert.fan_out(prompts, params))
         head = shape.envelope("text_completion", f"cmpl-{gen.ids[0][:24]}", state.model_name)
+        names = view.names
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.completion_logprobs(names, token_ids, entries, body.logprobs or 0)
@@ -347,7 +353,7 @@ def create_app(
             return await respond(gen, request, body, head, shape.completion_choice, formatter)
         # echo: each choice's text starts with its prompt's (streamed: in its first chunk).
         echoes = await asyncio.to_thread(
-            lambda: [llm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
+            lambda: [view.tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
         echoed: set[int] = set()
 
         def echoing(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
@@ -360,35 +366,35 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
-        engine, llm, names = state.ready()
+        engine, view = state.ready()
         state.check_model(body.model)
         convert.check_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        check_messages(state, body.messages)
+        check_messages(body.messages, state.max_prompt_chars(view))
         check_text(body.stop, "stop")
         options = state.options
         parser = options.tool_call_parser if options.enable_auto_tool_choice else None
         answering = tools.tool_choice(body, parser)
         state.admission.check(1)
         prompt = await asyncio.to_thread(
-            convert.chat_prompt, llm, body.messages, chat_template=state.chat_template,
+            convert.chat_prompt, view, body.messages, chat_template=state.chat_template,
             tools=tools.template_tools(body),
         )  # fmt: skip
         (prompt,) = convert.truncate_prompts([prompt], body.truncate_prompt_tokens,
-                                             state.max_model_len)  # fmt: skip
+                                             view.max_model_len)  # fmt: skip
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
         # Unset: as much as fits; the engine refuses a prompt that fills the context.
-        default = state.defaults.get("max_tokens")
-        max_tokens = convert.max_tokens_for(requested, default, [prompt], state.max_model_len)
+        default = view.defaults.get("max_tokens")
+        max_tokens = convert.max_tokens_for(requested, default, [prompt], view.max_model_len)
         top = body.top_logprobs or 0
         try:
             logprobs_k = top if body.logprobs else None
             params = convert.sampling_params(
-                body, max_tokens, logprobs_k, state.vocab_size, llm.engine_config.model,
-                state.defaults, answering.schema if answering else None,
+                body, max_tokens, logprobs_k, view.vocab_size, view.model_dir,
+                view.defaults, answering.schema if answering else None,
             )  # fmt: skip
         except APIError as e:
             if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
@@ -396,6 +402,7 @@ def create_app(
             raise
         gen = await start(state, engine, "chat", convert.fan_out([prompt], params))
         head = shape.envelope("chat.completion", f"chatcmpl-{gen.ids[0][:24]}", state.model_name)
+        names = view.names
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.chat_logprobs(names, token_ids, entries, top)
@@ -420,25 +427,3 @@ def create_app(
 
     return app
 
-
-def check_messages(state: ServerState, messages: list[api.ChatMessage]) -> None:
-    texts = [m.text() for m in messages]
-    check_text(texts, "messages")
-    check_prompt_chars(texts, state.max_prompt_chars, "messages")
-
-
-def build_app(
-    llm: LLM,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    log_requests: bool = True,
-    chat_template: str | None = None,
-    generation_config: str = "auto",
-    options: ServeOptions | None = None,
-) -> FastAPI:
-    """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(
-        served_model_name, api_key, log_requests, chat_template, generation_config, options
-    )
-    app.state.server.attach(llm)
-    return app

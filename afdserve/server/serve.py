@@ -19,18 +19,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import afdserve
+from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
+from afdserve.server.engine_view import EngineView
 from afdserve.server.logs import rate_limit_servers, setup_logging
 from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
 from afdserve.server.restarts import RestartBudget
 from afdserve.server.state import ServerState
 
-__all__ = ["ServeOptions", "run_server"]
+__all__ = ["ServeOptions", "build_app", "engine_view", "run_server"]
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from afdserve.llm import LLM
 
 log = logging.getLogger("afdserve.server")
@@ -220,12 +224,50 @@ def kill_leftover_ranks() -> None:
                 continue
 
 
+def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
+    """What the server needs from `llm`: the one place where the HTTP side reads the LLM. The
+    request defaults come from the server's --generation-config, read from the model directory
+    (which may differ from the LLM's own generation_config)."""
+    model_dir = llm.engine_config.model
+    defaults = generation_defaults(options.generation_config, model_dir)
+    if defaults:
+        log.info("defaults of requests that leave them out (generation config): %s", defaults)
+    return EngineView(
+        client=llm.engine,
+        tokenizer=llm.tokenizer,
+        served_name=options.served_model_name or llm.model_name,
+        root=llm.model_name,
+        model_dir=model_dir,
+        max_model_len=llm.engine.max_model_len,
+        vocab_size=llm.engine.vocab_size,
+        defaults=defaults,
+    )
+
+
+def build_app(
+    llm: LLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    log_requests: bool = True,
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    options: ServeOptions | None = None,
+) -> FastAPI:
+    """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
+    app = create_app(
+        served_model_name, api_key, log_requests, chat_template, generation_config, options
+    )
+    state: ServerState = app.state.server
+    state.attach(engine_view(llm, state.options))
+    return app
+
+
 def start_engine(llm_factory: Callable[[], LLM], state: ServerState) -> LLM:
     llm = llm_factory()
     try:
         progress("warming up")
         warm_up(llm)
-        state.attach(llm)
+        state.attach(engine_view(llm, state.options))
     except BaseException:
         llm.shutdown()
         raise

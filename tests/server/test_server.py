@@ -22,7 +22,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from afdserve import LLM, SamplingParams
-from afdserve.server.app import build_app, create_app
+from afdserve.server.app import create_app
+from afdserve.server.serve import build_app
 
 from .conftest import (
     SERVED_NAME,
