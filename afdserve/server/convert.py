@@ -4,6 +4,7 @@ SamplingParams per engine sequence (n choices, or best_of candidates, per prompt
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from afdserve.server import protocol as api
 from afdserve.server.protocol import bad_request
 
 if TYPE_CHECKING:
-    from afdserve.llm import LLM
+    from afdserve.server.engine_view import EngineView
 
 log = logging.getLogger("afdserve.server")
 
@@ -34,16 +35,16 @@ def check_fields(body: api.SamplingFields) -> None:
         raise bad_request("stream_options: only allowed with stream: true", "stream_options")
 
 
-def completion_prompts(llm: LLM, prompt: Any) -> list[list[int]]:
+def completion_prompts(engine: EngineView, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [llm.encode(prompt)]
+        return [engine.encode(prompt)]
     if prompt and isinstance(prompt[0], (str, list)):
-        return [llm.encode(p) for p in prompt]
+        return [engine.encode(p) for p in prompt]
     return [list(prompt)]
 
 
 def chat_prompt(
-    llm: LLM,
+    engine: EngineView,
     messages: list[api.ChatMessage],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
@@ -53,7 +54,7 @@ def chat_prompt(
     `chat_template` (the server's --chat-template), else the tokenizer's own template."""
     turns = [m.turn() for m in messages]
     try:
-        text = llm.tokenizer.apply_chat_template(
+        text = engine.tokenizer.apply_chat_template(
             turns,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -62,7 +63,7 @@ def chat_prompt(
         )
     except Exception as e:  # the template refuses this conversation (roles, order, ...)
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-    return llm.encode(text)
+    return engine.encode(text)
 
 
 def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int
@@ -171,7 +172,7 @@ def sampling_params(
     logprobs: int | None,
     vocab_size: int,
     tokenizer_dir: str = "",
-    defaults: dict[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     tool_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).

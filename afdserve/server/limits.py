@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from afdserve.server.protocol import APIError, error_body, overloaded
+from afdserve.server.protocol import APIError, ChatMessage, error_body, overloaded
 
 
 class Admission:
@@ -170,3 +170,10 @@ def check_prompt_chars(value: Any, max_chars: int, param: str) -> None:
             param,
             rejected="prompt_too_large",
         )
+
+
+def check_messages(messages: list[ChatMessage], max_chars: int) -> None:
+    """A chat's texts, checked as a prompt's are, before the chat template runs."""
+    texts = [m.text() for m in messages]
+    check_text(texts, "messages")
+    check_prompt_chars(texts, max_chars, "messages")

@@ -19,18 +19,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import afdserve
+from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
+from afdserve.server.engine_view import EngineView
 from afdserve.server.logs import rate_limit_servers, setup_logging
 from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
 from afdserve.server.restarts import RestartBudget
 from afdserve.server.state import ServerState
 
-__all__ = ["ServeOptions", "run_server"]
+__all__ = ["ServeOptions", "build_app", "engine_view", "run_server"]
 
 if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
     from afdserve.llm import LLM
 
 log = logging.getLogger("afdserve.server")
@@ -220,16 +225,68 @@ def kill_leftover_ranks() -> None:
                 continue
 
 
-def start_engine(llm_factory: Callable[[], LLM], state: ServerState) -> LLM:
-    llm = llm_factory()
-    try:
-        progress("warming up")
-        warm_up(llm)
-        state.attach(llm)
-    except BaseException:
-        llm.shutdown()
-        raise
-    return llm
+def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
+    """What the server needs from `llm`: the one place where the HTTP side reads the LLM. The
+    request defaults come from the server's --generation-config, read from the model directory
+    (which may differ from the LLM's own generation_config)."""
+    model_dir = llm.engine_config.model
+    defaults = generation_defaults(options.generation_config, model_dir)
+    if defaults:
+        log.info("defaults of requests that leave them out (generation config): %s", defaults)
+    return EngineView(
+        client=llm.engine,
+        tokenizer=llm.tokenizer,
+        served_name=options.served_model_name or llm.model_name,
+        root=llm.model_name,
+        model_dir=model_dir,
+        max_model_len=llm.engine.max_model_len,
+        vocab_size=llm.engine.vocab_size,
+        defaults=defaults,
+    )
+
+
+def build_app(
+    llm: LLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    log_requests: bool = True,
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    options: ServeOptions | None = None,
+) -> FastAPI:
+    """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
+    app = create_app(
+        served_model_name, api_key, log_requests, chat_template, generation_config, options
+    )
+    state: ServerState = app.state.server
+    state.attach(engine_view(llm, state.options))
+    return app
+
+
+class Engine:
+    """The LLM this server runs, built by the factory at start-up and again at each restart."""
+
+    def __init__(self, llm_factory: Callable[[], LLM], state: ServerState) -> None:
+        self.llm_factory, self.state = llm_factory, state
+        self.llm: LLM | None = None
+
+    def start(self) -> LLM:
+        """Build, warm up and attach a new LLM; one that fails on the way is shut down here."""
+        llm = self.llm_factory()
+        try:
+            progress("warming up")
+            warm_up(llm)
+            self.state.attach(engine_view(llm, self.state.options))
+        except BaseException:
+            llm.shutdown()
+            raise
+        self.llm = llm
+        return llm
+
+    def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
 
 
 def back_off(delay_s: float, state: ServerState, thread: threading.Thread) -> bool:
@@ -242,24 +299,9 @@ def back_off(delay_s: float, state: ServerState, thread: threading.Thread) -> bo
     return not state.draining
 
 
-def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
-    """Serve until SIGINT or SIGTERM (then drain), or until the engine fails with
-    on_engine_failure="exit"; stop uvicorn and every rank process. Returns the exit code: 0, or 1
-    after an engine failure. A port that is taken (or cannot be bound) raises SystemExit with a
-    message before the LLM is built.
-
-    uvicorn runs in a thread from the start (so /health answers 503 while loading) and the main
-    thread builds the LLM and then watches it: a signal during start-up raises KeyboardInterrupt
-    there, which interrupts the start-up; the LLM's own clean-up stops the ranks already started.
-    """
+def http_server(app: FastAPI, options: ServeOptions) -> uvicorn.Server:
     import uvicorn
 
-    setup_logging(options.log_level)
-    raise_open_files_limit()
-    host, port = options.host, options.port
-    sock = listen_socket(host, port)
-    app = create_app(options=options)
-    state: ServerState = app.state.server
     config = uvicorn.Config(
         app,
         log_level=options.uvicorn_log_level,
@@ -270,56 +312,86 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         http=guarded_h11(options.header_timeout_s, options.limit_concurrency),
     )
     rate_limit_servers()
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config)
+
+
+def watch(engine: Engine, signals: Signals, thread: threading.Thread) -> int:
+    """Watch the engine and the drain while HTTP runs; returns the exit code (0, or 1 after an
+    engine failure that is not, or can no longer be, restarted)."""
+    state, options = engine.state, engine.state.options
+    budget = RestartBudget(options.max_restarts, options.restart_window_s)
+    while thread.is_alive():
+        thread.join(WATCH_INTERVAL_S)
+        error = state.engine.error if state.engine is not None else None
+        if error is not None and options.on_engine_failure == "exit":
+            progress(f"{error}; exiting (on_engine_failure=exit)")
+            return 1  # also while draining: the supervisor should know
+        if state.draining:
+            if not state.live:
+                progress("drained: every request finished")
+                return 0
+            if time.monotonic() > signals.drain_deadline:
+                progress(f"drain timeout: stopping {len(state.live)} unfinished request(s)")
+                return 0
+        elif error is not None and not restart(engine, error, budget, thread):
+            return 1
+    return 0
+
+
+def restart(engine: Engine, error: str, budget: RestartBudget, thread: threading.Thread) -> bool:
+    """Replace the failed LLM after the budget's back-off; False when the server must exit
+    instead (no restart left, or the new LLM failed to start)."""
+    state = engine.state
+    delay = budget.next_delay(time.monotonic())
+    if delay is None:
+        progress(f"{error}; no restart left ({budget.describe()}); exiting")
+        return False
+    progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")
+    state.detach(str(error))
+    engine.stop()
+    if not back_off(delay, state, thread):
+        return True  # SIGTERM while waiting: the watch drains (nothing is in flight)
+    try:
+        engine.start()
+    except Exception:
+        log.exception("the restart failed")
+        progress("the restart failed (its error is above); exiting")
+        return False
+    progress(f"restarted: serving {state.model_name!r} again")
+    return True
+
+
+def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
+    """Serve until SIGINT or SIGTERM (then drain), or until the engine fails with
+    on_engine_failure="exit"; stop uvicorn and every rank process. Returns the exit code: 0, or 1
+    after an engine failure. A port that is taken (or cannot be bound) raises SystemExit with a
+    message before the LLM is built.
+
+    uvicorn runs in a thread from the start (so /health answers 503 while loading) and the main
+    thread builds the LLM and then watches it: a signal during start-up raises KeyboardInterrupt
+    there, which interrupts the start-up; the LLM's own clean-up stops the ranks already started.
+    """
+    setup_logging(options.log_level)
+    raise_open_files_limit()
+    host, port = options.host, options.port
+    sock = listen_socket(host, port)
+    app = create_app(options=options)
+    state: ServerState = app.state.server
+    server = http_server(app, options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn")
     signals = Signals(state)
     previous = {sig: signal.signal(sig, signals) for sig in (signal.SIGINT, signal.SIGTERM)}
-    llm = None
+    engine = Engine(llm_factory, state)
     stats: StatsLogger | None = None
     code = 0
-    budget = RestartBudget(options.max_restarts, options.restart_window_s)
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
-        llm = start_engine(llm_factory, state)
+        llm = engine.start()
         log.info(startup_summary(llm, state.model_name))
         stats = StatsLogger(state, options.stats_interval_s).start()
         progress(f"ready: serving {state.model_name!r} on http://{host}:{port}")
-        while thread.is_alive():
-            thread.join(WATCH_INTERVAL_S)
-            error = state.engine.error if state.engine is not None else None
-            if error is not None and options.on_engine_failure == "exit":
-                progress(f"{error}; exiting (on_engine_failure=exit)")
-                code = 1  # also while draining: the supervisor should know
-                break
-            if state.draining:
-                if not state.live:
-                    progress("drained: every request finished")
-                    break
-                if time.monotonic() > signals.drain_deadline:
-                    progress(f"drain timeout: stopping {len(state.live)} unfinished request(s)")
-                    break
-            elif error is not None:
-                delay = budget.next_delay(time.monotonic())
-                if delay is None:
-                    progress(f"{error}; no restart left ({budget.describe()}); exiting")
-                    code = 1
-                    break
-                progress(f"{error}; restarting the ranks in {delay:g} s "
-                         "(on_engine_failure=restart)")  # fmt: skip
-                state.detach(str(error))
-                llm.shutdown()
-                llm = None
-                if not back_off(delay, state, thread):
-                    continue  # SIGTERM while waiting: the loop drains (nothing is in flight)
-                try:
-                    llm = start_engine(llm_factory, state)
-                except Exception:
-                    log.exception("the restart failed")
-                    progress("the restart failed (its error is above); exiting")
-                    code = 1
-                    break
-                progress(f"restarted: serving {state.model_name!r} again")
+        code = watch(engine, signals, thread)
     except KeyboardInterrupt:
         progress("shutting down")
         if state.failed and options.on_engine_failure == "exit":
@@ -334,8 +406,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         server.should_exit = True
         if thread.is_alive():
             thread.join(GRACEFUL_SHUTDOWN_S + 5)
-        if llm is not None:
-            llm.shutdown()
+        engine.stop()
         kill_leftover_ranks()
         sock.close()
         for sig, handler in previous.items():

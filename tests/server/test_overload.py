@@ -22,11 +22,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from afdserve import LLM
-from afdserve.server.app import build_app
 from afdserve.server.limits import Admission, ConcurrencyLimit
 from afdserve.server.logs import RateLimit
 from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError
+from afdserve.server.serve import build_app
 
 from .conftest import SERVED_NAME, ServerProcess, free_port, marked_pids, start_cli_server
 from .test_reliability import clean, counters

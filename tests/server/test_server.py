@@ -22,7 +22,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from afdserve import LLM, SamplingParams
-from afdserve.server.app import build_app, create_app
+from afdserve.server.app import create_app
+from afdserve.server.options import ServeOptions
+from afdserve.server.serve import build_app, engine_view
 
 from .conftest import (
     SERVED_NAME,
@@ -368,6 +370,18 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
 
 
 # ----- in-process, colocated -----
+
+
+def test_engine_view_of_an_llm(oracle: LLM) -> None:
+    """serve.py reads the LLM in one place: what the server needs of it, in one EngineView."""
+    view = engine_view(oracle, ServeOptions(served_model_name="served", generation_config="vllm"))
+    assert view.client is oracle.engine and view.tokenizer is oracle.tokenizer
+    assert (view.served_name, view.root) == ("served", oracle.model_name)
+    assert view.model_dir == oracle.engine_config.model
+    assert view.max_model_len == oracle.engine.max_model_len
+    assert view.vocab_size == oracle.engine.vocab_size
+    assert view.defaults == {} and view.encode(HELLO) == oracle.encode(HELLO)
+    assert engine_view(oracle, ServeOptions()).served_name == oracle.model_name
 
 
 def test_health_is_503_until_the_model_is_attached() -> None:

@@ -460,7 +460,7 @@ def test_startup_summary_request_log_and_stats_line(
 def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureFixture) -> None:
     from fastapi.testclient import TestClient
 
-    from afdserve.server.app import build_app
+    from afdserve.server.serve import build_app
 
     caplog.set_level(logging.INFO, logger="afdserve.server")
     for enabled in (True, False):
@@ -512,7 +512,7 @@ def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
     from fastapi.testclient import TestClient
 
     from afdserve.cli import read_chat_template
-    from afdserve.server.app import build_app
+    from afdserve.server.serve import build_app
 
     template = "{% for m in messages %}<{{ m.role }}:{{ m.content }}>{% endfor %}"
     path = tmp_path / "template.jinja"
@@ -534,7 +534,7 @@ def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
 def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
     from fastapi.testclient import TestClient
 
-    from afdserve.server.app import build_app
+    from afdserve.server.serve import build_app
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "max_new_tokens": 3, "do_sample": False})
