@@ -16,9 +16,8 @@ from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.recorder import StepLogFile
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.client import EngineClient
-from afdserve.engine.engine_core import RequestOutput as SequenceOutput
 from afdserve.engine.generation_config import generation_defaults
-from afdserve.engine.outputs import RequestOutput, gather
+from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement

@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class EngineClient(ABC):
     def abort(self, request_id: str) -> None: ...
 
     @abstractmethod
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[SequenceOutput]:
         """Advance the engine; returns the outputs that changed. Returns [] promptly when idle."""
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +18,7 @@ from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.model_runner import ModelRunner
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError, RequestLimits, check_request
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
@@ -29,30 +30,6 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.model import MoECausalLM
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str  # every generated character so far (stop string excluded)
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # time.monotonic() of this rank's process: compare them with each other, not across hosts.
-    arrival_time: float = 0.0  # the engine accepted the request
-    first_scheduled_time: float | None = None  # the first step that computes any of its tokens
-    first_token_time: float | None = None
-
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds in the scheduler's waiting queue before its first step (vLLM's queue time)."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -138,7 +115,7 @@ class EngineCore:
 
     def execute(
         self, out: SchedulerOutput, plan: AttentionRankPlan, forward: PlannedForward, step: int
-    ) -> list[RequestOutput]:
+    ) -> list[SequenceOutput]:
         """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
         when the plan gives it any, so that its FFN rank receives every tile it expects."""
         if plan.padded_rows == 0 and not any(plan.tile_rows):
@@ -159,7 +136,7 @@ class EngineCore:
         self.scheduler.update(out, sampled)
         return self._collect(out)
 
-    def _collect(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _collect(self, out: SchedulerOutput) -> list[SequenceOutput]:
         results = []
         for entry in out.scheduled:
             tracked = self.requests.get(entry.seq.request_id)
@@ -169,7 +146,7 @@ class EngineCore:
                     results.append(result)
         return results
 
-    def _advance(self, t: _Tracked) -> RequestOutput | None:
+    def _advance(self, t: _Tracked) -> SequenceOutput | None:
         seq = t.seq
         new_ids = seq.output_token_ids[t.emitted_tokens :]
         if not new_ids and not seq.is_finished:
@@ -205,7 +182,7 @@ class EngineCore:
         t.emitted_text = len(text)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
-        return RequestOutput(
+        return SequenceOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=list(seq.output_token_ids),

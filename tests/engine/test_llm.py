@@ -9,7 +9,7 @@ import os
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
 from afdserve.model.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
@@ -38,7 +38,7 @@ def run(llm: LLM, prompts: list, params: SamplingParams, late: dict[int, int] | 
     sequence that ran and is found back in the waiting queue)."""
     late = late or {}
     engine, scheduler = llm.engine, llm.engine.core.scheduler
-    done: dict[str, RequestOutput] = {}
+    done: dict[str, SequenceOutput] = {}
     streamed: dict[str, tuple[list[int], str]] = {}
     seen_running: set[str] = set()
     preempted: set[str] = set()

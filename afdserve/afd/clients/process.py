@@ -19,7 +19,7 @@ from afdserve.afd.ranks.messages import (
 )
 from afdserve.afd.ranks.world import STARTUP_TIMEOUT_S, Lost, RankWorld, WorkerError, free_port
 from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError, RequestLimits, check_request
 from afdserve.engine.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ ROUTING_MAX_NEW_TOKENS = 1024
 
 
 class OutputAccumulator:
-    """Rebuilds each request's cumulative `RequestOutput` from the deltas its rank sends."""
+    """Rebuilds each request's cumulative `SequenceOutput` from the deltas its rank sends."""
 
     def __init__(self) -> None:
         self._requests: dict[str, tuple[list[int], list[int], list[str], list]] = {}
@@ -44,7 +44,7 @@ class OutputAccumulator:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def add(self, delta: OutputDelta) -> RequestOutput:
+    def add(self, delta: OutputDelta) -> SequenceOutput:
         prompt, tokens, texts, logprobs = self._requests[delta.request_id]
         tokens += delta.new_token_ids
         texts.append(delta.new_text)
@@ -54,7 +54,7 @@ class OutputAccumulator:
                               f"tokens, its deltas add up to {len(tokens)}")
         if len(texts) > 1:  # keep one string: appending stays linear over a long request
             texts[:] = ["".join(texts)]
-        return RequestOutput(
+        return SequenceOutput(
             request_id=delta.request_id, prompt_token_ids=prompt, token_ids=list(tokens),
             text=texts[0], new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
             finished=delta.finished, finish_reason=delta.finish_reason, logprobs=list(logprobs),
@@ -76,7 +76,7 @@ class ProcessClient(EngineClient):
         self.cost: dict[str, int] = {}
         self.outstanding = [0] * spec.topology.attention_ranks
         self.rank_stats: dict[int, RankStats] = {}
-        self._carried: list[RequestOutput] = []
+        self._carried: list[SequenceOutput] = []
         self._outputs = OutputAccumulator()
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         self.address, self.ready = self.world.address, self.world.ready
@@ -115,7 +115,7 @@ class ProcessClient(EngineClient):
         if rank is not None:
             self.outstanding[rank] -= self.cost.pop(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[SequenceOutput]:
         if self.closed:
             raise WorkerError("the engine is shut down")
         results, self._carried = self._carried, []

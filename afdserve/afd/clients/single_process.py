@@ -12,7 +12,7 @@ from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
 from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class SingleProcessClient(EngineClient):
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[SequenceOutput]:
         return self.driver.step().outputs
 
     @property

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.engine.engine_core import RequestOutput
 from afdserve.engine.factory import MemoryReport
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestLimits
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.layout.topology import Topology
@@ -73,7 +73,7 @@ class RankStats:
 @dataclass(frozen=True)
 class OutputDelta:
     """What one step added to a request: the rank sends only this, the frontend's
-    `OutputAccumulator` (afd/clients/process.py) rebuilds the cumulative `RequestOutput`. Sending
+    `OutputAccumulator` (afd/clients/process.py) rebuilds the cumulative `SequenceOutput`. Sending
     the whole output every step pickled and authenticated the prompt and every token so far: about
     11 ms per step at batch 256 with 512-token prompts on a 2-core box, against 0.2 ms for
     deltas, and the rank's next step waits for it."""
@@ -90,7 +90,7 @@ class OutputDelta:
     first_token_time: float | None
 
     @classmethod
-    def of(cls, out: RequestOutput) -> OutputDelta:
+    def of(cls, out: SequenceOutput) -> OutputDelta:
         new = len(out.new_token_ids)
         # logprobs run along token_ids when asked for (one entry per token), else stay empty.
         logprobs = tuple(out.logprobs[len(out.token_ids) - new :]) if out.logprobs else ()
