@@ -1,7 +1,8 @@
-"""The engine's outputs: a `SequenceOutput` per engine sequence (cumulative, after each step),
-and the offline API's results in vLLM's shape: a `RequestOutput` per prompt holding one
-`CompletionOutput` per choice (`out.outputs[0].text`). `n` choices and `best_of` candidates are
-several engine sequences gathered here.
+"""The engine's outputs: a `SequenceOutput` per engine sequence (what the frontend's output
+processor builds from the core's token deltas, step by step), and the offline API's results in
+vLLM's shape: a `RequestOutput` per prompt holding one `CompletionOutput` per choice
+(`out.outputs[0].text`). `n` choices and `best_of` candidates are several engine sequences
+gathered here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SequenceOutput:
-    """One engine sequence so far, after a step."""
+    """One engine sequence so far, as the frontend's output processor sees it after a step."""
 
     request_id: str
     prompt_token_ids: list[int]
