@@ -1,7 +1,8 @@
 """The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`.
 
 It sits on top: it picks the one-process engine (colocated, in-process 1A1F) or starts one process
-per rank (afd/clients/process.py), and drives either through the same EngineClient interface."""
+per rank (afd/clients/process.py), and drives either through the same EngineClient: the frontend,
+which turns the core client's token deltas into outputs with this LLM's tokenizer."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.recorder import StepLogFile
 from afdserve.config import engine_configs
 from afdserve.engine.client import EngineClient
-from afdserve.engine.engine_core import RequestOutput as SequenceOutput
+from afdserve.engine.core_client import EngineCoreClient
 from afdserve.engine.generation_config import generation_defaults
-from afdserve.engine.outputs import RequestOutput, gather
+from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
@@ -93,10 +94,13 @@ class LLM:
         self.engine: EngineClient = self._start()
 
     def _start(self) -> EngineClient:
+        return EngineClient(self._start_core(), self.tokenizer)
+
+    def _start_core(self) -> EngineCoreClient:
         spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
         if self.topology.colocated or self.afd_config.in_process(self.engine_config.device):
             if self.topology.attention_ranks == 1:
-                client: EngineClient = SingleProcessClient(spec)
+                client: EngineCoreClient = SingleProcessClient(spec)
                 self._describe(client.ready)
                 return client
         if self._frontend_address is None:

@@ -1,4 +1,8 @@
-"""One attention rank's engine: requests in, scheduled steps through the model, outputs out.
+"""One attention rank's engine: requests in, scheduled steps through the model, token ids out.
+
+Each step yields one `TokenDelta` per request that changed: its new token ids and logprobs, no
+text. Detokenizing and stop strings are the frontend's (engine/output_processor.py), so that the
+rank's step does no per-token Python work beyond sampling.
 
 The step is split so that the control plane fits in the middle: `schedule()` -> report
 `RankStep` -> (every rank plans the same step) -> `execute(out, plan, forward, step)`. The
@@ -9,21 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.model_runner import ModelRunner
-from afdserve.engine.requests import RequestError, RequestLimits, check_request
+from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from afdserve.engine.sequence import Sequence
-from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.config import ModelConfig
 from afdserve.model.model import MoECausalLM
@@ -32,39 +34,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str  # every generated character so far (stop string excluded)
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # time.monotonic() of this rank's process: compare them with each other, not across hosts.
-    arrival_time: float = 0.0  # the engine accepted the request
-    first_scheduled_time: float | None = None  # the first step that computes any of its tokens
-    first_token_time: float | None = None
-
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds in the scheduler's waiting queue before its first step (vLLM's queue time)."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-
-@dataclass
 class _Tracked:
     seq: Sequence
-    detok: IncrementalDetokenizer
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     emitted_tokens: int = 0
-    emitted_text: int = 0
-    text_limit: int | None = None  # truncation point once a stop string is found
 
 
 class EngineCore:
@@ -76,7 +51,9 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         device: torch.device,
     ) -> None:
-        self.model, self.tokenizer, self.device = model, tokenizer, device
+        # The tokenizer only gives the eos token when the config names none: text is the
+        # frontend's (engine/output_processor.py).
+        self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
         self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
@@ -94,9 +71,6 @@ class EngineCore:
     # ----- requests -----
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.limits)
-        if params.stop and isinstance(self.tokenizer, TokenIdsOnly):
-            raise RequestError(f"stop: {list(params.stop)} needs text, but the model directory "
-                               f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -107,8 +81,7 @@ class EngineCore:
         if self.extra_stop_ids:
             params = _with_stop_ids(params, self.extra_stop_ids)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.requests[request_id] = _Tracked(seq, detok, time.monotonic())
+        self.requests[request_id] = _Tracked(seq, time.monotonic())
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -138,7 +111,7 @@ class EngineCore:
 
     def execute(
         self, out: SchedulerOutput, plan: AttentionRankPlan, forward: PlannedForward, step: int
-    ) -> list[RequestOutput]:
+    ) -> list[TokenDelta]:
         """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
         when the plan gives it any, so that its FFN rank receives every tile it expects."""
         if plan.padded_rows == 0 and not any(plan.tile_rows):
@@ -159,7 +132,7 @@ class EngineCore:
         self.scheduler.update(out, sampled)
         return self._collect(out)
 
-    def _collect(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _collect(self, out: SchedulerOutput) -> list[TokenDelta]:
         results = []
         for entry in out.scheduled:
             tracked = self.requests.get(entry.seq.request_id)
@@ -169,56 +142,21 @@ class EngineCore:
                     results.append(result)
         return results
 
-    def _advance(self, t: _Tracked) -> RequestOutput | None:
+    def _advance(self, t: _Tracked) -> TokenDelta | None:
         seq = t.seq
-        new_ids = seq.output_token_ids[t.emitted_tokens :]
+        new_ids = tuple(seq.token_ids[seq.num_prompt_tokens + t.emitted_tokens :])
         if not new_ids and not seq.is_finished:
             return None
-        now = time.monotonic()
         if new_ids and t.first_token_time is None:
-            t.first_token_time = now
-        for tok in new_ids:
-            t.detok.add(tok)
-        if seq.is_finished:
-            t.detok.flush()
-        stops = seq.params.stop
-        # Stop strings count once min_tokens are out (vLLM's rule), like stop tokens do.
-        if stops and t.text_limit is None and seq.num_output_tokens >= seq.params.min_tokens:
-            hit = find_stop_string(t.detok.text, stops, t.emitted_text)
-            if hit is not None:
-                t.text_limit = hit
-                if seq.params.include_stop_str_in_output:
-                    text = t.detok.text
-                    t.text_limit += next(len(stop) for stop in stops if text.startswith(stop, hit))
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
-                elif seq.finish_reason == "length":
-                    # The stop string completed on the last allowed token: the text was cut at
-                    # the stop string, so that is why it ended.
-                    seq.finish_reason = "stop"
-        text = t.detok.text if t.text_limit is None else t.detok.text[: t.text_limit]
-        if not seq.is_finished and stops:
-            # Hold back a tail that could still grow into a stop string.
-            text = text[: max(t.emitted_text, len(text) - max(len(s) for s in stops) + 1)]
-        new_text = text[t.emitted_text :]
+            t.first_token_time = time.monotonic()
+        # output_logprobs runs along the output tokens when logprobs were asked for, else is empty.
+        new_logprobs = tuple(seq.output_logprobs[t.emitted_tokens :])
         t.emitted_tokens += len(new_ids)
-        t.emitted_text = len(text)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            new_token_ids=list(new_ids),
-            new_text=new_text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.output_logprobs),
-            arrival_time=t.arrival_time,
-            first_scheduled_time=t.first_scheduled_time,
-            first_token_time=t.first_token_time,
-        )
+        return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
+                          seq.finish_reason, t.emitted_tokens, t.arrival_time,
+                          t.first_scheduled_time, t.first_token_time)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:

@@ -1,15 +1,40 @@
-"""The offline API's results in vLLM's shape: a `RequestOutput` per prompt holding one
-`CompletionOutput` per choice (`out.outputs[0].text`).
-
-The engine itself produces one `engine_core.RequestOutput` per sequence; `n` choices and
-`best_of` candidates are several engine sequences gathered here.
+"""The engine's outputs: a `SequenceOutput` per engine sequence (what the frontend's output
+processor builds from the core's token deltas, step by step), and the offline API's results in
+vLLM's shape: a `RequestOutput` per prompt holding one `CompletionOutput` per choice
+(`out.outputs[0].text`). `n` choices and `best_of` candidates are several engine sequences
+gathered here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from afdserve.engine.engine_core import RequestOutput as SequenceOutput
+
+@dataclass
+class SequenceOutput:
+    """One engine sequence so far, as the frontend's output processor sees it after a step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (stop string excluded)
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # time.monotonic() of the engine core's process: compare them with each other, not across
+    # hosts.
+    arrival_time: float = 0.0  # the engine accepted the request
+    first_scheduled_time: float | None = None  # the first step that computes any of its tokens
+    first_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds in the scheduler's waiting queue before its first step (vLLM's queue time)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What every layer says about a request: the refusal (`RequestError`), the limits a request is
 checked against (`RequestLimits`, from the attention ranks' caches) and the check itself, run by
-the frontend before routing and again by the rank that takes the request."""
+the frontend before routing and again by the rank that takes the request, and what the engine
+core says back about it each step (`TokenDelta`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimi
             f"prompt + max_tokens: {longest} tokens need {blocks} KV blocks, but the cache holds "
             f"{limits.num_blocks} blocks of {limits.block_size} tokens"
         )
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step of the engine core added to one request: token ids, no text. An attention
+    rank sends these as they are; the frontend's output processor (engine/output_processor.py)
+    detokenizes, applies stop strings and keeps the cumulative output, so that the rank's step
+    neither decodes text nor pickles what the frontend already has."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    # One entry per new token when the request asked for logprobs, else empty.
+    new_logprobs: tuple[dict[int, float] | None, ...]
+    finished: bool
+    finish_reason: str | None
+    num_tokens: int  # generated tokens so far, this step's included: the frontend checks its sum
+    # time.monotonic() of the core's process: compare them with each other, not across hosts.
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None

@@ -2,7 +2,7 @@
 handler's asyncio-side view of the engine requests it started.
 
 HTTP handlers never touch the client: they put commands on a thread-safe queue and receive each
-RequestOutput of their request through a `Deliver` callback, which hands it to their asyncio loop.
+SequenceOutput of their request through a `Deliver` callback, which hands it to their asyncio loop.
 The thread alternates: apply queued adds and aborts, then `client.step()`.
 
 If `step()` raises anything but a per-request refusal, a rank is gone: every in-flight request is
@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.convert import Fanout
@@ -48,14 +48,14 @@ class EngineFailure:
     status: int = 500
 
 
-Deliver = Callable[[RequestOutput | EngineFailure], None]
+Deliver = Callable[[SequenceOutput | EngineFailure], None]
 
 
 def asyncio_deliver(q: asyncio.Queue, tag: int) -> Deliver:
     """A Deliver that puts `(tag, item)` on `q` from any thread. Call it inside the event loop."""
     loop = asyncio.get_running_loop()
 
-    def deliver(item: RequestOutput | EngineFailure) -> None:
+    def deliver(item: SequenceOutput | EngineFailure) -> None:
         try:
             loop.call_soon_threadsafe(q.put_nowait, (tag, item))
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -245,7 +245,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open: set[int] = set()
         self.waiting: set[int] = set()  # admitted, no token yet
-        self.outputs: list[RequestOutput | None] = [None] * len(self.prompts)
+        self.outputs: list[SequenceOutput | None] = [None] * len(self.prompts)
         self.arrived_at = time.monotonic()
         self.submitted_at = 0.0
         self.last_token_at: list[float | None] = [None] * len(self.prompts)
@@ -324,7 +324,7 @@ class Generation:
             message = f"request timed out after {self.timeout_s:g} s (the server's limit)"
             raise APIError(504, message, code="timeout") from None
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def events(self) -> AsyncIterator[tuple[int, SequenceOutput]]:
         """(choice index, output) until every request finished or the client went away."""
         while self.open:
             index, item = await self._next()
@@ -336,11 +336,11 @@ class Generation:
                     self.metrics.finished("error", now - self.arrived_at)
                 self._drop()
                 raise APIError(item.status, item.message)
-            assert isinstance(item, RequestOutput)
+            assert isinstance(item, SequenceOutput)
             self._observe(index, item)
             yield index, item
 
-    def _observe(self, index: int, out: RequestOutput) -> None:
+    def _observe(self, index: int, out: SequenceOutput) -> None:
         now = time.monotonic()
         if self.outputs[index] is None and out.queue_time is not None:
             self.metrics.queued(out.queue_time)
@@ -368,7 +368,7 @@ class Generation:
         tokens = sum(len(o.token_ids) for o in self.outputs if o is not None)
         return f"{tokens} tokens in {now - self.arrived_at:.3f} s ({reasons})"
 
-    async def collect(self, receive: Callable) -> list[RequestOutput] | None:
+    async def collect(self, receive: Callable) -> list[SequenceOutput] | None:
         """Every final output in choice order, or None when the client went away first."""
         watcher = asyncio.ensure_future(self.watch_disconnect(receive))
         try:

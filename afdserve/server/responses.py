@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -86,7 +86,7 @@ def chat_logprobs(
     return {"content": content}
 
 
-def finish_reason(out: RequestOutput) -> str | None:
+def finish_reason(out: SequenceOutput) -> str | None:
     if not out.finished:
         return None
     return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"

@@ -109,13 +109,14 @@ def prefill_sizes(longest: int) -> list[int]:
 def startup_summary(llm: LLM, model_name: str) -> str:
     """One line with what a reader of the log needs to know about this server's capacity."""
     engine, config = llm.engine, llm.engine_config
-    limits = getattr(engine, "limits", None) or engine.core.limits  # type: ignore[attr-defined]
+    limits = engine.limits
     ranks = llm.topology.attention_ranks
     kv_tokens = limits.num_blocks * limits.block_size * ranks
     full = kv_tokens / limits.max_model_len
     concurrency = min(full, config.max_num_seqs * ranks)
     dtype = config.dtype
-    core = getattr(engine, "core", None)  # one-process engines: say what "auto" resolved to
+    # One-process engines: say what "auto" resolved to.
+    core = getattr(engine.core_client, "core", None)
     if dtype == "auto" and core is not None:
         dtype = f"auto ({str(next(core.model.parameters()).dtype).removeprefix('torch.')})"
     return (

@@ -13,8 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from afdserve.engine.engine_core import RequestOutput
-from afdserve.engine.outputs import best
+from afdserve.engine.outputs import SequenceOutput, best
 from afdserve.server import convert
 from afdserve.server import protocol as api
 from afdserve.server import responses as shape
@@ -27,7 +26,7 @@ log = logging.getLogger("afdserve.server")
 CLIENT_CLOSED = 499  # logged and counted when the client left before its answer
 
 
-def new_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float] | None]]:
+def new_tokens(out: SequenceOutput) -> tuple[list[int], list[dict[int, float] | None]]:
     start = len(out.token_ids) - len(out.new_token_ids)
     return out.new_token_ids, out.logprobs[start:]
 
@@ -40,7 +39,7 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def chosen(outs: list[RequestOutput], n: int, candidates: int) -> list[RequestOutput]:
+def chosen(outs: list[SequenceOutput], n: int, candidates: int) -> list[SequenceOutput]:
     """n choices per prompt: all of them, or the best n of best_of candidates."""
     if candidates == n:
         return outs
@@ -87,7 +86,7 @@ async def respond(
     prompt_ids_per_choice = not head["object"].startswith("chat.")
     prompts_sent: set[int] = set()
 
-    def make(index: int, text: str, ids: list[int], entries: list, out: RequestOutput) -> dict:
+    def make(index: int, text: str, ids: list[int], entries: list, out: SequenceOutput) -> dict:
         lp = logprobs(ids, entries) if logprobs is not None else None
         made = choice(index, text, lp, shape.finish_reason(out))
         if with_ids:
@@ -97,7 +96,7 @@ async def respond(
                 prompts_sent.add(index)
         return made
 
-    def prompt_ids(out: RequestOutput) -> dict:
+    def prompt_ids(out: SequenceOutput) -> dict:
         if not with_ids or prompt_ids_per_choice or prompts_sent:
             return {}
         prompts_sent.add(-1)

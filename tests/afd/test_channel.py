@@ -101,7 +101,7 @@ def _is_loopback(address: str) -> bool:
 def test_a_built_in_world_listens_on_loopback_only(afd_models):
     with LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32") as llm:
         listening = _listening_inodes()
-        pids = [os.getpid()] + [p.pid for p in llm.engine.world.procs]
+        pids = [os.getpid()] + [p.pid for p in llm.engine.core_client.world.procs]
         mine = {inode: listening[inode] for pid in pids for inode in _socket_inodes(pid)
                 if inode in listening}
     assert mine, "the world listens on no TCP socket at all"

@@ -95,7 +95,7 @@ def test_control_planes_match_colocated(afd_models, control_plane):
     with LLM(str(model), topology="2A1F", dtype="float32", max_num_batched_tokens=16,
              control_plane=control_plane) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        boards = [_control_boards(p.pid) for p in llm.engine.world.procs]
+        boards = [_control_boards(p.pid) for p in llm.engine.core_client.world.procs]
     assert got == want
     if control_plane in ("auto", "shm"):
         assert len(boards) == 3 and boards[0] == boards[1] == boards[2]

@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def test_shutdown_leaves_no_process(afd_models):
     with LLM(str(afd_models["mixtral"]), topology="2A1F", dtype="float32") as llm:
-        pids = [p.pid for p in llm.engine.world.procs]
+        pids = [p.pid for p in llm.engine.core_client.world.procs]
         assert all(_alive(pid) for pid in pids)
         llm.generate([[1, 2, 3]], GREEDY)
     assert not any(_alive(pid) for pid in pids)
@@ -74,7 +74,7 @@ def _stray_workers() -> list[int]:
 
 def test_rank_dying_mid_serve_fails_requests_and_stops_all(afd_models):
     llm = LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32")
-    pids = [p.pid for p in llm.engine.world.procs]
+    pids = [p.pid for p in llm.engine.core_client.world.procs]
     try:
         llm.generate([[4, 5, 6]], GREEDY)
         os.kill(pids[2], signal.SIGKILL)  # the FFN rank

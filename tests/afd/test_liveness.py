@@ -41,7 +41,7 @@ def test_dead_or_hung_rank_fails_the_engine_quickly(afd_models, victim, sig, wit
     llm = LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32",
               heartbeat_timeout_s=HEARTBEAT_S, max_num_batched_tokens=16,
               control_plane=control_plane)
-    pids = [p.pid for p in llm.engine.world.procs]
+    pids = [p.pid for p in llm.engine.core_client.world.procs]
     try:
         for i in range(4):
             llm.engine.add_request(f"r{i}", [1 + i, 2, 3, 4], LOAD)

@@ -44,7 +44,7 @@ def test_capacity_is_what_the_engines_allocated(tmp_path):
     for topology, llm in engines.items():
         with llm:
             (capacity,) = read_capacity(llm, topology, spec)
-            kv = llm.engine.core.kv_cache
+            kv = llm.engine.core_client.core.kv_cache
             blocks, block_size = kv.layers[0][0].shape[:2]
             assert (capacity.num_blocks, capacity.block_size) == (blocks, block_size)
             assert capacity.cache_bytes == _cache_bytes(kv)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
 from afdserve.model.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
@@ -37,8 +37,8 @@ def run(llm: LLM, prompts: list, params: SamplingParams, late: dict[int, int] | 
     the finished outputs in prompt order and how many sequences were preempted on the way (a
     sequence that ran and is found back in the waiting queue)."""
     late = late or {}
-    engine, scheduler = llm.engine, llm.engine.core.scheduler
-    done: dict[str, RequestOutput] = {}
+    engine, scheduler = llm.engine, llm.engine.core_client.core.scheduler
+    done: dict[str, SequenceOutput] = {}
     streamed: dict[str, tuple[list[int], str]] = {}
     seen_running: set[str] = set()
     preempted: set[str] = set()
@@ -102,7 +102,7 @@ def test_preemption_by_recompute_keeps_greedy_tokens(model_dir: str, reference: 
     outs, preempted = run(llm, PROMPTS, GREEDY)
     assert preempted > 0
     assert [out.token_ids for out in outs] == reference
-    assert llm.engine.core.block_manager.num_free_blocks == blocks
+    assert llm.engine.core_client.core.block_manager.num_free_blocks == blocks
 
 
 def test_requests_added_while_others_run(llm: LLM, reference: list) -> None:
@@ -258,7 +258,7 @@ def test_abort_leaves_the_others_untouched(llm: LLM, reference: list) -> None:
     while engine.has_unfinished:
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert set(done) == {"abort-3"} and done["abort-3"].token_ids == reference[3]
-    assert llm.engine.core.block_manager.usage == 0.0
+    assert llm.engine.core_client.core.block_manager.usage == 0.0
 
 
 BAD_REQUESTS = [

@@ -84,7 +84,7 @@ def test_graph_tokens_equal_eager(bf16_model, bf16_mla_model, topology, family):
             log_step_plan=True,
             **common,
         ) as graphs:
-            assert graphs.engine.driver.forward.graphs is not None
+            assert graphs.engine.core_client.driver.forward.graphs is not None
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             modes = {r["mode"] for r in graphs.step_log()}
         gaps = _check(eager, prompts, got, want)
@@ -142,7 +142,7 @@ def test_every_captured_size_replays(bf16_model):
             llm.generate(_prompts(n), params)
         replayed = {r["padded_rows"] for r in llm.step_log() if r["mode"] == "replay"}
         assert set(SIZES) <= replayed
-        graphs = llm.engine.driver.forward.graphs.graphs
+        graphs = llm.engine.core_client.driver.forward.graphs.graphs
         captured = {key[2][0] for key in graphs}  # key[2]: ubatch rows
         assert captured == set(SIZES)
 

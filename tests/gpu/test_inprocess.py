@@ -21,7 +21,7 @@ def kv_blocks(model: str, topology: str, connector: str) -> int:
     with LLM(model, topology=topology, connector=connector, device="cuda", dtype="bfloat16",
              load_format="dummy", gpu_memory_utilization=0.3, graph_mode="none",
              max_num_seqs=8, use_tqdm_on_load=False) as llm:
-        return llm.engine.core.limits.num_blocks
+        return llm.engine.core_client.core.limits.num_blocks
 
 
 def test_in_process_1a1f_leaves_the_experts_their_room(wide_model):

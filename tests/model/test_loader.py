@@ -137,7 +137,7 @@ def test_bad_dtype_names_the_field(tiny_models: dict[str, Path]) -> None:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 def test_bfloat16_loads_and_runs(family: str, tiny_models: dict[str, Path]) -> None:
     llm = LLM(str(tiny_models[family]), dtype="bfloat16")
-    model = llm.engine.core.model
+    model = llm.engine.core_client.core.model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     outs = llm.generate(PROMPTS, GREEDY)
     reference = greedy(tiny_models[family])

@@ -9,15 +9,18 @@ import torch
 from afdserve.afd.clients.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.engine.client import EngineClient
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import load_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 3, 4], [42] * 11, list(range(1, 30)), [7]]
 
 
 def _run(model_dir, batched: bool, budget: int):
     engine = EngineConfig(model=str(model_dir), dtype="float32", max_num_batched_tokens=budget)
-    client = SingleProcessClient(WorkerSpec(engine, AFDConfig(), GraphConfig()))
-    client.core.runner.batched_metadata = batched
+    core_client = SingleProcessClient(WorkerSpec(engine, AFDConfig(), GraphConfig()))
+    client = EngineClient(core_client, load_tokenizer(str(model_dir)))
+    core_client.core.runner.batched_metadata = batched
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, p in enumerate(PROMPTS):
         client.add_request(str(i), p, params)

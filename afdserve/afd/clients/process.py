@@ -1,6 +1,7 @@
-"""The frontend's client of a multi-process world: routes each request to the attention rank with
-the least outstanding work, gathers outputs, fails every request at once when a rank dies or hangs,
-and stops the world. The processes themselves are afd/ranks/world.py's `RankWorld`.
+"""The frontend's core client of a multi-process world: routes each request to the attention rank
+with the least outstanding work, gathers the ranks' token deltas, fails every request at once when
+a rank dies or hangs, and stops the world. The processes themselves are afd/ranks/world.py's
+`RankWorld`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import logging
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
-    OutputDelta,
     Outputs,
     RankFailed,
     RankStats,
@@ -18,9 +18,8 @@ from afdserve.afd.ranks.messages import (
     WorkerSpec,
 )
 from afdserve.afd.ranks.world import STARTUP_TIMEOUT_S, Lost, RankWorld, WorkerError, free_port
-from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestOutput
-from afdserve.engine.requests import RequestError, RequestLimits, check_request
+from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
 
 __all__ = ["ProcessClient", "WorkerError", "free_port"]
@@ -32,37 +31,7 @@ log = logging.getLogger(__name__)
 ROUTING_MAX_NEW_TOKENS = 1024
 
 
-class OutputAccumulator:
-    """Rebuilds each request's cumulative `RequestOutput` from the deltas its rank sends."""
-
-    def __init__(self) -> None:
-        self._requests: dict[str, tuple[list[int], list[int], list[str], list]] = {}
-
-    def start(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        self._requests[request_id] = (list(prompt_token_ids), [], [], [])
-
-    def forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
-    def add(self, delta: OutputDelta) -> RequestOutput:
-        prompt, tokens, texts, logprobs = self._requests[delta.request_id]
-        tokens += delta.new_token_ids
-        texts.append(delta.new_text)
-        logprobs += delta.new_logprobs
-        if len(tokens) != delta.num_tokens:
-            raise WorkerError(f"request {delta.request_id!r}: the rank counts {delta.num_tokens} "
-                              f"tokens, its deltas add up to {len(tokens)}")
-        if len(texts) > 1:  # keep one string: appending stays linear over a long request
-            texts[:] = ["".join(texts)]
-        return RequestOutput(
-            request_id=delta.request_id, prompt_token_ids=prompt, token_ids=list(tokens),
-            text=texts[0], new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
-            finished=delta.finished, finish_reason=delta.finish_reason, logprobs=list(logprobs),
-            arrival_time=delta.arrival_time, first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time)
-
-
-class ProcessClient(EngineClient):
+class ProcessClient(EngineCoreClient):
     def __init__(
         self,
         spec: WorkerSpec,
@@ -76,8 +45,7 @@ class ProcessClient(EngineClient):
         self.cost: dict[str, int] = {}
         self.outstanding = [0] * spec.topology.attention_ranks
         self.rank_stats: dict[int, RankStats] = {}
-        self._carried: list[RequestOutput] = []
-        self._outputs = OutputAccumulator()
+        self._carried: list[TokenDelta] = []
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         self.address, self.ready = self.world.address, self.world.ready
         limits = [info.limits for info in self.ready.values() if info.limits is not None]
@@ -89,7 +57,7 @@ class ProcessClient(EngineClient):
         )
         self.max_model_len, self.vocab_size = self.limits.max_model_len, self.limits.vocab_size
 
-    # ----- EngineClient -----
+    # ----- EngineCoreClient -----
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
@@ -100,7 +68,6 @@ class ProcessClient(EngineClient):
         cost = len(prompt_token_ids) + min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
         self.owner[request_id], self.cost[request_id] = rank, cost
         self.outstanding[rank] += cost
-        self._outputs.start(request_id, prompt_token_ids)
         self.world.send(rank, AddRequest(request_id, tuple(prompt_token_ids), params))
 
     def abort(self, request_id: str) -> None:
@@ -110,12 +77,11 @@ class ProcessClient(EngineClient):
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        self._outputs.forget(request_id)
         rank = self.owner.pop(request_id, None)
         if rank is not None:
             self.outstanding[rank] -= self.cost.pop(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         if self.closed:
             raise WorkerError("the engine is shut down")
         results, self._carried = self._carried, []
@@ -125,11 +91,10 @@ class ProcessClient(EngineClient):
                 self.rank_stats[msg.rank] = msg.stats
                 for delta in msg.outputs:
                     if delta.request_id not in self.owner:
-                        continue  # aborted meanwhile
-                    out = self._outputs.add(delta)
-                    results.append(out)
-                    if out.finished:
-                        self._forget(out.request_id)
+                        continue  # aborted meanwhile (a stop string, found by the frontend)
+                    results.append(delta)
+                    if delta.finished:
+                        self._forget(delta.request_id)
             elif isinstance(msg, Rejected):  # a rank refused what passed the frontend's checks
                 self._forget(msg.request_id)
                 rejected = RequestError(msg.message, msg.request_id)

@@ -11,12 +11,12 @@ import torch
 from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
-from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.engine_core import RequestOutput
+from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
 
 
-class SingleProcessClient(EngineClient):
+class SingleProcessClient(EngineCoreClient):
     def __init__(self, spec: WorkerSpec) -> None:
         device = torch.device(spec.engine.device)
         in_process = not spec.topology.colocated
@@ -25,6 +25,7 @@ class SingleProcessClient(EngineClient):
         self.ready: dict[int, RankReady] = {r.rank: r for r in built.ready}
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.config.vocab_size
+        self.limits = self.core.limits
         self.driver.warmup()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -34,7 +35,7 @@ class SingleProcessClient(EngineClient):
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         return self.driver.step().outputs
 
     @property

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.engine.engine_core import RequestOutput
 from afdserve.engine.factory import MemoryReport
-from afdserve.engine.requests import RequestLimits
+from afdserve.engine.requests import RequestLimits, TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.layout.topology import Topology
 
@@ -71,38 +70,14 @@ class RankStats:
 
 
 @dataclass(frozen=True)
-class OutputDelta:
-    """What one step added to a request: the rank sends only this, the frontend's
-    `OutputAccumulator` (afd/clients/process.py) rebuilds the cumulative `RequestOutput`. Sending
-    the whole output every step pickled and authenticated the prompt and every token so far: about
-    11 ms per step at batch 256 with 512-token prompts on a 2-core box, against 0.2 ms for
-    deltas, and the rank's next step waits for it."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    new_logprobs: tuple
-    finished: bool
-    finish_reason: str | None
-    num_tokens: int  # the cumulative count after this step: the frontend checks its sum
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> OutputDelta:
-        new = len(out.new_token_ids)
-        # logprobs run along token_ids when asked for (one entry per token), else stay empty.
-        logprobs = tuple(out.logprobs[len(out.token_ids) - new :]) if out.logprobs else ()
-        return cls(out.request_id, tuple(out.new_token_ids), out.new_text, logprobs,
-                   out.finished, out.finish_reason, len(out.token_ids), out.arrival_time,
-                   out.first_scheduled_time, out.first_token_time)
-
-
-@dataclass(frozen=True)
 class Outputs:
+    """A step's token deltas as the engine core made them. Sending the whole output every step
+    pickled and authenticated the prompt and every token so far: about 11 ms per step at batch
+    256 with 512-token prompts on a 2-core box, against 0.2 ms for deltas, and the rank's next
+    step waits for it. Text is the frontend's (engine/output_processor.py)."""
+
     rank: int
-    outputs: tuple[OutputDelta, ...]
+    outputs: tuple[TokenDelta, ...]
     stats: RankStats
 
 

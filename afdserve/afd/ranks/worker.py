@@ -26,7 +26,6 @@ from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
     Hello,
-    OutputDelta,
     Outputs,
     RankFailed,
     RankStats,
@@ -174,8 +173,7 @@ def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
         if result.shutdown:
             return
         if result.outputs or time.monotonic() - last_sent > HEARTBEAT_S:
-            deltas = tuple(OutputDelta.of(out) for out in result.outputs)
-            conn.send(Outputs(rank, deltas, _stats(built)))
+            conn.send(Outputs(rank, tuple(result.outputs), _stats(built)))
             last_sent = time.monotonic()
         if result.has_work:
             idle_sleep = IDLE_SLEEP_S[0]
