@@ -39,6 +39,7 @@ from .conftest import (
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 RUNNING = ("vllm:num_requests_running", (("model_name", SERVED_NAME),))
+WAITING = ("vllm:num_requests_waiting", (("model_name", SERVED_NAME),))
 KV_USAGE = ("vllm:kv_cache_usage_perc", (("model_name", SERVED_NAME),))
 HELLO = "Hello, world"
 
@@ -351,6 +352,9 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
             with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
                 lines = (line for line in r.iter_lines() if line)
                 assert next(lines).startswith("data: {")
+                # The other request must be in the engine before the kill: one still on its
+                # way in is (rightly) refused with 503 instead of failed with 500.
+                wait_for(lambda: metrics(srv)[RUNNING] + metrics(srv)[WAITING] == 2)
                 ranks = child_pids(srv.proc.pid, recursive=False)
                 os.kill(max(ranks), signal.SIGKILL)  # the FFN rank, started last
                 rest = list(lines)
