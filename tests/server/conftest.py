@@ -60,6 +60,15 @@ class ServerProcess:
             time.sleep(0.25)
         raise AssertionError(f"/health not 200 in {STARTUP_DEADLINE_S:.0f} s:\n{self.log()}")
 
+    def exit_code(self, timeout_s: float) -> int:
+        """The server's exit code once it exits; still running after `timeout_s` fails the
+        test with the end of its log (what it was doing)."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {timeout_s:g} s:\n"
+                                 f"{self.log()[-4000:]}") from None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -117,6 +126,22 @@ def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def wait_until_in_engine(server: ServerProcess, count: int, deadline_s: float = 30.0) -> None:
+    """Until `count` requests are in the engine (running or waiting). A test that fails a rank
+    under requests waits for this first: a request still on its way in when the engine fails is
+    refused with 503, one in the engine is failed with 500, and under load either can happen."""
+    labels = (("model_name", SERVED_NAME),)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        seen = metrics(server)
+        inside = seen[("vllm:num_requests_running", labels)] + seen[
+            ("vllm:num_requests_waiting", labels)]
+        if inside >= count:
+            return
+        assert time.monotonic() < deadline, f"{inside} of {count} requests in the engine"
+        time.sleep(0.05)
 
 
 def rank_pids(pid: int) -> dict[int, int]:

@@ -27,6 +27,7 @@ from .conftest import (
     marked_pids,
     rank_pids,
     start_cli_server,
+    wait_until_in_engine,
 )
 
 HEARTBEAT_S = 4.0  # short, but not so short that a busy 2-core machine trips it
@@ -97,6 +98,7 @@ def test_failed_rank_fails_requests_and_the_server_exits_1(
             streaming = pool.submit(stream_lines, srv.url, LONG, first, lines)
             plain = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=LONG, timeout=120)
             assert first.wait(60), srv.log()[-3000:]
+            wait_until_in_engine(srv, 2)
             killed = time.monotonic()
             os.kill(ranks[victim], sig)
             answer = plain.result(timeout=60)

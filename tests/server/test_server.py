@@ -35,11 +35,11 @@ from .conftest import (
     marked_pids,
     metrics,
     start_server,
+    wait_until_in_engine,
 )
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 RUNNING = ("vllm:num_requests_running", (("model_name", SERVED_NAME),))
-WAITING = ("vllm:num_requests_waiting", (("model_name", SERVED_NAME),))
 KV_USAGE = ("vllm:kv_cache_usage_perc", (("model_name", SERVED_NAME),))
 HELLO = "Hello, world"
 
@@ -352,9 +352,7 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
             with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
                 lines = (line for line in r.iter_lines() if line)
                 assert next(lines).startswith("data: {")
-                # The other request must be in the engine before the kill: one still on its
-                # way in is (rightly) refused with 503 instead of failed with 500.
-                wait_for(lambda: metrics(srv)[RUNNING] + metrics(srv)[WAITING] == 2)
+                wait_until_in_engine(srv, 2)
                 ranks = child_pids(srv.proc.pid, recursive=False)
                 os.kill(max(ranks), signal.SIGKILL)  # the FFN rank, started last
                 rest = list(lines)
@@ -367,7 +365,7 @@ def test_rank_death_fails_requests_and_health(tmp_path: Path) -> None:
         assert _not_serving(lambda: httpx.get(f"{srv.url}/health"))
         assert _not_serving(lambda: httpx.post(url, json=body, timeout=10))
         srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(60) == 1
+        assert srv.exit_code(60) == 1
         assert marked_pids(srv.marker) == []
     finally:
         srv.stop()
