@@ -212,9 +212,15 @@ def test_dummy_fp8_weights_are_the_quantized_dummy_weights(tiny_models: dict[str
         assert torch.equal(tensor.view(torch.uint8), got[name].view(torch.uint8)), name
 
 
-def test_two_attention_ranks_match_colocated(fp8_models: dict[str, Path]) -> None:
+def test_two_attention_ranks_match_colocated(
+    fp8_models: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    """Rank processes over gloo, each loading its half: an FP8 checkpoint, and online FP8 (the
+    option travels to every rank)."""
     path = fp8_models["deepseek_v3"]
     assert greedy(path, topology="2A1F", max_num_batched_tokens=16) == greedy(path)
+    plain = tiny_models["qwen3_moe"]
+    assert greedy(plain, topology="2A1F", quantization="fp8") == greedy(plain, quantization="fp8")
 
 
 def test_modules_to_not_convert_stay_in_the_model_dtype(
