@@ -125,6 +125,30 @@ def test_partial_blocks_are_whole_blocks_cropped() -> None:
     assert float(err.max()) <= float(weight.abs().max()) / 16
 
 
+def test_make_tiny_model_writes_the_public_layout(
+    fp8_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from afdserve.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--family", "mixtral",
+                 "--quantization", "fp8"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    assert weights.keys() == load_file(fp8_models["mixtral"] / "model.safetensors").keys()
+    for name, tensor in weights.items():
+        if name.endswith(SCALE):
+            assert tensor.dtype == torch.float32 and tensor.shape == (1, 1), name
+        elif name + SCALE in weights:
+            assert tensor.dtype == FP8_DTYPE and ".gate." not in name, name
+        else:  # embeddings, norms, routers, lm_head
+            assert tensor.dtype == torch.float32, name
+            assert any(k in name for k in ("embed", "norm", ".gate.", "lm_head")), name
+    assert weights["model.layers.1.block_sparse_moe.experts.7.w2.weight"].dtype == FP8_DTYPE
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_on_the_dequantized_checkpoint(
     family: str, fp8_models: dict[str, Path], oracles: dict[str, Path]
@@ -221,6 +245,13 @@ def test_two_attention_ranks_match_colocated(
     assert greedy(path, topology="2A1F", max_num_batched_tokens=16) == greedy(path)
     plain = tiny_models["qwen3_moe"]
     assert greedy(plain, topology="2A1F", quantization="fp8") == greedy(plain, quantization="fp8")
+
+
+def test_expert_parallel_shards_match_colocated(fp8_models: dict[str, Path]) -> None:
+    """Two FFN ranks, each holding half of the FP8 experts with their scales; the group
+    exchanges activations in the model dtype (an FFN half's first weight may be float8)."""
+    path = fp8_models["deepseek_v3"]
+    assert greedy(path, topology="1A2F", ffn_expert_parallel=True) == greedy(path)
 
 
 def test_modules_to_not_convert_stay_in_the_model_dtype(
