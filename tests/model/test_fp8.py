@@ -204,10 +204,16 @@ def test_online_fp8_is_the_fp8_checkpoint(
     FP8 checkpoint written from it: the same weights, so the same tokens."""
     src = tiny_models[family]
     fp8_dir = quantize_checkpoint(shutil.copytree(src, tmp_path / "fp8"))
-    online, _ = load_model(src, ModelParts.colocated(), "float32", quantization="fp8")
+    online, report = load_model(src, ModelParts.colocated(), "float32", quantization="fp8")
     stored, _ = load_model(fp8_dir, ModelParts.colocated(), "float32", quantization="fp8")
+    _, plain = load_model(src, ModelParts.colocated(), "float32")
     want = stored.state_dict()
     assert online.config.quantization is not None and online.config.quantization.online
+    # Held in FP8: one byte per quantized weight instead of four, plus a float32 per block.
+    state = online.state_dict()
+    fp8_numel = sum(t.numel() for t in state.values() if t.dtype == FP8_DTYPE)
+    scales = sum(t.numel() for n, t in state.items() if n.endswith(SCALE))
+    assert report.bytes == plain.bytes - 3 * fp8_numel + 4 * scales
     for name, tensor in online.state_dict().items():
         assert tensor.dtype == want[name].dtype, name
         assert torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name
