@@ -83,7 +83,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from afdserve.model.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, args.family, hash_layers=args.hash_layers, seed=args.seed,
-                           dtype=args.dtype)
+                           dtype=args.dtype, quantization=args.quantization)
     print(path)
     return 0
 
@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hash-layers", type=int, default=0)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.add_argument("--quantization", default=None, choices=("fp8",),
+                      help="fp8: linear weights in the public block-scaled FP8 layout "
+                           "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
+                           "quantization_config in config.json (default: none)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     from afdserve.model.presets import PRESETS

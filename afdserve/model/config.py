@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afdserve.model.quantization import Fp8Spec, parse_quantization_config
+
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -60,6 +62,9 @@ class ModelConfig:
     routed_scaling_factor: float
     hidden_act: str
     torch_dtype: str | None
+    # Block-scaled FP8 weights (model/fp8.py): from quantization_config, or the engine's
+    # quantization="fp8" (online). None: every weight in the model dtype.
+    quantization: Fp8Spec | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -270,6 +275,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0) if mla else 1.0,
         hidden_act=raw.get("hidden_act", "silu"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        quantization=parse_quantization_config(raw),
     )
 
 

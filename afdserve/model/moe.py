@@ -112,6 +112,9 @@ class Experts(nn.Module):
         e = config.num_experts if held is None else len(held)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        # Set by model/fp8.py's quantize_experts: the weights are then block-scaled FP8 with
+        # `gate_up_proj_scale_inv` and `down_proj_scale_inv` beside them.
+        self.fp8_block: tuple[int, int] | None = None
         if held is not None:
             # global expert id -> index in this shard, -1 when held elsewhere (not a checkpoint
             # tensor, so not persistent; filled by `index_held` once the module has storage)
@@ -131,6 +134,10 @@ class Experts(nn.Module):
         if self.held is not None:
             # Pad rows (id -1) stay -1; experts held elsewhere become -1.
             ids = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
+        if self.fp8_block is not None:
+            return ops.moe_experts_fp8(
+                x, ids, weights, (self.gate_up_proj, self.gate_up_proj_scale_inv),
+                (self.down_proj, self.down_proj_scale_inv), self.fp8_block)
         return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
