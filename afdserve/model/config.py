@@ -8,14 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+from afdserve.model.deepseek_v4.v4config import V4Config
+
+FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral", "deepseek_v4")
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 LAYER_TYPES = ("dense", "moe", "hash_moe")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class ModelConfig:
     num_experts: int
     top_k: int
     n_shared_experts: int
-    scoring: str  # softmax | sigmoid
+    scoring: str  # softmax | sigmoid | sqrtsoftplus
     topk_method: str  # greedy | group_limited_greedy | noaux_tc
     n_group: int
     topk_group: int
@@ -60,6 +64,10 @@ class ModelConfig:
     routed_scaling_factor: float
     hidden_act: str
     torch_dtype: str | None
+    # SwiGLU clamp of experts and shared experts (DeepSeek-V4); None: no clamp.
+    swiglu_limit: float | None = None
+    # DeepSeek-V4's attention side and mHC (model/deepseek_v4/config.py); None for other families.
+    v4: V4Config | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -72,6 +80,8 @@ class ModelConfig:
                 f"mlp_layer_types has {len(self.layer_types)} entries, the model has "
                 f"{self.num_layers} layers"
             )
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={self.scoring!r}: one of {SCORING_FUNCS}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
         if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
@@ -201,6 +211,11 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = detect_family(raw)
+    if family == "deepseek_v4":
+        # Its own parser: V4 shares no attention fields with the others and checks every key.
+        from afdserve.model.deepseek_v4.config import v4_model_fields
+
+        return ModelConfig(**v4_model_fields(raw))
     num_layers = int(raw["num_hidden_layers"])
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
