@@ -43,6 +43,9 @@ from transformers import (
 from afdserve.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
 
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+# Built by its own module and kept out of FAMILIES, which the four families' shared tests iterate.
+V4_FAMILY = "deepseek_v4"
+ALL_FAMILIES = (*FAMILIES, V4_FAMILY)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WEIGHTS_FILE = "model.safetensors"
@@ -225,7 +228,17 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`."""
+    """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`.
+    DeepSeek-V4 has its own builder (model/deepseek_v4/tiny.py); its `hash_layers` counts from
+    the first layer (every V4 layer is MoE)."""
+    if family == V4_FAMILY:
+        from afdserve.model.deepseek_v4.tiny import TINY_V4, make_tiny_v4
+
+        layers = TINY_V4["num_hidden_layers"]
+        if not 0 <= hash_layers <= layers:
+            raise ValueError(f"hash_layers={hash_layers} for deepseek_v4: allowed 0..{layers}")
+        kinds = ["hash_moe"] * hash_layers + ["moe"] * (layers - hash_layers)
+        return make_tiny_v4(out_dir, seed, dtype, mlp_layer_types=kinds)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
