@@ -19,6 +19,7 @@ from afdserve.model.deepseek_v4.model import V4CausalLM
 from afdserve.model.loader import CheckpointError, load_model
 from afdserve.model.model import ModelParts
 from afdserve.model.tiny import make_tiny_model
+from tests.model.deepseek_v4_helpers import boundary_ties
 
 # Lengths below, at and past the window (4) and every compression boundary (2, 4).
 LENGTHS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 29)
@@ -76,7 +77,7 @@ def test_each_layer_equals_transformers_modules(hf: DeepseekV4ForCausalLM, ours:
     ids = prompt(length, seed=length)
     seen = capture(hf, ids)
     positions = torch.arange(length)
-    rope = ours._rope(positions)
+    ropes = ours.ropes("cpu")
     for i, block in enumerate(ours.model.layers):
         for part in ("attn_hc", "ffn_hc"):  # mHC: collapse, post, comb (Sinkhorn)
             args, _, (post, comb, collapsed) = seen[f"{i}.{part}"]
@@ -87,8 +88,8 @@ def test_each_layer_equals_transformers_modules(hf: DeepseekV4ForCausalLM, ours:
             assert torch.allclose(got[2].sum(-2), torch.ones(()), atol=1e-5)  # columns sum to 1
         args, _, (want, _) = seen[f"{i}.self_attn"]
         attn = block.self_attn
-        own = rope["main"] if attn.kind == "sliding_attention" else rope["compress"]
-        close(attn(args[0][0], positions, own, rope["compress"]), want[0])
+        own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
+        close(attn(args[0][0], positions, own, ropes["compress"])[0], want[0])
         args, kwargs, want = seen[f"{i}.mlp"]
         close(ours.ffn_half(i, args[0][0], kwargs["input_ids"][0]), want[0], 1e-6)
 
@@ -99,7 +100,7 @@ def test_compressors_and_indexer_equal_transformers(hf: DeepseekV4ForCausalLM, o
     length = 13
     x = torch.randn(length, hf.config.hidden_size, generator=torch.Generator().manual_seed(5))
     positions = torch.arange(length)
-    rope = ours._rope(positions)
+    rope = ours.ropes("cpu")["compress"]
     for i, block in enumerate(ours.model.layers):
         mine = block.self_attn.compressor
         if mine is None:
@@ -107,9 +108,9 @@ def test_compressors_and_indexer_equal_transformers(hf: DeepseekV4ForCausalLM, o
         theirs = hf.model.layers[i].self_attn.compressor
         q_residual = hf.model.layers[i].self_attn.q_a_norm(hf.model.layers[i].self_attn.q_a_proj(x))
         entries, bias = theirs(x[None], q_residual[None], positions[None], None, i)
-        close(mine(x, rope["compress"]), entries[0, 0], 1e-6)
+        close(mine.extend(x, None, rope).entries, entries[0, 0], 1e-6)
         if block.self_attn.kind == "compressed_sparse_attention":
-            chosen = mine.indexer(x, q_residual, positions, rope["compress"])
+            chosen, _ = mine.indexer.select(x, q_residual, positions, rope, None)
             assert torch.equal(chosen, bias[0, 0] == 0)
             assert int(chosen.sum(-1).max()) == hf.config.index_topk  # the indexer does choose
 
@@ -119,6 +120,7 @@ def test_compressors_and_indexer_equal_transformers(hf: DeepseekV4ForCausalLM, o
 def test_full_forward_matches_transformers(hf: DeepseekV4ForCausalLM, ours: V4CausalLM,
                                            length: int) -> None:
     ids = prompt(length, seed=100 + length)
+    assert boundary_ties(ours, ids) == []  # else the kept entries are torch.topk's choice
     want = hf(ids[None], use_cache=False).logits[0]
     got = ours.forward_full(ids)
     close(got, want)
@@ -137,6 +139,7 @@ def test_greedy_tokens_match_transformers_full_forward(hf: DeepseekV4ForCausalLM
             theirs = torch.cat((theirs, nxt[None]))
             mine = torch.cat((mine, ours.forward_full(mine)[-1].argmax()[None]))
         assert mine.tolist() == theirs.tolist()
+        assert boundary_ties(ours, mine) == []
 
 
 @torch.inference_mode()

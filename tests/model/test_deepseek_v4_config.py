@@ -27,7 +27,7 @@ def test_tiny_config_is_read_field_by_field() -> None:
     assert v4.attention_types == tuple(TINY_V4["layer_types"])
     assert c.layer_types == tuple(TINY_V4["mlp_layer_types"]) and c.hash_layers == (0,)
     assert (v4.csa_rate, v4.hca_rate, v4.sliding_window, v4.hc_mult) == (2, 4, 4, 2)
-    assert (v4.index_n_heads, v4.index_head_dim, v4.index_topk) == (2, 8, 2)
+    assert (v4.index_n_heads, v4.index_head_dim, v4.index_topk) == (8, 8, 2)
     assert (v4.o_groups, v4.o_lora_rank, c.q_lora_rank) == (2, 8, 16)
     assert (c.head_dim, c.qk_rope_head_dim, c.num_kv_heads) == (16, 8, 1)
     assert (c.scoring, c.swiglu_limit, c.routed_scaling_factor) == ("sqrtsoftplus", 1.5, 1.5)

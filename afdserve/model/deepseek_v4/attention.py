@@ -1,4 +1,5 @@
-"""DeepSeek-V4 attention over one whole sequence (prefill form, no paged cache yet).
+"""DeepSeek-V4 attention over consecutive rows of one sequence, with its state between calls
+(`LayerState`: the window's rows, `CompressorState` per compressor); no paged cache yet.
 
 Three layer types share one block: shared-KV MQA (one `head_dim` head read as key and value)
 over a sliding window, with partial interleaved rotary on each head's trailing
@@ -10,10 +11,13 @@ Compressed layers add entries that summarise whole windows of `compress_rate` to
   window's first series with its own second), and each query sees only the `index_topk` closed
   entries the lightning indexer scores highest.
 A query at position t may read entry w only when (w + 1) * m <= t + 1: every token it summarises
-is at or before t.
+is at or before t. Rows given in any chunks (a whole prompt, pieces of it, one decode token)
+give the same result as the whole sequence at once, up to GEMM rounding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +27,40 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [rows, rope_dim / 2], one per interleaved pair."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos() * scaling, freqs.sin() * scaling
+@dataclass(frozen=True)
+class RopeTable:
+    """One rope base ("main" or "compress"): inverse frequencies and the cos/sin scale."""
+
+    inv_freq: torch.Tensor  # [rope_dim / 2] float32
+    scaling: float
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [rows, rope_dim / 2], one per interleaved pair."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+
+
+@dataclass
+class CompressorState:
+    """One sequence's compressor between calls: what a paged cache must keep per CSA/HCA layer
+    (and per indexer)."""
+
+    entries: torch.Tensor  # [count, dim], rotated: every closed window so far
+    pending_kv: torch.Tensor  # [< rate, width]: projected rows of the open window
+    pending_gate: torch.Tensor  # [< rate, width], before the position bias
+    prev_kv: torch.Tensor | None = None  # [rate, dim]: the last closed window's first series
+    prev_gate: torch.Tensor | None = None  # the same gates, position bias added (overlap only)
+
+
+@dataclass
+class LayerState:
+    """One sequence's attention cache of one layer: the sliding window (its last window - 1
+    rotated KV rows, the most a later query can see) and the compressors' state."""
+
+    window_kv: torch.Tensor  # [<= window - 1, head_dim]
+    window_pos: torch.Tensor  # [<= window - 1] their positions
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,28 +96,42 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, width))
         self.kv_norm = V4RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        """x [rows, hidden] of one sequence from position 0 -> entries [rows // rate, dim],
-        rotated at each window's first position (cos_sin: the compress rope at every row)."""
+    def extend(self, x: torch.Tensor, state: CompressorState | None, rope: RopeTable
+               ) -> CompressorState:
+        """Feed the rows x [rows, hidden] that follow `state` (None: the sequence's first rows):
+        every window they close becomes an entry, rotated at the window's first position; the
+        rest waits in the returned state. A whole sequence in one call gives the same entries
+        as any split of it (up to GEMM rounding)."""
         m, d = self.rate, self.dim
-        windows = x.shape[0] // m
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if state is None:
+            state = CompressorState(x.new_zeros(0, d), kv[:0], gate[:0])
+        kv, gate = torch.cat((state.pending_kv, kv)), torch.cat((state.pending_gate, gate))
+        windows = kv.shape[0] // m
+        closed = windows * m
+        done = CompressorState(state.entries, kv[closed:], gate[closed:], state.prev_kv,
+                               state.prev_gate)
         if windows == 0:
-            return x.new_zeros(0, d)
-        kv = self.kv_proj(x[: windows * m]).view(windows, m, -1)
-        gate = self.gate_proj(x[: windows * m]).view(windows, m, -1) + self.position_bias
+            return done
+        kv = kv[:closed].view(windows, m, -1)
+        gate = gate[:closed].view(windows, m, -1) + self.position_bias
         if self.overlap:
             # Slots [0, m): the previous window's first series (none before window 0: weight 0);
             # slots [m, 2m): this window's second series.
-            prev_kv = torch.cat((kv.new_zeros(1, m, d), kv[:-1, :, :d]))
-            prev_gate = torch.cat((gate.new_full((1, m, d), float("-inf")), gate[:-1, :, :d]))
+            first_kv = kv.new_zeros(1, m, d) if state.prev_kv is None else state.prev_kv[None]
+            first_gate = (gate.new_full((1, m, d), float("-inf")) if state.prev_gate is None
+                          else state.prev_gate[None])
+            done.prev_kv, done.prev_gate = kv[-1, :, :d], gate[-1, :, :d]
+            prev_kv = torch.cat((first_kv, kv[:-1, :, :d]))
+            prev_gate = torch.cat((first_gate, gate[:-1, :, :d]))
             kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
             gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entries = self.kv_norm((kv * weights).sum(dim=1))
-        cos, sin = cos_sin
-        starts = torch.arange(windows, device=x.device) * m
-        return rope_tail(entries, cos[starts], sin[starts])
+        new = self.kv_norm((kv * weights).sum(dim=1))
+        count = state.entries.shape[0]
+        starts = (count + torch.arange(windows, device=x.device)) * m
+        done.entries = torch.cat((state.entries, rope_tail(new, *rope.at(starts))))
+        return done
 
 
 class Indexer(Compressor):
@@ -99,23 +146,37 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """-> [rows, entries] bool: which compressed entries each query attends to."""
-        keys = super().forward(x, cos_sin)  # [entries, dim]
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+               rope: RopeTable, state: CompressorState | None
+               ) -> tuple[torch.Tensor, CompressorState]:
+        """-> (score [rows, entries] of every compressed entry for every query, -inf where its
+        window is still open; the indexer's own compressor state after these rows)."""
+        state = self.extend(x, state, rope)
+        keys = state.entries  # [entries, dim]
         rows, entries = x.shape[0], keys.shape[0]
         if entries == 0:
-            return torch.zeros(rows, 0, dtype=torch.bool, device=x.device)
+            return x.new_zeros(rows, 0, dtype=torch.float32), state
         q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = rope_tail(q, *cos_sin)
+        q = rope_tail(q, *rope.at(positions))
         scores = F.relu(torch.einsum("rhd,ed->rhe", q.float(), keys.float())) * self.dim**-0.5
         weights = self.weights_proj(x).float() * self.heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [rows, entries]
         closed = visible(positions, entries, self.rate)
-        scores = scores.masked_fill(~closed, float("-inf"))
-        best = scores.topk(min(self.topk, entries), dim=-1).indices
-        chosen = torch.zeros_like(closed).scatter_(1, best, True)
-        return chosen & closed  # a query with fewer closed entries than topk picks all of them
+        return scores.masked_fill(~closed, float("-inf")), state
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+               rope: RopeTable, state: CompressorState | None
+               ) -> tuple[torch.Tensor, CompressorState]:
+        """-> ([rows, entries] bool: the entries each query attends to, the state after)."""
+        scores, state = self.scores(x, q_residual, positions, rope, state)
+        closed = visible(positions, scores.shape[1], self.rate)
+        # Exact ties happen (relu zeroes every head: score 0.0). torch.topk breaks them in an
+        # order that depends on the tensor's shape, so a decode step and the full forward could
+        # pick different entries; a stable sort takes the earliest of equal entries, always.
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        chosen = torch.zeros_like(closed).scatter_(1, order[:, : self.topk], True)
+        # A query with fewer closed entries than topk takes all of them (and no open one).
+        return chosen & closed, state
 
 
 class V4Attention(nn.Module):
@@ -147,32 +208,43 @@ class V4Attention(nn.Module):
             if csa:
                 self.compressor.indexer = Indexer(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor],
-                compress_cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [rows, hidden]: one whole sequence, positions 0..rows-1. cos_sin: this layer's rope
-        (main on sliding layers, compress on the others); compress_cos_sin: the compressors'."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable,
+                compress_rope: RopeTable, state: LayerState | None = None
+                ) -> tuple[torch.Tensor, LayerState]:
+        """x [rows, hidden]: consecutive rows of one sequence at `positions`, following `state`
+        (None: they start the sequence). rope: this layer's base (main on sliding layers,
+        compress on the others); compress_rope: the compressors'. -> (output, the state after
+        these rows)."""
         rows = x.shape[0]
+        cos_sin = rope.at(positions)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(rows, self.heads, self.dim),
                                 self.eps)
         q = rope_tail(q, *cos_sin)
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)  # [rows, dim]: K and V
-        key = torch.arange(rows, device=x.device)
+        keys, key_pos = kv, positions
+        if state is not None:
+            keys = torch.cat((state.window_kv, kv))
+            key_pos = torch.cat((state.window_pos, positions))
         # Causal sliding window: query t sees keys s with t - window < s <= t.
-        allowed = (key[None, :] <= positions[:, None]) & (key[None, :] > positions[:, None]
-                                                          - self.window)
+        allowed = (key_pos[None, :] <= positions[:, None]) & (
+            key_pos[None, :] > positions[:, None] - self.window)
+        keep = max(0, keys.shape[0] - (self.window - 1))
+        after = LayerState(keys[keep:], key_pos[keep:])
         if self.compressor is not None:
-            entries = self.compressor(x, compress_cos_sin)
+            before = state or LayerState(kv[:0], positions[:0])
+            after.compressor = self.compressor.extend(x, before.compressor, compress_rope)
+            entries = after.compressor.entries
             if self.kind == "compressed_sparse_attention":
-                seen = self.compressor.indexer(x, q_residual, positions, compress_cos_sin)
+                seen, after.indexer = self.compressor.indexer.select(
+                    x, q_residual, positions, compress_rope, before.indexer)
             else:
                 seen = visible(positions, entries.shape[0], self.compressor.rate)
-            kv = torch.cat((kv, entries))
+            keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, seen), dim=1)
-        out = self._attend(q, kv, allowed)
+        out = self._attend(q, keys, allowed)
         out = rope_tail(out, cos_sin[0], -cos_sin[1])  # V carried the keys' rotation: undo it
-        return self._output(out)
+        return self._output(out), after
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Softmax over the allowed keys plus one sink logit per head (which takes probability

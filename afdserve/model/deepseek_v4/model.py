@@ -7,25 +7,38 @@ FFN half (layer i): x, token_ids -> y [rows, hidden]: afdserve's MoE block (rout
   clamped SwiGLU experts, the shared expert), the same module every family's FFN rank runs;
 the attention half then expands y into the streams: post * y + comb^T h.
 
-This is the full-sequence (prefill) form: `forward_full` runs one sequence from position 0 with
-no paged cache. Decoding needs the per-layer-type cache of docs/design.md; it is not written yet.
+`forward_full` runs one sequence from position 0 (the definition the tests hold against
+transformers' full forward); `forward_chunk` runs the next rows of one sequence against its
+`SequenceCache`, a contiguous per-sequence cache (the window, compressed entries and compressor
+state of docs/design.md), so prefill in chunks and decode give the full forward's logits. The
+engine's paged cache has no layout for that state yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.deepseek_v4.attention import V4Attention, rope_cos_sin
+from afdserve.model.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.model import ModelParts, RouterHolder
 from afdserve.model.moe import Router, Routing, make_ffn
 
 FFNHalf = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 StreamState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, post, comb
+
+
+@dataclass
+class SequenceCache:
+    """Everything one sequence's later rows need from its earlier ones: per layer the attention
+    state (mHC and the FFN keep none across tokens)."""
+
+    layers: list[LayerState | None]
+    length: int = 0  # rows seen so far = the next row's position
 
 
 class V4DecoderLayer(nn.Module):
@@ -73,25 +86,33 @@ class V4CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     # ----- attention half -----
-    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Both rope bases at `positions`. From the config's tuples, not buffers, so a model built
-        on the meta device and moved with to_empty needs nothing refilled."""
-        c, v4, dev = self.config, self.config.v4, positions.device
-        main = torch.tensor(c.rope_inv_freq, dtype=torch.float32, device=dev)
-        comp = torch.tensor(v4.compress_inv_freq, dtype=torch.float32, device=dev)
-        return {"main": rope_cos_sin(main, positions, v4.main_attention_scaling),
-                "compress": rope_cos_sin(comp, positions, v4.compress_attention_scaling)}
+    def ropes(self, device: torch.device | str) -> dict[str, RopeTable]:
+        """Both rope bases. From the config's tuples, not buffers, so a model built on the meta
+        device and moved with to_empty needs nothing refilled."""
+        c, v4 = self.config, self.config.v4
+        main = torch.tensor(c.rope_inv_freq, dtype=torch.float32, device=device)
+        comp = torch.tensor(v4.compress_inv_freq, dtype=torch.float32, device=device)
+        return {"main": RopeTable(main, v4.main_attention_scaling),
+                "compress": RopeTable(comp, v4.compress_attention_scaling)}
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache([None] * self.config.num_layers)
 
     def attention_half(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                       rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                       ropes: dict[str, RopeTable], cache: SequenceCache | None = None
                        ) -> tuple[torch.Tensor, StreamState]:
         """h [rows, hc_mult, hidden] -> (x [rows, hidden], the FFN input; the state `expand_ffn`
-        needs when the FFN output is back)."""
+        needs when the FFN output is back). With `cache`, the rows follow what it holds and
+        this layer's entry is advanced past them."""
         block = self.model.layers[layer]
         collapsed, post, comb = block.attn_hc(h)
         attn = block.self_attn
-        own = rope["main"] if attn.kind == "sliding_attention" else rope["compress"]
-        y = attn(block.input_layernorm(collapsed), positions, own, rope["compress"])
+        own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
+        state = None if cache is None else cache.layers[layer]
+        y, state = attn(block.input_layernorm(collapsed), positions, own, ropes["compress"],
+                        state)
+        if cache is not None:
+            cache.layers[layer] = state
         h = expand(h, y, post, comb)
         collapsed, post, comb = block.ffn_hc(h)
         return block.post_attention_layernorm(collapsed), (h, post, comb)
@@ -118,14 +139,24 @@ class V4CausalLM(nn.Module):
         """One sequence [rows] from position 0 -> logits [rows, vocab]. `ffn(layer, x, ids)` is
         the FFN half (by default this model's own; an FFN-only model's `ffn_half` for a split
         run): x and ids are exactly what would cross the AFD boundary."""
+        return self.forward_chunk(token_ids, None, ffn)
+
+    @torch.inference_mode()
+    def forward_chunk(self, token_ids: torch.Tensor, cache: SequenceCache | None,
+                      ffn: FFNHalf | None = None) -> torch.Tensor:
+        """The next rows [rows] of the sequence `cache` holds (None: a whole sequence, nothing
+        kept) -> logits [rows, vocab]; the cache is advanced past them."""
         ffn = ffn or self.ffn_half
-        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
-        rope = self._rope(positions)
+        start = 0 if cache is None else cache.length
+        positions = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)
+        ropes = self.ropes(token_ids.device)
         embedded = self.model.embed_tokens(token_ids)
         h = embedded.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
         for layer in range(self.config.num_layers):
-            x, state = self.attention_half(layer, h, positions, rope)
+            x, state = self.attention_half(layer, h, positions, ropes, cache)
             h = self.expand_ffn(state, ffn(layer, x, token_ids))
+        if cache is not None:
+            cache.length += token_ids.shape[0]
         return self.logits(h)
 
     # ----- FFN half -----

@@ -3,9 +3,12 @@
 Small enough for a CPU test, and shaped so that every V4 mechanism is exercised by short
 prompts: all three attention types, a sliding window of 4, compression rates 2 (CSA) and 4 (HCA),
 an indexer that keeps 2 entries of the several that close, 2 mHC streams, a hash-routed first
-layer, and a SwiGLU clamp low enough that activations hit it. `save_pretrained` writes the public
-tensor names (`layers.N.attn.wq_a.weight`, `...ffn.experts.E.w1.weight`, `hc_head_fn`), the ones
-real checkpoints use, so loading it exercises afdserve's name mapping.
+layer, and a SwiGLU clamp low enough that activations hit it. The indexer has 8 heads: with 2,
+relu often zeroes all of them and entries tie at score 0.0, where the kept entry is torch.topk's
+shape-dependent choice in transformers (tests/model/deepseek_v4_helpers.py).
+`save_pretrained` writes the public tensor names (`layers.N.attn.wq_a.weight`,
+`...ffn.experts.E.w1.weight`, `hc_head_fn`), the ones real checkpoints use, so loading it
+exercises afdserve's name mapping.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ TINY_V4 = {
     "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
     "hc_mult": 2, "hc_sinkhorn_iters": 20, "sliding_window": 4, "o_groups": 2, "o_lora_rank": 8,
-    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2, "swiglu_limit": 1.5,
+    "index_n_heads": 8, "index_head_dim": 8, "index_topk": 2, "swiglu_limit": 1.5,
     "tie_word_embeddings": False, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
     "pad_token_id": PAD_ID, "num_nextn_predict_layers": 0,
 }
