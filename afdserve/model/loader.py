@@ -93,6 +93,8 @@ def build_model(
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
     model = model.to_empty(device=device)
+    if isinstance(model, V4CausalLM):
+        model.keep_float32()
     for module in model.modules():
         if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
             # The correction bias decides expert choice; keep it exact.

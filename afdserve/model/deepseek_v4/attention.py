@@ -68,6 +68,8 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     (x[2i], x[2i+1]) and keep that layout: V = K here, so the layout reaches the output
     projection and must stay the checkpoint's. cos/sin [rows, pairs]; pass -sin to undo."""
     width = 2 * cos.shape[-1]
+    # cos/sin rounded to x's dtype first, the rotation itself in float32: as transformers does.
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     nope, rope = x[..., :-width], x[..., -width:].float()
@@ -251,8 +253,9 @@ class V4Attention(nn.Module):
         mass and gives no value). q [rows, heads, dim], kv [keys, dim] -> [rows, heads, dim]."""
         scores = torch.matmul(q.transpose(0, 1), kv.t()) * self.scale  # [heads, rows, keys]
         scores = scores.masked_fill(~allowed, float("-inf"))
-        sinks = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        logits = torch.cat((scores, sinks), dim=-1)
+        # The sinks stay float32, and so does the softmax beside them (over scores in x's dtype).
+        sinks = self.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        logits = torch.cat((scores.float(), sinks), dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
         return torch.matmul(probs, kv).transpose(0, 1)

@@ -85,6 +85,18 @@ class V4CausalLM(nn.Module):
         if self.parts.attention and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    # What transformers keeps in float32 whatever the model's dtype (mHC, sinks, position
+    # biases, every norm weight): rounding them to bf16 would change what the checkpoint says.
+    FLOAT32 = (".attn_hc.", ".ffn_hc.", "hc_head.", ".sinks", ".position_bias", "norm.weight")
+
+    def keep_float32(self) -> None:
+        """Make the FLOAT32 parameters float32 (called by the loader before it fills them)."""
+        for module_name, module in self.named_modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                full = f"{module_name}.{name}"
+                if param.dtype != torch.float32 and any(k in full for k in self.FLOAT32):
+                    setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
+
     # ----- attention half -----
     def ropes(self, device: torch.device | str) -> dict[str, RopeTable]:
         """Both rope bases. From the config's tuples, not buffers, so a model built on the meta
