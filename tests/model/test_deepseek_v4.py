@@ -229,3 +229,15 @@ def test_engine_refuses_v4_attention_until_the_paged_cache_exists(v4_dir: Path) 
     with pytest.raises(NotImplementedError, match="deepseek_v4: the paged KV cache") as err:
         LLM(str(v4_dir), dtype="float32")
     assert "\n" not in str(err.value)
+
+
+@torch.inference_mode()
+def test_dummy_weights_agree_across_halves(v4_dir: Path) -> None:
+    """load_format="dummy" (benchmarks at real sizes): every half draws the same values."""
+    full, _ = load_model(v4_dir, ModelParts.colocated(), "float32", load_format="dummy")
+    attention, _ = load_model(v4_dir, ModelParts(True, False), "float32", load_format="dummy")
+    ffn, _ = load_model(v4_dir, ModelParts(False, True), "float32", load_format="dummy")
+    ids = prompt(20, seed=6)
+    want = full.forward_full(ids)
+    assert torch.isfinite(want).all()
+    assert torch.equal(attention.forward_full(ids, ffn=ffn.ffn_half), want)

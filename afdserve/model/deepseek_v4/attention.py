@@ -97,6 +97,9 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(rate, width))
         self.kv_norm = V4RMSNorm(dim, eps)
+        # A CSA layer's compressor carries the layer's lightning indexer (the checkpoint names it
+        # `attn.indexer.*`, transformers `self_attn.compressor.indexer.*`).
+        self.indexer: Indexer | None = None
 
     def extend(self, x: torch.Tensor, state: CompressorState | None, rope: RopeTable
                ) -> CompressorState:
