@@ -241,3 +241,15 @@ def test_dummy_weights_agree_across_halves(v4_dir: Path) -> None:
     want = full.forward_full(ids)
     assert torch.isfinite(want).all()
     assert torch.equal(attention.forward_full(ids, ffn=ffn.ffn_half), want)
+
+
+@torch.inference_mode()
+def test_transformers_module_names_load(v4_dir: Path, hf: DeepseekV4ForCausalLM, ours: V4CausalLM,
+                                        tmp_path: Path) -> None:
+    # A checkpoint written from transformers' state dict as is: stacked experts, its own names.
+    path = rewrite(v4_dir, tmp_path / "internal",
+                   lambda _: {k: v.contiguous() for k, v in hf.state_dict().items()})
+    model, report = load_model(path, ModelParts.colocated(), "float32")
+    assert report.unexpected == []
+    ids = prompt(9, seed=4)
+    assert torch.equal(model.forward_full(ids), ours.forward_full(ids))

@@ -64,8 +64,9 @@ _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
 
 
 def to_ours(name: str) -> str:
-    """A public checkpoint name -> our module's tensor name; a name we do not know comes back
-    as it was (the loader reports it as unexpected, e.g. the MTP layers' `mtp.*`)."""
+    """A public checkpoint name (or transformers' module name) -> our module's tensor name; a
+    name we do not know comes back as it was (the loader reports it as unexpected, e.g. the MTP
+    layers' `mtp.*`)."""
     bare = name[len("model."):] if name.startswith("model.") else name
     for public, ours in _TOP:
         if bare == public:
@@ -77,7 +78,8 @@ def to_ours(name: str) -> str:
     for public, ours in _LAYER:
         if rest.startswith(public):
             return f"model.layers.{layer}.{ours}{rest[len(public):]}"
-    return name
+    # transformers' own module names are ours but for the indexer's scoring head.
+    return f"model.layers.{layer}.{rest.replace('.indexer.scorer.', '.indexer.')}"
 
 
 def to_public(name: str) -> str:
