@@ -253,3 +253,19 @@ def test_transformers_module_names_load(v4_dir: Path, hf: DeepseekV4ForCausalLM,
     assert report.unexpected == []
     ids = prompt(9, seed=4)
     assert torch.equal(model.forward_full(ids), ours.forward_full(ids))
+
+
+def test_make_tiny_model_cli_writes_a_v4_with_a_hash_layer(tmp_path: Path) -> None:
+    import json
+
+    from afdserve.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "v4"), "--family", "deepseek_v4"]) == 0
+    raw = json.loads((tmp_path / "v4" / "config.json").read_text())
+    assert raw["model_type"] == "deepseek_v4" and raw["mlp_layer_types"][0] == "hash_moe"
+    names_on_disk = load_file(tmp_path / "v4" / "model.safetensors").keys()
+    assert "model.layers.0.ffn.gate.tid2eid" in names_on_disk  # the public spelling
+    assert main(["make-tiny-model", str(tmp_path / "none"), "--family", "deepseek_v4",
+                 "--hash-layers", "0"]) == 0
+    raw = json.loads((tmp_path / "none" / "config.json").read_text())
+    assert "hash_moe" not in raw["mlp_layer_types"]
