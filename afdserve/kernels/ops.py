@@ -117,7 +117,14 @@ def moe_experts(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
+    if limit is not None:
+        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit): the reference, or its
+        # sync-free form inside a graph capture.
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
+        return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels import moe_gpu
 

@@ -112,6 +112,9 @@ def convert_to_fp8(model: nn.Module, family: str, num_experts: int, spec: Fp8Spe
 def quantize_experts(experts: Experts, block: tuple[int, int]) -> None:
     """Replace an expert stack's weights by FP8 ones of the same shape plus their scale grids
     (see the module docstring for gate_up's two grids)."""
+    if experts.limit is not None:  # the FP8 expert path applies no SwiGLU clamp yet
+        raise ValueError(f"quantization fp8 with swiglu_limit={experts.limit} (DeepSeek-V4's "
+                         "clamped experts) is not supported yet; allowed: no quantization")
     for name in ("gate_up_proj", "down_proj"):
         old = getattr(experts, name)
         count, rows, cols = old.shape

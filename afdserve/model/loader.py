@@ -31,6 +31,8 @@ from tqdm import tqdm
 from afdserve.config import LOAD_FORMATS
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.deepseek_v4 import names as v4_names
+from afdserve.model.deepseek_v4.model import V4CausalLM
 from afdserve.model.fp8 import (
     SCALE_SUFFIX,
     is_fp8,
@@ -94,20 +96,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def model_class(config: ModelConfig) -> type[MoECausalLM] | type[V4CausalLM]:
+    return V4CausalLM if config.family == "deepseek_v4" else MoECausalLM
+
+
 def build_model(
     config: ModelConfig, parts: ModelParts, dtype: torch.dtype, device: torch.device | str
 ) -> MoECausalLM:
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = MoECausalLM(config, parts)
+        model = model_class(config)(config, parts)
     model = model.to_empty(device=device)
+    if isinstance(model, V4CausalLM):
+        model.keep_float32()
     for module in model.modules():
         if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
             # The correction bias decides expert choice; keep it exact.
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention:
+    if parts.attention and config.v4 is None:  # V4 computes its rope from the config
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():
@@ -132,8 +140,11 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | None, str | None]:
-    """Checkpoint name -> (model tensor name, expert index, part) with Mixtral's names mapped."""
+def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
+    """Checkpoint name -> (model tensor name, expert index, part) with Mixtral's and
+    DeepSeek-V4's public names mapped."""
+    if family == "deepseek_v4":
+        name = v4_names.to_ours(name)
     name = name.replace(".block_sparse_moe.", ".mlp.")
     m = _PER_EXPERT.match(name)
     if m is None:
@@ -170,7 +181,7 @@ def load_weights(
     for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, expert, part = _target(name)
+                target, expert, part = _target(name, model.config.family)
                 if target not in expected:
                     if known_names is not None and target in known_names:
                         report.skipped_other_half += 1
@@ -209,6 +220,7 @@ def load_weights(
             f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
         )
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    _check_hash_tables(model)
     if report.unexpected:
         log.warning(
             "%s: %d unexpected tensors ignored: %s",
@@ -218,6 +230,21 @@ def load_weights(
         )
     report.bytes = _tensor_bytes(expected) + _tensor_bytes(computed)
     return report
+
+
+def _check_hash_tables(model: MoECausalLM) -> None:
+    """A hash layer's table must name real experts: an id out of range would index past the
+    stacked experts (or silently hit a wrong one on an expert-parallel shard)."""
+    experts = model.config.num_experts
+    for name, module in model.named_modules():
+        table = getattr(module, "tid2eid", None) if isinstance(module, Router) else None
+        if table is None or table.is_meta or table.numel() == 0:
+            continue
+        low, high = int(table.min()), int(table.max())
+        if low < 0 or high >= experts:
+            bad = low if low < 0 else high
+            raise CheckpointError(f"{name}.tid2eid holds expert id {bad}, outside "
+                                  f"[0, {experts}) (the config's number of routed experts)")
 
 
 def _copy_into(
@@ -232,6 +259,9 @@ def _copy_into(
             dst = dst[:half] if part == "gate" else dst[half:]
     if tuple(src.shape) != tuple(dst.shape) and name.endswith(SCALE_SUFFIX):
         raise CheckpointError(scale_shape_error(name, tuple(src.shape), tuple(dst.shape)))
+    if name.endswith("tid2eid") and src.dim() == 2 and src.shape[0] < dst.shape[0]:
+        raise CheckpointError(f"{name}: {src.shape[0]} rows, fewer than vocab_size="
+                              f"{dst.shape[0]}: every token id needs its experts")
     if tuple(src.shape) != tuple(dst.shape):
         raise CheckpointError(
             f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies "
@@ -277,17 +307,20 @@ _MIXTRAL_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 def _checkpoint_name(config: ModelConfig, name: str, expert: int | None, part: str | None) -> str:
     """A missing tensor as the family's checkpoints spell it (the inverse of `_target`)."""
     mixtral = config.family == "mixtral"
+    v4 = config.family == "deepseek_v4"
     if expert is not None:
         stacked = "experts.down_proj" if part == "down" else "experts.gate_up_proj"
-        proj = _MIXTRAL_PROJ[part] if mixtral else f"{part}_proj"
+        proj = _MIXTRAL_PROJ[part] if mixtral or v4 else f"{part}_proj"
         # `...gate_up_proj_scale_inv` -> `...gate_proj.weight_scale_inv`
         name = name.replace(stacked, f"experts.{expert}.{proj}.weight")
+    if v4:
+        return v4_names.to_public(name)
     return name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
 
 
 def all_tensor_names(config: ModelConfig) -> set[str]:
     with torch.device("meta"):
-        full = MoECausalLM(config, ModelParts.colocated())
+        full = model_class(config)(config, ModelParts.colocated())
     return set(full.state_dict().keys())
 
 

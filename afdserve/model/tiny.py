@@ -44,6 +44,9 @@ from afdserve.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, bu
 from afdserve.model.fp8_checkpoint import quantize_checkpoint
 
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+# Built by its own module and kept out of FAMILIES, which the four families' shared tests iterate.
+V4_FAMILY = "deepseek_v4"
+ALL_FAMILIES = (*FAMILIES, V4_FAMILY)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WEIGHTS_FILE = "model.safetensors"
@@ -230,9 +233,22 @@ def make_tiny_model(
     """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`.
     `quantization="fp8"`: its linear weights in the public block-scaled FP8 layout
     (model/fp8_checkpoint.py); every dim of a tiny model is below 128, so each weight is one
-    partial block with one scale."""
+    partial block with one scale.
+    DeepSeek-V4 has its own builder (model/deepseek_v4/tiny.py); its `hash_layers` counts from
+    the first layer (every V4 layer is MoE)."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: None, 'fp8'")
+    if family == V4_FAMILY:
+        if quantization is not None:
+            raise ValueError("quantization='fp8' for deepseek_v4: its FP8/FP4 layout is not "
+                             "built yet; allowed: None")
+        from afdserve.model.deepseek_v4.tiny import TINY_V4, make_tiny_v4
+
+        layers = TINY_V4["num_hidden_layers"]
+        if not 0 <= hash_layers <= layers:
+            raise ValueError(f"hash_layers={hash_layers} for deepseek_v4: allowed 0..{layers}")
+        kinds = ["hash_moe"] * hash_layers + ["moe"] * (layers - hash_layers)
+        return make_tiny_v4(out_dir, seed, dtype, mlp_layer_types=kinds)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
