@@ -81,6 +81,8 @@ class V4CausalLM(nn.Module):
             raise ValueError(f"V4CausalLM needs a deepseek_v4 config, not {config.family!r}")
         self.config = config
         self.parts = parts or ModelParts.colocated()
+        # The activations' dtype, as MoECausalLM.dtype (some weights stay float32).
+        self.dtype = torch.get_default_dtype()
         self.model = V4Body(config, self.parts)
         if self.parts.attention and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
