@@ -82,8 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from afdserve.model.tiny import make_tiny_model
 
-    path = make_tiny_model(args.dir, args.family, hash_layers=args.hash_layers, seed=args.seed,
-                           dtype=args.dtype)
+    hash_layers = args.hash_layers
+    if hash_layers is None:
+        hash_layers = 1 if args.family == "deepseek_v4" else 0
+    path = make_tiny_model(args.dir, args.family, hash_layers=hash_layers, seed=args.seed,
+                           dtype=args.dtype, quantization=args.quantization)
     print(path)
     return 0
 
@@ -122,10 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--family", required=True,
-                      choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"))
-    tiny.add_argument("--hash-layers", type=int, default=0)
+                      choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral",
+                               "deepseek_v4"))
+    tiny.add_argument("--hash-layers", type=int, default=None,
+                      help="hash-routed MoE layers (default: 0; deepseek_v4: 1)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.add_argument("--quantization", default=None, choices=("fp8",),
+                      help="fp8: linear weights in the public block-scaled FP8 layout "
+                           "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
+                           "quantization_config in config.json (default: none)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     from afdserve.model.presets import PRESETS

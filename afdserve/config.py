@@ -19,6 +19,7 @@ DEVICES = ("cpu", "cuda")
 GRAPH_MODES = ("none", "full_decode_only", "full")
 CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quantization.py)
 CONTROL_PLANES = ("auto", "gloo", "shm")
 
 
@@ -79,6 +80,12 @@ class EngineConfig:
              "format), the same on every rank of every topology")  # fmt: skip
     use_tqdm_on_load: bool = option(
         True, help="a progress bar over checkpoint shards while loading (on a terminal)")
+    quantization: str | None = option(
+        None, allowed=QUANTIZATIONS,
+        help="fp8: block-scaled FP8 weights (float8_e4m3fn, a float32 scale per 128x128 block) "
+             "as DeepSeek-V3's checkpoints store them; a checkpoint in another dtype (or dummy "
+             "weights) is quantized at load. An FP8 checkpoint is read as FP8 either way",
+        shown="as the checkpoint's quantization_config says")  # fmt: skip
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -104,6 +111,8 @@ class EngineConfig:
         )
         _require(isinstance(self.use_tqdm_on_load, bool), owner, "use_tqdm_on_load",
                  self.use_tqdm_on_load, "True or False")  # fmt: skip
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS, owner,
+                 "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:

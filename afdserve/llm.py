@@ -25,6 +25,7 @@ from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
 from afdserve.model.bundled import resolve_model
 from afdserve.model.config import load_model_config
+from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
 PromptInput = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}
@@ -81,6 +82,8 @@ class LLM:
         self.afd_config = afd.resolve_connector(
             device, _cuda_devices(device), spawned=frontend_address is None)
         self.topology = self.afd_config.parsed_topology
+        # A quantization_config afdserve cannot honour: one line here, before any rank starts.
+        check_quantization(model, self.engine_config.quantization)
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(

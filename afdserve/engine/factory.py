@@ -97,7 +97,7 @@ def create_engine_core(
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
     model, report = load_half(config, parts, device, rank)
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype  # not the first parameter's: an FP8 weight's is float8
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
     cache = KVCache(model.config, blocks, config.block_size, dtype, device)
@@ -121,7 +121,7 @@ def load_half(config: EngineConfig, parts: ModelParts, device: torch.device, ran
     """One half of the configured model, read or drawn as `config.load_format` says. Every rank
     draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
     return load_model(config.model, parts, config.dtype, str(device), config.load_format,
-                      config.seed, load_progress(config, rank))
+                      config.seed, load_progress(config, rank), config.quantization)
 
 
 def parameter_bytes(model: MoECausalLM) -> int:

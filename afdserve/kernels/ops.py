@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import reference
+from afdserve.kernels import fp8, reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 
@@ -117,7 +117,14 @@ def moe_experts(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
+    if limit is not None:
+        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit): the reference, or its
+        # sync-free form inside a graph capture.
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
+        return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels import moe_gpu
 
@@ -144,3 +151,31 @@ def moe_experts(
             # The reference reads per-expert counts back to the host, which a graph cannot.
             return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """A block-scaled FP8 weight applied weight-only (the reference dequantizes it first).
+    TODO(fp8 kernels): a GEMM that reads FP8 on CUDA plugs in here."""
+    return fp8.fp8_linear(x, q, scale_inv, bias, block)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA, until
+    FP8 expert kernels exist, the stacks are dequantized whole and take the bf16 kernels (graph
+    capturable, at the cost of a transient of every expert in x's dtype); elsewhere the
+    reference dequantizes only the experts the rows are routed to."""
+    if x.is_cuda:
+        w13 = fp8.dequantize_gate_up(*gate_up, x.dtype, block)
+        w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2)
+    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block)

@@ -121,16 +121,26 @@ def paged_attention(
     return out
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) gate is clamped from above and
+    up on both sides first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts, SiLU-gated. x [rows, hidden]; topk_ids/weights [rows, k];
-    gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter]. -> [rows, hidden]
-    A pair with id -1 goes to no expert (pad rows, experts another rank holds)."""
+    """Routed experts, SiLU-gated (clamped at `limit` when given). x [rows, hidden];
+    topk_ids/weights [rows, k]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden,
+    inter]. -> [rows, hidden]. A pair with id -1 goes to no expert (pad rows, experts another
+    rank holds)."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -145,7 +155,7 @@ def moe_experts(
         tokens = token_of[start : start + count]
         start += count
         gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
+        y = F.linear(swiglu(gate, up, limit), down[expert])
         weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
         out.index_add_(0, tokens, (y * weight).to(out.dtype))
     return out
@@ -157,6 +167,7 @@ def moe_experts_dense(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """`moe_experts` with no host sync (CUDA-graph capturable in any dtype): every expert runs
     over every row and rows it does not serve get weight 0. Accumulates per row in expert order,
@@ -168,6 +179,6 @@ def moe_experts_dense(
     out = torch.zeros_like(x)
     for expert in range(experts):
         gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
+        y = F.linear(swiglu(gate, up, limit), down[expert])
         out += (y * weights[:, expert : expert + 1]).to(out.dtype)
     return out

@@ -14,6 +14,7 @@ from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 from afdserve.kernels.reference import causal_attention, gather_kv
 from afdserve.model.config import ModelConfig
+from afdserve.model.fp8 import linear_weight
 from afdserve.model.layers import RMSNorm, Rotary
 
 LayerCache = tuple[torch.Tensor, torch.Tensor | None]
@@ -47,6 +48,10 @@ class GQAAttention(nn.Module):
         instead of three. The three projections become views of it: checkpoints still load (and
         state dicts still read) by the Hugging Face names. Call once the weights are allocated."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(p, nn.Linear) for p in projections):
+            # FP8 projections keep one scale grid each; q, k and v's rows need not end on a
+            # block boundary, so they run as three GEMMs.
+            return
         sizes = [p.out_features for p in projections]
         for name in ("weight", "bias"):
             tensors = [getattr(p, name) for p in projections]
@@ -151,7 +156,8 @@ class MLAAttention(nn.Module):
         per-sequence expansion, and CUDA-graph capturable. Equal to the expanded form:
         q_nope . (W_uk c) = (W_uk^T q_nope) . c."""
         rows = q_nope.shape[0]
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w = linear_weight(self.kv_b_proj, q_nope.dtype)
+        w = w.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, L], [H, v, L]
         q_latent = torch.einsum("rhn,hnl->rhl", q_nope, w_uk)
         q = torch.cat((q_latent, q_pe), dim=-1)  # [rows, H, L + R]

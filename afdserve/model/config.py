@@ -8,14 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+from afdserve.model.deepseek_v4.v4config import V4Config
+from afdserve.model.quantization import Fp8Spec, parse_quantization_config
+
+FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral", "deepseek_v4")
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 LAYER_TYPES = ("dense", "moe", "hash_moe")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class ModelConfig:
     num_experts: int
     top_k: int
     n_shared_experts: int
-    scoring: str  # softmax | sigmoid
+    scoring: str  # softmax | sigmoid | sqrtsoftplus
     topk_method: str  # greedy | group_limited_greedy | noaux_tc
     n_group: int
     topk_group: int
@@ -60,6 +65,13 @@ class ModelConfig:
     routed_scaling_factor: float
     hidden_act: str
     torch_dtype: str | None
+    # Block-scaled FP8 weights (model/fp8.py): from quantization_config, or the engine's
+    # quantization="fp8" (online). None: every weight in the model dtype.
+    quantization: Fp8Spec | None = None
+    # SwiGLU clamp of experts and shared experts (DeepSeek-V4); None: no clamp.
+    swiglu_limit: float | None = None
+    # DeepSeek-V4's attention side and mHC (model/deepseek_v4/config.py); None for other families.
+    v4: V4Config | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -72,6 +84,8 @@ class ModelConfig:
                 f"mlp_layer_types has {len(self.layer_types)} entries, the model has "
                 f"{self.num_layers} layers"
             )
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={self.scoring!r}: one of {SCORING_FUNCS}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
         if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
@@ -82,6 +96,13 @@ class ModelConfig:
     @property
     def kv_cache_dim(self) -> int:
         """Width of one cached token per KV head (MLA caches the compressed latent)."""
+        if self.v4 is not None:
+            # Its cache is a window plus compressed entries and compressor state per layer type
+            # (docs/design.md); the paged layout for those does not exist yet.
+            raise NotImplementedError(
+                "deepseek_v4: the paged KV cache has no layout for V4's windows, compressed "
+                "entries and compressor state yet (issue 23); V4CausalLM runs one sequence at a "
+                "time with its own contiguous cache (forward_chunk)")
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.head_dim
@@ -201,6 +222,11 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = detect_family(raw)
+    if family == "deepseek_v4":
+        # Its own parser: V4 shares no attention fields with the others and checks every key.
+        from afdserve.model.deepseek_v4.config import v4_model_fields
+
+        return ModelConfig(**v4_model_fields(raw))
     num_layers = int(raw["num_hidden_layers"])
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
@@ -270,6 +296,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0) if mla else 1.0,
         hidden_act=raw.get("hidden_act", "silu"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        quantization=parse_quantization_config(raw),
     )
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afdserve.kernels import ops
+from afdserve.kernels import ops, reference
 from afdserve.model.config import ModelConfig
 
 
@@ -42,13 +42,17 @@ class Rotary(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): dense layers and shared experts."""
+    """down(silu(gate(x)) * up(x)): dense layers and shared experts; with `limit` (DeepSeek-V4's
+    swiglu_limit) gate and up are clamped first."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None) -> None:
         super().__init__()
+        self.limit = limit
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.limit is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(reference.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

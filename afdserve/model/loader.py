@@ -5,11 +5,16 @@ Checkpoints keep experts one by one (`mlp.experts.{e}.gate_proj.weight`; Mixtral
 `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`. Already-stacked checkpoints
 load as they are. A role reads only the tensors of its own half; a tensor the model lacks entirely
 is reported as unexpected, and a missing one stops the load.
+
+FP8 checkpoints (model/fp8.py) load the same way: each quantized weight with its
+`weight_scale_inv`, an expert's scales stacked beside its weights. With quantization="fp8" on a
+checkpoint in another dtype, each quantized weight is quantized as it is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -26,13 +31,24 @@ from tqdm import tqdm
 from afdserve.config import LOAD_FORMATS
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.deepseek_v4 import names as v4_names
+from afdserve.model.deepseek_v4.model import V4CausalLM
+from afdserve.model.fp8 import (
+    SCALE_SUFFIX,
+    is_fp8,
+    load_problem,
+    quantize_weight,
+    scale_shape_error,
+)
 from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.moe import Experts, Router
+from afdserve.model.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PER_EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight(_scale_inv)?$")
 _PART = {
     "gate_proj": "gate",
     "w1": "gate",
@@ -80,20 +96,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def model_class(config: ModelConfig) -> type[MoECausalLM] | type[V4CausalLM]:
+    return V4CausalLM if config.family == "deepseek_v4" else MoECausalLM
+
+
 def build_model(
     config: ModelConfig, parts: ModelParts, dtype: torch.dtype, device: torch.device | str
 ) -> MoECausalLM:
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = MoECausalLM(config, parts)
+        model = model_class(config)(config, parts)
     model = model.to_empty(device=device)
+    if isinstance(model, V4CausalLM):
+        model.keep_float32()
     for module in model.modules():
         if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
             # The correction bias decides expert choice; keep it exact.
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention:
+    if parts.attention and config.v4 is None:  # V4 computes its rope from the config
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():
@@ -118,15 +140,18 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | None, str | None]:
-    """Checkpoint name -> (model tensor name, expert index, part) with Mixtral's names mapped."""
+def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
+    """Checkpoint name -> (model tensor name, expert index, part) with Mixtral's and
+    DeepSeek-V4's public names mapped."""
+    if family == "deepseek_v4":
+        name = v4_names.to_ours(name)
     name = name.replace(".block_sparse_moe.", ".mlp.")
     m = _PER_EXPERT.match(name)
     if m is None:
         return name, None, None
     prefix, expert, proj = m.group(1), int(m.group(2)), _PART[m.group(3)]
     stacked = "experts.down_proj" if proj == "down" else "experts.gate_up_proj"
-    return prefix + stacked, expert, proj
+    return prefix + stacked + (m.group(4) or ""), expert, proj
 
 
 def load_weights(
@@ -144,6 +169,10 @@ def load_weights(
     expected = model.expected_tensors()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    quant = model.config.quantization
+    # Online FP8: scales are computed from the weights as they are read, not read themselves.
+    computed = {name: expected.pop(name) for name in list(expected)
+                if quant is not None and quant.online and name.endswith(SCALE_SUFFIX)}
     filled: dict[str, set] = {name: set() for name in expected}
     held = _held_experts(model)
     report = LoadReport()
@@ -152,7 +181,7 @@ def load_weights(
     for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, expert, part = _target(name)
+                target, expert, part = _target(name, model.config.family)
                 if target not in expected:
                     if known_names is not None and target in known_names:
                         report.skipped_other_half += 1
@@ -160,6 +189,7 @@ def load_weights(
                         report.unexpected.append(name)
                     continue
                 shard = held.get(target)
+                slot = expert
                 if shard is not None and expert is not None:
                     # An expert-parallel shard reads only its own experts, one by one.
                     if expert >= model.config.num_experts:
@@ -168,12 +198,20 @@ def load_weights(
                     if expert not in shard:
                         report.skipped_other_half += 1
                         continue
-                    _copy_into(expected[target], f.get_tensor(name), shard.index(expert), part,
-                               name)
+                    slot, tensor = shard.index(expert), f.get_tensor(name)
                 elif shard is not None:  # an already-stacked checkpoint: slice the shard out
-                    _copy_into(expected[target], f.get_tensor(name)[list(shard)], None, None, name)
+                    tensor = f.get_tensor(name)[list(shard)]
                 else:
-                    _copy_into(expected[target], f.get_tensor(name), expert, part, name)
+                    tensor = f.get_tensor(name)
+                problem = load_problem(name, tensor, expected[target], quant)
+                if problem:
+                    raise CheckpointError(problem)
+                scale = computed.get(target + SCALE_SUFFIX)
+                if scale is not None:  # online FP8: quantized here, on its own grid(s)
+                    stacked = target.endswith("gate_up_proj") and part is None
+                    tensor, grid = quantize_weight(tensor, stacked, quant.block)
+                    _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX)
+                _copy_into(expected[target], tensor, slot, part, name)
                 filled[target].add((expert, part))
                 report.loaded.append(name)
     missing = _missing(model.config, expected, filled, held)
@@ -182,6 +220,7 @@ def load_weights(
             f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
         )
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    _check_hash_tables(model)
     if report.unexpected:
         log.warning(
             "%s: %d unexpected tensors ignored: %s",
@@ -189,8 +228,23 @@ def load_weights(
             len(report.unexpected),
             ", ".join(report.unexpected[:10]),
         )
-    report.bytes = _tensor_bytes(expected)
+    report.bytes = _tensor_bytes(expected) + _tensor_bytes(computed)
     return report
+
+
+def _check_hash_tables(model: MoECausalLM) -> None:
+    """A hash layer's table must name real experts: an id out of range would index past the
+    stacked experts (or silently hit a wrong one on an expert-parallel shard)."""
+    experts = model.config.num_experts
+    for name, module in model.named_modules():
+        table = getattr(module, "tid2eid", None) if isinstance(module, Router) else None
+        if table is None or table.is_meta or table.numel() == 0:
+            continue
+        low, high = int(table.min()), int(table.max())
+        if low < 0 or high >= experts:
+            bad = low if low < 0 else high
+            raise CheckpointError(f"{name}.tid2eid holds expert id {bad}, outside "
+                                  f"[0, {experts}) (the config's number of routed experts)")
 
 
 def _copy_into(
@@ -203,6 +257,11 @@ def _copy_into(
         if part != "down":
             half = dst.shape[0] // 2
             dst = dst[:half] if part == "gate" else dst[half:]
+    if tuple(src.shape) != tuple(dst.shape) and name.endswith(SCALE_SUFFIX):
+        raise CheckpointError(scale_shape_error(name, tuple(src.shape), tuple(dst.shape)))
+    if name.endswith("tid2eid") and src.dim() == 2 and src.shape[0] < dst.shape[0]:
+        raise CheckpointError(f"{name}: {src.shape[0]} rows, fewer than vocab_size="
+                              f"{dst.shape[0]}: every token id needs its experts")
     if tuple(src.shape) != tuple(dst.shape):
         raise CheckpointError(
             f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies "
@@ -217,7 +276,8 @@ def _held_experts(model: MoECausalLM) -> dict[str, tuple[int, ...]]:
     held = {}
     for name, module in model.named_modules():
         if isinstance(module, Experts) and module.held is not None:
-            held[f"{name}.gate_up_proj"] = held[f"{name}.down_proj"] = module.held
+            for tensor in ("gate_up_proj", "down_proj"):
+                held[f"{name}.{tensor}"] = held[f"{name}.{tensor}{SCALE_SUFFIX}"] = module.held
     return held
 
 
@@ -229,9 +289,10 @@ def _missing(config: ModelConfig, expected: dict, filled: dict[str, set],
         if (None, None) in got:
             continue
         experts = held.get(name, range(tensor.shape[0]))
-        if name.endswith("experts.gate_up_proj"):
+        stack = name.removesuffix(SCALE_SUFFIX)
+        if stack.endswith("experts.gate_up_proj"):
             want = {(e, p) for e in experts for p in ("gate", "up")}
-        elif name.endswith("experts.down_proj"):
+        elif stack.endswith("experts.down_proj"):
             want = {(e, "down") for e in experts}
         else:
             want = {(None, None)}
@@ -246,29 +307,38 @@ _MIXTRAL_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 def _checkpoint_name(config: ModelConfig, name: str, expert: int | None, part: str | None) -> str:
     """A missing tensor as the family's checkpoints spell it (the inverse of `_target`)."""
     mixtral = config.family == "mixtral"
+    v4 = config.family == "deepseek_v4"
     if expert is not None:
         stacked = "experts.down_proj" if part == "down" else "experts.gate_up_proj"
-        proj = _MIXTRAL_PROJ[part] if mixtral else f"{part}_proj"
+        proj = _MIXTRAL_PROJ[part] if mixtral or v4 else f"{part}_proj"
+        # `...gate_up_proj_scale_inv` -> `...gate_proj.weight_scale_inv`
         name = name.replace(stacked, f"experts.{expert}.{proj}.weight")
+    if v4:
+        return v4_names.to_public(name)
     return name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
 
 
 def all_tensor_names(config: ModelConfig) -> set[str]:
     with torch.device("meta"):
-        full = MoECausalLM(config, ModelParts.colocated())
+        full = model_class(config)(config, ModelParts.colocated())
     return set(full.state_dict().keys())
 
 
 def load_model(
     model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu",
     load_format: str = "auto", seed: int = 0, progress: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[MoECausalLM, LoadReport]:
     """One half of the model in `model_dir`. `load_format`: "auto" and "safetensors" read the
     checkpoint; "dummy" reads config.json only and draws random weights from `seed` (the same
-    tensor gets the same values in every half that holds it: see `init_random_weights`)."""
+    tensor gets the same values in every half that holds it: see `init_random_weights`).
+    `quantization`: None (as the checkpoint says) or "fp8" (block-scaled FP8, quantized at load
+    unless the checkpoint already is)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not allowed: one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
+    config = dataclasses.replace(
+        config, quantization=resolve_quantization(config.quantization, quantization))
     model = build_model(config, parts, resolve_dtype(dtype, config), device)
     if load_format == "dummy":
         init_random_weights(model, seed)
@@ -295,10 +365,17 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
     Every tensor draws from its own generator seeded by (seed, name), and each routed expert of
     a stacked expert tensor by (seed, name, global expert id): a colocated model, the attention
     and FFN halves of AFD ranks, and expert-parallel shards built with the same seed hold equal
-    values for every tensor they share (on the same device type and dtype)."""
+    values for every tensor they share (on the same device type and dtype).
+
+    An FP8 weight draws the same values in the model dtype and is quantized (its scales with
+    it), so an FP8 model's dummy weights are the quantized dummy weights of the plain model."""
     gen = torch.Generator(device=next(model.parameters()).device)
     held = _held_experts(model)
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    state = model.state_dict(keep_vars=True)
+    for name, stored in state.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue  # computed with its weight
+        tensor = torch.empty_like(stored, dtype=model.dtype) if is_fp8(stored) else stored
         if name.endswith("tid2eid"):
             experts = model.config.num_experts
             gen.manual_seed(_tensor_seed(seed, name))
@@ -315,3 +392,8 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
             gen.manual_seed(_tensor_seed(seed, name))
             spread = 0.01 if name.endswith("e_score_correction_bias") else std
             tensor.normal_(0.0, spread, generator=gen)
+        if tensor is not stored:
+            quant = model.config.quantization
+            values, grid = quantize_weight(tensor, name.endswith("gate_up_proj"), quant.block)
+            stored.copy_(values)
+            state[name + SCALE_SUFFIX].copy_(grid)

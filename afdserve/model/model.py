@@ -19,6 +19,7 @@ from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.attention import LayerCache, make_attention
 from afdserve.model.config import ModelConfig
+from afdserve.model.fp8 import convert_to_fp8
 from afdserve.model.layers import RMSNorm, Rotary
 from afdserve.model.moe import Router, Routing, make_ffn
 
@@ -80,11 +81,15 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.parts = parts or ModelParts.colocated()
+        # The dtype of activations and of every unquantized weight (FP8 weights are float8).
+        self.dtype = torch.get_default_dtype()
         self.model = ModelBody(config, self.parts)
         if self.parts.attention:
             self.rotary = Rotary(config)
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.quantization is not None:
+            convert_to_fp8(self, config.family, config.num_experts, config.quantization)
 
     # ----- attention half -----
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

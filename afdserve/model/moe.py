@@ -51,7 +51,10 @@ class Router(nn.Module):
         self.scoring, self.method = c.scoring, c.topk_method
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.normalize, self.scale = c.norm_topk_prob, c.routed_scaling_factor
-        if self.method == "noaux_tc":
+        # The hash path never reads the bias; DeepSeek-V4 checkpoints carry none for hash layers
+        # (V3-shaped checkpoints with hash layers do, so they keep loading it).
+        v4_hash = self.hash and c.family == "deepseek_v4"
+        if self.method == "noaux_tc" and not v4_hash:
             self.register_buffer("e_score_correction_bias", torch.empty(c.num_experts))
         if self.hash:
             self.register_buffer("tid2eid", torch.empty(c.vocab_size, c.top_k, dtype=torch.long))
@@ -60,6 +63,8 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float())
         if self.scoring == "sigmoid":
             return logits.sigmoid()
+        if self.scoring == "sqrtsoftplus":  # DeepSeek-V4
+            return F.softplus(logits).sqrt()
         return logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> Routing:
@@ -77,9 +82,10 @@ class Router(nn.Module):
             return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale
         if self.method == "noaux_tc":
             choice = scores + self.e_score_correction_bias.float()
-            groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = groups.topk(2, dim=-1).values.sum(-1)
-            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            if self.n_group > 1:  # one group (DeepSeek-V4) keeps every expert
+                groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+                group_scores = groups.topk(2, dim=-1).values.sum(-1)
+                choice = self._mask_groups(choice, group_scores, float("-inf"))
             ids = choice.topk(self.top_k, dim=-1).indices
             weights = scores.gather(1, ids)
             if self.normalize:
@@ -110,8 +116,12 @@ class Experts(nn.Module):
         h, i = config.hidden_size, config.moe_intermediate_size
         self.held = held
         e = config.num_experts if held is None else len(held)
+        self.limit = config.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        # Set by model/fp8.py's quantize_experts: the weights are then block-scaled FP8 with
+        # `gate_up_proj_scale_inv` and `down_proj_scale_inv` beside them.
+        self.fp8_block: tuple[int, int] | None = None
         if held is not None:
             # global expert id -> index in this shard, -1 when held elsewhere (not a checkpoint
             # tensor, so not persistent; filled by `index_held` once the module has storage)
@@ -131,7 +141,11 @@ class Experts(nn.Module):
         if self.held is not None:
             # Pad rows (id -1) stay -1; experts held elsewhere become -1.
             ids = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
-        return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        if self.fp8_block is not None:
+            return ops.moe_experts_fp8(
+                x, ids, weights, (self.gate_up_proj, self.gate_up_proj_scale_inv),
+                (self.down_proj, self.down_proj_scale_inv), self.fp8_block)
+        return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
 
 
 class MoEBlock(nn.Module):
@@ -141,7 +155,8 @@ class MoEBlock(nn.Module):
         self.gate = Router(config, layer) if with_router else None
         self.experts = Experts(config, held)
         shared = config.n_shared_experts * config.moe_intermediate_size
-        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, shared, config.swiglu_limit) if shared else None)
 
     def forward(
         self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None

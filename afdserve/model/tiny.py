@@ -41,8 +41,12 @@ from transformers import (
 )
 
 from afdserve.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
+from afdserve.model.fp8_checkpoint import quantize_checkpoint
 
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+# Built by its own module and kept out of FAMILIES, which the four families' shared tests iterate.
+V4_FAMILY = "deepseek_v4"
+ALL_FAMILIES = (*FAMILIES, V4_FAMILY)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WEIGHTS_FILE = "model.safetensors"
@@ -224,8 +228,27 @@ def make_tiny_model(
     hash_layers: int = 0,
     seed: int = 0,
     dtype: str = "float32",
+    quantization: str | None = None,
 ) -> Path:
-    """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`."""
+    """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`.
+    `quantization="fp8"`: its linear weights in the public block-scaled FP8 layout
+    (model/fp8_checkpoint.py); every dim of a tiny model is below 128, so each weight is one
+    partial block with one scale.
+    DeepSeek-V4 has its own builder (model/deepseek_v4/tiny.py); its `hash_layers` counts from
+    the first layer (every V4 layer is MoE)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization={quantization!r} is not supported; allowed: None, 'fp8'")
+    if family == V4_FAMILY:
+        if quantization is not None:
+            raise ValueError("quantization='fp8' for deepseek_v4: its FP8/FP4 layout is not "
+                             "built yet; allowed: None")
+        from afdserve.model.deepseek_v4.tiny import TINY_V4, make_tiny_v4
+
+        layers = TINY_V4["num_hidden_layers"]
+        if not 0 <= hash_layers <= layers:
+            raise ValueError(f"hash_layers={hash_layers} for deepseek_v4: allowed 0..{layers}")
+        kinds = ["hash_moe"] * hash_layers + ["moe"] * (layers - hash_layers)
+        return make_tiny_v4(out_dir, seed, dtype, mlp_layer_types=kinds)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
@@ -239,6 +262,8 @@ def make_tiny_model(
         # transformers writes the aliased `num_local_experts`; real Qwen3-MoE configs say
         # `num_experts`. Keep both so either spelling finds the value.
         _update_json(out_dir / "config.json", {"num_experts": model.config.num_experts})
+    if quantization == "fp8":
+        quantize_checkpoint(out_dir)
     build_byte_tokenizer(out_dir)
     return out_dir
 

@@ -18,17 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import afdserve
 from afdserve.engine.generation_config import generation_defaults
-from afdserve.engine.sampling_params import SamplingParams
-from afdserve.engine.tokenizer import TokenIdsOnly
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
 from afdserve.server.engine_view import EngineView
 from afdserve.server.logs import rate_limit_servers, setup_logging
-from afdserve.server.options import STATS_INTERVAL_S, ServeOptions
+from afdserve.server.options import ServeOptions
 from afdserve.server.restarts import RestartBudget
 from afdserve.server.state import ServerState
+from afdserve.server.stats_log import StatsLogger
+from afdserve.server.warmup import startup_summary, warm_up
 
 __all__ = ["ServeOptions", "build_app", "engine_view", "run_server"]
 
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afdserve.server")
 
-WARMUP_TIMEOUT_S = 600.0
 GRACEFUL_SHUTDOWN_S = 3
 WATCH_INTERVAL_S = 0.2  # how often the main thread looks at the engine and the drain
 
@@ -71,110 +69,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise SystemExit(f"afdserve: cannot listen on {host}:{port}: {e.strerror}") from None
     sock.set_inheritable(False)
     return sock
-
-
-def warm_up(llm: LLM) -> None:
-    """Greedy requests through every rank before reporting ready: one short one, and on a GPU a
-    prefill of every size in `prefill_sizes`, one at a time."""
-    # A model directory without tokenizer files (a dummy-weight preset) serves token ids only.
-    ids_only = isinstance(llm.tokenizer, TokenIdsOnly)
-    prompts = [[0] if ids_only else (llm.encode("Hello") or [0])]
-    if llm.engine_config.device.startswith("cuda"):
-        engine = llm.engine
-        longest = min(llm.engine_config.max_num_batched_tokens, engine.max_model_len - 2)
-        # Distinct token ids per prompt, so that a prefix cache serves none of them.
-        prompts += [[(31 * i + 7 * j) % engine.vocab_size for j in range(n)]
-                    for i, n in enumerate(prefill_sizes(longest), start=1)]
-    params = SamplingParams(max_tokens=2, temperature=0.0)
-    deadline = time.monotonic() + WARMUP_TIMEOUT_S
-    for i, prompt in enumerate(prompts):
-        llm.engine.add_request(f"warm-up-{i}", prompt, params)
-        while not any(out.finished for out in llm.engine.step()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"warm-up did not finish within {WARMUP_TIMEOUT_S:.0f} s")
-
-
-def prefill_sizes(longest: int) -> list[int]:
-    """Prompt lengths that make a step's Triton kernels compile each variant the first requests
-    would otherwise wait for (0.3-2.4 s stalls of every running request on an H200): launches pad
-    row counts to powers of two, and Triton specialises each integer on being a multiple of 16
-    (and the MoE kernels on pairs = rows x top_k). Powers of two and their next two neighbours."""
-    sizes, p = set(), 1
-    while p <= longest:
-        sizes.update(n for n in (p, p + 1, p + 2) if n <= longest)
-        p *= 2
-    return sorted(sizes)
-
-
-def startup_summary(llm: LLM, model_name: str) -> str:
-    """One line with what a reader of the log needs to know about this server's capacity."""
-    engine, config = llm.engine, llm.engine_config
-    limits = engine.limits
-    ranks = llm.topology.attention_ranks
-    kv_tokens = limits.num_blocks * limits.block_size * ranks
-    full = kv_tokens / limits.max_model_len
-    concurrency = min(full, config.max_num_seqs * ranks)
-    dtype = config.dtype
-    # One-process engines: say what "auto" resolved to.
-    core = getattr(engine.core_client, "core", None)
-    if dtype == "auto" and core is not None:
-        dtype = f"auto ({str(next(core.model.parameters()).dtype).removeprefix('torch.')})"
-    return (
-        f"afdserve {afdserve.__version__}: model {model_name!r} ({config.model}), "
-        f"topology {llm.afd_config.topology} (connector {llm.afd_config.connector}), "
-        f"device {config.device}, dtype {dtype}, "
-        f"max_model_len {limits.max_model_len}, KV cache {kv_tokens} tokens "
-        f"({ranks} attention rank(s) x {limits.num_blocks} blocks x {limits.block_size}), "
-        f"max concurrency {concurrency:.1f} requests of {limits.max_model_len} tokens "
-        f"(max_num_seqs {config.max_num_seqs} per rank)"
-    )
-
-
-class StatsLogger:
-    """A line every `interval_s` while the server has work: running, waiting, KV use, token
-    rates. Reads the metrics registry, so it shows exactly what /metrics shows."""
-
-    def __init__(self, state: ServerState, interval_s: float = STATS_INTERVAL_S) -> None:
-        self.state, self.interval_s = state, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="afdserve-stats", daemon=True)
-        self._last = (time.monotonic(), 0.0, 0.0)
-
-    def start(self) -> StatsLogger:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def line(self) -> str | None:
-        """The stats line, or None when nothing ran since the last one and nothing runs now."""
-        stats = self.state.engine.stats() if self.state.engine else None
-        registry = self.state.metrics.registry
-        labels = {"model_name": self.state.model_name}
-        prompt = registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0
-        generated = registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0
-        now = time.monotonic()
-        then, prompt_before, generated_before = self._last
-        self._last = (now, prompt, generated)
-        busy = stats is not None and (stats.running or stats.waiting)
-        if not busy and prompt == prompt_before and generated == generated_before:
-            return None
-        elapsed = max(now - then, 1e-9)
-        running, waiting, kv = (
-            (stats.running, stats.waiting, stats.kv_cache_usage) if stats else (0, 0, 0.0)
-        )
-        return (
-            f"running {running}, waiting {waiting}, KV cache {kv:.1%}, "
-            f"prompt {(prompt - prompt_before) / elapsed:.1f} tokens/s, "
-            f"generation {(generated - generated_before) / elapsed:.1f} tokens/s"
-        )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            line = self.line()
-            if line is not None:
-                log.info(line)
 
 
 class Signals:

@@ -37,7 +37,7 @@ class ExpertGroup:
         config = model.config
         self.hidden, self.top_k, self.layer_types = (
             config.hidden_size, config.top_k, config.layer_types)
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.dtype  # the activations' (FP8 weights are float8)
 
     def ffn(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
             routing: Routing | None, group_rows: int, where: dict) -> torch.Tensor:

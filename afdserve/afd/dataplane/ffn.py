@@ -96,7 +96,7 @@ class FFNExchange:
         self.expert = expert  # this rank's expert-parallel group, if it is in one
         config = model.config
         self.vocab, self.top_k, self.hidden = config.vocab_size, config.top_k, config.hidden_size
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.dtype  # the activations' (FP8 weights are float8)
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
         # WireTransport, or afd/dataplane/ipc.py's IPCTransport: both receive views and reply alike.

@@ -94,7 +94,7 @@ def attention_boundary(model: MoECausalLM, topology: Topology, rank: int,
         return IPCAttentionConnector(model.config, inboxes, rank, gate_on_attention)
     param = next(model.parameters())
     # A wire without a log path sends plainly; the workers pass one that logs when asked.
-    return AttentionConnector(model.config, param.dtype, param.device, gate_on_attention,
+    return AttentionConnector(model.config, model.dtype, param.device, gate_on_attention,
                               wire if wire is not None else Wire(rank))
 
 
@@ -199,7 +199,7 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
         ready.append(_ready(1, "ffn", ffn_memory, ffn_model, None))
     elif not topology.colocated:
         wire = _wire(spec, rank)
-        inboxes = _inboxes(spec, device, next(core.model.parameters()).dtype, core.config)
+        inboxes = _inboxes(spec, device, core.model.dtype, core.config)
     boundary = attention_boundary(core.model, topology, rank, gate, wire, ffn_model, inboxes)
     graphs = StepGraphs.of(spec)
     log_ranks = tuple(range(topology.world_size)) if in_process else None
@@ -227,7 +227,7 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
     expert = None
     if topology.expert_parallel:
         expert = ExpertGroup(model, topology.ffn_group, expert_group, wire)
-    inboxes = _inboxes(spec, device, next(model.parameters()).dtype, model.config)
+    inboxes = _inboxes(spec, device, model.dtype, model.config)
     graphs = StepGraphs.of(spec)
     driver = ffn_driver(model, rank, device, wire, graphs, graphs.recorder(rank, spec.log_path),
                         control, topology=topology, gate_on_attention=gate, expert=expert,
