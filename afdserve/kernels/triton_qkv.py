@@ -121,11 +121,14 @@ def _qkv_kernel(
         keep = mask & (slot >= 0)
         kv = head - HEADS
         offset = (slot * KV_HEADS + kv) * dim  # masked off entirely when slot is -1
-        if FP8_KV:
-            o1 = quantize_fp8(o1, k_scale, K_CACHE.dtype.element_ty)
-            o2 = quantize_fp8(o2, k_scale, K_CACHE.dtype.element_ty)
-        tl.store(K_CACHE + offset + i, o1.to(K_CACHE.dtype.element_ty), mask=keep)
-        tl.store(K_CACHE + offset + HALF + i, o2.to(K_CACHE.dtype.element_ty), mask=keep)
+        if FP8_KV:  # quantized into new names: o1/o2 must keep the q branch's float32 type
+            k1 = quantize_fp8(o1, k_scale, K_CACHE.dtype.element_ty)
+            k2 = quantize_fp8(o2, k_scale, K_CACHE.dtype.element_ty)
+            tl.store(K_CACHE + offset + i, k1, mask=keep)
+            tl.store(K_CACHE + offset + HALF + i, k2, mask=keep)
+        else:
+            tl.store(K_CACHE + offset + i, o1.to(K_CACHE.dtype.element_ty), mask=keep)
+            tl.store(K_CACHE + offset + HALF + i, o2.to(K_CACHE.dtype.element_ty), mask=keep)
         v_src = src + KV_HEADS * dim  # v head kv sits kv_heads heads after k head kv
         v1 = tl.load(v_src + i, mask=keep, other=0.0)
         v2 = tl.load(v_src + HALF + i, mask=keep, other=0.0)
