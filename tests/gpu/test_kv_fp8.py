@@ -112,6 +112,42 @@ def test_fp8_prepare_qkv_matches_reference(norm, scales):
         assert bool(((got - want).abs() <= gap)[differ].all())
 
 
+def test_fp8_kernels_replay_in_cuda_graph():
+    """The fused prologue's FP8 write and the attention over an FP8 cache, captured once with
+    scales 0.5 / 0.25 (kernel constants) and replayed on new inputs, equal the eager calls."""
+    from afdserve.kernels import triton_qkv
+
+    q, k, v, meta = paged_case(*CASES["decode"], 32, 4, 128, 16, torch.bfloat16, "cuda", seed=1)
+    k8, v8 = k.to(FP8), v.to(FP8)
+    case = fp8_qkv_case(64, True, seed=40)
+
+    def step():
+        written_q = triton_qkv.prepare_qkv(**case, k_scale=0.5, v_scale=0.25)
+        return written_q, ops.paged_attention(q, k8, v8, meta, 0.088, 0.5, 0.25)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    case["k_cache"].copy_(k_before)
+    case["v_cache"].copy_(v_before)
+    case["qkv"].copy_(fp8_qkv_case(64, True, seed=41)["qkv"])
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [o.clone() for o in outs]
+    got_k, got_v = case["k_cache"].clone(), case["v_cache"].clone()
+    case["k_cache"].copy_(k_before)
+    case["v_cache"].copy_(v_before)
+    want = step()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(bits(got_k), bits(case["k_cache"]))
+    assert torch.equal(bits(got_v), bits(case["v_cache"]))
+    assert not torch.equal(bits(got_k), bits(k_before))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("kvfp8")
