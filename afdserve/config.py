@@ -21,6 +21,8 @@ CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quantization.py)
 CONTROL_PLANES = ("auto", "gloo", "shm")
+# The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _one_one():
@@ -86,6 +88,11 @@ class EngineConfig:
              "as DeepSeek-V3's checkpoints store them; a checkpoint in another dtype (or dummy "
              "weights) is quantized at load. An FP8 checkpoint is read as FP8 either way",
         shown="as the checkpoint's quantization_config says")  # fmt: skip
+    kv_cache_dtype: str = option(
+        "auto", allowed=KV_CACHE_DTYPES,
+        help="of the paged KV cache: auto, the model's dtype; fp8 (alias fp8_e4m3): "
+             "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
+             "without KV scales), half the bytes of bf16, so twice the cached tokens")  # fmt: skip
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -113,6 +120,12 @@ class EngineConfig:
                  self.use_tqdm_on_load, "True or False")  # fmt: skip
         _require(self.quantization is None or self.quantization in QUANTIZATIONS, owner,
                  "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype",
+                 self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:

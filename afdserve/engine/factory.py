@@ -9,7 +9,7 @@ import torch
 
 from afdserve.config import EngineConfig
 from afdserve.engine.engine_core import EngineCore
-from afdserve.engine.kv_cache import KVCache, bytes_per_block
+from afdserve.engine.kv_cache import KVCache, bytes_per_block, cache_dtype, check_fp8_kv
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
@@ -29,12 +29,17 @@ class MemoryReport:
     cache_bytes: int
     parameter_names: int
     experts: tuple[int, ...] | None = None  # the routed experts held (an expert-parallel shard)
+    cache_dtype: str | None = None  # the KV cache's torch dtype, e.g. "float8_e4m3fn"
+    cache_blocks: int = 0
 
     def line(self) -> str:
         held = "" if self.experts is None else f", routed experts {list(self.experts)}"
+        cache = f"KV cache {self.cache_bytes} bytes"
+        if self.cache_dtype is not None:
+            cache += f" ({self.cache_blocks} blocks, {self.cache_dtype})"
         return (
             f"{self.role} rank {self.rank}: parameters {self.parameter_bytes} bytes "
-            f"({self.parameter_names} tensors{held}), KV cache {self.cache_bytes} bytes"
+            f"({self.parameter_names} tensors{held}), {cache}"
         )
 
 
@@ -64,6 +69,8 @@ def kv_blocks_for(
     max_model_len: int,
     device: torch.device,
 ) -> int:
+    """Blocks of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
+    block's bytes, so twice the blocks in the same budget)."""
     per_block = bytes_per_block(model_config, config.block_size, dtype)
     needed_one = -(-max_model_len // config.block_size)
     if config.kv_cache_blocks is not None:
@@ -97,10 +104,16 @@ def create_engine_core(
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(config.device)
     model, report = load_half(config, parts, device, rank)
-    dtype = model.dtype  # not the first parameter's: an FP8 weight's is float8
+    # The model dtype, not the first parameter's (an FP8 weight's is float8); the cache's may be
+    # FP8 on its own (kv_cache_dtype), which does not touch the weights.
+    dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
+    if config.fp8_kv_cache:
+        check_fp8_kv(model.config, device, report.unexpected)
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
     cache = KVCache(model.config, blocks, config.block_size, dtype, device)
+    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes", blocks, config.block_size,
+             str(dtype).removeprefix("torch."), cache.bytes)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,7 +124,8 @@ def create_engine_core(
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)
     memory = MemoryReport(
-        "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors())
+        "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors()),
+        cache_dtype=str(dtype).removeprefix("torch."), cache_blocks=blocks,
     )
     return engine, report, memory
 

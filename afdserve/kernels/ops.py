@@ -59,9 +59,12 @@ def prepare_qkv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Norms + rotary + KV write of GQA's packed projection (see `reference.prepare_qkv`)."""
-    args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping)
+    """Norms + rotary + KV write of GQA's packed projection (see `reference.prepare_qkv`); the
+    scales are an FP8 cache's (Python floats, so a captured graph holds them as constants)."""
+    args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if _triton_ready(qkv):
         from afdserve.kernels import triton_qkv
 
@@ -70,13 +73,15 @@ def prepare_qkv(
     return reference.prepare_qkv(*args)
 
 
-def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
     if cache.is_contiguous() and _triton_ready(cache):
         from afdserve.kernels import triton_attention
 
-        triton_attention.write_kv(cache, values, slot_mapping)
+        triton_attention.write_kv(cache, values, slot_mapping, scale)
         return
-    reference.write_kv(cache, values, slot_mapping)
+    reference.write_kv(cache, values, slot_mapping, scale)
 
 
 def paged_attention(
@@ -85,7 +90,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
+    """`k_scale`/`v_scale`: an FP8 cache's per-tensor scales (ignored for other caches)."""
+    args = (q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if (
         meta.batched is not None
         and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1]
@@ -93,8 +102,8 @@ def paged_attention(
     ):
         from afdserve.kernels import triton_attention
 
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return triton_attention.paged_attention(*args)
+    return reference.paged_attention(*args)
 
 
 def route_greedy(

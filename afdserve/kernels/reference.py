@@ -2,7 +2,8 @@
 
 KV caches are paged: `cache[num_blocks, block_size, heads, dim]`; a sequence's token at position p
 lives in slot `block_table[p // block_size] * block_size + p % block_size`. Slot -1 (pad rows)
-writes nothing.
+writes nothing. An FP8 cache (`float8_e4m3fn`, kv_cache_dtype="fp8") holds x / scale, clamped to
+the e4m3 range; reads give back fp8 * scale in the reader's dtype (`quantize_kv`, `dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,25 @@ import torch
 import torch.nn.functional as F
 
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value: a cast past it gives NaN, so clamp first
+
+
+def quantize_kv(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`values` as a cache of `dtype` stores them: a plain cast, or for FP8 x / scale in float32,
+    clamped to +-448, cast (round to nearest even)."""
+    if dtype != FP8_KV:
+        return values.to(dtype)
+    return (values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def dequantize_kv(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as the attention reads them: FP8 upcast to float32, times scale, in `dtype`
+    (e4m3 values are exact in bf16, so with scale 1.0 nothing rounds); any other cache as is."""
+    if cached.dtype != FP8_KV:
+        return cached
+    return (cached.float() * scale).to(dtype)
 
 
 def rotate(
@@ -52,9 +72,12 @@ def prepare_qkv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """GQA's prologue on the packed projection: per-head q/k norms (when given), rotary on q and
-    k, k and v into the cache. Returns q [rows, heads, head_dim]."""
+    k, k and v into the cache (quantized with k_scale / v_scale when it is FP8). Returns q
+    [rows, heads, head_dim]."""
     rows, d, lay = qkv.shape[0], layout.head_dim, layout
     q, k, v = qkv.split([lay.heads * d, lay.kv_heads * d, lay.kv_heads * d], dim=-1)
     q, k = q.view(rows, lay.heads, d), k.view(rows, lay.kv_heads, d)
@@ -62,19 +85,24 @@ def prepare_qkv(
     if lay.q_norm is not None and lay.k_norm is not None:
         q, k = rms_norm(q, lay.q_norm, lay.eps), rms_norm(k, lay.k_norm, lay.eps)
     q, k = rotate(q, cos, sin, lay.interleave), rotate(k, cos, sin, lay.interleave)
-    write_kv(k_cache, k, slot_mapping)
-    write_kv(v_cache, v, slot_mapping)
+    write_kv(k_cache, k, slot_mapping, k_scale)
+    write_kv(v_cache, v, slot_mapping, v_scale)
     return q
 
 
-def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped."""
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped.
+    `scale`: the FP8 cache's per-tensor scale (unused by any other cache)."""
     flat = cache.view(-1, *cache.shape[2:])
     keep = slot_mapping >= 0
-    if bool(keep.all()):
-        flat.index_copy_(0, slot_mapping, values.to(cache.dtype))
-    else:
-        flat.index_copy_(0, slot_mapping[keep], values[keep].to(cache.dtype))
+    if not bool(keep.all()):
+        slot_mapping, values = slot_mapping[keep], values[keep]
+    stored = quantize_kv(values, cache.dtype, scale)
+    if cache.dtype == FP8_KV:  # torch's CPU index_copy_ has no float8 kernel: copy the bytes
+        flat, stored = flat.view(torch.uint8), stored.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping, stored)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -107,14 +135,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of every segment's rows over its cached context (prefill, chunked prefill and
     decode alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come
-    out zero."""
+    out zero. An FP8 cache is read dequantized (`dequantize_kv`) with k_scale / v_scale."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     for seg in meta.segments:
-        k = gather_kv(k_cache, seg.block_table, seg.context_len)
-        v = gather_kv(v_cache, seg.block_table, seg.context_len)
+        k = dequantize_kv(gather_kv(k_cache, seg.block_table, seg.context_len), k_scale, q.dtype)
+        v = dequantize_kv(gather_kv(v_cache, seg.block_table, seg.context_len), v_scale, q.dtype)
         out[seg.row_start : seg.row_end] = causal_attention(
             q[seg.row_start : seg.row_end], k, v, scale
         )

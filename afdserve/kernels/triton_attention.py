@@ -7,6 +7,11 @@ context, and writes its partial output with its log-sum-exp; `combine_splits` me
 With one split the kernel writes the final output directly. The query heads of a KV head are
 folded into the rows of one tile, so a decode step still feeds `tl.dot` at least 16 rows and each
 KV tile is read once per KV head, not once per query head.
+
+An FP8 cache (float8_e4m3fn) is dequantized as each tile is loaded: upcast to float32, times the
+per-tensor scale (a kernel argument, so graphs capture it), rounded to q's dtype; from there the
+kernel runs as over a cache of q's dtype. The KV write divides by the scale, clamps to +-448 and
+casts (round to nearest even), as `reference.quantize_kv` does.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ WARPS, STAGES = 4, 3
 def _paged_attention_kernel(
     Q, K, V, Out, OPart, LSE,
     block_tables, query_start, context_lens,
-    qk_scale_log2,
+    qk_scale_log2, k_scale, v_scale,
     stride_qr, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -45,7 +50,7 @@ def _paged_attention_kernel(
     split_tokens, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,6 +105,9 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if FP8_KV:  # dequantize: then the tiles are what a cache of q's dtype would hold
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -211,14 +219,20 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Same contract as `reference.paged_attention`; needs `meta.batched`. q [rows, heads, dim]."""
+    """Same contract as `reference.paged_attention`; needs `meta.batched`. q [rows, heads, dim].
+    The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale)."""
     batched = meta.batched
     assert batched is not None, "the Triton path needs meta.batched (filled for CUDA steps)"
     rows, heads, dim = q.shape
     kv_heads, cache_block = k_cache.shape[2], k_cache.shape[1]
     if v_cache.shape[-1] != dim or k_cache.shape[-1] != dim:
         raise ValueError(f"head dims differ: q {dim}, k {k_cache.shape[-1]}, v {v_cache.shape[-1]}")
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if (v_cache.dtype == torch.float8_e4m3fn) != fp8_kv:
+        raise ValueError(f"k cache {k_cache.dtype}, v cache {v_cache.dtype}: FP8 both or neither")
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if batched.max_query_len <= 1:
@@ -249,7 +263,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, parts, lse,
         tables, batched.query_start, batched.context_lens,
-        scale * LOG2E,
+        scale * LOG2E, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -260,7 +274,7 @@ def paged_attention(
         split_tokens, splits,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
-        BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=q.dtype == torch.float32,
+        BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if direct:
@@ -269,17 +283,33 @@ def paged_attention(
 
 
 @triton.jit
-def _write_kv_kernel(Cache, Values, slots, stride_vr, width, BLOCK: tl.constexpr):
+def quantize_fp8(x, scale, DST: tl.constexpr):
+    """`reference.quantize_kv` on a tile: x / scale in float32, correctly rounded (Triton's `/` is
+    approximate), clamped to +-448 (e4m3fn's largest finite value), cast to nearest even."""
+    y = tl.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(DST, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _write_kv_kernel(
+    Cache, Values, slots, stride_vr, width, scale, BLOCK: tl.constexpr, FP8_KV: tl.constexpr
+):
     row = tl.program_id(0)
     slot = tl.load(slots + row)
     cols = tl.arange(0, BLOCK)
     mask = (cols < width) & (slot >= 0)
     vals = tl.load(Values + row * stride_vr + cols, mask=mask)
+    if FP8_KV:
+        vals = quantize_fp8(vals, scale, Cache.dtype.element_ty)
     tl.store(Cache + slot.to(tl.int64) * width + cols, vals.to(Cache.dtype.element_ty), mask=mask)
 
 
-def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache [blocks, block_size, *shape] (contiguous); values [rows, *shape]; slot -1 skipped."""
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    """cache [blocks, block_size, *shape] (contiguous); values [rows, *shape]; slot -1 skipped.
+    `scale`: an FP8 cache's per-tensor scale."""
     rows = values.shape[0]
     if rows == 0:
         return
@@ -288,5 +318,6 @@ def write_kv(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tens
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     _write_kv_kernel[(rows,)](
-        cache, flat, slot_mapping, flat.stride(0), width, BLOCK=triton.next_power_of_2(width)
-    )
+        cache, flat, slot_mapping, flat.stride(0), width, float(scale),
+        BLOCK=triton.next_power_of_2(width), FP8_KV=cache.dtype == torch.float8_e4m3fn,
+    )  # fmt: skip

@@ -10,6 +10,8 @@ the cache, at the row's slot (slot -1: nothing).
 Numerics follow the reference composition step by step, rounding where it rounds: the normalised
 head to qkv's dtype, the weight product to the promoted dtype, cos/sin to that dtype, and each
 rotary product and sum to it. Float fusion is off so the fp32 path rounds as eager torch does.
+An FP8 cache (float8_e4m3fn) gets k and v as `reference.quantize_kv` makes them: the rounded value
+in float32 divided by the scale (correctly rounded), clamped to +-448, cast.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.metadata import QKVLayout
+from afdserve.kernels.triton_attention import quantize_fp8
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -88,6 +91,8 @@ def _qkv_kernel(
     stride_sin,
     stride_slot,
     eps,
+    k_scale,
+    v_scale,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -95,6 +100,7 @@ def _qkv_kernel(
     INTERLEAVE: tl.constexpr,
     NORM: tl.constexpr,
     DT: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -115,11 +121,20 @@ def _qkv_kernel(
         keep = mask & (slot >= 0)
         kv = head - HEADS
         offset = (slot * KV_HEADS + kv) * dim  # masked off entirely when slot is -1
-        tl.store(K_CACHE + offset + i, o1.to(K_CACHE.dtype.element_ty), mask=keep)
-        tl.store(K_CACHE + offset + HALF + i, o2.to(K_CACHE.dtype.element_ty), mask=keep)
+        if FP8_KV:  # quantized into new names: o1/o2 must keep the q branch's float32 type
+            k1 = quantize_fp8(o1, k_scale, K_CACHE.dtype.element_ty)
+            k2 = quantize_fp8(o2, k_scale, K_CACHE.dtype.element_ty)
+            tl.store(K_CACHE + offset + i, k1, mask=keep)
+            tl.store(K_CACHE + offset + HALF + i, k2, mask=keep)
+        else:
+            tl.store(K_CACHE + offset + i, o1.to(K_CACHE.dtype.element_ty), mask=keep)
+            tl.store(K_CACHE + offset + HALF + i, o2.to(K_CACHE.dtype.element_ty), mask=keep)
         v_src = src + KV_HEADS * dim  # v head kv sits kv_heads heads after k head kv
         v1 = tl.load(v_src + i, mask=keep, other=0.0)
         v2 = tl.load(v_src + HALF + i, mask=keep, other=0.0)
+        if FP8_KV:
+            v1 = quantize_fp8(v1, v_scale, V_CACHE.dtype.element_ty)
+            v2 = quantize_fp8(v2, v_scale, V_CACHE.dtype.element_ty)
         tl.store(V_CACHE + offset + i, v1.to(V_CACHE.dtype.element_ty), mask=keep)
         tl.store(V_CACHE + offset + HALF + i, v2.to(V_CACHE.dtype.element_ty), mask=keep)
 
@@ -132,7 +147,8 @@ def supports(
         and k_cache.is_cuda
         and v_cache.is_cuda
         and qkv.dtype in _TL_DTYPES
-        and qkv.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn)
         and qkv.stride(-1) == 1
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -149,11 +165,14 @@ def prepare_qkv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """qkv [rows, (heads + 2 * kv_heads) * head_dim] (last dim contiguous, rows may be strided);
     q_norm/k_norm [head_dim] or both None; cos/sin [rows, head_dim / 2] float32 (last dim
     contiguous); caches [blocks, block_size, kv_heads, head_dim] contiguous; slot_mapping [rows],
-    -1 for pad rows. Writes k and v into the caches; returns q [rows, heads, head_dim] in qkv's
+    -1 for pad rows; caches in qkv's dtype, or float8_e4m3fn quantized with k_scale / v_scale.
+    Writes k and v into the caches; returns q [rows, heads, head_dim] in qkv's
     dtype. Call `supports` first on CUDA."""
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     q_norm, k_norm = layout.q_norm, layout.k_norm
@@ -182,6 +201,8 @@ def prepare_qkv(
         sin.stride(0),
         slot_mapping.stride(0),
         layout.eps,
+        float(k_scale),
+        float(v_scale),
         HEADS=heads,
         KV_HEADS=kv_heads,
         HALF=half,
@@ -189,6 +210,7 @@ def prepare_qkv(
         INTERLEAVE=layout.interleave,
         NORM=norm,
         DT=_TL_DTYPES[dtype],
+        FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=max(1, min(4, half_pad // 64)),
         enable_fp_fusion=False,
     )

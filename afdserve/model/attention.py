@@ -2,6 +2,9 @@
 
 Each layer owns its slice of the paged KV cache, handed in per call: `(k_cache, v_cache)` for GQA,
 `(latent_cache, None)` for MLA, which caches the compressed latent plus the rotated key part.
+A cache of float8_e4m3fn (kv_cache_dtype="fp8") is written and read through the layer's per-tensor
+`k_scale` / `v_scale`: Python floats, 1.0 (vLLM's default for a checkpoint without KV scales;
+engine/factory.py refuses a checkpoint that carries them), constants inside a captured graph.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from torch import nn
 
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
-from afdserve.kernels.reference import causal_attention, gather_kv
+from afdserve.kernels.reference import causal_attention, dequantize_kv, gather_kv
 from afdserve.model.config import ModelConfig
 from afdserve.model.fp8 import linear_weight
 from afdserve.model.layers import RMSNorm, Rotary
@@ -40,6 +43,7 @@ class GQAAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = config.softmax_scale
         self.eps = config.rms_norm_eps
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (module docstring)
         self.qkv_weight: torch.Tensor | None = None  # set by pack_qkv
         self.qkv_bias: torch.Tensor | None = None
 
@@ -80,8 +84,10 @@ class GQAAttention(nn.Module):
         layout = QKVLayout(
             self.heads, self.kv_heads, self.head_dim, *norms, self.eps, rotary.interleave
         )
-        q = ops.prepare_qkv(qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [rows, heads, dim]
+        q = ops.prepare_qkv(qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping,
+                            self.k_scale, self.v_scale)
+        out = ops.paged_attention(  # [rows, heads, dim]
+            q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 
 
@@ -112,6 +118,9 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.scale = c.softmax_scale
+        # An FP8 latent cache's one scale: the cached rows are keys and values at once (vLLM's
+        # MLA reads k_scale alone too).
+        self.k_scale = 1.0
 
     def forward(
         self,
@@ -131,13 +140,15 @@ class MLAAttention(nn.Module):
         q_pe = rotary.rotate(q_pe, cos, sin)
         k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
         latent_cache, _ = cache
-        ops.write_kv(latent_cache, torch.cat((latent[:, None, :], k_pe), dim=-1), meta.slot_mapping)
+        ops.write_kv(latent_cache, torch.cat((latent[:, None, :], k_pe), dim=-1),
+                     meta.slot_mapping, self.k_scale)
         if meta.batched is not None:
             return self._absorbed(q_nope, q_pe, latent_cache, meta)
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_zeros(rows, self.heads, self.v_dim)
         for seg in meta.segments:
             cached = gather_kv(latent_cache, seg.block_table, seg.context_len)[:, 0]  # [ctx, L+R]
+            cached = dequantize_kv(cached, self.k_scale, q.dtype)
             ctx_latent, ctx_pe = cached.split([self.kv_lora_rank, self.rope], dim=-1)
             kv = self.kv_b_proj(ctx_latent).view(-1, self.heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -162,7 +173,8 @@ class MLAAttention(nn.Module):
         q_latent = torch.einsum("rhn,hnl->rhl", q_nope, w_uk)
         q = torch.cat((q_latent, q_pe), dim=-1)  # [rows, H, L + R]
         # Values are the latent part of the same cached rows; the rope part of the output is unused.
-        out = ops.paged_attention(q, latent_cache, latent_cache, meta, self.scale)
+        out = ops.paged_attention(
+            q, latent_cache, latent_cache, meta, self.scale, self.k_scale, self.k_scale)
         out = torch.einsum("rhl,hvl->rhv", out[..., : self.kv_lora_rank], w_uv)
         return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
 
