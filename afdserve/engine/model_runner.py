@@ -67,7 +67,8 @@ class LocalFFN:
         return None
 
     def post(self, layer, ubatch, x, route_ids, routing) -> PendingFFN:
-        return Ready(self.model.ffn_half(layer, self.a2e.roundtrip(x), route_ids, routing))
+        x = self.a2e.ffn_rows(x, route_ids)
+        return Ready(self.model.ffn_half(layer, x, route_ids, routing))
 
 
 @dataclass

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from afdserve.config import A2E_DTYPES
 from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
-__all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "quantize_rows",
-           "scale_groups"]
+__all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "pad_zeroed",
+           "quantize_rows", "scale_groups"]
 
 GROUP = 128
 
@@ -65,6 +65,13 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     rows, hidden = q.shape
     x = _grouped(q.float()) * scales.unsqueeze(-1)
     return x.view(rows, x.shape[1] * GROUP)[:, :hidden].to(dtype).contiguous()
+
+
+def pad_zeroed(x: torch.Tensor, route_ids: torch.Tensor) -> torch.Tensor:
+    """x with its pad rows (token id -1) zeroed. The rows a graph pads a batch with are computed
+    from a pad input and are not zeros; their output is never read, so zeroing them changes no
+    real row, and lets the FFN side check that a pad row's fp8 scale is 0."""
+    return x.masked_fill((route_ids < 0).unsqueeze(1), 0)
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,11 @@ class A2EFormat:
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as the FFN half sees it after the hand-over (x itself when the format is plain)."""
         return x if self.plain else self.decode(*self.encode(x))
+
+    def ffn_rows(self, x: torch.Tensor, route_ids: torch.Tensor) -> torch.Tensor:
+        """What an FFN rank decodes from a tile of x (pad rows zeroed first): what a boundary
+        with no wire (colocated, in process) hands its FFN half. x itself when plain."""
+        return x if self.plain else self.roundtrip(pad_zeroed(x, route_ids))
 
     def row_bytes(self, hidden: int) -> int:
         """Bytes one hidden row takes on the wire, scales included (ids and routing apart)."""

@@ -32,7 +32,7 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.a2e import A2EFormat, pad_zeroed
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.moe import Routing
@@ -57,13 +57,6 @@ def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
             f"{'present' if routing is not None else 'absent'}, but routed_layers says "
             f"{routed[layer]}"
         )
-
-
-def pad_zeroed(x: torch.Tensor, route_ids: torch.Tensor) -> torch.Tensor:
-    """x with its pad rows (token id -1) zeroed. The rows a graph pads a batch with are computed
-    from a pad input and are not zeros; their output is never read, so zeroing them changes no
-    real row, and lets the FFN side check that a pad row's fp8 scale is 0."""
-    return x.masked_fill((route_ids < 0).unsqueeze(1), 0)
 
 
 class _Pending:
@@ -204,7 +197,6 @@ class InProcessConnector:
             self.wire.note(step=self.step_number, layer=layer, ubatch=ubatch,
                            peer=self.plan.rank, header=header,
                            real_rows=int((route_ids != -1).sum()))
-        if not self.a2e.plain:  # the rows as an FFN rank would decode them
-            x = self.a2e.roundtrip(pad_zeroed(x, route_ids))
+        x = self.a2e.ffn_rows(x, route_ids)  # the rows as an FFN rank would decode them
         y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
         return Ready(y[:rows])
