@@ -104,3 +104,18 @@ def test_check_payload_reads_the_scales_region():
         check_payload(**where, hidden=q, ids=_ids([1, 2, -1, -1]), scales=scales[:, :1])
     with pytest.raises(LayoutError, match="row 0"):
         check_payload(**where, hidden=q, ids=_ids([1, 2, -1, -1]), scales=-scales)
+
+
+def test_bfloat16_wire_of_a_float32_model(afd_models, tmp_path):
+    """a2e_dtype=bfloat16 over a float32 model: the rows travel as bfloat16, no scales."""
+    model = afd_models["qwen3_moe"]
+    prompts = mixed_prompts()
+    with LLM(str(model), topology="2A1F", dtype="float32", gate_on_attention=True,
+             max_num_batched_tokens=16, log_data_plane=str(tmp_path), connector="p2p",
+             a2e_dtype="bfloat16") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    want = colocated_tokens(model, prompts, max_num_batched_tokens=16, a2e_dtype="bfloat16")
+    assert got == want
+    batches = read_wire_log(str(p) for p in tmp_path.glob("rank*.jsonl"))
+    first = batches[0][0]["ops"]
+    assert first[0][3] == "torch.bfloat16" and first[1][3] == "torch.int32", first
