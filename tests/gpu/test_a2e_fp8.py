@@ -12,6 +12,8 @@ from afdserve import LLM, SamplingParams
 from afdserve.kernels.a2e import A2EFormat, quantize_rows
 from afdserve.model.tiny import make_tiny_model
 
+from .test_graphs import _check
+
 pytestmark = pytest.mark.gpu
 
 
@@ -28,20 +30,25 @@ def _prompts(n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(("ubatches", "gate"), [(1, False), (2, True)])
 def test_in_process_fp8_equals_colocated_fp8_under_graphs(bf16_model, ubatches, gate):
+    """Equal tokens; in bf16 a divergence is allowed only at a near-tie of colocated (as in
+    test_graphs.py): two ubatches run the attention kernels over other row counts."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
                   kv_cache_blocks=512, graph_mode="full_decode_only",
                   cuda_graph_sizes=[1, 2, 4, 8, 16], a2e_dtype="fp8", log_step_plan=True)
-    tokens, modes = {}, {}
-    for topology, connector in (("colocated", "auto"), ("1A1F", "inprocess")):
-        extra = {} if topology == "colocated" else dict(ubatches=ubatches, gate_on_attention=gate)
-        with LLM(str(bf16_model), topology=topology, connector=connector, **common,
-                 **extra) as llm:
-            tokens[topology] = [o.token_ids for o in llm.generate(prompts, params)]
-            modes[topology] = {r["mode"] for r in llm.step_log()}
-    assert tokens["1A1F"] == tokens["colocated"]
-    assert {"capture", "replay"} <= modes["1A1F"] and "replay" in modes["colocated"]
+    with LLM(str(bf16_model), **common) as colocated:
+        want = [o.token_ids for o in colocated.generate(prompts, params)]
+        assert "replay" in {r["mode"] for r in colocated.step_log()}
+        with LLM(str(bf16_model), topology="1A1F", connector="inprocess", ubatches=ubatches,
+                 gate_on_attention=gate, **common) as in_process:
+            got = [o.token_ids for o in in_process.generate(prompts, params)]
+            modes = {r["mode"] for r in in_process.step_log()}
+        gaps = _check(colocated, prompts, got, want)
+    assert {"capture", "replay"} <= modes
+    if ubatches == 1 and not gate:  # the same shapes on both sides: the same tokens
+        assert got == want
+    print(f"fp8 wire, ubatches={ubatches}, gate={gate}: {len(gaps)} near-tie divergences {gaps}")
 
 
 def test_fp8_rows_on_the_gpu_equal_the_cpu_bit_for_bit():
