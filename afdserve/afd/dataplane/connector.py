@@ -137,8 +137,8 @@ class AttentionConnector(AttentionSide):
         works += self.wire.post([P2P("recv", out, peer)], **where)
         return _Pending(works, out, rows, tuple(sends), self.stamps)
 
-
     def _plain_rows(self, x: torch.Tensor, tile: int) -> torch.Tensor:
+        """The tile in the model dtype (a2e_dtype auto): x itself when it fills the tile."""
         if x.shape[0] == tile and x.dtype == self.dtype and x.is_contiguous():
             return x
         hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
