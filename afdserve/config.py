@@ -23,6 +23,7 @@ QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quant
 CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
 
 
 def _one_one():
@@ -208,6 +209,13 @@ class AFDConfig:
         None, parse=parse_placement, metavar="E,E;E,E",
         help="with ffn_expert_parallel: the routed experts of each FFN rank, ';' between ranks "
              "(every expert exactly once)", shown="contiguous near-equal shards")
+    a2e_dtype: str = option(
+        "auto", allowed=A2E_DTYPES,
+        help="the hidden rows the attention side hands to the FFN: auto, in the model dtype; "
+             "bfloat16; fp8, float8_e4m3fn with a float32 scale per 128 channels of a row (half "
+             "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
+             "round trip at the FFN boundary, so every topology gives the same tokens",
+        shown="auto, the model dtype")  # fmt: skip
 
     def __post_init__(self) -> None:
         from afdserve.layout.experts import check_placement_shape
@@ -239,6 +247,12 @@ class AFDConfig:
                  self.control_plane, f"one of {CONTROL_PLANES}")
         _require(self.connector in CONNECTORS, owner, "connector", self.connector,
                  f"one of {CONNECTORS}")
+        _require(self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype,
+                 f"one of {A2E_DTYPES}")
+        if self.connector == "ipc" and self.a2e_dtype == "fp8":
+            # The push kernel writes model-dtype rows; its quantizing form is not written yet.
+            raise ValueError("AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "
+                             "use connector='p2p' or 'inprocess'")
         if self.connector == "ipc" and topology.colocated:
             raise ValueError("AFDConfig.connector='ipc' needs an AFD topology such as 1A1F, "
                              f"got {self.topology!r}")
@@ -259,13 +273,14 @@ class AFDConfig:
         """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in
         launcher spawns every rank on a GPU of its own (one host; measured fastest, see
         afd/dataplane/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p"
-        otherwise (CPU, ranks started elsewhere, and expert-parallel groups, not yet run over
-        ipc)."""
+        otherwise (CPU, ranks started elsewhere, and expert-parallel groups and fp8 A2E rows,
+        not yet run over ipc)."""
         topology = self.parsed_topology
         if self.connector != "auto" or topology.colocated:
             return self
         cuda = device.startswith("cuda")
-        if cuda and spawned and gpus >= topology.world_size and not topology.expert_parallel:
+        ipc_ok = not topology.expert_parallel and self.a2e_dtype != "fp8"
+        if cuda and spawned and gpus >= topology.world_size and ipc_ok:
             chosen = "ipc"
         elif cuda and spawned and topology == _one_one():
             chosen = "inprocess"

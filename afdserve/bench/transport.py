@@ -5,6 +5,9 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 
 Transports:
   nccl        the mirrored point-to-point batches of afd/dataplane/wire.py (NCCL send/recv kernels)
+  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile (kernels/a2e.py),
+              sends fp8 rows (as bytes) and their scales, the FFN rank dequantizes and replies
+              in the model dtype; the time includes both conversions
   ipc         connector="ipc" (afd/dataplane/ipc.py): symmetric memory (CUDA IPC, no multicast); the
               sender's push kernel writes rows, pad rows and ids straight into the receiver's
               inbox over NVLink, then raises a flag in the receiver's signal pad; the receiver's
@@ -28,9 +31,10 @@ import torch.multiprocessing as mp
 from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.bench.flags import add_engine_flags
+from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.model.loader import TORCH_DTYPES
 
-TRANSPORTS = ("nccl", "ipc", "ipc-copy", "ipc-signal")
+TRANSPORTS = ("nccl", "nccl-fp8", "ipc", "ipc-copy", "ipc-signal")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,39 @@ def nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
             works += wire.post([P2P("send", out, peer)])
         for work in works:
             work.wait()
+
+
+def nccl_fp8_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """nccl_layers with the fp8 A2E payload: [rows (uint8), scales, ids] then [output]."""
+    wire, peer, fp8 = Wire(rank), 1 - rank, A2EFormat("fp8", x.dtype)
+    rows, hidden = x.shape
+    q_in = torch.empty(rows, hidden, dtype=fp8.wire_dtype, device=x.device)
+    scales_in = torch.empty(rows, scale_groups(hidden), dtype=torch.float32, device=x.device)
+    for _ in range(layers):
+        if rank == 0:
+            q, scales = fp8.encode(x)
+            works = wire.post([P2P("send", q.view(torch.uint8), peer),
+                               P2P("send", scales, peer), P2P("send", ids, peer)])
+            works += wire.post([P2P("recv", out, peer)])
+        else:
+            works = wire.post([P2P("recv", q_in.view(torch.uint8), peer),
+                               P2P("recv", scales_in, peer), P2P("recv", ids, peer)])
+            for work in works:
+                work.wait()
+            out.copy_(fp8.decode(q_in, scales_in))  # the FFN half would read these rows
+            works = wire.post([P2P("send", out, peer)])
+        for work in works:
+            work.wait()
+
+
+def layer_bytes(spec: TransportBench, rows: int) -> dict[str, int]:
+    """Bytes one layer moves for a tile of `rows`: the A2E rows (scales included, ids apart) in
+    the model dtype and in fp8, and the E2A rows, which stay in the model dtype."""
+    dtype = TORCH_DTYPES[spec.dtype]
+    plain = A2EFormat("auto", dtype).row_bytes(spec.hidden)
+    return {"a2e": rows * plain, "a2e_fp8": rows * A2EFormat("fp8", dtype).row_bytes(spec.hidden),
+            "e2a": rows * plain}
 
 
 class _IPC:
@@ -162,9 +199,11 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
         ids = torch.arange(HEADER + rows, dtype=torch.int32, device=device)
         out = torch.empty_like(x)
         for name in spec.transports:
-            if name == "nccl":
-                def body(x=x, ids=ids, out=out):
-                    nccl_layers(rank, spec.layers, x, ids, out)
+            if name in ("nccl", "nccl-fp8"):
+                layers_of = nccl_layers if name == "nccl" else nccl_fp8_layers
+
+                def body(x=x, ids=ids, out=out, layers_of=layers_of):
+                    layers_of(rank, spec.layers, x, ids, out)
             elif name == "ipc":
                 from afdserve.afd.dataplane.ipc import Inboxes
 
@@ -180,6 +219,10 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
                     ipc.layers(rank, spec.layers, x, ids, data)
             dist.barrier()
             us = time_graph(body, spec.layers, spec.steps)
+            if name == "nccl-fp8" and rank == 0:  # the reply is the tile as the FFN read it
+                torch.cuda.synchronize()
+                if not torch.equal(out, A2EFormat("fp8", dtype).roundtrip(x)):
+                    raise RuntimeError(f"nccl-fp8 transport: the reply of {rows} rows differs")
             if name == "ipc" and rank == 0:  # the reply equals what was sent
                 torch.cuda.synchronize()
                 if not torch.equal(inboxes.hidden(0, 0)[:rows], x):
@@ -211,13 +254,16 @@ def run_transport_bench(spec: TransportBench) -> list[tuple[int, str, float]]:
 
 
 def format_transport_table(spec: TransportBench, rows: list[tuple[int, str, float]]) -> str:
-    row_bytes = spec.hidden * TORCH_DTYPES[spec.dtype].itemsize
-    lines = ["| rows | bytes each way | " + " | ".join(spec.transports) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in spec.transports) + " |"]
+    """One line per tile size: bytes per layer (A2E in the model dtype and in fp8, E2A), then
+    the time per layer of every transport."""
+    lines = ["| rows | A2E bytes | A2E bytes, fp8 | E2A bytes | " + " | ".join(spec.transports)
+             + " |", "| --- | --- | --- | --- | " + " | ".join("---" for _ in spec.transports)
+             + " |"]
     for n in spec.rows:
         us = {name: t for r, name, t in rows if r == n}
         cells = " | ".join(f"{us[name]:.1f} us" for name in spec.transports)
-        lines.append(f"| {n} | {n * row_bytes // 1024} KiB | {cells} |")
+        sizes = layer_bytes(spec, n)
+        lines.append(f"| {n} | {sizes['a2e']} | {sizes['a2e_fp8']} | {sizes['e2a']} | {cells} |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import torch
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.model import MoECausalLM
@@ -28,7 +29,11 @@ class PendingFFN(Protocol):
 
 class FFNBoundary(Protocol):
     """Where the attention side hands each layer's rows to the FFN half. `begin_step` gives it
-    the rank's plan before the forward: every tile size it uses is read from there."""
+    the rank's plan before the forward: every tile size it uses is read from there. `a2e`: the
+    format its rows reach the FFN half in (kernels/a2e.py), which a router on the attention side
+    reads them in too."""
+
+    a2e: A2EFormat
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None: ...
 
@@ -51,15 +56,18 @@ class Ready:
 
 
 class LocalFFN:
-    """Colocated: the FFN half of the same model, called directly."""
+    """Colocated: the FFN half of the same model, called directly, on the rows as they would
+    reach an FFN rank (`a2e`'s round trip), so colocated and AFD give the same tokens."""
 
-    def __init__(self, model: MoECausalLM) -> None:
+    def __init__(self, model: MoECausalLM, a2e: A2EFormat | None = None) -> None:
         self.model = model
+        self.a2e = a2e or A2EFormat("auto", model.dtype)
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
         return None
 
     def post(self, layer, ubatch, x, route_ids, routing) -> PendingFFN:
+        x = self.a2e.ffn_rows(x, route_ids)
         return Ready(self.model.ffn_half(layer, x, route_ids, routing))
 
 
@@ -168,7 +176,7 @@ class ModelRunner:
             for u in range(len(bounds)):
                 ffn_out = pending[u].wait() if pending[u] is not None else None
                 x, hs[u] = model.attention_half(layer, hs[u], ffn_out, metas[u], cache, trig[u])
-                routing = model.route_on_attention(layer, x, ids[u])
+                routing = model.route_on_attention(layer, x, ids[u], boundary.a2e.roundtrip)
                 pending[u] = boundary.post(layer, u, x, ids[u], routing)
         for u in range(len(bounds)):
             hs[u] = hs[u] + pending[u].wait()

@@ -10,6 +10,7 @@ builds only its half and loads exactly the tensors that half names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,12 +122,15 @@ class MoECausalLM(nn.Module):
         return ops.add_rms_norm(h, attn, norm.weight, norm.eps)
 
     def route_on_attention(
-        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
+        ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Routing | None:
-        """With gate_on_attention the top-k ids and weights computed here travel along with x."""
+        """With gate_on_attention the top-k ids and weights computed here travel along with x.
+        `ffn_view`: x as the FFN half will read it (the A2E format's round trip), so the router
+        sees the rows the experts see, as it does where the gate sits with them."""
         if not self.parts.gate_on_attention or self.config.layer_types[layer] == "dense":
             return None
-        return self.model.layers[layer].mlp.gate(x, token_ids)
+        return self.model.layers[layer].mlp.gate(ffn_view(x) if ffn_view else x, token_ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)

@@ -1,7 +1,10 @@
 """The attention side of the data plane. Every size comes from the rank's plan.
 
 Per layer and ubatch each attention peer posts two batches with its FFN rank, in this order:
-  1. sends:   hidden  [tile_rows, hidden]  model dtype; pad rows are zeros
+  1. sends:   hidden  [tile_rows, hidden]  model dtype; pad rows are zeros (a2e_dtype fp8:
+                                           float8_e4m3fn values sent as their uint8 bytes, then
+              scales  [tile_rows, groups]  float32, one per 128 channels, 0 on pad rows;
+                                           kernels/a2e.py)
               ids     [4 + tile_rows]      int32: header (step, layer, ubatch, tile_rows), then
                                            token ids, -1 on pad rows
               routing (layers in `routed_layers` only): topk ids [tile_rows, k] int32,
@@ -29,6 +32,7 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.model_runner import Ready
+from afdserve.kernels.a2e import A2EFormat, pad_zeroed
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.moe import Routing
@@ -76,7 +80,8 @@ class AttentionSide:
     on the device, the rank plan of the step, and the tile checks that open every post."""
 
     def __init__(self, config: ModelConfig, device: torch.device,
-                 gate_on_attention: bool) -> None:
+                 gate_on_attention: bool, a2e: A2EFormat) -> None:
+        self.a2e = a2e
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
         self.step_number = 0
@@ -99,8 +104,8 @@ class AttentionConnector(AttentionSide):
     """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 gate_on_attention: bool, wire: Wire) -> None:
-        super().__init__(config, device, gate_on_attention)
+                 gate_on_attention: bool, wire: Wire, a2e: A2EFormat | None = None) -> None:
+        super().__init__(config, device, gate_on_attention, a2e or A2EFormat("auto", dtype))
         self.hidden, self.dtype, self.device, self.wire = config.hidden_size, dtype, device, wire
 
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
@@ -110,18 +115,14 @@ class AttentionConnector(AttentionSide):
         tile = self._tile(layer, ubatch, rows, routing)
         if tile == 0:
             return Ready(x)
-        if rows == tile and x.dtype == self.dtype and x.is_contiguous():
-            hidden = x
-        else:
-            hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
-            hidden[:rows] = x
+        sends = [self._plain_rows(x, tile)] if self.a2e.plain else self._rows(x, route_ids, tile)
         ids = torch.full((HEADER + tile,), -1, dtype=torch.int32, device=self.device)
         ids[0:1].copy_(self.step.value)
         ids[1].fill_(layer)
         ids[2].fill_(ubatch)
         ids[3].fill_(tile)
         ids[HEADER : HEADER + rows] = route_ids
-        sends = [hidden, ids]
+        sends.append(ids)
         if routing is not None:
             topk_ids, topk_w = routing
             k = topk_ids.shape[1]
@@ -136,13 +137,37 @@ class AttentionConnector(AttentionSide):
         works += self.wire.post([P2P("recv", out, peer)], **where)
         return _Pending(works, out, rows, tuple(sends), self.stamps)
 
+    def _plain_rows(self, x: torch.Tensor, tile: int) -> torch.Tensor:
+        """The tile in the model dtype (a2e_dtype auto): x itself when it fills the tile."""
+        if x.shape[0] == tile and x.dtype == self.dtype and x.is_contiguous():
+            return x
+        hidden = torch.zeros(tile, self.hidden, dtype=self.dtype, device=self.device)
+        hidden[: x.shape[0]] = x
+        return hidden
+
+    def _rows(self, x: torch.Tensor, route_ids: torch.Tensor, tile: int) -> list[torch.Tensor]:
+        """The tile's rows in the A2E format, then (fp8) their scales; every pad row is zeros
+        with scale 0 (pad_zeroed). Each row's bytes depend on that row alone (kernels/a2e.py)."""
+        q, scales = self.a2e.encode(pad_zeroed(x, route_ids))
+        rows = x.shape[0]
+        hidden = torch.zeros(tile, self.hidden, dtype=q.dtype, device=self.device)
+        hidden[:rows] = q
+        if scales is None:
+            return [hidden]
+        # float8 travels as its bytes: gloo has no float8 type (nor NCCL before 2.24).
+        padded = torch.zeros(tile, scales.shape[1], dtype=torch.float32, device=self.device)
+        padded[:rows] = scales
+        return [hidden.view(torch.uint8), padded]
+
 
 class InProcessConnector:
     """1A1F in one process: the attention side hands its padded tile straight to the FFN half.
     Same plan, same padding, the same pad-row ids and the same id check as over the wire."""
 
-    def __init__(self, ffn_model, gate_on_attention: bool, wire: Wire | None = None) -> None:
+    def __init__(self, ffn_model, gate_on_attention: bool, wire: Wire | None = None,
+                 a2e: A2EFormat | None = None) -> None:
         self.ffn_model, self.wire = ffn_model, wire  # the wire only logs: nothing travels
+        self.a2e = a2e or A2EFormat("auto", ffn_model.dtype)
         self.vocab = ffn_model.config.vocab_size
         self.routed = routed_layers(ffn_model.config, gate_on_attention)
         self.plan: AttentionRankPlan | None = None
@@ -172,5 +197,6 @@ class InProcessConnector:
             self.wire.note(step=self.step_number, layer=layer, ubatch=ubatch,
                            peer=self.plan.rank, header=header,
                            real_rows=int((route_ids != -1).sum()))
+        x = self.a2e.ffn_rows(x, route_ids)  # the rows as an FFN rank would decode them
         y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
         return Ready(y[:rows])

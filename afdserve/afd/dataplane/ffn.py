@@ -26,14 +26,17 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
+from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.model import MoECausalLM
 
 
 def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, tile_rows: int,
-                  hidden: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
+                  hidden: torch.Tensor, ids: torch.Tensor, vocab_size: int,
+                  scales: torch.Tensor | None = None) -> None:
     """The receiver's check on CPU: rows and header match the plan; every id is -1 or in the
-    vocab. Names rank, peer, layer, ubatch, expected and actual numbers."""
+    vocab; with fp8 rows, the scales region (check_scales). Names rank, peer, layer, ubatch,
+    expected and actual numbers."""
     where = f"FFN rank {rank} from attention rank {peer}, layer {layer}, ubatch {ubatch}"
     if hidden.shape[0] != tile_rows:
         raise LayoutError(f"{where}: expected {tile_rows} hidden rows, got {hidden.shape[0]}")
@@ -47,6 +50,27 @@ def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, t
             f"the peer wrote {tuple(header)}"
         )
     check_token_ids(ids[HEADER:], vocab_size, where)
+    if scales is not None:
+        check_scales(scales, ids[HEADER:], hidden.shape[1], where)
+
+
+def check_scales(scales: torch.Tensor, ids: torch.Tensor, hidden: int, where: str) -> None:
+    """An fp8 tile's scales: [tile_rows, groups] float32, finite and >= 0, and 0 on every pad
+    row (token id -1), whose values are zeros."""
+    shape = (ids.shape[0], scale_groups(hidden))
+    if tuple(scales.shape) != shape or scales.dtype != torch.float32:
+        raise LayoutError(f"{where}: expected scales {shape} float32, got "
+                          f"{tuple(scales.shape)} {scales.dtype}")
+    bad = ~torch.isfinite(scales) | (scales < 0) | ((ids == -1).unsqueeze(1) & (scales != 0))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise LayoutError(f"{where}: row {row} (token id {int(ids[row])}) has scales "
+                          f"{scales[row].tolist()}; pad rows must have scale 0")
+
+
+def scaled_rows(scales: torch.Tensor) -> int:
+    """Rows with a nonzero scale: the real rows of an fp8 tile (a pad row's scale is 0)."""
+    return int((scales != 0).any(dim=1).sum())
 
 
 class WireTransport:
@@ -55,15 +79,22 @@ class WireTransport:
     (the mirrors of the attention side's batches, afd/dataplane/wire.py)."""
 
     def __init__(self, wire: Wire, device: torch.device, dtype: torch.dtype, hidden: int,
-                 top_k: int) -> None:
+                 top_k: int, a2e: A2EFormat | None = None) -> None:
         self.wire, self.device, self.dtype = wire, device, dtype
         self.hidden, self.top_k = hidden, top_k
+        self.a2e = a2e or A2EFormat("auto", dtype)
         self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
-        """(hidden [rows, hidden], ids [peers, HEADER + tile], topk ids, topk weights)."""
+        """(hidden [rows, hidden] in the A2E format, its scales [rows, groups] or None, ids
+        [peers, HEADER + tile], topk ids, topk weights)."""
         rows, tile, dev = plan.receive_rows[ubatch], plan.tile_rows[ubatch], self.device
-        hidden = torch.empty(rows, self.hidden, dtype=self.dtype, device=dev)
+        hidden = torch.empty(rows, self.hidden, dtype=self.a2e.wire_dtype, device=dev)
+        scales = None
+        if self.a2e.scaled:
+            scales = torch.empty(rows, scale_groups(self.hidden), dtype=torch.float32, device=dev)
+        # float8 travels as its bytes (the attention side's sends, afd/dataplane/connector.py).
+        rows_in = hidden.view(torch.uint8) if self.a2e.scaled else hidden
         ids = torch.empty(len(plan.peers), HEADER + tile, dtype=torch.int32, device=dev)
         topk_ids = topk_w = None
         if routed:
@@ -71,7 +102,10 @@ class WireTransport:
             topk_w = torch.empty(rows, self.top_k, dtype=torch.float32, device=dev)
         ops: list[P2P] = []
         for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
-            ops += [P2P("recv", hidden[lo:hi], peer), P2P("recv", ids[i], peer)]
+            ops.append(P2P("recv", rows_in[lo:hi], peer))
+            if scales is not None:
+                ops.append(P2P("recv", scales[lo:hi], peer))
+            ops.append(P2P("recv", ids[i], peer))
             if routed:
                 ops += [P2P("recv", topk_ids[lo:hi], peer), P2P("recv", topk_w[lo:hi], peer)]
         works = self.wire.post(ops, **where)
@@ -81,7 +115,7 @@ class WireTransport:
             work.wait()
         if self.stamps is not None:
             self.stamps.mark()
-        return hidden, ids, topk_ids, topk_w
+        return hidden, scales, ids, topk_ids, topk_w
 
     def reply(self, plan: FFNRankPlan, ubatch: int, y: torch.Tensor, where: dict) -> list:
         out = [P2P("send", y[lo:hi], peer) for peer, lo, hi in plan.peer_rows(ubatch)]
@@ -91,7 +125,7 @@ class WireTransport:
 class FFNExchange:
     def __init__(self, model: MoECausalLM, rank: int, gate_on_attention: bool,
                  device: torch.device, wire: Wire, expert: ExpertGroup | None = None,
-                 transport=None) -> None:
+                 transport=None, a2e: A2EFormat | None = None) -> None:
         self.model, self.rank, self.device, self.wire = model, rank, device, wire
         self.expert = expert  # this rank's expert-parallel group, if it is in one
         config = model.config
@@ -99,9 +133,10 @@ class FFNExchange:
         self.dtype = model.dtype  # the activations' (FP8 weights are float8)
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
+        self.a2e = a2e or A2EFormat("auto", self.dtype)
         # WireTransport, or afd/dataplane/ipc.py's IPCTransport: both receive views and reply alike.
         self.transport = transport or WireTransport(wire, device, self.dtype, self.hidden,
-                                                    self.top_k)
+                                                    self.top_k, self.a2e)
 
     @torch.inference_mode()
     def run(self, plan: FFNRankPlan, step: int) -> None:
@@ -123,8 +158,12 @@ class FFNExchange:
         rows, routed = plan.receive_rows[ubatch], self.routed[layer]
         where = {"step": step, "layer": layer, "ubatch": ubatch}
         if rows:
-            hidden, ids, topk_ids, topk_w = self.transport.receive(plan, ubatch, routed, where)
-            self._check(plan, step, layer, ubatch, hidden, ids)
+            hidden, scales, ids, topk_ids, topk_w = self.transport.receive(plan, ubatch, routed,
+                                                                           where)
+            self._check(plan, step, layer, ubatch, hidden, ids, scales)
+            if not self.a2e.plain:
+                # Dequantized here, on the home rank: an expert group exchanges model-dtype rows.
+                hidden = self.a2e.decode(hidden, scales)
         else:  # an expert-parallel rank without tiles this ubatch receives nothing at all
             hidden = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
             ids = torch.empty(0, HEADER, dtype=torch.int32, device=self.device)
@@ -142,13 +181,14 @@ class FFNExchange:
         return self.transport.reply(plan, ubatch, y, where)
 
     def _check(self, plan: FFNRankPlan, step: int, layer: int, ubatch: int,
-               hidden: torch.Tensor, ids: torch.Tensor) -> None:
+               hidden: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None) -> None:
         tile = plan.tile_rows[ubatch]
         if self.device.type == "cpu":
             for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
                 check_payload(rank=self.rank, peer=peer, step=step, layer=layer, ubatch=ubatch,
                               tile_rows=tile, hidden=hidden[lo:hi], ids=ids[i],
-                              vocab_size=self.vocab)
+                              vocab_size=self.vocab,
+                              scales=None if scales is None else scales[lo:hi])
         else:
             # Reading the header back would sync the GPU every layer: assert on the device.
             header = ids[:, :HEADER]
@@ -156,12 +196,18 @@ class FFNExchange:
             ok &= (header[:, 2] == ubatch) & (header[:, 3] == tile)
             torch._assert_async(ok.all(), "AFD payload header off the plan")
             check_token_ids(ids[:, HEADER:], self.vocab, f"FFN rank {self.rank}")
+            if scales is not None:
+                pad = (ids[:, HEADER:] == -1).reshape(-1, 1)
+                torch._assert_async(~(pad & (scales != 0)).any(), "AFD payload: a pad row's "
+                                    "fp8 scale is not 0")
         if self.wire.logging and not _capturing(hidden):
-            # What this rank really received: each peer's header and its real (non-pad) rows.
-            for i, (peer, _, _) in enumerate(plan.peer_rows(ubatch)):
+            # What this rank really received: each peer's header and its real (non-pad) rows,
+            # and with fp8 rows the rows whose scales are not 0 (its real rows again).
+            for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
+                extra = {} if scales is None else {"scaled_rows": scaled_rows(scales[lo:hi])}
                 self.wire.note(step=step, layer=layer, ubatch=ubatch, peer=peer,
                                header=ids[i, :HEADER].tolist(),
-                               real_rows=int((ids[i, HEADER:] != -1).sum()))
+                               real_rows=int((ids[i, HEADER:] != -1).sum()), **extra)
 
 
 def _capturing(t: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from afdserve.afd.dataplane.connector import AttentionSide
 from afdserve.afd.dataplane.payload import HEADER, LayoutError
 from afdserve.engine.model_runner import Ready
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.moe import Routing
@@ -137,7 +138,9 @@ class IPCAttentionConnector(AttentionSide):
 
     def __init__(self, config: ModelConfig, inboxes: Inboxes, rank: int,
                  gate_on_attention: bool) -> None:
-        super().__init__(config, inboxes.local.device, gate_on_attention)
+        # The push kernel writes the rows in the inbox's dtype, the model's: a plain A2E format.
+        super().__init__(config, inboxes.local.device, gate_on_attention,
+                         A2EFormat("auto", inboxes.dtype))
         self.inboxes, self.rank = inboxes, rank
 
     def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
@@ -173,8 +176,8 @@ class IPCTransport:
         self.stamps = None  # kernels/triton_stamp.Stamps around the waits: the benches set it
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
-        """(hidden [rows, hidden], ids [peers, HEADER + tile], topk ids, topk weights) as views of
-        this rank's inbox, after every peer's flag for `ubatch` is up."""
+        """(hidden [rows, hidden], no scales, ids [peers, HEADER + tile], topk ids, topk weights)
+        as views of this rank's inbox, after every peer's flag for `ubatch` is up."""
         inboxes = self.inboxes
         rows, tile = plan.receive_rows[ubatch], plan.tile_rows[ubatch]
         inboxes.check_rows(rows, f"FFN rank {self.rank}, {where}")
@@ -191,7 +194,7 @@ class IPCTransport:
         if routed:
             topk_ids, topk_w = inboxes.topk(self.rank, ubatch)
             topk_ids, topk_w = topk_ids[:rows], topk_w[:rows]
-        return hidden, ids, topk_ids, topk_w
+        return hidden, None, ids, topk_ids, topk_w  # no scales: ipc carries plain rows
 
     def reply(self, plan: FFNRankPlan, ubatch: int, y: torch.Tensor, where: dict) -> list:
         for peer, lo, hi in plan.peer_rows(ubatch):

@@ -36,6 +36,7 @@ from afdserve.engine.factory import (
     parameter_bytes,
 )
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.config import ModelConfig, load_model_config
@@ -79,23 +80,32 @@ class StepGraphs:
 def attention_boundary(model: MoECausalLM, topology: Topology, rank: int,
                        gate_on_attention: bool, wire: Wire | None = None,
                        ffn_model: MoECausalLM | None = None,
-                       inboxes: Inboxes | None = None) -> FFNBoundary:
+                       inboxes: Inboxes | None = None, a2e_dtype: str = "auto") -> FFNBoundary:
     """Where an attention rank's layers hand their rows to the FFN half: the FFN half of a
     colocated model (`ffn_model`, or `model` itself when it holds both halves), the FFN half in
     this process (`ffn_model`, 1A1F on one device; `wire` only logs), the FFN rank's symmetric
-    inbox (`inboxes`, connector "ipc"), or point-to-point batches over `wire`."""
+    inbox (`inboxes`, connector "ipc"), or point-to-point batches over `wire`; every one hands
+    the rows over in `a2e_dtype`'s format (kernels/a2e.py)."""
+    a2e = A2EFormat(a2e_dtype, model.dtype)
     if topology.colocated:
-        return LocalFFN(ffn_model if ffn_model is not None else model)
+        return LocalFFN(ffn_model if ffn_model is not None else model, a2e)
     if ffn_model is not None:
-        return InProcessConnector(ffn_model, gate_on_attention, wire)
+        return InProcessConnector(ffn_model, gate_on_attention, wire, a2e)
     if inboxes is not None:
+        _check_ipc_format(a2e)
         from afdserve.afd.dataplane.ipc import IPCAttentionConnector
 
         return IPCAttentionConnector(model.config, inboxes, rank, gate_on_attention)
     param = next(model.parameters())
     # A wire without a log path sends plainly; the workers pass one that logs when asked.
     return AttentionConnector(model.config, model.dtype, param.device, gate_on_attention,
-                              wire if wire is not None else Wire(rank))
+                              wire if wire is not None else Wire(rank), a2e)
+
+
+def _check_ipc_format(a2e: A2EFormat) -> None:
+    if not a2e.plain:  # the push kernel writes rows in the inbox's (the model's) dtype
+        raise ValueError(f"a2e_dtype={a2e.name!r} over a {a2e.model_dtype} model is not carried "
+                         f"by connector='ipc' yet: use connector='p2p'")
 
 
 def graph_runner(runner: ModelRunner, graphs: StepGraphs, max_model_len: int
@@ -135,16 +145,20 @@ def open_inboxes(topology: Topology, config: ModelConfig, dtype: torch.dtype,
 def ffn_driver(model: MoECausalLM, rank: int, device: torch.device, wire: Wire,
                graphs: StepGraphs, recorder: StepRecorder, control: Control, *,
                topology: Topology, gate_on_attention: bool = False,
-               expert: ExpertGroup | None = None, inboxes: Inboxes | None = None) -> FFNDriver:
+               expert: ExpertGroup | None = None, inboxes: Inboxes | None = None,
+               a2e_dtype: str = "auto") -> FFNDriver:
     """An FFN rank's step loop: its half receives every peer's tile (over `wire`, or from its
-    symmetric inbox with `inboxes`), runs, and replies, as one CUDA graph per plan key when
-    `graphs` captures on `device`; `expert`: its expert-parallel group, if any."""
+    symmetric inbox with `inboxes`) in `a2e_dtype`'s format, runs, and replies, as one CUDA
+    graph per plan key when `graphs` captures on `device`; `expert`: its expert-parallel group,
+    if any."""
     transport = None
+    a2e = A2EFormat(a2e_dtype, model.dtype)
     if inboxes is not None:
+        _check_ipc_format(a2e)
         from afdserve.afd.dataplane.ipc import IPCTransport
 
         transport = IPCTransport(inboxes, rank)
-    exchange = FFNExchange(model, rank, gate_on_attention, device, wire, expert, transport)
+    exchange = FFNExchange(model, rank, gate_on_attention, device, wire, expert, transport, a2e)
     runner = FFNStepRunner(exchange, graphs.captured_on(device))
     return FFNDriver(runner, recorder, control, topology, rank)
 
@@ -200,7 +214,8 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     elif not topology.colocated:
         wire = _wire(spec, rank)
         inboxes = _inboxes(spec, device, core.model.dtype, core.config)
-    boundary = attention_boundary(core.model, topology, rank, gate, wire, ffn_model, inboxes)
+    boundary = attention_boundary(core.model, topology, rank, gate, wire, ffn_model, inboxes,
+                                  spec.afd.a2e_dtype)
     graphs = StepGraphs.of(spec)
     log_ranks = tuple(range(topology.world_size)) if in_process else None
     driver = attention_driver(core, core.runner, boundary, graphs,
@@ -231,7 +246,7 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
     graphs = StepGraphs.of(spec)
     driver = ffn_driver(model, rank, device, wire, graphs, graphs.recorder(rank, spec.log_path),
                         control, topology=topology, gate_on_attention=gate, expert=expert,
-                        inboxes=inboxes)
+                        inboxes=inboxes, a2e_dtype=spec.afd.a2e_dtype)
     memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()),
                           experts=held)
     return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),))
