@@ -52,7 +52,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, hidden] -> (q float8_e4m3fn [rows, hidden], scales float32 [rows, groups])."""
     rows, hidden = x.shape
     grouped = _grouped(x.float())
-    scales = grouped.abs().amax(dim=-1) / FP8_MAX
+    # A product with a constant rounds the same on every device; a division by a scalar is
+    # a product with its reciprocal on some and a true division on others.
+    scales = grouped.abs().amax(dim=-1) * (1.0 / FP8_MAX)
     # A zero group divides by 1 (its values are zeros either way) and keeps scale 0.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
     # amax / (amax / 448) may round a hair above 448: clamp, as DeepSeek's act_quant does.
