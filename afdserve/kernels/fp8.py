@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afdserve.kernels.reference import routed_experts
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
@@ -96,23 +98,8 @@ def moe_experts_fp8(
     """`reference.moe_experts` over FP8 experts: (q, scale_inv) of gate_up [E, 2I, H] and down
     [E, H, I]. Only the experts some row is routed to are dequantized, one at a time, so the
     transient is one expert's weights in x's dtype."""
-    out = torch.zeros_like(x)
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    experts = gate_up[0].shape[0]
-    counts = torch.bincount(flat_ids + 1, minlength=experts + 1).tolist()  # id -1 first
-    token_of = order // topk_ids.shape[1]
-    start = counts[0]
-    for expert, count in enumerate(counts[1:]):
-        if count == 0:
-            continue
-        picks = order[start : start + count]
-        tokens = token_of[start : start + count]
-        start += count
-        w13 = dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block)
-        w2 = dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block)
-        gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)
-        weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
-        out.index_add_(0, tokens, (y * weight).to(out.dtype))
-    return out
+    def weights_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block),
+                dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block))
+
+    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of)

@@ -8,6 +8,8 @@ the e4m3 range; reads give back fp8 * scale in the reader's dtype (`quantize_kv`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -171,11 +173,25 @@ def moe_experts(
     topk_ids/weights [rows, k]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden,
     inter]. -> [rows, hidden]. A pair with id -1 goes to no expert (pad rows, experts another
     rank holds)."""
+    return routed_experts(x, topk_ids, topk_weights, gate_up.shape[0],
+                          lambda expert: (gate_up[expert], down[expert]), limit)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """`moe_experts` with each expert's (gate_up, down) from `weights_of(expert)`, asked only for
+    the experts some row is routed to (the FP8 path dequantizes them there, one at a time)."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     # Shifted by one so that id -1 counts (and sorts) first; its pairs are skipped.
-    counts = torch.bincount(flat_ids + 1, minlength=gate_up.shape[0] + 1).tolist()
+    counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
     token_of = order // topk_ids.shape[1]
     start = counts[0]
     for expert, count in enumerate(counts[1:]):
@@ -184,8 +200,9 @@ def moe_experts(
         picks = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(swiglu(gate, up, limit), down[expert])
+        w13, w2 = weights_of(expert)
+        gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, limit), w2)
         weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
         out.index_add_(0, tokens, (y * weight).to(out.dtype))
     return out
