@@ -36,24 +36,11 @@ from afdserve.server.state import ServerState
 log = logging.getLogger("afdserve.server")
 
 
-def create_app(
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    log_requests: bool = True,
-    chat_template: str | None = None,
-    generation_config: str = "auto",
-    options: ServeOptions | None = None,
-) -> FastAPI:
+def create_app(options: ServeOptions | None = None) -> FastAPI:
     """The app without an engine: /health answers 503 until `app.state.server.attach(view)`
-    (serve.py builds the EngineView from an LLM). `chat_template` (a Jinja template) replaces
-    the tokenizer's own; `generation_config` says where request defaults come from
-    (engine/generation_config.py). `options` gives the limits (and, when given, every other
-    field: the arguments before it are then ignored)."""
-    if options is None:
-        options = ServeOptions(
-            served_model_name=served_model_name, api_key=api_key, log_requests=log_requests,
-            chat_template=chat_template, generation_config=generation_config,
-        )  # fmt: skip
+    (serve.py builds the EngineView from an LLM). `options`: every setting of the HTTP side
+    (ServeOptions' defaults when None)."""
+    options = options if options is not None else ServeOptions()
     state = ServerState(options)
 
     @asynccontextmanager

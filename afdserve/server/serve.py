@@ -140,19 +140,9 @@ def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
     )
 
 
-def build_app(
-    llm: LLM,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    log_requests: bool = True,
-    chat_template: str | None = None,
-    generation_config: str = "auto",
-    options: ServeOptions | None = None,
-) -> FastAPI:
+def build_app(llm: LLM, options: ServeOptions | None = None) -> FastAPI:
     """An app serving an already built LLM. The caller keeps the LLM and shuts it down."""
-    app = create_app(
-        served_model_name, api_key, log_requests, chat_template, generation_config, options
-    )
+    app = create_app(options)
     state: ServerState = app.state.server
     state.attach(engine_view(llm, state.options))
     return app

@@ -278,7 +278,8 @@ def test_internal_errors_carry_no_traceback(llm: LLM, monkeypatch, caplog) -> No
         raise ValueError(f"cannot read {Path(__file__)}: secret")
 
     monkeypatch.setattr(convert, "completion_prompts", broken)
-    with TestClient(build_app(llm, SERVED_NAME), raise_server_exceptions=False) as http:
+    options = ServeOptions(served_model_name=SERVED_NAME)
+    with TestClient(build_app(llm, options), raise_server_exceptions=False) as http:
         r = http.post("/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
     assert clean(r.text) and "secret" not in r.text, r.text
@@ -288,7 +289,7 @@ def test_internal_errors_carry_no_traceback(llm: LLM, monkeypatch, caplog) -> No
 def test_request_timeout_is_a_504_and_an_abort(llm: LLM) -> None:
     options = ServeOptions(served_model_name=SERVED_NAME, request_timeout_s=0.3)
     body = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
-    with TestClient(build_app(llm, options=options)) as http:
+    with TestClient(build_app(llm, options)) as http:
         start = time.monotonic()
         r = http.post("/v1/completions", json=body)
         took = time.monotonic() - start

@@ -58,7 +58,8 @@ def client(server: ServerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def local():
     """build_app on a colocated engine, in-process: fast checks of the HTTP layer."""
-    with LLM() as llm, TestClient(build_app(llm, SERVED_NAME)) as http:
+    options = ServeOptions(served_model_name=SERVED_NAME)
+    with LLM() as llm, TestClient(build_app(llm, options)) as http:
         yield http
 
 
@@ -387,7 +388,8 @@ def test_engine_view_of_an_llm(oracle: LLM) -> None:
 
 
 def test_health_is_503_until_the_model_is_attached() -> None:
-    with TestClient(create_app("tiny")) as http:
+    options = ServeOptions(served_model_name="tiny")
+    with TestClient(create_app(options)) as http:
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]

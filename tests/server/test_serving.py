@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from afdserve import LLM, SamplingParams
 from afdserve.engine.outputs import cumulative_logprob
 from afdserve.engine.structured import StructuredOutputsParams
+from afdserve.server.options import ServeOptions
 
 from .conftest import SERVED_NAME, ServerProcess, free_port, start_server
 
@@ -465,7 +466,8 @@ def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureF
     caplog.set_level(logging.INFO, logger="afdserve.server")
     for enabled in (True, False):
         caplog.clear()
-        with TestClient(build_app(oracle, SERVED_NAME, log_requests=enabled)) as local:
+        options = ServeOptions(served_model_name=SERVED_NAME, log_requests=enabled)
+        with TestClient(build_app(oracle, options)) as local:
             local.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         logged = [r for r in caplog.records if r.getMessage().startswith("request ")]
         assert bool(logged) == enabled
@@ -521,7 +523,8 @@ def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
     with pytest.raises(ValueError, match="chat_template='nofile.jinja': no such file"):
         read_chat_template("nofile.jinja")
     messages = [{"role": "user", "content": "hi"}]
-    with TestClient(build_app(oracle, SERVED_NAME, chat_template=template)) as local:
+    options = ServeOptions(served_model_name=SERVED_NAME, chat_template=template)
+    with TestClient(build_app(oracle, options)) as local:
         tokens = local.post("/tokenize", json={"messages": messages}).json()["tokens"]
         assert tokens == oracle.encode("<user:hi>")
         body = {"messages": messages, "temperature": 0, "max_tokens": 4}
@@ -543,7 +546,8 @@ def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
               for n in (3, 5)}  # fmt: skip
     body = {"prompt": HELLO, "ignore_eos": True}
     for source, tokens in ((str(tmp_path), 3), ("vllm", 16), ("auto", 16)):
-        with TestClient(build_app(oracle, SERVED_NAME, generation_config=source)) as local:
+        options = ServeOptions(served_model_name=SERVED_NAME, generation_config=source)
+        with TestClient(build_app(oracle, options)) as local:
             answer = local.post("/v1/completions", json=body).json()
             assert answer["usage"]["completion_tokens"] == tokens, source
             if source == str(tmp_path):  # temperature 0 by default: greedy
