@@ -3,6 +3,7 @@ per test session, plus the Hugging Face model of each, the oracle the parity tes
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,27 @@ from afdserve.model.tiny import FAMILIES, make_tiny_model
 # How many hash-routed layers each family's hash variant gets: both 1 and 2 are covered, and
 # DeepSeek-V3 (sigmoid scores) and the softmax families are both among them.
 HASH_LAYERS = {"qwen3_moe": 1, "deepseek_v2": 2, "deepseek_v3": 2, "mixtral": 1}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (the full multi-process matrices); "
+        "$AFDSERVE_RUN_SLOW=1 does the same",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The CI box has two cores: the wide matrices run one representative cell each there, and the
+    # rest is one flag away rather than deleted.
+    if config.getoption("--run-slow") or os.environ.get("AFDSERVE_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow matrix cell: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_configure(config: pytest.Config) -> None:
