@@ -1,0 +1,114 @@
+"""A block-scaled FP8 linear layer on CUDA: y = x @ dequant(W)^T + bias in one Triton GEMM.
+
+W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
+(kernels/fp8.py has the format and the reference). Each program loads FP8 weight tiles, converts
+them in registers to float32, multiplies by their block's scale and rounds to x's dtype (the
+reference's dequantization, element for element), then runs tl.dot in x's dtype with a float32
+accumulator. So the bytes read are one per weight plus the scales, and no dequantized copy of the
+weight is ever written.
+
+Weight-only, at every M: the decode projections (M = the batch, up to a few hundred rows) are
+memory-bound, and there halving the bytes is the whole gain; a w8a8 path (activations quantized
+per token on the fly, tl.dot on FP8 inputs) would only pay off for compute-bound prefill GEMMs
+and is not built. Every K step stays inside one 128-column scale block (K_BLOCK divides 128), so a
+program reads one scale per weight row per step. No host sync: shapes pick the tiles, so a CUDA
+graph captures the launch at its batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.fp8 import FP8_DTYPE
+
+SCALE_BLOCK = 128  # the one block size read (model/quantization.BLOCK)
+# Programs to aim for at small M, so that a memory-bound GEMV keeps every SM streaming weights:
+# twice the SM count of an H100/H200.
+TARGET_PROGRAMS = 264
+
+
+def supports(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> bool:
+    """Float activations on CUDA, a 2-D FP8 weight of the 128 x 128 layout."""
+    if not (x.is_cuda and q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
+        return False
+    if tuple(block) != (SCALE_BLOCK, SCALE_BLOCK) or x.shape[-1] != q.shape[1]:
+        return False
+    return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr, W_FP8: tl.constexpr):
+    """A weight tile in DTYPE: FP8 values times their block scale (float32, rounded once), as
+    kernels/fp8.dequantize_blockwise computes them; a float weight is loaded as is."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if W_FP8:
+        scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        w = w.to(tl.float32) * scale
+    return w.to(DTYPE)
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_stride, s_stride,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    m_ok, n_ok = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    s_rows = s_ptr + (n // 128)[:, None] * s_stride  # [BN, 1]
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + k
+        k_ok = kk < K
+        xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = dequant_tile(w_rows + kk[None, :], n_ok[:, None] & k_ok[None, :], s_rows + k0 // 128,
+                         n_ok[:, None], dtype, True)  # fmt: skip
+        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) by shape: at small M the narrowest output tiles that still
+    give TARGET_PROGRAMS programs (memory-bound: spread the weight over the SMs); at large M
+    square tiles (compute-bound: reuse each loaded weight tile over many rows)."""
+    if m > 64:
+        return 128, 128, 64, 8, 3
+    bm = max(16, triton.next_power_of_2(m))
+    bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= TARGET_PROGRAMS), 16)
+    return bm, bn, 128, 4, 4
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`kernels/fp8.fp8_linear` on CUDA: x [..., in] -> [..., out] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = q.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*lead, n)
+    scale_inv = scale_inv.contiguous()
+    bm, bn, bk, warps, stages = _tiles(m, n)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        x2, q, scale_inv, bias if bias is not None else y, y, m, n, k, x2.stride(0),
+        scale_inv.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y.view(*lead, n)
