@@ -1,18 +1,25 @@
 """A block-scaled FP8 linear layer on CUDA: y = x @ dequant(W)^T + bias in one Triton GEMM.
 
 W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
-(kernels/fp8.py has the format and the reference). Each program loads FP8 weight tiles, converts
-them in registers to float32, multiplies by their block's scale and rounds to x's dtype (the
-reference's dequantization, element for element), then runs tl.dot in x's dtype with a float32
-accumulator. So the bytes read are one per weight plus the scales, and no dequantized copy of the
-weight is ever written.
+(kernels/fp8.py has the format and the reference). Weight-only: x and y stay in x's dtype, the
+bytes read are one per weight plus the scales, and no dequantized copy of the weight is written.
+Two ways to apply the scales, by M:
 
-Weight-only, at every M: the decode projections (M = the batch, up to a few hundred rows) are
-memory-bound, and there halving the bytes is the whole gain; a w8a8 path (activations quantized
-per token on the fly, tl.dot on FP8 inputs) would only pay off for compute-bound prefill GEMMs
-and is not built. Every K step stays inside one 128-column scale block (K_BLOCK divides 128), so a
-program reads one scale per weight row per step. No host sync: shapes pick the tiles, so a CUDA
-graph captures the launch at its batch size.
+- small M (decode, up to 64 rows; also every routed-expert kernel): a tile's output columns and
+  its K step both divide 128 and start on a multiple of their size, so the whole tile lies in one
+  scale block. The FP8 values are cast to x's dtype (exact: every e4m3 value is a bf16 / fp16
+  value), tl.dot runs on them, and its float32 partial is multiplied by the one block scale
+  (`block_dot`). Per weight element that is one conversion: these GEMMs are memory-bound, and
+  converting each element to float32, scaling and rounding it back would cost ALU time close to
+  the time its byte takes to arrive. Against the reference (which rounds each dequantized weight
+  to x's dtype) the only difference is that rounding, which this skips.
+- large M (prefill): each tile is dequantized in registers as the reference does it (FP8 to
+  float32, times its row's block scale, rounded to x's dtype: `dequant_tile`) and accumulated in
+  place; the conversion is shared by BM rows, and the in-place accumulator keeps the MMA pipeline.
+
+No w8a8 path (activations quantized per token on the fly, tl.dot on FP8 inputs): it would only
+pay for compute-bound prefill GEMMs, and decode is memory-bound. No host sync: shapes pick the
+tiles, so a CUDA graph captures the launch at its batch size.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ SCALE_BLOCK = 128  # the one block size read (model/quantization.BLOCK)
 # Programs to aim for at small M, so that a memory-bound GEMV keeps every SM streaming weights:
 # twice the SM count of an H100/H200.
 TARGET_PROGRAMS = 264
+# Rows up to which a GEMM is taken as memory-bound: narrow tiles, scales applied to partials.
+SMALL_M = 64
 
 
 def supports(
@@ -52,10 +61,22 @@ def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr, W_FP8: tl.
 
 
 @triton.jit
+def block_dot(xs, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + xs @ W^T over one K step of a weight tile [columns, K step]. FP8 (the tile in one
+    scale block, `scale_ptr` its scale): the dot on the FP8 values cast to xs's dtype, its float32
+    result times the scale. A float weight: the plain dot, accumulated in place."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if W_FP8:
+        part = tl.dot(xs, tl.trans(w.to(xs.dtype)), input_precision=PRECISION)
+        return acc + part * tl.load(scale_ptr)
+    return tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_stride, s_stride,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCALE_PARTIALS: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -70,9 +91,14 @@ def _fp8_linear_kernel(
         kk = k0 + k
         k_ok = kk < K
         xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = dequant_tile(w_rows + kk[None, :], n_ok[:, None] & k_ok[None, :], s_rows + k0 // 128,
-                         n_ok[:, None], dtype, True)  # fmt: skip
-        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        if SCALE_PARTIALS:  # BN and BK divide 128: one scale for the tile
+            scale = s_ptr + (tl.program_id(0) * BN // 128) * s_stride + k0 // 128
+            acc = block_dot(xs, w_rows + kk[None, :], w_mask, scale, acc, True, PRECISION)
+        else:  # dequantized as the reference does, accumulated in place
+            w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None],
+                             dtype, True)  # fmt: skip
+            acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
@@ -83,7 +109,7 @@ def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, warps, stages) by shape: at small M the narrowest output tiles that still
     give TARGET_PROGRAMS programs (memory-bound: spread the weight over the SMs); at large M
     square tiles (compute-bound: reuse each loaded weight tile over many rows)."""
-    if m > 64:
+    if m > SMALL_M:
         return 128, 128, 64, 8, 3
     bm = max(16, triton.next_power_of_2(m))
     bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= TARGET_PROGRAMS), 16)
@@ -109,6 +135,6 @@ def fp8_linear(
     _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x2, q, scale_inv, bias if bias is not None else y, y, m, n, k, x2.stride(0),
         scale_inv.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y.view(*lead, n)

@@ -3,9 +3,9 @@
 The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
 float32 scale per 128 x 128 block (model/fp8.py's layout: gate_up's grid holds gate's block rows,
 then up's). The routing is resolved in registers as in triton_moe (a program per touched expert,
-its pairs found by a prefix sum over the pair list); each weight tile is loaded as FP8,
-converted to float32, multiplied by its block scale and rounded to x's dtype in registers
-(kernels/triton_fp8.dequant_tile), then tl.dot runs in x's dtype with a float32 accumulator.
+its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x 128
+scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
+(exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
 
 Weight-only on purpose: a decode step's experts are memory-bound (at batch 64, bf16, they run at
 ~95% of copy bandwidth), so reading one byte per weight instead of two is the speedup; quantizing
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.fp8 import FP8_DTYPE
-from afdserve.kernels.triton_fp8 import dequant_tile
+from afdserve.kernels.triton_fp8 import block_dot
 from afdserve.kernels.triton_moe import (
     SUM_COLUMNS,
     _expert_pairs,
@@ -62,9 +62,9 @@ def _gate_up_kernel(
     k = tl.arange(0, K_BLOCK)
     gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
     up_rows = gate_rows + inter * hidden
-    gate_scales = s_ptr + expert * s_expert + (col // 128)[:, None] * s_row
+    # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+    gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     up_scales = gate_scales + inter_blocks * s_row
-    dtype = x_ptr.dtype.element_ty
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
@@ -72,24 +72,11 @@ def _gate_up_kernel(
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, hidden, K_BLOCK):
             xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            wg = dequant_tile(
-                gate_rows + k0 + k[None, :],
-                col_ok[:, None],
-                gate_scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                True,
-            )
-            wu = dequant_tile(
-                up_rows + k0 + k[None, :],
-                col_ok[:, None],
-                up_scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                True,
-            )
-            gate = tl.dot(xs, tl.trans(wg), gate)
-            up = tl.dot(xs, tl.trans(wu), up)
+            w_cols = k0 + k[None, :]
+            gate = block_dot(xs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                             gate, True, "tf32")  # fmt: skip
+            up = block_dot(xs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                           True, "tf32")  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -107,23 +94,15 @@ def _down_kernel(
     col_ok = col < hidden
     k = tl.arange(0, K_BLOCK)
     down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
-    scales = s_ptr + expert * s_expert + (col // 128)[:, None] * s_row
-    dtype = h_ptr.dtype.element_ty
+    scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            wd = dequant_tile(
-                down_rows + k0 + k[None, :],
-                col_ok[:, None],
-                scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                True,
-            )
-            acc = tl.dot(hs, tl.trans(wd), acc)
+            acc = block_dot(hs, down_rows + k0 + k[None, :], col_ok[:, None], scales + k0 // 128,
+                            acc, True, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -160,6 +139,8 @@ def moe_experts(
     )
     slots = min(pairs, experts)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
+    # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
+    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
     _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
         x, ids, w13, s13, h, pairs, top_k, hidden, inter, s13.stride(0), s13.stride(1),
         triton.cdiv(inter, SCALE_BLOCK), **routing, COLUMNS=gate_up_columns,

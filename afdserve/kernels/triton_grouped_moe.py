@@ -18,8 +18,9 @@ static per pair count, so a CUDA graph captures it.
 
 Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
 float8_e4m3fn with a float32 scale per 128 x 128 block (model/fp8.py's layout: gate's grid rows,
-then up's). FP8 tiles are dequantized in registers (kernels/triton_fp8.dequant_tile) and the dot
-runs in x's dtype: weight-only, which halves the bytes a memory-bound step reads. The routed
+then up's). Each FP8 weight tile lies in one scale block: the dot runs on its values cast to x's
+dtype and its float32 partial is scaled (kernels/triton_fp8.block_dot): weight-only, which halves
+the bytes a memory-bound step reads. The routed
 experts stay memory-bound up to a few thousand pairs (a batch of 256 at top-8 reads every expert
 of Qwen3-30B-A3B about once for ~16 rows each), so no w8a8 path is built.
 """
@@ -32,13 +33,14 @@ import triton.language as tl
 
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.moe_align import assign
-from afdserve.kernels.triton_fp8 import dequant_tile
+from afdserve.kernels.triton_fp8 import block_dot
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
 # triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
 # small against its compute. A batch of 1024 at top-8: the routed experts of Qwen3-30B-A3B are
 # still memory-bound there by the FLOP count (~4x), so tiles of at most 64 rows lose little.
-# Untimed; FP8 experts take this path at any count (the alternative is a bf16 copy of them).
+# Untimed. FP8 experts take this path at any count (the alternative is a bf16 copy of them), in
+# slices of this many pairs.
 GROUPED_MAX_PAIRS = 8192
 
 # Tile widths and launch settings: (intermediate columns per gate/up program, hidden columns per
@@ -103,32 +105,19 @@ def _gate_up_kernel(
         k = tl.arange(0, K_BLOCK)
         gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
         up_rows = gate_rows + inter * hidden
-        gate_scales = s_ptr + e * s_expert + (col // 128)[:, None] * s_row
+        # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+        gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         up_scales = gate_scales + inter_blocks * s_row
         x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
-        dtype = x_ptr.dtype.element_ty
         gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, hidden, K_BLOCK):
             xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            wg = dequant_tile(
-                gate_rows + k0 + k[None, :],
-                col_ok[:, None],
-                gate_scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                W_FP8,
-            )
-            wu = dequant_tile(
-                up_rows + k0 + k[None, :],
-                col_ok[:, None],
-                up_scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                W_FP8,
-            )
-            gate = tl.dot(xs, tl.trans(wg), gate)
-            up = tl.dot(xs, tl.trans(wu), up)
+            w_cols = k0 + k[None, :]
+            gate = block_dot(xs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                             gate, W_FP8, "tf32")  # fmt: skip
+            up = block_dot(xs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                           W_FP8, "tf32")  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -147,21 +136,13 @@ def _down_kernel(
         col_ok = col < hidden
         k = tl.arange(0, K_BLOCK)
         down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
-        scales = s_ptr + e * s_expert + (col // 128)[:, None] * s_row
+        scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
-        dtype = h_ptr.dtype.element_ty
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            wd = dequant_tile(
-                down_rows + k0 + k[None, :],
-                col_ok[:, None],
-                scales + k0 // 128,
-                col_ok[:, None],
-                dtype,
-                W_FP8,
-            )
-            acc = tl.dot(hs, tl.trans(wd), acc)
+            acc = block_dot(hs, down_rows + k0 + k[None, :], col_ok[:, None], scales + k0 // 128,
+                            acc, W_FP8, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -196,6 +177,16 @@ def moe_experts(
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
+    if pairs > GROUPED_MAX_PAIRS:
+        # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
+        # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
+        # the experts once per slice costs little.
+        step = max(1, GROUPED_MAX_PAIRS // top_k)
+        return torch.cat([
+            moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
+                        gate_up, down, scales)
+            for i in range(0, rows, step)
+        ])  # fmt: skip
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
@@ -210,6 +201,8 @@ def moe_experts(
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     gate_up_columns, down_columns, warps, stages = COLUMNS
+    # An FP8 tile must lie in one scale block (triton_fp8.block_dot).
+    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
     e_pad = max(16, triton.next_power_of_2(experts))
     common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, num_warps=warps, num_stages=stages)
     g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)

@@ -123,6 +123,7 @@ FP8_MOE_CASES = [
     (16, 256, 96, 4, 7, False),  # intermediate 96: a partial scale block, gate/up not aligned
     (8, 144, 80, 2, 300, False),  # partial blocks in both dims, the grouped path
     (8, 144, 80, 2, 40, True),
+    (16, 256, 96, 8, 1100, False),  # past GROUPED_MAX_PAIRS: slices of rows
 ]
 
 
