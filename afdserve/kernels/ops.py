@@ -178,7 +178,7 @@ def fp8_linear(
     block: tuple[int, int],
 ) -> torch.Tensor:
     """A block-scaled FP8 weight applied weight-only. On CUDA one Triton GEMM reads the FP8
-    weight and dequantizes its tiles in registers (kernels/triton_fp8.py); elsewhere the
+    weight itself, its tiles scaled in registers (kernels/triton_fp8.py); elsewhere the
     reference dequantizes the whole weight first."""
     if _triton_ready(x):
         from afdserve.kernels import triton_fp8
@@ -197,7 +197,7 @@ def moe_experts_fp8(
     block: tuple[int, int],
 ) -> torch.Tensor:
     """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA the
-    stacks stay FP8 and the Triton kernels dequantize their tiles in registers: the decode
+    stacks stay FP8 and the Triton kernels scale their tiles in registers: the decode
     kernels (kernels/triton_fp8_moe.py) for few pairs, the grouped GEMM for more (any count:
     the alternative is a bf16 copy of every expert). Where those do not apply (fp32 activations,
     odd shapes) the stacks are dequantized whole and take `moe_experts` (graph capturable, at the
