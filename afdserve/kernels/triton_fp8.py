@@ -68,8 +68,10 @@ def block_dot(xs, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr, PRECISION
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if W_FP8:
         part = tl.dot(xs, tl.trans(w.to(xs.dtype)), input_precision=PRECISION)
-        return acc + part * tl.load(scale_ptr)
-    return tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+        acc = acc + part * tl.load(scale_ptr)
+    else:
+        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
