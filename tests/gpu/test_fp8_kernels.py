@@ -108,9 +108,15 @@ def touched_reference(x, ids, weights, weights_of) -> torch.Tensor:
 
 def fp8_moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
     """Over the FP8 experts dequantized to x's dtype, as the kernels dequantize their tiles."""
-    return touched_reference(x, ids, weights, lambda hit: (
-        fp8.dequantize_gate_up(gate_up[0][hit], gate_up[1][hit], x.dtype, BLOCK),
-        fp8.dequantize_blockwise(down[0][hit], down[1][hit], x.dtype, BLOCK)))
+    return touched_reference(
+        x,
+        ids,
+        weights,
+        lambda hit: (
+            fp8.dequantize_gate_up(gate_up[0][hit], gate_up[1][hit], x.dtype, BLOCK),
+            fp8.dequantize_blockwise(down[0][hit], down[1][hit], x.dtype, BLOCK),
+        ),
+    )
 
 
 def bf16_moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
@@ -260,8 +266,57 @@ def test_fp8_model_on_cuda_matches_cpu_reference(fp8_model, topology):
         want = [o.token_ids for o in cpu.generate(prompts, params)]
     with LLM(str(fp8_model), device="cuda", topology=topology, **common) as eager:
         got_eager = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(fp8_model), device="cuda", topology=topology,
-                 graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common) as graphs:
+        with LLM(
+            str(fp8_model),
+            device="cuda",
+            topology=topology,
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=SIZES,
+            **common,
+        ) as graphs:
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
         _check(eager, prompts, want, got_eager)
         _check(eager, prompts, got_graphs, got_eager)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("grouped") / "m", "qwen3_moe", hash_layers=1,
+                           seed=5, dtype="bfloat16")  # fmt: skip
+
+
+def _long_prompts(n: int, length: int) -> list[list[int]]:
+    return [[(13 * i + 7 * j + 1) % 250 for j in range(length)] for i in range(n)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_path_in_a_model_matches_cpu_reference(bf16_model, fp8_model, fp8):
+    """A prefill step of 8 x 100 rows routes 1600 pairs (top-2): the grouped Triton path, bf16
+    or FP8, inside the model. Its tokens equal the CPU engine's (the reference) up to near-ties."""
+    prompts = _long_prompts(8, 100)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    model = str(fp8_model if fp8 else bf16_model)
+    common = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, kv_cache_blocks=256,
+                  max_num_batched_tokens=1024)  # fmt: skip
+    with LLM(model, device="cpu", **common) as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    with LLM(model, device="cuda", **common) as cuda:
+        got = [o.token_ids for o in cuda.generate(prompts, params)]
+        _check(cuda, prompts, want, got)
+
+
+def test_grouped_path_in_decode_graphs_equals_eager(bf16_model):
+    """600 sequences decode together (1200 pairs at top-2, the grouped path) under a captured
+    graph of that size: the eager engine's tokens, up to near-ties."""
+    prompts = _prompts(600)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=600, max_model_len=64,
+                  kv_cache_blocks=4096, max_num_batched_tokens=4096)  # fmt: skip
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=[600],
+                 log_step_plan=True, **common) as graphs:  # fmt: skip
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            modes = {r["mode"] for r in graphs.step_log()}
+        _check(eager, prompts, got, want)
+    assert "replay" in modes
