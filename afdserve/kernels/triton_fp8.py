@@ -17,9 +17,14 @@ Two ways to apply the scales, by M:
   float32, times its row's block scale, rounded to x's dtype: `dequant_tile`) and accumulated in
   place; the conversion is shared by BM rows, and the in-place accumulator keeps the MMA pipeline.
 
+At small M the output alone gives too few programs to keep every SM streaming the weight (a
+2048-wide projection in tiles of 32 columns is 64 programs), so K is split too, in whole scale
+blocks; each split writes a float32 partial and a second launch sums them in split order, adds
+the bias and rounds once (deterministic, unlike atomics).
+
 No w8a8 path (activations quantized per token on the fly, tl.dot on FP8 inputs): it would only
 pay for compute-bound prefill GEMMs, and decode is memory-bound. No host sync: shapes pick the
-tiles, so a CUDA graph captures the launch at its batch size.
+tiles, so a CUDA graph captures the launches at their batch size.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ SCALE_BLOCK = 128  # the one block size read (model/quantization.BLOCK)
 # Programs to aim for at small M, so that a memory-bound GEMV keeps every SM streaming weights:
 # twice the SM count of an H100/H200.
 TARGET_PROGRAMS = 264
-# Rows up to which a GEMM is taken as memory-bound: narrow tiles, scales applied to partials.
+# Rows up to which a GEMM is taken as memory-bound: narrow tiles, scales applied to partials,
+# K split over programs.
 SMALL_M = 64
+# At most this many K splits: their float32 partials ([splits, M, N], L2-resident at these sizes)
+# are summed in split order by a second launch, so the result does not depend on timing.
+MAX_SPLITS = 16
+SUM_BLOCK = 1024
 
 
 def supports(
@@ -76,9 +86,9 @@ def block_dot(xs, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr, PRECISION
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_stride, s_stride,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, x_stride, s_stride, k_per_split,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr, SCALE_PARTIALS: tl.constexpr,
+    PRECISION: tl.constexpr, SCALE_PARTIALS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -89,7 +99,8 @@ def _fp8_linear_kernel(
     s_rows = s_ptr + (n // 128)[:, None] * s_stride  # [BN, 1]
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_first = tl.program_id(2) * k_per_split  # a multiple of 128
+    for k0 in range(k_first, tl.minimum(K, k_first + k_per_split), BK):
         kk = k0 + k
         k_ok = kk < K
         xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -101,21 +112,47 @@ def _fp8_linear_kernel(
             w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None],
                              dtype, True)  # fmt: skip
             acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:  # this split's float32 partial, summed in split order by _sum_splits_kernel
+        part = part_ptr + (tl.program_id(2) * M + m.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(part, acc, mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT):
+        acc += tl.load(part_ptr + split * M * N + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, warps, stages) by shape: at small M the narrowest output tiles that still
-    give TARGET_PROGRAMS programs (memory-bound: spread the weight over the SMs); at large M
-    square tiles (compute-bound: reuse each loaded weight tile over many rows)."""
+def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, BK, splits of K, warps, stages) by shape. Small M: the output tile at least twice
+    as wide as it is tall (every program reads its x rows from L2 once per K step: they should
+    not outweigh its weight tile), and K split so that TARGET_PROGRAMS programs stream the
+    weight (a GEMV's output alone gives too few programs). Large M: square tiles, whole K
+    (compute-bound: reuse each loaded weight tile over many rows)."""
     if m > SMALL_M:
-        return 128, 128, 64, 8, 3
+        return 128, 128, 64, 1, 8, 3
     bm = max(16, triton.next_power_of_2(m))
-    bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= TARGET_PROGRAMS), 16)
-    return bm, bn, 128, 4, 4
+    bn = min(128, 2 * bm)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    # The partials' bytes (4 * splits * M * N, written and read) at most a quarter of the
+    # weight's (N * K): at M = 64 they would otherwise rival it.
+    most = max(1, k // (16 * m))
+    splits = max(1, min(k_blocks, TARGET_PROGRAMS // tiles, MAX_SPLITS, most))
+    return bm, bn, SCALE_BLOCK, splits, 4, 4
 
 
 def fp8_linear(
@@ -132,11 +169,22 @@ def fp8_linear(
     if m == 0:
         return y.view(*lead, n)
     scale_inv = scale_inv.contiguous()
-    bm, bn, bk, warps, stages = _tiles(m, n)
+    bm, bn, bk, splits, warps, stages = _tiles(m, n, k)
+    # Whole 128-column scale blocks per split, at least one each.
+    blocks_per_split = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), splits)
+    splits = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), blocks_per_split)
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        x2, q, scale_inv, bias if bias is not None else y, y, m, n, k, x2.stride(0),
-        scale_inv.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, num_warps=warps, num_stages=stages,
+    bias_arg = bias if bias is not None else y  # never read without a bias
+    _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+        x2, q, scale_inv, bias_arg, y, part, m, n, k, x2.stride(0), scale_inv.stride(0),
+        blocks_per_split * SCALE_BLOCK, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, SPLIT=splits, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            part, bias_arg, y, m, n, HAS_BIAS=bias is not None, SPLIT=splits, BLOCK=SUM_BLOCK,
+            num_warps=4,
+        )  # fmt: skip
     return y.view(*lead, n)
