@@ -167,16 +167,19 @@ def test_fp8_decode_and_grouped_kernels_agree(rows):
 @pytest.mark.parametrize("rows", [8, 256])
 def test_fp8_moe_replays_in_cuda_graph(rows):
     """Captured once (the decode kernels at 8 rows, the grouped path with its assignment at
-    256), replayed on new inputs copied into the captured buffers."""
-    x, ids, weights, gate_up, down = moe_case(rows, 32, 256, 128, 4, 60)
+    256 rows of top-8), replayed on new inputs copied into the captured buffers."""
+    from afdserve.kernels import triton_moe
+
+    x, ids, weights, gate_up, down = moe_case(rows, 32, 256, 128, 8, 60)
     gu, dn = fp8_experts(gate_up, down)
+    assert (ids.numel() > triton_moe.MAX_PAIRS) == (rows == 256)
     ops.moe_experts_fp8(x, ids, weights, gu, dn, BLOCK)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.moe_experts_fp8(x, ids, weights, gu, dn, BLOCK)
     for seed in (61, 62):
-        new_x, new_ids, new_weights, _, _ = moe_case(rows, 32, 256, 128, 4, seed)
+        new_x, new_ids, new_weights, _, _ = moe_case(rows, 32, 256, 128, 8, seed)
         x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
         graph.replay()
         assert rel_err(out, fp8_moe_reference(x, ids, weights, gu, dn)) < 2e-2
