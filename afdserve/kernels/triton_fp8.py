@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.fp8 import FP8_DTYPE
+from afdserve.kernels.fp8 import FP8_DTYPE, scale_grid
 
 SCALE_BLOCK = 128  # the one block size read (model/quantization.BLOCK)
 # Programs to aim for at small M, so that a memory-bound GEMV keeps every SM streaming weights:
@@ -56,18 +56,18 @@ def supports(
         return False
     if tuple(block) != (SCALE_BLOCK, SCALE_BLOCK) or x.shape[-1] != q.shape[1]:
         return False
+    if tuple(scale_inv.shape) != scale_grid(*q.shape, block):
+        return False
     return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr, W_FP8: tl.constexpr):
-    """A weight tile in DTYPE: FP8 values times their block scale (float32, rounded once), as
-    kernels/fp8.dequantize_blockwise computes them; a float weight is loaded as is."""
+def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr):
+    """An FP8 weight tile in DTYPE: values times their block scale in float32, rounded once, as
+    kernels/fp8.dequantize_blockwise computes them."""
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if W_FP8:
-        scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
-        w = w.to(tl.float32) * scale
-    return w.to(DTYPE)
+    scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    return (w.to(tl.float32) * scale).to(DTYPE)
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _fp8_linear_kernel(
             acc = block_dot(xs, w_rows + kk[None, :], w_mask, scale, acc, True, PRECISION)
         else:  # dequantized as the reference does, accumulated in place
             w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None],
-                             dtype, True)  # fmt: skip
+                             dtype)  # fmt: skip
             acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
