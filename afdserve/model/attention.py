@@ -17,7 +17,7 @@ from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 from afdserve.kernels.reference import causal_attention, dequantize_kv, gather_kv
 from afdserve.model.config import ModelConfig
-from afdserve.model.fp8 import linear_weight
+from afdserve.model.fp8 import Fp8Linear, linear_weight
 from afdserve.model.layers import RMSNorm, Rotary
 
 LayerCache = tuple[torch.Tensor, torch.Tensor | None]
@@ -45,23 +45,32 @@ class GQAAttention(nn.Module):
         self.eps = config.rms_norm_eps
         self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (module docstring)
         self.qkv_weight: torch.Tensor | None = None  # set by pack_qkv
+        self.qkv_weight_scale_inv: torch.Tensor | None = None  # FP8 packed: its scale grid
+        self.qkv_block: tuple[int, int] | None = None
         self.qkv_bias: torch.Tensor | None = None
 
     def pack_qkv(self) -> None:
         """Lay q, k and v's weights out as one [q + k + v, hidden] matrix, so a step runs one GEMM
         instead of three. The three projections become views of it: checkpoints still load (and
-        state dicts still read) by the Hugging Face names. Call once the weights are allocated."""
+        state dicts still read) by the Hugging Face names. Call once the weights are allocated.
+        FP8 projections pack too (weights and scale grids) when each one's rows end on a scale
+        block boundary, so that their grids stack; otherwise they run as three GEMMs."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(p, nn.Linear) for p in projections):
-            # FP8 projections keep one scale grid each; q, k and v's rows need not end on a
-            # block boundary, so they run as three GEMMs.
+        if all(isinstance(p, Fp8Linear) for p in projections):
+            if any(p.out_features % p.block[0] for p in projections):
+                return
+            names = ("weight", "weight_scale_inv", "bias")
+            self.qkv_block = projections[0].block
+        elif all(isinstance(p, nn.Linear) for p in projections):
+            names = ("weight", "bias")
+        else:
             return
-        sizes = [p.out_features for p in projections]
-        for name in ("weight", "bias"):
+        for name in names:
             tensors = [getattr(p, name) for p in projections]
             if tensors[0] is None:
                 continue
             packed = torch.cat([t.detach() for t in tensors])
+            sizes = [t.shape[0] for t in tensors]
             for proj, view in zip(projections, packed.split(sizes), strict=True):
                 setattr(proj, name, nn.Parameter(view, requires_grad=False))
             setattr(self, f"qkv_{name}", packed)
@@ -75,7 +84,10 @@ class GQAAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
-        if self.qkv_weight is not None:
+        if self.qkv_weight_scale_inv is not None:
+            qkv = ops.fp8_linear(x, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_bias,
+                                 self.qkv_block)  # fmt: skip
+        elif self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)

@@ -22,6 +22,7 @@ from afdserve.model.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
 from tests.gpu.test_kernels import QWEN3_MOE, moe_case, rel_err
+from tests.model.test_fp8_qkv_pack import write_wide_heads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -323,3 +324,28 @@ def test_grouped_path_in_decode_graphs_equals_eager(bf16_model):
             modes = {r["mode"] for r in graphs.step_log()}
         _check(eager, prompts, got, want)
     assert "replay" in modes
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    return write_wide_heads(tmp_path_factory.mktemp("fp8-pack") / "m", torch.bfloat16)
+
+
+def test_packed_fp8_qkv_on_cuda_matches_cpu_reference(wide_heads):
+    """FP8 q/k/v packed into one GEMM (rows on 128-row blocks, tests/model/test_fp8_qkv_pack.py)
+    on CUDA, eager and under graphs: the CPU engine's tokens, up to near-ties."""
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512)
+    with LLM(str(wide_heads), device="cpu", **common) as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    with LLM(str(wide_heads), device="cuda", **common) as eager:
+        attn = next(m for m in eager.engine.core_client.core.runner.model.modules()
+                    if hasattr(m, "qkv_weight_scale_inv"))  # fmt: skip
+        assert attn.qkv_weight_scale_inv is not None and attn.qkv_weight.is_cuda
+        got = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(str(wide_heads), device="cuda", graph_mode="full_decode_only",
+                 cuda_graph_sizes=SIZES, **common) as graphs:  # fmt: skip
+            got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
+        _check(eager, prompts, want, got)
+        _check(eager, prompts, got_graphs, got)
