@@ -188,6 +188,19 @@ def fp8_linear(
     return fp8.fp8_linear(x, q, scale_inv, bias, block)
 
 
+def dequantize_fp8(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
+) -> torch.Tensor:
+    """A block-scaled FP8 weight as a matrix in `dtype` (for code that uses it as one: MLA's
+    absorbed attention), the same values on every path; on CUDA one Triton pass."""
+    if _triton_ready(q):
+        from afdserve.kernels import triton_fp8
+
+        if triton_fp8.weight_fits(q, scale_inv, block):
+            return triton_fp8.dequantize(q, scale_inv, dtype)
+    return fp8.dequantize_blockwise(q, scale_inv, dtype, block)
+
+
 def moe_experts_fp8(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

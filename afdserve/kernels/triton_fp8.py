@@ -48,15 +48,20 @@ MAX_SPLITS = 16
 SUM_BLOCK = 1024
 
 
+def weight_fits(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> bool:
+    """A contiguous 2-D FP8 weight on CUDA with its grid of 128 x 128 blocks."""
+    if not (q.is_cuda and q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
+        return False
+    return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and tuple(scale_inv.shape) == scale_grid(
+        *q.shape, block
+    )
+
+
 def supports(
     x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> bool:
-    """Float activations on CUDA, a 2-D FP8 weight of the 128 x 128 layout."""
-    if not (x.is_cuda and q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
-        return False
-    if tuple(block) != (SCALE_BLOCK, SCALE_BLOCK) or x.shape[-1] != q.shape[1]:
-        return False
-    if tuple(scale_inv.shape) != scale_grid(*q.shape, block):
+    """Float activations on CUDA against such a weight."""
+    if not (x.is_cuda and x.shape[-1] == q.shape[-1] and weight_fits(q, scale_inv, block)):
         return False
     return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
@@ -188,3 +193,31 @@ def fp8_linear(
             num_warps=4,
         )  # fmt: skip
     return y.view(*lead, n)
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, cols, s_stride, ROWS: tl.constexpr,
+                       COLS: tl.constexpr):  # fmt: skip
+    # ROWS divides 128 and COLS is 128: the tile lies in one scale block.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    ok = (r < rows)[:, None] & (c < cols)[None, :]
+    offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+    scale = tl.load(s_ptr + (tl.program_id(0) * ROWS // 128) * s_stride + tl.program_id(1))
+    q = tl.load(q_ptr + offsets, mask=ok, other=0.0)
+    tl.store(out_ptr + offsets, (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`kernels/fp8.dequantize_blockwise` of a 2-D weight on CUDA, value for value (float32
+    product, rounded once), in one pass: one byte read and one element written per weight,
+    where the reference expands the scale grid to a float32 matrix first. For the weights used
+    as matrices (MLA's absorbed kv_b_proj); check `weight_fits` first."""
+    rows, cols = q.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=q.device)
+    scale_inv = scale_inv.contiguous()
+    tile_rows = 32
+    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(cols, SCALE_BLOCK))
+    _dequantize_kernel[grid](q, scale_inv, out, rows, cols, scale_inv.stride(0), ROWS=tile_rows,
+                             COLS=SCALE_BLOCK, num_warps=4)  # fmt: skip
+    return out

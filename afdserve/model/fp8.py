@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise, scale_grid
+from afdserve.kernels.fp8 import FP8_DTYPE, quantize_blockwise, scale_grid
 from afdserve.model.moe import Experts
 from afdserve.model.quantization import Fp8Spec
 
@@ -57,7 +57,7 @@ class Fp8Linear(nn.Module):
         return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_blockwise(self.weight, self.weight_scale_inv, dtype, self.block)
+        return ops.dequantize_fp8(self.weight, self.weight_scale_inv, dtype, self.block)
 
 
 def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -349,3 +349,14 @@ def test_packed_fp8_qkv_on_cuda_matches_cpu_reference(wide_heads):
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
         _check(eager, prompts, want, got)
         _check(eager, prompts, got_graphs, got)
+
+
+@pytest.mark.parametrize("rows,cols", [(32768, 512), (576, 200), (40, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_dequantize_equals_reference_bit_for_bit(rows, cols, dtype):
+    """A weight used as a matrix (MLA's kv_b_proj: DeepSeek-V3's is 32768 x 512) dequantized in
+    one Triton pass: the reference's values exactly (float32 product, one rounding)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + cols)
+    q, scale = fp8.quantize_blockwise(torch.randn(rows, cols, generator=gen, device="cuda"), BLOCK)
+    got = no_sync(ops.dequantize_fp8, q, scale, dtype, BLOCK)
+    assert torch.equal(got, fp8.dequantize_blockwise(q, scale, dtype, BLOCK))
