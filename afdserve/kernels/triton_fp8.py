@@ -7,12 +7,14 @@ Two ways to apply the scales, by M:
 
 - small M (decode, up to 64 rows; also every routed-expert kernel): a tile's output columns and
   its K step both divide 128 and start on a multiple of their size, so the whole tile lies in one
-  scale block. The FP8 values are cast to x's dtype (exact: every e4m3 value is a bf16 / fp16
-  value), tl.dot runs on them, and its float32 partial is multiplied by the one block scale
-  (`block_dot`). Per weight element that is one conversion: these GEMMs are memory-bound, and
-  converting each element to float32, scaling and rounding it back would cost ALU time close to
-  the time its byte takes to arrive. Against the reference (which rounds each dequantized weight
-  to x's dtype) the only difference is that rounding, which this skips.
+  scale block. The FP8 values are cast to fp16 (exact: every e4m3 value is an fp16 value; bf16
+  rows of x are scaled by a power of two into fp16, also exact: `as_operand`), tl.dot runs on
+  them, and its float32 partial is multiplied by the one block scale (`block_dot`). Per weight
+  element that is half an instruction: these GEMMs are memory-bound, and converting each element
+  to float32, scaling and rounding it back (or Triton's e4m3 -> bf16) costs ALU time beyond the
+  time its byte takes to arrive (an H200 measured FP8 slower than bf16 that way). Against the
+  reference (which rounds each dequantized weight to x's dtype) the only difference is that
+  rounding, which this skips.
 - large M (prefill): each tile is dequantized in registers as the reference does it (FP8 to
   float32, times its row's block scale, rounded to x's dtype: `dequant_tile`) and accumulated in
   place; the conversion is shared by BM rows, and the in-place accumulator keeps the MMA pipeline.
@@ -76,16 +78,42 @@ def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def block_dot(xs, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + xs @ W^T over one K step of a weight tile [columns, K step]. FP8 (the tile in one
-    scale block, `scale_ptr` its scale): the dot on the FP8 values cast to xs's dtype, its float32
-    result times the scale. A float weight: the plain dot, accumulated in place."""
+def as_operand(xs, X_SCALED: tl.constexpr):
+    """(left operand, per-row scale) of a dot against FP8 weights. X_SCALED (bf16 x): each row
+    times a power of two that brings its largest value near 2^14, in fp16. Exact: fp16 holds
+    every bf16 value in its range with mantissa to spare, and a power of two only moves the
+    exponent (only values below 2^-28 of their row's largest lose bits). The dot then runs in
+    fp16, against FP8 weights cast to fp16 in one instruction per two values, where casting them
+    to bf16 takes three (Triton's e4m3 -> bf16 goes through fp16); products and the float32
+    accumulation are the same as in bf16. Otherwise x as it is (the scale is not read)."""
+    if X_SCALED:
+        xf = xs.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-20)
+        shift = tl.ceil(tl.log2(amax)) - 14.0
+        xo = (xf * tl.exp2(-shift)[:, None]).to(tl.float16)
+        rows = tl.exp2(shift)
+    else:
+        xo = xs
+        rows = xs
+    return xo, rows
+
+
+@triton.jit
+def block_dot(xo, rows, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr,
+              X_SCALED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """acc + x @ W^T over one K step of a weight tile [columns, K step], x given as
+    `as_operand` makes it. FP8 (the tile in one scale block, `scale_ptr` its scale): the dot on
+    the FP8 values cast to the operand's dtype (exact), its float32 result times the block scale
+    (and the rows' scales). A float weight: the plain dot, accumulated in place."""
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if W_FP8:
-        part = tl.dot(xs, tl.trans(w.to(xs.dtype)), input_precision=PRECISION)
-        acc = acc + part * tl.load(scale_ptr)
+        part = tl.dot(xo, tl.trans(w.to(xo.dtype)), input_precision=PRECISION)
+        if X_SCALED:
+            acc = acc + part * (rows * tl.load(scale_ptr))[:, None]
+        else:
+            acc = acc + part * tl.load(scale_ptr)
     else:
-        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(xo, tl.trans(w), acc, input_precision=PRECISION)
     return acc
 
 
@@ -94,6 +122,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, x_stride, s_stride, k_per_split,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr, SCALE_PARTIALS: tl.constexpr, SPLIT: tl.constexpr,
+    X_SCALED: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -112,7 +141,9 @@ def _fp8_linear_kernel(
         w_mask = n_ok[:, None] & k_ok[None, :]
         if SCALE_PARTIALS:  # BN and BK divide 128: one scale for the tile
             scale = s_ptr + (tl.program_id(0) * BN // 128) * s_stride + k0 // 128
-            acc = block_dot(xs, w_rows + kk[None, :], w_mask, scale, acc, True, PRECISION)
+            xo, rows = as_operand(xs, X_SCALED)
+            acc = block_dot(xo, rows, w_rows + kk[None, :], w_mask, scale, acc, True, X_SCALED,
+                            PRECISION)  # fmt: skip
         else:  # dequantized as the reference does, accumulated in place
             w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None],
                              dtype)  # fmt: skip
@@ -184,8 +215,8 @@ def fp8_linear(
     _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x2, q, scale_inv, bias_arg, y, part, m, n, k, x2.stride(0), scale_inv.stride(0),
         blocks_per_split * SCALE_BLOCK, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, SPLIT=splits, num_warps=warps,
-        num_stages=stages,
+        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, SPLIT=splits,
+        X_SCALED=x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](

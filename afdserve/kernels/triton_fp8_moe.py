@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.fp8 import FP8_DTYPE
-from afdserve.kernels.triton_fp8 import block_dot
+from afdserve.kernels.triton_fp8 import as_operand, block_dot
 from afdserve.kernels.triton_moe import (
     SUM_COLUMNS,
     _expert_pairs,
@@ -53,7 +53,7 @@ def supports(
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
     inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
+    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -72,11 +72,12 @@ def _gate_up_kernel(
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, hidden, K_BLOCK):
             xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            xo, rs = as_operand(xs, X_SCALED)  # once for gate and up
             w_cols = k0 + k[None, :]
-            gate = block_dot(xs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
-                             gate, True, "tf32")  # fmt: skip
-            up = block_dot(xs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
-                           True, "tf32")  # fmt: skip
+            gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                             gate, True, X_SCALED, "tf32")  # fmt: skip
+            up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                           True, X_SCALED, "tf32")  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -86,7 +87,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -101,8 +102,9 @@ def _down_kernel(
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            acc = block_dot(hs, down_rows + k0 + k[None, :], col_ok[:, None], scales + k0 // 128,
-                            acc, True, "tf32")  # fmt: skip
+            ho, rs = as_operand(hs, X_SCALED)
+            acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
+                            scales + k0 // 128, acc, True, X_SCALED, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -136,6 +138,7 @@ def moe_experts(
         PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
         BY_EXPERT=pairs > experts,
         ROWS=_rows_per_tile(pairs, experts),
+        X_SCALED=x.dtype == torch.bfloat16,  # triton_fp8.as_operand
     )
     slots = min(pairs, experts)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
