@@ -22,6 +22,7 @@ from afdserve.model.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
 from tests.gpu.test_kernels import QWEN3_MOE, moe_case, rel_err
+from tests.model.test_fp8 import dequantized_copy
 from tests.model.test_fp8_qkv_pack import write_wide_heads
 
 pytestmark = [
@@ -259,28 +260,27 @@ def fp8_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("topology", ["colocated", "1A1F"])
-def test_fp8_model_on_cuda_matches_cpu_reference(fp8_model, topology):
+def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_model, tmp_path, topology):
     """An FP8 checkpoint served on CUDA (the FP8 kernels: dense projections and experts, eager
     and under full_decode_only graphs, colocated and with the experts on an FFN rank) gives the
-    CPU engine's tokens (the reference dequantization), up to bf16 near-ties of the CUDA engine."""
+    tokens of the same checkpoint dequantized to bf16 (transformers' Fp8Dequantize) on the bf16
+    CUDA kernels, up to near-ties of the FP8 engine. (Against the CPU engine the router's own
+    near-ties between CPU and Triton kernels flip experts: H200 run, a 0.25 gap.)"""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512)
-    with LLM(str(fp8_model), device="cpu", **common) as cpu:
-        want = [o.token_ids for o in cpu.generate(prompts, params)]
-    with LLM(str(fp8_model), device="cuda", topology=topology, **common) as eager:
+    common = dict(device="cuda", dtype="bfloat16", topology=topology, max_num_seqs=16,
+                  max_model_len=256, kv_cache_blocks=512)  # fmt: skip
+    plain = dequantized_copy(fp8_model, tmp_path / "dequantized")
+    with LLM(str(plain), **common) as bf16:
+        want = [o.token_ids for o in bf16.generate(prompts, params)]
+    with LLM(str(fp8_model), **common) as eager:
         got_eager = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(
-            str(fp8_model),
-            device="cuda",
-            topology=topology,
-            graph_mode="full_decode_only",
-            cuda_graph_sizes=SIZES,
-            **common,
-        ) as graphs:
+        with LLM(str(fp8_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
+                 **common) as graphs:  # fmt: skip
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
-        _check(eager, prompts, want, got_eager)
+        gaps = _check(eager, prompts, want, got_eager)
         _check(eager, prompts, got_graphs, got_eager)
+    print(f"{topology}: {len(gaps)} near-tie divergences from the dequantized model ({gaps})")
 
 
 @pytest.fixture(scope="module")
@@ -331,21 +331,23 @@ def wide_heads(tmp_path_factory):
     return write_wide_heads(tmp_path_factory.mktemp("fp8-pack") / "m", torch.bfloat16)
 
 
-def test_packed_fp8_qkv_on_cuda_matches_cpu_reference(wide_heads):
+def test_packed_fp8_qkv_on_cuda_matches_the_dequantized_model(wide_heads, tmp_path):
     """FP8 q/k/v packed into one GEMM (rows on 128-row blocks, tests/model/test_fp8_qkv_pack.py)
-    on CUDA, eager and under graphs: the CPU engine's tokens, up to near-ties."""
+    on CUDA, eager and under graphs: the dequantized checkpoint's tokens on the bf16 kernels, up
+    to near-ties."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512)
-    with LLM(str(wide_heads), device="cpu", **common) as cpu:
-        want = [o.token_ids for o in cpu.generate(prompts, params)]
-    with LLM(str(wide_heads), device="cuda", **common) as eager:
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
+                  kv_cache_blocks=512)  # fmt: skip
+    with LLM(str(dequantized_copy(wide_heads, tmp_path / "dequantized")), **common) as bf16:
+        want = [o.token_ids for o in bf16.generate(prompts, params)]
+    with LLM(str(wide_heads), **common) as eager:
         attn = next(m for m in eager.engine.core_client.core.runner.model.modules()
                     if hasattr(m, "qkv_weight_scale_inv"))  # fmt: skip
         assert attn.qkv_weight_scale_inv is not None and attn.qkv_weight.is_cuda
         got = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(wide_heads), device="cuda", graph_mode="full_decode_only",
-                 cuda_graph_sizes=SIZES, **common) as graphs:  # fmt: skip
+        with LLM(str(wide_heads), graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
+                 **common) as graphs:  # fmt: skip
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
         _check(eager, prompts, want, got)
         _check(eager, prompts, got_graphs, got)
