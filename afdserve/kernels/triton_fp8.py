@@ -173,15 +173,16 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, HAS_BIAS: tl.constexpr,
 
 
 def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, BK, splits of K, warps, stages) by shape. Small M: the output tile at least twice
-    as wide as it is tall (every program reads its x rows from L2 once per K step: they should
-    not outweigh its weight tile), and K split so that TARGET_PROGRAMS programs stream the
-    weight (a GEMV's output alone gives too few programs). Large M: square tiles, whole K
-    (compute-bound: reuse each loaded weight tile over many rows)."""
+    """(BM, BN, BK, splits of K, warps, stages) by shape. Small M: output tiles as wide as they
+    are tall, at least 32 (every program reads its x rows from L2 once per K step, twice its
+    FP8 weight tile's bytes at most: L2 serves them faster than HBM the weight), and K split so
+    that TARGET_PROGRAMS programs stream the weight (a GEMV's output alone gives too few
+    programs). Large M: square tiles, whole K (compute-bound: reuse each loaded weight tile over
+    many rows)."""
     if m > SMALL_M:
         return 128, 128, 64, 1, 8, 3
     bm = max(16, triton.next_power_of_2(m))
-    bn = min(128, 2 * bm)
+    bn = max(32, bm)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     k_blocks = triton.cdiv(k, SCALE_BLOCK)
     # The partials' bytes (4 * splits * M * N, written and read) at most a quarter of the
