@@ -1,17 +1,19 @@
 """`afdserve bench calibrate`: measure on the machine at hand what `afdserve plan` predicts from,
 and write it as one JSON profile (planner/profile.py says what it holds).
 
-Everything runs on one device, with the decode benches' own steps (bench/decode_steps.py, CUDA
+Everything runs on one device with the decode benches' own steps (bench/decode_steps.py, CUDA
 graphs as `--graph-mode` says):
-- colocated decode steps on a grid of batches and contexts (`--fit-batches` x `--contexts`, where
-  the KV cache fits): the curves are fitted to these;
+- the attention rank alone: its half of every layer, with an FFN boundary that answers zeros at
+  once (`NoFFN`), on a grid of batches x contexts up to what its KV cache can hold on the device
+  (an attention rank holds only its half, so far more than a colocated engine can);
 - the FFN half of every layer over `--ffn-tokens` rows, captured in one graph where the device
   allows, else eager;
 - the per-step work outside the layers (embedding, final norm, lm_head, greedy pick) per batch;
-- in-process 1A1F at batch 1 (the hand-over cost of the split on one device), and as validation,
-  colocated and in-process steps at `--check-batches`, which the fit does not see.
+- whole deployments as validation, which the curves are not drawn through: colocated steps and
+  in-process 1A1F (both halves on the device, 1 and 2 ubatches) at `--check-batches`; in-process
+  1A1F at batch 1 also gives the hand-over cost of the split on one device.
 The hand-over between two GPUs cannot be measured on one: the profile carries the two-GPU figures
-of docs/benchmarks.md (TWO_GPU_HANDOVER, with their source) unless a run on two GPUs replaces them.
+of docs/benchmarks.md (TWO_GPU_HANDOVER, with their source).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -32,6 +35,8 @@ from afdserve.bench.flags import add_engine_flags
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.config_args import add_dataclass_arguments, build, option, parse_sizes
 from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.engine.model_runner import Ready
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.model.config import parse_model_config, read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts, MoECausalLM
@@ -65,11 +70,15 @@ class CalibrateBench:
     model_dir: str | None = option(None, flag="--model", help="a Hugging Face model directory")
     preset: str | None = option(None, choices=sorted(PRESETS), help="a published config")
     random_weights: bool = option(False, help="random weights (a preset has no others)")
-    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 128), parse=_sizes,
-                                          help="decode batches the curves are fitted to")
-    check_batches: tuple[int, ...] = option((8, 64, 256), parse=_sizes,
-                                            help="decode batches measured only to check the fit")
-    contexts: tuple[int, ...] = option((1024, 8192), parse=_sizes, help="context lengths")
+    fit_batches: tuple[int, ...] = option((1, 4, 16, 64, 128, 256), parse=_sizes,
+                                          help="attention-rank batches the curves go through")
+    check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=_sizes,
+                                            help="batches of the colocated and in-process steps "
+                                            "measured to check the prediction")
+    contexts: tuple[int, ...] = option((1024, 8192, 32768), parse=_sizes,
+                                       help="context lengths of the attention points")
+    check_contexts: tuple[int, ...] = option((1024, 8192), parse=_sizes,
+                                             help="context lengths of the checks")
     ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                                          parse=_sizes, help="rows of the FFN-half points")
     steps: int = option(10, help="timed steps per point (median)")
@@ -85,7 +94,7 @@ class CalibrateBench:
         if self.preset is not None and not self.random_weights:
             raise ValueError("calibrate.random_weights: a preset has no checkpoint: add "
                              "--random-weights")
-        for name in ("fit_batches", "check_batches", "contexts", "ffn_tokens"):
+        for name in ("fit_batches", "check_batches", "contexts", "check_contexts", "ffn_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"calibrate.{name}: a non-empty list of integers >= 1")
         if self.steps < 2:
@@ -124,35 +133,64 @@ def _graphed(fn, device: torch.device):
     return graph.replay
 
 
+class NoFFN:
+    """An FFN boundary that answers every layer with zeros at once: the attention rank's own
+    time, with nothing to wait for."""
+
+    def __init__(self, model: MoECausalLM, rows: int) -> None:
+        param = next(model.parameters())
+        self.a2e = A2EFormat("auto", model.dtype)
+        self.zeros = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype,
+                                 device=param.device)
+
+    def begin_step(self, plan, step: int) -> None:
+        return None
+
+    def post(self, layer, ubatch, x, route_ids, routing) -> Ready:
+        return Ready(self.zeros[: x.shape[0]])
+
+
 class Calibration:
     def __init__(self, spec: CalibrateBench) -> None:
         self.spec = spec
         self.raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
         self.config = parse_model_config(self.raw)
         self.device = torch.device(spec.device)
-        self.model: MoECausalLM = build_half(spec.decode_spec(), self.raw,
-                                             ModelParts.colocated(), self.device)
         self.kv_per_token = bytes_per_block(self.config, 1, TORCH_DTYPES[spec.dtype])
+        self.model: MoECausalLM | None = None
+
+    def build(self, parts: ModelParts) -> MoECausalLM:
+        self.model = None
+        self.release()
+        self.model = build_half(self.spec.decode_spec(), self.raw, parts, self.device)
+        return self.model
+
+    def release(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def fits(self, batch: int, context: int) -> bool:
         if self.device.type != "cuda":
             return True
+        self.release()
         tokens = batch * (context + WARMUP_STEPS + self.spec.steps + 2 * self.spec.block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        return tokens * self.kv_per_token < 0.9 * free - (2 << 30)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return tokens * self.kv_per_token < 0.92 * free - (2 << 30)
 
     @torch.inference_mode()
     def decode_ms(self, batch: int, context: int, topology: str = "colocated",
-                  ubatches: int = 1) -> float:
+                  ubatches: int = 1, attention_only: bool = False) -> float:
         spec = self.spec.decode_spec(topology, ubatches, context)
         ffn = self.model if topology == "in-process" else None
-        steps = DecodeSteps(self.model, ffn, spec, batch)
+        boundary = NoFFN(self.model, batch) if attention_only else None
+        steps = DecodeSteps(self.model, ffn, spec, batch, boundary=boundary)
         for _ in range(WARMUP_STEPS - 1):
             steps.step()
         ms = statistics.median(steps.step()[1] * 1e3 for _ in range(self.spec.steps))
         del steps
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.release()
         return ms
 
     @torch.inference_mode()
@@ -208,45 +246,48 @@ def _versions() -> dict[str, str]:
 def run_calibration(spec: CalibrateBench, log=print) -> Profile:
     cal = Calibration(spec)
     c = cal.config
-    colocated, validation = [], []
+    attention, validation = [], []
+    cal.build(ModelParts(True, False))
     for context in spec.contexts:
-        for batch in sorted(set(spec.fit_batches) | set(spec.check_batches)):
+        for batch in spec.fit_batches:
             if not cal.fits(batch, context):
-                log(f"  batch {batch}, context {context}: the KV cache does not fit, skipped")
+                log(f"  attention rank, batch {batch}, context {context}: the KV cache does not "
+                    f"fit, skipped")
                 continue
-            ms = cal.decode_ms(batch, context)
-            log(f"  colocated batch {batch}, context {context}: {ms:.3f} ms")
-            if batch in spec.fit_batches:
-                colocated.append(StepPoint(batch, context, ms))
-            else:
-                validation.append(ValidationPoint("colocated", batch, context, ms,
-                                                  source="calibrate"))
-    first_context = spec.contexts[0]
-    base = next(p.step_ms for p in colocated if (p.batch, p.context) == (1, first_context)) \
-        if any((p.batch, p.context) == (1, first_context) for p in colocated) \
-        else cal.decode_ms(1, first_context)
-    split = cal.decode_ms(1, first_context, "in-process")
-    handover = {"inprocess": Handover(max(0.0, (split - base) / c.num_layers * 1e3),
-                                      f"calibrate: in-process 1A1F - colocated at batch 1, "
-                                      f"context {first_context}")}
-    handover.update(TWO_GPU_HANDOVER)
-    for context in spec.contexts:
-        for batch in spec.check_batches:
-            for ubatches in (1, 2):
-                if batch < ubatches or not cal.fits(batch, context):
-                    continue
-                ms = cal.decode_ms(batch, context, "in-process", ubatches)
-                log(f"  in-process 1A1F batch {batch}, context {context}, ubatches {ubatches}: "
-                    f"{ms:.3f} ms")
-                validation.append(ValidationPoint("1A1F", batch, context, ms, ubatches,
-                                                  "inprocess", "calibrate"))
+            ms = cal.decode_ms(batch, context, "in-process", attention_only=True)
+            log(f"  attention rank, batch {batch}, context {context}: {ms:.3f} ms")
+            attention.append(StepPoint(batch, context, ms))
+    cal.build(ModelParts.colocated())
     ffn = [FFNPoint(n, cal.ffn_ms(n)) for n in spec.ffn_tokens]
+    log("  FFN half: " + ", ".join(f"{p.tokens} rows {p.step_ms:.3f} ms" for p in ffn))
     fixed = [FixedPoint(b, cal.fixed_ms(b)) for b in sorted(set(spec.fit_batches))]
+    first = spec.check_contexts[0]
+    colocated_one = cal.decode_ms(1, first)
+    split_one = cal.decode_ms(1, first, "in-process")
+    handover = {"inprocess": Handover(max(0.0, (split_one - colocated_one) / c.num_layers * 1e3),
+                                      f"calibrate: in-process 1A1F - colocated at batch 1, "
+                                      f"context {first}")}  # fmt: skip
+    handover.update(TWO_GPU_HANDOVER)
+    for context in spec.check_contexts:
+        for batch in spec.check_batches:
+            if not cal.fits(batch, context):
+                log(f"  check batch {batch}, context {context}: the KV cache does not fit")
+                continue
+            runs = [("colocated", 1)] + [("in-process", u) for u in (1, 2) if batch >= u]
+            for topology, ubatches in runs:
+                if (batch, context, topology, ubatches) == (1, first, "in-process", 1):
+                    continue  # the hand-over's own point
+                ms = cal.decode_ms(batch, context, topology, ubatches)
+                log(f"  {topology} batch {batch}, context {context}, ubatches {ubatches}: "
+                    f"{ms:.3f} ms")
+                validation.append(ValidationPoint(
+                    "colocated" if topology == "colocated" else "1A1F", batch, context, ms,
+                    ubatches, "inprocess", "calibrate"))
     shape = ModelShape(spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
                        c.num_layers, c.num_experts, c.top_k, spec.dtype)
     return Profile(
         date=datetime.date.today().isoformat(), hardware=_hardware(cal.device),
-        versions=_versions(), model=shape, colocated=tuple(colocated), ffn=tuple(ffn),
+        versions=_versions(), model=shape, attention=tuple(attention), ffn=tuple(ffn),
         fixed=tuple(fixed), handover=handover, validation=tuple(validation),
     )  # fmt: skip
 
@@ -263,6 +304,6 @@ def main_calibrate(args: argparse.Namespace) -> int:
     spec = build(CalibrateBench, args)
     profile = run_calibration(spec)
     profile.save(spec.out)
-    print(f"calibrate: {len(profile.colocated)} colocated steps, {len(profile.ffn)} FFN points, "
+    print(f"calibrate: {len(profile.attention)} attention steps, {len(profile.ffn)} FFN points, "
           f"{len(profile.validation)} checks -> {spec.out}")
     return 0

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from afdserve.planner.deployments import Deployment
-from afdserve.planner.profile import Costs, touched
+from afdserve.planner.profile import Costs
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,8 @@ def ffn_ubatch_ms(costs: Costs, d: Deployment, rows: float) -> float:
     homes = math.ceil(d.attention / d.ffn)  # attention ranks sharing the busiest home rank
     if not d.expert_parallel:
         return costs.ffn_ms(homes * rows)
-    m = costs.model
     gathered = d.ffn * homes * rows  # the group's all-gather: F x the largest receive
-    f0, f1, f2 = costs.ffn
-    held = m.num_experts / d.ffn
-    own = max(0.0, f0 + f1 * touched(gathered, held, m.top_k, m.num_experts) + f2 * gathered)
+    own = costs.ffn_ms(gathered, held=costs.model.num_experts / d.ffn)
     # The all-gather + reduce-scatter inside the group is not measured on one GPU: costed as
     # one more hand-over of the same transport.
     return own + _handover_ms(costs, d.transport)

@@ -1,23 +1,23 @@
 """The measured costs the planner predicts from, as one JSON file (`afdserve bench calibrate`
-writes it), and the cost curves fitted to them.
+writes it), and the cost curves drawn through them.
 
-What a profile holds, all on one GPU of the machine at hand:
-- `colocated`: whole decode steps (batch, context -> ms), CUDA graphs on, every layer's both
-  halves on one device: what a replica costs, and (less the FFN half and the per-step work) what
-  the attention half costs;
-- `ffn`: the FFN half of every layer over `tokens` rows with every routed expert held (ms);
+What a profile holds, all on one GPU of the machine at hand, CUDA graphs on:
+- `attention`: decode steps of an attention rank alone (its half of every layer, the FFN half
+  answering zeros at once), per batch and context: embedding, layers, lm_head, greedy pick;
+- `ffn`: the FFN half of every layer over `tokens` rows with every routed expert held;
 - `fixed`: the per-step work outside the layers (embedding, final norm, lm_head, greedy pick);
-- `handover`: per layer and ubatch, what handing the rows to the FFN half and back adds to a
-  step, per transport (us);
-- `validation`: measured steps the fit did not use (colocated and in-process 1A1F), which
-  `afdserve plan --check` sets against the prediction.
+- `handover`: per layer and ubatch, what handing the rows to the FFN half and back adds, per
+  transport (us);
+- `validation`: measured steps of whole deployments (colocated, in-process 1A1F, two-GPU 1A1F),
+  which the curves are not drawn through: `afdserve plan --check` sets them against the
+  prediction.
 
-The curves follow what a decode step reads, since it is memory-bound:
-- attention half per layer: a0 + a1 * batch + a2 * batch * context (weights once, per-sequence
-  work, the KV cache);
-- FFN half per layer: f0 + f1 * experts_touched + f2 * tokens, with the experts a batch touches
-  estimated as held * (1 - (1 - top_k / experts) ** tokens) (uniform routing);
-- per-step work: g0 + g1 * batch.
+The curves are piecewise linear through the points (the kernels switch paths with the batch, so
+no one formula holds): the FFN half per layer in tokens; the attention half per layer in batch
+at each measured context, and linear in context between (and beyond) the measured contexts. Past
+the last point a curve goes on with its last slope. An expert-parallel shard of `held` of `E`
+experts does held / E of the FFN half's work over the rows it gathers (its experts receive that
+share of the routed pairs, and read that share of the weights).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 PROFILE_VERSION = 1
 
@@ -87,7 +85,7 @@ class Profile:
     hardware: dict[str, str | float]  # device name, memory_bytes, copy_gbps
     versions: dict[str, str]
     model: ModelShape
-    colocated: tuple[StepPoint, ...]
+    attention: tuple[StepPoint, ...]  # attention-rank steps alone (FFN half answering zeros)
     ffn: tuple[FFNPoint, ...]
     fixed: tuple[FixedPoint, ...]
     handover: dict[str, Handover]
@@ -98,9 +96,9 @@ class Profile:
         if self.version != PROFILE_VERSION:
             raise ValueError(f"profile version {self.version} is not allowed: this afdserve "
                              f"reads version {PROFILE_VERSION}; re-run `afdserve bench calibrate`")
-        if len(self.colocated) < 3 or len(self.ffn) < 3 or len(self.fixed) < 2:
-            raise ValueError("a profile needs at least 3 colocated steps, 3 FFN points and 2 "
-                             "per-step points to fit its curves")
+        if len(self.attention) < 2 or len(self.ffn) < 2 or not self.fixed:
+            raise ValueError("a profile needs at least 2 attention steps, 2 FFN points and 1 "
+                             "per-step point to draw its curves")
         if "memory_bytes" not in self.hardware:
             raise ValueError("profile.hardware has no memory_bytes")
 
@@ -130,7 +128,7 @@ class Profile:
                 hardware=raw["hardware"],
                 versions=raw["versions"],
                 model=ModelShape(**raw["model"]),
-                colocated=tuple(StepPoint(**p) for p in raw["colocated"]),
+                attention=tuple(StepPoint(**p) for p in raw["attention"]),
                 ffn=tuple(FFNPoint(**p) for p in raw["ffn"]),
                 fixed=tuple(FixedPoint(**p) for p in raw["fixed"]),
                 handover={k: Handover(**v) for k, v in raw["handover"].items()},
@@ -143,59 +141,66 @@ class Profile:
 
 
 def touched(tokens: float, held: float, top_k: int, experts: int) -> float:
-    """Expected distinct experts of `held` that `tokens` rows routed top_k of `experts` hit."""
+    """Expected distinct experts of `held` that `tokens` rows routed top_k of `experts` hit
+    (uniform routing): why splitting a batch into ubatches re-reads expert weights."""
     return held * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
-def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, ...]:
-    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(y, dtype=float),
-                               rcond=None)
-    return tuple(float(c) for c in coef)
+def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs increasing), extended by the end slopes; one point:
+    a constant."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _curve(points: dict[float, float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    xs = tuple(sorted(points))
+    return xs, tuple(points[x] for x in xs)
 
 
 @dataclass(frozen=True)
 class Costs:
-    """The fitted curves of a profile (ms)."""
+    """The curves of a profile (ms)."""
 
     model: ModelShape
-    attention: tuple[float, float, float]  # a0, a1, a2
-    ffn: tuple[float, float, float]  # f0, f1, f2
-    fixed: tuple[float, float]  # g0, g1
+    # context -> (batches, ms per layer of the attention half)
+    attention: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
+    ffn: tuple[tuple[float, ...], tuple[float, ...]]  # (tokens, ms per layer)
+    fixed: tuple[tuple[float, ...], tuple[float, ...]]  # (batch, ms per step)
     handover_us: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def fit(profile: Profile) -> Costs:
-        m = profile.model
-        L, E, k = m.num_layers, m.num_experts, m.top_k
-        fixed = _lstsq([[1.0, p.batch] for p in profile.fixed], [p.ms for p in profile.fixed])
-        ffn = _lstsq([[1.0, touched(p.tokens, E, k, E), p.tokens] for p in profile.ffn],
-                     [p.step_ms / L for p in profile.ffn])
-        partial = Costs(m, (0.0, 0.0, 0.0), ffn, fixed)  # type: ignore[arg-type]
-        rows, y = [], []
-        for p in profile.colocated:
-            rest = p.step_ms - partial.fixed_ms(p.batch) - L * partial.ffn_ms(p.batch)
-            rows.append([1.0, p.batch, p.batch * p.context])
-            y.append(rest / L)
-        attention = _lstsq(rows, y)
+        L = profile.model.num_layers
+        fixed = _curve({p.batch: p.ms for p in profile.fixed})
+        ffn = _curve({p.tokens: p.step_ms / L for p in profile.ffn})
+        by_context: dict[int, dict[float, float]] = {}
+        for p in profile.attention:
+            rest = p.step_ms - interpolate(*fixed, p.batch)
+            by_context.setdefault(p.context, {})[p.batch] = rest / L
+        attention = {c: _curve(points) for c, points in sorted(by_context.items())}
         handover = {name: h.us_per_layer for name, h in profile.handover.items()}
-        return Costs(m, attention, ffn, fixed, handover)  # type: ignore[arg-type]
+        return Costs(profile.model, attention, ffn, fixed, handover)
 
     def attention_ms(self, batch: float, context: float) -> float:
         """One layer's attention half over `batch` decoding sequences of `context` tokens."""
-        a0, a1, a2 = self.attention
-        # A fit to noisy points may cross zero at the edge of its range; a time does not.
-        return max(0.0, a0 + a1 * batch + a2 * batch * context)
+        contexts = tuple(self.attention)
+        at = tuple(interpolate(*self.attention[c], batch) for c in contexts)
+        # A curve drawn through noisy points may cross zero past its ends; a time does not.
+        return max(0.0, interpolate(contexts, at, context))
 
     def ffn_ms(self, tokens: float, held: float | None = None) -> float:
         """One layer's FFN half over `tokens` rows, with `held` routed experts (all: None)."""
-        m = self.model
-        held = m.num_experts if held is None else held
-        f0, f1, f2 = self.ffn
-        return max(0.0, f0 + f1 * touched(tokens, held, m.top_k, m.num_experts) + f2 * tokens)
+        share = 1.0 if held is None else held / self.model.num_experts
+        return max(0.0, interpolate(*self.ffn, tokens)) * share
 
     def fixed_ms(self, batch: float) -> float:
-        g0, g1 = self.fixed
-        return max(0.0, g0 + g1 * batch)
+        return max(0.0, interpolate(*self.fixed, batch))
 
     def colocated_step_ms(self, batch: float, context: float) -> float:
         L = self.model.num_layers

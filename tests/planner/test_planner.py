@@ -1,6 +1,7 @@
-"""The planner's arithmetic against hand-computed cases: the fit recovers the curves that made
-its points, each deployment's step follows predict.py's rules, the memory fit counts the tiny
-model's weights as a hand count does, and the enumeration is every xAyF that can run."""
+"""The planner's arithmetic against hand-computed cases: the curves go through their points and
+reproduce the (bi)linear costs that made them, each deployment's step follows predict.py's rules,
+the memory fit counts the tiny model's weights as a hand count does, and the enumeration is every
+xAyF that can run."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from afdserve.planner.profile import (
     Profile,
     StepPoint,
     ValidationPoint,
+    interpolate,
     touched,
 )
 
 A = (0.02, 0.001, 2e-7)  # attention per layer: a0 + a1 b + a2 b c (ms)
-F = (0.01, 0.0025, 1e-5)  # FFN per layer: f0 + f1 touched + f2 tokens
+F = (0.05, 0.002)  # FFN per layer: f0 + f1 tokens
 G = (0.3, 0.002)  # per step: g0 + g1 b
 SHAPE = ModelShape("qwen3-30b-a3b", 48, 128, 8, "bfloat16")
 H200 = {"device": "NVIDIA H200", "memory_bytes": 150e9}
@@ -40,7 +42,7 @@ def _attn(b, c):
 
 
 def _ffn(n, held=128):
-    return F[0] + F[1] * touched(n, held, 8, 128) + F[2] * n
+    return (F[0] + F[1] * n) * held / 128
 
 
 def _fixed(b):
@@ -49,11 +51,11 @@ def _fixed(b):
 
 def synthetic_profile(**extra) -> Profile:
     L = SHAPE.num_layers
-    colocated = tuple(StepPoint(b, c, _fixed(b) + L * (_attn(b, c) + _ffn(b)))
+    attention = tuple(StepPoint(b, c, _fixed(b) + L * _attn(b, c))
                       for b in (1, 4, 16, 64) for c in (1024, 8192))
     return Profile(
         date="2026-12-02", hardware=H200, versions={"torch": "x"}, model=SHAPE,
-        colocated=colocated,
+        attention=attention,
         ffn=tuple(FFNPoint(n, L * _ffn(n)) for n in (1, 8, 64, 512)),
         fixed=tuple(FixedPoint(b, _fixed(b)) for b in (1, 64)),
         handover={"ipc": Handover(25.0, "test"), "inprocess": Handover(2.0, "test")},
@@ -61,12 +63,23 @@ def synthetic_profile(**extra) -> Profile:
     )  # fmt: skip
 
 
-def test_the_fit_recovers_the_curves_its_points_came_from():
+def test_the_curves_reproduce_the_linear_costs_that_made_their_points():
     costs = Costs.fit(synthetic_profile())
-    for got, want in zip((*costs.attention, *costs.ffn, *costs.fixed), (*A, *F, *G)):
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    for b, c in ((1, 1024), (16, 8192), (7, 3000), (100, 1024), (300, 16384)):  # in and beyond
+        assert costs.attention_ms(b, c) == pytest.approx(_attn(b, c))
+    for n in (1, 5, 64, 200, 2000):
+        assert costs.ffn_ms(n) == pytest.approx(_ffn(n))
+        assert costs.ffn_ms(n, held=32) == pytest.approx(_ffn(n) / 4)  # a quarter of the experts
+    assert costs.fixed_ms(128) == pytest.approx(_fixed(128))
     assert costs.colocated_step_ms(32, 4096) == pytest.approx(
         _fixed(32) + 48 * (_attn(32, 4096) + _ffn(32)))
+
+
+def test_a_curve_is_piecewise_linear_through_noisy_points():
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 3.0) == pytest.approx(3.5)
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 8.0) == pytest.approx(6.0)  # last slope
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 0.0) == pytest.approx(-1.0)
+    assert interpolate((5.0,), (2.0,), 100.0) == 2.0
 
 
 def test_touched_experts_is_the_expected_count_under_uniform_routing():
@@ -90,15 +103,17 @@ def test_each_deployments_step_follows_the_rules_by_hand():
     # 3A1F: the FFN rank serves all three attention ranks' rows.
     got = predict_step(costs, Deployment(3, 1), b, c)
     assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(3 * b) + h))
-    # 2A2F EP: each FFN rank runs its 64 experts over both ranks' gathered rows, plus one more
-    # hand-over for the group's collectives.
-    ep = F[0] + F[1] * touched(2 * b, 64, 8, 128) + F[2] * 2 * b + h
+    # 3A2F: the busier FFN rank is home to two attention ranks.
+    got = predict_step(costs, Deployment(3, 2), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(2 * b) + h))
+    # 2A2F EP: each FFN rank runs its 64 experts' share over both ranks' gathered rows, plus one
+    # more hand-over for the group's collectives.
+    ep = _ffn(2 * b, held=64) + h
     got = predict_step(costs, Deployment(2, 2, expert_parallel=True), b, c)
     assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + ep + h))
     # In-process 1A1F: one GPU, nothing overlaps.
-    hi = 0.002
     got = predict_step(costs, Deployment(1, 1, ubatches=2, transport="inprocess"), b, c)
-    assert got.step_ms == pytest.approx(_fixed(b) + L * 2 * (ta + tf + hi))
+    assert got.step_ms == pytest.approx(_fixed(b) + L * 2 * (ta + tf + 0.002))
 
 
 def test_the_enumeration_is_every_xAyF_that_can_run():
@@ -200,17 +215,18 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     assert main(["bench", "calibrate", "--preset", "tiny", "--random-weights", "--device", "cpu",
                  "--graph-mode", "none", "--dtype", "float32", "--fit-batches", "1,2,4",
-                 "--check-batches", "3", "--contexts", "16,32", "--ffn-tokens", "1,4,16",
+                 "--check-batches", "3", "--contexts", "16,32", "--check-contexts", "16,32",
+                 "--ffn-tokens", "1,4,16",
                  "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
     profile = Profile.load(out)
-    assert {(p.batch, p.context) for p in profile.colocated} == {
+    assert {(p.batch, p.context) for p in profile.attention} == {
         (b, c) for b in (1, 2, 4) for c in (16, 32)}
     assert [p.tokens for p in profile.ffn] == [1, 4, 16]
-    kinds = {(v.deployment, v.batch, v.ubatches, v.transport) for v in profile.validation}
-    assert kinds == {("colocated", 3, 1, "inprocess"), ("1A1F", 3, 1, "inprocess"),
-                     ("1A1F", 3, 2, "inprocess")}  # fmt: skip
+    kinds = {(v.deployment, v.batch, v.context, v.ubatches) for v in profile.validation}
+    assert kinds == {("colocated", 3, c, 1) for c in (16, 32)} | {
+        ("1A1F", 3, c, u) for c in (16, 32) for u in (1, 2)}
     assert {"inprocess", "ipc", "nccl"} <= set(profile.handover)
-    assert all(p.step_ms > 0 for p in profile.colocated)
+    assert all(p.step_ms > 0 for p in profile.attention)
     rows_json = tmp_path / "rows.json"
     assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
                  "--output-len", "8", "--profile", str(out), "--json", str(rows_json)]) == 0
