@@ -70,7 +70,7 @@ class CalibrateBench:
     model_dir: str | None = option(None, flag="--model", help="a Hugging Face model directory")
     preset: str | None = option(None, choices=sorted(PRESETS), help="a published config")
     random_weights: bool = option(False, help="random weights (a preset has no others)")
-    fit_batches: tuple[int, ...] = option((1, 4, 16, 64, 128, 256), parse=_sizes,
+    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 128, 160, 256), parse=_sizes,
                                           help="attention-rank batches the curves go through")
     check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=_sizes,
                                             help="batches of the colocated and in-process steps "
@@ -177,7 +177,7 @@ class Calibration:
         tokens = batch * (context + WARMUP_STEPS + self.spec.steps + 2 * self.spec.block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return tokens * self.kv_per_token < 0.92 * free - (2 << 30)
+        return tokens * self.kv_per_token < 0.97 * free - (1 << 30)
 
     @torch.inference_mode()
     def decode_ms(self, batch: int, context: int, topology: str = "colocated",

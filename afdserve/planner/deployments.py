@@ -1,7 +1,7 @@
 """The deployments `afdserve plan` weighs on N GPUs: colocated replicas (one per GPU, the
 data-parallel baseline every AFD claim must beat) and every xAyF world of A + F <= N GPUs, with and
 without expert parallelism on the FFN side, with 1-4 ubatches. A world smaller than N runs as
-N // (A + F) copies; its figures per GPU are the one world's."""
+N // (A + F) copies, and the GPUs left over count as idle in its tokens/s per GPU."""
 
 from __future__ import annotations
 

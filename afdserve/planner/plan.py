@@ -72,7 +72,7 @@ class PlanRow:
     ffn: int
     expert_parallel: bool
     ubatches: int
-    worlds: int  # copies of the world on the GPUs
+    worlds: int  # copies of the world on the GPUs (GPUs left over stay idle)
     batch: int  # per attention rank
     max_batch: int  # what the KV memory of an attention rank allows
     step_ms: float  # = TPOT in steady decode
@@ -125,10 +125,11 @@ def _rows_of(d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec,
         batch = ok[-1]
     p = at(batch)
     worlds = spec.gpus // d.gpus
-    per_gpu = d.attention * batch / (p.step_ms / 1e3) / d.gpus
+    # Per GPU of the cluster: GPUs a whole number of worlds leaves over count, idle.
+    total = worlds * d.attention * batch / (p.step_ms / 1e3)
     return PlanRow(d.name, d.attention, d.ffn, d.expert_parallel, d.ubatches, worlds, batch,
-                   fits, p.step_ms, per_gpu, per_gpu * worlds * d.gpus, p.busier,
-                   p.attention_busy_ms, p.ffn_busy_ms)  # fmt: skip
+                   fits, p.step_ms, total / spec.gpus, total, p.busier, p.attention_busy_ms,
+                   p.ffn_busy_ms)  # fmt: skip
 
 
 def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:

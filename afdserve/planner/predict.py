@@ -7,8 +7,9 @@ serves the ceil(A / F) attention ranks whose home it is and runs the FFN half on
 over all their rows (an expert-parallel group: over the group's gathered rows, F times the
 largest receive, with E / F experts held). The layer loop is layer-major and ubatch-minor, so per
 layer the attention GPU works u * ta, the FFN GPU u * tf, and each ubatch's own chain ta + tf plus
-its hand-over must fit in the layer too: the layer takes the largest of the three. Each role's
-share of the hand-over (its push or send) is counted as half of it.
+its hand-over must fit in the layer too: the layer takes the largest of the three. Each role
+pays the whole hand-over per ubatch (its own send and its wait for the peer's reply: the two-GPU
+busy times of docs/benchmarks.md grow by about that much per ubatch).
 
 In-process 1A1F (both halves on one GPU, the single-GPU check of the split) runs everything one
 after the other: u * (ta + tf + hand-over) per layer.
@@ -68,7 +69,7 @@ def predict_step(costs: Costs, d: Deployment, batch: float, context: float) -> S
     if d.transport == "inprocess":
         step = fixed + L * u * (ta + tf + h)
         return StepPrediction(step, fixed + L * u * ta, L * u * tf)
-    attention_busy = u * (ta + h / 2)
-    ffn_busy = u * (tf + h / 2)
+    attention_busy = u * (ta + h)
+    ffn_busy = u * (tf + h)
     layer = max(attention_busy, ffn_busy, ta + tf + h)
     return StepPrediction(fixed + L * layer, fixed + L * attention_busy, L * ffn_busy)

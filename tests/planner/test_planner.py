@@ -96,7 +96,7 @@ def test_each_deployments_step_follows_the_rules_by_hand():
     assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(b) + h))
     # 2 ubatches: the busier GPU's two ubatches, or one ubatch's chain, whichever is longer.
     ta, tf = _attn(32, c), _ffn(32)
-    layer = max(2 * (ta + h / 2), 2 * (tf + h / 2), ta + tf + h)
+    layer = max(2 * (ta + h), 2 * (tf + h), ta + tf + h)
     got = predict_step(costs, Deployment(1, 1, ubatches=2), b, c)
     assert got.step_ms == pytest.approx(_fixed(b) + L * layer)
     assert got.busier == ("ffn" if tf > ta else "attention")
@@ -166,7 +166,12 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
     assert one.batch == min(one.max_batch, 256) and one.worlds == 2
     step = predict_step(Costs.fit(profile), Deployment(1, 1), one.batch, 8192 + 128).step_ms
     assert one.step_ms == pytest.approx(step)
-    assert one.tokens_per_s_per_gpu == pytest.approx(one.batch / (step / 1e3) / 2)
+    assert one.tokens_per_s_per_gpu == pytest.approx(2 * one.batch / (step / 1e3) / 4)
+    # 3A1F: one world on four GPUs, the fourth idle, counted in the per-GPU figure.
+    three = by["3A1F u1"]
+    step = predict_step(Costs.fit(profile), Deployment(3, 1), three.batch, 8320).step_ms
+    assert three.worlds == 1
+    assert three.tokens_per_s_per_gpu == pytest.approx(3 * three.batch / (step / 1e3) / 4)
     assert [r.tokens_per_s_per_gpu for r in rows] == sorted(
         (r.tokens_per_s_per_gpu for r in rows), reverse=True)
     # A TPOT target: the largest batch whose step is within it.
