@@ -25,6 +25,7 @@ from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
 from afdserve.model.bundled import resolve_model
 from afdserve.model.config import load_model_config
+from afdserve.model.preflight import check_model_dir
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -84,6 +85,8 @@ class LLM:
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)
+        # So is a config field or checkpoint tensor the model cannot run with.
+        check_model_dir(model, self.engine_config.load_format, self.engine_config.quantization)
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
