@@ -28,7 +28,7 @@ from afdserve.model.model import ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 
-def check_model_dir(model_dir: str | Path, load_format: str = "auto",
+def preflight(model_dir: str | Path, load_format: str = "auto",
                     quantization: str | None = None) -> ModelConfig:
     """The model's config, once every check above passed (load_format "dummy" reads no
     checkpoint, so only the config is checked)."""

@@ -16,6 +16,7 @@ import torch
 from transformers import DeepseekV4ForCausalLM
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.config import load_model_config
 from afdserve.model.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
@@ -153,3 +154,20 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     for kind, (count, per_block) in bytes_by_layer_type(config, block_size, torch.float32).items():
         short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[kind]
         assert f"{count} {short} x {per_block} B" in line
+
+
+def test_cuda_graph_modes_are_refused_by_name_on_cuda(shape) -> None:
+    """V4's paged attention loops over sequences with host-side shapes: not capturable, so a
+    graph mode on CUDA is one clear error before any rank starts; on CPU every graph mode runs
+    eagerly with the graph layout, as for every family (tests/afd/test_deepseek_v4_afd.py)."""
+    _, path, _ = shape
+    config = load_model_config(path)
+    for mode in ("full_decode_only", "full"):
+        with pytest.raises(ValueError, match=rf"graph_mode='{mode}' is not supported for family "
+                                             r"'deepseek_v4' on CUDA yet") as err:  # fmt: skip
+            check_capturable(config, "cuda:0", mode)
+        assert "\n" not in str(err.value)
+        check_capturable(config, "cpu", mode)
+    check_capturable(config, "cuda", "none")
+    with pytest.raises(ValueError, match="graph_mode='full'"):
+        LLM(str(path), dtype="float32", device="cuda", graph_mode="full")

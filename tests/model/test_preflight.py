@@ -19,7 +19,7 @@ from afdserve.model.byte_tokenizer import VOCAB_SIZE
 from afdserve.model.deepseek_v4.tiny import make_tiny_v4
 from afdserve.model.loader import CheckpointError, load_model
 from afdserve.model.model import ModelParts
-from afdserve.model.preflight import check_model_dir
+from afdserve.model.preflight import preflight
 from afdserve.model.tiny import make_tiny_model
 
 TABLE = "model.layers.0.ffn.gate.tid2eid"
@@ -85,8 +85,8 @@ def test_a_missing_tensor_of_another_family_too(tmp_path):
 
 
 def test_sound_dirs_pass_and_dummy_reads_no_checkpoint(v4_dir, tmp_path):
-    assert check_model_dir(v4_dir).family == "deepseek_v4"
+    assert preflight(v4_dir).family == "deepseek_v4"
     path = edited(v4_dir, tmp_path / "empty", weights=lambda w: {"unused": torch.zeros(1)})
-    assert check_model_dir(path, load_format="dummy").family == "deepseek_v4"
+    assert preflight(path, load_format="dummy").family == "deepseek_v4"
     with pytest.raises(CheckpointError, match="missing tensors"):
-        check_model_dir(path)
+        preflight(path)
