@@ -28,13 +28,15 @@ from afdserve.model.model import ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 
-def preflight(model_dir: str | Path, load_format: str = "auto",
-                    quantization: str | None = None) -> ModelConfig:
+def preflight(
+    model_dir: str | Path, load_format: str = "auto", quantization: str | None = None
+) -> ModelConfig:
     """The model's config, once every check above passed (load_format "dummy" reads no
     checkpoint, so only the config is checked)."""
     config = load_model_config(model_dir)
     config = dataclasses.replace(
-        config, quantization=resolve_quantization(config.quantization, quantization))
+        config, quantization=resolve_quantization(config.quantization, quantization)
+    )
     if load_format != "dummy":
         _check_tensors(Path(model_dir), config)
     return config
@@ -60,22 +62,30 @@ def _check_tensors(model_dir: Path, config: ModelConfig) -> None:
     missing = _missing(config, expected, filled, {})
     if missing:
         shown = ", ".join(missing[:20]) + (
-            f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+            f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
+        )
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {shown}")
 
 
-def _check_hash_table(name: str, table: torch.Tensor, shape: torch.Size,
-                      config: ModelConfig) -> None:
+def _check_hash_table(
+    name: str, table: torch.Tensor, shape: torch.Size, config: ModelConfig
+) -> None:
     """A hash layer's table: a row per token id, top_k expert ids each, every one in
     [0, num_experts) (the loader's own rules, so its messages)."""
     if table.dim() == 2 and table.shape[0] < shape[0]:
-        raise CheckpointError(f"{name}: {table.shape[0]} rows, fewer than vocab_size="
-                              f"{shape[0]}: every token id needs its experts")
+        raise CheckpointError(
+            f"{name}: {table.shape[0]} rows, fewer than vocab_size="
+            f"{shape[0]}: every token id needs its experts"
+        )
     if tuple(table.shape) != tuple(shape):
-        raise CheckpointError(f"{name}: shape {tuple(table.shape)} in the checkpoint, the config "
-                              f"implies {tuple(shape)}")
+        raise CheckpointError(
+            f"{name}: shape {tuple(table.shape)} in the checkpoint, the config "
+            f"implies {tuple(shape)}"
+        )
     low, high = int(table.min()), int(table.max())
     if low < 0 or high >= config.num_experts:
         bad = low if low < 0 else high
-        raise CheckpointError(f"{name} holds expert id {bad}, outside [0, {config.num_experts})"
-                              " (the config's number of routed experts)")
+        raise CheckpointError(
+            f"{name} holds expert id {bad}, outside [0, {config.num_experts})"
+            " (the config's number of routed experts)"
+        )

@@ -22,13 +22,21 @@ PROMPTS = [[(7 * i + 3) % 250 for i in range(45)], [5, 6, 7], [42] * 9, [9], lis
 @pytest.fixture(scope="module")
 def v4_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v4-gpu")
-    return {dtype: make_tiny_v4(root / dtype, seed=2, dtype=dtype)
-            for dtype in ("float32", "bfloat16")}
+    return {
+        dtype: make_tiny_v4(root / dtype, seed=2, dtype=dtype) for dtype in ("float32", "bfloat16")
+    }
 
 
 def tokens(model: Path, dtype: str, device: str, **kwargs) -> list[list[int]]:
-    with LLM(str(model), dtype=dtype, device=device, max_num_batched_tokens=16,
-             graph_mode="none", use_tqdm_on_load=False, **kwargs) as llm:
+    with LLM(
+        str(model),
+        dtype=dtype,
+        device=device,
+        max_num_batched_tokens=16,
+        graph_mode="none",
+        use_tqdm_on_load=False,
+        **kwargs,
+    ) as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
@@ -37,8 +45,15 @@ def tokens(model: Path, dtype: str, device: str, **kwargs) -> list[list[int]]:
 def test_in_process_1a1f_equals_colocated_on_cuda(v4_dirs, dtype, ubatches):
     model = v4_dirs[dtype]
     colocated = tokens(model, dtype, "cuda")
-    split = tokens(model, dtype, "cuda", topology="1A1F", connector="inprocess",
-                   ubatches=ubatches, gate_on_attention=ubatches == 2)
+    split = tokens(
+        model,
+        dtype,
+        "cuda",
+        topology="1A1F",
+        connector="inprocess",
+        ubatches=ubatches,
+        gate_on_attention=ubatches == 2,
+    )
     assert split == colocated
     if dtype == "float32":  # the CPU engine equals transformers' full forward (tests/engine)
         assert colocated == tokens(model, dtype, "cpu")

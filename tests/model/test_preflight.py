@@ -46,22 +46,50 @@ def _drop(name: str):
 
 
 CASES = [
-    (dict(config=lambda c: {**c, "layer_types": ["sliding_attention", "full_attention"] * 2}),
-     ValueError, r"layer_types\[1\]='full_attention': one of \('sliding_attention', "),
-    (dict(config=lambda c: {**c, "compress_rates": {"compressed_sparse_attention": 1,
-                                                    "heavily_compressed_attention": 4}}),
-     ValueError, r"compress_rates\['compressed_sparse_attention'\]=1: must be an int >= 2"),
-    (dict(weights=lambda w: {**w, TABLE: w[TABLE][:-3]}), CheckpointError,
-     rf"{TABLE}: {VOCAB_SIZE - 3} rows, fewer than vocab_size={VOCAB_SIZE}: every token id"),
-    (dict(weights=lambda w: {**w, TABLE: w[TABLE].index_fill(0, torch.tensor([7]), -1)}),
-     CheckpointError, rf"{TABLE} holds expert id -1, outside \[0, 4\)"),
-    (dict(weights=lambda w: {**w, TABLE: w[TABLE].index_fill(0, torch.tensor([9]), 4)}),
-     CheckpointError, rf"{TABLE} holds expert id 4, outside \[0, 4\)"),
-    (dict(weights=lambda w: {**w, TABLE: w[TABLE][:, :1].contiguous()}), CheckpointError,
-     rf"{TABLE}: shape \({VOCAB_SIZE}, 1\) in the checkpoint, the config implies "
-     rf"\({VOCAB_SIZE}, 2\)"),
-    (dict(weights=_drop("model.layers.3.attn.indexer.compressor.ape")), CheckpointError,
-     r"missing tensors: layers\.3\.attn\.indexer\.compressor\.ape$"),
+    (
+        dict(config=lambda c: {**c, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+        ValueError,
+        r"layer_types\[1\]='full_attention': one of \('sliding_attention', ",
+    ),
+    (
+        dict(
+            config=lambda c: {
+                **c,
+                "compress_rates": {
+                    "compressed_sparse_attention": 1,
+                    "heavily_compressed_attention": 4,
+                },
+            }
+        ),
+        ValueError,
+        r"compress_rates\['compressed_sparse_attention'\]=1: must be an int >= 2",
+    ),
+    (
+        dict(weights=lambda w: {**w, TABLE: w[TABLE][:-3]}),
+        CheckpointError,
+        rf"{TABLE}: {VOCAB_SIZE - 3} rows, fewer than vocab_size={VOCAB_SIZE}: every token id",
+    ),
+    (
+        dict(weights=lambda w: {**w, TABLE: w[TABLE].index_fill(0, torch.tensor([7]), -1)}),
+        CheckpointError,
+        rf"{TABLE} holds expert id -1, outside \[0, 4\)",
+    ),
+    (
+        dict(weights=lambda w: {**w, TABLE: w[TABLE].index_fill(0, torch.tensor([9]), 4)}),
+        CheckpointError,
+        rf"{TABLE} holds expert id 4, outside \[0, 4\)",
+    ),
+    (
+        dict(weights=lambda w: {**w, TABLE: w[TABLE][:, :1].contiguous()}),
+        CheckpointError,
+        rf"{TABLE}: shape \({VOCAB_SIZE}, 1\) in the checkpoint, the config implies "
+        rf"\({VOCAB_SIZE}, 2\)",
+    ),
+    (
+        dict(weights=_drop("model.layers.3.attn.indexer.compressor.ape")),
+        CheckpointError,
+        r"missing tensors: layers\.3\.attn\.indexer\.compressor\.ape$",
+    ),
 ]
 
 

@@ -44,8 +44,9 @@ def test_generate_cli_runs_v4(v4_dir: Path, oracle: list[list[int]], capsys) -> 
 
 
 @pytest.mark.parametrize("topology", ["1A0F", pytest.param("2A1F", marks=pytest.mark.slow)])
-def test_serve_runs_v4(v4_dir: Path, oracle: list[list[int]], tmp_path: Path,
-                       topology: str) -> None:
+def test_serve_runs_v4(
+    v4_dir: Path, oracle: list[list[int]], tmp_path: Path, topology: str
+) -> None:
     srv = start_cli_server(tmp_path, free_port(), str(v4_dir), "--dtype", "float32",
                            "--topology", topology, "--max-num-batched-tokens", "8")  # fmt: skip
     try:
@@ -53,8 +54,9 @@ def test_serve_runs_v4(v4_dir: Path, oracle: list[list[int]], tmp_path: Path,
         body = {"model": SERVED_NAME, "prompt": PROMPTS, "temperature": 0.0, "max_tokens": 9,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
         answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()
-        got = [choice["token_ids"] for choice in sorted(answer["choices"],
-                                                        key=lambda c: c["index"])]
+        got = [
+            choice["token_ids"] for choice in sorted(answer["choices"], key=lambda c: c["index"])
+        ]
         assert got == oracle[:2], answer
     finally:
         srv.stop()
