@@ -9,7 +9,7 @@ import torch
 
 from afdserve.config import EngineConfig
 from afdserve.engine.engine_core import EngineCore
-from afdserve.engine.kv_cache import KVCache, bytes_per_block, cache_dtype, check_fp8_kv
+from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
@@ -111,9 +111,10 @@ def create_engine_core(
         check_fp8_kv(model.config, device, report.unexpected)
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
-    cache = KVCache(model.config, blocks, config.block_size, dtype, device)
-    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes", blocks, config.block_size,
-             str(dtype).removeprefix("torch."), cache.bytes)
+    cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device)
+    per_type = getattr(cache, "summary", None)  # DeepSeek-V4: bytes per block of each layer type
+    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes%s", blocks, config.block_size,
+             str(dtype).removeprefix("torch."), cache.bytes, f" ({per_type})" if per_type else "")
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
