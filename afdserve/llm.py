@@ -120,6 +120,7 @@ class LLM:
         self.rank_ready = dict(sorted(ready.items()))
         self.memory_reports = [ready[r].memory for r in sorted(ready)]
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
+        self.prefix_caching = any(info.prefix_caching for info in ready.values())
 
     # ----- generation -----
     def get_default_sampling_params(self) -> SamplingParams:
