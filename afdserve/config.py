@@ -98,7 +98,7 @@ class EngineConfig:
     enable_prefix_caching: bool | None = option(
         None, help="automatic prefix caching: a request's longest prefix of full blocks already "
                    "in its attention rank's KV cache is taken from there, not recomputed",
-        shown="on, except for DeepSeek-V4 (no plain paged cache), where it is off")  # fmt: skip
+        shown="on, except for DeepSeek-V4, which has no plain paged cache")  # fmt: skip
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"

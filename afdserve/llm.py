@@ -18,6 +18,7 @@ from afdserve.afd.step.recorder import StepLogFile
 from afdserve.config import engine_configs
 from afdserve.engine.client import EngineClient
 from afdserve.engine.core_client import EngineCoreClient
+from afdserve.engine.factory import prefix_caching_for
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
@@ -84,6 +85,8 @@ class LLM:
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)
+        if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
+            prefix_caching_for(self.engine_config, load_model_config(model))
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
