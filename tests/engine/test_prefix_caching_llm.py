@@ -73,3 +73,23 @@ def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None
     assert "prefix caching is off for deepseek_v4" in caplog.text
     off = EngineConfig(model=model, enable_prefix_caching=False)
     assert prefix_caching_for(off, config) is False
+
+
+def test_flags_reach_the_configs() -> None:
+    from afdserve.cli import build_parser, llm_kwargs
+    from afdserve.config import engine_configs
+
+    def configs(*flags: str):
+        kwargs = llm_kwargs(build_parser().parse_args(["serve", *flags]))
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("frontend_address",
+                                                               "generation_config")}  # fmt: skip
+        return engine_configs({**kwargs, "model": "unchecked"})
+
+    default = configs()
+    assert default.engine.enable_prefix_caching is None  # on, where the model allows
+    assert default.afd.routing_policy == "prefix"
+    off = configs("--no-enable-prefix-caching", "--routing-policy", "least-tokens")
+    assert off.engine.enable_prefix_caching is False and off.afd.routing_policy == "least-tokens"
+    assert configs("--enable-prefix-caching").engine.enable_prefix_caching is True
+    with pytest.raises(ValueError, match="routing_policy='random'"):
+        engine_configs({"model": "m", "routing_policy": "random"})
