@@ -66,7 +66,8 @@ class ServeBench:
     timeout_s: float = 3600.0
     num_prefixes: int = option(
         0, help="the shared-prefix workload: P random prefixes, each request one of them plus "
-                "--input-len tokens of its own; 0: every prompt is random", metavar="P")
+                "--input-len tokens of its own; 0: every prompt is random",
+        metavar="P")  # fmt: skip
     prefix_len: int = option(256, help="tokens of each shared prefix (with --num-prefixes)",
                              metavar="L")  # fmt: skip
 

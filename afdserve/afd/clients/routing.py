@@ -72,12 +72,13 @@ class Router:
             rank = min(ranks, key=lambda r: (self.outstanding[r], r))
             cost = len(prompt) + budget
         else:
+            hashes = prefix_hashes(prompt, self.block_size)
             # Blocks a rank can serve from cache: never the one holding the last prompt token.
-            lookup = prefix_hashes(prompt, self.block_size, (len(prompt) - 1) // self.block_size)
+            lookup = hashes[: (len(prompt) - 1) // self.block_size]
             cached = [self.mirrors[r].matched_blocks(lookup) * self.block_size for r in ranks]
             rank = min(ranks, key=lambda r: (self.outstanding[r] - cached[r], r))
             cost = len(prompt) - cached[rank] + budget
-            self.mirrors[rank].add(prefix_hashes(prompt, self.block_size))
+            self.mirrors[rank].add(hashes)
         self.outstanding[rank] += cost
         return rank, cost
 
