@@ -166,8 +166,9 @@ def _typed(
 def _bool_action(meta: Mapping[str, Any], default: Any) -> Any:
     if meta.get("negate"):
         return "store_false"  # the flag turns a True default off
-    # As vLLM: a False default is switched on by its flag; a True one has --no-... too.
-    return argparse.BooleanOptionalAction if default else "store_true"
+    # As vLLM: a False default is switched on by its flag; a True one has --no-... too, and so
+    # has a None one (the engine decides unless told either way).
+    return argparse.BooleanOptionalAction if default or default is None else "store_true"
 
 
 def add_dataclass_arguments(
