@@ -1,4 +1,4 @@
-"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the config classes."""
+"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the configs."""
 
 from __future__ import annotations
 
