@@ -7,29 +7,48 @@ import json
 import os
 import sys
 
-from afdserve.config import ENGINE_CONFIGS, check_model_dir, engine_configs
-from afdserve.config_args import add_dataclass_arguments, build, values_of
+from afdserve.config import ENGINE_CONFIGS, EngineConfigs, engine_configs
+from afdserve.config_args import add_dataclass_arguments, build, parse_with_config, values_of
+
+
+def add_config_group(p: argparse.ArgumentParser, cls: type, **kw) -> argparse._ArgumentGroup:
+    """The fields of `cls` as one group of --help, headed by the class and what it is for."""
+    group = p.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+    add_dataclass_arguments(group, cls, **kw)
+    return group
 
 
 def add_engine_args(p: argparse.ArgumentParser, flags: dict[str, str] | None = None) -> None:
     """Every field of the engine's configs as a flag (config.py declares each once; `flags`
     renames some, keyword -> flag), and the LLM's --frontend-address."""
     for cls in ENGINE_CONFIGS:
-        add_dataclass_arguments(p, cls, flags=flags)
-    p.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
-                   help="listen here for ranks started elsewhere (torchrun) instead of "
-                        "spawning them (default: None, spawn)")
+        group = add_config_group(p, cls, flags=flags)
+    group.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
+                       help="listen here for ranks started elsewhere (torchrun) instead of "
+                            "spawning them (default: None, spawn)")
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="flags from a YAML file, one key per flag (max-num-seqs: 8, or "
+                        "max_num_seqs); flags on the command line override it (default: None)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """The LLM's keywords from the parsed flags, checked by building the configs the LLM will
-    build: every configuration error is one line before any port is bound or process started."""
+    build (`preflight` checks what needs the model and the devices)."""
     kwargs = {k: v for cls in ENGINE_CONFIGS for k, v in values_of(args, cls).items()}
-    if kwargs["model"] not in (None, "", "tiny"):
-        check_model_dir(kwargs["model"])
     # The configs do not read the directory (the LLM resolves the bundled model's path).
     engine_configs({**kwargs, "model": kwargs["model"] or "tiny"}, owner="afdserve")
     return {**kwargs, "frontend_address": args.frontend_address}
+
+
+def preflight(kwargs: dict) -> EngineConfigs:
+    """The configs as the LLM will run them, from `llm_kwargs`: every configuration error is one
+    line here, before any port is bound or process started (a model that is no directory or
+    cached hub id, --device cuda without a GPU, too few GPUs for the replicas). A hub id is
+    fetched into the cache here (unless HF_HUB_OFFLINE), before any port."""
+    from afdserve.llm import resolve_engine
+
+    rest = {k: v for k, v in kwargs.items() if k not in ("model", "frontend_address")}
+    return resolve_engine(kwargs["model"], rest, spawned=kwargs["frontend_address"] is None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,6 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
     kwargs = llm_kwargs(args)
+    preflight(kwargs)
     with LLM(**kwargs) as llm:
         prompts = args.prompt or ["Hello, my name is"]
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
@@ -64,17 +84,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from afdserve.server.serve import ServeOptions, run_server
 
     kwargs = llm_kwargs(args)
+    model_dir = preflight(kwargs).engine.model
     options = build(
         ServeOptions, args,
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         chat_template=read_chat_template(args.chat_template),
     )  # fmt: skip
     from afdserve.engine.generation_config import generation_defaults
-    from afdserve.model.bundled import resolve_model
 
     # A bad file or directory: one line, now. The LLM reads the same source, so that its
     # get_default_sampling_params() agrees with the server's request defaults.
-    generation_defaults(options.generation_config, resolve_model(kwargs["model"]))
+    generation_defaults(options.generation_config, model_dir)
     return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config),
                       options)
 
@@ -119,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    add_dataclass_arguments(serve, ServeOptions)
+    add_config_group(serve, ServeOptions)
     serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
@@ -155,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_with_config(build_parser(), sys.argv[1:] if argv is None else argv)
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"afdserve: error: {e}", file=sys.stderr)

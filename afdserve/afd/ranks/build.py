@@ -27,6 +27,7 @@ from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.driver import AttentionDriver, Control, FFNDriver, WorkSource
 from afdserve.afd.step.recorder import StepRecorder
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
+from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.factory import (
     MemoryReport,
@@ -60,8 +61,10 @@ class StepGraphs:
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> StepGraphs:
-        sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
-        return cls(spec.graphs.mode, sizes, spec.afd.ubatches)
+        # Ranks started elsewhere get "auto" as given: each resolves it on its own host.
+        graphs = spec.graphs.resolved(resolve_device(spec.engine.device))
+        sizes = graphs.capture_sizes(spec.engine.max_num_seqs)
+        return cls(graphs.mode, sizes, spec.afd.ubatches)
 
     def recorder(self, rank: int, log_path: str | None = None,
                  keep_records: bool = False) -> StepRecorder:
