@@ -125,14 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     # --seed is the sampling seed of these prompts; the engine's generator seed is renamed.
     add_engine_args(gen, flags={"seed": "--engine-seed"})
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--prompt", action="append",
+                     help="a prompt (repeat for several) (default: 'Hello, my name is')")
+    gen.add_argument("--max-tokens", type=int, default=32,
+                     help="tokens to generate per prompt at most (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: 0.0)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with this much "
+                          "probability (default: 1.0, all)")
+    gen.add_argument("--top-k", type=int, default=-1,
+                     help="sample from this many most likely tokens (default: -1, all)")
     gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, metavar="SEED",
                      help="the prompts' sampling seed (default: None, the engine's generator)")
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--json", action="store_true",
+                     help="one JSON object per prompt (default: False, one line of text)")
     gen.set_defaults(func=cmd_generate)
 
     from afdserve.server.options import ServeOptions
@@ -143,14 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
-    tiny.add_argument("dir")
+    tiny.add_argument("dir", help="the directory to write (default: none, required)")
     tiny.add_argument("--family", required=True,
                       choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral",
-                               "deepseek_v4"))
+                               "deepseek_v4"),
+                      help="the architecture, by its model_type (default: none, required)")
     tiny.add_argument("--hash-layers", type=int, default=None,
                       help="hash-routed MoE layers (default: 0; deepseek_v4: 1)")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.add_argument("--seed", type=int, default=0,
+                      help="seed of the random weights (default: 0)")
+    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                      help="of the stored weights (default: float32)")
     tiny.add_argument("--quantization", default=None, choices=("fp8",),
                       help="fp8: linear weights in the public block-scaled FP8 layout "
                            "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
@@ -161,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     make_config = sub.add_parser(
         "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
-    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    make_config.add_argument("dir")
+    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS),
+                             help="the published model whose config.json to write "
+                                  "(default: none, required)")
+    make_config.add_argument("dir", help="the directory to write (default: none, required)")
     make_config.set_defaults(func=cmd_make_config)
 
     try:

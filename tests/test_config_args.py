@@ -92,7 +92,9 @@ def test_public_names_stay() -> None:
     assert serve["use_tqdm_on_load"].option_strings == ["--use-tqdm-on-load",
                                                          "--no-use-tqdm-on-load"]
     assert serve["seed"].option_strings == ["--seed"]  # serve's --seed is the engine seed
-    assert serve["log_requests"].option_strings == ["--enable-log-requests"]  # vLLM's
+    # vLLM's switch, and its older spelling (now the default) still accepted.
+    log_flags = [a.option_strings for a in subparser("serve")._actions if a.dest == "log_requests"]
+    assert log_flags == [["--enable-log-requests"], ["--disable-log-requests"]]
     assert serve["log_stats"].option_strings == ["--disable-log-stats"]
     assert serve["data_parallel_size"].option_strings == ["--data-parallel-size", "-dp"]
     assert serve["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp"]
