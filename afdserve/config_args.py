@@ -297,7 +297,7 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
         raise ValueError(f"--config {path}: expected a mapping of flag: value, got "
                          f"{type(loaded).__name__}")  # fmt: skip
     flags = {s.lstrip("-"): (s, a) for a in parser._actions for s in a.option_strings
-             if s.startswith("--") and s != "--config" and a.help != argparse.SUPPRESS}
+             if s != "--config" and not isinstance(a, argparse._HelpAction)}
     args: list[str] = []
     for key, value in loaded.items():
         name = str(key).lstrip("-").replace("_", "-")
