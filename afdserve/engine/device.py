@@ -16,8 +16,10 @@ def cuda_unavailable_reason() -> str | None:
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is a CPU-only build"
     if not torch.cuda.is_available():
-        return (f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) sees no GPU "
-                f"(CUDA_VISIBLE_DEVICES={_visible()})")
+        return (
+            f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={_visible()})"
+        )
     return None
 
 
@@ -28,18 +30,21 @@ def _visible() -> str:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" or "cpu"; "cuda"/"cuda:N" checked against the GPUs this process sees."""
+    """ "auto" -> "cuda" or "cpu"; "cuda"/"cuda:N" checked against the GPUs this process sees."""
     if device == "auto":
         return "cuda" if cuda_unavailable_reason() is None else "cpu"
     if not device.startswith("cuda"):
         return device
     reason = cuda_unavailable_reason()
     if reason is not None:
-        raise ValueError(f"device={device!r}: {reason}; use --device cpu, or auto (the default) "
-                         f"to run on a GPU when there is one")
+        raise ValueError(
+            f"device={device!r}: {reason}; use --device cpu, or auto (the default) "
+            f"to run on a GPU when there is one"
+        )
     _, _, index = device.partition(":")
     count = torch.cuda.device_count()
     if index and int(index) >= count:
-        raise ValueError(f"device={device!r}: this process sees {count} GPU(s), cuda:0.."
-                         f"cuda:{count - 1}")
+        raise ValueError(
+            f"device={device!r}: this process sees {count} GPU(s), cuda:0..cuda:{count - 1}"
+        )
     return device

@@ -115,8 +115,10 @@ def _snapshot(
         raise ValueError(f"{named}: the repository has no such revision (a branch, tag or "
                          "commit)") from None  # fmt: skip
     except IncompleteSnapshotError as e:
-        raise ValueError(f"{named}: the cached snapshot in {cache} is incomplete and the hub "
-                         f"cannot be reached; complete it with `{fetch}` ({e})") from None
+        raise ValueError(
+            f"{named}: the cached snapshot in {cache} is incomplete and the hub "
+            f"cannot be reached; complete it with `{fetch}` ({e})"
+        ) from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         raise ValueError(f"{named}: not in the Hugging Face cache {cache}, and {why}; fetch it "

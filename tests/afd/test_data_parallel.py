@@ -43,4 +43,3 @@ def test_two_replicas_give_the_tokens_of_one_engine(oracle: list[list[int]]) -> 
         assert sorted(set(routed)) == [0, 1] and routed.count(0) == routed.count(1)
         # Each replica is a whole engine with its own KV cache.
         assert all(ready.limits is not None for ready in llm.rank_ready.values())
-

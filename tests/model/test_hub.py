@@ -22,8 +22,9 @@ REPO = "afdserve-test/tiny-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def lay_out_cache(cache: Path, repo: str, source: Path, commit: str = COMMIT,
-                  ref: str | None = "main") -> Path:
+def lay_out_cache(
+    cache: Path, repo: str, source: Path, commit: str = COMMIT, ref: str | None = "main"
+) -> Path:
     """`source`'s files as huggingface_hub's cache holds a snapshot: each file's bytes once under
     blobs/<hash>, snapshots/<commit>/<name> a relative symlink to its blob, refs/<ref> the
     commit. Returns the snapshot directory."""
@@ -106,8 +107,9 @@ def test_only_what_afdserve_reads_is_downloaded() -> None:
                        "model.safetensors.index.json", "model-00001-of-00002.safetensors",
                        "model-00002-of-00002.safetensors", "tokenizer.model",
                        "chat_template.jinja"}  # fmt: skip
-    with_code = set(filter_repo_objects(listing, allow_patterns=[*ALLOW_PATTERNS,
-                                                                 *REMOTE_CODE_PATTERNS]))
+    with_code = set(
+        filter_repo_objects(listing, allow_patterns=[*ALLOW_PATTERNS, *REMOTE_CODE_PATTERNS])
+    )
     assert with_code - fetched == {"tokenization_custom.py"}  # never modeling code
 
 
@@ -147,4 +149,6 @@ def test_the_cli_honours_hf_home_and_hf_hub_offline(tmp_path: Path) -> None:
     assert missing.stderr.strip().splitlines() == [
         f"afdserve: error: model='org/absent': not in the Hugging Face cache {tmp_path / 'hub'}, "
         "and HF_HUB_OFFLINE is set; fetch it first with `hf download org/absent --include "
-        + " ".join(f"'{p}'" for p in ALLOW_PATTERNS) + "`"]
+        + " ".join(f"'{p}'" for p in ALLOW_PATTERNS)
+        + "`"
+    ]
