@@ -102,7 +102,9 @@ def _shown(default: Any) -> str:
 
 
 def help_with_default(field: dataclasses.Field, default: Any = _UNSET) -> str:
-    """The field's help ending in its default, as vLLM's --help shows it."""
+    """The field's help ending in its default, as vLLM's --help shows it (or "required")."""
+    if default is _UNSET and field.default is dataclasses.MISSING and "shown" not in field.metadata:
+        return f"{field.metadata['help']} (required)"
     if default is _UNSET:
         shown = field.metadata.get("shown") or _shown(field.default)
     else:
@@ -146,8 +148,11 @@ def add_field_argument(
         positional.help = text.replace("%", "%%")
         kw["metavar"] = kw.get("metavar") or flag.lstrip("-").replace("-", "_").upper()
         text = f"the same as the positional {kwarg_of(field)}: " + text
-    action = parser.add_argument(flag, *meta.get("aliases", ()), dest=kwarg_of(field),
-                                 default=value, **kw)
+    flags = (flag, *meta.get("aliases", ()))
+    if value is dataclasses.MISSING:  # a field without a default: the flag must be given
+        action = parser.add_argument(*flags, dest=kwarg_of(field), required=True, **kw)
+    else:
+        action = parser.add_argument(*flags, dest=kwarg_of(field), default=value, **kw)
     # Set after construction: BooleanOptionalAction would append its own "(default: ...)".
     action.help = text.replace("%", "%%")
     if meta.get("off_flag"):
