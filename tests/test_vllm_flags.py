@@ -29,16 +29,30 @@ def commands(parser: argparse.ArgumentParser, prefix: str = ""):
                 yield from commands(sub, f"{prefix}{name} ")
 
 
-USER_COMMANDS = ("serve", "generate", "make-tiny-model", "make-config")
+LEAVES = sorted(
+    name
+    for name, sub in commands(build_parser())
+    if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+)
 
 
-@pytest.mark.parametrize("command", USER_COMMANDS)
+def test_the_walk_finds_every_command() -> None:
+    assert {"serve", "generate", "make-tiny-model", "bench generate", "bench serve"} <= set(LEAVES)
+
+
+@pytest.mark.parametrize("command", LEAVES)
 def test_every_flag_has_help_ending_in_its_default(command: str) -> None:
+    """A required flag says so instead ("(required)", from config_args for fields without a
+    default)."""
     parser = dict(commands(build_parser()))[command]
     actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
     assert len(actions) >= 2
-    missing = [a.option_strings or a.dest for a in actions
-               if not a.help or not DEFAULT.search(a.help % {"default": a.default})]  # fmt: skip
+
+    def explained(a: argparse.Action) -> bool:
+        text = (a.help or "") % {"default": a.default}
+        return bool(DEFAULT.search(text)) or (a.required and text.endswith("(required)"))
+
+    missing = [a.option_strings or a.dest for a in actions if not explained(a)]
     assert missing == []
 
 

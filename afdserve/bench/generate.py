@@ -158,19 +158,26 @@ def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format dummy)")
+                   help="a preset's config.json in a temporary dir (needs --load-format "
+                        "dummy) (default: None)")
     add_engine_flags(p, GenerateBench, ("load_format",))
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
+                   help="colocated (with -dp N: N replicas) or 1A1F (default: colocated)")
     add_engine_flags(p, GenerateBench, ("connector", "data_parallel_size"))
-    p.add_argument("--batch-sizes", default="64,256")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-sizes", default="64,256",
+                   help="requests per timed run, comma-separated (default: 64,256)")
+    p.add_argument("--input-len", type=int, default=512,
+                   help="prompt tokens per request (default: 512)")
+    p.add_argument("--output-len", type=int, default=256,
+                   help="generated tokens per request (default: 256)")
     add_engine_flags(p, GenerateBench, (
         "graph_mode", "cuda_graph_sizes", "ubatches", "device", "dtype", "gpu_memory_utilization",
         "max_num_batched_tokens", "seed"))  # fmt: skip
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results here (default: None)")
     p.set_defaults(func=main_generate)
 
 
