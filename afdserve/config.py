@@ -10,7 +10,6 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from afdserve.config_args import build, option, parse_placement, parse_sizes, split_kwargs
@@ -42,15 +41,6 @@ def _one_one():
 def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
-
-
-def check_model_dir(model: str) -> None:
-    """A model must be a local Hugging Face directory: say so in one line, before loading."""
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"model={model!r}: no such directory (expected a Hugging Face model dir)")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model={model!r}: the directory has no config.json")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:

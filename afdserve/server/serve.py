@@ -135,7 +135,7 @@ def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
         served_name=names[0],
         aliases=names[1:],
         root=llm.model_name,
-        model_dir=model_dir,
+        model_dir=llm.engine_config.tokenizer or model_dir,  # --tokenizer's, when given
         max_model_len=llm.engine.max_model_len,
         vocab_size=llm.engine.vocab_size,
         defaults=defaults,
