@@ -186,7 +186,7 @@ def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype,
     if spec.afd.connector != "ipc":
         return None
     # A tile is at most one attention rank's padded rows of a ubatch: its tokens, or a graph size.
-    sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+    sizes = StepGraphs.of(spec).sizes  # "auto" resolved as the graph runners resolve it
     tile_cap = max((spec.engine.max_num_batched_tokens, *sizes))
     return open_inboxes(spec.topology, config, dtype, device, spec.afd.ubatches, tile_cap)
 
