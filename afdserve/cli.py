@@ -1,4 +1,5 @@
-"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the config classes."""
+"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the config
+classes."""
 
 from __future__ import annotations
 
@@ -79,11 +80,23 @@ def read_chat_template(value: str | None) -> str | None:
         return f.read()
 
 
+def check_served_names(model: str | None, names: list[str] | None) -> None:
+    """`serve --served-model-name NAME DIR` reads DIR as a second name (several names, as in
+    vLLM), and without a model the bundled tiny one would be served under them: say so."""
+    if model is None and names:
+        taken = [n for n in names[1:] if os.path.isdir(n)]
+        if taken:
+            raise ValueError(f"--served-model-name took the directory {taken[0]!r} as a name and "
+                             f"no model was given: put the model first (afdserve serve MODEL "
+                             f"--served-model-name NAME) or give it as --model")  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from afdserve import LLM
     from afdserve.server.serve import ServeOptions, run_server
 
     kwargs = llm_kwargs(args)
+    check_served_names(kwargs["model"], args.served_model_name)
     model_dir = preflight(kwargs).engine.model
     options = build(
         ServeOptions, args,

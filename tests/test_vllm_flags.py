@@ -171,3 +171,11 @@ def test_every_engine_field_default_is_what_no_flag_gives() -> None:
         assert {k: v for k, v in defaults.items() if k != "model"} == {
             k: getattr(config, k) for k in defaults if k != "model"
         }
+
+
+def test_a_directory_taken_as_a_served_name_is_refused(tmp_path: Path, capsys) -> None:
+    from afdserve.cli import main
+
+    code = main(["serve", "--served-model-name", "q", str(tmp_path), "--port", "0"])
+    assert code == 2  # not the bundled tiny model served as "q" and the directory's path
+    assert f"--served-model-name took the directory {str(tmp_path)!r}" in capsys.readouterr().err
