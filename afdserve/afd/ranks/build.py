@@ -26,7 +26,7 @@ from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.driver import AttentionDriver, Control, FFNDriver, WorkSource
 from afdserve.afd.step.recorder import StepRecorder
-from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
+from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.factory import (
@@ -117,6 +117,8 @@ def graph_runner(runner: ModelRunner, graphs: StepGraphs, max_model_len: int
     capture and replay steps run eagerly."""
     if not graphs.captured_on(runner.device):
         return None
+    # The frontend refuses this first; a bench assembling its ranks here meets the same line.
+    check_capturable(runner.model.config, str(runner.device), graphs.mode)
     return CudaGraphRunner(runner, max(graphs.sizes), max_model_len,
                            allow_prefill=graphs.mode == "full", ubatches=graphs.ubatches)
 
