@@ -147,7 +147,8 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
             return True
         if isinstance(msg, AddRequest):
             try:
-                built.core.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
+                prompt = list(msg.prompt_token_ids)
+                built.core.add_request(msg.request_id, prompt, msg.params, msg.output_token_ids)
             except RequestError as e:
                 conn.send(Rejected(rank, msg.request_id, str(e)))
         elif isinstance(msg, AbortRequest):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 from afdserve.afd.ranks.channel import RankListener
 from afdserve.afd.ranks.messages import Hello, Outputs, RankFailed, RankReady, Shutdown, WorkerSpec
@@ -38,6 +39,16 @@ class Lost:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is stopped by a signal or traced (Linux: /proc/PID/stat's state T or t).
+    False where /proc cannot tell (another OS, a process that is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
 def free_port() -> int:
@@ -158,14 +169,33 @@ class RankWorld:
 
     def check_progress(self, timeout_s: float) -> None:
         """Attention ranks report after every step and at least twice a second when idle; one
-        that stays silent is stuck (or a rank it waits on is): the world has stopped."""
+        that stays silent is stuck (or a rank it waits on is): the world has stopped.
+
+        Silence does not say which rank hangs: every rank waits on a stopped one within a step,
+        and the FFN ranks never report. So the error names the ranks whose process is stopped
+        (SIGSTOP, a debugger: /proc says so) when there are any, and otherwise the silent
+        attention ranks, as what was seen and not as the culprit."""
         now = time.monotonic()
-        for rank, heard in self.last_heard.items():
-            if now - heard > timeout_s:
-                raise WorkerError(
-                    f"attention rank {rank} made no progress for {now - heard:.1f} s "
-                    f"(heartbeat_timeout_s={timeout_s}): a rank is hung"
-                )
+        silent = {rank: now - heard for rank, heard in self.last_heard.items()
+                  if now - heard > timeout_s}  # fmt: skip
+        if not silent:
+            return
+        longest = max(silent.values())
+        stopped = [rank for rank, proc in enumerate(self.procs) if process_stopped(proc.pid)]
+        if stopped:
+            names = ", ".join(f"{self._role(rank)} rank {rank}" for rank in stopped)
+            raise WorkerError(
+                f"{names} stopped (its process is in the stopped state): the world made no "
+                f"progress for {longest:.1f} s (heartbeat_timeout_s={timeout_s})"
+            )
+        ranks = ", ".join(str(rank) for rank in sorted(silent))
+        raise WorkerError(
+            f"the world made no progress for {longest:.1f} s (heartbeat_timeout_s={timeout_s}): "
+            f"attention rank(s) {ranks} sent nothing; a rank is hung (every rank waits on it)"
+        )
+
+    def _role(self, rank: int) -> str:
+        return "attention" if self.spec.topology.is_attention(rank) else "FFN"
 
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
