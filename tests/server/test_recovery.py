@@ -1,0 +1,249 @@
+"""Requests survive a rank failure (on_engine_failure="restart"): real `afdserve serve` worlds
+(2A1F over gloo), real streaming clients. A rank is killed (SIGKILL) or stopped (SIGSTOP) under
+concurrent streams; every stream pauses and then goes on, and its text, token for token, equals
+an undisturbed run of the same requests (greedy and seeded) on the same server. A request that
+arrives while the world is down is held and served too. Also: every 503 says Retry-After.
+
+CI runs one cell (8 streams, the FFN rank killed); the wider matrix (each kind of rank, both
+signals, 32 streams) is @pytest.mark.slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from afdserve import LLM
+from afdserve.server.app import create_app
+from afdserve.server.options import ServeOptions
+from afdserve.server.serve import build_app
+
+from .conftest import (
+    STARTUP_DEADLINE_S,
+    ServerProcess,
+    alive,
+    free_port,
+    marked_pids,
+    metrics,
+    rank_pids,
+    start_cli_server,
+)
+
+HEARTBEAT_S = 4.0  # short, but not so short that a busy 2-core machine trips it
+MAX_TOKENS = 240  # long enough that every stream is still running when the rank fails
+
+
+def bodies(count: int) -> list[dict]:
+    """Half greedy, half seeded sampling; distinct prompts."""
+    out = []
+    for i in range(count):
+        body = {"prompt": f"Story {i}:", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        if i % 2:
+            body.update(temperature=0.9, top_p=0.95, seed=1000 + i)
+        else:
+            body.update(temperature=0.0)
+        out.append(body)
+    return out
+
+
+class Stream:
+    """One streaming completion: its text, its error lines, when its first token came."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.text = ""
+        self.errors: list[str] = []
+        self.finish: str | None = None
+        self.first = threading.Event()
+
+    def run(self, url: str, body: dict) -> Stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=300) as r:  # fmt: skip
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if not line or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:
+                    self.errors.append(line)
+                    continue
+                choice = chunk["choices"][0]
+                self.text += choice["text"]
+                self.finish = choice["finish_reason"] or self.finish
+                self.first.set()
+        return self
+
+
+def stream_all(url: str, requests: list[dict]) -> tuple[list[Stream], ThreadPoolExecutor, list]:
+    streams = [Stream() for _ in requests]
+    pool = ThreadPoolExecutor(len(requests))
+    futures = [pool.submit(s.run, url, body) for s, body in zip(streams, requests)]
+    return streams, pool, futures
+
+
+def health(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def value(server: ServerProcess, name: str) -> float:
+    return sum(v for (sample, _), v in metrics(server).items() if sample == name)
+
+
+@pytest.fixture(scope="module")
+def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = start_cli_server(tmp_path_factory.mktemp("recovery"), free_port(), "--topology", "2A1F",
+                           "--heartbeat-timeout", str(HEARTBEAT_S), "--on-engine-failure",
+                           "restart", "--max-restarts", "20")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+        assert marked_pids(srv.marker) == [], srv.log()[-3000:]
+
+
+def fail_a_rank_under_streams(
+    srv: ServerProcess, victim: int, sig: signal.Signals, count: int
+) -> None:
+    requests = bodies(count)
+    undisturbed, pool, futures = stream_all(srv.url, requests)
+    for future in futures:
+        future.result(timeout=300)
+    pool.shutdown()
+    assert all(s.status == 200 and not s.errors for s in undisturbed)
+    late = {"prompt": "Late:", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    late_want = httpx.post(f"{srv.url}/v1/completions", json=late, timeout=120).json()
+
+    resumes_before = value(srv, "afdserve_request_resumes_total")
+    recoveries_before = value(srv, "afdserve_recovery_seconds_count")
+    old = rank_pids(srv.proc.pid)
+    streams, pool, futures = stream_all(srv.url, requests)
+    for s in streams:
+        assert s.first.wait(120), srv.log()[-3000:]
+    assert not any(s.finish for s in streams), "a stream finished before the rank failed"
+    failed_at = time.monotonic()
+    os.kill(old[victim], sig)
+    deadline = failed_at + 60
+    while health(srv.url) == 200:  # until the failure is seen (the heartbeat, for SIGSTOP)
+        assert time.monotonic() < deadline, "the failure was not detected"
+        time.sleep(0.05)
+    detected_after = time.monotonic() - failed_at
+    # A request arriving while the world is down waits for the new one.
+    late_got = httpx.post(f"{srv.url}/v1/completions", json=late, timeout=300)
+    for future in futures:
+        future.result(timeout=300)
+    pool.shutdown()
+
+    assert late_got.status_code == 200, late_got.text
+    assert late_got.json()["choices"][0]["text"] == late_want["choices"][0]["text"]
+    for i, (got, want) in enumerate(zip(streams, undisturbed)):
+        assert got.status == 200 and not got.errors, (i, got.errors)
+        assert got.finish == "length"
+        assert got.text == want.text, (i, requests[i])
+    assert value(srv, "afdserve_request_resumes_total") - resumes_before == count
+    assert value(srv, "afdserve_recovery_seconds_count") - recoveries_before == 1
+    assert "resumed 1 time(s) after engine failures" in srv.log()
+    assert not [pid for pid in old.values() if alive(pid)]  # the stopped rank included
+    if sig == signal.SIGSTOP:
+        role = "attention" if victim < 2 else "FFN"
+        assert f"{role} rank {victim} stopped" in srv.log()
+        assert detected_after < HEARTBEAT_S + 6, detected_after
+    assert health(srv.url) == 200
+
+
+def test_streams_survive_an_ffn_rank_killed(restarting: ServerProcess) -> None:
+    fail_a_rank_under_streams(restarting, victim=2, sig=signal.SIGKILL, count=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("victim", "sig"),
+    [
+        (0, signal.SIGKILL),
+        (1, signal.SIGSTOP),
+        (2, signal.SIGSTOP),
+        (0, signal.SIGSTOP),
+        (2, signal.SIGKILL),
+    ],
+)
+def test_32_streams_survive_each_kind_of_rank_failure(
+    restarting: ServerProcess, victim: int, sig: signal.Signals
+) -> None:
+    fail_a_rank_under_streams(restarting, victim, sig, count=32)
+
+
+# ----- Retry-After -----
+
+
+def test_every_503_says_retry_after() -> None:
+    """Loading, restarting, failed: each 503 (on /health and on work) carries Retry-After."""
+    options = ServeOptions(served_model_name="tiny", retry_after_s=7)
+    body = {"prompt": "hi", "max_tokens": 2}
+    with TestClient(create_app(options)) as http:
+        for path, send in (("/health", http.get), ("/v1/completions", None)):
+            r = send(path) if send else http.post(path, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+            assert "loading" in r.json()["error"]["message"]
+        http.app.state.server.detach("rank 2 failed")
+        for r in (http.get("/health"), http.post("/v1/completions", json=body)):
+            assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+            assert "restarting (rank 2 failed)" in r.json()["error"]["message"]
+    llm = LLM()
+    try:
+        with TestClient(build_app(llm, options)) as http:
+            assert http.post("/v1/completions", json=body).status_code == 200
+            llm.engine.core_client.shutdown()  # the engine breaks under the engine thread
+            deadline = time.monotonic() + 30
+            while http.get("/health").status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for r in (http.get("/health"), http.post("/v1/completions", json=body)):
+                assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+                assert "engine failed" in r.json()["error"]["message"]
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
+    """The first restart of a world fails (its rank is killed while it starts); the server
+    tries again, within --max-restarts, instead of exiting 1, and serves again."""
+    srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
+                           "restart", "--max-restarts", "3")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        old = rank_pids(srv.proc.pid)
+        os.kill(old[1], signal.SIGKILL)
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        killed: set[int] = set()
+        while not killed:  # kill a rank of the first restart while it starts
+            assert time.monotonic() < deadline, srv.log()[-3000:]
+            new = {r: p for r, p in rank_pids(srv.proc.pid).items() if p not in old.values()}
+            if new:
+                os.kill(new[max(new)], signal.SIGKILL)
+                killed.add(new[max(new)])
+            time.sleep(0.02)
+        while health(srv.url) != 200:
+            assert srv.proc.poll() is None, srv.log()[-3000:]
+            assert time.monotonic() < deadline, srv.log()[-3000:]
+            time.sleep(0.25)
+        log = srv.log()
+        assert "the restart failed" in log and log.count("restarting the ranks in") == 2, log
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
+        answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+    finally:
+        srv.stop()
+        assert marked_pids(srv.marker) == []
