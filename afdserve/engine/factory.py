@@ -119,7 +119,10 @@ def create_engine_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
     )
-    engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
+    # The tokenizer only names the eos token when the config names none; loading it imports
+    # transformers, seconds that every rank of every (re)started world would spend otherwise.
+    tokenizer = None if model.config.eos_token_ids else load_tokenizer(config.model)
+    engine = EngineCore(model, tokenizer, cache, scheduler_config, device)
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)
