@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afdserve.afd.ranks.world import STANDBY
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
@@ -278,6 +279,8 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     engine = Engine(llm_factory, state)
     stats: StatsLogger | None = None
     code = 0
+    # A world restarted in place starts on rank processes started ahead (world.Standby).
+    STANDBY.enabled = options.on_engine_failure == "restart"
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
@@ -301,6 +304,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         if thread.is_alive():
             thread.join(GRACEFUL_SHUTDOWN_S + 5)
         engine.stop()
+        STANDBY.close()
         kill_leftover_ranks()
         sock.close()
         for sig, handler in previous.items():

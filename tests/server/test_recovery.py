@@ -32,6 +32,7 @@ from .conftest import (
     STARTUP_DEADLINE_S,
     ServerProcess,
     alive,
+    child_pids,
     free_port,
     marked_pids,
     metrics,
@@ -217,28 +218,40 @@ def test_every_503_says_retry_after() -> None:
         llm.shutdown()
 
 
+def standby_pids(pid: int) -> list[int]:
+    """The server's rank processes that wait for the next world (RANK set, not yet named)."""
+    running = set(rank_pids(pid).values())
+    found = []
+    for child in child_pids(pid, recursive=False):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if child not in running and alive(child) and any(e.startswith(b"RANK=") for e in environ):
+            found.append(child)
+    return found
+
+
 def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
-    """The first restart of a world fails (its rank is killed while it starts); the server
-    tries again, within --max-restarts, instead of exiting 1, and serves again."""
+    """The first restart fails (the standby processes it starts on were killed); the server
+    tries again within --max-restarts, on freshly started processes, instead of exiting 1."""
     srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
                            "restart", "--max-restarts", "3")  # fmt: skip
     try:
         srv.wait_healthy()
         old = rank_pids(srv.proc.pid)
-        os.kill(old[1], signal.SIGKILL)
         deadline = time.monotonic() + STARTUP_DEADLINE_S
-        killed: set[int] = set()
-        while not killed:  # kill a rank of the first restart while it starts
+        while len(standby := standby_pids(srv.proc.pid)) < 2:
             assert time.monotonic() < deadline, srv.log()[-3000:]
-            new = {r: p for r, p in rank_pids(srv.proc.pid).items() if p not in old.values()}
-            if new:
-                os.kill(new[max(new)], signal.SIGKILL)
-                killed.add(new[max(new)])
-            time.sleep(0.02)
-        while health(srv.url) != 200:
+            time.sleep(0.1)
+        for pid in standby:
+            os.kill(pid, signal.SIGKILL)
+        os.kill(old[1], signal.SIGKILL)
+        while "restarted in" not in srv.log():
             assert srv.proc.poll() is None, srv.log()[-3000:]
             assert time.monotonic() < deadline, srv.log()[-3000:]
             time.sleep(0.25)
+        assert health(srv.url) == 200
         log = srv.log()
         assert "the restart failed" in log and log.count("restarting the ranks in") == 2, log
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}

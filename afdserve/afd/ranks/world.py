@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -57,6 +58,93 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_authkey() -> bytes:
+    key = os.environ.get("AFDSERVE_AUTHKEY")
+    return bytes.fromhex(key) if key else os.urandom(32)
+
+
+class Standby:
+    """The processes of a built-in world started before they are needed: each imports
+    everything a rank needs (torch, the model code: most of a rank's start on a busy host),
+    connects and waits for its WorkerSpec. A restarted world takes them (`STANDBY`), so that
+    it starts with weight loading, not with Python's imports."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.authkey = world_authkey()
+        self.listener = RankListener(("127.0.0.1", 0), self.authkey)
+        self.procs = spawn_ranks(world_size, self.listener.address, self.authkey)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=KILL_WAIT_S)
+        self.listener.close()
+
+
+class StandbyWorlds:
+    """At most one Standby per world size, kept while `enabled` (serve.py: when failed worlds
+    are restarted in place). A built-in world takes the one of its size and starts the next."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._worlds: dict[int, Standby] = {}
+
+    def take(self, world_size: int) -> Standby | None:
+        with self._lock:
+            return self._worlds.pop(world_size, None)
+
+    def replenish(self, world_size: int) -> None:
+        with self._lock:
+            if self.enabled and world_size not in self._worlds:
+                self._worlds[world_size] = Standby(world_size)
+
+    def close(self) -> None:
+        with self._lock:
+            worlds, self._worlds, self.enabled = list(self._worlds.values()), {}, False
+        for standby in worlds:
+            standby.close()
+
+
+STANDBY = StandbyWorlds()
+
+
+def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes) -> list[subprocess.Popen]:
+    """The processes of a world on this host, rank 0 holding the rendezvous store's socket."""
+    procs = []
+    store = socket.create_server(("127.0.0.1", 0))  # rank 0's rendezvous store, loopback only
+    try:
+        for rank in range(world):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.getsockname()[1]),
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
+                AFDSERVE_AUTHKEY=authkey.hex(),
+                AFDSERVE_STORE_PORT=str(store.getsockname()[1]),
+            )
+            fds: tuple[int, ...] = ()
+            if rank == 0:
+                env["AFDSERVE_STORE_FD"] = str(store.fileno())
+                fds = (store.fileno(),)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
+                stdin=subprocess.DEVNULL, pass_fds=fds))
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        store.close()  # rank 0 holds its own copy
+    return procs
+
+
 class RankWorld:
     def __init__(self, spec: WorkerSpec, spawn: bool = True,
                  frontend_address: tuple[str, int] = ("127.0.0.1", 0),
@@ -67,14 +155,19 @@ class RankWorld:
         self.ready: dict[int, RankReady] = {}
         self.last_heard: dict[int, float] = {}
         self.closed = False
-        key = os.environ.get("AFDSERVE_AUTHKEY")
-        self.authkey = bytes.fromhex(key) if key else os.urandom(32)
-        self.listener = RankListener(frontend_address, self.authkey)
+        standby = STANDBY.take(self.world) if spawn else None
+        if standby is not None:  # processes started ahead: they are connecting already
+            self.authkey, self.listener, self.procs = (
+                standby.authkey, standby.listener, standby.procs)
+            log.info("starting the world on %d standby rank processes", self.world)
+        else:
+            self.authkey = world_authkey()
+            self.listener = RankListener(frontend_address, self.authkey)
         self.address = self.listener.address
         try:
-            if spawn:
-                self._spawn()
-            else:
+            if spawn and standby is None:
+                self.procs = spawn_ranks(self.world, self.address, self.authkey)
+            elif not spawn:
                 log.info("waiting for %d ranks at %s:%d (AFDSERVE_AUTHKEY=%s)", self.world,
                          *self.address, self.authkey.hex())
             deadline = time.monotonic() + startup_timeout_s
@@ -83,31 +176,8 @@ class RankWorld:
         except BaseException:
             self.shutdown()
             raise
-
-    def _spawn(self) -> None:
-        store = socket.create_server(("127.0.0.1", 0))  # rank 0's rendezvous store, loopback only
-        try:
-            for rank in range(self.world):
-                env = dict(
-                    os.environ,
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(store.getsockname()[1]),
-                    WORLD_SIZE=str(self.world),
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    AFDSERVE_FRONTEND=f"{self.address[0]}:{self.address[1]}",
-                    AFDSERVE_AUTHKEY=self.authkey.hex(),
-                    AFDSERVE_STORE_PORT=str(store.getsockname()[1]),
-                )
-                fds: tuple[int, ...] = ()
-                if rank == 0:
-                    env["AFDSERVE_STORE_FD"] = str(store.fileno())
-                    fds = (store.fileno(),)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
-                    stdin=subprocess.DEVNULL, pass_fds=fds))
-        finally:
-            store.close()  # rank 0 holds its own copy
+        if spawn:
+            STANDBY.replenish(self.world)  # the next world's processes, while this one serves
 
     def _accept(self, deadline: float) -> None:
         while len(self.conns) < self.world:
