@@ -260,3 +260,63 @@ def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
     finally:
         srv.stop()
         assert marked_pids(srv.marker) == []
+
+
+# ----- the engine thread's recovery, in-process -----
+
+
+def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
+    """A real engine thread over one-process engines: a request in flight when its engine breaks
+    is held, one submitted during the outage is held too; both go on when a new engine is handed
+    over (the held one's tokens equal an undisturbed run); when that engine breaks as well, the
+    request resumed once already fails with an error naming max_request_resumes=1."""
+    from afdserve import SamplingParams
+    from afdserve.server.engine_loop import EngineFailure, EngineLoop, Recovery, Resumed
+
+    first, second = LLM(), LLM()
+    try:
+        prompt = first.encode("Hello")
+        short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        want = second.generate([prompt], short)[0].outputs[0].token_ids
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        want_long = second.generate([prompt], long)[0].outputs[0].token_ids
+        events: dict[str, list] = {"long": [], "held": []}
+        resumed, recovered = [], []
+        loop = EngineLoop(first.engine, recovery=Recovery(
+            resume=True, max_resumes=1, on_resume=lambda: resumed.append(1),
+            on_recovered=recovered.append)).start()  # fmt: skip
+        loop.submit("long", prompt, long, events["long"].append).result(10)
+
+        def wait_for(check, what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not check():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.01)
+
+        wait_for(lambda: events["long"], "a first token")
+        first.engine.core_client.shutdown()  # the engine breaks under the thread
+        wait_for(lambda: loop.error is not None, "the failure")
+        assert loop.holds_requests and not loop.healthy
+        loop.submit("held", prompt, short, events["held"].append).result(10)
+        time.sleep(0.2)
+        assert not events["held"]  # held: no engine to run it
+        loop.resume_on(second.engine)
+        assert loop.healthy
+        wait_for(lambda: events["held"] and events["held"][-1].finished, "the held request")
+        assert events["held"][-1].token_ids == want
+        assert [e for e in events["long"] if isinstance(e, Resumed)] and resumed == [1]
+        assert len(recovered) == 1 and recovered[0] > 0
+        before = len(events["long"])
+        wait_for(lambda: len(events["long"]) > before + 2, "tokens after the resume")
+        second.engine.core_client.shutdown()
+        wait_for(lambda: isinstance(events["long"][-1], EngineFailure), "the second failure")
+        message = events["long"][-1].message
+        assert "failed 2 time(s) under it (max_request_resumes=1)" in message, message
+        outputs = [e for e in events["long"] if not isinstance(e, Resumed | EngineFailure)]
+        tokens = [t for out in outputs for t in out.new_token_ids]
+        assert tokens == outputs[-1].token_ids  # no token lost or repeated across the move
+        assert tokens == want_long[: len(tokens)]  # and the same as an undisturbed run
+        loop.stop()
+    finally:
+        first.shutdown()
+        second.shutdown()
