@@ -22,8 +22,14 @@ def _params(stop: str) -> list[SamplingParams]:
         SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=14, temperature=0.9, seed=3, ignore_eos=True, top_k=20),
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop, "zz"]),
-        SamplingParams(max_tokens=12, temperature=1.1, seed=-7, frequency_penalty=0.7,
-                       repetition_penalty=1.3, ignore_eos=True),  # fmt: skip
+        SamplingParams(
+            max_tokens=12,
+            temperature=1.1,
+            seed=-7,
+            frequency_penalty=0.7,
+            repetition_penalty=1.3,
+            ignore_eos=True,
+        ),  # fmt: skip
         SamplingParams(max_tokens=10, temperature=0.7, seed=11, min_tokens=8),
     ]
 
@@ -55,8 +61,8 @@ def test_a_request_resumed_on_another_engine_goes_on_as_if_undisturbed(
 ) -> None:
     llm, other = engines
     prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    greedy = llm.generate([prompts[2]], SamplingParams(max_tokens=16, temperature=0.0,
-                                                       ignore_eos=True))[0].outputs[0].text
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    greedy = llm.generate([prompts[2]], plain)[0].outputs[0].text
     params = _params(stop=greedy[6:9])  # completes a few tokens in: held back, then found
     ids = [f"r{i}" for i in range(len(prompts))]
 
