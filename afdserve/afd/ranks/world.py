@@ -177,7 +177,10 @@ class RankWorld:
             self.shutdown()
             raise
         if spawn:
-            STANDBY.replenish(self.world)  # the next world's processes, while this one serves
+            try:  # the next world's processes, while this one serves
+                STANDBY.replenish(self.world)
+            except OSError:  # no processes to spare (limits): a restart spawns its own
+                log.warning("could not start standby rank processes", exc_info=True)
 
     def _accept(self, deadline: float) -> None:
         while len(self.conns) < self.world:
