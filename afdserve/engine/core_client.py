@@ -39,9 +39,15 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        """Raises RequestError for a request the engine refuses; others are unaffected."""
+        """Raises RequestError for a request the engine refuses; others are unaffected.
+        `output_token_ids`: the tokens a resumed request had generated on a failed engine; it
+        continues after them (its deltas count them, and carry only what is new)."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

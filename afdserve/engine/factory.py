@@ -139,7 +139,10 @@ def create_engine_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
     )
-    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    # The tokenizer only names the eos token when the config names none; loading it imports
+    # transformers, seconds that every rank of every (re)started world would spend otherwise.
+    tokenizer = None if model.config.eos_token_ids else load_tokenizer(
+        config.tokenizer or config.model, config.trust_remote_code)
     engine = EngineCore(model, tokenizer, cache, scheduler_config, device, prefix_caching)
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.

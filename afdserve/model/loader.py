@@ -106,7 +106,9 @@ def build_model(
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
-    model = model.to_empty(device=device)
+    # Module.to_empty's empty_like of a meta tensor goes through torch._refs, whose first use
+    # imports it (about two seconds of every rank's start); torch.empty of the shape does not.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if isinstance(model, V4CausalLM):
         model.keep_float32()
     for module in model.modules():

@@ -70,6 +70,10 @@ class ServeOptions:
                 "within --restart-window; restarts after the first wait 1, 2, 4, ... s")
     restart_window_s: float = option(
         600.0, help="seconds over which --max-restarts counts restarts")
+    # engine_loop.Recovery: requests wait out a restart and go on from the tokens they had.
+    max_request_resumes: int = option(
+        3, help="--on-engine-failure restart: a request goes on after the restart from the "
+                "tokens it had; one whose engine failed under it more often than this fails")
     drain_timeout_s: float = option(
         30.0, help="SIGTERM: seconds in-flight requests may take to finish")
     max_waiting_requests: int | None = option(
@@ -130,6 +134,7 @@ class ServeOptions:
         _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
         _positive(self, "max_restarts", "an integer >= 0", zero=True, integer=True)
         _positive(self, "restart_window_s", "a number of seconds > 0")
+        _positive(self, "max_request_resumes", "an integer >= 0", zero=True, integer=True)
         _positive(self, "header_timeout_s", "a number of seconds > 0")
         _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afdserve.afd.ranks.world import STANDBY
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
@@ -226,26 +227,35 @@ def watch(engine: Engine, signals: Signals, thread: threading.Thread) -> int:
 
 
 def restart(engine: Engine, error: str, budget: RestartBudget, thread: threading.Thread) -> bool:
-    """Replace the failed LLM after the budget's back-off; False when the server must exit
-    instead (no restart left, or the new LLM failed to start)."""
+    """Replace the failed LLM after the budget's back-off; a restart that fails is itself a
+    failure, retried while the budget has room. False when the server must exit instead (no
+    restart left). The requests the engine thread holds resume on the new LLM."""
     state = engine.state
     delay = budget.next_delay(time.monotonic())
     if delay is None:
         progress(f"{error}; no restart left ({budget.describe()}); exiting")
         return False
-    progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")
     state.detach(str(error))
     engine.stop()
-    if not back_off(delay, state, thread):
-        return True  # SIGTERM while waiting: the watch drains (nothing is in flight)
-    try:
-        engine.start()
-    except Exception:
-        log.exception("the restart failed")
-        progress("the restart failed (its error is above); exiting")
-        return False
-    progress(f"restarted: serving {state.model_name!r} again")
-    return True
+    while True:
+        progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")
+        if not back_off(delay, state, thread):
+            return True  # SIGTERM while waiting, or HTTP is gone: the watch ends it
+        began = time.monotonic()
+        try:
+            engine.start()
+        except Exception as e:
+            log.exception("the restart failed")
+            first_line = (str(e).splitlines() or [""])[0][:200]
+            error = f"the restart failed: {type(e).__name__}: {first_line}"
+            delay = budget.next_delay(time.monotonic())
+            if delay is None:
+                progress(f"{error}; no restart left ({budget.describe()}); exiting")
+                return False
+            continue
+        took = time.monotonic() - began
+        progress(f"restarted in {took:.1f} s: serving {state.model_name!r} again")
+        return True
 
 
 def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
@@ -271,6 +281,8 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     engine = Engine(llm_factory, state)
     stats: StatsLogger | None = None
     code = 0
+    # A world restarted in place starts on rank processes started ahead (world.Standby).
+    STANDBY.enabled = options.on_engine_failure == "restart"
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
@@ -295,6 +307,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         if thread.is_alive():
             thread.join(GRACEFUL_SHUTDOWN_S + 5)
         engine.stop()
+        STANDBY.close()
         kill_leftover_ranks()
         sock.close()
         for sig, handler in previous.items():

@@ -146,11 +146,15 @@ def wait_until_in_engine(server: ServerProcess, count: int, deadline_s: float = 
 
 
 def rank_pids(pid: int) -> dict[int, int]:
-    """rank -> pid of the rank processes the server `pid` started (RANK in their environment)."""
+    """rank -> pid of the rank processes of the server `pid`'s running world (RANK in their
+    environment; a rank names itself afdserve-rankN once its world starts, which tells it from
+    a standby process of the next world)."""
     ranks = {}
     for child in child_pids(pid, recursive=False):
         try:
             environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if not Path(f"/proc/{child}/comm").read_text().startswith("afdserve-rank"):
+                continue
         except OSError:
             continue
         for item in environ:

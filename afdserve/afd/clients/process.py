@@ -70,7 +70,11 @@ class ProcessClient(EngineCoreClient):
 
     # ----- EngineCoreClient -----
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         if request_id in self.owner:
             raise RequestError(f"request_id: {request_id!r} is already running")
@@ -78,7 +82,8 @@ class ProcessClient(EngineCoreClient):
         budget = min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
         rank, cost = self.router.route(prompt_token_ids, budget)
         self.owner[request_id], self.cost[request_id] = rank, cost
-        self.world.send(rank, AddRequest(request_id, tuple(prompt_token_ids), params))
+        message = AddRequest(request_id, tuple(prompt_token_ids), params, tuple(output_token_ids))
+        self.world.send(rank, message)
 
     def abort(self, request_id: str) -> None:
         rank = self.owner.get(request_id)

@@ -29,9 +29,14 @@ class SingleProcessClient(EngineCoreClient):
         self.limits = self.core.limits
         self.driver.warmup()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        self.core.add_request(request_id, prompt_token_ids, params)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        self.core.add_request(request_id, prompt_token_ids, params, output_token_ids)
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)

@@ -50,6 +50,8 @@ class AddRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # A request resumed after a world failed: the tokens it had generated (engine_core.add_request)
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ class V4Body(nn.Module):
         super().__init__()
         v4 = config.v4
         if parts.attention:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # No random init (the loader writes it): see model.model.uninitialized_embedding.
+            shape = (config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
             self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps,
                                      config.rms_norm_eps)
             self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
