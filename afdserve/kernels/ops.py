@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import fp8, reference
+from afdserve.kernels import fp4, fp8, reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 
@@ -188,3 +188,28 @@ def moe_experts_fp8(
         w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
         return moe_experts(x, topk_ids, topk_weights, w13, w2)
     return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block)
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/fp4.py). On CUDA the
+    Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the experts,
+    graph capturable); elsewhere the reference dequantizes the routed experts one at a time."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_fp4_moe
+
+        if triton_fp4_moe.supports(x, gate_up, down):
+            if gate_up[0].shape[0] == 0:  # a shard without experts
+                return torch.zeros_like(x)
+            # As in moe_experts: a pair with id -1 (no expert here) becomes expert 0, weight 0.
+            absent = topk_ids < 0
+            ids = topk_ids.masked_fill(absent, 0)
+            weights = topk_weights.masked_fill(absent, 0.0)
+            return triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, limit)
+    return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit)
