@@ -77,8 +77,10 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         amax > 0, torch.exp2(torch.ceil(torch.log2(amax / E2M1_MAX))), torch.ones_like(amax)
     )
     scaled = (w / scale.unsqueeze(-1)).flatten(-2)  # [..., out, in], |.| <= 6
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=weight.device)
-    code = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)  # first (smaller) on ties
+    # The magnitude's code: how many midpoints between neighbouring magnitudes lie below it
+    # (at a midpoint, the smaller).
+    mids = torch.tensor(E2M1_MAGNITUDES, device=weight.device)
+    code = torch.bucketize(scaled.abs(), (mids[1:] + mids[:-1]) / 2)
     code = code | ((scaled < 0) & (code > 0)).long() << 3
     pairs = code.unflatten(-1, (cols // 2, 2))
     packed = (pairs[..., 0] | pairs[..., 1] << 4).to(torch.uint8)

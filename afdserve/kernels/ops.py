@@ -178,16 +178,18 @@ def moe_experts_fp8(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     block: tuple[int, int],
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA, until
+    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs); `limit`: the
+    SwiGLU clamp (DeepSeek-V4). On CUDA, until
     FP8 expert kernels exist, the stacks are dequantized whole and take the bf16 kernels (graph
     capturable, at the cost of a transient of every expert in x's dtype); elsewhere the
     reference dequantizes only the experts the rows are routed to."""
     if x.is_cuda:
         w13 = fp8.dequantize_gate_up(*gate_up, x.dtype, block)
         w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
-        return moe_experts(x, topk_ids, topk_weights, w13, w2)
-    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block, limit)
 
 
 def moe_experts_fp4(
