@@ -87,8 +87,9 @@ def convert_to_quantized(model: nn.Module, config: ModelConfig) -> None:
                 quantize_experts(child, spec.block)
 
 
-def load_problem_v4(name: str, target: str, src: torch.Tensor, dst: torch.Tensor,
-                    spec: object) -> str | None:
+def load_problem_v4(
+    name: str, target: str, src: torch.Tensor, dst: torch.Tensor, spec: object
+) -> str | None:
     """Why checkpoint tensor `name` (our `target`) cannot fill `dst` (None: it can): FP4 bytes
     and ue8m0 scales, then the FP8 rules every family has."""
     scale = target.endswith(SCALE_SUFFIX)
@@ -98,21 +99,35 @@ def load_problem_v4(name: str, target: str, src: torch.Tensor, dst: torch.Tensor
                     (FP4_DTYPES, "packed e2m1 pairs (int8 as published, uint8 or "
                                  "float4_e2m1fn_x2), two inputs per byte"))  # fmt: skip
         if src.dtype not in ok:
-            return (f"{name}: dtype {src.dtype} for an FP4 expert (expert_dtype='fp4'); "
-                    f"expected {what}")
+            return (
+                f"{name}: dtype {src.dtype} for an FP4 expert (expert_dtype='fp4'); expected {what}"
+            )
         return None
     if src.dtype in FP4_DTYPES[::2] and ".experts." in target:
-        return (f"{name}: dtype {src.dtype} (FP4-packed experts) in a checkpoint whose "
-                "config.json does not say expert_dtype='fp4'")
+        return (
+            f"{name}: dtype {src.dtype} (FP4-packed experts) in a checkpoint whose "
+            "config.json does not say expert_dtype='fp4'"
+        )
+    fp8_expert_grid = scale and ".experts." in target and dst.dim() == 3
+    if fp8_expert_grid and src.dim() == 2 and src.shape[0] > dst.shape[1]:
+        return (
+            f"{name}: shape {tuple(src.shape)}, an FP4 expert's scales (one per 32 inputs), in a "
+            "checkpoint whose config.json does not say expert_dtype='fp4'; FP8 experts have one "
+            f"scale per 128x128 block ({tuple(dst.shape[1:])} for gate and up together)"
+        )
     if scale and src.dtype in E8M0_DTYPES:
         if spec is None or spec.scale_fmt != "ue8m0":
-            return (f"{name}: dtype {src.dtype} (ue8m0 scale bytes) but quantization_config."
-                    f"scale_fmt={getattr(spec, 'scale_fmt', None)!r}; allowed: float32 scales, "
-                    "or ue8m0 bytes with scale_fmt='ue8m0'")
+            return (
+                f"{name}: dtype {src.dtype} (ue8m0 scale bytes) but quantization_config."
+                f"scale_fmt={getattr(spec, 'scale_fmt', None)!r}; allowed: float32 scales, "
+                "or ue8m0 bytes with scale_fmt='ue8m0'"
+            )
         return None
     if scale and src.dtype != torch.float32:
-        return (f"{name}: dtype {src.dtype} for a block scale; allowed: float8_e8m0fnu "
-                "(ue8m0) or float32")
+        return (
+            f"{name}: dtype {src.dtype} for a block scale; allowed: float8_e8m0fnu "
+            "(ue8m0) or float32"
+        )
     return load_problem(name, src, dst, spec)
 
 
