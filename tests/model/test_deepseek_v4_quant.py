@@ -125,8 +125,9 @@ def test_weights_equal_transformers_dequantized(theirs: dict, ours: dict) -> Non
 @pytest.mark.parametrize("expert_dtype", EXPERT_DTYPES)
 @pytest.mark.parametrize("length", LENGTHS)
 @torch.inference_mode()
-def test_teacher_forced_logits_match_transformers(theirs: dict, ours: dict, expert_dtype: str,
-                                                  length: int) -> None:
+def test_teacher_forced_logits_match_transformers(
+    theirs: dict, ours: dict, expert_dtype: str, length: int
+) -> None:
     ids = prompt(length, seed=200 + length)
     model = ours[expert_dtype]
     assert boundary_ties(model, ids) == []
@@ -151,8 +152,9 @@ def test_quantization_is_not_a_no_op(ours: dict, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("expert_dtype", EXPERT_DTYPES)
 @torch.inference_mode()
-def test_each_role_reads_only_its_half(checkpoints: dict[str, Path], ours: dict,
-                                       expert_dtype: str) -> None:
+def test_each_role_reads_only_its_half(
+    checkpoints: dict[str, Path], ours: dict, expert_dtype: str
+) -> None:
     path, full = checkpoints[expert_dtype], ours[expert_dtype]
     attention, report = load_model(path, ModelParts(attention=True, ffn=False), "float32")
     assert report.skipped_other_half > 0 and not report.unexpected
