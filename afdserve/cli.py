@@ -142,11 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "DeepSeek-V4-Flash ships them (default: fp8)")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    from afdserve.model.presets import PRESETS
+    from afdserve.model.presets import PRESET_HELP
 
     make_config = sub.add_parser(
         "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
-    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    make_config.add_argument("--preset", required=True, metavar="NAME[:LAYERS]", help=PRESET_HELP)
     make_config.add_argument("dir")
     make_config.set_defaults(func=cmd_make_config)
 

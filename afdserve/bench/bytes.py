@@ -47,7 +47,16 @@ def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
     return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
 
 
+# A routed-expert stack and, when quantized, its scales (FP8 grids, FP4 ue8m0 bytes): a step reads
+# the slices of the experts it touches, in the precision they are held in.
+EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv",
+                 "experts.down_proj_scale_inv")  # fmt: skip
+
+
 def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
+    """Bytes of the parameters one step reads, each in its stored dtype (FP8 one byte, FP4 half a
+    byte as packed pairs): every non-expert weight once, the touched experts' slices, one
+    embedding row per sequence (the whole table when lm_head is tied to it)."""
     total, seen = 0, set()
     for model in (attn, ffn):
         for name, p in model.named_parameters():
@@ -55,7 +64,7 @@ def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict
                 continue
             seen.add(id(p))
             size = p.numel() * p.element_size()
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(EXPERT_STACKS):
                 layer = name.rsplit(".", 1)[0]
                 total += size // p.shape[0] * hit.get(layer, 0)
             elif name.endswith("embed_tokens.weight"):

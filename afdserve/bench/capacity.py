@@ -23,7 +23,7 @@ from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESETS
+from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -170,8 +170,8 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("capacity", help="KV-cache capacity of colocated vs the 1A1F attention "
                                           "rank, and the largest batch at a context length")
     p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format dummy)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy)")
     add_engine_flags(p, CapacityBench, ("load_format",))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES))
     add_engine_flags(p, CapacityBench, ("connector",))

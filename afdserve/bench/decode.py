@@ -31,7 +31,7 @@ from afdserve.config_args import build
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import MoECausalLM
-from afdserve.model.presets import PRESETS, preset_hf_config
+from afdserve.model.presets import PRESET_HELP, parse_preset, preset_hf_config
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -61,8 +61,11 @@ class DecodeBench:
 
         if (self.model_dir is None) == (self.preset is None):
             raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise bad("preset", f"one of {sorted(PRESETS)}")
+        if self.preset is not None:
+            try:
+                parse_preset(self.preset)
+            except ValueError as e:
+                raise ValueError(f"bench.{e}") from None
         if self.preset is not None and not self.random_weights:
             raise bad("random_weights", "a preset has no checkpoint: add --random-weights")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -144,7 +147,7 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
     p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]", help=PRESET_HELP)
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context-len", type=int, default=1024)

@@ -23,7 +23,7 @@ from afdserve.config_args import build
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESETS
+from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -152,8 +152,8 @@ def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
     p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format dummy)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy)")
     add_engine_flags(p, GenerateBench, ("load_format",))
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
     add_engine_flags(p, GenerateBench, ("connector",))
