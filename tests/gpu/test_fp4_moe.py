@@ -103,3 +103,33 @@ def test_fp4_experts_prefill_chunks_and_absent_experts():
         tuple(t.cpu() for t in down),
     )
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
+    """DeepSeek-V4's FFN half (router, FP4 experts through these kernels, FP8 shared expert)
+    loaded on the GPU from a tiny FP4 checkpoint, captured and replayed, against the same
+    checkpoint's FFN half on the CPU in float32 (the reference dequantization)."""
+    from afdserve.model.loader import load_model
+    from afdserve.model.model import ModelParts
+    from afdserve.model.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("v4") / "fp4", "deepseek_v4", hash_layers=1,
+                           quantization="fp8", expert_dtype="fp4")  # fmt: skip
+    ffn = ModelParts(attention=False, ffn=True)
+    gpu, _ = load_model(path, ffn, "bfloat16", device="cuda")
+    cpu, _ = load_model(path, ffn, "float32")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 32, generator=gen).cuda().bfloat16()
+    ids = torch.randint(0, 256, (rows,), generator=gen).cuda()
+    for layer in (0, 1):  # a hash layer and a routed one
+        gpu.ffn_half(layer, x, ids)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gpu.ffn_half(layer, x, ids)
+        graph.replay()
+        # The CPU side takes the GPU router's choice: a bf16 near-tie must not flip an expert.
+        chosen, weights = gpu.model.layers[layer].mlp.gate(x, ids)
+        want = cpu.ffn_half(layer, x.cpu().float(), ids.cpu(), (chosen.cpu(), weights.cpu()))
+        assert rel_err(out, want) < 3e-2, layer
