@@ -214,4 +214,10 @@ def moe_experts_fp4(
             ids = topk_ids.masked_fill(absent, 0)
             weights = topk_weights.masked_fill(absent, 0.0)
             return triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, limit)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
+        # counts back to the host, so every expert is dequantized and run (small models only).
+        w13 = fp4.dequantize_fp4(*gate_up, x.dtype)
+        w2 = fp4.dequantize_fp4(*down, x.dtype)
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit)
     return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit)

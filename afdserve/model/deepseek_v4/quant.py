@@ -25,6 +25,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4 import names
 from afdserve.model.fp8 import SCALE_SUFFIX, Fp8Linear, load_problem, quantize_experts
 from afdserve.model.moe import Experts, Routing
+from afdserve.model.quantization import Fp8Spec
 
 # Our names of the linear layers the public checkpoint stores in FP8.
 FP8_MODULES = re.compile(
@@ -32,6 +33,7 @@ FP8_MODULES = re.compile(
     r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj))$")  # fmt: skip
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # ue8m0 scales, or their bytes (MXFP8 style)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # int8 as published
+PACKED_ONLY = (torch.int8, torch.float4_e2m1fn_x2)  # dtypes no unquantized weight has
 
 
 class Fp4Experts(Experts):
@@ -88,7 +90,7 @@ def convert_to_quantized(model: nn.Module, config: ModelConfig) -> None:
 
 
 def load_problem_v4(
-    name: str, target: str, src: torch.Tensor, dst: torch.Tensor, spec: object
+    name: str, target: str, src: torch.Tensor, dst: torch.Tensor, spec: Fp8Spec | None
 ) -> str | None:
     """Why checkpoint tensor `name` (our `target`) cannot fill `dst` (None: it can): FP4 bytes
     and ue8m0 scales, then the FP8 rules every family has."""
@@ -103,7 +105,7 @@ def load_problem_v4(
                 f"{name}: dtype {src.dtype} for an FP4 expert (expert_dtype='fp4'); expected {what}"
             )
         return None
-    if src.dtype in FP4_DTYPES[::2] and ".experts." in target:
+    if src.dtype in PACKED_ONLY and ".experts." in target:
         return (
             f"{name}: dtype {src.dtype} (FP4-packed experts) in a checkpoint whose "
             "config.json does not say expert_dtype='fp4'"
