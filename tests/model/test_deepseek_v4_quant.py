@@ -23,6 +23,7 @@ from afdserve.model.deepseek_v4.tiny import make_tiny_v4
 from afdserve.model.fp8 import Fp8Linear
 from afdserve.model.loader import load_model
 from afdserve.model.model import ModelParts
+from afdserve.model.quantization import check_quantization
 from tests.model.deepseek_v4_helpers import boundary_ties
 
 pytest.importorskip("accelerate")  # transformers' FP8 loading needs it
@@ -76,6 +77,8 @@ def test_make_tiny_model_writes_flash_layout(checkpoints: dict[str, Path]) -> No
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}  # fmt: skip
     assert "expert_dtype" not in json.loads((checkpoints["fp8"] / "config.json").read_text())
+    for path in checkpoints.values():
+        check_quantization(path, None)  # what the frontend checks before any rank starts
     with safe_open(str(checkpoints["fp4"] / "model.safetensors"), "pt") as f:
         meta = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
     assert not [k for k in meta if k.startswith("model.")] and "embed.weight" in meta
