@@ -78,18 +78,16 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_tile(w_rows, s_rows, col_ok, k0, j, dtype: tl.constexpr):
+def _fp4_tile(w_rows, s_rows, col_ok, k0, j):
     """One K step of a weight tile: rows at `w_rows` / `s_rows` ([COLUMNS, 1] pointers to packed
     bytes and scales), packed columns k0 / 2 + j -> (weights of inputs k0 + 2j, of k0 + 2j + 1),
-    each [COLUMNS, K / 2] in `dtype`."""
+    each [COLUMNS, K / 2] float32 (exact in bf16, which the caller converts them to)."""
     packed = tl.load(w_rows + k0 // 2 + j[None, :], mask=col_ok[:, None], other=0).to(tl.int32)
     scale = tl.load(s_rows + k0 // 32 + (j // 16)[None, :], mask=col_ok[:, None], other=127).to(
         tl.int32
     )
     factor = tl.exp2((scale - 127).to(tl.float32))
-    even = (_e2m1(packed & 15) * factor).to(dtype)
-    odd = (_e2m1(packed >> 4) * factor).to(dtype)
-    return even, odd
+    return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
 
 
 @triton.jit
@@ -117,12 +115,12 @@ def _gate_up_kernel(
         for k0 in range(0, hidden, K_BLOCK):
             x_even = tl.load(x_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
             x_odd = tl.load(x_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            g_even, g_odd = _fp4_tile(gate_w, gate_s, col_ok, k0, j, dtype)
-            u_even, u_odd = _fp4_tile(up_w, up_s, col_ok, k0, j, dtype)
-            gate = tl.dot(x_even, tl.trans(g_even), gate)
-            gate = tl.dot(x_odd, tl.trans(g_odd), gate)
-            up = tl.dot(x_even, tl.trans(u_even), up)
-            up = tl.dot(x_odd, tl.trans(u_odd), up)
+            g_even, g_odd = _fp4_tile(gate_w, gate_s, col_ok, k0, j)
+            u_even, u_odd = _fp4_tile(up_w, up_s, col_ok, k0, j)
+            gate = tl.dot(x_even, tl.trans(g_even.to(dtype)), gate)
+            gate = tl.dot(x_odd, tl.trans(g_odd.to(dtype)), gate)
+            up = tl.dot(x_even, tl.trans(u_even.to(dtype)), up)
+            up = tl.dot(x_odd, tl.trans(u_odd.to(dtype)), up)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -153,9 +151,9 @@ def _down_kernel(
         for k0 in range(0, inter, K_BLOCK):
             h_even = tl.load(h_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
             h_odd = tl.load(h_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            w_even, w_odd = _fp4_tile(down_w, down_s, col_ok, k0, j, dtype)
-            acc = tl.dot(h_even, tl.trans(w_even), acc)
-            acc = tl.dot(h_odd, tl.trans(w_odd), acc)
+            w_even, w_odd = _fp4_tile(down_w, down_s, col_ok, k0, j)
+            acc = tl.dot(h_even, tl.trans(w_even.to(dtype)), acc)
+            acc = tl.dot(h_odd, tl.trans(w_odd.to(dtype)), acc)
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
