@@ -1,4 +1,4 @@
-"""`afdserve serve | generate | bench | make-tiny-model`; defaults come from the config classes."""
+"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the configs."""
 
 from __future__ import annotations
 
@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     make_config.add_argument("--preset", required=True, metavar="NAME[:LAYERS]", help=PRESET_HELP)
     make_config.add_argument("dir")
     make_config.set_defaults(func=cmd_make_config)
+
+    from afdserve.planner.plan import add_plan_parser
+
+    add_plan_parser(sub)
 
     try:
         from afdserve.bench.cli import add_bench_parser

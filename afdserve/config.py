@@ -24,6 +24,7 @@ CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
+ROUTING_POLICIES = ("prefix", "least-tokens")  # afd/clients/routing.py
 
 
 def _one_one():
@@ -94,6 +95,10 @@ class EngineConfig:
         help="of the paged KV cache: auto, the model's dtype; fp8 (alias fp8_e4m3): "
              "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
              "without KV scales), half the bytes of bf16, so twice the cached tokens")  # fmt: skip
+    enable_prefix_caching: bool | None = option(
+        None, help="automatic prefix caching: a request's longest prefix of full blocks already "
+                   "in its attention rank's KV cache is taken from there, not recomputed",
+        shown="on, except for DeepSeek-V4, which has no plain paged cache")  # fmt: skip
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -123,6 +128,9 @@ class EngineConfig:
                  "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype",
                  self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+        _require(self.enable_prefix_caching in (None, True, False), owner,
+                 "enable_prefix_caching", self.enable_prefix_caching,
+                 "None (on where the model allows), True or False")
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -216,6 +224,11 @@ class AFDConfig:
              "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
              "round trip at the FFN boundary, so every topology gives the same tokens",
         shown="auto, the model dtype")  # fmt: skip
+    routing_policy: str = option(
+        "prefix", choices=ROUTING_POLICIES,
+        help="how the frontend picks the attention rank of a request: least-tokens, the one "
+             "with the least outstanding work; prefix, the same less the prompt tokens the rank "
+             "holds in its prefix cache (as least-tokens when prefix caching is off)")  # fmt: skip
 
     def __post_init__(self) -> None:
         from afdserve.layout.experts import check_placement_shape
@@ -249,6 +262,8 @@ class AFDConfig:
                  f"one of {CONNECTORS}")
         _require(self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype,
                  f"one of {A2E_DTYPES}")
+        _require(self.routing_policy in ROUTING_POLICIES, owner, "routing_policy",
+                 self.routing_policy, f"one of {ROUTING_POLICIES}")
         if self.connector == "ipc" and self.a2e_dtype == "fp8":
             # The push kernel writes model-dtype rows; its quantizing form is not written yet.
             raise ValueError("AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "

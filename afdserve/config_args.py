@@ -95,7 +95,9 @@ def _shown(default: Any) -> str:
 
 
 def help_with_default(field: dataclasses.Field, default: Any = _UNSET) -> str:
-    """The field's help ending in its default, as vLLM's --help shows it."""
+    """The field's help ending in its default, as vLLM's --help shows it (or "required")."""
+    if default is _UNSET and field.default is dataclasses.MISSING and "shown" not in field.metadata:
+        return f"{field.metadata['help']} (required)"
     if default is _UNSET:
         shown = field.metadata.get("shown") or _shown(field.default)
     else:
@@ -133,6 +135,8 @@ def add_field_argument(
         kw = _typed(cls, field, kind, flag, choices)
     if meta.get("positional"):
         action = parser.add_argument(kwarg_of(field), nargs="?", default=value, **kw)
+    elif value is dataclasses.MISSING:  # a field without a default: the flag must be given
+        action = parser.add_argument(flag, dest=kwarg_of(field), required=True, **kw)
     else:
         action = parser.add_argument(flag, dest=kwarg_of(field), default=value, **kw)
     # Set after construction: BooleanOptionalAction would append its own "(default: ...)".
@@ -162,8 +166,9 @@ def _typed(
 def _bool_action(meta: Mapping[str, Any], default: Any) -> Any:
     if meta.get("negate"):
         return "store_false"  # the flag turns a True default off
-    # As vLLM: a False default is switched on by its flag; a True one has --no-... too.
-    return argparse.BooleanOptionalAction if default else "store_true"
+    # As vLLM: a False default is switched on by its flag; a True one has --no-... too, and so
+    # has a None one (the engine decides unless told either way).
+    return argparse.BooleanOptionalAction if default or default is None else "store_true"
 
 
 def add_dataclass_arguments(

@@ -18,6 +18,8 @@ from afdserve.afd.step.recorder import StepLogFile
 from afdserve.config import engine_configs
 from afdserve.engine.client import EngineClient
 from afdserve.engine.core_client import EngineCoreClient
+from afdserve.engine.cuda_graphs import check_capturable
+from afdserve.engine.factory import prefix_caching_for
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
@@ -25,6 +27,7 @@ from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
 from afdserve.model.bundled import resolve_model
 from afdserve.model.config import load_model_config
+from afdserve.model.preflight import preflight
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -84,6 +87,12 @@ class LLM:
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)
+        # So is a config field or checkpoint tensor the model cannot run with.
+        model_config = preflight(model, self.engine_config.load_format,
+                                 self.engine_config.quantization)
+        check_capturable(model_config, device, self.graph_config.mode)
+        if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
+            prefix_caching_for(self.engine_config, model_config)
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
@@ -120,6 +129,7 @@ class LLM:
         self.rank_ready = dict(sorted(ready.items()))
         self.memory_reports = [ready[r].memory for r in sorted(ready)]
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
+        self.prefix_caching = any(info.prefix_caching for info in ready.values())
 
     # ----- generation -----
     def get_default_sampling_params(self) -> SamplingParams:

@@ -446,7 +446,7 @@ def test_startup_summary_request_log_and_stats_line(
 ) -> None:
     summary = line_with(served, "max concurrency")
     for part in ("afdserve 0.1.0", SERVED_NAME, "topology colocated", "dtype", "max_model_len 512",
-                 "KV cache", "tokens"):  # fmt: skip
+                 "KV cache", "tokens", "prefix caching on"):  # fmt: skip
         assert part in summary, summary
     body = {"prompt": HELLO, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     answer = http.post("/v1/completions", json=body).json()
@@ -456,6 +456,7 @@ def test_startup_summary_request_log_and_stats_line(
     wait_for_log(served, "generation")
     stats = line_with(served, "tokens/s")
     assert "running" in stats and "waiting" in stats and "KV cache" in stats
+    assert "prefix cache hit rate" in stats
 
 
 def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureFixture) -> None:

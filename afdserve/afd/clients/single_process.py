@@ -43,12 +43,14 @@ class SingleProcessClient(EngineCoreClient):
         return self.core.has_unfinished
 
     def stats(self) -> EngineStats:
-        s = self.core.scheduler
+        s, blocks = self.core.scheduler, self.core.block_manager
         return EngineStats(
             running=s.num_running,
             waiting=s.num_waiting,
-            kv_cache_usage=self.core.block_manager.usage,
+            kv_cache_usage=blocks.usage,
             steps=dict(self.driver.recorder.mode_counts),
+            prefix_cache_queries={0: blocks.queried_tokens},
+            prefix_cache_hits={0: blocks.hit_tokens},
         )
 
     def step_log(self) -> list[dict]:

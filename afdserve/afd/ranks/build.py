@@ -188,8 +188,10 @@ def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype,
     return open_inboxes(spec.topology, config, dtype, device, spec.afd.ubatches, tile_cap)
 
 
-def _ready(rank: int, role: str, memory: MemoryReport, model, limits) -> RankReady:
-    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits)
+def _ready(rank: int, role: str, memory: MemoryReport, model, limits,
+           prefix_caching: bool = False) -> RankReady:
+    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits,
+                     prefix_caching)
 
 
 def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
@@ -204,7 +206,8 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
         # and it must leave the experts their room.
         ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
     core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
-    ready = [_ready(rank, "attention", memory, core.model, core.limits)]
+    ready = [_ready(rank, "attention", memory, core.model, core.limits,
+                    core.block_manager.prefix_caching)]
     wire = inboxes = None
     if ffn_model is not None:
         wire = _wire(spec, 1)  # logs what FFN rank 1 ran: nothing travels

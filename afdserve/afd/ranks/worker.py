@@ -160,9 +160,10 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
 
 
 def _stats(built: BuiltRank) -> RankStats:
-    scheduler = built.core.scheduler
-    return RankStats(scheduler.num_running, scheduler.num_waiting,
-                     built.core.block_manager.usage, dict(built.driver.recorder.mode_counts))
+    scheduler, blocks = built.core.scheduler, built.core.block_manager
+    return RankStats(scheduler.num_running, scheduler.num_waiting, blocks.usage,
+                     dict(built.driver.recorder.mode_counts), blocks.queried_tokens,
+                     blocks.hit_tokens)
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
