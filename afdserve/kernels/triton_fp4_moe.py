@@ -17,7 +17,8 @@ The routing is resolved in the kernels as in triton_moe.py (whose pair helpers a
 these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
 pair list it holds in registers, and streams the expert's weight tile once for all of them. That
 list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
-pairs, each chunk the same three launches, so a graph capture of any batch works.
+pairs, each chunk the same three launches, so a graph capture of any batch works. Unlike
+triton_moe.py, no tile shape follows the batch, so one compile serves them all.
 
 1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
@@ -31,17 +32,15 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.fp4 import FP4_BLOCK
-from afdserve.kernels.triton_moe import (
-    SUM_COLUMNS,
-    _expert_pairs,
-    _rows_per_tile,
-    _sum_kernel,
-    _tile_pairs,
-    _tiles,
-)
+from afdserve.kernels.triton_moe import SUM_COLUMNS, _expert_pairs, _sum_kernel, _tile_pairs
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
-MAX_PAIRS = 1024
+MAX_PAIRS = 512
+# One compile serves every batch of a model: the launch's constexprs depend on its shapes alone
+# (the pair count is a plain, unspecialized argument). Every expert gets a program, which exits
+# at once when no pair chose it; ROWS pairs of one expert share a weight tile (tl.dot's smallest
+# height); a tile's columns per program, warps and stages as the bf16 decode kernels' middle row.
+ROWS, GATE_UP_COLUMNS, DOWN_COLUMNS, WARPS, STAGES = 16, 32, 64, 4, 3
 
 
 def _k_block(dim: int) -> int:
@@ -90,7 +89,7 @@ def _fp4_tile(w_rows, s_rows, col_ok, k0, j):
     return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, limit,
     HAS_LIMIT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
@@ -129,7 +128,7 @@ def _gate_up_kernel(
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
@@ -176,19 +175,14 @@ def _launch(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    routing = dict(
-        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
-        BY_EXPERT=pairs > experts,
-        ROWS=_rows_per_tile(pairs, experts),
-    )
-    slots = min(pairs, experts)
-    gate_up_columns, down_columns, warps, stages = _tiles(pairs)
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+    routing = dict(PAIRS_PAD=MAX_PAIRS, BY_EXPERT=True, ROWS=ROWS)
+    gate_up_columns, down_columns, warps, stages = GATE_UP_COLUMNS, DOWN_COLUMNS, WARPS, STAGES
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), experts)](
         x, ids, gate_up[0], gate_up[1], h, pairs, top_k, hidden, inter,
         0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None, **routing,
         COLUMNS=gate_up_columns, K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
+    _down_kernel[(triton.cdiv(hidden, down_columns), experts)](
         h, ids, weights, down[0], down[1], y, pairs, hidden, inter, **routing,
         COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -32,27 +32,27 @@ DOWN = {
     "hidden": "i32",
     "inter": "i32",
 }
-ROUTING = ("PAIRS_PAD", "BY_EXPERT", "ROWS", "COLUMNS", "K_BLOCK")
+ROUTING = ("PAIRS_PAD", "BY_EXPERT", "ROWS")
 
 
-def compile_for_h200(kernel, signature: dict, constants: dict) -> object:
+def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) -> object:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {**signature, **{name: "constexpr" for name in constants}}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget(*H200),
-                          options={"num_warps": 4, "num_stages": 4})  # fmt: skip
+    return triton.compile(source, target=GPUTarget(*H200), options=options)
 
 
-@pytest.mark.parametrize("by_expert", [False, True])
-def test_kernels_compile_for_sm90(by_expert: bool) -> None:
-    from afdserve.kernels import triton_fp4_moe
+def test_kernels_compile_for_sm90() -> None:
+    """With the launch's own constants: the one compile every batch uses."""
+    from afdserve.kernels import triton_fp4_moe as k
 
-    routing = dict(zip(ROUTING, (64 if not by_expert else 1024, by_expert, 16, 32, 128),
-                       strict=True))  # fmt: skip
-    gate_up = compile_for_h200(triton_fp4_moe._gate_up_kernel, GATE_UP,
-                               {"HAS_LIMIT": True, **routing})  # fmt: skip
-    down = compile_for_h200(triton_fp4_moe._down_kernel, DOWN, routing)
+    routing = dict(zip(ROUTING, (k.MAX_PAIRS, True, k.ROWS), strict=True))
+    options = {"num_warps": k.WARPS, "num_stages": k.STAGES}
+    gate_up = {"HAS_LIMIT": True, **routing, "COLUMNS": k.GATE_UP_COLUMNS, "K_BLOCK": 128}
+    down = {**routing, "COLUMNS": k.DOWN_COLUMNS, "K_BLOCK": 128}
+    gate_up = compile_for_h200(k._gate_up_kernel, GATE_UP, gate_up, options)
+    down = compile_for_h200(k._down_kernel, DOWN, down, options)
     for kernel in (gate_up, down):
         assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"]  # nothing spilled
