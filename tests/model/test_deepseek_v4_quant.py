@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import DeepseekV4ForCausalLM
 
+from afdserve import LLM, SamplingParams
 from afdserve.cli import main
 from afdserve.kernels.fp4 import dequantize_fp4
 from afdserve.kernels.fp8 import dequantize_blockwise
@@ -192,3 +193,37 @@ def test_dummy_fp4_weights_agree_across_halves(checkpoints: dict[str, Path]) -> 
     assert torch.isfinite(want).all()
     ffn, _ = load_model(path, ModelParts(False, True), "float32", load_format="dummy")
     assert torch.equal(attention.forward_full(ids, ffn=ffn.ffn_half), want)
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[7], [72, 101, 108, 108, 111], list(range(30, 43))]
+
+
+@pytest.fixture(scope="module")
+def engine_tokens(checkpoints: dict[str, Path]) -> list[list[int]]:
+    with LLM(str(checkpoints["fp4"]), dtype="float32") as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@torch.inference_mode()
+def test_engine_greedy_tokens_are_transformers_argmax(
+    theirs: dict, ours: dict, engine_tokens: list[list[int]]
+) -> None:
+    """The engine over its paged cache, from the FP4 checkpoint: every token is the argmax of
+    transformers' full forward over the prompt and the tokens before it."""
+    for prompt, got in zip(PROMPTS, engine_tokens, strict=True):
+        seq = torch.tensor(prompt + got)
+        assert boundary_ties(ours["fp4"], seq) == []
+        logits = theirs["fp4"](seq[None, :-1], use_cache=False).logits[0]
+        assert got == logits[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(("topology", "extra"), [
+    ("1A1F", {"connector": "inprocess", "gate_on_attention": True}),
+    ("1A2F", {"ffn_expert_parallel": True}),  # rank processes, each FFN rank its experts' bytes
+])  # fmt: skip
+def test_afd_from_fp4_checkpoint_matches_colocated(
+    checkpoints: dict[str, Path], engine_tokens: list[list[int]], topology: str, extra: dict
+) -> None:
+    with LLM(str(checkpoints["fp4"]), topology=topology, dtype="float32", **extra) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == engine_tokens
