@@ -156,18 +156,29 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]", help=PRESET_HELP)
-    p.add_argument("--random-weights", action="store_true")
-    p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--context-len", type=int, default=1024)
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ": its shape with random weights, no directory "
+                        "(default: None)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights in --model's shape instead of its checkpoint "
+                        "(default: False)")
+    p.add_argument("--batch-sizes", default="1,8,64",
+                   help="the decode batches timed, comma-separated (default: 1,8,64)")
+    p.add_argument("--context-len", type=int, default=1024,
+                   help="tokens already cached per sequence (default: 1024)")
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
+                   help="the engine layout timed (default: colocated)")
     add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed decode steps per batch (default: 20)")
     add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
     add_engine_flags(p, DecodeBench, ("quantization", "kv_cache_dtype"))
-    p.add_argument("--compare-hf", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' model on the same weights (default: False)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random weights and tokens (default: 0)")
     p.set_defaults(func=main_decode)
 
 

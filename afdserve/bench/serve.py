@@ -381,28 +381,37 @@ def to_json(spec: ServeBench, model: str, results: list[RateResult]) -> dict:
 
 def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, throughput")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (default: http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="served model name (default: the first listed)")
     p.add_argument("--request-rate", type=parse_rates, default=(math.inf,),
-                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once")
-    p.add_argument("--num-prompts", type=int, default=200)
+                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once "
+                        "(default: inf)")
+    p.add_argument("--num-prompts", type=int, default=200,
+                   help="requests per rate (default: 200)")
     p.add_argument("--input-len", type=int, default=1024,
-                   help="prompt tokens per request (with --num-prefixes: after the prefix)")
+                   help="prompt tokens per request (with --num-prefixes: after the prefix) "
+                        "(default: 1024)")
     for name in ("num_prefixes", "prefix_len"):
         add_field_argument(p, ServeBench, name)
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request (default: 128)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most (later arrivals wait for a slot)")
+                   help="requests in flight at most, later arrivals wait for a slot "
+                        "(default: None, no limit)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="prompt token ids are drawn from [0, N) (default: from --model-dir)")
     p.add_argument("--model-dir", default=None,
                    help="a model directory whose config.json gives the vocabulary size "
                         "(default: the served model's path, when the server runs here)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and arrival times (default: 0)")
     p.add_argument("--api-key", default=None,
                    help="Bearer token (default: $AFDSERVE_API_KEY, then $OPENAI_API_KEY)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds one request may take (default: 3600)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results here (default: None)")
     p.set_defaults(func=main_serve)
 
 

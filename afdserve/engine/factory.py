@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.config import EngineConfig
+from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
 from afdserve.engine.scheduler import SchedulerConfig
@@ -119,7 +120,7 @@ def create_engine_core(
     config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
-    device = device if device is not None else torch.device(config.device)
+    device = device if device is not None else torch.device(resolve_device(config.device))
     model, report = load_half(config, parts, device, rank)
     # The model dtype, not the first parameter's (an FP8 weight's is float8); the cache's may be
     # FP8 on its own (kv_cache_dtype), which does not touch the weights.
@@ -138,8 +139,8 @@ def create_engine_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
     )
-    engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device,
-                        prefix_caching)
+    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    engine = EngineCore(model, tokenizer, cache, scheduler_config, device, prefix_caching)
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)

@@ -12,13 +12,14 @@ from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
 from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
 
 
 class SingleProcessClient(EngineCoreClient):
     def __init__(self, spec: WorkerSpec) -> None:
-        device = torch.device(spec.engine.device)
+        device = torch.device(resolve_device(spec.engine.device))
         in_process = not spec.topology.colocated
         built = build_attention_rank(spec, 0, device, LocalControl(), in_process=in_process)
         self.core, self.driver = built.core, built.driver
