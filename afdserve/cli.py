@@ -119,7 +119,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     if hash_layers is None:
         hash_layers = 1 if args.family == "deepseek_v4" else 0
     path = make_tiny_model(args.dir, args.family, hash_layers=hash_layers, seed=args.seed,
-                           dtype=args.dtype, quantization=args.quantization)
+                           dtype=args.dtype, quantization=args.quantization,
+                           expert_dtype=args.expert_dtype)
     print(path)
     return 0
 
@@ -178,15 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fp8: linear weights in the public block-scaled FP8 layout "
                            "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
                            "quantization_config in config.json (default: none)")
+    tiny.add_argument("--expert-dtype", default=None, choices=("fp8", "fp4"),
+                      help="deepseek_v4 with --quantization fp8: its routed experts in FP8, or "
+                           "in FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 inputs) as "
+                           "DeepSeek-V4-Flash ships them (default: fp8)")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    from afdserve.model.presets import PRESETS
+    from afdserve.model.presets import PRESET_HELP
 
     make_config = sub.add_parser(
         "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
-    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS),
-                             help="the published model whose config.json to write "
-                                  "(default: none, required)")
+    make_config.add_argument("--preset", required=True, metavar="NAME[:LAYERS]",
+                             help=PRESET_HELP + ": the config.json to write (default: none, "
+                                  "required)")
     make_config.add_argument("dir", help="the directory to write (default: none, required)")
     make_config.set_defaults(func=cmd_make_config)
 

@@ -23,7 +23,7 @@ from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESETS
+from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -171,9 +171,9 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
                                           "rank, and the largest batch at a context length")
     p.add_argument("--model", dest="model_dir", default=None,
                    help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format "
-                        "dummy) (default: None)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy) "
+                        "(default: None)")
     add_engine_flags(p, CapacityBench, ("load_format",))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES),
                    help=f"comma-separated (default: {','.join(TOPOLOGIES)})")

@@ -33,7 +33,7 @@ from afdserve.config_args import build
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import MoECausalLM
-from afdserve.model.presets import PRESETS, preset_hf_config
+from afdserve.model.presets import PRESET_HELP, parse_preset, preset_hf_config
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -65,8 +65,11 @@ class DecodeBench:
 
         if (self.model_dir is None) == (self.preset is None):
             raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise bad("preset", f"one of {sorted(PRESETS)}")
+        if self.preset is not None:
+            try:
+                parse_preset(self.preset)
+            except ValueError as e:
+                raise ValueError(f"bench.{e}") from None
         if self.preset is not None and not self.random_weights:
             raise bad("random_weights", "a preset has no checkpoint: add --random-weights")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -155,8 +158,9 @@ def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
     p.add_argument("--model", dest="model_dir", default=None,
                    help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's shape with random weights, no directory (default: None)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ": its shape with random weights, no directory "
+                        "(default: None)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights in --model's shape instead of its checkpoint "
                         "(default: False)")

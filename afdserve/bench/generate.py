@@ -23,7 +23,7 @@ from afdserve.config_args import build
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESETS
+from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -160,9 +160,9 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
     p.add_argument("--model", dest="model_dir", default=None,
                    help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format "
-                        "dummy) (default: None)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy) "
+                        "(default: None)")
     add_engine_flags(p, GenerateBench, ("load_format",))
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
                    help="colocated (with -dp N: N replicas) or 1A1F (default: colocated)")

@@ -32,6 +32,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.deepseek_v4.cache import LayerPages
 from afdserve.model.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
+from afdserve.model.deepseek_v4.quant import convert_to_quantized
 from afdserve.model.model import ModelParts, RouterHolder
 from afdserve.model.moe import Router, Routing, make_ffn
 
@@ -96,6 +97,8 @@ class V4CausalLM(nn.Module):
         self.model = V4Body(config, self.parts)
         if self.parts.attention and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.quantization is not None:  # FP8 projections, FP4 or FP8 experts
+            convert_to_quantized(self, config)
 
     # What transformers keeps in float32 whatever the model's dtype (mHC, sinks, position
     # biases, every norm weight): rounding them to bf16 would change what the checkpoint says.
