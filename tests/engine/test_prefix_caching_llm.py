@@ -27,6 +27,7 @@ def run(enable: bool, **params: object) -> list:
         outs = llm.generate(prompts, sampling, use_tqdm=False)
         outs += llm.generate(prompts, sampling, use_tqdm=False)  # meets its own prefixes
         stats = llm.engine.stats()
+        assert llm.engine.core_client.core.scheduler.num_preemptions > 0  # the cache is tiny
     return [[(c.text, c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], outs, stats
 
 
