@@ -38,6 +38,7 @@ class BlockManager:
         # Prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits, in tokens).
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.evicted_blocks = 0  # cached blocks reallocated, their prefix forgotten
 
     @property
     def num_blocks(self) -> int:
@@ -146,6 +147,7 @@ class BlockManager:
             digest = self._hash_of.pop(block, None)
             if digest is not None:  # evicted: its prefix is no longer cached
                 del self._block_of[digest]
+                self.evicted_blocks += 1
             self._refs[block] = 1
             seq.block_table.append(block)
 

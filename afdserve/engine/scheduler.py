@@ -114,6 +114,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._unfinished: dict[str, Sequence] = {}
+        self.num_preemptions = 0  # since start
 
     @property
     def has_unfinished(self) -> bool:
@@ -271,6 +272,7 @@ class Scheduler:
             # the waiting queue keeps admission order.
             self.waiting.appendleft(victim)
             preempted.append(victim)
+            self.num_preemptions += 1
             if victim is seq:
                 return False
         return True

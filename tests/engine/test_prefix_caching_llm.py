@@ -27,6 +27,7 @@ def run(enable: bool, **params: object) -> list:
         outs = llm.generate(prompts, sampling, use_tqdm=False)
         outs += llm.generate(prompts, sampling, use_tqdm=False)  # meets its own prefixes
         stats = llm.engine.stats()
+        assert llm.engine.core_client.core.scheduler.num_preemptions > 0  # the cache is tiny
     return [[(c.text, c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], outs, stats
 
 
@@ -73,6 +74,11 @@ def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None
     assert "prefix caching is off for deepseek_v4" in caplog.text
     off = EngineConfig(model=model, enable_prefix_caching=False)
     assert prefix_caching_for(off, config) is False
+    with LLM(model, dtype="float32") as llm:  # the default: runs, without caching
+        assert llm.prefix_caching is False
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([[5, 6, 7, 8] * 6] * 2, params, use_tqdm=False)
+    assert [(len(o.token_ids), o.num_cached_tokens) for o in outs] == [(2, 0), (2, 0)]
 
 
 def test_flags_reach_the_configs() -> None:
