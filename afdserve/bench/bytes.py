@@ -52,12 +52,16 @@ def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
     return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
 
 
-# The routed-expert stacks and, for FP8 experts, their scale grids (model/fp8.py).
+# The routed-expert stacks and, when quantized, their scales (FP8 grids, FP4 ue8m0 bytes): a step
+# reads the slices of the experts it touches, in the precision they are held in.
 EXPERT_STACKS = tuple(f"experts.{stack}{suffix}" for stack in ("gate_up_proj", "down_proj")
                       for suffix in ("", SCALE_SUFFIX))  # fmt: skip
 
 
 def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
+    """Bytes of the parameters one step reads, each in its stored dtype (FP8 one byte, FP4 half a
+    byte as packed pairs): every non-expert weight once, the touched experts' slices, one
+    embedding row per sequence (the whole table when lm_head is tied to it)."""
     total, seen = 0, set()
     for model in (attn, ffn):
         for name, p in model.named_parameters():

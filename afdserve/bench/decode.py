@@ -33,7 +33,7 @@ from afdserve.config_args import build
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import MoECausalLM
-from afdserve.model.presets import PRESETS, preset_hf_config
+from afdserve.model.presets import PRESET_HELP, parse_preset, preset_hf_config
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -65,8 +65,11 @@ class DecodeBench:
 
         if (self.model_dir is None) == (self.preset is None):
             raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise bad("preset", f"one of {sorted(PRESETS)}")
+        if self.preset is not None:
+            try:
+                parse_preset(self.preset)
+            except ValueError as e:
+                raise ValueError(f"bench.{e}") from None
         if self.preset is not None and not self.random_weights:
             raise bad("random_weights", "a preset has no checkpoint: add --random-weights")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -153,18 +156,29 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    p.add_argument("--random-weights", action="store_true")
-    p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--context-len", type=int, default=1024)
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ": its shape with random weights, no directory "
+                        "(default: None)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights in --model's shape instead of its checkpoint "
+                        "(default: False)")
+    p.add_argument("--batch-sizes", default="1,8,64",
+                   help="the decode batches timed, comma-separated (default: 1,8,64)")
+    p.add_argument("--context-len", type=int, default=1024,
+                   help="tokens already cached per sequence (default: 1024)")
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
+                   help="the engine layout timed (default: colocated)")
     add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed decode steps per batch (default: 20)")
     add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
     add_engine_flags(p, DecodeBench, ("quantization", "kv_cache_dtype"))
-    p.add_argument("--compare-hf", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' model on the same weights (default: False)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random weights and tokens (default: 0)")
     p.set_defaults(func=main_decode)
 
 

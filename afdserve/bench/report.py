@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import torch
 
-from afdserve.model.presets import PRESETS, write_preset_config
+from afdserve.model.presets import parse_preset, write_preset_config
 
 # Steps each decode batch runs before timing; the first of them captures the graph, if any.
 WARMUP_STEPS = 3
@@ -41,8 +41,10 @@ def model_dir_for(model_dir: str | None, preset: str | None, load_format: str) -
     if model_dir is not None:
         yield model_dir
         return
-    if preset not in PRESETS:
-        raise ValueError(f"bench.preset={preset!r} is not allowed: one of {sorted(PRESETS)}")
+    try:
+        parse_preset(preset)
+    except ValueError as e:
+        raise ValueError(f"bench.{e}") from None
     if load_format != "dummy":
         raise ValueError(f"bench.load_format={load_format!r} is not allowed with --preset: "
                          f"'dummy' (a preset has no checkpoint)")

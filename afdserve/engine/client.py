@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from afdserve.engine.core_client import EngineCoreClient, EngineStats
-from afdserve.engine.output_processor import OutputProcessor
+from afdserve.engine.output_processor import OutputProcessor, Progress
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError, RequestLimits
 from afdserve.engine.sampling_params import SamplingParams
@@ -39,6 +39,18 @@ class EngineClient:
                                f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids")
         self.core_client.add_request(request_id, prompt_token_ids, params)
         self.processor.add_request(request_id, prompt_token_ids, params)
+
+    def take_progress(self, request_id: str) -> Progress | None:
+        """A request's output so far, removed from this client (whose engine failed)."""
+        return self.processor.take(request_id)
+
+    def resume_request(self, request_id: str, params: SamplingParams, progress: Progress) -> None:
+        """Go on with a request another client's engine failed under: the core recomputes its
+        prompt and generated tokens and samples what follows; its text continues from
+        `progress`. Raises RequestError like add_request."""
+        generated = tuple(progress.token_ids)
+        self.core_client.add_request(request_id, progress.prompt_token_ids, params, generated)
+        self.processor.adopt(request_id, progress)
 
     def abort(self, request_id: str) -> None:
         self.processor.abort(request_id)

@@ -21,6 +21,15 @@ class EngineStats:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, averaged over attention ranks
     steps: dict[str, int] = field(default_factory=dict)  # "role:mode" -> count
+    # Per attention rank, cumulative: prompt tokens looked up in its prefix cache, and found.
+    prefix_cache_queries: dict[int, int] = field(default_factory=dict)
+    prefix_cache_hits: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hits over queries since start, every rank together; None before any query."""
+        queries = sum(self.prefix_cache_queries.values())
+        return sum(self.prefix_cache_hits.values()) / queries if queries else None
 
 
 class EngineCoreClient(ABC):
@@ -30,9 +39,15 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        """Raises RequestError for a request the engine refuses; others are unaffected."""
+        """Raises RequestError for a request the engine refuses; others are unaffected.
+        `output_token_ids`: the tokens a resumed request had generated on a failed engine; it
+        continues after them (its deltas count them, and carry only what is new)."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

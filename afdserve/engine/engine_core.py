@@ -50,13 +50,15 @@ class EngineCore:
         kv_cache: KVCache,
         scheduler_config: SchedulerConfig,
         device: torch.device,
+        prefix_caching: bool = False,
     ) -> None:
         # The tokenizer only gives the eos token when the config names none: text is the
         # frontend's (engine/output_processor.py).
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
-        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size,
+                                          prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
@@ -73,15 +75,31 @@ class EngineCore:
         check_request(prompt_token_ids, params, self.limits)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
+        """`output_token_ids`: a request resumed after its engine failed, with the tokens it had
+        generated there. Its deltas go on counting from them; only new tokens are sent."""
         if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
+        if len(output_token_ids) >= params.max_tokens or (
+            len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len
+        ):
+            raise RequestError(
+                f"request {request_id!r} resumed with {len(output_token_ids)} generated tokens: "
+                f"it had already reached max_tokens={params.max_tokens} or "
+                f"max_model_len={self.max_model_len}", request_id)  # fmt: skip
         if self.extra_stop_ids:
             params = _with_stop_ids(params, self.extra_stop_ids)
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
-        self.requests[request_id] = _Tracked(seq, time.monotonic())
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id, output_token_ids)
+        if params.logprobs is not None:  # positions the frontend already has: never sent again
+            seq.output_logprobs = [None] * len(output_token_ids)
+        tracked = _Tracked(seq, time.monotonic(), emitted_tokens=len(output_token_ids))
+        self.requests[request_id] = tracked
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -156,7 +174,7 @@ class EngineCore:
             self.requests.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
                           seq.finish_reason, t.emitted_tokens, t.arrival_time,
-                          t.first_scheduled_time, t.first_token_time)
+                          t.first_scheduled_time, t.first_token_time, seq.num_cached_tokens)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:

@@ -24,7 +24,10 @@ class DeltaMismatch(RuntimeError):
 
 
 @dataclass
-class _Request:
+class Progress:
+    """One request's output so far. It outlives a failed engine: a resumed request hands it to
+    the new engine's processor, so that its text goes on exactly where the client's stream is."""
+
     prompt_token_ids: list[int]
     detok: IncrementalDetokenizer
     stops: tuple[str, ...]
@@ -45,18 +48,26 @@ class Processed:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Progress] = {}
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self._requests[request_id] = _Request(
+        self._requests[request_id] = Progress(
             list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
             params.include_stop_str_in_output)
 
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def take(self, request_id: str) -> Progress | None:
+        """Remove a request and return its progress (to resume it on another engine)."""
+        return self._requests.pop(request_id, None)
+
+    def adopt(self, request_id: str, progress: Progress) -> None:
+        """Go on with a request another processor had: the next delta continues its tokens."""
+        self._requests[request_id] = progress
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -75,7 +86,7 @@ class OutputProcessor:
                 del self._requests[delta.request_id]
         return Processed(outputs, stopped)
 
-    def _advance(self, r: _Request, delta: TokenDelta) -> tuple[SequenceOutput, bool]:
+    def _advance(self, r: Progress, delta: TokenDelta) -> tuple[SequenceOutput, bool]:
         r.token_ids += delta.new_token_ids
         r.logprobs += delta.new_logprobs
         if len(r.token_ids) != delta.num_tokens:
@@ -107,11 +118,11 @@ class OutputProcessor:
             new_text=new_text, finished=finished, finish_reason=reason,
             logprobs=list(r.logprobs), arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time)
+            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens)
         return out, stopped and not delta.finished
 
     @staticmethod
-    def _find_stop(r: _Request) -> bool:
+    def _find_stop(r: Progress) -> bool:
         """Whether a stop string completed with this step; sets the text's truncation point.
         Stop strings count once min_tokens are out (vLLM's rule), like stop tokens do."""
         if not r.stops or r.text_limit is not None or len(r.token_ids) < r.min_tokens:

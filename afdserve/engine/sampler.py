@@ -134,7 +134,8 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     probs = probs.masked_fill(~keep, 0.0)
 
     # Uniforms come from each row's own CPU generator when seeded, else from torch's default CPU
-    # generator; one [m] copy to the device instead of moving [m, vocab] probabilities.
+    # generator; one [m] copy to the device instead of moving [m, vocab] probabilities. Exactly
+    # one draw per row: a resumed sequence skips one per token it had (sequence.skip_draws).
     uniform = torch.stack(
         [torch.rand((), generator=s.generator, dtype=torch.float64) for s in seqs]
     ).to(device)

@@ -29,7 +29,11 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_id: int | None,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
+        """`output_token_ids`: tokens generated before, elsewhere (a request resumed after its
+        engine failed). They are recomputed like prompt tokens, and the seeded generator is moved
+        past their draws, so that the sequence goes on exactly as if it had never moved."""
         if not prompt_token_ids:
             raise ValueError(f"Sequence {request_id!r}: prompt_token_ids must not be empty")
         self.request_id = request_id
@@ -37,6 +41,12 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix caching (engine/block_manager.py): the chained hashes of the full blocks of
+        # `token_ids` known so far, how many blocks of `block_table` are registered under theirs,
+        # and the prompt tokens the first admission found cached (None until admitted).
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.params = params
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
@@ -47,6 +57,9 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
+        self.token_ids.extend(output_token_ids)
+        if self.generator is not None and not params.greedy:
+            skip_draws(self.generator, len(output_token_ids))
         self.output_logprobs: list[dict[int, float] | None] = []
         self.grammar = None  # a structured.GrammarState for a constrained sequence
         if params.structured_outputs is not None:
@@ -78,6 +91,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def skip_draws(generator: torch.Generator, count: int) -> None:
+    """Advance a seeded sequence's generator past `count` tokens. The sampler draws exactly one
+    float64 uniform per sampled token of a non-greedy sequence (sampler._draw), so the k-th output
+    token's randomness is the k-th draw of the stream `seed` starts: a function of the seed and
+    the position alone, which a resumed sequence reproduces by skipping the draws it made."""
+    for _ in range(count):
+        torch.rand((), generator=generator, dtype=torch.float64)
 
 
 def _grammar_state(request_id: str, params: SamplingParams):

@@ -94,6 +94,7 @@ def moe_experts_fp8(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     block: tuple[int, int],
+    limit: float | None = None,
 ) -> torch.Tensor:
     """`reference.moe_experts` over FP8 experts: (q, scale_inv) of gate_up [E, 2I, H] and down
     [E, H, I]. Only the experts some row is routed to are dequantized, one at a time, so the
@@ -102,4 +103,4 @@ def moe_experts_fp8(
         return (dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block),
                 dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block))
 
-    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of)
+    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import fp8, reference
+from afdserve.kernels import fp4, fp8, reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 
@@ -208,15 +208,16 @@ def moe_experts_fp8(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     block: tuple[int, int],
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA the
-    stacks stay FP8 and the Triton kernels scale their tiles in registers: the decode
-    kernels (kernels/triton_fp8_moe.py) for few pairs, the grouped GEMM for more (any count:
-    the alternative is a bf16 copy of every expert). Where those do not apply (fp32 activations,
-    odd shapes) the stacks are dequantized whole and take `moe_experts` (graph capturable, at the
-    cost of that transient). Elsewhere the reference dequantizes only the experts the rows are
-    routed to."""
-    if _triton_ready(x):
+    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs); `limit`: the
+    SwiGLU clamp (DeepSeek-V4). On CUDA the stacks stay FP8 and the Triton kernels scale their
+    tiles in registers: the decode kernels (kernels/triton_fp8_moe.py) for few pairs, the grouped
+    GEMM for more (any count: the alternative is a bf16 copy of every expert). Where those do not
+    apply (fp32 activations, odd shapes, a clamp, which they do not apply yet) the stacks are
+    dequantized whole and take `moe_experts` (graph capturable, at the cost of that transient).
+    Elsewhere the reference dequantizes only the experts the rows are routed to."""
+    if _triton_ready(x) and limit is None:
         from afdserve.kernels import triton_fp8_moe, triton_grouped_moe, triton_moe
 
         if gate_up[0].shape[0] == 0:  # a shard without experts
@@ -233,5 +234,33 @@ def moe_experts_fp8(
     if x.is_cuda:
         w13 = fp8.dequantize_gate_up(*gate_up, x.dtype, block)
         w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
-        return moe_experts(x, topk_ids, topk_weights, w13, w2)
-    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block, limit)
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/fp4.py). On CUDA the
+    Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the experts,
+    graph capturable); elsewhere the reference dequantizes the routed experts one at a time."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_fp4_moe
+
+        if triton_fp4_moe.supports(x, gate_up, down):
+            if gate_up[0].shape[0] == 0:  # a shard without experts
+                return torch.zeros_like(x)
+            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
+            return triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, limit)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
+        # counts back to the host, so every expert is dequantized and run (small models only).
+        w13 = fp4.dequantize_fp4(*gate_up, x.dtype)
+        w2 = fp4.dequantize_fp4(*down, x.dtype)
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit)
+    return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit)

@@ -19,11 +19,13 @@ def cache_root() -> Path:
 
 def bundled_model_dir() -> Path:
     """Path of the bundled tiny model, created atomically if it does not exist yet."""
-    from afdserve.model.tiny import make_tiny_model
-
     target = cache_root() / BUNDLED_NAME
     if (target / "config.json").is_file():
         return target
+    # Only to build it: importing the transformers model classes takes seconds, which every rank
+    # of every (re)started world would otherwise spend before it can load two megabytes.
+    from afdserve.model.tiny import make_tiny_model
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:

@@ -112,9 +112,6 @@ def convert_to_fp8(model: nn.Module, family: str, num_experts: int, spec: Fp8Spe
 def quantize_experts(experts: Experts, block: tuple[int, int]) -> None:
     """Replace an expert stack's weights by FP8 ones of the same shape plus their scale grids
     (see the module docstring for gate_up's two grids)."""
-    if experts.limit is not None:  # the FP8 expert path applies no SwiGLU clamp yet
-        raise ValueError(f"quantization fp8 with swiglu_limit={experts.limit} (DeepSeek-V4's "
-                         "clamped experts) is not supported yet; allowed: no quantization")
     for name in ("gate_up_proj", "down_proj"):
         old = getattr(experts, name)
         count, rows, cols = old.shape
@@ -179,7 +176,11 @@ def load_problem(name: str, src: torch.Tensor, dst: torch.Tensor,
     return None
 
 
-def scale_shape_error(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
-    return (f"{name}: shape {got} in the checkpoint, expected {want}: one float32 scale per "
+def scale_shape_error(name: str, got: tuple[int, ...], want: tuple[int, ...],
+                      fp4: bool = False) -> str:
+    if fp4:  # DeepSeek-V4's FP4 experts (kernels/fp4.py)
+        return (f"{name}: shape {got} in the checkpoint, expected {want}: one ue8m0 scale per "
+                "32 inputs of each row of its weight (out x in / 32)")
+    return (f"{name}: shape {got} in the checkpoint, expected {want}: one scale per "
             "128x128 block of its weight, partial blocks included (ceil(out / 128) x "
             "ceil(in / 128))")

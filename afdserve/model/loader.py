@@ -29,10 +29,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from afdserve.config import LOAD_FORMATS
+from afdserve.kernels.fp4 import quantize_fp4
 from afdserve.model.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
 from afdserve.model.deepseek_v4 import names as v4_names
 from afdserve.model.deepseek_v4.model import V4CausalLM
+from afdserve.model.deepseek_v4.quant import load_problem_v4, stored_form
 from afdserve.model.fp8 import (
     SCALE_SUFFIX,
     is_fp8,
@@ -60,6 +62,7 @@ _PART = {
 
 
 PROGRESS_DESC = "Loading safetensors checkpoint shards"
+_EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 class CheckpointError(ValueError):
@@ -106,7 +109,9 @@ def build_model(
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
-    model = model.to_empty(device=device)
+    # Module.to_empty's empty_like of a meta tensor goes through torch._refs, whose first use
+    # imports it (about two seconds of every rank's start); torch.empty of the shape does not.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if isinstance(model, V4CausalLM):
         model.keep_float32()
     for module in model.modules():
@@ -203,15 +208,20 @@ def load_weights(
                     tensor = f.get_tensor(name)[list(shard)]
                 else:
                     tensor = f.get_tensor(name)
-                problem = load_problem(name, tensor, expected[target], quant)
+                if model.config.family == "deepseek_v4":  # ue8m0 scales, FP4 experts
+                    problem = load_problem_v4(name, target, tensor, expected[target], quant)
+                    tensor = tensor if problem else stored_form(tensor, expected[target], target)
+                else:
+                    problem = load_problem(name, tensor, expected[target], quant)
                 if problem:
                     raise CheckpointError(problem)
                 scale = computed.get(target + SCALE_SUFFIX)
                 if scale is not None:  # online FP8: quantized here, on its own grid(s)
                     stacked = target.endswith("gate_up_proj") and part is None
                     tensor, grid = quantize_weight(tensor, stacked, quant.block)
-                    _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX)
-                _copy_into(expected[target], tensor, slot, part, name)
+                    _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX, True)
+                _copy_into(expected[target], tensor, slot, part, name,
+                           target.endswith(SCALE_SUFFIX))
                 filled[target].add((expert, part))
                 report.loaded.append(name)
     missing = _missing(model.config, expected, filled, held)
@@ -248,7 +258,8 @@ def _check_hash_tables(model: MoECausalLM) -> None:
 
 
 def _copy_into(
-    dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None, name: str
+    dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None, name: str,
+    scale: bool = False,
 ) -> None:
     if expert is not None:
         if expert >= dst.shape[0]:
@@ -257,8 +268,9 @@ def _copy_into(
         if part != "down":
             half = dst.shape[0] // 2
             dst = dst[:half] if part == "gate" else dst[half:]
-    if tuple(src.shape) != tuple(dst.shape) and name.endswith(SCALE_SUFFIX):
-        raise CheckpointError(scale_shape_error(name, tuple(src.shape), tuple(dst.shape)))
+    if tuple(src.shape) != tuple(dst.shape) and scale:
+        raise CheckpointError(scale_shape_error(name, tuple(src.shape), tuple(dst.shape),
+                                                fp4=dst.dtype == torch.uint8))
     if name.endswith("tid2eid") and src.dim() == 2 and src.shape[0] < dst.shape[0]:
         raise CheckpointError(f"{name}: {src.shape[0]} rows, fewer than vocab_size="
                               f"{dst.shape[0]}: every token id needs its experts")
@@ -368,7 +380,8 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
     values for every tensor they share (on the same device type and dtype).
 
     An FP8 weight draws the same values in the model dtype and is quantized (its scales with
-    it), so an FP8 model's dummy weights are the quantized dummy weights of the plain model."""
+    it), so an FP8 model's dummy weights are the quantized dummy weights of the plain model; an
+    FP4 expert stack (DeepSeek-V4) likewise, one expert at a time."""
     gen = torch.Generator(device=next(model.parameters()).device)
     held = _held_experts(model)
     state = model.state_dict(keep_vars=True)
@@ -376,6 +389,14 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
         if name.endswith(SCALE_SUFFIX):
             continue  # computed with its weight
         tensor = torch.empty_like(stored, dtype=model.dtype) if is_fp8(stored) else stored
+        if stored.dtype == torch.uint8 and name.endswith(_EXPERT_STACKS):  # FP4 experts
+            scale = state[name + SCALE_SUFFIX]
+            for index, expert in enumerate(held.get(name, range(stored.shape[0]))):
+                gen.manual_seed(_tensor_seed(seed, name, expert))
+                values = torch.empty(*stored.shape[1:-1], 2 * stored.shape[-1],
+                                     dtype=model.dtype, device=stored.device)
+                stored[index], scale[index] = quantize_fp4(values.normal_(0.0, std, generator=gen))
+            continue
         if name.endswith("tid2eid"):
             experts = model.config.num_experts
             gen.manual_seed(_tensor_seed(seed, name))
@@ -383,7 +404,7 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
             tensor.copy_(keys.argsort(dim=-1)[:, : tensor.shape[1]])
         elif name.endswith("norm.weight"):
             tensor.fill_(1.0)
-        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        elif name.endswith(_EXPERT_STACKS):
             experts = held.get(name, range(tensor.shape[0]))
             for index, expert in enumerate(experts):  # [E, out, in]: one slice per expert
                 gen.manual_seed(_tensor_seed(seed, name, expert))

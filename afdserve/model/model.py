@@ -66,11 +66,18 @@ class DecoderLayer(nn.Module):
             self.mlp = RouterHolder(config, layer)
 
 
+
+def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An embedding without its random init: the loader writes every weight. Its init on the
+    meta device (build_model) goes through torch._refs, whose first use imports torch._dynamo,
+    seconds that each rank of every (re)started world would spend for nothing."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
 class ModelBody(nn.Module):
     def __init__(self, config: ModelConfig, parts: ModelParts) -> None:
         super().__init__()
         if parts.attention:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, parts) for i in range(config.num_layers)
@@ -120,6 +127,10 @@ class MoECausalLM(nn.Module):
         attn = block.self_attn(x, meta, self.rotary, cache, cos_sin)
         norm = block.post_attention_layernorm
         return ops.add_rms_norm(h, attn, norm.weight, norm.eps)
+
+    def add_ffn_output(self, h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor:
+        """After the last layer: the residual stream plus its FFN output (what `logits` reads)."""
+        return h + ffn_out
 
     def route_on_attention(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,

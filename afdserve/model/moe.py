@@ -144,7 +144,7 @@ class Experts(nn.Module):
         if self.fp8_block is not None:
             return ops.moe_experts_fp8(
                 x, ids, weights, (self.gate_up_proj, self.gate_up_proj_scale_inv),
-                (self.down_proj, self.down_proj_scale_inv), self.fp8_block)
+                (self.down_proj, self.down_proj_scale_inv), self.fp8_block, self.limit)
         return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
 
 

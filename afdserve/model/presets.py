@@ -2,6 +2,11 @@
 sizes (`afdserve bench decode --preset NAME --random-weights`). Only fields afdserve or transformers
 read are kept; each preset names the config.json it was copied from. `write_preset_config` (the
 `afdserve make-config` command) writes one as a model directory for `load_format="dummy"`.
+
+A preset name may end in `:LAYERS` (`deepseek-v4-flash:4`): the same config with only its first
+LAYERS layers, so that a model too large for one GPU (DeepSeek-V4-Flash: 43 layers of 256
+experts, about 160 GB in its FP8/FP4 precision) still runs its real layer shapes on one. Every
+place a preset is named reads it through `preset_hf_config`, so the suffix works everywhere.
 """
 
 from __future__ import annotations
@@ -139,19 +144,107 @@ TINY: dict[str, Any] = {
     "vocab_size": 512,
 }
 
+# https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json: 284B parameters, 13B
+# active (its model card). Transcribed field by field (the same values are in the V4-Flash test
+# fixtures of several public inference engines, e.g. the one in rtp-llm's
+# dsv4_checkpoint_inventory_test.py); compress_ratios has 44 entries for 43 layers, the last one
+# the MTP layer's, which afdserve does not build. Its weights: FP8 projections with ue8m0 block
+# scales, FP4 routed experts (model/deepseek_v4/quant.py), so dummy weights take that precision.
+DEEPSEEK_V4_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "compress_rope_theta": 160000,
+    "eos_token_id": 1,
+    "expert_dtype": "fp4",
+    "hc_eps": 1e-6,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "max_position_embeddings": 1048576,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hash_layers": 3,
+    "num_hidden_layers": 43,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 129280,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "deepseek-v2-lite": DEEPSEEK_V2_LITE,
     "mixtral-8x7b": MIXTRAL_8X7B,
+    "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
     "tiny": TINY,
 }
+LAYERS_SEP = ":"
+PRESET_HELP = (f"a published config: one of {sorted(PRESETS)}, optionally NAME{LAYERS_SEP}LAYERS "
+               "for its first LAYERS layers only")  # fmt: skip
+
+
+def parse_preset(name: str) -> tuple[str, int | None]:
+    """`NAME` or `NAME:LAYERS` -> (the preset, the layers kept; None: all)."""
+    base, sep, layers = name.partition(LAYERS_SEP)
+    if base not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known: one of {sorted(PRESETS)}, optionally "
+                         f"followed by {LAYERS_SEP}LAYERS")  # fmt: skip
+    if not sep:
+        return base, None
+    total = PRESETS[base]["num_hidden_layers"]
+    if not (layers.isdigit() and 1 <= int(layers) <= total):
+        raise ValueError(f"preset={name!r}: the layers kept after {LAYERS_SEP!r} must be an "
+                         f"integer in [1, {total}] ({base} has {total})")  # fmt: skip
+    return base, int(layers)
 
 
 def preset_hf_config(name: str) -> dict[str, Any]:
-    """A fresh copy of the preset's config.json dict (callers may edit it)."""
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known: one of {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+    """A fresh copy of the preset's config.json dict (callers may edit it); with `:LAYERS`, its
+    num_hidden_layers is LAYERS (the per-layer lists stay as published: every family's parser
+    reads their first num_hidden_layers entries)."""
+    base, layers = parse_preset(name)
+    config = copy.deepcopy(PRESETS[base])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    return config
 
 
 def preset_config(name: str) -> ModelConfig:

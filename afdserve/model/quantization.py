@@ -17,8 +17,12 @@ BLOCK = (128, 128)
 # What a quantization_config may say for afdserve to honour it (anything else is refused by name).
 _FMTS = ("e4m3",)
 _ACTIVATION_SCHEMES = ("dynamic",)
-# DeepSeek-V3.1 marks its float32 scales as powers of two ("ue8m0"): the same dequantization.
+# DeepSeek-V3.1 marks its float32 scales as powers of two ("ue8m0"): the same dequantization;
+# DeepSeek-V4 stores them as such, one byte each (float8_e8m0fnu), which the loader widens.
 _SCALE_FMTS = (None, "ue8m0")
+# The routed experts' format: FP8 like the rest, or (DeepSeek-V4) FP4 e2m1 with a ue8m0 scale per
+# 32 inputs (kernels/fp4.py).
+EXPERT_DTYPES = ("fp8", "fp4")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class Fp8Spec:
     block: tuple[int, int] = BLOCK
     modules_to_not_convert: tuple[str, ...] = ()
     online: bool = False
+    scale_fmt: str | None = None
+    expert_dtype: str = "fp8"
 
     def converts(self, *names: str) -> bool:
         """Whether a module spelled `names` (the checkpoint's name, and afdserve's where it
@@ -43,10 +49,11 @@ class Fp8Spec:
         return True
 
 
-def parse_quantization_config(raw: dict[str, Any]) -> Fp8Spec | None:
+def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) -> Fp8Spec | None:
     """config.json's quantization_config -> the spec, None without one. A config afdserve cannot
     honour is a ValueError naming the field: serving FP8 weights read any other way (their
-    scales dropped) would produce wrong tokens without an error."""
+    scales dropped) would produce wrong tokens without an error. `fp4_experts`: the family reads
+    expert_dtype='fp4' (DeepSeek-V4's parser says so)."""
     qc = raw.get("quantization_config")
     if qc is None:
         return None
@@ -78,7 +85,16 @@ def parse_quantization_config(raw: dict[str, Any]) -> Fp8Spec | None:
     skip = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
     if not all(isinstance(s, str) for s in skip):
         raise ValueError(f"quantization_config.modules_to_not_convert={skip!r}: names expected")
-    return Fp8Spec(tuple(block), tuple(skip))
+    # DeepSeek-V4 says it at the top level of config.json; transformers moves it into
+    # quantization_config, and so does V4.1.
+    expert_dtype = qc.get("expert_dtype", raw.get("expert_dtype")) or "fp8"
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"quantization_config.expert_dtype={expert_dtype!r} is not supported: "
+                         f"one of {EXPERT_DTYPES}")
+    if expert_dtype == "fp4" and not fp4_experts:
+        raise ValueError(f"quantization_config.expert_dtype='fp4' for model_type="
+                         f"{raw.get('model_type')!r}: FP4 experts are read for deepseek_v4 only")
+    return Fp8Spec(tuple(block), tuple(skip), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
 
 def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -> Fp8Spec | None:
@@ -96,4 +112,6 @@ def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -
 def check_quantization(model_dir: str | Path, quantization: str | None) -> None:
     """Refuse a checkpoint's quantization (or the option) before any rank starts."""
     with open(Path(model_dir) / "config.json") as f:
-        resolve_quantization(parse_quantization_config(json.load(f)), quantization)
+        raw = json.load(f)
+    v4 = raw.get("model_type") == "deepseek_v4"  # the family whose experts may be FP4
+    resolve_quantization(parse_quantization_config(raw, fp4_experts=v4), quantization)

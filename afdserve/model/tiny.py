@@ -229,26 +229,37 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     quantization: str | None = None,
+    expert_dtype: str | None = None,
 ) -> Path:
     """Write a tiny random checkpoint of `family` with a byte-level tokenizer into `out_dir`.
     `quantization="fp8"`: its linear weights in the public block-scaled FP8 layout
     (model/fp8_checkpoint.py); every dim of a tiny model is below 128, so each weight is one
     partial block with one scale.
     DeepSeek-V4 has its own builder (model/deepseek_v4/tiny.py); its `hash_layers` counts from
-    the first layer (every V4 layer is MoE)."""
+    the first layer (every V4 layer is MoE). Quantized, it takes DeepSeek-V4-Flash's layout and
+    spelling (model/deepseek_v4/quant_checkpoint.py), its routed experts in `expert_dtype`
+    ("fp8" by default, or "fp4": then moe_intermediate_size is 32, since FP4 keeps one scale per
+    32 inputs of down_proj)."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: None, 'fp8'")
+    if expert_dtype is not None and (family != V4_FAMILY or quantization is None):
+        raise ValueError(f"expert_dtype={expert_dtype!r} is for a quantized deepseek_v4 only "
+                         "(with quantization='fp8'); allowed: None")
     if family == V4_FAMILY:
-        if quantization is not None:
-            raise ValueError("quantization='fp8' for deepseek_v4: its FP8/FP4 layout is not "
-                             "built yet; allowed: None")
+        from afdserve.model.deepseek_v4.quant_checkpoint import quantize_v4_checkpoint
         from afdserve.model.deepseek_v4.tiny import TINY_V4, make_tiny_v4
 
         layers = TINY_V4["num_hidden_layers"]
         if not 0 <= hash_layers <= layers:
             raise ValueError(f"hash_layers={hash_layers} for deepseek_v4: allowed 0..{layers}")
         kinds = ["hash_moe"] * hash_layers + ["moe"] * (layers - hash_layers)
-        return make_tiny_v4(out_dir, seed, dtype, mlp_layer_types=kinds)
+        overrides: dict[str, object] = {"mlp_layer_types": kinds}
+        if expert_dtype == "fp4":
+            overrides["moe_intermediate_size"] = 32
+        path = make_tiny_v4(out_dir, seed, dtype, **overrides)
+        if quantization == "fp8":
+            quantize_v4_checkpoint(path, expert_dtype or "fp8")
+        return path
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")

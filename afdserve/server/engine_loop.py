@@ -5,10 +5,15 @@ HTTP handlers never touch the client: they put commands on a thread-safe queue a
 SequenceOutput of their request through a `Deliver` callback, which hands it to their asyncio loop.
 The thread alternates: apply queued adds and aborts, then `client.step()`.
 
-If `step()` raises anything but a per-request refusal, a rank is gone: every in-flight request is
-failed with an EngineFailure, new ones are refused, and `healthy` turns False for good (serve.py
-then exits or restarts the ranks). Clients see the first line of the error; the log keeps all of
-it, rank tracebacks included.
+If `step()` raises anything but a per-request refusal, a rank is gone and `error` says why
+(serve.py then exits or restarts the ranks). Without `Recovery.resume` every in-flight request is
+failed with an EngineFailure, new ones are refused, and `healthy` turns False for good. With it
+(on_engine_failure="restart") the loop keeps every request, takes new ones, and waits for
+`resume_on(new client)`: then each request goes on from its prompt plus the tokens it already had
+(engine_core recomputes them, the seeded sampler skips their draws, the output processor's
+progress carries the detokenizer on), so its client sees a pause and then the same tokens an
+undisturbed run gives. Clients see the first line of an error; the log keeps all of it, rank
+tracebacks included.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from afdserve.engine.client import EngineClient, EngineStats
+from afdserve.engine.output_processor import Progress
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
 from afdserve.engine.sampling_params import SamplingParams
@@ -48,14 +56,21 @@ class EngineFailure:
     status: int = 500
 
 
-Deliver = Callable[[SequenceOutput | EngineFailure], None]
+@dataclass(frozen=True)
+class Resumed:
+    """Delivered when a request goes on, on a new engine, after the one it ran on failed."""
+
+    seconds_lost: float  # from the failure to the new engine taking the request back
+
+
+Deliver = Callable[[SequenceOutput | EngineFailure | Resumed], None]
 
 
 def asyncio_deliver(q: asyncio.Queue, tag: int) -> Deliver:
     """A Deliver that puts `(tag, item)` on `q` from any thread. Call it inside the event loop."""
     loop = asyncio.get_running_loop()
 
-    def deliver(item: SequenceOutput | EngineFailure) -> None:
+    def deliver(item: SequenceOutput | EngineFailure | Resumed) -> None:
         try:
             loop.call_soon_threadsafe(q.put_nowait, (tag, item))
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -78,13 +93,52 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Attach:
+    client: EngineClient  # the restarted engine: resume the requests on it
+
+
+@dataclass
+class _Flight:
+    """A request the loop answers for, from its acceptance to its end."""
+
+    prompt: list[int]
+    params: SamplingParams
+    deliver: Deliver
+    on_engine: bool = False  # added to the current client (False while the engine is down)
+    resumes: int = 0
+    progress: Progress | None = None  # its output when its engine failed: resumed from there
+    failed_at: float | None = None  # when the outage it waits out began
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a loop does when its engine fails. `resume`: hold every request (those in flight and
+    those arriving) until `EngineLoop.resume_on` hands it a new client, then go on with each from
+    its prompt and the tokens it already had; a request whose engine failed under it more than
+    `max_resumes` times fails instead. Without `resume` every request fails at once."""
+
+    resume: bool = False
+    max_resumes: int = 0
+    on_resume: Callable[[], None] = lambda: None  # once per request resumed
+    on_recovered: Callable[[float], None] = lambda seconds: None  # seconds without an engine
+
+
 class EngineLoop:
-    def __init__(self, client: EngineClient, idle_wait_s: float = IDLE_WAIT_S) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        idle_wait_s: float = IDLE_WAIT_S,
+        recovery: Recovery = Recovery(),
+    ) -> None:
         self.client = client
         self.idle_wait_s = idle_wait_s
+        self.recovery = recovery
         self.error: str | None = None
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._routes: dict[str, Deliver] = {}  # owned by the engine thread
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Attach | None] = queue.SimpleQueue()
+        self._backlog: deque[_Add | _Abort | _Attach | None] = deque()  # left by a failed batch
+        self._flights: dict[str, _Flight] = {}  # owned by the engine thread
+        self._outage_since: float | None = None
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against the thread's exit
         self._stop = threading.Event()
@@ -100,6 +154,11 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         return self.error is None and not self._closed and self._thread.is_alive()
+
+    @property
+    def holds_requests(self) -> bool:
+        """Takes requests while its engine is down, to run them once resume_on gives one."""
+        return self.recovery.resume and not self._closed and self._thread.is_alive()
 
     def stats(self) -> EngineStats | None:
         return self._stats
@@ -122,6 +181,15 @@ class EngineLoop:
             if not self._closed:
                 self._commands.put(_Abort(request_id))
 
+    def resume_on(self, client: EngineClient) -> None:
+        """The engine was restarted: go on with every request held since it failed. The error
+        is cleared here, at once, so that whoever watches it does not restart again."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(self.error or "the engine loop has stopped")
+            self.error = None
+            self._commands.put(_Attach(client))
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the thread and fail whatever is in flight; the client itself stays open."""
         self._stop.set()
@@ -131,21 +199,37 @@ class EngineLoop:
 
     # ----- the engine thread -----
     def _run(self) -> None:
+        client: EngineClient | None = None  # a restarted engine to resume the requests on
         try:
-            while not self._stop.is_set():
-                self._apply(self._next_commands())
-                if self._stop.is_set():
-                    break
-                self._step()
-        except Exception as e:  # a rank died or the client broke: nothing can finish now
-            log.exception("engine loop failed")
-            self.error = f"engine failed: {public_message(f'{type(e).__name__}: {e}')}"
+            while True:
+                try:
+                    if client is not None:
+                        self._resume(client)
+                    self._serve()
+                    return
+                except Exception as e:  # a rank died or the client broke
+                    log.exception("engine loop failed")
+                    self.error = f"engine failed: {public_message(f'{type(e).__name__}: {e}')}"
+                    if not self.recovery.resume:
+                        return  # nothing can finish now
+                self._suspend()
+                client = self._wait_for_engine()
+                if client is None:
+                    return
         finally:
             self._close()
 
-    def _next_commands(self) -> list[_Add | _Abort | None]:
-        commands = []
-        if not self.client.has_unfinished and not self._routes:
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self._apply(self._next_commands())
+            if self._stop.is_set():
+                break
+            self._step()
+
+    def _next_commands(self) -> list[_Add | _Abort | _Attach | None]:
+        commands = list(self._backlog)
+        self._backlog.clear()
+        if not commands and not self.client.has_unfinished and not self._flights:
             try:  # idle: sleep on the queue so a new request wakes us at once
                 commands.append(self._commands.get(timeout=self.idle_wait_s))
             except queue.Empty:
@@ -156,22 +240,37 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[_Add | _Abort | None]) -> None:
-        for cmd in commands:
-            if isinstance(cmd, _Add):
-                try:
-                    self.client.add_request(cmd.request_id, cmd.prompt, cmd.params)
-                except RequestError as e:
-                    cmd.accepted.set_exception(e)
-                    continue
-                except Exception as e:
+    def _apply(self, commands: list[_Add | _Abort | _Attach | None]) -> None:
+        for i, cmd in enumerate(commands):
+            try:
+                self._apply_one(cmd)
+            except Exception:
+                self._backlog.extend(commands[i + 1 :])  # the outage takes them over
+                raise
+
+    def _apply_one(self, cmd: _Add | _Abort | _Attach | None) -> None:
+        if isinstance(cmd, _Add):
+            flight = _Flight(cmd.prompt, cmd.params, cmd.deliver)
+            try:
+                self.client.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except RequestError as e:
+                cmd.accepted.set_exception(e)
+                return
+            except Exception as e:
+                if self.recovery.resume:  # it waits for the restarted engine like the others
+                    self._flights[cmd.request_id] = flight
+                    cmd.accepted.set_result(None)
+                else:
                     message = f"engine failed: {public_message(str(e))}"
                     cmd.accepted.set_exception(RuntimeError(message))
-                    raise
-                self._routes[cmd.request_id] = cmd.deliver
-                cmd.accepted.set_result(None)
-            elif isinstance(cmd, _Abort) and self._routes.pop(cmd.request_id, None) is not None:
-                self.client.abort(cmd.request_id)
+                raise
+            flight.on_engine = True
+            self._flights[cmd.request_id] = flight
+            cmd.accepted.set_result(None)
+        elif isinstance(cmd, _Abort) and self._flights.pop(cmd.request_id, None) is not None:
+            self.client.abort(cmd.request_id)
+        elif isinstance(cmd, _Attach):
+            log.warning("a restarted engine was handed to a loop whose engine had not failed")
 
     def _step(self) -> None:
         try:
@@ -180,41 +279,111 @@ class EngineLoop:
             # A rank refused a request the frontend's checks let through. Fail that request when
             # the error says which one; the engine itself is fine.
             request_id = getattr(e, "request_id", None)
-            deliver = self._routes.pop(request_id, None) if request_id else None
-            if deliver is not None:
-                deliver(EngineFailure(str(e), status=400))
+            flight = self._flights.pop(request_id, None) if request_id else None
+            if flight is not None:
+                flight.deliver(EngineFailure(str(e), status=400))
             else:
                 log.warning("engine refused a request: %s", e)
             return
         for out in outputs:
-            deliver = self._routes.get(out.request_id)
-            if deliver is None:
+            flight = self._flights.get(out.request_id)
+            if flight is None:
                 continue  # aborted meanwhile
             if out.finished:
-                del self._routes[out.request_id]
-            deliver(out)
+                del self._flights[out.request_id]
+            flight.deliver(out)
         self._stats = self.client.stats()
+
+    # ----- an outage (Recovery.resume) -----
+    def _suspend(self) -> None:
+        """The engine failed: keep each request's output so far; fail those resumed too often."""
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+        limit = self.recovery.max_resumes
+        for request_id, flight in list(self._flights.items()):
+            progress = self.client.take_progress(request_id)
+            if progress is not None:  # None: it had not reached the engine, keep what we had
+                flight.progress = progress
+            if flight.failed_at is None:
+                flight.failed_at = now
+            if not flight.on_engine:
+                continue
+            flight.on_engine = False
+            if flight.resumes >= limit:
+                del self._flights[request_id]
+                message = (
+                    f"{self.error}; this request is not resumed again: its engine failed "
+                    f"{flight.resumes + 1} time(s) under it (max_request_resumes={limit})"
+                )
+                flight.deliver(EngineFailure(message))
+        log.warning("engine down: %d request(s) wait for its restart", len(self._flights))
+
+    def _wait_for_engine(self) -> EngineClient | None:
+        """Hold new requests and apply aborts until a new client arrives (None: stop)."""
+        while True:
+            cmd = self._backlog.popleft() if self._backlog else self._commands.get()
+            if cmd is None or self._stop.is_set():
+                return None
+            if isinstance(cmd, _Attach):
+                return cmd.client
+            if isinstance(cmd, _Add):
+                flight = _Flight(cmd.prompt, cmd.params, cmd.deliver, failed_at=time.monotonic())
+                self._flights[cmd.request_id] = flight
+                cmd.accepted.set_result(None)
+            elif isinstance(cmd, _Abort):
+                self._flights.pop(cmd.request_id, None)
+
+    def _resume(self, client: EngineClient) -> None:
+        """Hand every held request to the new client, in arrival order. Raises when the new
+        engine fails on the way (the next outage takes over the requests not yet on it)."""
+        self.client = client
+        now = time.monotonic()
+        resumed = 0
+        for request_id, flight in list(self._flights.items()):
+            try:
+                if flight.progress is not None:
+                    client.resume_request(request_id, flight.params, flight.progress)
+                else:
+                    client.add_request(request_id, flight.prompt, flight.params)
+            except RequestError as e:
+                del self._flights[request_id]
+                flight.deliver(EngineFailure(str(e), status=400))
+                continue
+            flight.on_engine = True
+            if flight.progress is not None or flight.resumes:
+                flight.resumes += 1
+                resumed += 1
+                self.recovery.on_resume()
+                flight.deliver(Resumed(now - (flight.failed_at or now)))
+            flight.failed_at = None
+        if self._outage_since is not None:
+            self.recovery.on_recovered(now - self._outage_since)
+            self._outage_since = None
+        log.info("engine back: %d request(s) resumed, %d in all", resumed, len(self._flights))
 
     def _close(self) -> None:
         with self._lock:
             self._closed = True
         message = self.error or "the server is shutting down"
         failure = EngineFailure(message, status=500 if self.error else 503)
-        for deliver in self._routes.values():
-            deliver(failure)
+        for flight in self._flights.values():
+            flight.deliver(failure)
         if self.error is None:
-            for request_id in self._routes:
+            for request_id in self._flights:
                 try:
                     self.client.abort(request_id)
                 except Exception:  # shutting down anyway; the client is closed next
                     log.debug("abort of %s during shutdown failed", request_id, exc_info=True)
-        self._routes.clear()
+        self._flights.clear()
+        pending = list(self._backlog)
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                pending.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add):
+        for cmd in pending:
+            if isinstance(cmd, _Add) and not cmd.accepted.done():
                 cmd.accepted.set_exception(RuntimeError(message))
 
 
@@ -250,6 +419,8 @@ class Generation:
         self.submitted_at = 0.0
         self.last_token_at: list[float | None] = [None] * len(self.prompts)
         self.on_finish: Callable[[str], None] | None = None  # called once, with a summary
+        self.resumes = 0  # engine requests resumed after an engine failure, all counted
+        self.seconds_lost = 0.0  # their seconds without an engine, summed
 
     async def start(self) -> None:
         """Submit every request; if any is refused, drop the others and raise APIError."""
@@ -274,8 +445,12 @@ class Generation:
             self.close()
             if isinstance(errors[0], RequestError):
                 raise bad_request(str(errors[0]))
-            raise APIError(503, public_message(str(errors[0])), rejected="unavailable")
+            message, retry = public_message(str(errors[0])), self._retry_after()
+            raise APIError(503, message, headers=retry, rejected="unavailable")
         self.metrics.prompt_tokens(sum(len(p) for p in self.prompts))
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.admission.retry_after_s if self.admission else 1)}
 
     def _drop(self) -> None:
         """Abort the engine requests still open without counting them (they never ran)."""
@@ -330,12 +505,17 @@ class Generation:
             index, item = await self._next()
             if item is CLIENT_GONE:
                 return
+            if isinstance(item, Resumed):
+                self.resumes += 1
+                self.seconds_lost += item.seconds_lost
+                continue
             if isinstance(item, EngineFailure):
                 now = time.monotonic()
                 for _ in self.open:
                     self.metrics.finished("error", now - self.arrived_at)
                 self._drop()
-                raise APIError(item.status, item.message)
+                retry = self._retry_after() if item.status == 503 else None
+                raise APIError(item.status, item.message, headers=retry)
             assert isinstance(item, SequenceOutput)
             self._observe(index, item)
             yield index, item
@@ -366,7 +546,11 @@ class Generation:
     def summary(self, now: float) -> str:
         reasons = ",".join(str(o.finish_reason) for o in self.outputs if o is not None)
         tokens = sum(len(o.token_ids) for o in self.outputs if o is not None)
-        return f"{tokens} tokens in {now - self.arrived_at:.3f} s ({reasons})"
+        summary = f"{tokens} tokens in {now - self.arrived_at:.3f} s ({reasons})"
+        if self.resumes:
+            lost = f"{self.seconds_lost:.3f} s lost"
+            summary += f", resumed {self.resumes} time(s) after engine failures, {lost}"
+        return summary
 
     async def collect(self, receive: Callable) -> list[SequenceOutput] | None:
         """Every final output in choice order, or None when the client went away first."""
@@ -382,9 +566,13 @@ class Generation:
             return None
         return list(self.outputs)  # type: ignore[arg-type]
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         # Like OpenAI: a prompt counts once however many choices it has; every candidate's
-        # tokens count, best_of's unreturned ones included.
-        prompt = sum(len(p) for p in self.prompts[:: self.fanout.candidates])
+        # tokens count, best_of's unreturned ones included. Cached tokens: each prompt's first
+        # candidate's, as its prompt tokens are counted once.
+        step = self.fanout.candidates
+        prompt = sum(len(p) for p in self.prompts[::step])
         completion = sum(len(out.token_ids) for out in self.outputs if out is not None)
-        return usage(prompt, completion)
+        firsts = self.outputs[::step]
+        cached = sum(out.num_cached_tokens or 0 for out in firsts if out is not None)
+        return usage(prompt, completion, cached)

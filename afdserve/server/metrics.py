@@ -24,6 +24,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why the server refused a request without running it (afdserve_requests_rejected_total).
 REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
@@ -63,6 +64,18 @@ class EngineCollector(Collector):
             role, _, mode = key.partition(":")
             steps.add_metric([role, mode or "unknown"], count)
         yield steps
+        # vLLM's prefix-cache counters, in tokens; `engine` is vLLM's label of one engine core,
+        # here one attention rank.
+        for name, doc, per_rank in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             stats.prefix_cache_hits),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            for rank, tokens in sorted(per_rank.items()):
+                counter.add_metric([*label, str(rank)], tokens)
+            yield counter
 
 
 class ServerMetrics:
@@ -141,6 +154,16 @@ class ServerMetrics:
             "that computes any of its tokens",
             REQUEST_BUCKETS,
         )
+        self.resumes = Counter(
+            "afdserve_request_resumes",
+            "Engine requests resumed on a restarted engine after the one they ran on failed",
+            registry=registry,
+        )
+        self._recovery = Histogram(
+            "afdserve_recovery_seconds",
+            "Seconds from an engine failure to serving again on the restarted engine",
+            buckets=RECOVERY_BUCKETS, registry=registry,
+        )  # fmt: skip
         self.registry.register(EngineCollector(snapshot, model))
 
     # One method per observation, so that callers never spell a label.
@@ -164,6 +187,9 @@ class ServerMetrics:
         reason = reason if reason in FINISH_REASONS else "stop"
         self._success.labels(self.model(), reason).inc()
         self._e2e.labels(self.model()).observe(seconds)
+
+    def recovered(self, seconds: float) -> None:
+        self._recovery.observe(seconds)
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()

@@ -23,13 +23,23 @@ class ServeOptions:
 
     host: str = option("127.0.0.1", help="the address to listen on")
     port: int = option(8000, help="the port to listen on")
-    served_model_name: str | None = option(
-        None, help="the model name clients use", shown="the model path")
+    # Several names, as vLLM: the first is the one responses and metrics carry; requests may
+    # name any of them.
+    served_model_name: tuple[str, ...] | None = option(
+        None, parse=str, nargs="+", metavar="NAME",
+        help="the model names clients use (several: any is accepted, the first is reported)",
+        shown="the model as given, a path or hub id")
     api_key: str | None = option(
         None, help="require 'Authorization: Bearer KEY'; /health and /metrics stay open",
         shown="$AFDSERVE_API_KEY")  # the CLI reads the variable
-    log_requests: bool = option(True, flag="--disable-log-requests", negate=True,
-                                help="do not log a line per request")
+    # Off by default, as vLLM's (since 0.10): a line per request is a lot of log under load.
+    log_requests: bool = option(False, flag="--enable-log-requests",
+                                off_flag="--disable-log-requests",
+                                help="log a line per request (its sizes and parameters) and one "
+                                     "when it finishes")
+    log_stats: bool = option(True, flag="--disable-log-stats", negate=True,
+                             help="do not log the engine statistics line every "
+                                  "--stats-interval seconds")
     log_level: str = option("info", choices=LOG_LEVELS, help="afdserve's own log level")
     uvicorn_log_level: str = option(
         "warning", choices=LOG_LEVELS, help="uvicorn's log level (its access log shows at info)")
@@ -60,6 +70,10 @@ class ServeOptions:
                 "within --restart-window; restarts after the first wait 1, 2, 4, ... s")
     restart_window_s: float = option(
         600.0, help="seconds over which --max-restarts counts restarts")
+    # engine_loop.Recovery: requests wait out a restart and go on from the tokens they had.
+    max_request_resumes: int = option(
+        3, help="--on-engine-failure restart: a request goes on after the restart from the "
+                "tokens it had; one whose engine failed under it more often than this fails")
     drain_timeout_s: float = option(
         30.0, help="SIGTERM: seconds in-flight requests may take to finish")
     max_waiting_requests: int | None = option(
@@ -84,6 +98,15 @@ class ServeOptions:
         10.0, help="close a connection that sent no complete request head in time")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None:
+            names = tuple(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"ServeOptions.served_model_name={self.served_model_name!r} is "
+                                 "not allowed: one or more non-empty names, or None")
+            object.__setattr__(self, "served_model_name", names)
         for name in ("log_level", "uvicorn_log_level"):
             value = getattr(self, name)
             if value not in LOG_LEVELS:
@@ -111,6 +134,7 @@ class ServeOptions:
         _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
         _positive(self, "max_restarts", "an integer >= 0", zero=True, integer=True)
         _positive(self, "restart_window_s", "a number of seconds > 0")
+        _positive(self, "max_request_resumes", "an integer >= 0", zero=True, integer=True)
         _positive(self, "header_timeout_s", "a number of seconds > 0")
         _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",

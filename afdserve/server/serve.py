@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afdserve.afd.ranks.world import STANDBY
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
@@ -128,12 +129,14 @@ def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
     defaults = generation_defaults(options.generation_config, model_dir)
     if defaults:
         log.info("defaults of requests that leave them out (generation config): %s", defaults)
+    names = options.served_model_name or (llm.model_name,)
     return EngineView(
         client=llm.engine,
         tokenizer=llm.tokenizer,
-        served_name=options.served_model_name or llm.model_name,
+        served_name=names[0],
+        aliases=names[1:],
         root=llm.model_name,
-        model_dir=model_dir,
+        model_dir=llm.engine_config.tokenizer or model_dir,  # --tokenizer's, when given
         max_model_len=llm.engine.max_model_len,
         vocab_size=llm.engine.vocab_size,
         defaults=defaults,
@@ -224,26 +227,35 @@ def watch(engine: Engine, signals: Signals, thread: threading.Thread) -> int:
 
 
 def restart(engine: Engine, error: str, budget: RestartBudget, thread: threading.Thread) -> bool:
-    """Replace the failed LLM after the budget's back-off; False when the server must exit
-    instead (no restart left, or the new LLM failed to start)."""
+    """Replace the failed LLM after the budget's back-off; a restart that fails is itself a
+    failure, retried while the budget has room. False when the server must exit instead (no
+    restart left). The requests the engine thread holds resume on the new LLM."""
     state = engine.state
     delay = budget.next_delay(time.monotonic())
     if delay is None:
         progress(f"{error}; no restart left ({budget.describe()}); exiting")
         return False
-    progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")
     state.detach(str(error))
     engine.stop()
-    if not back_off(delay, state, thread):
-        return True  # SIGTERM while waiting: the watch drains (nothing is in flight)
-    try:
-        engine.start()
-    except Exception:
-        log.exception("the restart failed")
-        progress("the restart failed (its error is above); exiting")
-        return False
-    progress(f"restarted: serving {state.model_name!r} again")
-    return True
+    while True:
+        progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")
+        if not back_off(delay, state, thread):
+            return True  # SIGTERM while waiting, or HTTP is gone: the watch ends it
+        began = time.monotonic()
+        try:
+            engine.start()
+        except Exception as e:
+            log.exception("the restart failed")
+            first_line = (str(e).splitlines() or [""])[0][:200]
+            error = f"the restart failed: {type(e).__name__}: {first_line}"
+            delay = budget.next_delay(time.monotonic())
+            if delay is None:
+                progress(f"{error}; no restart left ({budget.describe()}); exiting")
+                return False
+            continue
+        took = time.monotonic() - began
+        progress(f"restarted in {took:.1f} s: serving {state.model_name!r} again")
+        return True
 
 
 def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
@@ -269,12 +281,15 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     engine = Engine(llm_factory, state)
     stats: StatsLogger | None = None
     code = 0
+    # A world restarted in place starts on rank processes started ahead (world.Standby).
+    STANDBY.enabled = options.on_engine_failure == "restart"
     try:
         thread.start()
         progress(f"listening on http://{host}:{port}; loading the model")
         llm = engine.start()
         log.info(startup_summary(llm, state.model_name))
-        stats = StatsLogger(state, options.stats_interval_s).start()
+        if options.log_stats:
+            stats = StatsLogger(state, options.stats_interval_s).start()
         progress(f"ready: serving {state.model_name!r} on http://{host}:{port}")
         code = watch(engine, signals, thread)
     except KeyboardInterrupt:
@@ -292,6 +307,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         if thread.is_alive():
             thread.join(GRACEFUL_SHUTDOWN_S + 5)
         engine.stop()
+        STANDBY.close()
         kill_leftover_ranks()
         sock.close()
         for sig, handler in previous.items():

@@ -82,8 +82,9 @@ def test_legacy_spellings_fold_like_transformers() -> None:
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"o_groups": 3}, "o_groups=3"),
     ({"sliding_window": 0}, "sliding_window=0"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config' is not supported"),
-    ({"expert_dtype": "fp4"}, "'expert_dtype' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config\.weight_block_size"),
+    ({"expert_dtype": "fp4"}, "expert_dtype='fp4' without a quantization_config"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
 ])
 def test_bad_config_is_refused_naming_the_field(overrides: dict, message: str) -> None:
     raw = {**raw_config(), **overrides}

@@ -107,8 +107,9 @@ def start_cli_server(tmp_path: Path, port: int, *args: str) -> ServerProcess:
     marker = uuid.uuid4().hex
     log_path = tmp_path / f"cli-server-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
-    command = [sys.executable, "-m", "afdserve.cli", "serve", "--port", str(port),
-               "--served-model-name", SERVED_NAME, *args]  # fmt: skip
+    # --served-model-name takes several names (vLLM's nargs="+"): the --port after it ends them.
+    command = [sys.executable, "-m", "afdserve.cli", "serve", "--served-model-name", SERVED_NAME,
+               "--port", str(port), *args]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -145,11 +146,15 @@ def wait_until_in_engine(server: ServerProcess, count: int, deadline_s: float = 
 
 
 def rank_pids(pid: int) -> dict[int, int]:
-    """rank -> pid of the rank processes the server `pid` started (RANK in their environment)."""
+    """rank -> pid of the rank processes of the server `pid`'s running world (RANK in their
+    environment; a rank names itself afdserve-rankN once its world starts, which tells it from
+    a standby process of the next world)."""
     ranks = {}
     for child in child_pids(pid, recursive=False):
         try:
             environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if not Path(f"/proc/{child}/comm").read_text().startswith("afdserve-rank"):
+                continue
         except OSError:
             continue
         for item in environ:

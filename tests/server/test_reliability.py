@@ -106,6 +106,8 @@ def test_failed_rank_fails_requests_and_the_server_exits_1(
             streaming.result(timeout=60)
         assert answer.status_code == 500, answer.text
         assert "rank" in answer.json()["error"]["message"] and clean(answer.text)
+        if sig == signal.SIGSTOP:  # the stopped rank itself is named, not a rank waiting on it
+            assert f"FFN rank {victim} stopped" in answer.json()["error"]["message"]
         assert lines[-1] == "data: [DONE]"
         assert "error" in json.loads(lines[-2].removeprefix("data: ")) and clean(lines[-2])
         assert failed_after < within_s, failed_after
@@ -118,7 +120,7 @@ def test_failed_rank_fails_requests_and_the_server_exits_1(
         stop(srv)
 
 
-# ----- a rank hangs: the server restarts its ranks; then SIGTERM drains -----
+# ----- a rank hangs: the server restarts its ranks, the stream goes on; then SIGTERM drains -----
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 @pytest.mark.parametrize(
     ("victim", "sig", "within_s", "says"),
     [
-        (2, signal.SIGSTOP, HEARTBEAT_S + 4, "no progress"),  # the FFN rank hangs mid-load
+        (2, signal.SIGSTOP, HEARTBEAT_S + 4, "FFN rank 2 stopped"),  # the FFN rank hangs
         # then an attention rank of the new world dies; the FFN rank, cut off from it, may be
         # the one whose failure arrives first
         (0, signal.SIGKILL, 5.0, "rank"),
@@ -145,6 +147,8 @@ def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 def test_failed_rank_is_detected_and_the_ranks_restart(
     restarting: ServerProcess, victim: int, sig: signal.Signals, within_s: float, says: str
 ) -> None:
+    """The failure is seen (/health 503) within `within_s`; the ranks restart and the stream,
+    resumed on them, ends normally (tests/server/test_recovery.py checks its tokens)."""
     srv = restarting
     assert srv.proc.poll() is None, srv.log()[-5000:]
     old = rank_pids(srv.proc.pid)
@@ -154,17 +158,16 @@ def test_failed_rank_is_detected_and_the_ranks_restart(
         assert first.wait(60), srv.log()[-3000:]
         stopped = time.monotonic()
         os.kill(old[victim], sig)
-        streaming.result(timeout=60)
+        while health(srv.url) == 200 and time.monotonic() < stopped + within_s + 5:
+            time.sleep(0.05)
         failed_after = time.monotonic() - stopped
-    assert lines[-1] == "data: [DONE]"
-    error = json.loads(lines[-2].removeprefix("data: "))["error"]
-    assert says in error["message"] and clean(lines[-2]), error
+        streaming.result(timeout=STARTUP_DEADLINE_S)
     assert failed_after < within_s, failed_after
-    assert health(srv.url) == 503  # restarting
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while health(srv.url) != 200 and time.monotonic() < deadline:
-        assert srv.proc.poll() is None, srv.log()[-3000:]
-        time.sleep(0.25)
+    assert says in srv.log() and "restarting the ranks" in srv.log()
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines[-3:]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[1:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
     assert health(srv.url) == 200, srv.log()[-3000:]
     assert not [pid for pid in old.values() if alive(pid)]  # the stopped rank included
     new = rank_pids(srv.proc.pid)
@@ -175,8 +178,9 @@ def test_failed_rank_is_detected_and_the_ranks_restart(
 
 
 def test_a_world_that_keeps_failing_exhausts_the_restart_budget(tmp_path: Path) -> None:
-    """--max-restarts 1: the first failure restarts the ranks, the second (within the window)
-    exits 1 with a line that says why, and no rank is left behind."""
+    """--max-restarts 1: the first failure restarts the ranks (the stream is resumed on them),
+    the second (within the window) exits 1 with a line that says why, the stream held for a
+    restart that will not come fails with the engine's error, and no rank is left behind."""
     srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
                            "restart", "--max-restarts", "1")  # fmt: skip
     try:
@@ -188,14 +192,16 @@ def test_a_world_that_keeps_failing_exhausts_the_restart_budget(tmp_path: Path) 
                 streaming = pool.submit(stream_lines, srv.url, LONG, first, lines)
                 assert first.wait(60), srv.log()[-3000:]
                 os.kill(ranks[1], signal.SIGKILL)  # the FFN rank
-                streaming.result(timeout=60)
-            assert "error" in lines[-2], lines[-3:]
+                streaming.result(timeout=STARTUP_DEADLINE_S)
             if attempt == 0:
+                assert not any('"error"' in line for line in lines), lines[-3:]
                 deadline = time.monotonic() + STARTUP_DEADLINE_S
                 while health(srv.url) != 200 and time.monotonic() < deadline:
                     assert srv.proc.poll() is None, srv.log()[-3000:]
                     time.sleep(0.25)
                 assert health(srv.url) == 200, srv.log()[-3000:]
+            else:
+                assert "engine failed" in lines[-2], lines[-3:]
         assert srv.proc.wait(30) == 1
         assert "no restart left (1 restart(s) within 600 s)" in srv.log()
         assert srv.log().count("restarting the ranks in 0 s") == 1

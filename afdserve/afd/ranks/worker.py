@@ -8,6 +8,7 @@ and send their outputs back.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from afdserve.afd.ranks.messages import (
     WorkerSpec,
 )
 from afdserve.afd.step.control import open_control_plane
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError
 
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
@@ -46,7 +48,7 @@ HEARTBEAT_S = 0.5
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
-    if spec.engine.device.startswith("cuda"):
+    if resolve_device(spec.engine.device).startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", rank))
         return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
@@ -97,13 +99,24 @@ def init_expert_group(spec: WorkerSpec) -> dist.ProcessGroup | None:
     return dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=spec.afd.timeout_s))
 
 
+def name_process(name: str) -> None:
+    """Linux: the name ps, top and /proc/PID/comm show (15 bytes), so that a rank of a running
+    world can be told from a standby process, which keeps the interpreter's name."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: nothing shows the name anyway
+
+
 def worker_main(rank: int, conn: Connection) -> None:
     """Entry point of one rank. MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK come from the
     environment (the launcher or torchrun sets them)."""
     conn.send(Hello(rank))
-    spec = conn.recv()
+    spec = conn.recv()  # a standby process (world.Standby) waits here until its world starts
     if not isinstance(spec, WorkerSpec):
         raise TypeError(f"rank {rank}: expected a WorkerSpec first, got {type(spec).__name__}")
+    name_process(f"afdserve-rank{rank}")
     logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
     torch.set_num_threads(spec.threads)
     built = control = None
@@ -147,7 +160,8 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
             return True
         if isinstance(msg, AddRequest):
             try:
-                built.core.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
+                prompt = list(msg.prompt_token_ids)
+                built.core.add_request(msg.request_id, prompt, msg.params, msg.output_token_ids)
             except RequestError as e:
                 conn.send(Rejected(rank, msg.request_id, str(e)))
         elif isinstance(msg, AbortRequest):
@@ -160,9 +174,10 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
 
 
 def _stats(built: BuiltRank) -> RankStats:
-    scheduler = built.core.scheduler
-    return RankStats(scheduler.num_running, scheduler.num_waiting,
-                     built.core.block_manager.usage, dict(built.driver.recorder.mode_counts))
+    scheduler, blocks = built.core.scheduler, built.core.block_manager
+    return RankStats(scheduler.num_running, scheduler.num_waiting, blocks.usage,
+                     dict(built.driver.recorder.mode_counts), blocks.queried_tokens,
+                     blocks.hit_tokens)
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:

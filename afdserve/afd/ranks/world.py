@@ -16,8 +16,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 from afdserve.afd.ranks.channel import RankListener
 from afdserve.afd.ranks.messages import Hello, Outputs, RankFailed, RankReady, Shutdown, WorkerSpec
@@ -40,10 +42,107 @@ class Lost:
         self.rank = rank
 
 
+def process_stopped(pid: int) -> bool:
+    """The process is stopped by a signal or traced (Linux: /proc/PID/stat's state T or t).
+    False where /proc cannot tell (another OS, a process that is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def world_authkey() -> bytes:
+    key = os.environ.get("AFDSERVE_AUTHKEY")
+    return bytes.fromhex(key) if key else os.urandom(32)
+
+
+class Standby:
+    """The processes of a built-in world started before they are needed: each imports
+    everything a rank needs (torch, the model code: most of a rank's start on a busy host),
+    connects and waits for its WorkerSpec. A restarted world takes them (`STANDBY`), so that
+    it starts with weight loading, not with Python's imports."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.authkey = world_authkey()
+        self.listener = RankListener(("127.0.0.1", 0), self.authkey)
+        self.procs = spawn_ranks(world_size, self.listener.address, self.authkey)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=KILL_WAIT_S)
+        self.listener.close()
+
+
+class StandbyWorlds:
+    """At most one Standby per world size, kept while `enabled` (serve.py: when failed worlds
+    are restarted in place). A built-in world takes the one of its size and starts the next."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._worlds: dict[int, Standby] = {}
+
+    def take(self, world_size: int) -> Standby | None:
+        with self._lock:
+            return self._worlds.pop(world_size, None)
+
+    def replenish(self, world_size: int) -> None:
+        with self._lock:
+            if self.enabled and world_size not in self._worlds:
+                self._worlds[world_size] = Standby(world_size)
+
+    def close(self) -> None:
+        with self._lock:
+            worlds, self._worlds, self.enabled = list(self._worlds.values()), {}, False
+        for standby in worlds:
+            standby.close()
+
+
+STANDBY = StandbyWorlds()
+
+
+def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes) -> list[subprocess.Popen]:
+    """The processes of a world on this host, rank 0 holding the rendezvous store's socket."""
+    procs = []
+    store = socket.create_server(("127.0.0.1", 0))  # rank 0's rendezvous store, loopback only
+    try:
+        for rank in range(world):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.getsockname()[1]),
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
+                AFDSERVE_AUTHKEY=authkey.hex(),
+                AFDSERVE_STORE_PORT=str(store.getsockname()[1]),
+            )
+            fds: tuple[int, ...] = ()
+            if rank == 0:
+                env["AFDSERVE_STORE_FD"] = str(store.fileno())
+                fds = (store.fileno(),)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
+                stdin=subprocess.DEVNULL, pass_fds=fds))
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        store.close()  # rank 0 holds its own copy
+    return procs
 
 
 class RankWorld:
@@ -56,14 +155,19 @@ class RankWorld:
         self.ready: dict[int, RankReady] = {}
         self.last_heard: dict[int, float] = {}
         self.closed = False
-        key = os.environ.get("AFDSERVE_AUTHKEY")
-        self.authkey = bytes.fromhex(key) if key else os.urandom(32)
-        self.listener = RankListener(frontend_address, self.authkey)
+        standby = STANDBY.take(self.world) if spawn else None
+        if standby is not None:  # processes started ahead: they are connecting already
+            self.authkey, self.listener, self.procs = (
+                standby.authkey, standby.listener, standby.procs)
+            log.info("starting the world on %d standby rank processes", self.world)
+        else:
+            self.authkey = world_authkey()
+            self.listener = RankListener(frontend_address, self.authkey)
         self.address = self.listener.address
         try:
-            if spawn:
-                self._spawn()
-            else:
+            if spawn and standby is None:
+                self.procs = spawn_ranks(self.world, self.address, self.authkey)
+            elif not spawn:
                 log.info("waiting for %d ranks at %s:%d (AFDSERVE_AUTHKEY=%s)", self.world,
                          *self.address, self.authkey.hex())
             deadline = time.monotonic() + startup_timeout_s
@@ -72,31 +176,11 @@ class RankWorld:
         except BaseException:
             self.shutdown()
             raise
-
-    def _spawn(self) -> None:
-        store = socket.create_server(("127.0.0.1", 0))  # rank 0's rendezvous store, loopback only
-        try:
-            for rank in range(self.world):
-                env = dict(
-                    os.environ,
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(store.getsockname()[1]),
-                    WORLD_SIZE=str(self.world),
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    AFDSERVE_FRONTEND=f"{self.address[0]}:{self.address[1]}",
-                    AFDSERVE_AUTHKEY=self.authkey.hex(),
-                    AFDSERVE_STORE_PORT=str(store.getsockname()[1]),
-                )
-                fds: tuple[int, ...] = ()
-                if rank == 0:
-                    env["AFDSERVE_STORE_FD"] = str(store.fileno())
-                    fds = (store.fileno(),)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
-                    stdin=subprocess.DEVNULL, pass_fds=fds))
-        finally:
-            store.close()  # rank 0 holds its own copy
+        if spawn:
+            try:  # the next world's processes, while this one serves
+                STANDBY.replenish(self.world)
+            except OSError:  # no processes to spare (limits): a restart spawns its own
+                log.warning("could not start standby rank processes", exc_info=True)
 
     def _accept(self, deadline: float) -> None:
         while len(self.conns) < self.world:
@@ -158,14 +242,33 @@ class RankWorld:
 
     def check_progress(self, timeout_s: float) -> None:
         """Attention ranks report after every step and at least twice a second when idle; one
-        that stays silent is stuck (or a rank it waits on is): the world has stopped."""
+        that stays silent is stuck (or a rank it waits on is): the world has stopped.
+
+        Silence does not say which rank hangs: every rank waits on a stopped one within a step,
+        and the FFN ranks never report. So the error names the ranks whose process is stopped
+        (SIGSTOP, a debugger: /proc says so) when there are any, and otherwise the silent
+        attention ranks, as what was seen and not as the culprit."""
         now = time.monotonic()
-        for rank, heard in self.last_heard.items():
-            if now - heard > timeout_s:
-                raise WorkerError(
-                    f"attention rank {rank} made no progress for {now - heard:.1f} s "
-                    f"(heartbeat_timeout_s={timeout_s}): a rank is hung"
-                )
+        silent = {rank: now - heard for rank, heard in self.last_heard.items()
+                  if now - heard > timeout_s}  # fmt: skip
+        if not silent:
+            return
+        longest = max(silent.values())
+        stopped = [rank for rank, proc in enumerate(self.procs) if process_stopped(proc.pid)]
+        if stopped:
+            names = ", ".join(f"{self._role(rank)} rank {rank}" for rank in stopped)
+            raise WorkerError(
+                f"{names} stopped (its process is in the stopped state): the world made no "
+                f"progress for {longest:.1f} s (heartbeat_timeout_s={timeout_s})"
+            )
+        ranks = ", ".join(str(rank) for rank in sorted(silent))
+        raise WorkerError(
+            f"the world made no progress for {longest:.1f} s (heartbeat_timeout_s={timeout_s}): "
+            f"attention rank(s) {ranks} sent nothing; a rank is hung (every rank waits on it)"
+        )
+
+    def _role(self, rank: int) -> str:
+        return "attention" if self.spec.topology.is_attention(rank) else "FFN"
 
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)

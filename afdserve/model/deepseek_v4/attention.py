@@ -25,6 +25,7 @@ from torch import nn
 
 from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm
+from afdserve.model.fp8 import linear_weight
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,7 @@ class V4Attention(nn.Module):
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         rows = out.shape[0]
         grouped = out.reshape(rows, self.groups, -1).transpose(0, 1)  # [groups, rows, in]
-        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
+        weight = linear_weight(self.o_a_proj, out.dtype)  # dequantized when FP8
+        w = weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
         low = torch.bmm(grouped, w).transpose(0, 1).reshape(rows, -1)  # [rows, groups * rank]
         return self.o_b_proj(low)

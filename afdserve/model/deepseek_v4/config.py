@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from afdserve.model.deepseek_v4.v4config import V4Config
+from afdserve.model.quantization import parse_quantization_config
 
 ATTENTION_TYPES = (
     "sliding_attention",
@@ -37,6 +38,12 @@ HONOURED = frozenset({
     "partial_rotary_factor", "attention_bias", "mlp_bias", "qk_rope_head_dim",
     "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers",
     "dtype", "torch_dtype",
+    # FP8 weights with ue8m0 scales, FP4 routed experts (model/deepseek_v4/quant.py); V4 says
+    # expert_dtype at the top level, which transformers moves into quantization_config.
+    "quantization_config", "expert_dtype",
+    # DeepSeek-V4-Flash's config.json says both: the routing V4 always has (checked below), and
+    # YaRN in the spelling transformers folds into rope_parameters (of "compress" only).
+    "topk_method", "rope_scaling",
     # The multi-token-prediction layers: transformers does not build them and neither do we
     # (their `mtp.*` tensors are reported as unexpected and skipped).
     "num_nextn_predict_layers",
@@ -145,6 +152,13 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """Every ModelConfig field of a DeepSeek-V4 config.json (model/config.py builds the
     ModelConfig, so this module needs nothing from there)."""
     _check_keys(raw)
+    if raw.get("rope_scaling") is not None:
+        _require(raw.get("rope_parameters") is None,
+                 "rope_scaling and rope_parameters both given: give one")
+        raw = {**{k: v for k, v in raw.items() if k != "rope_scaling"},
+               "rope_parameters": raw["rope_scaling"]}
+    _require(raw.get("topk_method", "noaux_tc") == "noaux_tc",
+             f"topk_method={raw.get('topk_method')!r}: V4 routes 'noaux_tc' only")
     n = int(raw.get("num_hidden_layers", 43))
     hidden, heads = int(raw.get("hidden_size", 4096)), int(raw.get("num_attention_heads", 64))
     head_dim = int(raw.get("head_dim", 512))
@@ -206,6 +220,15 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         compress_attention_scaling=comp_scale, main_attention_scaling=main_scale)
     eos = raw.get("eos_token_id", 1)
     limit = raw.get("swiglu_limit", 10.0)
+    quantization = parse_quantization_config(raw, fp4_experts=True)
+    _require(raw.get("expert_dtype") is None or quantization is not None,
+             f"expert_dtype={raw.get('expert_dtype')!r} without a quantization_config: the "
+             "experts' precision needs the checkpoint's FP8 quantization_config beside it")
+    inter = int(raw.get("moe_intermediate_size", 2048))
+    if quantization is not None and quantization.expert_dtype == "fp4":
+        _require(hidden % 32 == 0 and inter % 32 == 0,
+                 f"expert_dtype='fp4' with hidden_size={hidden}, moe_intermediate_size={inter}: "
+                 "both must be multiples of 32 (one ue8m0 scale per 32 inputs)")
     return dict(
         family="deepseek_v4", vocab_size=int(raw.get("vocab_size", 129280)), hidden_size=hidden,
         num_layers=n, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -218,7 +241,7 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         rope_interleave=True, q_lora_rank=int(raw.get("q_lora_rank", 1024)), kv_lora_rank=0,
         qk_nope_head_dim=head_dim - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=head_dim,
         softmax_scale=head_dim**-0.5, layer_types=_mlp_types(raw, n), intermediate_size=0,
-        moe_intermediate_size=int(raw.get("moe_intermediate_size", 2048)),
+        moe_intermediate_size=inter,
         num_experts=num_experts, top_k=top_k, n_shared_experts=1,
         scoring=raw.get("scoring_func", "sqrtsoftplus"),
         # Top-k on scores + e_score_correction_bias, weights from the scores: DeepSeek-V3's
@@ -226,4 +249,4 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
         hidden_act="silu", torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        swiglu_limit=None if limit is None else float(limit), v4=v4)
+        swiglu_limit=None if limit is None else float(limit), v4=v4, quantization=quantization)

@@ -5,6 +5,10 @@ Public checkpoints (and transformers' `save_pretrained`, which writes them back)
 `head.weight`, with or without a leading `model.`. afdserve's modules are named like the other
 families' (`model.layers.3.self_attn.q_a_proj.weight`, `model.layers.3.mlp.gate.weight`), so the
 FFN half is the same MoE block every family uses and the loader stacks the experts as usual.
+
+A quantized checkpoint (DeepSeek-V4-Flash) stores each FP8 or FP4 weight's scales beside it as
+`<module>.scale` (`layers.3.attn.wq_a.scale`, `layers.3.ffn.experts.7.w1.scale`); ours, as for
+every family, is `<module>.weight_scale_inv` (transformers renames them the same way).
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ _TOP = (
     ("hc_head.hc_scale", "model.hc_head.scale"),
 )
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
+# `.scale` of a quantized projection; mHC's own `scale` (`hc_attn_scale`, or transformers'
+# `attn_hc.scale`) is no weight's scale.
+_PUBLIC_SCALE = re.compile(r"^(.*)\.scale$")
+_MHC_MODULES = ("attn_hc", "ffn_hc", "hc_head")
+OUR_SCALE = "_scale_inv"
 
 
 def to_ours(name: str) -> str:
@@ -68,6 +77,9 @@ def to_ours(name: str) -> str:
     name we do not know comes back as it was (the loader reports it as unexpected, e.g. the MTP
     layers' `mtp.*`)."""
     bare = name[len("model."):] if name.startswith("model.") else name
+    scale = _PUBLIC_SCALE.match(bare)
+    if scale is not None and scale.group(1).rsplit(".", 1)[-1] not in _MHC_MODULES:
+        return to_ours(scale.group(1) + ".weight") + OUR_SCALE
     for public, ours in _TOP:
         if bare == public:
             return ours
@@ -84,6 +96,8 @@ def to_ours(name: str) -> str:
 
 def to_public(name: str) -> str:
     """Our tensor name -> the public spelling (for messages about missing tensors)."""
+    if name.endswith(".weight" + OUR_SCALE):
+        return to_public(name.removesuffix(OUR_SCALE)).removesuffix(".weight") + ".scale"
     for public, ours in _TOP:
         if name == ours and "." not in public.replace(".weight", ""):
             return public

@@ -15,7 +15,7 @@ def router(state: ServerState) -> APIRouter:
 
     @routes.get("/health")
     async def health() -> Response:
-        state.ready()  # 503 while loading, draining, restarting or failed
+        state.check_serving()  # 503 while loading, draining, restarting or failed
         return JSONResponse({"status": "ok"})
 
     @routes.get("/metrics")

@@ -1,0 +1,142 @@
+"""The frontend's core client of a multi-process world: routes each request to the attention rank
+with the least outstanding work, gathers the ranks' token deltas, fails every request at once when
+a rank dies or hangs, and stops the world. The processes themselves are afd/ranks/world.py's
+`RankWorld`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from afdserve.afd.ranks.messages import (
+    AbortRequest,
+    AddRequest,
+    Outputs,
+    RankFailed,
+    RankStats,
+    Rejected,
+    WorkerSpec,
+)
+from afdserve.afd.ranks.world import STARTUP_TIMEOUT_S, Lost, RankWorld, WorkerError, free_port
+from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
+from afdserve.engine.sampling_params import SamplingParams
+
+__all__ = ["ProcessClient", "WorkerError", "free_port"]
+
+log = logging.getLogger(__name__)
+
+# A request weighs its prompt plus its token budget, capped: one request with a huge max_tokens
+# must not send every other request to the other attention ranks.
+ROUTING_MAX_NEW_TOKENS = 1024
+
+
+class ProcessClient(EngineCoreClient):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        spawn: bool = True,
+        frontend_address: tuple[str, int] = ("127.0.0.1", 0),
+    ) -> None:
+        self.spec = spec
+        self.closed = False
+        self.owner: dict[str, int] = {}  # request id -> attention rank
+        self.cost: dict[str, int] = {}
+        self.outstanding = [0] * spec.topology.attention_ranks
+        self.rank_stats: dict[int, RankStats] = {}
+        self._carried: list[TokenDelta] = []
+        self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
+        self.address, self.ready = self.world.address, self.world.ready
+        limits = [info.limits for info in self.ready.values() if info.limits is not None]
+        self.limits = RequestLimits(
+            min(lim.max_model_len for lim in limits),
+            limits[0].vocab_size,
+            min(lim.num_blocks for lim in limits),
+            limits[0].block_size,
+        )
+        self.max_model_len, self.vocab_size = self.limits.max_model_len, self.limits.vocab_size
+
+    # ----- EngineCoreClient -----
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.owner:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        check_request(prompt_token_ids, params, self.limits)
+        rank = min(range(len(self.outstanding)), key=lambda r: (self.outstanding[r], r))
+        cost = len(prompt_token_ids) + min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
+        self.owner[request_id], self.cost[request_id] = rank, cost
+        self.outstanding[rank] += cost
+        self.world.send(rank, AddRequest(request_id, tuple(prompt_token_ids), params))
+
+    def abort(self, request_id: str) -> None:
+        rank = self.owner.get(request_id)
+        if rank is not None:
+            self.world.send(rank, AbortRequest(request_id))
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        rank = self.owner.pop(request_id, None)
+        if rank is not None:
+            self.outstanding[rank] -= self.cost.pop(request_id)
+
+    def step(self) -> list[TokenDelta]:
+        if self.closed:
+            raise WorkerError("the engine is shut down")
+        results, self._carried = self._carried, []
+        rejected: RequestError | None = None
+        for msg in self.world.messages(0.0 if results else 0.05):
+            if isinstance(msg, Outputs):
+                self.rank_stats[msg.rank] = msg.stats
+                for delta in msg.outputs:
+                    if delta.request_id not in self.owner:
+                        continue  # aborted meanwhile (a stop string, found by the frontend)
+                    results.append(delta)
+                    if delta.finished:
+                        self._forget(delta.request_id)
+            elif isinstance(msg, Rejected):  # a rank refused what passed the frontend's checks
+                self._forget(msg.request_id)
+                rejected = RequestError(msg.message, msg.request_id)
+            elif isinstance(msg, (RankFailed, Lost)):
+                detail = msg.traceback if isinstance(msg, RankFailed) else "connection lost"
+                self._fail()
+                raise WorkerError(f"rank {msg.rank} failed:\n{detail}")
+        if rejected is not None:
+            self._carried = results  # handed out by the next step()
+            raise rejected
+        try:
+            if not results:
+                self.world.check_alive("while serving")
+            # Also while other ranks deliver: one silent rank is stuck whatever the rest do.
+            self.world.check_progress(self.spec.afd.heartbeat_timeout_s)
+        except WorkerError:
+            self._fail()
+            raise
+        return results
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.owner)
+
+    def stats(self) -> EngineStats:
+        stats = EngineStats()
+        ranks = max(len(self.outstanding), 1)
+        for rank_stats in self.rank_stats.values():
+            stats.running += rank_stats.running
+            stats.waiting += rank_stats.waiting
+            stats.kv_cache_usage += rank_stats.kv_cache_usage / ranks
+            for mode, count in rank_stats.steps.items():
+                stats.steps[mode] = stats.steps.get(mode, 0) + count
+        return stats
+
+    def _fail(self) -> None:
+        """A rank died or hangs: the world cannot step again. Kill it now rather than wait for
+        ranks that may never answer a shutdown."""
+        self.world.kill()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.world.shutdown()

@@ -1,0 +1,66 @@
+"""The one-process engine: colocated (the correctness reference and the speed baseline), or
+in-process 1A1F with the FFN half behind an InProcessConnector. It steps the same attention driver
+as a rank process, with a control plane of one."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from afdserve.afd.ranks.build import build_attention_rank
+from afdserve.afd.ranks.messages import RankReady, WorkerSpec
+from afdserve.afd.step.control import LocalControl
+from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.requests import TokenDelta
+from afdserve.engine.sampling_params import SamplingParams
+
+
+class SingleProcessClient(EngineCoreClient):
+    def __init__(self, spec: WorkerSpec) -> None:
+        device = torch.device(spec.engine.device)
+        in_process = not spec.topology.colocated
+        built = build_attention_rank(spec, 0, device, LocalControl(), in_process=in_process)
+        self.core, self.driver = built.core, built.driver
+        self.ready: dict[int, RankReady] = {r.rank: r for r in built.ready}
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.config.vocab_size
+        self.limits = self.core.limits
+        self.driver.warmup()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.core.add_request(request_id, prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def step(self) -> list[TokenDelta]:
+        return self.driver.step().outputs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    def stats(self) -> EngineStats:
+        s = self.core.scheduler
+        return EngineStats(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_cache_usage=self.core.block_manager.usage,
+            steps=dict(self.driver.recorder.mode_counts),
+        )
+
+    def step_log(self) -> list[dict]:
+        return list(self.driver.recorder.records)
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache and any graphs so the next engine gets the memory."""
+        if self.driver is None:
+            return
+        self.driver.recorder.close()
+        cuda = self.core.device.type == "cuda"
+        self.core = self.driver = None
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -1,0 +1,215 @@
+"""Rank processes: one per rank, joined in one torch.distributed world through env://.
+
+A rank connects to the frontend, receives its WorkerSpec, builds itself (afd/ranks/build.py), warms
+up in lockstep with every other rank, reports ready, and then steps its role's driver until the
+control plane carries shutdown. Attention ranks also apply the frontend's requests between steps
+and send their outputs back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from afdserve.afd.ranks.build import BuiltRank, build_attention_rank, build_ffn_rank
+from afdserve.afd.ranks.channel import connect
+from afdserve.afd.ranks.messages import (
+    AbortRequest,
+    AddRequest,
+    Hello,
+    Outputs,
+    RankFailed,
+    RankStats,
+    Rejected,
+    Shutdown,
+    WorkerSpec,
+)
+from afdserve.afd.step.control import open_control_plane
+from afdserve.engine.requests import RequestError
+
+# Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
+# round, and idle worlds do not keep every core busy.
+IDLE_SLEEP_S = (0.001, 0.020)
+CONNECT_TIMEOUT_S = 300.0
+# An attention rank reports at least this often, also when idle: the frontend's proof of
+# progress (AFDConfig.heartbeat_timeout_s).
+HEARTBEAT_S = 0.5
+
+
+def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
+    if spec.engine.device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def spawned_by_frontend() -> bool:
+    """The built-in launcher started this rank, and every rank of its world, on this host."""
+    return "AFDSERVE_STORE_PORT" in os.environ
+
+
+def _store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store. The built-in launcher hands rank 0 a socket bound to loopback
+    (AFDSERVE_STORE_FD), so the store listens there only, not on every interface (a store made
+    from MASTER_ADDR alone listens on all of them); every rank of such a world then builds its
+    store itself. Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
+    if not spawned_by_frontend():
+        return None
+    port = int(os.environ["AFDSERVE_STORE_PORT"])
+    if rank == 0:
+        fd = int(os.environ["AFDSERVE_STORE_FD"])
+        return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=fd)
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+
+
+def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.device]:
+    """The data-plane world (NCCL on CUDA, gloo on CPU) and the control plane's gloo group."""
+    device = rank_device(spec, rank)
+    timeout = timedelta(seconds=spec.afd.timeout_s)
+    world = spec.topology.world_size
+    store = _store(rank, world, timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
+                                device_id=device, store=store)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout,
+                                store=store)
+    return dist.new_group(backend="gloo", timeout=timeout), device
+
+
+def init_expert_group(spec: WorkerSpec) -> dist.ProcessGroup | None:
+    """The FFN ranks' own group for expert-parallel collectives (the data-plane backend). Every
+    rank of the world takes part in creating it, as torch.distributed requires; a group of
+    its own keeps the collectives apart from the point-to-point batches NCCL pairs one to one."""
+    ranks = spec.topology.ffn_group
+    if not ranks:
+        return None
+    return dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=spec.afd.timeout_s))
+
+
+def worker_main(rank: int, conn: Connection) -> None:
+    """Entry point of one rank. MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK come from the
+    environment (the launcher or torchrun sets them)."""
+    conn.send(Hello(rank))
+    spec = conn.recv()
+    if not isinstance(spec, WorkerSpec):
+        raise TypeError(f"rank {rank}: expected a WorkerSpec first, got {type(spec).__name__}")
+    logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
+    torch.set_num_threads(spec.threads)
+    built = control = None
+    try:
+        control_group, device = init_world(spec, rank)
+        expert_group = init_expert_group(spec)
+        control = open_control_plane(spec.afd.control_plane, spec.topology, control_group, rank,
+                                     spec.afd.timeout_s, one_host=spawned_by_frontend())
+        if spec.topology.is_attention(rank):
+            built = build_attention_rank(spec, rank, device, control)
+        else:
+            built = build_ffn_rank(spec, rank, device, control, expert_group)
+        built.driver.warmup()  # the frontend logs each rank's memory line from its RankReady
+        conn.send(built.ready[0])
+        if built.core is not None:
+            serve_attention(built, rank, conn)
+        else:
+            while not built.driver.step().shutdown:
+                pass
+    except BaseException:
+        try:
+            conn.send(RankFailed(rank, traceback.format_exc()))
+        except OSError:
+            pass
+        raise
+    finally:
+        if built is not None and built.wire is not None:
+            built.wire.close()
+        if control is not None:
+            control.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
+    """Apply queued frontend messages; True when shutdown was asked for (or the frontend left)."""
+    while conn.poll():
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return True
+        if isinstance(msg, AddRequest):
+            try:
+                built.core.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
+            except RequestError as e:
+                conn.send(Rejected(rank, msg.request_id, str(e)))
+        elif isinstance(msg, AbortRequest):
+            built.core.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            return True
+        else:
+            raise TypeError(f"rank {rank}: unexpected message {type(msg).__name__}")
+    return False
+
+
+def _stats(built: BuiltRank) -> RankStats:
+    scheduler = built.core.scheduler
+    return RankStats(scheduler.num_running, scheduler.num_waiting,
+                     built.core.block_manager.usage, dict(built.driver.recorder.mode_counts))
+
+
+def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
+    idle_sleep = IDLE_SLEEP_S[0]
+    last_sent = time.monotonic()
+    while True:
+        result = built.driver.step(shutdown=_apply(built, rank, conn))
+        if result.shutdown:
+            return
+        if result.outputs or time.monotonic() - last_sent > HEARTBEAT_S:
+            conn.send(Outputs(rank, tuple(result.outputs), _stats(built)))
+            last_sent = time.monotonic()
+        if result.has_work:
+            idle_sleep = IDLE_SLEEP_S[0]
+        else:
+            time.sleep(idle_sleep)
+            idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_S[1])
+
+
+def main() -> None:
+    """`python -m afdserve.afd.ranks.worker`: one rank, under the launcher or torchrun.
+    AFDSERVE_FRONTEND=host:port and AFDSERVE_AUTHKEY (hex) say where the frontend listens."""
+    if spawned_by_frontend():
+        # Spawned by the built-in launcher: the frontend owns this process's life (it drains,
+        # then sends Shutdown, and SIGKILLs what is left). A SIGINT or SIGTERM sent to the whole
+        # process group (a terminal's Ctrl-C, a supervisor stopping the service) must not kill
+        # the rank under requests the frontend is still draining.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    host, port = os.environ["AFDSERVE_FRONTEND"].rsplit(":", 1)
+    authkey = bytes.fromhex(os.environ["AFDSERVE_AUTHKEY"])
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:  # under torchrun a rank may start before the frontend listens
+        try:
+            conn = connect((host, int(port)), authkey)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    try:
+        worker_main(int(os.environ["RANK"]), conn)
+    except BaseException:
+        sys.exit(1)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

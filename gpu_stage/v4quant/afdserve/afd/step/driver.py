@@ -1,0 +1,91 @@
+"""The step drivers: one per role, and the only loops that plan, execute and record a step.
+
+Attention side (also colocated and in-process AFD): the work source schedules and reports a
+`RankStep` -> the control plane hands every rank the same reports -> `plan_step` -> the source
+executes its rank's plan -> the recorder logs the decision and marks new captures.
+FFN side: the control plane's reports -> `plan_step` -> the FFN step runner -> the recorder.
+
+The engine (`EngineCore`), the rank workers, the one-process client and the decode benchmark all
+step through these, and warm up through the same `warmup_reports` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from afdserve.afd.dataplane.ffn import FFNStepRunner
+from afdserve.afd.step.control import Control
+from afdserve.afd.step.recorder import StepRecorder
+from afdserve.engine.cuda_graphs import PlannedForward
+from afdserve.layout.plan import AttentionRankPlan, RankStep, warmup_reports
+from afdserve.layout.topology import Topology
+
+
+class WorkSource(Protocol):
+    """What an attention driver steps: the engine, or the benchmark's fixed decode batch."""
+
+    def schedule(self) -> tuple[Any, RankStep]: ...
+
+    def execute(self, work: Any, plan: AttentionRankPlan, forward: PlannedForward,
+                step: int) -> Any: ...
+
+    def idle_work(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: Any  # what the source's execute returned ([] when this rank had nothing to run)
+    has_work: bool  # some rank of the world had work
+    shutdown: bool = False
+
+
+class AttentionDriver:
+    def __init__(self, source: WorkSource, forward: PlannedForward, recorder: StepRecorder,
+                 control: Control, topology: Topology, rank: int,
+                 log_ranks: tuple[int, ...] | None = None) -> None:
+        self.source, self.forward, self.recorder = source, forward, recorder
+        self.control, self.topology, self.rank = control, topology, rank
+        self.log_ranks = log_ranks  # a one-process engine logs the FFN half's line too
+
+    def warmup(self) -> None:
+        for reports in warmup_reports(self.recorder.table, self.topology):
+            self._run(self.source.idle_work(), reports)
+
+    def step(self, shutdown: bool = False) -> StepResult:
+        work, report = self.source.schedule()
+        round_ = self.control.exchange(report, shutdown)
+        if round_.shutdown:
+            return StepResult([], False, shutdown=True)
+        return self._run(work, round_.reports)
+
+    def _run(self, work: Any, reports: tuple[RankStep, ...]) -> StepResult:
+        plan = self.recorder.plan(reports, self.topology)
+        mine = plan.attention[self.rank]
+        step = self.recorder.step
+        outputs = [] if mine.mode == "idle" else self.source.execute(work, mine, self.forward, step)
+        self.recorder.record(plan, self.log_ranks)
+        return StepResult(outputs, plan.has_work)
+
+
+class FFNDriver:
+    def __init__(self, runner: FFNStepRunner, recorder: StepRecorder, control: Control,
+                 topology: Topology, rank: int) -> None:
+        self.runner, self.recorder, self.control = runner, recorder, control
+        self.topology, self.rank = topology, rank
+
+    def warmup(self) -> None:
+        for reports in warmup_reports(self.recorder.table, self.topology):
+            self._run(reports)
+
+    def step(self) -> StepResult:
+        round_ = self.control.exchange(None)
+        if round_.shutdown:
+            return StepResult([], False, shutdown=True)
+        return self._run(round_.reports)
+
+    def _run(self, reports: tuple[RankStep, ...]) -> StepResult:
+        plan = self.recorder.plan(reports, self.topology)
+        self.runner.run(plan.for_rank(self.rank), self.recorder.step)
+        self.recorder.record(plan)
+        return StepResult([], plan.has_work)

@@ -1,0 +1,83 @@
+"""What a decode step must read, for `afdserve bench decode`: the device's copy bandwidth, the
+routed experts a batch touches, and the weight and KV bytes of one step."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from afdserve.model.model import MoECausalLM
+from afdserve.model.moe import Experts
+
+
+def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written (median of 10)."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * size_bytes / statistics.median(times) / 1e9
+
+
+def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
+    """Distinct routed experts each MoE layer uses in one step of this batch (all ubatches)."""
+    ids: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, module in ffn.named_modules():
+        if isinstance(module, Experts):
+
+            def record(mod, args, out, name=name):
+                ids.setdefault(name, []).append(args[1][0].reshape(-1))
+
+            hooks.append(module.register_forward_hook(record))
+    try:
+        steps.step(eager=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
+
+
+# A routed-expert stack and, when quantized, its scales (FP8 grids, FP4 ue8m0 bytes): a step reads
+# the slices of the experts it touches, in the precision they are held in.
+EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv",
+                 "experts.down_proj_scale_inv")  # fmt: skip
+
+
+def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
+    """Bytes of the parameters one step reads, each in its stored dtype (FP8 one byte, FP4 half a
+    byte as packed pairs): every non-expert weight once, the touched experts' slices, one
+    embedding row per sequence (the whole table when lm_head is tied to it)."""
+    total, seen = 0, set()
+    for model in (attn, ffn):
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            if name.endswith(EXPERT_STACKS):
+                layer = name.rsplit(".", 1)[0]
+                total += size // p.shape[0] * hit.get(layer, 0)
+            elif name.endswith("embed_tokens.weight"):
+                rows = min(batch, p.shape[0])
+                tied = attn.config.tie_word_embeddings
+                total += size if tied else size // p.shape[0] * rows
+            else:
+                total += size
+    return total
+
+
+def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize: int) -> int:
+    c = model.config
+    tensors = 1 if c.attention == "mla" else 2
+    per_token = c.num_layers * tensors * c.num_cache_heads * c.kv_cache_dim * itemsize
+    return int(batch * mean_context * per_token)

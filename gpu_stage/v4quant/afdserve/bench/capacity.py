@@ -1,0 +1,201 @@
+"""`afdserve bench capacity`: how many sequences of `context_len` tokens fit in the KV cache of a
+colocated engine and of the attention rank of 1A1F, under the same `gpu_memory_utilization`.
+
+The numbers are what the engines really allocated: each topology starts through `LLM` (dummy or
+real weights, as asked), and every attention rank reports its cache (blocks and bytes) in its
+ready message. An attention rank holds no experts, so on a GPU it has far more room for cache.
+With `--measure`, the decode bench (afdserve/bench/decode.py, and bench/decode_p2p.py for 1A1F
+across two GPUs) times decode steps at that batch and context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+from dataclasses import asdict, dataclass
+
+import torch
+
+from afdserve.bench.decode import DecodeBench, run_decode_bench
+from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
+from afdserve.bench.report import invalid, model_dir_for, report
+from afdserve.config import GRAPH_MODES, LOAD_FORMATS
+from afdserve.config_args import build
+from afdserve.llm import LLM
+from afdserve.model.presets import PRESET_HELP
+
+TOPOLOGIES = ("colocated", "1A1F")
+
+
+@dataclass(frozen=True)
+class CapacityBench:
+    model_dir: str
+    topologies: tuple[str, ...] = TOPOLOGIES
+    context_len: int = 8192
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    # The scheduler never runs more than max_num_seqs sequences, nor more tokens than
+    # max_num_batched_tokens, in one step: the batch is capped by both.
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 16384
+    measure: bool = False
+    graph_mode: str = "none"  # of the measured decode steps
+    steps: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> ValueError:
+            return invalid(self, field, allowed)
+
+        if not self.topologies or any(t not in TOPOLOGIES for t in self.topologies):
+            raise bad("topologies", f"a non-empty list of {TOPOLOGIES}")
+        for field in ("context_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, field) < 1:
+                raise bad(field, "an integer >= 1")
+        if self.steps < 2:
+            raise bad("steps", "an integer >= 2")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "a float in (0, 1]")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"one of {LOAD_FORMATS}")
+        if self.connector not in BENCH_CONNECTORS:
+            raise bad("connector", "p2p or ipc")
+        if self.graph_mode not in GRAPH_MODES:
+            raise bad("graph_mode", f"one of {GRAPH_MODES}")
+        if self.graph_mode != "none" and self.device != "cuda":
+            raise bad("graph_mode", "'none' unless --device cuda")
+        if self.measure and "1A1F" in self.topologies and self.device != "cuda":
+            raise bad("device", "'cuda' to --measure 1A1F (its decode bench runs on two GPUs)")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One attention rank's KV cache as its engine allocated it, and the batch that fits."""
+
+    topology: str
+    rank: int
+    num_blocks: int
+    block_size: int
+    cache_bytes: int
+    parameter_bytes: int
+    context_len: int
+    scheduler_limit: int  # sequences one step may hold: min(max_num_seqs, max_num_batched_tokens)
+    decode_tokens_per_s: float | None = None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def sequences_that_fit(self) -> int:
+        """Sequences of context_len tokens held at once (the block manager gives whole blocks)."""
+        return self.num_blocks // -(-self.context_len // self.block_size)
+
+    @property
+    def batch(self) -> int:
+        return min(self.sequences_that_fit, self.scheduler_limit)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "capacity_tokens": self.capacity_tokens,
+                "sequences_that_fit": self.sequences_that_fit, "batch": self.batch}
+
+    def line(self) -> str:
+        measured = ("" if self.decode_tokens_per_s is None
+                    else f", decode {self.decode_tokens_per_s:.1f} tokens/s at that batch")
+        who = "engine" if self.topology == "colocated" else f"attention rank {self.rank}"
+        return (f"{self.topology} {who}: parameters {self.parameter_bytes / 1e9:.3g} GB, "
+                f"KV cache {self.cache_bytes / 1e9:.3g} GB = {self.capacity_tokens} tokens = "
+                f"{self.sequences_that_fit} sequences of {self.context_len}; batch {self.batch} "
+                f"(scheduler limit {self.scheduler_limit})" + measured)
+
+
+def open_llm(spec: CapacityBench, topology: str) -> LLM:
+    """The engine whose allocation is read: sized exactly as a serving engine would be."""
+    return LLM(
+        spec.model_dir, topology=topology, device=spec.device, dtype=spec.dtype,
+        connector=spec.connector if topology == "1A1F" else "auto", max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.context_len,
+        block_size=spec.block_size,
+        gpu_memory_utilization=spec.gpu_memory_utilization, load_format=spec.load_format,
+        seed=spec.seed,
+    )  # fmt: skip
+
+
+def read_capacity(llm: LLM, topology: str, spec: CapacityBench) -> list[Capacity]:
+    """Every attention rank's allocation, from its ready message."""
+    return [
+        Capacity(topology, rank, ready.limits.num_blocks, ready.limits.block_size,
+                 ready.memory.cache_bytes, ready.memory.parameter_bytes, spec.context_len,
+                 min(spec.max_num_seqs, spec.max_num_batched_tokens))
+        for rank, ready in llm.rank_ready.items() if ready.limits is not None
+    ]
+
+
+def measure_decode(spec: CapacityBench, capacity: Capacity) -> float:
+    """Decode tokens/s at the capacity's batch and context (its engine is shut down by now)."""
+    bench = DecodeBench(
+        model_dir=spec.model_dir, preset=None, random_weights=spec.load_format == "dummy",
+        batch_sizes=(capacity.batch,), context_len=spec.context_len, topology=capacity.topology,
+        connector=spec.connector, graph_mode=spec.graph_mode, steps=spec.steps, dtype=spec.dtype,
+        device=spec.device,
+        block_size=spec.block_size, seed=spec.seed,
+    )  # fmt: skip
+    results, _ = run_decode_bench(bench)
+    if spec.device == "cuda":  # hand the colocated bench's weights back to the device
+        gc.collect()
+        torch.cuda.empty_cache()
+    return results[0].tokens_per_s
+
+
+def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
+    """1A1F first: a colocated engine (and its decode bench) runs in this process, and the CUDA
+    context and cache it leaves here would take memory from rank 0 of a later 1A1F world."""
+    found: list[Capacity] = []
+    for topology in sorted(spec.topologies, key=lambda t: t == "colocated"):
+        with open_llm(spec, topology) as llm:
+            ranks = read_capacity(llm, topology, spec)
+        if spec.measure:
+            ranks = [dataclasses.replace(c, decode_tokens_per_s=measure_decode(spec, c))
+                     for c in ranks]
+        found += ranks
+    return found
+
+
+def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("capacity", help="KV-cache capacity of colocated vs the 1A1F attention "
+                                          "rank, and the largest batch at a context length")
+    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
+                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy)")
+    add_engine_flags(p, CapacityBench, ("load_format",))
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    add_engine_flags(p, CapacityBench, ("connector",))
+    p.add_argument("--context-len", type=int, default=CapacityBench.context_len)
+    add_engine_flags(p, CapacityBench, (
+        "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
+        "device", "dtype"))  # fmt: skip
+    p.add_argument("--measure", action="store_true",
+                   help="also time decode steps at that batch (the decode bench)")
+    add_engine_flags(p, CapacityBench, ("graph_mode",))
+    p.add_argument("--steps", type=int, default=CapacityBench.steps)
+    add_engine_flags(p, CapacityBench, ("seed",))
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.set_defaults(func=main_capacity)
+
+
+def main_capacity(args: argparse.Namespace) -> int:
+    topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
+    with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
+        spec = build(CapacityBench, args, model_dir=model_dir, topologies=topologies)
+        found = run_capacity_bench(spec)
+    name = args.preset or args.model_dir
+    header = (f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "
+              f"{spec.context_len}, gpu_memory_utilization {spec.gpu_memory_utilization}")
+    report("capacity", name, spec, header, found, args.json)
+    return 0
+

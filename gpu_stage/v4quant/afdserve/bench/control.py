@@ -1,0 +1,76 @@
+"""`afdserve bench control`: what the control plane costs per step. Every rank of a one-host world
+runs the control round that precedes every step (the gloo all-gather, or the shared-memory board)
+back to back; the median round is the per-step cost, to set against a decode step's time."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from afdserve.layout.plan import RankStep
+from afdserve.layout.topology import Topology
+
+PLANES = ("gloo", "shm")
+
+
+def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, results) -> None:
+    from afdserve.afd.step.control import open_control_plane
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=topology.world_size,
+                            timeout=timedelta(seconds=120))
+    control = open_control_plane(plane, topology, dist.new_group(backend="gloo"), rank, 120.0,
+                                 one_host=True)
+    report = RankStep(64, 64, True) if topology.is_attention(rank) else None
+    times = []
+    for _ in range(rounds + 10):
+        start = time.perf_counter()
+        control.exchange(report)
+        times.append(time.perf_counter() - start)
+    results.put((rank, statistics.median(times[10:]) * 1e6))
+    control.close()
+    dist.destroy_process_group()
+
+
+def measure_control_plane(topology: Topology, rounds: int = 500,
+                          plane: str = "gloo") -> dict[int, float]:
+    """Median microseconds of one control round, per rank."""
+    from afdserve.afd.clients.process import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, topology, plane, port, rounds, results))
+             for r in range(topology.world_size)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return got
+
+
+def add_control_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("control", help="time the per-step control-plane round")
+    p.add_argument("--topology", default="1A1F")
+    p.add_argument("--control-plane", choices=PLANES, action="append", default=None,
+                   help="gloo or shm (repeatable; default: both)")
+    p.add_argument("--rounds", type=int, default=500)
+    p.set_defaults(func=main_control)
+
+
+def main_control(args: argparse.Namespace) -> int:
+    topology = Topology.parse(args.topology)
+    if args.rounds < 1:
+        raise ValueError(f"bench.rounds={args.rounds!r} is not allowed: an integer >= 1")
+    for plane in args.control_plane or PLANES:
+        per_rank = measure_control_plane(topology, args.rounds, plane)
+        print(f"control plane {plane}, {topology}, {args.rounds} rounds (median per round): "
+              + ", ".join(f"rank {r} {us:.1f} us" for r, us in sorted(per_rank.items())))
+    return 0

@@ -1,0 +1,179 @@
+"""`afdserve bench decode`: time whole decode steps (embedding -> layers -> logits -> greedy sample)
+at a fixed batch and context length, and set the bytes a step must read against the device's
+measured copy bandwidth. Decode is memory-bound, so that fraction is the figure of merit.
+
+Bytes a step must read: every non-expert weight once (attention, norms, routers, dense and shared
+MLPs, lm_head), one embedding row per sequence, each routed expert the batch touches once per
+layer, and every sequence's cached K/V. Writes (one token of KV, activations) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.bench.bytes import (
+    measure_copy_bandwidth,
+    step_kv_bytes,
+    step_weight_bytes,
+    touched_experts,
+)
+from afdserve.bench.decode_p2p import run_p2p_decode_bench
+from afdserve.bench.decode_steps import DecodeResult, DecodeSteps, build_halves
+from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
+from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
+from afdserve.bench.report import WARMUP_STEPS, invalid
+from afdserve.config import DEVICES, GRAPH_MODES
+from afdserve.config_args import build
+from afdserve.model.config import read_hf_config
+from afdserve.model.loader import TORCH_DTYPES
+from afdserve.model.model import MoECausalLM
+from afdserve.model.presets import PRESET_HELP, parse_preset, preset_hf_config
+
+# "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
+TOPOLOGIES = ("colocated", "in-process", "1A1F")
+
+
+@dataclass(frozen=True)
+class DecodeBench:
+    model_dir: str | None
+    preset: str | None
+    random_weights: bool
+    batch_sizes: tuple[int, ...]
+    context_len: int
+    topology: str = "colocated"
+    connector: str = "p2p"  # the data plane of --topology 1A1F: one of BENCH_CONNECTORS
+    graph_mode: str = "none"
+    ubatches: int = 1
+    steps: int = 20
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    block_size: int = 16
+    compare_hf: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> ValueError:
+            return invalid(self, field, allowed)
+
+        if (self.model_dir is None) == (self.preset is None):
+            raise bad("model_dir", "give exactly one of --model DIR and --preset NAME")
+        if self.preset is not None:
+            try:
+                parse_preset(self.preset)
+            except ValueError as e:
+                raise ValueError(f"bench.{e}") from None
+        if self.preset is not None and not self.random_weights:
+            raise bad("random_weights", "a preset has no checkpoint: add --random-weights")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise bad("batch_sizes", "a non-empty list of integers >= 1")
+        for field in ("context_len", "ubatches", "block_size"):
+            if getattr(self, field) < 1:
+                raise bad(field, "an integer >= 1")
+        if self.steps < 2:
+            raise bad("steps", "an integer >= 2")
+        if self.topology not in TOPOLOGIES:
+            raise bad("topology", f"one of {TOPOLOGIES}")
+        if self.connector not in BENCH_CONNECTORS:
+            raise bad("connector", "p2p or ipc (with --topology 1A1F)")
+        if self.graph_mode not in GRAPH_MODES:
+            raise bad("graph_mode", f"one of {GRAPH_MODES}")
+        if self.graph_mode != "none" and self.device != "cuda":
+            raise bad("graph_mode", "'none' unless --device cuda")
+        if self.dtype not in TORCH_DTYPES:
+            raise bad("dtype", f"one of {sorted(TORCH_DTYPES)}")
+        if self.device not in DEVICES:
+            raise bad("device", "'cpu' or 'cuda'")
+
+
+def bench_batch(
+    attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int, copy_gbps: float | None
+) -> DecodeResult:
+    steps = DecodeSteps(attn, ffn, spec, batch)
+    hit = touched_experts(steps, ffn)
+    for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
+        steps.step()
+    times = [steps.step()[1] for _ in range(spec.steps)]
+    mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
+    itemsize = TORCH_DTYPES[spec.dtype].itemsize
+    result = DecodeResult(
+        batch=batch,
+        step_ms=statistics.median(times) * 1e3,
+        weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
+        kv_bytes=step_kv_bytes(attn, batch, mean_context, itemsize),
+        copy_gbps=copy_gbps,
+    )
+    del steps
+    if spec.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None) -> str:
+    head = "batch  step_ms  tokens/s  weights_MB  kv_MB  GB/s  of_copy_bw"
+    if hf is not None:
+        head += "  hf_tokens/s  speedup"
+    lines = [head]
+    for r in results:
+        frac = f"{r.achieved_gbps / r.copy_gbps:10.1%}" if r.copy_gbps else "         -"
+        line = (
+            f"{r.batch:5d}  {r.step_ms:7.2f}  {r.tokens_per_s:8.1f}  {r.weight_bytes / 1e6:10.1f}"
+            f"  {r.kv_bytes / 1e6:5.1f}  {r.achieved_gbps:4.0f}  {frac}"
+        )
+        if hf is not None and r.batch in hf:
+            line += f"  {hf[r.batch]:11.1f}  {r.tokens_per_s / hf[r.batch]:6.1f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, float] | None]:
+    if spec.topology == "1A1F":
+        return run_p2p_decode_bench(spec), None
+    raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
+    dev = torch.device(spec.device)
+    copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    attn, ffn = build_halves(spec, raw)
+    results = [bench_batch(attn, ffn, spec, b, copy_gbps) for b in spec.batch_sizes]
+    hf = None
+    if spec.compare_hf:
+        hf_model = hf_sharing_weights(attn, ffn, raw, TORCH_DTYPES[spec.dtype], dev)
+        hf = {b: hf_tokens_per_s(hf_model, spec, b) for b in spec.batch_sizes}
+    return results, hf
+
+
+def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
+    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]", help=PRESET_HELP)
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
+    p.add_argument("--steps", type=int, default=20)
+    add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=main_decode)
+
+
+def main_decode(args: argparse.Namespace) -> int:
+    try:
+        sizes = tuple(int(s) for s in str(args.batch_sizes).split(",") if s.strip())
+    except ValueError as e:
+        raise ValueError(f"bench.batch_sizes={args.batch_sizes!r}: comma-separated integers") from e
+    spec = build(DecodeBench, args, batch_sizes=sizes)
+    results, hf = run_decode_bench(spec)
+    copy = results[0].copy_gbps if results else None
+    name = spec.preset or spec.model_dir
+    print(
+        f"decode bench: {name}, context {spec.context_len}, {spec.dtype}, {spec.topology}, "
+        f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"
+        + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
+    )
+    print(format_table(results, hf))
+    return 0
+

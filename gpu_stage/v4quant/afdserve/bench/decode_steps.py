@@ -1,0 +1,208 @@
+"""The decode benches' attention side: a fixed decode batch (`DecodeSteps`) that an attention
+driver steps as its work source, and the model halves it runs, built from a preset or a model dir.
+
+The rank around the batch is assembled by afdserve/afd/ranks/build.py, as the engine's ranks
+are: the boundary (`attention_boundary`), the graph runner and the driver (`attention_driver`).
+`afdserve bench decode` runs it colocated or in process (bench/decode.py), and its 1A1F run puts
+the same batch on one GPU and the FFN half on another (bench/decode_p2p.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_driver
+from afdserve.afd.step.control import LocalControl
+from afdserve.bench.report import WARMUP_STEPS, Timer
+from afdserve.engine.cuda_graphs import PlannedForward
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
+from afdserve.layout.plan import RankStep
+from afdserve.layout.topology import Topology
+from afdserve.model.config import parse_model_config
+from afdserve.model.loader import (
+    TORCH_DTYPES,
+    all_tensor_names,
+    build_model,
+    init_random_weights,
+    load_weights,
+)
+from afdserve.model.model import ModelParts, MoECausalLM
+
+
+class DecodeSpec(Protocol):
+    """What the decode benches read of their spec: bench/decode.py's DecodeBench, which runs
+    them and so is not imported here."""
+
+    @property
+    def model_dir(self) -> str | None: ...
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def random_weights(self) -> bool: ...
+    @property
+    def batch_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def context_len(self) -> int: ...
+    @property
+    def topology(self) -> str: ...
+    @property
+    def connector(self) -> str: ...
+    @property
+    def graph_mode(self) -> str: ...
+    @property
+    def ubatches(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    batch: int
+    step_ms: float
+    weight_bytes: int
+    kv_bytes: int
+    copy_gbps: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.step_ms / 1e3)
+
+    @property
+    def achieved_gbps(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / (self.step_ms / 1e3) / 1e9
+
+
+def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.device
+               ) -> MoECausalLM:
+    """One half (or the whole model) of the config `raw`: random weights hold what a colocated
+    model of the spec's seed holds, so every half equals its part of the colocated model."""
+    config = parse_model_config(raw)
+    model = build_model(config, parts, TORCH_DTYPES[spec.dtype], device)
+    if spec.random_weights:
+        init_random_weights(model, spec.seed)
+    else:
+        load_weights(model, spec.model_dir, all_tensor_names(config))
+    return model
+
+
+def build_halves(spec: DecodeSpec, raw: dict) -> tuple[MoECausalLM, MoECausalLM]:
+    """(attention half, FFN half) on the spec's device; colocated, both are the one model."""
+    device = torch.device(spec.device)
+    if spec.topology == "colocated":
+        model = build_half(spec, raw, ModelParts.colocated(), device)
+        return model, model
+    return (build_half(spec, raw, ModelParts(True, False), device),
+            build_half(spec, raw, ModelParts(False, True), device))
+
+
+class DecodeSteps:
+    """A batch of `batch` sequences with `context_len` random cached tokens, decoded in lockstep.
+
+    Steps run the engine's own path, assembled by ranks/build.py: a one-rank StepPlan decides
+    capture / replay / eager, and graph steps go through the engine's `CudaGraphRunner` (its input
+    copies included in the timing); in-process 1A1F hands tiles to the FFN half through the
+    `InProcessConnector`, and `boundary` puts another in their place (1A1F across GPUs)."""
+
+    def __init__(self, model: MoECausalLM, ffn: MoECausalLM | None, spec: DecodeSpec, batch: int,
+                 boundary: FFNBoundary | None = None) -> None:
+        config, dev = model.config, next(model.parameters()).device
+        self.model, self.spec, self.batch, self.device = model, spec, batch, dev
+        self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
+        bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
+        self.width = math.ceil(last / bs)
+        self.kv = KVCache(config, batch * self.width, bs, TORCH_DTYPES[spec.dtype], dev)
+        gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
+        for first, second in self.kv.layers:
+            for t in (first, second):
+                if t is not None:
+                    t.normal_(generator=gen)
+        self.tables = torch.arange(batch * self.width, device=dev, dtype=torch.int32).view(
+            batch, self.width
+        )
+        self.input_ids = torch.randint(0, config.vocab_size, (batch,), device=dev, generator=gen)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.runner = ModelRunner(model, self.kv, dev)
+        topology = Topology(1, 0 if spec.topology == "colocated" else 1)
+        if boundary is None:
+            boundary = attention_boundary(model, topology, 0, False, ffn_model=ffn)
+        graphs = StepGraphs(spec.graph_mode, (batch,), spec.ubatches)  # the batch's one graph
+        self.eager = PlannedForward(self.runner, boundary)
+        self.driver = attention_driver(
+            self, self.runner, boundary, graphs, graphs.recorder(0, keep_records=True),
+            LocalControl(), topology=topology, rank=0, max_model_len=last,
+            log_ranks=tuple(range(topology.world_size)),
+        )  # fmt: skip
+        self.step_index = 0
+
+    def _inputs(self) -> StepInputs:
+        context = self.spec.context_len + self.step_index + 1
+        segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
+        batched = None
+        if self.device.type == "cuda":
+            batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, context)
+        meta = AttentionMetadata(self.positions, self.slots, segments, batched)
+        sample_rows = self.query_start[:-1].long()
+        return StepInputs(self.input_ids, self.input_ids, meta, sample_rows, [], self.batch)
+
+    def _advance(self) -> None:
+        """Point the step's tensors at the next position (device-side writes only)."""
+        position = self.spec.context_len + self.step_index
+        bs = self.spec.block_size
+        self.positions.fill_(position)
+        base = self.tables[:, position // bs].long() * bs
+        self.slots.copy_(base + position % bs)
+        self.context_lens.fill_(position + 1)
+
+    # ----- the attention driver's work source: one fixed decode batch -----
+    def schedule(self) -> tuple[None, RankStep]:
+        return None, RankStep(self.batch, self.batch, True)
+
+    def idle_work(self) -> None:
+        return None
+
+    @torch.inference_mode()
+    def execute(self, work: None, plan, forward: PlannedForward, step: int
+                ) -> tuple[torch.Tensor, float]:
+        """One decode step: (next token ids, seconds of device time). The timed span is the
+        engine's step on the device: the graph runner's copies into its buffers and the replay
+        (or the eager forward), logits and the greedy pick. The plan and this bench's stand-in
+        for the scheduler's input preparation (`_advance`) come before it."""
+        inputs = self._inputs()
+        self._advance()
+        timer = Timer(self.device)
+        if self.stamps is not None:
+            self.stamps.mark()
+        hidden = forward(inputs, plan, step)
+        next_ids = self.runner.logits(hidden, inputs).argmax(dim=-1)
+        self.input_ids.copy_(next_ids)
+        if self.stamps is not None:
+            self.stamps.mark()
+        seconds = timer.stop()
+        self.step_index += 1
+        return next_ids, seconds
+
+    def step(self, eager: bool = False) -> tuple[torch.Tensor, float]:
+        """One step through the attention driver; `eager` runs one outside it, without graphs
+        and unrecorded (so it marks no graph as captured)."""
+        if not eager:
+            return self.driver.step().outputs
+        recorder = self.driver.recorder
+        plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
+        return self.execute(None, plan, self.eager, recorder.step)

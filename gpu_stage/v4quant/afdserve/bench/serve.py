@@ -1,0 +1,384 @@
+"""`afdserve bench serve`: load a running server through its HTTP API, as users of vLLM's serving
+benchmark do, and report what its clients see.
+
+For each request rate, `num_prompts` requests arrive as a Poisson process (rate `inf`: all at
+once). Each streams `/v1/completions` with `input_len` random token ids as its prompt,
+`max_tokens=output_len` and `ignore_eos`, so that every request generates exactly `output_len`
+tokens. Per request, on the client's clock from the moment it is sent:
+- TTFT: until the first streamed chunk;
+- ITL: the gaps between consecutive chunks after the first;
+- TPOT: (e2e - TTFT) / (output tokens - 1), the mean time per token after the first;
+- e2e: until the last chunk.
+Output tokens are the server's `usage` (stream_options.include_usage), not a count of chunks: a
+server may merge tokens into one chunk or hold back text. Throughputs divide by the wall time from
+the first request sent to the last one finished. Every rate gets fresh prompts (same seed, same
+prompts on every run), so that a server with a prefix cache gains nothing from an earlier rate.
+
+Only the standard library, httpx and numpy: the client runs beside any server with vLLM's
+completions API, `vllm serve` included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import httpx
+except ImportError:  # the `bench` extra: `afdserve serve` and the other commands run without it
+    httpx = None  # type: ignore[assignment]
+
+PERCENTILE = 99
+CONNECT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServeBench:
+    base_url: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    request_rates: tuple[float, ...]  # requests per second; math.inf: all at once
+    model: str | None = None  # None: the first model the server lists
+    vocab_size: int | None = None  # None: from --model-dir's (or the served root's) config.json
+    model_dir: str | None = None
+    max_concurrency: int | None = None
+    seed: int = 0
+    api_key: str | None = None
+    timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "input_len", "output_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"bench serve: {name}={value!r}: must be an integer >= 1")
+        if not self.request_rates or any(not rate > 0 for rate in self.request_rates):
+            raise ValueError(f"bench serve: request_rates={self.request_rates!r}: numbers > 0 "
+                             f"(or inf), e.g. 1,4,16,inf")  # fmt: skip
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"bench serve: max_concurrency={self.max_concurrency}: must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"bench serve: vocab_size={self.vocab_size}: must be >= 1")
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    ok: bool = False
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RateResult:
+    request_rate: float
+    duration_s: float
+    completed: int
+    failed: int
+    input_tokens: int
+    output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (input + output tokens) / s
+    # metric -> {"mean", "median", "p99"} in milliseconds; None when nothing was measured
+    ms: dict[str, dict[str, float] | None]
+    requests: list[RequestResult]
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        msg = f"expected comma-separated request rates like 1,4,16,inf, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Seconds after the start at which each request is sent: exponential gaps of mean 1/rate."""
+    if math.isinf(rate):
+        return [0.0] * count
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
+               output_len: int) -> RequestResult:  # fmt: skip
+    """One streamed completion, timed on the client's clock."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    result = RequestResult(prompt_len=len(prompt))
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:500]
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                elif chunk.get("usage"):
+                    result.output_tokens = int(chunk["usage"]["completion_tokens"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # transport or a bad chunk
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e_s = (last if last is not None else time.perf_counter()) - start
+    result.ok = last is not None and result.output_tokens > 0
+    if not result.ok:
+        result.error = "no streamed chunk" if last is None else "no usage in the stream"
+    return result
+
+
+async def run_rate(client: httpx.AsyncClient, spec: ServeBench, model: str,
+                   prompts: list[list[int]], rate: float, seed: int) -> RateResult:  # fmt: skip
+    offsets = arrival_offsets(len(prompts), rate, random.Random(seed))
+    slots = asyncio.Semaphore(spec.max_concurrency or len(prompts))
+
+    async def one(prompt: list[int]) -> RequestResult:
+        async with slots:
+            return await send(client, model, prompt, spec.output_len)
+
+    tasks = []
+    start = time.perf_counter()
+    for prompt, offset in zip(prompts, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(prompt)))
+    results = await asyncio.gather(*tasks)
+    return summarize(rate, results, time.perf_counter() - start)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ms = np.asarray(values) * 1000.0
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)),
+            f"p{PERCENTILE}": float(np.percentile(ms, PERCENTILE))}  # fmt: skip
+
+
+def summarize(rate: float, results: list[RequestResult], duration_s: float) -> RateResult:
+    done = [r for r in results if r.ok]
+    inputs = sum(r.prompt_len for r in done)
+    outputs = sum(r.output_tokens for r in done)
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return RateResult(
+        request_rate=rate,
+        duration_s=duration_s,
+        completed=len(done),
+        failed=len(results) - len(done),
+        input_tokens=inputs,
+        output_tokens=outputs,
+        request_throughput=len(done) / duration_s,
+        output_throughput=outputs / duration_s,
+        total_token_throughput=(inputs + outputs) / duration_s,
+        ms={
+            "ttft": _stats_ms([r.ttft_s for r in done]),
+            "tpot": _stats_ms(tpots),
+            "itl": _stats_ms([gap for r in done for gap in r.itl_s]),
+            "e2e": _stats_ms([r.e2e_s for r in done]),
+        },
+        requests=list(results),
+    )
+
+
+METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT (after the first token)", "itl": "ITL",
+                "e2e": "E2E latency"}  # fmt: skip
+
+
+def _rate_name(rate: float) -> str:
+    return "inf (all at once)" if math.isinf(rate) else f"{rate:g} req/s (Poisson)"
+
+
+def format_rate(r: RateResult, num_prompts: int) -> str:
+    lines = [
+        f"---- request rate {_rate_name(r.request_rate)} ----",
+        f"{'completed requests':<30}{r.completed} of {num_prompts}",
+        f"{'duration':<30}{r.duration_s:.2f} s",
+        f"{'input / output tokens':<30}{r.input_tokens} / {r.output_tokens}",
+        f"{'request throughput':<30}{r.request_throughput:.2f} req/s",
+        f"{'output token throughput':<30}{r.output_throughput:.1f} tokens/s",
+        f"{'total token throughput':<30}{r.total_token_throughput:.1f} tokens/s",
+        f"{'(ms)':<30}{'mean':>10}{'median':>10}{f'p{PERCENTILE}':>10}",
+    ]
+    for key, name in METRIC_NAMES.items():
+        s = r.ms[key]
+        cells = ("-", "-", "-") if s is None else (
+            f"{s['mean']:.2f}", f"{s['median']:.2f}", f"{s[f'p{PERCENTILE}']:.2f}")
+        lines.append(f"{name:<30}" + "".join(f"{c:>10}" for c in cells))
+    if r.failed:
+        errors = sorted({q.error for q in r.requests if not q.ok})
+        lines.append(f"{'failed requests':<30}{r.failed}: {'; '.join(errors)[:500]}")
+    return "\n".join(lines)
+
+
+SUMMARY_COLUMNS = (("rate", 6), ("completed", 10), ("req/s", 9), ("out_tok/s", 11),
+                   ("ttft_ms", 9), ("tpot_ms", 9), ("itl_ms", 9), ("e2e_ms", 9))  # fmt: skip
+
+
+def format_summary(results: list[RateResult]) -> str:
+    """One line per rate with the medians of TTFT, TPOT, ITL and e2e, for a table in the docs."""
+    lines = ["".join(f"{name:>{width}}" for name, width in SUMMARY_COLUMNS)]
+    for r in results:
+        cells = [f"{r.request_rate:g}", str(r.completed), f"{r.request_throughput:.2f}",
+                 f"{r.output_throughput:.1f}"]  # fmt: skip
+        cells += [f"{s['median']:.1f}" if s else "-" for s in r.ms.values()]
+        lines.append("".join(f"{c:>{w}}" for c, (_, w) in zip(cells, SUMMARY_COLUMNS)))
+    return "\n".join(lines)
+
+
+async def _served_model(client: httpx.AsyncClient, spec: ServeBench) -> dict:
+    response = await client.get("/v1/models")
+    if response.status_code != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {response.status_code}: {response.text[:300]}")
+    cards = response.json()["data"]
+    if spec.model is None:
+        return cards[0]
+    for card in cards:
+        if card["id"] == spec.model:
+            return card
+    raise RuntimeError(f"model {spec.model!r}: the server serves {[c['id'] for c in cards]}")
+
+
+def resolve_vocab_size(spec: ServeBench, card: dict) -> int:
+    """--vocab-size, else the config.json of --model-dir, else of the served model's root when
+    that is a directory here (a server on this machine)."""
+    if spec.vocab_size is not None:
+        return spec.vocab_size
+    for directory in (spec.model_dir, card.get("root")):
+        if directory and (Path(directory) / "config.json").is_file():
+            config = json.loads((Path(directory) / "config.json").read_text())
+            vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+            if vocab:
+                return int(vocab)
+    raise RuntimeError("the vocabulary size is unknown: give --vocab-size or --model-dir")
+
+
+async def run_serve_bench(spec: ServeBench) -> tuple[str, list[RateResult]]:
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    timeout = httpx.Timeout(spec.timeout_s, connect=CONNECT_TIMEOUT_S)
+    # No pool limit: a client-side queue for connections would show up as server latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=spec.base_url, headers=headers, timeout=timeout,
+                                 limits=limits, trust_env=False) as client:  # fmt: skip
+        card = await _served_model(client, spec)
+        model = card["id"]
+        room = card.get("max_model_len")
+        if room is not None and spec.input_len + spec.output_len > room:
+            raise RuntimeError(f"input_len + output_len = {spec.input_len + spec.output_len} "
+                               f"exceeds the server's max_model_len {room}")  # fmt: skip
+        vocab = resolve_vocab_size(spec, card)
+        # One request first: a wrong URL, key or model fails here, with the server's message.
+        check = await send(client, model, random_prompts(1, spec.input_len, vocab, spec.seed)[0],
+                           spec.output_len)  # fmt: skip
+        if not check.ok:
+            raise RuntimeError(f"the first test request failed: {check.error}")
+        results = []
+        for i, rate in enumerate(spec.request_rates):
+            seed = spec.seed + 1 + i
+            prompts = random_prompts(spec.num_prompts, spec.input_len, vocab, seed)
+            results.append(await run_rate(client, spec, model, prompts, rate, seed))
+    return model, results
+
+
+def to_json(spec: ServeBench, model: str, results: list[RateResult]) -> dict:
+    rates = []
+    for r in results:
+        entry = asdict(r)
+        entry["request_rate"] = "inf" if math.isinf(r.request_rate) else r.request_rate
+        rates.append(entry)
+    config = {**asdict(spec), "api_key": None, "model": model,
+              "request_rates": ["inf" if math.isinf(x) else x for x in spec.request_rates]}
+    return {"config": config, "results": rates}
+
+
+def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, throughput")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the first listed)")
+    p.add_argument("--request-rate", type=parse_rates, default=(math.inf,),
+                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (later arrivals wait for a slot)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [0, N) (default: from --model-dir)")
+    p.add_argument("--model-dir", default=None,
+                   help="a model directory whose config.json gives the vocabulary size "
+                        "(default: the served model's path, when the server runs here)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None,
+                   help="Bearer token (default: $AFDSERVE_API_KEY, then $OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.set_defaults(func=main_serve)
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    if httpx is None:
+        print("afdserve bench serve: needs httpx; pip install 'afdserve[bench]'", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("AFDSERVE_API_KEY") or os.environ.get(
+        "OPENAI_API_KEY")
+    spec = ServeBench(
+        base_url=args.base_url, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, request_rates=args.request_rate, model=args.model,
+        vocab_size=args.vocab_size, model_dir=args.model_dir,
+        max_concurrency=args.max_concurrency, seed=args.seed, api_key=api_key,
+        timeout_s=args.timeout,
+    )  # fmt: skip
+    try:
+        model, results = asyncio.run(run_serve_bench(spec))
+    except (RuntimeError, httpx.HTTPError) as e:
+        print(f"afdserve bench serve: {e}", file=sys.stderr)
+        return 1
+    concurrency = spec.max_concurrency or "unlimited"
+    print(f"bench serve: {spec.base_url}, model {model!r}, {spec.num_prompts} prompts of "
+          f"{spec.input_len} random tokens, {spec.output_len} output tokens each, "
+          f"max concurrency {concurrency}, seed {spec.seed}")  # fmt: skip
+    for r in results:
+        print(format_rate(r, spec.num_prompts))
+    print(format_summary(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(spec, model, results), indent=1))
+    return 0 if all(r.failed == 0 for r in results) else 1

@@ -1,0 +1,172 @@
+"""`afdserve serve | generate | bench | make-tiny-model`; defaults come from the config classes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from afdserve.config import ENGINE_CONFIGS, check_model_dir, engine_configs
+from afdserve.config_args import add_dataclass_arguments, build, values_of
+
+
+def add_engine_args(p: argparse.ArgumentParser, flags: dict[str, str] | None = None) -> None:
+    """Every field of the engine's configs as a flag (config.py declares each once; `flags`
+    renames some, keyword -> flag), and the LLM's --frontend-address."""
+    for cls in ENGINE_CONFIGS:
+        add_dataclass_arguments(p, cls, flags=flags)
+    p.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
+                   help="listen here for ranks started elsewhere (torchrun) instead of "
+                        "spawning them (default: None, spawn)")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM's keywords from the parsed flags, checked by building the configs the LLM will
+    build: every configuration error is one line before any port is bound or process started."""
+    kwargs = {k: v for cls in ENGINE_CONFIGS for k, v in values_of(args, cls).items()}
+    if kwargs["model"] not in (None, "", "tiny"):
+        check_model_dir(kwargs["model"])
+    # The configs do not read the directory (the LLM resolves the bundled model's path).
+    engine_configs({**kwargs, "model": kwargs["model"] or "tiny"}, owner="afdserve")
+    return {**kwargs, "frontend_address": args.frontend_address}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from afdserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    kwargs = llm_kwargs(args)
+    with LLM(**kwargs) as llm:
+        prompts = args.prompt or ["Hello, my name is"]
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                                  "finish_reason": out.finish_reason}))
+            else:
+                print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (like vLLM)."""
+    if value is None or "{" in value:
+        return value
+    if not os.path.isfile(value):
+        raise ValueError(f"chat_template={value!r}: no such file, and not a Jinja template")
+    with open(value) as f:
+        return f.read()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from afdserve import LLM
+    from afdserve.server.serve import ServeOptions, run_server
+
+    kwargs = llm_kwargs(args)
+    options = build(
+        ServeOptions, args,
+        api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
+        chat_template=read_chat_template(args.chat_template),
+    )  # fmt: skip
+    from afdserve.engine.generation_config import generation_defaults
+    from afdserve.model.bundled import resolve_model
+
+    # A bad file or directory: one line, now. The LLM reads the same source, so that its
+    # get_default_sampling_params() agrees with the server's request defaults.
+    generation_defaults(options.generation_config, resolve_model(kwargs["model"]))
+    return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config),
+                      options)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from afdserve.model.tiny import make_tiny_model
+
+    hash_layers = args.hash_layers
+    if hash_layers is None:
+        hash_layers = 1 if args.family == "deepseek_v4" else 0
+    path = make_tiny_model(args.dir, args.family, hash_layers=hash_layers, seed=args.seed,
+                           dtype=args.dtype, quantization=args.quantization,
+                           expert_dtype=args.expert_dtype)
+    print(path)
+    return 0
+
+
+def cmd_make_config(args: argparse.Namespace) -> int:
+    from afdserve.model.presets import write_preset_config
+
+    print(write_preset_config(args.preset, args.dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="afdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    # --seed is the sampling seed of these prompts; the engine's generator seed is renamed.
+    add_engine_args(gen, flags={"seed": "--engine-seed"})
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, metavar="SEED",
+                     help="the prompts' sampling seed (default: None, the engine's generator)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    from afdserve.server.options import ServeOptions
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_dataclass_arguments(serve, ServeOptions)
+    serve.set_defaults(func=cmd_serve)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--family", required=True,
+                      choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral",
+                               "deepseek_v4"))
+    tiny.add_argument("--hash-layers", type=int, default=None,
+                      help="hash-routed MoE layers (default: 0; deepseek_v4: 1)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.add_argument("--quantization", default=None, choices=("fp8",),
+                      help="fp8: linear weights in the public block-scaled FP8 layout "
+                           "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
+                           "quantization_config in config.json (default: none)")
+    tiny.add_argument("--expert-dtype", default=None, choices=("fp8", "fp4"),
+                      help="deepseek_v4 with --quantization fp8: its routed experts in FP8, or "
+                           "in FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 inputs) as "
+                           "DeepSeek-V4-Flash ships them (default: fp8)")
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    from afdserve.model.presets import PRESET_HELP
+
+    make_config = sub.add_parser(
+        "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
+    make_config.add_argument("--preset", required=True, metavar="NAME[:LAYERS]", help=PRESET_HELP)
+    make_config.add_argument("dir")
+    make_config.set_defaults(func=cmd_make_config)
+
+    try:
+        from afdserve.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"afdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""User-facing configuration: one frozen dataclass per concern, validated on construction.
+
+Every error names the field, the value it got and what is allowed, and is raised before any process
+starts or any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from afdserve.config_args import build, option, parse_placement, parse_sizes, split_kwargs
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+GRAPH_MODES = ("none", "full_decode_only", "full")
+CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quantization.py)
+CONTROL_PLANES = ("auto", "gloo", "shm")
+# The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
+
+
+def _one_one():
+    from afdserve.layout.topology import Topology
+
+    return Topology(1, 1)
+
+
+def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
+
+
+def check_model_dir(model: str) -> None:
+    """A model must be a local Hugging Face directory: say so in one line, before loading."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model={model!r}: no such directory (expected a Hugging Face model dir)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={model!r}: the directory has no config.json")
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    _require(ok, owner, name, value, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One attention rank's engine: model, device, cache and scheduler limits."""
+
+    model: str = option(help="a Hugging Face model directory", positional=True,
+                        shown="the bundled tiny model")
+    device: str = option("cpu", help="where the engine runs: cpu, cuda or cuda:N")
+    dtype: str = option("auto", allowed=DTYPES,
+                        help="of weights and activations; auto: the checkpoint's torch_dtype")
+    max_num_seqs: int = option(64, help="the most sequences one step runs")
+    max_num_batched_tokens: int = option(
+        2048, help="the most tokens one step runs (prompt chunks and decodes together)")
+    max_model_len: int | None = option(
+        None, help="the longest prompt plus output, in tokens",
+        shown="the model's max_position_embeddings")
+    kv_cache_blocks: int | None = option(
+        None, help="KV-cache blocks per attention rank",
+        shown="what gpu_memory_utilization leaves on CUDA; max_num_seqs x max_model_len on CPU, "
+              "at most 1 GiB")  # fmt: skip
+    block_size: int = option(16, help="tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.85, help="the share of its GPU's memory a rank may fill: its KV cache gets what is "
+                   "left of that share once its weights are loaded")  # fmt: skip
+    seed: int = option(0, help="seed of the engine's generator, for requests without a seed, "
+                               "and of dummy weights")
+    load_format: str = option(
+        "auto", choices=LOAD_FORMATS,
+        help="auto and safetensors read the checkpoint's safetensors; dummy builds the model "
+             "from config.json alone with random weights drawn from the seed (like vLLM's dummy "
+             "format), the same on every rank of every topology")  # fmt: skip
+    use_tqdm_on_load: bool = option(
+        True, help="a progress bar over checkpoint shards while loading (on a terminal)")
+    quantization: str | None = option(
+        None, allowed=QUANTIZATIONS,
+        help="fp8: block-scaled FP8 weights (float8_e4m3fn, a float32 scale per 128x128 block) "
+             "as DeepSeek-V3's checkpoints store them; a checkpoint in another dtype (or dummy "
+             "weights) is quantized at load. An FP8 checkpoint is read as FP8 either way",
+        shown="as the checkpoint's quantization_config says")  # fmt: skip
+    kv_cache_dtype: str = option(
+        "auto", allowed=KV_CACHE_DTYPES,
+        help="of the paged KV cache: auto, the model's dtype; fp8 (alias fp8_e4m3): "
+             "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
+             "without KV scales), half the bytes of bf16, so twice the cached tokens")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        owner = "EngineConfig"
+        _require(self.load_format in LOAD_FORMATS, owner, "load_format", self.load_format,
+                 f"one of {LOAD_FORMATS}")
+        _require(
+            self.device.split(":")[0] in DEVICES,
+            owner,
+            "device",
+            self.device,
+            f"one of {DEVICES} (optionally 'cuda:N')",
+        )
+        _require(self.dtype in DTYPES, owner, "dtype", self.dtype, f"one of {DTYPES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive_int(owner, "max_model_len", self.max_model_len)
+        if self.kv_cache_blocks is not None:
+            _positive_int(owner, "kv_cache_blocks", self.kv_cache_blocks)
+        ok = isinstance(self.gpu_memory_utilization, float) and 0 < self.gpu_memory_utilization <= 1
+        _require(
+            ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]"
+        )
+        _require(isinstance(self.use_tqdm_on_load, bool), owner, "use_tqdm_on_load",
+                 self.use_tqdm_on_load, "True or False")  # fmt: skip
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS, owner,
+                 "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype",
+                 self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (which is always included)."""
+    ladder = [s for s in (1, 2, 4) if s < max_num_seqs]
+    ladder += list(range(8, max_num_seqs, 8))
+    return tuple(sorted(set(ladder + [max_num_seqs])))
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA-graph policy. `sizes=None` means the default ladder up to max_num_seqs."""
+
+    mode: str = option("none", kwarg="graph_mode", allowed=GRAPH_MODES,
+                       help="CUDA graphs: full_decode_only captures decode-only steps, full "
+                            "also steps with prompt chunks")
+    sizes: tuple[int, ...] | None = option(
+        None, kwarg="cuda_graph_sizes", parse=parse_sizes, metavar="N,N,...",
+        help="the batch sizes captured, comma-separated",
+        shown="1,2,4,8,16,... up to max_num_seqs")
+
+    def __post_init__(self) -> None:
+        owner = "GraphConfig"
+        _require(self.mode in GRAPH_MODES, owner, "mode", self.mode, f"one of {GRAPH_MODES}")
+        if self.sizes is not None:
+            sizes = tuple(self.sizes)
+            ok = len(sizes) > 0 and all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+            )
+            _require(ok, owner, "sizes", self.sizes, "a non-empty list of integers >= 1")
+            object.__setattr__(self, "sizes", tuple(sorted(set(sizes))))
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        if self.mode == "none":
+            return ()
+        return self.sizes if self.sizes is not None else default_capture_sizes(max_num_seqs)
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """How the model is split across ranks."""
+
+    topology: str = option("colocated", help="'colocated' or <A>A<F>F, e.g. 2A1F")
+    ubatches: int = option(1, help="micro-batches per step (1..4), so that attention and FFN "
+                                   "ranks work at once")
+    gate_on_attention: bool = option(False, help="run the MoE router on the attention ranks")
+    log_step_plan: bool | str = option(
+        False, parse=str, nargs="?", const=True, metavar="PATH",
+        help="write one JSON line per rank per step (to PATH; LLM.step_log() reads them)")
+    connector: str = option(
+        "auto", choices=CONNECTORS,
+        help="the data plane of an AFD topology: p2p, one process per rank over "
+             "torch.distributed point-to-point (NCCL on CUDA, gloo on CPU); ipc, one process "
+             "per rank, each on its own GPU of one host, tiles written straight into the "
+             "peer's symmetric memory; inprocess, 1A1F with both halves in this process (one "
+             "device); auto: ipc when every rank gets a GPU of its own, else inprocess for "
+             "1A1F on CUDA, else p2p")  # fmt: skip
+    timeout_s: float = option(
+        300.0, flag="--dist-timeout", metavar="S",
+        help="a collective or transfer that does not complete in this many seconds fails")
+    heartbeat_timeout_s: float = option(
+        10.0, metavar="S",
+        help="an attention rank that reports no step for this many seconds is hung (or waits "
+             "on a hung rank): every request fails and the world stops")  # fmt: skip
+    control_plane: str = option(
+        "auto", allowed=CONTROL_PLANES,
+        help="how ranks exchange their step reports: gloo (an all-gather, any hosts), shm (a "
+             "shared-memory board, every rank on one x86-64 Linux host); auto: shm when the "
+             "built-in launcher started every rank on this host and the host supports it, gloo "
+             "otherwise")  # fmt: skip
+    # Read back by `afdserve.afd.dataplane.wire.mirror_errors`.
+    log_data_plane: str | None = option(
+        None, metavar="DIR",
+        help="every rank writes each point-to-point batch it posts (and an FFN rank each "
+             "header it receives) to DIR/rank<N>.jsonl")  # fmt: skip
+    ffn_expert_parallel: bool = option(
+        False, help="the FFN ranks form one expert-parallel group, each holding a disjoint "
+                    "shard of the routed experts (allows A < F, e.g. 1A2F)")
+    expert_placement: tuple[tuple[int, ...], ...] | None = option(
+        None, parse=parse_placement, metavar="E,E;E,E",
+        help="with ffn_expert_parallel: the routed experts of each FFN rank, ';' between ranks "
+             "(every expert exactly once)", shown="contiguous near-equal shards")
+    a2e_dtype: str = option(
+        "auto", allowed=A2E_DTYPES,
+        help="the hidden rows the attention side hands to the FFN: auto, in the model dtype; "
+             "bfloat16; fp8, float8_e4m3fn with a float32 scale per 128 channels of a row (half "
+             "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
+             "round trip at the FFN boundary, so every topology gives the same tokens",
+        shown="auto, the model dtype")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        from afdserve.layout.experts import check_placement_shape
+        from afdserve.layout.topology import Topology
+
+        owner = "AFDConfig"
+        _require(isinstance(self.ffn_expert_parallel, bool), owner, "ffn_expert_parallel",
+                 self.ffn_expert_parallel, "True or False")
+        topology = Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
+        if self.expert_placement is not None:
+            _require(self.ffn_expert_parallel, owner, "expert_placement",
+                     self.expert_placement, "None unless ffn_expert_parallel=True")
+            placement = check_placement_shape(self.expert_placement, topology.ffn_ranks)
+            object.__setattr__(self, "expert_placement", placement)
+        ok = isinstance(self.ubatches, int) and 1 <= self.ubatches <= 4
+        _require(ok, owner, "ubatches", self.ubatches, "an integer in 1..4")
+        _require(
+            isinstance(self.gate_on_attention, bool),
+            owner,
+            "gate_on_attention",
+            self.gate_on_attention,
+            "True or False",
+        )
+        _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
+        _require(isinstance(self.heartbeat_timeout_s, (int, float))
+                 and self.heartbeat_timeout_s > 0, owner, "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, "a number of seconds > 0")
+        _require(self.control_plane in CONTROL_PLANES, owner, "control_plane",
+                 self.control_plane, f"one of {CONTROL_PLANES}")
+        _require(self.connector in CONNECTORS, owner, "connector", self.connector,
+                 f"one of {CONNECTORS}")
+        _require(self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype,
+                 f"one of {A2E_DTYPES}")
+        if self.connector == "ipc" and self.a2e_dtype == "fp8":
+            # The push kernel writes model-dtype rows; its quantizing form is not written yet.
+            raise ValueError("AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "
+                             "use connector='p2p' or 'inprocess'")
+        if self.connector == "ipc" and topology.colocated:
+            raise ValueError("AFDConfig.connector='ipc' needs an AFD topology such as 1A1F, "
+                             f"got {self.topology!r}")
+        if self.connector == "inprocess" and topology != Topology(1, 1):
+            raise ValueError(
+                f"AFDConfig.connector='inprocess' needs topology 1A1F without "
+                f"ffn_expert_parallel, got {self.topology!r} "
+                f"(ffn_expert_parallel={self.ffn_expert_parallel})"
+            )
+
+    def check_device(self, device: str) -> None:
+        """The connector can run on `device` (checked before any rank starts)."""
+        if self.connector == "ipc" and not device.startswith("cuda"):
+            raise ValueError(f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
+                             f"memory), got device={device!r}; use connector='p2p' on CPU")
+
+    def resolve_connector(self, device: str, gpus: int, spawned: bool) -> AFDConfig:
+        """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in
+        launcher spawns every rank on a GPU of its own (one host; measured fastest, see
+        afd/dataplane/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p"
+        otherwise (CPU, ranks started elsewhere, and expert-parallel groups and fp8 A2E rows,
+        not yet run over ipc)."""
+        topology = self.parsed_topology
+        if self.connector != "auto" or topology.colocated:
+            return self
+        cuda = device.startswith("cuda")
+        ipc_ok = not topology.expert_parallel and self.a2e_dtype != "fp8"
+        if cuda and spawned and gpus >= topology.world_size and ipc_ok:
+            chosen = "ipc"
+        elif cuda and spawned and topology == _one_one():
+            chosen = "inprocess"
+        else:
+            chosen = "p2p"
+        return dataclasses.replace(self, connector=chosen)
+
+    def in_process(self, device: str) -> bool:
+        if self.connector == "auto":
+            return self.parsed_topology == _one_one() and device.startswith("cuda")
+        return self.connector == "inprocess"
+
+    @property
+    def parsed_topology(self):  # -> Topology (imported lazily: topology has no torch import)
+        from afdserve.layout.topology import Topology
+
+        return Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
+
+
+ENGINE_CONFIGS = (EngineConfig, AFDConfig, GraphConfig)
+
+
+class EngineConfigs(NamedTuple):
+    engine: EngineConfig
+    afd: AFDConfig
+    graph: GraphConfig
+
+
+def engine_configs(
+    kwargs: Mapping[str, object], owner: str = "LLM()", also: Iterable[str] = ()
+) -> EngineConfigs:
+    """The three configs from keywords named as `LLM`'s (`model` a resolved directory): an
+    unknown keyword is a TypeError naming it and the allowed ones (`also`: the caller's own),
+    a wrong value the ValueError of its field, before any process starts."""
+    engine, afd, graph = split_kwargs(kwargs, ENGINE_CONFIGS, owner, also)
+    engine_config = build(EngineConfig, engine)
+    afd_config = build(AFDConfig, afd)
+    afd_config.check_device(engine_config.device)
+    return EngineConfigs(engine_config, afd_config, build(GraphConfig, graph))

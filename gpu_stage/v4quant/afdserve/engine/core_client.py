@@ -1,0 +1,56 @@
+"""EngineCoreClient (vLLM's name): the frontend's handle on the engine core, whatever the topology:
+one process (afd/clients/single_process.py) or a world of rank processes (afd/clients/process.py).
+Its step() returns token deltas only; the frontend's EngineClient (engine/client.py) turns them
+into outputs.
+
+Not thread-safe: one thread owns a client.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from afdserve.engine.requests import RequestLimits, TokenDelta
+from afdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, averaged over attention ranks
+    steps: dict[str, int] = field(default_factory=dict)  # "role:mode" -> count
+
+
+class EngineCoreClient(ABC):
+    max_model_len: int
+    vocab_size: int
+    limits: RequestLimits  # what every attention rank can hold (the smallest of them)
+
+    @abstractmethod
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Raises RequestError for a request the engine refuses; others are unaffected."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop the request and free its KV blocks; deltas already on their way may follow."""
+
+    @abstractmethod
+    def step(self) -> list[TokenDelta]:
+        """Advance the engine; returns the requests that changed. Returns [] promptly when idle."""
+
+    @property
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    def step_log(self) -> list[dict]:
+        return []
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,178 @@
+"""CUDA graphs for the attention side: colocated, in-process 1A1F, and attention ranks of
+multi-process AFD.
+
+One graph per attention key from the StepPlan covers the whole forward: embedding, every layer's
+attention half and the FFN boundary (the FFN half of in-process AFD, or the sends and receives of
+an attention rank, whose FFN rank replays its own graph of the same step).
+Logits and sampling stay outside. Static buffers are sized to the largest capture size; a replay
+copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers. Pad rows
+write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
+zero and dropped.
+
+Whether a step captures, replays or runs eagerly is read from the plan, never decided here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
+from afdserve.layout.plan import AttentionRankPlan
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+class GraphKeyError(GraphCaptureError):
+    """The plan said replay, but this rank holds no graph for the key: a pairing bug upstream.
+    Raised by the graph runners of both roles."""
+
+
+def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
+    if mode == "replay" and key not in graphs:
+        raise GraphKeyError(f"rank {rank}: the plan replays {key}, which it never captured")
+
+
+def graphs_supported(runner: ModelRunner) -> str | None:
+    """None when CUDA graphs can be used, else the reason they cannot."""
+    if runner.device.type != "cuda":
+        return "CUDA graphs need device='cuda'"
+    return None
+
+
+class UbatchBuffers:
+    """Static segment tensors of one ubatch: the graph's kernels read them by address, a replay
+    refills them. Segments past the step's real ones are empty (no rows, no context)."""
+
+    def __init__(self, max_rows: int, width: int, device: torch.device) -> None:
+        self.query_start = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_rows, width, dtype=torch.int32, device=device)
+
+    def batched(self, rows: int, max_query_len: int, max_context_len: int) -> BatchedSegments:
+        return BatchedSegments(
+            query_start=self.query_start[: rows + 1],
+            context_lens=self.context_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+        )
+
+    def load(self, batched: BatchedSegments | None, rows: int, real: int) -> None:
+        segments = int(batched.context_lens.shape[0]) if batched is not None else 0
+        if segments > rows:
+            raise GraphCaptureError(f"{segments} segments do not fit a graph of {rows} rows")
+        if batched is not None and segments:
+            self.query_start[: segments + 1].copy_(batched.query_start)
+            self.context_lens[:segments].copy_(batched.context_lens)
+            width = batched.block_tables.shape[1]
+            self.block_tables[:segments, :width].copy_(batched.block_tables)
+        else:
+            self.query_start[0] = 0
+        if segments < rows:  # segments past the real ones: no rows, no context
+            self.query_start[segments + 1 : rows + 1] = real
+            self.context_lens[segments:rows] = 0
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, max_rows: int, max_model_len: int,
+                 allow_prefill: bool, ubatches: int = 1) -> None:
+        self.runner = runner
+        dev = runner.device
+        self.max_rows, self.max_model_len = max_rows, max_model_len
+        # full mode replays steps with prefill chunks too, so its graphs budget for long queries.
+        self.allow_prefill = allow_prefill
+        width = -(-max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.route_ids = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _static_inputs(self, plan: AttentionRankPlan) -> StepInputs:
+        rows = plan.padded_rows
+        metas = []
+        for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
+            n = hi - lo
+            batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
+            metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
+        # The whole batch's view (positions feed the rotary tables of every ubatch).
+        whole = AttentionMetadata(self.positions[:rows], self.slots[:rows], (),
+                                  metas[0].batched if len(metas) == 1 else None)
+        return StepInputs(self.input_ids[:rows], self.route_ids[:rows], whole,
+                          torch.zeros(0, dtype=torch.int64), [], 0, tuple(metas))
+
+    def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
+        """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
+        rows = plan.padded_rows
+        self.input_ids[:rows].copy_(inputs.input_ids)
+        self.route_ids[:rows].copy_(inputs.route_ids)
+        self.positions[:rows].copy_(inputs.meta.positions)
+        self.slots[:rows].copy_(inputs.meta.slot_mapping)
+        # one ubatch: rows(0, rows) is the step's own metadata, no new segment tensors
+        per_ubatch = zip(self.ubatches, plan.ubatch_bounds, plan.ubatch_real_rows, strict=True)
+        for buffers, (lo, hi), real in per_ubatch:
+            buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
+
+    def forward(self, inputs: StepInputs, plan: AttentionRankPlan,
+                boundary: FFNBoundary) -> torch.Tensor:
+        if plan.mode not in ("capture", "replay"):
+            return self.runner.forward(inputs, plan, boundary)
+        rows = plan.padded_rows
+        if rows > self.max_rows:
+            raise GraphCaptureError(f"a graph of {rows} rows exceeds the buffers ({self.max_rows})")
+        if len(plan.ubatch_rows) != len(self.ubatches):
+            raise GraphCaptureError(
+                f"the plan has {len(plan.ubatch_rows)} ubatches, the graph buffers "
+                f"{len(self.ubatches)}"
+            )
+        key = plan.key
+        check_replayable(plan.rank, plan.mode, key, self.graphs)
+        self._load(inputs, plan)
+        if plan.mode == "capture":
+            self._capture(key, plan, boundary)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
+        rows = plan.padded_rows
+        static = self._static_inputs(plan)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm the kernels' autotuning and caches first
+            self.runner.forward(static, plan, boundary)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: a process group's watchdog thread polls events during the capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self.runner.forward(static, plan, boundary)
+        except RuntimeError as e:
+            raise GraphCaptureError(
+                f"capturing the graph for {rows} rows failed ({e}); the forward must not sync "
+                "with the host (bfloat16 weights use the grouped-GEMM MoE path)"
+            ) from e
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+
+
+class PlannedForward:
+    """The attention side's forward under its rank's plan: the boundary learns the plan first,
+    then the step runs eagerly or as the CUDA graph the plan names (`graphs` is None without CUDA
+    graphs; a capture or replay step then runs eagerly with the same padded layout)."""
+
+    def __init__(self, runner: ModelRunner, boundary: FFNBoundary,
+                 graphs: CudaGraphRunner | None = None) -> None:
+        self.runner, self.boundary, self.graphs = runner, boundary, graphs
+
+    def __call__(self, inputs: StepInputs, plan: AttentionRankPlan, step: int) -> torch.Tensor:
+        self.boundary.begin_step(plan, step)
+        if self.graphs is not None:
+            return self.graphs.forward(inputs, plan, self.boundary)
+        return self.runner.forward(inputs, plan, self.boundary)

@@ -1,0 +1,165 @@
+"""One attention rank's engine: requests in, scheduled steps through the model, token ids out.
+
+Each step yields one `TokenDelta` per request that changed: its new token ids and logprobs, no
+text. Detokenizing and stop strings are the frontend's (engine/output_processor.py), so that the
+rank's step does no per-token Python work beyond sampling.
+
+The step is split so that the control plane fits in the middle: `schedule()` -> report
+`RankStep` -> (every rank plans the same step) -> `execute(out, plan, forward, step)`. The
+attention driver (afd/step/driver.py) runs that loop for every topology, colocated included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.engine.block_manager import BlockManager
+from afdserve.engine.cuda_graphs import PlannedForward
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.model_runner import ModelRunner
+from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
+from afdserve.engine.sampler import sample
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from afdserve.engine.sequence import Sequence
+from afdserve.layout.plan import AttentionRankPlan, RankStep
+from afdserve.model.config import ModelConfig
+from afdserve.model.model import MoECausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    emitted_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        tokenizer,
+        kv_cache: KVCache,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+    ) -> None:
+        # The tokenizer only gives the eos token when the config names none: text is the
+        # frontend's (engine/output_processor.py).
+        self.model, self.device = model, device
+        self.config: ModelConfig = model.config
+        self.kv_cache = kv_cache
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.runner = ModelRunner(model, kv_cache, device)
+        self.max_model_len = scheduler_config.max_model_len
+        self.requests: dict[str, _Tracked] = {}
+        eos = self.config.eos_token_ids
+        self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
+        self.extra_stop_ids = tuple(eos[1:])
+        self.limits = RequestLimits(
+            self.max_model_len, self.config.vocab_size, kv_cache.num_blocks, kv_cache.block_size
+        )
+
+    # ----- requests -----
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_token_ids, params, self.limits)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        if self.extra_stop_ids:
+            params = _with_stop_ids(params, self.extra_stop_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id)
+        self.requests[request_id] = _Tracked(seq, time.monotonic())
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ----- steps -----
+    def schedule(self) -> tuple[SchedulerOutput, RankStep]:
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        for entry in out.scheduled:
+            tracked = self.requests.get(entry.seq.request_id)
+            if tracked is not None and tracked.first_scheduled_time is None:
+                tracked.first_scheduled_time = now
+        return out, RankStep(out.num_tokens, out.num_reqs, out.uniform_decode)
+
+    def idle_work(self) -> SchedulerOutput:
+        """What a warm-up step executes: no request, only the pad rows the plan gives."""
+        return SchedulerOutput([], [])
+
+    def execute(
+        self, out: SchedulerOutput, plan: AttentionRankPlan, forward: PlannedForward, step: int
+    ) -> list[TokenDelta]:
+        """Runs this rank's part of a planned step. A rank with no real rows still runs its pad rows
+        when the plan gives it any, so that its FFN rank receives every tile it expects."""
+        if plan.padded_rows == 0 and not any(plan.tile_rows):
+            return []
+        inputs = self.runner.prepare(out, plan.padded_rows)
+        hidden = forward(inputs, plan, step)
+        if not inputs.sample_seqs:
+            self.scheduler.update(out, [None] * len(out.scheduled))
+            return self._collect(out)
+        logits = self.runner.logits(hidden, inputs)
+        result = sample(logits, inputs.sample_seqs)
+        by_seq = dict(zip((id(s) for s in inputs.sample_seqs), result.token_ids))
+        logprobs = dict(zip((id(s) for s in inputs.sample_seqs), result.logprobs))
+        sampled = [by_seq.get(id(entry.seq)) for entry in out.scheduled]
+        for entry in out.scheduled:
+            if id(entry.seq) in logprobs and entry.seq.params.logprobs is not None:
+                entry.seq.output_logprobs.append(logprobs[id(entry.seq)])
+        self.scheduler.update(out, sampled)
+        return self._collect(out)
+
+    def _collect(self, out: SchedulerOutput) -> list[TokenDelta]:
+        results = []
+        for entry in out.scheduled:
+            tracked = self.requests.get(entry.seq.request_id)
+            if tracked is not None:
+                result = self._advance(tracked)
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def _advance(self, t: _Tracked) -> TokenDelta | None:
+        seq = t.seq
+        new_ids = tuple(seq.token_ids[seq.num_prompt_tokens + t.emitted_tokens :])
+        if not new_ids and not seq.is_finished:
+            return None
+        if new_ids and t.first_token_time is None:
+            t.first_token_time = time.monotonic()
+        # output_logprobs runs along the output tokens when logprobs were asked for, else is empty.
+        new_logprobs = tuple(seq.output_logprobs[t.emitted_tokens :])
+        t.emitted_tokens += len(new_ids)
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+        return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
+                          seq.finish_reason, t.emitted_tokens, t.arrival_time,
+                          t.first_scheduled_time, t.first_token_time)
+
+
+def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)

@@ -1,0 +1,150 @@
+"""Builds one attention rank's engine (or a colocated engine) from an EngineConfig."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.config import EngineConfig
+from afdserve.engine.engine_core import EngineCore
+from afdserve.engine.kv_cache import KVCache, bytes_per_block, cache_dtype, check_fp8_kv
+from afdserve.engine.scheduler import SchedulerConfig
+from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import LoadReport, load_model
+from afdserve.model.model import ModelParts, MoECausalLM
+
+log = logging.getLogger(__name__)
+
+CPU_CACHE_BUDGET = 1 << 30  # bytes of KV cache on CPU when kv_cache_blocks is not given
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    role: str
+    rank: int
+    parameter_bytes: int
+    cache_bytes: int
+    parameter_names: int
+    experts: tuple[int, ...] | None = None  # the routed experts held (an expert-parallel shard)
+    cache_dtype: str | None = None  # the KV cache's torch dtype, e.g. "float8_e4m3fn"
+    cache_blocks: int = 0
+
+    def line(self) -> str:
+        held = "" if self.experts is None else f", routed experts {list(self.experts)}"
+        cache = f"KV cache {self.cache_bytes} bytes"
+        if self.cache_dtype is not None:
+            cache += f" ({self.cache_blocks} blocks, {self.cache_dtype})"
+        return (
+            f"{self.role} rank {self.rank}: parameters {self.parameter_bytes} bytes "
+            f"({self.parameter_names} tensors{held}), {cache}"
+        )
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+            f"max_position_embeddings={limit}"
+        )
+    return config.max_model_len
+
+
+def blocks_in_budget(free: int, total: int, utilization: float, per_block: int) -> int:
+    """KV blocks in the device memory still free once the rank's weights are loaded, less the
+    share `1 - utilization` of the device held back (activations, graphs, other processes). A
+    rank that holds fewer weights (an attention rank holds no experts) gets more blocks."""
+    return int((free - total * (1 - utilization)) // per_block)
+
+
+def kv_blocks_for(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
+    """Blocks of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
+    block's bytes, so twice the blocks in the same budget)."""
+    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    needed_one = -(-max_model_len // config.block_size)
+    if config.kv_cache_blocks is not None:
+        return config.kv_cache_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Memory this process's allocator holds but does not use is free for the cache too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        blocks = blocks_in_budget(free, total, config.gpu_memory_utilization, per_block)
+    else:
+        want = config.max_num_seqs * needed_one
+        blocks = min(want, CPU_CACHE_BUDGET // per_block)
+    if blocks < needed_one:
+        raise ValueError(
+            f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one "
+            f"sequence of "
+            f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free memory"
+        )
+    return blocks
+
+
+def load_progress(config: EngineConfig, rank: int) -> bool | None:
+    """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
+    as in vLLM, because bars from several processes on one terminal overwrite each other."""
+    return None if config.use_tqdm_on_load and rank == 0 else False
+
+
+def create_engine_core(
+    config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
+) -> tuple[EngineCore, LoadReport, MemoryReport]:
+    """`device` overrides config.device (a rank process picks its own GPU)."""
+    device = device if device is not None else torch.device(config.device)
+    model, report = load_half(config, parts, device, rank)
+    # The model dtype, not the first parameter's (an FP8 weight's is float8); the cache's may be
+    # FP8 on its own (kv_cache_dtype), which does not touch the weights.
+    dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
+    if config.fp8_kv_cache:
+        check_fp8_kv(model.config, device, report.unexpected)
+    max_len = max_model_len_for(config, model.config)
+    blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
+    cache = KVCache(model.config, blocks, config.block_size, dtype, device)
+    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes", blocks, config.block_size,
+             str(dtype).removeprefix("torch."), cache.bytes)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+    )
+    engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
+    # Requests without a seed draw from torch's default generator: seeding it here makes two runs
+    # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
+    torch.manual_seed(config.seed + rank)
+    memory = MemoryReport(
+        "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors()),
+        cache_dtype=str(dtype).removeprefix("torch."), cache_blocks=blocks,
+    )
+    return engine, report, memory
+
+
+def load_half(config: EngineConfig, parts: ModelParts, device: torch.device, rank: int = 0
+              ) -> tuple[MoECausalLM, LoadReport]:
+    """One half of the configured model, read or drawn as `config.load_format` says. Every rank
+    draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
+    return load_model(config.model, parts, config.dtype, str(device), config.load_format,
+                      config.seed, load_progress(config, rank), config.quantization)
+
+
+def parameter_bytes(model: MoECausalLM) -> int:
+    return sum(t.numel() * t.element_size() for t in model.expected_tensors().values())
+
+
+def half_parts(role: str, gate_on_attention: bool) -> ModelParts:
+    if role == "attention":
+        return ModelParts(attention=True, ffn=False, gate_on_attention=gate_on_attention)
+    if role == "ffn":
+        return ModelParts(attention=False, ffn=True, gate_on_attention=gate_on_attention)
+    return ModelParts.colocated(gate_on_attention)

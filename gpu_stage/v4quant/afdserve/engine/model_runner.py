@@ -1,0 +1,187 @@
+"""Turns a scheduled batch into model inputs and runs the attention side's layer loop.
+
+The FFN half is reached through an `FFNBoundary`: colocated it is a direct call, in AFD a connector
+that sends the rows to an FFN rank and brings the output back. The loop is layer-major and
+ubatch-minor and waits for ubatch u's FFN output only when its next attention needs it, so with
+m > 1 ubatches the attention of ubatch u+1 overlaps the FFN of ubatch u.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.scheduler import SchedulerOutput
+from afdserve.engine.sequence import Sequence
+from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.layout.plan import AttentionRankPlan
+from afdserve.model.model import MoECausalLM
+from afdserve.model.moe import Routing
+
+
+class PendingFFN(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class FFNBoundary(Protocol):
+    """Where the attention side hands each layer's rows to the FFN half. `begin_step` gives it
+    the rank's plan before the forward: every tile size it uses is read from there. `a2e`: the
+    format its rows reach the FFN half in (kernels/a2e.py), which a router on the attention side
+    reads them in too."""
+
+    a2e: A2EFormat
+
+    def begin_step(self, plan: AttentionRankPlan, step: int) -> None: ...
+
+    def post(
+        self,
+        layer: int,
+        ubatch: int,
+        x: torch.Tensor,
+        route_ids: torch.Tensor,
+        routing: Routing | None,
+    ) -> PendingFFN: ...
+
+
+@dataclass
+class Ready:
+    value: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class LocalFFN:
+    """Colocated: the FFN half of the same model, called directly, on the rows as they would
+    reach an FFN rank (`a2e`'s round trip), so colocated and AFD give the same tokens."""
+
+    def __init__(self, model: MoECausalLM, a2e: A2EFormat | None = None) -> None:
+        self.model = model
+        self.a2e = a2e or A2EFormat("auto", model.dtype)
+
+    def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
+        return None
+
+    def post(self, layer, ubatch, x, route_ids, routing) -> PendingFFN:
+        x = self.a2e.ffn_rows(x, route_ids)
+        return Ready(self.model.ffn_half(layer, x, route_ids, routing))
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [rows] (pad rows: 0, a valid embedding row)
+    route_ids: torch.Tensor  # [rows] (pad rows: -1, the id that travels to the FFN)
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [n] row of each sampling sequence's last token
+    sample_seqs: list[Sequence]
+    real_rows: int
+    # Per-ubatch metadata given up front (CUDA graphs read it from static buffers); None: sliced
+    # from `meta` per ubatch.
+    ubatch_metas: tuple[AttentionMetadata, ...] | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class ModelRunner:
+    def __init__(self, model: MoECausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.block_size = kv_cache.block_size
+        # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);
+        # the CPU reference loops over segments instead.
+        self.batched_metadata = device.type == "cuda"
+
+    def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        row_seq: list[int] = []  # which scheduled sequence each row belongs to
+        spans: list[tuple[int, int, int, int]] = []  # row_start, row_end, seq index, context
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        tables = [entry.seq.block_table for entry in out.scheduled]
+        for index, entry in enumerate(out.scheduled):
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            end = start + entry.num_new_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            row_seq.extend([index] * (end - start))
+            spans.append((row, len(ids), index, end))
+            if entry.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        real = len(ids)
+        if padded_rows < real:
+            raise ValueError(f"padded_rows={padded_rows} < real rows {real}")
+        pad = padded_rows - real
+        dev = self.device
+        width = max((len(t) for t in tables), default=0)
+        table_tensor = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
+        ).to(dev)
+        # One host-to-device copy for every per-row input; pad rows: id 0 to embed, -1 to route.
+        host = torch.tensor(
+            [ids + [0] * pad, ids + [-1] * pad, positions + [0] * pad, row_seq + [0] * pad],
+            dtype=torch.int64,
+        )
+        input_ids, route_ids, position_tensor, seq_of_row = host.to(dev).unbind(0)
+        bs = self.block_size
+        slots = table_tensor[seq_of_row, position_tensor // bs] * bs + position_tensor % bs
+        slots[real:] = -1  # pad rows write no KV
+        segments = tuple(
+            Segment(r0, r1, table_tensor[index], context) for r0, r1, index, context in spans
+        )
+        meta = AttentionMetadata(
+            positions=position_tensor,
+            slot_mapping=slots,
+            segments=segments,
+            batched=batch_segments(segments, dev) if self.batched_metadata else None,
+        )
+        return StepInputs(
+            input_ids,
+            route_ids,
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            sample_seqs,
+            real,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
+    ) -> torch.Tensor:
+        """Runs every layer over the plan's ubatches; returns the final hidden states
+        [rows, hidden]."""
+        model = self.model
+        bounds = plan.ubatch_bounds
+        if plan.padded_rows != inputs.rows or inputs.meta.num_rows != inputs.rows:
+            raise ValueError(
+                f"the plan's {plan.padded_rows} rows and {inputs.meta.num_rows} metadata rows "
+                f"must both equal the step's {inputs.rows} rows"
+            )
+        h = model.embed(inputs.input_ids)
+        cos, sin = model.cos_sin(inputs.meta.positions)
+        metas = inputs.ubatch_metas or [inputs.meta.rows(lo, hi) for lo, hi in bounds]
+        hs = [h[lo:hi] for lo, hi in bounds]
+        ids = [inputs.route_ids[lo:hi] for lo, hi in bounds]
+        trig = [(cos[lo:hi], sin[lo:hi]) for lo, hi in bounds]
+        pending: list[PendingFFN | None] = [None] * len(bounds)
+        for layer in range(model.config.num_layers):
+            cache = self.kv_cache.layers[layer]
+            for u in range(len(bounds)):
+                ffn_out = pending[u].wait() if pending[u] is not None else None
+                x, hs[u] = model.attention_half(layer, hs[u], ffn_out, metas[u], cache, trig[u])
+                routing = model.route_on_attention(layer, x, ids[u], boundary.a2e.roundtrip)
+                pending[u] = boundary.post(layer, u, x, ids[u], routing)
+        for u in range(len(bounds)):
+            hs[u] = hs[u] + pending[u].wait()
+        return torch.cat(hs) if len(hs) > 1 else hs[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        return self.model.logits(hidden[inputs.sample_rows])

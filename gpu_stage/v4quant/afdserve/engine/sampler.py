@@ -1,0 +1,188 @@
+"""Token sampling: logits processing (min_tokens, logit_bias, penalties), greedy, temperature,
+min-p, top-k, top-p, per-request seeds, logprobs. The order is documented on SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.engine.sequence import Sequence
+from afdserve.engine.structured import GrammarState
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: {token: logprob} for the sampled token plus the top `params.logprobs` tokens, taken
+    # from the unmodified log_softmax(logits); None where the request asked for no logprobs.
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """Sample one token per row of `logits` [n, vocab] for `seqs[row]`."""
+    if logits.dim() != 2 or logits.shape[0] != len(seqs):
+        raise ValueError(
+            f"sample: logits of shape {tuple(logits.shape)} for {len(seqs)} sequences; "
+            f"expected [{len(seqs)}, vocab]"
+        )
+    logits = logits.float()  # [n, vocab]
+    processed = process_logits(logits, seqs)  # [n, vocab]
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+
+    greedy_rows = [row for row, seq in enumerate(seqs) if seq.params.greedy]
+    random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=logits.device)
+        tokens[index] = processed[index].argmax(dim=-1)
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        tokens[index] = _draw(processed[index], [seqs[row] for row in random_rows])
+
+    token_ids = tokens.tolist()
+    return SampleResult(token_ids, _logprobs(logits, tokens, token_ids, seqs))
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """min_tokens, logit_bias, then the penalties: what may change even a greedy choice.
+    Returns `logits` itself when no row asks for any of them. [n, vocab] -> [n, vocab]"""
+    vocab = logits.shape[-1]
+    constrained = [row for row, s in enumerate(seqs) if s.params.structured_outputs is not None]
+    if constrained:  # the grammar first: nothing below may bring back a token it forbids
+        logits = constrain(logits, seqs, constrained)
+    masked = [row for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    biased = [row for row, s in enumerate(seqs) if s.params.logit_bias]
+    penalized = [row for row, s in enumerate(seqs) if s.params.penalized]
+    if not (masked or biased or penalized):
+        return logits
+    out = logits.clone()
+    for row in masked:  # the stop tokens may not end the request yet
+        seq = seqs[row]
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos and seq.eos_token_id is not None:
+            stops.add(seq.eos_token_id)
+        ids = [t for t in stops if t < vocab]
+        out[row, ids] = -torch.inf
+    for row in biased:
+        bias = {t: v for t, v in seqs[row].params.logit_bias.items() if t < vocab}
+        ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
+        out[row, ids] += torch.tensor(list(bias.values()), device=out.device)
+    if penalized:
+        index = torch.tensor(penalized, device=out.device)
+        out[index] = _penalize(out[index], [seqs[row] for row in penalized])
+    # A row whose every token was masked (min_tokens over a stop list that covers the vocabulary)
+    # has nothing to sample: it falls back to the model's own (grammar-masked) logits, not NaN.
+    empty = ~torch.isfinite(out).any(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(empty, logits, out)
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens, then frequency and presence penalties
+    over output tokens (OpenAI's formula). [m, vocab] -> [m, vocab]"""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def counts(token_lists: list[list[int]]) -> torch.Tensor:  # [m, vocab]
+        rows = [row for row, ids in enumerate(token_lists) for _ in ids]
+        ids = [min(t, vocab - 1) for ids in token_lists for t in ids]
+        result = torch.zeros(len(seqs), vocab, device=device)
+        result.index_put_(
+            (torch.tensor(rows, dtype=torch.long, device=device),
+             torch.tensor(ids, dtype=torch.long, device=device)),
+            torch.ones(len(ids), device=device),
+            accumulate=True,
+        )  # fmt: skip
+        return result
+
+    output = counts([s.output_token_ids for s in seqs])
+    prompt = counts([s.token_ids[: s.num_prompt_tokens] for s in seqs])
+    repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
+    frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
+    presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device)[:, None]
+    seen = (output + prompt) > 0
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, scaled, logits)
+    return logits - frequency * output - presence * (output > 0).float()
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then min-p, top-k, top-p, then one inverse-CDF draw per row.
+    [m, vocab] -> [m]"""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+    # Clipped to the vocabulary here, in Python: a huge top_k would not fit a torch integer.
+    top_k = torch.tensor(
+        [min(s.params.top_k, vocab) if s.params.top_k >= 1 else vocab for s in seqs],
+        device=device,
+    )
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+
+    # Stable sort: ties keep vocabulary order, so a row's result never depends on its batch.
+    sorted_logits, sorted_ids = torch.sort(
+        logits / temperature[:, None], dim=-1, descending=True, stable=True
+    )  # [m, vocab]
+    rank = torch.arange(vocab, device=device)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # min-p: drop tokens less likely than min_p times the most likely one (column 0 once sorted).
+    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    probs = probs.masked_fill(rank >= top_k[:, None], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    # Keep a token while the mass strictly before it is below top_p: the smallest prefix whose
+    # mass reaches top_p, never empty. top_p == 1 keeps all, whatever the rounding of the sums.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    probs = probs.masked_fill(~keep, 0.0)
+
+    # Uniforms come from each row's own CPU generator when seeded, else from torch's default CPU
+    # generator; one [m] copy to the device instead of moving [m, vocab] probabilities.
+    uniform = torch.stack(
+        [torch.rand((), generator=s.generator, dtype=torch.float64) for s in seqs]
+    ).to(device)
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [m, vocab]
+    target = uniform[:, None] * cdf[:, -1:]
+    position = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # u * total can round up to total; the draw must still land on a token with mass. Those form
+    # a prefix of the sorted row: the filters and underflow only zero its tail.
+    # clamp(min=0): a row with no mass at all (NaN logits) takes its top token, never index -1.
+    position = torch.minimum(position, (probs > 0).sum(dim=-1) - 1).clamp(min=0)
+    return sorted_ids.gather(-1, position[:, None]).squeeze(-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
+) -> list[dict[int, float] | None]:
+    wanted = [seq.params.logprobs for seq in seqs]
+    if all(k is None for k in wanted):
+        return [None] * len(seqs)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+    sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    max_k = max(k for k in wanted if k is not None)
+    top_values: list[list[float]] = [[] for _ in seqs]
+    top_ids: list[list[int]] = [[] for _ in seqs]
+    if max_k:
+        values, ids = logprobs.topk(max_k, dim=-1)  # [n, max_k]
+        top_values, top_ids = values.tolist(), ids.tolist()
+
+    result: list[dict[int, float] | None] = []
+    for row, k in enumerate(wanted):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {token_ids[row]: sampled[row]}
+        for token, value in zip(top_ids[row][:k], top_values[row][:k], strict=True):
+            entry.setdefault(token, value)
+        result.append(entry)
+    return result
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Masks the forbidden tokens of every constrained row. [n, vocab] -> [n, vocab]"""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row in rows:
+        seq = seqs[row]
+        if seq.grammar is None:
+            seq.grammar = GrammarState(seq.params.structured_outputs)
+        allowed = seq.grammar.allowed(seq.output_token_ids, vocab, logits.device)
+        out[row] = out[row].masked_fill(~allowed, -torch.inf)
+    return out

@@ -1,0 +1,92 @@
+"""One request as the engine sees it: its tokens, how many of them have KV in the cache, and
+the blocks that hold that KV."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from afdserve.engine.requests import RequestError
+from afdserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """`token_ids` holds the prompt followed by every generated token. Positions
+    `[0, num_computed_tokens)` have KV in the cache; the rest still has to run through the model.
+    Preemption by recompute only resets `num_computed_tokens`: generated tokens are kept and are
+    simply recomputed like prompt tokens."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"Sequence {request_id!r}: prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        # A private CPU generator per seeded request makes its draws depend only on its own
+        # history, never on which other requests share the batch.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed)
+        self.output_logprobs: list[dict[int, float] | None] = []
+        self.grammar = None  # a structured.GrammarState for a constrained sequence
+        if params.structured_outputs is not None:
+            self.grammar = _grammar_state(request_id, params)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+def _grammar_state(request_id: str, params: SamplingParams):
+    """Built with the sequence, so that a grammar this rank cannot run (llguidance missing, no
+    tokenizer at the path) refuses this one request instead of failing a step of all of them."""
+    from afdserve.engine.structured import GrammarState
+
+    try:
+        return GrammarState(params.structured_outputs)
+    except Exception as e:
+        message = f"structured_outputs: this rank cannot run the grammar: {type(e).__name__}: {e}"
+        raise RequestError(message, request_id) from None

@@ -1,0 +1,223 @@
+"""The kernels the model calls. Each name resolves to the plain-torch reference; a GPU fast path
+replaces it only for CUDA tensors, and each fast path is compared against the reference in
+tests/gpu/test_kernels.py. The fast modules import Triton, so they load on first CUDA use only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afdserve.kernels import fp4, fp8, reference
+from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+
+
+def _triton_ready(t: torch.Tensor) -> bool:
+    if not t.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    if _triton_ready(x):
+        from afdserve.kernels import triton_rotary
+
+        return triton_rotary.rotate(x, cos, sin, interleave)
+    return reference.rotate(x, cos, sin, interleave)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _triton_ready(x) and x.shape[-1] <= 16384:
+        from afdserve.kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it."""
+    fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
+    if fits and _triton_ready(h) and h.shape[-1] <= 16384:
+        from afdserve.kernels import triton_norm
+
+        return triton_norm.add_rms_norm(h, delta, weight, eps)
+    return reference.add_rms_norm(h, delta, weight, eps)
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    layout: QKVLayout,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Norms + rotary + KV write of GQA's packed projection (see `reference.prepare_qkv`); the
+    scales are an FP8 cache's (Python floats, so a captured graph holds them as constants)."""
+    args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if _triton_ready(qkv):
+        from afdserve.kernels import triton_qkv
+
+        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
+            return triton_qkv.prepare_qkv(*args)
+    return reference.prepare_qkv(*args)
+
+
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    if cache.is_contiguous() and _triton_ready(cache):
+        from afdserve.kernels import triton_attention
+
+        triton_attention.write_kv(cache, values, slot_mapping, scale)
+        return
+    reference.write_kv(cache, values, slot_mapping, scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """`k_scale`/`v_scale`: an FP8 cache's per-tensor scales (ignored for other caches)."""
+    args = (q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if (
+        meta.batched is not None
+        and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1]
+        and _triton_ready(q)
+    ):
+        from afdserve.kernels import triton_attention
+
+        return triton_attention.paged_attention(*args)
+    return reference.paged_attention(*args)
+
+
+def route_greedy(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str, normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
+    where the fast path does not apply and the caller keeps its torch form."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_router
+
+        if triton_router.supports(x, weight, top_k):
+            return triton_router.route(x, weight, top_k, scoring, normalize, scale)
+    return None
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    if limit is not None:
+        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit): the reference, or its
+        # sync-free form inside a graph capture.
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
+        return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+    if x.is_cuda:
+        from afdserve.kernels import moe_gpu
+
+        # The GPU kernels index experts by id; a pair with id -1 (no expert here) becomes
+        # expert 0 with weight 0: correct, but it costs a row of expert 0's work.
+        # TODO(expert-parallel): skip those pairs inside the kernels.
+        if gate_up.shape[0] == 0:  # a shard without experts (more FFN ranks than experts)
+            return torch.zeros_like(x)
+        absent = topk_ids < 0
+        topk_ids = topk_ids.masked_fill(absent, 0)
+        topk_weights = topk_weights.masked_fill(absent, 0.0)
+
+        # Few pairs (decode): the fused Triton kernels, which read each touched expert once and
+        # skip the sort/scatter round trip. More: the grouped GEMM. The crossover was measured.
+        if _triton_ready(x):
+            from afdserve.kernels import triton_moe
+
+            small = topk_ids.numel() <= triton_moe.MAX_PAIRS
+            if small and triton_moe.supports(x, gate_up, down):
+                return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        if moe_gpu.supports(x, gate_up, down):
+            return moe_gpu.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        if torch.cuda.is_current_stream_capturing():
+            # The reference reads per-expert counts back to the host, which a graph cannot.
+            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
+    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """A block-scaled FP8 weight applied weight-only (the reference dequantizes it first).
+    TODO(fp8 kernels): a GEMM that reads FP8 on CUDA plugs in here."""
+    return fp8.fp8_linear(x, q, scale_inv, bias, block)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs); `limit`: the
+    SwiGLU clamp (DeepSeek-V4). On CUDA, until
+    FP8 expert kernels exist, the stacks are dequantized whole and take the bf16 kernels (graph
+    capturable, at the cost of a transient of every expert in x's dtype); elsewhere the
+    reference dequantizes only the experts the rows are routed to."""
+    if x.is_cuda:
+        w13 = fp8.dequantize_gate_up(*gate_up, x.dtype, block)
+        w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
+        return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+    return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block, limit)
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/fp4.py). On CUDA the
+    Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the experts,
+    graph capturable); elsewhere the reference dequantizes the routed experts one at a time."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_fp4_moe
+
+        if triton_fp4_moe.supports(x, gate_up, down):
+            if gate_up[0].shape[0] == 0:  # a shard without experts
+                return torch.zeros_like(x)
+            # As in moe_experts: a pair with id -1 (no expert here) becomes expert 0, weight 0.
+            absent = topk_ids < 0
+            ids = topk_ids.masked_fill(absent, 0)
+            weights = topk_weights.masked_fill(absent, 0.0)
+            return triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, limit)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
+        # counts back to the host, so every expert is dequantized and run (small models only).
+        w13 = fp4.dequantize_fp4(*gate_up, x.dtype)
+        w2 = fp4.dequantize_fp4(*down, x.dtype)
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit)
+    return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit)

@@ -1,0 +1,231 @@
+"""Plain-torch reference kernels: the CPU path and the oracle every GPU fast path is tested against.
+
+KV caches are paged: `cache[num_blocks, block_size, heads, dim]`; a sequence's token at position p
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. Slot -1 (pad rows)
+writes nothing. An FP8 cache (`float8_e4m3fn`, kv_cache_dtype="fp8") holds x / scale, clamped to
+the e4m3 range; reads give back fp8 * scale in the reader's dtype (`quantize_kv`, `dequantize_kv`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value: a cast past it gives NaN, so clamp first
+
+
+def quantize_kv(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`values` as a cache of `dtype` stores them: a plain cast, or for FP8 x / scale in float32,
+    clamped to +-448, cast (round to nearest even)."""
+    if dtype != FP8_KV:
+        return values.to(dtype)
+    return (values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def dequantize_kv(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as the attention reads them: FP8 upcast to float32, times scale, in `dtype`
+    (e4m3 values are exact in bf16, so with scale 1.0 nothing rounds); any other cache as is."""
+    if cached.dtype != FP8_KV:
+        return cached
+    return (cached.float() * scale).to(dtype)
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """Rotary embedding. x [rows, heads, dim]; cos/sin [rows, dim / 2]. Pairs (x[i], x[i + dim/2]),
+    or (x[2i], x[2i+1]) when interleaved (DeepSeek), whose output comes back de-interleaved: q and
+    k get the same permutation, so their dot products are unchanged."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    # The half-rotation's own rounding: cos/sin laid out as cat(freqs, freqs), as in transformers.
+    return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32; the normalised row is rounded to x's dtype before the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: (rms_norm(h + delta), h + delta)."""
+    h = h + delta
+    return rms_norm(h, weight, eps), h
+
+
+def prepare_qkv(
+    qkv: torch.Tensor,
+    layout: QKVLayout,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """GQA's prologue on the packed projection: per-head q/k norms (when given), rotary on q and
+    k, k and v into the cache (quantized with k_scale / v_scale when it is FP8). Returns q
+    [rows, heads, head_dim]."""
+    rows, d, lay = qkv.shape[0], layout.head_dim, layout
+    q, k, v = qkv.split([lay.heads * d, lay.kv_heads * d, lay.kv_heads * d], dim=-1)
+    q, k = q.view(rows, lay.heads, d), k.view(rows, lay.kv_heads, d)
+    v = v.view(rows, lay.kv_heads, d)
+    if lay.q_norm is not None and lay.k_norm is not None:
+        q, k = rms_norm(q, lay.q_norm, lay.eps), rms_norm(k, lay.k_norm, lay.eps)
+    q, k = rotate(q, cos, sin, lay.interleave), rotate(k, cos, sin, lay.interleave)
+    write_kv(k_cache, k, slot_mapping, k_scale)
+    write_kv(v_cache, v, slot_mapping, v_scale)
+    return q
+
+
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    """cache [blocks, block_size, *shape]; values [rows, *shape]; rows with slot -1 are skipped.
+    `scale`: the FP8 cache's per-tensor scale (unused by any other cache)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, values = slot_mapping[keep], values[keep]
+    stored = quantize_kv(values, cache.dtype, scale)
+    if cache.dtype == FP8_KV:  # torch's CPU index_copy_ has no float8 kernel: copy the bytes
+        flat, stored = flat.view(torch.uint8), stored.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping, stored)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, *shape]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [rows, heads, dk] are the last `rows` positions of k/v [ctx, kv_heads, d].
+    Returns [rows, heads, dv]."""
+    rows, heads, ctx = q.shape[0], q.shape[1], k.shape[0]
+    group = heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dk]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dv]
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, rows, ctx]
+    query_pos = torch.arange(ctx - rows, ctx, device=q.device)[:, None]
+    mask = torch.arange(ctx, device=q.device)[None, :] > query_pos
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)  # [rows, heads, dv]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention of every segment's rows over its cached context (prefill, chunked prefill and
+    decode alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come
+    out zero. An FP8 cache is read dequantized (`dequantize_kv`) with k_scale / v_scale."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for seg in meta.segments:
+        k = dequantize_kv(gather_kv(k_cache, seg.block_table, seg.context_len), k_scale, q.dtype)
+        v = dequantize_kv(gather_kv(v_cache, seg.block_table, seg.context_len), v_scale, q.dtype)
+        out[seg.row_start : seg.row_end] = causal_attention(
+            q[seg.row_start : seg.row_end], k, v, scale
+        )
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) gate is clamped from above and
+    up on both sides first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts, SiLU-gated (clamped at `limit` when given). x [rows, hidden];
+    topk_ids/weights [rows, k]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden,
+    inter]. -> [rows, hidden]. A pair with id -1 goes to no expert (pad rows, experts another
+    rank holds)."""
+    return routed_experts(x, topk_ids, topk_weights, gate_up.shape[0],
+                          lambda expert: (gate_up[expert], down[expert]), limit)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    limit: float | None = None,
+) -> torch.Tensor:
+    """`moe_experts` with each expert's (gate_up, down) from `weights_of(expert)`, asked only for
+    the experts some row is routed to (the FP8 path dequantizes them there, one at a time)."""
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    # Shifted by one so that id -1 counts (and sorts) first; its pairs are skipped.
+    counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
+    token_of = order // topk_ids.shape[1]
+    start = counts[0]
+    for expert, count in enumerate(counts[1:]):
+        if count == 0:
+            continue
+        picks = order[start : start + count]
+        tokens = token_of[start : start + count]
+        start += count
+        w13, w2 = weights_of(expert)
+        gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, limit), w2)
+        weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
+        out.index_add_(0, tokens, (y * weight).to(out.dtype))
+    return out
+
+
+def moe_experts_dense(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """`moe_experts` with no host sync (CUDA-graph capturable in any dtype): every expert runs
+    over every row and rows it does not serve get weight 0. Accumulates per row in expert order,
+    like `moe_experts`. Costs experts x rows: for graphs of small float32 models only."""
+    rows, experts = x.shape[0], gate_up.shape[0]
+    weights = torch.zeros(rows, experts + 1, dtype=topk_weights.dtype, device=x.device)
+    weights.scatter_(1, topk_ids + 1, topk_weights)  # [rows, 1 + experts]; column 0: id -1
+    weights = weights[:, 1:]
+    out = torch.zeros_like(x)
+    for expert in range(experts):
+        gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, limit), down[expert])
+        out += (y * weights[:, expert : expert + 1]).to(out.dtype)
+    return out

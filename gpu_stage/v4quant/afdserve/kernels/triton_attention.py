@@ -1,0 +1,323 @@
+"""Triton kernels for the paged KV cache: one-launch attention over every segment of a step, and a
+KV write that skips pad rows on the device (no host sync).
+
+Attention is split-K ("flash decoding"): program (segment, kv_head, query_block * splits + split)
+attends one block of query rows x all query heads sharing that KV head over one slice of the
+context, and writes its partial output with its log-sum-exp; `combine_splits` merges the slices.
+With one split the kernel writes the final output directly. The query heads of a KV head are
+folded into the rows of one tile, so a decode step still feeds `tl.dot` at least 16 rows and each
+KV tile is read once per KV head, not once per query head.
+
+An FP8 cache (float8_e4m3fn) is dequantized as each tile is loaded: upcast to float32, times the
+per-tensor scale (a kernel argument, so graphs capture it), rounded to q's dtype; from there the
+kernel runs as over a cache of q's dtype. The KV write divides by the scale, clamps to +-448 and
+casts (round to nearest even), as `reference.quantize_kv` does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # context tokens per inner tile
+MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
+# Split the context until about this many programs run per SM, and the kernel's launch shape:
+# the fastest of a sweep over BLOCK_N 32/64/128, warps 4/8, stages 2/3/4 and 2/4/8 programs per
+# SM, timed on an H200 at decode batch 1 and 64 with Qwen3-30B-A3B's heads and context 1024
+# (docs/benchmarks.md, "Kernel choices: decode attention").
+PROGRAMS_PER_SM = 2
+WARPS, STAGES = 4, 3
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, Out, OPart, LSE,
+    block_tables, query_start, context_lens,
+    qk_scale_log2, k_scale, v_scale,
+    stride_qr, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_or, stride_oh,
+    stride_pr, stride_ph, stride_ps,
+    stride_lr, stride_lh,
+    stride_bt,
+    split_tokens, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
+):  # fmt: skip
+    seg = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    row_lo = tl.load(query_start + seg)
+    row_hi = tl.load(query_start + seg + 1)
+    q_len = row_hi - row_lo
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(context_lens + seg)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    m_idx = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + m_idx // GROUP_PAD  # query row within the segment
+    head = kv_head * GROUP + m_idx % GROUP_PAD
+    row_ok = (q_idx < q_len) & (m_idx % GROUP_PAD < GROUP)
+    pos = ctx - q_len + q_idx  # absolute position of each query row
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q_ptrs = Q + (row_lo + q_idx)[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys this program may need: its context slice, cut at the block's last query position.
+    last_pos = ctx - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    lo = split * split_tokens
+    hi = tl.minimum(tl.minimum(lo + split_tokens, ctx), last_pos + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table = block_tables + seg * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < hi
+        block = tl.load(table + tok // CACHE_BLOCK, mask=tok_ok, other=0).to(tl.int64)
+        offset = tok % CACHE_BLOCK
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(
+            K
+            + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            V
+            + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None]
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if FP8_KV:  # dequantize: then the tiles are what a cache of q's dtype would hold
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale_log2
+        visible = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    rows = row_lo + q_idx
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if DIRECT:
+        o_ptrs = Out + rows[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=store_mask)
+    else:
+        p_ptrs = (
+            OPart
+            + rows[:, None] * stride_pr
+            + head[:, None] * stride_ph
+            + split * stride_ps
+            + dims[None, :]
+        )
+        tl.store(p_ptrs, out, mask=store_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + rows * stride_lr + head * stride_lh + split, lse, mask=row_ok)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan_splits(
+    segments: int, kv_heads: int, q_blocks: int, max_context: int, sm_count: int
+) -> tuple[int, int]:
+    """(splits, tokens per split): enough programs to fill the GPU, each slice whole tiles."""
+    tiles = max(1, triton.cdiv(max_context, BLOCK_N))
+    programs = max(1, segments * kv_heads * q_blocks)
+    splits = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)
+    return splits, tiles_per_split * BLOCK_N
+
+
+@triton.jit
+def _combine_kernel(
+    Parts, LSE, Out,
+    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+    num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass.
+    A slice with no keys (or a row no segment covers) has lse -inf: weight 0, and its partial
+    output is not read at all, so `Parts` needs no zero fill."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(
+        LSE + row * stride_lr + head * stride_lh + split,
+        mask=split < num_splits,
+        other=float("-inf"),
+    )
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    weight = weight / tl.maximum(tl.sum(weight, axis=0), 1e-30)
+    dims = tl.arange(0, DIM_PAD)
+    has = lse > float("-inf")
+    parts = tl.load(
+        Parts + row * stride_pr + head * stride_ph + split[:, None] * stride_ps + dims[None, :],
+        mask=has[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], axis=0)
+    tl.store(Out + row * stride_or + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dims < HEAD_DIM)  # fmt: skip
+
+
+def combine_splits(parts: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [rows, heads, splits, dim] float32, lse [rows, heads, splits] (log2 units)."""
+    rows, heads, splits, dim = parts.shape
+    out = torch.empty(rows, heads, dim, dtype=out_dtype, device=parts.device)
+    if rows:
+        _combine_kernel[(rows, heads)](
+            parts, lse, out,
+            *parts.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+            splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            DIM_PAD=triton.next_power_of_2(dim),
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Same contract as `reference.paged_attention`; needs `meta.batched`. q [rows, heads, dim].
+    The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale)."""
+    batched = meta.batched
+    assert batched is not None, "the Triton path needs meta.batched (filled for CUDA steps)"
+    rows, heads, dim = q.shape
+    kv_heads, cache_block = k_cache.shape[2], k_cache.shape[1]
+    if v_cache.shape[-1] != dim or k_cache.shape[-1] != dim:
+        raise ValueError(f"head dims differ: q {dim}, k {k_cache.shape[-1]}, v {v_cache.shape[-1]}")
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if (v_cache.dtype == torch.float8_e4m3fn) != fp8_kv:
+        raise ValueError(f"k cache {k_cache.dtype}, v cache {v_cache.dtype}: FP8 both or neither")
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if batched.max_query_len <= 1:
+        block_q = max(1, MIN_TILE_ROWS // group_pad)
+    else:
+        block_q = max(1, 64 // group_pad)
+    segments = int(batched.context_lens.shape[0])
+    if segments == 0 or batched.max_context_len == 0:
+        return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
+    q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
+    splits, split_tokens = plan_splits(
+        segments, kv_heads, q_blocks, batched.max_context_len, _sm_count(q.device.index or 0)
+    )
+    direct = splits == 1
+    if direct:
+        # Rows no segment covers (graph padding) are never written by the kernel: zero them.
+        out = torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
+        parts = lse = out  # unused placeholders
+        part_strides, lse_strides = (0, 0, 0), (0, 0)
+    else:
+        out = q  # unused placeholder: combine_splits writes the output
+        # Every slice of a covered row writes its lse; only uncovered rows keep this -inf.
+        parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.full((rows, heads, splits), float("-inf"), device=q.device)
+        part_strides, lse_strides = parts.stride()[:3], lse.stride()[:2]
+    tables = batched.block_tables
+    grid = (segments, kv_heads, q_blocks * splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, parts, lse,
+        tables, batched.query_start, batched.context_lens,
+        scale * LOG2E, float(k_scale), float(v_scale),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        *part_strides,
+        *lse_strides,
+        tables.stride(0),
+        split_tokens, splits,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
+        BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
+        num_warps=WARPS, num_stages=STAGES,
+    )  # fmt: skip
+    if direct:
+        return out
+    return combine_splits(parts, lse, q.dtype)
+
+
+@triton.jit
+def quantize_fp8(x, scale, DST: tl.constexpr):
+    """`reference.quantize_kv` on a tile: x / scale in float32, correctly rounded (Triton's `/` is
+    approximate), clamped to +-448 (e4m3fn's largest finite value), cast to nearest even."""
+    y = tl.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(DST, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _write_kv_kernel(
+    Cache, Values, slots, stride_vr, width, scale, BLOCK: tl.constexpr, FP8_KV: tl.constexpr
+):
+    row = tl.program_id(0)
+    slot = tl.load(slots + row)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < width) & (slot >= 0)
+    vals = tl.load(Values + row * stride_vr + cols, mask=mask)
+    if FP8_KV:
+        vals = quantize_fp8(vals, scale, Cache.dtype.element_ty)
+    tl.store(Cache + slot.to(tl.int64) * width + cols, vals.to(Cache.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    """cache [blocks, block_size, *shape] (contiguous); values [rows, *shape]; slot -1 skipped.
+    `scale`: an FP8 cache's per-tensor scale."""
+    rows = values.shape[0]
+    if rows == 0:
+        return
+    width = cache[0, 0].numel()
+    flat = values.reshape(rows, width)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    _write_kv_kernel[(rows,)](
+        cache, flat, slot_mapping, flat.stride(0), width, float(scale),
+        BLOCK=triton.next_power_of_2(width), FP8_KV=cache.dtype == torch.float8_e4m3fn,
+    )  # fmt: skip

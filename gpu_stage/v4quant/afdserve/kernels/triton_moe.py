@@ -1,0 +1,198 @@
+"""Routed experts for small token counts as three Triton launches, with no host sync.
+
+A decode step routes few (token, expert) pairs, so the grouped GEMM's sort / scatter / gather round
+trip and its per-group tiles cost more than reading the touched experts' weights. Here the routing
+is resolved inside the kernels, from the pair list held in registers: each program owns one expert,
+collects that expert's pairs (a prefix sum over the list) and streams the expert's weight tile once
+for all of them. With fewer pairs than experts, program `s` takes the expert of pair `s` and runs
+only if `s` is that expert's first pair, so the grid is never larger than the pair count; with
+more, program `s` takes expert `s` and exits if no pair chose it. The pair list lives in registers
+of every program, which is why this path is for small batches (up to `MAX_PAIRS`).
+
+1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
+2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
+3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
+
+Weights are stacked as in afdserve: gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I].
+All products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the grouped GEMM: the
+# largest pair count timed (a batch of 128 at top-8) on an H200 for Qwen3-30B-A3B's experts, where
+# this path was still 1.25x faster (docs/benchmarks.md, kernel table). Larger counts are untimed.
+MAX_PAIRS = 1024
+
+# Tile shapes by pair count, each row used up to its first field: (pairs, intermediate columns
+# per gate/up program, hidden columns per down program, warps, pipeline stages). Timed on an H200
+# for Qwen3-30B-A3B's experts. Wider tiles mean fewer programs, each paying the routing prologue
+# once; narrower ones spread the few experts of a small batch over more SMs.
+TILES = ((8, 32, 64, 4, 4), (64, 32, 64, 2, 4), (1024, 64, 64, 4, 4))
+SUM_COLUMNS = 512
+
+
+def _tiles(pairs: int) -> tuple[int, int, int, int]:
+    return next((row[1:] for row in TILES if pairs <= row[0]), TILES[-1][1:])
+
+
+def _rows_per_tile(pairs: int, experts: int) -> int:
+    """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16).
+    An expert with more pairs loops over tiles and re-reads its weights for each."""
+    mean = -(-pairs // min(pairs, experts))
+    return min(64, max(16, triton.next_power_of_2(2 * mean)))
+
+
+def _k_block(dim: int) -> int:
+    """The widest reduction step that divides `dim`, so the inner loops need no K mask."""
+    return next(b for b in (128, 64, 32, 16) if dim % b == 0)
+
+
+def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Float weights whose reduction dims are multiples of 16 (tl.dot's smallest K step)."""
+    if not (x.is_cuda and x.dtype == gate_up.dtype == down.dtype):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    return hidden % 16 == 0 and inter % 16 == 0
+
+
+@triton.jit
+def _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """The expert program `slot` owns and its pairs (none if it owns no expert).
+    Returns (expert, pair indices, which pairs are this expert's, their rank, their count)."""
+    pair = tl.arange(0, PAIRS_PAD)
+    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+    if BY_EXPERT:
+        expert = slot.to(tl.int64)
+        mine = ids == expert
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        same = ids == expert
+        owned_earlier = tl.sum((same & (pair < slot)).to(tl.int32), axis=0)
+        mine = same & (owned_earlier == 0)
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    count = tl.sum(mine.to(tl.int32), axis=0)
+    return expert, pair, mine, rank, count
+
+
+@triton.jit
+def _tile_pairs(pair, mine, rank, first, count, ROWS: tl.constexpr):
+    """Pairs of ranks [first, first + ROWS) of one expert, and which of those rows exist."""
+    row = first + tl.arange(0, ROWS)
+    pick = mine[None, :] & (rank[None, :] == row[:, None])  # [ROWS, PAIRS_PAD]
+    return tl.sum(tl.where(pick, pair[None, :], 0), axis=1), row < count
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, h_ptr, num_pairs, top_k, hidden, inter,
+    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < inter
+    k = tl.arange(0, K_BLOCK)
+    gate_rows = w_ptr + expert * 2 * inter * hidden + col[:, None] * hidden  # [COLUMNS, 1]
+    up_rows = gate_rows + inter * hidden
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
+        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, hidden, K_BLOCK):
+            xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            wg = tl.load(gate_rows + k0 + k[None, :], mask=col_ok[:, None], other=0.0)
+            wu = tl.load(up_rows + k0 + k[None, :], mask=col_ok[:, None], other=0.0)
+            gate = tl.dot(xs, tl.trans(wg), gate)
+            up = tl.dot(xs, tl.trans(wu), up)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + rows[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, ids_ptr, weights_ptr, w_ptr, y_ptr, num_pairs, hidden, inter,
+    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < hidden
+    k = tl.arange(0, K_BLOCK)
+    down_rows = w_ptr + expert * hidden * inter + col[:, None] * inter  # [COLUMNS, 1]
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        h_rows = h_ptr + rows[:, None] * inter
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            wd = tl.load(down_rows + k0 + k[None, :], mask=col_ok[:, None], other=0.0)
+            acc = tl.dot(hs, tl.trans(wd), acc)
+        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + rows[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, out_ptr, top_k, hidden, COLUMNS: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    ok = col < hidden
+    acc = tl.zeros((COLUMNS,), dtype=tl.float32)
+    for j in range(0, top_k):
+        acc += tl.load(y_ptr + (row * top_k + j) * hidden + col, mask=ok, other=0.0)
+    tl.store(out_ptr + row * hidden + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as `reference.moe_experts`. x [rows, hidden]; check `supports` first."""
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
+    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    experts = gate_up.shape[0]
+    # One compile serves every pair count up to 64 (a decode batch of 8 at top-8).
+    routing = dict(
+        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
+        BY_EXPERT=pairs > experts,
+        ROWS=_rows_per_tile(pairs, experts),
+    )
+    slots = min(pairs, experts)
+    gate_up_columns, down_columns, warps, stages = _tiles(pairs)
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+        x, ids, gate_up, h, pairs, top_k, hidden, inter, **routing, COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
+        h, ids, weights, down, y, pairs, hidden, inter, **routing, COLUMNS=down_columns,
+        K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
+        y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
+    )
+    return out

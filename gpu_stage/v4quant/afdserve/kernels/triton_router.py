@@ -1,0 +1,151 @@
+"""The greedy MoE router (scores -> top-k -> normalise -> scale) as two Triton launches.
+
+At decode the torch form is about eight tiny kernels per layer (two casts, the GEMM, softmax,
+topk, sum, divide, multiply), each costing a few microseconds even inside a CUDA graph. Here:
+
+1. logits: fp32 partial logits [splits, rows, E] on a grid of (row blocks, expert blocks, splits
+   of H). At one row the E*H weight read dominates (0.5 MB for Qwen3-30B-A3B), so H is split
+   until the grid has about `TARGET_PROGRAMS` programs and the read is spread over many SMs.
+2. select: per row, sum the partials (a fixed order, so results are deterministic), softmax or
+   sigmoid, top-k by repeated argmax, then normalise and scale.
+
+Products of bf16/fp16 inputs are exact in fp32 and accumulate in fp32, so the logits equal
+`x.float() @ weight.float().T` up to summation order; no tf32 anywhere (inputs are never fp32).
+Hash layers, `noaux_tc` and `group_limited_greedy` stay on the torch path in `Router.forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 512  # kernel 2 holds a row's scores in registers
+TARGET_PROGRAMS = 128  # about one program per SM of an H100/H200 (132); untimed heuristic
+MAX_SPLITS = 32  # bounds kernel 2's loop over partials
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
+    """bf16/fp16 CUDA tensors of one dtype, x [rows, H], contiguous weight [E <= 512, H]."""
+    if not (x.is_cuda and weight.is_cuda and x.device == weight.device):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return False
+    # A strided last dim would cost `route` a copy (a third launch); row strides are fine.
+    if not weight.is_contiguous() or x.stride(-1) != 1:
+        return False
+    return 1 <= top_k <= weight.shape[0] <= MAX_EXPERTS
+
+
+@triton.jit
+def _logits_kernel(
+    x_ptr, w_ptr, out_ptr, rows, experts, hidden, stride_x, chunks_per_split,
+    ROWS: tl.constexpr, EXPERTS: tl.constexpr, K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    expert = tl.program_id(1) * EXPERTS + tl.arange(0, EXPERTS)
+    split = tl.program_id(2)
+    row_ok, expert_ok = row < rows, expert < experts
+    k = tl.arange(0, K_BLOCK)
+    x_rows = x_ptr + row.to(tl.int64)[:, None] * stride_x  # [ROWS, 1]
+    w_rows = w_ptr + expert.to(tl.int64)[:, None] * hidden  # [EXPERTS, 1]
+    acc = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
+    k_first = split * chunks_per_split * K_BLOCK
+    # The last split may run past H: its extra steps are fully masked and read nothing.
+    for step in range(0, chunks_per_split):
+        k0 = k_first + step * K_BLOCK
+        k_ok = k0 + k < hidden
+        xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        ws = tl.load(w_rows + k0 + k[None, :], mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xs, tl.trans(ws), acc)  # bf16/fp16 in, fp32 accumulate
+    out = out_ptr + (split * rows + row)[:, None] * experts + expert[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & expert_ok[None, :])
+
+
+@triton.jit
+def _select_kernel(
+    partial_ptr, ids_ptr, weights_ptr, rows, experts, splits, scale,
+    SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    ok = e < experts
+    logits = tl.zeros((E_PAD,), dtype=tl.float32)
+    for s in range(0, splits):
+        logits += tl.load(partial_ptr + (s * rows + row) * experts + e, mask=ok, other=0.0)
+    if SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        # Padded experts are -inf before the softmax, so they add nothing to the denominator.
+        logits = tl.where(ok, logits, float("-inf"))
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    # Below every real score (sigmoid and softmax are >= 0), so padding is never picked.
+    scores = tl.where(ok, scores, float("-inf"))
+    slot = tl.arange(0, K_PAD)
+    top_ids = tl.zeros((K_PAD,), dtype=tl.int64)
+    top_weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        # The lowest index among ties; clamped so a NaN row can never yield an out-of-range id.
+        pick = tl.minimum(tl.min(tl.where(scores == best, e, E_PAD), axis=0), experts - 1)
+        top_ids = tl.where(slot == j, pick.to(tl.int64), top_ids)
+        top_weights = tl.where(slot == j, best, top_weights)
+        scores = tl.where(e == pick, float("-inf"), scores)
+    if NORMALIZE:
+        top_weights = top_weights / tl.sum(top_weights, axis=0)  # K_PAD padding is 0
+    keep = slot < TOP_K
+    tl.store(ids_ptr + row * TOP_K + slot, top_ids, mask=keep)
+    tl.store(weights_ptr + row * TOP_K + slot, top_weights * scale, mask=keep)
+
+
+def _tiles(rows: int) -> tuple[int, int, int, int]:
+    """(rows, experts, K step, warps) of a logits program. Decode keeps the expert block at
+    tl.dot's smallest width (16) for parallelism; larger batches widen it so x is re-read less."""
+    row_block = min(64, max(16, triton.next_power_of_2(rows)))
+    if rows <= 64:
+        return row_block, 16, 128, 4
+    return row_block, 64, 64, 4
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, H] bf16/fp16, weight [E, H] of the same dtype -> (ids int64 [rows, top_k],
+    weights float32 [rows, top_k], descending). Check `supports` first; this only assumes the
+    shapes, so it also runs on CPU tensors under TRITON_INTERPRET=1."""
+    rows, hidden = x.shape
+    experts = weight.shape[0]
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return ids, weights
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()  # a no-op for the weights `supports` accepts
+    row_block, expert_block, k_block, warps = _tiles(rows)
+    grid_rows, grid_experts = triton.cdiv(rows, row_block), triton.cdiv(experts, expert_block)
+    chunks = triton.cdiv(hidden, k_block)
+    splits = max(1, min(chunks, MAX_SPLITS, TARGET_PROGRAMS // (grid_rows * grid_experts)))
+    chunks_per_split = triton.cdiv(chunks, splits)
+    splits = triton.cdiv(chunks, chunks_per_split)  # drop splits that would have no chunk
+    partial = torch.empty(splits, rows, experts, dtype=torch.float32, device=x.device)
+    _logits_kernel[(grid_rows, grid_experts, splits)](
+        x, weight, partial, rows, experts, hidden, x.stride(0), chunks_per_split,
+        ROWS=row_block, EXPERTS=expert_block, K_BLOCK=k_block, num_warps=warps,
+    )  # fmt: skip
+    e_pad = triton.next_power_of_2(experts)
+    _select_kernel[(rows,)](
+        partial, ids, weights, rows, experts, splits, float(scale),
+        SIGMOID=scoring == "sigmoid", NORMALIZE=bool(normalize), TOP_K=top_k, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k), num_warps=1 if e_pad <= 256 else 4,
+    )  # fmt: skip
+    return ids, weights

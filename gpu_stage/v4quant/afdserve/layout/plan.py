@@ -1,0 +1,256 @@
+"""The step plan: the one place that decides every rank's layout for one step.
+
+Every rank all-gathers the attention ranks' `RankStep` reports and calls
+`plan_step(reports, topology, graph_table, ubatches)`. The function is pure (no torch, no I/O, no
+clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else in afdserve derives a
+row count, a peer set, a tile size, a graph key or a run mode; the field reports in
+`shared/seeds/` are what happens when two places derive them and disagree.
+
+A *group* is an FFN rank together with its peers (attention ranks r with r mod F == f). When
+colocated (F == 0) every attention rank is a group of its own, with no FFN rank and no tiles.
+With m ubatches, attention of ubatch u + 1 overlaps FFN of ubatch u.
+
+Rules:
+1. `len(reports) == A` and `1 <= ubatches <= 4`.
+2. A group with no real rows is *idle*: every member and its FFN rank get mode "idle", zero rows,
+   zero tiles and key None. No exchange happens for that group.
+3. A group may use a graph when the graph mode allows it ("none": never; "full_decode_only": every
+   member with work is a uniform decode; "full": always) and its largest real row count is at most
+   the largest capture size.
+4. Graph group: size = the smallest capture size >= the group's largest real count. Every member,
+   idle members included, computes `size` rows split by `split_rows(size, m)`; tile = that split.
+   Eager group: every member computes its real rows split by `split_rows(real, m)`; the tile of
+   ubatch u is the largest member's rows in ubatch u, and smaller members pad up to it.
+   Real rows always occupy the first rows of the padded batch, so a member's real rows per ubatch
+   are the overlap of [0, real) with that ubatch's row range.
+5. Keys spell out the layout, never a sum two layouts can share:
+   attention key = ("attention", rank, ubatch_rows, tile_rows),
+   FFN key       = ("ffn", rank, (ubatch_rows of each peer, in peer order), tile_rows).
+   The global rank is part of the key because a group may capture a graph while another group
+   runs eagerly; a key in `GraphTable.captured` must mean "this rank holds this graph".
+6. Modes: a graph group replays when every key of the group (members and FFN rank) is captured,
+   otherwise the whole group captures together. An eager group runs "eager" on every member and on
+   its FFN rank. So an FFN rank replays only when all its peers replay: an eager attention step
+   (prefill, chunked prefill, a size above the largest capture) makes its FFN rank eager even when
+   a graph with the same key exists.
+
+Every peer sends exactly `tile_rows[u]` rows per layer in ubatch u and its FFN rank receives
+`len(peers) * tile_rows[u]`; pad rows carry zero hidden states and token id -1.
+
+Expert parallelism (`topology.expert_parallel`): the FFN ranks exchange rows among themselves,
+so they must agree on the sizes of that exchange and on one run mode, and each of them replays
+only when every attention rank whose rows reach the group replays. So the whole world is one
+group: rules 2-6 apply with every attention rank as a member and every FFN rank as its FFN side.
+Each FFN rank still receives from its own peers (r mod F == f, none for f >= A); in addition
+7. group_rows[u] = the largest receive_rows[u] in the group: every FFN rank contributes exactly
+   that many rows to the group's exchange in ubatch u (its received rows, then pad rows that go
+   to no expert), so the exchange holds every row of the group by construction and drops none;
+8. the FFN key also spells out group_rows: ("ffn", rank, peers' ubatch_rows, tile_rows,
+   group_rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from afdserve.layout.step import (
+    GRAPH_MODES,
+    MAX_UBATCHES,
+    RUN_MODES,
+    AttentionRankPlan,
+    FFNRankPlan,
+    GraphKey,
+    GraphTable,
+    RankStep,
+    RunMode,
+    StepPlan,
+    _check_int,
+)
+from afdserve.layout.topology import Topology
+
+__all__ = [
+    "GRAPH_MODES", "MAX_UBATCHES", "RUN_MODES", "AttentionRankPlan", "FFNRankPlan", "GraphKey",
+    "GraphTable", "RankStep", "RunMode", "StepPlan", "capture_reports", "plan_step",
+    "split_rows", "warmup_reports",
+]
+
+
+def split_rows(rows: int, ubatches: int) -> tuple[int, ...]:
+    """Split `rows` into `ubatches` contiguous near-equal chunks.
+
+    The first `rows % ubatches` chunks hold one extra row; chunks are 0 when rows < ubatches.
+    """
+    _check_int("rows", rows, 0)
+    _check_int("ubatches", ubatches, 1)
+    base, extra = divmod(rows, ubatches)
+    return tuple(base + 1 if u < extra else base for u in range(ubatches))
+
+
+def capture_reports(size: int, topology: Topology) -> tuple[RankStep, ...]:
+    """Warm-up reports: every attention rank decodes `size` requests, one token each."""
+    _check_int("capture size", size, 1)
+    return tuple(RankStep(size, size, True) for _ in range(topology.attention_ranks))
+
+
+def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep, ...]]:
+    """The lockstep warm-up, the same on every rank: one capture step per capture size, largest
+    first (smaller graphs then share the largest one's memory pool)."""
+    return [capture_reports(size, topology) for size in sorted(table.sizes, reverse=True)]
+
+
+def _real_per_ubatch(real: int, ubatch_rows: tuple[int, ...]) -> tuple[int, ...]:
+    # Real rows fill the padded batch from the front: ubatch u covers [start, start + rows).
+    overlap, start = [], 0
+    for rows in ubatch_rows:
+        overlap.append(min(rows, max(real - start, 0)))
+        start += rows
+    return tuple(overlap)
+
+
+def _graph_size(group: Sequence[RankStep], table: GraphTable) -> int | None:
+    """The capture size the group pads to, or None when the group runs eagerly."""
+    if table.mode == "none":
+        return None
+    if table.mode == "full_decode_only" and not all(
+        report.uniform_decode for report in group if report.num_tokens > 0
+    ):
+        return None
+    largest_real = max(report.num_tokens for report in group)
+    return next((size for size in table.sizes if size >= largest_real), None)
+
+
+def _groups(topology: Topology) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(global FFN ranks, member attention ranks) for every group; no FFN ranks when colocated."""
+    if topology.colocated:
+        return [((), (rank,)) for rank in range(topology.attention_ranks)]
+    if topology.expert_parallel:
+        return [(topology.ffn_group, tuple(range(topology.attention_ranks)))]
+    return [((topology.attention_ranks + f,), topology.peers(f))
+            for f in range(topology.ffn_ranks)]
+
+
+def _peer_index(rank: int, ffn_rank: int | None, peers: dict[int, tuple[int, ...]]) -> int:
+    return 0 if ffn_rank is None else peers[ffn_rank].index(rank)
+
+
+def _plan_group(
+    ffn_ranks: tuple[int, ...],
+    members: tuple[int, ...],
+    reports: tuple[RankStep, ...],
+    table: GraphTable,
+    ubatches: int,
+    topology: Topology,
+) -> tuple[list[AttentionRankPlan], list[FFNRankPlan]]:
+    """Plans of one group: its member attention ranks and its FFN ranks."""
+    group = [reports[rank] for rank in members]
+    no_rows = (0,) * ubatches
+    peers = {f: topology.peers(topology.ffn_index(f)) for f in ffn_ranks}
+    home = {rank: topology.ffn_rank_of(rank) for rank in members}
+    expert = topology.expert_parallel
+    if all(report.num_tokens == 0 for report in group):
+        idle = [
+            AttentionRankPlan(rank, home[rank], 0, 0, no_rows, no_rows, no_rows, "idle", None)
+            for rank in members
+        ]
+        ffn_idle = [
+            FFNRankPlan(f, peers[f], 0, no_rows, no_rows, "idle", None,
+                        group=topology.ffn_group, group_rows=no_rows if expert else ())
+            for f in ffn_ranks
+        ]
+        return idle, ffn_idle
+
+    size = _graph_size(group, table)
+    if size is None:
+        rows = {rank: split_rows(reports[rank].num_tokens, ubatches) for rank in members}
+        tile = tuple(max(rows[rank][u] for rank in members) for u in range(ubatches))
+    else:
+        tile = split_rows(size, ubatches)
+        rows = {rank: tile for rank in members}
+    if not ffn_ranks:
+        tile = no_rows
+    receive = {f: tuple(len(peers[f]) * rows_u for rows_u in tile) for f in ffn_ranks}
+    group_rows = (
+        tuple(max(receive[f][u] for f in ffn_ranks) for u in range(ubatches)) if expert else ()
+    )
+
+    keys: dict[int, GraphKey] = {rank: ("attention", rank, rows[rank], tile) for rank in members}
+    for f in ffn_ranks:
+        keys[f] = ("ffn", f, tuple(rows[rank] for rank in peers[f]), tile)
+        if expert:
+            keys[f] += (group_rows,)
+    mode: RunMode
+    if size is None:
+        mode = "eager"
+    elif all(key in table.captured for key in keys.values()):
+        mode = "replay"
+    else:
+        mode = "capture"
+
+    member_plans = [
+        AttentionRankPlan(
+            rank=rank,
+            ffn_rank=home[rank],
+            real_rows=reports[rank].num_tokens,
+            padded_rows=sum(rows[rank]),
+            ubatch_real_rows=_real_per_ubatch(reports[rank].num_tokens, rows[rank]),
+            ubatch_rows=rows[rank],
+            tile_rows=tile,
+            mode=mode,
+            key=keys[rank],
+            peer_index=_peer_index(rank, home[rank], peers),
+        )
+        for rank in members
+    ]
+    ffn_plans = [
+        FFNRankPlan(
+            rank=f,
+            peers=peers[f],
+            real_rows=sum(reports[rank].num_tokens for rank in peers[f]),
+            tile_rows=tile,
+            receive_rows=receive[f],
+            mode=mode,
+            key=keys[f],
+            group=topology.ffn_group,
+            group_rows=group_rows,
+        )
+        for f in ffn_ranks
+    ]
+    return member_plans, ffn_plans
+
+
+def plan_step(
+    reports: Sequence[RankStep],
+    topology: Topology,
+    graph_table: GraphTable,
+    ubatches: int = 1,
+) -> StepPlan:
+    """Plan one step for every rank; see the module docstring for the rules."""
+    reports = tuple(reports)
+    if len(reports) != topology.attention_ranks:
+        raise ValueError(
+            f"got {len(reports)} rank reports for topology {topology}; need exactly one per "
+            f"attention rank ({topology.attention_ranks})"
+        )
+    for index, report in enumerate(reports):
+        if not isinstance(report, RankStep):
+            raise ValueError(f"reports[{index}] must be a RankStep, got {report!r}")
+    if (
+        not isinstance(ubatches, int)
+        or isinstance(ubatches, bool)
+        or not (1 <= ubatches <= MAX_UBATCHES)
+    ):
+        raise ValueError(f"ubatches must be an int in [1, {MAX_UBATCHES}], got {ubatches!r}")
+
+    attention: list[AttentionRankPlan] = []
+    ffn: list[FFNRankPlan] = []
+    for ffn_ranks, members in _groups(topology):
+        member_plans, ffn_plans = _plan_group(
+            ffn_ranks, members, reports, graph_table, ubatches, topology
+        )
+        attention.extend(member_plans)
+        ffn.extend(ffn_plans)
+    return StepPlan(
+        ubatches=ubatches,
+        attention=tuple(sorted(attention, key=lambda plan: plan.rank)),
+        ffn=tuple(sorted(ffn, key=lambda plan: plan.rank)),
+    )

@@ -1,0 +1,295 @@
+"""The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`.
+
+It sits on top: it picks the one-process engine (colocated, in-process 1A1F) or starts one process
+per rank (afd/clients/process.py), and drives either through the same EngineClient: the frontend,
+which turns the core client's token deltas into outputs with this LLM's tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+
+from afdserve.afd.clients.process import ProcessClient
+from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.afd.ranks.messages import RankReady, WorkerSpec
+from afdserve.afd.step.recorder import StepLogFile
+from afdserve.config import engine_configs
+from afdserve.engine.client import EngineClient
+from afdserve.engine.core_client import EngineCoreClient
+from afdserve.engine.generation_config import generation_defaults
+from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
+from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.layout.experts import resolve_placement
+from afdserve.model.bundled import resolve_model
+from afdserve.model.config import load_model_config
+from afdserve.model.quantization import check_quantization
+
+Prompt = str | list[int]
+PromptInput = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}
+log = logging.getLogger(__name__)
+
+
+def _parse_address(text: str | None) -> tuple[str, int] | None:
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"frontend_address={text!r}: expected HOST:PORT, e.g. 0.0.0.0:5555")
+    return host or "0.0.0.0", int(port)
+
+
+def _cuda_devices(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+class LLM:
+    """Runs colocated in this process, or starts every rank of an AFD topology as a process.
+
+    Use as a context manager (or call `shutdown()`) so that every rank process is stopped.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        frontend_address: str | None = None,
+        generation_config: str = "auto",
+        **kwargs: object,
+    ) -> None:
+        """`kwargs`: the fields of EngineConfig, AFDConfig and GraphConfig by their keywords
+        (topology=, device=, graph_mode=, cuda_graph_sizes=, ...; `afdserve serve --help`
+        lists every one with its default). `frontend_address`: HOST:PORT to listen on for
+        ranks started elsewhere instead of spawning them; `generation_config`: "auto",
+        "vllm" or a directory, the defaults of `get_default_sampling_params()`."""
+        # The bundled model is served under a short name (its path is a cache detail).
+        self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
+        model = resolve_model(model)
+        self.engine_config, afd, self.graph_config = engine_configs(
+            {"model": model, **kwargs}, also=("frontend_address", "generation_config"))
+        self.generation_config = generation_config
+        self._generation_defaults = generation_defaults(generation_config, model)
+        if self._generation_defaults:
+            log.info("default sampling parameters from the generation config: %s",
+                     self._generation_defaults)
+        device = self.engine_config.device
+        self.afd_config = afd.resolve_connector(
+            device, _cuda_devices(device), spawned=frontend_address is None)
+        self.topology = self.afd_config.parsed_topology
+        # A quantization_config afdserve cannot honour: one line here, before any rank starts.
+        check_quantization(model, self.engine_config.quantization)
+        if self.afd_config.ffn_expert_parallel:
+            # Checked against the model's experts here, before any rank process starts.
+            self.expert_placement = resolve_placement(
+                self.afd_config.expert_placement, load_model_config(model).num_experts,
+                self.topology.ffn_ranks)
+        self._step_log = StepLogFile(self.afd_config.log_step_plan)
+        self._log_path = self._step_log.path
+        self._frontend_address = _parse_address(frontend_address)
+        self._ids = itertools.count()
+        self.tokenizer = load_tokenizer(model)
+        self.engine: EngineClient = self._start()
+
+    def _start(self) -> EngineClient:
+        return EngineClient(self._start_core(), self.tokenizer)
+
+    def _start_core(self) -> EngineCoreClient:
+        spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
+        if self.topology.colocated or self.afd_config.in_process(self.engine_config.device):
+            if self.topology.attention_ranks == 1:
+                client: EngineCoreClient = SingleProcessClient(spec)
+                self._describe(client.ready)
+                return client
+        if self._frontend_address is None:
+            client = ProcessClient(spec)
+        else:  # ranks are started elsewhere (torchrun, Slurm) and connect here
+            client = ProcessClient(spec, spawn=False, frontend_address=self._frontend_address)
+        self.frontend_address = client.address
+        self._describe(client.ready)
+        return client
+
+    def _describe(self, ready: dict[int, RankReady]) -> None:
+        # Each rank's ready message: its parameter bytes, and for an attention rank the KV cache
+        # its engine really allocated (limits.num_blocks of limits.block_size tokens).
+        self.rank_ready = dict(sorted(ready.items()))
+        self.memory_reports = [ready[r].memory for r in sorted(ready)]
+        self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
+
+    # ----- generation -----
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams (vLLM's rule): the
+        generation config's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens (as max_tokens) where it sets them, SamplingParams' defaults elsewhere."""
+        return SamplingParams(**self._generation_defaults)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in prompt order, each with `n` CompletionOutputs
+        (`out.outputs[i]`). A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids". Every prompt is checked before any runs."""
+        prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
+        encoded = [_prompt_tokens(self, p) for p in prompts]
+        for p in params:
+            p.check_vocab(self.engine.vocab_size)
+        groups = [[f"gen-{next(self._ids)}" for _ in range(p.candidates)] for p in params]
+        added: list[str] = []
+        try:
+            for ids, tokens, p in zip(groups, encoded, params):
+                for request_id, one in zip(ids, candidate_params(p)):
+                    self.engine.add_request(request_id, tokens, one)
+                    added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        done = _run(self, added, groups, use_tqdm)
+        return [
+            gather(ids[0], _prompt_text(p), [done[i] for i in ids], sp.n, sp.logprobs is not None)
+            for ids, p, sp in zip(groups, prompts, params)
+        ]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of {"role", "content"} dicts) or to several,
+        rendered through the tokenizer's chat template (or `chat_template`)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = [
+            {"prompt": _render_chat(self, c, chat_template, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def step_log(self) -> list[dict]:
+        """Every rank's step-plan records (needs log_step_plan)."""
+        return self._step_log.read()
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if hasattr(self, "_step_log"):
+            self._step_log.close()  # every rank has stopped writing
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+# ----- offline API helpers (vLLM's shape: chat, dict prompts, progress) -----
+
+
+def _render_chat(
+    llm: LLM, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool
+) -> str:
+    return llm.tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+
+
+def _prompt_text(prompt: PromptInput) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: {len(params)} given for {count} prompts (one, or one each)"
+        )
+    return params
+
+
+def _prompt_tokens(llm: LLM, prompt: PromptInput) -> list[int]:
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise ValueError(
+                f"prompt: a dict prompt has exactly one of 'prompt' or 'prompt_token_ids', "
+                f"got keys {sorted(prompt)}"
+            )
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        prompt = prompt["prompt"]
+    return llm.encode(prompt)
+
+
+def _run(
+    llm: LLM, request_ids: list[str], groups: list[list[str]], use_tqdm: bool
+) -> dict[str, SequenceOutput]:
+    """Step until every request finished; with `use_tqdm`, a progress bar over prompts."""
+    from tqdm.auto import tqdm
+
+    group_of = {rid: g for g, ids in enumerate(groups) for rid in ids}
+    open_in_group = [len(ids) for ids in groups]
+    done: dict[str, SequenceOutput] = {}
+    with tqdm(total=len(groups), desc="Processed prompts", unit="prompt",
+              disable=not use_tqdm, dynamic_ncols=True) as bar:  # fmt: skip
+        while len(done) < len(request_ids):
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    group = group_of[out.request_id]
+                    open_in_group[group] -= 1
+                    if open_in_group[group] == 0:
+                        bar.update(1)
+    return done
+
+
+def _with_tokenizer_dir(llm: LLM, params: SamplingParams) -> SamplingParams:
+    """Structured output: the ranks find the tokenizer in the model directory; the grammar is
+    compiled here first, so that a bad one fails before anything runs."""
+    structured = params.structured_outputs
+    if structured is None:
+        return params
+    structured = dataclasses.replace(structured, tokenizer_dir=llm.engine_config.model)
+    structured.check()
+    return dataclasses.replace(params, structured_outputs=structured)

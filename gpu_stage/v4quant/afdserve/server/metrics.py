@@ -1,0 +1,202 @@
+"""Prometheus metrics of one server, under vLLM's names (`vllm:*`, each with a `model_name` label)
+so that dashboards written for vLLM read them; the mapping is in docs/serving.md. Metrics vLLM has
+no name for keep the `afdserve_` prefix: HTTP requests by endpoint and status, aborts, rejections,
+the frontend's waiting bound, engine steps.
+
+Each app owns its own registry (several apps may live in one test process). Engine gauges and step
+counts are read from the engine thread's latest stats snapshot when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from afdserve.engine.client import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# CPU test models answer in milliseconds, real models on a busy GPU in seconds: cover both.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why the server refused a request without running it (afdserve_requests_rejected_total).
+REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
+                  "body_too_large", "prompt_too_large")  # fmt: skip
+
+COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+UNCOUNTED_PATHS = ("/health", "/metrics")  # probes would drown the API traffic
+
+
+class EngineCollector(Collector):
+    """Gauges and step counters from an EngineStats snapshot (None until the engine is up)."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats | None], model: Callable[[], str]):
+        self.snapshot, self.model = snapshot, model
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.snapshot() or EngineStats()
+        label = [self.model()]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests scheduled on attention ranks", stats.running),
+            ("vllm:num_requests_waiting", "Requests queued on attention ranks", stats.waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1), averaged over attention ranks",
+                stats.kv_cache_usage,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(label, value)
+            yield gauge
+        steps = CounterMetricFamily(
+            "afdserve_engine_steps",
+            "Engine steps by rank role and run mode",
+            labels=["role", "mode"],
+        )
+        for key, count in sorted(stats.steps.items()):
+            role, _, mode = key.partition(":")
+            steps.add_metric([role, mode or "unknown"], count)
+        yield steps
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineStats | None],
+        model: Callable[[], str],
+        waiting: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        registry = self.registry
+        labels = ["model_name"]
+        self.requests = Counter(
+            "afdserve_requests", "HTTP requests by endpoint and status code",
+            ["endpoint", "status"], registry=registry,
+        )  # fmt: skip
+        self.aborted = Counter(
+            "afdserve_requests_aborted",
+            "Engine requests aborted before they finished: client gone or request timed out",
+            registry=registry,
+        )
+        self._rejected = Counter(
+            "afdserve_requests_rejected",
+            "HTTP requests the server refused to run, by reason", ["reason"], registry=registry,
+        )  # fmt: skip
+        for reason in REJECT_REASONS:  # present at 0, so that rates start from the beginning
+            self._rejected.labels(reason)
+        Gauge(
+            "afdserve_waiting_requests",
+            "Engine requests admitted by the frontend that have no token yet",
+            registry=registry,
+        ).set_function(lambda: waiting()[0])
+        Gauge(
+            "afdserve_waiting_tokens", "Prompt tokens of afdserve_waiting_requests",
+            registry=registry,
+        ).set_function(lambda: waiting()[1])
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens admitted to the engine", labels, registry=registry
+        )
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", labels, registry=registry
+        )
+        self._success = Counter(
+            "vllm:request_success", "Finished engine requests by finish reason",
+            ["model_name", "finished_reason"], registry=registry,
+        )  # fmt: skip
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Seconds from submitting a request to the engine to its first generated token",
+            TTFT_BUCKETS,
+        )
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Seconds between consecutive tokens delivered for one request",
+            TPOT_BUCKETS,
+        )
+        # vLLM's older name of the same observation, which many dashboards still read.
+        self._tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Seconds between consecutive tokens delivered for one request",
+            TPOT_BUCKETS,
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Seconds from the HTTP request's arrival to its last token",
+            REQUEST_BUCKETS,
+        )
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Seconds from a request's arrival at its attention rank's engine to the first step "
+            "that computes any of its tokens",
+            REQUEST_BUCKETS,
+        )
+        self.registry.register(EngineCollector(snapshot, model))
+
+    # One method per observation, so that callers never spell a label.
+    def prompt_tokens(self, count: int) -> None:
+        self._prompt_tokens.labels(self.model()).inc(count)
+
+    def generation_tokens(self, count: int) -> None:
+        self._generation_tokens.labels(self.model()).inc(count)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.labels(self.model()).observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.labels(self.model()).observe(seconds)
+        self._tpot.labels(self.model()).observe(seconds)
+
+    def queued(self, seconds: float) -> None:
+        self._queue.labels(self.model()).observe(seconds)
+
+    def finished(self, reason: str | None, seconds: float) -> None:
+        reason = reason if reason in FINISH_REASONS else "stop"
+        self._success.labels(self.model(), reason).inc()
+        self._e2e.labels(self.model()).observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
+
+    def count_request(self, path: str, status: int) -> None:
+        endpoint = path if path in COUNTED_ENDPOINTS else "other"
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting API requests by endpoint and final status. Plain ASGI, not
+    BaseHTTPMiddleware, so that nothing stands between a streaming response and its client."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client sees if the app dies before answering
+
+        async def send_counting(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            self.metrics.count_request(path, status)

@@ -1,0 +1,138 @@
+"""`ServeOptions`: the frontend's own settings (the engine's are the LLM's), validated on
+construction so that a wrong value is one line before any port is bound or rank started."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afdserve.config_args import option
+from afdserve.server.tool_parsers import PARSERS
+
+STATS_INTERVAL_S = 5.0
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+ON_ENGINE_FAILURE = ("exit", "restart")
+# A prompt string longer than this many characters per context token cannot fit: checked
+# before tokenizing, so that a 10 MB prompt costs no tokenizer time. Generous, since one token
+# may stand for a long run of characters (whitespace, repeated punctuation).
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Each field is a flag of `afdserve serve` (config_args.option declares it)."""
+
+    host: str = option("127.0.0.1", help="the address to listen on")
+    port: int = option(8000, help="the port to listen on")
+    served_model_name: str | None = option(
+        None, help="the model name clients use", shown="the model path")
+    api_key: str | None = option(
+        None, help="require 'Authorization: Bearer KEY'; /health and /metrics stay open",
+        shown="$AFDSERVE_API_KEY")  # the CLI reads the variable
+    log_requests: bool = option(True, flag="--disable-log-requests", negate=True,
+                                help="do not log a line per request")
+    log_level: str = option("info", choices=LOG_LEVELS, help="afdserve's own log level")
+    uvicorn_log_level: str = option(
+        "warning", choices=LOG_LEVELS, help="uvicorn's log level (its access log shows at info)")
+    stats_interval_s: float = option(
+        STATS_INTERVAL_S, help="seconds between the engine statistics lines in the log")
+    # The CLI reads --chat-template FILE; the field holds the template itself.
+    chat_template: str | None = option(
+        None, metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
+    generation_config: str = option(
+        "auto", metavar="auto|vllm|DIR",  # read by engine/generation_config.py
+        help="defaults of omitted request fields: the model's generation_config.json (auto), "
+             "none (vllm), or DIR's")  # fmt: skip
+    # tool_choice "auto" (vLLM's two flags): the model's calls read by this parser.
+    enable_auto_tool_choice: bool = option(
+        False, help='honour tool_choice "auto" by reading the model\'s calls with '
+                    "--tool-call-parser")
+    tool_call_parser: str | None = option(
+        None, choices=PARSERS, help="the model's tool-call format (hermes: Hermes, Qwen2.5, "
+                                    "Qwen3)")
+    # "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
+    on_engine_failure: str = option(
+        "exit", choices=ON_ENGINE_FAILURE,
+        help="when a rank dies or hangs: exit 1 (for a supervisor) or restart the ranks in place")
+    # server/restarts.py counts them.
+    max_restarts: int = option(
+        3, help="--on-engine-failure restart: exit 1 on the failure after this many restarts "
+                "within --restart-window; restarts after the first wait 1, 2, 4, ... s")
+    restart_window_s: float = option(
+        600.0, help="seconds over which --max-restarts counts restarts")
+    drain_timeout_s: float = option(
+        30.0, help="SIGTERM: seconds in-flight requests may take to finish")
+    max_waiting_requests: int | None = option(
+        None, help="503 + Retry-After beyond this many requests without a first token")
+    max_waiting_tokens: int | None = option(
+        None, help="503 + Retry-After beyond this many prompt tokens waiting")
+    retry_after_s: int = option(1, help="the Retry-After of a 503 for overload, in seconds")
+    max_request_body_bytes: int = option(8 * 1024 * 1024, help="413 for a larger body")
+    max_prompt_chars: int | None = option(
+        None, help="400 for a longer prompt, before tokenizing",
+        shown=f"{PROMPT_CHARS_PER_TOKEN} x max-model-len")
+    request_timeout_s: float | None = option(
+        None, help="504 for a request not finished this many seconds after arrival",
+        shown="None, no limit")
+    limit_concurrency: int | None = option(
+        1024, help="requests in progress beyond this get 503 + Retry-After; connections beyond "
+                   "it are closed")
+    timeout_keep_alive_s: int = option(
+        5, help="uvicorn: seconds an idle keep-alive connection stays open")
+    max_header_bytes: int = option(64 * 1024, help="h11: the largest request head accepted")
+    header_timeout_s: float = option(
+        10.0, help="close a connection that sent no complete request head in time")
+
+    def __post_init__(self) -> None:
+        for name in ("log_level", "uvicorn_log_level"):
+            value = getattr(self, name)
+            if value not in LOG_LEVELS:
+                raise ValueError(
+                    f"ServeOptions.{name}={value!r} is not allowed: one of {LOG_LEVELS}"
+                )
+        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
+            raise ValueError(
+                f"ServeOptions.port={self.port!r} is not allowed: an integer in 0..65535"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ServeOptions.api_key='' is not allowed: a non-empty key, or none")
+        if self.on_engine_failure not in ON_ENGINE_FAILURE:
+            raise ValueError(
+                f"ServeOptions.on_engine_failure={self.on_engine_failure!r} is not allowed: "
+                f"one of {ON_ENGINE_FAILURE}"
+            )
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"ServeOptions.tool_call_parser={self.tool_call_parser!r} is not "
+                             f"allowed: one of {PARSERS}")  # fmt: skip
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("ServeOptions.enable_auto_tool_choice=True is not allowed without "
+                             f"a tool_call_parser (one of {PARSERS})")  # fmt: skip
+        _positive(self, "stats_interval_s", "a number of seconds > 0")
+        _positive(self, "drain_timeout_s", "a number of seconds >= 0", zero=True)
+        _positive(self, "max_restarts", "an integer >= 0", zero=True, integer=True)
+        _positive(self, "restart_window_s", "a number of seconds > 0")
+        _positive(self, "header_timeout_s", "a number of seconds > 0")
+        _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
+        for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",
+                     "limit_concurrency"):  # fmt: skip
+            _positive(self, name, "an integer > 0, or none", optional=True, integer=True)
+        for name in ("retry_after_s", "max_request_body_bytes", "timeout_keep_alive_s",
+                     "max_header_bytes"):  # fmt: skip
+            _positive(self, name, "an integer > 0", integer=True)
+
+
+def _positive(
+    options: ServeOptions,
+    name: str,
+    allowed: str,
+    optional: bool = False,
+    integer: bool = False,
+    zero: bool = False,
+) -> None:
+    value = getattr(options, name)
+    if value is None and optional:
+        return
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if not ok or not (value >= 0 if zero else value > 0):
+        raise ValueError(f"ServeOptions.{name}={value!r} is not allowed: {allowed}")

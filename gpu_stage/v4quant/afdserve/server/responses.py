@@ -1,0 +1,120 @@
+"""The JSON shapes of OpenAI-compatible responses: envelopes, choices, usage and logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from afdserve.engine.outputs import SequenceOutput
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(kind: str, response_id: str, model: str, created: int | None = None) -> dict:
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": created if created is not None else int(time.time()),
+        "model": model,
+    }
+
+
+class TokenText:
+    """Token id -> text, for logprobs. A byte token that is part of a longer UTF-8 character
+    decodes to U+FFFD; `bytes` keeps its real value where the tokenizer knows it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # The engine's dict holds the sampled token plus the top k; the sampled one is only among
+    # the top k if it ranks there.
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(
+    names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None], k: int
+) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(token_ids, entries):
+        text = names.text(token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id) if entry else None)
+        top.append({names.text(t): v for t, v in _top(entry, k)} if entry else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None], k: int
+) -> dict:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        entry = entry or {}
+        content.append(
+            {
+                "token": names.text(token_id),
+                "logprob": entry.get(token_id, float("nan")),
+                "bytes": names.bytes(token_id),
+                "top_logprobs": [
+                    {"token": names.text(t), "logprob": v, "bytes": names.bytes(t)}
+                    for t, v in _top(entry, k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def finish_reason(out: SequenceOutput) -> str | None:
+    if not out.finished:
+        return None
+    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_choice(
+    index: int, text: str, logprobs: dict | None, finish: str | None, delta: bool = False
+) -> dict:
+    if not delta:
+        return message_choice(index, {"role": "assistant", "content": text}, logprobs, finish)
+    return delta_choice(index, {"content": text} if text else {}, logprobs, finish)
+
+
+def message_choice(index: int, message: dict, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def delta_choice(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def role_chunks(head: dict, n: int, first: Callable[[], dict] | None = None
+                ) -> tuple[dict, ...]:  # fmt: skip
+    """The opening chunk of each of `n` streamed chat choices: the role, and what `first()`
+    gives instead of the empty content."""
+    make = first or (lambda: {"role": "assistant", "content": ""})
+    return tuple({**head, "choices": [delta_choice(i, make(), None, None)]} for i in range(n))

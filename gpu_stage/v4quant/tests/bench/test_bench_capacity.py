@@ -1,0 +1,90 @@
+"""CPU runs of `afdserve bench capacity` with the tiny preset's config.json (dummy weights): the
+capacity figures are the KV caches the engines really allocated, and the CUDA sizing arithmetic
+gives a 1A1F attention rank the room of the experts it does not hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afdserve import LLM
+from afdserve.bench.capacity import CapacityBench, open_llm, read_capacity, run_capacity_bench
+from afdserve.cli import main
+from afdserve.engine.factory import blocks_in_budget
+from afdserve.model.presets import preset_config, write_preset_config
+
+CPU = ["--device", "cpu", "--dtype", "float32"]
+
+
+def _spec(model_dir, **overrides) -> CapacityBench:
+    fields = dict(model_dir=str(model_dir), context_len=100, device="cpu", dtype="float32",
+                  load_format="dummy", max_num_seqs=5)
+    fields.update(overrides)
+    return CapacityBench(**fields)
+
+
+def _cache_bytes(kv_cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in kv_cache.layers for t in layer
+               if t is not None)
+
+
+def test_capacity_is_what_the_engines_allocated(tmp_path):
+    model = write_preset_config("tiny", tmp_path / "tiny")
+    config = preset_config("tiny")
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4  # K, V; f32
+    spec = _spec(model)
+    # Oracles: the KV tensors of a colocated engine, and of a 1A1F attention rank built in this
+    # process (the in-process connector) the way a rank process builds it.
+    engines = {"colocated": open_llm(spec, "colocated"),
+               "1A1F": LLM(str(model), topology="1A1F", connector="inprocess", device="cpu",
+                           dtype="float32", max_num_seqs=5, max_num_batched_tokens=16384,
+                           max_model_len=100, load_format="dummy")}
+    oracles = {}
+    for topology, llm in engines.items():
+        with llm:
+            (capacity,) = read_capacity(llm, topology, spec)
+            kv = llm.engine.core_client.core.kv_cache
+            blocks, block_size = kv.layers[0][0].shape[:2]
+            assert (capacity.num_blocks, capacity.block_size) == (blocks, block_size)
+            assert capacity.cache_bytes == _cache_bytes(kv)
+        assert capacity.cache_bytes == capacity.capacity_tokens * per_token
+        assert capacity.sequences_that_fit == blocks // 7  # 100 tokens: 7 blocks of 16
+        assert capacity.batch == min(capacity.sequences_that_fit, 5)
+        oracles[topology] = capacity
+    # A 1A1F world of rank processes reports, in its ready message, what its engine built.
+    found = run_capacity_bench(_spec(model, topologies=("colocated", "1A1F")))
+    assert [(c.topology, c.rank) for c in found] == [("1A1F", 0), ("colocated", 0)]
+    for capacity in found:
+        assert capacity == oracles[capacity.topology]
+    attention, colocated = found
+    assert attention.parameter_bytes < colocated.parameter_bytes
+
+
+def test_attention_rank_gets_the_room_of_the_experts(tmp_path):
+    """The CUDA sizing arithmetic (free memory after the weights, less the held-back share), fed
+    the real parameter bytes of a colocated engine and of a 1A1F attention rank."""
+    model = write_preset_config("tiny", tmp_path / "tiny")
+    found = run_capacity_bench(_spec(model))
+    attention = next(c for c in found if c.topology == "1A1F")
+    colocated = next(c for c in found if c.topology == "colocated")
+    per_block = colocated.cache_bytes // colocated.num_blocks
+    total = 4 * colocated.parameter_bytes
+    blocks = {c.topology: blocks_in_budget(total - c.parameter_bytes, total, 0.9, per_block)
+              for c in (attention, colocated)}
+    experts_and_router = colocated.parameter_bytes - attention.parameter_bytes
+    assert blocks["colocated"] > 0
+    assert blocks["1A1F"] - blocks["colocated"] in (
+        experts_and_router // per_block, experts_and_router // per_block + 1)
+
+
+def test_capacity_cli_measures_decode(tmp_path):
+    out = tmp_path / "capacity.json"
+    code = main(["bench", "capacity", "--preset", "tiny", "--load-format", "dummy",
+                 "--topologies", "colocated", "--context-len", "40", "--max-num-seqs", "4",
+                 "--measure", "--steps", "2", "--json", str(out), *CPU])
+    assert code == 0
+    (rank,) = json.loads(out.read_text())["results"]
+    assert rank["batch"] == 4 and rank["decode_tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="bench.device='cpu'.*'cuda' to --measure 1A1F"):
+        CapacityBench(model_dir=".", device="cpu", measure=True)

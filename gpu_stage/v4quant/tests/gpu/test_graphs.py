@@ -1,0 +1,184 @@
+"""CUDA graphs on the GPU: graph replay gives the eager engine's tokens (bf16: up to reported
+near-ties), colocated and in-process 1A1F, and every captured size replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams
+from afdserve.model.tiny import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 2, 4, 8, 16]
+NEAR_TIE = 0.15  # bf16 logit gap under which two kernels may legitimately pick different tokens
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gpu") / "m", "qwen3_moe", hash_layers=1, seed=5, dtype="bfloat16"
+    )
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(13 * i + 7 * j + 1) % 250 for j in range(3 + i % 5)] for i in range(n)]
+
+
+def _check(eager: LLM, prompts, got, want) -> list[float]:
+    """Equal tokens, or a divergence at a near-tie of the eager engine (gap returned)."""
+    gaps = []
+    for p, g, w in zip(prompts, got, want, strict=True):
+        if g == w:
+            continue
+        i = next(k for k in range(len(w)) if g[k] != w[k])
+        out = eager.generate(
+            [p + w[:i]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, ignore_eos=True)
+        )[0]
+        top = sorted(out.logprobs[0].values(), reverse=True)
+        gap = top[0] - top[1]
+        assert gap < NEAR_TIE, f"prompt {p}: diverged at {i} with a logprob gap of {gap}"
+        gaps.append(gap)
+    return gaps
+
+
+@pytest.fixture(scope="module")
+def bf16_mla_model(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gpu") / "mla",
+        "deepseek_v3",
+        hash_layers=1,
+        seed=5,
+        dtype="bfloat16",
+    )
+
+
+@pytest.mark.parametrize(
+    ("topology", "family"),
+    [
+        ("colocated", "qwen3_moe"),
+        ("1A1F", "qwen3_moe"),
+        ("colocated", "deepseek_v3"),
+        ("1A1F", "deepseek_v3"),
+    ],
+)
+def test_graph_tokens_equal_eager(bf16_model, bf16_mla_model, topology, family):
+    """GQA and MLA (latent-space attention) alike."""
+    if family == "deepseek_v3":
+        bf16_model = bf16_mla_model
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # Two engines live at once here: give each a fixed cache instead of a share of free memory.
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512
+    )
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(
+            str(bf16_model),
+            topology=topology,
+            connector="inprocess" if topology == "1A1F" else "auto",
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=SIZES,
+            log_step_plan=True,
+            **common,
+        ) as graphs:
+            assert graphs.engine.core_client.driver.forward.graphs is not None
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            modes = {r["mode"] for r in graphs.step_log()}
+        gaps = _check(eager, prompts, got, want)
+    assert "replay" in modes and "capture" in modes
+    print(f"{topology} {family}: {len(gaps)} near-tie divergences, gaps {gaps}")
+
+
+@pytest.mark.parametrize(
+    ("family", "ubatches", "mode"),
+    [
+        ("qwen3_moe", 2, "full_decode_only"),
+        ("qwen3_moe", 3, "full"),
+        ("deepseek_v3", 2, "full"),
+    ],
+)
+def test_ubatch_graphs_equal_eager(bf16_model, bf16_mla_model, family, ubatches, mode):
+    """In-process 1A1F with several ubatches: each ubatch's segments come from its own static
+    buffers. In full mode, steps with prefill chunks (cut across ubatches) replay too."""
+    model = bf16_mla_model if family == "deepseek_v3" else bf16_model
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512,
+        topology="1A1F", connector="inprocess", ubatches=ubatches,
+    )  # fmt: skip
+    with LLM(str(model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(
+            str(model), graph_mode=mode, cuda_graph_sizes=SIZES, log_step_plan=True,
+            max_num_batched_tokens=16, **common,
+        ) as graphs:  # fmt: skip
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            records = [r for r in graphs.step_log() if r["role"] == "attention"]
+        gaps = _check(eager, prompts, got, want)
+    replays = [r for r in records if r["mode"] == "replay"]
+    assert replays and all(len(r["key"][2]) == ubatches for r in replays)  # key[2]: ubatch rows
+    if mode == "full":  # 12 prompts decode at most 12 rows: more means a prefill chunk
+        assert any(r["real_rows"] > len(prompts) for r in replays), records[:5]
+    print(f"{family} ubatches={ubatches} {mode}: {len(gaps)} near-tie divergences, gaps {gaps}")
+
+
+def test_every_captured_size_replays(bf16_model):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(bf16_model),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=16,
+        max_model_len=256,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=SIZES,
+        log_step_plan=True,
+    ) as llm:
+        for n in SIZES:
+            llm.generate(_prompts(n), params)
+        replayed = {r["padded_rows"] for r in llm.step_log() if r["mode"] == "replay"}
+        assert set(SIZES) <= replayed
+        graphs = llm.engine.core_client.driver.forward.graphs.graphs
+        captured = {key[2][0] for key in graphs}  # key[2]: ubatch rows
+        assert captured == set(SIZES)
+
+
+def test_batch_above_largest_capture_runs_eagerly(bf16_model):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(bf16_model),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=24,
+        max_model_len=256,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4],
+        log_step_plan=True,
+    ) as llm:
+        outs = llm.generate(_prompts(20), params)
+        records = llm.step_log()
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert any(r["real_rows"] > 4 and r["mode"] == "eager" for r in records)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"])
+def test_cuda_float32_matches_cpu(tmp_path, family):
+    """device='cuda' runs every family (fast attention for GQA, reference MLA and MoE in float32)
+    and gives the CPU engine's greedy tokens; 1A1F on the GPU too, over whatever connector "auto"
+    picks (both halves in one process on one GPU, connector "ipc" on two)."""
+    model = make_tiny_model(tmp_path / family, family, hash_layers=1, seed=2)
+    prompts = _prompts(6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), dtype="float32") as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    for topology in ("colocated", "1A1F"):
+        with LLM(
+            str(model), device="cuda", dtype="float32", topology=topology, max_num_batched_tokens=16
+        ) as gpu:
+            got = [o.token_ids for o in gpu.generate(prompts, params)]
+        assert got == want, topology

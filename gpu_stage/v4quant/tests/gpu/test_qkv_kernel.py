@@ -1,0 +1,167 @@
+"""The fused GQA prologue (q/k norm, rotary, paged k/v write) against the reference composition it
+replaces: q and both whole caches, so a stray write anywhere (a pad row's, say) shows up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from afdserve.kernels import reference
+from afdserve.kernels.metadata import QKVLayout
+from tests.gpu.sync import no_sync
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+EPS = 1e-6
+BLOCK_SIZE = 16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def qkv_case(
+    rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, norm: bool, seed: int
+) -> dict:
+    """Random inputs of prepare_qkv: qkv a column slice of a wider tensor (strided rows), Qwen3's
+    rotary frequencies at random positions, shuffled slots with every third row a pad row."""
+    gen = torch.Generator().manual_seed(seed)
+    width = (heads + 2 * kv_heads) * dim
+    wide = (torch.randn(rows, width + 48, generator=gen) * 2).to(dtype).to(DEVICE)
+    weights = [(1 + 0.2 * torch.randn(dim, generator=gen)).to(dtype).to(DEVICE) for _ in "qk"]
+    inv_freq = 1e6 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.randint(0, 32768, (rows,), generator=gen).float()[:, None] * inv_freq
+    num_blocks = rows // BLOCK_SIZE + 4
+    cache_shape = (num_blocks, BLOCK_SIZE, kv_heads, dim)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:rows]
+    slots[::3] = -1
+    norms = (weights[0], weights[1]) if norm else (None, None)
+    return dict(
+        qkv=wide[:, 16 : 16 + width],
+        layout=QKVLayout(heads, kv_heads, dim, *norms, EPS, interleave=False),
+        cos=angles.cos().to(DEVICE),
+        sin=angles.sin().to(DEVICE),
+        k_cache=torch.randn(cache_shape, generator=gen).to(dtype).to(DEVICE),
+        v_cache=torch.randn(cache_shape, generator=gen).to(dtype).to(DEVICE),
+        slot_mapping=slots.to(DEVICE),
+    )
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    """Bit-equal when exact. Otherwise (q/k norm on: the reference's mean and rsqrt may differ
+    from the kernel's in the last float32 bits) within 8 ulps of each head's largest value, and in
+    bf16 or fp16 only rare elements may differ at all: the rounding points themselves must match."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if exact or got.numel() == 0:
+        assert torch.equal(got, want)
+        return
+    ulp = torch.finfo(got.dtype).eps
+    scale = want.double().abs().amax(-1, keepdim=True).clamp_min(1e-30) * ulp
+    assert float(((got.double() - want.double()).abs() / scale).max()) <= 8
+    if got.dtype != torch.float32:
+        assert float((got != want).double().mean()) < 0.01
+
+
+def check_case(case: dict, got_q: torch.Tensor, k_before: torch.Tensor, v_before: torch.Tensor):
+    """`case` holds the caches the kernel wrote; the reference redoes it on copies of `*_before`."""
+    k_want, v_want = k_before.clone(), v_before.clone()
+    want_q = reference.prepare_qkv(**{**case, "k_cache": k_want, "v_cache": v_want})
+    exact = case["layout"].q_norm is None
+    assert got_q.is_contiguous()
+    assert_same(got_q, want_q, exact)
+    assert_same(case["k_cache"], k_want, exact)
+    assert torch.equal(case["v_cache"], v_want)
+    # Only the real rows' slots change: compare every other slot bit for bit.
+    kv_shape = case["k_cache"].shape[2:]
+    untouched = torch.ones(k_before.shape[0] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    slots = case["slot_mapping"]
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(
+        case["k_cache"].view(-1, *kv_shape)[untouched], k_before.view(-1, *kv_shape)[untouched]
+    )
+
+
+SHAPES = [(32, 4, 128), (32, 4, 64), (32, 4, 96), (8, 8, 128), (8, 8, 64), (8, 8, 96),
+          (4, 1, 128), (4, 1, 64), (4, 1, 96)]  # fmt: skip
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
+def test_prepare_qkv_matches_reference(heads, kv_heads, dim, dtype, norm, interleave):
+    from afdserve.kernels import triton_qkv
+
+    for rows in (0, 1, 7, 64):
+        seed = hash((heads, kv_heads, dim, list(DTYPES).index(dtype), norm, interleave, rows))
+        case = qkv_case(rows, heads, kv_heads, dim, DTYPES[dtype], norm, seed)
+        case["layout"] = dataclasses.replace(case["layout"], interleave=interleave)
+        assert triton_qkv.supports(case["qkv"], case["k_cache"], case["v_cache"], dim)
+        k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+        got = triton_qkv.prepare_qkv(**case)
+        check_case(case, got, k_before, v_before)
+
+
+def test_prepare_qkv_float32_norm_weights():
+    """Norm weights in float32 with bf16 activations: the reference's norm output is float32 then,
+    and so is its rotary; the kernel follows and rounds q to bf16 once at the end."""
+    from afdserve.kernels import triton_qkv
+
+    case = qkv_case(7, 8, 8, 128, torch.bfloat16, True, 5)
+    lay = case["layout"]
+    case["layout"] = dataclasses.replace(lay, q_norm=lay.q_norm.float(), k_norm=lay.k_norm.float())
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    got = triton_qkv.prepare_qkv(**case)
+    k_want, v_want = k_before.clone(), v_before.clone()
+    want = reference.prepare_qkv(**{**case, "k_cache": k_want, "v_cache": v_want})
+    assert want.dtype == torch.float32
+    assert_same(got, want.to(torch.bfloat16), exact=False)
+    assert_same(case["k_cache"], k_want, exact=False)
+    assert torch.equal(case["v_cache"], v_want)
+
+
+def test_prepare_qkv_does_not_sync():
+    from afdserve.kernels import triton_qkv
+
+    case = qkv_case(9, 32, 4, 128, torch.bfloat16, True, 3)
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    got = no_sync(triton_qkv.prepare_qkv, **case)
+    check_case(case, got, k_before, v_before)
+
+
+def test_prepare_qkv_replays_in_cuda_graph():
+    """Captured once, replayed on new inputs (qkv, cos/sin, slots and cache contents) copied into
+    the captured buffers."""
+    from afdserve.kernels import triton_qkv
+
+    case = qkv_case(64, 32, 4, 128, torch.bfloat16, True, 40)
+    triton_qkv.prepare_qkv(**case)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_qkv.prepare_qkv(**case)
+    for seed in (41, 42):
+        new = qkv_case(64, 32, 4, 128, torch.bfloat16, True, seed)
+        for name in ("qkv", "cos", "sin", "slot_mapping", "k_cache", "v_cache"):
+            case[name].copy_(new[name])
+        k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_case(case, out, k_before, v_before)
+
+
+def test_supports():
+    from afdserve.kernels import triton_qkv
+
+    qkv = torch.zeros(2, 40 * 128, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(4, BLOCK_SIZE, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert triton_qkv.supports(qkv, cache, cache, 128)
+    assert not triton_qkv.supports(qkv.cpu(), cache.cpu(), cache.cpu(), 128)
+    assert not triton_qkv.supports(qkv, cache.float(), cache.float(), 128)
+    assert not triton_qkv.supports(qkv.double(), cache.double(), cache.double(), 128)
+    assert not triton_qkv.supports(qkv, cache.transpose(0, 1), cache, 128)
+    assert not triton_qkv.supports(qkv, cache, cache, 127)
+    assert not triton_qkv.supports(qkv, cache, cache, 514)

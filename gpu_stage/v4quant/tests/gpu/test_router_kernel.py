@@ -1,0 +1,158 @@
+"""The Triton greedy router against the torch form of `Router.forward`, computed in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.sync import no_sync
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+if not torch.cuda.is_available():  # Triton ships with CUDA builds of torch only
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from afdserve.kernels import triton_router  # noqa: E402
+
+DEVICE = "cuda"
+TIE = 1e-5  # rows whose k-th and (k+1)-th reference scores are closer may pick either expert
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """The reference must be a true float32 GEMM, whatever another test left set."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def router_case(
+    rows: int, experts: int, hidden: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and a router weight scaled so logits have std ~2: softmax scores spread over decades."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(dtype).to(DEVICE)
+    return x, weight
+
+
+def reference_scores(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> torch.Tensor:
+    logits = x.float() @ weight.float().T
+    return logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+
+
+def assert_routing_matches(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    normalize: bool,
+    scale: float,
+) -> None:
+    rows, experts = x.shape[0], weight.shape[0]
+    assert ids.shape == weights.shape == (rows, top_k)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    if rows == 0:
+        return
+    scores = reference_scores(x, weight, scoring)
+    ref_weights, ref_ids = scores.topk(top_k, dim=-1)
+    if normalize:
+        ref_weights = ref_weights / ref_weights.sum(-1, keepdim=True)
+    ref_weights = ref_weights * scale
+
+    ids_sorted, order = ids.sort(-1)
+    ref_sorted, ref_order = ref_ids.sort(-1)
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert (ids_sorted[:, 1:] != ids_sorted[:, :-1]).all(), "an expert picked twice in a row"
+    assert (weights[:, :-1] >= weights[:, 1:]).all(), "weights must come out descending"
+
+    # A near-tie at the k-th place may legitimately resolve either way: skip those rows only.
+    tie = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    if top_k < experts:
+        ranked = scores.sort(-1, descending=True).values
+        tie = (ranked[:, top_k - 1] - ranked[:, top_k]).abs() < TIE
+    assert int(tie.sum()) <= max(2, rows // 8), f"{int(tie.sum())} of {rows} rows near a tie"
+    keep = ~tie
+    assert torch.equal(ids_sorted[keep], ref_sorted[keep])
+    torch.testing.assert_close(
+        weights.gather(1, order)[keep], ref_weights.gather(1, ref_order)[keep], rtol=1e-5, atol=1e-7
+    )
+
+
+
+# Each combination compiles its own kernels on the GPU: the grid is kept to the cases that differ.
+@pytest.mark.parametrize(
+    "scoring,normalize", [("softmax", True), ("softmax", False), ("sigmoid", False)]
+)
+@pytest.mark.parametrize("rows", [0, 1, 17, 64])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("experts", [8, 60, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_matches_reference(dtype, experts, top_k, rows, scoring, normalize):
+    hidden, scale = 512, 2.5
+    x, weight = router_case(rows, experts, hidden, dtype, seed=experts * 100 + top_k * 10 + rows)
+    ids, weights = triton_router.route(x, weight, top_k, scoring, normalize, scale)
+    assert_routing_matches(ids, weights, x, weight, top_k, scoring, normalize, scale)
+
+
+# (experts, hidden, top_k, normalize) of Mixtral-8x7B, DeepSeek-V2-Lite and Qwen3-30B-A3B.
+MODEL_SHAPES = [(8, 4096, 2, True), (64, 2048, 6, False), (128, 2048, 8, True)]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+@pytest.mark.parametrize("experts,hidden,top_k,normalize", MODEL_SHAPES)
+def test_router_model_shapes(experts, hidden, top_k, normalize, rows):
+    """Full-width H (many splits at one row) and a prefill-sized batch (the wider tiles)."""
+    x, weight = router_case(rows, experts, hidden, torch.bfloat16, seed=experts + rows)
+    ids, weights = triton_router.route(x, weight, top_k, "softmax", normalize, 1.0)
+    assert_routing_matches(ids, weights, x, weight, top_k, "softmax", normalize, 1.0)
+
+
+def test_router_strided_rows_and_odd_hidden():
+    """A row-strided view of x, and an H that is no multiple of the K step (masked tail)."""
+    x, weight = router_case(5, 60, 200, torch.float16, seed=5)
+    wide = torch.cat([x, x, x], dim=1)[:, 200:400]
+    assert triton_router.supports(wide, weight, 4)
+    ids, weights = triton_router.route(wide, weight, 4, "sigmoid", True, 1.0)
+    assert_routing_matches(ids, weights, x, weight, 4, "sigmoid", True, 1.0)
+
+
+def test_router_without_host_sync():
+    x, weight = router_case(16, 128, 2048, torch.bfloat16, seed=41)
+    assert triton_router.supports(x, weight, 8)
+    ids, weights = no_sync(triton_router.route, x, weight, 8, "softmax", True, 1.0)
+    assert_routing_matches(ids, weights, x, weight, 8, "softmax", True, 1.0)
+
+
+def test_router_replays_in_cuda_graph():
+    """Captured once, replayed on new inputs copied into the captured input buffer."""
+    args = (8, "softmax", True, 1.0)
+    x, weight = router_case(8, 128, 2048, torch.bfloat16, seed=51)
+    triton_router.route(x, weight, *args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights = triton_router.route(x, weight, *args)
+    for seed in (52, 53):
+        new_x, _ = router_case(8, 128, 2048, torch.bfloat16, seed=seed)
+        x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_routing_matches(ids, weights, x, weight, *args)
+
+
+def test_router_supports():
+    x, weight = router_case(4, 128, 256, torch.bfloat16, seed=61)
+    assert triton_router.supports(x, weight, 8)
+    assert not triton_router.supports(x.float(), weight.float(), 8)  # float32 keeps torch
+    assert not triton_router.supports(x, weight.half(), 8)  # mixed dtypes
+    assert not triton_router.supports(x.cpu(), weight.cpu(), 8)
+    assert not triton_router.supports(x, weight, 129)  # top_k > E
+    assert not triton_router.supports(x, weight.T.contiguous().T, 8)  # non-contiguous weight
+    big_x, big = router_case(4, 513, 256, torch.bfloat16, seed=62)
+    assert not triton_router.supports(big_x, big, 8)  # E > 512

@@ -1,0 +1,80 @@
+"""Time the FP4 routed-expert kernels (kernels/triton_fp4_moe.py) at DeepSeek-V4-Flash's expert
+shape against the bf16 decode kernels (kernels/triton_moe.py) on the same routing, on CUDA.
+
+For each batch: the median of graph replays of one layer's routed experts (256 experts, hidden
+4096, intermediate 2048, top-6, random routing), the bytes the touched experts hold (FP4: 4.25
+bits per weight with the ue8m0 scales; bf16: 16) and the GB/s that makes, beside the device's
+copy bandwidth (bench/bytes.py), so the FP4 path's share of it can be read off.
+
+    PYTHONPATH=. python tools/fp4_moe_bench.py [--batch-sizes 1,8,64] [--experts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from afdserve.bench.bytes import measure_copy_bandwidth
+from afdserve.kernels import fp4, ops, triton_moe
+
+HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
+
+
+def replay_seconds(fn, *args, repeats: int = 50) -> float:
+    fn(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--experts", type=int, default=256)
+    args = p.parse_args()
+    experts = args.experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up, down = [], []
+    for _ in range(experts):  # quantized one expert at a time: a whole bf16 stack is 12 GB
+        w13 = torch.randn(2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5
+        w2 = torch.randn(HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5
+        gate_up.append(fp4.quantize_fp4(w13))
+        down.append(fp4.quantize_fp4(w2))
+    gu = tuple(torch.stack(t) for t in zip(*gate_up, strict=True))
+    dn = tuple(torch.stack(t) for t in zip(*down, strict=True))
+    bf16_experts = min(experts, 64)  # the bf16 comparison on a 64-expert stack (6 GB)
+    gu16 = fp4.dequantize_fp4(gu[0][:bf16_experts], gu[1][:bf16_experts], torch.bfloat16)
+    dn16 = fp4.dequantize_fp4(dn[0][:bf16_experts], dn[1][:bf16_experts], torch.bfloat16)
+    copy = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"FP4 experts, hidden {HIDDEN}, intermediate {INTER}, top-{TOP_K}, {experts} experts; "
+          f"device copy bandwidth {copy:.0f} GB/s")  # fmt: skip
+    print("batch  touched  fp4_us  fp4_GB/s  of_copy  bf16_us(64 experts)  speedup")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
+        scores = torch.rand(batch, bf16_experts, device="cuda", generator=gen)
+        ids = scores.topk(TOP_K, dim=-1).indices
+        weights = torch.rand(batch, TOP_K, device="cuda", generator=gen)
+        touched = int(ids.unique().numel())
+        t4 = replay_seconds(ops.moe_experts_fp4, x, ids, weights, gu, dn, LIMIT)
+        # The bf16 kernels have no clamp: the same bytes' worth of work, timed for bandwidth.
+        t16 = replay_seconds(triton_moe.moe_experts, x, ids, weights, gu16, dn16)
+        fp4_bytes = touched * 3 * HIDDEN * INTER * 4.25 / 8
+        gbps = fp4_bytes / t4 / 1e9
+        print(f"{batch:5d}  {touched:7d}  {t4 * 1e6:6.1f}  {gbps:8.0f}  {gbps / copy:7.1%}  "
+              f"{t16 * 1e6:19.1f}  {t16 / t4:6.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
