@@ -51,8 +51,10 @@ SUM_BLOCK = 1024
 
 
 def weight_fits(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> bool:
-    """A contiguous 2-D FP8 weight on CUDA with its grid of 128 x 128 blocks."""
+    """A contiguous 2-D FP8 weight on CUDA with its float32 grid of 128 x 128 blocks."""
     if not (q.is_cuda and q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
+        return False
+    if scale_inv.dtype != torch.float32:
         return False
     return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and tuple(scale_inv.shape) == scale_grid(
         *q.shape, block
