@@ -107,7 +107,8 @@ def value(server: ServerProcess, name: str) -> float:
 def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_cli_server(tmp_path_factory.mktemp("recovery"), free_port(), "--topology", "2A1F",
                            "--heartbeat-timeout", str(HEARTBEAT_S), "--on-engine-failure",
-                           "restart", "--max-restarts", "20")  # fmt: skip
+                           "restart", "--max-restarts", "20",
+                           "--enable-log-requests")  # the per-request resume line  # fmt: skip
     try:
         srv.wait_healthy()
         yield srv
