@@ -148,13 +148,9 @@ ROGUES = {
         addr, _frame(pickle.dumps(_TouchOnLoad(tmp / "pwned")))
     ),
     "a pickled Hello": lambda addr, tmp: _send_raw(addr, _frame(pickle.dumps(Hello(0)))),
-    "an unknown type": lambda addr, tmp: _send_raw(addr, _frame(b'["Evil",{"rank":0}]')),
-    "a field of the wrong type": lambda addr, tmp: _send_raw(
-        addr, _frame(b'["Hello",{"rank":"0"}]')
-    ),
-    "an extra field": lambda addr, tmp: _send_raw(
-        addr, _frame(b'["Hello",{"rank":0,"__class__":"os.system"}]')
-    ),
+    "an unknown type": lambda addr, tmp: _send_raw(addr, _frame(b'["Evil",[0]]')),
+    "a field of the wrong type": lambda addr, tmp: _send_raw(addr, _frame(b'["Hello",["0"]]')),
+    "an extra field": lambda addr, tmp: _send_raw(addr, _frame(b'["Hello",[0,"os.system"]]')),
     "not a Hello first": lambda addr, tmp: _send_raw(addr, _frame(encode(Shutdown()))),
     "an absurd length": lambda addr, tmp: _send_raw(addr, struct.pack("!I", MAX_FRAME_BYTES + 1)),
     "half a frame, then silence": lambda addr, tmp: _send_raw(
@@ -280,6 +276,18 @@ def test_every_message_type_round_trips_equal(afd_models):
     assert math.isnan(nan.outputs[0].arrival_time)
 
 
+_LOGIT_BIAS = [f.name for f in dataclasses.fields(SamplingParams)].index("logit_bias")
+
+
+def _add_request(field: int, value: object) -> bytes:
+    """A well-formed AddRequest frame with one field of its SamplingParams replaced."""
+    import json
+
+    frame = json.loads(encode(AddRequest("a", (1,), SamplingParams())))
+    frame[1][2][field] = value
+    return json.dumps(frame).encode()
+
+
 @pytest.mark.parametrize(
     "frame, why",
     [
@@ -287,17 +295,12 @@ def test_every_message_type_round_trips_equal(afd_models):
         (b'{"rank":0}', "a frame is"),
         (b'["WorkerSpec"]', "a frame is"),
         (b'["os.system",{}]', "unknown message type"),
-        (b'["Hello",{}]', "Hello"),  # a missing field: the constructor refuses it
-        (b'["Hello",{"rank":true}]', "expected an integer"),
-        (
-            b'["AddRequest",{"request_id":"a","prompt_token_ids":[1],"params":{"max_tokens":0}}]',
-            "max_tokens",
-        ),  # SamplingParams' own check
-        (
-            b'["AddRequest",{"request_id":"a","prompt_token_ids":[1],'
-            b'"params":{"logit_bias":{"1":2.0}}}]',
-            "expected dict",
-        ),
+        (b'["Hello",[]]', "Hello"),  # a missing field
+        (b'["Hello",{"rank":0}]', "a list of its 1 fields"),
+        (b'["Hello",[true]]', "Hello.rank: expected int, got bool"),
+        (_add_request(0, 0), "max_tokens"),  # SamplingParams' own check
+        (_add_request(_LOGIT_BIAS, {"x1": 2.0}), "a key must be an integer"),
+        (_add_request(_LOGIT_BIAS, [[1, 2.0]]), "expected an object"),
         (b"[" * 100000 + b"]" * 100000, "not a JSON frame"),
     ],
 )
