@@ -107,7 +107,7 @@ class OutputProcessor:
             new_text=new_text, finished=finished, finish_reason=reason,
             logprobs=list(r.logprobs), arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time)
+            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens)
         return out, stopped and not delta.finished
 
     @staticmethod

@@ -28,6 +28,8 @@ class SequenceOutput:
     arrival_time: float = 0.0  # the engine accepted the request
     first_scheduled_time: float | None = None  # the first step that computes any of its tokens
     first_token_time: float | None = None
+    # Prompt tokens the engine found in its prefix cache (None until the core admitted it).
+    num_cached_tokens: int | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -61,6 +63,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Prompt tokens found in the prefix cache, as vLLM's RequestOutput has them: the first
+    # candidate's, whose prompt `prompt_token_ids` is.
+    num_cached_tokens: int | None = None
     candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
 
     # The first choice's fields, as the flat output of afdserve 0.1 had them.
@@ -133,5 +138,6 @@ def gather(
         arrival_time=min(c.arrival_time for c in candidates),
         first_scheduled_time=earliest([c.first_scheduled_time for c in candidates]),
         first_token_time=earliest([c.first_token_time for c in candidates]),
+        num_cached_tokens=candidates[0].num_cached_tokens,
         candidates=candidates,
     )

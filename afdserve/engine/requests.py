@@ -68,3 +68,6 @@ class TokenDelta:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    # Prompt tokens whose KV the first admission found in the prefix cache (None: not yet
+    # admitted). OpenAI's usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int | None = None
