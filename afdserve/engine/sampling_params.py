@@ -101,11 +101,18 @@ class SamplingParams:
             raise bad("best_of", f"must be None or an integer >= n={self.n}")
 
         if self.structured_outputs is not None:
+            # These two name no value: the constraint holds server-side fields (tokenizer_dir,
+            # a path) that an HTTP client, who sees this message, must not.
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
+                raise ValueError(
+                    "SamplingParams.structured_outputs: must be None or a StructuredOutputsParams"
+                )
             # The grammar ends the output with EOS: it must be allowed to stop it, at once.
             if self.ignore_eos or self.min_tokens:
-                raise bad("structured_outputs", "cannot be combined with ignore_eos or min_tokens")
+                raise ValueError(
+                    "SamplingParams.structured_outputs: cannot be combined with "
+                    "ignore_eos or min_tokens"
+                )
 
         # Frozen dataclass: normalise the sequence fields in place so that the stored value is
         # always a hashable tuple whatever the caller passed (str, list or tuple).

@@ -64,7 +64,8 @@ def add_middleware(app: FastAPI, state: ServerState) -> None:
     app.add_middleware(
         BodyLimit,
         max_bytes=options.max_request_body_bytes,
-        on_refused=lambda: state.metrics.rejected("body_too_large"),
+        timeout_s=options.body_timeout_s,
+        on_refused=state.metrics.rejected,
     )
     if options.api_key:
         app.add_middleware(APIKeyCheck, api_key=options.api_key)

@@ -36,6 +36,9 @@ class APIKeyCheck:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"www-authenticate", b"Bearer"),
+                    # Refused before its body was read: the connection ends here, so a client
+                    # without the key cannot keep it by trickling a body (connections.py).
+                    (b"connection", b"close"),
                 ],
             }
         )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.structured import StructuredOutputsParams
 from afdserve.server import protocol as api
-from afdserve.server.protocol import bad_request
+from afdserve.server.protocol import bad_request, public_message
 
 if TYPE_CHECKING:
     from afdserve.server.engine_view import EngineView
@@ -62,7 +62,11 @@ def chat_prompt(
             **({"tools": tools} if tools else {}),
         )
     except Exception as e:  # the template refuses this conversation (roles, order, ...)
-        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+        # Its first line only: the exception may be any of the template's, reprs included.
+        reason = public_message(str(e))[:300]
+        raise bad_request(
+            f"messages: the chat template refused them: {reason}", "messages"
+        ) from None
     return engine.encode(text)
 
 
@@ -112,8 +116,10 @@ def structured_outputs(
     guided_choice / guided_grammar, or a forced tool call (`tool_schema`, server/tools.py).
     More than one is a 400, as is a grammar that does not compile; every message names the
     field the request used."""
-    constraints = {"response_format": _response_format(body.response_format),
-                   "structured_outputs": _structured(body.structured_outputs)}
+    constraints = {
+        "response_format": _response_format(body.response_format),
+        "structured_outputs": _structured(body.structured_outputs),
+    }
     for name, kind in GUIDED.items():
         value = getattr(body, name)
         constraints[name] = {} if value is None else {kind: value}
@@ -196,15 +202,14 @@ def sampling_params(
             fields[name] = value
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
-    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir,
-                                                                  tool_schema)
+    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir, tool_schema)
     try:
         params = SamplingParams(**fields)
         params.check_vocab(vocab_size)
     except ValueError as e:
         message = str(e).removeprefix("SamplingParams.")
         if message.startswith("structured_outputs"):  # what the request called it
-            message = constraint + message.split(":", 1)[1]
+            message = f"{constraint}:{message.split(':', 1)[1]}"
             raise bad_request(message, constraint) from None
         raise bad_request(message) from None
     if body.stream and params.candidates > params.n:

@@ -1,5 +1,7 @@
 """What the frontend refuses before the engine sees a request: bodies larger than a bound (413,
-before the body is read), and new work beyond a bound on what already waits (503 + Retry-After).
+before the body is read) or slower than a deadline (408), and new work beyond a bound on what
+already waits (503 + Retry-After). A refusal before the body was read carries
+`Connection: close`, and the connection ends (connections.py).
 
 "Waiting" is counted in the frontend: an engine request is waiting from its admission until its
 first token (or its end). That includes the ranks' scheduler queue and the time the request takes
@@ -8,7 +10,9 @@ to get there, and it is exact, unlike the ranks' own gauges, which arrive a step
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,11 +75,17 @@ def _send_error(status: int, message: str, extra: tuple = ()) -> Callable:
 
 class BodyLimit:
     """ASGI middleware: a body over `max_bytes` is a 413, from its Content-Length before any of
-    it is read, or as soon as the bytes received pass the bound. The body is read here in full
-    (handlers read it in full anyway) and handed on unchanged."""
+    it is read, or as soon as the bytes received pass the bound; a body not all there within
+    `timeout_s` of its head is a 408 (a client that never sends the rest of a chunked body, or
+    sends it a byte at a time, would otherwise hold its connection and a request slot for as
+    long as it likes). The body is read here in full (handlers read it in full anyway) and
+    handed on unchanged."""
 
-    def __init__(self, app: Any, max_bytes: int, on_refused: Callable[[], None]) -> None:
+    def __init__(
+        self, app: Any, max_bytes: int, timeout_s: float, on_refused: Callable[[str], None]
+    ) -> None:
         self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -84,18 +94,25 @@ class BodyLimit:
         message = f"body: larger than this server's limit of {self.max_bytes} bytes"
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            self.on_refused()
+            self.on_refused("body_too_large")
             await _send_error(413, message)(send)
             return
         chunks, size = [], 0
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            event = await receive()
+            try:
+                event = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.on_refused("body_timeout")
+                late = f"body: not received within this server's limit of {self.timeout_s:g} s"
+                await _send_error(408, late)(send)
+                return
             if event["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(event.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                self.on_refused()
+                self.on_refused("body_too_large")
                 await _send_error(413, message)(send)
                 return
             if not event.get("more_body", False):

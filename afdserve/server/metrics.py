@@ -28,7 +28,7 @@ RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why the server refused a request without running it (afdserve_requests_rejected_total).
 REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
-                  "body_too_large", "prompt_too_large")  # fmt: skip
+                  "body_too_large", "body_timeout", "prompt_too_large")  # fmt: skip
 
 COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes would drown the API traffic

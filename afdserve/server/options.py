@@ -96,6 +96,13 @@ class ServeOptions:
     max_header_bytes: int = option(64 * 1024, help="h11: the largest request head accepted")
     header_timeout_s: float = option(
         10.0, help="close a connection that sent no complete request head in time")
+    # server/limits.py (BodyLimit) and server/connections.py.
+    body_timeout_s: float = option(
+        30.0, help="408 (and the connection closes) for a request body not all received this "
+                   "many seconds after its head")
+    max_connections_per_client: int | None = option(
+        512, help="connections from one client address beyond this are closed at once, so that "
+                  "one client cannot take every slot of --limit-concurrency")
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -136,9 +143,10 @@ class ServeOptions:
         _positive(self, "restart_window_s", "a number of seconds > 0")
         _positive(self, "max_request_resumes", "an integer >= 0", zero=True, integer=True)
         _positive(self, "header_timeout_s", "a number of seconds > 0")
+        _positive(self, "body_timeout_s", "a number of seconds > 0")
         _positive(self, "request_timeout_s", "a number of seconds > 0, or none", optional=True)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_prompt_chars",
-                     "limit_concurrency"):  # fmt: skip
+                     "limit_concurrency", "max_connections_per_client"):  # fmt: skip
             _positive(self, name, "an integer > 0, or none", optional=True, integer=True)
         for name in ("retry_after_s", "max_request_body_bytes", "timeout_keep_alive_s",
                      "max_header_bytes"):  # fmt: skip

@@ -1,18 +1,54 @@
-"""The frontend <-> rank channel: both sides prove the key (HMAC-SHA256) before anything is
-unpickled; a wrong key or a silent peer is dropped without holding up the others; a built-in
-world listens on loopback only."""
+"""The frontend <-> rank channel: both sides prove the key (HMAC-SHA256); frames are the message
+codec's JSON, never pickle; a wrong key, a silent peer, or a peer holding the key that sends
+garbage, a pickle, an unknown type, half a frame or an absurd length is dropped and logged without
+holding up the others; a built-in world listens on loopback only, and its rendezvous store is a
+file only this user can open."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import logging
+import math
 import os
+import pickle
 import socket
+import stat
+import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from afdserve import LLM
-from afdserve.afd.ranks.channel import HANDSHAKE_TIMEOUT_S, ChannelError, RankListener, connect
+from afdserve.afd.ranks import channel as channel_module
+from afdserve.afd.ranks.channel import (
+    CHALLENGE_BYTES,
+    HANDSHAKE_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    ChannelError,
+    RankListener,
+    connect,
+    read_key,
+)
+from afdserve.afd.ranks.codec import DecodeError, decode, encode
+from afdserve.afd.ranks.messages import (
+    AddRequest,
+    Hello,
+    Outputs,
+    RankReady,
+    RankStats,
+    Shutdown,
+    WorkerSpec,
+)
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.engine.factory import MemoryReport
+from afdserve.engine.requests import RequestLimits, TokenDelta
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.structured import StructuredOutputsParams
 
 KEY = os.urandom(32)
 
@@ -24,20 +60,27 @@ def listener():
     server.close()
 
 
+def _wait_rejected(listener: RankListener, n: int, within: float = HANDSHAKE_TIMEOUT_S + 5) -> None:
+    deadline = time.monotonic() + within
+    while listener.rejected < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert listener.rejected == n
+
+
 def test_both_sides_prove_the_key(listener):
     got = {}
     worker = threading.Thread(target=lambda: got.setdefault("conn", connect(listener.address, KEY)))
     worker.start()
-    conn = listener.get(timeout=5)
     worker.join(5)
-    got["conn"].send({"hello": 1})
-    assert conn.recv() == {"hello": 1}
+    got["conn"].send(Hello(2))
+    hello, conn = listener.get(timeout=5)
+    assert hello == Hello(2)
+    conn.send(Shutdown())
+    assert got["conn"].recv(timeout=5) == Shutdown()
     with pytest.raises(ChannelError):
         connect(listener.address, os.urandom(32))  # the frontend drops it: the peer sees it
-    deadline = time.monotonic() + 5
-    while listener.rejected < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert listener.rejected == 1 and listener.get(timeout=0.2) is None
+    _wait_rejected(listener, 1)
+    assert listener.get(timeout=0.2) is None
 
 
 def test_a_frontend_without_the_key_is_refused():
@@ -55,16 +98,239 @@ def test_silent_peers_do_not_block_others(listener):
     try:
         start = time.monotonic()
         conn = connect(listener.address, KEY)
+        conn.send(Hello(0))
         assert listener.get(timeout=5) is not None
         assert time.monotonic() - start < 2.0  # not queued behind the silent ones
         conn.close()
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 5
-        while listener.rejected < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert listener.rejected == 3  # each dropped after the handshake deadline
+        _wait_rejected(listener, 3)  # each dropped after the handshake deadline
     finally:
         for s in silent:
             s.close()
+
+
+# --- rogue peers: real sockets speaking the handshake by hand ---------------------------------
+
+
+def _mac(key: bytes, role: bytes, challenge: bytes) -> bytes:
+    import hmac
+
+    return hmac.new(key, role + challenge, hashlib.sha256).digest()
+
+
+def _authenticated_socket(address, key: bytes = KEY) -> socket.socket:
+    """A peer that holds the key and passes the handshake, then sends what the test says."""
+    sock = socket.create_connection(address, timeout=5)
+    challenge = sock.recv(CHALLENGE_BYTES, socket.MSG_WAITALL)
+    mine = os.urandom(CHALLENGE_BYTES)
+    sock.sendall(_mac(key, b"afdserve-rank", challenge) + mine)
+    assert sock.recv(32, socket.MSG_WAITALL) == _mac(key, b"afdserve-frontend", mine)
+    return sock
+
+
+class _TouchOnLoad:
+    """Unpickling this creates a file: proof of code run by a pickle."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("!I", len(payload)) + payload
+
+
+ROGUES = {
+    "wrong key": lambda addr, tmp: _send_raw(addr, wrong_key=True),
+    "garbage bytes": lambda addr, tmp: _send_raw(addr, garbage=os.urandom(64)),
+    "a pickle": lambda addr, tmp: _send_raw(
+        addr, _frame(pickle.dumps(_TouchOnLoad(tmp / "pwned")))
+    ),
+    "a pickled Hello": lambda addr, tmp: _send_raw(addr, _frame(pickle.dumps(Hello(0)))),
+    "an unknown type": lambda addr, tmp: _send_raw(addr, _frame(b'["Evil",[0]]')),
+    "a field of the wrong type": lambda addr, tmp: _send_raw(addr, _frame(b'["Hello",["0"]]')),
+    "an extra field": lambda addr, tmp: _send_raw(addr, _frame(b'["Hello",[0,"os.system"]]')),
+    "not a Hello first": lambda addr, tmp: _send_raw(addr, _frame(encode(Shutdown()))),
+    "an absurd length": lambda addr, tmp: _send_raw(addr, struct.pack("!I", MAX_FRAME_BYTES + 1)),
+    "half a frame, then silence": lambda addr, tmp: _send_raw(
+        addr, struct.pack("!I", 100) + b'["Hello",'
+    ),
+    "half a frame, then gone": lambda addr, tmp: _send_raw(
+        addr, struct.pack("!I", 100) + b"{", close=True
+    ),
+}
+_held: list[socket.socket] = []
+
+
+def _send_raw(
+    address,
+    payload: bytes = b"",
+    wrong_key: bool = False,
+    garbage: bytes = b"",
+    close: bool = False,
+) -> None:
+    """Kept open unless `close`: the frontend must decide on what was sent, not on an EOF."""
+    if wrong_key or garbage:
+        sock = socket.create_connection(address, timeout=5)
+        sock.recv(CHALLENGE_BYTES, socket.MSG_WAITALL)
+        sock.sendall(garbage or (os.urandom(32) + os.urandom(CHALLENGE_BYTES)))
+    else:
+        sock = _authenticated_socket(address)
+        sock.sendall(payload)
+    if close:
+        sock.close()
+    else:
+        _held.append(sock)
+
+
+@pytest.mark.parametrize("rogue", list(ROGUES))
+def test_a_rogue_peer_is_dropped_and_logged(listener, rogue, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger=channel_module.__name__)
+    ROGUES[rogue](listener.address, tmp_path)
+    good = connect(listener.address, KEY)  # a real rank, right behind the rogue
+    good.send(Hello(1))
+    start = time.monotonic()
+    got = listener.get(timeout=5)
+    assert got is not None and got[0] == Hello(1)
+    assert time.monotonic() - start < 2.0  # not held up by the rogue
+    _wait_rejected(listener, 1)
+    assert listener.get(timeout=0.2) is None  # the rogue never reaches the world
+    assert "rejected a rank connection from 127.0.0.1" in caplog.text
+    assert not (tmp_path / "pwned").exists()  # nothing was unpickled
+    for sock in _held:
+        sock.close()
+    _held.clear()
+
+
+def test_a_rank_that_sends_a_malformed_frame_mid_stream_is_an_error_not_a_hang(listener):
+    """After the Hello: half a frame leaves poll() False at once (no blocking read); a frame
+    that is not a message is a ChannelError for the caller to drop."""
+    sock = _authenticated_socket(listener.address)
+    sock.sendall(_frame(encode(Hello(0))))
+    _, conn = listener.get(timeout=5)
+    sock.sendall(struct.pack("!I", 50) + b"[")
+    start = time.monotonic()
+    assert conn.poll(0.1) is False and time.monotonic() - start < 1.0
+    sock.sendall(b"x" * 49)  # the rest of the frame: 50 bytes of not-JSON
+    assert conn.poll(2.0) is True
+    with pytest.raises(ChannelError, match="malformed"):
+        conn.recv()
+    sock.close()
+
+
+# --- the codec ----------------------------------------------------------------------------------
+
+
+def test_every_message_type_round_trips_equal(afd_models):
+    """The oracle is equality with what was sent, for each message type, with nested
+    dataclasses, optional fields, dicts keyed by token id, tuples of tuples and inf/nan."""
+    params = SamplingParams(
+        max_tokens=5,
+        temperature=0.7,
+        seed=-(2**63),
+        stop=("x",),
+        logit_bias={3: -1.5},
+        logprobs=2,
+        structured_outputs=None,
+    )
+    spec = WorkerSpec(
+        EngineConfig(model=str(afd_models["qwen3_moe"]), max_model_len=128),
+        AFDConfig(
+            topology="2A2F",
+            log_step_plan="plan.jsonl",
+            ffn_expert_parallel=True,
+            expert_placement=((0, 1), (2, 3)),
+        ),
+        GraphConfig(),
+        log_path=None,
+        threads=2,
+    )
+    delta = TokenDelta(
+        "r1", (5, 6), ({5: -0.1, 7: -math.inf}, None), False, None, 2, 123.5, None, 124.0
+    )
+    messages = [
+        spec,
+        Hello(3),
+        Shutdown(),
+        RankReady(
+            0,
+            "attention",
+            MemoryReport("attention", 0, 10, 20, 3, None, "bfloat16", 4),
+            ("a.weight", "b.bias"),
+            RequestLimits(128, 1000, 64, 16),
+        ),
+        AddRequest("r1", (1, 2, 3), params),
+        AddRequest(
+            "r2",
+            (4,),
+            SamplingParams(structured_outputs=StructuredOutputsParams(choice=("yes", "no"))),
+        ),
+        Outputs(1, (delta,), RankStats(1, 2, 0.25, {"attention:eager": 7})),
+    ]
+    for message in messages:
+        assert decode(encode(message)) == message
+    nan = decode(
+        encode(Outputs(0, (dataclasses.replace(delta, arrival_time=math.nan),), RankStats()))
+    )
+    assert math.isnan(nan.outputs[0].arrival_time)
+
+
+_LOGIT_BIAS = [f.name for f in dataclasses.fields(SamplingParams)].index("logit_bias")
+
+
+def _add_request(field: int, value: object) -> bytes:
+    """A well-formed AddRequest frame with one field of its SamplingParams replaced."""
+    import json
+
+    frame = json.loads(encode(AddRequest("a", (1,), SamplingParams())))
+    frame[1][2][field] = value
+    return json.dumps(frame).encode()
+
+
+@pytest.mark.parametrize(
+    "frame, why",
+    [
+        (b"\x80\x04K\x01.", "not a JSON frame"),
+        (b'{"rank":0}', "a frame is"),
+        (b'["WorkerSpec"]', "a frame is"),
+        (b'["os.system",{}]', "unknown message type"),
+        (b'["Hello",[]]', "Hello"),  # a missing field
+        (b'["Hello",{"rank":0}]', "a list of its 1 fields"),
+        (b'["Hello",[true]]', "Hello.rank: expected int, got bool"),
+        (_add_request(0, 0), "max_tokens"),  # SamplingParams' own check
+        (_add_request(_LOGIT_BIAS, {"x1": 2.0}), "a key must be an integer"),
+        (_add_request(_LOGIT_BIAS, [[1, 2.0]]), "expected an object"),
+        (b"[" * 100000 + b"]" * 100000, "not a JSON frame"),
+    ],
+)
+def test_decoding_refuses_what_is_not_a_message(frame, why):
+    with pytest.raises(DecodeError, match=why):
+        decode(frame)
+
+
+def test_encoding_refuses_what_is_not_a_message():
+    with pytest.raises(TypeError, match="not a frontend <-> rank message"):
+        encode({"hello": 1})
+
+
+# --- the key ------------------------------------------------------------------------------------
+
+
+def test_the_key_comes_from_the_environment_or_a_file_and_no_error_shows_it(tmp_path):
+    key = os.urandom(32)
+    assert read_key({}) is None
+    assert read_key({"AFDSERVE_AUTHKEY": key.hex()}) == key
+    (tmp_path / "k").write_text(key.hex() + "\n")
+    assert read_key({"AFDSERVE_AUTHKEY_FILE": str(tmp_path / "k")}) == key
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_key({"AFDSERVE_AUTHKEY_FILE": str(tmp_path / "missing")})
+    bad = "zz" + key.hex()
+    with pytest.raises(ValueError, match="AFDSERVE_AUTHKEY: must be a hex string") as info:
+        read_key({"AFDSERVE_AUTHKEY": bad})
+    assert bad not in str(info.value)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        read_key({"AFDSERVE_AUTHKEY": "abcd"})
 
 
 def _listening_inodes() -> dict[str, str]:
@@ -98,11 +364,137 @@ def _is_loopback(address: str) -> bool:
     return host in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
+def _store_path(pid: int) -> str:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return env[b"AFDSERVE_STORE_PATH"].decode()
+
+
+def _can_open_as_nobody(path: str) -> bool:
+    """Whether another user could read the rendezvous store (needs root to become nobody)."""
+    code = (
+        f"import os; os.setgid(65534); os.setuid(65534)\n"
+        f"try:\n open({path!r}, 'rb'); print('open')\n"
+        f"except PermissionError: print('denied')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() in ("open", "denied"), out.stderr
+    return out.stdout.strip() == "open"
+
+
 def test_a_built_in_world_listens_on_loopback_only(afd_models):
+    """No socket beyond loopback; the rendezvous store is a file in a 0700 directory that
+    another user cannot open, removed at shutdown."""
     with LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32") as llm:
         listening = _listening_inodes()
-        pids = [os.getpid()] + [p.pid for p in llm.engine.core_client.world.procs]
-        mine = {inode: listening[inode] for pid in pids for inode in _socket_inodes(pid)
-                if inode in listening}
+        procs = llm.engine.core_client.world.procs
+        pids = [os.getpid()] + [p.pid for p in procs]
+        mine = {
+            inode: listening[inode]
+            for pid in pids
+            for inode in _socket_inodes(pid)
+            if inode in listening
+        }
+        store = _store_path(procs[0].pid)
+        store_dir = os.path.dirname(store)
+        assert stat.S_IMODE(os.stat(store_dir).st_mode) == 0o700
+        assert os.stat(store_dir).st_uid == os.getuid()
+        assert os.path.exists(store)
+        if os.getuid() == 0:
+            assert not _can_open_as_nobody(store)
     assert mine, "the world listens on no TCP socket at all"
     assert {a for a in mine.values() if not _is_loopback(a)} == set()
+    assert not os.path.exists(store_dir)
+
+
+def _rogues_at(address: tuple[str, int], stop: threading.Event, tried: list[str]) -> None:
+    """Knock until the frontend listens, then send every kind of bad opening, over and over."""
+    kinds = [k for k in ROGUES if k != "half a frame, then silence"] + [
+        "half a frame, then silence"
+    ]
+    while not stop.is_set():
+        for kind in kinds:
+            try:
+                ROGUES[kind](address, Path("/nonexistent"))
+                tried.append(kind)
+            except (OSError, AssertionError):
+                time.sleep(0.05)  # not listening yet, or closed after start-up
+            if stop.is_set():
+                return
+
+
+def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypatch, caplog):
+    """Ranks started elsewhere (the torchrun path) join a frontend that rogue peers, some holding
+    the key, keep knocking on: the world starts, answers like the colocated engine, and the log
+    says where the key came from but never shows it. Once every rank is in, the port closes."""
+    from afdserve.afd.clients.process import free_port
+
+    from .conftest import GREEDY, colocated_tokens
+
+    caplog.set_level(logging.INFO)
+    key, frontend, master = os.urandom(32).hex(), free_port(), free_port()
+    monkeypatch.setenv("AFDSERVE_AUTHKEY", key)
+    monkeypatch.setattr(channel_module, "HANDSHAKE_TIMEOUT_S", 1.0)
+    address = ("127.0.0.1", frontend)
+    stop, tried = threading.Event(), []
+    knocker = threading.Thread(target=_rogues_at, args=(address, stop, tried), daemon=True)
+    knocker.start()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "afdserve.afd.ranks.worker"],
+            env=dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master),
+                WORLD_SIZE="3",
+                RANK=str(rank),
+                AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}",
+            ),
+        )
+        for rank in range(3)
+    ]
+    model = afd_models["qwen3_moe"]
+    prompts = [[3, 4, 5], [6, 7]]
+    try:
+        with LLM(
+            str(model), topology="2A1F", dtype="float32", frontend_address=f"127.0.0.1:{frontend}"
+        ) as llm:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(address, timeout=5)
+            got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            stop.set()
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    finally:
+        stop.set()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for sock in _held:
+            sock.close()
+        _held.clear()
+    assert got == colocated_tokens(model, prompts)
+    assert len(tried) >= len(ROGUES)  # every kind reached the frontend before the world was in
+    assert "rejected a rank connection" in caplog.text
+    assert "the key from AFDSERVE_AUTHKEY" in caplog.text and key not in caplog.text
+
+
+def test_a_frontend_without_a_key_writes_one_to_a_private_file(monkeypatch, caplog, afd_models):
+    """Ranks started elsewhere, no key given: the log names a 0600 file holding a fresh key,
+    not the key."""
+    from afdserve.afd.ranks.world import RankWorld, WorkerError
+
+    monkeypatch.delenv("AFDSERVE_AUTHKEY", raising=False)
+    monkeypatch.delenv("AFDSERVE_AUTHKEY_FILE", raising=False)
+    caplog.set_level(logging.INFO)
+    spec = WorkerSpec(
+        EngineConfig(model=str(afd_models["qwen3_moe"])), AFDConfig(topology="1A1F"), GraphConfig()
+    )
+    with pytest.raises(WorkerError, match="0 of 2 ranks connected"):
+        RankWorld(spec, spawn=False, startup_timeout_s=0.5)
+    line = next(r.getMessage() for r in caplog.records if "waiting for 2 ranks" in r.getMessage())
+    path = line.split("AFDSERVE_AUTHKEY_FILE=")[1].strip()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    key = read_key({"AFDSERVE_AUTHKEY_FILE": path})
+    assert key is not None and key.hex() not in caplog.text
+    os.unlink(path)

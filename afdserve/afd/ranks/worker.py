@@ -16,13 +16,12 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
 from afdserve.afd.ranks.build import BuiltRank, build_attention_rank, build_ffn_rank
-from afdserve.afd.ranks.channel import connect
+from afdserve.afd.ranks.channel import Channel, connect, read_key
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
@@ -56,21 +55,19 @@ def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
 
 def spawned_by_frontend() -> bool:
     """The built-in launcher started this rank, and every rank of its world, on this host."""
-    return "AFDSERVE_STORE_PORT" in os.environ
+    return "AFDSERVE_STORE_PATH" in os.environ
 
 
 def _store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
-    """The rendezvous store. The built-in launcher hands rank 0 a socket bound to loopback
-    (AFDSERVE_STORE_FD), so the store listens there only, not on every interface (a store made
-    from MASTER_ADDR alone listens on all of them); every rank of such a world then builds its
-    store itself. Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
+    """The rendezvous store. The built-in launcher names a file in a directory of its user's
+    alone (AFDSERVE_STORE_PATH): a FileStore there has no socket for another process to reach,
+    and the directory's mode keeps other users out (torch's TCPStore authenticates nobody, on
+    loopback too). Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
     if not spawned_by_frontend():
         return None
-    port = int(os.environ["AFDSERVE_STORE_PORT"])
-    if rank == 0:
-        fd = int(os.environ["AFDSERVE_STORE_FD"])
-        return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=fd)
-    return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    store = dist.FileStore(os.environ["AFDSERVE_STORE_PATH"], world)
+    store.set_timeout(timeout)
+    return store
 
 
 def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.device]:
@@ -81,11 +78,11 @@ def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.de
     store = _store(rank, world, timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
-                                device_id=device, store=store)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, timeout=timeout, device_id=device, store=store
+        )
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout,
-                                store=store)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout, store=store)
     return dist.new_group(backend="gloo", timeout=timeout), device
 
 
@@ -109,7 +106,7 @@ def name_process(name: str) -> None:
         pass  # not Linux: nothing shows the name anyway
 
 
-def worker_main(rank: int, conn: Connection) -> None:
+def worker_main(rank: int, conn: Channel) -> None:
     """Entry point of one rank. MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK come from the
     environment (the launcher or torchrun sets them)."""
     conn.send(Hello(rank))
@@ -123,8 +120,14 @@ def worker_main(rank: int, conn: Connection) -> None:
     try:
         control_group, device = init_world(spec, rank)
         expert_group = init_expert_group(spec)
-        control = open_control_plane(spec.afd.control_plane, spec.topology, control_group, rank,
-                                     spec.afd.timeout_s, one_host=spawned_by_frontend())
+        control = open_control_plane(
+            spec.afd.control_plane,
+            spec.topology,
+            control_group,
+            rank,
+            spec.afd.timeout_s,
+            one_host=spawned_by_frontend(),
+        )
         if spec.topology.is_attention(rank):
             built = build_attention_rank(spec, rank, device, control)
         else:
@@ -151,7 +154,7 @@ def worker_main(rank: int, conn: Connection) -> None:
             dist.destroy_process_group()
 
 
-def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
+def _apply(built: BuiltRank, rank: int, conn: Channel) -> bool:
     """Apply queued frontend messages; True when shutdown was asked for (or the frontend left)."""
     while conn.poll():
         try:
@@ -175,12 +178,17 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
 
 def _stats(built: BuiltRank) -> RankStats:
     scheduler, blocks = built.core.scheduler, built.core.block_manager
-    return RankStats(scheduler.num_running, scheduler.num_waiting, blocks.usage,
-                     dict(built.driver.recorder.mode_counts), blocks.queried_tokens,
-                     blocks.hit_tokens)
+    return RankStats(
+        scheduler.num_running,
+        scheduler.num_waiting,
+        blocks.usage,
+        dict(built.driver.recorder.mode_counts),
+        blocks.queried_tokens,
+        blocks.hit_tokens,
+    )
 
 
-def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
+def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
     idle_sleep = IDLE_SLEEP_S[0]
     last_sent = time.monotonic()
     while True:
@@ -199,7 +207,8 @@ def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:
 
 def main() -> None:
     """`python -m afdserve.afd.ranks.worker`: one rank, under the launcher or torchrun.
-    AFDSERVE_FRONTEND=host:port and AFDSERVE_AUTHKEY (hex) say where the frontend listens."""
+    AFDSERVE_FRONTEND=host:port says where the frontend listens; the key comes from
+    AFDSERVE_AUTHKEY (hex) or AFDSERVE_AUTHKEY_FILE (channel.read_key)."""
     if spawned_by_frontend():
         # Spawned by the built-in launcher: the frontend owns this process's life (it drains,
         # then sends Shutdown, and SIGKILLs what is left). A SIGINT or SIGTERM sent to the whole
@@ -208,7 +217,12 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     host, port = os.environ["AFDSERVE_FRONTEND"].rsplit(":", 1)
-    authkey = bytes.fromhex(os.environ["AFDSERVE_AUTHKEY"])
+    authkey = read_key()
+    if authkey is None:
+        sys.exit(
+            "afdserve rank: set AFDSERVE_AUTHKEY (hex) or AFDSERVE_AUTHKEY_FILE to the "
+            "frontend's key (its log says where it is)"
+        )
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:  # under torchrun a rank may start before the frontend listens
         try:

@@ -3,26 +3,31 @@ elsewhere), authenticate their connections, hand out the WorkerSpec, wait until 
 ready, pump their messages, notice a rank that died or stopped making progress, and stop them all,
 leaving no process behind.
 
-Network exposure of a built-in (one-host) world: the rank channel listens on loopback; the
-rendezvous store (rank 0's TCPStore) listens on a loopback socket the frontend binds and hands to
-rank 0; gloo and NCCL bootstrap over the loopback interface. Ranks started elsewhere (torchrun)
-use env:// as usual, and the frontend listens on the address it is given.
+Network exposure of a built-in (one-host) world: the rank channel listens on loopback until every
+rank has connected, then closes; the rendezvous store is a torch FileStore in a directory only
+this user can open (mode 0700), so no socket serves it and no other user can read or write its
+keys (a TCPStore, even on loopback, answers any local process: torch gives it no
+authentication); gloo and NCCL bootstrap over the loopback interface. Ranks started elsewhere
+(torchrun) rendezvous through env:// as usual, whose TCPStore, like gloo and NCCL themselves,
+has no authentication: such a world belongs on a private network (docs/design.md).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 
-from afdserve.afd.ranks.channel import RankListener
-from afdserve.afd.ranks.messages import Hello, Outputs, RankFailed, RankReady, Shutdown, WorkerSpec
+from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, read_key
+from afdserve.afd.ranks.messages import Outputs, RankFailed, RankReady, Shutdown, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +64,8 @@ def free_port() -> int:
 
 
 def world_authkey() -> bytes:
-    key = os.environ.get("AFDSERVE_AUTHKEY")
-    return bytes.fromhex(key) if key else os.urandom(32)
+    key = read_key()
+    return key if key is not None else os.urandom(32)
 
 
 class Standby:
@@ -73,7 +78,7 @@ class Standby:
         self.world_size = world_size
         self.authkey = world_authkey()
         self.listener = RankListener(("127.0.0.1", 0), self.authkey)
-        self.procs = spawn_ranks(world_size, self.listener.address, self.authkey)
+        self.procs, self.store_dir = spawn_ranks(world_size, self.listener.address, self.authkey)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -82,6 +87,7 @@ class Standby:
         for proc in self.procs:
             proc.wait(timeout=KILL_WAIT_S)
         self.listener.close()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class StandbyWorlds:
@@ -112,66 +118,74 @@ class StandbyWorlds:
 STANDBY = StandbyWorlds()
 
 
-def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes) -> list[subprocess.Popen]:
-    """The processes of a world on this host, rank 0 holding the rendezvous store's socket."""
+def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes
+                ) -> tuple[list[subprocess.Popen], str]:
+    """The processes of a world on this host and the directory of their rendezvous store: a
+    FileStore in a directory of this user's alone (0700), which the world removes at shutdown."""
+    store_dir = tempfile.mkdtemp(prefix="afdserve-store-")
     procs = []
-    store = socket.create_server(("127.0.0.1", 0))  # rank 0's rendezvous store, loopback only
     try:
         for rank in range(world):
             env = dict(
                 os.environ,
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(store.getsockname()[1]),
                 WORLD_SIZE=str(world),
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
                 AFDSERVE_AUTHKEY=authkey.hex(),
-                AFDSERVE_STORE_PORT=str(store.getsockname()[1]),
+                AFDSERVE_STORE_PATH=os.path.join(store_dir, "store"),
             )
-            fds: tuple[int, ...] = ()
-            if rank == 0:
-                env["AFDSERVE_STORE_FD"] = str(store.fileno())
-                fds = (store.fileno(),)
+            env.pop("AFDSERVE_AUTHKEY_FILE", None)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
-                stdin=subprocess.DEVNULL, pass_fds=fds))
+                stdin=subprocess.DEVNULL))
     except BaseException:
         for proc in procs:
             proc.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
         raise
-    finally:
-        store.close()  # rank 0 holds its own copy
-    return procs
+    return procs, store_dir
 
 
 class RankWorld:
-    def __init__(self, spec: WorkerSpec, spawn: bool = True,
-                 frontend_address: tuple[str, int] = ("127.0.0.1", 0),
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        spawn: bool = True,
+        frontend_address: tuple[str, int] = ("127.0.0.1", 0),
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         self.spec, self.world = spec, spec.topology.world_size
         self.procs: list[subprocess.Popen] = []
-        self.conns: dict[int, Connection] = {}
+        self.conns: dict[int, Channel] = {}
         self.ready: dict[int, RankReady] = {}
         self.last_heard: dict[int, float] = {}
         self.closed = False
+        self.store_dir: str | None = None
         standby = STANDBY.take(self.world) if spawn else None
+        key = read_key()
         if standby is not None:  # processes started ahead: they are connecting already
-            self.authkey, self.listener, self.procs = (
-                standby.authkey, standby.listener, standby.procs)
+            self.authkey, self.listener, self.procs, self.store_dir = (
+                standby.authkey, standby.listener, standby.procs, standby.store_dir)
             log.info("starting the world on %d standby rank processes", self.world)
         else:
-            self.authkey = world_authkey()
+            self.authkey = key if key is not None else os.urandom(32)
             self.listener = RankListener(frontend_address, self.authkey)
         self.address = self.listener.address
         try:
             if spawn and standby is None:
-                self.procs = spawn_ranks(self.world, self.address, self.authkey)
+                self.procs, self.store_dir = spawn_ranks(self.world, self.address, self.authkey)
             elif not spawn:
-                log.info("waiting for %d ranks at %s:%d (AFDSERVE_AUTHKEY=%s)", self.world,
-                         *self.address, self.authkey.hex())
+                log.info(
+                    "waiting for %d ranks at %s:%d; %s",
+                    self.world,
+                    *self.address,
+                    self._where_the_key_is(key is not None),
+                )
             deadline = time.monotonic() + startup_timeout_s
             self._accept(deadline)
+            self.listener.close()  # every rank is in: nobody else may connect
             self._wait_ready(deadline)
         except BaseException:
             self.shutdown()
@@ -182,22 +196,48 @@ class RankWorld:
             except OSError:  # no processes to spare (limits): a restart spawns its own
                 log.warning("could not start standby rank processes", exc_info=True)
 
+    def _where_the_key_is(self, given: bool) -> str:
+        """Ranks started elsewhere need the key: say where it is, never what it is."""
+        if given:
+            source = (
+                "AFDSERVE_AUTHKEY"
+                if os.environ.get("AFDSERVE_AUTHKEY")
+                else (f"AFDSERVE_AUTHKEY_FILE={os.environ['AFDSERVE_AUTHKEY_FILE']}")
+            )
+            return f"they authenticate with the key from {source}"
+        fd, path = tempfile.mkstemp(prefix="afdserve-authkey-")  # mode 0600, this user only
+        with os.fdopen(fd, "w") as f:
+            f.write(self.authkey.hex() + "\n")
+        return (
+            f"a fresh key was written to {path} (mode 0600): start the ranks with "
+            f"AFDSERVE_AUTHKEY_FILE={path}"
+        )
+
     def _accept(self, deadline: float) -> None:
         while len(self.conns) < self.world:
-            conn = self.listener.get(timeout=0.2)
-            if conn is not None:
-                hello = conn.recv() if conn.poll(10.0) else None
-                if not isinstance(hello, Hello) or hello.rank in self.conns \
-                        or not 0 <= hello.rank < self.world:
-                    log.warning("dropped a rank connection that opened with %r", hello)
+            got = self.listener.get(timeout=0.2)
+            if got is not None:
+                hello, conn = got
+                if hello.rank in self.conns or not 0 <= hello.rank < self.world:
+                    log.warning(
+                        "dropped a %s: it said it is rank %d of %d, %s",
+                        conn.peer,
+                        hello.rank,
+                        self.world,
+                        "which has connected already"
+                        if hello.rank in self.conns
+                        else "which does not exist",
+                    )
                     conn.close()
                     continue
                 self.conns[hello.rank] = conn
                 conn.send(self.spec)
             self.check_alive("during start-up")
             if time.monotonic() > deadline:
-                raise WorkerError(f"only {len(self.conns)} of {self.world} ranks connected "
-                                  f"before the start-up timeout")
+                raise WorkerError(
+                    f"only {len(self.conns)} of {self.world} ranks connected "
+                    f"before the start-up timeout"
+                )
 
     def _wait_ready(self, deadline: float) -> None:
         while len(self.ready) < self.world:
@@ -227,8 +267,10 @@ class RankWorld:
                     msgs.append(msg)
                     if isinstance(msg, Outputs):
                         self.last_heard[rank] = time.monotonic()
-            except (EOFError, OSError):
-                self.conns.pop(rank)
+            except (EOFError, OSError) as e:  # ChannelError (a malformed frame) included
+                if isinstance(e, ChannelError):
+                    log.error("dropped rank %d's connection: %s", rank, e)
+                self.conns.pop(rank).close()
                 msgs.append(Lost(rank))
         return msgs
 
@@ -294,6 +336,8 @@ class RankWorld:
         for conn in self.conns.values():
             conn.close()
         self.listener.close()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL every rank process still alive (SIGTERM would wait on a stopped one)."""
