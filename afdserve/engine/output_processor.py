@@ -16,6 +16,7 @@ from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import TokenIdsOnly
 
 
 class DeltaMismatch(RuntimeError):
@@ -50,7 +51,9 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # detokenize=False: token ids only, the text stays empty (vLLM's field).
+        tokenizer = self.tokenizer if params.detokenize else TokenIdsOnly("")
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = _Request(
             list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
             params.include_stop_str_in_output)

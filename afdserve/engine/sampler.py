@@ -1,5 +1,6 @@
-"""Token sampling: logits processing (min_tokens, logit_bias, penalties), greedy, temperature,
-min-p, top-k, top-p, per-request seeds, logprobs. The order is documented on SamplingParams."""
+"""Token sampling: logits processing (grammar, allowed_token_ids, bad_words, min_tokens,
+logit_bias, penalties), greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+The order is documented on SamplingParams."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     constrained = [row for row, s in enumerate(seqs) if s.params.structured_outputs is not None]
     if constrained:  # the grammar first: nothing below may bring back a token it forbids
         logits = constrain(logits, seqs, constrained)
+    if any(s.params.allowed_token_ids is not None or s.params.bad_words for s in seqs):
+        logits = ban(logits, seqs)
     masked = [row for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
     biased = [row for row, s in enumerate(seqs) if s.params.logit_bias]
     penalized = [row for row, s in enumerate(seqs) if s.params.penalized]
@@ -173,6 +176,40 @@ def _logprobs(
             entry.setdefault(token, value)
         result.append(entry)
     return result
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """vLLM's bad_words over the output so far: a one-token word is always banned; a longer
+    word's last token is banned when the output ends with the word's other tokens."""
+    ids = seq.params.bad_words_token_ids
+    if seq.params.bad_words and ids is None:
+        raise ValueError(f"bad_words of {seq.request_id!r} reached the sampler untokenized")
+    output = seq.output_token_ids
+    banned = []
+    for word in ids or ():
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or tuple(output[-len(prefix) :]) == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def ban(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """allowed_token_ids keeps only its tokens; bad_words masks theirs. A row they mask
+    entirely (an allowed set that is all bad words) keeps the logits it came with rather than
+    turning into NaN, as `process_logits` does for min_tokens. [n, vocab] -> [n, vocab]"""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+            keep[[t for t in allowed if t < vocab]] = True
+            out[row] = out[row].masked_fill(~keep, -torch.inf)
+        banned = [t for t in banned_tokens(seq) if t < vocab]
+        if banned:
+            out[row, banned] = -torch.inf
+    empty = ~torch.isfinite(out).any(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(empty, logits, out)
 
 
 def constrain(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:

@@ -32,14 +32,14 @@ def router(state: ServerState) -> APIRouter:
         answering = check(body, state, view)
         prompt = await asyncio.to_thread(
             convert.chat_prompt, view, body.messages, chat_template=state.chat_template,
-            tools=tools.template_tools(body),
+            tools=tools.template_tools(body), switches=convert.template_switches(body),
         )  # fmt: skip
         (prompt,) = convert.truncate_prompts([prompt], body.truncate_prompt_tokens,
                                              view.max_model_len)  # fmt: skip
         params = sampling_params(body, view, prompt, answering)
         gen = await start(state, engine, "chat", convert.fan_out([prompt], params))
         head = shape.envelope("chat.completion", f"chatcmpl-{gen.ids[0][:24]}", state.model_name)
-        names, top = view.names, body.top_logprobs or 0
+        names, top = view.token_names(body.return_tokens_as_token_ids), body.top_logprobs or 0
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.chat_logprobs(names, token_ids, entries, top)

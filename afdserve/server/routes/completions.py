@@ -36,7 +36,7 @@ def router(state: ServerState) -> APIRouter:
         )
         gen = await start(state, engine, "completion", convert.fan_out(prompts, params))
         head = shape.envelope("text_completion", f"cmpl-{gen.ids[0][:24]}", state.model_name)
-        names = view.names
+        names = view.token_names(body.return_tokens_as_token_ids)
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.completion_logprobs(names, token_ids, entries, body.logprobs or 0)

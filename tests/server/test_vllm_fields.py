@@ -1,0 +1,211 @@
+"""vLLM's request fields that change the answer, over HTTP, each against its oracle:
+chat_template_kwargs / add_generation_prompt / continue_final_message against transformers'
+apply_chat_template on the same tokenizer and template; bad_words / allowed_token_ids against
+transformers' greedy generation with its own logits processors on the same checkpoint;
+return_tokens_as_token_ids against the choice's token ids; vLLM fields this server does not
+implement are a 400 naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+)
+
+from afdserve import LLM, SamplingParams
+from afdserve.model.byte_tokenizer import PAD_TOKEN
+from afdserve.server.options import ServeOptions
+from afdserve.server.serve import build_app
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, "
+NEW = 8
+# A Qwen3-like template: enable_thinking=false writes an empty think block after the opening.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+ASK = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path):
+    """The offline API's engine; the server gets its own (one thread drives an engine)."""
+    with LLM(str(model_dir), dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def http(model_dir: Path):
+    options = ServeOptions(served_model_name="tiny", chat_template=TEMPLATE)
+    with LLM(str(model_dir), dtype="float32") as served:
+        with TestClient(build_app(served, options)) as client:
+            yield client
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir: Path):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class OnOutput(LogitsProcessor):
+    """A transformers processor over the generated tokens only (vLLM's bad_words look at the
+    output, not the prompt)."""
+
+    def __init__(self, inner: LogitsProcessor, prompt_len: int) -> None:
+        self.inner, self.prompt_len = inner, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids[:, self.prompt_len :], scores)
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, hf_tokenizer, processors: list[LogitsProcessor]) -> list[int]:
+    ids = torch.tensor([PROMPT])
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+        eos_token_id=None, pad_token_id=hf_tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        logits_processor=LogitsProcessorList(processors),
+    )  # fmt: skip
+    return out[0, len(PROMPT) :].tolist()
+
+
+def complete(http: TestClient, **fields: object) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **fields}  # fmt: skip
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_allowed_token_ids_match_transformers(http, hf_models, hf_tokenizer) -> None:
+    allowed = [97, 98, 99, 100, 101, 32]  # "abcde "
+    got = complete(http, allowed_token_ids=allowed)["token_ids"]
+    prefix = PrefixConstrainedLogitsProcessor(lambda _batch, _ids: allowed, 1)
+    assert got == hf_greedy(hf_models["qwen3_moe"], hf_tokenizer, [prefix])
+    assert set(got) <= set(allowed)
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "allowed_token_ids": [10**6]}
+                     ).json()["error"]["param"] == "allowed_token_ids"  # fmt: skip
+
+
+def test_bad_words_match_transformers(http, hf_models, hf_tokenizer) -> None:
+    plain = complete(http)["token_ids"]
+    # A two-token word the greedy answer writes (text that tokenizes back to the same ids).
+    word = next(
+        text for i in range(1, len(plain) - 1)
+        if (text := hf_tokenizer.decode(plain[i : i + 2])).strip() == text
+        and hf_tokenizer.encode(text, add_special_tokens=False) == plain[i : i + 2]
+    )  # fmt: skip
+    single = hf_tokenizer.decode(plain[:1])
+    got = complete(http, bad_words=[word, single])
+    ids = [hf_tokenizer.encode(w, add_special_tokens=False) for w in (word, single)]
+    ban = OnOutput(NoBadWordsLogitsProcessor(ids, eos_token_id=None), len(PROMPT))
+    want = hf_greedy(hf_models["qwen3_moe"], hf_tokenizer, [ban])
+    assert got["token_ids"] == want and word not in got["text"] and single not in got["text"]
+    assert want != plain  # the ban changed the answer
+
+
+def test_return_tokens_as_token_ids(http: TestClient) -> None:
+    choice = complete(http, logprobs=2, return_tokens_as_token_ids=True)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top)
+               for top in lp["top_logprobs"])  # fmt: skip
+    body = {"messages": ASK, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}  # fmt: skip
+    chat = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+def chat_prompt_ids(http: TestClient, messages: list[dict], **fields: object) -> dict:
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **fields}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"add_generation_prompt": False},
+    ],
+)
+def test_chat_template_switches_match_transformers(
+    http: TestClient, llm: LLM, hf_tokenizer, switches: dict
+) -> None:
+    answer = chat_prompt_ids(http, ASK, **switches)
+    kwargs = {**switches.get("chat_template_kwargs", {}),
+              "add_generation_prompt": switches.get("add_generation_prompt", True)}  # fmt: skip
+    text = hf_tokenizer.apply_chat_template(ASK, chat_template=TEMPLATE, tokenize=False, **kwargs)
+    assert answer["prompt_token_ids"] == hf_tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    offline = llm.chat(ASK, params, use_tqdm=False, chat_template=TEMPLATE, **switches)[0]
+    assert offline.prompt_token_ids == answer["prompt_token_ids"]
+    assert answer["choices"][0]["token_ids"] == offline.token_ids
+
+
+def test_continue_final_message_matches_transformers(http: TestClient, hf_tokenizer) -> None:
+    turns = [*ASK, {"role": "assistant", "content": "Sure, the"}]
+    answer = chat_prompt_ids(http, turns, add_generation_prompt=False,
+                             continue_final_message=True)  # fmt: skip
+    text = hf_tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=False,
+                                            continue_final_message=True)  # fmt: skip
+    assert text.endswith("Sure, the")
+    assert answer["prompt_token_ids"] == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+        ({"continue_final_message": True, "add_generation_prompt": False},
+         "continue_final_message"),  # the last message is the user's
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": 3}, "chat_template_kwargs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"bad_words": "ab"}, "bad_words"),
+        ({"bad_words": [" "]}, "bad_words"),
+    ],
+)
+def test_what_cannot_be_honoured_is_a_400_naming_it(
+    http: TestClient, fields: dict, param: str
+) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+def test_offline_api_honours_the_fields(llm: LLM, hf_models, hf_tokenizer) -> None:
+    """The same fields through SamplingParams: token ids only without text when detokenize is
+    off, the prompt's tail with truncate_prompt_tokens, allowed ids as over HTTP."""
+    allowed = [97, 98, 99]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True,
+                            allowed_token_ids=allowed, detokenize=False)  # fmt: skip
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    prefix = PrefixConstrainedLogitsProcessor(lambda _batch, _ids: allowed, 1)
+    assert out.token_ids == hf_greedy(hf_models["qwen3_moe"], hf_tokenizer, [prefix])
+    assert out.outputs[0].text == ""
+    params = SamplingParams(max_tokens=2, temperature=0.0, truncate_prompt_tokens=3)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert out.prompt_token_ids == PROMPT[-3:]
