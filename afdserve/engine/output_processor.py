@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from afdserve.engine.logprobs import Logprob
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
@@ -33,6 +34,8 @@ class _Request:
     include_stop: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    decode: bool = True  # fill the logprob entries' decoded_token
     emitted_text: int = 0  # how much of the text the caller has been given
     text_limit: int | None = None  # truncation point once a stop string is found
 
@@ -56,7 +59,7 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = _Request(
             list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
-            params.include_stop_str_in_output)
+            params.include_stop_str_in_output, decode=params.detokenize)
 
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -80,7 +83,8 @@ class OutputProcessor:
 
     def _advance(self, r: _Request, delta: TokenDelta) -> tuple[SequenceOutput, bool]:
         r.token_ids += delta.new_token_ids
-        r.logprobs += delta.new_logprobs
+        r.logprobs += [self._named(e, r.decode) for e in delta.new_logprobs]
+        r.prompt_logprobs += [self._named(e, r.decode) for e in delta.new_prompt_logprobs]
         if len(r.token_ids) != delta.num_tokens:
             raise DeltaMismatch(f"request {delta.request_id!r}: the engine core counts "
                                 f"{delta.num_tokens} tokens, its deltas add up to "
@@ -108,10 +112,18 @@ class OutputProcessor:
             request_id=delta.request_id, prompt_token_ids=r.prompt_token_ids,
             token_ids=list(r.token_ids), text=text, new_token_ids=list(delta.new_token_ids),
             new_text=new_text, finished=finished, finish_reason=reason,
-            logprobs=list(r.logprobs), arrival_time=delta.arrival_time,
+            logprobs=list(r.logprobs), prompt_logprobs=list(r.prompt_logprobs),
+            arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
             first_token_time=delta.first_token_time)
         return out, stopped and not delta.finished
+
+    def _named(self, entry: dict | None, decode: bool) -> dict | None:
+        """The entry with each token's text as its decoded_token (vLLM's Logprob field)."""
+        if entry is None or not decode:
+            return entry
+        return {t: Logprob(v, getattr(v, "rank", None), self.tokenizer.decode([t]))
+                for t, v in entry.items()}  # fmt: skip
 
     @staticmethod
     def _find_stop(r: _Request) -> bool:

@@ -23,6 +23,8 @@ class SequenceOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then an entry each.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # time.monotonic() of the engine core's process: compare them with each other, not across
     # hosts.
     arrival_time: float = 0.0  # the engine accepted the request
@@ -62,6 +64,9 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
+    # None unless SamplingParams.prompt_logprobs: per prompt token {token id: Logprob}, the
+    # first None (vLLM's shape).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # The first choice's fields, as the flat output of afdserve 0.1 had them.
     @property
@@ -134,4 +139,5 @@ def gather(
         first_scheduled_time=earliest([c.first_scheduled_time for c in candidates]),
         first_token_time=earliest([c.first_token_time for c in candidates]),
         candidates=candidates,
+        prompt_logprobs=candidates[0].prompt_logprobs or None,
     )

@@ -68,3 +68,6 @@ class TokenDelta:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    # The prompt's logprob entries this step completed (SamplingParams.prompt_logprobs): all of
+    # them with the request's first token, the first one None.
+    new_prompt_logprobs: tuple[dict[int, float] | None, ...] = ()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.engine.logprobs import Entry, entries
 from afdserve.engine.sequence import Sequence
 from afdserve.engine.structured import GrammarState
 
@@ -15,9 +16,9 @@ from afdserve.engine.structured import GrammarState
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per row: {token: logprob} for the sampled token plus the top `params.logprobs` tokens, taken
+    # Per row: {token: Logprob} for the sampled token plus the top `params.logprobs` tokens,
     # from the unmodified log_softmax(logits); None where the request asked for no logprobs.
-    logprobs: list[dict[int, float] | None]
+    logprobs: list[Entry | None]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -41,7 +42,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         tokens[index] = _draw(processed[index], [seqs[row] for row in random_rows])
 
     token_ids = tokens.tolist()
-    return SampleResult(token_ids, _logprobs(logits, tokens, token_ids, seqs))
+    return SampleResult(token_ids, _logprobs(logits, tokens, seqs))
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -152,30 +153,12 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
-) -> list[dict[int, float] | None]:
+    logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+) -> list[Entry | None]:
     wanted = [seq.params.logprobs for seq in seqs]
     if all(k is None for k in wanted):
         return [None] * len(seqs)
-    logprobs = torch.log_softmax(logits, dim=-1)  # [n, vocab]
-    sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-    max_k = max(k for k in wanted if k is not None)
-    top_values: list[list[float]] = [[] for _ in seqs]
-    top_ids: list[list[int]] = [[] for _ in seqs]
-    if max_k:
-        values, ids = logprobs.topk(max_k, dim=-1)  # [n, max_k]
-        top_values, top_ids = values.tolist(), ids.tolist()
-
-    result: list[dict[int, float] | None] = []
-    for row, k in enumerate(wanted):
-        if k is None:
-            result.append(None)
-            continue
-        entry = {token_ids[row]: sampled[row]}
-        for token, value in zip(top_ids[row][:k], top_values[row][:k], strict=True):
-            entry.setdefault(token, value)
-        result.append(entry)
-    return result
+    return entries(torch.log_softmax(logits, dim=-1), tokens, wanted)  # [n, vocab] in
 
 
 def banned_tokens(seq: Sequence) -> list[int]:
