@@ -219,12 +219,16 @@ def sampling_params(
         "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
         "skip_special_tokens", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+        "prompt_logprobs",
     ):  # fmt: skip
         value = getattr(body, name)
         if value is None and defaults:
             value = defaults.get(name)
         if value is not None:
             fields[name] = value
+    if getattr(body, "echo", None) and logprobs is not None:
+        # echo with logprobs: the prompt's tokens carry logprobs like the answer's (vLLM's rule).
+        fields["prompt_logprobs"] = max(fields.get("prompt_logprobs") or 0, logprobs)
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
     fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir,

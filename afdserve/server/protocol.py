@@ -25,7 +25,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -114,6 +113,9 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     # Logprobs name their tokens "token_id:N" rather than by text (vLLM's field).
     return_tokens_as_token_ids: bool | None = None
+    # The prompt's logprobs: the top N at every prompt token (vLLM's field; `prompt_logprobs`
+    # per choice on completions, once per response on chat).
+    prompt_logprobs: int | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(self.model_extra or ()) - set(UNSUPPORTED) - IGNORED)
@@ -131,7 +133,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool | None = None  # the prompt's text before each choice's (chat refuses it)
+    # The prompt's text before each choice's (chat refuses it); with logprobs, the prompt's
+    # tokens and logprobs before the choice's too (what lm-eval's loglikelihood reads).
+    echo: bool | None = None
 
 
 class ContentPart(BaseModel):

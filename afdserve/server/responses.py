@@ -90,6 +90,19 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs(entries: list[dict[int, float] | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id as a string:
+    {"logprob", "rank", "decoded_token"}}."""
+    return [
+        None if entry is None else {
+            str(t): {"logprob": float(v), "rank": getattr(v, "rank", None),
+                     "decoded_token": getattr(v, "decoded_token", None)}
+            for t, v in entry.items()
+        }
+        for entry in entries
+    ]  # fmt: skip
+
+
 def finish_reason(out: SequenceOutput) -> str | None:
     if not out.finished:
         return None

@@ -398,7 +398,6 @@ def test_health_is_503_until_the_model_is_attached() -> None:
 def test_local_validation_and_stop(local: TestClient, oracle: LLM) -> None:
     bad = [
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),

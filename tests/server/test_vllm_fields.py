@@ -7,6 +7,7 @@ implement are a 400 naming them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,45 @@ def test_offline_api_honours_the_fields(llm: LLM, hf_models, hf_tokenizer) -> No
     params = SamplingParams(max_tokens=2, temperature=0.0, truncate_prompt_tokens=3)
     (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     assert out.prompt_token_ids == PROMPT[-3:]
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(http, hf_models, hf_tokenizer) -> None:
+    """What lm-eval's loglikelihood reads: with echo and logprobs, the prompt's tokens and
+    their logprobs (the first null) before the answer's, streamed the same."""
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(PROMPT) + 1
+    assert lp["tokens"][: len(PROMPT)] == [hf_tokenizer.decode([t]) for t in PROMPT]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.inference_mode():
+        logits = hf_models["qwen3_moe"](torch.tensor([PROMPT])).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    expected = [float(want[i, t]) for i, t in enumerate(PROMPT[1:])]
+    torch.testing.assert_close(lp["token_logprobs"][1 : len(PROMPT)], expected, atol=2e-4, rtol=0)
+    for i, top in enumerate(lp["top_logprobs"][1 : len(PROMPT)]):
+        assert list(top) == [hf_tokenizer.decode([int(want[i].argmax())])]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [t for c in chunks for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+
+
+def test_prompt_logprobs_field(http, llm: LLM) -> None:
+    """vLLM's prompt_logprobs: per completions choice, once per chat response, as the offline
+    API reports them."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "prompt_logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    (offline,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert choice["prompt_logprobs"][0] is None
+    for got, want in zip(choice["prompt_logprobs"][1:], offline.prompt_logprobs[1:], strict=True):
+        assert {int(t): (v["rank"], v["decoded_token"]) for t, v in got.items()} == {
+            t: (v.rank, v.decoded_token) for t, v in want.items()}
+        assert max(abs(got[str(t)]["logprob"] - v) for t, v in want.items()) < 1e-5
+    chat = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2,
+                                                   "prompt_logprobs": 0}).json()  # fmt: skip
+    assert chat["prompt_logprobs"][0] is None and "prompt_logprobs" not in chat["choices"][0]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
