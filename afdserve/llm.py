@@ -128,10 +128,24 @@ class LLM:
         max_new_tokens (as max_tokens) where it sets them, SamplingParams' defaults elsewhere."""
         return SamplingParams(**self._generation_defaults)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids as `generate` runs them: text without the tokenizer's special
+        tokens (chat templates write their own), token ids as they are."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
+
+    def encode(self, *args: object, **kwargs: object) -> None:
+        """vLLM's LLM.encode runs a pooling model (embeddings), which afdserve does not serve;
+        this LLM's tokenizing helper was called encode before, and is encode_prompt now."""
+        raise NotImplementedError(
+            "LLM.encode: vLLM's pooling API (embeddings) is not served by afdserve; to tokenize "
+            "a prompt use LLM.encode_prompt(prompt) or LLM.get_tokenizer().encode(text)"
+        )
+
+    def get_tokenizer(self):
+        """The tokenizer prompts and outputs go through (vLLM's get_tokenizer)."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -266,7 +280,7 @@ def _prompt_tokens(llm: LLM, prompt: PromptInput) -> list[int]:
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         prompt = prompt["prompt"]
-    return llm.encode(prompt)
+    return llm.encode_prompt(prompt)
 
 
 def _truncated(llm: LLM, tokens: list[int], params: SamplingParams) -> list[int]:

@@ -36,6 +36,8 @@ class _Request:
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     decode: bool = True  # fill the logprob entries' decoded_token
+    stop_token_ids: tuple[int, ...] = ()
+    stop_string: str | None = None  # the stop string that ended the text, once found
     emitted_text: int = 0  # how much of the text the caller has been given
     text_limit: int | None = None  # truncation point once a stop string is found
 
@@ -59,7 +61,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = _Request(
             list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
-            params.include_stop_str_in_output, decode=params.detokenize)
+            params.include_stop_str_in_output, decode=params.detokenize,
+            stop_token_ids=tuple(params.stop_token_ids))
 
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -115,8 +118,20 @@ class OutputProcessor:
             logprobs=list(r.logprobs), prompt_logprobs=list(r.prompt_logprobs),
             arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time)
+            first_token_time=delta.first_token_time,
+            stop_reason=self._stop_reason(r, finished, reason))
         return out, stopped and not delta.finished
+
+    @staticmethod
+    def _stop_reason(r: _Request, finished: bool, reason: str | None) -> int | str | None:
+        """vLLM's stop_reason: the stop string, or the stop token id, that ended the request;
+        None for EOS, length and abort."""
+        if not finished or reason != "stop":
+            return None
+        if r.stop_string is not None:
+            return r.stop_string
+        last = r.token_ids[-1] if r.token_ids else None
+        return last if last in r.stop_token_ids else None
 
     def _named(self, entry: dict | None, decode: bool) -> dict | None:
         """The entry with each token's text as its decoded_token (vLLM's Logprob field)."""
@@ -136,6 +151,7 @@ class OutputProcessor:
         if hit is None:
             return False
         r.text_limit = hit
+        r.stop_string = next(stop for stop in r.stops if text.startswith(stop, hit))
         if r.include_stop:
-            r.text_limit += next(len(stop) for stop in r.stops if text.startswith(stop, hit))
+            r.text_limit += len(r.stop_string)
         return True

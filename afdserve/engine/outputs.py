@@ -30,6 +30,7 @@ class SequenceOutput:
     arrival_time: float = 0.0  # the engine accepted the request
     first_scheduled_time: float | None = None  # the first step that computes any of its tokens
     first_token_time: float | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
     def queue_time(self) -> float | None:
@@ -47,9 +48,28 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}; None if not asked
     finish_reason: str | None  # "stop", "length" or "abort"
+    # vLLM's: the stop string or stop token id that ended the choice; None for EOS and length.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """vLLM's RequestOutput.metrics: the engine core's times (time.monotonic() of the rank that
+    ran the prompt; compare them with each other), of the earliest candidate."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_generation_tokens: int  # every candidate's
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -69,6 +89,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # The first choice's fields, as the flat output of afdserve 0.1 had them.
+    @property
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time,
+                              self.first_token_time,
+                              sum(len(c.token_ids) for c in self.candidates))  # fmt: skip
+
     @property
     def text(self) -> str:
         return self.outputs[0].text
@@ -122,6 +148,7 @@ def gather(
             cumulative_logprob=cumulative_logprob(candidates[c]),
             logprobs=list(candidates[c].logprobs) if keep_logprobs else None,  # type: ignore[arg-type]
             finish_reason=candidates[c].finish_reason,
+            stop_reason=candidates[c].stop_reason,
         )
         for i, c in enumerate(chosen)
     ]

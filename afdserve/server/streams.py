@@ -98,6 +98,7 @@ async def respond(
             else:
                 lp = logprobs(ids, entries)
         made = choice(index, text, lp, shape.finish_reason(out))
+        made.setdefault("stop_reason", out.stop_reason)  # vLLM's: the stop string or token id
         if with_ids:
             made["token_ids"] = list(ids)
         if per_choice and first:

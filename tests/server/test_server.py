@@ -71,7 +71,7 @@ def chat_ids(oracle: LLM, messages: list[dict]) -> list[int]:
     text = oracle.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    return oracle.encode(text)
+    return oracle.encode_prompt(text)
 
 
 def requests_counted(server: ServerProcess, endpoint: str, status: int) -> float:
@@ -383,7 +383,7 @@ def test_engine_view_of_an_llm(oracle: LLM) -> None:
     assert view.model_dir == oracle.engine_config.model
     assert view.max_model_len == oracle.engine.max_model_len
     assert view.vocab_size == oracle.engine.vocab_size
-    assert view.defaults == {} and view.encode(HELLO) == oracle.encode(HELLO)
+    assert view.defaults == {} and view.encode(HELLO) == oracle.encode_prompt(HELLO)
     assert engine_view(oracle, ServeOptions()).served_name == oracle.model_name
 
 

@@ -252,3 +252,17 @@ def test_prompt_logprobs_field(http, llm: LLM) -> None:
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     r = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_stop_reason(http: TestClient, llm: LLM) -> None:
+    """vLLM's stop_reason in each choice: the stop token id or string that ended it."""
+    plain = complete(http)
+    token = plain["token_ids"][2]
+    choice = complete(http, stop_token_ids=[token])
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", token)
+    assert plain["stop_reason"] is None
+    body = {"messages": ASK, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    answer = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    text = answer["message"]["content"][1:3]
+    stopped = http.post("/v1/chat/completions", json={**body, "stop": [text]}).json()
+    assert stopped["choices"][0]["stop_reason"] == text
