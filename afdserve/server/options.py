@@ -49,7 +49,7 @@ class ServeOptions:
                     "--tool-call-parser")
     tool_call_parser: str | None = option(
         None, choices=PARSERS, help="the model's tool-call format (hermes: Hermes, Qwen2.5, "
-                                    "Qwen3)")
+                                    "Qwen3; qwen3_coder; deepseek_v3; kimi_k2)")
     # "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
     on_engine_failure: str = option(
         "exit", choices=ON_ENGINE_FAILURE,
