@@ -266,3 +266,28 @@ def test_stop_reason(http: TestClient, llm: LLM) -> None:
     text = answer["message"]["content"][1:3]
     stopped = http.post("/v1/chat/completions", json={**body, "stop": [text]}).json()
     assert stopped["choices"][0]["stop_reason"] == text
+
+
+def test_reasoning_parser_over_http(model_dir: Path) -> None:
+    """--reasoning-parser deepseek_r1 on the tiny model: whatever it writes, the message's
+    reasoning_content and content are the parser's split of the plain answer, and the streamed
+    deltas add up to them."""
+    from afdserve.server.reasoning import split_reasoning
+
+    body = {"messages": ASK, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    with LLM(str(model_dir), dtype="float32") as served:
+        plain_app = build_app(served, ServeOptions(served_model_name="tiny"))
+        with TestClient(plain_app) as plain:
+            text = plain.post("/v1/chat/completions", json=body).json()["choices"][0]
+        options = ServeOptions(served_model_name="tiny", reasoning_parser="deepseek_r1")
+        with TestClient(build_app(served, options)) as http:
+            message = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                          if line.startswith("data: {")]  # fmt: skip
+    thinking, content = split_reasoning(text["message"]["content"], "deepseek_r1")
+    assert thinking  # no </think> from a random model: all of it is reasoning (R1's rule)
+    assert message["message"]["reasoning_content"] == thinking
+    assert message["message"]["content"] == content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking
+    assert "".join(d.get("content", "") for d in deltas) == content
