@@ -291,3 +291,45 @@ def test_reasoning_parser_over_http(model_dir: Path) -> None:
     assert message["message"]["content"] == content
     assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking
     assert "".join(d.get("content", "") for d in deltas) == content
+
+
+def test_responses_api_with_the_openai_client(model_dir: Path, llm: LLM) -> None:
+    """/v1/responses through the official client (a real uvicorn server, in a thread): the
+    output text is the chat answer to the same conversation, whole and streamed."""
+    import threading
+
+    import openai
+    import uvicorn
+
+    from .conftest import free_port
+
+    port = free_port()
+    with LLM(str(model_dir), dtype="float32") as served:
+        app = build_app(served, ServeOptions(served_model_name="tiny"))
+        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                thread.join(0.05)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                   max_retries=0)  # fmt: skip
+            kwargs = {"model": "tiny", "instructions": "Be brief.", "input": "hi",
+                      "max_output_tokens": 6, "temperature": 0.0}  # fmt: skip
+            whole = client.responses.create(**kwargs)
+            events = list(client.responses.create(**kwargs, stream=True))
+            with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+                client.responses.create(**kwargs, previous_response_id="resp_1")
+        finally:
+            server.should_exit = True
+            thread.join(30)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = llm.chat(turns, params, use_tqdm=False)[0]
+    assert whole.output_text == want.outputs[0].text
+    assert whole.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    assert whole.usage.output_tokens == len(want.token_ids)
+    assert whole.usage.input_tokens == len(want.prompt_token_ids)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    assert events[0].type == "response.created" and events[-1].response.output_text == deltas
