@@ -333,3 +333,31 @@ def test_responses_api_with_the_openai_client(model_dir: Path, llm: LLM) -> None
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text
     assert events[0].type == "response.created" and events[-1].response.output_text == deltas
+
+
+def scrape(http: TestClient) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {s.name: s.value for f in families for s in f.samples if "le" not in s.labels}
+
+
+def test_vllm_dashboard_metrics(http: TestClient) -> None:
+    """The per-request histograms vLLM's Grafana dashboard reads, against the requests sent:
+    two choices of 5 tokens (max_tokens 5) on a prompt of len(PROMPT) tokens."""
+    before = scrape(http)
+    body = {"prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 1.0, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    after = scrape(http)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("vllm:request_prompt_tokens_count") == 2
+    assert grew("vllm:request_prompt_tokens_sum") == 2 * len(PROMPT)
+    assert grew("vllm:request_generation_tokens_sum") == 10
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 10
+    assert grew("vllm:request_prefill_time_seconds_count") == 2
+    assert grew("vllm:request_decode_time_seconds_count") == 2
+    assert after["vllm:gpu_cache_usage_perc"] == after["vllm:kv_cache_usage_perc"]
+    assert after["process_cpu_seconds_total"] > 0
