@@ -1,4 +1,5 @@
-"""`afdserve serve | generate | bench | make-tiny-model`; defaults come from the config classes."""
+"""`afdserve serve | generate | bench | plan | make-tiny-model`; defaults come from the config
+classes."""
 
 from __future__ import annotations
 
@@ -7,29 +8,48 @@ import json
 import os
 import sys
 
-from afdserve.config import ENGINE_CONFIGS, check_model_dir, engine_configs
-from afdserve.config_args import add_dataclass_arguments, build, values_of
+from afdserve.config import ENGINE_CONFIGS, EngineConfigs, engine_configs
+from afdserve.config_args import add_dataclass_arguments, build, parse_with_config, values_of
+
+
+def add_config_group(p: argparse.ArgumentParser, cls: type, **kw) -> argparse._ArgumentGroup:
+    """The fields of `cls` as one group of --help, headed by the class and what it is for."""
+    group = p.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+    add_dataclass_arguments(group, cls, **kw)
+    return group
 
 
 def add_engine_args(p: argparse.ArgumentParser, flags: dict[str, str] | None = None) -> None:
     """Every field of the engine's configs as a flag (config.py declares each once; `flags`
     renames some, keyword -> flag), and the LLM's --frontend-address."""
     for cls in ENGINE_CONFIGS:
-        add_dataclass_arguments(p, cls, flags=flags)
-    p.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
-                   help="listen here for ranks started elsewhere (torchrun) instead of "
-                        "spawning them (default: None, spawn)")
+        group = add_config_group(p, cls, flags=flags)
+    group.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
+                       help="listen here for ranks started elsewhere (torchrun) instead of "
+                            "spawning them (default: None, spawn)")
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="flags from a YAML file, one key per flag (max-num-seqs: 8, or "
+                        "max_num_seqs); flags on the command line override it (default: None)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """The LLM's keywords from the parsed flags, checked by building the configs the LLM will
-    build: every configuration error is one line before any port is bound or process started."""
+    build (`preflight` checks what needs the model and the devices)."""
     kwargs = {k: v for cls in ENGINE_CONFIGS for k, v in values_of(args, cls).items()}
-    if kwargs["model"] not in (None, "", "tiny"):
-        check_model_dir(kwargs["model"])
     # The configs do not read the directory (the LLM resolves the bundled model's path).
     engine_configs({**kwargs, "model": kwargs["model"] or "tiny"}, owner="afdserve")
     return {**kwargs, "frontend_address": args.frontend_address}
+
+
+def preflight(kwargs: dict) -> EngineConfigs:
+    """The configs as the LLM will run them, from `llm_kwargs`: every configuration error is one
+    line here, before any port is bound or process started (a model that is no directory or
+    cached hub id, --device cuda without a GPU, too few GPUs for the replicas). A hub id is
+    fetched into the cache here (unless HF_HUB_OFFLINE), before any port."""
+    from afdserve.llm import resolve_engine
+
+    rest = {k: v for k, v in kwargs.items() if k not in ("model", "frontend_address")}
+    return resolve_engine(kwargs["model"], rest, spawned=kwargs["frontend_address"] is None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,6 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
     kwargs = llm_kwargs(args)
+    preflight(kwargs)
     with LLM(**kwargs) as llm:
         prompts = args.prompt or ["Hello, my name is"]
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
@@ -59,22 +80,34 @@ def read_chat_template(value: str | None) -> str | None:
         return f.read()
 
 
+def check_served_names(model: str | None, names: list[str] | None) -> None:
+    """`serve --served-model-name NAME DIR` reads DIR as a second name (several names, as in
+    vLLM), and without a model the bundled tiny one would be served under them: say so."""
+    if model is None and names:
+        taken = [n for n in names[1:] if os.path.isdir(n)]
+        if taken:
+            raise ValueError(f"--served-model-name took the directory {taken[0]!r} as a name and "
+                             f"no model was given: put the model first (afdserve serve MODEL "
+                             f"--served-model-name NAME) or give it as --model")  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from afdserve import LLM
     from afdserve.server.serve import ServeOptions, run_server
 
     kwargs = llm_kwargs(args)
+    check_served_names(kwargs["model"], args.served_model_name)
+    model_dir = preflight(kwargs).engine.model
     options = build(
         ServeOptions, args,
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         chat_template=read_chat_template(args.chat_template),
     )  # fmt: skip
     from afdserve.engine.generation_config import generation_defaults
-    from afdserve.model.bundled import resolve_model
 
     # A bad file or directory: one line, now. The LLM reads the same source, so that its
     # get_default_sampling_params() agrees with the server's request defaults.
-    generation_defaults(options.generation_config, resolve_model(kwargs["model"]))
+    generation_defaults(options.generation_config, model_dir)
     return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config),
                       options)
 
@@ -105,32 +138,42 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     # --seed is the sampling seed of these prompts; the engine's generator seed is renamed.
     add_engine_args(gen, flags={"seed": "--engine-seed"})
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--prompt", action="append",
+                     help="a prompt (repeat for several) (default: 'Hello, my name is')")
+    gen.add_argument("--max-tokens", type=int, default=32,
+                     help="tokens to generate per prompt at most (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: 0.0)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with this much "
+                          "probability (default: 1.0, all)")
+    gen.add_argument("--top-k", type=int, default=-1,
+                     help="sample from this many most likely tokens (default: -1, all)")
     gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, metavar="SEED",
                      help="the prompts' sampling seed (default: None, the engine's generator)")
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--json", action="store_true",
+                     help="one JSON object per prompt (default: False, one line of text)")
     gen.set_defaults(func=cmd_generate)
 
     from afdserve.server.options import ServeOptions
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    add_dataclass_arguments(serve, ServeOptions)
+    add_config_group(serve, ServeOptions)
     serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
-    tiny.add_argument("dir")
+    tiny.add_argument("dir", help="the directory to write (default: none, required)")
     tiny.add_argument("--family", required=True,
                       choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral",
-                               "deepseek_v4"))
+                               "deepseek_v4"),
+                      help="the architecture, by its model_type (default: none, required)")
     tiny.add_argument("--hash-layers", type=int, default=None,
                       help="hash-routed MoE layers (default: 0; deepseek_v4: 1)")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    tiny.add_argument("--seed", type=int, default=0,
+                      help="seed of the random weights (default: 0)")
+    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                      help="of the stored weights (default: float32)")
     tiny.add_argument("--quantization", default=None, choices=("fp8",),
                       help="fp8: linear weights in the public block-scaled FP8 layout "
                            "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
@@ -141,9 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     make_config = sub.add_parser(
         "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
-    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    make_config.add_argument("dir")
+    make_config.add_argument("--preset", required=True, choices=sorted(PRESETS),
+                             help="the published model whose config.json to write "
+                                  "(default: none, required)")
+    make_config.add_argument("dir", help="the directory to write (default: none, required)")
     make_config.set_defaults(func=cmd_make_config)
+
+    from afdserve.planner.plan import add_plan_parser
+
+    add_plan_parser(sub)
 
     try:
         from afdserve.bench.cli import add_bench_parser
@@ -155,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_with_config(build_parser(), sys.argv[1:] if argv is None else argv)
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"afdserve: error: {e}", file=sys.stderr)

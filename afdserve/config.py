@@ -7,16 +7,22 @@ starts or any weight is read.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from afdserve.config_args import build, option, parse_placement, parse_sizes, split_kwargs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of them (its --dtype accepts each).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("cpu", "cuda")
+# "auto": CUDA when this torch sees a GPU, else the CPU (engine/device.py resolves it).
+DEVICE_CHOICES = ("auto", *DEVICES)
 GRAPH_MODES = ("none", "full_decode_only", "full")
+# "auto": full_decode_only on CUDA unless enforce_eager, none elsewhere (GraphConfig.resolved).
+GRAPH_MODE_CHOICES = ("auto", *GRAPH_MODES)
 CONNECTORS = ("auto", "p2p", "ipc", "inprocess")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quantization.py)
@@ -24,6 +30,7 @@ CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
+ROUTING_POLICIES = ("prefix", "least-tokens")  # afd/clients/routing.py
 
 
 def _one_one():
@@ -37,15 +44,6 @@ def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> No
         raise ValueError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
 
 
-def check_model_dir(model: str) -> None:
-    """A model must be a local Hugging Face directory: say so in one line, before loading."""
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"model={model!r}: no such directory (expected a Hugging Face model dir)")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model={model!r}: the directory has no config.json")
-
-
 def _positive_int(owner: str, name: str, value: object) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     _require(ok, owner, name, value, "an integer >= 1")
@@ -55,11 +53,14 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 class EngineConfig:
     """One attention rank's engine: model, device, cache and scheduler limits."""
 
-    model: str = option(help="a Hugging Face model directory", positional=True,
+    model: str = option(help="a Hugging Face model directory, or a hub id (org/name) read "
+                             "through the Hugging Face cache", positional=True,
                         shown="the bundled tiny model")
-    device: str = option("cpu", help="where the engine runs: cpu, cuda or cuda:N")
-    dtype: str = option("auto", allowed=DTYPES,
-                        help="of weights and activations; auto: the checkpoint's torch_dtype")
+    device: str = option("auto", help="where the engine runs: auto (CUDA when this torch sees a "
+                                      "GPU, else cpu), cpu, cuda or cuda:N")
+    dtype: str = option("auto", allowed=(*DTYPES, *DTYPE_ALIASES),
+                        help="of weights and activations; auto: the checkpoint's torch_dtype; "
+                             "half is float16 and float is float32, as in vLLM")
     max_num_seqs: int = option(64, help="the most sequences one step runs")
     max_num_batched_tokens: int = option(
         2048, help="the most tokens one step runs (prompt chunks and decodes together)")
@@ -94,19 +95,45 @@ class EngineConfig:
         help="of the paged KV cache: auto, the model's dtype; fp8 (alias fp8_e4m3): "
              "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
              "without KV scales), half the bytes of bf16, so twice the cached tokens")  # fmt: skip
+    enable_prefix_caching: bool | None = option(
+        None, help="automatic prefix caching: a request's longest prefix of full blocks already "
+                   "in its attention rank's KV cache is taken from there, not recomputed",
+        shown="on, except for DeepSeek-V4, which has no plain paged cache")  # fmt: skip
+    # Where the model comes from (model/hub.py): the LLM hands the ranks local directories.
+    revision: str | None = option(
+        None, help="with a hub id: the branch, tag or commit to load", shown="main")
+    tokenizer: str | None = option(
+        None, help="the tokenizer's directory or hub id, when not the model's",
+        shown="the model's")
+    download_dir: str | None = option(
+        None, metavar="DIR", help="the Hugging Face cache that hub ids are downloaded to and "
+                                  "read from", shown="$HF_HUB_CACHE, else $HF_HOME/hub")
+    trust_remote_code: bool = option(
+        False, help="let transformers run a tokenizer's own Python code (tokenization_*.py, "
+                    "also downloaded then); the model itself always runs afdserve's own code "
+                    "for its architecture, so no model code from a checkpoint ever runs")
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         _require(self.load_format in LOAD_FORMATS, owner, "load_format", self.load_format,
                  f"one of {LOAD_FORMATS}")
         _require(
-            self.device.split(":")[0] in DEVICES,
+            self.device == "auto" or self.device.split(":")[0] in DEVICES,
             owner,
             "device",
             self.device,
-            f"one of {DEVICES} (optionally 'cuda:N')",
+            f"one of {DEVICE_CHOICES} (optionally 'cuda:N')",
         )
-        _require(self.dtype in DTYPES, owner, "dtype", self.dtype, f"one of {DTYPES}")
+        _require(self.dtype in DTYPES, owner, "dtype", self.dtype,
+                 f"one of {(*DTYPES, *DTYPE_ALIASES)}")
+        for name in ("revision", "tokenizer", "download_dir"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value != ""), owner, name,
+                     value, "a non-empty string, or None")
+        _require(isinstance(self.trust_remote_code, bool), owner, "trust_remote_code",
+                 self.trust_remote_code, "True or False")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _positive_int(owner, name, getattr(self, name))
         if self.max_model_len is not None:
@@ -123,6 +150,9 @@ class EngineConfig:
                  "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype",
                  self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+        _require(self.enable_prefix_caching in (None, True, False), owner,
+                 "enable_prefix_caching", self.enable_prefix_caching,
+                 "None (on where the model allows), True or False")
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -140,17 +170,29 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class GraphConfig:
     """CUDA-graph policy. `sizes=None` means the default ladder up to max_num_seqs."""
 
-    mode: str = option("none", kwarg="graph_mode", allowed=GRAPH_MODES,
+    mode: str = option("auto", kwarg="graph_mode", allowed=GRAPH_MODE_CHOICES,
                        help="CUDA graphs: full_decode_only captures decode-only steps, full "
-                            "also steps with prompt chunks")
+                            "also steps with prompt chunks, none runs eagerly; auto: "
+                            "full_decode_only on CUDA (as vLLM captures by default), none on "
+                            "the CPU or with --enforce-eager")
     sizes: tuple[int, ...] | None = option(
         None, kwarg="cuda_graph_sizes", parse=parse_sizes, metavar="N,N,...",
         help="the batch sizes captured, comma-separated",
         shown="1,2,4,8,16,... up to max_num_seqs")
+    # vLLM's switch: graphs are on by default on CUDA, this turns them off.
+    enforce_eager: bool = option(
+        False, help="capture no CUDA graphs (graph_mode auto becomes none); contradicts an "
+                    "explicit graph_mode other than none")
 
     def __post_init__(self) -> None:
         owner = "GraphConfig"
-        _require(self.mode in GRAPH_MODES, owner, "mode", self.mode, f"one of {GRAPH_MODES}")
+        _require(self.mode in GRAPH_MODE_CHOICES, owner, "mode", self.mode,
+                 f"one of {GRAPH_MODE_CHOICES}")
+        _require(isinstance(self.enforce_eager, bool), owner, "enforce_eager",
+                 self.enforce_eager, "True or False")
+        if self.enforce_eager and self.mode not in ("auto", "none"):
+            raise ValueError(f"GraphConfig.enforce_eager=True contradicts graph_mode="
+                             f"{self.mode!r}: give one or the other")
         if self.sizes is not None:
             sizes = tuple(self.sizes)
             ok = len(sizes) > 0 and all(
@@ -159,7 +201,17 @@ class GraphConfig:
             _require(ok, owner, "sizes", self.sizes, "a non-empty list of integers >= 1")
             object.__setattr__(self, "sizes", tuple(sorted(set(sizes))))
 
+    def resolved(self, device: str) -> GraphConfig:
+        """This config with mode "auto" replaced by what it stands for on `device` (a resolved
+        device: "cpu", "cuda" or "cuda:N"); the ranks only ever see a resolved mode."""
+        if self.mode != "auto":
+            return self
+        on_cuda = device.startswith("cuda") and not self.enforce_eager
+        return dataclasses.replace(self, mode="full_decode_only" if on_cuda else "none")
+
     def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        if self.mode == "auto":
+            raise ValueError("GraphConfig.mode='auto' must be resolved for a device first")
         if self.mode == "none":
             return ()
         return self.sizes if self.sizes is not None else default_capture_sizes(max_num_seqs)
@@ -169,7 +221,8 @@ class GraphConfig:
 class AFDConfig:
     """How the model is split across ranks."""
 
-    topology: str = option("colocated", help="'colocated' or <A>A<F>F, e.g. 2A1F")
+    topology: str = option("colocated", help="'colocated' or <A>A<F>F, e.g. 2A1F; <N>A0F is "
+                                             "N data-parallel replicas (--data-parallel-size N)")
     ubatches: int = option(1, help="micro-batches per step (1..4), so that attention and FFN "
                                    "ranks work at once")
     gate_on_attention: bool = option(False, help="run the MoE router on the attention ranks")
@@ -216,12 +269,33 @@ class AFDConfig:
              "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
              "round trip at the FFN boundary, so every topology gives the same tokens",
         shown="auto, the model dtype")  # fmt: skip
+    routing_policy: str = option(
+        "prefix", choices=ROUTING_POLICIES,
+        help="how the frontend picks the attention rank of a request: least-tokens, the one "
+             "with the least outstanding work; prefix, the same less the prompt tokens the rank "
+             "holds in its prefix cache (as least-tokens when prefix caching is off)")  # fmt: skip
+    # vLLM's data parallelism: N colocated engines (topology <N>A0F), one process each (one GPU
+    # each on CUDA), behind one frontend that routes as it routes to AFD attention ranks.
+    data_parallel_size: int = option(
+        1, aliases=("-dp",),
+        help="this many colocated replicas of the whole model, one process (and on CUDA one "
+             "GPU) each, requests spread across them; the same as --topology <N>A0F")
+    # vLLM's other two splits, which afdserve does not have: refused unless 1, saying what to use.
+    tensor_parallel_size: int = option(
+        1, aliases=("-tp",),
+        help="not supported: only 1 (afdserve splits a model into attention and FFN ranks "
+             "instead: --topology <A>A<F>F, with --ffn-expert-parallel for the experts)")
+    pipeline_parallel_size: int = option(
+        1, aliases=("-pp",),
+        help="not supported: only 1 (use --topology <A>A<F>F, or --data-parallel-size for "
+             "replicas)")
 
     def __post_init__(self) -> None:
         from afdserve.layout.experts import check_placement_shape
         from afdserve.layout.topology import Topology
 
         owner = "AFDConfig"
+        self._data_parallel()
         _require(isinstance(self.ffn_expert_parallel, bool), owner, "ffn_expert_parallel",
                  self.ffn_expert_parallel, "True or False")
         topology = Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
@@ -249,6 +323,8 @@ class AFDConfig:
                  f"one of {CONNECTORS}")
         _require(self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype,
                  f"one of {A2E_DTYPES}")
+        _require(self.routing_policy in ROUTING_POLICIES, owner, "routing_policy",
+                 self.routing_policy, f"one of {ROUTING_POLICIES}")
         if self.connector == "ipc" and self.a2e_dtype == "fp8":
             # The push kernel writes model-dtype rows; its quantizing form is not written yet.
             raise ValueError("AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "
@@ -263,9 +339,45 @@ class AFDConfig:
                 f"(ffn_expert_parallel={self.ffn_expert_parallel})"
             )
 
+    def _data_parallel(self) -> None:
+        """data_parallel_size and topology <N>A0F are one setting: each sets the other, and
+        the two given apart must agree. tensor/pipeline parallel sizes other than 1 are
+        refused with what to use instead."""
+        owner = "AFDConfig"
+        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"{owner}.tensor_parallel_size={self.tensor_parallel_size} is not supported: "
+                "afdserve has no tensor parallelism; split the model into attention and FFN "
+                "ranks with --topology <A>A<F>F (e.g. 1A1F; --ffn-expert-parallel shards the "
+                "experts), or run replicas with --data-parallel-size N")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"{owner}.pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                "supported: afdserve has no pipeline parallelism; use --topology <A>A<F>F, or "
+                "--data-parallel-size N for replicas")
+        if not isinstance(self.topology, str):
+            return  # Topology.parse says what is wrong with it
+        match = re.fullmatch(r"\s*([0-9]+)A0F\s*", self.topology, re.IGNORECASE)
+        replicas = int(match[1]) if match else 1 if self.topology.strip() == "colocated" else None
+        if self.data_parallel_size == 1:
+            if replicas is not None and replicas > 1:
+                object.__setattr__(self, "data_parallel_size", replicas)
+            return
+        if replicas == 1 or replicas == self.data_parallel_size:
+            object.__setattr__(self, "topology", f"{self.data_parallel_size}A0F")
+            return
+        raise ValueError(
+            f"{owner}.data_parallel_size={self.data_parallel_size} is not allowed with "
+            f"topology={self.topology!r}: replicas are colocated engines (topology "
+            f"'{self.data_parallel_size}A0F'); an AFD topology already has several attention "
+            "ranks, so give its attention ranks there (e.g. '2A1F') instead")
+
     def check_device(self, device: str) -> None:
-        """The connector can run on `device` (checked before any rank starts)."""
-        if self.connector == "ipc" and not device.startswith("cuda"):
+        """The connector can run on `device` (checked before any rank starts; "auto" is
+        checked again once resolved)."""
+        if self.connector == "ipc" and device != "auto" and not device.startswith("cuda"):
             raise ValueError(f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
                              f"memory), got device={device!r}; use connector='p2p' on CPU")
 

@@ -38,6 +38,8 @@ def option(
     const: Any = None,
     negate: bool = False,
     positional: bool = False,
+    aliases: Sequence[str] = (),
+    off_flag: str | None = None,
 ) -> Any:
     """A dataclass field with its user-facing declaration.
 
@@ -51,12 +53,17 @@ def option(
     shown: what "(default: X)" says where the value alone would not tell what it means
         (max_model_len=None: "the model's max_position_embeddings").
     negate: a True-by-default bool set False by the flag (`--disable-log-requests`).
-    positional: an optional positional argument rather than a flag.
+    positional: an optional positional argument, and a flag (`--model`) beside it, as vLLM
+        takes both.
+    aliases: more flags for the option (vLLM's short forms: `-dp`).
+    off_flag: a flag that sets a False-by-default bool False again (vLLM's older spelling of a
+        switch whose default flipped: `--disable-log-requests`).
     """
     meta = {"help": help, "flag": flag, "kwarg": kwarg, "choices": choices, "allowed": allowed,
             "parse": parse, "metavar": metavar, "shown": shown, "nargs": nargs, "const": const,
-            "negate": negate, "positional": positional}  # fmt: skip
-    kept = {k: v for k, v in meta.items() if v is not None and v is not False}
+            "negate": negate, "positional": positional, "aliases": tuple(aliases),
+            "off_flag": off_flag}  # fmt: skip
+    kept = {k: v for k, v in meta.items() if v is not None and v is not False and v != ()}
     return dataclasses.field(default=default, metadata=kept)
 
 
@@ -95,7 +102,9 @@ def _shown(default: Any) -> str:
 
 
 def help_with_default(field: dataclasses.Field, default: Any = _UNSET) -> str:
-    """The field's help ending in its default, as vLLM's --help shows it."""
+    """The field's help ending in its default, as vLLM's --help shows it (or "required")."""
+    if default is _UNSET and field.default is dataclasses.MISSING and "shown" not in field.metadata:
+        return f"{field.metadata['help']} (required)"
     if default is _UNSET:
         shown = field.metadata.get("shown") or _shown(field.default)
     else:
@@ -132,11 +141,24 @@ def add_field_argument(
     else:
         kw = _typed(cls, field, kind, flag, choices)
     if meta.get("positional"):
-        action = parser.add_argument(kwarg_of(field), nargs="?", default=value, **kw)
+        # SUPPRESS: an absent positional must not overwrite the flag's value (argparse sets a
+        # missing optional positional to its default after the flags are read).
+        positional = parser.add_argument(kwarg_of(field), nargs="?", default=argparse.SUPPRESS,
+                                         **kw)
+        positional.help = text.replace("%", "%%")
+        kw["metavar"] = kw.get("metavar") or flag.lstrip("-").replace("-", "_").upper()
+        text = f"the same as the positional {kwarg_of(field)}: " + text
+    flags = (flag, *meta.get("aliases", ()))
+    if value is dataclasses.MISSING:  # a field without a default: the flag must be given
+        action = parser.add_argument(*flags, dest=kwarg_of(field), required=True, **kw)
     else:
-        action = parser.add_argument(flag, dest=kwarg_of(field), default=value, **kw)
+        action = parser.add_argument(*flags, dest=kwarg_of(field), default=value, **kw)
     # Set after construction: BooleanOptionalAction would append its own "(default: ...)".
     action.help = text.replace("%", "%%")
+    if meta.get("off_flag"):
+        off = parser.add_argument(meta["off_flag"], dest=kwarg_of(field), action="store_false",
+                                  default=value)
+        off.help = f"the opposite of {flag}, which is off by default (default: {not value})"
     return action
 
 
@@ -162,8 +184,9 @@ def _typed(
 def _bool_action(meta: Mapping[str, Any], default: Any) -> Any:
     if meta.get("negate"):
         return "store_false"  # the flag turns a True default off
-    # As vLLM: a False default is switched on by its flag; a True one has --no-... too.
-    return argparse.BooleanOptionalAction if default else "store_true"
+    # As vLLM: a False default is switched on by its flag; a True one has --no-... too, and so
+    # has a None one (the engine decides unless told either way).
+    return argparse.BooleanOptionalAction if default or default is None else "store_true"
 
 
 def add_dataclass_arguments(
@@ -236,3 +259,75 @@ def parse_placement(text: str) -> list[list[int]]:
     except ValueError:
         msg = f"expected expert ids per FFN rank like '0,1,2;3,4,5', got {text!r}"
         raise argparse.ArgumentTypeError(msg) from None
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, where `COMMAND ... --config FILE.yaml ...` first reads FILE as
+    vLLM's --config: a mapping whose keys are the command's flags (`max-num-seqs: 8`, also
+    `max_num_seqs`, `model: DIR`), put before the command line's own flags so that those
+    override it. A key that is no flag of the command is a ValueError naming it."""
+    argv = list(argv)
+    path, rest = _config_path(argv)
+    if path is None or not rest:
+        return parser.parse_args(argv)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = sub.choices.get(rest[0]) if sub is not None else None
+    if command is None:
+        return parser.parse_args(argv)  # argparse's own error for an unknown command
+    return parser.parse_args([rest[0], *config_file_args(command, path), *rest[1:]])
+
+
+def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The command-line flags that FILE's keys stand for (see `parse_with_config`)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if loaded is None:
+        return []
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag: value, got "
+                         f"{type(loaded).__name__}")  # fmt: skip
+    flags = {s.lstrip("-"): (s, a) for a in parser._actions for s in a.option_strings
+             if s != "--config" and not isinstance(a, argparse._HelpAction)}
+    args: list[str] = []
+    for key, value in loaded.items():
+        name = str(key).lstrip("-").replace("_", "-")
+        if name not in flags:
+            raise ValueError(f"--config {path}: unknown key {key!r}; the keys are the flags of "
+                             f"this command: {', '.join(sorted(flags))}")  # fmt: skip
+        args += _flag_args(*flags[name], value)
+    return args
+
+
+def _flag_args(flag: str, action: argparse.Action, value: Any) -> list[str]:
+    if value is None:
+        return []  # the flag's default
+    if action.nargs == 0:  # store_true, store_false, BooleanOptionalAction
+        if not isinstance(value, bool):
+            raise ValueError(f"--config: {flag.lstrip('-')}: expected true or false, got "
+                             f"{value!r}")  # fmt: skip
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    if action.nargs == "?" and isinstance(value, bool):
+        return [flag] if value else []
+    if isinstance(value, (list, tuple)):
+        if action.nargs in ("+", "*"):
+            return [flag, *(str(v) for v in value)]
+        return [flag, ",".join(str(v) for v in value)]  # a comma-separated flag (N,N,...)
+    return [flag, str(value).lower() if isinstance(value, bool) else str(value)]

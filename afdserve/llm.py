@@ -9,22 +9,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from afdserve.afd.clients.process import ProcessClient
 from afdserve.afd.clients.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.recorder import StepLogFile
-from afdserve.config import engine_configs
+from afdserve.config import EngineConfig, EngineConfigs, engine_configs
 from afdserve.engine.client import EngineClient
 from afdserve.engine.core_client import EngineCoreClient
+from afdserve.engine.cuda_graphs import check_capturable
+from afdserve.engine.device import resolve_device
+from afdserve.engine.factory import prefix_caching_for
 from afdserve.engine.generation_config import generation_defaults
 from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
-from afdserve.model.bundled import resolve_model
+from afdserve.layout.topology import Topology
 from afdserve.model.config import load_model_config
+from afdserve.model.hub import TOKENIZER_PATTERNS, resolve_model_dir
+from afdserve.model.preflight import preflight
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -39,6 +44,50 @@ def _parse_address(text: str | None) -> tuple[str, int] | None:
     if not sep or not port.isdigit():
         raise ValueError(f"frontend_address={text!r}: expected HOST:PORT, e.g. 0.0.0.0:5555")
     return host or "0.0.0.0", int(port)
+
+
+def resolve_engine(
+    model: str | None, kwargs: Mapping[str, object], spawned: bool = True
+) -> EngineConfigs:
+    """The configs as the LLM runs them, every check done before any process starts: the
+    keywords checked as given (the configs read no directory), then the model and tokenizer
+    made local directories (a hub id: its cached snapshot, downloaded if need be) and, when this
+    process spawns the ranks on this host, device and graph mode "auto" resolved (ranks started
+    elsewhere resolve them on their own hosts)."""
+    engine, afd, graph = engine_configs(
+        {"model": model or "tiny", **kwargs}, also=("frontend_address", "generation_config"))
+    model_dir, tokenizer_dir = resolve_sources(model, engine)
+    engine = dataclasses.replace(engine, model=model_dir, tokenizer=tokenizer_dir)
+    if spawned:
+        engine = dataclasses.replace(engine, device=resolve_device(engine.device))
+        afd.check_device(engine.device)
+        graph = graph.resolved(engine.device)
+        check_replicas(afd.parsed_topology, engine.device)
+    return EngineConfigs(engine, afd, graph)
+
+
+def check_replicas(topology: Topology, device: str) -> None:
+    """Data-parallel replicas on CUDA take one GPU each (as vLLM's): each fills its share of
+    its GPU's memory, so two on one GPU would not fit."""
+    replicas = topology.attention_ranks
+    if not topology.colocated or replicas == 1 or not device.startswith("cuda"):
+        return
+    gpus = _cuda_devices(device)
+    if gpus < replicas:
+        raise ValueError(f"data_parallel_size={replicas} needs {replicas} GPUs, one per replica; "
+                         f"this process sees {gpus}")
+
+
+def resolve_sources(model: str | None, config: EngineConfig) -> tuple[str, str | None]:
+    """The local directories of the model and of its tokenizer (None: the model's), each as
+    given or a hub id's cached snapshot (model/hub.py)."""
+    source = {"download_dir": config.download_dir, "trust_remote_code": config.trust_remote_code}
+    model_dir = resolve_model_dir(model, revision=config.revision, **source)
+    if config.tokenizer is None:
+        return model_dir, None
+    tokenizer_dir = resolve_model_dir(config.tokenizer, what="tokenizer",
+                                      patterns=TOKENIZER_PATTERNS, **source)
+    return model_dir, tokenizer_dir
 
 
 def _cuda_devices(device: str) -> int:
@@ -70,20 +119,30 @@ class LLM:
         "vllm" or a directory, the defaults of `get_default_sampling_params()`."""
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
-        model = resolve_model(model)
-        self.engine_config, afd, self.graph_config = engine_configs(
-            {"model": model, **kwargs}, also=("frontend_address", "generation_config"))
+        spawned = frontend_address is None
+        self.engine_config, afd, self.graph_config = resolve_engine(model, kwargs, spawned)
+        model, tokenizer = self.engine_config.model, self.engine_config.tokenizer
         self.generation_config = generation_config
         self._generation_defaults = generation_defaults(generation_config, model)
         if self._generation_defaults:
             log.info("default sampling parameters from the generation config: %s",
                      self._generation_defaults)
         device = self.engine_config.device
-        self.afd_config = afd.resolve_connector(
-            device, _cuda_devices(device), spawned=frontend_address is None)
+        self.afd_config = afd.resolve_connector(device, _cuda_devices(device), spawned=spawned)
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)
+        # So is a config field or checkpoint tensor the model cannot run with.
+        model_config = preflight(model, self.engine_config.load_format,
+                                 self.engine_config.quantization)
+        if (model_config.v4 is not None and kwargs.get("graph_mode", "auto") == "auto"
+                and self.graph_config.mode != "none"):
+            # graph_mode "auto" means what this model can run: V4's attention is not capturable.
+            log.info("graph_mode auto is none for deepseek_v4 (its attention is not capturable)")
+            self.graph_config = dataclasses.replace(self.graph_config, mode="none")
+        check_capturable(model_config, device, self.graph_config.mode)
+        if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
+            prefix_caching_for(self.engine_config, model_config)
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
@@ -93,7 +152,7 @@ class LLM:
         self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)
         self._ids = itertools.count()
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(tokenizer or model, self.engine_config.trust_remote_code)
         self.engine: EngineClient = self._start()
 
     def _start(self) -> EngineClient:
@@ -120,6 +179,7 @@ class LLM:
         self.rank_ready = dict(sorted(ready.items()))
         self.memory_reports = [ready[r].memory for r in sorted(ready)]
         self.rank_tensor_names = {r: list(ready[r].tensor_names) for r in ready}
+        self.prefix_caching = any(info.prefix_caching for info in ready.values())
 
     # ----- generation -----
     def get_default_sampling_params(self) -> SamplingParams:
@@ -323,6 +383,7 @@ def _with_tokenizer_dir(llm: LLM, params: SamplingParams) -> SamplingParams:
     structured = params.structured_outputs
     if structured is None:
         return params
-    structured = dataclasses.replace(structured, tokenizer_dir=llm.engine_config.model)
+    config = llm.engine_config
+    structured = dataclasses.replace(structured, tokenizer_dir=config.tokenizer or config.model)
     structured.check()
     return dataclasses.replace(params, structured_outputs=structured)

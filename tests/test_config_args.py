@@ -92,7 +92,14 @@ def test_public_names_stay() -> None:
     assert serve["use_tqdm_on_load"].option_strings == ["--use-tqdm-on-load",
                                                          "--no-use-tqdm-on-load"]
     assert serve["seed"].option_strings == ["--seed"]  # serve's --seed is the engine seed
-    assert serve["log_requests"].option_strings == ["--disable-log-requests"]
+    # vLLM's switch, and its older spelling (now the default) still accepted.
+    log_flags = [a.option_strings for a in subparser("serve")._actions if a.dest == "log_requests"]
+    assert log_flags == [["--enable-log-requests"], ["--disable-log-requests"]]
+    assert serve["log_stats"].option_strings == ["--disable-log-stats"]
+    assert serve["data_parallel_size"].option_strings == ["--data-parallel-size", "-dp"]
+    assert serve["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp"]
+    assert serve["pipeline_parallel_size"].option_strings == ["--pipeline-parallel-size", "-pp"]
+    assert serve["enforce_eager"].option_strings == ["--enforce-eager"]
     assert serve["restart_window_s"].option_strings == ["--restart-window"]
     generate = actions_by_dest("generate")
     assert generate["seed"].option_strings == ["--engine-seed"]
@@ -105,9 +112,12 @@ def test_help_shows_the_defaults() -> None:
                      "--max-num-seqs MAX_NUM_SEQS the most sequences one step runs (default: 64)",
                      "(default: 1,2,4,8,16,... up to max_num_seqs)",
                      "--no-use-tqdm-on-load a progress bar", "(default: True)",
-                     "--disable-log-requests do not log a line per request (default: False)",
+                     "--enable-log-requests log a line per request", "(default: False)",
+                     "--disable-log-stats do not log the engine statistics line",
                      "--on-engine-failure {exit,restart}", "(default: exit)",
-                     "model a Hugging Face model directory (default: the bundled tiny model)"):
+                     "model a Hugging Face model directory, or a hub id (org/name) read through "
+                     "the Hugging Face cache (default: the bundled tiny model)",
+                     "--device DEVICE where the engine runs: auto", "(default: auto)"):
         assert expected in text, expected
     assert text.count("(default: True) (default: True)") == 0
 

@@ -23,6 +23,7 @@ LAYERS = {  # module prefix -> layer; a module may import only its own layer and
     "afdserve.afd.ranks": 4.2,  # one rank of any role, its process and messages
     "afdserve.afd.clients": 4.3,  # the frontend's clients of one process or of a world
     "afdserve.llm": 5,
+    "afdserve.planner": 5,  # deployment predictions from a measured profile and the model's sizes
     "afdserve.server": 6,
     "afdserve.bench": 6,
     "afdserve.cli": 7,

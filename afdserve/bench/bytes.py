@@ -1,5 +1,9 @@
 """What a decode step must read, for `afdserve bench decode`: the device's copy bandwidth, the
-routed experts a batch touches, and the weight and KV bytes of one step."""
+routed experts a batch touches, and the weight and KV bytes of one step.
+
+Bytes are those held in memory: a block-scaled FP8 weight (`quantization="fp8"`) counts one byte
+per element plus its float32 scale grid, a routed expert's scales only for the experts touched
+(as its weights); an FP8 KV cache counts one byte per cached element."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import statistics
 
 import torch
 
+from afdserve.model.fp8 import SCALE_SUFFIX
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Experts
 
@@ -47,6 +52,11 @@ def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
     return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
 
 
+# The routed-expert stacks and, for FP8 experts, their scale grids (model/fp8.py).
+EXPERT_STACKS = tuple(f"experts.{stack}{suffix}" for stack in ("gate_up_proj", "down_proj")
+                      for suffix in ("", SCALE_SUFFIX))  # fmt: skip
+
+
 def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
     total, seen = 0, set()
     for model in (attn, ffn):
@@ -55,7 +65,7 @@ def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict
                 continue
             seen.add(id(p))
             size = p.numel() * p.element_size()
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(EXPERT_STACKS):  # [experts, ...]: per touched expert
                 layer = name.rsplit(".", 1)[0]
                 total += size // p.shape[0] * hit.get(layer, 0)
             elif name.endswith("embed_tokens.weight"):
@@ -68,6 +78,7 @@ def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict
 
 
 def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize: int) -> int:
+    """`itemsize`: bytes per cached element (the cache's dtype: 1 for the FP8 cache)."""
     c = model.config
     tensors = 1 if c.attention == "mla" else 2
     per_token = c.num_layers * tensors * c.num_cache_heads * c.kv_cache_dim * itemsize

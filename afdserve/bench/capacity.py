@@ -169,22 +169,30 @@ def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
 def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("capacity", help="KV-cache capacity of colocated vs the 1A1F attention "
                                           "rank, and the largest batch at a context length")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format dummy)")
+                   help="a preset's config.json in a temporary dir (needs --load-format "
+                        "dummy) (default: None)")
     add_engine_flags(p, CapacityBench, ("load_format",))
-    p.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES),
+                   help=f"comma-separated (default: {','.join(TOPOLOGIES)})")
     add_engine_flags(p, CapacityBench, ("connector",))
-    p.add_argument("--context-len", type=int, default=CapacityBench.context_len)
+    p.add_argument("--context-len", type=int, default=CapacityBench.context_len,
+                   help="tokens per sequence the largest batch is found for "
+                        f"(default: {CapacityBench.context_len})")
     add_engine_flags(p, CapacityBench, (
         "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
         "device", "dtype"))  # fmt: skip
     p.add_argument("--measure", action="store_true",
-                   help="also time decode steps at that batch (the decode bench)")
+                   help="also time decode steps at that batch, the decode bench "
+                        "(default: False)")
     add_engine_flags(p, CapacityBench, ("graph_mode",))
-    p.add_argument("--steps", type=int, default=CapacityBench.steps)
+    p.add_argument("--steps", type=int, default=CapacityBench.steps,
+                   help=f"timed steps with --measure (default: {CapacityBench.steps})")
     add_engine_flags(p, CapacityBench, ("seed",))
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results here (default: None)")
     p.set_defaults(func=main_capacity)
 
 

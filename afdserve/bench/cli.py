@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from afdserve.bench.calibrate import add_calibrate_parser
 from afdserve.bench.capacity import add_capacity_parser
 from afdserve.bench.control import add_control_parser
 from afdserve.bench.decode import add_decode_parser
@@ -16,5 +17,5 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     for add in (add_decode_parser, add_control_parser, add_serve_parser, add_transport_parser,
-                add_generate_parser, add_capacity_parser):
+                add_generate_parser, add_capacity_parser, add_calibrate_parser):
         add(kinds)

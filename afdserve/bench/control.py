@@ -58,10 +58,12 @@ def measure_control_plane(topology: Topology, rounds: int = 500,
 
 def add_control_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("control", help="time the per-step control-plane round")
-    p.add_argument("--topology", default="1A1F")
+    p.add_argument("--topology", default="1A1F",
+                   help="the world whose rounds are timed (default: 1A1F)")
     p.add_argument("--control-plane", choices=PLANES, action="append", default=None,
-                   help="gloo or shm (repeatable; default: both)")
-    p.add_argument("--rounds", type=int, default=500)
+                   help="gloo or shm, repeatable (default: both)")
+    p.add_argument("--rounds", type=int, default=500,
+                   help="control rounds timed per plane (default: 500)")
     p.set_defaults(func=main_control)
 
 

@@ -5,6 +5,8 @@ measured copy bandwidth. Decode is memory-bound, so that fraction is the figure 
 Bytes a step must read: every non-expert weight once (attention, norms, routers, dense and shared
 MLPs, lm_head), one embedding row per sequence, each routed expert the batch touches once per
 layer, and every sequence's cached K/V. Writes (one token of KV, activations) are left out.
+With `--quantization fp8` the FP8 weights count one byte per element plus their float32 block
+scales, and with `--kv-cache-dtype fp8` the cache one byte per element (bench/bytes.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from afdserve.bench.decode_steps import DecodeResult, DecodeSteps, build_halves
 from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import WARMUP_STEPS, invalid
-from afdserve.config import DEVICES, GRAPH_MODES
+from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build
 from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
@@ -54,6 +56,8 @@ class DecodeBench:
     block_size: int = 16
     compare_hf: bool = False
     seed: int = 0
+    quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": the FP8 KV cache (EngineConfig's option)
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
@@ -84,6 +88,13 @@ class DecodeBench:
             raise bad("dtype", f"one of {sorted(TORCH_DTYPES)}")
         if self.device not in DEVICES:
             raise bad("device", "'cpu' or 'cuda'")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"None or one of {QUANTIZATIONS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if self.compare_hf and (self.quantization or self.kv_cache_dtype != "auto"):
+            raise bad("compare_hf", "off with --quantization or an FP8 --kv-cache-dtype "
+                      "(the transformers model shares bf16 weights and caches)")  # fmt: skip
 
 
 def bench_batch(
@@ -95,12 +106,11 @@ def bench_batch(
         steps.step()
     times = [steps.step()[1] for _ in range(spec.steps)]
     mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
-    itemsize = TORCH_DTYPES[spec.dtype].itemsize
     result = DecodeResult(
         batch=batch,
         step_ms=statistics.median(times) * 1e3,
         weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
-        kv_bytes=step_kv_bytes(attn, batch, mean_context, itemsize),
+        kv_bytes=step_kv_bytes(attn, batch, mean_context, steps.kv.dtype.itemsize),
         copy_gbps=copy_gbps,
     )
     del steps
@@ -143,17 +153,28 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    p.add_argument("--random-weights", action="store_true")
-    p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--context-len", type=int, default=1024)
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a preset's shape with random weights, no directory (default: None)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights in --model's shape instead of its checkpoint "
+                        "(default: False)")
+    p.add_argument("--batch-sizes", default="1,8,64",
+                   help="the decode batches timed, comma-separated (default: 1,8,64)")
+    p.add_argument("--context-len", type=int, default=1024,
+                   help="tokens already cached per sequence (default: 1024)")
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
+                   help="the engine layout timed (default: colocated)")
     add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed decode steps per batch (default: 20)")
     add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
-    p.add_argument("--compare-hf", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_flags(p, DecodeBench, ("quantization", "kv_cache_dtype"))
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' model on the same weights (default: False)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random weights and tokens (default: 0)")
     p.set_defaults(func=main_decode)
 
 
@@ -167,7 +188,10 @@ def main_decode(args: argparse.Namespace) -> int:
     copy = results[0].copy_gbps if results else None
     name = spec.preset or spec.model_dir
     print(
-        f"decode bench: {name}, context {spec.context_len}, {spec.dtype}, {spec.topology}, "
+        f"decode bench: {name}, context {spec.context_len}, {spec.dtype}"
+        + (f", {spec.quantization} weights" if spec.quantization else "")
+        + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else "")
+        + f", {spec.topology}, "
         f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"
         + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
     )

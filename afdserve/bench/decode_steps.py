@@ -9,6 +9,7 @@ the same batch on one GPU and the FFN half on another (bench/decode_p2p.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +20,7 @@ from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_d
 from afdserve.afd.step.control import LocalControl
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.kv_cache import KVCache, cache_dtype, check_fp8_kv
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import RankStep
@@ -33,6 +34,7 @@ from afdserve.model.loader import (
     load_weights,
 )
 from afdserve.model.model import ModelParts, MoECausalLM
+from afdserve.model.quantization import resolve_quantization
 
 
 class DecodeSpec(Protocol):
@@ -67,6 +69,10 @@ class DecodeSpec(Protocol):
     def block_size(self) -> int: ...
     @property
     def seed(self) -> int: ...
+    @property
+    def quantization(self) -> str | None: ...
+    @property
+    def kv_cache_dtype(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.dev
     """One half (or the whole model) of the config `raw`: random weights hold what a colocated
     model of the spec's seed holds, so every half equals its part of the colocated model."""
     config = parse_model_config(raw)
+    quantization = resolve_quantization(config.quantization, spec.quantization)
+    config = dataclasses.replace(config, quantization=quantization)
     model = build_model(config, parts, TORCH_DTYPES[spec.dtype], device)
     if spec.random_weights:
         init_random_weights(model, spec.seed)
@@ -124,11 +132,18 @@ class DecodeSteps:
         self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
         bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
         self.width = math.ceil(last / bs)
-        self.kv = KVCache(config, batch * self.width, bs, TORCH_DTYPES[spec.dtype], dev)
+        kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
+        if kv_dtype != TORCH_DTYPES[spec.dtype]:
+            check_fp8_kv(config, dev)
+        self.kv = KVCache(config, batch * self.width, bs, kv_dtype, dev)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
         for first, second in self.kv.layers:
             for t in (first, second):
-                if t is not None:
+                if t is None:
+                    continue
+                if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
+                    t.copy_(torch.randn(t.shape, generator=gen, device=dev))
+                else:
                     t.normal_(generator=gen)
         self.tables = torch.arange(batch * self.width, device=dev, dtype=torch.int32).view(
             batch, self.width

@@ -36,6 +36,8 @@ class GenerateBench:
     output_len: int = 256
     topology: str = "colocated"
     connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
+    # Colocated replicas, one rank process (one GPU) each: what AFD on N GPUs is measured against.
+    data_parallel_size: int = 1
     load_format: str = "auto"
     graph_mode: str = "none"
     cuda_graph_sizes: tuple[int, ...] | None = None
@@ -58,6 +60,10 @@ class GenerateBench:
                 raise bad(field, "an integer >= 1")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {TOPOLOGIES}")
+        if self.data_parallel_size < 1 or (self.data_parallel_size > 1
+                                           and self.topology != "colocated"):
+            raise bad("data_parallel_size", "an integer >= 1; above 1 only with --topology "
+                                            "colocated (replicas are colocated engines)")
         if self.connector not in BENCH_CONNECTORS:
             raise bad("connector", "p2p or ipc")
         if self.load_format not in LOAD_FORMATS:
@@ -102,6 +108,7 @@ def open_llm(spec: GenerateBench) -> LLM:
     sizes = list(spec.cuda_graph_sizes) if spec.cuda_graph_sizes is not None else None
     return LLM(
         spec.model_dir, topology=spec.topology, device=spec.device, dtype=spec.dtype,
+        data_parallel_size=spec.data_parallel_size,
         connector=spec.connector if spec.topology == "1A1F" else "auto",
         max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
         max_model_len=spec.input_len + spec.output_len,
@@ -151,19 +158,26 @@ def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
-    p.add_argument("--model", dest="model_dir", default=None, help="a Hugging Face model dir")
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="a Hugging Face model dir (default: None, give it or --preset)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a preset's config.json in a temporary dir (needs --load-format dummy)")
+                   help="a preset's config.json in a temporary dir (needs --load-format "
+                        "dummy) (default: None)")
     add_engine_flags(p, GenerateBench, ("load_format",))
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES)
-    add_engine_flags(p, GenerateBench, ("connector",))
-    p.add_argument("--batch-sizes", default="64,256")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
+                   help="colocated (with -dp N: N replicas) or 1A1F (default: colocated)")
+    add_engine_flags(p, GenerateBench, ("connector", "data_parallel_size"))
+    p.add_argument("--batch-sizes", default="64,256",
+                   help="requests per timed run, comma-separated (default: 64,256)")
+    p.add_argument("--input-len", type=int, default=512,
+                   help="prompt tokens per request (default: 512)")
+    p.add_argument("--output-len", type=int, default=256,
+                   help="generated tokens per request (default: 256)")
     add_engine_flags(p, GenerateBench, (
         "graph_mode", "cuda_graph_sizes", "ubatches", "device", "dtype", "gpu_memory_utilization",
         "max_num_batched_tokens", "seed"))  # fmt: skip
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results here (default: None)")
     p.set_defaults(func=main_generate)
 
 
@@ -177,7 +191,8 @@ def main_generate(args: argparse.Namespace) -> int:
         )  # fmt: skip
         results = run_generate_bench(spec)
     name = args.preset or args.model_dir
-    header = (f"generate bench: {name} ({spec.load_format} weights), {spec.topology}"
+    replicas = f" x{spec.data_parallel_size} replicas" if spec.data_parallel_size > 1 else ""
+    header = (f"generate bench: {name} ({spec.load_format} weights), {spec.topology}{replicas}"
               f"{' over ' + spec.connector if spec.topology == '1A1F' else ''}, "
               f"{spec.dtype}, input {spec.input_len}, output {spec.output_len}, "
               f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}")

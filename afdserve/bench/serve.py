@@ -14,6 +14,12 @@ server may merge tokens into one chunk or hold back text. Throughputs divide by 
 the first request sent to the last one finished. Every rate gets fresh prompts (same seed, same
 prompts on every run), so that a server with a prefix cache gains nothing from an earlier rate.
 
+With `--num-prefixes P` the workload shares prefixes (a system prompt, few-shot examples): P
+random prefixes of `--prefix-len` tokens, each request one of them (in turn, then shuffled, so each
+is used num_prompts / P times, give or take one) followed by `--input-len` random tokens of its
+own. The report adds the prompt tokens the server served from its prefix cache (`usage.
+prompt_tokens_details.cached_tokens`).
+
 Only the standard library, httpx and numpy: the client runs beside any server with vLLM's
 completions API, `vllm serve` included.
 """
@@ -32,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from afdserve.config_args import add_field_argument, option
 
 try:
     import httpx
@@ -56,6 +64,16 @@ class ServeBench:
     seed: int = 0
     api_key: str | None = None
     timeout_s: float = 3600.0
+    num_prefixes: int = option(
+        0, help="the shared-prefix workload: P random prefixes, each request one of them plus "
+                "--input-len tokens of its own; 0: every prompt is random",
+        metavar="P")  # fmt: skip
+    prefix_len: int = option(256, help="tokens of each shared prefix (with --num-prefixes)",
+                             metavar="L")  # fmt: skip
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_len + (self.prefix_len if self.num_prefixes else 0)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
@@ -69,6 +87,10 @@ class ServeBench:
             raise ValueError(f"bench serve: max_concurrency={self.max_concurrency}: must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"bench serve: vocab_size={self.vocab_size}: must be >= 1")
+        if not isinstance(self.num_prefixes, int) or self.num_prefixes < 0:
+            raise ValueError(f"bench serve: num_prefixes={self.num_prefixes!r}: must be >= 0")
+        if not isinstance(self.prefix_len, int) or self.prefix_len < 1:
+            raise ValueError(f"bench serve: prefix_len={self.prefix_len!r}: must be >= 1")
 
 
 @dataclass
@@ -76,6 +98,7 @@ class RequestResult:
     prompt_len: int
     ok: bool = False
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server served from its prefix cache
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -90,6 +113,7 @@ class RateResult:
     failed: int
     input_tokens: int
     output_tokens: int
+    cached_tokens: int
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens / s
     total_token_throughput: float  # (input + output tokens) / s
@@ -109,6 +133,24 @@ def parse_rates(text: str) -> tuple[float, ...]:
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def shared_prefix_prompts(count: int, num_prefixes: int, prefix_len: int, suffix_len: int,
+                          vocab_size: int, seed: int) -> list[list[int]]:  # fmt: skip
+    """`count` prompts, each one of `num_prefixes` random prefixes of `prefix_len` tokens (in
+    turn, then shuffled) plus `suffix_len` random tokens of its own."""
+    rng = random.Random(seed)
+    prefixes = random_prompts(num_prefixes, prefix_len, vocab_size, rng.randrange(2**32))
+    order = [i % num_prefixes for i in range(count)]
+    rng.shuffle(order)
+    return [prefixes[k] + [rng.randrange(vocab_size) for _ in range(suffix_len)] for k in order]
+
+
+def bench_prompts(spec: ServeBench, count: int, vocab_size: int, seed: int) -> list[list[int]]:
+    if spec.num_prefixes:
+        return shared_prefix_prompts(count, spec.num_prefixes, spec.prefix_len, spec.input_len,
+                                     vocab_size, seed)  # fmt: skip
+    return random_prompts(count, spec.input_len, vocab_size, seed)
 
 
 def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
@@ -156,7 +198,10 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
                         result.itl_s.append(now - last)
                     last = now
                 elif chunk.get("usage"):
-                    result.output_tokens = int(chunk["usage"]["completion_tokens"])
+                    usage = chunk["usage"]
+                    result.output_tokens = int(usage["completion_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # transport or a bad chunk
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -207,6 +252,7 @@ def summarize(rate: float, results: list[RequestResult], duration_s: float) -> R
         failed=len(results) - len(done),
         input_tokens=inputs,
         output_tokens=outputs,
+        cached_tokens=sum(r.cached_tokens for r in done),
         request_throughput=len(done) / duration_s,
         output_throughput=outputs / duration_s,
         total_token_throughput=(inputs + outputs) / duration_s,
@@ -234,6 +280,8 @@ def format_rate(r: RateResult, num_prompts: int) -> str:
         f"{'completed requests':<30}{r.completed} of {num_prompts}",
         f"{'duration':<30}{r.duration_s:.2f} s",
         f"{'input / output tokens':<30}{r.input_tokens} / {r.output_tokens}",
+        f"{'cached input tokens':<30}{r.cached_tokens}"
+        f" ({r.cached_tokens / max(r.input_tokens, 1):.1%})",
         f"{'request throughput':<30}{r.request_throughput:.2f} req/s",
         f"{'output token throughput':<30}{r.output_throughput:.1f} tokens/s",
         f"{'total token throughput':<30}{r.total_token_throughput:.1f} tokens/s",
@@ -302,19 +350,20 @@ async def run_serve_bench(spec: ServeBench) -> tuple[str, list[RateResult]]:
         card = await _served_model(client, spec)
         model = card["id"]
         room = card.get("max_model_len")
-        if room is not None and spec.input_len + spec.output_len > room:
-            raise RuntimeError(f"input_len + output_len = {spec.input_len + spec.output_len} "
-                               f"exceeds the server's max_model_len {room}")  # fmt: skip
+        if room is not None and spec.prompt_len + spec.output_len > room:
+            raise RuntimeError(f"prompt + output_len = {spec.prompt_len + spec.output_len} "
+                               f"tokens exceeds the server's max_model_len {room}")  # fmt: skip
         vocab = resolve_vocab_size(spec, card)
         # One request first: a wrong URL, key or model fails here, with the server's message.
-        check = await send(client, model, random_prompts(1, spec.input_len, vocab, spec.seed)[0],
+        # Its prompt shares no prefix with any rate's (another seed).
+        check = await send(client, model, random_prompts(1, spec.prompt_len, vocab, spec.seed)[0],
                            spec.output_len)  # fmt: skip
         if not check.ok:
             raise RuntimeError(f"the first test request failed: {check.error}")
         results = []
         for i, rate in enumerate(spec.request_rates):
             seed = spec.seed + 1 + i
-            prompts = random_prompts(spec.num_prompts, spec.input_len, vocab, seed)
+            prompts = bench_prompts(spec, spec.num_prompts, vocab, seed)
             results.append(await run_rate(client, spec, model, prompts, rate, seed))
     return model, results
 
@@ -332,25 +381,37 @@ def to_json(spec: ServeBench, model: str, results: list[RateResult]) -> dict:
 
 def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, throughput")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (default: http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="served model name (default: the first listed)")
     p.add_argument("--request-rate", type=parse_rates, default=(math.inf,),
-                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once "
+                        "(default: inf)")
+    p.add_argument("--num-prompts", type=int, default=200,
+                   help="requests per rate (default: 200)")
+    p.add_argument("--input-len", type=int, default=1024,
+                   help="prompt tokens per request (with --num-prefixes: after the prefix) "
+                        "(default: 1024)")
+    for name in ("num_prefixes", "prefix_len"):
+        add_field_argument(p, ServeBench, name)
+    p.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request (default: 128)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most (later arrivals wait for a slot)")
+                   help="requests in flight at most, later arrivals wait for a slot "
+                        "(default: None, no limit)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="prompt token ids are drawn from [0, N) (default: from --model-dir)")
     p.add_argument("--model-dir", default=None,
                    help="a model directory whose config.json gives the vocabulary size "
                         "(default: the served model's path, when the server runs here)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and arrival times (default: 0)")
     p.add_argument("--api-key", default=None,
                    help="Bearer token (default: $AFDSERVE_API_KEY, then $OPENAI_API_KEY)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds one request may take (default: 3600)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results here (default: None)")
     p.set_defaults(func=main_serve)
 
 
@@ -365,7 +426,7 @@ def main_serve(args: argparse.Namespace) -> int:
         output_len=args.output_len, request_rates=args.request_rate, model=args.model,
         vocab_size=args.vocab_size, model_dir=args.model_dir,
         max_concurrency=args.max_concurrency, seed=args.seed, api_key=api_key,
-        timeout_s=args.timeout,
+        timeout_s=args.timeout, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
     )  # fmt: skip
     try:
         model, results = asyncio.run(run_serve_bench(spec))
@@ -373,8 +434,10 @@ def main_serve(args: argparse.Namespace) -> int:
         print(f"afdserve bench serve: {e}", file=sys.stderr)
         return 1
     concurrency = spec.max_concurrency or "unlimited"
+    shared = (f" after one of {spec.num_prefixes} shared prefixes of {spec.prefix_len}"
+              if spec.num_prefixes else "")  # fmt: skip
     print(f"bench serve: {spec.base_url}, model {model!r}, {spec.num_prompts} prompts of "
-          f"{spec.input_len} random tokens, {spec.output_len} output tokens each, "
+          f"{spec.input_len} random tokens{shared}, {spec.output_len} output tokens each, "
           f"max concurrency {concurrency}, seed {spec.seed}")  # fmt: skip
     for r in results:
         print(format_rate(r, spec.num_prompts))

@@ -269,12 +269,17 @@ def format_transport_table(spec: TransportBench, rows: list[tuple[int, str, floa
 
 def add_transport_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("transport", help="one layer's A2E + E2A between two GPUs, per transport")
-    p.add_argument("--rows", default="1,64,256")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--rows", default="1,64,256",
+                   help="hidden rows per transfer, comma-separated (default: 1,64,256)")
+    p.add_argument("--hidden", type=int, default=2048,
+                   help="the hidden size of a row (default: 2048)")
+    p.add_argument("--layers", type=int, default=48,
+                   help="round trips per step, one per MoE layer (default: 48)")
     add_engine_flags(p, TransportBench, ("dtype",))
-    p.add_argument("--transports", default=",".join(TRANSPORTS))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help=f"comma-separated (default: {','.join(TRANSPORTS)})")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed steps per row count (default: 20)")
     p.set_defaults(func=main_transport)
 
 

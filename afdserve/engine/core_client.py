@@ -21,6 +21,15 @@ class EngineStats:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, averaged over attention ranks
     steps: dict[str, int] = field(default_factory=dict)  # "role:mode" -> count
+    # Per attention rank, cumulative: prompt tokens looked up in its prefix cache, and found.
+    prefix_cache_queries: dict[int, int] = field(default_factory=dict)
+    prefix_cache_hits: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hits over queries since start, every rank together; None before any query."""
+        queries = sum(self.prefix_cache_queries.values())
+        return sum(self.prefix_cache_hits.values()) / queries if queries else None
 
 
 class EngineCoreClient(ABC):

@@ -19,6 +19,7 @@ import torch
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 from afdserve.layout.plan import AttentionRankPlan
+from afdserve.model.config import ModelConfig
 
 
 class GraphCaptureError(RuntimeError):
@@ -33,6 +34,18 @@ class GraphKeyError(GraphCaptureError):
 def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
     if mode == "replay" and key not in graphs:
         raise GraphKeyError(f"rank {rank}: the plan replays {key}, which it never captured")
+
+
+def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
+    """Refuses, by name, graph modes a family's attention side cannot be captured in: on CUDA,
+    DeepSeek-V4's attention loops over each sequence's pages with host-side shapes (its paged
+    cache, model/deepseek_v4/cache.py, has no device kernel yet). On CPU every graph mode runs
+    eagerly anyway, so it is allowed there."""
+    if config.v4 is not None and graph_mode != "none" and device.startswith("cuda"):
+        raise ValueError(
+            f"GraphConfig.graph_mode={graph_mode!r} is not supported for family 'deepseek_v4' "
+            "on CUDA yet: its paged attention is not capturable; use graph_mode='none'"
+        )
 
 
 def graphs_supported(runner: ModelRunner) -> str | None:

@@ -52,13 +52,15 @@ class EngineCore:
         kv_cache: KVCache,
         scheduler_config: SchedulerConfig,
         device: torch.device,
+        prefix_caching: bool = False,
     ) -> None:
         # The tokenizer only gives the eos token when the config names none: text is the
         # frontend's (engine/output_processor.py).
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
-        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size,
+                                          prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
@@ -182,7 +184,8 @@ class EngineCore:
             self.requests.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
                           seq.finish_reason, t.emitted_tokens, t.arrival_time,
-                          t.first_scheduled_time, t.first_token_time, new_prompt)
+                          t.first_scheduled_time, t.first_token_time, seq.num_cached_tokens,
+                          new_prompt)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:

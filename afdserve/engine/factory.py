@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.config import EngineConfig
+from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
-from afdserve.engine.kv_cache import KVCache, bytes_per_block, cache_dtype, check_fp8_kv
+from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
@@ -92,6 +93,23 @@ def kv_blocks_for(
     return blocks
 
 
+def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the rank caches prefixes: on unless turned off, and off for a family without a
+    plain paged cache (DeepSeek-V4's windows and compressed entries would have to be keyed on
+    whole compression windows), where asking for it is an error rather than ignored."""
+    if model_config.v4 is None:
+        return config.enable_prefix_caching is not False
+    if config.enable_prefix_caching:
+        raise ValueError(
+            "EngineConfig.enable_prefix_caching=True is not supported for deepseek_v4: its KV "
+            "cache (sliding windows, compressed entries, compressor state) is not a plain paged "
+            "cache of one block per block_size tokens; leave the option unset or pass "
+            "--no-enable-prefix-caching")
+    if config.enable_prefix_caching is None:
+        log.info("prefix caching is off for deepseek_v4 (no plain paged KV cache)")
+    return False
+
+
 def load_progress(config: EngineConfig, rank: int) -> bool | None:
     """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
     as in vLLM, because bars from several processes on one terminal overwrite each other."""
@@ -102,24 +120,27 @@ def create_engine_core(
     config: EngineConfig, parts: ModelParts, rank: int = 0, device: torch.device | None = None
 ) -> tuple[EngineCore, LoadReport, MemoryReport]:
     """`device` overrides config.device (a rank process picks its own GPU)."""
-    device = device if device is not None else torch.device(config.device)
+    device = device if device is not None else torch.device(resolve_device(config.device))
     model, report = load_half(config, parts, device, rank)
     # The model dtype, not the first parameter's (an FP8 weight's is float8); the cache's may be
     # FP8 on its own (kv_cache_dtype), which does not touch the weights.
     dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
     if config.fp8_kv_cache:
         check_fp8_kv(model.config, device, report.unexpected)
+    prefix_caching = prefix_caching_for(config, model.config)
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
-    cache = KVCache(model.config, blocks, config.block_size, dtype, device)
-    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes", blocks, config.block_size,
-             str(dtype).removeprefix("torch."), cache.bytes)
+    cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device)
+    per_type = getattr(cache, "summary", None)  # DeepSeek-V4: bytes per block of each layer type
+    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes%s", blocks, config.block_size,
+             str(dtype).removeprefix("torch."), cache.bytes, f" ({per_type})" if per_type else "")
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
     )
-    engine = EngineCore(model, load_tokenizer(config.model), cache, scheduler_config, device)
+    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    engine = EngineCore(model, tokenizer, cache, scheduler_config, device, prefix_caching)
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from afdserve.model.config import ModelConfig
+from afdserve.model.deepseek_v4 import cache as v4_cache
 
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # vLLM's and ModelOpt's names
@@ -25,12 +26,14 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 def check_fp8_kv(
     config: ModelConfig, device: torch.device, checkpoint_names: Iterable[str] = ()
 ) -> None:
-    """Refuses, by name, what the FP8 cache is not built for: DeepSeek-V4 (its caches are not
-    paged yet), CUDA devices without e4m3 conversions (before compute capability 8.9), and
+    """Refuses, by name, what the FP8 cache is not built for: DeepSeek-V4 (its pages of windows,
+    entries and compressor state are not quantized yet), CUDA devices without e4m3 conversions
+    (before compute capability 8.9), and
     checkpoints that carry per-layer KV scales (they would be silently replaced by 1.0)."""
     if config.family == "deepseek_v4":
         raise ValueError("EngineConfig.kv_cache_dtype='fp8' is not supported for family "
-                         "'deepseek_v4': its KV caches are not paged yet")
+                         "'deepseek_v4': its paged cache (windows, compressed entries, "
+                         "compressor state) is not quantized yet; use kv_cache_dtype='auto'")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         check_fp8_capability((major, minor), str(device))
@@ -51,6 +54,8 @@ def check_fp8_capability(capability: tuple[int, int], device: str) -> None:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    if config.v4 is not None:
+        return v4_cache.bytes_per_block(config, block_size, dtype)
     per_token = config.num_cache_heads * config.kv_cache_dim
     tensors = 1 if config.attention == "mla" else 2  # MLA caches one latent, GQA keys and values
     return config.num_layers * tensors * block_size * per_token * dtype.itemsize
@@ -77,3 +82,17 @@ class KVCache:
             )
             self.layers.append((first, second))
         self.bytes = bytes_per_block(config, block_size, dtype) * num_blocks
+
+
+def make_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> KVCache | v4_cache.V4KVCache:
+    """The family's paged cache over `num_blocks` blocks (DeepSeek-V4: pages per layer type,
+    model/deepseek_v4/cache.py)."""
+    if config.v4 is not None:
+        return v4_cache.V4KVCache(config, num_blocks, block_size, dtype, device)
+    return KVCache(config, num_blocks, block_size, dtype, device)

@@ -171,7 +171,8 @@ class ModelRunner:
         self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
     ) -> torch.Tensor:
         """Runs every layer over the plan's ubatches; returns the final hidden states
-        [rows, hidden]."""
+        [rows, hidden] (DeepSeek-V4: its streams [rows, hc_mult, hidden]; the residual each
+        layer hands the next is the model's own, see model/deepseek_v4/model.py)."""
         model = self.model
         bounds = plan.ubatch_bounds
         if plan.padded_rows != inputs.rows or inputs.meta.num_rows != inputs.rows:
@@ -194,7 +195,7 @@ class ModelRunner:
                 routing = model.route_on_attention(layer, x, ids[u], boundary.a2e.roundtrip)
                 pending[u] = boundary.post(layer, u, x, ids[u], routing)
         for u in range(len(bounds)):
-            hs[u] = hs[u] + pending[u].wait()
+            hs[u] = model.add_ffn_output(hs[u], pending[u].wait())
         return torch.cat(hs) if len(hs) > 1 else hs[0]
 
     @torch.inference_mode()

@@ -118,7 +118,7 @@ class OutputProcessor:
             logprobs=list(r.logprobs), prompt_logprobs=list(r.prompt_logprobs),
             arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time,
+            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens,
             stop_reason=self._stop_reason(r, finished, reason))
         return out, stopped and not delta.finished
 

@@ -30,6 +30,8 @@ class SequenceOutput:
     arrival_time: float = 0.0  # the engine accepted the request
     first_scheduled_time: float | None = None  # the first step that computes any of its tokens
     first_token_time: float | None = None
+    # Prompt tokens the engine found in its prefix cache (None until the core admitted it).
+    num_cached_tokens: int | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -83,6 +85,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Prompt tokens found in the prefix cache, as vLLM's RequestOutput has them: the first
+    # candidate's, whose prompt `prompt_token_ids` is.
+    num_cached_tokens: int | None = None
     candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
     # None unless SamplingParams.prompt_logprobs: per prompt token {token id: Logprob}, the
     # first None (vLLM's shape).
@@ -165,6 +170,7 @@ def gather(
         arrival_time=min(c.arrival_time for c in candidates),
         first_scheduled_time=earliest([c.first_scheduled_time for c in candidates]),
         first_token_time=earliest([c.first_token_time for c in candidates]),
+        num_cached_tokens=candidates[0].num_cached_tokens,
         candidates=candidates,
         prompt_logprobs=candidates[0].prompt_logprobs or None,
     )

@@ -13,7 +13,10 @@ Policy, per step, with a budget of `max_num_batched_tokens` tokens:
    budget, `max_num_seqs` and free blocks allow; a prompt is cut to the remaining budget when
    `chunked_prefill`, else admitted only whole. A waiting sequence is admitted only if the blocks
    for this chunk are free. No admission in a step that had to preempt.
-Blocks are allocated for exactly the positions computed in the step. When a running sequence cannot
+With prefix caching a waiting sequence first takes the cached blocks of its longest cached
+prefix (engine/block_manager.py) and starts at `num_computed_tokens` = their positions: the step
+counts, and the plan sees, only the tokens it computes. Blocks are allocated for exactly the
+positions computed in the step. When a running sequence cannot
 get its blocks, the most recently admitted running sequence is preempted by recompute: it frees its
 blocks, drops to `num_computed_tokens = 0` and returns to the front of the waiting queue, keeping
 its generated tokens, which are recomputed like prompt tokens. Sampling is therefore unaffected:
@@ -180,18 +183,27 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            bm = self.block_manager
+            cached = bm.cached_prefix(seq)
+            num_cached = len(cached) * bm.block_size
+            num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.chunked_prefill:
                     break
                 num_new = budget
-            needed = self.block_manager.blocks_needed(seq, num_new)
-            if needed > self.block_manager.num_blocks:
-                raise self._too_small(seq, num_new)
-            if not self.block_manager.can_allocate(needed):
+            total = -(-(num_cached + num_new) // bm.block_size)
+            if total > bm.num_blocks:
+                raise self._too_small(seq, num_cached + num_new)
+            # Cached blocks nobody references sit in the free queue: taking them costs free
+            # blocks too.
+            if not bm.can_allocate(total - len(cached) + bm.unreferenced(cached)):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            if bm.prefix_caching:
+                bm.take_cached(seq, cached)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            bm.allocate(seq, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
@@ -216,6 +228,7 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted while its step was in flight; its blocks are already free
             seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.register(seq)
             if token is None:
                 continue
             seq.token_ids.append(token)

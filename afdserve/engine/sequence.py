@@ -37,6 +37,12 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix caching (engine/block_manager.py): the chained hashes of the full blocks of
+        # `token_ids` known so far, how many blocks of `block_table` are registered under theirs,
+        # and the prompt tokens the first admission found cached (None until admitted).
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.params = params
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING

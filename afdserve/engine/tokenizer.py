@@ -48,11 +48,13 @@ def has_tokenizer_files(model_dir: str | Path) -> bool:
     return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    """`trust_remote_code`: transformers' own flag, for a tokenizer with Python code of its own
+    (EngineConfig.trust_remote_code)."""
     if not has_tokenizer_files(model_dir):
         log.warning("%s has no tokenizer files: prompts must be token ids, and outputs carry "
                     "token ids with empty text", model_dir)
         return TokenIdsOnly(model_dir)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)

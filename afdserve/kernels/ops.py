@@ -137,37 +137,54 @@ def moe_experts(
     if x.is_cuda:
         from afdserve.kernels import moe_gpu
 
-        # The GPU kernels index experts by id; a pair with id -1 (no expert here) becomes
-        # expert 0 with weight 0: correct, but it costs a row of expert 0's work.
-        # TODO(expert-parallel): skip those pairs inside the kernels.
         if gate_up.shape[0] == 0:  # a shard without experts (more FFN ranks than experts)
             return torch.zeros_like(x)
-        absent = topk_ids < 0
-        topk_ids = topk_ids.masked_fill(absent, 0)
-        topk_weights = topk_weights.masked_fill(absent, 0.0)
-
-        # Few pairs (decode): the fused Triton kernels, which read each touched expert once and
-        # skip the sort/scatter round trip. More: the grouped GEMM. The crossover was measured.
+        # Few pairs (decode): the fused Triton kernels, which route in registers and read each
+        # touched expert once. More: the Triton grouped GEMM over a sort-free assignment (no
+        # torch sort / scatter / gather around it); past GROUPED_MAX_PAIRS (prefill chunks,
+        # compute-bound) torch's grouped GEMM. The first crossover was measured.
         if _triton_ready(x):
-            from afdserve.kernels import triton_moe
+            from afdserve.kernels import triton_grouped_moe, triton_moe
 
-            small = topk_ids.numel() <= triton_moe.MAX_PAIRS
-            if small and triton_moe.supports(x, gate_up, down):
-                return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+            pairs = topk_ids.numel()
+            if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
+                ids, weights = _no_absent_pairs(topk_ids, topk_weights)
+                return triton_moe.moe_experts(x, ids, weights, gate_up, down)
+            grouped = pairs <= triton_grouped_moe.GROUPED_MAX_PAIRS
+            if grouped and triton_grouped_moe.supports(x, gate_up, down):
+                # Pairs with id -1 get no row of any expert there: no masking needed.
+                return triton_grouped_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
         if moe_gpu.supports(x, gate_up, down):
-            return moe_gpu.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
+            return moe_gpu.moe_experts(x, ids, weights, gate_up, down)
         if torch.cuda.is_current_stream_capturing():
             # The reference reads per-expert counts back to the host, which a graph cannot.
             return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
     return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
 
 
+def _no_absent_pairs(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernels and torch's grouped GEMM index experts by id: a pair with id -1 (no
+    expert here) becomes expert 0 with weight 0: correct, but it costs a row of expert 0's work.
+    TODO(expert-parallel): skip those pairs inside the decode kernels, as the grouped one does."""
+    absent = topk_ids < 0
+    return topk_ids.masked_fill(absent, 0), topk_weights.masked_fill(absent, 0.0)
+
+
 def fp8_linear(
     x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
-    """A block-scaled FP8 weight applied weight-only (the reference dequantizes it first).
-    TODO(fp8 kernels): a GEMM that reads FP8 on CUDA plugs in here."""
+    """A block-scaled FP8 weight applied weight-only. On CUDA one Triton GEMM reads the FP8
+    weight itself, its tiles scaled in registers (kernels/triton_fp8.py); elsewhere the
+    reference dequantizes the whole weight first."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_fp8
+
+        if triton_fp8.supports(x, q, scale_inv, block):
+            return triton_fp8.fp8_linear(x, q, scale_inv, bias)
     return fp8.fp8_linear(x, q, scale_inv, bias, block)
 
 
@@ -179,10 +196,27 @@ def moe_experts_fp8(
     down: tuple[torch.Tensor, torch.Tensor],
     block: tuple[int, int],
 ) -> torch.Tensor:
-    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA, until
-    FP8 expert kernels exist, the stacks are dequantized whole and take the bf16 kernels (graph
-    capturable, at the cost of a transient of every expert in x's dtype); elsewhere the
-    reference dequantizes only the experts the rows are routed to."""
+    """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs). On CUDA the
+    stacks stay FP8 and the Triton kernels scale their tiles in registers: the decode
+    kernels (kernels/triton_fp8_moe.py) for few pairs, the grouped GEMM for more (any count:
+    the alternative is a bf16 copy of every expert). Where those do not apply (fp32 activations,
+    odd shapes) the stacks are dequantized whole and take `moe_experts` (graph capturable, at the
+    cost of that transient). Elsewhere the reference dequantizes only the experts the rows are
+    routed to."""
+    if _triton_ready(x):
+        from afdserve.kernels import triton_fp8_moe, triton_grouped_moe, triton_moe
+
+        if gate_up[0].shape[0] == 0:  # a shard without experts
+            return torch.zeros_like(x)
+        pairs = topk_ids.numel()
+        small = pairs <= triton_moe.MAX_PAIRS
+        if small and triton_fp8_moe.supports(x, gate_up[0], down[0], block):
+            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
+            return triton_fp8_moe.moe_experts(x, ids, weights, gate_up, down)
+        if tuple(block) == (128, 128) and triton_grouped_moe.supports(x, gate_up[0], down[0]):
+            return triton_grouped_moe.moe_experts(
+                x, topk_ids, topk_weights, gate_up[0], down[0], (gate_up[1], down[1])
+            )
     if x.is_cuda:
         w13 = fp8.dequantize_gate_up(*gate_up, x.dtype, block)
         w2 = fp8.dequantize_blockwise(*down, x.dtype, block)

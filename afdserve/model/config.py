@@ -97,12 +97,11 @@ class ModelConfig:
     def kv_cache_dim(self) -> int:
         """Width of one cached token per KV head (MLA caches the compressed latent)."""
         if self.v4 is not None:
-            # Its cache is a window plus compressed entries and compressor state per layer type
-            # (docs/design.md); the paged layout for those does not exist yet.
-            raise NotImplementedError(
-                "deepseek_v4: the paged KV cache has no layout for V4's windows, compressed "
-                "entries and compressor state yet (issue 23); V4CausalLM runs one sequence at a "
-                "time with its own contiguous cache (forward_chunk)")
+            # Its pages differ per layer type (model/deepseek_v4/cache.py, LayerGeometry).
+            raise ValueError(
+                "deepseek_v4 has no single per-token KV width: its paged cache holds windows, "
+                "compressed entries and compressor state per layer type "
+                "(model/deepseek_v4/cache.py)")
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.head_dim

@@ -121,6 +121,10 @@ class MoECausalLM(nn.Module):
         norm = block.post_attention_layernorm
         return ops.add_rms_norm(h, attn, norm.weight, norm.eps)
 
+    def add_ffn_output(self, h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor:
+        """After the last layer: the residual stream plus its FFN output (what `logits` reads)."""
+        return h + ffn_out
+
     def route_on_attention(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
         ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,

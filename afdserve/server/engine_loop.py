@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from afdserve.engine.client import EngineClient, EngineStats
 from afdserve.engine.outputs import SequenceOutput
@@ -395,9 +396,13 @@ class Generation:
             return None
         return list(self.outputs)  # type: ignore[arg-type]
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         # Like OpenAI: a prompt counts once however many choices it has; every candidate's
-        # tokens count, best_of's unreturned ones included.
-        prompt = sum(len(p) for p in self.prompts[:: self.fanout.candidates])
+        # tokens count, best_of's unreturned ones included. Cached tokens: each prompt's first
+        # candidate's, as its prompt tokens are counted once.
+        step = self.fanout.candidates
+        prompt = sum(len(p) for p in self.prompts[::step])
         completion = sum(len(out.token_ids) for out in self.outputs if out is not None)
-        return usage(prompt, completion)
+        firsts = self.outputs[::step]
+        cached = sum(out.num_cached_tokens or 0 for out in firsts if out is not None)
+        return usage(prompt, completion, cached)

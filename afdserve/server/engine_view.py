@@ -37,6 +37,7 @@ class EngineView:
     vocab_size: int
     # SamplingParams field -> the value a request that leaves it out gets (--generation-config)
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # --served-model-name's further names, accepted as well
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, without the tokenizer's special tokens (as the offline API

@@ -78,6 +78,18 @@ class EngineCollector(Collector):
             role, _, mode = key.partition(":")
             steps.add_metric([role, mode or "unknown"], count)
         yield steps
+        # vLLM's prefix-cache counters, in tokens; `engine` is vLLM's label of one engine core,
+        # here one attention rank.
+        for name, doc, per_rank in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             stats.prefix_cache_hits),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            for rank, tokens in sorted(per_rank.items()):
+                counter.add_metric([*label, str(rank)], tokens)
+            yield counter
 
 
 class ServerMetrics:

@@ -24,13 +24,23 @@ class ServeOptions:
 
     host: str = option("127.0.0.1", help="the address to listen on")
     port: int = option(8000, help="the port to listen on")
-    served_model_name: str | None = option(
-        None, help="the model name clients use", shown="the model path")
+    # Several names, as vLLM: the first is the one responses and metrics carry; requests may
+    # name any of them.
+    served_model_name: tuple[str, ...] | None = option(
+        None, parse=str, nargs="+", metavar="NAME",
+        help="the model names clients use (several: any is accepted, the first is reported)",
+        shown="the model as given, a path or hub id")
     api_key: str | None = option(
         None, help="require 'Authorization: Bearer KEY'; /health and /metrics stay open",
         shown="$AFDSERVE_API_KEY")  # the CLI reads the variable
-    log_requests: bool = option(True, flag="--disable-log-requests", negate=True,
-                                help="do not log a line per request")
+    # Off by default, as vLLM's (since 0.10): a line per request is a lot of log under load.
+    log_requests: bool = option(False, flag="--enable-log-requests",
+                                off_flag="--disable-log-requests",
+                                help="log a line per request (its sizes and parameters) and one "
+                                     "when it finishes")
+    log_stats: bool = option(True, flag="--disable-log-stats", negate=True,
+                             help="do not log the engine statistics line every "
+                                  "--stats-interval seconds")
     log_level: str = option("info", choices=LOG_LEVELS, help="afdserve's own log level")
     uvicorn_log_level: str = option(
         "warning", choices=LOG_LEVELS, help="uvicorn's log level (its access log shows at info)")
@@ -88,6 +98,15 @@ class ServeOptions:
         10.0, help="close a connection that sent no complete request head in time")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None:
+            names = tuple(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"ServeOptions.served_model_name={self.served_model_name!r} is "
+                                 "not allowed: one or more non-empty names, or None")
+            object.__setattr__(self, "served_model_name", names)
         for name in ("log_level", "uvicorn_log_level"):
             value = getattr(self, name)
             if value not in LOG_LEVELS:

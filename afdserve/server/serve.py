@@ -128,12 +128,14 @@ def engine_view(llm: LLM, options: ServeOptions) -> EngineView:
     defaults = generation_defaults(options.generation_config, model_dir)
     if defaults:
         log.info("defaults of requests that leave them out (generation config): %s", defaults)
+    names = options.served_model_name or (llm.model_name,)
     return EngineView(
         client=llm.engine,
         tokenizer=llm.tokenizer,
-        served_name=options.served_model_name or llm.model_name,
+        served_name=names[0],
+        aliases=names[1:],
         root=llm.model_name,
-        model_dir=model_dir,
+        model_dir=llm.engine_config.tokenizer or model_dir,  # --tokenizer's, when given
         max_model_len=llm.engine.max_model_len,
         vocab_size=llm.engine.vocab_size,
         defaults=defaults,
@@ -274,7 +276,8 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         progress(f"listening on http://{host}:{port}; loading the model")
         llm = engine.start()
         log.info(startup_summary(llm, state.model_name))
-        stats = StatsLogger(state, options.stats_interval_s).start()
+        if options.log_stats:
+            stats = StatsLogger(state, options.stats_interval_s).start()
         progress(f"ready: serving {state.model_name!r} on http://{host}:{port}")
         code = watch(engine, signals, thread)
     except KeyboardInterrupt:

@@ -76,14 +76,20 @@ class ServerState:
             raise APIError(503, message, rejected="unavailable")
         return self.engine, self.view
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give: the served name, then --served-model-name's others."""
+        aliases = self.view.aliases if self.view is not None else ()
+        return (self.model_name, *aliases)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             message = f"model: {model!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, message, "model", "model_not_found")
 
-    def model_card(self, view: EngineView) -> dict:
+    def model_card(self, view: EngineView, name: str | None = None) -> dict:
         return {
-            "id": view.served_name,
+            "id": name or view.served_name,
             "object": "model",
             "created": 0,
             "owned_by": "afdserve",

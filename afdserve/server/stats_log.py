@@ -46,8 +46,10 @@ class StatsLogger:
         running, waiting, kv = (
             (stats.running, stats.waiting, stats.kv_cache_usage) if stats else (0, 0, 0.0)
         )
+        rate = stats.prefix_cache_hit_rate if stats else None
+        cached = "" if rate is None else f", prefix cache hit rate {rate:.1%}"
         return (
-            f"running {running}, waiting {waiting}, KV cache {kv:.1%}, "
+            f"running {running}, waiting {waiting}, KV cache {kv:.1%}{cached}, "
             f"prompt {(prompt - prompt_before) / elapsed:.1f} tokens/s, "
             f"generation {(generated - generated_before) / elapsed:.1f} tokens/s"
         )

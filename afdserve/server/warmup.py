@@ -70,5 +70,6 @@ def startup_summary(llm: LLM, model_name: str) -> str:
         f"max_model_len {limits.max_model_len}, KV cache {kv_tokens} tokens "
         f"({ranks} attention rank(s) x {limits.num_blocks} blocks x {limits.block_size}), "
         f"max concurrency {concurrency:.1f} requests of {limits.max_model_len} tokens "
-        f"(max_num_seqs {config.max_num_seqs} per rank)"
+        f"(max_num_seqs {config.max_num_seqs} per rank), "
+        f"prefix caching {'on' if llm.prefix_caching else 'off'}"
     )

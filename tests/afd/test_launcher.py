@@ -37,11 +37,13 @@ def test_shutdown_leaves_no_process(afd_models):
 
 
 def test_ffn_rank_failing_at_startup_shows_its_error(afd_models, tmp_path):
-    """An FFN half missing an expert tensor: the FFN rank's CheckpointError reaches the caller."""
+    """An FFN half with an expert tensor of the wrong shape (the frontend's preflight reads
+    names, not shapes): the FFN rank's CheckpointError reaches the caller."""
     broken = tmp_path / "broken"
     shutil.copytree(afd_models["qwen3_moe"], broken)
     tensors = load_file(str(broken / "model.safetensors"))
-    del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, str(broken / "model.safetensors"))
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:

@@ -36,6 +36,25 @@ def test_generate_bench_runs_and_counts_tokens(tmp_path, capsys, topology):
     assert "batch    2:" in printed and "output tokens/s" in printed
 
 
+@pytest.mark.slow  # tests/afd/test_data_parallel.py runs the replicas in CI
+def test_generate_bench_runs_data_parallel_replicas(tmp_path):
+    out = tmp_path / "generate.json"
+    code = main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy", "-dp", "2",
+                 "--batch-sizes", "4", "--input-len", "9", "--output-len", "5", "--json",
+                 str(out), *CPU])  # fmt: skip
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["data_parallel_size"] == 2
+    assert record["results"][0]["output_tokens"] == 4 * 5
+
+
+def test_data_parallel_replicas_are_colocated_engines(capsys):
+    code = main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy", "-dp", "2",
+                 "--topology", "1A1F", *CPU])  # fmt: skip
+    assert code == 2
+    assert "bench.data_parallel_size=2 is not allowed" in capsys.readouterr().err
+
+
 def test_a_short_request_fails_the_bench():
     def output(tokens: int) -> RequestOutput:
         choice = CompletionOutput(0, "", list(range(tokens)), None, None, "stop")

@@ -91,6 +91,38 @@ def test_queue_time_is_the_wait_for_the_scheduler(
     assert 0.5 * first_token <= queued <= first_token
 
 
+def test_shared_prefix_workload_is_generated_as_specified() -> None:
+    from collections import Counter
+
+    from afdserve.bench.serve import ServeBench, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(10, 3, 20, 5, vocab_size=50, seed=4)
+    assert len(prompts) == 10 and all(len(p) == 25 for p in prompts)
+    uses = Counter(tuple(p[:20]) for p in prompts)
+    assert sorted(uses.values()) == [3, 3, 4]  # three distinct prefixes, each in turn
+    assert len({tuple(p[20:]) for p in prompts}) == 10  # every suffix its own
+    assert all(0 <= t < 50 for p in prompts for t in p)
+    assert prompts == shared_prefix_prompts(10, 3, 20, 5, vocab_size=50, seed=4)
+    assert prompts != shared_prefix_prompts(10, 3, 20, 5, vocab_size=50, seed=5)
+    spec = ServeBench("http://x", 1, 8, 4, (1.0,), num_prefixes=2, prefix_len=16)
+    assert spec.prompt_len == 24
+    with pytest.raises(ValueError, match="num_prefixes=-1"):
+        ServeBench("http://x", 1, 8, 4, (1.0,), num_prefixes=-1)
+
+
+def test_shared_prefix_bench_reports_cached_tokens(one_at_a_time: ServerProcess,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """Two prefixes of one 16-token block over six requests, run one at a time: each prefix is
+    computed once, and the four other requests are served its block from the prefix cache."""
+    report = bench(one_at_a_time, tmp_path / "bench.json", "--num-prompts", "6",
+                   "--num-prefixes", "2", "--prefix-len", "16", "--input-len", "8",
+                   "--output-len", "2", "--request-rate", "inf", "--vocab-size", "260")  # fmt: skip
+    (rate,) = report["results"]
+    assert (rate["completed"], rate["input_tokens"]) == (6, 6 * 24)
+    assert rate["cached_tokens"] == 4 * 16
+    assert sorted(r["cached_tokens"] for r in rate["requests"]) == [0, 0, 16, 16, 16, 16]
+
+
 def test_a_model_without_tokenizer_streams_a_chunk_per_token(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

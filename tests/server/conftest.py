@@ -107,8 +107,9 @@ def start_cli_server(tmp_path: Path, port: int, *args: str) -> ServerProcess:
     marker = uuid.uuid4().hex
     log_path = tmp_path / f"cli-server-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
-    command = [sys.executable, "-m", "afdserve.cli", "serve", "--port", str(port),
-               "--served-model-name", SERVED_NAME, *args]  # fmt: skip
+    # --served-model-name takes several names (vLLM's nargs="+"): the --port after it ends them.
+    command = [sys.executable, "-m", "afdserve.cli", "serve", "--served-model-name", SERVED_NAME,
+               "--port", str(port), *args]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

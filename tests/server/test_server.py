@@ -139,7 +139,13 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == []
+    got, want = chunks[-1].usage, whole.usage
+    assert got.prompt_tokens == want.prompt_tokens
+    assert got.completion_tokens == want.completion_tokens
+    # The stream ran the same prompt again: its attention rank (prefix routing) had every full
+    # 16-token block of it cached, all but the block holding the last prompt token.
+    assert got.prompt_tokens_details.cached_tokens == (got.prompt_tokens - 1) // 16 * 16
 
 
 def test_concurrent_requests(client: openai.OpenAI, oracle: LLM) -> None:
@@ -265,6 +271,38 @@ def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert 0.0 <= after[("vllm:kv_cache_usage_perc", (("model_name", SERVED_NAME),))] <= 1.0
     steps = {labels: v for (name, labels), v in after.items() if name.startswith("afdserve_engine")}
     assert steps[(("mode", "eager"), ("role", "attention"))] > 0
+
+
+def test_cached_tokens_and_prefix_cache_metrics(server: ServerProcess, client: openai.OpenAI
+                                                ) -> None:  # fmt: skip
+    """A shared 40-token prefix: the first request computes it, the next ones (completion,
+    streamed completion, over either rank) report its two full 16-token blocks as cached, and
+    the per-rank counters of /metrics move by exactly the tokens looked up and found."""
+    before = metrics(server)
+    prefix = [(13 * i + 5) % 200 + 3 for i in range(40)]
+    params = dict(model=SERVED_NAME, temperature=0.0, max_tokens=2)
+    first = client.completions.create(prompt=prefix + [1], **params)
+    again = client.completions.create(prompt=prefix + [2, 3], **params)
+    chunks = list(client.completions.create(
+        prompt=prefix + [4], stream=True, stream_options={"include_usage": True}, **params))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+    def total(name: str, snapshot: dict) -> float:
+        return sum(v for (n, labels), v in snapshot.items()
+                   if n == name and dict(labels).get("model_name") == SERVED_NAME)
+
+    def moved(snapshot: dict) -> tuple[float, float]:
+        return tuple(total(name, snapshot) - total(name, before)  # type: ignore[return-value]
+                     for name in ("vllm:prefix_cache_queries_total",
+                                  "vllm:prefix_cache_hits_total"))  # fmt: skip
+
+    # The engine thread's stats snapshot follows the ranks' last step report.
+    wait_for(lambda: moved(metrics(server)) == (41 + 42 + 41, 64))
+    engines = {dict(labels)["engine"] for (n, labels) in metrics(server)
+               if n == "vllm:prefix_cache_queries_total"}  # fmt: skip
+    assert engines == {"0", "1"}  # one series per attention rank
 
 
 def wait_for(condition, deadline_s: float = 30.0) -> None:

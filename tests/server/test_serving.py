@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ VOCAB = 260  # the bundled byte-level tokenizer
 def served(tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(
         tmp_path_factory.mktemp("serving"), free_port(), topology="colocated",
-        api_key=API_KEY, stats_interval_s=0.5,
+        api_key=API_KEY, stats_interval_s=0.5, log_requests=True,  # off by default, as vLLM
     )  # fmt: skip
     try:
         srv.wait_healthy()
@@ -446,7 +447,7 @@ def test_startup_summary_request_log_and_stats_line(
 ) -> None:
     summary = line_with(served, "max concurrency")
     for part in ("afdserve 0.1.0", SERVED_NAME, "topology colocated", "dtype", "max_model_len 512",
-                 "KV cache", "tokens"):  # fmt: skip
+                 "KV cache", "tokens", "prefix caching on"):  # fmt: skip
         assert part in summary, summary
     body = {"prompt": HELLO, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     answer = http.post("/v1/completions", json=body).json()
@@ -456,6 +457,7 @@ def test_startup_summary_request_log_and_stats_line(
     wait_for_log(served, "generation")
     stats = line_with(served, "tokens/s")
     assert "running" in stats and "waiting" in stats and "KV cache" in stats
+    assert "prefix cache hit rate" in stats
 
 
 def test_request_log_can_be_switched_off(oracle: LLM, caplog: pytest.LogCaptureFixture) -> None:
@@ -495,6 +497,55 @@ def test_config_errors_are_one_line_before_anything_starts(args: list[str], mess
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("afdserve: error:")
     assert "Traceback" not in proc.stderr and "listening" not in proc.stderr
+
+
+def test_several_served_model_names(oracle: LLM) -> None:
+    """vLLM's --served-model-name a b: a card for each, a request may name either, responses
+    carry the first."""
+    from fastapi.testclient import TestClient
+
+    from afdserve.server.serve import build_app
+
+    options = ServeOptions(served_model_name=("first", "second"))
+    with TestClient(build_app(oracle, options)) as local:
+        cards = local.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["first", "second"]
+        assert local.get("/v1/models/second").json()["id"] == "second"
+        done = local.post("/v1/completions",
+                          json={"model": "second", "prompt": "hi", "max_tokens": 2})
+        assert done.status_code == 200 and done.json()["model"] == "first"
+        assert local.post("/v1/completions", json={"model": "third", "prompt": "hi"}
+                          ).status_code == 404  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cuda"], "device='cuda': this torch"),
+        (["-tp", "2"], "AFDConfig.tensor_parallel_size=2 is not supported"),
+        (["-dp", "2", "--topology", "1A1F"], "AFDConfig.data_parallel_size=2 is not allowed"),
+        (["--graph-mode", "full", "--enforce-eager"], "GraphConfig.enforce_eager=True"),
+    ],
+)
+def test_vllm_flag_errors_are_one_line_and_bind_no_port(args: list[str], message: str) -> None:
+    """The port is held open by the test while the server starts: a server that tried to bind it
+    would report the port in use instead, so the configuration error came first."""
+    import torch
+
+    if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = str(held.getsockname()[1])
+        proc = subprocess.run(
+            [sys.executable, "-m", "afdserve.cli", "serve", *args, "--port", port],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("afdserve: error:"), proc.stderr
+    assert message in lines[0] and "already in use" not in lines[0]
 
 
 def test_engine_flags_reach_the_llm() -> None:

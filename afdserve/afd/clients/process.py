@@ -1,13 +1,14 @@
 """The frontend's core client of a multi-process world: routes each request to the attention rank
 with the least outstanding work, gathers the ranks' token deltas, fails every request at once when
 a rank dies or hangs, and stops the world. The processes themselves are afd/ranks/world.py's
-`RankWorld`.
+`RankWorld`; the routing policy is afd/clients/routing.py's.
 """
 
 from __future__ import annotations
 
 import logging
 
+from afdserve.afd.clients.routing import Router
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
@@ -43,7 +44,6 @@ class ProcessClient(EngineCoreClient):
         self.closed = False
         self.owner: dict[str, int] = {}  # request id -> attention rank
         self.cost: dict[str, int] = {}
-        self.outstanding = [0] * spec.topology.attention_ranks
         self.rank_stats: dict[int, RankStats] = {}
         self._carried: list[TokenDelta] = []
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
@@ -56,6 +56,17 @@ class ProcessClient(EngineCoreClient):
             limits[0].block_size,
         )
         self.max_model_len, self.vocab_size = self.limits.max_model_len, self.limits.vocab_size
+        attention = range(spec.topology.attention_ranks)
+        self.router = Router(
+            spec.afd.routing_policy,
+            [self.ready[r].limits.num_blocks for r in attention],  # type: ignore[union-attr]
+            self.limits.block_size,
+            all(self.ready[r].prefix_caching for r in attention),
+        )
+
+    @property
+    def outstanding(self) -> list[int]:
+        return self.router.outstanding
 
     # ----- EngineCoreClient -----
     def add_request(
@@ -64,10 +75,9 @@ class ProcessClient(EngineCoreClient):
         if request_id in self.owner:
             raise RequestError(f"request_id: {request_id!r} is already running")
         check_request(prompt_token_ids, params, self.limits)
-        rank = min(range(len(self.outstanding)), key=lambda r: (self.outstanding[r], r))
-        cost = len(prompt_token_ids) + min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
+        budget = min(params.max_tokens, ROUTING_MAX_NEW_TOKENS)
+        rank, cost = self.router.route(prompt_token_ids, budget)
         self.owner[request_id], self.cost[request_id] = rank, cost
-        self.outstanding[rank] += cost
         self.world.send(rank, AddRequest(request_id, tuple(prompt_token_ids), params))
 
     def abort(self, request_id: str) -> None:
@@ -79,7 +89,7 @@ class ProcessClient(EngineCoreClient):
     def _forget(self, request_id: str) -> None:
         rank = self.owner.pop(request_id, None)
         if rank is not None:
-            self.outstanding[rank] -= self.cost.pop(request_id)
+            self.router.release(rank, self.cost.pop(request_id))
 
     def step(self) -> list[TokenDelta]:
         if self.closed:
@@ -122,7 +132,9 @@ class ProcessClient(EngineCoreClient):
     def stats(self) -> EngineStats:
         stats = EngineStats()
         ranks = max(len(self.outstanding), 1)
-        for rank_stats in self.rank_stats.values():
+        for rank, rank_stats in self.rank_stats.items():
+            stats.prefix_cache_queries[rank] = rank_stats.prefix_cache_queries
+            stats.prefix_cache_hits[rank] = rank_stats.prefix_cache_hits
             stats.running += rank_stats.running
             stats.waiting += rank_stats.waiting
             stats.kv_cache_usage += rank_stats.kv_cache_usage / ranks

@@ -12,13 +12,14 @@ from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
 from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
 
 
 class SingleProcessClient(EngineCoreClient):
     def __init__(self, spec: WorkerSpec) -> None:
-        device = torch.device(spec.engine.device)
+        device = torch.device(resolve_device(spec.engine.device))
         in_process = not spec.topology.colocated
         built = build_attention_rank(spec, 0, device, LocalControl(), in_process=in_process)
         self.core, self.driver = built.core, built.driver
@@ -43,12 +44,14 @@ class SingleProcessClient(EngineCoreClient):
         return self.core.has_unfinished
 
     def stats(self) -> EngineStats:
-        s = self.core.scheduler
+        s, blocks = self.core.scheduler, self.core.block_manager
         return EngineStats(
             running=s.num_running,
             waiting=s.num_waiting,
-            kv_cache_usage=self.core.block_manager.usage,
+            kv_cache_usage=blocks.usage,
             steps=dict(self.driver.recorder.mode_counts),
+            prefix_cache_queries={0: blocks.queried_tokens},
+            prefix_cache_hits={0: blocks.hit_tokens},
         )
 
     def step_log(self) -> list[dict]:

@@ -26,7 +26,8 @@ from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.driver import AttentionDriver, Control, FFNDriver, WorkSource
 from afdserve.afd.step.recorder import StepRecorder
-from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward
+from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
+from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.factory import (
     MemoryReport,
@@ -60,8 +61,10 @@ class StepGraphs:
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> StepGraphs:
-        sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
-        return cls(spec.graphs.mode, sizes, spec.afd.ubatches)
+        # Ranks started elsewhere get "auto" as given: each resolves it on its own host.
+        graphs = spec.graphs.resolved(resolve_device(spec.engine.device))
+        sizes = graphs.capture_sizes(spec.engine.max_num_seqs)
+        return cls(graphs.mode, sizes, spec.afd.ubatches)
 
     def recorder(self, rank: int, log_path: str | None = None,
                  keep_records: bool = False) -> StepRecorder:
@@ -114,6 +117,8 @@ def graph_runner(runner: ModelRunner, graphs: StepGraphs, max_model_len: int
     capture and replay steps run eagerly."""
     if not graphs.captured_on(runner.device):
         return None
+    # The frontend refuses this first; a bench assembling its ranks here meets the same line.
+    check_capturable(runner.model.config, str(runner.device), graphs.mode)
     return CudaGraphRunner(runner, max(graphs.sizes), max_model_len,
                            allow_prefill=graphs.mode == "full", ubatches=graphs.ubatches)
 
@@ -183,13 +188,15 @@ def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype,
     if spec.afd.connector != "ipc":
         return None
     # A tile is at most one attention rank's padded rows of a ubatch: its tokens, or a graph size.
-    sizes = spec.graphs.capture_sizes(spec.engine.max_num_seqs)
+    sizes = StepGraphs.of(spec).sizes  # "auto" resolved as the graph runners resolve it
     tile_cap = max((spec.engine.max_num_batched_tokens, *sizes))
     return open_inboxes(spec.topology, config, dtype, device, spec.afd.ubatches, tile_cap)
 
 
-def _ready(rank: int, role: str, memory: MemoryReport, model, limits) -> RankReady:
-    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits)
+def _ready(rank: int, role: str, memory: MemoryReport, model, limits,
+           prefix_caching: bool = False) -> RankReady:
+    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits,
+                     prefix_caching)
 
 
 def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
@@ -204,7 +211,8 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
         # and it must leave the experts their room.
         ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
     core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
-    ready = [_ready(rank, "attention", memory, core.model, core.limits)]
+    ready = [_ready(rank, "attention", memory, core.model, core.limits,
+                    core.block_manager.prefix_caching)]
     wire = inboxes = None
     if ffn_model is not None:
         wire = _wire(spec, 1)  # logs what FFN rank 1 ran: nothing travels

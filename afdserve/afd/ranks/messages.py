@@ -42,6 +42,7 @@ class RankReady:
     memory: MemoryReport
     tensor_names: tuple[str, ...]
     limits: RequestLimits | None  # attention ranks only
+    prefix_caching: bool = False  # an attention rank that caches prefixes
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class RankStats:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     steps: dict[str, int] = field(default_factory=dict)  # "role:mode" -> count
+    prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # of which found cached
 
 
 @dataclass(frozen=True)

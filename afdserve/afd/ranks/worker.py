@@ -34,6 +34,7 @@ from afdserve.afd.ranks.messages import (
     WorkerSpec,
 )
 from afdserve.afd.step.control import open_control_plane
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError
 
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
@@ -46,7 +47,7 @@ HEARTBEAT_S = 0.5
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
-    if spec.engine.device.startswith("cuda"):
+    if resolve_device(spec.engine.device).startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", rank))
         return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
@@ -160,9 +161,10 @@ def _apply(built: BuiltRank, rank: int, conn: Connection) -> bool:
 
 
 def _stats(built: BuiltRank) -> RankStats:
-    scheduler = built.core.scheduler
-    return RankStats(scheduler.num_running, scheduler.num_waiting,
-                     built.core.block_manager.usage, dict(built.driver.recorder.mode_counts))
+    scheduler, blocks = built.core.scheduler, built.core.block_manager
+    return RankStats(scheduler.num_running, scheduler.num_waiting, blocks.usage,
+                     dict(built.driver.recorder.mode_counts), blocks.queried_tokens,
+                     blocks.hit_tokens)
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Connection) -> None:

@@ -10,8 +10,13 @@ the attention half then expands y into the streams: post * y + comb^T h.
 `forward_full` runs one sequence from position 0 (the definition the tests hold against
 transformers' full forward); `forward_chunk` runs the next rows of one sequence against its
 `SequenceCache`, a contiguous per-sequence cache (the window, compressed entries and compressor
-state of docs/design.md), so prefill in chunks and decode give the full forward's logits. The
-engine's paged cache has no layout for that state yet.
+state of docs/design.md), so prefill in chunks and decode give the full forward's logits.
+
+The engine drives the same layers through `embed`, `attention_half`, `add_ffn_output` and
+`logits`, the interface `MoECausalLM` gives it: the residual it carries from layer to layer is the
+streams (and, between the halves, the FFN hyper-connection's post and comb), so mHC never leaves
+the attention side; each sequence's attention reads and writes its state in the paged cache
+(cache.py) through its block table.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4.attention import LayerState, RopeTable, V4Attention
+from afdserve.model.deepseek_v4.cache import LayerPages
 from afdserve.model.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.model import ModelParts, RouterHolder
 from afdserve.model.moe import Router, Routing, make_ffn
@@ -83,6 +90,7 @@ class V4CausalLM(nn.Module):
         self.parts = parts or ModelParts.colocated()
         # The activations' dtype, as MoECausalLM.dtype (some weights stay float32).
         self.dtype = torch.get_default_dtype()
+        self._rope_tables: dict[str, dict[str, RopeTable]] = {}  # per device, built on first use
         self.model = V4Body(config, self.parts)
         if self.parts.attention and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -112,9 +120,9 @@ class V4CausalLM(nn.Module):
     def new_cache(self) -> SequenceCache:
         return SequenceCache([None] * self.config.num_layers)
 
-    def attention_half(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                       ropes: dict[str, RopeTable], cache: SequenceCache | None = None
-                       ) -> tuple[torch.Tensor, StreamState]:
+    def sequence_attention_half(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                                ropes: dict[str, RopeTable], cache: SequenceCache | None = None
+                                ) -> tuple[torch.Tensor, StreamState]:
         """h [rows, hc_mult, hidden] -> (x [rows, hidden], the FFN input; the state `expand_ffn`
         needs when the FFN output is back). With `cache`, the rows follow what it holds and
         this layer's entry is advanced past them."""
@@ -135,11 +143,64 @@ class V4CausalLM(nn.Module):
     def expand_ffn(state: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
         return expand(state[0], ffn_out, state[1], state[2])
 
-    def route_on_attention(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor
+    def route_on_attention(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
+                           ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None
                            ) -> Routing | None:
+        """As MoECausalLM's: `ffn_view` is x as the FFN half will read it (the A2E format)."""
         if not self.parts.gate_on_attention:
             return None
-        return self.model.layers[layer].mlp.gate(x, token_ids)
+        return self.model.layers[layer].mlp.gate(ffn_view(x) if ffn_view else x, token_ids)
+
+    # ----- attention half, as the engine drives it (engine/model_runner.py) -----
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids [rows] -> the streams [rows, hc_mult, hidden], every stream the embedding."""
+        embedded = self.model.embed_tokens(token_ids)
+        return embedded.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nothing precomputed ([rows, 0] each): V4 rotates inside its attention, by two bases,
+        and its compressed entries at their windows' first positions, not at the rows'."""
+        empty = positions.new_zeros(positions.shape[0], 0, dtype=torch.float32)
+        return empty, empty
+
+    def attention_half(self, layer: int, residual: torch.Tensor | StreamState,
+                       ffn_out: torch.Tensor | None, meta: AttentionMetadata, cache: LayerPages,
+                       cos_sin: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, StreamState]:
+        """The engine's form: `residual` is the streams [rows, hc_mult, hidden] at layer 0, after
+        that the previous layer's StreamState, into which `ffn_out` is expanded first. Each
+        segment of `meta` (consecutive rows of one sequence) attends over the state its block
+        table addresses in `cache` and writes its own rows back; rows of no segment (pad rows)
+        get a zero attention output. -> (x [rows, hidden], what crosses to the FFN; the state
+        kept here)."""
+        h = residual if ffn_out is None else self.expand_ffn(residual, ffn_out)
+        block = self.model.layers[layer]
+        collapsed, post, comb = block.attn_hc(h)
+        x = block.input_layernorm(collapsed)
+        attn, ropes = block.self_attn, self._ropes_on(x.device)
+        own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
+        y = torch.zeros_like(x)
+        for seg in meta.segments:
+            start = seg.context_len - seg.num_rows
+            rows = slice(seg.row_start, seg.row_end)
+            out, after = attn(x[rows], meta.positions[rows], own, ropes["compress"],
+                              cache.read(seg.block_table, start))
+            cache.write(seg.block_table, start, seg.context_len, after)
+            y[rows] = out
+        h = expand(h, y, post, comb)
+        collapsed, post, comb = block.ffn_hc(h)
+        return block.post_attention_layernorm(collapsed), (h, post, comb)
+
+    def add_ffn_output(self, residual: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
+        """After the last layer: the streams with the FFN output expanded in (`logits` reads
+        them)."""
+        return self.expand_ffn(residual, ffn_out)
+
+    def _ropes_on(self, device: torch.device) -> dict[str, RopeTable]:
+        key = str(device)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = self.ropes(device)
+        return self._rope_tables[key]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hc_mult, hidden] after the last layer -> logits [rows, vocab] float32."""
@@ -167,7 +228,7 @@ class V4CausalLM(nn.Module):
         embedded = self.model.embed_tokens(token_ids)
         h = embedded.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
         for layer in range(self.config.num_layers):
-            x, state = self.attention_half(layer, h, positions, ropes, cache)
+            x, state = self.sequence_attention_half(layer, h, positions, ropes, cache)
             h = self.expand_ffn(state, ffn(layer, x, token_ids))
         if cache is not None:
             cache.length += token_ids.shape[0]

@@ -1,0 +1,156 @@
+"""FP8 routed experts for decode batches: kernels/triton_moe.py's three launches over FP8 stacks.
+
+The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
+float32 scale per 128 x 128 block (model/fp8.py's layout: gate_up's grid holds gate's block rows,
+then up's). The routing is resolved in registers as in triton_moe (a program per touched expert,
+its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x 128
+scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
+(exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
+
+Weight-only on purpose: a decode step's experts are memory-bound (at batch 64, bf16, they run at
+~95% of copy bandwidth), so reading one byte per weight instead of two is the speedup; quantizing
+activations to FP8 as well (w8a8) would only save compute, which decode has to spare. Larger
+batches take kernels/triton_grouped_moe.py with the same dequantization. No host sync: a CUDA
+graph captures the launches at their pair count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.fp8 import FP8_DTYPE
+from afdserve.kernels.triton_fp8 import block_dot
+from afdserve.kernels.triton_moe import (
+    SUM_COLUMNS,
+    _expert_pairs,
+    _k_block,
+    _rows_per_tile,
+    _sum_kernel,
+    _tile_pairs,
+    _tiles,
+)
+
+SCALE_BLOCK = 128
+
+
+def supports(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, block: tuple[int, int]
+) -> bool:
+    """bf16/fp16 activations, contiguous FP8 stacks of 128 x 128 blocks, reduction dims that are
+    multiples of 16 (tl.dot's smallest K step)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not (gate_up.dtype == down.dtype == FP8_DTYPE) or tuple(block) != (128, 128):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    return gate_up.shape[2] % 16 == 0 and down.shape[2] % 16 == 0
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
+    inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < inter
+    k = tl.arange(0, K_BLOCK)
+    gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+    up_rows = gate_rows + inter * hidden
+    # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+    gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
+    up_scales = gate_scales + inter_blocks * s_row
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
+        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, hidden, K_BLOCK):
+            xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            w_cols = k0 + k[None, :]
+            gate = block_dot(xs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                             gate, True, "tf32")  # fmt: skip
+            up = block_dot(xs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                           True, "tf32")  # fmt: skip
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + rows[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
+    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < hidden
+    k = tl.arange(0, K_BLOCK)
+    down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
+    scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        h_rows = h_ptr + rows[:, None] * inter
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            acc = block_dot(hs, down_rows + k0 + k[None, :], col_ok[:, None], scales + k0 // 128,
+                            acc, True, "tf32")  # fmt: skip
+        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + rows[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """`fp8.moe_experts_fp8`'s contract on CUDA for up to triton_moe.MAX_PAIRS pairs: x [rows,
+    hidden]; gate_up / down as (FP8 stack, scale grid). Every id must be a held expert (ops maps
+    -1 to expert 0 with weight 0). Check `supports` first."""
+    (w13, s13), (w2, s2) = gate_up, down
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    hidden, inter = w13.shape[2], w2.shape[2]
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    s13, s2 = s13.contiguous(), s2.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    experts = w13.shape[0]
+    routing = dict(
+        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
+        BY_EXPERT=pairs > experts,
+        ROWS=_rows_per_tile(pairs, experts),
+    )
+    slots = min(pairs, experts)
+    gate_up_columns, down_columns, warps, stages = _tiles(pairs)
+    # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
+    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+        x, ids, w13, s13, h, pairs, top_k, hidden, inter, s13.stride(0), s13.stride(1),
+        triton.cdiv(inter, SCALE_BLOCK), **routing, COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
+        h, ids, weights, w2, s2, y, pairs, hidden, inter, s2.stride(0), s2.stride(1), **routing,
+        COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
+        y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
+    )
+    return out

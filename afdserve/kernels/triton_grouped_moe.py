@@ -1,0 +1,225 @@
+"""Routed experts for larger batches as a grouped GEMM in Triton, reading rows by indirection.
+
+kernels/moe_align.py groups the step's (token, k) pairs by expert into padded tiles of `rows`
+slots without a sort. Then three launches, no gather, scatter or copy around them:
+
+1. gate/up: a program per (tile, intermediate column block) finds its tile's expert from the group
+   ends, loads the tile's x rows by token index, streams the expert's weight tile once for all of
+   them and writes h[pair] = silu(x W_gate^T) * (x W_up^T) in x's dtype, by pair index.
+2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T),
+   float32, by pair index.
+3. sum:     out[row] = sum of the row's routed y rows in k order, cast to x's dtype (pairs routed
+   to no expert here, id -1, are skipped: they were never written).
+
+So the only data that moves besides the weights is x read once per tile, h and y: the sort,
+index_select, index_add and their copies of the torch grouped GEMM path (kernels/moe_gpu.py) are
+gone. Tiles past the last group belong to no expert and exit at once; the grid is the worst case,
+static per pair count, so a CUDA graph captures it.
+
+Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
+float8_e4m3fn with a float32 scale per 128 x 128 block (model/fp8.py's layout: gate's grid rows,
+then up's). Each FP8 weight tile lies in one scale block: the dot runs on its values cast to x's
+dtype and its float32 partial is scaled (kernels/triton_fp8.block_dot): weight-only, which halves
+the bytes a memory-bound step reads. The routed
+experts stay memory-bound up to a few thousand pairs (a batch of 256 at top-8 reads every expert
+of Qwen3-30B-A3B about once for ~16 rows each), so no w8a8 path is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.fp8 import FP8_DTYPE
+from afdserve.kernels.moe_align import assign
+from afdserve.kernels.triton_fp8 import block_dot
+
+# Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
+# triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
+# small against its compute. A batch of 1024 at top-8: the routed experts of Qwen3-30B-A3B are
+# still memory-bound there by the FLOP count (~4x), so tiles of at most 64 rows lose little.
+# Untimed. FP8 experts take this path at any count (the alternative is a bf16 copy of them), in
+# slices of this many pairs.
+GROUPED_MAX_PAIRS = 8192
+
+# Tile widths and launch settings: (intermediate columns per gate/up program, hidden columns per
+# down program, warps, pipeline stages).
+COLUMNS = (64, 64, 4, 3)
+SUM_COLUMNS = 512
+SCALE_BLOCK = 128
+
+
+def _k_block(dim: int) -> int:
+    """The widest reduction step that divides `dim` (no K mask) and 128 (one scale per step)."""
+    return next(b for b in (128, 64, 32, 16) if dim % b == 0)
+
+
+def rows_per_tile(pairs: int, experts: int) -> int:
+    """Pairs of one expert per tile: four times the mean load, at least tl.dot's smallest height
+    (16), at most 64. An expert with more pairs spans several tiles, each re-reading its weights:
+    memory-bound, so tiles are sized for the busier experts (routing is skewed) rather than the
+    mean; empty rows cost only MMA time."""
+    mean = -(-pairs // max(1, min(pairs, experts)))
+    return min(64, max(16, triton.next_power_of_2(4 * mean)))
+
+
+def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """bf16/fp16 activations with weights in the same dtype or FP8; reduction dims multiples of
+    16 (tl.dot's smallest K step), contiguous stacks."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (gate_up.dtype == down.dtype and gate_up.dtype in (x.dtype, FP8_DTYPE)):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    return gate_up.shape[2] % 16 == 0 and down.shape[2] % 16 == 0
+
+
+@triton.jit
+def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E_PAD: tl.constexpr):
+    """The expert of this program's tile (num_experts past the last group), the tile's pair
+    indices and which of its rows hold one."""
+    first = tl.program_id(0) * ROWS
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(end_ptr + e, mask=e < num_experts, other=2147483647)
+    done = ends <= first
+    expert = tl.sum(done.to(tl.int32), axis=0)  # groups ending at or before this tile
+    start = tl.max(tl.where(done, ends, 0), axis=0)
+    count = tl.load(count_ptr + tl.minimum(expert, num_experts - 1))
+    slot = first + tl.arange(0, ROWS)
+    row_ok = (slot - start < count) & (expert < num_experts)
+    pairs = tl.load(slots_ptr + slot, mask=row_ok, other=0)
+    return expert, pairs, row_ok
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, slots_ptr, end_ptr, count_ptr, w_ptr, s_ptr, h_ptr, num_experts, top_k, hidden,
+    inter, s_expert, s_row, inter_blocks, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr, E_PAD: tl.constexpr, W_FP8: tl.constexpr,
+):  # fmt: skip
+    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < inter
+        k = tl.arange(0, K_BLOCK)
+        gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        up_rows = gate_rows + inter * hidden
+        # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+        gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
+        up_scales = gate_scales + inter_blocks * s_row
+        x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
+        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, hidden, K_BLOCK):
+            xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            w_cols = k0 + k[None, :]
+            gate = block_dot(xs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                             gate, W_FP8, "tf32")  # fmt: skip
+            up = block_dot(xs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                           W_FP8, "tf32")  # fmt: skip
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, slots_ptr, end_ptr, count_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_experts, hidden,
+    inter, s_expert, s_row, ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr, W_FP8: tl.constexpr,
+):  # fmt: skip
+    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < hidden
+        k = tl.arange(0, K_BLOCK)
+        down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
+        scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
+        h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            acc = block_dot(hs, down_rows + k0 + k[None, :], col_ok[:, None], scales + k0 // 128,
+                            acc, W_FP8, "tf32")  # fmt: skip
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, COLUMNS: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    ok = col < hidden
+    acc = tl.zeros((COLUMNS,), dtype=tl.float32)
+    for j in range(0, top_k):
+        pair = row * top_k + j
+        expert = tl.load(ids_ptr + pair)
+        routed = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + pair.to(tl.int64) * hidden + col, mask=ok & routed, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * hidden + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
+    `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8. Check `supports`."""
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    if pairs == 0 or experts == 0:
+        return torch.zeros_like(x)
+    if pairs > GROUPED_MAX_PAIRS:
+        # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
+        # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
+        # the experts once per slice costs little.
+        step = max(1, GROUPED_MAX_PAIRS // top_k)
+        return torch.cat([
+            moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
+                        gate_up, down, scales)
+            for i in range(0, rows, step)
+        ])  # fmt: skip
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    tile = rows_per_tile(pairs, experts)
+    groups = assign(ids, experts, tile)
+    w_fp8 = scales is not None
+    if w_fp8:
+        gate_up_scale, down_scale = (s.contiguous() for s in scales)
+    else:  # never read: the FP8 branches compile out
+        gate_up_scale = down_scale = weights
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    gate_up_columns, down_columns, warps, stages = COLUMNS
+    # An FP8 tile must lie in one scale block (triton_fp8.block_dot).
+    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
+    e_pad = max(16, triton.next_power_of_2(experts))
+    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, num_warps=warps, num_stages=stages)
+    g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)
+    d_strides = (down_scale.stride(0), down_scale.stride(1)) if w_fp8 else (0, 0)
+    _gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
+        x, groups.slots, groups.expert_end, groups.expert_count, gate_up, gate_up_scale, h,
+        experts, top_k, hidden, inter, *g_strides, triton.cdiv(inter, SCALE_BLOCK),
+        COLUMNS=gate_up_columns, K_BLOCK=_k_block(hidden), **common,
+    )  # fmt: skip
+    _down_kernel[(groups.tiles, triton.cdiv(hidden, down_columns))](
+        h, groups.slots, groups.expert_end, groups.expert_count, weights, down, down_scale, y,
+        experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=_k_block(inter),
+        **common,
+    )  # fmt: skip
+    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
+        y, ids, out, experts, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
+    )
+    return out

@@ -1,0 +1,62 @@
+"""What each role of a deployment holds: its weights (counted from the model built on the meta
+device, so every family and FP8 are counted as the engine allocates them) and the KV cache bytes
+per token, from which the largest batch that fits follows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import TORCH_DTYPES, _default_dtype, model_class
+from afdserve.model.model import ModelParts
+
+# Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):
+# 0.7-1.0 GB on the H200 in `afdserve bench capacity` (docs/benchmarks.md, 2026-11-30).
+RESERVE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    colocated: int  # every weight
+    attention: int  # an attention rank's half (embedding, attention, norms, lm_head)
+    ffn: int  # an FFN rank's half with every routed expert
+    routed_experts: int  # of `ffn`, the routed experts' part (sharded by expert parallelism)
+    kv_per_token: int
+
+    def ffn_shard(self, shards: int) -> float:
+        """An FFN rank of an expert-parallel group of `shards`: its experts, the rest replicated."""
+        return self.ffn - self.routed_experts + self.routed_experts / shards
+
+
+def _half_bytes(config: ModelConfig, parts: ModelParts, dtype: torch.dtype) -> tuple[int, int]:
+    with _default_dtype(dtype), torch.device("meta"):
+        model = model_class(config)(config, parts)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size
+        if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            experts += size
+    for _, b in model.named_buffers():
+        total += b.numel() * b.element_size()
+    return total, experts
+
+
+def model_bytes(config: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None
+                ) -> ModelBytes:
+    torch_dtype = TORCH_DTYPES[dtype]
+    colocated, experts = _half_bytes(config, ModelParts.colocated(), torch_dtype)
+    attention, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
+    ffn, _ = _half_bytes(config, ModelParts(False, True), torch_dtype)
+    kv = getattr(torch, kv_dtype) if kv_dtype else torch_dtype
+    return ModelBytes(colocated, attention, ffn, experts, bytes_per_block(config, 1, kv))
+
+
+def max_batch(memory_bytes: float, utilization: float, weights: float, kv_per_token: int,
+              context: int) -> int:
+    """Sequences of `context` tokens whose KV fits beside `weights` (0 when none does)."""
+    room = memory_bytes * utilization - weights - RESERVE_BYTES
+    return max(0, int(room // (kv_per_token * context)))

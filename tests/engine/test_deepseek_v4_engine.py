@@ -1,0 +1,174 @@
+"""DeepSeek-V4 in the colocated engine, over its paged cache (model/deepseek_v4/cache.py): greedy
+tokens equal transformers' full-sequence forward teacher-forced (the definition: every generated
+token is the argmax of the full forward over the prompt and the tokens before it), on several tiny
+shapes (hc_mult 2-4, windows and compression rates that short prompts cross, the rate above and
+below the block size, mixed layer types, hash layers), batched; chunked prefill in chunks of a
+few tokens and preemption by recompute give the same tokens; and the cache's size is what its
+pages hold, per layer type."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV4ForCausalLM
+
+from afdserve import LLM, SamplingParams
+from afdserve.engine.cuda_graphs import check_capturable
+from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.model.config import load_model_config
+from afdserve.model.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
+from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.loader import load_model
+from afdserve.model.model import ModelParts
+from tests.engine.test_llm import run
+from tests.model.deepseek_v4_helpers import boundary_ties
+
+CSA, HCA, SLIDING = (
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "sliding_attention",
+)
+# name -> (make_tiny_v4 overrides, block_size)
+SHAPES = {
+    "hc2-w4-r2r4": ({}, 16),
+    "hc3-w3-r3r6": (
+        dict(
+            hc_mult=3,
+            sliding_window=3,
+            index_topk=3,
+            compress_rates={CSA: 3, HCA: 6},
+            layer_types=[CSA, HCA, SLIDING, HCA],
+            mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"],
+        ),
+        4,
+    ),
+    "hc4-w6-r4r8": (
+        dict(
+            hc_mult=4,
+            sliding_window=6,
+            num_hidden_layers=3,
+            compress_rates={CSA: 4, HCA: 8},
+            layer_types=[HCA, CSA, CSA],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+        ),
+        4,
+    ),
+}
+NEW_TOKENS = 14
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 3, 7, 13, 29)]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shape(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, int]:
+    overrides, block_size = SHAPES[request.param]
+    path = make_tiny_v4(tmp_path_factory.mktemp("v4e") / request.param, seed=4, **overrides)
+    return request.param, path, block_size
+
+
+@pytest.fixture(scope="module")
+def one_shot(shape: tuple[str, Path, int]) -> list[list[int]]:
+    """Every prompt in one generate call, each prompt's prefill in one step."""
+    _, path, block_size = shape
+    with LLM(str(path), dtype="float32", block_size=block_size) as llm:
+        return [o.token_ids for o in llm.generate(prompts(1), GREEDY)]
+
+
+@torch.inference_mode()
+def test_greedy_tokens_are_the_full_forward_argmax(shape, one_shot) -> None:
+    _, path, _ = shape
+    hf = DeepseekV4ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ours = load_model(path, ModelParts.colocated(), "float32")[0]
+    for prompt, got in zip(prompts(1), one_shot, strict=True):
+        assert len(got) == NEW_TOKENS
+        seq = torch.tensor(prompt + got)
+        # Where the indexer's k-th and (k+1)-th entries tie, the model does not define the
+        # token: the comparison means something only without such ties.
+        assert boundary_ties(ours, seq) == []
+        logits = hf(seq[None, :-1], use_cache=False).logits[0]
+        want = logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
+        assert got == want
+
+
+@pytest.mark.parametrize("budget", [3, 5])
+def test_chunked_prefill_gives_the_one_shot_tokens(shape, one_shot, budget: int) -> None:
+    _, path, block_size = shape
+    with LLM(
+        str(path), dtype="float32", block_size=block_size, max_num_batched_tokens=budget
+    ) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
+
+
+def test_preemption_by_recompute_keeps_the_tokens(shape, one_shot) -> None:
+    _, path, block_size = shape
+    blocks = -(-(29 + NEW_TOKENS) // block_size) + 1  # the longest sequence and one block more
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=block_size,
+        kv_cache_blocks=blocks,
+        max_num_batched_tokens=7,
+    )
+    outs, preempted = run(llm, prompts(1), GREEDY, late={3: 4})
+    assert preempted > 0
+    assert [o.token_ids for o in outs] == one_shot
+    assert llm.engine.core_client.core.block_manager.num_free_blocks == blocks
+
+
+def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
+    """The start-up numbers (bytes per block, how many blocks fit, the per-type breakdown) are
+    the bytes the pages really allocate."""
+    _, path, block_size = shape
+    config = load_model_config(path)
+    cache = V4KVCache(config, 3, block_size, torch.float32, "cpu")
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.pages.values())
+    assert cache.bytes == held == 3 * bytes_per_block(config, block_size, torch.float32)
+    for kind, (count, per_block) in bytes_by_layer_type(config, block_size, torch.float32).items():
+        layers = [pages for pages in cache.layers if pages.geometry.kind == kind]
+        assert len(layers) == count
+        assert all(pages.bytes == 3 * per_block for pages in layers)
+    # A sliding layer's pages are its window alone; a compressed layer's grow by its entries.
+    kinds = {pages.geometry.kind: pages for pages in cache.layers}
+    if SLIDING in kinds:
+        assert list(kinds[SLIDING].pages) == ["window"]
+    for kind, rate in ((CSA, config.v4.csa_rate), (HCA, config.v4.hca_rate)):
+        if kind in kinds:
+            assert kinds[kind].pages["entries"].shape[1] == -(-block_size // rate)
+    with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
+        llm = LLM(str(path), dtype="float32", block_size=block_size, kv_cache_blocks=5)
+    (ready,) = llm.engine.core_client.ready.values()
+    assert ready.memory.cache_bytes == 5 * bytes_per_block(config, block_size, torch.float32)
+    assert ready.memory.cache_blocks == 5
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
+    for kind, (count, per_block) in bytes_by_layer_type(config, block_size, torch.float32).items():
+        short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[kind]
+        assert f"{count} {short} x {per_block} B" in line
+
+
+def test_cuda_graph_modes_are_refused_by_name_on_cuda(shape) -> None:
+    """V4's paged attention loops over sequences with host-side shapes: not capturable, so a
+    graph mode on CUDA is one clear error before any rank starts; on CPU every graph mode runs
+    eagerly with the graph layout, as for every family (tests/afd/test_deepseek_v4_afd.py)."""
+    _, path, _ = shape
+    config = load_model_config(path)
+    for mode in ("full_decode_only", "full"):
+        with pytest.raises(ValueError, match=rf"graph_mode='{mode}' is not supported for family "
+                                             r"'deepseek_v4' on CUDA yet") as err:  # fmt: skip
+            check_capturable(config, "cuda:0", mode)
+        assert "\n" not in str(err.value)
+        check_capturable(config, "cpu", mode)
+    check_capturable(config, "cuda", "none")
+    if torch.cuda.is_available():  # a CPU-only torch refuses device="cuda" before this check
+        with pytest.raises(ValueError, match="graph_mode='full'"):
+            LLM(str(path), dtype="float32", device="cuda", graph_mode="full")

@@ -1,0 +1,325 @@
+"""The FP8 and sort-free expert kernels on the GPU against the references.
+
+FP8 weights (block-scaled, kernels/fp8.py) are compared with the reference over the same weights
+dequantized to the activation dtype (the kernels dequantize each tile in registers the same way,
+so that rounding is shared and what is left is the GEMMs' accumulation order), computed in
+float64. Every kernel also runs under CUDA's sync debug mode (no host sync) and replays in a CUDA
+graph on new inputs. The sort-free grouping (kernels/moe_align.py) is checked pair for pair
+against a stable torch sort; the bf16 grouped path against the reference and the torch grouped
+GEMM it replaces; an FP8 model end to end (colocated and 1A1F, eager and graphs) against the
+CPU engine's reference dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afdserve import LLM, SamplingParams
+from afdserve.kernels import fp8, ops, reference
+from afdserve.model.fp8 import quantize_weight
+from afdserve.model.tiny import make_tiny_model
+from tests.gpu.sync import no_sync
+from tests.gpu.test_graphs import SIZES, _check, _prompts
+from tests.gpu.test_kernels import QWEN3_MOE, moe_case, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BLOCK = (128, 128)
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_linear_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, generator=gen, device="cuda") * k**-0.5
+    q, scale = fp8.quantize_blockwise(w, BLOCK)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    b = torch.randn(n, generator=gen, device="cuda").to(dtype) if bias else None
+    return x, q, scale, b
+
+
+def fp8_linear_reference(x, q, scale, bias) -> torch.Tensor:
+    w = fp8.dequantize_blockwise(q, scale, x.dtype, BLOCK).double()
+    return F.linear(x.double(), w, None if bias is None else bias.double())
+
+
+LINEAR_SHAPES = [
+    (4096, 2048),  # Qwen3-30B-A3B's q_proj
+    (2048, 4096),  # and o_proj
+    (576, 1024),  # MLA's kv_a_proj_with_mqa rows: 4.5 blocks
+    (200, 136),  # partial blocks in both dims, K not a multiple of the K step
+    (96, 40),  # one partial block
+]
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 256])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_fp8_linear_matches_reference(m, n, k):
+    x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + n + k)
+    from afdserve.kernels import triton_fp8
+
+    assert triton_fp8.supports(x, q, scale, BLOCK)
+    out = no_sync(ops.fp8_linear, x, q, scale, b, BLOCK)
+    ref = fp8_linear_reference(x, q, scale, b)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_other_dtypes_and_3d_input(dtype):
+    x, q, scale, b = fp8_linear_case(2 * 5, 200, 136, dtype, bias=True, seed=3)
+    x3 = x.view(2, 5, 136)
+    out = no_sync(ops.fp8_linear, x3, q, scale, b, BLOCK)
+    assert out.shape == (2, 5, 200) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out.view(10, 200), fp8_linear_reference(x, q, scale, b)) < tol
+
+
+def test_fp8_linear_replays_in_cuda_graph():
+    x, q, scale, b = fp8_linear_case(8, 576, 1024, torch.bfloat16, bias=True, seed=5)
+    ops.fp8_linear(x, q, scale, b, BLOCK)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fp8_linear(x, q, scale, b, BLOCK)
+    for seed in (6, 7):
+        x.copy_(fp8_linear_case(8, 576, 1024, torch.bfloat16, True, seed)[0])
+        graph.replay()
+        assert rel_err(out, fp8_linear_reference(x, q, scale, b)) < 1e-2
+
+
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor):
+    """(q, scale) of each stack in model/fp8.py's layout (gate_up: a grid per half)."""
+    return quantize_weight(gate_up, True, BLOCK), quantize_weight(down, False, BLOCK)
+
+
+def touched_reference(x, ids, weights, weights_of) -> torch.Tensor:
+    """The reference in float64 over the touched experts only (a whole Qwen3 stack in float64
+    would be 7 GB): `weights_of(hit)` gives their (gate_up, down) in x's dtype. Pairs with id -1
+    stay -1 (no expert)."""
+    hit, local = ids.clamp(min=0).unique(return_inverse=True)
+    local = torch.where(ids >= 0, local, -1)
+    w13, w2 = weights_of(hit)
+    return reference.moe_experts(x.double(), local, weights.double(), w13.double(), w2.double())
+
+
+def fp8_moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """Over the FP8 experts dequantized to x's dtype, as the kernels dequantize their tiles."""
+    return touched_reference(
+        x,
+        ids,
+        weights,
+        lambda hit: (
+            fp8.dequantize_gate_up(gate_up[0][hit], gate_up[1][hit], x.dtype, BLOCK),
+            fp8.dequantize_blockwise(down[0][hit], down[1][hit], x.dtype, BLOCK),
+        ),
+    )
+
+
+def bf16_moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
+    return touched_reference(x, ids, weights, lambda hit: (gate_up[hit], down[hit]))
+
+
+FP8_MOE_CASES = [
+    *((*QWEN3_MOE, rows, False) for rows in (1, 8, 64, 256)),
+    (*QWEN3_MOE, 64, True),  # every row on the same 8 experts: several tiles per expert
+    (16, 256, 96, 4, 7, False),  # intermediate 96: a partial scale block, gate/up not aligned
+    (8, 144, 80, 2, 300, False),  # partial blocks in both dims, the grouped path
+    (8, 144, 80, 2, 40, True),
+    (16, 256, 96, 8, 1100, False),  # past GROUPED_MAX_PAIRS: slices of rows
+]
+
+
+@pytest.mark.parametrize("experts,hidden,inter,top_k,rows,shared", FP8_MOE_CASES)
+def test_fp8_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
+    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k,
+                                              seed=rows + hidden, shared=shared)  # fmt: skip
+    gu, dn = fp8_experts(gate_up, down)
+    out = no_sync(ops.moe_experts_fp8, x, ids, weights, gu, dn, BLOCK)
+    ref = fp8_moe_reference(x, ids, weights, gu, dn)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp8_decode_and_grouped_kernels_agree(rows):
+    """Both FP8 paths on the same decode batch (ops picks the decode kernels there); pad rows
+    (id -1) contribute nothing in either."""
+    from afdserve.kernels import triton_fp8_moe, triton_grouped_moe, triton_moe
+
+    x, ids, weights, gate_up, down = moe_case(rows, *QWEN3_MOE, seed=50 + rows)
+    ids[::3, 1] = -1
+    gu, dn = fp8_experts(gate_up, down)
+    assert ids.numel() <= triton_moe.MAX_PAIRS
+    assert triton_fp8_moe.supports(x, gu[0], dn[0], BLOCK)
+    small = no_sync(ops.moe_experts_fp8, x, ids, weights, gu, dn, BLOCK)
+    grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
+                      (gu[1], dn[1]))  # fmt: skip
+    ref = fp8_moe_reference(x, ids, weights, gu, dn)
+    assert rel_err(small, ref) < 2e-2 and rel_err(grouped, ref) < 2e-2
+    assert rel_err(small, grouped) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [8, 256])
+def test_fp8_moe_replays_in_cuda_graph(rows):
+    """Captured once (the decode kernels at 8 rows, the grouped path with its assignment at
+    256 rows of top-8), replayed on new inputs copied into the captured buffers."""
+    from afdserve.kernels import triton_moe
+
+    x, ids, weights, gate_up, down = moe_case(rows, 32, 256, 128, 8, 60)
+    gu, dn = fp8_experts(gate_up, down)
+    assert (ids.numel() > triton_moe.MAX_PAIRS) == (rows == 256)
+    ops.moe_experts_fp8(x, ids, weights, gu, dn, BLOCK)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.moe_experts_fp8(x, ids, weights, gu, dn, BLOCK)
+    for seed in (61, 62):
+        new_x, new_ids, new_weights, _, _ = moe_case(rows, 32, 256, 128, 8, seed)
+        x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+        graph.replay()
+        assert rel_err(out, fp8_moe_reference(x, ids, weights, gu, dn)) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "pairs,experts,rows", [(1, 8, 16), (64, 128, 16), (2048, 128, 32), (5000, 256, 64),
+                           (40, 4, 64), (3000, 384, 16)],
+)  # fmt: skip
+def test_assignment_is_a_stable_sort_by_expert(pairs, experts, rows):
+    from afdserve.kernels.moe_align import assign, max_tiles
+
+    gen = torch.Generator(device="cuda").manual_seed(pairs + experts)
+    ids = torch.randint(-1, experts, (pairs,), generator=gen, device="cuda")
+    got = no_sync(assign, ids, experts, rows)
+    assert got.tiles == max_tiles(pairs, experts, rows)
+    counts = torch.bincount(ids[ids >= 0], minlength=experts)
+    assert torch.equal(got.expert_count.long(), counts)
+    padded = (counts + rows - 1) // rows * rows
+    assert torch.equal(got.expert_end.long(), padded.cumsum(0))
+    assert int(padded.sum()) <= got.slots.numel()
+    order = torch.argsort(ids, stable=True)[int((ids < 0).sum()) :]  # pair indices by expert
+    starts = (padded.cumsum(0) - padded).tolist()
+    taken = torch.cat([got.slots[s : s + c] for s, c in zip(starts, counts.tolist())])
+    assert torch.equal(taken.long(), order)
+
+
+GROUPED_BF16_CASES = [
+    (*QWEN3_MOE, 256, False),  # the batch-256 decode step of Qwen3-30B-A3B
+    (*QWEN3_MOE, 512, False),
+    (*QWEN3_MOE, 256, True),  # 256 rows on each of the same 8 experts
+    (8, 144, 80, 2, 600, False),  # hidden not a multiple of the down tile
+]
+
+
+@pytest.mark.parametrize("experts,hidden,inter,top_k,rows,shared", GROUPED_BF16_CASES)
+def test_grouped_bf16_matches_reference(experts, hidden, inter, top_k, rows, shared):
+    """ops' bf16 path above the decode kernels: the sort-free Triton grouped GEMM, equal to the
+    reference and to the torch grouped GEMM (sort + scatter + gather) it replaced."""
+    from afdserve.kernels import moe_gpu, triton_grouped_moe, triton_moe
+
+    case = moe_case(rows, experts, hidden, inter, top_k, seed=rows + inter, shared=shared)
+    assert case[1].numel() > triton_moe.MAX_PAIRS
+    assert triton_grouped_moe.supports(case[0], case[3], case[4])
+    out = no_sync(ops.moe_experts, *case)
+    assert torch.equal(out, triton_grouped_moe.moe_experts(*case))  # what ops dispatched to
+    assert rel_err(out, bf16_moe_reference(*case)) < 2e-2
+    assert rel_err(out, moe_gpu.moe_experts(*case)) < 1e-2
+
+
+def test_grouped_bf16_skips_absent_pairs_and_replays_in_cuda_graph():
+    from afdserve.kernels import triton_grouped_moe
+
+    x, ids, weights, gate_up, down = moe_case(256, 32, 256, 128, 8, 70)
+    ids[::4, :3] = -1  # pad rows, experts held elsewhere
+    want = bf16_moe_reference(x, ids, weights, gate_up, down)
+    triton_grouped_moe.moe_experts(x, ids, weights, gate_up, down)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_grouped_moe.moe_experts(x, ids, weights, gate_up, down)
+    graph.replay()
+    assert rel_err(out, want) < 2e-2
+    for seed in (71, 72):
+        new_x, new_ids, new_weights, _, _ = moe_case(256, 32, 256, 128, 8, seed)
+        new_ids[1::5, 2] = -1
+        x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+        graph.replay()
+        assert rel_err(out, bf16_moe_reference(x, ids, weights, gate_up, down)) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("fp8k") / "m", "qwen3_moe", hash_layers=1,
+                           seed=5, dtype="bfloat16", quantization="fp8")  # fmt: skip
+
+
+@pytest.mark.parametrize("topology", ["colocated", "1A1F"])
+def test_fp8_model_on_cuda_matches_cpu_reference(fp8_model, topology):
+    """An FP8 checkpoint served on CUDA (the FP8 kernels: dense projections and experts, eager
+    and under full_decode_only graphs, colocated and with the experts on an FFN rank) gives the
+    CPU engine's tokens (the reference dequantization), up to bf16 near-ties of the CUDA engine."""
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512)
+    with LLM(str(fp8_model), device="cpu", **common) as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    with LLM(str(fp8_model), device="cuda", topology=topology, **common) as eager:
+        got_eager = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(
+            str(fp8_model),
+            device="cuda",
+            topology=topology,
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=SIZES,
+            **common,
+        ) as graphs:
+            got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
+        _check(eager, prompts, want, got_eager)
+        _check(eager, prompts, got_graphs, got_eager)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("grouped") / "m", "qwen3_moe", hash_layers=1,
+                           seed=5, dtype="bfloat16")  # fmt: skip
+
+
+def _long_prompts(n: int, length: int) -> list[list[int]]:
+    return [[(13 * i + 7 * j + 1) % 250 for j in range(length)] for i in range(n)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_path_in_a_model_matches_cpu_reference(bf16_model, fp8_model, fp8):
+    """A prefill step of 8 x 100 rows routes 1600 pairs (top-2): the grouped Triton path, bf16
+    or FP8, inside the model. Its tokens equal the CPU engine's (the reference) up to near-ties."""
+    prompts = _long_prompts(8, 100)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    model = str(fp8_model if fp8 else bf16_model)
+    common = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, kv_cache_blocks=256,
+                  max_num_batched_tokens=1024)  # fmt: skip
+    with LLM(model, device="cpu", **common) as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, params)]
+    with LLM(model, device="cuda", **common) as cuda:
+        got = [o.token_ids for o in cuda.generate(prompts, params)]
+        _check(cuda, prompts, want, got)
+
+
+def test_grouped_path_in_decode_graphs_equals_eager(bf16_model):
+    """600 sequences decode together (1200 pairs at top-2, the grouped path) under a captured
+    graph of that size: the eager engine's tokens, up to near-ties."""
+    prompts = _prompts(600)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=600, max_model_len=64,
+                  kv_cache_blocks=4096, max_num_batched_tokens=4096)  # fmt: skip
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=[600],
+                 log_step_plan=True, **common) as graphs:  # fmt: skip
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            modes = {r["mode"] for r in graphs.step_log()}
+        _check(eager, prompts, got, want)
+    assert "replay" in modes

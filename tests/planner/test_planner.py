@@ -1,0 +1,244 @@
+"""The planner's arithmetic against hand-computed cases: the curves go through their points and
+reproduce the (bi)linear costs that made them, each deployment's step follows predict.py's rules,
+the memory fit counts the tiny model's weights as a hand count does, and the enumeration is every
+xAyF that can run."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from afdserve.cli import main
+from afdserve.model.presets import preset_config
+from afdserve.planner.deployments import Deployment, enumerate_deployments
+from afdserve.planner.memory import RESERVE_BYTES, max_batch, model_bytes
+from afdserve.planner.plan import PlanSpec, check_rows, plan
+from afdserve.planner.predict import predict_step
+from afdserve.planner.profile import (
+    Costs,
+    FFNPoint,
+    FixedPoint,
+    Handover,
+    ModelShape,
+    Profile,
+    StepPoint,
+    ValidationPoint,
+    interpolate,
+    touched,
+)
+
+A = (0.02, 0.001, 2e-7)  # attention per layer: a0 + a1 b + a2 b c (ms)
+F = (0.05, 0.002)  # FFN per layer: f0 + f1 tokens
+G = (0.3, 0.002)  # per step: g0 + g1 b
+SHAPE = ModelShape("qwen3-30b-a3b", 48, 128, 8, "bfloat16")
+H200 = {"device": "NVIDIA H200", "memory_bytes": 150e9}
+
+
+def _attn(b, c):
+    return A[0] + A[1] * b + A[2] * b * c
+
+
+def _ffn(n, held=128):
+    return (F[0] + F[1] * n) * held / 128
+
+
+def _fixed(b):
+    return G[0] + G[1] * b
+
+
+def synthetic_profile(**extra) -> Profile:
+    L = SHAPE.num_layers
+    attention = tuple(StepPoint(b, c, _fixed(b) + L * _attn(b, c))
+                      for b in (1, 4, 16, 64) for c in (1024, 8192))
+    return Profile(
+        date="2026-12-02", hardware=H200, versions={"torch": "x"}, model=SHAPE,
+        attention=attention,
+        ffn=tuple(FFNPoint(n, L * _ffn(n)) for n in (1, 8, 64, 512)),
+        fixed=tuple(FixedPoint(b, _fixed(b)) for b in (1, 64)),
+        handover={"ipc": Handover(25.0, "test"), "inprocess": Handover(2.0, "test")},
+        **extra,
+    )  # fmt: skip
+
+
+def test_the_curves_reproduce_the_linear_costs_that_made_their_points():
+    costs = Costs.fit(synthetic_profile())
+    for b, c in ((1, 1024), (16, 8192), (7, 3000), (100, 1024), (300, 16384)):  # in and beyond
+        assert costs.attention_ms(b, c) == pytest.approx(_attn(b, c))
+    for n in (1, 5, 64, 200, 2000):
+        assert costs.ffn_ms(n) == pytest.approx(_ffn(n))
+        assert costs.ffn_ms(n, held=32) == pytest.approx(_ffn(n) / 4)  # a quarter of the experts
+    assert costs.fixed_ms(128) == pytest.approx(_fixed(128))
+    assert costs.colocated_step_ms(32, 4096) == pytest.approx(
+        _fixed(32) + 48 * (_attn(32, 4096) + _ffn(32)))
+
+
+def test_a_curve_is_piecewise_linear_through_noisy_points():
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 3.0) == pytest.approx(3.5)
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 8.0) == pytest.approx(6.0)  # last slope
+    assert interpolate((1.0, 2.0, 4.0), (1.0, 3.0, 4.0), 0.0) == pytest.approx(-1.0)
+    assert interpolate((5.0,), (2.0,), 100.0) == 2.0
+
+
+def test_touched_experts_is_the_expected_count_under_uniform_routing():
+    assert touched(1, 128, 8, 128) == pytest.approx(8)  # one token: its top-k
+    assert touched(2, 128, 8, 128) == pytest.approx(128 * (1 - (120 / 128) ** 2))
+    assert touched(10_000, 16, 8, 128) == pytest.approx(16)  # a shard saturates at its experts
+
+
+def test_each_deployments_step_follows_the_rules_by_hand():
+    costs = Costs.fit(synthetic_profile())
+    L, b, c, h = 48, 64, 8192, 0.025
+    # 1A1F, one ubatch: the chain of every layer, one after the other.
+    got = predict_step(costs, Deployment(1, 1, ubatches=1), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(b) + h))
+    # 2 ubatches: the busier GPU's two ubatches, or one ubatch's chain, whichever is longer.
+    ta, tf = _attn(32, c), _ffn(32)
+    layer = max(2 * (ta + h), 2 * (tf + h), ta + tf + h)
+    got = predict_step(costs, Deployment(1, 1, ubatches=2), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * layer)
+    assert got.busier == ("ffn" if tf > ta else "attention")
+    # 3A1F: the FFN rank serves all three attention ranks' rows.
+    got = predict_step(costs, Deployment(3, 1), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(3 * b) + h))
+    # 3A2F: the busier FFN rank is home to two attention ranks.
+    got = predict_step(costs, Deployment(3, 2), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + _ffn(2 * b) + h))
+    # 2A2F EP: each FFN rank runs its 64 experts' share over both ranks' gathered rows, plus one
+    # more hand-over for the group's collectives.
+    ep = _ffn(2 * b, held=64) + h
+    got = predict_step(costs, Deployment(2, 2, expert_parallel=True), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * (_attn(b, c) + ep + h))
+    # In-process 1A1F: one GPU, nothing overlaps.
+    got = predict_step(costs, Deployment(1, 1, ubatches=2, transport="inprocess"), b, c)
+    assert got.step_ms == pytest.approx(_fixed(b) + L * 2 * (ta + tf + 0.002))
+
+
+def test_the_enumeration_is_every_xAyF_that_can_run():
+    names = [d.name for d in enumerate_deployments(2)]
+    assert names == ["colocated"] + [f"1A1F u{u}" for u in (1, 2, 3, 4)]
+    worlds = {(d.attention, d.ffn, d.expert_parallel) for d in enumerate_deployments(4)}
+    assert worlds == {(1, 0, False), (1, 1, False), (2, 1, False), (3, 1, False), (2, 2, False),
+                      (1, 2, True), (1, 3, True), (2, 2, True)}  # fmt: skip
+    with pytest.raises(ValueError, match="gpus=0"):
+        enumerate_deployments(0)
+
+
+def test_the_memory_fit_counts_the_tiny_model_by_hand():
+    c = preset_config("tiny")  # hidden 64, 4 q and 2 kv heads of 16, 8 experts of 32, vocab 512
+    assert (c.hidden_size, c.num_layers, c.num_experts, c.vocab_size) == (64, 2, 8, 512)
+    attention_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 16 + 16 + 64 + 64  # q k v o, norms
+    experts_layer = 8 * 3 * 64 * 32
+    ffn_layer = 8 * 64 + experts_layer  # router + experts
+    attention = 2 * 512 * 64 + 64 + 2 * attention_layer  # embedding, lm_head, final norm
+    got = model_bytes(c, "bfloat16")
+    rotary = got.attention - 2 * attention  # the rotary's inv_freq buffer, if kept
+    assert 0 <= rotary <= 4 * 16
+    assert got.ffn == 2 * 2 * ffn_layer
+    assert got.routed_experts == 2 * 2 * experts_layer
+    assert got.colocated == got.attention + got.ffn
+    assert got.kv_per_token == 2 * 2 * 2 * 16 * 2  # layers x (k, v) x heads x dim x bytes
+    assert model_bytes(c, "bfloat16", "float8_e4m3fn").kv_per_token == got.kv_per_token // 2
+    assert got.ffn_shard(2) == got.ffn - got.routed_experts / 2
+    room = 10e9 * 0.5 - 1e6 - RESERVE_BYTES
+    assert max_batch(10e9, 0.5, 1e6, 256, 1000) == int(room // (256 * 1000))
+    assert max_batch(1e9, 0.5, 1e9, 256, 1000) == 0
+
+
+def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
+    profile = synthetic_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    spec = PlanSpec(gpus=4, context_len=8192, output_len=256, preset="qwen3-30b-a3b",
+                    profile=str(path))
+    rows, _ = plan(spec)
+    by = {r.deployment: r for r in rows}
+    sizes = model_bytes(preset_config("qwen3-30b-a3b"))
+    # Colocated: what the KV memory beside every weight allows, at prompt + output tokens.
+    assert by["colocated"].max_batch == max_batch(150e9, 0.9, sizes.colocated,
+                                                  sizes.kv_per_token, 8192 + 256)
+    assert by["colocated"].worlds == 4
+    # 1A1F: the attention rank holds only its half, so more sequences; two worlds on four GPUs.
+    one = by["1A1F u1"]
+    assert one.max_batch == max_batch(150e9, 0.9, sizes.attention, sizes.kv_per_token, 8448)
+    assert one.batch == min(one.max_batch, 256) and one.worlds == 2
+    step = predict_step(Costs.fit(profile), Deployment(1, 1), one.batch, 8192 + 128).step_ms
+    assert one.step_ms == pytest.approx(step)
+    assert one.tokens_per_s_per_gpu == pytest.approx(2 * one.batch / (step / 1e3) / 4)
+    # 3A1F: one world on four GPUs, the fourth idle, counted in the per-GPU figure.
+    three = by["3A1F u1"]
+    step = predict_step(Costs.fit(profile), Deployment(3, 1), three.batch, 8320).step_ms
+    assert three.worlds == 1
+    assert three.tokens_per_s_per_gpu == pytest.approx(3 * three.batch / (step / 1e3) / 4)
+    assert [r.tokens_per_s_per_gpu for r in rows] == sorted(
+        (r.tokens_per_s_per_gpu for r in rows), reverse=True)
+    # A TPOT target: the largest batch whose step is within it.
+    tpot = replace(spec, tpot_ms=30.0)
+    for r in plan(tpot)[0]:
+        d = Deployment(r.attention, r.ffn, r.expert_parallel, r.ubatches)
+        assert predict_step(Costs.fit(profile), d, r.batch, 8320).step_ms <= 30.0
+        if r.batch < min(r.max_batch, 256):
+            assert predict_step(Costs.fit(profile), d, r.batch + 1, 8320).step_ms > 30.0
+
+
+def test_check_sets_each_measured_step_against_its_prediction():
+    costs = Costs.fit(synthetic_profile())
+    measured = (ValidationPoint("colocated", 8, 1024, 10.0),
+                ValidationPoint("1A1F", 64, 8192, 30.0, 2, "ipc"))
+    pairs = check_rows(synthetic_profile(validation=measured), [])
+    assert [p for _, p in pairs] == pytest.approx([
+        costs.colocated_step_ms(8, 1024),
+        predict_step(costs, Deployment(1, 1, ubatches=2), 64, 8192).step_ms])
+
+
+def test_a_profile_round_trips_and_bad_ones_are_refused(tmp_path):
+    profile = synthetic_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    raw = json.loads(path.read_text())
+    raw["version"] = 7
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="profile version 7"):
+        Profile.load(path)
+    del raw["ffn"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="'ffn'"):
+        Profile.load(path)
+    profile.save(path)
+    spec = PlanSpec(gpus=2, context_len=1024, output_len=64, preset="mixtral-8x7b",
+                    profile=str(path))
+    with pytest.raises(ValueError, match="measured on qwen3-30b-a3b"):
+        plan(spec)
+
+
+def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
+    """The real path end to end on the tiny preset: calibrate measures (CPU timings, noise on
+    a shared box, so only the shape is asserted), plan and check read what it wrote."""
+    out = tmp_path / "tiny.json"
+    assert main(["bench", "calibrate", "--preset", "tiny", "--random-weights", "--device", "cpu",
+                 "--graph-mode", "none", "--dtype", "float32", "--fit-batches", "1,2,4",
+                 "--check-batches", "3", "--contexts", "16,32", "--check-contexts", "16,32",
+                 "--ffn-tokens", "1,4,16",
+                 "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
+    profile = Profile.load(out)
+    assert {(p.batch, p.context) for p in profile.attention} == {
+        (b, c) for b in (1, 2, 4) for c in (16, 32)}
+    assert [p.tokens for p in profile.ffn] == [1, 4, 16]
+    kinds = {(v.deployment, v.batch, v.context, v.ubatches) for v in profile.validation}
+    assert kinds == {("colocated", 3, c, 1) for c in (16, 32)} | {
+        ("1A1F", 3, c, u) for c in (16, 32) for u in (1, 2)}
+    assert {"inprocess", "ipc", "nccl"} <= set(profile.handover)
+    assert all(p.step_ms > 0 for p in profile.attention)
+    rows_json = tmp_path / "rows.json"
+    assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
+                 "--output-len", "8", "--profile", str(out), "--json", str(rows_json)]) == 0
+    rows = json.loads(rows_json.read_text())
+    assert {r["deployment"] for r in rows} >= {"colocated", "1A1F u1", "2A1F u1", "1A2F EP u1"}
+    assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
+                 "--output-len", "8", "--profile", str(out), "--check"]) == 0
+    text = capsys.readouterr().out
+    assert f"over {len(profile.validation)} measured steps" in text
+    assert math.isfinite(float(text.rsplit("largest error ", 1)[1].split("%")[0]))

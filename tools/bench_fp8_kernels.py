@@ -1,0 +1,95 @@
+"""Time the FP8 and grouped expert kernels against their bf16 counterparts on one GPU, at
+Qwen3-30B-A3B's shapes, each call replayed in a CUDA graph (triton.testing.do_bench_cudagraph,
+median). Prints microseconds per call and the weight bytes read per second.
+
+    PYTHONPATH=$PWD python tools/bench_fp8_kernels.py [--batches 1,8,64,256]
+
+Rows: the dense projections (q/k/v packed as the bf16 model runs them: one bf16 GEMM; FP8 runs
+three, model/attention.py), o_proj, and the routed experts of one layer (top-8 of 128, random
+routing): bf16 decode kernels / sort-free grouped path / torch's grouped GEMM, FP8 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from afdserve.kernels import fp8, moe_gpu, ops, triton_grouped_moe
+from afdserve.model.fp8 import quantize_weight
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
+EXPERTS, INTER, TOP_K = 128, 768, 8
+BLOCK = (128, 128)
+
+
+def timed(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=50) * 1e3  # us
+
+
+def line(name: str, us: float, nbytes: int) -> str:
+    return f"  {name:<34} {us:9.1f} us  {nbytes / us / 1e3:7.0f} GB/s"
+
+
+def projection(name: str, m: int, n: int, k: int, splits: tuple[int, ...]) -> None:
+    """One bf16 GEMM [n, k] against the same weight in FP8 as `splits` row blocks (FP8 q/k/v
+    run as three GEMMs: model/attention.py)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda") * k**-0.5
+    wb = w.bfloat16()
+    print(line(f"{name} bf16 F.linear", timed(lambda: F.linear(x, wb)), n * k * 2))
+    parts = [fp8.quantize_blockwise(p, BLOCK) for p in w.split(list(splits))]
+
+    def run() -> None:
+        for q, s in parts:
+            ops.fp8_linear(x, q, s, None, BLOCK)
+
+    print(line(f"{name} fp8 ({len(parts)} GEMMs)", timed(run), n * k))
+
+
+def dense(m: int) -> None:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    projection("qkv", m, q + 2 * kv, HIDDEN, (q, kv, kv))
+    projection("o_proj", m, HIDDEN, q, (HIDDEN,))
+
+
+def experts(m: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=gen).bfloat16()
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5
+    weights, ids = torch.randn(m, EXPERTS, device="cuda", generator=gen).softmax(-1).topk(TOP_K)
+    touched = int(ids.unique().numel())
+    per_expert = 3 * INTER * HIDDEN
+    b13, b2 = w13.bfloat16(), w2.bfloat16()
+    g13, g2 = quantize_weight(w13, True, BLOCK), quantize_weight(w2, False, BLOCK)
+    del w13, w2
+    bf16_bytes, fp8_bytes = touched * per_expert * 2, touched * per_expert
+    print(line("experts bf16 (ops)", timed(lambda: ops.moe_experts(x, ids, weights, b13, b2)),
+               bf16_bytes))  # fmt: skip
+    if m * TOP_K > 1024:
+        grouped = lambda: triton_grouped_moe.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
+        print(line("experts bf16 grouped (sort-free)", timed(grouped), bf16_bytes))
+        torch_grouped = lambda: moe_gpu.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
+        print(line("experts bf16 torch grouped_mm", timed(torch_grouped), bf16_bytes))
+    fp8_run = lambda: ops.moe_experts_fp8(x, ids, weights, g13, g2, BLOCK)  # noqa: E731
+    print(line("experts fp8 (ops)", timed(fp8_run), fp8_bytes))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,64,256")
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}; bytes: the weights each call must read")
+    for m in (int(b) for b in args.batches.split(",")):
+        print(f"batch {m}")
+        dense(m)
+        experts(m)
+
+
+if __name__ == "__main__":
+    main()
