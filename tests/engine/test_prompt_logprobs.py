@@ -92,3 +92,18 @@ def test_logprob_is_a_float_and_pickles() -> None:
     assert value == -1.5 and value + 1 == -0.5 and value.logprob == -1.5
     back = pickle.loads(pickle.dumps(value))
     assert (back, back.rank, back.decoded_token) == (-1.5, 2, "a")
+
+
+def test_prompt_logprobs_with_a_cached_prefix(model_dir, hf_models) -> None:
+    """Prefix caching on: a prompt whose blocks are cached by an earlier request still gets
+    every prompt position's logprobs (it reads no cached prefix), while a request without
+    prompt logprobs still hits the cache."""
+    prompt = list(range(40, 90))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32", enable_prefix_caching=True) as llm:
+        llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)
+        (again,) = llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert again.num_cached_tokens > 0 and out.num_cached_tokens == 0
+    check_against(hf_models["qwen3_moe"], prompt, out.prompt_logprobs)
