@@ -188,10 +188,24 @@ class LLM:
         max_new_tokens (as max_tokens) where it sets them, SamplingParams' defaults elsewhere."""
         return SamplingParams(**self._generation_defaults)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids as `generate` runs them: text without the tokenizer's special
+        tokens (chat templates write their own), token ids as they are."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
+
+    def encode(self, *args: object, **kwargs: object) -> None:
+        """vLLM's LLM.encode runs a pooling model (embeddings), which afdserve does not serve;
+        this LLM's tokenizing helper was called encode before, and is encode_prompt now."""
+        raise NotImplementedError(
+            "LLM.encode: vLLM's pooling API (embeddings) is not served by afdserve; to tokenize "
+            "a prompt use LLM.encode_prompt(prompt) or LLM.get_tokenizer().encode(text)"
+        )
+
+    def get_tokenizer(self):
+        """The tokenizer prompts and outputs go through (vLLM's get_tokenizer)."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -206,7 +220,8 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
-        encoded = [_prompt_tokens(self, p) for p in prompts]
+        encoded = [_truncated(self, _prompt_tokens(self, p), sp)
+                   for p, sp in zip(prompts, params)]  # fmt: skip
         for p in params:
             p.check_vocab(self.engine.vocab_size)
         groups = [[f"gen-{next(self._ids)}" for _ in range(p.candidates)] for p in params]
@@ -233,13 +248,22 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of {"role", "content"} dicts) or to several,
-        rendered through the tokenizer's chat template (or `chat_template`)."""
+        rendered through the tokenizer's chat template (or `chat_template`), with vLLM's
+        switches: `add_generation_prompt`, `continue_final_message` (the last, assistant
+        message is continued, not closed) and `chat_template_kwargs` (the template's own
+        variables, such as Qwen3's enable_thinking)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with "
+                             "add_generation_prompt=True; set that to False")  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        switches = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message}  # fmt: skip
         prompts: list[PromptInput] = [
-            {"prompt": _render_chat(self, c, chat_template, add_generation_prompt)}
-            for c in conversations
+            {"prompt": _render_chat(self, c, chat_template, switches)} for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -271,13 +295,10 @@ class LLM:
 
 
 def _render_chat(
-    llm: LLM, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool
+    llm: LLM, conversation: list[dict], chat_template: str | None, switches: dict
 ) -> str:
     return llm.tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
+        conversation, chat_template=chat_template, tokenize=False, **switches
     )
 
 
@@ -319,7 +340,19 @@ def _prompt_tokens(llm: LLM, prompt: PromptInput) -> list[int]:
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         prompt = prompt["prompt"]
-    return llm.encode(prompt)
+    return llm.encode_prompt(prompt)
+
+
+def _truncated(llm: LLM, tokens: list[int], params: SamplingParams) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last N tokens (-1: max_model_len of them)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return tokens
+    limit = llm.engine.max_model_len
+    if keep > limit:
+        raise ValueError(f"SamplingParams.truncate_prompt_tokens={keep}: must be -1 or at most "
+                         f"max_model_len={limit}")  # fmt: skip
+    return tokens[-(limit if keep == -1 else keep) :]
 
 
 def _run(

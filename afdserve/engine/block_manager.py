@@ -78,8 +78,9 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The blocks holding the longest cached prefix of `seq`, in order. Never its last token:
         that one must run through the model to give logits, and it would be written into a
-        shared block."""
-        if not self.prefix_caching:
+        shared block. None for a request that wants prompt logprobs (vLLM's rule): they come
+        from the prefill's own forward, which a cached position skips."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hashes = self.hashes(seq, (seq.num_tokens - 1) // self._block_size)
         blocks = []

@@ -13,7 +13,7 @@ from afdserve.engine.core_client import EngineCoreClient, EngineStats
 from afdserve.engine.output_processor import OutputProcessor, Progress
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError, RequestLimits
-from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sampling_params import SamplingParams, with_bad_words_token_ids
 from afdserve.engine.tokenizer import TokenIdsOnly
 
 __all__ = ["EngineClient", "EngineStats"]
@@ -37,6 +37,12 @@ class EngineClient:
         if params.stop and isinstance(self.tokenizer, TokenIdsOnly):
             raise RequestError(f"stop: {list(params.stop)} needs text, but the model directory "
                                f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids")
+        if params.bad_words:  # tokenized here, the one place with the tokenizer
+            try:
+                params = with_bad_words_token_ids(params, self.tokenizer)
+                params.check_vocab(self.vocab_size)
+            except ValueError as e:
+                raise RequestError(str(e).removeprefix("SamplingParams.")) from None
         self.core_client.add_request(request_id, prompt_token_ids, params)
         self.processor.add_request(request_id, prompt_token_ids, params)
 

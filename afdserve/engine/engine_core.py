@@ -20,7 +20,8 @@ import torch
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.kv_cache import KVCache
-from afdserve.engine.model_runner import ModelRunner
+from afdserve.engine.logprobs import prompt_entries
+from afdserve.engine.model_runner import ModelRunner, StepInputs
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class _Tracked:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     emitted_tokens: int = 0
+    emitted_prompt_logprobs: int = 0
 
 
 class EngineCore:
@@ -136,6 +138,8 @@ class EngineCore:
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
         hidden = forward(inputs, plan, step)
+        if inputs.prompt_spans:
+            self._prompt_logprobs(hidden, inputs)
         if not inputs.sample_seqs:
             self.scheduler.update(out, [None] * len(out.scheduled))
             return self._collect(out)
@@ -149,6 +153,25 @@ class EngineCore:
                 entry.seq.output_logprobs.append(logprobs[id(entry.seq)])
         self.scheduler.update(out, sampled)
         return self._collect(out)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
+        """The prompt's logprobs from this step's hidden rows (the prefill's own forward, on
+        the attention rank, whatever the topology): each chunk adds its positions' entries."""
+        targets, wanted, owners = [], [], []
+        at = 0
+        for seq, first, count in inputs.prompt_spans:
+            if first != seq.prompt_logprobs_done:
+                raise RuntimeError(f"prompt logprobs of {seq.request_id!r}: position {first} "
+                                   f"follows {seq.prompt_logprobs_done} reported")  # fmt: skip
+            targets += seq.token_ids[first + 1 : first + 1 + count]
+            wanted += [seq.params.prompt_logprobs] * count
+            owners.append((seq, at, at + count))
+            at += count
+        with torch.inference_mode():
+            found = prompt_entries(lambda r: self.model.logits(hidden[r]), inputs.prompt_rows,
+                                   targets, wanted)  # fmt: skip
+        for seq, lo, hi in owners:
+            seq.prompt_logprobs.extend(found[lo:hi])
 
     def _collect(self, out: SchedulerOutput) -> list[TokenDelta]:
         results = []
@@ -169,12 +192,16 @@ class EngineCore:
             t.first_token_time = time.monotonic()
         # output_logprobs runs along the output tokens when logprobs were asked for, else is empty.
         new_logprobs = tuple(seq.output_logprobs[t.emitted_tokens :])
+        # The prompt's logprobs go out with the first token (the last chunk of the prefill).
+        new_prompt = tuple(seq.prompt_logprobs[t.emitted_prompt_logprobs :])
+        t.emitted_prompt_logprobs += len(new_prompt)
         t.emitted_tokens += len(new_ids)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
                           seq.finish_reason, t.emitted_tokens, t.arrival_time,
-                          t.first_scheduled_time, t.first_token_time, seq.num_cached_tokens)
+                          t.first_scheduled_time, t.first_token_time, seq.num_cached_tokens,
+                          new_prompt)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:

@@ -82,6 +82,10 @@ class StepInputs:
     # Per-ubatch metadata given up front (CUDA graphs read it from static buffers); None: sliced
     # from `meta` per ubatch.
     ubatch_metas: tuple[AttentionMetadata, ...] | None = None
+    # Prompt logprobs: the rows whose logits predict a prompt token not yet reported, and per
+    # sequence how many of them it owns, in row order.
+    prompt_rows: torch.Tensor | None = None  # [m]
+    prompt_spans: tuple[tuple[Sequence, int, int], ...] = ()  # (seq, first position, count)
 
     @property
     def rows(self) -> int:
@@ -103,6 +107,8 @@ class ModelRunner:
         spans: list[tuple[int, int, int, int]] = []  # row_start, row_end, seq index, context
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Sequence, int, int]] = []
         tables = [entry.seq.block_table for entry in out.scheduled]
         for index, entry in enumerate(out.scheduled):
             seq, start = entry.seq, entry.seq.num_computed_tokens
@@ -115,6 +121,13 @@ class ModelRunner:
             if entry.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None:
+                # Position p predicts token p + 1: up to the last prompt token's predecessor.
+                first = max(start, seq.prompt_logprobs_done)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.extend(range(row + first - start, row + last - start))
+                    prompt_spans.append((seq, first, last - first))
         real = len(ids)
         if padded_rows < real:
             raise ValueError(f"padded_rows={padded_rows} < real rows {real}")
@@ -149,6 +162,8 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.int64).to(dev),
             sample_seqs,
             real,
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64).to(dev),
+            prompt_spans=tuple(prompt_spans),
         )
 
     @torch.inference_mode()

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from afdserve.engine.logprobs import Logprob
 from afdserve.engine.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import TokenIdsOnly
 
 
 class DeltaMismatch(RuntimeError):
@@ -35,6 +37,10 @@ class Progress:
     include_stop: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    decode: bool = True  # fill the logprob entries' decoded_token
+    stop_token_ids: tuple[int, ...] = ()
+    stop_string: str | None = None  # the stop string that ended the text, once found
     emitted_text: int = 0  # how much of the text the caller has been given
     text_limit: int | None = None  # truncation point once a stop string is found
 
@@ -53,10 +59,13 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # detokenize=False: token ids only, the text stays empty (vLLM's field).
+        tokenizer = self.tokenizer if params.detokenize else TokenIdsOnly("")
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = Progress(
             list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
-            params.include_stop_str_in_output)
+            params.include_stop_str_in_output, decode=params.detokenize,
+            stop_token_ids=tuple(params.stop_token_ids))
 
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -88,7 +97,8 @@ class OutputProcessor:
 
     def _advance(self, r: Progress, delta: TokenDelta) -> tuple[SequenceOutput, bool]:
         r.token_ids += delta.new_token_ids
-        r.logprobs += delta.new_logprobs
+        r.logprobs += [self._named(e, r.decode) for e in delta.new_logprobs]
+        r.prompt_logprobs += [self._named(e, r.decode) for e in delta.new_prompt_logprobs]
         if len(r.token_ids) != delta.num_tokens:
             raise DeltaMismatch(f"request {delta.request_id!r}: the engine core counts "
                                 f"{delta.num_tokens} tokens, its deltas add up to "
@@ -116,10 +126,30 @@ class OutputProcessor:
             request_id=delta.request_id, prompt_token_ids=r.prompt_token_ids,
             token_ids=list(r.token_ids), text=text, new_token_ids=list(delta.new_token_ids),
             new_text=new_text, finished=finished, finish_reason=reason,
-            logprobs=list(r.logprobs), arrival_time=delta.arrival_time,
+            logprobs=list(r.logprobs), prompt_logprobs=list(r.prompt_logprobs),
+            arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens)
+            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens,
+            stop_reason=self._stop_reason(r, finished, reason))
         return out, stopped and not delta.finished
+
+    @staticmethod
+    def _stop_reason(r: Progress, finished: bool, reason: str | None) -> int | str | None:
+        """vLLM's stop_reason: the stop string, or the stop token id, that ended the request;
+        None for EOS, length and abort."""
+        if not finished or reason != "stop":
+            return None
+        if r.stop_string is not None:
+            return r.stop_string
+        last = r.token_ids[-1] if r.token_ids else None
+        return last if last in r.stop_token_ids else None
+
+    def _named(self, entry: dict | None, decode: bool) -> dict | None:
+        """The entry with each token's text as its decoded_token (vLLM's Logprob field)."""
+        if entry is None or not decode:
+            return entry
+        return {t: Logprob(v, getattr(v, "rank", None), self.tokenizer.decode([t]))
+                for t, v in entry.items()}  # fmt: skip
 
     @staticmethod
     def _find_stop(r: Progress) -> bool:
@@ -132,6 +162,7 @@ class OutputProcessor:
         if hit is None:
             return False
         r.text_limit = hit
+        r.stop_string = next(stop for stop in r.stops if text.startswith(stop, hit))
         if r.include_stop:
-            r.text_limit += next(len(stop) for stop in r.stops if text.startswith(stop, hit))
+            r.text_limit += len(r.stop_string)
         return True

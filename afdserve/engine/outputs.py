@@ -23,6 +23,8 @@ class SequenceOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then an entry each.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # time.monotonic() of the engine core's process: compare them with each other, not across
     # hosts.
     arrival_time: float = 0.0  # the engine accepted the request
@@ -30,6 +32,7 @@ class SequenceOutput:
     first_token_time: float | None = None
     # Prompt tokens the engine found in its prefix cache (None until the core admitted it).
     num_cached_tokens: int | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
     def queue_time(self) -> float | None:
@@ -47,9 +50,28 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}; None if not asked
     finish_reason: str | None  # "stop", "length" or "abort"
+    # vLLM's: the stop string or stop token id that ended the choice; None for EOS and length.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """vLLM's RequestOutput.metrics: the engine core's times (time.monotonic() of the rank that
+    ran the prompt; compare them with each other), of the earliest candidate."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_generation_tokens: int  # every candidate's
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -67,8 +89,17 @@ class RequestOutput:
     # candidate's, whose prompt `prompt_token_ids` is.
     num_cached_tokens: int | None = None
     candidates: list[SequenceOutput] = field(default_factory=list, repr=False)
+    # None unless SamplingParams.prompt_logprobs: per prompt token {token id: Logprob}, the
+    # first None (vLLM's shape).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # The first choice's fields, as the flat output of afdserve 0.1 had them.
+    @property
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time,
+                              self.first_token_time,
+                              sum(len(c.token_ids) for c in self.candidates))  # fmt: skip
+
     @property
     def text(self) -> str:
         return self.outputs[0].text
@@ -122,6 +153,7 @@ def gather(
             cumulative_logprob=cumulative_logprob(candidates[c]),
             logprobs=list(candidates[c].logprobs) if keep_logprobs else None,  # type: ignore[arg-type]
             finish_reason=candidates[c].finish_reason,
+            stop_reason=candidates[c].stop_reason,
         )
         for i, c in enumerate(chosen)
     ]
@@ -140,4 +172,5 @@ def gather(
         first_token_time=earliest([c.first_token_time for c in candidates]),
         num_cached_tokens=candidates[0].num_cached_tokens,
         candidates=candidates,
+        prompt_logprobs=candidates[0].prompt_logprobs or None,
     )

@@ -71,3 +71,6 @@ class TokenDelta:
     # Prompt tokens whose KV the first admission found in the prefix cache (None: not yet
     # admitted). OpenAI's usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
+    # The prompt's logprob entries this step completed (SamplingParams.prompt_logprobs): all of
+    # them with the request's first token, the first one None.
+    new_prompt_logprobs: tuple[dict[int, float] | None, ...] = ()

@@ -1,5 +1,6 @@
-"""Token sampling: logits processing (min_tokens, logit_bias, penalties), greedy, temperature,
-min-p, top-k, top-p, per-request seeds, logprobs. The order is documented on SamplingParams."""
+"""Token sampling: logits processing (grammar, allowed_token_ids, bad_words, min_tokens,
+logit_bias, penalties), greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+The order is documented on SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.engine.logprobs import Entry, entries
 from afdserve.engine.sequence import Sequence
 from afdserve.engine.structured import GrammarState
 
@@ -14,9 +16,9 @@ from afdserve.engine.structured import GrammarState
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per row: {token: logprob} for the sampled token plus the top `params.logprobs` tokens, taken
+    # Per row: {token: Logprob} for the sampled token plus the top `params.logprobs` tokens,
     # from the unmodified log_softmax(logits); None where the request asked for no logprobs.
-    logprobs: list[dict[int, float] | None]
+    logprobs: list[Entry | None]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -40,7 +42,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         tokens[index] = _draw(processed[index], [seqs[row] for row in random_rows])
 
     token_ids = tokens.tolist()
-    return SampleResult(token_ids, _logprobs(logits, tokens, token_ids, seqs))
+    return SampleResult(token_ids, _logprobs(logits, tokens, seqs))
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -50,6 +52,8 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     constrained = [row for row, s in enumerate(seqs) if s.params.structured_outputs is not None]
     if constrained:  # the grammar first: nothing below may bring back a token it forbids
         logits = constrain(logits, seqs, constrained)
+    if any(s.params.allowed_token_ids is not None or s.params.bad_words for s in seqs):
+        logits = ban(logits, seqs)
     masked = [row for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
     biased = [row for row, s in enumerate(seqs) if s.params.logit_bias]
     penalized = [row for row, s in enumerate(seqs) if s.params.penalized]
@@ -150,30 +154,46 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
-) -> list[dict[int, float] | None]:
+    logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+) -> list[Entry | None]:
     wanted = [seq.params.logprobs for seq in seqs]
     if all(k is None for k in wanted):
         return [None] * len(seqs)
-    logprobs = torch.log_softmax(logits, dim=-1)  # [n, vocab]
-    sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-    max_k = max(k for k in wanted if k is not None)
-    top_values: list[list[float]] = [[] for _ in seqs]
-    top_ids: list[list[int]] = [[] for _ in seqs]
-    if max_k:
-        values, ids = logprobs.topk(max_k, dim=-1)  # [n, max_k]
-        top_values, top_ids = values.tolist(), ids.tolist()
+    return entries(torch.log_softmax(logits, dim=-1), tokens, wanted)  # [n, vocab] in
 
-    result: list[dict[int, float] | None] = []
-    for row, k in enumerate(wanted):
-        if k is None:
-            result.append(None)
-            continue
-        entry = {token_ids[row]: sampled[row]}
-        for token, value in zip(top_ids[row][:k], top_values[row][:k], strict=True):
-            entry.setdefault(token, value)
-        result.append(entry)
-    return result
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """vLLM's bad_words over the output so far: a one-token word is always banned; a longer
+    word's last token is banned when the output ends with the word's other tokens."""
+    ids = seq.params.bad_words_token_ids
+    if seq.params.bad_words and ids is None:
+        raise ValueError(f"bad_words of {seq.request_id!r} reached the sampler untokenized")
+    output = seq.output_token_ids
+    banned = []
+    for word in ids or ():
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or tuple(output[-len(prefix) :]) == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def ban(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """allowed_token_ids keeps only its tokens; bad_words masks theirs. A row they mask
+    entirely (an allowed set that is all bad words) keeps the logits it came with rather than
+    turning into NaN, as `process_logits` does for min_tokens. [n, vocab] -> [n, vocab]"""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+            keep[[t for t in allowed if t < vocab]] = True
+            out[row] = out[row].masked_fill(~keep, -torch.inf)
+        banned = [t for t in banned_tokens(seq) if t < vocab]
+        if banned:
+            out[row, banned] = -torch.inf
+    empty = ~torch.isfinite(out).any(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(empty, logits, out)
 
 
 def constrain(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from afdserve.engine.structured import StructuredOutputsParams
 
@@ -15,6 +17,15 @@ GREEDY_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # |logit_bias[token]| (OpenAI's range)
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's output kinds. The offline API returns each request once, finished (FINAL_ONLY),
+    whatever the kind, as vLLM's LLM does; the server streams deltas by its own rule."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value: object) -> bool:
@@ -32,7 +43,8 @@ def _finite_in(value: object, low: float, high: float) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Processing order for each step: `min_tokens` masks the stop tokens, `logit_bias` is added,
+    """Processing order for each step: the grammar, `allowed_token_ids` and `bad_words` mask
+    what may never be sampled, `min_tokens` masks the stop tokens, `logit_bias` is added,
     then repetition, frequency and presence penalties; greedy takes the argmax of that; sampling
     divides by `temperature`, then applies `min_p`, `top_k`, `top_p`. Logprobs are always those of
     the model's unmodified distribution."""
@@ -64,6 +76,21 @@ class SamplingParams:
     # string that ended the output.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's bad_words: each word's tokens (with and without a leading space) may never be
+    # generated in a row; the frontend tokenizes them into `bad_words_token_ids`
+    # (`with_bad_words_token_ids`), which the sampler reads.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # The top `prompt_logprobs` tokens (plus the prompt's own) at every prompt position but the
+    # first, from the same forward as the prefill.
+    prompt_logprobs: int | None = None
+    # Keep the prompt's last N tokens (-1: as many as max_model_len), as vLLM's field.
+    truncate_prompt_tokens: int | None = None
+    # False: outputs carry token ids and no text (vLLM's detokenize).
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -81,15 +108,23 @@ class SamplingParams:
             raise bad("min_p", "must be a number in [0, 1]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}]")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and not (_is_int(keep) and (keep == -1 or keep >= 1)):
+            raise bad(
+                "truncate_prompt_tokens", "must be None, -1 (max_model_len) or an integer >= 1"
+            )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _finite_in(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
                 raise bad(name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")
@@ -120,11 +155,37 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be a non-empty string or a list/tuple of non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
+        if self.stop and not self.detokenize:
+            raise bad("detokenize", "must be True when stop strings are given (they need text)")
 
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "must be a list/tuple of integers >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(
+            isinstance(w, str) and w.strip() for w in words
+        ):
+            raise bad("bad_words", "must be a list/tuple of words (non-blank strings)")
+        object.__setattr__(self, "bad_words", tuple(words))
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, (list, tuple)) or not all(
+                isinstance(s, (list, tuple)) and s and all(_is_int(t) and t >= 0 for t in s)
+                for s in seqs
+            ):
+                raise bad("bad_words_token_ids", "must be a list of non-empty token id lists")
+            object.__setattr__(self, "bad_words_token_ids", tuple(tuple(s) for s in seqs))
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or not all(_is_int(t) and t >= 0 for t in allowed)
+            ):
+                raise bad("allowed_token_ids", "must be None or a non-empty list of token ids >= 0")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
         if self.logit_bias is not None:
             bias = self.logit_bias
@@ -160,12 +221,34 @@ class SamplingParams:
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", tuple(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", tuple(t for s in self.bad_words_token_ids or () for t in s)),
         ):
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise ValueError(
                     f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def with_bad_words_token_ids(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with its bad words' token ids, as vLLM tokenizes them: each word as given
+    (leading space stripped) and, where the tokenizer makes it a different first token of the
+    same length, with one leading space, so that the word is banned at the start of the text and
+    after a space. Unchanged when it has no bad words or its ids are already there."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    ids: list[list[int]] = []
+    for word in params.bad_words:
+        try:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        except Exception as e:  # a model without a tokenizer: bad words need text
+            raise ValueError(f"bad_words: cannot be tokenized here ({e})") from None
+        ids.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            ids.append(spaced)
+    return replace(params, bad_words_token_ids=tuple(tuple(s) for s in ids if s))
 
 
 def candidate_params(params: SamplingParams) -> list[SamplingParams]:

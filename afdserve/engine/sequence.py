@@ -61,6 +61,12 @@ class Sequence:
         if self.generator is not None and not params.greedy:
             skip_draws(self.generator, len(output_token_ids))
         self.output_logprobs: list[dict[int, float] | None] = []
+        # Prompt logprobs: None for the first prompt token (nothing predicts it), then one entry
+        # per prompt token as the prefill reaches the position before it; never recomputed
+        # after a preemption (`prompt_logprobs_done`).
+        self.prompt_logprobs: list[dict[int, float] | None] = (
+            [None] if params.prompt_logprobs is not None else []
+        )
         self.grammar = None  # a structured.GrammarState for a constrained sequence
         if params.structured_outputs is not None:
             self.grammar = _grammar_state(request_id, params)
@@ -87,6 +93,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs_done(self) -> int:
+        """Prompt positions whose prediction of the next prompt token is in prompt_logprobs."""
+        return max(len(self.prompt_logprobs) - 1, 0)
 
     @property
     def is_finished(self) -> bool:

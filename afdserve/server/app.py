@@ -30,7 +30,7 @@ from afdserve.server.limits import BodyLimit, ConcurrencyLimit
 from afdserve.server.metrics import UNCOUNTED_PATHS, RequestCounter
 from afdserve.server.options import ServeOptions
 from afdserve.server.protocol import APIError
-from afdserve.server.routes import chat, completions, models, probes, tokens
+from afdserve.server.routes import chat, completions, models, probes, responses_api, tokens
 from afdserve.server.state import ServerState
 
 log = logging.getLogger("afdserve.server")
@@ -52,7 +52,7 @@ def create_app(options: ServeOptions | None = None) -> FastAPI:
     app.state.server = state
     add_middleware(app, state)
     add_error_handlers(app, state)
-    for domain in (probes, models, tokens, completions, chat):
+    for domain in (probes, models, tokens, completions, chat, responses_api):
         app.include_router(domain.router(state))
     return app
 

@@ -43,22 +43,53 @@ def completion_prompts(engine: EngineView, prompt: Any) -> list[list[int]]:
     return [list(prompt)]
 
 
+# Arguments of apply_chat_template itself: chat_template_kwargs may not set them.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def template_switches(body: api.ChatCompletionRequest) -> dict[str, Any]:
+    """The request's add_generation_prompt, continue_final_message and chat_template_kwargs,
+    as apply_chat_template's keywords; a combination the template cannot honour is a 400."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be combined with "
+                          "add_generation_prompt: true; set that to false",
+                          "continue_final_message")  # fmt: skip
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message: the last message must be the assistant's "
+                          f"to continue, not {body.messages[-1].role!r}",
+                          "continue_final_message")  # fmt: skip
+    extra = dict(body.chat_template_kwargs or {})
+    clash = sorted(TEMPLATE_ARGUMENTS & set(extra))
+    if clash:
+        raise bad_request(f"chat_template_kwargs: {clash[0]!r} is an argument of the chat "
+                          "template's call, not a template variable", "chat_template_kwargs")
+    return {**extra, "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message}  # fmt: skip
+
+
 def chat_prompt(
     engine: EngineView,
     messages: list[api.ChatMessage],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict] | None = None,
+    switches: dict[str, Any] | None = None,
 ) -> list[int]:
     """The conversation (and the tools, for templates that show them to the model) through
-    `chat_template` (the server's --chat-template), else the tokenizer's own template."""
+    `chat_template` (the server's --chat-template), else the tokenizer's own template.
+    `switches` (template_switches) replace add_generation_prompt when given."""
     turns = [m.turn() for m in messages]
+    switches = switches or {"add_generation_prompt": add_generation_prompt}
     try:
         text = engine.tokenizer.apply_chat_template(
             turns,
             chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **switches,
             **({"tools": tools} if tools else {}),
         )
     except Exception as e:  # the template refuses this conversation (roles, order, ...)
@@ -193,13 +224,17 @@ def sampling_params(
     for name in (
         "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-        "skip_special_tokens", "include_stop_str_in_output",
+        "skip_special_tokens", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+        "prompt_logprobs",
     ):  # fmt: skip
         value = getattr(body, name)
         if value is None and defaults:
             value = defaults.get(name)
         if value is not None:
             fields[name] = value
+    if getattr(body, "echo", None) and logprobs is not None:
+        # echo with logprobs: the prompt's tokens carry logprobs like the answer's (vLLM's rule).
+        fields["prompt_logprobs"] = max(fields.get("prompt_logprobs") or 0, logprobs)
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
     fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir, tool_schema)

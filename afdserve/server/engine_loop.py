@@ -418,6 +418,7 @@ class Generation:
         self.arrived_at = time.monotonic()
         self.submitted_at = 0.0
         self.last_token_at: list[float | None] = [None] * len(self.prompts)
+        self.first_token_at: dict[int, float] = {}  # the frontend's clock, per choice
         self.on_finish: Callable[[str], None] | None = None  # called once, with a summary
         self.resumes = 0  # engine requests resumed after an engine failure, all counted
         self.seconds_lost = 0.0  # their seconds without an engine, summed
@@ -533,6 +534,7 @@ class Generation:
             last = self.last_token_at[index]
             if last is None:
                 self.metrics.first_token(now - self.submitted_at)
+                self.first_token_at[index] = now
             else:  # tokens that arrive together share the interval since the previous ones
                 for _ in out.new_token_ids:
                     self.metrics.inter_token((now - last) / len(out.new_token_ids))
@@ -540,8 +542,19 @@ class Generation:
         if out.finished:
             self.open.discard(index)
             self.metrics.finished(out.finish_reason, now - self.arrived_at)
+            self._phases(index, out, now)
             if not self.open and self.on_finish is not None:
                 self.on_finish(self.summary(now))
+
+    def _phases(self, index: int, out: SequenceOutput, now: float) -> None:
+        """vLLM's per-request histograms: sizes, prefill (the rank's clock) and decode."""
+        prefill = None
+        if out.first_token_time is not None and out.first_scheduled_time is not None:
+            prefill = out.first_token_time - out.first_scheduled_time
+        first = self.first_token_at.get(index)
+        self.metrics.request_done(len(out.prompt_token_ids), len(out.token_ids),
+                                  self.fanout.params[index].max_tokens, prefill,
+                                  None if first is None else now - first)  # fmt: skip
 
     def summary(self, now: float) -> str:
         reasons = ",".join(str(o.finish_reason) for o in self.outputs if o is not None)

@@ -49,3 +49,7 @@ class EngineView:
     @property
     def names(self) -> TokenText:
         return TokenText(self.tokenizer)
+
+    def token_names(self, as_token_ids: bool | None) -> TokenText:
+        """How logprobs name tokens: by text, or "token_id:N" (return_tokens_as_token_ids)."""
+        return TokenText(self.tokenizer, as_token_ids=bool(as_token_ids))

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +32,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0)
+# Token counts of one request, vLLM's 1-2-5 series up to a long context.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why the server refused a request without running it (afdserve_requests_rejected_total).
 REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
@@ -48,6 +57,12 @@ class EngineCollector(Collector):
             ("vllm:num_requests_waiting", "Requests queued on attention ranks", stats.waiting),
             (
                 "vllm:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1), averaged over attention ranks",
+                stats.kv_cache_usage,
+            ),
+            # vLLM's older name of the same gauge, which its Grafana dashboard reads.
+            (
+                "vllm:gpu_cache_usage_perc",
                 "Fraction of KV cache blocks in use (0-1), averaged over attention ranks",
                 stats.kv_cache_usage,
             ),
@@ -164,7 +179,30 @@ class ServerMetrics:
             "Seconds from an engine failure to serving again on the restarted engine",
             buckets=RECOVERY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self._request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request", TOKEN_BUCKETS
+        )
+        self._request_generation = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each finished request",
+            TOKEN_BUCKETS,
+        )  # fmt: skip
+        self._max_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The max_tokens each finished request asked for", TOKEN_BUCKETS,
+        )  # fmt: skip
+        self._prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Seconds from a request's first scheduled step to its first token (its rank's clock)",
+            REQUEST_BUCKETS,
+        )
+        self._decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Seconds from a request's first token to its last, as the frontend received them",
+            REQUEST_BUCKETS,
+        )
         self.registry.register(EngineCollector(snapshot, model))
+        # process_* (CPU, memory, open files of the frontend process), as vLLM's /metrics has.
+        ProcessCollector(registry=registry)
 
     # One method per observation, so that callers never spell a label.
     def prompt_tokens(self, count: int) -> None:
@@ -190,6 +228,17 @@ class ServerMetrics:
 
     def recovered(self, seconds: float) -> None:
         self._recovery.observe(seconds)
+    def request_done(self, prompt_tokens: int, generation_tokens: int, max_tokens: int,
+                     prefill_s: float | None, decode_s: float | None) -> None:  # fmt: skip
+        """One engine sequence finished: its sizes and its prefill and decode phases."""
+        model = self.model()
+        self._request_prompt.labels(model).observe(prompt_tokens)
+        self._request_generation.labels(model).observe(generation_tokens)
+        self._max_tokens.labels(model).observe(max_tokens)
+        if prefill_s is not None:
+            self._prefill.labels(model).observe(prefill_s)
+        if decode_s is not None:
+            self._decode.labels(model).observe(decode_s)
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afdserve.config_args import option
+from afdserve.server.reasoning import REASONING_PARSERS
 from afdserve.server.tool_parsers import PARSERS
 
 STATS_INTERVAL_S = 5.0
@@ -59,7 +60,10 @@ class ServeOptions:
                     "--tool-call-parser")
     tool_call_parser: str | None = option(
         None, choices=PARSERS, help="the model's tool-call format (hermes: Hermes, Qwen2.5, "
-                                    "Qwen3)")
+                                    "Qwen3; qwen3_coder; deepseek_v3; kimi_k2)")
+    # The thinking between <think> and </think> as the message's reasoning_content.
+    reasoning_parser: str | None = option(
+        None, choices=REASONING_PARSERS, help="the model's reasoning format (deepseek_r1, qwen3)")
     # "exit" like vLLM: a supervisor (systemd, Kubernetes) restarts the process.
     on_engine_failure: str = option(
         "exit", choices=ON_ENGINE_FAILURE,
@@ -134,6 +138,9 @@ class ServeOptions:
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"ServeOptions.tool_call_parser={self.tool_call_parser!r} is not "
                              f"allowed: one of {PARSERS}")  # fmt: skip
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"ServeOptions.reasoning_parser={self.reasoning_parser!r} is not "
+                             f"allowed: one of {REASONING_PARSERS}")  # fmt: skip
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("ServeOptions.enable_auto_tool_choice=True is not allowed without "
                              f"a tool_call_parser (one of {PARSERS})")  # fmt: skip

@@ -25,17 +25,29 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "add_special_tokens": (None, False),
     "echo": (None, False),
+    # vLLM's fields that change the answer in ways this server does not implement.
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []),
+    "vllm_xargs": (None, {}),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "chat_template": (None,),  # per request: vLLM refuses it unless trusted; --chat-template
+    "reasoning_effort": (None,),
+    "kv_transfer_params": (None,),
+    "guided_whitespace_pattern": (None,),
 }
 # Fields that cannot change the generated text: accepted without a warning.
 IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "priority", "request_id"}
-)
+    {"user", "metadata", "store", "service_tier", "priority", "request_id",
+     "guided_decoding_backend", "cache_salt"}
+)  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +75,8 @@ class SamplingFields(BaseModel):
     send null. Beyond OpenAI's fields, vLLM's extensions: `top_k`, `min_p`, `min_tokens`,
     `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
     `include_stop_str_in_output`, `return_token_ids`, `truncate_prompt_tokens`,
-    `structured_outputs` and the older `guided_*`."""
+    `structured_outputs` and the older `guided_*`, `bad_words`, `allowed_token_ids`,
+    `return_tokens_as_token_ids`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -96,6 +109,13 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    # Logprobs name their tokens "token_id:N" rather than by text (vLLM's field).
+    return_tokens_as_token_ids: bool | None = None
+    # The prompt's logprobs: the top N at every prompt token (vLLM's field; `prompt_logprobs`
+    # per choice on completions, once per response on chat).
+    prompt_logprobs: int | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(self.model_extra or ()) - set(UNSUPPORTED) - IGNORED)
@@ -113,7 +133,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool | None = None  # the prompt's text before each choice's (chat refuses it)
+    # The prompt's text before each choice's (chat refuses it); with logprobs, the prompt's
+    # tokens and logprobs before the choice's too (what lm-eval's loglikelihood reads).
+    echo: bool | None = None
 
 
 class ContentPart(BaseModel):
@@ -183,6 +205,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # The chat template's switches, passed to it as they are (vLLM's fields): extra variables
+    # (Qwen3's enable_thinking), the assistant turn's opening, or continuing the last message.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(BaseModel):

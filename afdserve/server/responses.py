@@ -30,12 +30,16 @@ def envelope(kind: str, response_id: str, model: str, created: int | None = None
 
 class TokenText:
     """Token id -> text, for logprobs. A byte token that is part of a longer UTF-8 character
-    decodes to U+FFFD; `bytes` keeps its real value where the tokenizer knows it."""
+    decodes to U+FFFD; `bytes` keeps its real value where the tokenizer knows it.
+    `as_token_ids` names every token "token_id:N" instead (vLLM's return_tokens_as_token_ids),
+    which survives tokens whose text is not valid UTF-8 on its own."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
+        self.tokenizer, self.as_token_ids = tokenizer, as_token_ids
 
     def text(self, token_id: int) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
     def bytes(self, token_id: int) -> list[int]:
@@ -86,6 +90,19 @@ def chat_logprobs(
             }
         )
     return {"content": content}
+
+
+def prompt_logprobs(entries: list[dict[int, float] | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id as a string:
+    {"logprob", "rank", "decoded_token"}}."""
+    return [
+        None if entry is None else {
+            str(t): {"logprob": float(v), "rank": getattr(v, "rank", None),
+                     "decoded_token": getattr(v, "decoded_token", None)}
+            for t, v in entry.items()
+        }
+        for entry in entries
+    ]  # fmt: skip
 
 
 def finish_reason(out: SequenceOutput) -> str | None:

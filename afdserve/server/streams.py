@@ -76,31 +76,47 @@ async def respond(
     choice: Choice,
     logprobs: Logprobs | None,
     opening: tuple[dict, ...] = (),
+    echo_logprobs: bool = False,
 ) -> Response:
     """Run `gen` to the end as one JSON body, or as server-sent events when `body.stream`.
     `logprobs` formats a choice's logprobs; None when the request asked for none.
     vLLM's `return_token_ids` adds each choice's `token_ids` (streamed: the new ones) and the
     prompt's `prompt_token_ids` (streamed: in the first chunk), per choice for completions,
-    once per response for chat."""
+    once per response for chat; vLLM's `prompt_logprobs` likewise. `echo_logprobs`: a choice's
+    logprobs start with its prompt's tokens (the first without a logprob), as echo shows them."""
     with_ids = bool(body.return_token_ids)
-    prompt_ids_per_choice = not head["object"].startswith("chat.")
-    prompts_sent: set[int] = set()
+    with_prompt_logprobs = body.prompt_logprobs is not None
+    per_choice = not head["object"].startswith("chat.")
+    prompts_sent: set[int] = set()  # choices (or -1: the response) given their prompt's part
 
     def make(index: int, text: str, ids: list[int], entries: list, out: SequenceOutput) -> dict:
-        lp = logprobs(ids, entries) if logprobs is not None else None
+        first = index not in prompts_sent
+        lp = None
+        if logprobs is not None:
+            if echo_logprobs and first:
+                lp = logprobs(out.prompt_token_ids + ids, out.prompt_logprobs + entries)
+            else:
+                lp = logprobs(ids, entries)
         made = choice(index, text, lp, shape.finish_reason(out))
+        made.setdefault("stop_reason", out.stop_reason)  # vLLM's: the stop string or token id
         if with_ids:
             made["token_ids"] = list(ids)
-            if prompt_ids_per_choice and index not in prompts_sent:
+        if per_choice and first:
+            if with_ids:
                 made["prompt_token_ids"] = list(out.prompt_token_ids)
-                prompts_sent.add(index)
+            if with_prompt_logprobs:
+                made["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
+        prompts_sent.add(index)
         return made
 
     def prompt_ids(out: SequenceOutput) -> dict:
-        if not with_ids or prompt_ids_per_choice or prompts_sent:
+        if per_choice or -1 in prompts_sent:
             return {}
         prompts_sent.add(-1)
-        return {"prompt_token_ids": list(out.prompt_token_ids)}
+        part = {"prompt_token_ids": list(out.prompt_token_ids)} if with_ids else {}
+        if with_prompt_logprobs:
+            part["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
+        return part
 
     if not body.stream:
         outs = await gen.collect(request.receive)

@@ -23,7 +23,7 @@ from typing import Any
 from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.protocol import bad_request
-from afdserve.server.tool_parsers import HermesStream, parse_hermes
+from afdserve.server.tool_parsers import ToolCallStream, parse_calls
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -63,12 +63,15 @@ class ToolChoice:
 
 
 class AutoTools:
-    """tool_choice "auto" read by a tool-call parser (hermes)."""
+    """tool_choice "auto" read by a tool-call parser (tool_parsers.PARSERS)."""
 
     schema = None
 
+    def __init__(self, parser: str = "hermes") -> None:
+        self.parser = parser
+
     def message(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        content, calls = parse_hermes(text)
+        content, calls = parse_calls(text, self.parser)
         if not calls:
             return shape.chat_choice(index, text, logprobs, finish)
         finish = "tool_calls" if finish == "stop" else finish
@@ -76,7 +79,7 @@ class AutoTools:
                             finish)  # fmt: skip
 
     def stream(self) -> AutoToolStream:
-        return AutoToolStream()
+        return AutoToolStream(self.parser)
 
 
 def tool_message(index: int, content: str | None, calls: list[dict], logprobs: dict | None,
@@ -104,7 +107,7 @@ def tool_choice(body: api.ChatCompletionRequest, parser: str | None = None
         raise bad_request("tool_choice: needs tools", "tool_choice")
     if choice == "auto":
         if parser is not None:
-            return AutoTools()
+            return AutoTools(parser)
         raise bad_request(
             'tool_choice: "auto" needs a tool-call parser (serve with --enable-auto-tool-choice '
             '--tool-call-parser hermes); or use "required", a named function, or "none"',
@@ -170,15 +173,16 @@ class ToolStream:
 class AutoToolStream:
     """Streamed "auto" answers: content as it comes, each call whole once its block closes."""
 
-    def __init__(self) -> None:
-        self.streams: dict[int, HermesStream] = {}
+    def __init__(self, parser: str = "hermes") -> None:
+        self.parser = parser
+        self.streams: dict[int, ToolCallStream] = {}
         self.calls: dict[int, int] = {}
 
     def opening(self, head: dict, n: int) -> tuple[dict, ...]:
         return shape.role_chunks(head, n)
 
     def delta(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        stream = self.streams.setdefault(index, HermesStream())
+        stream = self.streams.setdefault(index, ToolCallStream(self.parser))
         content, calls = stream.feed(text, final=finish is not None)
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:

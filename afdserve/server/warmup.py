@@ -22,7 +22,7 @@ def warm_up(llm: LLM) -> None:
     prefill of every size in `prefill_sizes`, one at a time."""
     # A model directory without tokenizer files (a dummy-weight preset) serves token ids only.
     ids_only = isinstance(llm.tokenizer, TokenIdsOnly)
-    prompts = [[0] if ids_only else (llm.encode("Hello") or [0])]
+    prompts = [[0] if ids_only else (llm.encode_prompt("Hello") or [0])]
     if llm.engine_config.device.startswith("cuda"):
         engine = llm.engine
         longest = min(llm.engine_config.max_num_batched_tokens, engine.max_model_len - 2)

@@ -333,7 +333,7 @@ def test_repeated_log_lines_are_rate_limited() -> None:
         ("max_restarts", -1, "an integer >= 0"),
         ("max_restarts", 1.5, "an integer >= 0"),
         ("restart_window_s", 0, "seconds > 0"),
-        ("tool_call_parser", "xml", "('hermes',)"),
+        ("tool_call_parser", "xml", "('hermes', 'qwen3_coder', 'deepseek_v3', 'kimi_k2')"),
         ("enable_auto_tool_choice", True, "a tool_call_parser"),
     ],
 )

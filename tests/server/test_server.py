@@ -71,7 +71,7 @@ def chat_ids(oracle: LLM, messages: list[dict]) -> list[int]:
     text = oracle.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    return oracle.encode(text)
+    return oracle.encode_prompt(text)
 
 
 def requests_counted(server: ServerProcess, endpoint: str, status: int) -> float:
@@ -421,7 +421,7 @@ def test_engine_view_of_an_llm(oracle: LLM) -> None:
     assert view.model_dir == oracle.engine_config.model
     assert view.max_model_len == oracle.engine.max_model_len
     assert view.vocab_size == oracle.engine.vocab_size
-    assert view.defaults == {} and view.encode(HELLO) == oracle.encode(HELLO)
+    assert view.defaults == {} and view.encode(HELLO) == oracle.encode_prompt(HELLO)
     assert engine_view(oracle, ServeOptions()).served_name == oracle.model_name
 
 
@@ -436,7 +436,6 @@ def test_health_is_503_until_the_model_is_attached() -> None:
 def test_local_validation_and_stop(local: TestClient, oracle: LLM) -> None:
     bad = [
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),

@@ -425,14 +425,14 @@ def test_api_key(served: ServerProcess, client: openai.OpenAI) -> None:
 def test_tokenize_detokenize_version_and_model_card(http: httpx.Client, oracle: LLM) -> None:
     text = "héllo ✓"
     tokens = http.post("/tokenize", json={"prompt": text}).json()
-    assert tokens["tokens"] == oracle.encode(text) and tokens["count"] == len(text.encode())
+    assert tokens["tokens"] == oracle.encode_prompt(text) and tokens["count"] == len(text.encode())
     assert tokens["max_model_len"] == oracle.engine.max_model_len
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     text = oracle.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
-    assert chat["tokens"] == oracle.encode(text)
+    assert chat["tokens"] == oracle.encode_prompt(text)
     assert http.post("/detokenize", json={"tokens": [VOCAB]}).json()["error"]["param"] == "tokens"
     import afdserve
 
@@ -577,7 +577,7 @@ def test_chat_template_replaces_the_tokenizers(oracle: LLM, tmp_path) -> None:
     options = ServeOptions(served_model_name=SERVED_NAME, chat_template=template)
     with TestClient(build_app(oracle, options)) as local:
         tokens = local.post("/tokenize", json={"messages": messages}).json()["tokens"]
-        assert tokens == oracle.encode("<user:hi>")
+        assert tokens == oracle.encode_prompt("<user:hi>")
         body = {"messages": messages, "temperature": 0, "max_tokens": 4}
         answer = local.post("/v1/chat/completions", json=body).json()
     assert answer["usage"]["prompt_tokens"] == len("<user:hi>")

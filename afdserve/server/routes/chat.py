@@ -17,6 +17,7 @@ from afdserve.server.engine_loop import Generation
 from afdserve.server.engine_view import EngineView
 from afdserve.server.limits import check_messages, check_text
 from afdserve.server.protocol import APIError, bad_request
+from afdserve.server.reasoning import ReasoningStream, split_reasoning
 from afdserve.server.state import ServerState
 from afdserve.server.streams import Logprobs, respond, start
 
@@ -32,20 +33,21 @@ def router(state: ServerState) -> APIRouter:
         answering = check(body, state, view)
         prompt = await asyncio.to_thread(
             convert.chat_prompt, view, body.messages, chat_template=state.chat_template,
-            tools=tools.template_tools(body),
+            tools=tools.template_tools(body), switches=convert.template_switches(body),
         )  # fmt: skip
         (prompt,) = convert.truncate_prompts([prompt], body.truncate_prompt_tokens,
                                              view.max_model_len)  # fmt: skip
         params = sampling_params(body, view, prompt, answering)
         gen = await start(state, engine, "chat", convert.fan_out([prompt], params))
         head = shape.envelope("chat.completion", f"chatcmpl-{gen.ids[0][:24]}", state.model_name)
-        names, top = view.names, body.top_logprobs or 0
+        names, top = view.token_names(body.return_tokens_as_token_ids), body.top_logprobs or 0
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.chat_logprobs(names, token_ids, entries, top)
 
         formatter = logprobs if body.logprobs else None
-        return await reply(gen, request, body, head, answering, formatter, params.n)
+        return await reply(gen, request, body, head, answering, formatter, params.n,
+                           state.options.reasoning_parser)  # fmt: skip
 
     return routes
 
@@ -95,9 +97,10 @@ async def reply(
     answering: Answering,
     formatter: Logprobs | None,
     n: int,
+    parser: str | None = None,
 ) -> Response:
     """Assistant messages, or tool calls; streamed, each of the `n` choices opens with its
-    role (or the tool call's start)."""
+    role (or the tool call's start). `parser`: the reasoning parser, for plain answers."""
     if answering is not None:
         if not body.stream:
             return await respond(gen, request, body, head, answering.message, formatter)
@@ -105,11 +108,44 @@ async def reply(
         stream = answering.stream()
         opening = stream.opening(head, n)
         return await respond(gen, request, body, head, stream.delta, formatter, opening)
+    if parser is not None:
+        return await reasoned(gen, request, body, head, formatter, n, parser)
     if not body.stream:
         return await respond(gen, request, body, head, shape.chat_choice, formatter)
     head = {**head, "object": "chat.completion.chunk"}
 
     def delta(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
         return shape.chat_choice(index, text, lp, finish, delta=True)
+
+    return await respond(gen, request, body, head, delta, formatter, shape.role_chunks(head, n))
+
+
+async def reasoned(
+    gen: Generation,
+    request: Request,
+    body: api.ChatCompletionRequest,
+    head: dict,
+    formatter: Logprobs | None,
+    n: int,
+    parser: str,
+) -> Response:
+    """Plain answers through the reasoning parser: the thinking as `reasoning_content`, the
+    rest as `content`; streamed, each as it settles (server/reasoning.py)."""
+    if not body.stream:
+
+        def message(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+            thinking, content = split_reasoning(text, parser)
+            said = {"role": "assistant", "content": content, "reasoning_content": thinking}
+            return shape.message_choice(index, said, lp, finish)
+
+        return await respond(gen, request, body, head, message, formatter)
+    head = {**head, "object": "chat.completion.chunk"}
+    streams: dict[int, ReasoningStream] = {}
+
+    def delta(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+        stream = streams.setdefault(index, ReasoningStream(parser))
+        thinking, content = stream.feed(text, final=finish is not None)
+        said = {k: v for k, v in (("reasoning_content", thinking), ("content", content)) if v}
+        return shape.delta_choice(index, said, lp, finish)
 
     return await respond(gen, request, body, head, delta, formatter, shape.role_chunks(head, n))

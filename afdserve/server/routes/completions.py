@@ -14,7 +14,6 @@ from afdserve.server import protocol as api
 from afdserve.server import responses as shape
 from afdserve.server.engine_view import EngineView
 from afdserve.server.limits import check_prompt_chars, check_text
-from afdserve.server.protocol import bad_request
 from afdserve.server.state import ServerState
 from afdserve.server.streams import Choice, respond, start
 
@@ -36,7 +35,7 @@ def router(state: ServerState) -> APIRouter:
         )
         gen = await start(state, engine, "completion", convert.fan_out(prompts, params))
         head = shape.envelope("text_completion", f"cmpl-{gen.ids[0][:24]}", state.model_name)
-        names = view.names
+        names = view.token_names(body.return_tokens_as_token_ids)
 
         def logprobs(token_ids: list[int], entries: list) -> dict:
             return shape.completion_logprobs(names, token_ids, entries, body.logprobs or 0)
@@ -45,7 +44,9 @@ def router(state: ServerState) -> APIRouter:
         choice = shape.completion_choice
         if body.echo:
             choice = await echoing(view, prompts, params)
-        return await respond(gen, request, body, head, choice, formatter)
+        echo_logprobs = bool(body.echo) and body.logprobs is not None
+        return await respond(gen, request, body, head, choice, formatter,
+                             echo_logprobs=echo_logprobs)  # fmt: skip
 
     return routes
 
@@ -57,9 +58,6 @@ def check(body: api.CompletionRequest, state: ServerState, view: EngineView) -> 
     check_text(body.prompt, "prompt")
     check_text(body.stop, "stop")
     check_prompt_chars(body.prompt, state.max_prompt_chars(view), "prompt")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo: with logprobs it needs the prompt's logprobs, which this "
-                          "server does not compute; drop one of them", "echo")  # fmt: skip
     if body.prompt and isinstance(body.prompt, list):
         state.admission.check(len(body.prompt) if isinstance(body.prompt[0], str | list) else 1)
     else:
