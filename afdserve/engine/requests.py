@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from afdserve.engine.logprobs import Logprob
 from afdserve.engine.sampling_params import SamplingParams
 
 
@@ -60,7 +61,7 @@ class TokenDelta:
     request_id: str
     new_token_ids: tuple[int, ...]
     # One entry per new token when the request asked for logprobs, else empty.
-    new_logprobs: tuple[dict[int, float] | None, ...]
+    new_logprobs: tuple[dict[int, Logprob] | None, ...]
     finished: bool
     finish_reason: str | None
     num_tokens: int  # generated tokens so far, this step's included: the frontend checks its sum
@@ -73,4 +74,4 @@ class TokenDelta:
     num_cached_tokens: int | None = None
     # The prompt's logprob entries this step completed (SamplingParams.prompt_logprobs): all of
     # them with the request's first token, the first one None.
-    new_prompt_logprobs: tuple[dict[int, float] | None, ...] = ()
+    new_prompt_logprobs: tuple[dict[int, Logprob] | None, ...] = ()

@@ -47,7 +47,7 @@ from afdserve.afd.ranks.messages import (
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.factory import MemoryReport
 from afdserve.engine.requests import RequestLimits, TokenDelta
-from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from afdserve.engine.structured import StructuredOutputsParams
 
 KEY = os.urandom(32)
@@ -233,6 +233,9 @@ def test_every_message_type_round_trips_equal(afd_models):
         logit_bias={3: -1.5},
         logprobs=2,
         structured_outputs=None,
+        bad_words=("never",),
+        allowed_token_ids=(1, 2, 3),
+        output_kind=RequestOutputKind.DELTA,
     )
     spec = WorkerSpec(
         EngineConfig(model=str(afd_models["qwen3_moe"]), max_model_len=128),

@@ -31,8 +31,9 @@ from collections.abc import Callable
 from afdserve.afd.ranks import messages
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 from afdserve.engine.factory import MemoryReport
+from afdserve.engine.logprobs import Logprob
 from afdserve.engine.requests import RequestLimits, TokenDelta
-from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from afdserve.engine.structured import StructuredOutputsParams
 
 MESSAGES: tuple[type, ...] = (
@@ -58,6 +59,8 @@ NESTED: tuple[type, ...] = (
     StructuredOutputsParams,
     messages.RankStats,
 )
+# Enums a field may hold: each travels as its value.
+ENUMS: tuple[type, ...] = (RequestOutputKind,)
 _BY_NAME = {cls.__name__: cls for cls in MESSAGES}
 _ALLOWED = frozenset(MESSAGES + NESTED)
 
@@ -67,6 +70,32 @@ _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls
 _GETTERS = {cls: operator.attrgetter(*names) for cls, names in _FIELDS.items() if len(names) > 1}
 _GETTERS.update({cls: (lambda v, n=names: tuple(getattr(v, x) for x in n))
                  for cls, names in _FIELDS.items() if len(names) <= 1})  # fmt: skip
+
+
+
+def _entries(entries: tuple) -> list:
+    """Logprob entries as {token: [logprob, rank]}: json writes a Logprob (a float) as its bare
+    number, which would drop its rank."""
+    return [None if e is None else {t: [float(v), getattr(v, "rank", None)] for t, v in e.items()}
+            for e in entries]
+
+
+_delta_fields = _GETTERS[TokenDelta]
+_LOGPROB_FIELDS = tuple(_FIELDS[TokenDelta].index(n)
+                        for n in ("new_logprobs", "new_prompt_logprobs"))  # fmt: skip
+
+
+def _delta(value: TokenDelta) -> tuple:
+    fields = _delta_fields(value)
+    if not (value.new_logprobs or value.new_prompt_logprobs):
+        return fields  # the common case: no entries to convert
+    out = list(fields)
+    for i in _LOGPROB_FIELDS:
+        out[i] = _entries(out[i])
+    return tuple(out)
+
+
+_GETTERS[TokenDelta] = _delta
 _INT_KEY = re.compile(r"-?(0|[1-9][0-9]{0,19})")
 _PRIMITIVES = (int, float, str, bool, type(None))
 
@@ -82,7 +111,9 @@ def encode(message: object) -> bytes:
                       separators=(",", ":")).encode()  # fmt: skip
 
 
-def _fields(value: object) -> tuple:
+def _fields(value: object) -> object:
+    if type(value) in ENUMS:
+        return value.value  # type: ignore[attr-defined]
     fields = _GETTERS.get(type(value))
     if fields is None:
         raise TypeError(f"the rank codec cannot carry a {type(value).__name__}")
@@ -142,6 +173,24 @@ def _primitive(hint: type) -> Decoder:
 def _make_decoder(hint: object) -> Decoder:
     if hint in _ALLOWED:
         return _dataclass_decoder(hint)
+    if hint is Logprob:
+
+        def logprob(v: object, where: str) -> Logprob:
+            if (type(v) is list and len(v) == 2 and type(v[0]) in (float, int)
+                    and (v[1] is None or type(v[1]) is int)):
+                return Logprob(float(v[0]), v[1])
+            raise _fail(where, "[logprob, rank]", v)
+
+        return logprob
+    if hint in ENUMS:
+        values = {m.value: m for m in hint}  # type: ignore[attr-defined]
+
+        def member(v: object, where: str) -> object:
+            if type(v) in (int, str) and v in values:
+                return values[v]
+            raise _fail(where, f"one of {hint.__name__}'s values", v)  # type: ignore[attr-defined]
+
+        return member
     if hint in _PRIMITIVES:
         return _primitive(hint)
     args = typing.get_args(hint)
