@@ -242,3 +242,15 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"over {len(profile.validation)} measured steps" in text
     assert math.isfinite(float(text.rsplit("largest error ", 1)[1].split("%")[0]))
+
+
+def test_the_shipped_h200_profile_is_the_default_and_other_models_need_their_own():
+    """The profile measured on the H200 ships with the package: a plan of its model needs no
+    --profile; a model it was not measured on is refused with the command that measures one."""
+    rows, profile = plan(PlanSpec(gpus=2, context_len=1024, output_len=128,
+                                  preset="qwen3-30b-a3b"))
+    assert profile.hardware["device"] == "NVIDIA H200"
+    assert profile.model.name == "qwen3-30b-a3b" and len(profile.attention) >= 10
+    assert {r.deployment for r in rows} >= {"colocated", "1A1F u1"}
+    with pytest.raises(ValueError, match="afdserve bench calibrate"):
+        plan(PlanSpec(gpus=2, context_len=1024, output_len=128, preset="mixtral-8x7b"))
