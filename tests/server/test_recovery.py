@@ -276,7 +276,7 @@ def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
 
     first, second = LLM(), LLM()
     try:
-        prompt = first.encode("Hello")
+        prompt = first.encode_prompt("Hello")
         short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         want = second.generate([prompt], short)[0].outputs[0].token_ids
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

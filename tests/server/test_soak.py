@@ -56,7 +56,7 @@ class Served:
         protocol = self.server.config.http_protocol_class
         return {
             "live generations": len(state.live),
-            "engine routes": len(state.engine._routes),
+            "engine flights": len(state.engine._flights),
             "connections by address": len(protocol.per_client),
             "open connections": len(self.server.server_state.connections),
         }
