@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from afdserve.afd.dataplane.connector import AttentionSide
+from afdserve.afd.dataplane.connector import AttentionSide, WaitClock
 from afdserve.afd.dataplane.payload import HEADER, LayoutError
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
@@ -114,9 +114,9 @@ def push(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor | None = None,
 
 class _Reply:
     def __init__(self, inboxes: Inboxes, peer: int, ubatch: int, out: torch.Tensor,
-                 stamps=None) -> None:
+                 stamps=None, clock: WaitClock | None = None) -> None:
         self.inboxes, self.peer, self.ubatch, self.out = inboxes, peer, ubatch, out
-        self.stamps = stamps
+        self.stamps, self.clock = stamps, clock or WaitClock()
         self.waited = False
 
     def wait(self) -> torch.Tensor:
@@ -127,7 +127,7 @@ class _Reply:
         self.waited = True
         if self.stamps is not None:
             self.stamps.mark()
-        self.inboxes.wait(self.peer, self.ubatch)
+        self.clock.time(lambda: self.inboxes.wait(self.peer, self.ubatch))
         if self.stamps is not None:
             self.stamps.mark()
         return self.out
@@ -165,7 +165,7 @@ class IPCAttentionConnector(AttentionSide):
             topk_w[lo : lo + rows].copy_(routing[1])
         inboxes.signal(ffn, ubatch)
         return _Reply(inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows],
-                      self.stamps)
+                      self.stamps, self.clock)
 
 
 class IPCTransport:

@@ -178,6 +178,9 @@ def _apply(built: BuiltRank, rank: int, conn: Channel) -> bool:
 
 def _stats(built: BuiltRank) -> RankStats:
     scheduler, blocks = built.core.scheduler, built.core.block_manager
+    meter = built.driver.meter
+    a2e, e2a = boundary_bytes(built)
+    clock = getattr(built.boundary, "clock", None)  # only a boundary over a wire waits
     return RankStats(
         scheduler.num_running,
         scheduler.num_waiting,
@@ -185,7 +188,27 @@ def _stats(built: BuiltRank) -> RankStats:
         dict(built.driver.recorder.mode_counts),
         blocks.queried_tokens,
         blocks.hit_tokens,
+        scheduler.num_preemptions,
+        meter.drain(),
+        meter.scheduled_tokens,
+        meter.forward_s,
+        0.0 if clock is None else clock.seconds,
+        a2e,
+        e2a,
     )
+
+
+def boundary_bytes(built: BuiltRank) -> tuple[int, int]:
+    """Hidden-row bytes this rank sent to (A2E) and received from (E2A) its FFN rank, from the
+    plans' tiles: every layer posts each ubatch's tile once. Ids and routing are not counted.
+    (0, 0) when no wire is crossed (colocated, in-process 1A1F)."""
+    boundary = built.boundary
+    if getattr(boundary, "clock", None) is None:
+        return 0, 0
+    config = built.core.config
+    rows = built.driver.meter.tile_rows * config.num_layers
+    e2a_row = config.hidden_size * built.core.model.dtype.itemsize
+    return rows * boundary.a2e.row_bytes(config.hidden_size), rows * e2a_row
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
