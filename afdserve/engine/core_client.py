@@ -31,6 +31,11 @@ class EngineStats:
     wait_s: dict[int, float] = field(default_factory=dict)
     a2e_bytes: dict[int, int] = field(default_factory=dict)
     e2a_bytes: dict[int, int] = field(default_factory=dict)
+    # Per FFN rank, cumulative: seconds in its FFN half's steps, of which waiting for tiles,
+    # and the real rows it received.
+    ffn_forward_s: dict[int, float] = field(default_factory=dict)
+    ffn_wait_s: dict[int, float] = field(default_factory=dict)
+    ffn_tokens: dict[int, int] = field(default_factory=dict)
     # Every step since start, every attention rank: tokens computed -> how many steps.
     iteration_tokens: dict[int, int] = field(default_factory=dict)
     # vLLM's cache_config_info labels (block_size, num_gpu_blocks, cache_dtype, ...).

@@ -120,20 +120,32 @@ class EngineCollector(Collector):
         how unevenly the tokens since the previous scrape fell on the ranks."""
         ranks = sorted(stats.scheduled_tokens)
         per_rank = (
-            ("afdserve:rank_busy_seconds", "Wall seconds in the step's forward, not waiting",
+            ("afdserve:rank_busy_seconds",
+             "Wall seconds in the step's forward (FFN ranks: their FFN half), not waiting",
              {r: stats.forward_s[r] - stats.wait_s.get(r, 0.0) for r in ranks}),
             ("afdserve:rank_wait_seconds",
-             "Wall seconds waiting for the FFN rank's replies (CPU: blocking waits; CUDA: ~0)",
+             "Wall seconds waiting for the FFN rank's replies (FFN ranks: for the tiles; CPU: "
+             "blocking waits; CUDA: ~0)",
              stats.wait_s),
             ("afdserve:a2e_bytes", "Hidden-row bytes sent to the FFN rank", stats.a2e_bytes),
             ("afdserve:e2a_bytes", "Hidden-row bytes received from the FFN rank",
              stats.e2a_bytes),
-            ("afdserve:scheduled_tokens", "Tokens computed", stats.scheduled_tokens),
+            ("afdserve:scheduled_tokens",
+             "Tokens computed (FFN ranks: real rows received)", stats.scheduled_tokens),
         )  # fmt: skip
+        ffn = sorted(stats.ffn_forward_s)
+        ffn_figures = {
+            "afdserve:rank_busy_seconds": {
+                r: stats.ffn_forward_s[r] - stats.ffn_wait_s.get(r, 0.0) for r in ffn},
+            "afdserve:rank_wait_seconds": stats.ffn_wait_s,
+            "afdserve:scheduled_tokens": stats.ffn_tokens,
+        }  # fmt: skip
         for name, doc, values in per_rank:
             counter = CounterMetricFamily(name, doc, labels=["rank", "role"])
             for rank in ranks:
                 counter.add_metric([str(rank), "attention"], values.get(rank, 0))
+            for rank in ffn if name in ffn_figures else ():
+                counter.add_metric([str(rank), "ffn"], ffn_figures[name].get(rank, 0))
             yield counter
         gauge = GaugeMetricFamily(
             "afdserve:attention_imbalance",

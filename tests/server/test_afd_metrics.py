@@ -80,7 +80,9 @@ def wire_lines(wire: Path) -> dict[int, list[dict]]:
 
 
 def per_rank(sample: dict, name: str) -> dict[int, float]:
-    return {int(dict(labels)["rank"]): v for (n, labels), v in sample.items() if n == name}
+    """The attention ranks' samples of `name`, by rank."""
+    return {int(dict(labels)["rank"]): v for (n, labels), v in sample.items()
+            if n == name and dict(labels).get("role") == "attention"}  # fmt: skip
 
 
 def hidden_bytes(batches: list[dict], kind: str, hidden: int) -> int:
@@ -166,6 +168,18 @@ def test_step_metrics_and_afd_metrics(served) -> None:
     for rank in (0, 1):
         spent = (busy[rank] - busy_before.get(rank, 0), wait[rank] - wait_before.get(rank, 0))
         assert spent[0] > 0 and spent[1] > 0 and sum(spent) < elapsed, (rank, spent)
+
+    # The FFN rank (2) reports over its own channel: every real row both ranks sent it.
+    def ffn(sample: dict, name: str) -> float:
+        return sample.get((name, (("rank", "2"), ("role", "ffn"))), 0.0)
+
+    assert (
+        ffn(pair, "afdserve:scheduled_tokens_total")
+        - ffn(before, "afdserve:scheduled_tokens_total")
+        == computed
+    )
+    for name in ("afdserve:rank_busy_seconds_total", "afdserve:rank_wait_seconds_total"):
+        assert 0 < ffn(pair, name) - ffn(before, name) < elapsed, name
 
     # The KV cache's configuration as the ranks hold it.
     info = [labels for (name, labels), v in pair.items()

@@ -146,6 +146,11 @@ class ProcessClient(EngineCoreClient):
         stats = EngineStats()
         ranks = max(len(self.outstanding), 1)
         for rank, rank_stats in self.rank_stats.items():
+            if rank_stats.role == "ffn":
+                stats.ffn_forward_s[rank] = rank_stats.forward_s
+                stats.ffn_wait_s[rank] = rank_stats.wait_s
+                stats.ffn_tokens[rank] = rank_stats.scheduled_tokens
+                continue
             stats.prefix_cache_queries[rank] = rank_stats.prefix_cache_queries
             stats.prefix_cache_hits[rank] = rank_stats.prefix_cache_hits
             stats.running += rank_stats.running

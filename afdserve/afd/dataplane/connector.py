@@ -20,8 +20,6 @@ Everything here is CUDA-graph capturable: the step number is read from a device 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from afdserve.afd.dataplane.payload import (
@@ -29,6 +27,7 @@ from afdserve.afd.dataplane.payload import (
     STEP_MODULO,
     LayoutError,
     StepCounter,
+    WaitClock,
     check_token_ids,
     routed_layers,
 )
@@ -59,20 +58,6 @@ def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
             f"{'present' if routing is not None else 'absent'}, but routed_layers says "
             f"{routed[layer]}"
         )
-
-
-class WaitClock:
-    """Wall seconds an attention rank's Python thread spent in the waits for its FFN rank's
-    replies. On CPU (gloo) a wait blocks until the reply is here; on CUDA it only orders the
-    stream, and a replayed graph never calls it, so there it reads about zero."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def time(self, wait) -> None:
-        start = time.perf_counter()
-        wait()
-        self.seconds += time.perf_counter() - start
 
 
 class _Pending:

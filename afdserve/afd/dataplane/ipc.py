@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from afdserve.afd.dataplane.connector import AttentionSide, WaitClock
-from afdserve.afd.dataplane.payload import HEADER, LayoutError
+from afdserve.afd.dataplane.connector import AttentionSide
+from afdserve.afd.dataplane.payload import HEADER, LayoutError, WaitClock
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.plan import FFNRankPlan
@@ -174,6 +174,7 @@ class IPCTransport:
     def __init__(self, inboxes: Inboxes, rank: int) -> None:
         self.inboxes, self.rank = inboxes, rank
         self.stamps = None  # kernels/triton_stamp.Stamps around the waits: the benches set it
+        self.clock = WaitClock()  # waiting for the peers' tiles
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
         """(hidden [rows, hidden], no scales, ids [peers, HEADER + tile], topk ids, topk weights)
@@ -184,7 +185,7 @@ class IPCTransport:
         if self.stamps is not None:
             self.stamps.mark()
         for peer, _, _ in plan.peer_rows(ubatch):
-            inboxes.wait(peer, ubatch)
+            self.clock.time(lambda peer=peer: inboxes.wait(peer, ubatch))
         if self.stamps is not None:
             self.stamps.mark()
         peers = len(plan.peers)

@@ -83,6 +83,9 @@ class RankStats:
     wait_s: float = 0.0
     a2e_bytes: int = 0
     e2a_bytes: int = 0
+    # An FFN rank reports these figures too (no outputs, nothing else): forward_s is its FFN
+    # half's steps, wait_s its waits for the tiles, scheduled_tokens the real rows it received.
+    role: str = "attention"
 
 
 @dataclass(frozen=True)

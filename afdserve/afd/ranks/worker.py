@@ -137,8 +137,7 @@ def worker_main(rank: int, conn: Channel) -> None:
         if built.core is not None:
             serve_attention(built, rank, conn)
         else:
-            while not built.driver.step().shutdown:
-                pass
+            serve_ffn(built, rank, conn)
     except BaseException:
         try:
             conn.send(RankFailed(rank, traceback.format_exc()))
@@ -226,6 +225,19 @@ def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
         else:
             time.sleep(idle_sleep)
             idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_S[1])
+
+
+def serve_ffn(built: BuiltRank, rank: int, conn: Channel) -> None:
+    """Step until shutdown; every HEARTBEAT_S an Outputs with no outputs carries this FFN rank's
+    step figures to the frontend (the control plane decides everything else)."""
+    last_sent = time.monotonic()
+    meter, clock = built.driver.meter, built.driver.runner.exchange.transport.clock
+    while not built.driver.step().shutdown:
+        if time.monotonic() - last_sent > HEARTBEAT_S:
+            stats = RankStats(scheduled_tokens=meter.scheduled_tokens, forward_s=meter.forward_s,
+                              wait_s=clock.seconds, role="ffn")  # fmt: skip
+            conn.send(Outputs(rank, (), stats))
+            last_sent = time.monotonic()
 
 
 def main() -> None:

@@ -43,8 +43,10 @@ class StepResult:
 
 @dataclass
 class StepMeter:
-    """What one attention rank's steps did, for /metrics: the tokens of each step not yet
-    reported (the worker drains them), and cumulative figures."""
+    """What one rank's steps did, for /metrics: the tokens of each step not yet reported (the
+    worker drains them; attention ranks), and cumulative figures (an FFN rank's forward_s is
+    its FFN half's step, waits for the tiles included; its scheduled_tokens the real rows it
+    received)."""
 
     step_tokens: list[int] = field(default_factory=list)
     scheduled_tokens: int = 0
@@ -100,10 +102,12 @@ class FFNDriver:
                  topology: Topology, rank: int) -> None:
         self.runner, self.recorder, self.control = runner, recorder, control
         self.topology, self.rank = topology, rank
+        self.meter = StepMeter()
 
     def warmup(self) -> None:
         for reports in warmup_reports(self.recorder.table, self.topology):
             self._run(reports)
+        self.meter = StepMeter()
 
     def step(self) -> StepResult:
         round_ = self.control.exchange(None)
@@ -113,6 +117,11 @@ class FFNDriver:
 
     def _run(self, reports: tuple[RankStep, ...]) -> StepResult:
         plan = self.recorder.plan(reports, self.topology)
-        self.runner.run(plan.for_rank(self.rank), self.recorder.step)
+        mine = plan.for_rank(self.rank)
+        start = time.perf_counter()
+        self.runner.run(mine, self.recorder.step)
+        if mine.mode != "idle":
+            self.meter.forward_s += time.perf_counter() - start
+            self.meter.scheduled_tokens += mine.real_rows
         self.recorder.record(plan)
         return StepResult([], plan.has_work)
