@@ -35,6 +35,7 @@ from afdserve.afd.ranks.messages import (
 )
 from afdserve.afd.step.control import open_control_plane
 from afdserve.engine.device import resolve_device
+from afdserve.engine.log_format import LOG_FORMAT_ENV, JsonLines
 from afdserve.engine.requests import RequestError
 
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
@@ -115,6 +116,10 @@ def worker_main(rank: int, conn: Channel) -> None:
         raise TypeError(f"rank {rank}: expected a WorkerSpec first, got {type(spec).__name__}")
     name_process(f"afdserve-rank{rank}")
     logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
+    if os.environ.get(LOG_FORMAT_ENV) == "json":  # the frontend's --log-format
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines(rank=rank))
+        logging.captureWarnings(True)
     torch.set_num_threads(spec.threads)
     built = control = None
     try:
