@@ -221,3 +221,34 @@ def test_dashboard_names_only_served_metrics(served) -> None:
     names = {n for e in exprs for n in re.findall(r"\b((?:afdserve[:_]|vllm:)[a-z0-9_:]+)", e)}
     served_names = {name for name, _labels in metrics(served[0])}
     assert names and names <= served_names, names - served_names
+
+
+def test_one_process_engine_reports_the_same_metrics() -> None:
+    """Colocated, one process: the same names from SingleProcessClient's stats; nothing crosses
+    a wire, so no bytes and no waits, and the tokens are those of the prompts sent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from afdserve import LLM, SamplingParams
+    from afdserve.server.metrics import ServerMetrics
+
+    llm = LLM(topology="colocated", enable_prefix_caching=False, kv_cache_blocks=64)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(5, 15))}] * 2, params)
+        stats = llm.engine.stats()
+        text = ServerMetrics(lambda: stats, lambda: "m").render().decode()
+    finally:
+        llm.shutdown()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    attention = (("rank", "0"), ("role", "attention"))
+    assert samples[("afdserve:scheduled_tokens_total", attention)] == 2 * (10 + 2)
+    assert samples[("vllm:iteration_tokens_total_sum", (("model_name", "m"),))] == 2 * (10 + 2)
+    assert samples[("afdserve:a2e_bytes_total", attention)] == 0
+    assert samples[("afdserve:rank_wait_seconds_total", attention)] == 0
+    assert samples[("afdserve:rank_busy_seconds_total", attention)] > 0
+    assert samples[("vllm:num_preemptions_total", (("engine", "0"), ("model_name", "m")))] == 0
+    assert samples[("vllm:cache_config_info", (
+        ("block_size", "16"), ("cache_dtype", "auto"), ("enable_prefix_caching", "False"),
+        ("num_gpu_blocks", "64"),
+    ))] == 1.0  # fmt: skip
