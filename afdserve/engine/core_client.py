@@ -24,12 +24,39 @@ class EngineStats:
     # Per attention rank, cumulative: prompt tokens looked up in its prefix cache, and found.
     prefix_cache_queries: dict[int, int] = field(default_factory=dict)
     prefix_cache_hits: dict[int, int] = field(default_factory=dict)
+    # Per attention rank, cumulative (RankStats says what each is).
+    preemptions: dict[int, int] = field(default_factory=dict)
+    scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    forward_s: dict[int, float] = field(default_factory=dict)
+    wait_s: dict[int, float] = field(default_factory=dict)
+    a2e_bytes: dict[int, int] = field(default_factory=dict)
+    e2a_bytes: dict[int, int] = field(default_factory=dict)
+    # Per FFN rank, cumulative: seconds in its FFN half's steps, of which waiting for tiles,
+    # and the real rows it received.
+    ffn_forward_s: dict[int, float] = field(default_factory=dict)
+    ffn_wait_s: dict[int, float] = field(default_factory=dict)
+    ffn_tokens: dict[int, int] = field(default_factory=dict)
+    # Every step since start, every attention rank: tokens computed -> how many steps.
+    iteration_tokens: dict[int, int] = field(default_factory=dict)
+    # vLLM's cache_config_info labels (block_size, num_gpu_blocks, cache_dtype, ...).
+    cache_config: dict[str, str] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         """Hits over queries since start, every rank together; None before any query."""
         queries = sum(self.prefix_cache_queries.values())
         return sum(self.prefix_cache_hits.values()) / queries if queries else None
+
+
+def cache_config_labels(limits: RequestLimits, cache_dtype: str, prefix_caching: bool) -> dict:
+    """vLLM's vllm:cache_config_info labels: the KV block size, the blocks one attention rank
+    holds (the smallest rank's), the cache dtype and whether prefixes are cached."""
+    return {
+        "block_size": str(limits.block_size),
+        "num_gpu_blocks": str(limits.num_blocks),
+        "cache_dtype": cache_dtype,
+        "enable_prefix_caching": str(prefix_caching),
+    }
 
 
 class EngineCoreClient(ABC):

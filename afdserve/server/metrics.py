@@ -20,7 +20,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from afdserve.engine.client import EngineStats
@@ -34,6 +39,8 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 6
 RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0)
 # Token counts of one request, vLLM's 1-2-5 series up to a long context.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+# Tokens of one engine step: vLLM's iteration_tokens buckets.
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why the server refused a request without running it (afdserve_requests_rejected_total).
 REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
@@ -48,6 +55,7 @@ class EngineCollector(Collector):
 
     def __init__(self, snapshot: Callable[[], EngineStats | None], model: Callable[[], str]):
         self.snapshot, self.model = snapshot, model
+        self._scheduled: dict[int, int] = {}  # at the previous scrape, for the imbalance gauge
 
     def collect(self) -> Iterator[Metric]:
         stats = self.snapshot() or EngineStats()
@@ -91,6 +99,82 @@ class EngineCollector(Collector):
             for rank, tokens in sorted(per_rank.items()):
                 counter.add_metric([*label, str(rank)], tokens)
             yield counter
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Sequences preempted by recompute, per attention rank",
+            labels=["model_name", "engine"])  # fmt: skip
+        for rank, count in sorted(stats.preemptions.items()):
+            preemptions.add_metric([*label, str(rank)], count)
+        yield preemptions
+        yield iteration_histogram(stats.iteration_tokens, label)
+        if stats.cache_config:
+            names = sorted(stats.cache_config)
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info", "The KV cache's configuration (labels; value 1)",
+                labels=names)  # fmt: skip
+            info.add_metric([stats.cache_config[n] for n in names], 1.0)
+            yield info
+        yield from self._afd(stats)
+
+    def _afd(self, stats: EngineStats) -> Iterator[Metric]:
+        """Per attention rank: busy and waiting seconds, boundary bytes, scheduled tokens, and
+        how unevenly the tokens since the previous scrape fell on the ranks."""
+        ranks = sorted(stats.scheduled_tokens)
+        per_rank = (
+            ("afdserve:rank_busy_seconds",
+             "Wall seconds in the step's forward (FFN ranks: their FFN half), not waiting",
+             {r: stats.forward_s[r] - stats.wait_s.get(r, 0.0) for r in ranks}),
+            ("afdserve:rank_wait_seconds",
+             "Wall seconds waiting for the FFN rank's replies (FFN ranks: for the tiles; CPU: "
+             "blocking waits; CUDA: ~0)",
+             stats.wait_s),
+            ("afdserve:a2e_bytes", "Hidden-row bytes sent to the FFN rank", stats.a2e_bytes),
+            ("afdserve:e2a_bytes", "Hidden-row bytes received from the FFN rank",
+             stats.e2a_bytes),
+            ("afdserve:scheduled_tokens",
+             "Tokens computed (FFN ranks: real rows received)", stats.scheduled_tokens),
+        )  # fmt: skip
+        ffn = sorted(stats.ffn_forward_s)
+        ffn_figures = {
+            "afdserve:rank_busy_seconds": {
+                r: stats.ffn_forward_s[r] - stats.ffn_wait_s.get(r, 0.0) for r in ffn},
+            "afdserve:rank_wait_seconds": stats.ffn_wait_s,
+            "afdserve:scheduled_tokens": stats.ffn_tokens,
+        }  # fmt: skip
+        for name, doc, values in per_rank:
+            counter = CounterMetricFamily(name, doc, labels=["rank", "role"])
+            for rank in ranks:
+                counter.add_metric([str(rank), "attention"], values.get(rank, 0))
+            for rank in ffn if name in ffn_figures else ():
+                counter.add_metric([str(rank), "ffn"], ffn_figures[name].get(rank, 0))
+            yield counter
+        gauge = GaugeMetricFamily(
+            "afdserve:attention_imbalance",
+            "Max over mean of the tokens each attention rank computed since the previous "
+            "scrape (1: even; 0: none computed)", labels=["role"])  # fmt: skip
+        gauge.add_metric(["attention"], imbalance(self._scheduled, stats.scheduled_tokens))
+        self._scheduled = dict(stats.scheduled_tokens)
+        yield gauge
+
+
+def imbalance(before: dict[int, int], now: dict[int, int]) -> float:
+    """max / mean of each rank's tokens between two cumulative readings; 0 when none ran."""
+    deltas = [count - before.get(rank, 0) for rank, count in now.items()]
+    total = sum(deltas)
+    return max(deltas) * len(deltas) / total if total > 0 else 0.0
+
+
+def iteration_histogram(steps: dict[int, int], label: list[str]) -> HistogramMetricFamily:
+    """vllm:iteration_tokens_total from {tokens: steps}, cumulative buckets as Prometheus's."""
+    buckets, total = [], 0
+    for bound in ITERATION_BUCKETS:
+        buckets.append((str(float(bound)), sum(n for t, n in steps.items() if t <= bound)))
+    buckets.append(("+Inf", sum(steps.values())))
+    total = sum(t * n for t, n in steps.items())
+    family = HistogramMetricFamily(
+        "vllm:iteration_tokens_total", "Tokens computed per engine step (each attention rank's)",
+        labels=["model_name"])  # fmt: skip
+    family.add_metric(label, buckets, total)
+    return family
 
 
 class ServerMetrics:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afdserve.config_args import option
+from afdserve.engine.log_format import LOG_FORMATS
 from afdserve.server.reasoning import REASONING_PARSERS
 from afdserve.server.tool_parsers import PARSERS
 
@@ -42,6 +43,10 @@ class ServeOptions:
                              help="do not log the engine statistics line every "
                                   "--stats-interval seconds")
     log_level: str = option("info", choices=LOG_LEVELS, help="afdserve's own log level")
+    # engine/log_format.py: the ranks' lines too, and uvicorn's.
+    log_format: str = option(
+        "text", choices=LOG_FORMATS,
+        help="text, or json: one object per line with time, level, logger and message")
     uvicorn_log_level: str = option(
         "warning", choices=LOG_LEVELS, help="uvicorn's log level (its access log shows at info)")
     stats_interval_s: float = option(
@@ -118,6 +123,9 @@ class ServeOptions:
                 raise ValueError(f"ServeOptions.served_model_name={self.served_model_name!r} is "
                                  "not allowed: one or more non-empty names, or None")
             object.__setattr__(self, "served_model_name", names)
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"ServeOptions.log_format={self.log_format!r} is not allowed: "
+                             f"one of {LOG_FORMATS}")  # fmt: skip
         for name in ("log_level", "uvicorn_log_level"):
             value = getattr(self, name)
             if value not in LOG_LEVELS:

@@ -23,7 +23,7 @@ from afdserve.engine.generation_config import generation_defaults
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
 from afdserve.server.engine_view import EngineView
-from afdserve.server.logs import rate_limit_servers, setup_logging
+from afdserve.server.logs import progress_line, rate_limit_servers, setup_logging
 from afdserve.server.options import ServeOptions
 from afdserve.server.restarts import RestartBudget
 from afdserve.server.state import ServerState
@@ -45,7 +45,8 @@ WATCH_INTERVAL_S = 0.2  # how often the main thread looks at the engine and the 
 
 
 def progress(message: str) -> None:
-    print(f"afdserve: {message}", file=sys.stderr, flush=True)
+    """A start-up or shutdown line, whatever the log level (in the log's format)."""
+    print(progress_line(message), file=sys.stderr, flush=True)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -204,7 +205,7 @@ def http_server(app: FastAPI, options: ServeOptions) -> uvicorn.Server:
             options.max_connections_per_client,
         ),
     )
-    rate_limit_servers()
+    rate_limit_servers(options.log_format)
     return uvicorn.Server(config)
 
 
@@ -273,7 +274,7 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
     thread builds the LLM and then watches it: a signal during start-up raises KeyboardInterrupt
     there, which interrupts the start-up; the LLM's own clean-up stops the ranks already started.
     """
-    setup_logging(options.log_level)
+    setup_logging(options.log_level, options.log_format)
     raise_open_files_limit()
     host, port = options.host, options.port
     sock = listen_socket(host, port)

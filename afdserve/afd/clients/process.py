@@ -7,6 +7,7 @@ a rank dies or hangs, and stops the world. The processes themselves are afd/rank
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from afdserve.afd.clients.routing import Router
 from afdserve.afd.ranks.messages import (
@@ -19,7 +20,7 @@ from afdserve.afd.ranks.messages import (
     WorkerSpec,
 )
 from afdserve.afd.ranks.world import STARTUP_TIMEOUT_S, Lost, RankWorld, WorkerError, free_port
-from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.core_client import EngineCoreClient, EngineStats, cache_config_labels
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class ProcessClient(EngineCoreClient):
         self.owner: dict[str, int] = {}  # request id -> attention rank
         self.cost: dict[str, int] = {}
         self.rank_stats: dict[int, RankStats] = {}
+        self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         self.address, self.ready = self.world.address, self.world.ready
@@ -63,6 +65,11 @@ class ProcessClient(EngineCoreClient):
             self.limits.block_size,
             all(self.ready[r].prefix_caching for r in attention),
         )
+
+        engine = spec.engine
+        self.cache_config = cache_config_labels(
+            self.limits, engine.kv_cache_dtype,
+            all(self.ready[r].prefix_caching for r in attention))  # fmt: skip
 
     @property
     def outstanding(self) -> list[int]:
@@ -104,6 +111,7 @@ class ProcessClient(EngineCoreClient):
         for msg in self.world.messages(0.0 if results else 0.05):
             if isinstance(msg, Outputs):
                 self.rank_stats[msg.rank] = msg.stats
+                self.iteration_tokens.update(msg.stats.step_tokens)
                 for delta in msg.outputs:
                     if delta.request_id not in self.owner:
                         continue  # aborted meanwhile (a stop string, found by the frontend)
@@ -138,6 +146,11 @@ class ProcessClient(EngineCoreClient):
         stats = EngineStats()
         ranks = max(len(self.outstanding), 1)
         for rank, rank_stats in self.rank_stats.items():
+            if rank_stats.role == "ffn":
+                stats.ffn_forward_s[rank] = rank_stats.forward_s
+                stats.ffn_wait_s[rank] = rank_stats.wait_s
+                stats.ffn_tokens[rank] = rank_stats.scheduled_tokens
+                continue
             stats.prefix_cache_queries[rank] = rank_stats.prefix_cache_queries
             stats.prefix_cache_hits[rank] = rank_stats.prefix_cache_hits
             stats.running += rank_stats.running
@@ -145,6 +158,14 @@ class ProcessClient(EngineCoreClient):
             stats.kv_cache_usage += rank_stats.kv_cache_usage / ranks
             for mode, count in rank_stats.steps.items():
                 stats.steps[mode] = stats.steps.get(mode, 0) + count
+            stats.preemptions[rank] = rank_stats.preemptions
+            stats.scheduled_tokens[rank] = rank_stats.scheduled_tokens
+            stats.forward_s[rank] = rank_stats.forward_s
+            stats.wait_s[rank] = rank_stats.wait_s
+            stats.a2e_bytes[rank] = rank_stats.a2e_bytes
+            stats.e2a_bytes[rank] = rank_stats.e2a_bytes
+        stats.iteration_tokens = dict(self.iteration_tokens)
+        stats.cache_config = self.cache_config
         return stats
 
     def _fail(self) -> None:

@@ -5,13 +5,14 @@ as a rank process, with a control plane of one."""
 from __future__ import annotations
 
 import gc
+from collections import Counter
 
 import torch
 
 from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
-from afdserve.engine.core_client import EngineCoreClient, EngineStats
+from afdserve.engine.core_client import EngineCoreClient, EngineStats, cache_config_labels
 from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
@@ -28,6 +29,10 @@ class SingleProcessClient(EngineCoreClient):
         self.vocab_size = self.core.config.vocab_size
         self.limits = self.core.limits
         self.driver.warmup()
+        self.cache_config = cache_config_labels(
+            self.limits, spec.engine.kv_cache_dtype, self.core.block_manager.prefix_caching
+        )
+        self.iteration_tokens: Counter[int] = Counter()
 
     def add_request(
         self,
@@ -42,7 +47,9 @@ class SingleProcessClient(EngineCoreClient):
         self.core.abort(request_id)
 
     def step(self) -> list[TokenDelta]:
-        return self.driver.step().outputs
+        outputs = self.driver.step().outputs
+        self.iteration_tokens.update(self.driver.meter.drain())
+        return outputs
 
     @property
     def has_unfinished(self) -> bool:
@@ -57,6 +64,14 @@ class SingleProcessClient(EngineCoreClient):
             steps=dict(self.driver.recorder.mode_counts),
             prefix_cache_queries={0: blocks.queried_tokens},
             prefix_cache_hits={0: blocks.hit_tokens},
+            preemptions={0: s.num_preemptions},
+            scheduled_tokens={0: self.driver.meter.scheduled_tokens},
+            forward_s={0: self.driver.meter.forward_s},
+            wait_s={0: 0.0},  # nothing crosses a wire: the FFN half runs inline
+            a2e_bytes={0: 0},
+            e2a_bytes={0: 0},
+            iteration_tokens=dict(self.iteration_tokens),
+            cache_config=self.cache_config,
         )
 
     def step_log(self) -> list[dict]:

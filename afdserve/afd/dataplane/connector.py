@@ -27,6 +27,7 @@ from afdserve.afd.dataplane.payload import (
     STEP_MODULO,
     LayoutError,
     StepCounter,
+    WaitClock,
     check_token_ids,
     routed_layers,
 )
@@ -61,14 +62,14 @@ def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
 
 class _Pending:
     def __init__(self, works: list, out: torch.Tensor, rows: int, keep: tuple,
-                 stamps=None) -> None:
+                 stamps=None, clock: WaitClock | None = None) -> None:
         self.works, self.out, self.rows, self.keep, self.stamps = works, out, rows, keep, stamps
+        self.clock = clock or WaitClock()
 
     def wait(self) -> torch.Tensor:
         if self.stamps is not None:
             self.stamps.mark()
-        for work in self.works:
-            work.wait()
+        self.clock.time(lambda: [work.wait() for work in self.works])
         if self.stamps is not None:
             self.stamps.mark()
         self.keep = ()
@@ -87,6 +88,7 @@ class AttentionSide:
         self.step_number = 0
         self.plan: AttentionRankPlan | None = None
         self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
+        self.clock = WaitClock()
 
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
         self.plan, self.step_number = plan, step
@@ -135,7 +137,7 @@ class AttentionConnector(AttentionSide):
         where = {"step": self.step_number, "layer": layer, "ubatch": ubatch}
         works = self.wire.post([P2P("send", t, peer) for t in sends], **where)
         works += self.wire.post([P2P("recv", out, peer)], **where)
-        return _Pending(works, out, rows, tuple(sends), self.stamps)
+        return _Pending(works, out, rows, tuple(sends), self.stamps, self.clock)
 
     def _plain_rows(self, x: torch.Tensor, tile: int) -> torch.Tensor:
         """The tile in the model dtype (a2e_dtype auto): x itself when it fills the tile."""

@@ -21,6 +21,7 @@ from afdserve.afd.dataplane.payload import (
     STEP_MODULO,
     LayoutError,
     StepCounter,
+    WaitClock,
     check_token_ids,
     routed_layers,
 )
@@ -84,6 +85,7 @@ class WireTransport:
         self.hidden, self.top_k = hidden, top_k
         self.a2e = a2e or A2EFormat("auto", dtype)
         self.stamps = None  # kernels/triton_stamp.Stamps around every wait: the benches set it
+        self.clock = WaitClock()  # waiting for the peers' tiles
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
         """(hidden [rows, hidden] in the A2E format, its scales [rows, groups] or None, ids
@@ -111,8 +113,7 @@ class WireTransport:
         works = self.wire.post(ops, **where)
         if self.stamps is not None:
             self.stamps.mark()
-        for work in works:
-            work.wait()
+        self.clock.time(lambda: [work.wait() for work in works])
         if self.stamps is not None:
             self.stamps.mark()
         return hidden, scales, ids, topk_ids, topk_w

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from afdserve.afd.dataplane.connector import AttentionSide
-from afdserve.afd.dataplane.payload import HEADER, LayoutError
+from afdserve.afd.dataplane.payload import HEADER, LayoutError, WaitClock
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.plan import FFNRankPlan
@@ -114,9 +114,9 @@ def push(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor | None = None,
 
 class _Reply:
     def __init__(self, inboxes: Inboxes, peer: int, ubatch: int, out: torch.Tensor,
-                 stamps=None) -> None:
+                 stamps=None, clock: WaitClock | None = None) -> None:
         self.inboxes, self.peer, self.ubatch, self.out = inboxes, peer, ubatch, out
-        self.stamps = stamps
+        self.stamps, self.clock = stamps, clock or WaitClock()
         self.waited = False
 
     def wait(self) -> torch.Tensor:
@@ -127,7 +127,7 @@ class _Reply:
         self.waited = True
         if self.stamps is not None:
             self.stamps.mark()
-        self.inboxes.wait(self.peer, self.ubatch)
+        self.clock.time(lambda: self.inboxes.wait(self.peer, self.ubatch))
         if self.stamps is not None:
             self.stamps.mark()
         return self.out
@@ -165,7 +165,7 @@ class IPCAttentionConnector(AttentionSide):
             topk_w[lo : lo + rows].copy_(routing[1])
         inboxes.signal(ffn, ubatch)
         return _Reply(inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows],
-                      self.stamps)
+                      self.stamps, self.clock)
 
 
 class IPCTransport:
@@ -174,6 +174,7 @@ class IPCTransport:
     def __init__(self, inboxes: Inboxes, rank: int) -> None:
         self.inboxes, self.rank = inboxes, rank
         self.stamps = None  # kernels/triton_stamp.Stamps around the waits: the benches set it
+        self.clock = WaitClock()  # waiting for the peers' tiles
 
     def receive(self, plan: FFNRankPlan, ubatch: int, routed: bool, where: dict):
         """(hidden [rows, hidden], no scales, ids [peers, HEADER + tile], topk ids, topk weights)
@@ -184,7 +185,7 @@ class IPCTransport:
         if self.stamps is not None:
             self.stamps.mark()
         for peer, _, _ in plan.peer_rows(ubatch):
-            inboxes.wait(peer, ubatch)
+            self.clock.time(lambda peer=peer: inboxes.wait(peer, ubatch))
         if self.stamps is not None:
             self.stamps.mark()
         peers = len(plan.peers)

@@ -6,6 +6,8 @@ describe (`LayoutError`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from afdserve.model.config import ModelConfig
@@ -46,3 +48,17 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str) -> None:
         raise LayoutError(
             f"{where}: token id {int(ids[row])} at row {row} is outside [-1, {vocab_size})"
         )
+
+
+class WaitClock:
+    """Wall seconds an attention rank's Python thread spent in the waits for its FFN rank's
+    replies. On CPU (gloo) a wait blocks until the reply is here; on CUDA it only orders the
+    stream, and a replayed graph never calls it, so there it reads about zero."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def time(self, wait) -> None:
+        start = time.perf_counter()
+        wait()
+        self.seconds += time.perf_counter() - start

@@ -174,6 +174,7 @@ class BuiltRank:
     core: EngineCore | None  # attention ranks
     wire: Wire | None
     ready: tuple[RankReady, ...]  # one per rank this process holds (two for in-process 1A1F)
+    boundary: FFNBoundary | None = None  # attention ranks: where rows cross to the FFN half
 
 
 def _wire(spec: WorkerSpec, rank: int) -> Wire:
@@ -229,7 +230,7 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     driver = attention_driver(core, core.runner, boundary, graphs,
                               graphs.recorder(rank, spec.log_path), control, topology=topology,
                               rank=rank, max_model_len=core.max_model_len, log_ranks=log_ranks)
-    return BuiltRank(driver, core, wire, tuple(ready))
+    return BuiltRank(driver, core, wire, tuple(ready), boundary)
 
 
 def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,

@@ -72,6 +72,20 @@ class RankStats:
     steps: dict[str, int] = field(default_factory=dict)  # "role:mode" -> count
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # of which found cached
+    preemptions: int = 0  # the scheduler's, cumulative
+    # Tokens (real rows) of each step this rank computed since its previous report.
+    step_tokens: tuple[int, ...] = ()
+    # Cumulative over the rank's steps: tokens scheduled, wall seconds in the step's forward, of
+    # which waiting for the FFN rank's replies, and the bytes of hidden rows sent (A2E) and
+    # received (E2A) over the boundary.
+    scheduled_tokens: int = 0
+    forward_s: float = 0.0
+    wait_s: float = 0.0
+    a2e_bytes: int = 0
+    e2a_bytes: int = 0
+    # An FFN rank reports these figures too (no outputs, nothing else): forward_s is its FFN
+    # half's steps, wait_s its waits for the tiles, scheduled_tokens the real rows it received.
+    role: str = "attention"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from afdserve.afd.ranks.messages import (
 )
 from afdserve.afd.step.control import open_control_plane
 from afdserve.engine.device import resolve_device
+from afdserve.engine.log_format import LOG_FORMAT_ENV, JsonLines
 from afdserve.engine.requests import RequestError
 
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
@@ -115,6 +116,10 @@ def worker_main(rank: int, conn: Channel) -> None:
         raise TypeError(f"rank {rank}: expected a WorkerSpec first, got {type(spec).__name__}")
     name_process(f"afdserve-rank{rank}")
     logging.basicConfig(level=logging.INFO, format=f"[afdserve rank {rank}] %(message)s")
+    if os.environ.get(LOG_FORMAT_ENV) == "json":  # the frontend's --log-format
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines(rank=rank))
+        logging.captureWarnings(True)
     torch.set_num_threads(spec.threads)
     built = control = None
     try:
@@ -137,8 +142,7 @@ def worker_main(rank: int, conn: Channel) -> None:
         if built.core is not None:
             serve_attention(built, rank, conn)
         else:
-            while not built.driver.step().shutdown:
-                pass
+            serve_ffn(built, rank, conn)
     except BaseException:
         try:
             conn.send(RankFailed(rank, traceback.format_exc()))
@@ -178,6 +182,9 @@ def _apply(built: BuiltRank, rank: int, conn: Channel) -> bool:
 
 def _stats(built: BuiltRank) -> RankStats:
     scheduler, blocks = built.core.scheduler, built.core.block_manager
+    meter = built.driver.meter
+    a2e, e2a = boundary_bytes(built)
+    clock = getattr(built.boundary, "clock", None)  # only a boundary over a wire waits
     return RankStats(
         scheduler.num_running,
         scheduler.num_waiting,
@@ -185,7 +192,27 @@ def _stats(built: BuiltRank) -> RankStats:
         dict(built.driver.recorder.mode_counts),
         blocks.queried_tokens,
         blocks.hit_tokens,
+        scheduler.num_preemptions,
+        meter.drain(),
+        meter.scheduled_tokens,
+        meter.forward_s,
+        0.0 if clock is None else clock.seconds,
+        a2e,
+        e2a,
     )
+
+
+def boundary_bytes(built: BuiltRank) -> tuple[int, int]:
+    """Hidden-row bytes this rank sent to (A2E) and received from (E2A) its FFN rank, from the
+    plans' tiles: every layer posts each ubatch's tile once. Ids and routing are not counted.
+    (0, 0) when no wire is crossed (colocated, in-process 1A1F)."""
+    boundary = built.boundary
+    if getattr(boundary, "clock", None) is None:
+        return 0, 0
+    config = built.core.config
+    rows = built.driver.meter.tile_rows * config.num_layers
+    e2a_row = config.hidden_size * built.core.model.dtype.itemsize
+    return rows * boundary.a2e.row_bytes(config.hidden_size), rows * e2a_row
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
@@ -203,6 +230,19 @@ def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
         else:
             time.sleep(idle_sleep)
             idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_S[1])
+
+
+def serve_ffn(built: BuiltRank, rank: int, conn: Channel) -> None:
+    """Step until shutdown; every HEARTBEAT_S an Outputs with no outputs carries this FFN rank's
+    step figures to the frontend (the control plane decides everything else)."""
+    last_sent = time.monotonic()
+    meter, clock = built.driver.meter, built.driver.runner.exchange.transport.clock
+    while not built.driver.step().shutdown:
+        if time.monotonic() - last_sent > HEARTBEAT_S:
+            stats = RankStats(scheduled_tokens=meter.scheduled_tokens, forward_s=meter.forward_s,
+                              wait_s=clock.seconds, role="ffn")  # fmt: skip
+            conn.send(Outputs(rank, (), stats))
+            last_sent = time.monotonic()
 
 
 def main() -> None:

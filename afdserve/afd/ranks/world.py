@@ -265,7 +265,7 @@ class RankWorld:
                 while conn.poll():
                     msg = conn.recv()
                     msgs.append(msg)
-                    if isinstance(msg, Outputs):
+                    if isinstance(msg, Outputs) and rank in self.last_heard:  # attention
                         self.last_heard[rank] = time.monotonic()
             except (EOFError, OSError) as e:  # ChannelError (a malformed frame) included
                 if isinstance(e, ChannelError):
