@@ -37,10 +37,10 @@ from afdserve.config_args import add_dataclass_arguments, build, option, parse_s
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
-from afdserve.model.config import parse_model_config, read_hf_config
+from afdserve.model.config import parse_model_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts, MoECausalLM
-from afdserve.model.presets import PRESETS, preset_hf_config
+from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.profile import (
     FFNPoint,
     FixedPoint,
@@ -153,7 +153,7 @@ class NoFFN:
 class Calibration:
     def __init__(self, spec: CalibrateBench) -> None:
         self.spec = spec
-        self.raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
+        self.raw = hf_config_of(spec.preset, spec.model_dir)
         self.config = parse_model_config(self.raw)
         self.device = torch.device(spec.device)
         self.kv_per_token = bytes_per_block(self.config, 1, TORCH_DTYPES[spec.dtype])

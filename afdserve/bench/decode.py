@@ -30,10 +30,9 @@ from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import WARMUP_STEPS, invalid
 from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build
-from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import MoECausalLM
-from afdserve.model.presets import PRESET_HELP, parse_preset, preset_hf_config
+from afdserve.model.presets import PRESET_HELP, hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -142,7 +141,7 @@ def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None
 def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, float] | None]:
     if spec.topology == "1A1F":
         return run_p2p_decode_bench(spec), None
-    raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
+    raw = hf_config_of(spec.preset, spec.model_dir)
     dev = torch.device(spec.device)
     copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
     attn, ffn = build_halves(spec, raw)

@@ -30,10 +30,9 @@ from afdserve.bench.report import WARMUP_STEPS
 from afdserve.layout.plan import RankStep
 from afdserve.layout.step import StepPlan
 from afdserve.layout.topology import Topology
-from afdserve.model.config import read_hf_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts
-from afdserve.model.presets import preset_hf_config
+from afdserve.model.presets import hf_config_of
 
 PROFILED_STEPS = 5
 
@@ -139,7 +138,7 @@ def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device,
                             timeout=timedelta(seconds=300))
-    raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
+    raw = hf_config_of(spec.preset, spec.model_dir)
     parts = ModelParts(True, False) if rank == 0 else ModelParts(False, True)
     model = build_half(spec, raw, parts, device)
     config = model.config

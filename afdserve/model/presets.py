@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from afdserve.model.config import ModelConfig, parse_model_config
+from afdserve.model.config import ModelConfig, parse_model_config, read_hf_config
 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (numbers cross-checked against the
 # Megatron launch script scripts/models/qwen3-30B-A3B.sh in slime, github.com/zyzshishui/slime).
@@ -245,6 +245,12 @@ def preset_hf_config(name: str) -> dict[str, Any]:
     if layers is not None:
         config["num_hidden_layers"] = layers
     return config
+
+
+def hf_config_of(preset: str | None, model_dir: str | None) -> dict[str, Any]:
+    """The config.json dict of a preset, or else of a model directory (what a bench or the
+    planner names with --preset NAME or --model DIR)."""
+    return preset_hf_config(preset) if preset else read_hf_config(model_dir)
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from afdserve.config_args import add_dataclass_arguments, build, option
-from afdserve.model.config import ModelConfig, parse_model_config, read_hf_config
-from afdserve.model.presets import PRESETS, preset_hf_config
+from afdserve.model.config import ModelConfig, parse_model_config
+from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.deployments import Deployment, enumerate_deployments
 from afdserve.planner.memory import ModelBytes, max_batch, model_bytes
 from afdserve.planner.predict import StepPrediction, predict_step
@@ -83,6 +83,12 @@ class PlanRow:
     ffn_busy_ms: float
 
 
+def model_of(spec: PlanSpec) -> tuple[ModelConfig, str]:
+    """The planned model's config and the name its shipped profile is looked up by."""
+    config = parse_model_config(hf_config_of(spec.preset, spec.model_dir))
+    return config, spec.preset or Path(spec.model_dir).name
+
+
 def load_profile(spec: PlanSpec, config: ModelConfig, name: str) -> Profile:
     if spec.profile is not None:
         profile = Profile.load(spec.profile)
@@ -133,9 +139,7 @@ def _rows_of(d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec,
 
 
 def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:
-    raw = preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir)
-    config = parse_model_config(raw)
-    name = spec.preset or Path(spec.model_dir).name
+    config, name = model_of(spec)
     profile = load_profile(spec, config, name)
     costs = Costs.fit(profile)
     kv = "float8_e4m3fn" if spec.kv_cache_dtype == "fp8" else None
@@ -228,9 +232,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def main_plan(args: argparse.Namespace) -> int:
     spec = build(PlanSpec, args)
     if spec.check:
-        config = parse_model_config(
-            preset_hf_config(spec.preset) if spec.preset else read_hf_config(spec.model_dir))
-        profile = load_profile(spec, config, spec.preset or Path(spec.model_dir).name)
+        profile = load_profile(spec, *model_of(spec))
         extra = []
         if spec.measured:
             extra = [ValidationPoint(**p) for p in json.loads(Path(spec.measured).read_text())]
