@@ -9,12 +9,20 @@ import random
 import pytest
 
 from afdserve import LLM, SamplingParams
+from afdserve.model.tiny import make_tiny_model
 
 from .test_graphs import _check
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    # A hash layer too: its token ids must follow the scheduled (uncached) tokens to the FFN.
+    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "m", "qwen3_moe", hash_layers=1, seed=5,
+                           dtype="bfloat16")  # fmt: skip
 
 
 def _workload() -> list[list[int]]:

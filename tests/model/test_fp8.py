@@ -35,6 +35,15 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 SCALE = "_scale_inv"
 
 
+def _dequantized(op: Fp8Dequantize, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One weight through transformers' op. Its loader hands it one list per pattern and the
+    output's key and wrapping differ between transformers releases (5.17 returns a list under
+    the layer's name, 5.24 the tensor under "weight"): take the single value either way."""
+    (out,) = op.convert({"weight": [weight], "weight_scale_inv": [scale]}).values()
+    (out,) = out if isinstance(out, list) else [out]
+    return out
+
+
 def dequantized_copy(src: Path, dst: Path) -> Path:
     """`src` with every FP8 weight dequantized by transformers (float32) and no
     quantization_config: a plain checkpoint transformers' classes load as they are."""
@@ -46,8 +55,7 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
         if name.endswith(SCALE):
             continue
         scale = weights.get(name + SCALE)
-        plain[name] = tensor if scale is None else op.convert(
-            {"weight": tensor, "weight_scale_inv": scale})["weight"]
+        plain[name] = tensor if scale is None else _dequantized(op, tensor, scale)
     save_file(plain, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     del config["quantization_config"]
