@@ -259,28 +259,49 @@ def fp8_model(tmp_path_factory):
                            seed=5, dtype="bfloat16", quantization="fp8")  # fmt: skip
 
 
+TOP_K = 5
+
+
+def _logprobs_close(got, want, k: int = TOP_K) -> int:
+    """vLLM's oracle for a quantized model against its unquantized self (check_logprobs_close):
+    equal tokens up to the first divergence, where each engine's token is among the other's top
+    `k`. (A near-tie of the router flips an expert under FP8 rounding and moves the logits by more
+    than a bf16 near-tie: H200 run, a 0.25 gap at a flipped expert.) Returns the divergences."""
+    diverged = 0
+    for g, w in zip(got, want, strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        if i is None:
+            continue
+        assert g.token_ids[i] in w.logprobs[i] and w.token_ids[i] in g.logprobs[i], (
+            f"diverged at {i}: {g.token_ids[i]} not in the reference's top {k} "
+            f"{sorted(w.logprobs[i])} or {w.token_ids[i]} not in {sorted(g.logprobs[i])}")
+        diverged += 1
+    return diverged
+
+
 @pytest.mark.parametrize("topology", ["colocated", "1A1F"])
 def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_model, tmp_path, topology):
     """An FP8 checkpoint served on CUDA (the FP8 kernels: dense projections and experts, eager
     and under full_decode_only graphs, colocated and with the experts on an FFN rank) gives the
     tokens of the same checkpoint dequantized to bf16 (transformers' Fp8Dequantize) on the bf16
-    CUDA kernels, up to near-ties of the FP8 engine. (Against the CPU engine the router's own
-    near-ties between CPU and Triton kernels flip experts: H200 run, a 0.25 gap.)"""
+    CUDA kernels, up to a divergence within each other's top 5; graphs give the eager FP8
+    engine's tokens up to near-ties."""
     prompts = _prompts(12)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=TOP_K)
     common = dict(device="cuda", dtype="bfloat16", topology=topology, max_num_seqs=16,
                   max_model_len=256, kv_cache_blocks=512)  # fmt: skip
     plain = dequantized_copy(fp8_model, tmp_path / "dequantized")
     with LLM(str(plain), **common) as bf16:
-        want = [o.token_ids for o in bf16.generate(prompts, params)]
+        want = bf16.generate(prompts, params)
     with LLM(str(fp8_model), **common) as eager:
-        got_eager = [o.token_ids for o in eager.generate(prompts, params)]
+        got_eager = eager.generate(prompts, params)
         with LLM(str(fp8_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
                  **common) as graphs:  # fmt: skip
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
-        gaps = _check(eager, prompts, want, got_eager)
-        _check(eager, prompts, got_graphs, got_eager)
-    print(f"{topology}: {len(gaps)} near-tie divergences from the dequantized model ({gaps})")
+        diverged = _logprobs_close(got_eager, want)
+        _check(eager, prompts, got_graphs, [o.token_ids for o in got_eager])
+    print(f"{topology}: {diverged} of {len(prompts)} diverge from the dequantized model")
+    assert diverged <= len(prompts) // 4
 
 
 @pytest.fixture(scope="module")
