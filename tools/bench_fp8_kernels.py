@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from afdserve.kernels import fp8, moe_gpu, ops, triton_grouped_moe
+from afdserve.kernels import fp8, moe_gpu, ops, triton_fp8_moe, triton_grouped_moe, triton_moe
 from afdserve.model.fp8 import quantize_weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
@@ -71,13 +71,23 @@ def experts(m: int) -> None:
     bf16_bytes, fp8_bytes = touched * per_expert * 2, touched * per_expert
     print(line("experts bf16 (ops)", timed(lambda: ops.moe_experts(x, ids, weights, b13, b2)),
                bf16_bytes))  # fmt: skip
+    # Each path at every batch, so that the crossovers ops.py picks by pair count show.
+    if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
+        decode = lambda: triton_moe.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
+        print(line("experts bf16 decode kernels", timed(decode), bf16_bytes))
+    grouped = lambda: triton_grouped_moe.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
+    print(line("experts bf16 grouped (sort-free)", timed(grouped), bf16_bytes))
     if m * TOP_K > 1024:
-        grouped = lambda: triton_grouped_moe.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
-        print(line("experts bf16 grouped (sort-free)", timed(grouped), bf16_bytes))
         torch_grouped = lambda: moe_gpu.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
         print(line("experts bf16 torch grouped_mm", timed(torch_grouped), bf16_bytes))
     fp8_run = lambda: ops.moe_experts_fp8(x, ids, weights, g13, g2, BLOCK)  # noqa: E731
     print(line("experts fp8 (ops)", timed(fp8_run), fp8_bytes))
+    if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
+        fp8_decode = lambda: triton_fp8_moe.moe_experts(x, ids, weights, g13, g2)  # noqa: E731
+        print(line("experts fp8 decode kernels", timed(fp8_decode), fp8_bytes))
+    fp8_grouped = lambda: triton_grouped_moe.moe_experts(  # noqa: E731
+        x, ids, weights, g13[0], g2[0], (g13[1], g2[1]))
+    print(line("experts fp8 grouped (sort-free)", timed(fp8_grouped), fp8_bytes))
 
 
 def main() -> None:

@@ -218,12 +218,12 @@ def moe_experts_fp8(
     dequantized whole and take `moe_experts` (graph capturable, at the cost of that transient).
     Elsewhere the reference dequantizes only the experts the rows are routed to."""
     if _triton_ready(x) and limit is None:
-        from afdserve.kernels import triton_fp8_moe, triton_grouped_moe, triton_moe
+        from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
 
         if gate_up[0].shape[0] == 0:  # a shard without experts
             return torch.zeros_like(x)
         pairs = topk_ids.numel()
-        small = pairs <= triton_moe.MAX_PAIRS
+        small = pairs <= triton_fp8_moe.MAX_PAIRS
         if small and triton_fp8_moe.supports(x, gate_up[0], down[0], block):
             ids, weights = _no_absent_pairs(topk_ids, topk_weights)
             return triton_fp8_moe.moe_experts(x, ids, weights, gate_up, down)

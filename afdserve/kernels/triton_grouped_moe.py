@@ -55,12 +55,16 @@ def _k_block(dim: int) -> int:
     return next(b for b in (128, 64, 32, 16) if dim % b == 0)
 
 
-def rows_per_tile(pairs: int, experts: int) -> int:
+def rows_per_tile(pairs: int, experts: int, w_fp8: bool = False) -> int:
     """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16),
-    at most 64. An expert with more pairs spans several tiles, each re-reading its weights.
-    (Four times the mean made a batch of 256 slower on an H200: 26.2 against 24.1 ms a step.)"""
+    at most 64 (16 for FP8 weights). An expert with more pairs spans several tiles, each
+    re-reading its weights. (Four times the mean made a batch of 256 slower on an H200: 26.2
+    against 24.1 ms a step.) FP8 tiles taller than 16 rows cost more than the re-reads: at
+    Qwen3-30B-A3B's experts on an H200, 16-row tiles took 211 against 369 us at a batch of 160,
+    275 against 372 at 256 and 442 against 577 at 512, where bf16 prefers the taller ones (341
+    against 316 us at 256; tools/bench_fp8_kernels.py's shapes, graph replay, 2026-12-02)."""
     mean = -(-pairs // max(1, min(pairs, experts)))
-    return min(64, max(16, triton.next_power_of_2(2 * mean)))
+    return min(16 if w_fp8 else 64, max(16, triton.next_power_of_2(2 * mean)))
 
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -193,9 +197,9 @@ def moe_experts(
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
-    tile = rows_per_tile(pairs, experts)
-    groups = assign(ids, experts, tile)
     w_fp8 = scales is not None
+    tile = rows_per_tile(pairs, experts, w_fp8)
+    groups = assign(ids, experts, tile)
     if w_fp8:
         gate_up_scale, down_scale = (s.contiguous() for s in scales)
     else:  # never read: the FP8 branches compile out

@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the grouped GEMM: the
-# largest pair count timed (a batch of 128 at top-8) on an H200 for Qwen3-30B-A3B's experts, where
-# this path was still 1.25x faster (docs/benchmarks.md, kernel table). Larger counts are untimed.
-MAX_PAIRS = 1024
+# Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the sort-free grouped
+# GEMM, for Qwen3-30B-A3B's experts on an H200 (tools/bench_fp8_kernels.py, graph replay,
+# 2026-12-02): equal at a batch of 64 at top-8 (296 against 295 us), the grouped GEMM 1.35x
+# faster at 96 and 128 (405 against 300 us), and this path 4.6x slower past 1024 pairs.
+MAX_PAIRS = 512
 
 # Tile shapes by pair count, each row used up to its first field: (pairs, intermediate columns
 # per gate/up program, hidden columns per down program, warps, pipeline stages). Timed on an H200
