@@ -42,6 +42,7 @@ from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.profile import (
+    ExpertKernels,
     FFNPoint,
     FixedPoint,
     Handover,
@@ -79,8 +80,10 @@ class CalibrateBench:
                                        help="context lengths of the attention points")
     check_contexts: tuple[int, ...] = option((1024, 8192), parse=_sizes,
                                              help="context lengths of the checks")
-    ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                                         parse=_sizes, help="rows of the FFN-half points")
+    # Powers of two are the tops of the decode kernels' padded pair buckets; 24, 48, 96 and 192
+    # are inside buckets, where the planner's rule for a bucket (profile.ExpertKernels) is checked.
+    ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512,
+                                          1024), parse=_sizes, help="rows of the FFN-half points")
     steps: int = option(10, help="timed steps per point (median)")
     graph_mode: str = "full_decode_only"
     dtype: str = "bfloat16"
@@ -283,13 +286,31 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
                 validation.append(ValidationPoint(
                     "colocated" if topology == "colocated" else "1A1F", batch, context, ms,
                     ubatches, "inprocess", "calibrate"))
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * TORCH_DTYPES[spec.dtype].itemsize
     shape = ModelShape(spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
-                       c.num_layers, c.num_experts, c.top_k, spec.dtype)
+                       c.num_layers, c.num_experts, c.top_k, spec.dtype, expert_bytes)
     return Profile(
         date=datetime.date.today().isoformat(), hardware=_hardware(cal.device),
         versions=_versions(), model=shape, attention=tuple(attention), ffn=tuple(ffn),
         fixed=tuple(fixed), handover=handover, validation=tuple(validation),
+        expert_kernels=_expert_kernels(spec, c.top_k),
     )  # fmt: skip
+
+
+def _expert_kernels(spec: CalibrateBench, top_k: int) -> ExpertKernels | None:
+    """Where `ops.moe_experts` switched from the decode kernels to the grouped GEMM while the FFN
+    points were timed (None: the decode kernels did not run, e.g. on the CPU or in float32)."""
+    if spec.device != "cuda" or spec.dtype not in ("bfloat16", "float16"):
+        return None
+    from afdserve.kernels import triton_grouped_moe, triton_moe
+
+    most = triton_grouped_moe.GROUPED_MAX_PAIRS
+    grouped = "triton_grouped_moe"
+    if max(spec.ffn_tokens) * top_k > most:
+        grouped += f" up to {most} pairs, then moe_gpu"
+    # 64: the smallest padded pair list of triton_moe.moe_experts (PAIRS_PAD).
+    return ExpertKernels(triton_moe.MAX_PAIRS, grouped, 64,
+                         "calibrate: kernels/triton_moe.MAX_PAIRS, ops.moe_experts' dispatch")
 
 
 def add_calibrate_parser(kinds: argparse._SubParsersAction) -> None:
