@@ -101,7 +101,7 @@ class ExpertKernels:
     and only the expert weights read differ. Measured (docs/benchmarks.md, 2026-12-02): 404.6 us
     at 96 rows against 405.9 at 128 (both 1024 padded pairs, every expert touched), 296.1 at 64
     (512); and below a bucket's top the FFN half is the top's time less the untouched experts'
-    read (the 1, 2 and 4-row points from the 8-row one within 3%)."""
+    read (the 1, 2 and 4-row points from the 8-row one within 4.1%)."""
 
     decode_max_pairs: int
     grouped: str  # the grouped GEMM above them (its module: moe_gpu, triton_grouped_moe)
