@@ -41,6 +41,7 @@ from afdserve.model.config import parse_model_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.presets import PRESETS, hf_config_of
+from afdserve.planner.kernels import running_expert_kernels
 from afdserve.planner.profile import (
     ExpertKernels,
     FFNPoint,
@@ -296,24 +297,16 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
         date=datetime.date.today().isoformat(), hardware=_hardware(cal.device),
         versions=_versions(), model=shape, attention=tuple(attention), ffn=tuple(ffn),
         fixed=tuple(fixed), handover=handover, validation=tuple(validation),
-        expert_kernels=_expert_kernels(spec, c.top_k),
+        expert_kernels=_expert_kernels(spec),
     )  # fmt: skip
 
 
-def _expert_kernels(spec: CalibrateBench, top_k: int) -> ExpertKernels | None:
+def _expert_kernels(spec: CalibrateBench) -> ExpertKernels | None:
     """Where `ops.moe_experts` switched from the decode kernels to the grouped GEMM while the FFN
     points were timed (None: the decode kernels did not run, e.g. on the CPU or in float32)."""
-    if spec.device != "cuda" or spec.dtype not in ("bfloat16", "float16"):
+    if spec.device != "cuda":
         return None
-    from afdserve.kernels import triton_grouped_moe, triton_moe
-
-    most = triton_grouped_moe.GROUPED_MAX_PAIRS
-    grouped = "triton_grouped_moe"
-    if max(spec.ffn_tokens) * top_k > most:
-        grouped += f" up to {most} pairs, then moe_gpu"
-    # 64: the smallest padded pair list of triton_moe.moe_experts (PAIRS_PAD).
-    return ExpertKernels(triton_moe.MAX_PAIRS, grouped, 64,
-                         "calibrate: kernels/triton_moe.MAX_PAIRS, ops.moe_experts' dispatch")
+    return running_expert_kernels(spec.dtype)
 
 
 def add_calibrate_parser(kinds: argparse._SubParsersAction) -> None:

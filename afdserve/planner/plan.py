@@ -13,6 +13,7 @@ from afdserve.config_args import add_dataclass_arguments, build, option
 from afdserve.model.config import ModelConfig, parse_model_config
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.deployments import Deployment, enumerate_deployments
+from afdserve.planner.kernels import dispatch_note, running_expert_kernels
 from afdserve.planner.memory import ModelBytes, max_batch, model_bytes
 from afdserve.planner.predict import StepPrediction, predict_step
 from afdserve.planner.profile import Costs, Profile, ValidationPoint
@@ -250,6 +251,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main_plan)
 
 
+def _print_dispatch_note(profile: Profile) -> None:
+    note = dispatch_note(profile, running_expert_kernels(profile.model.dtype))
+    if note:
+        print(note)
+
+
 def main_plan(args: argparse.Namespace) -> int:
     spec = build(PlanSpec, args)
     if spec.check:
@@ -259,9 +266,11 @@ def main_plan(args: argparse.Namespace) -> int:
             extra = [ValidationPoint(**p) for p in json.loads(Path(spec.measured).read_text())]
         kernels = profile.expert_kernels.name if profile.expert_kernels else ""
         print(format_check(check_rows(profile, extra), kernels))
+        _print_dispatch_note(profile)
         return 0
     rows, profile = plan(spec)
     print(format_plan(rows, spec, profile, spec.top))
+    _print_dispatch_note(profile)
     if spec.json_out:
         Path(spec.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     if spec.plot:

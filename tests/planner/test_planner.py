@@ -15,6 +15,7 @@ import pytest
 from afdserve.cli import main
 from afdserve.model.presets import preset_config
 from afdserve.planner.deployments import Deployment, enumerate_deployments
+from afdserve.planner.kernels import dispatch_note, running_expert_kernels
 from afdserve.planner.memory import RESERVE_BYTES, max_batch, model_bytes
 from afdserve.planner.plan import PlanSpec, check_rows, format_check, plan
 from afdserve.planner.predict import predict_step
@@ -356,3 +357,32 @@ def test_check_marks_misses_and_steps_of_other_kernels():
     assert lines[3] == "largest error 15.0% over 2 measured steps; 1 of 2 within 10%"
     assert lines[4].startswith("[other kernels]: 1 steps ran old, not the profile's new")
     assert "[other kernels]" not in format_check(pairs, "")  # a profile naming no kernels
+
+
+def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(capsys):
+    profile = _kernel_profile({8: 0.1, 64: 0.3})  # decode kernels up to 1024 pairs
+    newer = ExpertKernels(512, "triton_grouped_moe")
+    note = dispatch_note(profile, newer)
+    assert note == (
+        "note: the profile's FFN points ran decode kernels up to 1024 pairs, then "
+        "triton_grouped_moe; this afdserve runs decode kernels up to 512 pairs, then "
+        "triton_grouped_moe: FFN halves of 65-128 rows are predicted for the profile's kernels "
+        "(re-run `afdserve bench calibrate` for this code's)")
+    older = replace(profile, expert_kernels=ExpertKernels(1024, "moe_gpu"))
+    assert "FFN halves of 65 rows and more" in dispatch_note(older, newer)
+    assert dispatch_note(profile, ExpertKernels(1024, "triton_grouped_moe", source="x")) is None
+    assert dispatch_note(profile, None) is None  # the code's dispatch unknown here
+    assert "does not say" in dispatch_note(synthetic_profile(), newer)
+    # This code's dispatch, as ops.moe_experts reads it; the CLI prints the note when it differs.
+    pytest.importorskip("triton")
+    from afdserve.kernels import triton_moe
+
+    running = running_expert_kernels("bfloat16")
+    assert (running.decode_max_pairs, running.grouped) == (triton_moe.MAX_PAIRS,
+                                                           "triton_grouped_moe")
+    assert running_expert_kernels("float32") is None
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "2", "--context-len", "1024",
+                 "--output-len", "64", "--top", "1"]) == 0
+    shipped = Profile.load(SHIPPED).expert_kernels
+    assert ("note: the profile's FFN points ran" in capsys.readouterr().out) == (
+        shipped.decode_max_pairs != triton_moe.MAX_PAIRS)
