@@ -21,8 +21,12 @@ def running_expert_kernels(dtype: str) -> ExpertKernels | None:
         from afdserve.kernels import triton_moe
     except ImportError:
         return None
-    return ExpertKernels(triton_moe.MAX_PAIRS, GROUPED, MIN_PAD_PAIRS,
-                         "kernels/triton_moe.MAX_PAIRS, ops.moe_experts' dispatch")
+    return ExpertKernels(
+        triton_moe.MAX_PAIRS,
+        GROUPED,
+        MIN_PAD_PAIRS,
+        "kernels/triton_moe.MAX_PAIRS, ops.moe_experts' dispatch",
+    )
 
 
 def dispatch_note(profile: Profile, running: ExpertKernels | None) -> str | None:
@@ -33,10 +37,11 @@ def dispatch_note(profile: Profile, running: ExpertKernels | None) -> str | None
         return None
     redo = "re-run `afdserve bench calibrate` for this code's"
     if measured is None:
-        return (f"note: the profile does not say which experts' kernels its FFN points ran; "
-                f"this afdserve runs {running.name}: {redo}")
-    if (measured.decode_max_pairs, measured.grouped) == (running.decode_max_pairs,
-                                                         running.grouped):
+        return (
+            f"note: the profile does not say which experts' kernels its FFN points ran; "
+            f"this afdserve runs {running.name}: {redo}"
+        )
+    if (measured.decode_max_pairs, measured.grouped) == (running.decode_max_pairs, running.grouped):
         return None
     k = profile.model.top_k
     lo = min(measured.decode_max_pairs, running.decode_max_pairs) // k + 1
@@ -44,6 +49,8 @@ def dispatch_note(profile: Profile, running: ExpertKernels | None) -> str | None
         rows = f"{lo} rows and more"
     else:
         rows = f"{lo}-{max(measured.decode_max_pairs, running.decode_max_pairs) // k} rows"
-    return (f"note: the profile's FFN points ran {measured.name}; this afdserve runs "
-            f"{running.name}: FFN halves of {rows} are predicted for the profile's kernels "
-            f"({redo})")
+    return (
+        f"note: the profile's FFN points ran {measured.name}; this afdserve runs "
+        f"{running.name}: FFN halves of {rows} are predicted for the profile's kernels "
+        f"({redo})"
+    )
