@@ -360,25 +360,61 @@ def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
         second.shutdown()
 
 
-def test_a_world_whose_survivors_do_not_leave_is_not_rebuilt(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_world_without_a_known_culprit_is_not_rebuilt() -> None:
     """A real 1A1F world judged failed by the frontend (as the heartbeat judges a silent world)
-    while every rank runs on: no rank leaves the world it serves, so the rebuild gives up after
-    PART_TIMEOUT_S and kills every rank, and the caller restarts the world whole."""
-    from afdserve.afd.ranks import world as world_module
-
-    monkeypatch.setattr(world_module, "PART_TIMEOUT_S", 2.0)
+    while every rank process runs on: which rank hangs is unknown, so none is replaced; the
+    repair gives up at once, kills every rank, and the caller restarts the world whole."""
     llm = LLM(topology="1A1F")
     try:
         client = llm.engine.core_client
-        client.repairable = True  # as under on_engine_failure="restart"
+        assert client.repairable is False  # serve's on_engine_failure="restart" turns it on
+        client.repairable = True
         procs = list(client.world.procs)
         client._fail()  # what step() does on a failure it detected
         assert client.broken and all(proc.poll() is None for proc in procs)
         began = time.monotonic()
         assert client.repair() is False
-        assert time.monotonic() - began < 2.0 + 10.0
+        assert time.monotonic() - began < 10.0
+        assert client.closed and all(proc.poll() is not None for proc in procs)
+    finally:
+        llm.shutdown()
+
+
+def test_a_survivor_that_fails_during_the_rebuild_restarts_the_world_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real 2A1F world: the FFN rank is killed, and attention rank 0 is stopped just after
+    the frontend killed the failed ranks, while the world is rebuilt around it: the repair gives
+    up (the world restarts whole) and leaves no rank process behind."""
+    from afdserve import SamplingParams
+    from afdserve.afd.ranks.world import RankWorld
+
+    llm = LLM(topology="2A1F")
+    try:
+        client = llm.engine.core_client
+        client.repairable = True
+        procs = list(client.world.procs)
+        kill_failed, calls = RankWorld.kill_failed, []
+
+        def and_stop_a_survivor(world: RankWorld) -> set[int]:
+            failed = kill_failed(world)
+            calls.append(failed)
+            if len(calls) == 2:  # the rebuild's (the first is the failure's, in step)
+                os.kill(procs[0].pid, signal.SIGSTOP)
+            return failed
+
+        monkeypatch.setattr(RankWorld, "kill_failed", and_stop_a_survivor)
+        prompt = llm.encode_prompt("Hello")
+        llm.engine.add_request("r", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        os.kill(procs[2].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with pytest.raises(Exception, match="rank"):
+            while True:
+                llm.engine.step()
+                assert time.monotonic() < deadline
+        assert client.broken
+        assert client.repair() is False
+        assert calls == [{2}, {2}]
         assert client.closed and all(proc.poll() is not None for proc in procs)
     finally:
         llm.shutdown()

@@ -32,6 +32,7 @@ from afdserve.afd.ranks.world import (
     free_port,
 )
 from afdserve.engine.core_client import EngineCoreClient, EngineStats, cache_config_labels
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
 
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 # A request weighs its prompt plus its token budget, capped: one request with a huge max_tokens
 # must not send every other request to the other attention ranks.
 ROUTING_MAX_NEW_TOKENS = 1024
+
+
+def device_kind(spec: WorkerSpec) -> str:
+    """"cpu" or "cuda": where the world's ranks run."""
+    return "cuda" if resolve_device(spec.engine.device).startswith("cuda") else "cpu"
 
 
 class ProcessClient(EngineCoreClient):
@@ -60,8 +66,14 @@ class ProcessClient(EngineCoreClient):
         self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
-        # A world whose failed ranks are replaced in place keeps its survivors when one fails.
-        self.repairable = spawn and STANDBY.enabled
+        # A world whose failed ranks are replaced in place keeps its survivors when one fails:
+        # gloo worlds only (CPU). A survivor of an NCCL world may sit in a collective with the
+        # dead rank that only ncclCommAbort from another thread ends, and one of an "ipc" world
+        # in a device-side wait on its peer's signal: such worlds restart whole, as before.
+        self.repairable = spawn and STANDBY.enabled and device_kind(spec) == "cpu"
+        if spawn and STANDBY.enabled and not self.repairable:
+            log.info("a failed rank of this %s world restarts the whole world (only gloo worlds, "
+                     "on CPU, are rebuilt around their surviving ranks)", device_kind(spec))
         self.broken = False  # a rank failed: no step until `repair`
         self.address = self.world.address
         self._take_ready()

@@ -415,6 +415,8 @@ class RankWorld:
             raise WorkerError("ranks started elsewhere are not replaced by the frontend")
         failed = self.kill_failed()
         survivors = set(range(self.world)) - failed
+        if not failed:  # silence without a culprit (the heartbeat): no rank to replace
+            raise WorkerError("no rank process exited or stopped: which one hangs is unknown")
         if not survivors:
             raise WorkerError("no rank survived")
         deadline = time.monotonic() + PART_TIMEOUT_S
