@@ -3,11 +3,13 @@
     PYTHONPATH=$PWD python tools/recovery_time.py --topology 2A1F --victims 2 0 --repeat 3
 
 starts `python -m afdserve.cli serve --on-engine-failure restart` (the bundled tiny model unless
---model is given), waits for /health 200, keeps --streams streaming completions running, and then
-for each victim rank, --repeat times: SIGKILLs that rank's process, polls /health every 10 ms,
-and reports the seconds until it answers 200 again with the victim's rank in a new process.
+the arguments after `--` say otherwise), waits for /health 200, keeps --streams streaming
+completions running, and then for each victim rank, --repeat times, --gap s after the previous
+recovery: SIGKILLs that rank's process, polls /health every 10 ms, and reports the seconds until
+it answers 200 again with the victim's rank in a new process.
 The script imports nothing from afdserve (PYTHONPATH picks the afdserve under test), so the
-same file measures an older tree: `PYTHONPATH=/path/to/main python tools/recovery_time.py`.
+same file measures an older tree, run from outside any checkout (`python -m` puts the current
+directory first on sys.path): `cd /tmp && PYTHONPATH=/path/to/main python .../recovery_time.py`.
 Prints one JSON line per kill and a summary line per victim (median, min, max).
 """
 
@@ -62,7 +64,8 @@ def health(url: str) -> int | None:
 
 
 def keep_streaming(url: str, stop: threading.Event, index: int) -> None:
-    body = {"prompt": f"Story {index}:", "max_tokens": 200, "temperature": 0.0,
+    # Token ids: a dummy-weight model directory has no tokenizer files.
+    body = {"prompt": [10 + index, 20, 30], "max_tokens": 200, "temperature": 0.0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     while not stop.is_set():
         try:
@@ -83,7 +86,8 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=10.0,
                         help="seconds between a recovery and the next kill (the standby world "
                              "of the next restart starts meanwhile)")
-    parser.add_argument("--model", default=None)
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="after --: more `afdserve serve` arguments (--model DIR ...)")
     parser.add_argument("--log", default="/tmp/recovery_time_server.log")
     args = parser.parse_args()
     port = free_port()
@@ -92,8 +96,7 @@ def main() -> None:
                args.topology, "--on-engine-failure", "restart", "--max-restarts", "100",
                # each kill is the first failure of its window: no back-off before its restart
                "--restart-window", str(args.gap / 2)]
-    if args.model:
-        command += ["--model", args.model]
+    command += [a for a in args.serve_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(args.log, "wb") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
