@@ -3,7 +3,8 @@
 A rank connects to the frontend, receives its WorkerSpec, builds itself (afd/ranks/build.py), warms
 up in lockstep with every other rank, reports ready, and then steps its role's driver until the
 control plane carries shutdown. Attention ranks also apply the frontend's requests between steps
-and send their outputs back.
+and send their outputs back. A rank whose world breaks under it keeps its half and rejoins the
+next world generation (`worker_main`).
 """
 
 from __future__ import annotations

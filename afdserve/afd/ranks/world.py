@@ -1,10 +1,12 @@
 """The rank processes of one world, seen from the frontend: start them (or wait for ranks started
 elsewhere), authenticate their connections, hand out the WorkerSpec, wait until every rank is
-ready, pump their messages, notice a rank that died or stopped making progress, and stop them all,
-leaving no process behind.
+ready, pump their messages, notice a rank that died or stopped making progress, rebuild the world
+around the ranks that survived one (`RankWorld.rebuild`: a new generation, only the failed ranks
+replaced), and stop them all, leaving no process behind.
 
 Network exposure of a built-in (one-host) world: the rank channel listens on loopback until every
-rank has connected, then closes; the rendezvous store is a torch FileStore in a directory only
+rank has connected, then closes (a rebuild's replacement connects to a standby world's listener or
+to one opened for it alone, on loopback, closed once it is in); the rendezvous store is a torch FileStore in a directory only
 this user can open (mode 0700), so no socket serves it and no other user can read or write its
 keys (a TCPStore, even on loopback, answers any local process: torch gives it no
 authentication); gloo and NCCL bootstrap over the loopback interface. Ranks started elsewhere
