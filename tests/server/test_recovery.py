@@ -220,6 +220,27 @@ def test_32_streams_survive_each_kind_of_rank_failure(
     fail_a_rank_under_streams(restarting, victim, sig, count=32)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "victim"),
+    [
+        (("--topology", "1A2F", "--ffn-expert-parallel"), 2),  # the expert group is rebuilt too
+        (("--topology", "2A1F", "--control-plane", "gloo"), 0),  # the gloo control plane
+    ],
+)
+def test_other_worlds_replace_only_the_killed_rank(
+    tmp_path: Path, world: tuple[str, ...], victim: int
+) -> None:
+    srv = start_cli_server(tmp_path, free_port(), *world, "--heartbeat-timeout", str(HEARTBEAT_S),
+                           "--on-engine-failure", "restart", "--enable-log-requests")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        fail_a_rank_under_streams(srv, victim, signal.SIGKILL, count=4)
+    finally:
+        srv.stop()
+        assert marked_pids(srv.marker) == [], srv.log()[-3000:]
+
+
 # ----- Retry-After -----
 
 
