@@ -41,7 +41,9 @@ from afdserve.model.config import parse_model_config
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.model import ModelParts, MoECausalLM
 from afdserve.model.presets import PRESETS, hf_config_of
+from afdserve.planner.kernels import running_expert_kernels
 from afdserve.planner.profile import (
+    ExpertKernels,
     FFNPoint,
     FixedPoint,
     Handover,
@@ -70,7 +72,10 @@ class CalibrateBench:
     model_dir: str | None = option(None, flag="--model", help="a Hugging Face model directory")
     preset: str | None = option(None, choices=sorted(PRESETS), help="a published config")
     random_weights: bool = option(False, help="random weights (a preset has no others)")
-    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 128, 160, 256), parse=_sizes,
+    # 80 and 96: from 66 sequences on, the attention kernel gives each sequence one split on an
+    # H200 with Qwen3-30B-A3B's 4 KV heads (triton_attention.plan_splits; two at 64), so 64 and
+    # 128 alone leave the switch unmeasured.
+    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 80, 96, 128, 160, 256), parse=_sizes,
                                           help="attention-rank batches the curves go through")
     check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=_sizes,
                                             help="batches of the colocated and in-process steps "
@@ -79,8 +84,10 @@ class CalibrateBench:
                                        help="context lengths of the attention points")
     check_contexts: tuple[int, ...] = option((1024, 8192), parse=_sizes,
                                              help="context lengths of the checks")
-    ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                                         parse=_sizes, help="rows of the FFN-half points")
+    # Powers of two are the tops of the decode kernels' padded pair buckets; 24, 48, 96 and 192
+    # are inside buckets, where the planner's rule for a bucket (profile.ExpertKernels) is checked.
+    ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512,
+                                          1024), parse=_sizes, help="rows of the FFN-half points")
     steps: int = option(10, help="timed steps per point (median)")
     graph_mode: str = "full_decode_only"
     dtype: str = "bfloat16"
@@ -283,13 +290,23 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
                 validation.append(ValidationPoint(
                     "colocated" if topology == "colocated" else "1A1F", batch, context, ms,
                     ubatches, "inprocess", "calibrate"))
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * TORCH_DTYPES[spec.dtype].itemsize
     shape = ModelShape(spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
-                       c.num_layers, c.num_experts, c.top_k, spec.dtype)
+                       c.num_layers, c.num_experts, c.top_k, spec.dtype, expert_bytes)
     return Profile(
         date=datetime.date.today().isoformat(), hardware=_hardware(cal.device),
         versions=_versions(), model=shape, attention=tuple(attention), ffn=tuple(ffn),
         fixed=tuple(fixed), handover=handover, validation=tuple(validation),
+        expert_kernels=_expert_kernels(spec),
     )  # fmt: skip
+
+
+def _expert_kernels(spec: CalibrateBench) -> ExpertKernels | None:
+    """Where `ops.moe_experts` switched from the decode kernels to the grouped GEMM while the FFN
+    points were timed (None: the decode kernels did not run, e.g. on the CPU or in float32)."""
+    if spec.device != "cuda":
+        return None
+    return running_expert_kernels(spec.dtype)
 
 
 def add_calibrate_parser(kinds: argparse._SubParsersAction) -> None:

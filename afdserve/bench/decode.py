@@ -12,26 +12,22 @@ scales, and with `--kv-cache-dtype fp8` the cache one byte per element (bench/by
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 
 import torch
 
-from afdserve.bench.bytes import (
-    measure_copy_bandwidth,
-    step_kv_bytes,
-    step_weight_bytes,
-    touched_experts,
-)
+from afdserve.bench.bytes import measure_copy_bandwidth
+from afdserve.bench.bytes import step_kv_bytes as step_kv_bytes  # the benches' names, here too
+from afdserve.bench.decode_dp import DataParallelResult, format_dp_table, run_dp_decode_bench
 from afdserve.bench.decode_p2p import run_p2p_decode_bench
-from afdserve.bench.decode_steps import DecodeResult, DecodeSteps, build_halves
+from afdserve.bench.decode_steps import DecodeResult, bench_batch, build_halves
+from afdserve.bench.decode_steps import DecodeSteps as DecodeSteps
 from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
-from afdserve.bench.report import WARMUP_STEPS, invalid
+from afdserve.bench.report import invalid
 from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build
 from afdserve.model.loader import TORCH_DTYPES
-from afdserve.model.model import MoECausalLM
 from afdserve.model.presets import PRESET_HELP, hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
@@ -57,6 +53,8 @@ class DecodeBench:
     seed: int = 0
     quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
     kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": the FP8 KV cache (EngineConfig's option)
+    # -dp N: N colocated replicas timed at once, one process and GPU each (bench/decode_dp.py).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
@@ -94,31 +92,16 @@ class DecodeBench:
             raise bad("quantization", f"None or one of {QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        replicas = self.data_parallel_size
+        if replicas < 1 or (replicas > 1 and self.topology != "colocated"):
+            raise bad("data_parallel_size", "an integer >= 1; above 1 only with --topology "
+                      "colocated (replicas are colocated engines)")  # fmt: skip
+        if self.compare_hf and self.data_parallel_size > 1:
+            raise bad("compare_hf", "off with --data-parallel-size above 1 (time transformers "
+                      "against one replica)")  # fmt: skip
         if self.compare_hf and (self.quantization or self.kv_cache_dtype != "auto"):
             raise bad("compare_hf", "off with --quantization or an FP8 --kv-cache-dtype "
                       "(the transformers model shares bf16 weights and caches)")  # fmt: skip
-
-
-def bench_batch(
-    attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeBench, batch: int, copy_gbps: float | None
-) -> DecodeResult:
-    steps = DecodeSteps(attn, ffn, spec, batch)
-    hit = touched_experts(steps, ffn)
-    for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
-        steps.step()
-    times = [steps.step()[1] for _ in range(spec.steps)]
-    mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
-    result = DecodeResult(
-        batch=batch,
-        step_ms=statistics.median(times) * 1e3,
-        weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
-        kv_bytes=step_kv_bytes(attn, batch, mean_context, steps.kv.dtype.itemsize),
-        copy_gbps=copy_gbps,
-    )
-    del steps
-    if spec.device == "cuda":
-        torch.cuda.empty_cache()
-    return result
 
 
 def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None) -> str:
@@ -169,7 +152,7 @@ def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
                    help="tokens already cached per sequence (default: 1024)")
     p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
                    help="the engine layout timed (default: colocated)")
-    add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches"))
+    add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches", "data_parallel_size"))
     p.add_argument("--steps", type=int, default=20,
                    help="timed decode steps per batch (default: 20)")
     add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
@@ -187,17 +170,24 @@ def main_decode(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"bench.batch_sizes={args.batch_sizes!r}: comma-separated integers") from e
     spec = build(DecodeBench, args, batch_sizes=sizes)
-    results, hf = run_decode_bench(spec)
+    replicas = spec.data_parallel_size
+    dp: list[DataParallelResult] = []
+    if replicas > 1:
+        dp = run_dp_decode_bench(spec, replicas)
+        results, hf = [row.replicas[0] for row in dp], None
+    else:
+        results, hf = run_decode_bench(spec)
     copy = results[0].copy_gbps if results else None
     name = spec.preset or spec.model_dir
     print(
         f"decode bench: {name}, context {spec.context_len}, {spec.dtype}"
         + (f", {spec.quantization} weights" if spec.quantization else "")
         + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else "")
-        + f", {spec.topology}, "
+        + f", {spec.topology}" + (f" x{replicas} replicas at once" if replicas > 1 else "")
+        + ", "
         f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"
         + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
     )
-    print(format_table(results, hf))
+    print(format_dp_table(dp, spec.device) if dp else format_table(results, hf))
     return 0
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +20,7 @@ import torch
 
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_driver
 from afdserve.afd.step.control import LocalControl
+from afdserve.bench.bytes import step_kv_bytes, step_weight_bytes, touched_experts
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.kv_cache import KVCache, cache_dtype, check_fp8_kv
@@ -221,3 +224,30 @@ class DecodeSteps:
         recorder = self.driver.recorder
         plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
         return self.execute(None, plan, self.eager, recorder.step)
+
+
+def bench_batch(attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeSpec, batch: int,
+                copy_gbps: float | None, ready: Callable[[], None] | None = None
+                ) -> DecodeResult:  # fmt: skip
+    """Warm up, then time `spec.steps` decode steps of a batch of `batch` (their median).
+    `ready` runs between the two: -dp's replicas wait there for each other, so that their timed
+    steps run at the same time (bench/decode_dp.py)."""
+    steps = DecodeSteps(attn, ffn, spec, batch)
+    hit = touched_experts(steps, ffn)
+    for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
+        steps.step()
+    if ready is not None:
+        ready()
+    times = [steps.step()[1] for _ in range(spec.steps)]
+    mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
+    result = DecodeResult(
+        batch=batch,
+        step_ms=statistics.median(times) * 1e3,
+        weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
+        kv_bytes=step_kv_bytes(attn, batch, mean_context, steps.kv.dtype.itemsize),
+        copy_gbps=copy_gbps,
+    )
+    del steps
+    if spec.device == "cuda":
+        torch.cuda.empty_cache()
+    return result

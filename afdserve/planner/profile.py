@@ -18,11 +18,19 @@ at each measured context, and linear in context between (and beyond) the measure
 the last point a curve goes on with its last slope. An expert-parallel shard of `held` of `E`
 experts does held / E of the FFN half's work over the rows it gathers (its experts receive that
 share of the routed pairs, and read that share of the weights).
+
+Where the profile says which routed-experts kernel ran at which row count (`expert_kernels`),
+the FFN curve follows the kernels instead of a straight line between its points: the grouped
+GEMM's points are interpolated among themselves only (a line from a decode-kernel point to a
+grouped one describes neither), and on the decode kernels a row count costs what the measured
+count above it in the same padded pair bucket costs, less the weights of the experts it does
+not touch (see `ExpertKernels`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +68,8 @@ class ValidationPoint:
     ubatches: int = 1
     transport: str = "inprocess"
     source: str = ""
+    # The routed-experts kernels the step ran (ExpertKernels.name); "": the profile's own.
+    expert_kernels: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,36 @@ class ModelShape:
     num_experts: int
     top_k: int
     dtype: str
+    expert_bytes: int = 0  # one routed expert's weights in one layer (0: not recorded)
+
+
+@dataclass(frozen=True)
+class ExpertKernels:
+    """Which routed-experts kernel ran at a row count when the FFN points were measured: the
+    decode kernels (kernels/triton_moe.py) up to `decode_max_pairs` (token, expert) pairs, the
+    grouped GEMM above.
+
+    Every decode-kernel program holds the pair list padded to a power of two (at least
+    `min_pad_pairs`) and scans it, so within one padded bucket the programs do the same work
+    and only the expert weights read differ. Measured (docs/benchmarks.md, 2026-12-02): 404.6 us
+    at 96 rows against 405.9 at 128 (both 1024 padded pairs, every expert touched), 296.1 at 64
+    (512); and below a bucket's top the FFN half is the top's time less the untouched experts'
+    read (the 1, 2 and 4-row points from the 8-row one within 4.1%)."""
+
+    decode_max_pairs: int
+    grouped: str  # the grouped GEMM above them (its module: moe_gpu, triton_grouped_moe)
+    min_pad_pairs: int = 64
+    source: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"decode kernels up to {self.decode_max_pairs} pairs, then {self.grouped}"
+
+    def bucket(self, pairs: float) -> int | None:
+        """The padded pair count of `pairs` on the decode kernels; None: the grouped GEMM."""
+        if pairs > self.decode_max_pairs:
+            return None
+        return max(self.min_pad_pairs, 1 << max(0, math.ceil(pairs) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -91,6 +131,8 @@ class Profile:
     handover: dict[str, Handover]
     validation: tuple[ValidationPoint, ...] = ()
     version: int = PROFILE_VERSION
+    # None: the FFN curve is a straight line between its points.
+    expert_kernels: ExpertKernels | None = None
 
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:
@@ -101,6 +143,11 @@ class Profile:
                              "per-step point to draw its curves")
         if "memory_bytes" not in self.hardware:
             raise ValueError("profile.hardware has no memory_bytes")
+        if self.expert_kernels is not None and (
+                self.model.expert_bytes <= 0 or not self.hardware.get("copy_gbps")):
+            raise ValueError("profile.expert_kernels needs model.expert_bytes > 0 and "
+                             "hardware.copy_gbps: the decode kernels' buckets are costed by the "
+                             "expert weights a row count reads")
 
     @property
     def memory_bytes(self) -> float:
@@ -134,6 +181,8 @@ class Profile:
                 handover={k: Handover(**v) for k, v in raw["handover"].items()},
                 validation=tuple(ValidationPoint(**p) for p in raw.get("validation", ())),
                 version=raw.get("version", 0),
+                expert_kernels=(ExpertKernels(**raw["expert_kernels"])
+                                if raw.get("expert_kernels") else None),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"profile: missing or unexpected field ({e}); a profile is what "
@@ -173,6 +222,8 @@ class Costs:
     ffn: tuple[tuple[float, ...], tuple[float, ...]]  # (tokens, ms per layer)
     fixed: tuple[tuple[float, ...], tuple[float, ...]]  # (batch, ms per step)
     handover_us: dict[str, float] = field(default_factory=dict)
+    expert_kernels: ExpertKernels | None = None
+    expert_read_ms: float = 0.0  # one routed expert's weights at the copy bandwidth
 
     @staticmethod
     def fit(profile: Profile) -> Costs:
@@ -185,7 +236,10 @@ class Costs:
             by_context.setdefault(p.context, {})[p.batch] = rest / L
         attention = {c: _curve(points) for c, points in sorted(by_context.items())}
         handover = {name: h.us_per_layer for name, h in profile.handover.items()}
-        return Costs(profile.model, attention, ffn, fixed, handover)
+        read = 0.0
+        if profile.expert_kernels is not None:
+            read = profile.model.expert_bytes / (float(profile.hardware["copy_gbps"]) * 1e9) * 1e3
+        return Costs(profile.model, attention, ffn, fixed, handover, profile.expert_kernels, read)
 
     def attention_ms(self, batch: float, context: float) -> float:
         """One layer's attention half over `batch` decoding sequences of `context` tokens."""
@@ -197,7 +251,32 @@ class Costs:
     def ffn_ms(self, tokens: float, held: float | None = None) -> float:
         """One layer's FFN half over `tokens` rows, with `held` routed experts (all: None)."""
         share = 1.0 if held is None else held / self.model.num_experts
-        return max(0.0, interpolate(*self.ffn, tokens)) * share
+        return max(0.0, self._ffn_all_experts(tokens)) * share
+
+    def _ffn_all_experts(self, tokens: float) -> float:
+        kernels = self.expert_kernels
+        if kernels is None:
+            return interpolate(*self.ffn, tokens)
+        m = self.model
+        bucket = kernels.bucket(tokens * m.top_k)
+        points = [(x, y) for x, y in zip(*self.ffn) if kernels.bucket(x * m.top_k) == bucket]
+        if bucket is not None:
+            above = [(x, y) for x, y in points if x >= tokens]
+            if above:
+                # The same programs over the same padded pair list: the bucket's measured count
+                # above, less the weights of the experts these rows do not touch.
+                x, y = above[0]
+                untouched = (touched(x, m.num_experts, m.top_k, m.num_experts)
+                             - touched(tokens, m.num_experts, m.top_k, m.num_experts))
+                return y - self.expert_read_ms * untouched
+            # No measured count above in the bucket: a line through the decode kernels' points.
+            points = [(x, y) for x, y in zip(*self.ffn)
+                      if kernels.bucket(x * m.top_k) is not None]
+        # The grouped GEMM's points only (or, with none of its own kind, every point).
+        if not points:
+            return interpolate(*self.ffn, tokens)
+        xs, ys = zip(*points)
+        return interpolate(xs, ys, tokens)
 
     def fixed_ms(self, batch: float) -> float:
         return max(0.0, interpolate(*self.fixed, batch))

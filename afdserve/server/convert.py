@@ -140,13 +140,14 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 def structured_outputs(
-    body: api.SamplingFields, tokenizer_dir: str, tool_schema: dict[str, Any] | None = None
+    body: api.SamplingFields, tokenizer_dir: str, tool_constraint: dict[str, Any] | None = None
 ) -> tuple[StructuredOutputsParams | None, str]:
     """The request's output constraint and the field that carried it: OpenAI's
     response_format, vLLM's structured_outputs, or vLLM's older guided_json / guided_regex /
-    guided_choice / guided_grammar, or a forced tool call (`tool_schema`, server/tools.py).
-    More than one is a 400, as is a grammar that does not compile; every message names the
-    field the request used."""
+    guided_choice / guided_grammar, or a forced tool call (`tool_constraint`, the
+    StructuredOutputsParams fields of server/tools.py or reasoned_tools.py). More than one
+    is a 400, as is a grammar that does not compile; every message names the field the
+    request used."""
     constraints = {
         "response_format": _response_format(body.response_format),
         "structured_outputs": _structured(body.structured_outputs),
@@ -154,7 +155,7 @@ def structured_outputs(
     for name, kind in GUIDED.items():
         value = getattr(body, name)
         constraints[name] = {} if value is None else {kind: value}
-    constraints["tool_choice"] = {} if tool_schema is None else {"json": tool_schema}
+    constraints["tool_choice"] = tool_constraint or {}
     given = [name for name, kwargs in constraints.items() if kwargs]
     if not given:
         return None, ""
@@ -210,7 +211,7 @@ def sampling_params(
     vocab_size: int,
     tokenizer_dir: str = "",
     defaults: Mapping[str, Any] | None = None,
-    tool_schema: dict[str, Any] | None = None,
+    tool_constraint: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
     `defaults` (engine/generation_config.py, from --generation-config) fill the fields the
@@ -237,7 +238,9 @@ def sampling_params(
         fields["prompt_logprobs"] = max(fields.get("prompt_logprobs") or 0, logprobs)
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(body.logit_bias)
-    fields["structured_outputs"], constraint = structured_outputs(body, tokenizer_dir, tool_schema)
+    fields["structured_outputs"], constraint = structured_outputs(
+        body, tokenizer_dir, tool_constraint
+    )
     try:
         params = SamplingParams(**fields)
         params.check_vocab(vocab_size)

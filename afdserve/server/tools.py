@@ -36,6 +36,11 @@ class ToolChoice:
     schema: dict[str, Any]
 
     @property
+    def constraint(self) -> dict[str, Any]:
+        """The StructuredOutputsParams fields of the forced answer."""
+        return {"json": self.schema}
+
+    @property
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
 
@@ -65,7 +70,7 @@ class ToolChoice:
 class AutoTools:
     """tool_choice "auto" read by a tool-call parser (tool_parsers.PARSERS)."""
 
-    schema = None
+    constraint = None
 
     def __init__(self, parser: str = "hermes") -> None:
         self.parser = parser

@@ -8,17 +8,20 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from afdserve.cli import main
 from afdserve.model.presets import preset_config
 from afdserve.planner.deployments import Deployment, enumerate_deployments
+from afdserve.planner.kernels import dispatch_note, running_expert_kernels
 from afdserve.planner.memory import RESERVE_BYTES, max_batch, model_bytes
-from afdserve.planner.plan import PlanSpec, check_rows, plan
+from afdserve.planner.plan import PlanSpec, check_rows, format_check, plan
 from afdserve.planner.predict import predict_step
 from afdserve.planner.profile import (
     Costs,
+    ExpertKernels,
     FFNPoint,
     FixedPoint,
     Handover,
@@ -231,6 +234,8 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     assert kinds == {("colocated", 3, c, 1) for c in (16, 32)} | {
         ("1A1F", 3, c, u) for c in (16, 32) for u in (1, 2)}
     assert {"inprocess", "ipc", "nccl"} <= set(profile.handover)
+    # tiny: hidden 64, expert intermediate 32, float32; the CPU runs no decode kernels.
+    assert profile.model.expert_bytes == 3 * 64 * 32 * 4 and profile.expert_kernels is None
     assert all(p.step_ms > 0 for p in profile.attention)
     rows_json = tmp_path / "rows.json"
     assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
@@ -254,3 +259,130 @@ def test_the_shipped_h200_profile_is_the_default_and_other_models_need_their_own
     assert {r.deployment for r in rows} >= {"colocated", "1A1F u1"}
     with pytest.raises(ValueError, match="afdserve bench calibrate"):
         plan(PlanSpec(gpus=2, context_len=1024, output_len=128, preset="mixtral-8x7b"))
+
+
+REPO = Path(__file__).resolve().parents[2]
+KERNELS_OF_2026_11_30 = REPO / "docs/plan/h200-qwen3-30b-a3b-kernels-of-2026-11-30.json"
+TWO_GPU_STEPS = REPO / "docs/plan/h200x2-2026-11-30.json"
+SHIPPED = REPO / "afdserve/planner/profiles/h200-qwen3-30b-a3b.json"
+
+
+def _kernel_profile(ffn_per_layer: dict[int, float], **extra) -> Profile:
+    """1e6 bytes per expert at 1000 GB/s: reading one expert takes 0.001 ms."""
+    return replace(
+        synthetic_profile(**extra), model=replace(SHAPE, expert_bytes=1_000_000),
+        hardware={**H200, "copy_gbps": 1000.0},
+        ffn=tuple(FFNPoint(n, 48 * ms) for n, ms in ffn_per_layer.items()),
+        expert_kernels=ExpertKernels(1024, "triton_grouped_moe"))
+
+
+def test_the_ffn_curve_follows_the_experts_kernels_by_hand():
+    k = ExpertKernels(1024, "triton_grouped_moe")
+    # top-8: the decode kernels' pair list padded to a power of two, at least 64; past 1024 pairs
+    # (128 rows) the grouped GEMM.
+    assert [k.bucket(8 * n) for n in (1, 8, 9, 64, 65, 81, 128)] == [64, 64, 128, 512, 1024,
+                                                                      1024, 1024]
+    assert k.bucket(8 * 129) is None and k.bucket(8 * 21.33) == 256
+    ms = {8: 0.10, 64: 0.30, 128: 0.42, 256: 0.55, 512: 0.64, 1024: 0.84}
+    costs = Costs.fit(_kernel_profile(ms))
+    assert costs.expert_read_ms == pytest.approx(0.001)
+
+    def experts_touched(n):  # of 128, each row picking 8 at random
+        return 128 * (1 - (120 / 128) ** n)
+
+    for n, ms_n in ms.items():  # through every point
+        assert costs.ffn_ms(n) == pytest.approx(ms_n)
+    # 81 rows: the 128-row bucket's measured time, less the experts 81 rows leave unread.
+    assert costs.ffn_ms(81) == pytest.approx(0.42 - 0.001 * (experts_touched(128)
+                                                             - experts_touched(81)))
+    assert costs.ffn_ms(4) == pytest.approx(0.10 - 0.001 * (experts_touched(8)
+                                                            - experts_touched(4)))
+    # 162 rows run the grouped GEMM: its own points' line (256 -> 512), not one from 128.
+    assert costs.ffn_ms(162) == pytest.approx(0.55 + (0.64 - 0.55) * (162 - 256) / 256)
+    assert costs.ffn_ms(2048) == pytest.approx(0.84 + (0.84 - 0.64) * 1024 / 512)
+    assert costs.ffn_ms(81, held=32) == pytest.approx(costs.ffn_ms(81) / 4)
+    # A bucket with no measured count above: the decode kernels' points' line (8 -> 64 and on).
+    gap = Costs.fit(_kernel_profile({8: 0.10, 64: 0.30, 256: 0.55, 512: 0.64}))
+    assert gap.ffn_ms(81) == pytest.approx(0.30 + (0.30 - 0.10) * (81 - 64) / 56)
+    # Without the kernels named: one straight line through every point, as before.
+    plain = Costs.fit(replace(_kernel_profile(ms), expert_kernels=None))
+    assert plain.ffn_ms(81) == pytest.approx(0.30 + (0.42 - 0.30) * 17 / 64)
+    assert plain.ffn_ms(162) == pytest.approx(0.42 + (0.55 - 0.42) * 34 / 128)
+
+
+def test_a_profile_with_expert_kernels_round_trips_and_needs_the_expert_bytes(tmp_path):
+    profile = _kernel_profile({8: 0.1, 64: 0.3})
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    with pytest.raises(ValueError, match="expert_bytes"):
+        replace(profile, model=SHAPE)
+    with pytest.raises(ValueError, match="copy_gbps"):
+        replace(profile, hardware=H200)
+
+
+def test_the_bucket_rule_predicts_the_measured_ffn_points_it_is_not_given():
+    """Within the 64-pair bucket (1-8 rows) the H200 profiles' 1, 2 and 4-row FFN halves,
+    predicted from their 8-row point and the experts those rows leave unread."""
+    for path in (KERNELS_OF_2026_11_30, SHIPPED):
+        profile = Profile.load(path)
+        measured = {p.tokens: p.step_ms for p in profile.ffn}
+        costs = Costs.fit(replace(profile, ffn=tuple(p for p in profile.ffn
+                                                     if p.tokens not in (1, 2, 4))))
+        for n in (1, 2, 4):
+            assert 48 * costs.ffn_ms(n) == pytest.approx(measured[n], rel=0.05), (path.name, n)
+
+
+def test_the_two_gpu_host_steps_are_predicted_within_ten_percent_on_their_own_kernels():
+    """The 11 two-GPU 1A1F steps of 2026-11-30 and the colocated step at 91 sequences of 8192
+    (its capacity) against the profile of their experts' kernels; against the shipped profile
+    (later grouped kernels) each is marked as run on other kernels."""
+    measured = [ValidationPoint(**p) for p in json.loads(TWO_GPU_STEPS.read_text())]
+    profile = Profile.load(KERNELS_OF_2026_11_30)
+    pairs = check_rows(profile, measured)[len(profile.validation):]
+    assert len(pairs) == 12
+    for v, predicted in pairs:
+        assert predicted == pytest.approx(v.step_ms, rel=0.10), v
+    shipped = Profile.load(SHIPPED)
+    text = format_check(check_rows(shipped, measured), shipped.expert_kernels.name)
+    assert text.count("[other kernels]") == 12 + 1  # each step, and the summary line
+
+
+def test_check_marks_misses_and_steps_of_other_kernels():
+    pairs = [(ValidationPoint("colocated", 8, 1024, 10.0), 10.5),
+             (ValidationPoint("colocated", 64, 1024, 20.0, expert_kernels="old"), 23.0)]
+    lines = format_check(pairs, "new").splitlines()
+    assert lines[1].endswith("+5.0%")
+    assert lines[2].endswith("+15.0%  MISS (> 10%)  [other kernels]")
+    assert lines[3] == "largest error 15.0% over 2 measured steps; 1 of 2 within 10%"
+    assert lines[4].startswith("[other kernels]: 1 steps ran old, not the profile's new")
+    assert "[other kernels]" not in format_check(pairs, "")  # a profile naming no kernels
+
+
+def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(capsys):
+    profile = _kernel_profile({8: 0.1, 64: 0.3})  # decode kernels up to 1024 pairs
+    newer = ExpertKernels(512, "triton_grouped_moe")
+    note = dispatch_note(profile, newer)
+    assert note == (
+        "note: the profile's FFN points ran decode kernels up to 1024 pairs, then "
+        "triton_grouped_moe; this afdserve runs decode kernels up to 512 pairs, then "
+        "triton_grouped_moe: FFN halves of 65-128 rows are predicted for the profile's kernels "
+        "(re-run `afdserve bench calibrate` for this code's)")
+    older = replace(profile, expert_kernels=ExpertKernels(1024, "moe_gpu"))
+    assert "FFN halves of 65 rows and more" in dispatch_note(older, newer)
+    assert dispatch_note(profile, ExpertKernels(1024, "triton_grouped_moe", source="x")) is None
+    assert dispatch_note(profile, None) is None  # the code's dispatch unknown here
+    assert "does not say" in dispatch_note(synthetic_profile(), newer)
+    # This code's dispatch, as ops.moe_experts reads it; the CLI prints the note when it differs.
+    pytest.importorskip("triton")
+    from afdserve.kernels import triton_moe
+
+    running = running_expert_kernels("bfloat16")
+    assert (running.decode_max_pairs, running.grouped) == (triton_moe.MAX_PAIRS,
+                                                           "triton_grouped_moe")
+    assert running_expert_kernels("float32") is None
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "2", "--context-len", "1024",
+                 "--output-len", "64", "--top", "1"]) == 0
+    shipped = Profile.load(SHIPPED).expert_kernels
+    assert ("note: the profile's FFN points ran" in capsys.readouterr().out) == (
+        shipped.decode_max_pairs != triton_moe.MAX_PAIRS)

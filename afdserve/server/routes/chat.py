@@ -17,11 +17,12 @@ from afdserve.server.engine_loop import Generation
 from afdserve.server.engine_view import EngineView
 from afdserve.server.limits import check_messages, check_text
 from afdserve.server.protocol import APIError, bad_request
+from afdserve.server.reasoned_tools import Reasoned
 from afdserve.server.reasoning import ReasoningStream, split_reasoning
 from afdserve.server.state import ServerState
 from afdserve.server.streams import Logprobs, respond, start
 
-Answering = tools.ToolChoice | tools.AutoTools | None
+Answering = tools.ToolChoice | tools.AutoTools | Reasoned | None
 
 
 def router(state: ServerState) -> APIRouter:
@@ -64,6 +65,8 @@ def check(body: api.ChatCompletionRequest, state: ServerState, view: EngineView)
     options = state.options
     parser = options.tool_call_parser if options.enable_auto_tool_choice else None
     answering = tools.tool_choice(body, parser)
+    if answering is not None and options.reasoning_parser is not None:
+        answering = Reasoned(answering, options.reasoning_parser)  # calls only after thinking
     state.admission.check(1)
     return answering
 
@@ -81,7 +84,7 @@ def sampling_params(
     try:
         return convert.sampling_params(
             body, max_tokens, logprobs_k, view.vocab_size, view.model_dir, view.defaults,
-            answering.schema if answering else None,
+            answering.constraint if answering else None,
         )  # fmt: skip
     except APIError as e:
         if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
