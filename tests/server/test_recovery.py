@@ -381,6 +381,40 @@ def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
         second.shutdown()
 
 
+def test_a_rebuilt_world_on_a_fresh_process_gives_the_same_tokens() -> None:
+    """A real 1A1F world without standby processes: the FFN rank is killed under a request; the
+    repair spawns a fresh process for it, the attention rank rejoins in its own process with the
+    weights it had (its RankReady: generation 1, one load), and the rebuilt world gives the
+    tokens the first world gave for the same greedy request."""
+    from afdserve import SamplingParams
+
+    llm = LLM(topology="1A1F")
+    try:
+        client = llm.engine.core_client
+        client.repairable = True  # as under on_engine_failure="restart"
+        procs = list(client.world.procs)
+        prompt = llm.encode_prompt("Hello")
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        want = llm.generate([prompt], params)[0].outputs[0].token_ids
+        llm.engine.add_request("long", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        llm.engine.step()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with pytest.raises(Exception, match="rank"):
+            while True:
+                llm.engine.step()
+                assert time.monotonic() < deadline
+        llm.engine.take_progress("long")
+        assert client.repair() is True
+        now = client.world.procs
+        assert now[0] is procs[0] and procs[0].poll() is None
+        assert now[1].pid != procs[1].pid and now[1].poll() is None
+        assert [(r.generation, r.loads) for r in client.ready.values()] == [(1, 1), (1, 1)]
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == want
+    finally:
+        llm.shutdown()
+
+
 def test_a_world_without_a_known_culprit_is_not_rebuilt() -> None:
     """A real 1A1F world judged failed by the frontend (as the heartbeat judges a silent world)
     while every rank process runs on: which rank hangs is unknown, so none is replaced; the
