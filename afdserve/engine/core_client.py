@@ -63,6 +63,7 @@ class EngineCoreClient(ABC):
     max_model_len: int
     vocab_size: int
     limits: RequestLimits  # what every attention rank can hold (the smallest of them)
+    repairable: bool = False  # `repair` may rebuild it after a failure
 
     @abstractmethod
     def add_request(
@@ -93,6 +94,12 @@ class EngineCoreClient(ABC):
 
     def step_log(self) -> list[dict]:
         return []
+
+    def repair(self) -> bool:
+        """After `step` raised for a failed rank: rebuild the engine around what survived (only
+        the failed ranks reload their weights), dropping every request (the caller resumes
+        them). False where this client cannot, or could not: the caller restarts it whole."""
+        return False
 
     def shutdown(self) -> None:
         return None

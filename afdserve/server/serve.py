@@ -172,6 +172,15 @@ class Engine:
         self.llm = llm
         return llm
 
+    def repair(self) -> bool:
+        """Rebuild the failed engine around the ranks that survived (only the failed ranks are
+        replaced and reload their weights) and resume the held requests on it; False where its
+        client cannot (then the caller starts a new LLM)."""
+        if self.llm is None or not self.llm.engine.core_client.repair():
+            return False
+        self.state.attach(engine_view(self.llm, self.state.options))
+        return True
+
     def stop(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
@@ -242,6 +251,17 @@ def restart(engine: Engine, error: str, budget: RestartBudget, thread: threading
         progress(f"{error}; no restart left ({budget.describe()}); exiting")
         return False
     state.detach(str(error))
+    if engine.llm is not None and engine.llm.engine.core_client.repairable:
+        progress(f"{error}; replacing the failed rank(s) in {delay:g} s (on_engine_failure="
+                 f"restart: the others keep their weights)")
+        if not back_off(delay, state, thread):
+            return True
+        began = time.monotonic()
+        if engine.repair():
+            progress(f"rebuilt the world in {time.monotonic() - began:.1f} s: serving "
+                     f"{state.model_name!r} again")
+            return True
+        error, delay = "the world could not be rebuilt around its surviving ranks", 0.0
     engine.stop()
     while True:
         progress(f"{error}; restarting the ranks in {delay:g} s (on_engine_failure=restart)")

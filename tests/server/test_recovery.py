@@ -2,16 +2,21 @@
 (2A1F over gloo), real streaming clients. A rank is killed (SIGKILL) or stopped (SIGSTOP) under
 concurrent streams; every stream pauses and then goes on, and its text, token for token, equals
 an undisturbed run of the same requests (greedy and seeded) on the same server. A request that
-arrives while the world is down is held and served too. Also: every 503 says Retry-After.
+arrives while the world is down is held and served too. Only the failed rank is replaced: the
+surviving ranks keep their processes (same pids) and their weights (each says, in the RankReady
+of the new world generation, that its process loaded weights once). When the world cannot be
+rebuilt that way (no rank survived; one that does not leave the broken world) it restarts whole.
+Also: every 503 says Retry-After.
 
 CI runs one cell (8 streams, the FFN rank killed); the wider matrix (each kind of rank, both
-signals, 32 streams) is @pytest.mark.slow.
+signals, 8 and 32 streams) is @pytest.mark.slow.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -132,6 +137,7 @@ def fail_a_rank_under_streams(
     resumes_before = value(srv, "afdserve_request_resumes_total")
     recoveries_before = value(srv, "afdserve_recovery_seconds_count")
     old = rank_pids(srv.proc.pid)
+    log_before = len(srv.log())
     streams, pool, futures = stream_all(srv.url, requests)
     for s in streams:
         assert s.first.wait(120), srv.log()[-3000:]
@@ -158,7 +164,8 @@ def fail_a_rank_under_streams(
     assert value(srv, "afdserve_request_resumes_total") - resumes_before == count
     assert value(srv, "afdserve_recovery_seconds_count") - recoveries_before == 1
     assert "resumed 1 time(s) after engine failures" in srv.log()
-    assert not [pid for pid in old.values() if alive(pid)]  # the stopped rank included
+    assert not alive(old[victim])  # the stopped rank included
+    check_only_the_victim_was_replaced(srv, old, victim, srv.log()[log_before:])
     if sig == signal.SIGSTOP:
         role = "attention" if victim < 2 else "FFN"
         assert f"{role} rank {victim} stopped" in srv.log()
@@ -166,8 +173,34 @@ def fail_a_rank_under_streams(
     assert health(srv.url) == 200
 
 
+def check_only_the_victim_was_replaced(srv: ServerProcess, old: dict[int, int], victim: int,
+                                       log: str) -> None:
+    """The survivors run on in their processes and joined the new world generation with the
+    weights they had (their RankReady says their process loaded weights once); the victim's
+    rank runs in a new process. `log`: the server's log since the failure."""
+    now = rank_pids(srv.proc.pid)
+    assert sorted(now) == sorted(old), (old, now)
+    assert now[victim] != old[victim]
+    assert "rebuilt the world in" in log, log[-3000:]
+    assert "restarting the ranks in" not in log, log[-3000:]  # not the whole world
+    for rank, pid in old.items():
+        if rank == victim:
+            continue
+        assert now[rank] == pid, (rank, old, now)
+        assert re.search(rf"rank {rank} \(pid {pid}\) joined world generation \d+; weights "
+                         rf"loaded 1 time\(s\) by this process", log), log[-3000:]
+    assert re.search(rf"rank {victim} \(pid {now[victim]}\) joined world generation \d+",
+                     log), log[-3000:]
+    assert f"rank(s) [{victim}] replaced" in log, log[-3000:]
+
+
 def test_streams_survive_an_ffn_rank_killed(restarting: ServerProcess) -> None:
     fail_a_rank_under_streams(restarting, victim=2, sig=signal.SIGKILL, count=8)
+
+
+@pytest.mark.slow
+def test_streams_survive_an_attention_rank_killed(restarting: ServerProcess) -> None:
+    fail_a_rank_under_streams(restarting, victim=0, sig=signal.SIGKILL, count=8)
 
 
 @pytest.mark.slow
@@ -185,6 +218,27 @@ def test_32_streams_survive_each_kind_of_rank_failure(
     restarting: ServerProcess, victim: int, sig: signal.Signals
 ) -> None:
     fail_a_rank_under_streams(restarting, victim, sig, count=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "victim"),
+    [
+        (("--topology", "1A2F", "--ffn-expert-parallel"), 2),  # the expert group is rebuilt too
+        (("--topology", "2A1F", "--control-plane", "gloo"), 0),  # the gloo control plane
+    ],
+)
+def test_other_worlds_replace_only_the_killed_rank(
+    tmp_path: Path, world: tuple[str, ...], victim: int
+) -> None:
+    srv = start_cli_server(tmp_path, free_port(), *world, "--heartbeat-timeout", str(HEARTBEAT_S),
+                           "--on-engine-failure", "restart", "--enable-log-requests")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        fail_a_rank_under_streams(srv, victim, signal.SIGKILL, count=4)
+    finally:
+        srv.stop()
+        assert marked_pids(srv.marker) == [], srv.log()[-3000:]
 
 
 # ----- Retry-After -----
@@ -234,7 +288,8 @@ def standby_pids(pid: int) -> list[int]:
 
 
 def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
-    """The first restart fails (the standby processes it starts on were killed); the server
+    """Every rank is killed: no rank survives to rebuild the world around, so it restarts
+    whole. The first restart fails (the standby processes it starts on were killed); the server
     tries again within --max-restarts, on freshly started processes, instead of exiting 1."""
     srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
                            "restart", "--max-restarts", "3")  # fmt: skip
@@ -248,6 +303,7 @@ def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
         for pid in standby:
             os.kill(pid, signal.SIGKILL)
         os.kill(old[1], signal.SIGKILL)
+        os.kill(old[0], signal.SIGKILL)
         while "restarted in" not in srv.log():
             assert srv.proc.poll() is None, srv.log()[-3000:]
             assert time.monotonic() < deadline, srv.log()[-3000:]
@@ -255,6 +311,8 @@ def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
         assert health(srv.url) == 200
         log = srv.log()
         assert "the restart failed" in log and log.count("restarting the ranks in") == 2, log
+        assert "could not rebuild the world around its surviving ranks" in log, log
+        assert not [pid for pid in old.values() if alive(pid)]
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
         answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
@@ -321,3 +379,97 @@ def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_a_rebuilt_world_on_a_fresh_process_gives_the_same_tokens() -> None:
+    """A real 1A1F world without standby processes: the FFN rank is killed under a request; the
+    repair spawns a fresh process for it, the attention rank rejoins in its own process with the
+    weights it had (its RankReady: generation 1, one load), and the rebuilt world gives the
+    tokens the first world gave for the same greedy request."""
+    from afdserve import SamplingParams
+
+    llm = LLM(topology="1A1F")
+    try:
+        client = llm.engine.core_client
+        client.repairable = True  # as under on_engine_failure="restart"
+        procs = list(client.world.procs)
+        prompt = llm.encode_prompt("Hello")
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        want = llm.generate([prompt], params)[0].outputs[0].token_ids
+        llm.engine.add_request("long", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        llm.engine.step()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with pytest.raises(Exception, match="rank"):
+            while True:
+                llm.engine.step()
+                assert time.monotonic() < deadline
+        llm.engine.take_progress("long")
+        assert client.repair() is True
+        now = client.world.procs
+        assert now[0] is procs[0] and procs[0].poll() is None
+        assert now[1].pid != procs[1].pid and now[1].poll() is None
+        assert [(r.generation, r.loads) for r in client.ready.values()] == [(1, 1), (1, 1)]
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == want
+    finally:
+        llm.shutdown()
+
+
+def test_a_world_without_a_known_culprit_is_not_rebuilt() -> None:
+    """A real 1A1F world judged failed by the frontend (as the heartbeat judges a silent world)
+    while every rank process runs on: which rank hangs is unknown, so none is replaced; the
+    repair gives up at once, kills every rank, and the caller restarts the world whole."""
+    llm = LLM(topology="1A1F")
+    try:
+        client = llm.engine.core_client
+        assert client.repairable is False  # serve's on_engine_failure="restart" turns it on
+        client.repairable = True
+        procs = list(client.world.procs)
+        client._fail()  # what step() does on a failure it detected
+        assert client.broken and all(proc.poll() is None for proc in procs)
+        began = time.monotonic()
+        assert client.repair() is False
+        assert time.monotonic() - began < 10.0
+        assert client.closed and all(proc.poll() is not None for proc in procs)
+    finally:
+        llm.shutdown()
+
+
+def test_a_survivor_that_fails_during_the_rebuild_restarts_the_world_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real 2A1F world: the FFN rank is killed, and attention rank 0 is stopped just after
+    the frontend killed the failed ranks, while the world is rebuilt around it: the repair gives
+    up (the world restarts whole) and leaves no rank process behind."""
+    from afdserve import SamplingParams
+    from afdserve.afd.ranks.world import RankWorld
+
+    llm = LLM(topology="2A1F")
+    try:
+        client = llm.engine.core_client
+        client.repairable = True
+        procs = list(client.world.procs)
+        kill_failed, calls = RankWorld.kill_failed, []
+
+        def and_stop_a_survivor(world: RankWorld) -> set[int]:
+            failed = kill_failed(world)
+            calls.append(failed)
+            if len(calls) == 2:  # the rebuild's (the first is the failure's, in step)
+                os.kill(procs[0].pid, signal.SIGSTOP)
+            return failed
+
+        monkeypatch.setattr(RankWorld, "kill_failed", and_stop_a_survivor)
+        prompt = llm.encode_prompt("Hello")
+        llm.engine.add_request("r", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        os.kill(procs[2].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with pytest.raises(Exception, match="rank"):
+            while True:
+                llm.engine.step()
+                assert time.monotonic() < deadline
+        assert client.broken
+        assert client.repair() is False
+        assert calls == [{2}, {2}]
+        assert client.closed and all(proc.poll() is not None for proc in procs)
+    finally:
+        llm.shutdown()

@@ -1,12 +1,15 @@
 """The frontend's core client of a multi-process world: routes each request to the attention rank
 with the least outstanding work, gathers the ranks' token deltas, fails every request at once when
-a rank dies or hangs, and stops the world. The processes themselves are afd/ranks/world.py's
+a rank dies or hangs, and stops the world; or, where failed worlds are restarted in place
+(`STANDBY.enabled`: serve's on_engine_failure="restart"), keeps the surviving ranks for `repair`,
+which replaces only the failed ones. The processes themselves are afd/ranks/world.py's
 `RankWorld`; the routing policy is afd/clients/routing.py's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from afdserve.afd.clients.routing import Router
@@ -14,13 +17,22 @@ from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
     Outputs,
+    Parted,
     RankFailed,
     RankStats,
     Rejected,
     WorkerSpec,
 )
-from afdserve.afd.ranks.world import STARTUP_TIMEOUT_S, Lost, RankWorld, WorkerError, free_port
+from afdserve.afd.ranks.world import (
+    STANDBY,
+    STARTUP_TIMEOUT_S,
+    Lost,
+    RankWorld,
+    WorkerError,
+    free_port,
+)
 from afdserve.engine.core_client import EngineCoreClient, EngineStats, cache_config_labels
+from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
 
@@ -31,6 +43,11 @@ log = logging.getLogger(__name__)
 # A request weighs its prompt plus its token budget, capped: one request with a huge max_tokens
 # must not send every other request to the other attention ranks.
 ROUTING_MAX_NEW_TOKENS = 1024
+
+
+def device_kind(spec: WorkerSpec) -> str:
+    """"cpu" or "cuda": where the world's ranks run."""
+    return "cuda" if resolve_device(spec.engine.device).startswith("cuda") else "cpu"
 
 
 class ProcessClient(EngineCoreClient):
@@ -49,7 +66,22 @@ class ProcessClient(EngineCoreClient):
         self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
-        self.address, self.ready = self.world.address, self.world.ready
+        # A world whose failed ranks are replaced in place keeps its survivors when one fails:
+        # gloo worlds only (CPU). A survivor of an NCCL world may sit in a collective with the
+        # dead rank that only ncclCommAbort from another thread ends, and one of an "ipc" world
+        # in a device-side wait on its peer's signal: such worlds restart whole, as before.
+        self.repairable = spawn and STANDBY.enabled and device_kind(spec) == "cpu"
+        if spawn and STANDBY.enabled and not self.repairable:
+            log.info("a failed rank of this %s world restarts the whole world (only gloo worlds, "
+                     "on CPU, are rebuilt around their surviving ranks)", device_kind(spec))
+        self.broken = False  # a rank failed: no step until `repair`
+        self.address = self.world.address
+        self._take_ready()
+
+    def _take_ready(self) -> None:
+        """Limits and routing from the world's RankReady messages (again after a repair: a
+        replaced attention rank may have sized its KV cache differently)."""
+        spec, self.ready = self.spec, self.world.ready
         limits = [info.limits for info in self.ready.values() if info.limits is not None]
         self.limits = RequestLimits(
             min(lim.max_model_len for lim in limits),
@@ -83,6 +115,8 @@ class ProcessClient(EngineCoreClient):
         params: SamplingParams,
         output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
+        if self.broken:
+            raise WorkerError("a rank failed: the world is being rebuilt")
         if request_id in self.owner:
             raise RequestError(f"request_id: {request_id!r} is already running")
         check_request(prompt_token_ids, params, self.limits)
@@ -94,7 +128,7 @@ class ProcessClient(EngineCoreClient):
 
     def abort(self, request_id: str) -> None:
         rank = self.owner.get(request_id)
-        if rank is not None:
+        if rank is not None and not self.broken:  # a broken world drops every request anyway
             self.world.send(rank, AbortRequest(request_id))
             self._forget(request_id)
 
@@ -106,6 +140,8 @@ class ProcessClient(EngineCoreClient):
     def step(self) -> list[TokenDelta]:
         if self.closed:
             raise WorkerError("the engine is shut down")
+        if self.broken:
+            raise WorkerError("a rank failed: the world is being rebuilt")
         results, self._carried = self._carried, []
         rejected: RequestError | None = None
         for msg in self.world.messages(0.0 if results else 0.05):
@@ -121,9 +157,14 @@ class ProcessClient(EngineCoreClient):
             elif isinstance(msg, Rejected):  # a rank refused what passed the frontend's checks
                 self._forget(msg.request_id)
                 rejected = RequestError(msg.message, msg.request_id)
-            elif isinstance(msg, (RankFailed, Lost)):
-                detail = msg.traceback if isinstance(msg, RankFailed) else "connection lost"
+            elif isinstance(msg, (RankFailed, Lost, Parted)):
+                detail = (msg.traceback if isinstance(msg, RankFailed) else
+                          msg.reason if isinstance(msg, Parted) else "connection lost")
+                failed = sorted(self.world.failed_ranks())
                 self._fail()
+                if isinstance(msg, Parted) and failed:  # name the cause, not the witness
+                    raise WorkerError(f"rank(s) {failed} failed (rank {msg.rank} left its "
+                                      f"world:\n{detail})")
                 raise WorkerError(f"rank {msg.rank} failed:\n{detail}")
         if rejected is not None:
             self._carried = results  # handed out by the next step()
@@ -170,9 +211,43 @@ class ProcessClient(EngineCoreClient):
 
     def _fail(self) -> None:
         """A rank died or hangs: the world cannot step again. Kill it now rather than wait for
-        ranks that may never answer a shutdown."""
+        ranks that may never answer a shutdown; a repairable world kills only the failed ranks
+        (which unblocks the survivors waiting on them) and waits for `repair`."""
+        if self.repairable:
+            self.broken = True
+            self.world.kill_failed()
+            return
         self.world.kill()
         self.shutdown()
+
+    def repair(self) -> bool:
+        """Rebuild the broken world around its surviving ranks (RankWorld.rebuild): only the
+        failed ranks are replaced and load weights. Every request is dropped: the caller resumes
+        them by recompute. False (the world is shut down) when it cannot be rebuilt."""
+        if not self.broken or self.closed:
+            return False
+        began = time.monotonic()
+        try:
+            replaced = self.world.rebuild()
+        except WorkerError as e:
+            first = (str(e).splitlines() or [""])[0]
+            log.warning("could not rebuild the world around its surviving ranks (%s): every "
+                        "rank restarts", first)
+            self.world.kill()
+            self.shutdown()
+            return False
+        self.broken = False
+        self.owner.clear()
+        self.cost.clear()
+        self._carried = []
+        self._take_ready()
+        log.info("world rebuilt in %.1f s: rank(s) %s replaced, the others kept their weights",
+                 time.monotonic() - began, sorted(replaced))
+        try:  # the next standby world, for the next failure
+            STANDBY.replenish(self.world.world)
+        except OSError:
+            log.warning("could not start standby rank processes", exc_info=True)
+        return True
 
     def shutdown(self) -> None:
         if not self.closed:

@@ -175,6 +175,18 @@ class BuiltRank:
     wire: Wire | None
     ready: tuple[RankReady, ...]  # one per rank this process holds (two for in-process 1A1F)
     boundary: FFNBoundary | None = None  # attention ranks: where rows cross to the FFN half
+    half: MoECausalLM | None = None  # the weights this rank holds (an FFN rank's model)
+
+    def drop_requests(self) -> int:
+        """Forget every request (its KV blocks go back to the free list; blocks a prefix cache
+        registered stay cached, their contents were complete): after a failure the frontend
+        resumes them by recompute. Returns how many there were."""
+        if self.core is None:
+            return 0
+        ids = list(self.core.requests)
+        for request_id in ids:
+            self.core.abort(request_id)
+        return len(ids)
 
 
 def _wire(spec: WorkerSpec, rank: int) -> Wire:
@@ -201,17 +213,26 @@ def _ready(rank: int, role: str, memory: MemoryReport, model, limits,
 
 
 def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
-                         in_process: bool = False) -> BuiltRank:
+                         in_process: bool = False, kept: BuiltRank | None = None) -> BuiltRank:
     """An attention rank. Colocated topologies hold the FFN half too; `in_process` (1A1F on one
-    device) holds the FFN rank's half behind an InProcessConnector and logs both ranks' lines."""
+    device) holds the FFN rank's half behind an InProcessConnector and logs both ranks' lines.
+    `kept`: this rank as built for an earlier world generation, whose engine core (model half,
+    KV cache, block manager) is reused; everything tied to the world (boundary, graphs, driver)
+    is built anew against `control` and the new process groups."""
     topology, gate = spec.topology, spec.afd.gate_on_attention
     role = "colocated" if topology.colocated else "attention"
     ffn_model = None
-    if in_process and not topology.colocated:
-        # Loaded before the attention half: the KV cache is sized from the memory still free,
-        # and it must leave the experts their room.
-        ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
-    core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
+    if kept is not None:
+        if in_process:
+            raise ValueError("an in-process 1A1F rank has no world to rejoin")
+        core, memory = kept.core, kept.ready[0].memory
+        assert core is not None, "an attention rank keeps its engine core"
+    else:
+        if in_process and not topology.colocated:
+            # Loaded before the attention half: the KV cache is sized from the memory still
+            # free, and it must leave the experts their room.
+            ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
+        core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
     ready = [_ready(rank, "attention", memory, core.model, core.limits,
                     core.block_manager.prefix_caching)]
     wire = inboxes = None
@@ -230,13 +251,15 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
     driver = attention_driver(core, core.runner, boundary, graphs,
                               graphs.recorder(rank, spec.log_path), control, topology=topology,
                               rank=rank, max_model_len=core.max_model_len, log_ranks=log_ranks)
-    return BuiltRank(driver, core, wire, tuple(ready), boundary)
+    return BuiltRank(driver, core, wire, tuple(ready), boundary, core.model)
 
 
 def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
-                   expert_group: dist.ProcessGroup | None = None) -> BuiltRank:
+                   expert_group: dist.ProcessGroup | None = None,
+                   kept: BuiltRank | None = None) -> BuiltRank:
     """An FFN rank; in an expert-parallel topology it loads only its shard of the routed experts
-    and exchanges rows with the other FFN ranks over `expert_group` (FFN ranks only)."""
+    and exchanges rows with the other FFN ranks over `expert_group` (FFN ranks only). `kept`:
+    this rank as built for an earlier world generation, whose model half is reused."""
     topology, gate = spec.topology, spec.afd.gate_on_attention
     parts = half_parts("ffn", gate)
     held = None
@@ -246,7 +269,10 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
                                       topology.ffn_ranks)
         held = placement[topology.ffn_index(rank)]
         parts = dataclasses.replace(parts, experts=held)
-    model, _ = load_half(spec.engine, parts, device, rank)
+    if kept is not None and kept.half is not None:
+        model = kept.half
+    else:
+        model, _ = load_half(spec.engine, parts, device, rank)
     wire = _wire(spec, rank)
     expert = None
     if topology.expert_parallel:
@@ -258,4 +284,4 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
                         inboxes=inboxes, a2e_dtype=spec.afd.a2e_dtype)
     memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()),
                           experts=held)
-    return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),))
+    return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),), half=model)

@@ -46,6 +46,8 @@ MESSAGES: tuple[type, ...] = (
     messages.Outputs,
     messages.Rejected,
     messages.RankFailed,
+    messages.Rejoin,
+    messages.Parted,
 )
 # Types a message may hold inside it (a field's hint names them); nothing else is ever built.
 NESTED: tuple[type, ...] = (

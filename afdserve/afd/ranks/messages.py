@@ -1,7 +1,9 @@
 """Messages between the frontend and its rank processes: frozen dataclasses, dispatched by type.
 
-Frontend -> rank: `WorkerSpec` (once, first), then `AddRequest`, `AbortRequest`, `Shutdown`.
-Rank -> frontend: `Hello` (first), `RankReady`, then `Outputs`, `Rejected`, `RankFailed`.
+Frontend -> rank: `WorkerSpec` (once, first), then `AddRequest`, `AbortRequest`, `Shutdown`,
+and `Rejoin` after the rank `Parted`.
+Rank -> frontend: `Hello` (first), `RankReady`, then `Outputs`, `Rejected`, `RankFailed`, or
+`Parted` when its world broke under it (it keeps its half and waits for `Rejoin` or `Shutdown`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ class WorkerSpec:
     graphs: GraphConfig
     log_path: str | None = None
     threads: int = 1
+    # The rendezvous store of the world generation this rank joins (a rank replacing a failed
+    # one joins the survivors' new store); None: AFDSERVE_STORE_PATH, or env:// under torchrun.
+    store_path: str | None = None
+    generation: int = 0
 
     @property
     def topology(self) -> Topology:
@@ -43,6 +49,10 @@ class RankReady:
     tensor_names: tuple[str, ...]
     limits: RequestLimits | None  # attention ranks only
     prefix_caching: bool = False  # an attention rank that caches prefixes
+    # The world generation joined, and how many times this process has loaded its half: a rank
+    # that survived a failure and rejoined says generation > 0 with loads == 1.
+    generation: int = 0
+    loads: int = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,15 @@ class AbortRequest:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Frontend -> a rank that `Parted`: join world generation `generation` through the store
+    at `store_path` (a fresh file in the world's 0700 directory), keeping the half it holds."""
+
+    generation: int
+    store_path: str
 
 
 @dataclass(frozen=True)
@@ -111,3 +130,13 @@ class Rejected:
 class RankFailed:
     rank: int
     traceback: str
+
+
+@dataclass(frozen=True)
+class Parted:
+    """A rank whose world broke while serving (a peer died, hung, or left): it has dropped its
+    process groups, control plane and connectors and its requests (their KV blocks freed), kept
+    its half and its KV cache allocation, and waits for `Rejoin` (or `Shutdown`)."""
+
+    rank: int
+    reason: str

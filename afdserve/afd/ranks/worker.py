@@ -3,12 +3,14 @@
 A rank connects to the frontend, receives its WorkerSpec, builds itself (afd/ranks/build.py), warms
 up in lockstep with every other rank, reports ready, and then steps its role's driver until the
 control plane carries shutdown. Attention ranks also apply the frontend's requests between steps
-and send their outputs back.
+and send their outputs back. A rank whose world breaks under it keeps its half and rejoins the
+next world generation (`worker_main`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -27,9 +29,11 @@ from afdserve.afd.ranks.messages import (
     AddRequest,
     Hello,
     Outputs,
+    Parted,
     RankFailed,
     RankStats,
     Rejected,
+    Rejoin,
     Shutdown,
     WorkerSpec,
 )
@@ -37,6 +41,8 @@ from afdserve.afd.step.control import open_control_plane
 from afdserve.engine.device import resolve_device
 from afdserve.engine.log_format import LOG_FORMAT_ENV, JsonLines
 from afdserve.engine.requests import RequestError
+
+log = logging.getLogger(__name__)
 
 # Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
 # round, and idle worlds do not keep every core busy.
@@ -59,24 +65,26 @@ def spawned_by_frontend() -> bool:
     return "AFDSERVE_STORE_PATH" in os.environ
 
 
-def _store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+def _store(world: int, timeout: timedelta, path: str | None) -> dist.Store | None:
     """The rendezvous store. The built-in launcher names a file in a directory of its user's
-    alone (AFDSERVE_STORE_PATH): a FileStore there has no socket for another process to reach,
-    and the directory's mode keeps other users out (torch's TCPStore authenticates nobody, on
-    loopback too). Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
+    alone (AFDSERVE_STORE_PATH, or the WorkerSpec's / Rejoin's `store_path` for a later world
+    generation): a FileStore there has no socket for another process to reach, and the
+    directory's mode keeps other users out (torch's TCPStore authenticates nobody, on loopback
+    too). Worlds started by torchrun or Slurm rendezvous through env:// as usual."""
     if not spawned_by_frontend():
         return None
-    store = dist.FileStore(os.environ["AFDSERVE_STORE_PATH"], world)
+    store = dist.FileStore(path or os.environ["AFDSERVE_STORE_PATH"], world)
     store.set_timeout(timeout)
     return store
 
 
-def init_world(spec: WorkerSpec, rank: int) -> tuple[dist.ProcessGroup, torch.device]:
+def init_world(spec: WorkerSpec, rank: int, store_path: str | None = None
+               ) -> tuple[dist.ProcessGroup, torch.device]:
     """The data-plane world (NCCL on CUDA, gloo on CPU) and the control plane's gloo group."""
     device = rank_device(spec, rank)
     timeout = timedelta(seconds=spec.afd.timeout_s)
     world = spec.topology.world_size
-    store = _store(rank, world, timeout)
+    store = _store(world, timeout, store_path or spec.store_path)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(
@@ -109,7 +117,13 @@ def name_process(name: str) -> None:
 
 def worker_main(rank: int, conn: Channel) -> None:
     """Entry point of one rank. MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK come from the
-    environment (the launcher or torchrun sets them)."""
+    environment (the launcher or torchrun sets them).
+
+    A rank serves one world generation after another: when its world breaks while it serves (a
+    peer died or was killed for hanging: a gloo operation or a control round fails), it drops
+    everything tied to that world, keeps its half (and an attention rank its KV cache), says
+    `Parted`, and joins the next generation when the frontend sends `Rejoin`. A failure before
+    its first RankReady is `RankFailed`: nothing worth keeping was built."""
     conn.send(Hello(rank))
     spec = conn.recv()  # a standby process (world.Standby) waits here until its world starts
     if not isinstance(spec, WorkerSpec):
@@ -121,41 +135,94 @@ def worker_main(rank: int, conn: Channel) -> None:
             handler.setFormatter(JsonLines(rank=rank))
         logging.captureWarnings(True)
     torch.set_num_threads(spec.threads)
-    built = control = None
-    try:
-        control_group, device = init_world(spec, rank)
-        expert_group = init_expert_group(spec)
-        control = open_control_plane(
-            spec.afd.control_plane,
-            spec.topology,
-            control_group,
-            rank,
-            spec.afd.timeout_s,
-            one_host=spawned_by_frontend(),
-        )
-        if spec.topology.is_attention(rank):
-            built = build_attention_rank(spec, rank, device, control)
-        else:
-            built = build_ffn_rank(spec, rank, device, control, expert_group)
-        built.driver.warmup()  # the frontend logs each rank's memory line from its RankReady
-        conn.send(built.ready[0])
-        if built.core is not None:
-            serve_attention(built, rank, conn)
-        else:
-            serve_ffn(built, rank, conn)
-    except BaseException:
+    kept: BuiltRank | None = None
+    loads, generation, store_path = 0, spec.generation, spec.store_path
+    while True:
+        built = control = None
         try:
-            conn.send(RankFailed(rank, traceback.format_exc()))
+            control_group, device = init_world(spec, rank, store_path)
+            expert_group = init_expert_group(spec)
+            control = open_control_plane(
+                spec.afd.control_plane,
+                spec.topology,
+                control_group,
+                rank,
+                spec.afd.timeout_s,
+                one_host=spawned_by_frontend(),
+            )
+            if kept is None:
+                loads += 1
+                log.info("loading weights (load %d of this process)", loads)
+            if spec.topology.is_attention(rank):
+                built = build_attention_rank(spec, rank, device, control, kept=kept)
+            else:
+                built = build_ffn_rank(spec, rank, device, control, expert_group, kept=kept)
+            kept = built
+            built.driver.warmup()  # the frontend logs each rank's memory line from its RankReady
+            conn.send(dataclasses.replace(built.ready[0], generation=generation, loads=loads))
+            if built.core is not None:
+                serve_attention(built, rank, conn)
+            else:
+                serve_ffn(built, rank, conn)
+            return
+        except Exception:
+            if kept is None:  # nothing to keep: this rank is replaced like a dead one
+                _report_failure(rank, conn)
+                raise
+            reason = traceback.format_exc()
+        except BaseException:
+            _report_failure(rank, conn)
+            raise
+        finally:
+            _leave_world(built, control)
+        dropped = kept.drop_requests()
+        log.warning("world generation %d broke (%s); left it with %d request(s) dropped, "
+                    "keeping the weights; waiting to rejoin", generation,
+                    reason.strip().splitlines()[-1], dropped)
+        try:
+            conn.send(Parted(rank, reason))
         except OSError:
-            pass
-        raise
-    finally:
-        if built is not None and built.wire is not None:
-            built.wire.close()
-        if control is not None:
-            control.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            return  # the frontend is gone
+        rejoin = _wait_for_rejoin(rank, conn)
+        if rejoin is None:
+            return
+        generation, store_path = rejoin.generation, rejoin.store_path
+
+
+def _report_failure(rank: int, conn: Channel) -> None:
+    try:
+        conn.send(RankFailed(rank, traceback.format_exc()))
+    except OSError:
+        pass
+
+
+def _leave_world(built: BuiltRank | None, control) -> None:
+    """Drop what ties this process to its world: the wire's log, the control board's mapping,
+    and every process group (gloo closes its sockets, so peers still waiting on this rank fail
+    at once instead of at the timeout)."""
+    if built is not None and built.wire is not None:
+        built.wire.close()
+    if control is not None:
+        control.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _wait_for_rejoin(rank: int, conn: Channel) -> Rejoin | None:
+    """The frontend's answer to `Parted`: a Rejoin, or None for Shutdown (or a frontend gone).
+    Requests and aborts queued before it belong to the broken generation: the frontend resumes
+    them on the next one, so they are dropped here."""
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return None
+        if isinstance(msg, Rejoin):
+            return msg
+        if isinstance(msg, Shutdown):
+            return None
+        if not isinstance(msg, (AddRequest, AbortRequest)):
+            raise TypeError(f"rank {rank}: unexpected message {type(msg).__name__}")
 
 
 def _apply(built: BuiltRank, rank: int, conn: Channel) -> bool:

@@ -1,19 +1,23 @@
 """The rank processes of one world, seen from the frontend: start them (or wait for ranks started
 elsewhere), authenticate their connections, hand out the WorkerSpec, wait until every rank is
-ready, pump their messages, notice a rank that died or stopped making progress, and stop them all,
-leaving no process behind.
+ready, pump their messages, notice a rank that died or stopped making progress, rebuild the world
+around the ranks that survived one (`RankWorld.rebuild`: a new generation, only the failed ranks
+replaced), and stop them all, leaving no process behind.
 
 Network exposure of a built-in (one-host) world: the rank channel listens on loopback until every
-rank has connected, then closes; the rendezvous store is a torch FileStore in a directory only
-this user can open (mode 0700), so no socket serves it and no other user can read or write its
-keys (a TCPStore, even on loopback, answers any local process: torch gives it no
-authentication); gloo and NCCL bootstrap over the loopback interface. Ranks started elsewhere
+rank has connected, then closes (a rebuild's replacement connects to a standby world's listener or
+to one opened for it alone, on loopback, closed once it is in); the rendezvous store is a torch
+FileStore in a directory only this user can open (mode 0700; each world generation a fresh file
+there), so no socket serves it and no other user can read or write its keys (a TCPStore, even
+on loopback, answers any local process: torch gives it no authentication); gloo and NCCL
+bootstrap over the loopback interface. Ranks started elsewhere
 (torchrun) rendezvous through env:// as usual, whose TCPStore, like gloo and NCCL themselves,
 has no authentication: such a world belongs on a private network (docs/design.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -27,13 +31,26 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, read_key
-from afdserve.afd.ranks.messages import Outputs, RankFailed, RankReady, Shutdown, WorkerSpec
+from afdserve.afd.ranks.messages import (
+    Outputs,
+    Parted,
+    RankFailed,
+    RankReady,
+    Rejoin,
+    Shutdown,
+    WorkerSpec,
+)
 
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 20.0
 KILL_WAIT_S = 5.0
+# How long the surviving ranks of a broken world have to say `Parted`: each notices the failure
+# in its next gloo operation or control round (a dead peer's sockets close at once; a rank that
+# leaves destroys its groups, which closes its own), so this is seconds on a loaded host. A
+# survivor that stays silent is stuck: the world restarts whole.
+PART_TIMEOUT_S = 15.0
 
 
 class WorkerError(RuntimeError):
@@ -80,14 +97,44 @@ class Standby:
         self.listener = RankListener(("127.0.0.1", 0), self.authkey)
         self.procs, self.store_dir = spawn_ranks(world_size, self.listener.address, self.authkey)
 
-    def close(self) -> None:
-        for proc in self.procs:
+    def close(self, keep: tuple[int, ...] = ()) -> None:
+        """Kill every process but those of the ranks in `keep` (taken by `take_ranks`)."""
+        others = [proc for rank, proc in enumerate(self.procs) if rank not in keep]
+        for proc in others:
             if proc.poll() is None:
                 proc.kill()
-        for proc in self.procs:
+        for proc in others:
             proc.wait(timeout=KILL_WAIT_S)
         self.listener.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def take_ranks(self, ranks: set[int], deadline: float
+                   ) -> dict[int, tuple[subprocess.Popen, Channel]]:
+        """The processes of `ranks`, connected, to replace those ranks of a running world; the
+        others are killed (a standby world is taken whole or not at all: the next standby is
+        started afresh)."""
+        got: dict[int, Channel] = {}
+        try:
+            while len(got) < len(ranks):
+                item = self.listener.get(timeout=0.2)
+                if item is not None:
+                    hello, conn = item
+                    if hello.rank in ranks and hello.rank not in got:
+                        got[hello.rank] = conn
+                    else:
+                        conn.close()
+                exited = [r for r in ranks if self.procs[r].poll() is not None]
+                if exited:
+                    raise WorkerError(f"standby process(es) of rank(s) {exited} exited")
+                if time.monotonic() > deadline:
+                    raise WorkerError("standby processes did not connect in time")
+        except BaseException:
+            for conn in got.values():
+                conn.close()
+            self.close()
+            raise
+        self.close(keep=tuple(ranks))
+        return {rank: (self.procs[rank], got[rank]) for rank in ranks}
 
 
 class StandbyWorlds:
@@ -126,26 +173,30 @@ def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes
     procs = []
     try:
         for rank in range(world):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                WORLD_SIZE=str(world),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
-                AFDSERVE_AUTHKEY=authkey.hex(),
-                AFDSERVE_STORE_PATH=os.path.join(store_dir, "store"),
-            )
-            env.pop("AFDSERVE_AUTHKEY_FILE", None)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
-                stdin=subprocess.DEVNULL))
+            procs.append(spawn_rank(rank, world, address, authkey, store_dir))
     except BaseException:
         for proc in procs:
             proc.kill()
         shutil.rmtree(store_dir, ignore_errors=True)
         raise
     return procs, store_dir
+
+
+def spawn_rank(rank: int, world: int, address: tuple[str, int], authkey: bytes,
+               store_dir: str) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
+        AFDSERVE_AUTHKEY=authkey.hex(),
+        AFDSERVE_STORE_PATH=os.path.join(store_dir, "store"),
+    )
+    env.pop("AFDSERVE_AUTHKEY_FILE", None)
+    return subprocess.Popen([sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
+                            stdin=subprocess.DEVNULL)
 
 
 class RankWorld:
@@ -163,6 +214,9 @@ class RankWorld:
         self.last_heard: dict[int, float] = {}
         self.closed = False
         self.store_dir: str | None = None
+        self.spawned = spawn
+        self.generation = 0  # bumped each time the world is rebuilt around its survivors
+        self.parted: set[int] = set()  # ranks that said Parted in this generation
         standby = STANDBY.take(self.world) if spawn else None
         key = read_key()
         if standby is not None:  # processes started ahead: they are connecting already
@@ -244,13 +298,25 @@ class RankWorld:
             for msg in self.messages(0.2):
                 if isinstance(msg, RankFailed):
                     raise WorkerError(f"rank {msg.rank} failed during start-up:\n{msg.traceback}")
+                if isinstance(msg, Parted):  # a survivor that could not join the new generation
+                    raise WorkerError(f"rank {msg.rank} could not rejoin:\n{msg.reason}")
                 if isinstance(msg, Lost):
                     self.check_alive("during start-up")
                     raise WorkerError(f"rank {msg.rank} disconnected during start-up")
                 if isinstance(msg, RankReady):
                     self.ready[msg.rank] = msg
                     log.info("%s", msg.memory.line())
+                    if msg.generation:
+                        log.info("rank %d (pid %d) joined world generation %d; weights loaded "
+                                 "%d time(s) by this process", msg.rank,
+                                 self.procs[msg.rank].pid if self.procs else -1,
+                                 msg.generation, msg.loads)
             self.check_alive("during start-up")
+            stopped = [rank for rank, proc in enumerate(self.procs)
+                       if self.generation and process_stopped(proc.pid)]  # fmt: skip
+            if stopped:  # a rebuild must not wait out the start-up timeout on a stopped rank
+                raise WorkerError(f"rank(s) {stopped} stopped while joining generation "
+                                  f"{self.generation}")
             if time.monotonic() > deadline:
                 raise WorkerError("ranks not ready before the start-up timeout")
         now = time.monotonic()
@@ -267,6 +333,8 @@ class RankWorld:
                     msgs.append(msg)
                     if isinstance(msg, Outputs) and rank in self.last_heard:  # attention
                         self.last_heard[rank] = time.monotonic()
+                    elif isinstance(msg, Parted):
+                        self.parted.add(rank)
             except (EOFError, OSError) as e:  # ChannelError (a malformed frame) included
                 if isinstance(e, ChannelError):
                     log.error("dropped rank %d's connection: %s", rank, e)
@@ -314,6 +382,110 @@ class RankWorld:
 
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
+
+    # ----- rebuilding a broken world around its survivors -----
+    def failed_ranks(self) -> set[int]:
+        """Ranks that cannot rejoin: their process exited or is stopped, or its channel broke."""
+        return {rank for rank, proc in enumerate(self.procs)
+                if proc.poll() is not None or process_stopped(proc.pid)
+                or rank not in self.conns}  # fmt: skip
+
+    def kill_failed(self) -> set[int]:
+        """SIGKILL the failed ranks now: a stopped (hung) one must be gone before a replacement
+        takes its rank, and its death closes its sockets, which unblocks the peers waiting on it."""
+        failed = self.failed_ranks()
+        for rank in failed:
+            proc = self.procs[rank]
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.error("rank process %d did not exit after SIGKILL", proc.pid)
+            conn = self.conns.pop(rank, None)
+            if conn is not None:
+                conn.close()
+        return failed
+
+    def rebuild(self) -> set[int]:
+        """The world broke while serving: kill the failed ranks, wait until every other rank
+        has left the broken generation (`Parted`), start a replacement for each failed rank (a
+        standby process where there is one), and have survivors and replacements join the
+        next generation through a fresh store file. Survivors keep their halves and KV caches;
+        only replacements load weights. Returns the ranks replaced; WorkerError when the world
+        cannot be rebuilt this way (the caller restarts it whole)."""
+        if not self.spawned or self.store_dir is None:
+            raise WorkerError("ranks started elsewhere are not replaced by the frontend")
+        failed = self.kill_failed()
+        survivors = set(range(self.world)) - failed
+        if not failed:  # silence without a culprit (the heartbeat): no rank to replace
+            raise WorkerError("no rank process exited or stopped: which one hangs is unknown")
+        if not survivors:
+            raise WorkerError("no rank survived")
+        deadline = time.monotonic() + PART_TIMEOUT_S
+        while survivors - self.parted:
+            for msg in self.messages(0.2):
+                if isinstance(msg, RankFailed):
+                    raise WorkerError(f"rank {msg.rank} failed:\n{msg.traceback}")
+                if isinstance(msg, Lost):
+                    raise WorkerError(f"rank {msg.rank} disconnected while the world broke")
+            gone = sorted(self.failed_ranks() & survivors)
+            if gone:
+                raise WorkerError(f"rank(s) {gone} failed too while the world broke")
+            if time.monotonic() > deadline:
+                stuck = sorted(survivors - self.parted)
+                raise WorkerError(f"rank(s) {stuck} did not leave the broken world within "
+                                  f"{PART_TIMEOUT_S:g} s")
+        generation = self.generation + 1
+        store_path = os.path.join(self.store_dir, f"store.{generation}")
+        start_deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank, (proc, conn) in self._replacements(failed, start_deadline).items():
+            self.procs[rank], self.conns[rank] = proc, conn
+            conn.send(dataclasses.replace(self.spec, store_path=store_path,
+                                          generation=generation))
+        for rank in sorted(survivors):
+            self.send(rank, Rejoin(generation, store_path))
+        self.generation, self.parted, self.ready = generation, set(), {}
+        log.info("world generation %d: rank(s) %s replaced, rank(s) %s rejoin with their "
+                 "weights", generation, sorted(failed), sorted(survivors))
+        self._wait_ready(start_deadline)
+        return failed
+
+    def _replacements(self, ranks: set[int], deadline: float
+                      ) -> dict[int, tuple[subprocess.Popen, Channel]]:
+        """A connected process for each of `ranks`: a standby world's (imports done), or fresh."""
+        standby = STANDBY.take(self.world)
+        if standby is not None:
+            return standby.take_ranks(ranks, deadline)
+        listener = RankListener(("127.0.0.1", 0), self.authkey)
+        procs: dict[int, subprocess.Popen] = {}
+        got: dict[int, Channel] = {}
+        try:
+            for rank in ranks:
+                procs[rank] = spawn_rank(rank, self.world, listener.address, self.authkey,
+                                         self.store_dir or "")
+            while len(got) < len(ranks):
+                item = listener.get(timeout=0.2)
+                if item is not None:
+                    hello, conn = item
+                    if hello.rank in procs and hello.rank not in got:
+                        got[hello.rank] = conn
+                    else:
+                        conn.close()
+                if any(proc.poll() is not None for proc in procs.values()):
+                    raise WorkerError("a replacement rank process exited during start-up")
+                if time.monotonic() > deadline:
+                    raise WorkerError("replacement ranks did not connect in time")
+        except BaseException:
+            for conn in got.values():
+                conn.close()
+            for proc in procs.values():
+                proc.kill()
+                proc.wait(timeout=KILL_WAIT_S)
+            raise
+        finally:
+            listener.close()
+        return {rank: (procs[rank], got[rank]) for rank in ranks}
 
     def shutdown(self) -> None:
         """Ask every rank to stop; kill what is still running after JOIN_TIMEOUT_S (a stopped or
