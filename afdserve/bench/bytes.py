@@ -3,7 +3,9 @@ routed experts a batch touches, and the weight and KV bytes of one step.
 
 Bytes are those held in memory: a block-scaled FP8 weight (`quantization="fp8"`) counts one byte
 per element plus its float32 scale grid, a routed expert's scales only for the experts touched
-(as its weights); an FP8 KV cache counts one byte per cached element."""
+(as its weights); an FP8 KV cache counts one byte per cached element. DeepSeek-V4's paged cache
+(model/deepseek_v4/cache.py) counts what its attention reads per layer type (`v4_layer_kv_bytes`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import statistics
 
 import torch
 
+from afdserve.model.config import ModelConfig
 from afdserve.model.fp8 import SCALE_SUFFIX
 from afdserve.model.model import MoECausalLM
 from afdserve.model.moe import Experts
@@ -87,3 +90,49 @@ def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize:
     tensors = 1 if c.attention == "mla" else 2
     per_token = c.num_layers * tensors * c.num_cache_heads * c.kv_cache_dim * itemsize
     return int(batch * mean_context * per_token)
+
+
+def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: int) -> int:
+    """Bytes one sequence's decode query at `position` reads of DeepSeek-V4 layer `layer`'s pages:
+    the state `LayerPages.read(table, position)` hands `V4Attention` (model/deepseek_v4/
+    cache.py, attention.py), in the pages' dtypes (`itemsize` bytes, `prev_gate` float32).
+
+    W = sliding_window, d = head_dim, m = the layer's compress rate, closed = position // m
+    (the windows pooled into entries so far), open = position % m (rows of the open window):
+    - every layer: the window's last min(position, W - 1) rows, d wide;
+    - HCA: all `closed` entries (d), and the open window's kv and gate rows (d each);
+    - CSA: of its entries only the min(index_topk, closed) the indexer selects (the CPU
+      reference gathers every entry and masks, a sparse kernel reads just these), the open
+      window's kv and gate rows (2 d each: two series per token), and the last closed window's
+      first series (m rows of kv at d, of gate at d in float32) once a window has closed;
+      its indexer: all `closed` keys (index_head_dim wide), it scores every one, and its own
+      open rows and last closed series at index_head_dim, as the compressor's.
+    Writes (the new row, an entry its window closes) are left out, as for every family."""
+    v4, d, f32 = config.v4, config.head_dim, 4
+    kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
+    total = min(position, v4.sliding_window - 1) * d * itemsize
+    if not rate:
+        return total
+    closed, open_rows = divmod(position, rate)
+    if kind == "heavily_compressed_attention":
+        return total + closed * d * itemsize + 2 * open_rows * d * itemsize
+
+    def compressor(width: int, entries: int) -> int:
+        prev = rate * width * (itemsize + f32) if closed else 0
+        return entries * width * itemsize + 2 * open_rows * 2 * width * itemsize + prev
+
+    selected = min(v4.index_topk, closed)
+    return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)
+
+
+def timed_kv_bytes(model: MoECausalLM, batch: int, positions: range, itemsize: int) -> int:
+    """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
+    GQA and MLA read the cache of position + 1 tokens (the new token's row included),
+    DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""
+    c = model.config
+    if c.v4 is None:
+        mean_context = sum(p + 1 for p in positions) / len(positions)
+        return step_kv_bytes(model, batch, mean_context, itemsize)
+    per_step = [sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
+                for p in positions]  # fmt: skip
+    return int(batch * sum(per_step) / len(per_step))

@@ -20,15 +20,16 @@ import torch
 
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_driver
 from afdserve.afd.step.control import LocalControl
-from afdserve.bench.bytes import step_kv_bytes, step_weight_bytes, touched_experts
+from afdserve.bench.bytes import step_weight_bytes, timed_kv_bytes, touched_experts
 from afdserve.bench.report import WARMUP_STEPS, Timer
-from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.kv_cache import KVCache, cache_dtype, check_fp8_kv
+from afdserve.engine.cuda_graphs import PlannedForward, check_capturable
+from afdserve.engine.kv_cache import KVCache, cache_dtype, check_fp8_kv, make_kv_cache
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 from afdserve.model.config import parse_model_config
+from afdserve.model.deepseek_v4.cache import V4KVCache
 from afdserve.model.loader import (
     TORCH_DTYPES,
     all_tensor_names,
@@ -100,6 +101,8 @@ def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.dev
     """One half (or the whole model) of the config `raw`: random weights hold what a colocated
     model of the spec's seed holds, so every half equals its part of the colocated model."""
     config = parse_model_config(raw)
+    # Refused before any weight is drawn: DeepSeek-V4's attention is not capturable on CUDA.
+    check_capturable(config, spec.device, spec.graph_mode)
     quantization = resolve_quantization(config.quantization, spec.quantization)
     config = dataclasses.replace(config, quantization=quantization)
     model = build_model(config, parts, TORCH_DTYPES[spec.dtype], device)
@@ -120,8 +123,20 @@ def build_halves(spec: DecodeSpec, raw: dict) -> tuple[MoECausalLM, MoECausalLM]
             build_half(spec, raw, ModelParts(False, True), device))
 
 
+def cache_tensors(kv: KVCache | V4KVCache) -> list[torch.Tensor]:
+    """Every tensor of the cache, each layer's in order: K and V (MLA: its latent), or a V4
+    layer's pages (window ring, entries, open and previous windows, the indexer's own)."""
+    if isinstance(kv, V4KVCache):
+        return [page for layer in kv.layers for page in layer.pages.values()]
+    return [t for pair in kv.layers for t in pair if t is not None]
+
+
 class DecodeSteps:
     """A batch of `batch` sequences with `context_len` random cached tokens, decoded in lockstep.
+    The cache is the engine's (`make_kv_cache`), every tensor of it drawn at unit scale in its
+    own dtype: GQA/MLA K/V, or every page of a DeepSeek-V4 layer (its window rows and entries are
+    RMS-normed, the open windows' projections and gates of unit order too), so a step at
+    `context_len` reads a full context's worth of state.
 
     Steps run the engine's own path, assembled by ranks/build.py: a one-rank StepPlan decides
     capture / replay / eager, and graph steps go through the engine's `CudaGraphRunner` (its input
@@ -138,16 +153,13 @@ class DecodeSteps:
         kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
         if kv_dtype != TORCH_DTYPES[spec.dtype]:
             check_fp8_kv(config, dev)
-        self.kv = KVCache(config, batch * self.width, bs, kv_dtype, dev)
+        self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
-        for first, second in self.kv.layers:
-            for t in (first, second):
-                if t is None:
-                    continue
-                if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
-                    t.copy_(torch.randn(t.shape, generator=gen, device=dev))
-                else:
-                    t.normal_(generator=gen)
+        for t in cache_tensors(self.kv):
+            if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev))
+            else:
+                t.normal_(generator=gen)
         self.tables = torch.arange(batch * self.width, device=dev, dtype=torch.int32).view(
             batch, self.width
         )
@@ -239,12 +251,13 @@ def bench_batch(attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeSpec, batch: in
     if ready is not None:
         ready()
     times = [steps.step()[1] for _ in range(spec.steps)]
-    mean_context = spec.context_len + WARMUP_STEPS + (spec.steps + 1) / 2
+    # The timed steps' positions: touched_experts' step and the warm-up steps came first.
+    timed = range(spec.context_len + WARMUP_STEPS, spec.context_len + WARMUP_STEPS + spec.steps)
     result = DecodeResult(
         batch=batch,
         step_ms=statistics.median(times) * 1e3,
         weight_bytes=step_weight_bytes(attn, ffn, batch, hit),
-        kv_bytes=step_kv_bytes(attn, batch, mean_context, steps.kv.dtype.itemsize),
+        kv_bytes=timed_kv_bytes(attn, batch, timed, steps.kv.dtype.itemsize),
         copy_gbps=copy_gbps,
     )
     del steps
