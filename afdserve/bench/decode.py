@@ -4,7 +4,8 @@ measured copy bandwidth. Decode is memory-bound, so that fraction is the figure 
 
 Bytes a step must read: every non-expert weight once (attention, norms, routers, dense and shared
 MLPs, lm_head), one embedding row per sequence, each routed expert the batch touches once per
-layer, and every sequence's cached K/V. Writes (one token of KV, activations) are left out.
+layer, and every sequence's cached K/V (DeepSeek-V4: what its attention reads of its paged cache,
+per layer type). Writes (one token of KV, activations) are left out.
 With `--quantization fp8` the FP8 weights count one byte per element plus their float32 block
 scales, and with `--kv-cache-dtype fp8` the cache one byte per element (bench/bytes.py).
 """
