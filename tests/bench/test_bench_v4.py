@@ -5,6 +5,7 @@ captured in on CUDA are refused before anything is built."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,12 @@ import torch
 from afdserve.afd.dataplane.connector import InProcessConnector
 from afdserve.bench.bytes import v4_layer_kv_bytes
 from afdserve.bench.decode import DecodeBench, run_decode_bench
-from afdserve.bench.decode_steps import DecodeSteps, build_halves
+from afdserve.bench.decode_steps import DecodeSteps, bench_batch, build_halves
 from afdserve.engine.model_runner import LocalFFN
 from afdserve.model.config import load_model_config
 from afdserve.model.deepseek_v4.cache import V4KVCache
 from afdserve.model.deepseek_v4.tiny import make_tiny_v4
-from afdserve.model.presets import hf_config_of
+from afdserve.model.presets import hf_config_of, preset_hf_config
 
 # The tiny V4 (model/deepseek_v4/tiny.py): layers sliding, CSA, HCA, CSA; window 4, CSA rate 2,
 # HCA rate 4, head_dim 16, indexer keys 8 wide, index_topk 2.
@@ -143,3 +144,37 @@ def test_graph_modes_v4_cannot_capture_are_refused_on_cuda(v4_dir: Path) -> None
     with pytest.raises(ValueError, match="graph_mode='full_decode_only' is not supported for "
                                          "family 'deepseek_v4' on CUDA yet"):  # fmt: skip
         build_halves(s, hf_config_of(None, str(v4_dir)))
+
+
+# DeepSeek-V4-Flash's preset shrunk to CPU size, everything else as published (FP8 projections,
+# FP4 experts, window 128, CSA rate 4, HCA rate 128, index_topk 512, hash layers): the bench's
+# `--preset deepseek-v4-flash:4` path in bf16, over a context that crosses two HCA windows.
+SHRUNK = dict(
+    hidden_size=256, head_dim=128, num_attention_heads=4, q_lora_rank=128, o_lora_rank=128,
+    o_groups=2, index_n_heads=4, index_head_dim=128, n_routed_experts=8,
+    moe_intermediate_size=256, vocab_size=512,
+)  # fmt: skip
+
+
+def test_shrunk_flash_in_bf16_decodes_alike_and_counts_by_hand(tmp_path: Path) -> None:
+    raw = {**preset_hf_config("deepseek-v4-flash:4"), **SHRUNK}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = {}
+    for topology in ("colocated", "in-process"):
+        s = spec(tmp_path, random_weights=True, dtype="bfloat16", context_len=300, steps=2,
+                 block_size=16, topology=topology)  # fmt: skip
+        attn, ffn = build_halves(s, raw)
+        assert bench_batch(attn, ffn, s, 2, None).kv_bytes == 2 * (205312 + 200192) // 2
+        got[topology] = tokens(DecodeSteps(attn, ffn, s, 2))[:2]
+    assert got["in-process"] == got["colocated"]
+    # By hand, e = 2 (bf16), d = 128, timed positions 303 and 304; every layer reads its window's
+    # last 127 rows: 127 * 128 * 2 = 32512 bytes.
+    w = 32512
+    # 303: CSA closed 75 (all selected, < 512), open 3; HCA closed 2, open 47.
+    csa = 75 * 128 * 2 + 2 * 3 * 256 * 2 + 4 * 128 * 6  # entries, open kv+gate, prev kv+gate
+    hca = 2 * 128 * 2 + 2 * 47 * 128 * 2
+    assert 2 * w + (w + 2 * csa) + (w + hca) == 205312  # the indexer's sizes are the main ones
+    # 304: CSA closed 76, open 0; HCA closed 2, open 48.
+    csa = 76 * 128 * 2 + 0 + 4 * 128 * 6
+    hca = 2 * 128 * 2 + 2 * 48 * 128 * 2
+    assert 2 * w + (w + 2 * csa) + (w + hca) == 200192
