@@ -113,41 +113,28 @@ class Standby:
         """The processes of `ranks`, connected, to replace those ranks of a running world; the
         others are killed (a standby world is taken whole or not at all: the next standby is
         started afresh)."""
+        got: dict[int, Channel] = {}
         try:
-            got = connect_ranks(self.listener, self.procs, ranks, deadline, "standby")
+            while len(got) < len(ranks):
+                item = self.listener.get(timeout=0.2)
+                if item is not None:
+                    hello, conn = item
+                    if hello.rank in ranks and hello.rank not in got:
+                        got[hello.rank] = conn
+                    else:
+                        conn.close()
+                exited = [r for r in ranks if self.procs[r].poll() is not None]
+                if exited:
+                    raise WorkerError(f"standby process(es) of rank(s) {exited} exited")
+                if time.monotonic() > deadline:
+                    raise WorkerError("standby processes did not connect in time")
         except BaseException:
+            for conn in got.values():
+                conn.close()
             self.close()
             raise
         self.close(keep=tuple(ranks))
         return {rank: (self.procs[rank], got[rank]) for rank in ranks}
-
-
-def connect_ranks(listener: RankListener,
-                  procs: dict[int, subprocess.Popen] | list[subprocess.Popen], ranks: set[int],
-                  deadline: float, what: str) -> dict[int, Channel]:
-    """The channel of each of `ranks` (its Hello taken from `listener`; any other connection is
-    closed) by `deadline`. WorkerError when one of their processes exits first or time runs out;
-    then the channels already taken are closed. `what` names the processes in that error."""
-    got: dict[int, Channel] = {}
-    try:
-        while len(got) < len(ranks):
-            item = listener.get(timeout=0.2)
-            if item is not None:
-                hello, conn = item
-                if hello.rank in ranks and hello.rank not in got:
-                    got[hello.rank] = conn
-                else:
-                    conn.close()
-            exited = sorted(r for r in ranks if procs[r].poll() is not None)
-            if exited:
-                raise WorkerError(f"{what} process(es) of rank(s) {exited} exited during start-up")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"{what} processes did not connect in time")
-    except BaseException:
-        for conn in got.values():
-            conn.close()
-        raise
-    return got
 
 
 class StandbyWorlds:
@@ -472,12 +459,26 @@ class RankWorld:
             return standby.take_ranks(ranks, deadline)
         listener = RankListener(("127.0.0.1", 0), self.authkey)
         procs: dict[int, subprocess.Popen] = {}
+        got: dict[int, Channel] = {}
         try:
             for rank in ranks:
                 procs[rank] = spawn_rank(rank, self.world, listener.address, self.authkey,
                                          self.store_dir or "")
-            got = connect_ranks(listener, procs, ranks, deadline, "replacement")
+            while len(got) < len(ranks):
+                item = listener.get(timeout=0.2)
+                if item is not None:
+                    hello, conn = item
+                    if hello.rank in procs and hello.rank not in got:
+                        got[hello.rank] = conn
+                    else:
+                        conn.close()
+                if any(proc.poll() is not None for proc in procs.values()):
+                    raise WorkerError("a replacement rank process exited during start-up")
+                if time.monotonic() > deadline:
+                    raise WorkerError("replacement ranks did not connect in time")
         except BaseException:
+            for conn in got.values():
+                conn.close()
             for proc in procs.values():
                 proc.kill()
                 proc.wait(timeout=KILL_WAIT_S)
