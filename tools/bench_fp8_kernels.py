@@ -4,9 +4,10 @@ median). Prints microseconds per call and the weight bytes read per second.
 
     PYTHONPATH=$PWD python tools/bench_fp8_kernels.py [--batches 1,8,64,256]
 
-Rows: the dense projections (q/k/v packed as the bf16 model runs them: one bf16 GEMM; FP8 runs
-three, model/attention.py), o_proj, and the routed experts of one layer (top-8 of 128, random
-routing): bf16 decode kernels / sort-free grouped path / torch's grouped GEMM, FP8 kernels.
+Rows: the dense projections (q/k/v packed into one GEMM, as model/attention.py runs them in bf16
+and in FP8), o_proj, and the routed experts of one layer (top-8 of 128, random
+routing): bf16 decode kernels / sort-free grouped path / torch's grouped GEMM, FP8 kernels, each
+FP8 kernel weight-only and w8a8 (activations quantized per 128-group).
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from afdserve.kernels import fp8, moe_gpu, ops, triton_fp8_moe, triton_grouped_moe, triton_moe
+from afdserve.kernels import (
+    fp8,
+    moe_gpu,
+    ops,
+    triton_fp8,
+    triton_fp8_moe,
+    triton_fp8_w8a8,
+    triton_grouped_moe,
+    triton_moe,
+)
 from afdserve.model.fp8 import quantize_weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
@@ -36,24 +46,28 @@ def line(name: str, us: float, nbytes: int) -> str:
 
 
 def projection(name: str, m: int, n: int, k: int, splits: tuple[int, ...]) -> None:
-    """One bf16 GEMM [n, k] against the same weight in FP8 as `splits` row blocks (FP8 q/k/v
-    run as three GEMMs: model/attention.py)."""
+    """One bf16 GEMM [n, k] against the same weight in FP8 as `splits` row blocks."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda") * k**-0.5
     wb = w.bfloat16()
     print(line(f"{name} bf16 F.linear", timed(lambda: F.linear(x, wb)), n * k * 2))
     parts = [fp8.quantize_blockwise(p, BLOCK) for p in w.split(list(splits))]
 
-    def run() -> None:
-        for q, s in parts:
-            ops.fp8_linear(x, q, s, None, BLOCK)
+    for a8 in (False, True):
+        label = "w8a8" if a8 else "weight-only"
 
-    print(line(f"{name} fp8 ({len(parts)} GEMMs)", timed(run), n * k))
+        linear = triton_fp8_w8a8.fp8_linear if a8 else triton_fp8.fp8_linear
+
+        def run(linear=linear) -> None:
+            for q, s in parts:
+                linear(x, q, s, None)
+
+        print(line(f"{name} fp8 {label} ({len(parts)} GEMMs)", timed(run), n * k))
 
 
 def dense(m: int) -> None:
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    projection("qkv", m, q + 2 * kv, HIDDEN, (q, kv, kv))
+    projection("qkv", m, q + 2 * kv, HIDDEN, (q + 2 * kv,))  # packed, as the model runs it
     projection("o_proj", m, HIDDEN, q, (HIDDEN,))
 
 
@@ -82,12 +96,15 @@ def experts(m: int) -> None:
         print(line("experts bf16 torch grouped_mm", timed(torch_grouped), bf16_bytes))
     fp8_run = lambda: ops.moe_experts_fp8(x, ids, weights, g13, g2, BLOCK)  # noqa: E731
     print(line("experts fp8 (ops)", timed(fp8_run), fp8_bytes))
-    if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
-        fp8_decode = lambda: triton_fp8_moe.moe_experts(x, ids, weights, g13, g2)  # noqa: E731
-        print(line("experts fp8 decode kernels", timed(fp8_decode), fp8_bytes))
-    fp8_grouped = lambda: triton_grouped_moe.moe_experts(  # noqa: E731
-        x, ids, weights, g13[0], g2[0], (g13[1], g2[1]))
-    print(line("experts fp8 grouped (sort-free)", timed(fp8_grouped), fp8_bytes))
+    for a8 in (False, True):
+        label = "w8a8" if a8 else "weight-only"
+        if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
+            fp8_decode = lambda a8=a8: triton_fp8_moe.moe_experts(  # noqa: E731
+                x, ids, weights, g13, g2, a8=a8)
+            print(line(f"experts fp8 {label} decode kernels", timed(fp8_decode), fp8_bytes))
+        fp8_grouped = lambda a8=a8: triton_grouped_moe.moe_experts(  # noqa: E731
+            x, ids, weights, g13[0], g2[0], (g13[1], g2[1]), a8=a8)
+        print(line(f"experts fp8 {label} grouped (sort-free)", timed(fp8_grouped), fp8_bytes))
 
 
 def main() -> None:

@@ -75,6 +75,35 @@ def fp8_linear(
     return F.linear(x, dequantize_blockwise(q, scale_inv, x.dtype, block), bias)
 
 
+def quantize_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x [..., K] quantized to float8_e4m3fn in groups of `group` consecutive values of a row,
+    each group with a power-of-two scale that brings its largest |value| into (224, 448], and
+    returned dequantized (float32): what the w8a8 GPU kernels multiply (triton_fp8.as_operand's
+    A_FP8). A power-of-two scale makes x / scale exact, so only the rounding to e4m3 differs."""
+    k = x.shape[-1]
+    pad = -k % group
+    xf = F.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], -1, group)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    # The least power of two with amax / scale <= 448, checked exactly both ways (log2 rounds).
+    scale = torch.where(amax / (scale / 2) <= FP8_MAX, scale / 2, scale)
+    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def fp8_linear_w8a8(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """y = quantize_activations(x) @ dequant(q)^T + bias in float32, rounded once to x's dtype:
+    the oracle of the w8a8 GPU GEMM (DeepSeek's recipe), whose only other difference is the
+    float32 summation order."""
+    w = dequantize_blockwise(q, scale_inv, torch.float32, block)
+    y = F.linear(quantize_activations(x, block[1]), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 def dequantize_gate_up(
     q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
 ) -> torch.Tensor:
@@ -95,12 +124,16 @@ def moe_experts_fp8(
     down: tuple[torch.Tensor, torch.Tensor],
     block: tuple[int, int],
     limit: float | None = None,
+    a8: bool = False,
 ) -> torch.Tensor:
     """`reference.moe_experts` over FP8 experts: (q, scale_inv) of gate_up [E, 2I, H] and down
     [E, H, I]. Only the experts some row is routed to are dequantized, one at a time, so the
-    transient is one expert's weights in x's dtype."""
+    transient is one expert's weights in x's dtype. `a8`: x and the intermediate quantized per
+    row in groups of 128 as well (the w8a8 GPU kernels' oracle; give float32 x)."""
     def weights_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block),
                 dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block))
 
-    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit)
+    operand = (lambda t: quantize_activations(t, block[1]).to(t.dtype)) if a8 else None
+    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit,
+                          operand)  # fmt: skip

@@ -177,13 +177,16 @@ def fp8_linear(
     x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
-    """A block-scaled FP8 weight applied weight-only. On CUDA one Triton GEMM reads the FP8
-    weight itself, its tiles scaled in registers (kernels/triton_fp8.py); elsewhere the
-    reference dequantizes the whole weight first."""
+    """A block-scaled FP8 weight. On CUDA a Triton GEMM reads the FP8 weight itself: w8a8 for
+    bf16/fp16 x (its rows quantized per 128-group, kernels/triton_fp8_w8a8.py), weight-only for
+    float32 x (kernels/triton_fp8.py); elsewhere the weight-only reference dequantizes the whole
+    weight first."""
     if _triton_ready(x):
-        from afdserve.kernels import triton_fp8
+        from afdserve.kernels import triton_fp8, triton_fp8_w8a8
 
         if triton_fp8.supports(x, q, scale_inv, block):
+            if triton_fp8.w8a8(x.dtype):
+                return triton_fp8_w8a8.fp8_linear(x, q, scale_inv, bias)
             return triton_fp8.fp8_linear(x, q, scale_inv, bias)
     return fp8.fp8_linear(x, q, scale_inv, bias, block)
 

@@ -184,9 +184,12 @@ def routed_experts(
     num_experts: int,
     weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     limit: float | None = None,
+    operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`moe_experts` with each expert's (gate_up, down) from `weights_of(expert)`, asked only for
-    the experts some row is routed to (the FP8 path dequantizes them there, one at a time)."""
+    the experts some row is routed to (the FP8 path dequantizes them there, one at a time).
+    `operand`: applied to the left operand of both GEMMs (w8a8's activation quantization)."""
+    operand = operand or (lambda t: t)
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -201,8 +204,8 @@ def routed_experts(
         tokens = token_of[start : start + count]
         start += count
         w13, w2 = weights_of(expert)
-        gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
-        y = F.linear(swiglu(gate, up, limit), w2)
+        gate, up = F.linear(operand(x[tokens]), w13).chunk(2, dim=-1)
+        y = F.linear(operand(swiglu(gate, up, limit)), w2)
         weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
         out.index_add_(0, tokens, (y * weight).to(out.dtype))
     return out

@@ -1,32 +1,28 @@
-"""A block-scaled FP8 linear layer on CUDA: y = x @ dequant(W)^T + bias in one Triton GEMM.
+"""A block-scaled FP8 linear layer on CUDA, weight-only: y = x @ dequant(W)^T + bias in one
+Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`).
 
 W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
-(kernels/fp8.py has the format and the reference). Weight-only: x and y stay in x's dtype, the
-bytes read are one per weight plus the scales, and no dequantized copy of the weight is written.
-Two ways to apply the scales, by M:
+(kernels/fp8.py has the format and the reference); no dequantized copy of it is ever written.
+bf16/fp16 x takes the w8a8 GEMM (kernels/triton_fp8_w8a8.py, `w8a8`); this one serves float32 x
+and the comparison. Two ways to apply the scales, by M:
 
 - small M (decode, up to 64 rows; also every routed-expert kernel): a tile's output columns and
-  its K step both divide 128 and start on a multiple of their size, so the whole tile lies in one
+  its K step divide 128 and start on a multiple of their size, so the whole tile lies in one
   scale block. The FP8 values are cast to fp16 (exact: every e4m3 value is an fp16 value; bf16
   rows of x are scaled by a power of two into fp16, also exact: `as_operand`), tl.dot runs on
-  them, and its float32 partial is multiplied by the one block scale (`block_dot`). Per weight
-  element that is half an instruction: these GEMMs are memory-bound, and converting each element
-  to float32, scaling and rounding it back (or Triton's e4m3 -> bf16) costs ALU time beyond the
-  time its byte takes to arrive (an H200 measured FP8 slower than bf16 that way). Against the
+  them, and its float32 partial is multiplied by the one block scale (`block_dot`). Against the
   reference (which rounds each dequantized weight to x's dtype) the only difference is that
-  rounding, which this skips.
+  rounding, which this skips. The expert kernels quantize x per row instead by default
+  (`as_operand`'s A_FP8).
 - large M (prefill): each tile is dequantized in registers as the reference does it (FP8 to
   float32, times its row's block scale, rounded to x's dtype: `dequant_tile`) and accumulated in
-  place; the conversion is shared by BM rows, and the in-place accumulator keeps the MMA pipeline.
+  place.
 
 At small M the output alone gives too few programs to keep every SM streaming the weight (a
 2048-wide projection in tiles of 32 columns is 64 programs), so K is split too, in whole scale
 blocks; each split writes a float32 partial and a second launch sums them in split order, adds
-the bias and rounds once (deterministic, unlike atomics).
-
-No w8a8 path (activations quantized per token on the fly, tl.dot on FP8 inputs): it would only
-pay for compute-bound prefill GEMMs, and decode is memory-bound. No host sync: shapes pick the
-tiles, so a CUDA graph captures the launches at their batch size.
+the bias and rounds once (deterministic, unlike atomics). No host sync: shapes pick the tiles,
+so a CUDA graph captures the launches at their batch size.
 """
 
 from __future__ import annotations
@@ -80,15 +76,39 @@ def dequant_tile(w_ptrs, w_mask, s_ptrs, s_mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def as_operand(xs, X_SCALED: tl.constexpr):
-    """(left operand, per-row scale) of a dot against FP8 weights. X_SCALED (bf16 x): each row
-    times a power of two that brings its largest value near 2^14, in fp16. Exact: fp16 holds
-    every bf16 value in its range with mantissa to spare, and a power of two only moves the
-    exponent (only values below 2^-28 of their row's largest lose bits). The dot then runs in
-    fp16, against FP8 weights cast to fp16 in one instruction per two values, where casting them
-    to bf16 takes three (Triton's e4m3 -> bf16 goes through fp16); products and the float32
-    accumulation are the same as in bf16. Otherwise x as it is (the scale is not read)."""
-    if X_SCALED:
+def exact_shift(amax, limit: tl.constexpr):
+    """The least integer s with amax / 2^s <= limit (`kernels/fp8.quantize_activations`' exponent):
+    log2 is approximate on the GPU, so its ceiling is checked both ways, exactly (a power of two
+    only moves the exponent)."""
+    shift = tl.ceil(tl.log2(amax / limit))
+    shift = tl.where(amax * tl.exp2(1.0 - shift) <= limit, shift - 1.0, shift)
+    return tl.where(amax * tl.exp2(-shift) > limit, shift + 1.0, shift)
+
+
+@triton.jit
+def as_operand(xs, X_SCALED: tl.constexpr, A_FP8: tl.constexpr = False):
+    """(left operand, per-row scale) of a dot against FP8 weights.
+
+    A_FP8 (w8a8): each row of the K step quantized to float8_e4m3fn with its own power-of-two
+    scale, the one that brings its largest value into (224, 448] (DeepSeek's 1 x 128 activation
+    groups; a power of two, so `x / scale` is exact and only the rounding to e4m3 loses bits, as
+    `kernels/fp8.quantize_activations` computes it). The dot then runs on FP8 tensor cores with
+    both operands as stored: no per-weight conversion at all.
+
+    X_SCALED (bf16 x, weight-only): each row times a power of two that brings its largest value
+    near 2^14, in fp16. Exact: fp16 holds every bf16 value in its range with mantissa to spare,
+    and a power of two only moves the exponent (only values below 2^-28 of their row's largest
+    lose bits). The dot then runs in fp16, against FP8 weights cast to fp16 in one instruction per
+    two values, where casting them to bf16 takes three (Triton's e4m3 -> bf16 goes through fp16);
+    products and the float32 accumulation are the same as in bf16. Otherwise x as it is (the
+    scale is not read)."""
+    if A_FP8:
+        xf = xs.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)
+        shift = exact_shift(amax, 448.0)
+        xo = (xf * tl.exp2(-shift)[:, None]).to(tl.float8e4nv)
+        rows = tl.exp2(shift)
+    elif X_SCALED:
         xf = xs.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-20)
         shift = tl.ceil(tl.log2(amax)) - 14.0
@@ -194,10 +214,35 @@ def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     return bm, bn, SCALE_BLOCK, splits, 4, 4
 
 
+# Whether the dense GEMM quantizes its activations (w8a8, kernels/triton_fp8_w8a8.py): on an
+# H200 it took 7.1 against 17.7 us for Qwen3-30B-A3B's packed q/k/v at 64 rows and 14.4 against
+# 32.5 at 256 (docs/benchmarks.md, 2026-12-02); vLLM and DeepSeek's own inference quantize
+# activations the same way (per token, groups of 128).
+W8A8 = True
+# Whether the routed-expert kernels (triton_fp8_moe, triton_grouped_moe) quantize x and h too:
+# the grouped GEMM took 181.9 against 197.7 us at a batch of 64 and 243.0 against 267.1 at 256
+# (with 128-column tiles, triton_grouped_moe.FP8_COLUMNS; Qwen3-30B-A3B's experts, H200).
+W8A8_EXPERTS = True
+
+
+def w8a8(dtype: torch.dtype) -> bool:
+    """Whether the dense GEMM quantizes x of `dtype`: 16-bit x only (a float32 model asked for
+    the weight-only precision)."""
+    return W8A8 and dtype in (torch.bfloat16, torch.float16)
+
+
+def operand_modes(a8: bool, k_block: int, dtype: torch.dtype, w_fp8: bool = True) -> dict:
+    """`as_operand`'s constexprs for a kernel stepping K by `k_block` against FP8 weights (w_fp8)
+    or weights in x's dtype: w8a8 only where asked and the step is at least 32 (the smallest K
+    of an FP8 dot; a reduction dim of 16 or 48 steps by 16), else fp16-scaled bf16 rows."""
+    a8 = w_fp8 and a8 and k_block >= 32
+    return dict(X_SCALED=a8 or (w_fp8 and dtype == torch.bfloat16), A_FP8=a8)
+
+
 def fp8_linear(
     x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`kernels/fp8.fp8_linear` on CUDA: x [..., in] -> [..., out] in x's dtype."""
+    """`kernels/fp8.fp8_linear` on CUDA, weight-only: x [..., in] -> [..., out] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = q.shape[0]
     x2 = x.reshape(-1, k)

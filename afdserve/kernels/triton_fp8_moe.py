@@ -7,9 +7,9 @@ its pairs found by a prefix sum over the pair list); each FP8 weight tile lies i
 scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
 (exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
 
-Weight-only on purpose: a decode step's experts are memory-bound (at batch 64, bf16, they run at
-~95% of copy bandwidth), so reading one byte per weight instead of two is the speedup; quantizing
-activations to FP8 as well (w8a8) would only save compute, which decode has to spare. Batches
+w8a8 by default (triton_fp8.W8A8_EXPERTS): x and h are quantized per row in groups of 128
+as the dense GEMM does (kernels/triton_fp8.as_operand), and the dots run on FP8 tensor cores;
+`a8=False` keeps them in x's dtype against the FP8 values cast to it (weight-only). Batches
 past MAX_PAIRS take kernels/triton_grouped_moe.py with the same dequantization. No host sync: a
 CUDA graph captures the launches at their pair count.
 """
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.triton_fp8 import as_operand, block_dot
 from afdserve.kernels.triton_moe import (
@@ -58,7 +59,7 @@ def supports(
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
     inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr,
+    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -77,7 +78,7 @@ def _gate_up_kernel(
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, hidden, K_BLOCK):
             xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            xo, rs = as_operand(xs, X_SCALED)  # once for gate and up
+            xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
             w_cols = k0 + k[None, :]
             gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
                              gate, True, X_SCALED, "tf32")  # fmt: skip
@@ -92,7 +93,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr,
+    K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -107,7 +108,7 @@ def _down_kernel(
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            ho, rs = as_operand(hs, X_SCALED)
+            ho, rs = as_operand(hs, X_SCALED, A_FP8)
             acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
                             scales + k0 // 128, acc, True, X_SCALED, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -121,10 +122,11 @@ def moe_experts(
     topk_weights: torch.Tensor,
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
+    a8: bool | None = None,
 ) -> torch.Tensor:
-    """`fp8.moe_experts_fp8`'s contract on CUDA for up to MAX_PAIRS pairs: x [rows,
-    hidden]; gate_up / down as (FP8 stack, scale grid). Every id must be a held expert (ops maps
-    -1 to expert 0 with weight 0). Check `supports` first."""
+    """`fp8.moe_experts_fp8`'s contract on CUDA for up to MAX_PAIRS pairs: x [rows, hidden];
+    gate_up / down as (FP8 stack, scale grid); `a8` as in triton_grouped_moe.moe_experts. Every
+    id must be a held expert (ops maps -1 to expert 0 with weight 0). Check `supports` first."""
     (w13, s13), (w2, s2) = gate_up, down
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
@@ -139,11 +141,11 @@ def moe_experts(
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     experts = w13.shape[0]
+    a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     routing = dict(
         PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
         BY_EXPERT=pairs > experts,
         ROWS=_rows_per_tile(pairs, experts),
-        X_SCALED=x.dtype == torch.bfloat16,  # triton_fp8.as_operand
     )
     slots = min(pairs, experts)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
@@ -153,10 +155,12 @@ def moe_experts(
         x, ids, w13, s13, h, pairs, top_k, hidden, inter, s13.stride(0), s13.stride(1),
         triton.cdiv(inter, SCALE_BLOCK), **routing, COLUMNS=gate_up_columns,
         K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+        **triton_fp8.operand_modes(a8, _k_block(hidden), x.dtype),
     )  # fmt: skip
     _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
         h, ids, weights, w2, s2, y, pairs, hidden, inter, s2.stride(0), s2.stride(1), **routing,
         COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+        **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
     )  # fmt: skip
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
         y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4

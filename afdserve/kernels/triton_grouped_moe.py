@@ -18,11 +18,10 @@ static per pair count, so a CUDA graph captures it.
 
 Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
 float8_e4m3fn with a float32 scale per 128 x 128 block (model/fp8.py's layout: gate's grid rows,
-then up's). Each FP8 weight tile lies in one scale block: the dot runs on its values cast to x's
-dtype and its float32 partial is scaled (kernels/triton_fp8.block_dot): weight-only, which halves
-the bytes a memory-bound step reads. The routed
-experts stay memory-bound up to a few thousand pairs (a batch of 256 at top-8 reads every expert
-of Qwen3-30B-A3B about once for ~16 rows each), so no w8a8 path is built.
+then up's). Each FP8 weight tile lies in one scale block: by default x and h are
+quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
+triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
+either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
 """
 
 from __future__ import annotations
@@ -31,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.moe_align import assign
 from afdserve.kernels.triton_fp8 import as_operand, block_dot
+from afdserve.kernels.triton_moe import _k_block
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
 # triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
@@ -46,13 +47,12 @@ GROUPED_MAX_PAIRS = 8192
 # Tile widths and launch settings: (intermediate columns per gate/up program, hidden columns per
 # down program, warps, pipeline stages).
 COLUMNS = (64, 64, 4, 3)
+# The same for FP8 weights: w8a8 tiles of 128 columns beat 64 (181.9 against 189.3 us at a batch
+# of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
+# 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
+FP8_COLUMNS = (128, 128, 4, 3)
 SUM_COLUMNS = 512
 SCALE_BLOCK = 128
-
-
-def _k_block(dim: int) -> int:
-    """The widest reduction step that divides `dim` (no K mask) and 128 (one scale per step)."""
-    return next(b for b in (128, 64, 32, 16) if dim % b == 0)
 
 
 def rows_per_tile(pairs: int, experts: int, w_fp8: bool = False) -> int:
@@ -101,6 +101,7 @@ def _gate_up_kernel(
     x_ptr, slots_ptr, end_ptr, count_ptr, w_ptr, s_ptr, h_ptr, num_experts, top_k, hidden,
     inter, s_expert, s_row, inter_blocks, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr, E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
@@ -118,7 +119,7 @@ def _gate_up_kernel(
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, hidden, K_BLOCK):
             xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            xo, rs = as_operand(xs, X_SCALED)  # once for gate and up
+            xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
             w_cols = k0 + k[None, :]
             gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
                              gate, W_FP8, X_SCALED, "tf32")  # fmt: skip
@@ -133,7 +134,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, slots_ptr, end_ptr, count_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_experts, hidden,
     inter, s_expert, s_row, ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
-    E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr,
+    E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
@@ -147,7 +148,7 @@ def _down_kernel(
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            ho, rs = as_operand(hs, X_SCALED)
+            ho, rs = as_operand(hs, X_SCALED, A_FP8)
             acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
                             scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -176,9 +177,11 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    a8: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
-    `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8. Check `supports`."""
+    `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
+    h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`). Check `supports`."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
@@ -191,7 +194,7 @@ def moe_experts(
         step = max(1, GROUPED_MAX_PAIRS // top_k)
         return torch.cat([
             moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
-                        gate_up, down, scales)
+                        gate_up, down, scales, a8)
             for i in range(0, rows, step)
         ])  # fmt: skip
     x = x.contiguous()
@@ -207,25 +210,27 @@ def moe_experts(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    gate_up_columns, down_columns, warps, stages = COLUMNS
+    gate_up_columns, down_columns, warps, stages = FP8_COLUMNS if w_fp8 else COLUMNS
     # An FP8 tile must lie in one scale block (triton_fp8.block_dot).
     assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
     e_pad = max(16, triton.next_power_of_2(experts))
-    # bf16 x against FP8 weights: fp16 dots (triton_fp8.as_operand).
-    x_scaled = w_fp8 and x.dtype == torch.bfloat16
-    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, X_SCALED=x_scaled, num_warps=warps,
-                  num_stages=stages)  # fmt: skip
+    # FP8 weights: FP8 dots on rows quantized per 128-group (a8), or fp16 dots on bf16 rows
+    # scaled into fp16 (triton_fp8.as_operand), per kernel by its K step.
+    a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
+    up_step, down_step = _k_block(hidden), _k_block(inter)
+    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, num_warps=warps, num_stages=stages)
     g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)
     d_strides = (down_scale.stride(0), down_scale.stride(1)) if w_fp8 else (0, 0)
     _gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
         x, groups.slots, groups.expert_end, groups.expert_count, gate_up, gate_up_scale, h,
         experts, top_k, hidden, inter, *g_strides, triton.cdiv(inter, SCALE_BLOCK),
-        COLUMNS=gate_up_columns, K_BLOCK=_k_block(hidden), **common,
+        COLUMNS=gate_up_columns, K_BLOCK=up_step, **common,
+        **triton_fp8.operand_modes(a8, up_step, x.dtype, w_fp8),
     )  # fmt: skip
     _down_kernel[(groups.tiles, triton.cdiv(hidden, down_columns))](
         h, groups.slots, groups.expert_end, groups.expert_count, weights, down, down_scale, y,
-        experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=_k_block(inter),
-        **common,
+        experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=down_step, **common,
+        **triton_fp8.operand_modes(a8, down_step, x.dtype, w_fp8),
     )  # fmt: skip
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
         y, ids, out, experts, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4

@@ -1,0 +1,146 @@
+"""The w8a8 block-scaled FP8 linear layer on CUDA (DeepSeek's recipe, as vLLM runs block-FP8
+checkpoints): activations quantized once per row and group of 128, then a GEMM on FP8 tensor
+cores with both operands as stored.
+
+1. quantize: x [M, K] -> e4m3 rows [M, K] and a float32 scale per row and 128-group
+   [M, ceil(K / 128)], each a power of two that brings the group's largest |value| into
+   (224, 448] (kernels/fp8.quantize_activations is the reference: a power of two makes
+   x / scale exact, so only the rounding to e4m3 loses bits).
+2. GEMM: per K step of 128 (one activation group, one weight scale block: BN divides 128) the
+   dot of the FP8 tiles, its float32 partial times the rows' scales and the block's scale. K is
+   split at small M as in kernels/triton_fp8.py, its float32 partials summed in split order.
+
+The oracle is kernels/fp8.fp8_linear_w8a8; the two differ only in float32 summation order and
+the final rounding. Quantizing in its own launch keeps the GEMM's loop a plain pipelined FP8
+dot: fused into the loop (each program re-reducing the row maxima of its x tile), the same
+GEMM took twice as long on an H200 at 64 rows (14.4 against 7.1 us for Qwen3-30B-A3B's packed
+q/k/v; docs/benchmarks.md, 2026-12-02). No host sync: a CUDA graph captures the launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from afdserve.kernels.triton_fp8 import (
+    MAX_SPLITS,
+    SCALE_BLOCK,
+    SUM_BLOCK,
+    _sum_splits_kernel,
+    exact_shift,
+)
+
+GROUP = SCALE_BLOCK  # activation values per scale: one weight block's K
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.constexpr,
+                     GROUP: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    ok = c < K
+    x = tl.load(x_ptr + row * x_stride + c, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+    shift = exact_shift(amax, FP8_LIMIT)
+    tl.store(q_ptr + row * K + c, (x * tl.exp2(-shift)).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * groups + tl.program_id(1), tl.exp2(shift))
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, M, N, K, groups, ws_stride,
+    k_per_split, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    m_ok, n_ok = m < M, n < N
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    # BN divides 128: the tile's columns share one row of the weight's scale grid.
+    w_scales = ws_ptr + (tl.program_id(0) * BN // 128) * ws_stride
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_first = tl.program_id(2) * k_per_split  # a multiple of 128
+    for k0 in range(k_first, tl.minimum(K, k_first + k_per_split), BK):
+        kk = k0 + k
+        k_ok = kk < K
+        a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        group = k0 // 128
+        row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * (row_scales * tl.load(w_scales + group))[:, None]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:  # this split's float32 partial, summed in split order by _sum_splits_kernel
+        part = part_ptr + (tl.program_id(2) * M + m.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(part, acc, mask=out_mask)
+
+
+def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, splits of K, warps, stages), from a sweep on an H200 at Qwen3-30B-A3B's packed
+    q/k/v (5120 x 2048) and o_proj (2048 x 4096) at 1, 8, 64 and 256 rows (graph replay,
+    2026-12-02): 64-column tiles, one row tile up to 64 rows and 64-row tiles to 512, K split
+    until about 320 programs stream the weight at up to 16 rows and 128 past that (a program
+    with more rows has more to do per weight byte), at most 8 splits. Past 512 rows (prefill)
+    128 x 128 tiles over 8 warps, whole K."""
+    if m > 512:
+        return 128, 128, 1, 8, 3
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    bn = 64
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    target = 320 if m <= 16 else 128
+    splits = max(1, min(triton.cdiv(k, SCALE_BLOCK), MAX_SPLITS // 2, target // tiles))
+    return bm, bn, splits, 4, 3
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)])."""
+    m, k = x2.shape
+    groups = triton.cdiv(k, GROUP)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x2.device)
+    scales = torch.empty(m, groups, dtype=torch.float32, device=x2.device)
+    if m:
+        _quantize_kernel[(m, groups)](x2, q, scales, k, x2.stride(0), groups, FP8_LIMIT=FP8_MAX,
+                                      GROUP=GROUP, num_warps=1)  # fmt: skip
+    return q, scales
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`kernels/fp8.fp8_linear_w8a8` on CUDA: x [..., in] (bf16/fp16) -> [..., out] in x's
+    dtype. Check `triton_fp8.supports` first."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = q.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*lead, n)
+    xq, xs = quantize_rows(x2)
+    scale_inv = scale_inv.contiguous()
+    bm, bn, splits, warps, stages = _tiles(m, n, k)
+    blocks_per_split = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), splits)
+    splits = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), blocks_per_split)
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else y  # never read without a bias
+    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+        xq, xs, q, scale_inv, bias_arg, y, part, m, n, k, xs.shape[1], scale_inv.stride(0),
+        blocks_per_split * SCALE_BLOCK, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=SCALE_BLOCK,
+        SPLIT=splits, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            part, bias_arg, y, m, n, HAS_BIAS=bias is not None, SPLIT=splits, BLOCK=SUM_BLOCK,
+            num_warps=4,
+        )  # fmt: skip
+    return y.view(*lead, n)
