@@ -135,11 +135,6 @@ class LLM:
         # So is a config field or checkpoint tensor the model cannot run with.
         model_config = preflight(model, self.engine_config.load_format,
                                  self.engine_config.quantization)
-        if (model_config.v4 is not None and kwargs.get("graph_mode", "auto") == "auto"
-                and self.graph_config.mode != "none"):
-            # graph_mode "auto" means what this model can run: V4's attention is not capturable.
-            log.info("graph_mode auto is none for deepseek_v4 (its attention is not capturable)")
-            self.graph_config = dataclasses.replace(self.graph_config, mode="none")
         check_capturable(model_config, device, self.graph_config.mode)
         if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
             prefix_caching_for(self.engine_config, model_config)

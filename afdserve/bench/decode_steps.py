@@ -185,7 +185,7 @@ class DecodeSteps:
         context = self.spec.context_len + self.step_index + 1
         segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
         batched = None
-        if self.device.type == "cuda":
+        if self.runner.batched_metadata:  # as ModelRunner.prepare gives it (DeepSeek-V4: always)
             batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, context)
         meta = AttentionMetadata(self.positions, self.slots, segments, batched)
         sample_rows = self.query_start[:-1].long()

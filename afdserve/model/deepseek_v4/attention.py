@@ -128,16 +128,29 @@ class Compressor(nn.Module):
             first_gate = (gate.new_full((1, m, d), float("-inf")) if state.prev_gate is None
                           else state.prev_gate[None])
             done.prev_kv, done.prev_gate = kv[-1, :, :d], gate[-1, :, :d]
-            prev_kv = torch.cat((first_kv, kv[:-1, :, :d]))
-            prev_gate = torch.cat((first_gate, gate[:-1, :, :d]))
-            kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
-            gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        new = self.kv_norm((kv * weights).sum(dim=1))
+            kv, gate = self.overlap_slots(torch.cat((first_kv, kv[:-1, :, :d])),
+                                          torch.cat((first_gate, gate[:-1, :, :d])), kv, gate)
         count = state.entries.shape[0]
         starts = (count + torch.arange(windows, device=x.device)) * m
-        done.entries = torch.cat((state.entries, rope_tail(new, *rope.at(starts))))
+        done.entries = torch.cat((state.entries, self.pool(kv, gate, starts, rope)))
         return done
+
+    def overlap_slots(self, first_kv: torch.Tensor, first_gate: torch.Tensor, kv: torch.Tensor,
+                      gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSA's 2m slots per window [n, 2m, dim]: the previous window's first series
+        `first_* [n, m, dim]` (gate with the position bias), then this window's second series
+        (kv, gate [n, m, 2 dim], the gate biased)."""
+        d = self.dim
+        return (torch.cat((first_kv, kv[..., d:]), dim=1),
+                torch.cat((first_gate, gate[..., d:]), dim=1))
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, starts: torch.Tensor, rope: RopeTable
+             ) -> torch.Tensor:
+        """Windows kv, gate [n, slots, dim] (gate biased) -> their entries [n, dim]: the
+        softmax-gated sum, kv_norm, rotary at each window's first position `starts [n]`."""
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        new = self.kv_norm((kv * weights).sum(dim=1))
+        return rope_tail(new, *rope.at(starts))
 
 
 class Indexer(Compressor):
@@ -162,13 +175,30 @@ class Indexer(Compressor):
         rows, entries = x.shape[0], keys.shape[0]
         if entries == 0:
             return x.new_zeros(rows, 0, dtype=torch.float32), state
-        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = rope_tail(q, *rope.at(positions))
-        scores = F.relu(torch.einsum("rhd,ed->rhe", q.float(), keys.float())) * self.dim**-0.5
-        weights = self.weights_proj(x).float() * self.heads**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [rows, entries]
+        scores = self.score_keys(x, q_residual, positions, rope, keys)
         closed = visible(positions, entries, self.rate)
         return scores.masked_fill(~closed, float("-inf")), state
+
+    def score_keys(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+                   rope: RopeTable, keys: torch.Tensor) -> torch.Tensor:
+        """score [rows, entries] of keys [entries, dim] (every row the same) or [rows, entries,
+        dim] (each row its own), unmasked."""
+        rows = x.shape[0]
+        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
+        q = rope_tail(q, *rope.at(positions))
+        spec = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
+        scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.dim**-0.5
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+    def ranked(self, scores: torch.Tensor) -> torch.Tensor:
+        """The indices [rows, min(topk, entries)] of each row's best scores, best first.
+        Exact ties happen (relu zeroes every head: score 0.0). torch.topk breaks them in an
+        order that depends on the tensor's shape, so a decode step and the full forward could
+        pick different entries; a stable sort takes the earliest of equal entries, always (and
+        -inf entries, never visible, come after every visible one)."""
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        return order[:, : self.topk]
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                rope: RopeTable, state: CompressorState | None
@@ -176,11 +206,7 @@ class Indexer(Compressor):
         """-> ([rows, entries] bool: the entries each query attends to, the state after)."""
         scores, state = self.scores(x, q_residual, positions, rope, state)
         closed = visible(positions, scores.shape[1], self.rate)
-        # Exact ties happen (relu zeroes every head: score 0.0). torch.topk breaks them in an
-        # order that depends on the tensor's shape, so a decode step and the full forward could
-        # pick different entries; a stable sort takes the earliest of equal entries, always.
-        order = scores.sort(dim=-1, descending=True, stable=True).indices
-        chosen = torch.zeros_like(closed).scatter_(1, order[:, : self.topk], True)
+        chosen = torch.zeros_like(closed).scatter_(1, self.ranked(scores), True)
         # A query with fewer closed entries than topk takes all of them (and no open one).
         return chosen & closed, state
 
@@ -221,13 +247,8 @@ class V4Attention(nn.Module):
         (None: they start the sequence). rope: this layer's base (main on sliding layers,
         compress on the others); compress_rope: the compressors'. -> (output, the state after
         these rows)."""
-        rows = x.shape[0]
         cos_sin = rope.at(positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(rows, self.heads, self.dim),
-                                self.eps)
-        q = rope_tail(q, *cos_sin)
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)  # [rows, dim]: K and V
+        q_residual, q, kv = self.project(x, cos_sin)
         keys, key_pos = kv, positions
         if state is not None:
             keys = torch.cat((state.window_kv, kv))
@@ -249,20 +270,51 @@ class V4Attention(nn.Module):
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, seen), dim=1)
         out = self._attend(q, keys, allowed)
+        return self.finish(out, cos_sin), after
+
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] at the rows' rotary cos_sin -> (the q low-rank residual the indexer
+        reads, q [rows, heads, dim], kv [rows, dim]: K and V), both rotated."""
+        rows = x.shape[0]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(rows, self.heads, self.dim),
+                                self.eps)
+        q = rope_tail(q, *cos_sin)
+        return q_residual, q, rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)
+
+    def finish(self, out: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+        """The attention output [rows, heads, dim] -> [rows, hidden]."""
         out = rope_tail(out, cos_sin[0], -cos_sin[1])  # V carried the keys' rotation: undo it
-        return self._output(out), after
+        return self._output(out)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Softmax over the allowed keys plus one sink logit per head (which takes probability
         mass and gives no value). q [rows, heads, dim], kv [keys, dim] -> [rows, heads, dim]."""
         scores = torch.matmul(q.transpose(0, 1), kv.t()) * self.scale  # [heads, rows, keys]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        # The sinks stay float32, and so does the softmax beside them (over scores in x's dtype).
-        sinks = self.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        logits = torch.cat((scores.float(), sinks), dim=-1)
+        probs = self.sink_softmax(scores.masked_fill(~allowed, float("-inf")),
+                                  self.sinks.view(-1, 1, 1))
+        return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)
+
+    def attend_batched(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor
+                       ) -> torch.Tensor:
+        """`_attend` with every row its own keys: q [rows, heads, dim], kv [rows, keys, dim],
+        allowed [rows, keys] -> [rows, heads, dim]."""
+        scores = torch.matmul(q, kv.transpose(1, 2)) * self.scale  # [rows, heads, keys]
+        probs = self.sink_softmax(scores.masked_fill(~allowed[:, None], float("-inf")),
+                                  self.sinks.view(1, -1, 1))
+        return torch.matmul(probs.to(kv.dtype), kv)
+
+    @staticmethod
+    def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """Softmax over scores' last axis beside one sink logit per head (`sinks` broadcasts to
+        scores[..., :1]), the sink's probability dropped. The sinks stay float32, and so does
+        the softmax beside them (over scores in x's dtype). Never NaN: the sink is finite even
+        where every key is masked."""
+        logits = torch.cat((scores.float(), sinks.float().expand_as(scores[..., :1])), dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-        return torch.matmul(probs, kv).transpose(0, 1)
+        return F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         rows = out.shape[0]
