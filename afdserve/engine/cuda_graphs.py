@@ -91,8 +91,14 @@ class UbatchBuffers:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_rows: int, max_model_len: int,
-                 allow_prefill: bool, ubatches: int = 1) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_rows: int,
+        max_model_len: int,
+        allow_prefill: bool,
+        ubatches: int = 1,
+    ) -> None:
         self.runner = runner
         dev = runner.device
         self.max_rows, self.max_model_len = max_rows, max_model_len
@@ -115,10 +121,21 @@ class CudaGraphRunner:
             batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
             metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
         # The whole batch's view (positions feed the rotary tables of every ubatch).
-        whole = AttentionMetadata(self.positions[:rows], self.slots[:rows], (),
-                                  metas[0].batched if len(metas) == 1 else None)
-        return StepInputs(self.input_ids[:rows], self.route_ids[:rows], whole,
-                          torch.zeros(0, dtype=torch.int64), [], 0, tuple(metas))
+        whole = AttentionMetadata(
+            self.positions[:rows],
+            self.slots[:rows],
+            (),
+            metas[0].batched if len(metas) == 1 else None,
+        )
+        return StepInputs(
+            self.input_ids[:rows],
+            self.route_ids[:rows],
+            whole,
+            torch.zeros(0, dtype=torch.int64),
+            [],
+            0,
+            tuple(metas),
+        )
 
     def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
@@ -132,8 +149,9 @@ class CudaGraphRunner:
         for buffers, (lo, hi), real in per_ubatch:
             buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
 
-    def forward(self, inputs: StepInputs, plan: AttentionRankPlan,
-                boundary: FFNBoundary) -> torch.Tensor:
+    def forward(
+        self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
+    ) -> torch.Tensor:
         if plan.mode not in ("capture", "replay"):
             return self.runner.forward(inputs, plan, boundary)
         rows = plan.padded_rows
@@ -181,8 +199,9 @@ class PlannedForward:
     then the step runs eagerly or as the CUDA graph the plan names (`graphs` is None without CUDA
     graphs; a capture or replay step then runs eagerly with the same padded layout)."""
 
-    def __init__(self, runner: ModelRunner, boundary: FFNBoundary,
-                 graphs: CudaGraphRunner | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, boundary: FFNBoundary, graphs: CudaGraphRunner | None = None
+    ) -> None:
         self.runner, self.boundary, self.graphs = runner, boundary, graphs
 
     def __call__(self, inputs: StepInputs, plan: AttentionRankPlan, step: int) -> torch.Tensor:

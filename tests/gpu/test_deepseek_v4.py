@@ -72,8 +72,9 @@ def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology,
     up to a near-tie, as tests/gpu/test_graphs.py allows)."""
     model = v4_dirs[dtype]
     want = tokens(model, dtype, "cuda")
-    split = dict(topology=topology, connector="inprocess", ubatches=ubatches) if (
-        topology == "1A1F") else {}  # fmt: skip
+    split = {}
+    if topology == "1A1F":
+        split = dict(topology=topology, connector="inprocess", ubatches=ubatches)
     with LLM(
         str(model), dtype=dtype, device="cuda", max_num_batched_tokens=16,
         graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4, 8], log_step_plan=True,

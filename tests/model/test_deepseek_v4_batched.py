@@ -43,23 +43,30 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, V4CausalLM]:
         "tiny": make_tiny_model(root / "tiny", "deepseek_v4", hash_layers=1, seed=2),
         # rates 3 and 6, window 3, topk 3, hash layers between
         "r3r6": make_tiny_v4(
-            root / "r3r6", seed=5, hc_mult=3, sliding_window=3, index_topk=3,
-            compress_rates={CSA: 3, HCA: 6}, layer_types=[CSA, HCA, SLIDING, HCA],
+            root / "r3r6",
+            seed=5,
+            hc_mult=3,
+            sliding_window=3,
+            index_topk=3,
+            compress_rates={CSA: 3, HCA: 6},
+            layer_types=[CSA, HCA, SLIDING, HCA],
             mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"],
         ),  # fmt: skip
     }
     return {name: load_model(d, ModelParts.colocated(), "float32")[0] for name, d in dirs.items()}
 
 
-def forward(model: V4CausalLM, cache: V4KVCache, ids: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+def forward(
+    model: V4CausalLM, cache: V4KVCache, ids: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
     """The engine's layer loop (engine/model_runner.py, one ubatch) -> logits of every row."""
     h = model.embed(ids)
     residual, ffn_out = h, None
     cos_sin = model.cos_sin(meta.positions)
     for layer in range(model.config.num_layers):
-        x, residual = model.attention_half(layer, residual, ffn_out, meta, cache.layers[layer],
-                                           cos_sin)
+        x, residual = model.attention_half(
+            layer, residual, ffn_out, meta, cache.layers[layer], cos_sin
+        )
         ffn_out = model.ffn_half(layer, x, ids.clamp(min=0))
     return model.logits(model.add_ffn_output(residual, ffn_out))
 
@@ -71,18 +78,21 @@ def tables_for(lengths: tuple[int, ...], block_size: int, width: int) -> torch.T
     return blocks.view(len(lengths), width)
 
 
-def prefill(model: V4CausalLM, cache: V4KVCache, prompts: list[torch.Tensor],
-            tables: torch.Tensor) -> None:
+def prefill(
+    model: V4CausalLM, cache: V4KVCache, prompts: list[torch.Tensor], tables: torch.Tensor
+) -> None:
     for prompt, table in zip(prompts, tables, strict=True):
         if len(prompt):
             n = len(prompt)
-            meta = AttentionMetadata(torch.arange(n), torch.zeros(n, dtype=torch.int64),
-                                     (Segment(0, n, table, n),))
+            meta = AttentionMetadata(
+                torch.arange(n), torch.zeros(n, dtype=torch.int64), (Segment(0, n, table, n),)
+            )
             forward(model, cache, prompt, meta)
 
 
-def decode_meta(positions: torch.Tensor, tables: torch.Tensor, pad: int, device_meta: bool
-                ) -> AttentionMetadata:
+def decode_meta(
+    positions: torch.Tensor, tables: torch.Tensor, pad: int, device_meta: bool
+) -> AttentionMetadata:
     """One decode row per sequence and `pad` pad rows after them (id 0, position 0, no segment),
     as ModelRunner.prepare lays a padded step out; with or without its device segments."""
     segments = tuple(Segment(i, i + 1, tables[i], int(p) + 1) for i, p in enumerate(positions))
@@ -95,8 +105,13 @@ def decode_meta(positions: torch.Tensor, tables: torch.Tensor, pad: int, device_
 def pages_close(got: V4KVCache, want: V4KVCache) -> None:
     for layer, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
         for name in w.pages:
-            torch.testing.assert_close(g.pages[name], w.pages[name], atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, n=name, i=layer: f"layer {i} {n}: {m}")
+            torch.testing.assert_close(
+                g.pages[name],
+                w.pages[name],
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, n=name, i=layer: f"layer {i} {n}: {m}",
+            )
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -204,7 +219,8 @@ def test_full_mode_graph_layout_is_refused_by_name(models: dict[str, V4CausalLM]
     model = models["tiny"]
     cache = V4KVCache(model.config, 4, 4, torch.float32, "cpu")
     buffers = UbatchBuffers(4, 4, torch.device("cpu"))
-    meta = AttentionMetadata(torch.zeros(4, dtype=torch.int64), torch.full((4,), -1), (),
-                             buffers.batched(4, 4, 16))
+    meta = AttentionMetadata(
+        torch.zeros(4, dtype=torch.int64), torch.full((4,), -1), (), buffers.batched(4, 4, 16)
+    )
     with pytest.raises(ValueError, match="only decode ubatches run from device metadata"):
         forward(model, cache, torch.zeros(4, dtype=torch.int64), meta)

@@ -56,8 +56,14 @@ class DecodeRows:
         return cls(meta.positions.long(), tables, context > 0)
 
 
-def decode_attention(attn: V4Attention, pages: LayerPages, x: torch.Tensor, rows: DecodeRows,
-                     rope: RopeTable, compress_rope: RopeTable) -> torch.Tensor:
+def decode_attention(
+    attn: V4Attention,
+    pages: LayerPages,
+    x: torch.Tensor,
+    rows: DecodeRows,
+    rope: RopeTable,
+    compress_rope: RopeTable,
+) -> torch.Tensor:
     """One layer's attention of a decode ubatch: x [rows, hidden] -> [rows, hidden], as
     `V4Attention.forward` gives each row over `pages.read`'s state, with what `pages.write`
     would store written to the pages."""
@@ -70,8 +76,9 @@ def decode_attention(attn: V4Attention, pages: LayerPages, x: torch.Tensor, rows
     cached = pages.take("window", pages.batch_rows("window", rows.tables, back))
     keys = torch.cat((cached, kv[:, None].to(cached.dtype)), dim=1)
     allowed = torch.cat((back >= 0, real[:, None]), dim=1)
-    pages.store("window", pages.batch_rows("window", rows.tables, t[:, None]), kv[:, None],
-                real[:, None])
+    pages.store(
+        "window", pages.batch_rows("window", rows.tables, t[:, None]), kv[:, None], real[:, None]
+    )
     if attn.compressor is not None:
         entries, seen = _compressed(attn, pages, x, q_residual, rows, compress_rope)
         keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
@@ -80,8 +87,14 @@ def decode_attention(attn: V4Attention, pages: LayerPages, x: torch.Tensor, rows
     return torch.where(real[:, None], y, torch.zeros_like(y))
 
 
-def _compressed(attn: V4Attention, pages: LayerPages, x: torch.Tensor, q_residual: torch.Tensor,
-                rows: DecodeRows, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+def _compressed(
+    attn: V4Attention,
+    pages: LayerPages,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    rows: DecodeRows,
+    rope: RopeTable,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed keys [rows, n, head_dim] each row attends to and their mask [rows, n]: HCA
     every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them."""
     comp = attn.compressor
@@ -97,8 +110,15 @@ def _compressed(attn: V4Attention, pages: LayerPages, x: torch.Tensor, q_residua
     return _compress(comp, pages, "", x, rows, rope, top), top < closed
 
 
-def _compress(comp: Compressor, pages: LayerPages, prefix: str, x: torch.Tensor,
-              rows: DecodeRows, rope: RopeTable, read: torch.Tensor) -> torch.Tensor:
+def _compress(
+    comp: Compressor,
+    pages: LayerPages,
+    prefix: str,
+    x: torch.Tensor,
+    rows: DecodeRows,
+    rope: RopeTable,
+    read: torch.Tensor,
+) -> torch.Tensor:
     """Feed each row's token to one compressor (pages `prefix`*): pool its window, write what the
     per-sequence path writes, and return the entries at `read` [rows, n] (the one this step
     closes in its place) -> [rows, n, dim]."""
@@ -110,8 +130,9 @@ def _compress(comp: Compressor, pages: LayerPages, prefix: str, x: torch.Tensor,
     here = (slots == t[:, None])[..., None]
     window = pages.batch_rows(f"{prefix}open_kv", tables, slots)  # open_* and prev_*: alike
     win_kv = torch.where(here, kv[:, None], pages.take(f"{prefix}open_kv", window).to(kv.dtype))
-    win_gate = torch.where(here, gate[:, None],
-                           pages.take(f"{prefix}open_gate", window).to(gate.dtype))
+    win_gate = torch.where(
+        here, gate[:, None], pages.take(f"{prefix}open_gate", window).to(gate.dtype)
+    )
     own = pages.batch_rows(f"{prefix}open_kv", tables, t[:, None])
     still_open = (rows.real & ~closes)[:, None]
     pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
@@ -122,17 +143,23 @@ def _compress(comp: Compressor, pages: LayerPages, prefix: str, x: torch.Tensor,
         previous = pages.batch_rows(f"{prefix}prev_kv", tables, slots - m)
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, pages.take(f"{prefix}prev_kv", previous).to(kv.dtype), 0.0)
-        first_gate = torch.where(first, pages.take(f"{prefix}prev_gate", previous).float(),
-                                 float("-inf")).to(win_gate.dtype)
+        first_gate = torch.where(
+            first, pages.take(f"{prefix}prev_gate", previous).float(), float("-inf")
+        ).to(win_gate.dtype)
         keep = closes[:, None].expand(-1, m)
         pages.store(f"{prefix}prev_kv", window, win_kv[..., :d], keep)
         pages.store(f"{prefix}prev_gate", window, win_gate[..., :d], keep)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
     new = comp.pool(win_kv, win_gate, w * m, rope)  # [rows, dim], kept where t closes
     entry = ((t + 1) // m - 1).clamp(min=0)[:, None]
-    stored = pages.take(f"{prefix}entries", pages.batch_entry_rows(f"{prefix}entries", tables,
-                                                                   read))
-    pages.store(f"{prefix}entries", pages.batch_entry_rows(f"{prefix}entries", tables, entry),
-                new[:, None], closes[:, None])
+    stored = pages.take(
+        f"{prefix}entries", pages.batch_entry_rows(f"{prefix}entries", tables, read)
+    )
+    pages.store(
+        f"{prefix}entries",
+        pages.batch_entry_rows(f"{prefix}entries", tables, entry),
+        new[:, None],
+        closes[:, None],
+    )
     is_new = ((read == entry) & closes[:, None])[..., None]
     return torch.where(is_new, new[:, None].to(stored.dtype), stored)
