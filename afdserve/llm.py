@@ -142,6 +142,19 @@ class LLM:
         model_config = preflight(
             model, self.engine_config.load_format, self.engine_config.quantization
         )
+        if (
+            model_config.v4 is not None
+            and kwargs.get("graph_mode", "auto") == "auto"
+            and self.graph_config.mode != "none"
+        ):
+            # graph_mode "auto" stays eager for V4: its decode graphs read the whole padded
+            # entry axis (max_model_len / compress rate entries per row, at every capture
+            # size), which a long max_model_len makes large; full_decode_only asks for them.
+            log.info(
+                "graph_mode auto is none for deepseek_v4 (its decode graphs pad every row to "
+                "max_model_len's compressed entries); pass graph_mode='full_decode_only' for them"
+            )
+            self.graph_config = dataclasses.replace(self.graph_config, mode="none")
         check_capturable(model_config, device, self.graph_config.mode)
         if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
             prefix_caching_for(self.engine_config, model_config)

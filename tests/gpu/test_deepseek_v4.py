@@ -97,3 +97,11 @@ def test_full_graph_mode_is_refused_for_v4_on_cuda(v4_dirs):
     with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for "
                                          r"family 'deepseek_v4' on CUDA"):  # fmt: skip
         LLM(str(v4_dirs["bfloat16"]), device="cuda", graph_mode="full")
+
+
+def test_graph_mode_auto_stays_eager_for_v4(v4_dirs):
+    """auto captures nothing for V4 (its graphs pad every row to max_model_len's entries):
+    graphs are asked for by name."""
+    with LLM(str(v4_dirs["float32"]), dtype="float32", device="cuda") as llm:
+        assert llm.graph_config.mode == "none"
+        assert llm.engine.core_client.driver.forward.graphs is None
