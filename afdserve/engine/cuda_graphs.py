@@ -149,6 +149,16 @@ class CudaGraphRunner:
         for buffers, (lo, hi), real in per_ubatch:
             buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
 
+    def _load_blank(self, plan: AttentionRankPlan) -> None:
+        """Pad rows only: token 0, route id -1, position 0, no KV slot, no segment."""
+        rows = plan.padded_rows
+        self.input_ids[:rows].zero_()
+        self.route_ids[:rows].fill_(-1)
+        self.positions[:rows].zero_()
+        self.slots[:rows].fill_(-1)
+        for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
+            buffers.load(None, hi - lo, 0)
+
     def forward(
         self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
     ) -> torch.Tensor:
@@ -164,9 +174,15 @@ class CudaGraphRunner:
             )
         key = plan.key
         check_replayable(plan.rank, plan.mode, key, self.graphs)
-        self._load(inputs, plan)
         if plan.mode == "capture":
+            # A capture executes the forward twice (its warm run, then the replay), so it runs
+            # over blank buffers (pad rows only, as the warm-up steps) and the replay alone runs
+            # the step: a step need not be idempotent (DeepSeek-V4's window ring and CSA's
+            # prev rows overwrite rows the same step reads). The graph reads the buffers by
+            # address, never their contents on the host, so what it holds is the same.
+            self._load_blank(plan)
             self._capture(key, plan, boundary)
+        self._load(inputs, plan)
         graph, out = self.graphs[key]
         graph.replay()
         return out
