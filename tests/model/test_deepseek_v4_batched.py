@@ -151,10 +151,11 @@ def test_batched_decode_equals_the_per_sequence_path(
     calls = []
     monkeypatch.setattr(batched, "_compressed", _counting(batched._compressed, calls))
     positions = torch.tensor(LENGTHS)
-    rate = model.config.v4.csa_rate
-    closing = set()
+    rates = (model.config.v4.csa_rate, model.config.v4.hca_rate)
+    closing: dict[int, list[tuple[bool, ...]]] = {rate: [] for rate in rates}
     for _ in range(STEPS):
-        closing.add(tuple(((positions + 1) % rate == 0).tolist()))
+        for rate in rates:
+            closing[rate].append(tuple(((positions + 1) % rate == 0).tolist()))
         step_ids = torch.cat((ids, torch.zeros(pad, dtype=torch.int64)))
         want = forward(model, reference, step_ids, decode_meta(positions, tables, pad, False))
         before = len(calls)
@@ -166,7 +167,9 @@ def test_batched_decode_equals_the_per_sequence_path(
         assert bool(torch.isfinite(got).all())
         pages_close(twin, reference)
         ids, positions = want[:real].argmax(-1), positions + 1
-    assert all(any(c) and not all(c) for c in closing)  # each step: some close, some not
+    # Rows that close a window beside rows that do not: CSA's in every step, HCA's in some.
+    mixed = {rate: [any(c) and not all(c) for c in steps] for rate, steps in closing.items()}
+    assert all(mixed[rates[0]]) and any(mixed[rates[1]])
 
 
 def _counting(fn, calls: list):
@@ -189,9 +192,12 @@ def test_graph_buffers_pad_segments_write_no_real_page(
     model = models["tiny"]
     tables, reference, twin, ids = setup(model, block_size)
     real, size = len(LENGTHS), len(LENGTHS) + 4
-    width = tables.shape[1]
+    # The graph's tables are wider than any sequence's (max_model_len's blocks): the columns past
+    # a real sequence's blocks keep a larger batch's, other sequences' blocks too.
+    width = tables.shape[1] + 3
     buffers = UbatchBuffers(size, width, torch.device("cpu"))
-    stale = tuple(Segment(i, i + 1, tables[i % real], 8) for i in range(size))
+    wide = torch.cat((tables, tables.roll(1, 0)[:, :3]), dim=1)
+    stale = tuple(Segment(i, i + 1, wide[i % real], 8) for i in range(size))
     buffers.load(batch_segments(stale, torch.device("cpu")), size, size)
     positions = torch.tensor(LENGTHS)
     for _ in range(3):
