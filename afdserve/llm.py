@@ -55,7 +55,8 @@ def resolve_engine(
     process spawns the ranks on this host, device and graph mode "auto" resolved (ranks started
     elsewhere resolve them on their own hosts)."""
     engine, afd, graph = engine_configs(
-        {"model": model or "tiny", **kwargs}, also=("frontend_address", "generation_config"))
+        {"model": model or "tiny", **kwargs}, also=("frontend_address", "generation_config")
+    )
     model_dir, tokenizer_dir = resolve_sources(model, engine)
     engine = dataclasses.replace(engine, model=model_dir, tokenizer=tokenizer_dir)
     if spawned:
@@ -74,8 +75,10 @@ def check_replicas(topology: Topology, device: str) -> None:
         return
     gpus = _cuda_devices(device)
     if gpus < replicas:
-        raise ValueError(f"data_parallel_size={replicas} needs {replicas} GPUs, one per replica; "
-                         f"this process sees {gpus}")
+        raise ValueError(
+            f"data_parallel_size={replicas} needs {replicas} GPUs, one per replica; "
+            f"this process sees {gpus}"
+        )
 
 
 def resolve_sources(model: str | None, config: EngineConfig) -> tuple[str, str | None]:
@@ -85,8 +88,9 @@ def resolve_sources(model: str | None, config: EngineConfig) -> tuple[str, str |
     model_dir = resolve_model_dir(model, revision=config.revision, **source)
     if config.tokenizer is None:
         return model_dir, None
-    tokenizer_dir = resolve_model_dir(config.tokenizer, what="tokenizer",
-                                      patterns=TOKENIZER_PATTERNS, **source)
+    tokenizer_dir = resolve_model_dir(
+        config.tokenizer, what="tokenizer", patterns=TOKENIZER_PATTERNS, **source
+    )
     return model_dir, tokenizer_dir
 
 
@@ -125,20 +129,31 @@ class LLM:
         self.generation_config = generation_config
         self._generation_defaults = generation_defaults(generation_config, model)
         if self._generation_defaults:
-            log.info("default sampling parameters from the generation config: %s",
-                     self._generation_defaults)
+            log.info(
+                "default sampling parameters from the generation config: %s",
+                self._generation_defaults,
+            )
         device = self.engine_config.device
         self.afd_config = afd.resolve_connector(device, _cuda_devices(device), spawned=spawned)
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)
         # So is a config field or checkpoint tensor the model cannot run with.
-        model_config = preflight(model, self.engine_config.load_format,
-                                 self.engine_config.quantization)
-        if (model_config.v4 is not None and kwargs.get("graph_mode", "auto") == "auto"
-                and self.graph_config.mode != "none"):
-            # graph_mode "auto" means what this model can run: V4's attention is not capturable.
-            log.info("graph_mode auto is none for deepseek_v4 (its attention is not capturable)")
+        model_config = preflight(
+            model, self.engine_config.load_format, self.engine_config.quantization
+        )
+        if (
+            model_config.v4 is not None
+            and kwargs.get("graph_mode", "auto") == "auto"
+            and self.graph_config.mode != "none"
+        ):
+            # graph_mode "auto" stays eager for V4: its decode graphs read the whole padded
+            # entry axis (max_model_len / compress rate entries per row, at every capture
+            # size), which a long max_model_len makes large; full_decode_only asks for them.
+            log.info(
+                "graph_mode auto is none for deepseek_v4 (its decode graphs pad every row to "
+                "max_model_len's compressed entries); pass graph_mode='full_decode_only' for them"
+            )
             self.graph_config = dataclasses.replace(self.graph_config, mode="none")
         check_capturable(model_config, device, self.graph_config.mode)
         if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
@@ -146,8 +161,10 @@ class LLM:
         if self.afd_config.ffn_expert_parallel:
             # Checked against the model's experts here, before any rank process starts.
             self.expert_placement = resolve_placement(
-                self.afd_config.expert_placement, load_model_config(model).num_experts,
-                self.topology.ffn_ranks)
+                self.afd_config.expert_placement,
+                load_model_config(model).num_experts,
+                self.topology.ffn_ranks,
+            )
         self._step_log = StepLogFile(self.afd_config.log_step_plan)
         self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)

@@ -96,8 +96,7 @@ class DecodeResult:
         return (self.weight_bytes + self.kv_bytes) / (self.step_ms / 1e3) / 1e9
 
 
-def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.device
-               ) -> MoECausalLM:
+def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.device) -> MoECausalLM:
     """One half (or the whole model) of the config `raw`: random weights hold what a colocated
     model of the spec's seed holds, so every half equals its part of the colocated model."""
     config = parse_model_config(raw)
@@ -119,8 +118,10 @@ def build_halves(spec: DecodeSpec, raw: dict) -> tuple[MoECausalLM, MoECausalLM]
     if spec.topology == "colocated":
         model = build_half(spec, raw, ModelParts.colocated(), device)
         return model, model
-    return (build_half(spec, raw, ModelParts(True, False), device),
-            build_half(spec, raw, ModelParts(False, True), device))
+    return (
+        build_half(spec, raw, ModelParts(True, False), device),
+        build_half(spec, raw, ModelParts(False, True), device),
+    )
 
 
 def cache_tensors(kv: KVCache | V4KVCache) -> list[torch.Tensor]:
@@ -143,8 +144,14 @@ class DecodeSteps:
     copies included in the timing); in-process 1A1F hands tiles to the FFN half through the
     `InProcessConnector`, and `boundary` puts another in their place (1A1F across GPUs)."""
 
-    def __init__(self, model: MoECausalLM, ffn: MoECausalLM | None, spec: DecodeSpec, batch: int,
-                 boundary: FFNBoundary | None = None) -> None:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        ffn: MoECausalLM | None,
+        spec: DecodeSpec,
+        batch: int,
+        boundary: FFNBoundary | None = None,
+    ) -> None:
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
         self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
@@ -185,7 +192,7 @@ class DecodeSteps:
         context = self.spec.context_len + self.step_index + 1
         segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
         batched = None
-        if self.device.type == "cuda":
+        if self.runner.batched_metadata:  # as ModelRunner.prepare gives it (DeepSeek-V4: always)
             batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, context)
         meta = AttentionMetadata(self.positions, self.slots, segments, batched)
         sample_rows = self.query_start[:-1].long()
@@ -208,8 +215,9 @@ class DecodeSteps:
         return None
 
     @torch.inference_mode()
-    def execute(self, work: None, plan, forward: PlannedForward, step: int
-                ) -> tuple[torch.Tensor, float]:
+    def execute(
+        self, work: None, plan, forward: PlannedForward, step: int
+    ) -> tuple[torch.Tensor, float]:
         """One decode step: (next token ids, seconds of device time). The timed span is the
         engine's step on the device: the graph runner's copies into its buffers and the replay
         (or the eager forward), logits and the greedy pick. The plan and this bench's stand-in

@@ -37,14 +37,15 @@ def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
 
 
 def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
-    """Refuses, by name, graph modes a family's attention side cannot be captured in: on CUDA,
-    DeepSeek-V4's attention loops over each sequence's pages with host-side shapes (its paged
-    cache, model/deepseek_v4/cache.py, has no device kernel yet). On CPU every graph mode runs
-    eagerly anyway, so it is allowed there."""
-    if config.v4 is not None and graph_mode != "none" and device.startswith("cuda"):
+    """Refuses, by name, graph modes a family's attention side cannot be captured in. DeepSeek-V4
+    on CUDA: `full_decode_only` captures its batched decode path (model/deepseek_v4/batched.py);
+    `full` would capture prefill and mixed steps too, which still attend per sequence with
+    host-side shapes. On CPU every graph mode runs eagerly anyway, so it is allowed there."""
+    if config.v4 is not None and graph_mode == "full" and device.startswith("cuda"):
         raise ValueError(
             f"GraphConfig.graph_mode={graph_mode!r} is not supported for family 'deepseek_v4' "
-            "on CUDA yet: its paged attention is not capturable; use graph_mode='none'"
+            "on CUDA yet: its prefill and mixed steps attend per sequence (only decode steps "
+            "are batched and capturable); use graph_mode='full_decode_only' or 'none'"
         )
 
 
@@ -90,8 +91,14 @@ class UbatchBuffers:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_rows: int, max_model_len: int,
-                 allow_prefill: bool, ubatches: int = 1) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_rows: int,
+        max_model_len: int,
+        allow_prefill: bool,
+        ubatches: int = 1,
+    ) -> None:
         self.runner = runner
         dev = runner.device
         self.max_rows, self.max_model_len = max_rows, max_model_len
@@ -114,10 +121,21 @@ class CudaGraphRunner:
             batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
             metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
         # The whole batch's view (positions feed the rotary tables of every ubatch).
-        whole = AttentionMetadata(self.positions[:rows], self.slots[:rows], (),
-                                  metas[0].batched if len(metas) == 1 else None)
-        return StepInputs(self.input_ids[:rows], self.route_ids[:rows], whole,
-                          torch.zeros(0, dtype=torch.int64), [], 0, tuple(metas))
+        whole = AttentionMetadata(
+            self.positions[:rows],
+            self.slots[:rows],
+            (),
+            metas[0].batched if len(metas) == 1 else None,
+        )
+        return StepInputs(
+            self.input_ids[:rows],
+            self.route_ids[:rows],
+            whole,
+            torch.zeros(0, dtype=torch.int64),
+            [],
+            0,
+            tuple(metas),
+        )
 
     def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
@@ -131,8 +149,19 @@ class CudaGraphRunner:
         for buffers, (lo, hi), real in per_ubatch:
             buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
 
-    def forward(self, inputs: StepInputs, plan: AttentionRankPlan,
-                boundary: FFNBoundary) -> torch.Tensor:
+    def _load_blank(self, plan: AttentionRankPlan) -> None:
+        """Pad rows only: token 0, route id -1, position 0, no KV slot, no segment."""
+        rows = plan.padded_rows
+        self.input_ids[:rows].zero_()
+        self.route_ids[:rows].fill_(-1)
+        self.positions[:rows].zero_()
+        self.slots[:rows].fill_(-1)
+        for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
+            buffers.load(None, hi - lo, 0)
+
+    def forward(
+        self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
+    ) -> torch.Tensor:
         if plan.mode not in ("capture", "replay"):
             return self.runner.forward(inputs, plan, boundary)
         rows = plan.padded_rows
@@ -145,9 +174,15 @@ class CudaGraphRunner:
             )
         key = plan.key
         check_replayable(plan.rank, plan.mode, key, self.graphs)
-        self._load(inputs, plan)
         if plan.mode == "capture":
+            # A capture executes the forward twice (its warm run, then the replay), so it runs
+            # over blank buffers (pad rows only, as the warm-up steps) and the replay alone runs
+            # the step: a step need not be idempotent (DeepSeek-V4's window ring and CSA's
+            # prev rows overwrite rows the same step reads). The graph reads the buffers by
+            # address, never their contents on the host, so what it holds is the same.
+            self._load_blank(plan)
             self._capture(key, plan, boundary)
+        self._load(inputs, plan)
         graph, out = self.graphs[key]
         graph.replay()
         return out
@@ -180,8 +215,9 @@ class PlannedForward:
     then the step runs eagerly or as the CUDA graph the plan names (`graphs` is None without CUDA
     graphs; a capture or replay step then runs eagerly with the same padded layout)."""
 
-    def __init__(self, runner: ModelRunner, boundary: FFNBoundary,
-                 graphs: CudaGraphRunner | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, boundary: FFNBoundary, graphs: CudaGraphRunner | None = None
+    ) -> None:
         self.runner, self.boundary, self.graphs = runner, boundary, graphs
 
     def __call__(self, inputs: StepInputs, plan: AttentionRankPlan, step: int) -> torch.Tensor:

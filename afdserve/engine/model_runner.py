@@ -97,8 +97,10 @@ class ModelRunner:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
         # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);
-        # the CPU reference loops over segments instead.
-        self.batched_metadata = device.type == "cuda"
+        # the CPU reference loops over segments instead. DeepSeek-V4 reads them on every device:
+        # its decode ubatches run batched (model/deepseek_v4/batched.py) eagerly as in a graph.
+        v4 = getattr(model.config, "v4", None) is not None
+        self.batched_metadata = device.type == "cuda" or v4
 
     def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
         ids: list[int] = []

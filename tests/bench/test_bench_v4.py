@@ -1,7 +1,8 @@
 """`afdserve bench decode` on DeepSeek-V4 (a tiny checkpoint of transformers' own model, CPU): the
 bench fills every page of the V4 paged cache, colocated and in-process 1A1F decode the same greedy
-tokens from it, the KV bytes it reports are a count made by hand, and graph modes V4 cannot be
-captured in on CUDA are refused before anything is built."""
+tokens from it (its decode steps on the batched path, model/deepseek_v4/batched.py), the KV
+bytes it reports are a count made by hand, and the graph mode V4 cannot be captured in on CUDA
+(`full`) is refused before anything is built."""
 
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def test_in_process_decodes_the_colocated_tokens_over_a_full_cache(v4_dir: Path)
         assert isinstance(steps.kv, V4KVCache)
         boundary = InProcessConnector if topology == "in-process" else LocalFFN
         assert isinstance(steps.driver.forward.boundary, boundary)
+        # Device segments on CPU too: the decode steps take the batched path a graph captures.
+        assert steps._inputs().meta.batched is not None
         pages = [t for layer in steps.kv.layers for t in layer.pages.values()]
         assert all(bool((t != 0).all()) for t in pages)  # every page holds random state
         assert steps.kv.layers[1].pages["index_prev_gate"].dtype == torch.float32
@@ -140,8 +143,8 @@ def test_decode_bench_reports_the_hand_count(v4_dir: Path, topology: str) -> Non
 
 
 def test_graph_modes_v4_cannot_capture_are_refused_on_cuda(v4_dir: Path) -> None:
-    s = spec(v4_dir, device="cuda", graph_mode="full_decode_only")
-    with pytest.raises(ValueError, match="graph_mode='full_decode_only' is not supported for "
+    s = spec(v4_dir, device="cuda", graph_mode="full")
+    with pytest.raises(ValueError, match="graph_mode='full' is not supported for "
                                          "family 'deepseek_v4' on CUDA yet"):  # fmt: skip
         build_halves(s, hf_config_of(None, str(v4_dir)))
 

@@ -3,8 +3,9 @@ tokens equal transformers' full-sequence forward teacher-forced (the definition:
 token is the argmax of the full forward over the prompt and the tokens before it), on several tiny
 shapes (hc_mult 2-4, windows and compression rates that short prompts cross, the rate above and
 below the block size, mixed layer types, hash layers), batched; chunked prefill in chunks of a
-few tokens and preemption by recompute give the same tokens; and the cache's size is what its
-pages hold, per layer type."""
+few tokens and preemption by recompute give the same tokens, so do decode steps on the
+per-sequence path instead of the batched one; and the cache's size is what its pages hold, per
+layer type."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.config import load_model_config
+from afdserve.model.deepseek_v4 import batched
+from afdserve.model.deepseek_v4 import model as model_module
 from afdserve.model.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
 from afdserve.model.deepseek_v4.tiny import make_tiny_v4
 from afdserve.model.loader import load_model
@@ -156,19 +159,49 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
         assert f"{count} {short} x {per_block} B" in line
 
 
-def test_cuda_graph_modes_are_refused_by_name_on_cuda(shape) -> None:
-    """V4's paged attention loops over sequences with host-side shapes: not capturable, so a
-    graph mode on CUDA is one clear error before any rank starts; on CPU every graph mode runs
-    eagerly with the graph layout, as for every family (tests/afd/test_deepseek_v4_afd.py)."""
+def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
+    shape, one_shot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's decode ubatches run all their sequences at once (model/deepseek_v4/
+    batched.py) on every device, eagerly as in a graph; forced back to the per-sequence path
+    (no device segments) they give the same tokens, and so does the CPU form of
+    full_decode_only (eager, every decode step padded to a capture size)."""
+    _, path, block_size = shape
+    ran = []
+
+    def counted(*args):
+        ran.append(1)
+        return batched.decode_attention(*args)
+
+    monkeypatch.setattr(model_module, "decode_attention", counted)
+    with LLM(
+        str(path), dtype="float32", block_size=block_size, graph_mode="full_decode_only",
+        cuda_graph_sizes=[3, 8],
+    ) as llm:  # fmt: skip
+        assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
+    assert ran
+    with LLM(str(path), dtype="float32", block_size=block_size) as llm:
+        llm.engine.core_client.core.runner.batched_metadata = False
+        ran.clear()
+        assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
+    assert not ran
+
+
+def test_cuda_graph_modes_v4_cannot_capture_are_refused_by_name_on_cuda(shape) -> None:
+    """full_decode_only captures V4's batched decode path; `full` would capture prefill steps,
+    which attend per sequence with host-side shapes: refused by name on CUDA before any rank
+    starts. On CPU every graph mode runs eagerly with the graph layout, as for every family
+    (tests/afd/test_deepseek_v4_afd.py)."""
     _, path, _ = shape
     config = load_model_config(path)
+    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family "
+                                         r"'deepseek_v4' on CUDA yet") as err:  # fmt: skip
+        check_capturable(config, "cuda:0", "full")
+    assert "\n" not in str(err.value)
     for mode in ("full_decode_only", "full"):
-        with pytest.raises(ValueError, match=rf"graph_mode='{mode}' is not supported for family "
-                                             r"'deepseek_v4' on CUDA yet") as err:  # fmt: skip
-            check_capturable(config, "cuda:0", mode)
-        assert "\n" not in str(err.value)
         check_capturable(config, "cpu", mode)
-    check_capturable(config, "cuda", "none")
+    for mode in ("none", "full_decode_only"):
+        check_capturable(config, "cuda", mode)
     if torch.cuda.is_available():  # a CPU-only torch refuses device="cuda" before this check
         with pytest.raises(ValueError, match="graph_mode='full'"):
             LLM(str(path), dtype="float32", device="cuda", graph_mode="full")

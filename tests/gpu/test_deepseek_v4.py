@@ -1,8 +1,9 @@
 """DeepSeek-V4 on one GPU (plain torch: its paged attention and the clamped experts have no
 kernels yet): the colocated engine and in-process 1A1F (the attention half keeping the mHC
 streams, the FFN half behind an InProcessConnector) give the same greedy tokens, float32 ones
-equal to the CPU engine's, over a batch with chunked prefill beside decodes; and CUDA graph modes
-are refused by name until the attention side is capturable."""
+equal to the CPU engine's, over a batch with chunked prefill beside decodes; full_decode_only
+captures the batched decode path and gives graph_mode none's tokens; `full` (prefill steps in
+graphs) is refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from tests.gpu.test_graphs import _check
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +61,47 @@ def test_in_process_1a1f_equals_colocated_on_cuda(v4_dirs, dtype, ubatches):
         assert colocated == tokens(model, dtype, "cpu")
 
 
-def test_graph_modes_are_refused_for_v4_on_cuda(v4_dirs):
-    with pytest.raises(ValueError, match=r"graph_mode='full_decode_only' is not supported for "
+@pytest.mark.parametrize(
+    ("dtype", "topology", "ubatches"),
+    [("float32", "colocated", 1), ("float32", "1A1F", 2), ("bfloat16", "colocated", 1)],
+)
+def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology, ubatches):
+    """full_decode_only captures V4's batched decode path (model/deepseek_v4/batched.py): decode
+    steps of 5 sequences replay the graph of 8 rows (3 pad rows over stale block tables), steps
+    with prefill chunks run eagerly; the tokens are graph_mode none's (float32: equal; bf16: equal
+    up to a near-tie, as tests/gpu/test_graphs.py allows)."""
+    model = v4_dirs[dtype]
+    want = tokens(model, dtype, "cuda")
+    split = {}
+    if topology == "1A1F":
+        split = dict(topology=topology, connector="inprocess", ubatches=ubatches)
+    with LLM(
+        str(model), dtype=dtype, device="cuda", max_num_batched_tokens=16,
+        graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4, 8], log_step_plan=True,
+        use_tqdm_on_load=False, **split,
+    ) as llm:  # fmt: skip
+        assert llm.engine.core_client.driver.forward.graphs is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        records = [r for r in llm.step_log() if r["role"] == "attention"]
+    modes = {r["mode"] for r in records}
+    assert {"capture", "replay", "eager"} <= modes, modes
+    assert any(r["mode"] == "replay" and r["padded_rows"] > r["real_rows"] for r in records)
+    if dtype == "float32":
+        assert got == want
+    else:
+        with LLM(str(model), dtype=dtype, device="cuda", graph_mode="none") as eager:
+            _check(eager, PROMPTS, got, want)
+
+
+def test_full_graph_mode_is_refused_for_v4_on_cuda(v4_dirs):
+    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for "
                                          r"family 'deepseek_v4' on CUDA"):  # fmt: skip
-        LLM(str(v4_dirs["bfloat16"]), device="cuda", graph_mode="full_decode_only")
+        LLM(str(v4_dirs["bfloat16"]), device="cuda", graph_mode="full")
+
+
+def test_graph_mode_auto_stays_eager_for_v4(v4_dirs):
+    """auto captures nothing for V4 (its graphs pad every row to max_model_len's entries):
+    graphs are asked for by name."""
+    with LLM(str(v4_dirs["float32"]), dtype="float32", device="cuda") as llm:
+        assert llm.graph_config.mode == "none"
+        assert llm.engine.core_client.driver.forward.graphs is None

@@ -102,8 +102,9 @@ class Compressor(nn.Module):
         # `attn.indexer.*`, transformers `self_attn.compressor.indexer.*`).
         self.indexer: Indexer | None = None
 
-    def extend(self, x: torch.Tensor, state: CompressorState | None, rope: RopeTable
-               ) -> CompressorState:
+    def extend(
+        self, x: torch.Tensor, state: CompressorState | None, rope: RopeTable
+    ) -> CompressorState:
         """Feed the rows x [rows, hidden] that follow `state` (None: the sequence's first rows):
         every window they close becomes an entry, rotated at the window's first position; the
         rest waits in the returned state. A whole sequence in one call gives the same entries
@@ -115,8 +116,9 @@ class Compressor(nn.Module):
         kv, gate = torch.cat((state.pending_kv, kv)), torch.cat((state.pending_gate, gate))
         windows = kv.shape[0] // m
         closed = windows * m
-        done = CompressorState(state.entries, kv[closed:], gate[closed:], state.prev_kv,
-                               state.prev_gate)
+        done = CompressorState(
+            state.entries, kv[closed:], gate[closed:], state.prev_kv, state.prev_gate
+        )
         if windows == 0:
             return done
         kv = kv[:closed].view(windows, m, -1)
@@ -125,19 +127,43 @@ class Compressor(nn.Module):
             # Slots [0, m): the previous window's first series (none before window 0: weight 0);
             # slots [m, 2m): this window's second series.
             first_kv = kv.new_zeros(1, m, d) if state.prev_kv is None else state.prev_kv[None]
-            first_gate = (gate.new_full((1, m, d), float("-inf")) if state.prev_gate is None
-                          else state.prev_gate[None])
+            first_gate = (
+                gate.new_full((1, m, d), float("-inf"))
+                if state.prev_gate is None
+                else state.prev_gate[None]
+            )
             done.prev_kv, done.prev_gate = kv[-1, :, :d], gate[-1, :, :d]
-            prev_kv = torch.cat((first_kv, kv[:-1, :, :d]))
-            prev_gate = torch.cat((first_gate, gate[:-1, :, :d]))
-            kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
-            gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        new = self.kv_norm((kv * weights).sum(dim=1))
+            kv, gate = self.overlap_slots(
+                torch.cat((first_kv, kv[:-1, :, :d])),
+                torch.cat((first_gate, gate[:-1, :, :d])),
+                kv,
+                gate,
+            )
         count = state.entries.shape[0]
         starts = (count + torch.arange(windows, device=x.device)) * m
-        done.entries = torch.cat((state.entries, rope_tail(new, *rope.at(starts))))
+        done.entries = torch.cat((state.entries, self.pool(kv, gate, starts, rope)))
         return done
+
+    def overlap_slots(
+        self, first_kv: torch.Tensor, first_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSA's 2m slots per window [n, 2m, dim]: the previous window's first series
+        `first_* [n, m, dim]` (gate with the position bias), then this window's second series
+        (kv, gate [n, m, 2 dim], the gate biased)."""
+        d = self.dim
+        return (
+            torch.cat((first_kv, kv[..., d:]), dim=1),
+            torch.cat((first_gate, gate[..., d:]), dim=1),
+        )
+
+    def pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, starts: torch.Tensor, rope: RopeTable
+    ) -> torch.Tensor:
+        """Windows kv, gate [n, slots, dim] (gate biased) -> their entries [n, dim]: the
+        softmax-gated sum, kv_norm, rotary at each window's first position `starts [n]`."""
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        new = self.kv_norm((kv * weights).sum(dim=1))
+        return rope_tail(new, *rope.at(starts))
 
 
 class Indexer(Compressor):
@@ -146,15 +172,21 @@ class Indexer(Compressor):
 
     def __init__(self, config: ModelConfig) -> None:
         v4 = config.v4
-        super().__init__(config.hidden_size, v4.index_head_dim, v4.csa_rate, True,
-                         config.rms_norm_eps)
+        super().__init__(
+            config.hidden_size, v4.index_head_dim, v4.csa_rate, True, config.rms_norm_eps
+        )
         self.heads, self.topk = v4.index_n_heads, v4.index_topk
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
 
-    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-               rope: RopeTable, state: CompressorState | None
-               ) -> tuple[torch.Tensor, CompressorState]:
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTable,
+        state: CompressorState | None,
+    ) -> tuple[torch.Tensor, CompressorState]:
         """-> (score [rows, entries] of every compressed entry for every query, -inf where its
         window is still open; the indexer's own compressor state after these rows)."""
         state = self.extend(x, state, rope)
@@ -162,25 +194,49 @@ class Indexer(Compressor):
         rows, entries = x.shape[0], keys.shape[0]
         if entries == 0:
             return x.new_zeros(rows, 0, dtype=torch.float32), state
-        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = rope_tail(q, *rope.at(positions))
-        scores = F.relu(torch.einsum("rhd,ed->rhe", q.float(), keys.float())) * self.dim**-0.5
-        weights = self.weights_proj(x).float() * self.heads**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [rows, entries]
+        scores = self.score_keys(x, q_residual, positions, rope, keys)
         closed = visible(positions, entries, self.rate)
         return scores.masked_fill(~closed, float("-inf")), state
 
-    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-               rope: RopeTable, state: CompressorState | None
-               ) -> tuple[torch.Tensor, CompressorState]:
+    def score_keys(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTable,
+        keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """score [rows, entries] of keys [entries, dim] (every row the same) or [rows, entries,
+        dim] (each row its own), unmasked."""
+        rows = x.shape[0]
+        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
+        q = rope_tail(q, *rope.at(positions))
+        spec = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
+        scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.dim**-0.5
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+    def ranked(self, scores: torch.Tensor) -> torch.Tensor:
+        """The indices [rows, min(topk, entries)] of each row's best scores, best first.
+        Exact ties happen (relu zeroes every head: score 0.0). torch.topk breaks them in an
+        order that depends on the tensor's shape, so a decode step and the full forward could
+        pick different entries; a stable sort takes the earliest of equal entries, always (and
+        -inf entries, never visible, come after every visible one)."""
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        return order[:, : self.topk]
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTable,
+        state: CompressorState | None,
+    ) -> tuple[torch.Tensor, CompressorState]:
         """-> ([rows, entries] bool: the entries each query attends to, the state after)."""
         scores, state = self.scores(x, q_residual, positions, rope, state)
         closed = visible(positions, scores.shape[1], self.rate)
-        # Exact ties happen (relu zeroes every head: score 0.0). torch.topk breaks them in an
-        # order that depends on the tensor's shape, so a decode step and the full forward could
-        # pick different entries; a stable sort takes the earliest of equal entries, always.
-        order = scores.sort(dim=-1, descending=True, stable=True).indices
-        chosen = torch.zeros_like(closed).scatter_(1, order[:, : self.topk], True)
+        chosen = torch.zeros_like(closed).scatter_(1, self.ranked(scores), True)
         # A query with fewer closed entries than topk takes all of them (and no open one).
         return chosen & closed, state
 
@@ -202,8 +258,9 @@ class V4Attention(nn.Module):
         self.kv_norm = V4RMSNorm(dim, config.rms_norm_eps)
         # Grouped output projection: group g maps its heads' heads*dim/g channels to o_lora_rank
         # (o_a_proj holds the g blocks stacked), o_b_proj mixes the g * o_lora_rank to hidden.
-        self.o_a_proj = nn.Linear(heads * dim // self.groups, self.groups * v4.o_lora_rank,
-                                  bias=False)
+        self.o_a_proj = nn.Linear(
+            heads * dim // self.groups, self.groups * v4.o_lora_rank, bias=False
+        )
         self.o_b_proj = nn.Linear(self.groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
         self.compressor: Compressor | None = None
@@ -214,27 +271,28 @@ class V4Attention(nn.Module):
             if csa:
                 self.compressor.indexer = Indexer(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable,
-                compress_rope: RopeTable, state: LayerState | None = None
-                ) -> tuple[torch.Tensor, LayerState]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTable,
+        compress_rope: RopeTable,
+        state: LayerState | None = None,
+    ) -> tuple[torch.Tensor, LayerState]:
         """x [rows, hidden]: consecutive rows of one sequence at `positions`, following `state`
         (None: they start the sequence). rope: this layer's base (main on sliding layers,
         compress on the others); compress_rope: the compressors'. -> (output, the state after
         these rows)."""
-        rows = x.shape[0]
         cos_sin = rope.at(positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(rows, self.heads, self.dim),
-                                self.eps)
-        q = rope_tail(q, *cos_sin)
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)  # [rows, dim]: K and V
+        q_residual, q, kv = self.project(x, cos_sin)
         keys, key_pos = kv, positions
         if state is not None:
             keys = torch.cat((state.window_kv, kv))
             key_pos = torch.cat((state.window_pos, positions))
         # Causal sliding window: query t sees keys s with t - window < s <= t.
         allowed = (key_pos[None, :] <= positions[:, None]) & (
-            key_pos[None, :] > positions[:, None] - self.window)
+            key_pos[None, :] > positions[:, None] - self.window
+        )
         keep = max(0, keys.shape[0] - (self.window - 1))
         after = LayerState(keys[keep:], key_pos[keep:])
         if self.compressor is not None:
@@ -243,26 +301,62 @@ class V4Attention(nn.Module):
             entries = after.compressor.entries
             if self.kind == "compressed_sparse_attention":
                 seen, after.indexer = self.compressor.indexer.select(
-                    x, q_residual, positions, compress_rope, before.indexer)
+                    x, q_residual, positions, compress_rope, before.indexer
+                )
             else:
                 seen = visible(positions, entries.shape[0], self.compressor.rate)
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, seen), dim=1)
         out = self._attend(q, keys, allowed)
+        return self.finish(out, cos_sin), after
+
+    def project(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] at the rows' rotary cos_sin -> (the q low-rank residual the indexer
+        reads, q [rows, heads, dim], kv [rows, dim]: K and V), both rotated."""
+        rows = x.shape[0]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(
+            self.q_b_proj(q_residual).view(rows, self.heads, self.dim), self.eps
+        )
+        q = rope_tail(q, *cos_sin)
+        return q_residual, q, rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)
+
+    def finish(self, out: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The attention output [rows, heads, dim] -> [rows, hidden]."""
         out = rope_tail(out, cos_sin[0], -cos_sin[1])  # V carried the keys' rotation: undo it
-        return self._output(out), after
+        return self._output(out)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Softmax over the allowed keys plus one sink logit per head (which takes probability
         mass and gives no value). q [rows, heads, dim], kv [keys, dim] -> [rows, heads, dim]."""
         scores = torch.matmul(q.transpose(0, 1), kv.t()) * self.scale  # [heads, rows, keys]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        # The sinks stay float32, and so does the softmax beside them (over scores in x's dtype).
-        sinks = self.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        logits = torch.cat((scores.float(), sinks), dim=-1)
+        probs = self.sink_softmax(
+            scores.masked_fill(~allowed, float("-inf")), self.sinks.view(-1, 1, 1)
+        )
+        return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)
+
+    def attend_batched(
+        self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """`_attend` with every row its own keys: q [rows, heads, dim], kv [rows, keys, dim],
+        allowed [rows, keys] -> [rows, heads, dim]."""
+        scores = torch.matmul(q, kv.transpose(1, 2)) * self.scale  # [rows, heads, keys]
+        probs = self.sink_softmax(
+            scores.masked_fill(~allowed[:, None], float("-inf")), self.sinks.view(1, -1, 1)
+        )
+        return torch.matmul(probs.to(kv.dtype), kv)
+
+    @staticmethod
+    def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """Softmax over scores' last axis beside one sink logit per head (`sinks` broadcasts to
+        scores[..., :1]), the sink's probability dropped. The sinks stay float32, and so does
+        the softmax beside them (over scores in x's dtype). Never NaN: the sink is finite even
+        where every key is masked."""
+        logits = torch.cat((scores.float(), sinks.float().expand_as(scores[..., :1])), dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-        return torch.matmul(probs, kv).transpose(0, 1)
+        return F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         rows = out.shape[0]

@@ -113,11 +113,19 @@ class LayerPages:
         device: torch.device | str,
     ) -> None:
         self.geometry = geometry
-        self.pages = {
+        # Each page is [num_blocks, rows, width] over a flat buffer one row longer: that last row
+        # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
+        # so they never land in a real sequence's pages. It belongs to no block and is never read
+        # as state; `bytes` counts the pages only.
+        self.flat = {
             name: torch.zeros(
-                num_blocks, rows, width, device=device, dtype=torch.float32 if f32 else dtype
+                num_blocks * rows + 1, width, device=device, dtype=torch.float32 if f32 else dtype
             )
             for name, rows, width, f32 in geometry.pages
+        }
+        self.pages = {
+            name: self.flat[name][:-1].view(num_blocks, rows, width)
+            for name, rows, width, _ in geometry.pages
         }
 
     @property
@@ -125,15 +133,22 @@ class LayerPages:
         return sum(t.numel() * t.element_size() for t in self.pages.values())
 
     # ----- addressing: positions or entries -> rows of a page flattened to [blocks * rows] -----
+    # One sequence: table [max_blocks], positions/entries [n]; a batch (batched.py): table
+    # [rows, max_blocks], positions/entries [rows, n], each row through its own table.
+    @staticmethod
+    def _block(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return table[index] if table.dim() == 1 else table.gather(1, index)
+
     def _rows_of(self, name: str, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rows = self.pages[name].shape[1]
-        return table[positions // self.geometry.block_size] * rows + positions % rows
+        block = self._block(table, positions // self.geometry.block_size)
+        return block * rows + positions % rows
 
     def _entry_rows(self, name: str, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         bs, m, slots = self.geometry.block_size, self.geometry.rate, self.pages[name].shape[1]
         block = entries * m // bs
         first = (block * bs + m - 1) // m  # the block's first entry
-        return table[block] * slots + entries - first
+        return self._block(table, block) * slots + entries - first
 
     def _get(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         page = self.pages[name]
@@ -142,6 +157,32 @@ class LayerPages:
     def _put(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         page = self.pages[name]
         page.view(-1, page.shape[-1])[rows] = values.to(page.dtype)
+
+    # ----- a decode ubatch (batched.py): tables [rows, W], positions/entries [rows, n] -----
+    def batch_rows(self, name: str, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of `positions`, clamped into the W * B positions the tables address (a
+        clamped read is always masked, a clamped write never kept)."""
+        span = tables.shape[1] * self.geometry.block_size
+        return self._rows_of(name, tables, positions.clamp(0, span - 1))
+
+    def batch_entry_rows(
+        self, name: str, tables: torch.Tensor, entries: torch.Tensor
+    ) -> torch.Tensor:
+        count = -(-tables.shape[1] * self.geometry.block_size // self.geometry.rate)
+        return self._entry_rows(name, tables, entries.clamp(0, count - 1))
+
+    def take(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """flat rows [rows, n] -> [rows, n, width]."""
+        return self.flat[name][rows]
+
+    def store(
+        self, name: str, rows: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+    ) -> None:
+        """values [rows, n, width] to flat rows [rows, n] where `keep` [rows, n], the others to
+        the scratch row: one masked scatter, no host sync."""
+        flat = self.flat[name]
+        rows = torch.where(keep, rows, flat.shape[0] - 1)
+        flat[rows.reshape(-1)] = values.reshape(-1, flat.shape[1]).to(flat.dtype)
 
     def _span(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         return torch.arange(max(lo, 0), hi, device=device)

@@ -16,7 +16,7 @@ The engine drives the same layers through `embed`, `attention_half`, `add_ffn_ou
 `logits`, the interface `MoECausalLM` gives it: the residual it carries from layer to layer is the
 streams (and, between the halves, the FFN hyper-connection's post and comb), so mHC never leaves
 the attention side; each sequence's attention reads and writes its state in the paged cache
-(cache.py) through its block table.
+(cache.py) through its block table, a decode ubatch's all at once (batched.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.deepseek_v4.attention import LayerState, RopeTable, V4Attention
+from afdserve.model.deepseek_v4.batched import DecodeRows, decode_attention
 from afdserve.model.deepseek_v4.cache import LayerPages
 from afdserve.model.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.deepseek_v4.quant import convert_to_quantized
@@ -61,8 +62,9 @@ class V4DecoderLayer(nn.Module):
             self.self_attn = V4Attention(config, layer)
             self.post_attention_layernorm = V4RMSNorm(hidden, eps)
         if parts.ffn:
-            self.mlp = make_ffn(config, layer, with_router=not parts.gate_on_attention,
-                                held=parts.experts)
+            self.mlp = make_ffn(
+                config, layer, with_router=not parts.gate_on_attention, held=parts.experts
+            )
             if parts.gate_on_attention and parts.attention:
                 self.mlp.gate = Router(config, layer)
         elif parts.gate_on_attention:
@@ -77,11 +79,11 @@ class V4Body(nn.Module):
             # No random init (the loader writes it): see model.model.uninitialized_embedding.
             shape = (config.vocab_size, config.hidden_size)
             self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-            self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps,
-                                     config.rms_norm_eps)
+            self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
             self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i, parts)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, i, parts) for i in range(config.num_layers)
+        )
 
 
 class V4CausalLM(nn.Module):
@@ -119,15 +121,22 @@ class V4CausalLM(nn.Module):
         c, v4 = self.config, self.config.v4
         main = torch.tensor(c.rope_inv_freq, dtype=torch.float32, device=device)
         comp = torch.tensor(v4.compress_inv_freq, dtype=torch.float32, device=device)
-        return {"main": RopeTable(main, v4.main_attention_scaling),
-                "compress": RopeTable(comp, v4.compress_attention_scaling)}
+        return {
+            "main": RopeTable(main, v4.main_attention_scaling),
+            "compress": RopeTable(comp, v4.compress_attention_scaling),
+        }
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache([None] * self.config.num_layers)
 
-    def sequence_attention_half(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                                ropes: dict[str, RopeTable], cache: SequenceCache | None = None
-                                ) -> tuple[torch.Tensor, StreamState]:
+    def sequence_attention_half(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        ropes: dict[str, RopeTable],
+        cache: SequenceCache | None = None,
+    ) -> tuple[torch.Tensor, StreamState]:
         """h [rows, hc_mult, hidden] -> (x [rows, hidden], the FFN input; the state `expand_ffn`
         needs when the FFN output is back). With `cache`, the rows follow what it holds and
         this layer's entry is advanced past them."""
@@ -136,8 +145,7 @@ class V4CausalLM(nn.Module):
         attn = block.self_attn
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
         state = None if cache is None else cache.layers[layer]
-        y, state = attn(block.input_layernorm(collapsed), positions, own, ropes["compress"],
-                        state)
+        y, state = attn(block.input_layernorm(collapsed), positions, own, ropes["compress"], state)
         if cache is not None:
             cache.layers[layer] = state
         h = expand(h, y, post, comb)
@@ -148,9 +156,13 @@ class V4CausalLM(nn.Module):
     def expand_ffn(state: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
         return expand(state[0], ffn_out, state[1], state[2])
 
-    def route_on_attention(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
-                           ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None
-                           ) -> Routing | None:
+    def route_on_attention(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Routing | None:
         """As MoECausalLM's: `ffn_view` is x as the FFN half will read it (the A2E format)."""
         if not self.parts.gate_on_attention:
             return None
@@ -168,33 +180,62 @@ class V4CausalLM(nn.Module):
         empty = positions.new_zeros(positions.shape[0], 0, dtype=torch.float32)
         return empty, empty
 
-    def attention_half(self, layer: int, residual: torch.Tensor | StreamState,
-                       ffn_out: torch.Tensor | None, meta: AttentionMetadata, cache: LayerPages,
-                       cos_sin: tuple[torch.Tensor, torch.Tensor]
-                       ) -> tuple[torch.Tensor, StreamState]:
+    def attention_half(
+        self,
+        layer: int,
+        residual: torch.Tensor | StreamState,
+        ffn_out: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerPages,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, StreamState]:
         """The engine's form: `residual` is the streams [rows, hc_mult, hidden] at layer 0, after
         that the previous layer's StreamState, into which `ffn_out` is expanded first. Each
         segment of `meta` (consecutive rows of one sequence) attends over the state its block
         table addresses in `cache` and writes its own rows back; rows of no segment (pad rows)
-        get a zero attention output. -> (x [rows, hidden], what crosses to the FFN; the state
-        kept here)."""
+        get a zero attention output. A decode ubatch (one row per segment, device metadata in
+        `meta.batched`) runs all its sequences at once (batched.py), the form a CUDA graph
+        captures. -> (x [rows, hidden], what crosses to the FFN; the state kept here)."""
         h = residual if ffn_out is None else self.expand_ffn(residual, ffn_out)
         block = self.model.layers[layer]
         collapsed, post, comb = block.attn_hc(h)
         x = block.input_layernorm(collapsed)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
+        decode = DecodeRows.of(meta)
+        if decode is not None:
+            y = decode_attention(attn, cache, x, decode, own, ropes["compress"])
+        else:
+            y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
+        h = expand(h, y, post, comb)
+        collapsed, post, comb = block.ffn_hc(h)
+        return block.post_attention_layernorm(collapsed), (h, post, comb)
+
+    @staticmethod
+    def _per_sequence(
+        attn: V4Attention,
+        cache: LayerPages,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        own: RopeTable,
+        compress: RopeTable,
+    ) -> torch.Tensor:
+        if not meta.segments and meta.batched is not None and x.shape[0]:
+            # A graph of full mode: its static metadata carries no host-side segments.
+            raise ValueError(
+                "DeepSeek-V4 attends to prefill rows per sequence, from host-side "
+                "segments: only decode ubatches run from device metadata"
+            )
         y = torch.zeros_like(x)
         for seg in meta.segments:
             start = seg.context_len - seg.num_rows
             rows = slice(seg.row_start, seg.row_end)
-            out, after = attn(x[rows], meta.positions[rows], own, ropes["compress"],
-                              cache.read(seg.block_table, start))
+            out, after = attn(
+                x[rows], meta.positions[rows], own, compress, cache.read(seg.block_table, start)
+            )
             cache.write(seg.block_table, start, seg.context_len, after)
             y[rows] = out
-        h = expand(h, y, post, comb)
-        collapsed, post, comb = block.ffn_hc(h)
-        return block.post_attention_layernorm(collapsed), (h, post, comb)
+        return y
 
     def add_ffn_output(self, residual: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
         """After the last layer: the streams with the FFN output expanded in (`logits` reads
@@ -210,8 +251,11 @@ class V4CausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hc_mult, hidden] after the last layer -> logits [rows, vocab] float32."""
         x = self.model.norm(self.model.hc_head(h))
-        weight = (self.model.embed_tokens.weight if self.config.tie_word_embeddings
-                  else self.lm_head.weight)
+        weight = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
         return torch.nn.functional.linear(x, weight).float()
 
     @torch.inference_mode()
@@ -222,8 +266,9 @@ class V4CausalLM(nn.Module):
         return self.forward_chunk(token_ids, None, ffn)
 
     @torch.inference_mode()
-    def forward_chunk(self, token_ids: torch.Tensor, cache: SequenceCache | None,
-                      ffn: FFNHalf | None = None) -> torch.Tensor:
+    def forward_chunk(
+        self, token_ids: torch.Tensor, cache: SequenceCache | None, ffn: FFNHalf | None = None
+    ) -> torch.Tensor:
         """The next rows [rows] of the sequence `cache` holds (None: a whole sequence, nothing
         kept) -> logits [rows, vocab]; the cache is advanced past them."""
         ffn = ffn or self.ffn_half
@@ -240,8 +285,9 @@ class V4CausalLM(nn.Module):
         return self.logits(h)
 
     # ----- FFN half -----
-    def ffn_half(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
-                 routing: Routing | None = None) -> torch.Tensor:
+    def ffn_half(
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
         return self.model.layers[layer].mlp(x, token_ids, routing)
 
     def expected_tensors(self) -> dict[str, torch.Tensor]:

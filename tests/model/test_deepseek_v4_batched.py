@@ -1,0 +1,232 @@
+"""DeepSeek-V4's batched decode path (model/deepseek_v4/batched.py) against the per-sequence path
+over the same paged cache: sequences of different lengths decode together for several steps, so
+that in one step some close a CSA and/or HCA window (the first window too, and with fewer closed
+entries than index_topk) and some do not; the logits are close to float32 rounding, the tokens
+equal, and the pages it writes are the ones the per-sequence path writes. Pad rows (eagerly
+padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale block
+tables pointing at real sequences' blocks) write nothing into a real page and stay finite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from afdserve.engine.cuda_graphs import UbatchBuffers
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.model.deepseek_v4 import batched
+from afdserve.model.deepseek_v4.cache import V4KVCache
+from afdserve.model.deepseek_v4.model import V4CausalLM
+from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.loader import load_model
+from afdserve.model.model import ModelParts
+from afdserve.model.tiny import make_tiny_model
+
+CSA, HCA, SLIDING = (
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "sliding_attention",
+)
+# Context lengths before the first decode step (the tiny V4: CSA rate 2, HCA rate 4, topk 2): 0
+# (a first token), 1 (closes CSA's window 0: one entry, below topk), 3 (closes both), 5, 6, 11
+# (six CSA entries, more than topk), 12, 17; each step moves every one of them on by one.
+LENGTHS = (0, 1, 3, 5, 6, 11, 12, 17)
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, V4CausalLM]:
+    root = tmp_path_factory.mktemp("v4b")
+    dirs: dict[str, Path] = {
+        # sliding, CSA, HCA, CSA; a hash layer first
+        "tiny": make_tiny_model(root / "tiny", "deepseek_v4", hash_layers=1, seed=2),
+        # rates 3 and 6, window 3, topk 3, hash layers between
+        "r3r6": make_tiny_v4(
+            root / "r3r6",
+            seed=5,
+            hc_mult=3,
+            sliding_window=3,
+            index_topk=3,
+            compress_rates={CSA: 3, HCA: 6},
+            layer_types=[CSA, HCA, SLIDING, HCA],
+            mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"],
+        ),  # fmt: skip
+    }
+    return {name: load_model(d, ModelParts.colocated(), "float32")[0] for name, d in dirs.items()}
+
+
+def forward(
+    model: V4CausalLM, cache: V4KVCache, ids: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """The engine's layer loop (engine/model_runner.py, one ubatch) -> logits of every row."""
+    h = model.embed(ids)
+    residual, ffn_out = h, None
+    cos_sin = model.cos_sin(meta.positions)
+    for layer in range(model.config.num_layers):
+        x, residual = model.attention_half(
+            layer, residual, ffn_out, meta, cache.layers[layer], cos_sin
+        )
+        ffn_out = model.ffn_half(layer, x, ids.clamp(min=0))
+    return model.logits(model.add_ffn_output(residual, ffn_out))
+
+
+def tables_for(lengths: tuple[int, ...], block_size: int, width: int) -> torch.Tensor:
+    """Distinct blocks for every sequence, scattered over the cache (not in table order)."""
+    count = len(lengths) * width
+    blocks = torch.randperm(count + 3, generator=torch.Generator().manual_seed(7))[:count]
+    return blocks.view(len(lengths), width)
+
+
+def prefill(
+    model: V4CausalLM, cache: V4KVCache, prompts: list[torch.Tensor], tables: torch.Tensor
+) -> None:
+    for prompt, table in zip(prompts, tables, strict=True):
+        if len(prompt):
+            n = len(prompt)
+            meta = AttentionMetadata(
+                torch.arange(n), torch.zeros(n, dtype=torch.int64), (Segment(0, n, table, n),)
+            )
+            forward(model, cache, prompt, meta)
+
+
+def decode_meta(
+    positions: torch.Tensor, tables: torch.Tensor, pad: int, device_meta: bool
+) -> AttentionMetadata:
+    """One decode row per sequence and `pad` pad rows after them (id 0, position 0, no segment),
+    as ModelRunner.prepare lays a padded step out; with or without its device segments."""
+    segments = tuple(Segment(i, i + 1, tables[i], int(p) + 1) for i, p in enumerate(positions))
+    rows = len(segments) + pad
+    full = torch.cat((positions, torch.zeros(pad, dtype=torch.int64)))
+    batched_meta = batch_segments(segments, torch.device("cpu")) if device_meta else None
+    return AttentionMetadata(full, torch.zeros(rows, dtype=torch.int64), segments, batched_meta)
+
+
+def pages_close(got: V4KVCache, want: V4KVCache) -> None:
+    for layer, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
+        for name in w.pages:
+            torch.testing.assert_close(
+                g.pages[name],
+                w.pages[name],
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, n=name, i=layer: f"layer {i} {n}: {m}",
+            )
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0.0)
+
+
+def setup(model: V4CausalLM, block_size: int):
+    width = -(-(max(LENGTHS) + STEPS + 1) // block_size)
+    tables = tables_for(LENGTHS, block_size, width)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in LENGTHS]
+    blocks = int(tables.max()) + 1
+    reference = V4KVCache(model.config, blocks, block_size, torch.float32, "cpu")
+    prefill(model, reference, prompts, tables)
+    twin = V4KVCache(model.config, blocks, block_size, torch.float32, "cpu")
+    for a, b in zip(twin.layers, reference.layers, strict=True):
+        for name in a.flat:
+            a.flat[name].copy_(b.flat[name])
+    last = torch.randint(0, 256, (len(LENGTHS),), generator=gen)
+    return tables, reference, twin, last
+
+
+def scratch_rows(cache: V4KVCache) -> list[torch.Tensor]:
+    return [layer.flat[name][-1].clone() for layer in cache.layers for name in layer.flat]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("shape", ["tiny", "r3r6"])
+@pytest.mark.parametrize("pad", [0, 3])
+@torch.inference_mode()
+def test_batched_decode_equals_the_per_sequence_path(
+    models: dict[str, V4CausalLM], shape: str, block_size: int, pad: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    model = models[shape]
+    tables, reference, twin, ids = setup(model, block_size)
+    calls = []
+    monkeypatch.setattr(batched, "_compressed", _counting(batched._compressed, calls))
+    positions = torch.tensor(LENGTHS)
+    rates = (model.config.v4.csa_rate, model.config.v4.hca_rate)
+    closing: dict[int, list[tuple[bool, ...]]] = {rate: [] for rate in rates}
+    for _ in range(STEPS):
+        for rate in rates:
+            closing[rate].append(tuple(((positions + 1) % rate == 0).tolist()))
+        step_ids = torch.cat((ids, torch.zeros(pad, dtype=torch.int64)))
+        want = forward(model, reference, step_ids, decode_meta(positions, tables, pad, False))
+        before = len(calls)
+        got = forward(model, twin, step_ids, decode_meta(positions, tables, pad, True))
+        assert len(calls) > before  # the batched path ran, the reference did not
+        real = len(LENGTHS)
+        close(got[:real], want[:real])
+        assert got[:real].argmax(-1).tolist() == want[:real].argmax(-1).tolist()
+        assert bool(torch.isfinite(got).all())
+        pages_close(twin, reference)
+        ids, positions = want[:real].argmax(-1), positions + 1
+    # Rows that close a window beside rows that do not: CSA's in every step, HCA's in some.
+    mixed = {rate: [any(c) and not all(c) for c in steps] for rate, steps in closing.items()}
+    assert all(mixed[rates[0]]) and any(mixed[rates[1]])
+
+
+def _counting(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+@torch.inference_mode()
+def test_graph_buffers_pad_segments_write_no_real_page(
+    models: dict[str, V4CausalLM], block_size: int
+) -> None:
+    """The static layout a captured graph reads (UbatchBuffers on CPU): no host-side segments,
+    a capture size above the batch, pad segments of context 0 whose block tables are left over
+    from a larger batch, i.e. point at the real sequences' blocks, at positions that would close
+    every window."""
+    model = models["tiny"]
+    tables, reference, twin, ids = setup(model, block_size)
+    real, size = len(LENGTHS), len(LENGTHS) + 4
+    # The graph's tables are wider than any sequence's (max_model_len's blocks): the columns past
+    # a real sequence's blocks keep a larger batch's, other sequences' blocks too.
+    width = tables.shape[1] + 3
+    buffers = UbatchBuffers(size, width, torch.device("cpu"))
+    wide = torch.cat((tables, tables.roll(1, 0)[:, :3]), dim=1)
+    stale = tuple(Segment(i, i + 1, wide[i % real], 8) for i in range(size))
+    buffers.load(batch_segments(stale, torch.device("cpu")), size, size)
+    positions = torch.tensor(LENGTHS)
+    for _ in range(3):
+        want = forward(model, reference, ids, decode_meta(positions, tables, 0, False))
+        segments = decode_meta(positions, tables, 0, True).batched
+        buffers.load(segments, size, real)
+        pad_positions = torch.full((size - real,), 7)  # (7 + 1) % 4 == 0: every window closes
+        graph_meta = AttentionMetadata(
+            torch.cat((positions, pad_positions)), torch.full((size,), -1), (),
+            buffers.batched(size, 1, width * block_size),
+        )  # fmt: skip
+        step_ids = torch.cat((ids, torch.zeros(size - real, dtype=torch.int64)))
+        got = forward(model, twin, step_ids, graph_meta)
+        close(got[:real], want[:real])
+        assert bool(torch.isfinite(got).all())
+        pages_close(twin, reference)  # the pad rows wrote only the scratch rows
+        ids, positions = want.argmax(-1), positions + 1
+    assert any(bool(row.abs().sum() > 0) for row in scratch_rows(twin))
+
+
+@torch.inference_mode()
+def test_full_mode_graph_layout_is_refused_by_name(models: dict[str, V4CausalLM]) -> None:
+    """Prefill rows still attend per sequence from host-side segments: a graph layout for them
+    (full mode, no segments) is one clear error, never a silent zero attention."""
+    model = models["tiny"]
+    cache = V4KVCache(model.config, 4, 4, torch.float32, "cpu")
+    buffers = UbatchBuffers(4, 4, torch.device("cpu"))
+    meta = AttentionMetadata(
+        torch.zeros(4, dtype=torch.int64), torch.full((4,), -1), (), buffers.batched(4, 4, 16)
+    )
+    with pytest.raises(ValueError, match="only decode ubatches run from device metadata"):
+        forward(model, cache, torch.zeros(4, dtype=torch.int64), meta)
