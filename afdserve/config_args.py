@@ -40,6 +40,7 @@ def option(
     positional: bool = False,
     aliases: Sequence[str] = (),
     off_flag: str | None = None,
+    repeat: bool = False,
 ) -> Any:
     """A dataclass field with its user-facing declaration.
 
@@ -58,11 +59,14 @@ def option(
     aliases: more flags for the option (vLLM's short forms: `-dp`).
     off_flag: a flag that sets a False-by-default bool False again (vLLM's older spelling of a
         switch whose default flipped: `--disable-log-requests`).
+    repeat: a tuple field whose flag is given once per value (`--control-plane gloo
+        --control-plane shm`), argparse's "append"; its default must be None (argparse would
+        append to any other).
     """
     meta = {"help": help, "flag": flag, "kwarg": kwarg, "choices": choices, "allowed": allowed,
             "parse": parse, "metavar": metavar, "shown": shown, "nargs": nargs, "const": const,
             "negate": negate, "positional": positional, "aliases": tuple(aliases),
-            "off_flag": off_flag}  # fmt: skip
+            "off_flag": off_flag, "repeat": repeat}  # fmt: skip
     kept = {k: v for k, v in meta.items() if v is not None and v is not False and v != ()}
     return dataclasses.field(default=default, metadata=kept)
 
@@ -136,6 +140,10 @@ def add_field_argument(
         text = help_with_default(field, default)
     flag = flag or flag_of(field)
     kind = _base_type(_hints(cls)[name])
+    if meta.get("repeat"):  # tuple[X, ...]: each flag's value is an X
+        if value is not None:
+            raise TypeError(f"{cls.__name__}.{name}: a repeated flag's default must be None")
+        kind = typing.get_args(kind)[0]
     if kind is bool and not meta.get("parse"):
         kw = {"action": _bool_action(meta, value)}
     else:
@@ -178,6 +186,8 @@ def _typed(
         kw["metavar"] = flag.lstrip("-").replace("-", "_").upper()
     if meta.get("nargs"):
         kw["nargs"], kw["const"] = meta["nargs"], meta.get("const")
+    if meta.get("repeat"):
+        kw["action"] = "append"
     return kw
 
 
@@ -212,7 +222,8 @@ def values_of(source: argparse.Namespace | Mapping[str, Any], cls: type) -> dict
 
 def build(cls: type, source: argparse.Namespace | Mapping[str, Any], **overrides: Any) -> Any:
     """`cls` from its fields' keywords in `source` (others there are ignored), then `overrides`;
-    an int given for a float field is taken as that float, as argparse's type=float would."""
+    an int given for a float field is taken as that float, as argparse's type=float would, and
+    the list a repeated flag gathers (option(repeat=True)) as a tuple."""
     values = {**values_of(source, cls), **overrides}
     hints = _hints(cls)
     by_name = {}
@@ -222,6 +233,8 @@ def build(cls: type, source: argparse.Namespace | Mapping[str, Any], **overrides
         value = values[key]
         if _base_type(hints[field.name]) is float and type(value) is int:
             value = float(value)
+        elif field.metadata.get("repeat") and isinstance(value, list):
+            value = tuple(value)
         by_name[field.name] = value
     return cls(**by_name)
 

@@ -23,6 +23,7 @@ from afdserve.config_args import (
     add_dataclass_arguments,
     build,
     keyword_fields,
+    option,
     parse_placement,
     parse_sizes,
     split_kwargs,
@@ -192,6 +193,27 @@ def test_a_field_without_help_or_parser_is_refused() -> None:
 
     with pytest.raises(TypeError, match="Bare.x declares no help"):
         add_dataclass_arguments(argparse.ArgumentParser(), Bare)
+
+
+def test_a_repeated_flag_gathers_a_tuple() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Planes:
+        planes: tuple[str, ...] | None = option(None, flag="--plane", choices=("a", "b"),
+                                                repeat=True, shown="both", help="planes")
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, Planes)
+    assert build(Planes, parser.parse_args([])).planes is None
+    assert build(Planes, parser.parse_args("--plane b --plane a".split())).planes == ("b", "a")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--plane", "c"])
+
+    @dataclasses.dataclass(frozen=True)
+    class Defaulted:
+        planes: tuple[str, ...] | None = option(("a",), repeat=True, help="planes")
+
+    with pytest.raises(TypeError, match="Defaulted.planes: a repeated flag's default must be"):
+        add_dataclass_arguments(argparse.ArgumentParser(), Defaulted)
 
 
 def test_bench_flags_come_from_the_config_fields() -> None:

@@ -31,9 +31,9 @@ import torch
 import afdserve
 from afdserve.bench.decode import DecodeBench
 from afdserve.bench.decode_steps import DecodeSteps, build_half
-from afdserve.bench.flags import add_engine_flags
+from afdserve.bench.flags import add_bench_flags, sizes
 from afdserve.bench.report import WARMUP_STEPS, Timer
-from afdserve.config_args import add_dataclass_arguments, build, option, parse_sizes
+from afdserve.config_args import build, option
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
@@ -62,10 +62,6 @@ TWO_GPU_HANDOVER = {
 }
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_sizes(text))
-
-
 @dataclasses.dataclass(frozen=True)
 class CalibrateBench:
     out: str = option(help="where to write the profile (JSON)")
@@ -75,19 +71,19 @@ class CalibrateBench:
     # 80 and 96: from 66 sequences on, the attention kernel gives each sequence one split on an
     # H200 with Qwen3-30B-A3B's 4 KV heads (triton_attention.plan_splits; two at 64), so 64 and
     # 128 alone leave the switch unmeasured.
-    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 80, 96, 128, 160, 256), parse=_sizes,
+    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 80, 96, 128, 160, 256), parse=sizes,
                                           help="attention-rank batches the curves go through")
-    check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=_sizes,
+    check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=sizes,
                                             help="batches of the colocated and in-process steps "
                                             "measured to check the prediction")
-    contexts: tuple[int, ...] = option((1024, 8192, 32768), parse=_sizes,
+    contexts: tuple[int, ...] = option((1024, 8192, 32768), parse=sizes,
                                        help="context lengths of the attention points")
-    check_contexts: tuple[int, ...] = option((1024, 8192), parse=_sizes,
+    check_contexts: tuple[int, ...] = option((1024, 8192), parse=sizes,
                                              help="context lengths of the checks")
     # Powers of two are the tops of the decode kernels' padded pair buckets; 24, 48, 96 and 192
     # are inside buckets, where the planner's rule for a bucket (profile.ExpertKernels) is checked.
     ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512,
-                                          1024), parse=_sizes, help="rows of the FFN-half points")
+                                          1024), parse=sizes, help="rows of the FFN-half points")
     steps: int = option(10, help="timed steps per point (median)")
     graph_mode: str = "full_decode_only"
     dtype: str = "bfloat16"
@@ -311,9 +307,7 @@ def _expert_kernels(spec: CalibrateBench) -> ExpertKernels | None:
 
 def add_calibrate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("calibrate", help="measure the costs `afdserve plan` predicts from")
-    add_dataclass_arguments(p, CalibrateBench,
-                            skip=("graph_mode", "dtype", "device", "block_size", "seed"))
-    add_engine_flags(p, CalibrateBench, ("graph_mode", "dtype", "device", "block_size", "seed"))
+    add_bench_flags(p, CalibrateBench)
     p.set_defaults(func=main_calibrate)
 
 

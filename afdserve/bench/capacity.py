@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from afdserve.bench.decode import DecodeBench, run_decode_bench
-from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
+from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, add_json_flag, names
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
-from afdserve.config_args import build
+from afdserve.config_args import build, option
 from afdserve.llm import LLM
 from afdserve.model.presets import PRESET_HELP
 
@@ -30,9 +30,16 @@ TOPOLOGIES = ("colocated", "1A1F")
 
 @dataclass(frozen=True)
 class CapacityBench:
-    model_dir: str
-    topologies: tuple[str, ...] = TOPOLOGIES
-    context_len: int = 8192
+    # The model's directory: --model's, or the temporary one written for --preset.
+    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
+                                   help="a Hugging Face model dir",
+                                   shown="None, give it or --preset")  # fmt: skip
+    preset: str | None = option(None, metavar="NAME[:LAYERS]",
+                                help=PRESET_HELP + ", in a temporary dir (needs --load-format "
+                                "dummy)")  # fmt: skip
+    topologies: tuple[str, ...] = option(TOPOLOGIES, parse=names,
+                                         help="the engine layouts measured, comma-separated")
+    context_len: int = option(8192, help="tokens per sequence the largest batch is found for")
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
@@ -43,15 +50,17 @@ class CapacityBench:
     # max_num_batched_tokens, in one step: the batch is capped by both.
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
-    measure: bool = False
+    measure: bool = option(False, help="also time decode steps at that batch, the decode bench")
     graph_mode: str = "none"  # of the measured decode steps
-    steps: int = 20
+    steps: int = option(20, help="timed steps with --measure")
     seed: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
             return invalid(self, field, allowed)
 
+        if self.model_dir is None:
+            raise bad("model_dir", "a model directory: give --model DIR, or --preset NAME")
         if not self.topologies or any(t not in TOPOLOGIES for t in self.topologies):
             raise bad("topologies", f"a non-empty list of {TOPOLOGIES}")
         for field in ("context_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -169,37 +178,17 @@ def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
 def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("capacity", help="KV-cache capacity of colocated vs the 1A1F attention "
                                           "rank, and the largest batch at a context length")
-    p.add_argument("--model", dest="model_dir", default=None,
-                   help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
-                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy) "
-                        "(default: None)")
-    add_engine_flags(p, CapacityBench, ("load_format",))
-    p.add_argument("--topologies", default=",".join(TOPOLOGIES),
-                   help=f"comma-separated (default: {','.join(TOPOLOGIES)})")
-    add_engine_flags(p, CapacityBench, ("connector",))
-    p.add_argument("--context-len", type=int, default=CapacityBench.context_len,
-                   help="tokens per sequence the largest batch is found for "
-                        f"(default: {CapacityBench.context_len})")
-    add_engine_flags(p, CapacityBench, (
+    add_bench_flags(p, CapacityBench, (
+        "model_dir", "preset", "load_format", "topologies", "connector", "context_len",
         "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-        "device", "dtype"))  # fmt: skip
-    p.add_argument("--measure", action="store_true",
-                   help="also time decode steps at that batch, the decode bench "
-                        "(default: False)")
-    add_engine_flags(p, CapacityBench, ("graph_mode",))
-    p.add_argument("--steps", type=int, default=CapacityBench.steps,
-                   help=f"timed steps with --measure (default: {CapacityBench.steps})")
-    add_engine_flags(p, CapacityBench, ("seed",))
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="also write the results here (default: None)")
+        "device", "dtype", "measure", "graph_mode", "steps", "seed"))  # fmt: skip
+    add_json_flag(p)
     p.set_defaults(func=main_capacity)
 
 
 def main_capacity(args: argparse.Namespace) -> int:
-    topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
     with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
-        spec = build(CapacityBench, args, model_dir=model_dir, topologies=topologies)
+        spec = build(CapacityBench, args, model_dir=model_dir)
         found = run_capacity_bench(spec)
     name = args.preset or args.model_dir
     header = (f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "

@@ -8,15 +8,32 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from afdserve.bench.flags import add_bench_flags
+from afdserve.bench.report import invalid
+from afdserve.config_args import build, option
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 
 PLANES = ("gloo", "shm")
+
+
+@dataclass(frozen=True)
+class ControlBench:
+    topology: str = option("1A1F", help="the world whose rounds are timed")
+    control_planes: tuple[str, ...] | None = option(
+        None, flag="--control-plane", choices=PLANES, repeat=True, shown="both",
+        help="gloo or shm, repeatable")
+    rounds: int = option(500, help="control rounds timed per plane")
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise invalid(self, "rounds", "an integer >= 1")
 
 
 def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, results) -> None:
@@ -38,7 +55,7 @@ def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, res
     dist.destroy_process_group()
 
 
-def measure_control_plane(topology: Topology, rounds: int = 500,
+def measure_control_plane(topology: Topology, rounds: int = ControlBench.rounds,
                           plane: str = "gloo") -> dict[int, float]:
     """Median microseconds of one control round, per rank."""
     from afdserve.afd.clients.process import free_port
@@ -58,21 +75,15 @@ def measure_control_plane(topology: Topology, rounds: int = 500,
 
 def add_control_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("control", help="time the per-step control-plane round")
-    p.add_argument("--topology", default="1A1F",
-                   help="the world whose rounds are timed (default: 1A1F)")
-    p.add_argument("--control-plane", choices=PLANES, action="append", default=None,
-                   help="gloo or shm, repeatable (default: both)")
-    p.add_argument("--rounds", type=int, default=500,
-                   help="control rounds timed per plane (default: 500)")
+    add_bench_flags(p, ControlBench)
     p.set_defaults(func=main_control)
 
 
 def main_control(args: argparse.Namespace) -> int:
     topology = Topology.parse(args.topology)
-    if args.rounds < 1:
-        raise ValueError(f"bench.rounds={args.rounds!r} is not allowed: an integer >= 1")
-    for plane in args.control_plane or PLANES:
-        per_rank = measure_control_plane(topology, args.rounds, plane)
-        print(f"control plane {plane}, {topology}, {args.rounds} rounds (median per round): "
+    spec = build(ControlBench, args)
+    for plane in spec.control_planes or PLANES:
+        per_rank = measure_control_plane(topology, spec.rounds, plane)
+        print(f"control plane {plane}, {topology}, {spec.rounds} rounds (median per round): "
               + ", ".join(f"rank {r} {us:.1f} us" for r, us in sorted(per_rank.items())))
     return 0

@@ -23,11 +23,11 @@ from afdserve.bench.decode_dp import DataParallelResult, format_dp_table, run_dp
 from afdserve.bench.decode_p2p import run_p2p_decode_bench
 from afdserve.bench.decode_steps import DecodeResult, bench_batch, build_halves
 from afdserve.bench.decode_steps import DecodeSteps as DecodeSteps
-from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
+from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, sizes
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import invalid
 from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
-from afdserve.config_args import build
+from afdserve.config_args import build, option
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.presets import PRESET_HELP, hf_config_of, parse_preset
 
@@ -37,21 +37,26 @@ TOPOLOGIES = ("colocated", "in-process", "1A1F")
 
 @dataclass(frozen=True)
 class DecodeBench:
-    model_dir: str | None
-    preset: str | None
-    random_weights: bool
-    batch_sizes: tuple[int, ...]
-    context_len: int
-    topology: str = "colocated"
+    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
+                                   help="a Hugging Face model dir",
+                                   shown="None, give it or --preset")  # fmt: skip
+    preset: str | None = option(None, metavar="NAME[:LAYERS]",
+                                help=PRESET_HELP + ": its shape with random weights, no directory")
+    random_weights: bool = option(
+        False, help="random weights in --model's shape instead of its checkpoint")
+    batch_sizes: tuple[int, ...] = option((1, 8, 64), parse=sizes,
+                                          help="the decode batches timed, comma-separated")
+    context_len: int = option(1024, help="tokens already cached per sequence")
+    topology: str = option("colocated", choices=TOPOLOGIES, help="the engine layout timed")
     connector: str = "p2p"  # the data plane of --topology 1A1F: one of BENCH_CONNECTORS
     graph_mode: str = "none"
     ubatches: int = 1
-    steps: int = 20
+    steps: int = option(20, help="timed decode steps per batch")
     dtype: str = "bfloat16"
     device: str = "cuda"
     block_size: int = 16
-    compare_hf: bool = False
-    seed: int = 0
+    compare_hf: bool = option(False, help="also time transformers' model on the same weights")
+    seed: int = option(0, help="seed of random weights and tokens")
     quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
     kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": the FP8 KV cache (EngineConfig's option)
     # -dp N: N colocated replicas timed at once, one process and GPU each (bench/decode_dp.py).
@@ -139,38 +144,15 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
-    p.add_argument("--model", dest="model_dir", default=None,
-                   help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
-                   help=PRESET_HELP + ": its shape with random weights, no directory "
-                        "(default: None)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights in --model's shape instead of its checkpoint "
-                        "(default: False)")
-    p.add_argument("--batch-sizes", default="1,8,64",
-                   help="the decode batches timed, comma-separated (default: 1,8,64)")
-    p.add_argument("--context-len", type=int, default=1024,
-                   help="tokens already cached per sequence (default: 1024)")
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
-                   help="the engine layout timed (default: colocated)")
-    add_engine_flags(p, DecodeBench, ("connector", "graph_mode", "ubatches", "data_parallel_size"))
-    p.add_argument("--steps", type=int, default=20,
-                   help="timed decode steps per batch (default: 20)")
-    add_engine_flags(p, DecodeBench, ("dtype", "device", "block_size"))
-    add_engine_flags(p, DecodeBench, ("quantization", "kv_cache_dtype"))
-    p.add_argument("--compare-hf", action="store_true",
-                   help="also time transformers' model on the same weights (default: False)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of random weights and tokens (default: 0)")
+    add_bench_flags(p, DecodeBench, (
+        "model_dir", "preset", "random_weights", "batch_sizes", "context_len", "topology",
+        "connector", "graph_mode", "ubatches", "data_parallel_size", "steps", "dtype", "device",
+        "block_size", "quantization", "kv_cache_dtype", "compare_hf", "seed"))  # fmt: skip
     p.set_defaults(func=main_decode)
 
 
 def main_decode(args: argparse.Namespace) -> int:
-    try:
-        sizes = tuple(int(s) for s in str(args.batch_sizes).split(",") if s.strip())
-    except ValueError as e:
-        raise ValueError(f"bench.batch_sizes={args.batch_sizes!r}: comma-separated integers") from e
-    spec = build(DecodeBench, args, batch_sizes=sizes)
+    spec = build(DecodeBench, args)
     replicas = spec.data_parallel_size
     dp: list[DataParallelResult] = []
     if replicas > 1:

@@ -1,5 +1,8 @@
-"""The flags a bench shares with the engine (--device, --dtype, --connector, --load-format,
---graph-mode, ...): declared once, on the engine's config fields (afdserve/config.py)."""
+"""The flags of a bench, each declared once on its spec's field: a field declared with
+`config_args.option` is the bench's own (flag, type, choices, default and help all from it); any
+other is an option the bench shares with the engine (--device, --dtype, --connector,
+--load-format, --graph-mode, ...), its flag, type and help from the engine's config field
+(afdserve/config.py) and its default from the bench spec's."""
 
 from __future__ import annotations
 
@@ -22,11 +25,55 @@ NARROWED = {
 }
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    """'1,8,64' -> (1, 8, 64) (a bench flag's parse)."""
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def names(text: str) -> tuple[str, ...]:
+    """'colocated, 1A1F' -> ('colocated', '1A1F') (a bench flag's parse; the spec checks them)."""
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def add_bench_flags(
+    p: argparse.ArgumentParser, spec: type, keywords: Sequence[str] | None = None
+) -> None:
+    """The flags of the spec's fields named by `keywords` (all, when None), in that order (the
+    order of --help): the bench's own from the field's `option`, the engine's by
+    `add_engine_flags`."""
+    fields = keyword_fields(spec)
+    for key in fields if keywords is None else keywords:
+        if "help" in fields[key].metadata:
+            add_field_argument(p, spec, fields[key].name)
+        else:
+            add_engine_flags(p, spec, (key,))
+
+
 def add_engine_flags(p: argparse.ArgumentParser, spec: type, keywords: Sequence[str]) -> None:
     """The engine options a bench spec shares (by keyword) with the engine's configs: flag,
     type and help from the config's field, the default from the bench spec's field."""
     for key in keywords:
-        cls, field = next((c, f) for c in ENGINE_CONFIGS
-                          for k, f in keyword_fields(c).items() if k == key)
-        add_field_argument(p, cls, field.name, default=spec.__dataclass_fields__[key].default,
-                           choices=NARROWED.get(key, field.metadata.get("choices")))
+        found = next(((c, f) for c in ENGINE_CONFIGS
+                      for k, f in keyword_fields(c).items() if k == key), None)  # fmt: skip
+        if found is None:
+            raise TypeError(f"{spec.__name__}.{key} is no engine option: declare it with "
+                            "config_args.option")  # fmt: skip
+        cls, field = found
+        add_field_argument(
+            p,
+            cls,
+            field.name,
+            default=spec.__dataclass_fields__[key].default,
+            choices=NARROWED.get(key, field.metadata.get("choices")),
+        )
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    """--json FILE: where a bench also writes its results (the output, not part of its spec)."""
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="also write the results here (default: None)"
+    )

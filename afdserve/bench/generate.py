@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from afdserve.bench.flags import BENCH_CONNECTORS, add_engine_flags
-from afdserve.bench.report import invalid, model_dir_for, parse_sizes, report
+from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, add_json_flag, sizes
+from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
-from afdserve.config_args import build
+from afdserve.config_args import build, option
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
@@ -30,11 +30,19 @@ TOPOLOGIES = ("colocated", "1A1F")
 
 @dataclass(frozen=True)
 class GenerateBench:
-    model_dir: str
-    batch_sizes: tuple[int, ...] = (64, 256)
-    input_len: int = 512
-    output_len: int = 256
-    topology: str = "colocated"
+    # The model's directory: --model's, or the temporary one written for --preset.
+    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
+                                   help="a Hugging Face model dir",
+                                   shown="None, give it or --preset")  # fmt: skip
+    preset: str | None = option(None, metavar="NAME[:LAYERS]",
+                                help=PRESET_HELP + ", in a temporary dir (needs --load-format "
+                                "dummy)")  # fmt: skip
+    batch_sizes: tuple[int, ...] = option((64, 256), parse=sizes,
+                                          help="requests per timed run, comma-separated")
+    input_len: int = option(512, help="prompt tokens per request")
+    output_len: int = option(256, help="generated tokens per request")
+    topology: str = option("colocated", choices=TOPOLOGIES,
+                           help="colocated (with -dp N: N replicas) or 1A1F")
     connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
     # Colocated replicas, one rank process (one GPU) each: what AFD on N GPUs is measured against.
     data_parallel_size: int = 1
@@ -53,6 +61,8 @@ class GenerateBench:
         def bad(field: str, allowed: str) -> ValueError:
             return invalid(self, field, allowed)
 
+        if self.model_dir is None:
+            raise bad("model_dir", "a model directory: give --model DIR, or --preset NAME")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise bad("batch_sizes", "a non-empty list of integers >= 1")
         for field in ("input_len", "output_len", "ubatches", "max_num_batched_tokens"):
@@ -158,37 +168,19 @@ def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
-    p.add_argument("--model", dest="model_dir", default=None,
-                   help="a Hugging Face model dir (default: None, give it or --preset)")
-    p.add_argument("--preset", default=None, metavar="NAME[:LAYERS]",
-                   help=PRESET_HELP + ", in a temporary dir (needs --load-format dummy) "
-                        "(default: None)")
-    add_engine_flags(p, GenerateBench, ("load_format",))
-    p.add_argument("--topology", default="colocated", choices=TOPOLOGIES,
-                   help="colocated (with -dp N: N replicas) or 1A1F (default: colocated)")
-    add_engine_flags(p, GenerateBench, ("connector", "data_parallel_size"))
-    p.add_argument("--batch-sizes", default="64,256",
-                   help="requests per timed run, comma-separated (default: 64,256)")
-    p.add_argument("--input-len", type=int, default=512,
-                   help="prompt tokens per request (default: 512)")
-    p.add_argument("--output-len", type=int, default=256,
-                   help="generated tokens per request (default: 256)")
-    add_engine_flags(p, GenerateBench, (
-        "graph_mode", "cuda_graph_sizes", "ubatches", "device", "dtype", "gpu_memory_utilization",
-        "max_num_batched_tokens", "seed"))  # fmt: skip
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="also write the results here (default: None)")
+    add_bench_flags(p, GenerateBench, (
+        "model_dir", "preset", "load_format", "topology", "connector", "data_parallel_size",
+        "batch_sizes", "input_len", "output_len", "graph_mode", "cuda_graph_sizes", "ubatches",
+        "device", "dtype", "gpu_memory_utilization", "max_num_batched_tokens", "seed"))  # fmt: skip
+    add_json_flag(p)
     p.set_defaults(func=main_generate)
 
 
 def main_generate(args: argparse.Namespace) -> int:
     with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
-        sizes = args.cuda_graph_sizes
-        spec = build(
-            GenerateBench, args, model_dir=model_dir,
-            batch_sizes=parse_sizes("batch_sizes", args.batch_sizes),
-            cuda_graph_sizes=tuple(sizes) if sizes else None,
-        )  # fmt: skip
+        graph_sizes = args.cuda_graph_sizes
+        spec = build(GenerateBench, args, model_dir=model_dir,
+                     cuda_graph_sizes=tuple(graph_sizes) if graph_sizes else None)
         results = run_generate_bench(spec)
     name = args.preset or args.model_dir
     replicas = f" x{spec.data_parallel_size} replicas" if spec.data_parallel_size > 1 else ""

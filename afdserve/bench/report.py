@@ -1,6 +1,6 @@
-"""What several benches share: the errors of their specs, the parsing of size lists, the model
-directory of a preset, the warm-up and the device timer of the decode benches, and how a bench
-prints and writes its results."""
+"""What several benches share: the errors of their specs, the model directory of a preset, the
+warm-up and the device timer of the decode benches, and how a bench prints and writes its
+results."""
 
 from __future__ import annotations
 
@@ -22,14 +22,6 @@ WARMUP_STEPS = 3
 def invalid(spec: object, field: str, allowed: str) -> ValueError:
     """The error of a bench spec's field: its name, its value, and what is allowed."""
     return ValueError(f"bench.{field}={getattr(spec, field)!r} is not allowed: {allowed}")
-
-
-def parse_sizes(field: str, text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in str(text).split(",") if s.strip())
-    except ValueError:
-        raise ValueError(f"bench.{field}={text!r}: comma-separated integers") from None
-    return sizes
 
 
 @contextlib.contextmanager

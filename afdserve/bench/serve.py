@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from afdserve.config_args import add_field_argument, option
+from afdserve.bench.flags import add_json_flag
+from afdserve.config_args import add_field_argument, build, option
 
 try:
     import httpx
@@ -50,20 +51,41 @@ PERCENTILE = 99
 CONNECT_TIMEOUT_S = 60.0
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        msg = f"expected comma-separated request rates like 1,4,16,inf, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 @dataclass(frozen=True)
 class ServeBench:
-    base_url: str
-    num_prompts: int
-    input_len: int
-    output_len: int
-    request_rates: tuple[float, ...]  # requests per second; math.inf: all at once
-    model: str | None = None  # None: the first model the server lists
-    vocab_size: int | None = None  # None: from --model-dir's (or the served root's) config.json
-    model_dir: str | None = None
-    max_concurrency: int | None = None
-    seed: int = 0
-    api_key: str | None = None
-    timeout_s: float = 3600.0
+    base_url: str = option("http://127.0.0.1:8000", help="the server")
+    num_prompts: int = option(200, help="requests per rate")
+    input_len: int = option(1024, help="prompt tokens per request (with --num-prefixes: after "
+                                       "the prefix)")  # fmt: skip
+    output_len: int = option(128, help="generated tokens per request")
+    # requests per second; math.inf: all at once
+    request_rates: tuple[float, ...] = option(
+        (math.inf,), flag="--request-rate", parse=parse_rates,
+        help="comma-separated requests/s, Poisson arrivals; inf sends all at once")
+    # None: the first model the server lists
+    model: str | None = option(None, help="served model name", shown="the first listed")
+    # None: from --model-dir's (or the served root's) config.json
+    vocab_size: int | None = option(None, help="prompt token ids are drawn from [0, N)",
+                                    shown="from --model-dir")  # fmt: skip
+    model_dir: str | None = option(
+        None, help="a model directory whose config.json gives the vocabulary size",
+        shown="the served model's path, when the server runs here")
+    max_concurrency: int | None = option(
+        None, help="requests in flight at most, later arrivals wait for a slot",
+        shown="None, no limit")
+    seed: int = option(0, help="seed of the prompts and arrival times")
+    # None on the command line: $AFDSERVE_API_KEY, then $OPENAI_API_KEY (main_serve reads them)
+    api_key: str | None = option(None, help="Bearer token",
+                                 shown="$AFDSERVE_API_KEY, then $OPENAI_API_KEY")  # fmt: skip
+    timeout_s: float = option(3600.0, help="seconds one request may take")
     num_prefixes: int = option(
         0, help="the shared-prefix workload: P random prefixes, each request one of them plus "
                 "--input-len tokens of its own; 0: every prompt is random",
@@ -120,14 +142,6 @@ class RateResult:
     # metric -> {"mean", "median", "p99"} in milliseconds; None when nothing was measured
     ms: dict[str, dict[str, float] | None]
     requests: list[RequestResult]
-
-
-def parse_rates(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        msg = f"expected comma-separated request rates like 1,4,16,inf, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -381,37 +395,11 @@ def to_json(spec: ServeBench, model: str, results: list[RateResult]) -> dict:
 
 def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, throughput")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server (default: http://127.0.0.1:8000)")
-    p.add_argument("--model", default=None, help="served model name (default: the first listed)")
-    p.add_argument("--request-rate", type=parse_rates, default=(math.inf,),
-                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once "
-                        "(default: inf)")
-    p.add_argument("--num-prompts", type=int, default=200,
-                   help="requests per rate (default: 200)")
-    p.add_argument("--input-len", type=int, default=1024,
-                   help="prompt tokens per request (with --num-prefixes: after the prefix) "
-                        "(default: 1024)")
-    for name in ("num_prefixes", "prefix_len"):
+    for name in ("base_url", "model", "request_rates", "num_prompts", "input_len",
+                 "num_prefixes", "prefix_len", "output_len", "max_concurrency", "vocab_size",
+                 "model_dir", "seed", "api_key", "timeout_s"):  # fmt: skip
         add_field_argument(p, ServeBench, name)
-    p.add_argument("--output-len", type=int, default=128,
-                   help="generated tokens per request (default: 128)")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most, later arrivals wait for a slot "
-                        "(default: None, no limit)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt token ids are drawn from [0, N) (default: from --model-dir)")
-    p.add_argument("--model-dir", default=None,
-                   help="a model directory whose config.json gives the vocabulary size "
-                        "(default: the served model's path, when the server runs here)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the prompts and arrival times (default: 0)")
-    p.add_argument("--api-key", default=None,
-                   help="Bearer token (default: $AFDSERVE_API_KEY, then $OPENAI_API_KEY)")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds one request may take (default: 3600)")
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="also write the results here (default: None)")
+    add_json_flag(p)
     p.set_defaults(func=main_serve)
 
 
@@ -421,13 +409,7 @@ def main_serve(args: argparse.Namespace) -> int:
         return 2
     api_key = args.api_key or os.environ.get("AFDSERVE_API_KEY") or os.environ.get(
         "OPENAI_API_KEY")
-    spec = ServeBench(
-        base_url=args.base_url, num_prompts=args.num_prompts, input_len=args.input_len,
-        output_len=args.output_len, request_rates=args.request_rate, model=args.model,
-        vocab_size=args.vocab_size, model_dir=args.model_dir,
-        max_concurrency=args.max_concurrency, seed=args.seed, api_key=api_key,
-        timeout_s=args.timeout, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-    )  # fmt: skip
+    spec = build(ServeBench, args, api_key=api_key)
     try:
         model, results = asyncio.run(run_serve_bench(spec))
     except (RuntimeError, httpx.HTTPError) as e:

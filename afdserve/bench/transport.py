@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 
 from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import P2P, Wire
-from afdserve.bench.flags import add_engine_flags
+from afdserve.bench.flags import add_bench_flags, names, sizes
+from afdserve.config_args import build, option
 from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.model.loader import TORCH_DTYPES
 
@@ -39,12 +40,13 @@ TRANSPORTS = ("nccl", "nccl-fp8", "ipc", "ipc-copy", "ipc-signal")
 
 @dataclass(frozen=True)
 class TransportBench:
-    rows: tuple[int, ...] = (1, 64, 256)
-    hidden: int = 2048
-    layers: int = 48
+    rows: tuple[int, ...] = option((1, 64, 256), parse=sizes,
+                                   help="hidden rows per transfer, comma-separated")
+    hidden: int = option(2048, help="the hidden size of a row")
+    layers: int = option(48, help="round trips per step, one per MoE layer")
     dtype: str = "bfloat16"
-    transports: tuple[str, ...] = TRANSPORTS
-    steps: int = 20
+    transports: tuple[str, ...] = option(TRANSPORTS, parse=names, help="comma-separated")
+    steps: int = option(20, help="timed steps per row count")
 
     def __post_init__(self) -> None:
         if not self.rows or min(self.rows) < 1:
@@ -269,23 +271,11 @@ def format_transport_table(spec: TransportBench, rows: list[tuple[int, str, floa
 
 def add_transport_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("transport", help="one layer's A2E + E2A between two GPUs, per transport")
-    p.add_argument("--rows", default="1,64,256",
-                   help="hidden rows per transfer, comma-separated (default: 1,64,256)")
-    p.add_argument("--hidden", type=int, default=2048,
-                   help="the hidden size of a row (default: 2048)")
-    p.add_argument("--layers", type=int, default=48,
-                   help="round trips per step, one per MoE layer (default: 48)")
-    add_engine_flags(p, TransportBench, ("dtype",))
-    p.add_argument("--transports", default=",".join(TRANSPORTS),
-                   help=f"comma-separated (default: {','.join(TRANSPORTS)})")
-    p.add_argument("--steps", type=int, default=20,
-                   help="timed steps per row count (default: 20)")
+    add_bench_flags(p, TransportBench)
     p.set_defaults(func=main_transport)
 
 
 def main_transport(args: argparse.Namespace) -> int:
-    spec = TransportBench(
-        rows=tuple(int(r) for r in args.rows.split(",")), hidden=args.hidden, layers=args.layers,
-        dtype=args.dtype, transports=tuple(args.transports.split(",")), steps=args.steps)
+    spec = build(TransportBench, args)
     print(format_transport_table(spec, run_transport_bench(spec)))
     return 0
