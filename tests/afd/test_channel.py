@@ -424,8 +424,11 @@ def test_a_built_in_world_listens_on_loopback_only(afd_models):
     assert not os.path.exists(store_dir)
 
 
-def _rogues_at(address: tuple[str, int], stop: threading.Event, tried: list[str]) -> None:
-    """Knock until the frontend listens, then send every kind of bad opening, over and over."""
+def _rogues_at(
+    address: tuple[str, int], stop: threading.Event, tried: list[str], round_done: threading.Event
+) -> None:
+    """Knock until the frontend listens, then send every kind of bad opening, over and over;
+    `round_done` is set once every kind has reached the frontend."""
     kinds = [k for k in ROGUES if k != "half a frame, then silence"] + [
         "half a frame, then silence"
     ]
@@ -438,38 +441,45 @@ def _rogues_at(address: tuple[str, int], stop: threading.Event, tried: list[str]
                 time.sleep(0.05)  # not listening yet, or closed after start-up
             if stop.is_set():
                 return
+        if set(tried) == set(ROGUES):
+            round_done.set()
 
 
 def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypatch, caplog):
     """Ranks started elsewhere (the torchrun path) join a frontend that rogue peers, some holding
-    the key, keep knocking on: the world starts, answers like the colocated engine, and the log
-    says where the key came from but never shows it. Once every rank is in, the port closes."""
+    the key, keep knocking on: the ranks start only once every kind of rogue has reached the
+    frontend, and the rogues go on knocking while the ranks connect. The world starts, answers
+    like the colocated engine, and the log says where the key came from but never shows it.
+    Once every rank is in, the port closes."""
     from afdserve.afd.clients.process import free_port
 
     from .conftest import GREEDY, colocated_tokens
 
     caplog.set_level(logging.INFO)
-    key, frontend, master = os.urandom(32).hex(), free_port(), free_port()
+    # The world's key is KEY, the one the authenticated rogues hold (_authenticated_socket):
+    # with any other key those rogues would fail their own handshake and never reach the world.
+    key, frontend, master = KEY.hex(), free_port(), free_port()
     monkeypatch.setenv("AFDSERVE_AUTHKEY", key)
     monkeypatch.setattr(channel_module, "HANDSHAKE_TIMEOUT_S", 1.0)
     address = ("127.0.0.1", frontend)
-    stop, tried = threading.Event(), []
-    knocker = threading.Thread(target=_rogues_at, args=(address, stop, tried), daemon=True)
+    stop, round_done, tried = threading.Event(), threading.Event(), []
+    knocker = threading.Thread(
+        target=_rogues_at, args=(address, stop, tried, round_done), daemon=True
+    )
     knocker.start()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "afdserve.afd.ranks.worker"],
-            env=dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(master),
-                WORLD_SIZE="3",
-                RANK=str(rank),
-                AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}",
-            ),
-        )
-        for rank in range(3)
-    ]
+    procs: list[subprocess.Popen] = []
+
+    def start_ranks() -> None:
+        if not round_done.wait(timeout=120):
+            return  # the assertion below names it; the frontend's start-up times out
+        for rank in range(3):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+                       WORLD_SIZE="3", RANK=str(rank), AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}")
+            procs.append(subprocess.Popen([sys.executable, "-m", "afdserve.afd.ranks.worker"],
+                                          env=env))  # fmt: skip
+
+    starter = threading.Thread(target=start_ranks, daemon=True)
+    starter.start()
     model = afd_models["qwen3_moe"]
     prompts = [[3, 4, 5], [6, 7]]
     try:
@@ -480,18 +490,20 @@ def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypat
                 socket.create_connection(address, timeout=5)
             got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
             stop.set()
+        starter.join(timeout=10)
         for p in procs:
             assert p.wait(timeout=30) == 0
     finally:
         stop.set()
+        starter.join(timeout=10)
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for sock in _held:
             sock.close()
         _held.clear()
+    assert round_done.is_set(), f"only {sorted(set(tried))} reached the frontend"
     assert got == colocated_tokens(model, prompts)
-    assert len(tried) >= len(ROGUES)  # every kind reached the frontend before the world was in
     assert "rejected a rank connection" in caplog.text
     assert "the key from AFDSERVE_AUTHKEY" in caplog.text and key not in caplog.text
 
