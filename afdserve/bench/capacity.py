@@ -18,12 +18,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from afdserve.bench.decode import DecodeBench, run_decode_bench
-from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, add_json_flag, names
+from afdserve.bench.flags import (
+    BENCH_CONNECTORS,
+    add_bench_flags,
+    add_json_flag,
+    model_dir_option,
+    names,
+    preset_option,
+)
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build, option
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -31,12 +37,8 @@ TOPOLOGIES = ("colocated", "1A1F")
 @dataclass(frozen=True)
 class CapacityBench:
     # The model's directory: --model's, or the temporary one written for --preset.
-    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
-                                   help="a Hugging Face model dir",
-                                   shown="None, give it or --preset")  # fmt: skip
-    preset: str | None = option(None, metavar="NAME[:LAYERS]",
-                                help=PRESET_HELP + ", in a temporary dir (needs --load-format "
-                                "dummy)")  # fmt: skip
+    model_dir: str | None = model_dir_option()
+    preset: str | None = preset_option(", in a temporary dir (needs --load-format dummy)")
     topologies: tuple[str, ...] = option(TOPOLOGIES, parse=names,
                                          help="the engine layouts measured, comma-separated")
     context_len: int = option(8192, help="tokens per sequence the largest batch is found for")

@@ -23,13 +23,19 @@ from afdserve.bench.decode_dp import DataParallelResult, format_dp_table, run_dp
 from afdserve.bench.decode_p2p import run_p2p_decode_bench
 from afdserve.bench.decode_steps import DecodeResult, bench_batch, build_halves
 from afdserve.bench.decode_steps import DecodeSteps as DecodeSteps
-from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, sizes
+from afdserve.bench.flags import (
+    BENCH_CONNECTORS,
+    add_bench_flags,
+    model_dir_option,
+    preset_option,
+    sizes,
+)
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import invalid
 from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build, option
 from afdserve.model.loader import TORCH_DTYPES
-from afdserve.model.presets import PRESET_HELP, hf_config_of, parse_preset
+from afdserve.model.presets import hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -37,11 +43,8 @@ TOPOLOGIES = ("colocated", "in-process", "1A1F")
 
 @dataclass(frozen=True)
 class DecodeBench:
-    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
-                                   help="a Hugging Face model dir",
-                                   shown="None, give it or --preset")  # fmt: skip
-    preset: str | None = option(None, metavar="NAME[:LAYERS]",
-                                help=PRESET_HELP + ": its shape with random weights, no directory")
+    model_dir: str | None = model_dir_option()
+    preset: str | None = preset_option(": its shape with random weights, no directory")
     random_weights: bool = option(
         False, help="random weights in --model's shape instead of its checkpoint")
     batch_sizes: tuple[int, ...] = option((1, 8, 64), parse=sizes,

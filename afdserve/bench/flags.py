@@ -7,10 +7,12 @@ other is an option the bench shares with the engine (--device, --dtype, --connec
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from afdserve.config import DEVICES, ENGINE_CONFIGS, GRAPH_MODES, LOAD_FORMATS
-from afdserve.config_args import add_field_argument, keyword_fields
+from afdserve.config_args import add_field_argument, keyword_fields, option
+from afdserve.model.presets import PRESET_HELP
 
 # The data planes a 1A1F bench runs across two GPUs: NCCL point-to-point or symmetric memory.
 BENCH_CONNECTORS = ("p2p", "ipc")
@@ -25,13 +27,31 @@ NARROWED = {
 }
 
 
-def sizes(text: str) -> tuple[int, ...]:
-    """'1,8,64' -> (1, 8, 64) (a bench flag's parse)."""
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        msg = f"expected comma-separated integers, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+def comma_list(kind: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    """A bench flag's parse for comma-separated values: '1,8,64' -> (1, 8, 64)."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(s) for s in text.split(",") if s.strip())
+        except ValueError:
+            msg = f"expected comma-separated {what}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+sizes = comma_list(int, "integers")
+
+
+def model_dir_option() -> Any:
+    """--model of a bench that takes a model directory or a --preset."""
+    return option(None, flag="--model", metavar="MODEL_DIR", help="a Hugging Face model dir",
+                  shown="None, give it or --preset")  # fmt: skip
+
+
+def preset_option(what: str) -> Any:
+    """--preset NAME[:LAYERS]; `what`: what the bench makes of it, appended to the list."""
+    return option(None, metavar="NAME[:LAYERS]", help=PRESET_HELP + what)
 
 
 def names(text: str) -> tuple[str, ...]:

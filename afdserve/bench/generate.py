@@ -16,14 +16,20 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from afdserve.bench.flags import BENCH_CONNECTORS, add_bench_flags, add_json_flag, sizes
+from afdserve.bench.flags import (
+    BENCH_CONNECTORS,
+    add_bench_flags,
+    add_json_flag,
+    model_dir_option,
+    preset_option,
+    sizes,
+)
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build, option
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
-from afdserve.model.presets import PRESET_HELP
 
 TOPOLOGIES = ("colocated", "1A1F")
 
@@ -31,12 +37,8 @@ TOPOLOGIES = ("colocated", "1A1F")
 @dataclass(frozen=True)
 class GenerateBench:
     # The model's directory: --model's, or the temporary one written for --preset.
-    model_dir: str | None = option(None, flag="--model", metavar="MODEL_DIR",
-                                   help="a Hugging Face model dir",
-                                   shown="None, give it or --preset")  # fmt: skip
-    preset: str | None = option(None, metavar="NAME[:LAYERS]",
-                                help=PRESET_HELP + ", in a temporary dir (needs --load-format "
-                                "dummy)")  # fmt: skip
+    model_dir: str | None = model_dir_option()
+    preset: str | None = preset_option(", in a temporary dir (needs --load-format dummy)")
     batch_sizes: tuple[int, ...] = option((64, 256), parse=sizes,
                                           help="requests per timed run, comma-separated")
     input_len: int = option(512, help="prompt tokens per request")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from afdserve.bench.flags import add_json_flag
+from afdserve.bench.flags import add_json_flag, comma_list
 from afdserve.config_args import add_field_argument, build, option
 
 try:
@@ -51,12 +51,7 @@ PERCENTILE = 99
 CONNECT_TIMEOUT_S = 60.0
 
 
-def parse_rates(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        msg = f"expected comma-separated request rates like 1,4,16,inf, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+parse_rates = comma_list(float, "request rates like 1,4,16,inf")
 
 
 @dataclass(frozen=True)

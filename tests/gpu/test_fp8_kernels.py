@@ -4,11 +4,11 @@ FP8 weights (block-scaled, kernels/fp8.py) are compared with the reference the k
 w8a8 (bf16/fp16 activations, the default) against kernels/fp8's w8a8 oracle (the activations
 quantized per row and 128-group, the weights dequantized), weight-only against the same weights
 dequantized to the activation dtype, computed in float64; what is left is the GEMMs'
-accumulation order. Every kernel also runs under CUDA's sync debug mode (no host sync) and replays in a CUDA
-graph on new inputs. The sort-free grouping (kernels/moe_align.py) is checked pair for pair
-against a stable torch sort; the bf16 grouped path against the reference and the torch grouped
-GEMM it replaces; an FP8 model end to end (colocated and 1A1F, eager and graphs) against the
-CPU engine's reference dequantization."""
+accumulation order. Every kernel also runs under CUDA's sync debug mode (no host sync) and
+replays in a CUDA graph on new inputs. The sort-free grouping (kernels/moe_align.py) is checked
+pair for pair against a stable torch sort; the bf16 grouped path against the reference and the
+torch grouped GEMM it replaces; an FP8 model end to end (colocated and 1A1F, eager and graphs)
+against the CPU engine's reference dequantization."""
 
 from __future__ import annotations
 
