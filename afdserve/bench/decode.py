@@ -32,7 +32,7 @@ from afdserve.bench.flags import (
 )
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import invalid
-from afdserve.config import DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
+from afdserve.config import A2E_DTYPES, DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build, option
 from afdserve.model.loader import TORCH_DTYPES
 from afdserve.model.presets import hf_config_of, parse_preset
@@ -62,6 +62,7 @@ class DecodeBench:
     seed: int = option(0, help="seed of random weights and tokens")
     quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
     kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": the FP8 KV cache (EngineConfig's option)
+    a2e_dtype: str = "auto"  # "fp8": the rows handed to the FFN half quantized (AFDConfig's option)
     # -dp N: N colocated replicas timed at once, one process and GPU each (bench/decode_dp.py).
     data_parallel_size: int = 1
 
@@ -101,6 +102,11 @@ class DecodeBench:
             raise bad("quantization", f"None or one of {QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if self.a2e_dtype not in A2E_DTYPES:
+            raise bad("a2e_dtype", f"one of {A2E_DTYPES}")
+        if self.a2e_dtype == "fp8" and self.topology == "1A1F" and self.connector == "ipc":
+            raise bad("a2e_dtype", "auto or bfloat16 with --connector ipc (its push kernel "
+                      "writes rows in the model dtype); fp8 over p2p or in-process")  # fmt: skip
         replicas = self.data_parallel_size
         if replicas < 1 or (replicas > 1 and self.topology != "colocated"):
             raise bad("data_parallel_size", "an integer >= 1; above 1 only with --topology "
@@ -150,7 +156,8 @@ def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     add_bench_flags(p, DecodeBench, (
         "model_dir", "preset", "random_weights", "batch_sizes", "context_len", "topology",
         "connector", "graph_mode", "ubatches", "data_parallel_size", "steps", "dtype", "device",
-        "block_size", "quantization", "kv_cache_dtype", "compare_hf", "seed"))  # fmt: skip
+        "block_size", "quantization", "kv_cache_dtype", "a2e_dtype", "compare_hf",
+        "seed"))  # fmt: skip
     p.set_defaults(func=main_decode)
 
 
@@ -169,6 +176,7 @@ def main_decode(args: argparse.Namespace) -> int:
         f"decode bench: {name}, context {spec.context_len}, {spec.dtype}"
         + (f", {spec.quantization} weights" if spec.quantization else "")
         + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else "")
+        + (f", {spec.a2e_dtype} A2E rows" if spec.a2e_dtype != "auto" else "")
         + f", {spec.topology}" + (f" x{replicas} replicas at once" if replicas > 1 else "")
         + ", "
         f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"

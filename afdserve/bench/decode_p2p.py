@@ -89,7 +89,8 @@ def _attention_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count
                      ) -> list[float]:
     """`count` decode steps of the attention rank; with `stamps`, the last PROFILED_STEPS are
     stamped. Returns the step times after warm-up."""
-    connector = attention_boundary(model, Topology(1, 1), 0, False, Wire(0), inboxes=inboxes)
+    connector = attention_boundary(model, Topology(1, 1), 0, False, Wire(0), inboxes=inboxes,
+                                   a2e_dtype=spec.a2e_dtype)
     connector.stamps = stamps
     steps = DecodeSteps(model, None, dataclasses.replace(spec, steps=count), batch,
                         boundary=connector)
@@ -113,7 +114,7 @@ def _ffn_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int)
     graphs = _graphs(spec, batch)
     driver = ffn_driver(model, 1, device, Wire(1), graphs, graphs.recorder(1),
                         FixedControl((RankStep(batch, batch, True),)), topology=Topology(1, 1),
-                        inboxes=inboxes)
+                        inboxes=inboxes, a2e_dtype=spec.a2e_dtype)
     # Captured into the graphs, so set from the first step.
     driver.runner.exchange.transport.stamps = stamps
     for i in range(count):

@@ -77,6 +77,8 @@ class DecodeSpec(Protocol):
     def quantization(self) -> str | None: ...
     @property
     def kv_cache_dtype(self) -> str: ...
+    @property
+    def a2e_dtype(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ class DecodeSteps:
         self.runner = ModelRunner(model, self.kv, dev)
         topology = Topology(1, 0 if spec.topology == "colocated" else 1)
         if boundary is None:
-            boundary = attention_boundary(model, topology, 0, False, ffn_model=ffn)
+            boundary = attention_boundary(model, topology, 0, False, ffn_model=ffn,
+                                          a2e_dtype=spec.a2e_dtype)
         graphs = StepGraphs(spec.graph_mode, (batch,), spec.ubatches)  # the batch's one graph
         self.eager = PlannedForward(self.runner, boundary)
         self.driver = attention_driver(

@@ -102,3 +102,29 @@ def test_fp8_model_holds_fp8_weights_and_cache(wide_dir: Path):
     steps = DecodeSteps(model, model, s, 1)
     assert steps.kv.dtype == torch.float8_e4m3fn
     assert torch.isfinite(steps.kv.layers[0][0].float()).all()
+
+
+def test_fp8_a2e_rows_reach_the_boundary_and_in_process_equals_colocated(wide_dir: Path):
+    """--a2e-dtype fp8: the in-process connector hands quantized rows to the FFN half, and its
+    greedy tokens equal the colocated model's under the same setting (which runs the same
+    quantize-dequantize at its FFN boundary), step by step."""
+    from afdserve.bench.decode_steps import DecodeSteps, build_halves
+    from afdserve.model.config import read_hf_config
+
+    raw = read_hf_config(str(wide_dir))
+    tokens = {}
+    for topology in ("colocated", "in-process"):
+        s = spec(wide_dir, topology=topology, a2e_dtype="fp8", quantization=None,
+                 kv_cache_dtype="auto", batch_sizes=(3,))  # fmt: skip
+        attn, ffn = build_halves(s, raw)
+        steps = DecodeSteps(attn, ffn, s, 3)
+        assert steps.eager.boundary.a2e.name == "fp8"
+        tokens[topology] = [steps.step()[0].tolist() for _ in range(4)]
+    assert tokens["in-process"] == tokens["colocated"]
+
+
+def test_a2e_dtype_is_checked_by_name(wide_dir: Path):
+    with pytest.raises(ValueError, match="bench.a2e_dtype"):
+        spec(wide_dir, a2e_dtype="int8")
+    with pytest.raises(ValueError, match="bench.a2e_dtype"):
+        spec(wide_dir, a2e_dtype="fp8", topology="1A1F", connector="ipc")
