@@ -27,7 +27,7 @@ from afdserve.bench.flags import (
     preset_option,
 )
 from afdserve.bench.report import invalid, model_dir_for, report
-from afdserve.config import GRAPH_MODES, LOAD_FORMATS
+from afdserve.config import GRAPH_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from afdserve.config_args import build, option
 from afdserve.llm import LLM
 
@@ -54,6 +54,8 @@ class CapacityBench:
     max_num_batched_tokens: int = 16384
     measure: bool = option(False, help="also time decode steps at that batch, the decode bench")
     graph_mode: str = "none"  # of the measured decode steps
+    kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache, twice the tokens per byte
+    quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
     steps: int = option(20, help="timed steps with --measure")
     seed: int = 0
 
@@ -80,6 +82,10 @@ class CapacityBench:
             raise bad("graph_mode", f"one of {GRAPH_MODES}")
         if self.graph_mode != "none" and self.device != "cuda":
             raise bad("graph_mode", "'none' unless --device cuda")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"None or one of {QUANTIZATIONS}")
         if self.measure and "1A1F" in self.topologies and self.device != "cuda":
             raise bad("device", "'cuda' to --measure 1A1F (its decode bench runs on two GPUs)")
 
@@ -133,7 +139,7 @@ def open_llm(spec: CapacityBench, topology: str) -> LLM:
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.context_len,
         block_size=spec.block_size,
         gpu_memory_utilization=spec.gpu_memory_utilization, load_format=spec.load_format,
-        seed=spec.seed,
+        kv_cache_dtype=spec.kv_cache_dtype, quantization=spec.quantization, seed=spec.seed,
     )  # fmt: skip
 
 
@@ -154,7 +160,8 @@ def measure_decode(spec: CapacityBench, capacity: Capacity) -> float:
         batch_sizes=(capacity.batch,), context_len=spec.context_len, topology=capacity.topology,
         connector=spec.connector, graph_mode=spec.graph_mode, steps=spec.steps, dtype=spec.dtype,
         device=spec.device,
-        block_size=spec.block_size, seed=spec.seed,
+        block_size=spec.block_size, kv_cache_dtype=spec.kv_cache_dtype,
+        quantization=spec.quantization, seed=spec.seed,
     )  # fmt: skip
     results, _ = run_decode_bench(bench)
     if spec.device == "cuda":  # hand the colocated bench's weights back to the device
@@ -183,7 +190,8 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
     add_bench_flags(p, CapacityBench, (
         "model_dir", "preset", "load_format", "topologies", "connector", "context_len",
         "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-        "device", "dtype", "measure", "graph_mode", "steps", "seed"))  # fmt: skip
+        "device", "dtype", "kv_cache_dtype", "quantization", "measure", "graph_mode", "steps",
+        "seed"))  # fmt: skip
     add_json_flag(p)
     p.set_defaults(func=main_capacity)
 
@@ -194,7 +202,9 @@ def main_capacity(args: argparse.Namespace) -> int:
         found = run_capacity_bench(spec)
     name = args.preset or args.model_dir
     header = (f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "
-              f"{spec.context_len}, gpu_memory_utilization {spec.gpu_memory_utilization}")
+              f"{spec.context_len}, gpu_memory_utilization {spec.gpu_memory_utilization}"
+              + (f", {spec.quantization} weights" if spec.quantization else "")
+              + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else ""))
     report("capacity", name, spec, header, found, args.json)
     return 0
 

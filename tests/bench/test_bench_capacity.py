@@ -88,3 +88,21 @@ def test_capacity_cli_measures_decode(tmp_path):
     assert rank["batch"] == 4 and rank["decode_tokens_per_s"] > 0
     with pytest.raises(ValueError, match="bench.device='cpu'.*'cuda' to --measure 1A1F"):
         CapacityBench(model_dir=".", device="cpu", measure=True)
+
+
+def test_fp8_kv_cache_holds_a_byte_per_element(tmp_path):
+    """--kv-cache-dtype fp8 reaches the engines, colocated and the 1A1F attention rank: their
+    caches hold one byte per element, a quarter of float32's."""
+    model = write_preset_config("tiny", tmp_path / "tiny")
+    config = preset_config("tiny")
+    elements = config.num_layers * 2 * config.num_kv_heads * config.head_dim  # per token
+    found = run_capacity_bench(_spec(model, kv_cache_dtype="fp8"))
+    assert sorted(c.topology for c in found) == ["1A1F", "colocated"]
+    for capacity in found:
+        assert capacity.cache_bytes == capacity.capacity_tokens * elements
+
+
+def test_capacity_refuses_an_unknown_kv_cache_dtype(tmp_path):
+    model = write_preset_config("tiny", tmp_path / "tiny")
+    with pytest.raises(ValueError, match="bench.kv_cache_dtype"):
+        _spec(model, kv_cache_dtype="int4")
