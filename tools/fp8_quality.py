@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--preset", default=None, help="a preset's shape, dummy weights")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs to capture")
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
     if unknown := set(settings) - set(SETTINGS):
@@ -89,7 +90,8 @@ def main() -> None:
             models = {f: (str(make_tiny_model(Path(root) / f, f, seed=0)), "auto")
                       for f in FAMILIES}  # fmt: skip
         for name, (path, load_format) in models.items():
-            common = dict(device=args.device, load_format=load_format, seed=0)
+            common = dict(device=args.device, load_format=load_format, seed=0,
+                          enforce_eager=args.enforce_eager)
             for dtype in args.dtypes.split(","):
                 with LLM(path, dtype=dtype, **common) as llm:
                     ref = reference(llm, args.tokens)
