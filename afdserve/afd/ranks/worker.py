@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from afdserve.afd.ranks.build import BuiltRank, build_attention_rank, build_ffn_rank
-from afdserve.afd.ranks.channel import Channel, connect, read_key
+from afdserve.afd.ranks.channel import Channel, ChannelError, connect, read_key
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
@@ -312,6 +312,22 @@ def serve_ffn(built: BuiltRank, rank: int, conn: Channel) -> None:
             last_sent = time.monotonic()
 
 
+def connect_to_frontend(address: tuple[str, int], authkey: bytes, deadline: float) -> Channel:
+    """The rank's channel to the frontend, retried until `deadline` while the network says no:
+    under torchrun a rank may start before the frontend listens (refused), and a frontend host
+    under load may reset or time out a connection. A failed handshake (ChannelError: the keys
+    differ) is not retried."""
+    while True:
+        try:
+            return connect(address, authkey)
+        except ChannelError:  # a ConnectionError too, but no retry will change the keys
+            raise
+        except (ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def main() -> None:
     """`python -m afdserve.afd.ranks.worker`: one rank, under the launcher or torchrun.
     AFDSERVE_FRONTEND=host:port says where the frontend listens; the key comes from
@@ -330,15 +346,7 @@ def main() -> None:
             "afdserve rank: set AFDSERVE_AUTHKEY (hex) or AFDSERVE_AUTHKEY_FILE to the "
             "frontend's key (its log says where it is)"
         )
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while True:  # under torchrun a rank may start before the frontend listens
-        try:
-            conn = connect((host, int(port)), authkey)
-            break
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    conn = connect_to_frontend((host, int(port)), authkey, time.monotonic() + CONNECT_TIMEOUT_S)
     try:
         worker_main(int(os.environ["RANK"]), conn)
     except BaseException:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -113,28 +114,43 @@ class Standby:
         """The processes of `ranks`, connected, to replace those ranks of a running world; the
         others are killed (a standby world is taken whole or not at all: the next standby is
         started afresh)."""
-        got: dict[int, Channel] = {}
         try:
-            while len(got) < len(ranks):
-                item = self.listener.get(timeout=0.2)
-                if item is not None:
-                    hello, conn = item
-                    if hello.rank in ranks and hello.rank not in got:
-                        got[hello.rank] = conn
-                    else:
-                        conn.close()
-                exited = [r for r in ranks if self.procs[r].poll() is not None]
-                if exited:
-                    raise WorkerError(f"standby process(es) of rank(s) {exited} exited")
-                if time.monotonic() > deadline:
-                    raise WorkerError("standby processes did not connect in time")
+            got = gather_ranks(self.listener, {r: self.procs[r] for r in ranks}, deadline,
+                               "standby")
         except BaseException:
-            for conn in got.values():
-                conn.close()
             self.close()
             raise
         self.close(keep=tuple(ranks))
         return {rank: (self.procs[rank], got[rank]) for rank in ranks}
+
+
+def gather_ranks(listener: RankListener, procs: Mapping[int, subprocess.Popen], deadline: float,
+                 what: str) -> dict[int, Channel]:
+    """One authenticated connection from each process of `procs`, by the rank its Hello names
+    (any other connection is closed). A WorkerError naming `what` when one of them exits or the
+    deadline passes first, the connections gathered so far closed."""
+    got: dict[int, Channel] = {}
+    try:
+        while len(got) < len(procs):
+            item = listener.get(timeout=0.2)
+            if item is not None:
+                hello, conn = item
+                if hello.rank in procs and hello.rank not in got:
+                    got[hello.rank] = conn
+                else:
+                    conn.close()
+            exited = sorted(rank for rank, proc in procs.items() if proc.poll() is not None)
+            if exited:
+                raise WorkerError(f"{what} process(es) of rank(s) {exited} exited before "
+                                  f"connecting")
+            if time.monotonic() > deadline:
+                missing = sorted(set(procs) - set(got))
+                raise WorkerError(f"{what} rank(s) {missing} did not connect in time")
+    except BaseException:
+        for conn in got.values():
+            conn.close()
+        raise
+    return got
 
 
 class StandbyWorlds:
@@ -459,26 +475,12 @@ class RankWorld:
             return standby.take_ranks(ranks, deadline)
         listener = RankListener(("127.0.0.1", 0), self.authkey)
         procs: dict[int, subprocess.Popen] = {}
-        got: dict[int, Channel] = {}
         try:
             for rank in ranks:
                 procs[rank] = spawn_rank(rank, self.world, listener.address, self.authkey,
                                          self.store_dir or "")
-            while len(got) < len(ranks):
-                item = listener.get(timeout=0.2)
-                if item is not None:
-                    hello, conn = item
-                    if hello.rank in procs and hello.rank not in got:
-                        got[hello.rank] = conn
-                    else:
-                        conn.close()
-                if any(proc.poll() is not None for proc in procs.values()):
-                    raise WorkerError("a replacement rank process exited during start-up")
-                if time.monotonic() > deadline:
-                    raise WorkerError("replacement ranks did not connect in time")
+            got = gather_ranks(listener, procs, deadline, "replacement")
         except BaseException:
-            for conn in got.values():
-                conn.close()
             for proc in procs.values():
                 proc.kill()
                 proc.wait(timeout=KILL_WAIT_S)
