@@ -2,23 +2,46 @@
 as three Triton launches with no host sync.
 
 The H200 (sm_90) has no FP4 tensor cores, so nothing here is an FP4 matmul: each program loads
-its expert's packed bytes and their ue8m0 scales, unpacks the two e2m1 nibbles of every byte and
-multiplies them by 2^(scale - 127) in registers (127: the ue8m0 bias, kernels/fp4.E8M0_BIAS),
-converts the products to x's dtype (exact: an e2m1 value times a power of two has at most two
-significant bits) and feeds them to tl.dot in bf16/fp16 with an fp32 accumulator. The weights
-never exist in bf16 in memory, so a decode step reads half a byte per weight (plus one scale
-byte per 32), a quarter of bf16's traffic.
+its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in registers and
+feeds tl.dot with an fp32 accumulator. The weights never exist in bf16 in memory: a decode step
+reads half a byte per weight plus one scale byte per 32, a quarter of bf16's traffic.
 
-Packed byte j of a row holds inputs 2j (low nibble) and 2j + 1 (high). Rather than interleave
-the two nibble tiles back into input order, each K step takes two dots: x's even columns against
-the low nibbles and x's odd columns against the high ones.
+The decode is what bounds these kernels. At the H200's copy bandwidth a weight element has about
+two integer operations' worth of the SMs' time, so it is bit moves and no transcendental
+(`_fp4_tile`), per element:
+- the nibble's e2m1 bits are moved into an fp16's: sign to bit 15, exponent and mantissa to bits
+  11-9 (two and-shifts and an or, which ptxas merges into shifts and one lop3). That fp16 is the
+  e2m1 value times 2^-14 exactly: e2m1's exponent 0 (codes 0 and 0.5) lands in fp16's
+  subnormals, whose value is mantissa * 2^-15, so the one odd code needs no select;
+- fp16 -> fp32 (exact), times the group's factor 2^(s - 127 + 14), an fp32 built from the scale
+  byte s as the bits (s + 14) << 23 once per 32 inputs, not per element;
+- fp32 -> x's dtype: exact in bf16 (two significant bits, fp32's exponent range), and in fp16
+  the same rounding `fp4.dequantize_fp4` does (its product is this fp32, rounded once).
+So every weight is bit for bit the reference's, and against `fp4.dequantize_fp4` + matmul only
+the fp32 accumulation order differs. The factor's bits are right for s <= 240 (a scale up to
+2^113); above that (s + 14) << 23 runs into the sign bit and the weights are garbage. No real
+group has such a scale: a group's scale is its amax / 6, rounded up to a power of two. For
+s <= 1 the products are fp32 subnormals, exact where the multiply keeps subnormals.
+
+The packed bytes load as [columns, K / 32, 16] tiles: a row's K / 2 bytes contiguous (128 bytes,
+a cache line, at K_BLOCK 256), each scale byte a [columns, K / 32, 1] value broadcast over its 16
+bytes, so scales cost one load per 32 weights. Byte j of a row holds inputs 2j (low nibble) and
+2j + 1 (high); rather than interleave the nibble tiles back into input order, each K step takes
+two dots: x's even columns against the low nibbles, x's odd ones against the high.
+
+`Tiles` is the tile shape: columns per gate/up and per down program, the K step, pair rows per
+tile, warps, pipeline stages, and which operand the weights are. With WEIGHTS_LEFT the decoded
+weight tile is the dot's A operand (out = W x^T, the tile's columns the MMA's M), which sm_90's
+wgmma can take from registers, so the decode's output need not round-trip through shared memory;
+otherwise it is B (out = x W^T). `TILES` picks one by pair count; tools/fp4_moe_bench.py --sweep
+times a grid of them.
 
 The routing is resolved in the kernels as in triton_moe.py (whose pair helpers and final sum
 these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
 pair list it holds in registers, and streams the expert's weight tile once for all of them. That
 list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
-pairs, each chunk the same three launches, so a graph capture of any batch works. Unlike
-triton_moe.py, no tile shape follows the batch, so one compile serves them all.
+pairs, each chunk the same three launches, so a graph capture of any batch works. The tile shape
+follows the chunk's pair count (a host-side shape), so it needs no sync either.
 
 1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
@@ -26,6 +49,9 @@ triton_moe.py, no tile shape follows the batch, so one compile serves them all.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,17 +62,37 @@ from afdserve.kernels.triton_moe import SUM_COLUMNS, _expert_pairs, _sum_kernel,
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
 MAX_PAIRS = 512
-# One compile serves every batch of a model: the launch's constexprs depend on its shapes alone
-# (the pair count is a plain, unspecialized argument). Every expert gets a program, which exits
-# at once when no pair chose it; ROWS pairs of one expert share a weight tile (tl.dot's smallest
-# height); a tile's columns per program, warps and stages as the bf16 decode kernels' middle row.
-ROWS, GATE_UP_COLUMNS, DOWN_COLUMNS, WARPS, STAGES = 16, 32, 64, 4, 3
 
 
-def _k_block(dim: int) -> int:
-    """Inputs per K step: the widest that divides `dim`, at least one scale group (32), whose
-    packed half (16 bytes) is tl.dot's smallest K."""
-    return next(b for b in (128, 64, 32) if dim % b == 0)
+class Tiles(NamedTuple):
+    """One launch's tile shape (module docstring). `k_block` is the K step wanted: a dimension it
+    does not divide takes its widest power-of-two divisor, at least one scale group (32)."""
+
+    gate_up_columns: int
+    down_columns: int
+    k_block: int = 256
+    rows: int = 16  # pairs of one expert sharing a weight tile; tl.dot's smallest height is 16
+    warps: int = 4
+    stages: int = 3
+    weights_left: bool = True
+
+
+# By pair count, each row used up to its first field. Every expert gets a program, which exits at
+# once when no pair chose it. Not yet timed: tools/fp4_moe_bench.py --sweep says what to put here.
+TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 64)),)
+
+
+def tiles_for(pairs: int) -> Tiles:
+    return next((t for bound, t in TILES if pairs <= bound), TILES[-1][1])
+
+
+def _k_block(dim: int, wanted: int) -> int:
+    block = wanted
+    while dim % block:
+        block //= 2
+    if block < FP4_BLOCK:
+        raise ValueError(f"reduction dim {dim} is not a multiple of {FP4_BLOCK}")
+    return block
 
 
 def supports(
@@ -66,34 +112,64 @@ def supports(
 
 
 @triton.jit
-def _e2m1(code):
-    """int32 e2m1 codes (0..15) -> their float32 values: sign bit 3, exponent bits 2-1 (bias 1),
-    mantissa bit 0; exponent 0 is the subnormal 0.5 * mantissa."""
-    exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    normal = tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa)
-    value = tl.where(exponent == 0, 0.5 * mantissa, normal)
-    return tl.where((code & 8) != 0, -value, value)
+def _fp16_times_factor(bits, factor):
+    """int32 fp16 bits (low 16) -> that fp16 as fp32, times `factor`."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * factor
 
 
 @triton.jit
-def _fp4_tile(w_rows, s_rows, col_ok, k0, j):
-    """One K step of a weight tile: rows at `w_rows` / `s_rows` ([COLUMNS, 1] pointers to packed
-    bytes and scales), packed columns k0 / 2 + j -> (weights of inputs k0 + 2j, of k0 + 2j + 1),
-    each [COLUMNS, K / 2] float32 (exact in bf16, which the caller converts them to)."""
-    packed = tl.load(w_rows + k0 // 2 + j[None, :], mask=col_ok[:, None], other=0).to(tl.int32)
-    scale = tl.load(s_rows + k0 // 32 + (j // 16)[None, :], mask=col_ok[:, None], other=127).to(
-        tl.int32
-    )
-    factor = tl.exp2((scale - 127).to(tl.float32))
-    return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
+def _fp4_tile(w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):
+    """One K step of a weight tile: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's
+    packed bytes and scales), inputs [k0, k0 + K_BLOCK) -> (the weights of the even inputs, of
+    the odd ones), each [COLUMNS, K_BLOCK / 2] float32, exact in x's dtype (module docstring)."""
+    GROUPS: tl.constexpr = K_BLOCK // 32
+    g = tl.arange(0, GROUPS)
+    byte = tl.arange(0, 16)
+    offsets = k0 // 2 + g[None, :, None] * 16 + byte[None, None, :]
+    packed = tl.load(w_rows[:, None, None] + offsets, mask=col_ok[:, None, None], other=0)
+    packed = packed.to(tl.int32)  # [COLUMNS, GROUPS, 16]
+    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :], mask=col_ok[:, None], other=0)
+    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    # e2m1 sign (bit 3) -> fp16 bit 15, exponent and mantissa (bits 2-0) -> fp16 bits 11-9.
+    even = _fp16_times_factor(((packed & 0x7) << 9) | ((packed & 0x8) << 12), factor)
+    odd = _fp16_times_factor(((packed & 0x70) << 5) | ((packed & 0x80) << 8), factor)
+    shape: tl.constexpr = (COLUMNS, K_BLOCK // 2)
+    return tl.reshape(even, shape), tl.reshape(odd, shape)
+
+
+@triton.jit
+def _fp4_dot(acc, xs, w, WEIGHTS_LEFT: tl.constexpr):
+    """acc += xs w^T, as acc^T += w xs^T when the weights are the A operand."""
+    # One return per helper, after a constexpr if: Triton checks every return's type alike.
+    if WEIGHTS_LEFT:
+        acc = tl.dot(w, tl.trans(xs), acc)
+    else:
+        acc = tl.dot(xs, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _acc_zeros(ROWS: tl.constexpr, COLUMNS: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):
+    if WEIGHTS_LEFT:
+        acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _rows_major(acc, WEIGHTS_LEFT: tl.constexpr):
+    """The accumulator as [ROWS, COLUMNS]."""
+    if WEIGHTS_LEFT:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, limit,
     HAS_LIMIT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
-    ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -102,24 +178,26 @@ def _gate_up_kernel(
     j = tl.arange(0, K_BLOCK // 2)
     dtype = x_ptr.dtype.element_ty
     # [E, 2I, H / 2] bytes and [E, 2I, H / 32] scales: gate rows first, then up rows.
-    gate_w = w_ptr + expert * 2 * inter * (hidden // 2) + col[:, None] * (hidden // 2)
+    gate_w = w_ptr + expert * 2 * inter * (hidden // 2) + col * (hidden // 2)
     up_w = gate_w + inter * (hidden // 2)
-    gate_s = s_ptr + expert * 2 * inter * (hidden // 32) + col[:, None] * (hidden // 32)
+    gate_s = s_ptr + expert * 2 * inter * (hidden // 32) + col * (hidden // 32)
     up_s = gate_s + inter * (hidden // 32)
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
-        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        gate = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
+        up = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
             x_even = tl.load(x_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
             x_odd = tl.load(x_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            g_even, g_odd = _fp4_tile(gate_w, gate_s, col_ok, k0, j)
-            u_even, u_odd = _fp4_tile(up_w, up_s, col_ok, k0, j)
-            gate = tl.dot(x_even, tl.trans(g_even.to(dtype)), gate)
-            gate = tl.dot(x_odd, tl.trans(g_odd.to(dtype)), gate)
-            up = tl.dot(x_even, tl.trans(u_even.to(dtype)), up)
-            up = tl.dot(x_odd, tl.trans(u_odd.to(dtype)), up)
+            g_even, g_odd = _fp4_tile(gate_w, gate_s, col_ok, k0, COLUMNS, K_BLOCK)
+            u_even, u_odd = _fp4_tile(up_w, up_s, col_ok, k0, COLUMNS, K_BLOCK)
+            gate = _fp4_dot(gate, x_even, g_even.to(dtype), WEIGHTS_LEFT)
+            gate = _fp4_dot(gate, x_odd, g_odd.to(dtype), WEIGHTS_LEFT)
+            up = _fp4_dot(up, x_even, u_even.to(dtype), WEIGHTS_LEFT)
+            up = _fp4_dot(up, x_odd, u_odd.to(dtype), WEIGHTS_LEFT)
+        gate = _rows_major(gate, WEIGHTS_LEFT)
+        up = _rows_major(up, WEIGHTS_LEFT)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -132,7 +210,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
@@ -141,18 +219,19 @@ def _down_kernel(
     j = tl.arange(0, K_BLOCK // 2)
     dtype = h_ptr.dtype.element_ty
     # [E, H, I / 2] bytes and [E, H, I / 32] scales.
-    down_w = w_ptr + expert * hidden * (inter // 2) + col[:, None] * (inter // 2)
-    down_s = s_ptr + expert * hidden * (inter // 32) + col[:, None] * (inter // 32)
+    down_w = w_ptr + expert * hidden * (inter // 2) + col * (inter // 2)
+    down_s = s_ptr + expert * hidden * (inter // 32) + col * (inter // 32)
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
-        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, inter, K_BLOCK):
             h_even = tl.load(h_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
             h_odd = tl.load(h_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            w_even, w_odd = _fp4_tile(down_w, down_s, col_ok, k0, j)
-            acc = tl.dot(h_even, tl.trans(w_even.to(dtype)), acc)
-            acc = tl.dot(h_odd, tl.trans(w_odd.to(dtype)), acc)
+            w_even, w_odd = _fp4_tile(down_w, down_s, col_ok, k0, COLUMNS, K_BLOCK)
+            acc = _fp4_dot(acc, h_even, w_even.to(dtype), WEIGHTS_LEFT)
+            acc = _fp4_dot(acc, h_odd, w_odd.to(dtype), WEIGHTS_LEFT)
+        acc = _rows_major(acc, WEIGHTS_LEFT)
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -166,6 +245,7 @@ def _launch(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
+    tiles: Tiles,
 ) -> torch.Tensor:
     """One chunk: x [rows, hidden], ids / weights [rows * top_k] -> [rows, hidden]."""
     rows, hidden = x.shape
@@ -175,16 +255,20 @@ def _launch(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    routing = dict(PAIRS_PAD=MAX_PAIRS, BY_EXPERT=True, ROWS=ROWS)
-    gate_up_columns, down_columns, warps, stages = GATE_UP_COLUMNS, DOWN_COLUMNS, WARPS, STAGES
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), experts)](
-        x, ids, gate_up[0], gate_up[1], h, pairs, top_k, hidden, inter,
-        0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None, **routing,
-        COLUMNS=gate_up_columns, K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+    common = dict(
+        PAIRS_PAD=MAX_PAIRS, BY_EXPERT=True, ROWS=tiles.rows, WEIGHTS_LEFT=tiles.weights_left,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
-    _down_kernel[(triton.cdiv(hidden, down_columns), experts)](
-        h, ids, weights, down[0], down[1], y, pairs, hidden, inter, **routing,
-        COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+    columns = tiles.gate_up_columns
+    _gate_up_kernel[(triton.cdiv(inter, columns), experts)](
+        x, ids, gate_up[0], gate_up[1], h, pairs, top_k, hidden, inter,
+        0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
+        COLUMNS=columns, K_BLOCK=_k_block(hidden, tiles.k_block), **common,
+    )  # fmt: skip
+    columns = tiles.down_columns
+    _down_kernel[(triton.cdiv(hidden, columns), experts)](
+        h, ids, weights, down[0], down[1], y, pairs, hidden, inter,
+        COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
     )  # fmt: skip
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
         y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
@@ -202,6 +286,19 @@ def moe_experts(
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Ids must be in
     [0, experts): `ops.moe_experts_fp4` turns -1 (no expert) into expert 0 with weight 0."""
+    return moe_experts_tiled(x, topk_ids, topk_weights, gate_up, down, limit, tiles_for)
+
+
+def moe_experts_tiled(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None,
+    tiles: Callable[[int], Tiles],
+) -> torch.Tensor:
+    """`moe_experts` with each chunk's tile shape `tiles(pairs)` (the sweep passes its own)."""
     rows, top_k = topk_ids.shape
     if rows == 0:
         return torch.zeros_like(x)
@@ -209,16 +306,12 @@ def moe_experts(
     ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
     weights = topk_weights.reshape(-1).contiguous()
     step = max(1, MAX_PAIRS // top_k)  # rows per launch
-    chunks = [
-        _launch(
-            x[r : r + step],
-            ids[r * top_k : (r + step) * top_k],
-            weights[r * top_k : (r + step) * top_k],
-            top_k,
-            gate_up,
-            down,
-            limit,
+    chunks = []
+    for r in range(0, rows, step):
+        pairs = slice(r * top_k, (r + step) * top_k)
+        chunk = x[r : r + step]
+        shape = tiles(chunk.shape[0] * top_k)
+        chunks.append(
+            _launch(chunk, ids[pairs], weights[pairs], top_k, gate_up, down, limit, shape)
         )
-        for r in range(0, rows, step)
-    ]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
