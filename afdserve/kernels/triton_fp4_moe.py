@@ -111,30 +111,56 @@ def supports(
     return hidden % FP4_BLOCK == 0 and inter % FP4_BLOCK == 0 and x.shape[-1] == hidden
 
 
-@triton.jit
-def _fp16_times_factor(bits, factor):
-    """int32 fp16 bits (low 16) -> that fp16 as fp32, times `factor`."""
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * factor
+# Two fp16s' sign, exponent bits 1-0 and top mantissa bit (bits 15, 11-9 and 31, 27-25): where
+# `_fp4_step` puts two e2m1 codes. As an int32 (a larger literal would make the ops 64-bit).
+FP16_PAIR = tl.constexpr(0x8E008E00 - (1 << 32))
 
 
 @triton.jit
-def _fp4_tile(w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):
-    """One K step of a weight tile: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's
-    packed bytes and scales), inputs [k0, k0 + K_BLOCK) -> (the weights of the even inputs, of
-    the odd ones), each [COLUMNS, K_BLOCK / 2] float32, exact in x's dtype (module docstring)."""
+def _x_slices(x_rows, row_ok, k0, K_BLOCK: tl.constexpr):
+    """The inputs of nibbles (i, i + 4) of the tile's words for i = 0..3, each [ROWS, K_BLOCK / 4]:
+    column 2j + h of slice i is x[:, k0 + 8j + i + 4h], matching `_fp4_step`'s weight order
+    (x_rows: [ROWS, 1] pointers to the pairs' rows)."""
+    k = tl.arange(0, K_BLOCK // 4)
+    at = x_rows + k0 + (8 * (k // 2) + 4 * (k % 2))[None, :]
+    ok = row_ok[:, None]
+    return (
+        tl.load(at, mask=ok, other=0.0), tl.load(at + 1, mask=ok, other=0.0),
+        tl.load(at + 2, mask=ok, other=0.0), tl.load(at + 3, mask=ok, other=0.0),
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp4_step(acc, xs, w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr,
+              K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):  # fmt: skip
+    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
+    docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
+    its scale bytes), xs from `_x_slices`."""
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
-    byte = tl.arange(0, 16)
-    offsets = k0 // 2 + g[None, :, None] * 16 + byte[None, None, :]
-    packed = tl.load(w_rows[:, None, None] + offsets, mask=col_ok[:, None, None], other=0)
-    packed = packed.to(tl.int32)  # [COLUMNS, GROUPS, 16]
+    at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    w = tl.load(w_rows[:, None, None] + at, mask=col_ok[:, None, None], other=0)
     scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :], mask=col_ok[:, None], other=0)
+    # [COLUMNS, GROUPS, 1]: 2^(s - 127 + 14), one per 32 inputs (4 words).
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    # e2m1 sign (bit 3) -> fp16 bit 15, exponent and mantissa (bits 2-0) -> fp16 bits 11-9.
-    even = _fp16_times_factor(((packed & 0x7) << 9) | ((packed & 0x8) << 12), factor)
-    odd = _fp16_times_factor(((packed & 0x70) << 5) | ((packed & 0x80) << 8), factor)
-    shape: tl.constexpr = (COLUMNS, K_BLOCK // 2)
-    return tl.reshape(even, shape), tl.reshape(odd, shape)
+    # Nibbles i and i + 4 of every word (bits 4i and 16 + 4i) -> two fp16s in one int32 (bits
+    # FP16_PAIR): a code's sign bit must land 3 above its exponent's top bit, where the next
+    # nibble's third bit is; so first spread the even nibbles (0, 2, 4, 6: `spread`, each
+    # magnitude in place, its sign 3 up) and the odd ones (`odd`, each magnitude 3 down, its
+    # sign in place), one shift and one bit select each; then one shift and one and per pair.
+    spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
+    odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
+    halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
+              (spread << 1) & FP16_PAIR, odd & FP16_PAIR)  # fmt: skip
+    for i in tl.static_range(4):
+        # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
+        # 8j + i + 4), one register, so no repacking before the fp16 -> fp32 conversions.
+        bits = halves[i]
+        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
+        value = both.to(tl.float16, bitcast=True).to(tl.float32) * factor[:, :, :, None]
+        weight = tl.reshape(value, (COLUMNS, K_BLOCK // 4)).to(xs[i].dtype)
+        acc = _fp4_dot(acc, xs[i], weight, WEIGHTS_LEFT)
+    return acc
 
 
 @triton.jit
@@ -167,7 +193,7 @@ def _rows_major(acc, WEIGHTS_LEFT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, limit,
+    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, w_row, s_row, limit,
     HAS_LIMIT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
@@ -175,27 +201,22 @@ def _gate_up_kernel(
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < inter
-    j = tl.arange(0, K_BLOCK // 2)
-    dtype = x_ptr.dtype.element_ty
-    # [E, 2I, H / 2] bytes and [E, 2I, H / 32] scales: gate rows first, then up rows.
-    gate_w = w_ptr + expert * 2 * inter * (hidden // 2) + col * (hidden // 2)
-    up_w = gate_w + inter * (hidden // 2)
-    gate_s = s_ptr + expert * 2 * inter * (hidden // 32) + col * (hidden // 32)
-    up_s = gate_s + inter * (hidden // 32)
+    # [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales: gate rows first, then up rows.
+    # w_row = H / 8 and s_row = H / 32 are arguments, not computed here, so that Triton sees
+    # them as multiples of 16 and vectorizes the loads of a row (16-byte copies).
+    gate_w = w_ptr + expert * 2 * inter * w_row + col * w_row
+    up_w = gate_w + inter * w_row
+    gate_s = s_ptr + expert * 2 * inter * s_row + col * s_row
+    up_s = gate_s + inter * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         gate = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         up = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
-            x_even = tl.load(x_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
-            x_odd = tl.load(x_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            g_even, g_odd = _fp4_tile(gate_w, gate_s, col_ok, k0, COLUMNS, K_BLOCK)
-            u_even, u_odd = _fp4_tile(up_w, up_s, col_ok, k0, COLUMNS, K_BLOCK)
-            gate = _fp4_dot(gate, x_even, g_even.to(dtype), WEIGHTS_LEFT)
-            gate = _fp4_dot(gate, x_odd, g_odd.to(dtype), WEIGHTS_LEFT)
-            up = _fp4_dot(up, x_even, u_even.to(dtype), WEIGHTS_LEFT)
-            up = _fp4_dot(up, x_odd, u_odd.to(dtype), WEIGHTS_LEFT)
+            xs = _x_slices(x_rows, row_ok, k0, K_BLOCK)
+            gate = _fp4_step(gate, xs, gate_w, gate_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+            up = _fp4_step(up, xs, up_w, up_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
         gate = _rows_major(gate, WEIGHTS_LEFT)
         up = _rows_major(up, WEIGHTS_LEFT)
         if HAS_LIMIT:
@@ -208,7 +229,7 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter,
+    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, w_row, s_row,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
@@ -216,25 +237,26 @@ def _down_kernel(
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < hidden
-    j = tl.arange(0, K_BLOCK // 2)
-    dtype = h_ptr.dtype.element_ty
-    # [E, H, I / 2] bytes and [E, H, I / 32] scales.
-    down_w = w_ptr + expert * hidden * (inter // 2) + col * (inter // 2)
-    down_s = s_ptr + expert * hidden * (inter // 32) + col * (inter // 32)
+    # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
+    down_w = w_ptr + expert * hidden * w_row + col * w_row  # w_row = I / 8, s_row = I / 32
+    down_s = s_ptr + expert * hidden * s_row + col * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, inter, K_BLOCK):
-            h_even = tl.load(h_rows + k0 + 2 * j[None, :], mask=row_ok[:, None], other=0.0)
-            h_odd = tl.load(h_rows + k0 + 2 * j[None, :] + 1, mask=row_ok[:, None], other=0.0)
-            w_even, w_odd = _fp4_tile(down_w, down_s, col_ok, k0, COLUMNS, K_BLOCK)
-            acc = _fp4_dot(acc, h_even, w_even.to(dtype), WEIGHTS_LEFT)
-            acc = _fp4_dot(acc, h_odd, w_odd.to(dtype), WEIGHTS_LEFT)
+            hs = _x_slices(h_rows, row_ok, k0, K_BLOCK)
+            acc = _fp4_step(acc, hs, down_w, down_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
         acc = _rows_major(acc, WEIGHTS_LEFT)
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed bytes [..., n / 2] as int32 words [..., n / 8]: word j holds inputs 8j..8j + 7,
+    input 8j + i in its nibble i (bits 4i..4i + 3: little-endian, byte b is bits 8b..8b + 7)."""
+    return packed.view(torch.int32)
 
 
 def _launch(
@@ -261,13 +283,14 @@ def _launch(
     )  # fmt: skip
     columns = tiles.gate_up_columns
     _gate_up_kernel[(triton.cdiv(inter, columns), experts)](
-        x, ids, gate_up[0], gate_up[1], h, pairs, top_k, hidden, inter,
-        0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
+        x, ids, _words(gate_up[0]), gate_up[1], h, pairs, top_k, hidden, inter,
+        hidden // 8, hidden // 32, 0.0 if limit is None else float(limit),
+        HAS_LIMIT=limit is not None,
         COLUMNS=columns, K_BLOCK=_k_block(hidden, tiles.k_block), **common,
     )  # fmt: skip
     columns = tiles.down_columns
     _down_kernel[(triton.cdiv(hidden, columns), experts)](
-        h, ids, weights, down[0], down[1], y, pairs, hidden, inter,
+        h, ids, weights, _words(down[0]), down[1], y, pairs, hidden, inter, inter // 8, inter // 32,
         COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
     )  # fmt: skip
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
