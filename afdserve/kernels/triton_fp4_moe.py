@@ -201,24 +201,28 @@ def _gate_up_kernel(
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < inter
+    # One weight tile of 2 * COLUMNS rows, the gate rows of these columns and then their up
+    # rows, so one dot of twice the height (at 32 columns the 64 rows wgmma needs) serves both.
     # [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales: gate rows first, then up rows.
     # w_row = H / 8 and s_row = H / 32 are arguments, not computed here, so that Triton sees
     # them as multiples of 16 and vectorizes the loads of a row (16-byte copies).
-    gate_w = w_ptr + expert * 2 * inter * w_row + col * w_row
-    up_w = gate_w + inter * w_row
-    gate_s = s_ptr + expert * 2 * inter * s_row + col * s_row
-    up_s = gate_s + inter * s_row
+    r = tl.arange(0, 2 * COLUMNS)
+    both_col = tl.program_id(0) * COLUMNS + r % COLUMNS
+    both_ok = both_col < inter
+    both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
+    both_w = w_ptr + both_row * w_row
+    both_s = s_ptr + both_row * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
-        gate = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
-        up = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
+        acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
             xs = _x_slices(x_rows, row_ok, k0, K_BLOCK)
-            gate = _fp4_step(gate, xs, gate_w, gate_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
-            up = _fp4_step(up, xs, up_w, up_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
-        gate = _rows_major(gate, WEIGHTS_LEFT)
-        up = _rows_major(up, WEIGHTS_LEFT)
+            acc = _fp4_step(acc, xs, both_w, both_s, both_ok, k0, 2 * COLUMNS, K_BLOCK,
+                            WEIGHTS_LEFT)  # fmt: skip
+        # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+        both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
+        gate, up = tl.split(both)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
