@@ -47,19 +47,16 @@ def replay_seconds(fn, *args, repeats: int = 50) -> float:
 
 
 def sweep_grid() -> list[Tiles]:
-    """24 shapes: columns per gate/up and per down program with their warps, by weight operand
-    and K step at 3 stages; then 2 and 4 stages for the weights-left, K 256 ones."""
-    widths = ((32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8))
-    grid = [
-        Tiles(gu, dn, k_block=k, warps=w, stages=3, weights_left=left)
-        for left in (True, False)
-        for k in (128, 256)
-        for gu, dn, w in widths
-    ]
-    grid += [
-        Tiles(gu, dn, k_block=256, warps=w, stages=st) for st in (2, 4) for gu, dn, w in widths
-    ]
-    return grid
+    """21 shapes, the weights the dot's A operand but for one control: columns per gate/up and
+    down program at 4 warps, by K step and stages; 8 warps over wider tiles; a 512 K step. (Its
+    B-operand shapes and gate/up tiles under 64 rows compile to 2-3x the instructions per
+    weight: tests/kernels/test_fp4_moe_compile.py's SASS, 2026-12-02.)"""
+    widths = ((32, 64), (32, 128), (64, 64), (64, 128))
+    grid = [Tiles(gu, dn, k_block=k) for k in (128, 256) for gu, dn in widths]
+    grid += [Tiles(gu, dn, stages=st) for st in (2, 4) for gu, dn in widths]
+    grid += [Tiles(64, 128, warps=8), Tiles(128, 256, warps=8)]
+    grid += [Tiles(32, 64, k_block=512), Tiles(64, 128, k_block=512)]
+    return [*grid, Tiles(64, 64, weights_left=False)]
 
 
 def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> None:

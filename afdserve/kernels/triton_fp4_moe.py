@@ -6,35 +6,50 @@ its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in r
 feeds tl.dot with an fp32 accumulator. The weights never exist in bf16 in memory: a decode step
 reads half a byte per weight plus one scale byte per 32, a quarter of bf16's traffic.
 
-The decode is what bounds these kernels. At the H200's copy bandwidth a weight element has about
-two integer operations' worth of the SMs' time, so it is bit moves and no transcendental
-(`_fp4_tile`), per element:
-- the nibble's e2m1 bits are moved into an fp16's: sign to bit 15, exponent and mantissa to bits
-  11-9 (two and-shifts and an or, which ptxas merges into shifts and one lop3). That fp16 is the
-  e2m1 value times 2^-14 exactly: e2m1's exponent 0 (codes 0 and 0.5) lands in fp16's
-  subnormals, whose value is mantissa * 2^-15, so the one odd code needs no select;
-- fp16 -> fp32 (exact), times the group's factor 2^(s - 127 + 14), an fp32 built from the scale
-  byte s as the bits (s + 14) << 23 once per 32 inputs, not per element;
-- fp32 -> x's dtype: exact in bf16 (two significant bits, fp32's exponent range), and in fp16
-  the same rounding `fp4.dequantize_fp4` does (its product is this fp32, rounded once).
-So every weight is bit for bit the reference's, and against `fp4.dequantize_fp4` + matmul only
-the fp32 accumulation order differs. The factor's bits are right for s <= 240 (a scale up to
-2^113); above that (s + 14) << 23 runs into the sign bit and the weights are garbage. No real
-group has such a scale: a group's scale is its amax / 6, rounded up to a power of two. For
-s <= 1 the products are fp32 subnormals, exact where the multiply keeps subnormals.
+The decode is what bounds these kernels: at the H200's copy bandwidth a weight has about two
+integer operations' worth of the SMs' time. (A first version spent two exp2, float math, selects
+and a gathered scale on each weight and ran at 4-7% of copy bandwidth.) So it is bit moves, two
+weights per 32-bit operation where it can (`_fp4_step`), on the packed bytes viewed as int32
+words, word j holding inputs 8j..8j + 7 (input 8j + i in nibble i):
+- nibbles i and i + 4 of a word become two fp16s in one int32: sign to bits 15 / 31, exponent
+  and mantissa to bits 11-9 / 27-25. An e2m1 code put there is its value times 2^-14, exactly:
+  e2m1's exponent 0 (the codes 0 and 0.5) lands in fp16's subnormals, whose value is mantissa *
+  2^-24, so the odd code needs no select. With the even and the odd nibbles first spread apart
+  (a shift and a bit select each per word) each pair is one shift and one and: 13 integer
+  instructions per 8 weights as ptxas compiles it (a bit select takes two lop3s there);
+- each fp16 -> fp32 (exact; sm_90 converts one half of a register per instruction);
+- times the group's factor 2^(s - 127 + 14), built once per 32 inputs from the scale byte s as
+  the fp32 bits (s + 14) << 23. For bf16 x the two fp32s are packed to a bf16 pair first and
+  multiplied as one (bf16 has fp32's exponent range, so the factor is a bf16 too); for fp16 x
+  the product is fp32, then rounded to fp16.
+About 4.6 instructions per weight in the inner loop all told (the default tile's sm_90 SASS,
+2026-12-02: 1 lop3 and 0.6 shifts for the bits, 1 conversion, half a pack, half a bf16 multiply,
+the rest loads, addresses and MMA issue), several times fewer than the first version's.
 
-The packed bytes load as [columns, K / 32, 16] tiles: a row's K / 2 bytes contiguous (128 bytes,
-a cache line, at K_BLOCK 256), each scale byte a [columns, K / 32, 1] value broadcast over its 16
-bytes, so scales cost one load per 32 weights. Byte j of a row holds inputs 2j (low nibble) and
-2j + 1 (high); rather than interleave the nibble tiles back into input order, each K step takes
-two dots: x's even columns against the low nibbles, x's odd ones against the high.
+Every weight is the reference's bit for bit: e2m1 * 2^(s - 127) has at most two significant
+bits, so each step above is exact in bf16 and fp32, and the one fp16 rounding is the one
+`fp4.dequantize_fp4` makes. Against `fp4.dequantize_fp4` + matmul only the fp32 accumulation
+order differs. The factor's bits are right for s <= 240 (a scale up to 2^113); above that
+(s + 14) << 23 runs into the sign bit and the weights are garbage. No real group has such a
+scale (a group's scale is its amax / 6, rounded up to a power of two). For s <= 1 (scales under
+2^-125) the products are subnormal, exact where the multiply keeps subnormals.
+
+The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), the two halves of one word's pair, so
+the converted values need no repacking; each K step takes four dots, one per i, against x's
+columns in the same order (`_x_slices`: one contiguous load of x, then splits). The words load
+as [rows, K / 32, 4] tiles (a row's K / 2 bytes contiguous: 128 bytes, a cache line, at K 256)
+beside their [rows, K / 32] scale bytes, a factor broadcast over its 4 words. The gate and up
+rows of a program's columns are one tile and one dot of twice the height. No load is masked:
+a tile's rows past its pairs read pair 0's row and columns past the last read the last one's,
+and neither is stored.
 
 `Tiles` is the tile shape: columns per gate/up and per down program, the K step, pair rows per
-tile, warps, pipeline stages, and which operand the weights are. With WEIGHTS_LEFT the decoded
-weight tile is the dot's A operand (out = W x^T, the tile's columns the MMA's M), which sm_90's
-wgmma can take from registers, so the decode's output need not round-trip through shared memory;
-otherwise it is B (out = x W^T). `TILES` picks one by pair count; tools/fp4_moe_bench.py --sweep
-times a grid of them.
+tile, warps, pipeline stages, and which operand the weights are. With `weights_left` the decoded
+tile is the dot's A operand (out = W x^T, the weight rows the MMA's M), which sm_90's wgmma takes
+from registers, so the decode's output never round-trips through shared memory; the tile must
+then be at least 64 rows per 4 warps (below that Triton falls back to mma.sync, at about three
+times the instructions). Otherwise it is B (out = x W^T, about twice the instructions). `TILES`
+picks one by pair count; tools/fp4_moe_bench.py --sweep times a grid of them.
 
 The routing is resolved in the kernels as in triton_moe.py (whose pair helpers and final sum
 these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
@@ -78,8 +93,10 @@ class Tiles(NamedTuple):
 
 
 # By pair count, each row used up to its first field. Every expert gets a program, which exits at
-# once when no pair chose it. Not yet timed: tools/fp4_moe_bench.py --sweep says what to put here.
-TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 64)),)
+# once when no pair chose it. Not yet timed on a GPU: the shape of the fewest instructions per
+# weight in the SASS (4.6, with 64 gate/up and 128 down columns); tools/fp4_moe_bench.py --sweep
+# says what to put here.
+TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128)),)
 
 
 def tiles_for(pairs: int) -> Tiles:
@@ -117,21 +134,27 @@ FP16_PAIR = tl.constexpr(0x8E008E00 - (1 << 32))
 
 
 @triton.jit
-def _x_slices(x_rows, row_ok, k0, K_BLOCK: tl.constexpr):
+def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr):
     """The inputs of nibbles (i, i + 4) of the tile's words for i = 0..3, each [ROWS, K_BLOCK / 4]:
-    column 2j + h of slice i is x[:, k0 + 8j + i + 4h], matching `_fp4_step`'s weight order
-    (x_rows: [ROWS, 1] pointers to the pairs' rows)."""
-    k = tl.arange(0, K_BLOCK // 4)
-    at = x_rows + k0 + (8 * (k // 2) + 4 * (k % 2))[None, :]
-    ok = row_ok[:, None]
+    column 2j + h of slice i is x[:, k0 + 8j + i + 4h], matching `_fp4_step`'s weight order.
+    x_rows: [ROWS, 1] pointers to the pairs' rows, all in bounds (a tile's rows past its pairs
+    read pair 0's row, and are never stored), so no mask: one contiguous load, then splits."""
+    x = tl.load(x_rows + k0 + tl.arange(0, K_BLOCK)[None, :])
+    x = tl.reshape(x, (ROWS, K_BLOCK // 8, 2, 2, 2))  # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
+    b0, b1 = tl.split(x)
+    x0, x2 = tl.split(b0)
+    x1, x3 = tl.split(b1)
+    shape: tl.constexpr = (ROWS, K_BLOCK // 4)
     return (
-        tl.load(at, mask=ok, other=0.0), tl.load(at + 1, mask=ok, other=0.0),
-        tl.load(at + 2, mask=ok, other=0.0), tl.load(at + 3, mask=ok, other=0.0),
-    )  # fmt: skip
+        tl.reshape(x0, shape),
+        tl.reshape(x1, shape),
+        tl.reshape(x2, shape),
+        tl.reshape(x3, shape),
+    )
 
 
 @triton.jit
-def _fp4_step(acc, xs, w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr,
+def _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS: tl.constexpr,
               K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):  # fmt: skip
     """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
     docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
@@ -139,8 +162,8 @@ def _fp4_step(acc, xs, w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr,
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
     at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    w = tl.load(w_rows[:, None, None] + at, mask=col_ok[:, None, None], other=0)
-    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :], mask=col_ok[:, None], other=0)
+    w = tl.load(w_rows[:, None, None] + at)
+    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :])
     # [COLUMNS, GROUPS, 1]: 2^(s - 127 + 14), one per 32 inputs (4 words).
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
     # Nibbles i and i + 4 of every word (bits 4i and 16 + 4i) -> two fp16s in one int32 (bits
@@ -152,14 +175,22 @@ def _fp4_step(acc, xs, w_rows, s_rows, col_ok, k0, COLUMNS: tl.constexpr,
     odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
     halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
               (spread << 1) & FP16_PAIR, odd & FP16_PAIR)  # fmt: skip
+    dtype = xs[0].dtype
+    if dtype == tl.bfloat16:
+        # bf16 has fp32's exponent range: the factor is a bf16 too, and the multiply a packed
+        # bf16 pair (one instruction for two weights) after the pack rather than before it.
+        factor = factor.to(tl.bfloat16)
     for i in tl.static_range(4):
         # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
         # 8j + i + 4), one register, so no repacking before the fp16 -> fp32 conversions.
         bits = halves[i]
         both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
-        value = both.to(tl.float16, bitcast=True).to(tl.float32) * factor[:, :, :, None]
-        weight = tl.reshape(value, (COLUMNS, K_BLOCK // 4)).to(xs[i].dtype)
-        acc = _fp4_dot(acc, xs[i], weight, WEIGHTS_LEFT)
+        value = both.to(tl.float16, bitcast=True).to(tl.float32)
+        if dtype == tl.bfloat16:
+            value = value.to(tl.bfloat16) * factor[:, :, :, None]
+        else:
+            value = (value * factor[:, :, :, None]).to(dtype)
+        acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
     return acc
 
 
@@ -207,8 +238,9 @@ def _gate_up_kernel(
     # w_row = H / 8 and s_row = H / 32 are arguments, not computed here, so that Triton sees
     # them as multiples of 16 and vectorizes the loads of a row (16-byte copies).
     r = tl.arange(0, 2 * COLUMNS)
-    both_col = tl.program_id(0) * COLUMNS + r % COLUMNS
-    both_ok = both_col < inter
+    # Columns past the last (inter not a multiple of COLUMNS) read the last one's bytes, so the
+    # loads need no mask; their outputs are never stored.
+    both_col = tl.minimum(tl.program_id(0) * COLUMNS + r % COLUMNS, inter - 1)
     both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
     both_w = w_ptr + both_row * w_row
     both_s = s_ptr + both_row * s_row
@@ -217,8 +249,8 @@ def _gate_up_kernel(
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
-            xs = _x_slices(x_rows, row_ok, k0, K_BLOCK)
-            acc = _fp4_step(acc, xs, both_w, both_s, both_ok, k0, 2 * COLUMNS, K_BLOCK,
+            xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK,
                             WEIGHTS_LEFT)  # fmt: skip
         # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
@@ -242,15 +274,17 @@ def _down_kernel(
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < hidden
     # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
-    down_w = w_ptr + expert * hidden * w_row + col * w_row  # w_row = I / 8, s_row = I / 32
-    down_s = s_ptr + expert * hidden * s_row + col * s_row
+    # w_row = I / 8, s_row = I / 32; columns past the last read its bytes (as in gate/up).
+    load_col = tl.minimum(col, hidden - 1)
+    down_w = w_ptr + expert * hidden * w_row + load_col * w_row
+    down_s = s_ptr + expert * hidden * s_row + load_col * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, inter, K_BLOCK):
-            hs = _x_slices(h_rows, row_ok, k0, K_BLOCK)
-            acc = _fp4_step(acc, hs, down_w, down_s, col_ok, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+            hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
         acc = _rows_major(acc, WEIGHTS_LEFT)
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]

@@ -29,9 +29,10 @@ FP16_PAIR = 0x8E008E00 - (1 << 32)  # as the kernel's
 MAX_SCALE = 240  # the largest scale byte the kernel's factor (s + 14) << 23 is right for
 
 
-def kernel_decode(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`_fp4_step`'s decode: int32 words [..., n / 8] and scale bytes [..., n / 32] -> the
-    float32 weights [..., n], in input order."""
+def kernel_decode(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_fp4_step`'s decode: int32 words [..., n / 8] and scale bytes [..., n / 32] -> (each
+    input's e2m1 value times 2^-14 as float32 [..., n], in input order; each input's factor
+    2^(s - 113), float32 [..., n])."""
     spread = (words & 0x07070707) | ((words << 3) & ~0x07070707)
     odd = ((words >> 3) & 0x0E0E0E0E) | (words & ~0x0E0E0E0E)
     halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
@@ -39,24 +40,27 @@ def kernel_decode(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     nibbles = [halves[i % 4] >> (16 if i >= 4 else 0) for i in range(8)]  # nibble i of a word
     values = torch.stack([n.to(torch.int16).view(torch.float16) for n in nibbles], dim=-1)
     factor = ((scale.to(torch.int32) + 14) << 23).view(torch.float32)
-    return values.float().flatten(-2) * factor.repeat_interleave(fp4.FP4_BLOCK, dim=-1)
+    return values.float().flatten(-2), factor.repeat_interleave(fp4.FP4_BLOCK, dim=-1)
 
 
 def test_decode_formula_is_the_reference_bit_for_bit() -> None:
     """Every byte (so every code in both nibbles of a byte) at every byte offset of a word (so
-    in every nibble of a word), under every scale byte 0..240, each row one scale."""
+    in every nibble of a word), under every scale byte 0..240, each row one scale; the kernel's
+    three roundings: the float32 product (then x's dtype: fp16), and for bf16 the unit value
+    and the factor each rounded to bf16, then multiplied in bf16. (On the GPU a bf16 multiply
+    may flush subnormal results: only scale bytes 0 and 1, scales under 2^-125, make any.)"""
     codes = torch.arange(256, dtype=torch.uint8)  # byte b: low nibble b & 15, high b >> 4
     scales = torch.arange(MAX_SCALE + 1, dtype=torch.uint8)
-    # Each row: the 256 bytes in order (512 inputs, 16 groups), then rotated by 1, 2, 3 bytes so
-    # that every byte sits at every byte offset of a word.
-    rows = torch.stack([codes.roll(r) for r in range(4)])  # [4, 256]
-    packed = rows.repeat(len(scales), 1)  # [241 * 4, 256]
+    rows = torch.stack([codes.roll(r) for r in range(4)])  # [4, 256 bytes = 512 inputs]
+    packed = rows.repeat(len(scales), 1)
     scale = scales.repeat_interleave(4)[:, None].expand(-1, 16).contiguous()
-    got = kernel_decode(packed.view(torch.int32), scale)
+    unit, factor = kernel_decode(packed.view(torch.int32), scale)
+    product = unit * factor
     want = fp4.dequantize_fp4(packed, scale, torch.float32)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits, signed zeros too
-    for dtype in (torch.bfloat16, torch.float16):
-        assert torch.equal(got.to(dtype), fp4.dequantize_fp4(packed, scale, dtype))
+    assert torch.equal(product.view(torch.int32), want.view(torch.int32))  # signed zeros too
+    assert torch.equal(product.half(), fp4.dequantize_fp4(packed, scale, torch.float16))
+    bf16 = unit.bfloat16() * factor.bfloat16()
+    assert torch.equal(bf16, fp4.dequantize_fp4(packed, scale, torch.bfloat16))
 
 
 INTERPRETED_CASES = """
