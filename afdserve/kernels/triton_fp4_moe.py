@@ -55,8 +55,10 @@ The routing is resolved in the kernels as in triton_moe.py (whose pair helpers a
 these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
 pair list it holds in registers, and streams the expert's weight tile once for all of them. That
 list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
-pairs, each chunk the same three launches, so a graph capture of any batch works. The tile shape
-follows the chunk's pair count (a host-side shape), so it needs no sync either.
+pairs, each chunk the same three launches, so a graph capture of any batch works. With fewer
+pairs than experts the programs are instead one per pair, and run for an expert's first pair
+(as in triton_moe.py). The tile shape and these follow the chunk's pair count (a host-side
+shape), so they need no sync either.
 
 1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
@@ -92,10 +94,9 @@ class Tiles(NamedTuple):
     weights_left: bool = True
 
 
-# By pair count, each row used up to its first field. Every expert gets a program, which exits at
-# once when no pair chose it. Not yet timed on a GPU: the shape of the fewest instructions per
-# weight in the SASS (4.6, with 64 gate/up and 128 down columns); tools/fp4_moe_bench.py --sweep
-# says what to put here.
+# By pair count, each row used up to its first field. Not yet timed on a GPU: the shape of the
+# fewest instructions per weight in the SASS (4.6, with 64 gate/up and 128 down columns);
+# tools/fp4_moe_bench.py --sweep says what to put here.
 TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128)),)
 
 
@@ -118,11 +119,14 @@ def supports(
     down: tuple[torch.Tensor, torch.Tensor],
 ) -> bool:
     """CUDA bf16/fp16 rows, uint8 packed weights and scales, contiguous, reduction dims
-    multiples of 32 (one ue8m0 scale per 32 inputs)."""
+    multiples of 32 (one ue8m0 scale per 32 inputs), packed bytes that start on a 4-byte
+    boundary (the kernels read them as int32 words)."""
     tensors = (*gate_up, *down)
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     if not all(t.dtype == torch.uint8 and t.is_contiguous() for t in tensors):
+        return False
+    if gate_up[0].storage_offset() % 4 or down[0].storage_offset() % 4:
         return False
     hidden, inter = 2 * gate_up[0].shape[2], 2 * down[0].shape[2]
     return hidden % FP4_BLOCK == 0 and inter % FP4_BLOCK == 0 and x.shape[-1] == hidden
@@ -315,19 +319,26 @@ def _launch(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
+    # As in triton_moe.py: with fewer pairs than experts, program s takes the expert of pair s
+    # (and runs if s is that expert's first pair), so a decode batch of 1 launches 6 expert
+    # programs per column tile rather than 256 that mostly exit; the pair list is padded to a
+    # power of two from 64, so a small batch's prologue (a prefix sum over it) is short too.
+    # Both follow the pair count, a shape: a few compiles, no sync.
+    slots = min(pairs, experts)
     common = dict(
-        PAIRS_PAD=MAX_PAIRS, BY_EXPERT=True, ROWS=tiles.rows, WEIGHTS_LEFT=tiles.weights_left,
+        PAIRS_PAD=min(MAX_PAIRS, max(64, triton.next_power_of_2(pairs))),
+        BY_EXPERT=pairs > experts, ROWS=tiles.rows, WEIGHTS_LEFT=tiles.weights_left,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     columns = tiles.gate_up_columns
-    _gate_up_kernel[(triton.cdiv(inter, columns), experts)](
+    _gate_up_kernel[(triton.cdiv(inter, columns), slots)](
         x, ids, _words(gate_up[0]), gate_up[1], h, pairs, top_k, hidden, inter,
         hidden // 8, hidden // 32, 0.0 if limit is None else float(limit),
         HAS_LIMIT=limit is not None,
         COLUMNS=columns, K_BLOCK=_k_block(hidden, tiles.k_block), **common,
     )  # fmt: skip
     columns = tiles.down_columns
-    _down_kernel[(triton.cdiv(hidden, columns), experts)](
+    _down_kernel[(triton.cdiv(hidden, columns), slots)](
         h, ids, weights, _words(down[0]), down[1], y, pairs, hidden, inter, inter // 8, inter // 32,
         COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
     )  # fmt: skip

@@ -55,12 +55,13 @@ def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) ->
     return triton.compile(source, target=GPUTarget(*H200), options=options)
 
 
-def compile_tiles(tiles) -> tuple[object, object]:
-    """Both kernels at one tile shape, with a launch's constants at Flash's shape."""
+def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
+    """Both kernels at one tile shape, with a launch's constants at Flash's shape: a full pair
+    list by expert, or (`by_expert` False) a decode batch's, one program per pair."""
     from afdserve.kernels import triton_fp4_moe as k
 
-    common = {"PAIRS_PAD": k.MAX_PAIRS, "BY_EXPERT": True, "ROWS": tiles.rows,
-              "WEIGHTS_LEFT": tiles.weights_left}  # fmt: skip
+    common = {"PAIRS_PAD": k.MAX_PAIRS if by_expert else 64, "BY_EXPERT": by_expert,
+              "ROWS": tiles.rows, "WEIGHTS_LEFT": tiles.weights_left}  # fmt: skip
     options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
     gate_up = {"HAS_LIMIT": True, **common, "COLUMNS": tiles.gate_up_columns,
                "K_BLOCK": k._k_block(4096, tiles.k_block)}  # fmt: skip
@@ -72,11 +73,12 @@ def compile_tiles(tiles) -> tuple[object, object]:
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """Every tile shape of the table, and the weights as the dot's B operand once: nothing
-    spilled to local memory."""
+    """Every tile shape of the table both ways of routing, and the weights as the dot's B
+    operand once: nothing spilled to local memory."""
     from afdserve.kernels import triton_fp4_moe as k
 
-    shapes = {t for _, t in k.TILES} | {k.TILES[0][1]._replace(weights_left=False)}
-    for tiles in shapes:
-        for kernel in compile_tiles(tiles):
+    first = k.TILES[0][1]
+    builds = [(t, by) for t in dict.fromkeys(t for _, t in k.TILES) for by in (True, False)]
+    for tiles, by_expert in [*builds, (first._replace(weights_left=False), True)]:
+        for kernel in compile_tiles(tiles, by_expert):
             assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"], tiles
