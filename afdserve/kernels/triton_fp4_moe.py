@@ -171,10 +171,11 @@ def _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS: tl.constexpr,
     # [COLUMNS, GROUPS, 1]: 2^(s - 127 + 14), one per 32 inputs (4 words).
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
     # Nibbles i and i + 4 of every word (bits 4i and 16 + 4i) -> two fp16s in one int32 (bits
-    # FP16_PAIR): a code's sign bit must land 3 above its exponent's top bit, where the next
-    # nibble's third bit is; so first spread the even nibbles (0, 2, 4, 6: `spread`, each
-    # magnitude in place, its sign 3 up) and the odd ones (`odd`, each magnitude 3 down, its
-    # sign in place), one shift and one bit select each; then one shift and one and per pair.
+    # FP16_PAIR). A code's sign must move 3 bits further than its magnitude (1 above it in the
+    # nibble, 4 above it in the fp16), onto the next nibble's magnitude; so first the even
+    # nibbles (0, 2, 4, 6: `spread`, magnitudes in place, signs 3 up) and the odd ones (`odd`,
+    # magnitudes 3 down, signs in place) are pulled apart, a shift and a bit select each; then
+    # each pair is one shift and one and.
     spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
     odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
     halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
