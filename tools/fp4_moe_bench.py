@@ -7,6 +7,12 @@ bits per weight with the ue8m0 scales; bf16: 16) and the GB/s that makes, beside
 copy bandwidth (bench/bytes.py), so the FP4 path's share of it can be read off.
 
     PYTHONPATH=. python tools/fp4_moe_bench.py [--batch-sizes 1,8,64] [--experts 256]
+
+--sweep times instead a small grid of the kernels' tile shapes (`triton_fp4_moe.Tiles`) at each
+batch, the same graph replays, and prints the best per batch and a `TILES` table made of them
+(each config compiles once for every batch: about two minutes for the grid, then the cache).
+
+    PYTHONPATH=. python tools/fp4_moe_bench.py --sweep
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import statistics
 import torch
 
 from afdserve.bench.bytes import measure_copy_bandwidth
-from afdserve.kernels import fp4, ops, triton_moe
+from afdserve.kernels import fp4, ops, triton_fp4_moe, triton_moe
+from afdserve.kernels.triton_fp4_moe import Tiles
 
 HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
 
@@ -39,11 +46,63 @@ def replay_seconds(fn, *args, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
+def sweep_grid() -> list[Tiles]:
+    """21 shapes, the weights the dot's A operand but for one control: columns per gate/up and
+    down program at 4 warps, by K step and stages; 8 warps over wider tiles; a 512 K step. (Its
+    B-operand shapes and gate/up tiles under 64 rows compile to 2-3x the instructions per
+    weight: tests/kernels/test_fp4_moe_compile.py's SASS, 2026-12-02.)"""
+    widths = ((32, 64), (32, 128), (64, 64), (64, 128))
+    grid = [Tiles(gu, dn, k_block=k) for k in (128, 256) for gu, dn in widths]
+    grid += [Tiles(gu, dn, stages=st) for st in (2, 4) for gu, dn in widths]
+    grid += [Tiles(64, 128, warps=8), Tiles(128, 256, warps=8)]
+    grid += [Tiles(32, 64, k_block=512), Tiles(64, 128, k_block=512)]
+    return [*grid, Tiles(64, 64, weights_left=False)]
+
+
+def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> None:
+    """Every shape of `sweep_grid` at every batch; a shape that fails (to compile, or for want
+    of shared memory) is reported and skipped."""
+    grid = sweep_grid()
+    best: dict[int, tuple[float, Tiles]] = {}
+    for batch in batches:
+        x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(batch, experts, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
+        weights = torch.rand(batch, TOP_K, device="cuda", generator=gen)
+        touched = int(ids.unique().numel())
+        fp4_bytes = touched * 3 * HIDDEN * INTER * 4.25 / 8
+        print(f"batch {batch}: routed over all {experts} experts (the plain table's routing takes "
+              f"64, for its bf16 side), {touched} touched, {fp4_bytes / 1e6:.0f} MB")  # fmt: skip
+        for tiles in grid:
+            try:
+                t = replay_seconds(triton_fp4_moe.moe_experts_tiled, x, ids, weights, gu, dn,
+                                   LIMIT, lambda pairs, tiles=tiles: tiles)  # fmt: skip
+            except Exception as e:  # a shape the device cannot run: reported, skipped
+                print(f"  {tiles}: failed, {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                continue
+            print(f"  {t * 1e6:8.1f} us  {fp4_bytes / t / 1e9:6.0f} GB/s  {tiles}")
+            if batch not in best or t < best[batch][0]:
+                best[batch] = (t, tiles)
+    print_best(best)
+
+
+def print_best(best: dict[int, tuple[float, Tiles]]) -> None:
+    """The fastest shape of each batch, and a `TILES` table of them to paste."""
+    print("best per batch:")
+    for batch, (t, tiles) in sorted(best.items()):
+        print(f"  batch {batch:3d} (pairs <= {batch * TOP_K}): {t * 1e6:.1f} us  {tiles}")
+    rows = [f"({batch * TOP_K}, {tiles!r})" for batch, (_, tiles) in sorted(best.items())]
+    if rows:  # the largest batch's shape also serves every larger chunk
+        rows[-1] = f"(MAX_PAIRS, {max(best.items())[1][1]!r})"
+    print("TILES = (" + ", ".join(rows) + ",)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--sweep", action="store_true", help="time a grid of tile shapes instead")
     args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
     experts = args.experts
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_up, down = [], []
@@ -54,6 +113,9 @@ def main() -> None:
         down.append(fp4.quantize_fp4(w2))
     gu = tuple(torch.stack(t) for t in zip(*gate_up, strict=True))
     dn = tuple(torch.stack(t) for t in zip(*down, strict=True))
+    if args.sweep:
+        sweep(batches, experts, gu, dn, gen)
+        return
     bf16_experts = min(experts, 64)  # the bf16 comparison on a 64-expert stack (6 GB)
     gu16 = fp4.dequantize_fp4(gu[0][:bf16_experts], gu[1][:bf16_experts], torch.bfloat16)
     dn16 = fp4.dequantize_fp4(dn[0][:bf16_experts], dn[1][:bf16_experts], torch.bfloat16)
@@ -61,7 +123,7 @@ def main() -> None:
     print(f"FP4 experts, hidden {HIDDEN}, intermediate {INTER}, top-{TOP_K}, {experts} experts; "
           f"device copy bandwidth {copy:.0f} GB/s")  # fmt: skip
     print("batch  touched  fp4_us  fp4_GB/s  of_copy  bf16_us(64 experts)  speedup")
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch in batches:
         x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
         scores = torch.rand(batch, bf16_experts, device="cuda", generator=gen)
         ids = scores.topk(TOP_K, dim=-1).indices

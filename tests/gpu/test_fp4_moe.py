@@ -2,9 +2,13 @@
 (kernels/fp4.py's dequantization, then reference.moe_experts in float32), at DeepSeek-V4-Flash's
 expert shape (hidden 4096, intermediate 2048, top-6, swiglu_limit 10) on 16 experts.
 
-Runtime: one Triton compile per kernel serves every batch (about 10-20 s on first use, then the
-Triton cache); the weights are drawn and quantized once, on the GPU; the whole file takes well
-under a minute once compiled."""
+The weights the kernels decode are the reference's bit for bit (tests/kernels/
+test_fp4_kernel_interpret.py checks the decode on CPU), so what the tolerance covers is bf16: h
+stored in bf16 between the launches, and the output.
+
+Runtime: one Triton compile per kernel and tile shape (`triton_fp4_moe.TILES`, and the variants
+of `tile_shapes`; about 10-20 s each on first use, then the Triton cache); the weights are drawn
+and quantized once, on the GPU; the whole file takes well under a minute once compiled."""
 
 from __future__ import annotations
 
@@ -69,6 +73,32 @@ def test_fp4_experts_match_reference(flash_experts, rows):
     out = no_sync(ops.moe_experts_fp4, x, ids, weights, gate_up, down, limit)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert torch.isfinite(out).all()
+    assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
+
+
+def tile_shapes():
+    """The table's shapes, and variants of its first: the weights as the dot's B operand, a
+    narrower K step, 8 warps over twice the columns."""
+    try:  # called at collection, also where there is no Triton (nor CUDA: all skip then)
+        from afdserve.kernels import triton_fp4_moe as k
+    except ImportError:
+        return []
+    first = k.TILES[0][1]
+    wide = first._replace(gate_up_columns=2 * first.gate_up_columns, warps=8)
+    variants = (first._replace(weights_left=False), first._replace(k_block=128), wide)
+    return list(dict.fromkeys([t for _, t in k.TILES] + list(variants)))
+
+
+@pytest.mark.parametrize("tiles", tile_shapes(), ids=str)
+def test_fp4_tile_shapes_match_reference(flash_experts, tiles):
+    """Every shape the table may pick (and the sweep's kinds of variant) computes the same."""
+    from afdserve.kernels import triton_fp4_moe
+
+    experts, hidden, _, top_k, limit = FLASH
+    gate_up, down = flash_experts
+    x, ids, weights = routed_rows(8, experts, hidden, top_k, seed=8)
+    out = no_sync(triton_fp4_moe.moe_experts_tiled, x, ids, weights, gate_up, down, limit,
+                  lambda pairs: tiles)  # fmt: skip
     assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
 
 

@@ -1,6 +1,7 @@
 """The FP4 expert kernels (kernels/triton_fp4_moe.py) compile for the H200 (sm_90) down to a
 cubin, on any machine with Triton: no GPU needed, so a CPU run catches a kernel that would not
-build before the GPU run does. Their numbers are tests/gpu/test_fp4_moe.py's."""
+build before the GPU run does. Their numbers are tests/gpu/test_fp4_moe.py's (and, on CPU,
+tests/kernels/test_fp4_kernel_interpret.py's)."""
 
 from __future__ import annotations
 
@@ -12,47 +13,72 @@ H200 = ("cuda", 90, 32)
 GATE_UP = {
     "x_ptr": "*bf16",
     "ids_ptr": "*i64",
-    "w_ptr": "*u8",
+    "w_ptr": "*i32",
     "s_ptr": "*u8",
     "h_ptr": "*bf16",
     "num_pairs": "i32",
     "top_k": "i32",
     "hidden": "i32",
     "inter": "i32",
+    "w_row": "i32",
+    "s_row": "i32",
     "limit": "fp32",
 }
 DOWN = {
     "h_ptr": "*bf16",
     "ids_ptr": "*i64",
     "weights_ptr": "*fp32",
-    "w_ptr": "*u8",
+    "w_ptr": "*i32",
     "s_ptr": "*u8",
     "y_ptr": "*fp32",
     "num_pairs": "i32",
     "hidden": "i32",
     "inter": "i32",
+    "w_row": "i32",
+    "s_row": "i32",
 }
-ROUTING = ("PAIRS_PAD", "BY_EXPERT", "ROWS")
+# What a launch at DeepSeek-V4-Flash's shape specializes as multiples of 16: the pointers (torch's
+# allocations) and the dims and row strides (4096, 2048, their / 8 and / 32); not top_k (6).
+ALIGNED = {"x_ptr", "ids_ptr", "w_ptr", "s_ptr", "h_ptr", "weights_ptr", "y_ptr", "hidden",
+           "inter", "w_row", "s_row"}  # fmt: skip
 
 
 def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) -> object:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = {
+        (kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED & {*signature}
+    }
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget(*H200), options=options)
 
 
-def test_kernels_compile_for_sm90() -> None:
-    """With the launch's own constants: the one compile every batch uses."""
+def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
+    """Both kernels at one tile shape, with a launch's constants at Flash's shape: a full pair
+    list by expert, or (`by_expert` False) a decode batch's, one program per pair."""
     from afdserve.kernels import triton_fp4_moe as k
 
-    routing = dict(zip(ROUTING, (k.MAX_PAIRS, True, k.ROWS), strict=True))
-    options = {"num_warps": k.WARPS, "num_stages": k.STAGES}
-    gate_up = {"HAS_LIMIT": True, **routing, "COLUMNS": k.GATE_UP_COLUMNS, "K_BLOCK": 128}
-    down = {**routing, "COLUMNS": k.DOWN_COLUMNS, "K_BLOCK": 128}
-    gate_up = compile_for_h200(k._gate_up_kernel, GATE_UP, gate_up, options)
-    down = compile_for_h200(k._down_kernel, DOWN, down, options)
-    for kernel in (gate_up, down):
-        assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"]  # nothing spilled
+    common = {"PAIRS_PAD": k.MAX_PAIRS if by_expert else 64, "BY_EXPERT": by_expert,
+              "ROWS": tiles.rows, "WEIGHTS_LEFT": tiles.weights_left}  # fmt: skip
+    options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
+    gate_up = {"HAS_LIMIT": True, **common, "COLUMNS": tiles.gate_up_columns,
+               "K_BLOCK": k._k_block(4096, tiles.k_block)}  # fmt: skip
+    down = {**common, "COLUMNS": tiles.down_columns, "K_BLOCK": k._k_block(2048, tiles.k_block)}
+    return (
+        compile_for_h200(k._gate_up_kernel, GATE_UP, gate_up, options),
+        compile_for_h200(k._down_kernel, DOWN, down, options),
+    )
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """Every tile shape of the table both ways of routing, and the weights as the dot's B
+    operand once: nothing spilled to local memory."""
+    from afdserve.kernels import triton_fp4_moe as k
+
+    first = k.TILES[0][1]
+    builds = [(t, by) for t in dict.fromkeys(t for _, t in k.TILES) for by in (True, False)]
+    for tiles, by_expert in [*builds, (first._replace(weights_left=False), True)]:
+        for kernel in compile_tiles(tiles, by_expert):
+            assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"], tiles
