@@ -45,12 +45,15 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n / 2] packed e2m1 -> float32 [..., n] (low nibble first)."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
-    table = torch.cat((table, -table))  # codes 8..15: the negatives
-    b = as_bytes(packed).long()
-    values = torch.stack((table[b & 0xF], table[b >> 4]), dim=-1)  # [..., n / 2, 2]
-    return values.flatten(-2)
+    """[..., n / 2] packed e2m1 -> float32 [..., n] (low nibble first). Computed from the codes'
+    bits on their own device (no table copied there), so a CUDA graph can capture it."""
+    b = as_bytes(packed)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).to(torch.int32).flatten(-2)
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).float()
+    normal = torch.exp2((exponent - 1).float()) * (1.0 + 0.5 * mantissa)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, normal)  # code 1: the subnormal 0.5
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

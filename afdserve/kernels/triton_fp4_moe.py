@@ -74,7 +74,6 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.fp4 import FP4_BLOCK
 from afdserve.kernels.triton_moe import SUM_COLUMNS, _expert_pairs, _sum_kernel, _tile_pairs
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
@@ -104,12 +103,17 @@ def tiles_for(pairs: int) -> Tiles:
     return next((t for bound, t in TILES if pairs <= bound), TILES[-1][1])
 
 
+# The narrowest K step: each step takes four dots of a quarter of it (one per nibble pair of a
+# word), and tl.dot's K is at least 16 on the GPU.
+MIN_K_BLOCK = 64
+
+
 def _k_block(dim: int, wanted: int) -> int:
-    block = wanted
+    block = max(wanted, MIN_K_BLOCK)
     while dim % block:
         block //= 2
-    if block < FP4_BLOCK:
-        raise ValueError(f"reduction dim {dim} is not a multiple of {FP4_BLOCK}")
+    if block < MIN_K_BLOCK:
+        raise ValueError(f"reduction dim {dim} is not a multiple of {MIN_K_BLOCK}")
     return block
 
 
@@ -119,8 +123,8 @@ def supports(
     down: tuple[torch.Tensor, torch.Tensor],
 ) -> bool:
     """CUDA bf16/fp16 rows, uint8 packed weights and scales, contiguous, reduction dims
-    multiples of 32 (one ue8m0 scale per 32 inputs), packed bytes that start on a 4-byte
-    boundary (the kernels read them as int32 words)."""
+    multiples of 64 (`MIN_K_BLOCK`; a scale per 32 inputs), packed bytes that start on a 4-byte
+    boundary (the kernels read them as int32 words). Others take the reference."""
     tensors = (*gate_up, *down)
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -129,7 +133,7 @@ def supports(
     if gate_up[0].storage_offset() % 4 or down[0].storage_offset() % 4:
         return False
     hidden, inter = 2 * gate_up[0].shape[2], 2 * down[0].shape[2]
-    return hidden % FP4_BLOCK == 0 and inter % FP4_BLOCK == 0 and x.shape[-1] == hidden
+    return hidden % MIN_K_BLOCK == 0 and inter % MIN_K_BLOCK == 0 and x.shape[-1] == hidden
 
 
 # Two fp16s' sign, exponent bits 1-0 and top mantissa bit (bits 15, 11-9 and 31, 27-25): where

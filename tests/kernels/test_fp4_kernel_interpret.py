@@ -93,12 +93,12 @@ def check(rows, dtype, tiles, limit, seed, rtol, e=4):
 T = k.Tiles
 for rows, dtype, tiles, limit, rtol, *e in [
     (3, torch.float32, T(32, 32, k_block=256), 10.0, 1e-6),  # K step: the whole dim (64)
-    (3, torch.float32, T(32, 64, k_block=32, weights_left=False), 10.0, 1e-6),
+    (3, torch.float32, T(32, 64, k_block=64, weights_left=False), 10.0, 1e-6),
     (5, torch.float32, T(16, 16, k_block=64, rows=16), 1.0, 1e-6),  # the clamp bites
     (9, torch.float32, T(64, 32, k_block=64, rows=32), None, 1e-6),  # no clamp, 32-row tiles
     (3, torch.float16, T(32, 32), 10.0, 2e-3),  # h in fp16
     (3, torch.float32, T(32, 32), 10.0, 1e-6, 16),  # fewer pairs than experts: one per pair
-    (3, torch.float32, T(128, 128, k_block=32), 10.0, 1e-6),  # columns past the dims
+    (3, torch.float32, T(128, 128, k_block=64), 10.0, 1e-6),  # columns past the dims
     (k.MAX_PAIRS // 2 + 3, torch.float32, T(32, 32), 10.0, 1e-6),  # 2 chunks, many tiles
 ]:
     print(rows, dtype, tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
