@@ -93,9 +93,10 @@ class Tiles(NamedTuple):
     weights_left: bool = True
 
 
-# By pair count, each row used up to its first field. Not yet timed on a GPU: the shape of the
-# fewest instructions per weight in the SASS (4.6, with 64 gate/up and 128 down columns);
-# tools/fp4_moe_bench.py --sweep says what to put here.
+# By pair count, each row used up to its first field. The shape of the fewest instructions per
+# weight in the SASS (4.6, with 64 gate/up and 128 down columns), timed on an H200 at this shape
+# alone (106.5 / 450.4 / 865.2 us at batch 1 / 8 / 64 of Flash's experts, docs/benchmarks.md);
+# tools/fp4_moe_bench.py --sweep has not run yet and says what to put here.
 TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128)),)
 
 
