@@ -8,7 +8,7 @@ reference (`fp4.dequantize_fp4`, then `reference.moe_experts` in float32).
    because the variable must be set before any @triton.jit function is defined: small experts
    with random bytes (every code) and a spread of scale bytes, float32 rows (the weights exact:
    only the accumulation order differs, so the tolerance is float32's) and fp16 rows (the
-   kernels' fp16 h), both operand orders, K steps narrower and wider than the dims, and a batch
+   kernels' fp16 h), both operand orders, K steps as wide as and wider than the dims, and a batch
    of more pairs than one launch takes. Triton 3.9's interpreter computes bf16 wrongly (its
    bf16 loads and dots give garbage on any kernel), so bf16 is tests/gpu/test_fp4_moe.py's.
 
