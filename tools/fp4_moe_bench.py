@@ -74,7 +74,7 @@ def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> Non
               f"64, for its bf16 side), {touched} touched, {fp4_bytes / 1e6:.0f} MB")  # fmt: skip
         for tiles in grid:
             try:
-                t = replay_seconds(triton_fp4_moe.moe_experts_tiled, x, ids, weights, gu, dn,
+                t = replay_seconds(triton_fp4_moe.moe_experts, x, ids, weights, gu, dn,
                                    LIMIT, lambda pairs, tiles=tiles: tiles)  # fmt: skip
             except Exception as e:  # a shape the device cannot run: reported, skipped
                 print(f"  {tiles}: failed, {type(e).__name__}: {str(e).splitlines()[0][:80]}")

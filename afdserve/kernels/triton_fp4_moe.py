@@ -361,22 +361,11 @@ def moe_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
+    tiles: Callable[[int], Tiles] = tiles_for,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Ids must be in
-    [0, experts): `ops.moe_experts_fp4` turns -1 (no expert) into expert 0 with weight 0."""
-    return moe_experts_tiled(x, topk_ids, topk_weights, gate_up, down, limit, tiles_for)
-
-
-def moe_experts_tiled(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gate_up: tuple[torch.Tensor, torch.Tensor],
-    down: tuple[torch.Tensor, torch.Tensor],
-    limit: float | None,
-    tiles: Callable[[int], Tiles],
-) -> torch.Tensor:
-    """`moe_experts` with each chunk's tile shape `tiles(pairs)` (the sweep passes its own)."""
+    [0, experts): `ops.moe_experts_fp4` turns -1 (no expert) into expert 0 with weight 0. Each
+    chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
     rows, top_k = topk_ids.shape
     if rows == 0:
         return torch.zeros_like(x)

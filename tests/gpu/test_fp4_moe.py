@@ -97,7 +97,7 @@ def test_fp4_tile_shapes_match_reference(flash_experts, tiles):
     experts, hidden, _, top_k, limit = FLASH
     gate_up, down = flash_experts
     x, ids, weights = routed_rows(8, experts, hidden, top_k, seed=8)
-    out = no_sync(triton_fp4_moe.moe_experts_tiled, x, ids, weights, gate_up, down, limit,
+    out = no_sync(triton_fp4_moe.moe_experts, x, ids, weights, gate_up, down, limit,
                   lambda pairs: tiles)  # fmt: skip
     assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
 

@@ -82,7 +82,7 @@ def check(rows, dtype, tiles, limit, seed, rtol, e=4):
     x = torch.randn(rows, hidden, generator=gen).to(dtype)
     ids = torch.rand(rows, e, generator=gen).topk(top_k, dim=-1).indices
     weights = torch.rand(rows, top_k, generator=gen)
-    out = k.moe_experts_tiled(x, ids, weights, gate_up, down, limit, lambda pairs: tiles)
+    out = k.moe_experts(x, ids, weights, gate_up, down, limit, lambda pairs: tiles)
     w13 = fp4.dequantize_fp4(*gate_up, torch.float32)
     w2 = fp4.dequantize_fp4(*down, torch.float32)
     ref = reference.moe_experts(x.float(), ids, weights, w13, w2, limit)
