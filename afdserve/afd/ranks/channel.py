@@ -217,8 +217,14 @@ class RankListener:
         while not self._closed:
             try:
                 sock, peer = self.sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # Out of file descriptors (peers holding connections open) or an aborted
+                # connection: the listener must outlive it, or the ranks still to come hang.
+                log.warning("accepting a rank connection failed: %s; still listening", e)
+                time.sleep(0.1)
+                continue
             threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, peer: tuple) -> None:
