@@ -6,8 +6,12 @@ Bit for bit a2e.py's torch functions, which are the oracle: every step is one co
 float32 operation in the order torch runs them. amax is exact (a maximum); the scale is a float32
 product with the float32 constant torch multiplies by (1 / 448 rounded once to float32); the
 quotient is `tl.div_rn` (Triton's `/` is approximate on the GPU, torch's is correctly rounded);
-the clamp and the casts round to nearest even. A NaN in a group makes its amax and scale NaN, as
-torch's amax does (the reduction and the clamp propagate it; Triton's plain max drops it).
+after the clamp, the rounding to e4m3 is to nearest even (`_e4m3_grid`); dequantizing is the
+float32 product of the e4m3 value and its scale, cast to the dtype to nearest even. The fused
+round trip multiplies the float32 value that the e4m3 byte would hold, so it never casts. A NaN
+in a group makes its amax and scale NaN, as torch's amax does (the reduction and the clamp
+propagate it; Triton's plain max drops it). tests/kernels/test_a2e_compile.py checks the PTX
+for these instructions (no fma, no flush of subnormals, no approximate division).
 
 A program takes `BLOCK_G` groups of one row, [BLOCK_G, 128] channels; the masked channels past
 the row (the last group's missing ones, the groups past the last) load as zeros, which raise no
