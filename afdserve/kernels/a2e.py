@@ -16,7 +16,13 @@ that is what keeps AFD token-identical to colocated, where the same round trip r
 boundary (engine/model_runner.py's LocalFFN). A last partial group scales the channels it holds.
 
 A zero row (every pad row) has scale 0 and zero values; the FFN side checks pad rows' scales.
-Everything here is plain torch on the rows' own device, CUDA-graph capturable.
+
+The `*_torch` functions are plain torch on the rows' own device and are the format's definition
+(the oracle): about 15 small kernels per round trip. On CUDA with Triton installed, fp8 rows in
+bf16 / fp16 / float32 take kernels/triton_a2e.py instead, bit for bit the same: one launch to
+quantize, one to dequantize, and one for the round trip of a boundary with no wire (`roundtrip`,
+`ffn_rows`), which never writes the fp8 rows. Both paths are CUDA-graph capturable; CPU rows
+always take torch, and a world runs one path on both of its sides either way.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import torch.nn.functional as F
 from afdserve.config import A2E_DTYPES
 from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
-__all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "pad_zeroed",
-           "quantize_rows", "scale_groups"]
+__all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "dequantize_rows_torch",
+           "pad_zeroed", "quantize_rows", "quantize_rows_torch", "roundtrip_rows",
+           "scale_groups"]  # fmt: skip
 
 GROUP = 128
 
@@ -48,8 +55,8 @@ def _grouped(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, groups * GROUP - hidden)).view(rows, groups, GROUP)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, hidden] -> (q float8_e4m3fn [rows, hidden], scales float32 [rows, groups])."""
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in plain torch: the definition."""
     rows, hidden = x.shape
     grouped = _grouped(x.float())
     # A product with a constant rounds the same on every device; a division by a scalar is
@@ -62,8 +69,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows, grouped.shape[1] * GROUP)[:, :hidden].contiguous(), scales
 
 
-def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(q [rows, hidden], scales [rows, groups]) -> x [rows, hidden] in `dtype`."""
+def dequantize_rows_torch(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """dequantize_rows in plain torch: the definition."""
     rows, hidden = q.shape
     x = _grouped(q.float()) * scales.unsqueeze(-1)
     return x.view(rows, x.shape[1] * GROUP)[:, :hidden].to(dtype).contiguous()
@@ -74,6 +83,46 @@ def pad_zeroed(x: torch.Tensor, route_ids: torch.Tensor) -> torch.Tensor:
     from a pad input and are not zeros; their output is never read, so zeroing them changes no
     real row, and lets the FFN side check that a pad row's fp8 scale is 0."""
     return x.masked_fill((route_ids < 0).unsqueeze(1), 0)
+
+
+def _kernels(x: torch.Tensor, *dtypes: torch.dtype):
+    """kernels/triton_a2e.py when x is on CUDA, Triton is installed and every dtype given (x's
+    or the output's) is one the kernels read or write; else None (the torch path). Imported on
+    first use: CPU-only installs have no Triton."""
+    if not (x.is_cuda and x.dim() == 2):
+        return None
+    try:
+        from afdserve.kernels import triton_a2e
+    except ImportError:
+        return None
+    return triton_a2e if all(d in triton_a2e.DTYPES for d in dtypes) else None
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, hidden] -> (q float8_e4m3fn [rows, hidden], scales float32 [rows, groups])."""
+    fast = _kernels(x, x.dtype)
+    return fast.quantize_rows(x) if fast else quantize_rows_torch(x)
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q [rows, hidden], scales [rows, groups]) -> x [rows, hidden] in `dtype`."""
+    fast = _kernels(q, dtype) if q.dtype == FP8_DTYPE else None
+    if fast:
+        return fast.dequantize_rows(q, scales, dtype)
+    return dequantize_rows_torch(q, scales, dtype)
+
+
+def roundtrip_rows(
+    x: torch.Tensor, dtype: torch.dtype, route_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dequantize_rows(*quantize_rows(x), dtype), after pad_zeroed(x, route_ids) when given; on
+    CUDA one launch that never writes the fp8 rows."""
+    fast = _kernels(x, x.dtype, dtype)
+    if fast:
+        return fast.roundtrip(x, dtype, route_ids)
+    if route_ids is not None:
+        x = pad_zeroed(x, route_ids)
+    return dequantize_rows_torch(*quantize_rows_torch(x), dtype)
 
 
 @dataclass(frozen=True)
@@ -115,11 +164,15 @@ class A2EFormat:
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as the FFN half sees it after the hand-over (x itself when the format is plain)."""
+        if self.scaled:
+            return roundtrip_rows(x, self.model_dtype)
         return x if self.plain else self.decode(*self.encode(x))
 
     def ffn_rows(self, x: torch.Tensor, route_ids: torch.Tensor) -> torch.Tensor:
         """What an FFN rank decodes from a tile of x (pad rows zeroed first): what a boundary
         with no wire (colocated, in process) hands its FFN half. x itself when plain."""
+        if self.scaled:
+            return roundtrip_rows(x, self.model_dtype, route_ids)
         return x if self.plain else self.roundtrip(pad_zeroed(x, route_ids))
 
     def row_bytes(self, hidden: int) -> int:
