@@ -106,7 +106,12 @@ for rows, dtype, tiles, limit, rtol, *e in [
 
 
 def test_kernels_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        # Its interpreter cannot run a loop bounded by a reduced tensor (the kernels' loop over
+        # an expert's pair tiles) at all; there the compiled kernels are checked on the GPU
+        # instead (tests/gpu/test_fp4_moe.py).
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels")
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
