@@ -12,13 +12,15 @@ An FP8 cache (float8_e4m3fn) is read without dequantizing it: the tiles' bytes a
 dots' dtype (float16, which holds every e4m3 value exactly and takes one cvt per 2 values on
 sm_90; float32 for a float32 q), q is cast to it once (a bf16 q is exact in float16 unless
 |q| > 65504 or tiny), k_scale is folded into the score scale and v_scale into the output's
-normalization (per-tensor scales, kernel arguments, so graphs capture them). That is the same
-result as dequantizing each tile and then some: no rounding of k * scale to q's dtype. Triton
+normalization (per-tensor scales, kernel arguments, so graphs capture them). That is at least as
+exact as dequantizing each tile: k * scale is never rounded to q's dtype. Triton
 then loads K and V straight from shared memory in the dot operand layout and converts in
 registers (the earlier float32 multiply made it convert in a blocked layout and round-trip the
-tiles through shared memory again: 1025 instructions per 64-token tile per thread, now ~820).
-K tiles are loaded unmasked when the head dim needs no padding (tokens past the slice read
-block 0 and get a -inf score). FP8 decode has its own launch (`FP8_DECODE_LAUNCH`): at 2-4
+tiles through shared memory again). Whole tiles run without token masks (decode rows need no
+causal mask either), the slice's partial last tile after them with masks; K tiles are loaded
+unmasked even there when the head dim needs no padding (tokens past the slice read block 0 and
+get a -inf score). Per 64-token tile and thread the FP8 decode loop went from 1025 SASS
+instructions to 762 (bf16's: 624). FP8 decode has its own launch (`FP8_DECODE_LAUNCH`): at 2-4
 stages Triton's pipeliner keeps no copy in flight while a program computes, so a program reads
 one tile per (latency + compute) and the FP8 tile's half bytes meant half the bandwidth; 5
 stages keep the next tile in flight. The KV write divides by the scale, clamps to +-448 and
@@ -65,10 +67,72 @@ DEFAULT_LAUNCH = Launch()
 # program's loads never overlap its own compute: an SM has its 4 programs x one tile in flight,
 # and an FP8 tile is half a bf16 one's bytes, hence the same tokens per second as bf16. 5 stages
 # keep the next tile's copies in flight through the current tile's compute (num=3). Capped at
-# 128 registers (168 uncapped, no spills either way) so 4 programs fit an SM as at bf16, and 2
+# 128 registers (168 uncapped; capped, 3 values that live across the loop spill, stored once
+# before it and loaded once after, none inside) so 4 programs fit an SM as at bf16, and 2
 # per SM planned keeps every batch's programs in one wave (tests/kernels/
 # test_attention_compile.py checks all of this on the SASS).
 FP8_DECODE_LAUNCH = Launch(block_n=64, warps=4, stages=5, programs_per_sm=2, maxnreg=128)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over the tile of tokens from `start`. MASKED: some tokens may be
+    >= hi (else none are, and no load or score needs a mask); CAUSAL: some rows' positions may
+    precede a token (else, as in decode, every row sees the whole slice)."""
+    K, V, table, k_head, v_head = kv_base
+    stride_kb, stride_kt, stride_vb, stride_vt = strides
+    tok = start + tl.arange(0, BLOCK_N)
+    tok_ok = tok < hi
+    if MASKED:
+        block = tl.load(table + tok // CACHE_BLOCK, mask=tok_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + tok // CACHE_BLOCK).to(tl.int64)
+    offset = tok % CACHE_BLOCK
+    kv_mask = tok_ok[:, None] & dim_ok[None, :]
+    k_ptrs = K + (block * stride_kb + offset * stride_kt + k_head)[:, None] + dims[None, :]
+    v_ptrs = V + (block * stride_vb + offset * stride_vt + v_head)[:, None] + dims[None, :]
+    if FP8_KV and DIM_PAD == HEAD_DIM:
+        # K unmasked: a token past `hi` reads block 0 (its table entry loads as 0), a real
+        # address, and its score is replaced by -inf below whatever the bytes hold.
+        k = tl.load(k_ptrs)
+    elif MASKED:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=dim_ok[None, :], other=0.0)
+    if MASKED:  # V's bytes past `hi` may be NaN, and 0 * NaN is NaN: masked to 0
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=dim_ok[None, :], other=0.0)
+    if FP8_KV:  # exact casts; k_scale is in qk_scale_log2, v_scale applied to the output
+        k = k.to(DOT_DTYPE)
+        v = v.to(DOT_DTYPE)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale_log2
+    if MASKED and CAUSAL:
+        s = tl.where(tok_ok[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
+    elif MASKED:
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+    elif CAUSAL:
+        s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -87,7 +151,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,51 +188,29 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables + seg * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)
-        tok_ok = tok < hi
-        block = tl.load(table + tok // CACHE_BLOCK, mask=tok_ok, other=0).to(tl.int64)
-        offset = tok % CACHE_BLOCK
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k_ptrs = (
-            K
-            + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
-            + dims[None, :]
-        )
-        if FP8_KV and DIM_PAD == HEAD_DIM:
-            # Unmasked: a token past `hi` reads block 0 (its table entry loads as 0), a real
-            # address, and its score is replaced by -inf below whatever the bytes hold.
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(
-            V
-            + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None]
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP8_KV:  # exact casts; k_scale is in qk_scale_log2, v_scale applied to the output
-            k = k.to(DOT_DTYPE)
-            v = v.to(DOT_DTYPE)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale_log2
-        visible = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Each tile: K/V rows of the program's KV head at the tile's tokens, through the table.
+    kv_base = (K, V, table, kv_head * stride_kh, kv_head * stride_vh)
+    strides = (stride_kb, stride_kt, stride_vb, stride_vt)
+    if FP8_KV:
+        # Whole tiles without masks (every token < hi), then the partial one, masked.
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, False, CAUSAL,
+            )  # fmt: skip
+        if full_hi < hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, full_hi, hi, pos, kv_base, strides, dims, dim_ok,
+                qk_scale_log2, CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE,
+                True, CAUSAL,
+            )  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, True, True,
+            )  # fmt: skip
 
     has = l_i > 0.0
     denom = tl.where(has, l_i, 1.0)
@@ -338,6 +380,7 @@ def paged_attention(
         HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
         BLOCK_N=launch.block_n, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
         DOT_DTYPE=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        CAUSAL=not (fp8_kv and batched.max_query_len <= 1),
         num_warps=launch.warps, num_stages=launch.stages,
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )  # fmt: skip

@@ -3,16 +3,18 @@ Triton's interpreter (TRITON_INTERPRET=1, numpy), against `reference.paged_atten
 dequantized cache in float64.
 
 The FP8 path casts the cache's bytes straight to the dots' dtype (float16, or float32 for a
-float32 q), folds k_scale into the score scale and v_scale into the output, and loads K tiles
-unmasked where the head dim needs no padding: every cache slot no sequence's context covers
-(block 0, which the tables' padding points at, and each last block's unwritten tail) holds the
-NaN byte here. The interpreter reads that byte as +-480 (its e4m3 conversion has no NaN), so
-this shows such slots get no weight; that their NaN stays out is tests/gpu/test_kv_fp8.py's
-(`test_fp8_attention_ignores_nan_in_uncovered_slots`). Cases: decode (one row, contexts across tile and
-block edges, split over programs), prefill and chunked prefill (causal rows), Qwen3-MoE's GQA
-(32 / 4 heads, dim 128) and one KV head of dim 80 (MLA's latent: padded dims, masked K), a
-scale of 1 and others. float16 and float32 q; bf16 is tests/gpu/test_kv_fp8.py's (the
-interpreter's bf16 is unreliable, tests/kernels/test_fp4_kernel_interpret.py).
+float32 q), folds k_scale into the score scale and v_scale into the output, runs whole tiles
+without token masks and loads K unmasked where the head dim needs no padding. Every cache slot
+no sequence's context covers (block 0, which the tables' padding points at, and each last
+block's unwritten tail) holds the NaN byte here. The interpreter reads that byte as +-480 (its
+e4m3 conversion has no NaN), so this shows such slots get no weight; that their NaN stays out
+is tests/gpu/test_kv_fp8.py's (`test_fp8_attention_ignores_nan_in_uncovered_slots`).
+
+Cases: decode (one row, contexts across tile and block edges, split over programs), prefill and
+chunked prefill (causal rows), Qwen3-MoE's GQA (32 / 4 heads, dim 128) and one KV head of dim
+80 (MLA's latent: padded dims, masked K), a scale of 1 and others; float16 and float32 q. bf16
+is tests/gpu/test_kv_fp8.py's (the interpreter's bf16 is unreliable,
+tests/kernels/test_fp4_kernel_interpret.py).
 
 Runs in a subprocess, as the variable must be set before any @triton.jit function is defined.
 Needs Triton (skipped without it) and an interpreter that runs on this numpy (Triton 3.6's
