@@ -8,15 +8,29 @@ With one split the kernel writes the final output directly. The query heads of a
 folded into the rows of one tile, so a decode step still feeds `tl.dot` at least 16 rows and each
 KV tile is read once per KV head, not once per query head.
 
-An FP8 cache (float8_e4m3fn) is dequantized as each tile is loaded: upcast to float32, times the
-per-tensor scale (a kernel argument, so graphs capture it), rounded to q's dtype; from there the
-kernel runs as over a cache of q's dtype. The KV write divides by the scale, clamps to +-448 and
+An FP8 cache (float8_e4m3fn) is read without dequantizing it: the tiles' bytes are cast to the
+dots' dtype (float16, which holds every e4m3 value exactly and takes one cvt per 2 values on
+sm_90; float32 for a float32 q), q is cast to it once (a bf16 q is exact in float16 unless
+|q| > 65504 or tiny), k_scale is folded into the score scale and v_scale into the output's
+normalization (per-tensor scales, kernel arguments, so graphs capture them). That is at least as
+exact as dequantizing each tile: k * scale is never rounded to q's dtype. Triton
+then loads K and V straight from shared memory in the dot operand layout and converts in
+registers (the earlier float32 multiply made it convert in a blocked layout and round-trip the
+tiles through shared memory again). Whole tiles run without token masks (decode rows need no
+causal mask either), the slice's partial last tile after them with masks; K tiles are loaded
+unmasked even there when the head dim needs no padding (tokens past the slice read block 0 and
+get a -inf score). Per 64-token tile and thread the FP8 decode loop went from 1025 SASS
+instructions to 762 (bf16's: 624). FP8 decode has its own launch (`FP8_DECODE_LAUNCH`): at 2-4
+stages Triton's pipeliner keeps no copy in flight while a program computes, so a program reads
+one tile per (latency + compute) and the FP8 tile's half bytes meant half the bandwidth; 5
+stages keep the next tile in flight. The KV write divides by the scale, clamps to +-448 and
 casts (round to nearest even), as `reference.quantize_kv` does.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,11 +49,97 @@ PROGRAMS_PER_SM = 2
 WARPS, STAGES = 4, 3
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The attention kernel's launch constants (tools/attention_bench.py --sweep times others)."""
+
+    block_n: int = BLOCK_N
+    warps: int = WARPS
+    stages: int = STAGES
+    programs_per_sm: int = PROGRAMS_PER_SM
+    maxnreg: int | None = None  # registers per thread ptxas may use (None: its own choice)
+
+
+# A cache of q's dtype, and prefill over any cache.
+DEFAULT_LAUNCH = Launch()
+# Decode over an FP8 cache. Up to 4 stages Triton's pipeliner (3.6) issues a tile's K/V copies
+# one iteration ahead and waits for all of them at the loop top (async_wait num=0), so a
+# program's loads never overlap its own compute: an SM has its 4 programs x one tile in flight,
+# and an FP8 tile is half a bf16 one's bytes, hence the same tokens per second as bf16. 5 stages
+# keep the next tile's copies in flight through the current tile's compute (num=3). Capped at
+# 128 registers (168 uncapped; capped, 3 values that live across the loop spill, stored once
+# before it and loaded once after, none inside) so 4 programs fit an SM as at bf16, and 2
+# per SM planned keeps every batch's programs in one wave (tests/kernels/
+# test_attention_compile.py checks all of this on the SASS).
+FP8_DECODE_LAUNCH = Launch(block_n=64, warps=4, stages=5, programs_per_sm=2, maxnreg=128)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over the tile of tokens from `start`. MASKED: some tokens may be
+    >= hi (else none are, and no load or score needs a mask); CAUSAL: some rows' positions may
+    precede a token (else, as in decode, every row sees the whole slice)."""
+    K, V, table, k_head, v_head = kv_base
+    stride_kb, stride_kt, stride_vb, stride_vt = strides
+    tok = start + tl.arange(0, BLOCK_N)
+    tok_ok = tok < hi
+    if MASKED:
+        block = tl.load(table + tok // CACHE_BLOCK, mask=tok_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + tok // CACHE_BLOCK).to(tl.int64)
+    offset = tok % CACHE_BLOCK
+    kv_mask = tok_ok[:, None] & dim_ok[None, :]
+    k_ptrs = K + (block * stride_kb + offset * stride_kt + k_head)[:, None] + dims[None, :]
+    v_ptrs = V + (block * stride_vb + offset * stride_vt + v_head)[:, None] + dims[None, :]
+    if FP8_KV and DIM_PAD == HEAD_DIM:
+        # K unmasked: a token past `hi` reads block 0 (its table entry loads as 0), a real
+        # address, and its score is replaced by -inf below whatever the bytes hold.
+        k = tl.load(k_ptrs)
+    elif MASKED:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=dim_ok[None, :], other=0.0)
+    if MASKED:  # V's bytes past `hi` may be NaN, and 0 * NaN is NaN: masked to 0
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=dim_ok[None, :], other=0.0)
+    if FP8_KV:  # exact casts; k_scale is in qk_scale_log2, v_scale applied to the output
+        k = k.to(DOT_DTYPE)
+        v = v.to(DOT_DTYPE)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale_log2
+    if MASKED and CAUSAL:
+        s = tl.where(tok_ok[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
+    elif MASKED:
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+    elif CAUSAL:
+        s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _paged_attention_kernel(
     Q, K, V, Out, OPart, LSE,
     block_tables, query_start, context_lens,
-    qk_scale_log2, k_scale, v_scale,
+    qk_scale_log2, v_scale,
     stride_qr, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -51,6 +151,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,6 +176,8 @@ def _paged_attention_kernel(
 
     q_ptrs = Q + (row_lo + q_idx)[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if FP8_KV:  # the dots' dtype (float16 for a bfloat16 q: e4m3 -> f16 is one cvt per 2 values)
+        q = q.to(DOT_DTYPE)
 
     # Keys this program may need: its context slice, cut at the block's last query position.
     last_pos = ctx - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
@@ -85,50 +188,35 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables + seg * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)
-        tok_ok = tok < hi
-        block = tl.load(table + tok // CACHE_BLOCK, mask=tok_ok, other=0).to(tl.int64)
-        offset = tok % CACHE_BLOCK
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            K
-            + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            V
-            + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None]
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP8_KV:  # dequantize: then the tiles are what a cache of q's dtype would hold
-            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
-            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale_log2
-        visible = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Each tile: K/V rows of the program's KV head at the tile's tokens, through the table.
+    kv_base = (K, V, table, kv_head * stride_kh, kv_head * stride_vh)
+    strides = (stride_kb, stride_kt, stride_vb, stride_vt)
+    if FP8_KV:
+        # Whole tiles without masks (every token < hi), then the partial one, masked.
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, False, CAUSAL,
+            )  # fmt: skip
+        if full_hi < hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, full_hi, hi, pos, kv_base, strides, dims, dim_ok,
+                qk_scale_log2, CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE,
+                True, CAUSAL,
+            )  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
+                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, True, True,
+            )  # fmt: skip
 
     has = l_i > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    denom = tl.where(has, l_i, 1.0)
+    if FP8_KV:
+        denom = denom / v_scale  # acc * v_scale / l_i: V's scale once per row, not per value
+    out = tl.where(has[:, None], acc / denom[:, None], 0.0)
     rows = row_lo + q_idx
     store_mask = row_ok[:, None] & dim_ok[None, :]
     if DIRECT:
@@ -148,20 +236,28 @@ def _paged_attention_kernel(
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    """The SMs the splits fill; 1 off CUDA (Triton's interpreter, which runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
 def plan_splits(
-    segments: int, kv_heads: int, q_blocks: int, max_context: int, sm_count: int
+    segments: int,
+    kv_heads: int,
+    q_blocks: int,
+    max_context: int,
+    sm_count: int,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> tuple[int, int]:
     """(splits, tokens per split): enough programs to fill the GPU, each slice whole tiles."""
-    tiles = max(1, triton.cdiv(max_context, BLOCK_N))
+    tiles = max(1, triton.cdiv(max_context, launch.block_n))
     programs = max(1, segments * kv_heads * q_blocks)
-    splits = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)))
+    splits = max(1, min(tiles, triton.cdiv(launch.programs_per_sm * sm_count, programs)))
     tiles_per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, tiles_per_split)
-    return splits, tiles_per_split * BLOCK_N
+    return splits, tiles_per_split * launch.block_n
 
 
 @triton.jit
@@ -221,9 +317,12 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; needs `meta.batched`. q [rows, heads, dim].
-    The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale)."""
+    The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale).
+    `launch`: the kernel's launch constants (default: `FP8_DECODE_LAUNCH` for decode over an FP8
+    cache, else `DEFAULT_LAUNCH`); only benchmarks pass it."""
     batched = meta.batched
     assert batched is not None, "the Triton path needs meta.batched (filled for CUDA steps)"
     rows, heads, dim = q.shape
@@ -242,10 +341,14 @@ def paged_attention(
     segments = int(batched.context_lens.shape[0])
     if segments == 0 or batched.max_context_len == 0:
         return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
+    if launch is None:
+        decode = batched.max_query_len <= 1
+        launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     splits, split_tokens = plan_splits(
-        segments, kv_heads, q_blocks, batched.max_context_len, _sm_count(q.device.index or 0)
-    )
+        segments, kv_heads, q_blocks, batched.max_context_len, _sm_count(q.device),
+        launch,
+    )  # fmt: skip
     direct = splits == 1
     if direct:
         # Rows no segment covers (graph padding) are never written by the kernel: zero them.
@@ -259,11 +362,12 @@ def paged_attention(
         lse = torch.full((rows, heads, splits), float("-inf"), device=q.device)
         part_strides, lse_strides = parts.stride()[:3], lse.stride()[:2]
     tables = batched.block_tables
+    qk_scale_log2 = scale * LOG2E * (float(k_scale) if fp8_kv else 1.0)
     grid = (segments, kv_heads, q_blocks * splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, parts, lse,
         tables, batched.query_start, batched.context_lens,
-        scale * LOG2E, float(k_scale), float(v_scale),
+        qk_scale_log2, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -274,8 +378,11 @@ def paged_attention(
         split_tokens, splits,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
-        BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
-        num_warps=WARPS, num_stages=STAGES,
+        BLOCK_N=launch.block_n, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
+        DOT_DTYPE=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        CAUSAL=not (fp8_kv and batched.max_query_len <= 1),
+        num_warps=launch.warps, num_stages=launch.stages,
+        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )  # fmt: skip
     if direct:
         return out

@@ -10,6 +10,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops, reference
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.model.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
@@ -60,6 +61,45 @@ def test_fp8_paged_attention_matches_reference(heads, kv_heads, dim, case, dtype
     assert rel_err(out, ref) < tol
     if pad:
         assert (out[-pad:] == 0).all(), "pad rows must come out zero"
+
+
+def poisoned(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
+    """The cache with a NaN-byte block 0 in front (the tables shifted past it, their padding
+    still 0) and NaN bytes in every slot past a context: all a kernel reads beyond its
+    context. -> (cache, segments)."""
+    block = cache.shape[1]
+    nan = torch.full_like(cache[:1].view(torch.uint8), 0x7F)
+    out = torch.cat([nan, cache.view(torch.uint8)]).view(FP8)
+    segments = []
+    for seg in meta.segments:
+        used = -(-seg.context_len // block)
+        table = seg.block_table.clone()
+        table[:used] += 1
+        out.view(torch.uint8)[table[used - 1], seg.context_len - (used - 1) * block :] = 0x7F
+        segments.append(Segment(seg.row_start, seg.row_end, table, seg.context_len))
+    return out, tuple(segments)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,case", [(32, 4, 128, "decode"),
+                                                     (32, 4, 128, "chunked"),
+                                                     (16, 1, 80, "decode")])  # fmt: skip
+def test_fp8_attention_ignores_nan_in_uncovered_slots(heads, kv_heads, dim, case):
+    """The FP8 path loads K tiles unmasked (where the head dim needs no padding): NaN in the
+    slots past each context and in block 0 (which the tables' padding points at) must not
+    reach the output. e4m3fn's 0x7F is NaN on the GPU (the interpreter reads it as 480)."""
+    query_lens, context_lens, pad = CASES[case]
+    q, k_cache, v_cache, meta = paged_case(
+        query_lens, context_lens, pad, heads, kv_heads, dim, 16, torch.bfloat16, "cuda", seed=5
+    )
+    k8, segments = poisoned(reference.quantize_kv(k_cache, FP8, 0.05), meta)
+    v8, _ = poisoned(reference.quantize_kv(v_cache, FP8, 0.03), meta)
+    meta = AttentionMetadata(meta.positions, meta.slot_mapping, segments,
+                             batch_segments(segments, torch.device("cuda")))  # fmt: skip
+    out = no_sync(ops.paged_attention, q, k8, v8, meta, dim**-0.5, 0.05, 0.03)
+    k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03), strict=True))
+    ref = reference.paged_attention(q.double(), k, v, meta, dim**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])

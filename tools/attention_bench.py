@@ -1,0 +1,182 @@
+"""Time paged decode attention (kernels/triton_attention.py through `ops.paged_attention`) over a
+bf16 and an FP8 (float8_e4m3fn) KV cache at Qwen3-30B-A3B's heads (32 query heads, 4 KV heads,
+head dim 128, cache block 16), one query row per sequence, on CUDA.
+
+For each (batch, context): the median of CUDA-graph replays of one layer's attention (its split
+combine included), the K+V bytes the cache holds for the batch (FP8: one byte per element) and
+the GB/s that makes, beside the device's copy bandwidth (bench/bytes.py), and FP8's speedup over
+bf16. Each config is also checked against the reference over the same cache (relative error),
+and one that fails (to compile, launch or match) is reported and skipped. About a minute.
+
+    PYTHONPATH=. python tools/attention_bench.py [--shapes 1x1024,8x8192,64x1024,64x8192,128x8192]
+
+--sweep also times, per shape and cache, a small grid of launch constants
+(`triton_attention.Launch`: context tokens per tile, warps, pipeline stages, programs per SM,
+register cap) and prints the fastest per shape (each compiles once: about two more minutes).
+
+    PYTHONPATH=. python tools/attention_bench.py --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from afdserve.bench.bytes import measure_copy_bandwidth
+from afdserve.kernels import ops, reference, triton_attention
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.triton_attention import Launch
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 4, 128, 16
+SHAPES = "1x1024,8x8192,64x1024,64x8192,128x8192"
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.05, 0.03  # not 1.0, so the scales' folding is exercised
+
+
+def replay_seconds(fn: Callable[[], object], repeats: int = 30) -> float:
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def decode_case(batch: int, ctx: int, gen: torch.Generator):
+    """q [batch, heads, dim] bf16, bf16 and FP8 caches of batch * ctx tokens in shuffled blocks,
+    and the decode step's metadata (each sequence `ctx` long, its last token the query)."""
+    per_seq = -(-ctx // BLOCK)
+    blocks = batch * per_seq
+    shape = (blocks, BLOCK, KV_HEADS, DIM)
+    k = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = perm.view(batch, per_seq)
+    segments = tuple(Segment(i, i + 1, tables[i], ctx) for i in range(batch))
+    meta = AttentionMetadata(
+        positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda"),
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        segments=segments,
+        batched=batch_segments(segments, torch.device("cuda")),
+    )
+    q = torch.randn(batch, HEADS, DIM, device="cuda", generator=gen).bfloat16()
+    k8, v8 = reference.quantize_kv(k, FP8, K_SCALE), reference.quantize_kv(v, FP8, V_SCALE)
+    return q, (k, v), (k8, v8), meta
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def reference_out(q, k, v, meta, scales) -> torch.Tensor:
+    """The reference over the first 8 sequences (float32; the whole batch would take longer
+    than the timing)."""
+    n = min(8, q.shape[0])
+    if k.dtype == FP8:
+        k, v = k.float() * scales[0], v.float() * scales[1]
+    segs = meta.segments[:n]
+    sub = AttentionMetadata(meta.positions[:n], meta.slot_mapping[:n], segs)
+    return reference.paged_attention(q[:n].float(), k.float(), v.float(), sub, DIM**-0.5)
+
+
+def time_one(q, k, v, meta, scales, launch: Launch | None) -> tuple[float, float]:
+    """(seconds, relative error over the first sequences) of one cache at one launch."""
+
+    def run() -> torch.Tensor:
+        if launch is None:
+            return ops.paged_attention(q, k, v, meta, DIM**-0.5, *scales)
+        return triton_attention.paged_attention(q, k, v, meta, DIM**-0.5, *scales, launch)
+
+    out = run()
+    ref = reference_out(q, k, v, meta, scales)
+    err = rel_err(out[: ref.shape[0]], ref)
+    if not err < 2e-2:
+        raise RuntimeError(f"relative error {err:.2e} against the reference")
+    return replay_seconds(run), err
+
+
+def sweep_grid() -> list[Launch]:
+    """10 launches, the shipped two first: 64-token tiles at 4-6 stages (5 and up are where
+    Triton keeps a program's next tile in flight during its compute), the 128-register cap or
+    none, 2 or 3 programs per SM planned; 8 warps; 32-token tiles 3 and 5 tiles deep; 128-token
+    tiles over 8 warps."""
+    return [
+        triton_attention.DEFAULT_LAUNCH,
+        triton_attention.FP8_DECODE_LAUNCH,
+        Launch(64, 4, 5, 2),
+        Launch(64, 4, 5, 3),
+        Launch(64, 4, 4, 2, 128),
+        Launch(64, 4, 6, 2, 128),
+        Launch(64, 8, 5, 2),
+        Launch(32, 4, 5, 2, 128),
+        Launch(32, 4, 7, 2, 128),
+        Launch(128, 8, 5, 2),
+    ]
+
+
+def bench_shape(batch: int, ctx: int, copy: float, sweep: bool, gen, best: dict) -> None:
+    """Print one (batch, context)'s rows: the shipped launch of each cache, then the grid's."""
+    q, bf16, fp8, meta = decode_case(batch, ctx, gen)
+    elements = 2 * batch * ctx * KV_HEADS * DIM
+    shipped: dict[str, float] = {}
+    caches = (("bf16", bf16, (1.0, 1.0), 2), ("fp8", fp8, (K_SCALE, V_SCALE), 1))
+    for name, (k, v), scales, size in caches:
+        for launch in [None, *(sweep_grid() if sweep else [])]:
+            label = name if launch is None else f"{name} {launch}"
+            try:
+                t, err = time_one(q, k, v, meta, scales, launch)
+            except Exception as e:  # a launch the device cannot run: reported, skipped
+                msg = str(e).splitlines()[0][:90] if str(e) else ""
+                print(f"{batch:5d} {ctx:6d}  {label}: failed, {type(e).__name__}: {msg}")
+                continue
+            gbps = elements * size / t / 1e9
+            row = f"{batch:5d} {ctx:6d}  {name:5s} {t * 1e6:8.1f} {gbps:7.0f} {gbps / copy:8.1%}"
+            if launch is None:
+                shipped[name] = t
+                faster = shipped["bf16"] / t if name == "fp8" and "bf16" in shipped else None
+                print(f"{row} {err:9.1e}" + (f"  {faster:10.2f}x" if faster else ""))
+            else:
+                print(f"{row} {err:9.1e}  {launch}")
+                key = (batch, ctx, name)
+                if key not in best or t < best[key][0]:
+                    best[key] = (t, launch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=SHAPES, help="batch x context, comma separated")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch constants")
+    args = p.parse_args()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"paged decode attention, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}, block "
+          f"{BLOCK}; device copy bandwidth {copy:.0f} GB/s")  # fmt: skip
+    print("batch    ctx  cache      us    GB/s  of_copy   rel_err  fp8_speedup / launch")
+    best: dict[tuple[int, int, str], tuple[float, Launch]] = {}
+    for batch, ctx in shapes:
+        try:
+            bench_shape(batch, ctx, copy, args.sweep, gen, best)
+        except Exception as e:  # e.g. out of memory setting it up: reported, skipped
+            print(f"{batch:5d} {ctx:6d}  failed, {type(e).__name__}: {str(e)[:90]}")
+        torch.cuda.empty_cache()
+    if best:
+        print("fastest launch per shape and cache:")
+        for (batch, ctx, name), (t, launch) in best.items():
+            print(f"  {batch:4d} x {ctx:5d} {name:5s} {t * 1e6:8.1f} us  {launch}")
+
+
+if __name__ == "__main__":
+    main()
