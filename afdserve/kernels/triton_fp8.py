@@ -1,5 +1,6 @@
 """A block-scaled FP8 linear layer on CUDA, weight-only: y = x @ dequant(W)^T + bias in one
-Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`).
+Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`, and
+`block_dot_left` for the expert kernels that take the weights as the dots' left operand).
 
 W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
 (kernels/fp8.py has the format and the reference); no dequantized copy of it is ever written.

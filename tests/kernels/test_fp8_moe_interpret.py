@@ -15,7 +15,8 @@
    and bf16 it computes wrongly, so those are tests/gpu/test_fp8_kernels.py's.
 
 Runtime: about half a minute; the second part needs Triton (skipped where it is not
-installed)."""
+installed) whose interpreter takes a loop bound computed in the kernel: 3.9's does, 3.6's does
+not (nor does it run test_fp4_kernel_interpret.py's cases)."""
 
 from __future__ import annotations
 
