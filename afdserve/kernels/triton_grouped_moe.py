@@ -27,7 +27,7 @@ kernels/triton_fp8_moe.py, whose docstring says why), the 16-row tiles of pairs 
 tile goes from shared memory into wgmma unconverted. Thread instructions per weight in the K
 loop at a batch of 64 at top-8 of Qwen3-30B-A3B's experts (sm_90 SASS, Triton 3.6, 128-column
 tiles; tests/kernels/test_fp8_moe_compile.py, 2026-12-02), w8a8 / weight-only: gate/up 2.77 /
-2.73 and down 3.98 / 3.61 with the weights right as first written, 2.54 / 2.55 and 3.14 / 2.98
+2.73 and down 3.98 / 3.61 with the weights right as first written, 2.53 / 2.54 and 3.14 / 2.98
 with triton_fp8.as_operand's exponents from the float bits, 1.25 / 2.32 and 1.91 / 2.85 with
 the weights left. (Weight-only gains little: Triton reads the FP8 tile from shared memory two
 bytes at a time for the fp16 wgmma's register operand.) bf16 weights stay the right operand.
@@ -122,16 +122,19 @@ def _gate_up_kernel(
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
         col_ok = col < inter
         k = tl.arange(0, K_BLOCK)
-        # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
-        gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
-        up_scales = gate_scales + inter_blocks * s_row
-        x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
         if WEIGHTS_LEFT:  # FP8 only: the weight tiles the dots' left operand (module docstring)
             # Columns past the last read the last one's weights (same scale block), so no load
             # is masked, nor x's (rows past the tile's pairs read pair 0's row): none is stored.
             load_col = tl.minimum(col, inter - 1).to(tl.int64)
             gate_rows = w_ptr + e * 2 * inter * hidden + load_col[:, None] * hidden + k[None, :]
-            up_rows = gate_rows + inter * hidden
+        else:
+            gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        up_rows = gate_rows + inter * hidden
+        # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+        gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
+        up_scales = gate_scales + inter_blocks * s_row
+        x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
+        if WEIGHTS_LEFT:
             gate = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
             up = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
             for k0 in range(0, hidden, K_BLOCK):
@@ -144,8 +147,6 @@ def _gate_up_kernel(
             gate = tl.trans(gate)
             up = tl.trans(up)
         else:
-            gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
-            up_rows = gate_rows + inter * hidden
             gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
             up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
             for k0 in range(0, hidden, K_BLOCK):
