@@ -1,5 +1,6 @@
 """A block-scaled FP8 linear layer on CUDA, weight-only: y = x @ dequant(W)^T + bias in one
-Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`).
+Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`, and
+`block_dot_left` for the expert kernels that take the weights as the dots' left operand).
 
 W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
 (kernels/fp8.py has the format and the reference); no dequantized copy of it is ever written.
@@ -86,6 +87,12 @@ def exact_shift(amax, limit: tl.constexpr):
 
 
 @triton.jit
+def _pow2(shift):
+    """2^shift for int32 shifts in [-126, 127], exactly: its float32 bits."""
+    return ((shift + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def as_operand(xs, X_SCALED: tl.constexpr, A_FP8: tl.constexpr = False):
     """(left operand, per-row scale) of a dot against FP8 weights.
 
@@ -96,24 +103,30 @@ def as_operand(xs, X_SCALED: tl.constexpr, A_FP8: tl.constexpr = False):
     both operands as stored: no per-weight conversion at all.
 
     X_SCALED (bf16 x, weight-only): each row times a power of two that brings its largest value
-    near 2^14, in fp16. Exact: fp16 holds every bf16 value in its range with mantissa to spare,
-    and a power of two only moves the exponent (only values below 2^-28 of their row's largest
-    lose bits). The dot then runs in fp16, against FP8 weights cast to fp16 in one instruction per
-    two values, where casting them to bf16 takes three (Triton's e4m3 -> bf16 goes through fp16);
-    products and the float32 accumulation are the same as in bf16. Otherwise x as it is (the
-    scale is not read)."""
+    into [2^13, 2^14), in fp16. Exact: fp16 holds every bf16 value in its range with mantissa to
+    spare, and a power of two only moves the exponent (only values below 2^-27 of their row's
+    largest lose bits). The dot then runs in fp16, against FP8 weights cast to fp16 in one
+    instruction per two values, where casting them to bf16 takes three (Triton's e4m3 -> bf16
+    goes through fp16); products and the float32 accumulation are the same as in bf16.
+    Otherwise x as it is (the scale is not read).
+
+    Both exponents come from the largest value's float32 bits, amax = m 2^e with m in [1, 2),
+    a few integer operations where log2 costs a polynomial per row (about a third of the
+    decode kernels' instructions): A_FP8 divides by 2^(e - 8) if m <= 1.75 (448 = 1.75 * 2^8),
+    else by 2^(e - 7), the least power of two that fits (`exact_shift`'s); X_SCALED by
+    2^(e - 13). The clamps keep amax normal, so every power of two is a normal float32."""
     if A_FP8:
         xf = xs.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)
-        shift = exact_shift(amax, 448.0)
-        xo = (xf * tl.exp2(-shift)[:, None]).to(tl.float8e4nv)
-        rows = tl.exp2(shift)
+        bits = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30).to(tl.int32, bitcast=True)
+        shift = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        xo = (xf * _pow2(-shift)[:, None]).to(tl.float8e4nv)
+        rows = _pow2(shift)
     elif X_SCALED:
         xf = xs.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-20)
-        shift = tl.ceil(tl.log2(amax)) - 14.0
-        xo = (xf * tl.exp2(-shift)[:, None]).to(tl.float16)
-        rows = tl.exp2(shift)
+        bits = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-20).to(tl.int32, bitcast=True)
+        shift = (bits >> 23) - 140
+        xo = (xf * _pow2(-shift)[:, None]).to(tl.float16)
+        rows = _pow2(shift)
     else:
         xo = xs
         rows = xs
@@ -136,6 +149,22 @@ def block_dot(xo, rows, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr,
             acc = acc + part * tl.load(scale_ptr)
     else:
         acc = tl.dot(xo, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def block_dot_left(xo, rows, w, scale, acc, X_SCALED: tl.constexpr):
+    """`block_dot` with the weights as the dot's left operand: acc [columns, rows] + W x^T over
+    one K step of an FP8 weight tile `w` [columns, K step] (loaded), x given as `as_operand`
+    makes it. `scale`: the tile's block scale, a scalar or [columns, 1] (a tile of two blocks'
+    rows: gate's and up's). The FP8 values cast to the operand's dtype (exact; none for w8a8),
+    the float32 product times the block scale, then by the rows' power-of-two scales (exact:
+    the same float32 values as `block_dot`'s)."""
+    part = tl.dot(w.to(xo.dtype), tl.trans(xo))
+    if X_SCALED:
+        acc = acc + (part * scale) * rows[None, :]
+    else:
+        acc = acc + part * scale
     return acc
 
 

@@ -12,9 +12,32 @@ as the dense GEMM does (kernels/triton_fp8.as_operand), and the dots run on FP8 
 `a8=False` keeps them in x's dtype against the FP8 values cast to it (weight-only). Batches
 past MAX_PAIRS take kernels/triton_grouped_moe.py with the same dequantization. No host sync: a
 CUDA graph captures the launches at their pair count.
+
+Operand order (`WEIGHTS_LEFT`, per launch `Tiles.weights_left`). The weight tile is the dots'
+left operand: out^T = W x^T, the weight rows the MMA's M and the pairs its N
+(triton_fp8.block_dot_left), as kernels/triton_fp4_moe.py does. With the weights right (out =
+x W^T, the first orientation) the activation rows were the M, at least 16 (the MMA's smallest)
+for one real pair at a batch of 1, so Triton ran mma with the weights as B fragments. Left, the
+gate and up rows of a program's columns are one tile of 2 * COLUMNS rows (one dot; 64 rows at
+32 columns, what wgmma needs at 4 warps), each half with its own block scale, and the pairs may
+be as few as the MMA's smallest N: a batch of 1 (up to MAX_PAIRS pairs, so at most 8 of one
+expert) takes 8-row tiles (`LEFT_ROWS`), half the x rows to load and quantize per K step.
+Triton runs those on mma (FP8 as fp16 on sm_90, one conversion per two weights), which counts
+fewer instructions than wgmma's 16-row tiles there (w8a8 wgmma takes the FP8 tile from shared
+memory unconverted, but x's staging and its fences cost more). No load is masked: columns past
+the last read its weights, rows past a tile's pairs read pair 0's row; neither is stored.
+
+Thread instructions per weight in the K loop, sm_90 SASS of Triton 3.6, Qwen3-30B-A3B's experts
+at 8 pairs (the default tiles), w8a8 / weight-only (tests/kernels/test_fp8_moe_compile.py,
+2026-12-02): gate/up 6.06 / 5.45 and down 6.02 / 5.28 in the first orientation as it was; 4.92 /
+4.64 and 4.77 / 4.42 with as_operand's exponents from the float bits (no log2 polynomial, a
+fifth of the loop); 2.98 / 2.84 and 2.91 / 2.78 with the weights left (16-row wgmma tiles:
+3.23 / 3.95 and 3.17 / 3.92). tools/fp8_moe_bench.py times both orders on the GPU.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,7 +45,7 @@ import triton.language as tl
 
 from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
-from afdserve.kernels.triton_fp8 import as_operand, block_dot
+from afdserve.kernels.triton_fp8 import as_operand, block_dot, block_dot_left
 from afdserve.kernels.triton_moe import (
     SUM_COLUMNS,
     _expert_pairs,
@@ -39,6 +62,32 @@ SCALE_BLOCK = 128
 # these kernels 29 against 34 us at a batch of 1 at top-8, the grouped GEMM faster from a batch
 # of 8 (97 against 136 us) to 128 (205 against 380 us). Batches 2-7 are untimed.
 MAX_PAIRS = 8
+# Whether the weight tile is the dots' left operand (out^T = W x^T, module docstring); False
+# keeps the first orientation (out = x W^T), to time one against the other.
+WEIGHTS_LEFT = True
+# Pairs per tile with the weights left, up to MAX_PAIRS pairs (so one tile holds all of an
+# expert's): 8, the smallest N of an MMA (16 is the smallest M, so the old orientation's floor).
+LEFT_ROWS = 8
+
+
+class Tiles(NamedTuple):
+    """One launch's shape: columns per gate/up and per down program, pairs of one expert per
+    tile (None: triton_moe's choice by load), warps, pipeline stages, the weights' operand."""
+
+    gate_up_columns: int
+    down_columns: int
+    rows: int | None
+    warps: int
+    stages: int
+    weights_left: bool
+
+
+def tiles_for(pairs: int, weights_left: bool | None = None) -> Tiles:
+    """triton_moe's decode tiles by pair count (the FP8 sweep found none faster in the first
+    orientation); with the weights left, LEFT_ROWS-row tiles up to MAX_PAIRS pairs."""
+    left = WEIGHTS_LEFT if weights_left is None else weights_left
+    rows = LEFT_ROWS if left and pairs <= MAX_PAIRS else None
+    return Tiles(*_tiles(pairs)[:2], rows, *_tiles(pairs)[2:], left)
 
 
 def supports(
@@ -60,30 +109,54 @@ def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
     inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
     COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < inter
     k = tl.arange(0, K_BLOCK)
-    gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
-    up_rows = gate_rows + inter * hidden
     # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
     gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     up_scales = gate_scales + inter_blocks * s_row
+    if WEIGHTS_LEFT:
+        # One tile of 2 * COLUMNS weight rows, these columns' gate rows and then their up rows:
+        # one dot of twice the height (32 columns make the 64 rows wgmma needs at 4 warps).
+        # Columns past the last (inter not a multiple of COLUMNS) read the last one's weights,
+        # in the same scale block, so no load is masked; their outputs are never stored.
+        r = tl.arange(0, 2 * COLUMNS)
+        both_col = tl.minimum(tl.program_id(0) * COLUMNS + r % COLUMNS, inter - 1)
+        both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
+        both_rows = w_ptr + both_row[:, None] * hidden + k[None, :]
+        is_up = (r >= COLUMNS)[:, None]
+    else:
+        gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        up_rows = gate_rows + inter * hidden
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
-        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        for k0 in range(0, hidden, K_BLOCK):
-            xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
-            w_cols = k0 + k[None, :]
-            gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
-                             gate, True, X_SCALED, "tf32")  # fmt: skip
-            up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
-                           True, X_SCALED, "tf32")  # fmt: skip
+        if WEIGHTS_LEFT:
+            # A tile's rows past its pairs read pair 0's row (in bounds), never stored.
+            acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                scale = tl.where(is_up, tl.load(up_scales + k0 // 128),
+                                 tl.load(gate_scales + k0 // 128))  # fmt: skip
+                acc = block_dot_left(xo, rs, tl.load(both_rows + k0), scale, acc, X_SCALED)
+            # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+            both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
+            gate, up = tl.split(both)
+        else:
+            gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+                xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
+                w_cols = k0 + k[None, :]
+                gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None],
+                                 gate_scales + k0 // 128, gate, True, X_SCALED, "tf32")  # fmt: skip
+                up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128,
+                               up, True, X_SCALED, "tf32")  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -94,23 +167,36 @@ def _down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
     PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     col_ok = col < hidden
     k = tl.arange(0, K_BLOCK)
-    down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
+    if WEIGHTS_LEFT:  # columns past the last read its weights (as in gate/up)
+        load_col = tl.minimum(col, hidden - 1).to(tl.int64)
+        down_rows = w_ptr + expert * hidden * inter + load_col[:, None] * inter + k[None, :]
+    else:
+        down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
     scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
-        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        for k0 in range(0, inter, K_BLOCK):
-            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            ho, rs = as_operand(hs, X_SCALED, A_FP8)
-            acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
-                            scales + k0 // 128, acc, True, X_SCALED, "tf32")  # fmt: skip
+        if WEIGHTS_LEFT:
+            acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, inter, K_BLOCK):
+                ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
+                                     acc, X_SCALED)  # fmt: skip
+            acc = tl.trans(acc)
+        else:
+            acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            for k0 in range(0, inter, K_BLOCK):
+                hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+                ho, rs = as_operand(hs, X_SCALED, A_FP8)
+                acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
+                                scales + k0 // 128, acc, True, X_SCALED, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -123,9 +209,11 @@ def moe_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     a8: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """`fp8.moe_experts_fp8`'s contract on CUDA for up to MAX_PAIRS pairs: x [rows, hidden];
-    gate_up / down as (FP8 stack, scale grid); `a8` as in triton_grouped_moe.moe_experts. Every
+    gate_up / down as (FP8 stack, scale grid); `a8` as in triton_grouped_moe.moe_experts;
+    `tiles`: the launch's shape (None: `tiles_for`'s, the orientation `WEIGHTS_LEFT`'s). Every
     id must be a held expert (ops maps -1 to expert 0 with weight 0). Check `supports` first."""
     (w13, s13), (w2, s2) = gate_up, down
     rows, top_k = topk_ids.shape
@@ -142,13 +230,15 @@ def moe_experts(
     out = torch.empty_like(x)
     experts = w13.shape[0]
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
+    tiles = tiles_for(pairs) if tiles is None else tiles
     routing = dict(
         PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
         BY_EXPERT=pairs > experts,
-        ROWS=_rows_per_tile(pairs, experts),
+        ROWS=tiles.rows or _rows_per_tile(pairs, experts),
+        WEIGHTS_LEFT=tiles.weights_left,
     )
     slots = min(pairs, experts)
-    gate_up_columns, down_columns, warps, stages = _tiles(pairs)
+    gate_up_columns, down_columns, _, warps, stages, _ = tiles
     # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
     assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
     _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](

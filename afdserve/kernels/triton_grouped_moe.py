@@ -22,6 +22,15 @@ then up's). Each FP8 weight tile lies in one scale block: by default x and h are
 quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
 triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
 either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
+FP8 weight tiles are the dots' left operand (out^T = W x^T: `FP8_WEIGHTS_LEFT`, as in
+kernels/triton_fp8_moe.py, whose docstring says why), the 16-row tiles of pairs the N: a w8a8
+tile goes from shared memory into wgmma unconverted. Thread instructions per weight in the K
+loop at a batch of 64 at top-8 of Qwen3-30B-A3B's experts (sm_90 SASS, Triton 3.6, 128-column
+tiles; tests/kernels/test_fp8_moe_compile.py, 2026-12-02), w8a8 / weight-only: gate/up 2.77 /
+2.73 and down 3.98 / 3.61 with the weights right as first written, 2.53 / 2.54 and 3.14 / 2.98
+with triton_fp8.as_operand's exponents from the float bits, 1.25 / 2.32 and 1.91 / 2.85 with
+the weights left. (Weight-only gains little: Triton reads the FP8 tile from shared memory two
+bytes at a time for the fp16 wgmma's register operand.) bf16 weights stay the right operand.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import triton.language as tl
 from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.moe_align import assign
-from afdserve.kernels.triton_fp8 import as_operand, block_dot
+from afdserve.kernels.triton_fp8 import as_operand, block_dot, block_dot_left
 from afdserve.kernels.triton_moe import _k_block
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
@@ -51,6 +60,10 @@ COLUMNS = (64, 64, 4, 3)
 # of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
 # 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
 FP8_COLUMNS = (128, 128, 4, 3)
+# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring); False
+# keeps the first orientation (out = x W^T), to time one against the other. bf16 weights stay
+# the right operand (their path unchanged).
+FP8_WEIGHTS_LEFT = True
 SUM_COLUMNS = 512
 SCALE_BLOCK = 128
 
@@ -101,7 +114,7 @@ def _gate_up_kernel(
     x_ptr, slots_ptr, end_ptr, count_ptr, w_ptr, s_ptr, h_ptr, num_experts, top_k, hidden,
     inter, s_expert, s_row, inter_blocks, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr, E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr,
-    A_FP8: tl.constexpr,
+    A_FP8: tl.constexpr, WEIGHTS_LEFT: tl.constexpr = False,
 ):  # fmt: skip
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
@@ -109,22 +122,42 @@ def _gate_up_kernel(
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
         col_ok = col < inter
         k = tl.arange(0, K_BLOCK)
-        gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        if WEIGHTS_LEFT:  # FP8 only: the weight tiles the dots' left operand (module docstring)
+            # Columns past the last read the last one's weights (same scale block), so no load
+            # is masked, nor x's (rows past the tile's pairs read pair 0's row): none is stored.
+            load_col = tl.minimum(col, inter - 1).to(tl.int64)
+            gate_rows = w_ptr + e * 2 * inter * hidden + load_col[:, None] * hidden + k[None, :]
+        else:
+            gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
         up_rows = gate_rows + inter * hidden
         # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
         gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         up_scales = gate_scales + inter_blocks * s_row
         x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
-        gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        for k0 in range(0, hidden, K_BLOCK):
-            xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
-            w_cols = k0 + k[None, :]
-            gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
-                             gate, W_FP8, X_SCALED, "tf32")  # fmt: skip
-            up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
-                           W_FP8, X_SCALED, "tf32")  # fmt: skip
+        if WEIGHTS_LEFT:
+            gate = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            up = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                gate = block_dot_left(xo, rs, tl.load(gate_rows + k0),
+                                      tl.load(gate_scales + k0 // 128), gate,
+                                      X_SCALED)  # fmt: skip
+                up = block_dot_left(xo, rs, tl.load(up_rows + k0), tl.load(up_scales + k0 // 128),
+                                    up, X_SCALED)  # fmt: skip
+            gate = tl.trans(gate)
+            up = tl.trans(up)
+        else:
+            gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+                xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
+                w_cols = k0 + k[None, :]
+                gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None],
+                                 gate_scales + k0 // 128, gate, W_FP8, X_SCALED,
+                                 "tf32")  # fmt: skip
+                up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128,
+                               up, W_FP8, X_SCALED, "tf32")  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -135,6 +168,7 @@ def _down_kernel(
     h_ptr, slots_ptr, end_ptr, count_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_experts, hidden,
     inter, s_expert, s_row, ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
     E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr = False,
 ):  # fmt: skip
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
@@ -142,15 +176,25 @@ def _down_kernel(
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
         col_ok = col < hidden
         k = tl.arange(0, K_BLOCK)
-        down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
         scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
-        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-        for k0 in range(0, inter, K_BLOCK):
-            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-            ho, rs = as_operand(hs, X_SCALED, A_FP8)
-            acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
-                            scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
+        if WEIGHTS_LEFT:  # as in gate/up: no masked load
+            load_col = tl.minimum(col, hidden - 1).to(tl.int64)
+            down_rows = w_ptr + e * hidden * inter + load_col[:, None] * inter + k[None, :]
+            acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, inter, K_BLOCK):
+                ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
+                                     acc, X_SCALED)  # fmt: skip
+            acc = tl.trans(acc)
+        else:
+            down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
+            acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+            for k0 in range(0, inter, K_BLOCK):
+                hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+                ho, rs = as_operand(hs, X_SCALED, A_FP8)
+                acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
+                                scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -178,10 +222,12 @@ def moe_experts(
     down: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     a8: bool | None = None,
+    weights_left: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
     `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
-    h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`). Check `supports`."""
+    h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
+    FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`). Check `supports`."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
@@ -194,7 +240,7 @@ def moe_experts(
         step = max(1, GROUPED_MAX_PAIRS // top_k)
         return torch.cat([
             moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
-                        gate_up, down, scales, a8)
+                        gate_up, down, scales, a8, weights_left)
             for i in range(0, rows, step)
         ])  # fmt: skip
     x = x.contiguous()
@@ -218,7 +264,9 @@ def moe_experts(
     # scaled into fp16 (triton_fp8.as_operand), per kernel by its K step.
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     up_step, down_step = _k_block(hidden), _k_block(inter)
-    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, num_warps=warps, num_stages=stages)
+    left = w_fp8 and (FP8_WEIGHTS_LEFT if weights_left is None else weights_left)
+    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, WEIGHTS_LEFT=left, num_warps=warps,
+                  num_stages=stages)  # fmt: skip
     g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)
     d_strides = (down_scale.stride(0), down_scale.stride(1)) if w_fp8 else (0, 0)
     _gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](

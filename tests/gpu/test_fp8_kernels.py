@@ -234,6 +234,42 @@ def test_fp8_moe_w8a8_kernels_match_their_oracle(rows):
     assert rel_err(small, ref) < 5e-3 and rel_err(grouped, ref) < 5e-3
 
 
+@pytest.mark.parametrize("a8", [True, False])
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize(
+    "experts,hidden,inter,top_k,rows",
+    [(*QWEN3_MOE, 1), (*QWEN3_MOE, 64), (16, 256, 96, 4, 2), (8, 144, 80, 2, 40)],
+)
+def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, top_k, rows, left,
+                                                      a8):  # fmt: skip
+    """Both FP8 paths with the weights as the dots' left operand (the default) and right (the
+    first orientation, kept for timing), w8a8 and weight-only, against the matching oracle and
+    each other: at Qwen3's shapes (a decode batch of 1, 8-row tiles; a batch of 64) and at dims
+    no tile divides (the weights-left loads clamp to the last column), pad pairs included."""
+    from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
+
+    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k,
+                                              seed=80 + rows + hidden)  # fmt: skip
+    ids[::3, -1] = -1
+    gu, dn = fp8_experts(gate_up, down)
+    ref = fp8_moe_reference(x, ids, weights, gu, dn, a8=a8)
+    tol = 5e-3 if a8 else 2e-2
+    out = {}
+    for side in (left, not left):
+        tiles = triton_fp8_moe.tiles_for(ids.numel(), side)
+        out["decode", side] = no_sync(triton_fp8_moe.moe_experts, x,
+                                      *ops._no_absent_pairs(ids, weights), gu, dn, a8=a8,
+                                      tiles=tiles)  # fmt: skip
+        out["grouped", side] = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0],
+                                       dn[0], (gu[1], dn[1]), a8=a8,
+                                       weights_left=side)  # fmt: skip
+    for path in ("decode", "grouped"):
+        assert torch.isfinite(out[path, left]).all()
+        assert rel_err(out[path, left], ref) < tol, path
+        # The same products, summed in another order.
+        assert rel_err(out[path, left], out[path, not left]) < 1e-2, path
+
+
 @pytest.mark.parametrize("rows", [1, 8, 256])
 def test_fp8_moe_replays_in_cuda_graph(rows):
     """Captured once (the decode kernels at 1 row, the grouped path with its assignment at 8
