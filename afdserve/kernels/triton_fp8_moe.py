@@ -68,6 +68,10 @@ WEIGHTS_LEFT = True
 # Pairs per tile with the weights left, up to MAX_PAIRS pairs (so one tile holds all of an
 # expert's): 8, the smallest N of an MMA (16 is the smallest M, so the old orientation's floor).
 LEFT_ROWS = 8
+# Columns per gate/up and down program with the weights left: tools/fp8_moe_bench.py --variants
+# on an H200 (2026-12-02, batch 1, w8a8): 64 / 128 20.7 us against 23.8 with triton_moe's 32 / 64
+# and 26.7 with the weights right (64 / 64: 20.9; 16-row wgmma tiles 32.9).
+LEFT_COLUMNS = (64, 128)
 
 
 class Tiles(NamedTuple):
@@ -84,10 +88,12 @@ class Tiles(NamedTuple):
 
 def tiles_for(pairs: int, weights_left: bool | None = None) -> Tiles:
     """triton_moe's decode tiles by pair count (the FP8 sweep found none faster in the first
-    orientation); with the weights left, LEFT_ROWS-row tiles up to MAX_PAIRS pairs."""
+    orientation); with the weights left, LEFT_COLUMNS and LEFT_ROWS-row tiles up to MAX_PAIRS."""
     left = WEIGHTS_LEFT if weights_left is None else weights_left
-    rows = LEFT_ROWS if left and pairs <= MAX_PAIRS else None
-    return Tiles(*_tiles(pairs)[:2], rows, *_tiles(pairs)[2:], left)
+    gate_up, down, warps, stages = _tiles(pairs)
+    if left and pairs <= MAX_PAIRS:
+        return Tiles(*LEFT_COLUMNS, LEFT_ROWS, warps, stages, True)
+    return Tiles(gate_up, down, None, warps, stages, left)
 
 
 def supports(
