@@ -33,18 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from afdserve.config import A2E_DTYPES
-from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, GROUP, scale_groups
 
 __all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "dequantize_rows_torch",
            "pad_zeroed", "quantize_rows", "quantize_rows_torch", "roundtrip_rows",
            "scale_groups"]  # fmt: skip
 
-GROUP = 128
-
-
-def scale_groups(hidden: int) -> int:
-    """Scales per row: one per `GROUP` channels, a last partial group included."""
-    return -(-hidden // GROUP)
 
 
 def _grouped(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,14 @@ from afdserve.kernels.reference import routed_experts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/a2e.py, which its
+# Triton kernels share from here rather than from a2e.py, which dispatches to them).
+GROUP = 128
+
+
+def scale_groups(hidden: int) -> int:
+    """Scales per row: one per `GROUP` channels, a last partial group included."""
+    return -(-hidden // GROUP)
 
 
 def scale_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:

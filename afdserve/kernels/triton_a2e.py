@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.a2e import GROUP, scale_groups
-from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, GROUP, scale_groups
 
 # The float32 torch multiplies an amax by: `float32 tensor * python float` rounds the scalar to
 # float32 once (the op's math type), then multiplies in float32.
