@@ -58,9 +58,11 @@ from afdserve.kernels.triton_moe import (
 
 SCALE_BLOCK = 128
 # Pairs up to which `ops.moe_experts_fp8` takes these kernels; past it the sort-free grouped GEMM
-# with the same dequantization. Qwen3-30B-A3B's experts on an H200 (graph replay, 2026-12-02):
-# these kernels 29 against 34 us at a batch of 1 at top-8, the grouped GEMM faster from a batch
-# of 8 (97 against 136 us) to 128 (205 against 380 us). Batches 2-7 are untimed.
+# with the same dequantization. Qwen3-30B-A3B's experts on an H200 (graph replay, 2026-12-02,
+# both with the weights right): these kernels 29 against 34 us at a batch of 1 at top-8, the
+# grouped GEMM faster from a batch of 8 (97 against 136 us) to 128 (205 against 380 us); with the
+# weights left these take 20.7 us at 1, the grouped 90.8 against 127.6 at 8. Batches 2-7 are
+# untimed.
 MAX_PAIRS = 8
 # Whether the weight tile is the dots' left operand (out^T = W x^T, module docstring); False
 # keeps the first orientation (out = x W^T), to time one against the other.
