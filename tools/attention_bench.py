@@ -20,10 +20,9 @@ register cap) and prints the fastest per shape (each compiles once: about two mo
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
+from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's folder
 
 from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels import ops, reference, triton_attention
@@ -34,24 +33,6 @@ HEADS, KV_HEADS, DIM, BLOCK = 32, 4, 128, 16
 SHAPES = "1x1024,8x8192,64x1024,64x8192,128x8192"
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.05, 0.03  # not 1.0, so the scales' folding is exercised
-
-
-def replay_seconds(fn: Callable[[], object], repeats: int = 30) -> float:
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def decode_case(batch: int, ctx: int, gen: torch.Generator):
