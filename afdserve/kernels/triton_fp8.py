@@ -169,6 +169,52 @@ def block_dot_left(xo, rows, w, scale, acc, X_SCALED: tl.constexpr):
 
 
 @triton.jit
+def gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales, up_scales, hidden, k,
+                  W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+                  ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):  # fmt: skip
+    """(gate, up) [ROWS, COLUMNS] float32 of an expert kernel's tile with the weights as the dots'
+    right operand (x W^T): x's rows (`x_rows`, masked by `row_ok`) against the gate and up rows of
+    its columns, K step by K step, x made an operand once per step for both (`as_operand`)."""
+    gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+    up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+    for k0 in range(0, hidden, K_BLOCK):
+        xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+        xo, rs = as_operand(xs, X_SCALED, A_FP8)
+        w_cols = k0 + k[None, :]
+        gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
+                         gate, W_FP8, X_SCALED, "tf32")  # fmt: skip
+        up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
+                       W_FP8, X_SCALED, "tf32")  # fmt: skip
+    return gate, up
+
+
+@triton.jit
+def down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8: tl.constexpr,
+              X_SCALED: tl.constexpr, A_FP8: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
+              ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):  # fmt: skip
+    """acc [ROWS, COLUMNS] float32 of an expert kernel's down tile: h's rows against the down
+    rows of its columns. WEIGHTS_LEFT (FP8 only): `down_rows` [COLUMNS, K step] pointers whose
+    columns past the last read the last one's weights, h's rows unmasked (rows past the tile's
+    pairs read pair 0's, never stored), the weights the dots' left operand; otherwise
+    `down_rows` [COLUMNS, 1] row starts, h masked, the weights right."""
+    if WEIGHTS_LEFT:
+        acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+            acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
+                                 acc, X_SCALED)  # fmt: skip
+        acc = tl.trans(acc)
+    else:
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
+            ho, rs = as_operand(hs, X_SCALED, A_FP8)
+            acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
+                            scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
+    return acc
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, x_stride, s_stride, k_per_split,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
-from afdserve.kernels.triton_fp8 import as_operand, block_dot, block_dot_left
+from afdserve.kernels.triton_fp8 import as_operand, block_dot_left, down_tile, gate_up_right
 from afdserve.kernels.triton_moe import (
     SUM_COLUMNS,
     _expert_pairs,
@@ -155,16 +155,9 @@ def _gate_up_kernel(
             both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
             gate, up = tl.split(both)
         else:
-            gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            for k0 in range(0, hidden, K_BLOCK):
-                xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-                xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
-                w_cols = k0 + k[None, :]
-                gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None],
-                                 gate_scales + k0 // 128, gate, True, X_SCALED, "tf32")  # fmt: skip
-                up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128,
-                               up, True, X_SCALED, "tf32")  # fmt: skip
+            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
+                                     up_scales, hidden, k, True, X_SCALED, A_FP8, ROWS, COLUMNS,
+                                     K_BLOCK)  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -191,20 +184,8 @@ def _down_kernel(
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
-        if WEIGHTS_LEFT:
-            acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
-            for k0 in range(0, inter, K_BLOCK):
-                ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
-                acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
-                                     acc, X_SCALED)  # fmt: skip
-            acc = tl.trans(acc)
-        else:
-            acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            for k0 in range(0, inter, K_BLOCK):
-                hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-                ho, rs = as_operand(hs, X_SCALED, A_FP8)
-                acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
-                                scales + k0 // 128, acc, True, X_SCALED, "tf32")  # fmt: skip
+        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, True, X_SCALED, A_FP8,
+                        WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])

@@ -42,7 +42,7 @@ import triton.language as tl
 from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.moe_align import assign
-from afdserve.kernels.triton_fp8 import as_operand, block_dot, block_dot_left
+from afdserve.kernels.triton_fp8 import as_operand, block_dot_left, down_tile, gate_up_right
 from afdserve.kernels.triton_moe import _k_block
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
@@ -150,17 +150,9 @@ def _gate_up_kernel(
             gate = tl.trans(gate)
             up = tl.trans(up)
         else:
-            gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            for k0 in range(0, hidden, K_BLOCK):
-                xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-                xo, rs = as_operand(xs, X_SCALED, A_FP8)  # once for gate and up
-                w_cols = k0 + k[None, :]
-                gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None],
-                                 gate_scales + k0 // 128, gate, W_FP8, X_SCALED,
-                                 "tf32")  # fmt: skip
-                up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128,
-                               up, W_FP8, X_SCALED, "tf32")  # fmt: skip
+            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
+                                     up_scales, hidden, k, W_FP8, X_SCALED, A_FP8, ROWS, COLUMNS,
+                                     K_BLOCK)  # fmt: skip
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -184,20 +176,10 @@ def _down_kernel(
         if WEIGHTS_LEFT:  # as in gate/up: no masked load
             load_col = tl.minimum(col, hidden - 1).to(tl.int64)
             down_rows = w_ptr + e * hidden * inter + load_col[:, None] * inter + k[None, :]
-            acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
-            for k0 in range(0, inter, K_BLOCK):
-                ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
-                acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
-                                     acc, X_SCALED)  # fmt: skip
-            acc = tl.trans(acc)
         else:
             down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
-            acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
-            for k0 in range(0, inter, K_BLOCK):
-                hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
-                ho, rs = as_operand(hs, X_SCALED, A_FP8)
-                acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
-                                scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
+        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8, X_SCALED,
+                        A_FP8, WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])

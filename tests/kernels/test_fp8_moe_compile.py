@@ -1,7 +1,8 @@
 """The FP8 expert kernels (kernels/triton_fp8_moe.py's decode kernels and the FP8 path of
 kernels/triton_grouped_moe.py) compile for the H200 (sm_90) down to a cubin on any machine with
 Triton, no GPU needed: both operand orders, w8a8 and weight-only, nothing spilled to local
-memory. With the weights as the dots' left operand (the default) their inner loops take fewer
+memory. With the weights as the dots' left operand (the decode kernels' default; the grouped
+ones' option, off for now) their inner loops take fewer
 SASS instructions per weight than with the weights right, at Qwen3-30B-A3B's shapes: a decode
 batch of 1 at top-8 (8 pairs) and the grouped kernels' batch of 64 (512 pairs). Their numbers
 are tests/gpu/test_fp8_kernels.py's (on CPU, tests/kernels/test_fp8_moe_interpret.py's).
