@@ -334,7 +334,8 @@ def paged_attention(
         raise ValueError(f"k cache {k_cache.dtype}, v cache {v_cache.dtype}: FP8 both or neither")
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    if batched.max_query_len <= 1:
+    decode = batched.max_query_len <= 1
+    if decode:
         block_q = max(1, MIN_TILE_ROWS // group_pad)
     else:
         block_q = max(1, 64 // group_pad)
@@ -342,7 +343,6 @@ def paged_attention(
     if segments == 0 or batched.max_context_len == 0:
         return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
     if launch is None:
-        decode = batched.max_query_len <= 1
         launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     splits, split_tokens = plan_splits(
@@ -380,7 +380,7 @@ def paged_attention(
         HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
         BLOCK_N=launch.block_n, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
         DOT_DTYPE=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        CAUSAL=not (fp8_kv and batched.max_query_len <= 1),
+        CAUSAL=not (fp8_kv and decode),
         num_warps=launch.warps, num_stages=launch.stages,
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )  # fmt: skip
