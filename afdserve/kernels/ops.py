@@ -148,8 +148,8 @@ def moe_experts(
 
             pairs = topk_ids.numel()
             if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
-                ids, weights = _no_absent_pairs(topk_ids, topk_weights)
-                return triton_moe.moe_experts(x, ids, weights, gate_up, down)
+                # Pairs with id -1 (no expert here) are skipped inside the kernels.
+                return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
             grouped = pairs <= triton_grouped_moe.GROUPED_MAX_PAIRS
             if grouped and triton_grouped_moe.supports(x, gate_up, down):
                 # Pairs with id -1 get no row of any expert there: no masking needed.
@@ -166,9 +166,9 @@ def moe_experts(
 def _no_absent_pairs(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode kernels and torch's grouped GEMM index experts by id: a pair with id -1 (no
-    expert here) becomes expert 0 with weight 0: correct, but it costs a row of expert 0's work.
-    TODO(expert-parallel): skip those pairs inside the decode kernels, as the grouped one does."""
+    """torch's grouped GEMM indexes experts by id: a pair with id -1 (no expert here) becomes
+    expert 0 with weight 0: correct, but it costs a row of expert 0's work (the Triton kernels
+    skip such pairs instead)."""
     absent = topk_ids < 0
     return topk_ids.masked_fill(absent, 0), topk_weights.masked_fill(absent, 0.0)
 
@@ -228,8 +228,7 @@ def moe_experts_fp8(
         pairs = topk_ids.numel()
         small = pairs <= triton_fp8_moe.MAX_PAIRS
         if small and triton_fp8_moe.supports(x, gate_up[0], down[0], block):
-            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
-            return triton_fp8_moe.moe_experts(x, ids, weights, gate_up, down)
+            return triton_fp8_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
         if tuple(block) == (128, 128) and triton_grouped_moe.supports(x, gate_up[0], down[0]):
             return triton_grouped_moe.moe_experts(
                 x, topk_ids, topk_weights, gate_up[0], down[0], (gate_up[1], down[1])
@@ -258,8 +257,7 @@ def moe_experts_fp4(
         if triton_fp4_moe.supports(x, gate_up, down):
             if gate_up[0].shape[0] == 0:  # a shard without experts
                 return torch.zeros_like(x)
-            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
-            return triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, limit)
+            return triton_fp4_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
         # counts back to the host, so every expert is dequantized and run (small models only).

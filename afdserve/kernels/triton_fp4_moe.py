@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.triton_moe import SUM_COLUMNS, _expert_pairs, _sum_kernel, _tile_pairs
+from afdserve.kernels.triton_moe import _expert_pairs, _tile_pairs, sum_pairs
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
 MAX_PAIRS = 512
@@ -348,10 +348,7 @@ def _launch(
         h, ids, weights, _words(down[0]), down[1], y, pairs, hidden, inter, inter // 8, inter // 32,
         COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
     )  # fmt: skip
-    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
-        y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
-    )
-    return out
+    return sum_pairs(y, ids, out, experts)
 
 
 def moe_experts(
@@ -363,8 +360,8 @@ def moe_experts(
     limit: float | None = None,
     tiles: Callable[[int], Tiles] = tiles_for,
 ) -> torch.Tensor:
-    """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Ids must be in
-    [0, experts): `ops.moe_experts_fp4` turns -1 (no expert) into expert 0 with weight 0. Each
+    """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Each id is in
+    [0, experts) or -1 (no expert here: the pair is skipped, triton_moe's `_expert_pairs`). Each
     chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
     rows, top_k = topk_ids.shape
     if rows == 0:

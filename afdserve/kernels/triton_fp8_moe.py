@@ -47,13 +47,12 @@ from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.triton_fp8 import as_operand, block_dot_left, down_tile, gate_up_right
 from afdserve.kernels.triton_moe import (
-    SUM_COLUMNS,
     _expert_pairs,
     _k_block,
     _rows_per_tile,
-    _sum_kernel,
     _tile_pairs,
     _tiles,
+    sum_pairs,
 )
 
 SCALE_BLOCK = 128
@@ -202,8 +201,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """`fp8.moe_experts_fp8`'s contract on CUDA for up to MAX_PAIRS pairs: x [rows, hidden];
     gate_up / down as (FP8 stack, scale grid); `a8` as in triton_grouped_moe.moe_experts;
-    `tiles`: the launch's shape (None: `tiles_for`'s, the orientation `WEIGHTS_LEFT`'s). Every
-    id must be a held expert (ops maps -1 to expert 0 with weight 0). Check `supports` first."""
+    `tiles`: the launch's shape (None: `tiles_for`'s, the orientation `WEIGHTS_LEFT`'s). Each id
+    is a held expert or -1 (no expert here: the pair is skipped). Check `supports` first."""
     (w13, s13), (w2, s2) = gate_up, down
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
@@ -241,7 +240,4 @@ def moe_experts(
         COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
     )  # fmt: skip
-    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
-        y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
-    )
-    return out
+    return sum_pairs(y, ids, out, experts)

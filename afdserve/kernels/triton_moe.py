@@ -11,7 +11,11 @@ of every program, which is why this path is for small batches (up to `MAX_PAIRS`
 
 1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
-3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
+3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype.
+
+A pair with id -1 (a pad row, or an expert another rank holds) belongs to no program and its y
+row is never written; the sum skips it (`_sum_kernel` reads the ids), so no launch maps those
+pairs to a real expert beforehand.
 
 Weights are stacked as in afdserve: gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I].
 All products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
@@ -67,7 +71,8 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 @triton.jit
 def _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
-    """The expert program `slot` owns and its pairs (none if it owns no expert).
+    """The expert program `slot` owns and its pairs (none if it owns no expert: pairs of id -1
+    are no program's, so their count is 0 and no weight is read for them).
     Returns (expert, pair indices, which pairs are this expert's, their rank, their count)."""
     pair = tl.arange(0, PAIRS_PAD)
     ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
@@ -76,7 +81,7 @@ def _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: 
         mine = ids == expert
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int64)
-        same = ids == expert
+        same = (ids == expert) & (ids >= 0)
         owned_earlier = tl.sum((same & (pair < slot)).to(tl.int32), axis=0)
         mine = same & (owned_earlier == 0)
     rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
@@ -147,14 +152,35 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(y_ptr, out_ptr, top_k, hidden, COLUMNS: tl.constexpr):
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: tl.constexpr,
+                COLUMNS: tl.constexpr):  # fmt: skip
+    """out[row] = the sum of the row's y rows in k order, skipping pairs routed to no expert here
+    (id outside [0, num_experts): never written). Every expert path's last launch: the row's
+    top_k loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after
+    another."""
     row = tl.program_id(0)
     col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    j = tl.arange(0, TOP_K_PAD)
+    pair = row.to(tl.int64) * top_k + j
+    expert = tl.load(ids_ptr + pair, mask=j < top_k, other=-1)
+    routed = (j < top_k) & (expert >= 0) & (expert < num_experts)
     ok = col < hidden
-    acc = tl.zeros((COLUMNS,), dtype=tl.float32)
-    for j in range(0, top_k):
-        acc += tl.load(y_ptr + (row * top_k + j) * hidden + col, mask=ok, other=0.0)
-    tl.store(out_ptr + row * hidden + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    y = tl.load(y_ptr + pair[:, None] * hidden + col[None, :], mask=routed[:, None] & ok[None, :],
+                other=0.0)  # fmt: skip
+    out = tl.sum(y, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * hidden + col, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> torch.Tensor:
+    """`_sum_kernel` over out [rows, hidden] from y [rows * top_k, hidden] float32 and the flat
+    ids [rows * top_k]."""
+    rows, hidden = out.shape
+    top_k = ids.numel() // max(1, rows)
+    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
+        y, ids, out, experts, top_k, hidden, TOP_K_PAD=max(2, triton.next_power_of_2(top_k)),
+        COLUMNS=SUM_COLUMNS, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def moe_experts(
@@ -164,7 +190,8 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as `reference.moe_experts`. x [rows, hidden]; check `supports` first."""
+    """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
+    check `supports` first."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     hidden, inter = gate_up.shape[2], down.shape[2]
@@ -193,7 +220,4 @@ def moe_experts(
         h, ids, weights, down, y, pairs, hidden, inter, **routing, COLUMNS=down_columns,
         K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
-        y, out, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
-    )
-    return out
+    return sum_pairs(y, ids, out, experts)
