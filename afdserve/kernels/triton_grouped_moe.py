@@ -9,7 +9,7 @@ slots without a sort. Then three launches, no gather, scatter or copy around the
 2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T),
    float32, by pair index.
 3. sum:     out[row] = sum of the row's routed y rows in k order, cast to x's dtype (pairs routed
-   to no expert here, id -1, are skipped: they were never written).
+   to no expert here, id -1, are skipped: they were never written; triton_moe's `sum_pairs`).
 
 So the only data that moves besides the weights is x read once per tile, h and y: the sort,
 index_select, index_add and their copies of the torch grouped GEMM path (kernels/moe_gpu.py) are
@@ -22,8 +22,8 @@ then up's). Each FP8 weight tile lies in one scale block: by default x and h are
 quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
 triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
 either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
-FP8 weight tiles can be the dots' left operand (out^T = W x^T: `FP8_WEIGHTS_LEFT`, off for now,
-as in kernels/triton_fp8_moe.py, whose docstring says why), the 16-row tiles of pairs the N: a w8a8
+FP8 weight tiles are the dots' left operand (out^T = W x^T: `FP8_WEIGHTS_LEFT`, as in
+kernels/triton_fp8_moe.py, whose docstring says why), the 16-row tiles of pairs the N: a w8a8
 tile goes from shared memory into wgmma unconverted. Thread instructions per weight in the K
 loop at a batch of 64 at top-8 of Qwen3-30B-A3B's experts (sm_90 SASS, Triton 3.6, 128-column
 tiles; tests/kernels/test_fp8_moe_compile.py, 2026-12-02), w8a8 / weight-only: gate/up 2.77 /
@@ -43,7 +43,7 @@ from afdserve.kernels import triton_fp8
 from afdserve.kernels.fp8 import FP8_DTYPE
 from afdserve.kernels.moe_align import assign
 from afdserve.kernels.triton_fp8 import as_operand, block_dot_left, down_tile, gate_up_right
-from afdserve.kernels.triton_moe import _k_block
+from afdserve.kernels.triton_moe import _k_block, sum_pairs
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
 # triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
@@ -60,14 +60,14 @@ COLUMNS = (64, 64, 4, 3)
 # of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
 # 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
 FP8_COLUMNS = (128, 128, 4, 3)
-# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring). Off:
-# on an H200 (2026-12-02) it was 0.90-0.99x the right operand's time at batches 8-256 (w8a8), but
-# a prefill of 1600 pairs in a tiny model gave wrong tokens with it
-# (tests/gpu/test_fp8_kernels.py::test_grouped_path_in_a_model_matches_cpu_reference[True]) and
-# right ones without; until that is found, the first orientation (out = x W^T) runs. bf16
-# weights are always the right operand.
-FP8_WEIGHTS_LEFT = False
-SUM_COLUMNS = 512
+# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): on an
+# H200 (2026-12-02, Qwen3-30B-A3B preset, graphs) decode steps of 6.81 against 7.20 ms at a
+# batch of 8 and 19.77 against 21.00 at 256 (12.64 against 12.74 at 64). Both orders are the
+# oracle's within the same tolerance at every tile count per expert (tests/gpu/
+# test_fp8_kernels.py); the model test that once failed with this on is a rate over 64 prompts
+# now, both orders within it (its MOST_FAR_DIVERGENCES). bf16 weights are always the right
+# operand.
+FP8_WEIGHTS_LEFT = True
 SCALE_BLOCK = 128
 
 
@@ -107,7 +107,9 @@ def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E
     start = tl.max(tl.where(done, ends, 0), axis=0)
     count = tl.load(count_ptr + tl.minimum(expert, num_experts - 1))
     slot = first + tl.arange(0, ROWS)
-    row_ok = (slot - start < count) & (expert < num_experts)
+    # (A tile past the last group has expert == num_experts; the comparison is broadcast over
+    # the rows, which Triton's interpreter needs for a mask.)
+    row_ok = (slot - start < count) & (slot * 0 + expert < num_experts)
     pairs = tl.load(slots_ptr + slot, mask=row_ok, other=0)
     return expert, pairs, row_ok
 
@@ -185,20 +187,6 @@ def _down_kernel(
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, COLUMNS: tl.constexpr):
-    row = tl.program_id(0)
-    col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
-    ok = col < hidden
-    acc = tl.zeros((COLUMNS,), dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = row * top_k + j
-        expert = tl.load(ids_ptr + pair)
-        routed = (expert >= 0) & (expert < num_experts)
-        acc += tl.load(y_ptr + pair.to(tl.int64) * hidden + col, mask=ok & routed, other=0.0)
-    tl.store(out_ptr + row.to(tl.int64) * hidden + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -265,7 +253,4 @@ def moe_experts(
         experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=down_step, **common,
         **triton_fp8.operand_modes(a8, down_step, x.dtype, w_fp8),
     )  # fmt: skip
-    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
-        y, ids, out, experts, top_k, hidden, COLUMNS=SUM_COLUMNS, num_warps=4
-    )
-    return out
+    return sum_pairs(y, ids, out, experts)
