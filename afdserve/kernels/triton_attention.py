@@ -262,20 +262,23 @@ def plan_splits(
 
 @triton.jit
 def _combine_kernel(
-    Parts, LSE, Out,
+    Parts, LSE, Out, covered_ptr,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
     num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
 ):  # fmt: skip
     """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass.
-    A slice with no keys (or a row no segment covers) has lse -inf: weight 0, and its partial
-    output is not read at all, so `Parts` needs no zero fill."""
+    A slice with no keys has lse -inf: weight 0, and its partial output is not read at all, so
+    `Parts` needs no zero fill. Rows from `covered_ptr`'s value on (the segments' total: graph
+    padding, which no program of the attention kernel writes) come out zero without reading
+    `LSE`, so it needs no fill either."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.arange(0, SPLITS_PAD)
+    covered = split * 0 + row < tl.load(covered_ptr)  # (broadcast: the interpreter's masks)
     lse = tl.load(
         LSE + row * stride_lr + head * stride_lh + split,
-        mask=split < num_splits,
+        mask=(split < num_splits) & covered,
         other=float("-inf"),
     )
     top = tl.max(lse, axis=0)
@@ -294,13 +297,17 @@ def _combine_kernel(
              mask=dims < HEAD_DIM)  # fmt: skip
 
 
-def combine_splits(parts: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """parts [rows, heads, splits, dim] float32, lse [rows, heads, splits] (log2 units)."""
+def combine_splits(
+    parts: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype, covered: torch.Tensor
+) -> torch.Tensor:
+    """parts [rows, heads, splits, dim] float32, lse [rows, heads, splits] (log2 units), both
+    written for the rows before `covered`'s one int32 value (the rows the segments cover); the
+    rows from it on come out zero."""
     rows, heads, splits, dim = parts.shape
     out = torch.empty(rows, heads, dim, dtype=out_dtype, device=parts.device)
     if rows:
         _combine_kernel[(rows, heads)](
-            parts, lse, out,
+            parts, lse, out, covered,
             *parts.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
             splits,
             SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
@@ -357,9 +364,10 @@ def paged_attention(
         part_strides, lse_strides = (0, 0, 0), (0, 0)
     else:
         out = q  # unused placeholder: combine_splits writes the output
-        # Every slice of a covered row writes its lse; only uncovered rows keep this -inf.
+        # Every slice of a covered row writes its lse (rows past the segments' total are
+        # padding, which combine_splits zeroes without reading them).
         parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.full((rows, heads, splits), float("-inf"), device=q.device)
+        lse = torch.empty(rows, heads, splits, device=q.device)
         part_strides, lse_strides = parts.stride()[:3], lse.stride()[:2]
     tables = batched.block_tables
     qk_scale_log2 = scale * LOG2E * (float(k_scale) if fp8_kv else 1.0)
@@ -386,7 +394,7 @@ def paged_attention(
     )  # fmt: skip
     if direct:
         return out
-    return combine_splits(parts, lse, q.dtype)
+    return combine_splits(parts, lse, q.dtype, batched.query_start[segments:])
 
 
 @triton.jit

@@ -11,7 +11,8 @@ e4m3 conversion has no NaN), so this shows such slots get no weight; that their 
 is tests/gpu/test_kv_fp8.py's (`test_fp8_attention_ignores_nan_in_uncovered_slots`).
 
 Cases: decode (one row, contexts across tile and block edges, split over programs), prefill and
-chunked prefill (causal rows), Qwen3-MoE's GQA (32 / 4 heads, dim 128) and one KV head of dim
+chunked prefill (causal rows), decode split over several programs merged by the combine kernel
+with rows of graph padding (zero), Qwen3-MoE's GQA (32 / 4 heads, dim 128) and one KV head of dim
 80 (MLA's latent: padded dims, masked K), a scale of 1 and others; float16 and float32 q. bf16
 is tests/gpu/test_kv_fp8.py's (the interpreter's bf16 is unreliable,
 tests/kernels/test_fp4_kernel_interpret.py).
@@ -90,6 +91,20 @@ for dtype in (torch.float16, torch.float32):
                 label = (dtype, name, heads, kv_heads, dim, scales)
                 assert out.dtype == dtype and torch.isfinite(out).all(), label
                 assert err < TOL[dtype], (label, err)
+# Slices merged by the combine kernel (the CPU's one "SM" asks for many programs per SM), and 3
+# rows of graph padding past the segments' rows: the covered rows as without them, the padding
+# zero (their lse is never written nor read).
+q, k8, v8, meta = fp8_case([1] * 5, [1, 16, 17, 150, 400], 32, 4, 128, torch.float16,
+                           (0.05, 0.03), seed=3)
+many = triton_attention.Launch(block_n=16, programs_per_sm=64)
+splits, _ = triton_attention.plan_splits(5, 4, 1, 400, 1, many)
+assert splits > 1, splits
+q_pad = torch.cat([q, torch.randn(3, 32, 128).half()])
+out = triton_attention.paged_attention(q_pad, k8, v8, meta, 128**-0.5, 0.05, 0.03, many)
+k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03)))
+ref = reference.paged_attention(q.double(), k, v, meta, 128**-0.5)
+assert float((out[:5].double() - ref).norm() / ref.norm()) < TOL[torch.float16]
+assert torch.equal(out[5:], torch.zeros_like(out[5:]))
 print("ok")
 """
 
