@@ -5,7 +5,8 @@ cores with both operands as stored.
 1. quantize: x [M, K] -> e4m3 rows [M, K] and a float32 scale per row and 128-group
    [M, ceil(K / 128)], each a power of two that brings the group's largest |value| into
    (224, 448] (kernels/fp8.quantize_activations is the reference: a power of two makes
-   x / scale exact, so only the rounding to e4m3 loses bits).
+   x / scale exact, so only the rounding to e4m3 loses bits). Up to QUANTIZE_IN_GEMM_ROWS rows
+   the GEMM does this itself, per K step, and there is no launch of its own.
 2. GEMM: per K step of 128 (one activation group, one weight scale block: BN divides 128) the
    dot of the FP8 tiles, its float32 partial times the rows' scales and the block's scale. K is
    split at small M as in kernels/triton_fp8.py, its float32 partials summed in split order.
@@ -29,10 +30,16 @@ from afdserve.kernels.triton_fp8 import (
     SCALE_BLOCK,
     SUM_BLOCK,
     _sum_splits_kernel,
+    as_operand,
     exact_shift,
 )
 
 GROUP = SCALE_BLOCK  # activation values per scale: one weight block's K
+# Rows up to which the GEMM quantizes its x tile itself, each K step (triton_fp8.as_operand: the
+# same e4m3 values and scales as the quantize launch), rather than after a quantize launch: at
+# so few rows that is a few instructions per weight tile, where the launch costs a microsecond
+# and more. Past them, the launch (fused, at 64 rows the GEMM took twice as long).
+QUANTIZE_IN_GEMM_ROWS = 16
 
 
 @triton.jit
@@ -51,14 +58,14 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.con
 @triton.jit
 def _gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, M, N, K, groups, ws_stride,
-    k_per_split, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr,
+    k_per_split, a_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
     m_ok, n_ok = m < M, n < N
-    a_rows = a_ptr + m.to(tl.int64)[:, None] * K
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * a_stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     # BN divides 128: the tile's columns share one row of the weight's scale grid.
     w_scales = ws_ptr + (tl.program_id(0) * BN // 128) * ws_stride
@@ -70,7 +77,10 @@ def _gemm_kernel(
         a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         group = k0 // 128
-        row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
+        if QUANTIZE:  # x's rows in x's dtype: this K step is one 128-group, quantized here
+            a, row_scales = as_operand(a, True, True)
+        else:
+            row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * (row_scales * tl.load(w_scales + group))[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
@@ -126,7 +136,9 @@ def fp8_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    xq, xs = quantize_rows(x2)
+    fused = m <= QUANTIZE_IN_GEMM_ROWS
+    # Fused: the GEMM reads x itself (`xs` is not read).
+    xq, xs = (x2, x2) if fused else quantize_rows(x2)
     scale_inv = scale_inv.contiguous()
     bm, bn, splits, warps, stages = _tiles(m, n, k)
     blocks_per_split = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), splits)
@@ -134,9 +146,10 @@ def fp8_linear(
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else y  # never read without a bias
     _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
-        xq, xs, q, scale_inv, bias_arg, y, part, m, n, k, xs.shape[1], scale_inv.stride(0),
-        blocks_per_split * SCALE_BLOCK, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=SCALE_BLOCK,
-        SPLIT=splits, num_warps=warps, num_stages=stages,
+        xq, xs, q, scale_inv, bias_arg, y, part, m, n, k, triton.cdiv(k, GROUP),
+        scale_inv.stride(0), blocks_per_split * SCALE_BLOCK, xq.stride(0),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=SCALE_BLOCK, SPLIT=splits, QUANTIZE=fused,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
