@@ -54,17 +54,17 @@ def projection(name: str, m: int, n: int, k: int, splits: tuple[int, ...]) -> No
     parts = [fp8.quantize_blockwise(p, BLOCK) for p in w.split(list(splits))]
 
     fused = triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS
-    # w8a8 as shipped, and with its quantize launch at every row count (what it was).
-    for label, fuse_rows in (("weight-only", None), ("w8a8", fused), ("w8a8 quantize launch", 0)):
-        if fuse_rows is not None and fuse_rows != fused and m > fused:
-            continue  # the same launches as shipped
-        linear = triton_fp8.fp8_linear if fuse_rows is None else triton_fp8_w8a8.fp8_linear
+    variants = [("weight-only", triton_fp8.fp8_linear, fused),
+                ("w8a8", triton_fp8_w8a8.fp8_linear, fused)]  # fmt: skip
+    if m <= fused:  # also with the quantize launch the GEMM does without at these rows
+        variants.append(("w8a8 quantize launch", triton_fp8_w8a8.fp8_linear, 0))
+    for label, linear, fuse_rows in variants:
 
         def run(linear=linear) -> None:
             for q, s in parts:
                 linear(x, q, s, None)
 
-        triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS = fused if fuse_rows is None else fuse_rows
+        triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS = fuse_rows
         print(line(f"{name} fp8 {label} ({len(parts)} GEMMs)", timed(run), n * k))
     triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS = fused
 

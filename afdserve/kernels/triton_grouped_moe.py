@@ -8,7 +8,7 @@ slots without a sort. Then three launches, no gather, scatter or copy around the
    them and writes h[pair] = silu(x W_gate^T) * (x W_up^T) in x's dtype, by pair index.
 2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T),
    float32, by pair index.
-3. sum:     out[row] = sum of the row's routed y rows in k order, cast to x's dtype (pairs routed
+3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype (pairs routed
    to no expert here, id -1, are skipped: they were never written; triton_moe's `sum_pairs`).
 
 So the only data that moves besides the weights is x read once per tile, h and y: the sort,

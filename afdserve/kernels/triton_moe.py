@@ -154,10 +154,10 @@ def _down_kernel(
 @triton.jit
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: tl.constexpr,
                 COLUMNS: tl.constexpr):  # fmt: skip
-    """out[row] = the sum of the row's y rows in k order, skipping pairs routed to no expert here
-    (id outside [0, num_experts): never written). Every expert path's last launch: the row's
-    top_k loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after
-    another."""
+    """out[row] = the sum of the row's y rows, skipping pairs routed to no expert here (id
+    outside [0, num_experts): never written). Every expert path's last launch: the row's top_k
+    loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after another, and
+    reduced in tl.sum's fixed tree order (the same bits every run and on every rank)."""
     row = tl.program_id(0)
     col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     j = tl.arange(0, TOP_K_PAD)

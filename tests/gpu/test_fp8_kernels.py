@@ -393,7 +393,7 @@ def _logprobs_close(got, want, k: int = TOP_K) -> int:
     than a bf16 near-tie: H200 run, a 0.25 gap at a flipped expert.) Returns the divergences."""
     diverged = 0
     for g, w in zip(got, want, strict=True):
-        i = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        i = _first_divergence(g, w)
         if i is None:
             continue
         assert not _far_divergence(g, w), (
@@ -403,10 +403,15 @@ def _logprobs_close(got, want, k: int = TOP_K) -> int:
     return diverged
 
 
+def _first_divergence(got, want) -> int | None:
+    """The first position where two outputs' tokens differ (None: they agree)."""
+    pairs = enumerate(zip(got.token_ids, want.token_ids))
+    return next((i for i, (a, b) in pairs if a != b), None)
+
+
 def _far_divergence(got, want) -> bool:
     """Whether the first token where two outputs differ is outside the other's top logprobs."""
-    pairs = zip(got.token_ids, want.token_ids)
-    i = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    i = _first_divergence(got, want)
     if i is None:
         return False
     return not (got.token_ids[i] in want.logprobs[i] and want.token_ids[i] in got.logprobs[i])
