@@ -20,6 +20,8 @@ q/k/v; docs/benchmarks.md, 2026-12-02). No host sync: a CUDA graph captures the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -59,31 +61,37 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.con
 def _gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, M, N, K, groups, ws_stride,
     k_per_split, a_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    k = tl.arange(0, BK)
+    k = tl.arange(0, GROUP)
     m_ok, n_ok = m < M, n < N
     a_rows = a_ptr + m.to(tl.int64)[:, None] * a_stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     # BN divides 128: the tile's columns share one row of the weight's scale grid.
     w_scales = ws_ptr + (tl.program_id(0) * BN // 128) * ws_stride
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_first = tl.program_id(2) * k_per_split  # a multiple of 128
+    k_first = tl.program_id(2) * k_per_split  # a multiple of BK
+    # A K step is BK // 128 activation groups (one weight scale block each), one dot apiece:
+    # wider steps put more of the weight in flight per program without more programs.
     for k0 in range(k_first, tl.minimum(K, k_first + k_per_split), BK):
-        kk = k0 + k
-        k_ok = kk < K
-        a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        group = k0 // 128
-        if QUANTIZE:  # x's rows in x's dtype: this K step is one 128-group, quantized here
-            a, row_scales = as_operand(a, True, True)
-        else:
-            row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(w)) * (row_scales * tl.load(w_scales + group))[:, None]
+        for sub in tl.static_range(BK // GROUP):
+            kk = k0 + sub * GROUP + k
+            k_ok = kk < K
+            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # A group past K (BK does not divide K) has x zero: its scales, clamped to the last
+            # group's, multiply nothing.
+            group = tl.minimum(k0 // GROUP + sub, groups - 1)
+            if QUANTIZE:  # x's rows in x's dtype: this group quantized here
+                a, row_scales = as_operand(a, True, True)
+            else:
+                row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
+            block_scale = tl.load(w_scales + group)
+            acc += tl.dot(a, tl.trans(w)) * (row_scales * block_scale)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
@@ -93,21 +101,41 @@ def _gemm_kernel(
         tl.store(part, acc, mask=out_mask)
 
 
-def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, splits of K, warps, stages), from a sweep on an H200 at Qwen3-30B-A3B's packed
-    q/k/v (5120 x 2048) and o_proj (2048 x 4096) at 1, 8, 64 and 256 rows (graph replay,
-    2026-12-02): 64-column tiles, one row tile up to 64 rows and 64-row tiles to 512, K split
-    until about 320 programs stream the weight at up to 16 rows and 128 past that (a program
-    with more rows has more to do per weight byte), at most 8 splits. Past 512 rows (prefill)
-    128 x 128 tiles over 8 warps, whole K."""
+class Tiles(NamedTuple):
+    """One launch's shape: a BM x BN output tile, K steps of BK (a multiple of 128), K cut into
+    `splits` ranges, and the launch's warps and pipeline stages."""
+
+    bm: int
+    bn: int
+    bk: int
+    splits: int
+    warps: int
+    stages: int
+
+
+def tiles_for(m: int, n: int, k: int) -> Tiles:
+    """From sweeps on an H200 at Qwen3-30B-A3B's packed q/k/v (5120 x 2048) and o_proj
+    (2048 x 4096) at 1, 8, 64 and 256 rows (graph replay over 8 copies of the weight, so that
+    it streams from HBM rather than L2; docs/benchmarks.md, 2026-12-03): 64-column tiles, one
+    row tile up to 64 rows and 64-row tiles to 512, K split until about 320 programs stream the
+    weight at up to 16 rows and 128 past that (a program with more rows has more to do per
+    weight byte), at most 8 splits. Past 16 rows deeper pipelines: K steps of 256 over 4 stages
+    to 64 rows (q/k/v 9.6 against 11.6 us, o_proj 10.5 against 11.6 at 64, the quantize launch
+    included), and 6 stages past that for a K of 4096 and more (o_proj 18.0 against 21.8 us at
+    256; q/k/v's K of 2048 gained nothing). Past 512 rows (prefill) 128 x 128 tiles over 8
+    warps, whole K."""
     if m > 512:
-        return 128, 128, 1, 8, 3
+        return Tiles(128, 128, GROUP, 1, 8, 3)
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = 64
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     target = 320 if m <= 16 else 128
     splits = max(1, min(triton.cdiv(k, SCALE_BLOCK), MAX_SPLITS // 2, target // tiles))
-    return bm, bn, splits, 4, 3
+    if m <= 16:
+        return Tiles(bm, bn, GROUP, splits, 4, 3)
+    if m <= 64:
+        return Tiles(bm, bn, 2 * GROUP, splits, 4, 4)
+    return Tiles(bm, bn, GROUP, splits, 4, 6 if k >= 4096 else 3)
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,10 +151,15 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """`kernels/fp8.fp8_linear_w8a8` on CUDA: x [..., in] (bf16/fp16) -> [..., out] in x's
-    dtype. Check `triton_fp8.supports` first."""
+    dtype. Check `triton_fp8.supports` first. `tiles` overrides `tiles_for` (the kernel bench
+    sweeps them)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = q.shape[0]
     x2 = x.reshape(-1, k)
@@ -140,15 +173,16 @@ def fp8_linear(
     # Fused: the GEMM reads x itself (`xs` is not read).
     xq, xs = (x2, x2) if fused else quantize_rows(x2)
     scale_inv = scale_inv.contiguous()
-    bm, bn, splits, warps, stages = _tiles(m, n, k)
-    blocks_per_split = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), splits)
-    splits = triton.cdiv(triton.cdiv(k, SCALE_BLOCK), blocks_per_split)
+    bm, bn, bk, splits, warps, stages = tiles or tiles_for(m, n, k)
+    steps_per_split = triton.cdiv(triton.cdiv(k, bk), splits)
+    splits = triton.cdiv(triton.cdiv(k, bk), steps_per_split)
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else y  # never read without a bias
     _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         xq, xs, q, scale_inv, bias_arg, y, part, m, n, k, triton.cdiv(k, GROUP),
-        scale_inv.stride(0), blocks_per_split * SCALE_BLOCK, xq.stride(0),
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=SCALE_BLOCK, SPLIT=splits, QUANTIZE=fused,
+        scale_inv.stride(0), steps_per_split * bk, xq.stride(0),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SPLIT=splits > 1, QUANTIZE=fused,
+        GROUP=GROUP,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:

@@ -95,6 +95,20 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
     assert torch.equal(deq, fp8.quantize_activations(x))
 
 
+@pytest.mark.parametrize("tiles", [(16, 16, 512, 1, 4, 3), (32, 32, 256, 2, 4, 4),
+                                   (64, 64, 256, 3, 4, 4), (64, 64, 128, 1, 4, 6)])  # fmt: skip
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("n,k", [(576, 1024), (200, 136), (96, 40)])
+def test_fp8_linear_w8a8_any_tiles_match_the_oracle(tiles, m, n, k):
+    """Every K step (128 and its multiples, several scale groups a step, also past K), split
+    and pipeline depth the tile rule may pick gives the oracle's result."""
+    from afdserve.kernels import triton_fp8_w8a8
+
+    x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 3 * n)
+    out = no_sync(triton_fp8_w8a8.fp8_linear, x, q, scale, b, triton_fp8_w8a8.Tiles(*tiles))
+    assert rel_err(out, fp8.fp8_linear_w8a8(x.float(), q, scale, b, BLOCK)) < 4e-3
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_fp8_linear_w8a8_quantizes_in_the_gemm_as_its_own_launch_does(m, n, k, monkeypatch):
