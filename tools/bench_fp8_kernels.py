@@ -5,9 +5,9 @@ median). Prints microseconds per call and the weight bytes read per second.
     PYTHONPATH=$PWD python tools/bench_fp8_kernels.py [--batches 1,8,64,256]
 
 Rows: the dense projections (q/k/v packed into one GEMM, as model/attention.py runs them in bf16
-and in FP8), o_proj (each over COPIES weights, out of L2), and the routed experts of one layer (top-8 of 128, random
-routing): bf16 decode kernels / sort-free grouped path / torch's grouped GEMM, FP8 kernels, each
-FP8 kernel weight-only and w8a8 (activations quantized per 128-group).
+and in FP8), o_proj (each over COPIES weights, out of L2), and the routed experts of one layer
+(top-8 of 128, random routing): bf16 decode kernels / sort-free grouped path / torch's grouped
+GEMM, FP8 kernels, each FP8 kernel weight-only and w8a8 (activations quantized per 128-group).
 """
 
 from __future__ import annotations

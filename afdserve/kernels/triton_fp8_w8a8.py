@@ -7,9 +7,10 @@ cores with both operands as stored.
    (224, 448] (kernels/fp8.quantize_activations is the reference: a power of two makes
    x / scale exact, so only the rounding to e4m3 loses bits). Up to QUANTIZE_IN_GEMM_ROWS rows
    the GEMM does this itself, per K step, and there is no launch of its own.
-2. GEMM: per K step of 128 (one activation group, one weight scale block: BN divides 128) the
-   dot of the FP8 tiles, its float32 partial times the rows' scales and the block's scale. K is
-   split at small M as in kernels/triton_fp8.py, its float32 partials summed in split order.
+2. GEMM: per group of 128 along K (one activation group, one weight scale block: BN divides
+   128) the dot of the FP8 tiles, its float32 partial times the rows' scales and the block's
+   scale; a K step (`Tiles.bk`) is one or more such groups. K is split at small M as in
+   kernels/triton_fp8.py, its float32 partials summed in split order.
 
 The oracle is kernels/fp8.fp8_linear_w8a8; the two differ only in float32 summation order and
 the final rounding. Quantizing in its own launch keeps the GEMM's loop a plain pipelined FP8
@@ -128,14 +129,16 @@ def tiles_for(m: int, n: int, k: int) -> Tiles:
         return Tiles(128, 128, GROUP, 1, 8, 3)
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = 64
+    if m <= 16:
+        bk, stages = GROUP, 3
+    elif m <= 64:
+        bk, stages = 2 * GROUP, 4
+    else:
+        bk, stages = GROUP, 6 if k >= 4096 else 3
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     target = 320 if m <= 16 else 128
-    splits = max(1, min(triton.cdiv(k, SCALE_BLOCK), MAX_SPLITS // 2, target // tiles))
-    if m <= 16:
-        return Tiles(bm, bn, GROUP, splits, 4, 3)
-    if m <= 64:
-        return Tiles(bm, bn, 2 * GROUP, splits, 4, 4)
-    return Tiles(bm, bn, GROUP, splits, 4, 6 if k >= 4096 else 3)
+    splits = max(1, min(triton.cdiv(k, bk), MAX_SPLITS // 2, target // tiles))
+    return Tiles(bm, bn, bk, splits, 4, stages)
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
