@@ -18,7 +18,8 @@ static per pair count, so a CUDA graph captures it.
 
 Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
 float8_e4m3fn with a float32 scale per 128 x 128 block (model/fp8.py's layout: gate's grid rows,
-then up's). Each FP8 weight tile lies in one scale block: by default x and h are
+then up's). Each FP8 weight tile lies in one scale block (with the weights left a down tile
+may span whole blocks, each row scaled by its own block's scale): by default x and h are
 quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
 triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
 either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
@@ -59,7 +60,11 @@ COLUMNS = (64, 64, 4, 3)
 # The same for FP8 weights: w8a8 tiles of 128 columns beat 64 (181.9 against 189.3 us at a batch
 # of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
 # 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
-FP8_COLUMNS = (128, 128, 4, 3)
+# Down tiles of 256 columns (two scale blocks' rows, weights left) load and quantize each h tile
+# once for twice the weight bytes: 167.1 against 174.0 us at a batch of 64, 203.1 against 207.3
+# at 256, 87.5 against 89.8 at 8 (a layer's experts cycled over 4 copies, graph replay, H200,
+# 2026-12-04); 64 or 128 columns twice over was slower, as were 4 stages.
+FP8_COLUMNS = (128, 256, 4, 3)
 # Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): on an
 # H200 (2026-12-02, Qwen3-30B-A3B preset, graphs) decode steps of 6.81 against 7.20 ms at a
 # batch of 8 and 19.77 against 21.00 at 256 (12.64 against 12.74 at 64). Both orders are the
@@ -173,12 +178,16 @@ def _down_kernel(
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
         col_ok = col < hidden
         k = tl.arange(0, K_BLOCK)
-        scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
         if WEIGHTS_LEFT:  # as in gate/up: no masked load
             load_col = tl.minimum(col, hidden - 1).to(tl.int64)
             down_rows = w_ptr + e * hidden * inter + load_col[:, None] * inter + k[None, :]
+            if COLUMNS > 128:  # a tile of several scale blocks' rows, each row its block's
+                scales = s_ptr + e * s_expert + (load_col // 128)[:, None] * s_row
+            else:
+                scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
         else:
+            scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
             down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
         acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8, X_SCALED,
                         A_FP8, WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
@@ -196,11 +205,13 @@ def moe_experts(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     a8: bool | None = None,
     weights_left: bool | None = None,
+    launch: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
     `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
     h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
-    FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`). Check `supports`."""
+    FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`); `launch`: (gate/up columns,
+    down columns, warps, stages) (None: `FP8_COLUMNS` or `COLUMNS`). Check `supports`."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
@@ -213,7 +224,7 @@ def moe_experts(
         step = max(1, GROUPED_MAX_PAIRS // top_k)
         return torch.cat([
             moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
-                        gate_up, down, scales, a8, weights_left)
+                        gate_up, down, scales, a8, weights_left, launch)
             for i in range(0, rows, step)
         ])  # fmt: skip
     x = x.contiguous()
@@ -229,15 +240,18 @@ def moe_experts(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    gate_up_columns, down_columns, warps, stages = FP8_COLUMNS if w_fp8 else COLUMNS
-    # An FP8 tile must lie in one scale block (triton_fp8.block_dot).
-    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
+    gate_up_columns, down_columns, warps, stages = launch or (FP8_COLUMNS if w_fp8 else COLUMNS)
+    left = w_fp8 and (FP8_WEIGHTS_LEFT if weights_left is None else weights_left)
+    if w_fp8 and not left:  # weights right: the tile in one scale block (triton_fp8.block_dot)
+        down_columns = min(down_columns, SCALE_BLOCK)
+    # An FP8 tile lies in one scale block, or (down, weights left) spans whole ones.
+    assert SCALE_BLOCK % gate_up_columns == 0
+    assert SCALE_BLOCK % down_columns == 0 or down_columns % SCALE_BLOCK == 0
     e_pad = max(16, triton.next_power_of_2(experts))
     # FP8 weights: FP8 dots on rows quantized per 128-group (a8), or fp16 dots on bf16 rows
     # scaled into fp16 (triton_fp8.as_operand), per kernel by its K step.
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     up_step, down_step = _k_block(hidden), _k_block(inter)
-    left = w_fp8 and (FP8_WEIGHTS_LEFT if weights_left is None else weights_left)
     common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, WEIGHTS_LEFT=left, num_warps=warps,
                   num_stages=stages)  # fmt: skip
     g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)

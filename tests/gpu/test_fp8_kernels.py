@@ -303,6 +303,30 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
         assert rel_err(out[path, left], out[path, not left]) < 1e-2, path
 
 
+@pytest.mark.parametrize("down_columns", [128, 256, 512])
+@pytest.mark.parametrize("experts,hidden,inter,top_k,rows", [(*QWEN3_MOE, 64), (8, 144, 80, 2, 40),
+                                                             (16, 384, 256, 4, 30)])
+def test_grouped_down_tiles_over_several_scale_blocks(experts, hidden, inter, top_k, rows,
+                                                     down_columns):  # fmt: skip
+    """With the weights left a down tile may span whole scale blocks, each row scaled by its
+    own block's (hidden 144: the second block partial, its columns clamped to the last): the
+    oracle's, and the same products as one-block tiles."""
+    from afdserve.kernels import triton_grouped_moe
+
+    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k, seed=rows)
+    ids[::4, 0] = -1
+    gu, dn = fp8_experts(gate_up, down)
+
+    def grouped(columns: int) -> torch.Tensor:
+        return no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
+                       (gu[1], dn[1]), a8=True, weights_left=True,
+                       launch=(128, columns, 4, 3))  # fmt: skip
+
+    out = grouped(down_columns)
+    assert rel_err(out, fp8_moe_reference(x, ids, weights, gu, dn, a8=True)) < 5e-3
+    assert rel_err(out, grouped(128)) < 1e-4
+
+
 @pytest.mark.parametrize("rows", [1, 8, 256])
 def test_fp8_moe_replays_in_cuda_graph(rows):
     """Captured once (the decode kernels at 1 row, the grouped path with its assignment at 8
