@@ -63,7 +63,8 @@ COLUMNS = (64, 64, 4, 3)
 # Down tiles of 256 columns (two scale blocks' rows, weights left) load and quantize each h tile
 # once for twice the weight bytes: 167.1 against 174.0 us at a batch of 64, 203.1 against 207.3
 # at 256, 87.5 against 89.8 at 8 (a layer's experts cycled over 4 copies, graph replay, H200,
-# 2026-12-04); 64 or 128 columns twice over was slower, as were 4 stages.
+# 2026-12-04); 64 or 128 columns twice over was slower, as were 4 stages, 512 down columns
+# (169.0 at 64) and gate/up tiles of 256 columns (175.8 at 64, 218.7 at 256).
 FP8_COLUMNS = (128, 256, 4, 3)
 # Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): on an
 # H200 (2026-12-02, Qwen3-30B-A3B preset, graphs) decode steps of 6.81 against 7.20 ms at a
