@@ -23,12 +23,18 @@ from afdserve.afd.step.control import LocalControl
 from afdserve.bench.bytes import step_weight_bytes, timed_kv_bytes, touched_experts
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.engine.cuda_graphs import PlannedForward, check_capturable
-from afdserve.engine.kv_cache import KVCache, cache_dtype, check_fp8_kv, make_kv_cache
+from afdserve.engine.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    cache_dtype,
+    check_fp8_kv,
+    make_kv_cache,
+)
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-from afdserve.model.config import parse_model_config
+from afdserve.model.config import ModelConfig, parse_model_config
 from afdserve.model.deepseek_v4.cache import V4KVCache
 from afdserve.model.loader import (
     TORCH_DTYPES,
@@ -162,6 +168,7 @@ class DecodeSteps:
         kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
         if kv_dtype != TORCH_DTYPES[spec.dtype]:
             check_fp8_kv(config, dev)
+        check_cache_fits(config, batch, spec.context_len, batch * self.width, bs, kv_dtype, dev)
         self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
         for t in cache_tensors(self.kv):
@@ -247,6 +254,26 @@ class DecodeSteps:
         recorder = self.driver.recorder
         plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
         return self.execute(None, plan, self.eager, recorder.step)
+
+
+def check_cache_fits(
+    config: ModelConfig, batch: int, context_len: int, blocks: int, block_size: int,
+    dtype: torch.dtype, device: torch.device,
+) -> None:  # fmt: skip
+    """A ValueError naming the batch, the context and the bytes where the bench's paged cache
+    (every sequence at `context_len` plus the timed steps) is more than the GPU has free, in
+    place of an out-of-memory traceback halfway through the batch sizes."""
+    if device.type != "cuda":
+        return
+    need = bytes_per_block(config, block_size, dtype) * blocks
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise ValueError(
+            f"bench: a batch of {batch} at context {context_len} needs a KV cache of "
+            f"{need / 2**30:.1f} GiB ({blocks} blocks of {block_size} tokens, {dtype}), more than "
+            f"the {free / 2**30:.1f} GiB free on {device}; lower --batch-sizes or "
+            "--context-len, or use --kv-cache-dtype fp8"
+        )
 
 
 def bench_batch(attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeSpec, batch: int,

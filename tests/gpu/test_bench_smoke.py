@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from afdserve.bench.decode import DecodeBench, DecodeSteps, build_halves, run_decode_bench
+from afdserve.bench.decode_steps import check_cache_fits
+from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.presets import preset_hf_config
 
 pytestmark = [
@@ -51,3 +53,17 @@ def test_decode_bench_runs_on_gpu(graph_mode):
     for r in results:
         assert r.step_ms > 0 and r.copy_gbps is not None and r.copy_gbps > 100
         assert 0 < r.achieved_gbps < r.copy_gbps * 1.5
+
+
+def test_a_cache_past_free_memory_is_refused_by_its_batch_and_context():
+    """A batch whose paged cache cannot fit (batch 256 at context 8192 of Qwen3-30B-A3B needs
+    about 200 GiB) is a ValueError naming them and the bytes, raised before any allocation;
+    one that fits passes."""
+    attn, _ = build_halves(spec(), preset_hf_config("tiny"))
+    config, dev = attn.config, torch.device("cuda")
+    free = torch.cuda.mem_get_info(dev)[0]
+    per_block = bytes_per_block(config, 16, torch.bfloat16)
+    too_many = free // per_block + 1
+    with pytest.raises(ValueError, match=r"a batch of 256 at context 8192 needs .* GiB .*free"):
+        check_cache_fits(config, 256, 8192, too_many, 16, torch.bfloat16, dev)
+    check_cache_fits(config, 1, 40, 4, 16, torch.bfloat16, dev)
