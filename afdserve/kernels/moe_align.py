@@ -63,8 +63,10 @@ def _chunking(pairs: int, experts_pad: int) -> tuple[int, int]:
 @triton.jit
 def _count_kernel(
     ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, GDC: tl.constexpr = 0,
 ):  # fmt: skip
+    if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
+        tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
     expert = tl.arange(0, E_PAD)
     seen = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -83,8 +85,10 @@ def _count_kernel(
 def _place_kernel(
     ids_ptr, counts_ptr, rank_ptr, slots_ptr, end_ptr, count_ptr, num_pairs, num_experts,
     num_chunks, ROWS: tl.constexpr, E_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, GDC: tl.constexpr = 0,
 ):  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
     expert = tl.arange(0, E_PAD)
     row = tl.arange(0, CHUNKS_PAD)
@@ -111,7 +115,7 @@ def _place_kernel(
         tl.store(slots_ptr + slot, pair, mask=ok & routed)
 
 
-def assign(ids: torch.Tensor, experts: int, rows: int) -> Assignment:
+def assign(ids: torch.Tensor, experts: int, rows: int, gdc: int = 0) -> Assignment:
     """ids [pairs] (any integer dtype; ids outside [0, experts) are dropped) -> the grouping."""
     pairs = ids.numel()
     ids = ids.reshape(-1).contiguous()
@@ -126,10 +130,10 @@ def assign(ids: torch.Tensor, experts: int, rows: int) -> Assignment:
     count = torch.empty(experts, dtype=torch.int32, device=dev)
     warps = 4 if experts_pad <= 128 else 8
     _count_kernel[(chunks,)](ids, counts, rank, pairs, experts, E_PAD=experts_pad, CHUNK=chunk,
-                             SUB=SUB, num_warps=warps)  # fmt: skip
+                             SUB=SUB, GDC=gdc, num_warps=warps, launch_pdl=gdc > 0)  # fmt: skip
     _place_kernel[(chunks,)](
         ids, counts, rank, slots, end, count, pairs, experts, chunks, ROWS=rows,
         E_PAD=experts_pad, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), CHUNK=chunk,
-        SUB=SUB, num_warps=warps,
+        SUB=SUB, GDC=gdc, num_warps=warps, launch_pdl=gdc > 0,
     )  # fmt: skip
     return Assignment(slots, end, count, rows, tiles)

@@ -153,11 +153,13 @@ def _down_kernel(
 
 @triton.jit
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: tl.constexpr,
-                COLUMNS: tl.constexpr):  # fmt: skip
+                COLUMNS: tl.constexpr, GDC: tl.constexpr = 0):  # fmt: skip
     """out[row] = the sum of the row's y rows, skipping pairs routed to no expert here (id
     outside [0, num_experts): never written). Every expert path's last launch: the row's top_k
     loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after another, and
     reduced in tl.sum's fixed tree order (the same bits every run and on every rank)."""
+    if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     j = tl.arange(0, TOP_K_PAD)
@@ -171,14 +173,15 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: 
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> torch.Tensor:
+def sum_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int,
+              gdc: int = 0) -> torch.Tensor:  # fmt: skip
     """`_sum_kernel` over out [rows, hidden] from y [rows * top_k, hidden] float32 and the flat
     ids [rows * top_k]."""
     rows, hidden = out.shape
     top_k = ids.numel() // max(1, rows)
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
         y, ids, out, experts, top_k, hidden, TOP_K_PAD=max(2, triton.next_power_of_2(top_k)),
-        COLUMNS=SUM_COLUMNS, num_warps=4,
+        COLUMNS=SUM_COLUMNS, GDC=gdc, num_warps=4, launch_pdl=gdc > 0,
     )  # fmt: skip
     return out
 
