@@ -108,13 +108,16 @@ def builds() -> list[tuple[str, bool, bool, object, float]]:
     rows = triton_grouped_moe.rows_per_tile(grouped_pairs, EXPERTS, True)
     for a8 in (True, False):
         for left in (True, False):
-            common = {"ROWS": rows, "E_PAD": EXPERTS, "W_FP8": True, "WEIGHTS_LEFT": left}
+            common = {"ROWS": rows, "E_PAD": EXPERTS, "W_FP8": True, "WEIGHTS_LEFT": left,
+                      "GDC": triton_grouped_moe.GDC}  # fmt: skip
             options = {"num_warps": warps, "num_stages": stages}
+            # As moe_experts launches them: tiles of one scale block with the weights right.
+            down = down_columns if left else min(down_columns, 128)
             for name, kernel, sig, columns, weight_rows, k in (
                 ("grouped gate/up", triton_grouped_moe._gate_up_kernel, GROUPED_GATE_UP,
                  gate_up_columns, 2 * gate_up_columns, step[0]),
-                ("grouped down", triton_grouped_moe._down_kernel, GROUPED_DOWN, down_columns,
-                 down_columns, step[1]),
+                ("grouped down", triton_grouped_moe._down_kernel, GROUPED_DOWN, down, down,
+                 step[1]),
             ):  # fmt: skip
                 modes = triton_fp8.operand_modes(a8, k, torch.bfloat16)
                 constants = {**common, "COLUMNS": columns, "K_BLOCK": k, **modes}
