@@ -14,11 +14,7 @@ bounded by a reduced tensor; there tests/gpu/test_fp8_kernels.py checks the comp
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
+from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import torch
@@ -66,10 +62,5 @@ for rows, e, hidden, inter, top_k in [(1, 16, 256, 128, 8), (2, 4, 64, 32, 2), (
 
 
 def test_pairs_of_no_expert_are_skipped_under_the_interpreter() -> None:
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = run_interpreted(INTERPRETED_CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr

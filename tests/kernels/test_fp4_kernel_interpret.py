@@ -16,14 +16,10 @@ Runtime: a few seconds; needs Triton (skipped where it is not installed)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 
 from afdserve.kernels import fp4
+from tests.kernels.interpret import run_interpreted
 
 FP16_PAIR = 0x8E008E00 - (1 << 32)  # as the kernel's
 MAX_SCALE = 240  # the largest scale byte the kernel's factor (s + 14) << 23 is right for
@@ -106,13 +102,8 @@ for rows, dtype, tiles, limit, rtol, *e in [
 
 
 def test_kernels_under_the_interpreter() -> None:
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        # Its interpreter cannot run a loop bounded by a reduced tensor (the kernels' loop over
-        # an expert's pair tiles) at all; there the compiled kernels are checked on the GPU
-        # instead (tests/gpu/test_fp4_moe.py).
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    # Before 3.7 the interpreter cannot run the kernels' loop over an expert's pair tiles; there
+    # the compiled kernels are checked on the GPU instead (tests/gpu/test_fp4_moe.py).
+    run = run_interpreted(INTERPRETED_CASES, timeout=300, min_triton=(3, 7),
+                          env={"TRITON_DEFAULT_FP_FUSION": "1"})
     assert run.returncode == 0, run.stdout + run.stderr

@@ -20,12 +20,9 @@ not (nor does it run test_fp4_kernel_interpret.py's cases)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
+
+from tests.kernels.interpret import run_interpreted
 
 
 def w8a8_shift(amax: torch.Tensor) -> torch.Tensor:
@@ -104,8 +101,5 @@ for rows, e, hidden, inter, top_k in [
 
 
 def test_decode_kernels_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -12,11 +12,7 @@ needs Triton 3.7 or later, as tests/kernels/test_absent_pairs_interpret.py says.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
+from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import torch
@@ -54,9 +50,6 @@ for rows, e, hidden, inter, top_k in [(24, 8, 256, 256, 2), (40, 4, 384, 384, 2)
 
 
 def test_down_tiles_over_several_scale_blocks_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = run_interpreted(INTERPRETED_CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" ok") == 8, run.stdout
