@@ -15,6 +15,8 @@ kernels that read FP8 directly plug in through `ops`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,21 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/a2e.py, which its
 # Triton kernels share from here rather than from a2e.py, which dispatches to them).
 GROUP = 128
+
+
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantized for a w8a8 GEMM, by the kernel that produced them (the
+    norm before a projection): e4m3 `values` [rows, K] and a float32 power-of-two scale per row
+    and group of `GROUP` [rows, ceil(K / GROUP)], as triton_fp8_w8a8.quantize_rows writes them;
+    `dtype`: the rows' dtype before, the GEMM's output dtype."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def scale_groups(hidden: int) -> int:

@@ -40,15 +40,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it."""
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False
+) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
+    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it. `fp8`:
+    the normalised rows quantized for the w8a8 GEMM they feed, in the same launch; only where
+    `quantizes_for_gemm(h, q, scale_inv, block)` says that GEMM takes them."""
     fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
     if fits and _triton_ready(h) and h.shape[-1] <= 16384:
         from afdserve.kernels import triton_norm
 
+        if fp8:
+            return triton_norm.add_rms_norm_fp8(h, delta, weight, eps)
         return triton_norm.add_rms_norm(h, delta, weight, eps)
+    if fp8:
+        raise ValueError("add_rms_norm: fp8 rows are made on CUDA only (quantizes_for_gemm)")
     return reference.add_rms_norm(h, delta, weight, eps)
+
+
+def quantizes_for_gemm(
+    h: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> bool:
+    """Whether `add_rms_norm(h, ..., fp8=True)` may feed the FP8 weight (q, scale_inv): the w8a8
+    GEMM takes h's rows from a quantize launch of their own there (past
+    triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS rows), which the norm then does instead."""
+    if not (_triton_ready(h) and h.dim() == 2 and h.shape[-1] <= 16384):
+        return False
+    from afdserve.kernels import triton_fp8, triton_fp8_w8a8
+
+    if not (triton_fp8.supports(h, q, scale_inv, block) and triton_fp8.w8a8(h.dtype)):
+        return False
+    return h.shape[0] > triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS
 
 
 def prepare_qkv(
@@ -174,13 +195,17 @@ def _no_absent_pairs(
 
 
 def fp8_linear(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-    block: tuple[int, int],
+    x: torch.Tensor | fp8.Fp8Rows, q: torch.Tensor, scale_inv: torch.Tensor,
+    bias: torch.Tensor | None, block: tuple[int, int],
 ) -> torch.Tensor:
     """A block-scaled FP8 weight. On CUDA a Triton GEMM reads the FP8 weight itself: w8a8 for
-    bf16/fp16 x (its rows quantized per 128-group, kernels/triton_fp8_w8a8.py), weight-only for
-    float32 x (kernels/triton_fp8.py); elsewhere the weight-only reference dequantizes the whole
-    weight first."""
+    bf16/fp16 x (its rows quantized per 128-group, kernels/triton_fp8_w8a8.py, or already, by
+    `add_rms_norm(fp8=True)`), weight-only for float32 x (kernels/triton_fp8.py); elsewhere the
+    weight-only reference dequantizes the whole weight first."""
+    if isinstance(x, fp8.Fp8Rows):  # made only where quantizes_for_gemm held
+        from afdserve.kernels import triton_fp8_w8a8
+
+        return triton_fp8_w8a8.fp8_linear(x, q, scale_inv, bias)
     if _triton_ready(x):
         from afdserve.kernels import triton_fp8, triton_fp8_w8a8
 

@@ -10,7 +10,11 @@ cores with both operands as stored.
 2. GEMM: per group of 128 along K (one activation group, one weight scale block: BN divides
    128) the dot of the FP8 tiles, its float32 partial times the rows' scales and the block's
    scale; a K step (`Tiles.bk`) is one or more such groups. K is split at small M as in
-   kernels/triton_fp8.py, its float32 partials summed in split order.
+   kernels/triton_fp8.py, its float32 partials summed in split order by the tile's last split
+   to finish (`REDUCE_IN_GEMM`): each split stores its partial and counts itself in on a
+   per-weight tile counter; the one that counts last sums every partial in split order (the
+   same order and rounding as a separate sum launch, whichever split is last) and sets the
+   counter back to zero for the next call, so the counters are zeroed once, at allocation.
 
 The oracle is kernels/fp8.fp8_linear_w8a8; the two differ only in float32 summation order and
 the final rounding. Quantizing in its own launch keeps the GEMM's loop a plain pipelined FP8
@@ -27,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from afdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Rows
 from afdserve.kernels.triton_fp8 import (
     MAX_SPLITS,
     SCALE_BLOCK,
@@ -43,6 +47,25 @@ GROUP = SCALE_BLOCK  # activation values per scale: one weight block's K
 # so few rows that is a few instructions per weight tile, where the launch costs a microsecond
 # and more. Past them, the launch (fused, at 64 rows the GEMM took twice as long).
 QUANTIZE_IN_GEMM_ROWS = 16
+# Whether K splits are summed by the tile's last split (module docstring) rather than by a
+# second launch, which costs a launch per split GEMM: two a layer at a batch of 1 (q/k/v and
+# o_proj), one at 64. Qwen3-30B-A3B FP8 decode on an H200 (graphs, context 1024, 2026-12-04):
+# 3.08 / 3.08 against 3.13 / 3.14 ms a step at a batch of 1, within spread past it.
+REDUCE_IN_GEMM = True
+# Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
+MAX_SPLIT_TILES = 512
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counters(weight: torch.Tensor) -> torch.Tensor:
+    """The zeroed counters of one weight's split tiles, one set per weight so that GEMMs of
+    different weights never share one (each launch leaves its counters at zero)."""
+    key = (weight.device, weight.data_ptr())
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        counters = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
+                                                device=weight.device)  # fmt: skip
+    return counters
 
 
 @triton.jit
@@ -60,9 +83,10 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.con
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, M, N, K, groups, ws_stride,
-    k_per_split, a_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, groups,
+    ws_stride, k_per_split, a_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr,
+    GROUP: tl.constexpr, REDUCE: tl.constexpr = False,
 ):  # fmt: skip
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -92,14 +116,27 @@ def _gemm_kernel(
             block_scale = tl.load(w_scales + group)
             acc += tl.dot(a, tl.trans(w)) * (row_scales * block_scale)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
+    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
     if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:  # this split's float32 partial, summed in split order by _sum_splits_kernel
-        part = part_ptr + (tl.program_id(2) * M + m.to(tl.int64))[:, None] * N + n[None, :]
-        tl.store(part, acc, mask=out_mask)
+    else:  # this split's float32 partial, summed in split order
+        parts = part_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(parts + tl.program_id(2) * M * N, acc, mask=out_mask)
+        if REDUCE:  # by the tile's last split to finish, here (module docstring)
+            tl.debug_barrier()  # every thread's partial stored before this split counts in
+            tile = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            splits = tl.num_programs(2)
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for split in range(splits):  # from L2: other programs wrote them
+                    total += tl.load(parts + split * M * N, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(tile, 0)
 
 
 class Tiles(NamedTuple):
@@ -154,41 +191,48 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     q: torch.Tensor,
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """`kernels/fp8.fp8_linear_w8a8` on CUDA: x [..., in] (bf16/fp16) -> [..., out] in x's
-    dtype. Check `triton_fp8.supports` first. `tiles` overrides `tiles_for` (the kernel bench
-    sweeps them)."""
+    """`kernels/fp8.fp8_linear_w8a8` on CUDA: x [..., in] (bf16/fp16, or rows [M, in] already
+    quantized by the kernel before) -> [..., out] in x's dtype. Check `triton_fp8.supports`
+    first. `tiles` overrides `tiles_for` (the kernel bench sweeps them)."""
+    quantized = isinstance(x, Fp8Rows)
     lead, k = x.shape[:-1], x.shape[-1]
     n = q.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x.values if quantized else x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x2.device)
     if m == 0:
         return y.view(*lead, n)
-    fused = m <= QUANTIZE_IN_GEMM_ROWS
+    fused = not quantized and m <= QUANTIZE_IN_GEMM_ROWS
     # Fused: the GEMM reads x itself (`xs` is not read).
-    xq, xs = (x2, x2) if fused else quantize_rows(x2)
+    if quantized:
+        xq, xs = x2, x.scales
+    else:
+        xq, xs = (x2, x2) if fused else quantize_rows(x2)
     scale_inv = scale_inv.contiguous()
     bm, bn, bk, splits, warps, stages = tiles or tiles_for(m, n, k)
     steps_per_split = triton.cdiv(triton.cdiv(k, bk), splits)
     splits = triton.cdiv(triton.cdiv(k, bk), steps_per_split)
-    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x2.device)
     bias_arg = bias if bias is not None else y  # never read without a bias
-    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
-        xq, xs, q, scale_inv, bias_arg, y, part, m, n, k, triton.cdiv(k, GROUP),
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
+    reduce = splits > 1 and REDUCE_IN_GEMM and grid[0] * grid[1] <= MAX_SPLIT_TILES
+    counters = _tile_counters(q) if reduce else y  # never read unless reducing
+    _gemm_kernel[grid](
+        xq, xs, q, scale_inv, bias_arg, y, part, counters, m, n, k, triton.cdiv(k, GROUP),
         scale_inv.stride(0), steps_per_split * bk, xq.stride(0),
         HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SPLIT=splits > 1, QUANTIZE=fused,
-        GROUP=GROUP,
+        GROUP=GROUP, REDUCE=reduce,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and not reduce:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             part, bias_arg, y, m, n, HAS_BIAS=bias is not None, SPLIT=splits, BLOCK=SUM_BLOCK,
             num_warps=4,

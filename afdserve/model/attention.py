@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
+from afdserve.kernels.fp8 import Fp8Rows
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 from afdserve.kernels.reference import causal_attention, dequantize_kv, gather_kv
 from afdserve.model.config import ModelConfig
@@ -75,9 +76,17 @@ class GQAAttention(nn.Module):
                 setattr(proj, name, nn.Parameter(view, requires_grad=False))
             setattr(self, f"qkv_{name}", packed)
 
+    def takes_fp8_rows(self, h: torch.Tensor) -> bool:
+        """Whether the norm before this layer may hand `forward` its rows quantized for the
+        packed FP8 q/k/v GEMM (ops.quantizes_for_gemm), saving that GEMM's quantize launch."""
+        if self.qkv_weight_scale_inv is None:
+            return False
+        return ops.quantizes_for_gemm(h, self.qkv_weight, self.qkv_weight_scale_inv,
+                                      self.qkv_block)  # fmt: skip
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         meta: AttentionMetadata,
         rotary: Rotary,
         cache: LayerCache,
@@ -134,9 +143,16 @@ class MLAAttention(nn.Module):
         # MLA reads k_scale alone too).
         self.k_scale = 1.0
 
+    def takes_fp8_rows(self, h: torch.Tensor) -> bool:
+        """As GQA's: both projections of the layer input (q_a or q, kv_a) FP8 w8a8 GEMMs."""
+        inputs = (self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa)
+        return all(isinstance(p, Fp8Linear)
+                   and ops.quantizes_for_gemm(h, p.weight, p.weight_scale_inv, p.block)
+                   for p in inputs)  # fmt: skip
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         meta: AttentionMetadata,
         rotary: Rotary,
         cache: LayerCache,

@@ -117,13 +117,16 @@ class MoECausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [rows, hidden] residual stream, plus the previous layer's FFN output (None at layer
         0) -> (x normalised FFN input, h after attention). Each residual add runs fused with the
-        norm that follows it."""
+        norm that follows it, and so does the FP8 quantization of the attention's input rows
+        where its input projections are w8a8 GEMMs that would quantize them in a launch of their
+        own (`takes_fp8_rows`; the same values either way)."""
         block = self.model.layers[layer]
         norm = block.input_layernorm
         if ffn_out is None:
             x = norm(h)
         else:
-            x, h = ops.add_rms_norm(h, ffn_out, norm.weight, norm.eps)
+            fp8_rows = block.self_attn.takes_fp8_rows(h)
+            x, h = ops.add_rms_norm(h, ffn_out, norm.weight, norm.eps, fp8_rows)
         attn = block.self_attn(x, meta, self.rotary, cache, cos_sin)
         norm = block.post_attention_layernorm
         return ops.add_rms_norm(h, attn, norm.weight, norm.eps)

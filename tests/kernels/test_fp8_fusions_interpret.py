@@ -1,0 +1,49 @@
+"""The launches the w8a8 FP8 path folds into others (tests/gpu/test_fp8_fusions.py on the GPU),
+under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the norm that quantizes its rows
+gives add_rms_norm-then-quantize_rows' values and scales bit for bit (a partial last group, a
+width under one group), and the GEMM whose last K split sums the partials gives the sum launch's
+bits with its tile counters back at zero. fp16 rows (the interpreter computes bf16 wrongly). In
+a subprocess because the variable must be set before any @triton.jit function is defined."""
+
+from __future__ import annotations
+
+from tests.kernels.interpret import run_interpreted
+
+INTERPRETED_CASES = """
+import torch
+from afdserve.kernels import fp8, triton_fp8_w8a8 as w8a8, triton_norm
+
+for rows, width in [(3, 256), (5, 200), (2, 96)]:
+    gen = torch.Generator().manual_seed(rows + width)
+    h = (torch.randn(rows, width, generator=gen) * 3).half()
+    delta = torch.randn(rows, width, generator=gen).half()
+    weight = (torch.rand(width, generator=gen) + 0.5).half()
+    normed, summed = triton_norm.add_rms_norm(h, delta, weight, 1e-6)
+    values, scales = w8a8.quantize_rows(normed)
+    got, got_summed = triton_norm.add_rms_norm_fp8(h, delta, weight, 1e-6)
+    assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8)), (rows, width)
+    assert torch.equal(got.scales, scales) and torch.equal(got_summed, summed), (rows, width)
+    print("norm", rows, width, "ok")
+
+for m, n, k, splits in [(1, 320, 1024, 4), (8, 192, 2048, 8), (3, 200, 640, 2)]:
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).half()
+    q, s = fp8.quantize_blockwise(torch.randn(n, k, generator=gen) * k**-0.5, (128, 128))
+    for bias in (None, torch.randn(n, generator=gen).half()):
+        tiles = w8a8.Tiles(16, 64, 128, splits, 4, 3)
+        w8a8.REDUCE_IN_GEMM = False
+        want = w8a8.fp8_linear(x, q, s, bias, tiles)
+        w8a8.REDUCE_IN_GEMM = True
+        for _ in range(2):
+            assert torch.equal(w8a8.fp8_linear(x, q, s, bias, tiles), want), (m, n, k)
+        assert int(w8a8._tile_counters(q).count_nonzero()) == 0
+        rows = fp8.Fp8Rows(*w8a8.quantize_rows(x), x.dtype)
+        assert torch.equal(w8a8.fp8_linear(rows, q, s, bias, tiles), want), (m, n, k)
+    print("gemm", m, n, k, "ok")
+"""
+
+
+def test_fused_fp8_launches_under_the_interpreter() -> None:
+    run = run_interpreted(INTERPRETED_CASES, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok") == 6, run.stdout
