@@ -40,28 +40,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
-    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it. `fp8`:
-    the normalised rows quantized for the w8a8 GEMM they feed, in the same launch; only where
-    `quantizes_for_gemm(h, q, scale_inv, block)` says that GEMM takes them."""
+    """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it.
+    `quantize`: the normalised rows as the w8a8 GEMM they feed takes them (fp8.Fp8Rows), in the
+    same launch; only where `quantizes_for_gemm(h, q, scale_inv, block)` holds."""
     fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
     if fits and _triton_ready(h) and h.shape[-1] <= 16384:
-        from afdserve.kernels import triton_norm
+        from afdserve.kernels import triton_fp8_w8a8, triton_norm
 
-        if fp8:
+        if quantize and weight.dtype == h.dtype:
             return triton_norm.add_rms_norm_fp8(h, delta, weight, eps)
-        return triton_norm.add_rms_norm(h, delta, weight, eps)
-    if fp8:
-        raise ValueError("add_rms_norm: fp8 rows are made on CUDA only (quantizes_for_gemm)")
+        x, h = triton_norm.add_rms_norm(h, delta, weight, eps)
+        if quantize:  # a norm weight of another dtype: its output's dtype, quantized after
+            return fp8.Fp8Rows(*triton_fp8_w8a8.quantize_rows(x), x.dtype), h
+        return x, h
+    if quantize:
+        raise ValueError("add_rms_norm: FP8 rows are made on CUDA only (quantizes_for_gemm)")
     return reference.add_rms_norm(h, delta, weight, eps)
 
 
 def quantizes_for_gemm(
     h: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> bool:
-    """Whether `add_rms_norm(h, ..., fp8=True)` may feed the FP8 weight (q, scale_inv): the w8a8
-    GEMM takes h's rows from a quantize launch of their own there (past
+    """Whether `add_rms_norm(h, ..., quantize=True)` may feed the FP8 weight (q, scale_inv):
+    the w8a8 GEMM takes h's rows from a quantize launch of their own there (past
     triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS rows), which the norm then does instead."""
     if not (_triton_ready(h) and h.dim() == 2 and h.shape[-1] <= 16384):
         return False
@@ -200,7 +204,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """A block-scaled FP8 weight. On CUDA a Triton GEMM reads the FP8 weight itself: w8a8 for
     bf16/fp16 x (its rows quantized per 128-group, kernels/triton_fp8_w8a8.py, or already, by
-    `add_rms_norm(fp8=True)`), weight-only for float32 x (kernels/triton_fp8.py); elsewhere the
+    `add_rms_norm(quantize=True)`), weight-only for float32 x (kernels/triton_fp8.py); elsewhere the
     weight-only reference dequantizes the whole weight first."""
     if isinstance(x, fp8.Fp8Rows):  # made only where quantizes_for_gemm held
         from afdserve.kernels import triton_fp8_w8a8
