@@ -44,20 +44,17 @@ def add_rms_norm(
     quantize: bool = False,
 ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
     """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it.
-    `quantize`: the normalised rows as the w8a8 GEMM they feed takes them (fp8.Fp8Rows), in the
-    same launch; only where `quantizes_for_gemm(h, q, scale_inv, block)` holds."""
+    `quantize` (where `quantizes_for_gemm(h, q, scale_inv, block)` holds): the normalised rows
+    may come back as the w8a8 GEMM they feed takes them (fp8.Fp8Rows), from the same launch;
+    they do where the norm's output has h's dtype (its weight's), else they come back as they
+    are, for the GEMM to take as it would."""
     fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
     if fits and _triton_ready(h) and h.shape[-1] <= 16384:
-        from afdserve.kernels import triton_fp8_w8a8, triton_norm
+        from afdserve.kernels import triton_norm
 
         if quantize and weight.dtype == h.dtype:
             return triton_norm.add_rms_norm_fp8(h, delta, weight, eps)
-        x, h = triton_norm.add_rms_norm(h, delta, weight, eps)
-        if quantize:  # a norm weight of another dtype: its output's dtype, quantized after
-            return fp8.Fp8Rows(*triton_fp8_w8a8.quantize_rows(x), x.dtype), h
-        return x, h
-    if quantize:
-        raise ValueError("add_rms_norm: FP8 rows are made on CUDA only (quantizes_for_gemm)")
+        return triton_norm.add_rms_norm(h, delta, weight, eps)
     return reference.add_rms_norm(h, delta, weight, eps)
 
 
