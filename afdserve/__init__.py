@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
-        from afdserve.engine import outputs
+        from afdserve.frontend import outputs
 
         return getattr(outputs, name)
     raise AttributeError(name)

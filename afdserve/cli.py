@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         chat_template=read_chat_template(args.chat_template),
     )  # fmt: skip
-    from afdserve.engine.generation_config import generation_defaults
+    from afdserve.frontend.generation_config import generation_defaults
 
     # A bad file or directory: one line, now. The LLM reads the same source, so that its
     # get_default_sampling_params() agrees with the server's request defaults.
@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from afdserve.model.tiny import make_tiny_model
+    from afdserve.model.fixtures.tiny import make_tiny_model
 
     hash_layers = args.hash_layers
     if hash_layers is None:

@@ -29,8 +29,8 @@ QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quant
 CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
-ROUTING_POLICIES = ("prefix", "least-tokens")  # afd/clients/routing.py
+A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/reference/a2e.py
+ROUTING_POLICIES = ("prefix", "least-tokens")  # frontend/routing.py
 
 
 def _one_one():
@@ -99,7 +99,7 @@ class EngineConfig:
         None, help="automatic prefix caching: a request's longest prefix of full blocks already "
                    "in its attention rank's KV cache is taken from there, not recomputed",
         shown="on, except for DeepSeek-V4, which has no plain paged cache")  # fmt: skip
-    # Where the model comes from (model/hub.py): the LLM hands the ranks local directories.
+    # Where the model comes from (model/checkpoint/hub.py): the LLM hands the ranks local directories.
     revision: str | None = option(
         None, help="with a hub id: the branch, tag or commit to load", shown="main")
     tokenizer: str | None = option(

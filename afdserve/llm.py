@@ -1,7 +1,7 @@
 """The offline API: `LLM(model, topology=...)` and `LLM.generate(prompts, SamplingParams(...))`.
 
 It sits on top: it picks the one-process engine (colocated, in-process 1A1F) or starts one process
-per rank (afd/clients/process.py), and drives either through the same EngineClient: the frontend,
+per rank (frontend/process.py), and drives either through the same EngineClient: the frontend,
 which turns the core client's token deltas into outputs with this LLM's tokenizer."""
 
 from __future__ import annotations
@@ -11,25 +11,25 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 
-from afdserve.afd.clients.process import ProcessClient
-from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.frontend.process import ProcessClient
+from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.afd.step.recorder import StepLogFile
+from afdserve.engine.step_recorder import StepLogFile
 from afdserve.config import EngineConfig, EngineConfigs, engine_configs
-from afdserve.engine.client import EngineClient
-from afdserve.engine.core_client import EngineCoreClient
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.core_client import EngineCoreClient
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.factory import prefix_caching_for
-from afdserve.engine.generation_config import generation_defaults
-from afdserve.engine.outputs import RequestOutput, SequenceOutput, gather
+from afdserve.frontend.generation_config import generation_defaults
+from afdserve.frontend.outputs import RequestOutput, SequenceOutput, gather
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.config import load_model_config
-from afdserve.model.hub import TOKENIZER_PATTERNS, resolve_model_dir
-from afdserve.model.preflight import preflight
+from afdserve.model.checkpoint.hub import TOKENIZER_PATTERNS, resolve_model_dir
+from afdserve.model.checkpoint.preflight import preflight
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -83,7 +83,7 @@ def check_replicas(topology: Topology, device: str) -> None:
 
 def resolve_sources(model: str | None, config: EngineConfig) -> tuple[str, str | None]:
     """The local directories of the model and of its tokenizer (None: the model's), each as
-    given or a hub id's cached snapshot (model/hub.py)."""
+    given or a hub id's cached snapshot (model/checkpoint/hub.py)."""
     source = {"download_dir": config.download_dir, "trust_remote_code": config.trust_remote_code}
     model_dir = resolve_model_dir(model, revision=config.revision, **source)
     if config.tokenizer is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from afdserve.model.tiny import FAMILIES, make_tiny_model
+from afdserve.model.fixtures.tiny import FAMILIES, make_tiny_model
 
 # How many hash-routed layers each family's hash variant gets: both 1 and 2 are covered, and
 # DeepSeek-V3 (sigmoid scores) and the softmax families are both among them.

@@ -1,4 +1,4 @@
-"""Time paged decode attention (kernels/triton_attention.py through `ops.paged_attention`) over a
+"""Time paged decode attention (kernels/triton/attention.py through `ops.paged_attention`) over a
 bf16 and an FP8 (float8_e4m3fn) KV cache at Qwen3-30B-A3B's heads (32 query heads, 4 KV heads,
 head dim 128, cache block 16), one query row per sequence, on CUDA.
 
@@ -25,9 +25,11 @@ import torch
 from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's folder
 
 from afdserve.bench.bytes import measure_copy_bandwidth
-from afdserve.kernels import ops, reference, triton_attention
+from afdserve.kernels import ops
+from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.triton import attention as triton_attention
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
-from afdserve.kernels.triton_attention import Launch
+from afdserve.kernels.triton.attention import Launch
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 4, 128, 16
 SHAPES = "1x1024,8x8192,64x1024,64x8192,128x8192"

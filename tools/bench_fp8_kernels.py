@@ -4,7 +4,7 @@ median). Prints microseconds per call and the weight bytes read per second.
 
     PYTHONPATH=$PWD python tools/bench_fp8_kernels.py [--batches 1,8,64,256]
 
-Rows: the dense projections (q/k/v packed into one GEMM, as model/attention.py runs them in bf16
+Rows: the dense projections (q/k/v packed into one GEMM, as model/layers/attention.py runs them in bf16
 and in FP8), o_proj (each over COPIES weights, out of L2), and the routed experts of one layer
 (top-8 of 128, random routing): bf16 decode kernels / sort-free grouped path / torch's grouped
 GEMM, FP8 kernels, each FP8 kernel weight-only and w8a8 (activations quantized per 128-group).
@@ -18,17 +18,22 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from afdserve.kernels import (
-    fp8,
-    moe_gpu,
-    ops,
-    triton_fp8,
-    triton_fp8_moe,
-    triton_fp8_w8a8,
-    triton_grouped_moe,
-    triton_moe,
-)
-from afdserve.model.fp8 import quantize_weight
+from afdserve.kernels import ops
+
+from afdserve.kernels.reference import fp8
+
+from afdserve.kernels.moe import torch_grouped as moe_gpu
+
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+
+from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+
+from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+
+from afdserve.kernels.moe import grouped as triton_grouped_moe
+
+from afdserve.kernels.moe import decode as triton_moe
+from afdserve.model.layers.fp8 import quantize_weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, INTER, TOP_K = 128, 768, 8

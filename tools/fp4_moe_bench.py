@@ -1,5 +1,5 @@
-"""Time the FP4 routed-expert kernels (kernels/triton_fp4_moe.py) at DeepSeek-V4-Flash's expert
-shape against the bf16 decode kernels (kernels/triton_moe.py) on the same routing, on CUDA.
+"""Time the FP4 routed-expert kernels (kernels/moe/fp4_decode.py) at DeepSeek-V4-Flash's expert
+shape against the bf16 decode kernels (kernels/moe/decode.py) on the same routing, on CUDA.
 
 For each batch: the median of graph replays of one layer's routed experts (256 experts, hidden
 4096, intermediate 2048, top-6, random routing), the bytes the touched experts hold (FP4: 4.25
@@ -23,8 +23,11 @@ import statistics
 import torch
 
 from afdserve.bench.bytes import measure_copy_bandwidth
-from afdserve.kernels import fp4, ops, triton_fp4_moe, triton_moe
-from afdserve.kernels.triton_fp4_moe import Tiles
+from afdserve.kernels import ops
+from afdserve.kernels.reference import fp4
+from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
+from afdserve.kernels.moe import decode as triton_moe
+from afdserve.kernels.moe.fp4_decode import Tiles
 
 HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
 

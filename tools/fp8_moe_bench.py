@@ -2,8 +2,8 @@
 against the first orientation (weights right), at Qwen3-30B-A3B's experts on one GPU.
 
 For each batch (top-8 of 128 experts, random routing) and each mode (w8a8, weight-only): the
-decode kernels (kernels/triton_fp8_moe.py, timed up to --decode-max pairs; ops takes them up to
-MAX_PAIRS = 8, a batch of 1) and the grouped kernels (kernels/triton_grouped_moe.py), each
+decode kernels (kernels/moe/fp8_decode.py, timed up to --decode-max pairs; ops takes them up to
+MAX_PAIRS = 8, a batch of 1) and the grouped kernels (kernels/moe/grouped.py), each
 orientation, a whole experts call replayed in a CUDA graph (triton.testing.do_bench_cudagraph,
 median); the FP8 bytes the touched experts hold and the GB/s that makes, beside the device's
 copy bandwidth (bench/bytes.py, read plus write), and new / old. A config that fails (to
@@ -25,9 +25,10 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from afdserve.bench.bytes import measure_copy_bandwidth
-from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
-from afdserve.kernels.triton_fp8_moe import Tiles
-from afdserve.model.fp8 import quantize_weight
+from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+from afdserve.kernels.moe import grouped as triton_grouped_moe
+from afdserve.kernels.moe.fp8_decode import Tiles
+from afdserve.model.layers.fp8 import quantize_weight
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 BLOCK = (128, 128)

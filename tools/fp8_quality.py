@@ -27,7 +27,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.model.presets import write_preset_config
-from afdserve.model.tiny import FAMILIES, make_tiny_model
+from afdserve.model.fixtures.tiny import FAMILIES, make_tiny_model
 
 # The engine options of each setting measured against the model-dtype reference.
 SETTINGS = {"weights": {"quantization": "fp8"}, "kv": {"kv_cache_dtype": "fp8"},

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.bundled import BUNDLED_FAMILY
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.bundled import BUNDLED_FAMILY
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 PROMPTS = [[7], [72, 101, 108, 108, 111], list(range(30, 58)), [256, 40, 41, 42, 200, 3, 4],
            [(17 * i) % 256 for i in range(45)], [97, 98, 99, 100, 101, 102], [255, 0, 255, 0],

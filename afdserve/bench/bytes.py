@@ -4,7 +4,7 @@ routed experts a batch touches, and the weight and KV bytes of one step.
 Bytes are those held in memory: a block-scaled FP8 weight (`quantization="fp8"`) counts one byte
 per element plus its float32 scale grid, a routed expert's scales only for the experts touched
 (as its weights); an FP8 KV cache counts one byte per cached element. DeepSeek-V4's paged cache
-(model/deepseek_v4/cache.py) counts what its attention reads per layer type (`v4_layer_kv_bytes`).
+(model/families/deepseek_v4/cache.py) counts what its attention reads per layer type (`v4_layer_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.fp8 import SCALE_SUFFIX
-from afdserve.model.model import MoECausalLM
-from afdserve.model.moe import Experts
+from afdserve.model.layers.fp8 import SCALE_SUFFIX
+from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.layers.moe import Experts
 
 
 def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> float:

@@ -36,10 +36,10 @@ from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.config_args import build, option
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.model.config import parse_model_config
-from afdserve.model.loader import TORCH_DTYPES
-from afdserve.model.model import ModelParts, MoECausalLM
+from afdserve.model.checkpoint.loader import TORCH_DTYPES
+from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.kernels import running_expert_kernels
 from afdserve.planner.profile import (

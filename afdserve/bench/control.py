@@ -58,7 +58,7 @@ def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, res
 def measure_control_plane(topology: Topology, rounds: int = ControlBench.rounds,
                           plane: str = "gloo") -> dict[int, float]:
     """Median microseconds of one control round, per rank."""
-    from afdserve.afd.clients.process import free_port
+    from afdserve.frontend.process import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -34,7 +34,7 @@ from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import invalid
 from afdserve.config import A2E_DTYPES, DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build, option
-from afdserve.model.loader import TORCH_DTYPES
+from afdserve.model.checkpoint.loader import TORCH_DTYPES
 from afdserve.model.presets import hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).

@@ -6,7 +6,7 @@ reports, so both plan the same steps (capture on the first, replay after, when g
 Also measured, per batch: the data plane alone (a layer's A2E send and E2A reply of the batch's
 tile, no compute, captured in a CUDA graph over every layer) and each GPU's busy time per step:
 the step's span less the time its stream stood waiting for the peer, from device timestamps
-around every wait (kernels/triton_stamp.py), in a second run whose graphs hold the stamps.
+around every wait (kernels/triton/stamp.py), in a second run whose graphs hold the stamps.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from afdserve.bench.report import WARMUP_STEPS
 from afdserve.layout.plan import RankStep
 from afdserve.layout.step import StepPlan
 from afdserve.layout.topology import Topology
-from afdserve.model.loader import TORCH_DTYPES
-from afdserve.model.model import ModelParts
+from afdserve.model.checkpoint.loader import TORCH_DTYPES
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.presets import hf_config_of
 
 PROFILED_STEPS = 5
@@ -49,7 +49,7 @@ def busy_ns(stamps: list[int]) -> tuple[int, int]:
 
 def _busy(stamps, steps: int) -> float:
     """Median seconds per step during which the GPU was not waiting for its peer: each step
-    stamped [start, (before, after) every wait..., end] (kernels/triton_stamp.py)."""
+    stamped [start, (before, after) every wait..., end] (kernels/triton/stamp.py)."""
     marks = stamps.read()
     if len(marks) % steps:
         raise RuntimeError(f"{len(marks)} stamps do not split into {steps} steps")
@@ -154,7 +154,7 @@ def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
             inboxes = open_inboxes(topology, config, dtype, device, spec.ubatches, tile)
         # A timed run, then a run with device timestamps around every wait (its graphs hold the
         # stamp kernels, so it is not the timed one): each role's busy time per step.
-        from afdserve.kernels.triton_stamp import Stamps
+        from afdserve.kernels.triton.stamp import Stamps
 
         if rank == 0:
             times = _attention_steps(spec, model, batch, inboxes, None, steps_total)
@@ -181,7 +181,7 @@ def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
 def run_p2p_decode_bench(spec: DecodeSpec) -> list[DecodeResult]:
     if torch.cuda.device_count() < 2:
         raise ValueError("bench --topology 1A1F needs two GPUs (attention on 0, FFN on 1)")
-    from afdserve.afd.clients.process import free_port
+    from afdserve.frontend.process import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -35,15 +35,15 @@ from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segmen
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 from afdserve.model.config import ModelConfig, parse_model_config
-from afdserve.model.deepseek_v4.cache import V4KVCache
-from afdserve.model.loader import (
+from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.checkpoint.loader import (
     TORCH_DTYPES,
     all_tensor_names,
     build_model,
     init_random_weights,
     load_weights,
 )
-from afdserve.model.model import ModelParts, MoECausalLM
+from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.quantization import resolve_quantization
 
 

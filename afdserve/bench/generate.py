@@ -27,7 +27,7 @@ from afdserve.bench.flags import (
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build, option
-from afdserve.engine.outputs import RequestOutput
+from afdserve.frontend.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.llm import LLM
 

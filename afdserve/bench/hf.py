@@ -7,7 +7,7 @@ import torch
 
 from afdserve.bench.decode_steps import DecodeSpec
 from afdserve.bench.report import device_seconds
-from afdserve.model.model import MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 
 
 def hf_sharing_weights(

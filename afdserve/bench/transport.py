@@ -5,7 +5,7 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 
 Transports:
   nccl        the mirrored point-to-point batches of afd/dataplane/wire.py (NCCL send/recv kernels)
-  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile (kernels/a2e.py),
+  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile (kernels/reference/a2e.py),
               sends fp8 rows (as bytes) and their scales, the FFN rank dequantizes and replies
               in the model dtype; the time includes both conversions
   ipc         connector="ipc" (afd/dataplane/ipc.py): symmetric memory (CUDA IPC, no multicast); the
@@ -32,8 +32,8 @@ from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.bench.flags import add_bench_flags, names, sizes
 from afdserve.config_args import build, option
-from afdserve.kernels.a2e import A2EFormat, scale_groups
-from afdserve.model.loader import TORCH_DTYPES
+from afdserve.kernels.reference.a2e import A2EFormat, scale_groups
+from afdserve.model.checkpoint.loader import TORCH_DTYPES
 
 TRANSPORTS = ("nccl", "nccl-fp8", "ipc", "ipc-copy", "ipc-signal")
 

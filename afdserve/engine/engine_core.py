@@ -1,12 +1,12 @@
 """One attention rank's engine: requests in, scheduled steps through the model, token ids out.
 
 Each step yields one `TokenDelta` per request that changed: its new token ids and logprobs, no
-text. Detokenizing and stop strings are the frontend's (engine/output_processor.py), so that the
+text. Detokenizing and stop strings are the frontend's (frontend/output_processor.py), so that the
 rank's step does no per-token Python work beyond sampling.
 
 The step is split so that the control plane fits in the middle: `schedule()` -> report
 `RankStep` -> (every rank plans the same step) -> `execute(out, plan, forward, step)`. The
-attention driver (afd/step/driver.py) runs that loop for every topology, colocated included.
+attention driver (engine/step_loop.py) runs that loop for every topology, colocated included.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from afdserve.engine.sequence import Sequence
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.config import ModelConfig
-from afdserve.model.model import MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class EngineCore:
         prefix_caching: bool = False,
     ) -> None:
         # The tokenizer only gives the eos token when the config names none: text is the
-        # frontend's (engine/output_processor.py).
+        # frontend's (frontend/output_processor.py).
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache

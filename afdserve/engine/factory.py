@@ -14,8 +14,8 @@ from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv,
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.config import ModelConfig
-from afdserve.model.loader import LoadReport, load_model
-from afdserve.model.model import ModelParts, MoECausalLM
+from afdserve.model.checkpoint.loader import LoadReport, load_model
+from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 
 log = logging.getLogger(__name__)
 

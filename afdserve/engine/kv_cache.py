@@ -2,7 +2,7 @@
 
 Its dtype is the model's (kv_cache_dtype="auto") or float8_e4m3fn ("fp8", vLLM's alias
 "fp8_e4m3"): half a bf16 cache's bytes per token, so the same memory holds twice the tokens. The
-FP8 cache's per-tensor scales are the attention layers' (model/attention.py), 1.0.
+FP8 cache's per-tensor scales are the attention layers' (model/layers/attention.py), 1.0.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.deepseek_v4 import cache as v4_cache
+from afdserve.model.families.deepseek_v4 import cache as v4_cache
 
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # vLLM's and ModelOpt's names
@@ -92,7 +92,7 @@ def make_kv_cache(
     device: torch.device | str,
 ) -> KVCache | v4_cache.V4KVCache:
     """The family's paged cache over `num_blocks` blocks (DeepSeek-V4: pages per layer type,
-    model/deepseek_v4/cache.py)."""
+    model/families/deepseek_v4/cache.py)."""
     if config.v4 is not None:
         return v4_cache.V4KVCache(config, num_blocks, block_size, dtype, device)
     return KVCache(config, num_blocks, block_size, dtype, device)

@@ -3,7 +3,7 @@ before and in it, so two blocks share a hash only when everything their KV depen
 
 The KV of position p depends on tokens [0, p] and on nothing else for every family with a plain
 paged cache (no per-request model inputs change it today); `extra` is where such an input would
-enter the chain. The frontend's router (afd/clients/routing.py) hashes prompts with this same
+enter the chain. The frontend's router (frontend/routing.py) hashes prompts with this same
 function to guess which attention rank holds a prefix, so both must agree byte for byte.
 
 SHA-256 rather than Python's `hash`: a server shares its cache between clients, and a collision an

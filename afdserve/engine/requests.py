@@ -54,7 +54,7 @@ def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimi
 @dataclass(frozen=True)
 class TokenDelta:
     """What one step of the engine core added to one request: token ids, no text. An attention
-    rank sends these as they are; the frontend's output processor (engine/output_processor.py)
+    rank sends these as they are; the frontend's output processor (frontend/output_processor.py)
     detokenizes, applies stop strings and keeps the cumulative output, so that the rank's step
     neither decodes text nor pickles what the frontend already has."""
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import fp4, fp8, reference
+from afdserve.kernels.reference import fp4
+
+from afdserve.kernels.reference import fp8
+
+from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 
@@ -25,7 +29,7 @@ def rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 ) -> torch.Tensor:
     if _triton_ready(x):
-        from afdserve.kernels import triton_rotary
+        from afdserve.kernels.triton import rotary as triton_rotary
 
         return triton_rotary.rotate(x, cos, sin, interleave)
     return reference.rotate(x, cos, sin, interleave)
@@ -33,7 +37,7 @@ def rotate(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _triton_ready(x) and x.shape[-1] <= 16384:
-        from afdserve.kernels import triton_norm
+        from afdserve.kernels.triton import norm as triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -50,7 +54,7 @@ def add_rms_norm(
     are, for the GEMM to take as it would."""
     fits = h.dim() == 2 and h.shape == delta.shape and h.dtype == delta.dtype
     if fits and _triton_ready(h) and h.shape[-1] <= 16384:
-        from afdserve.kernels import triton_norm
+        from afdserve.kernels.triton import norm as triton_norm
 
         if quantize and weight.dtype == h.dtype:
             return triton_norm.add_rms_norm_fp8(h, delta, weight, eps)
@@ -66,7 +70,8 @@ def quantizes_for_gemm(
     triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS rows), which the norm then does instead."""
     if not (_triton_ready(h) and h.dim() == 2 and h.shape[-1] <= 16384):
         return False
-    from afdserve.kernels import triton_fp8, triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     if not (triton_fp8.supports(h, q, scale_inv, block) and triton_fp8.w8a8(h.dtype)):
         return False
@@ -88,7 +93,7 @@ def prepare_qkv(
     scales are an FP8 cache's (Python floats, so a captured graph holds them as constants)."""
     args = (qkv, layout, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if _triton_ready(qkv):
-        from afdserve.kernels import triton_qkv
+        from afdserve.kernels.triton import qkv as triton_qkv
 
         if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
             return triton_qkv.prepare_qkv(*args)
@@ -99,7 +104,7 @@ def write_kv(
     cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
 ) -> None:
     if cache.is_contiguous() and _triton_ready(cache):
-        from afdserve.kernels import triton_attention
+        from afdserve.kernels.triton import attention as triton_attention
 
         triton_attention.write_kv(cache, values, slot_mapping, scale)
         return
@@ -122,7 +127,7 @@ def paged_attention(
         and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1]
         and _triton_ready(q)
     ):
-        from afdserve.kernels import triton_attention
+        from afdserve.kernels.triton import attention as triton_attention
 
         return triton_attention.paged_attention(*args)
     return reference.paged_attention(*args)
@@ -135,7 +140,7 @@ def route_greedy(
     """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
     where the fast path does not apply and the caller keeps its torch form."""
     if _triton_ready(x):
-        from afdserve.kernels import triton_router
+        from afdserve.kernels.moe import router as triton_router
 
         if triton_router.supports(x, weight, top_k):
             return triton_router.route(x, weight, top_k, scoring, normalize, scale)
@@ -157,7 +162,7 @@ def moe_experts(
             return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
         return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
-        from afdserve.kernels import moe_gpu
+        from afdserve.kernels.moe import torch_grouped as moe_gpu
 
         if gate_up.shape[0] == 0:  # a shard without experts (more FFN ranks than experts)
             return torch.zeros_like(x)
@@ -166,7 +171,8 @@ def moe_experts(
         # torch sort / scatter / gather around it); past GROUPED_MAX_PAIRS (prefill chunks,
         # compute-bound) torch's grouped GEMM. The first crossover was measured.
         if _triton_ready(x):
-            from afdserve.kernels import triton_grouped_moe, triton_moe
+            from afdserve.kernels.moe import grouped as triton_grouped_moe
+            from afdserve.kernels.moe import decode as triton_moe
 
             pairs = topk_ids.numel()
             if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
@@ -200,15 +206,16 @@ def fp8_linear(
     bias: torch.Tensor | None, block: tuple[int, int],
 ) -> torch.Tensor:
     """A block-scaled FP8 weight. On CUDA a Triton GEMM reads the FP8 weight itself: w8a8 for
-    bf16/fp16 x (its rows quantized per 128-group, kernels/triton_fp8_w8a8.py, or already, by
-    `add_rms_norm(quantize=True)`), weight-only for float32 x (kernels/triton_fp8.py); elsewhere the
+    bf16/fp16 x (its rows quantized per 128-group, kernels/triton/fp8_w8a8.py, or already, by
+    `add_rms_norm(quantize=True)`), weight-only for float32 x (kernels/triton/fp8_weight_only.py); elsewhere the
     weight-only reference dequantizes the whole weight first."""
     if isinstance(x, fp8.Fp8Rows):  # made only where quantizes_for_gemm held
-        from afdserve.kernels import triton_fp8_w8a8
+        from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
         return triton_fp8_w8a8.fp8_linear(x, q, scale_inv, bias)
     if _triton_ready(x):
-        from afdserve.kernels import triton_fp8, triton_fp8_w8a8
+        from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+        from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
         if triton_fp8.supports(x, q, scale_inv, block):
             if triton_fp8.w8a8(x.dtype):
@@ -223,7 +230,7 @@ def dequantize_fp8(
     """A block-scaled FP8 weight as a matrix in `dtype` (for code that uses it as one: MLA's
     absorbed attention), the same values on every path; on CUDA one Triton pass."""
     if _triton_ready(q):
-        from afdserve.kernels import triton_fp8
+        from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
         if triton_fp8.weight_fits(q, scale_inv, block):
             return triton_fp8.dequantize(q, scale_inv, dtype)
@@ -241,13 +248,14 @@ def moe_experts_fp8(
 ) -> torch.Tensor:
     """Routed experts whose weights are block-scaled FP8 ((q, scale_inv) pairs); `limit`: the
     SwiGLU clamp (DeepSeek-V4). On CUDA the stacks stay FP8 and the Triton kernels scale their
-    tiles in registers: the decode kernels (kernels/triton_fp8_moe.py) for few pairs, the grouped
+    tiles in registers: the decode kernels (kernels/moe/fp8_decode.py) for few pairs, the grouped
     GEMM for more (any count: the alternative is a bf16 copy of every expert). Where those do not
     apply (fp32 activations, odd shapes, a clamp, which they do not apply yet) the stacks are
     dequantized whole and take `moe_experts` (graph capturable, at the cost of that transient).
     Elsewhere the reference dequantizes only the experts the rows are routed to."""
     if _triton_ready(x) and limit is None:
-        from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
+        from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+        from afdserve.kernels.moe import grouped as triton_grouped_moe
 
         if gate_up[0].shape[0] == 0:  # a shard without experts
             return torch.zeros_like(x)
@@ -274,11 +282,11 @@ def moe_experts_fp4(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/fp4.py). On CUDA the
+    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On CUDA the
     Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the experts,
     graph capturable); elsewhere the reference dequantizes the routed experts one at a time."""
     if _triton_ready(x):
-        from afdserve.kernels import triton_fp4_moe
+        from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
         if triton_fp4_moe.supports(x, gate_up, down):
             if gate_up[0].shape[0] == 0:  # a shard without experts

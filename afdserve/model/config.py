@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afdserve.model.deepseek_v4.v4config import V4Config
+from afdserve.model.families.deepseek_v4.v4config import V4Config
 from afdserve.model.quantization import Fp8Spec, parse_quantization_config
 
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral", "deepseek_v4")
@@ -65,12 +65,12 @@ class ModelConfig:
     routed_scaling_factor: float
     hidden_act: str
     torch_dtype: str | None
-    # Block-scaled FP8 weights (model/fp8.py): from quantization_config, or the engine's
+    # Block-scaled FP8 weights (model/layers/fp8.py): from quantization_config, or the engine's
     # quantization="fp8" (online). None: every weight in the model dtype.
     quantization: Fp8Spec | None = None
     # SwiGLU clamp of experts and shared experts (DeepSeek-V4); None: no clamp.
     swiglu_limit: float | None = None
-    # DeepSeek-V4's attention side and mHC (model/deepseek_v4/config.py); None for other families.
+    # DeepSeek-V4's attention side and mHC (model/families/deepseek_v4/config.py); None for other families.
     v4: V4Config | None = None
 
     def __post_init__(self) -> None:
@@ -97,11 +97,11 @@ class ModelConfig:
     def kv_cache_dim(self) -> int:
         """Width of one cached token per KV head (MLA caches the compressed latent)."""
         if self.v4 is not None:
-            # Its pages differ per layer type (model/deepseek_v4/cache.py, LayerGeometry).
+            # Its pages differ per layer type (model/families/deepseek_v4/cache.py, LayerGeometry).
             raise ValueError(
                 "deepseek_v4 has no single per-token KV width: its paged cache holds windows, "
                 "compressed entries and compressor state per layer type "
-                "(model/deepseek_v4/cache.py)")
+                "(model/families/deepseek_v4/cache.py)")
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.head_dim
@@ -223,7 +223,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = detect_family(raw)
     if family == "deepseek_v4":
         # Its own parser: V4 shares no attention fields with the others and checks every key.
-        from afdserve.model.deepseek_v4.config import v4_model_fields
+        from afdserve.model.families.deepseek_v4.config import v4_model_fields
 
         return ModelConfig(**v4_model_fields(raw))
     num_layers = int(raw["num_hidden_layers"])

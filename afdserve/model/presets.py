@@ -149,7 +149,7 @@ TINY: dict[str, Any] = {
 # fixtures of several public inference engines, e.g. the one in rtp-llm's
 # dsv4_checkpoint_inventory_test.py); compress_ratios has 44 entries for 43 layers, the last one
 # the MTP layer's, which afdserve does not build. Its weights: FP8 projections with ue8m0 block
-# scales, FP4 routed experts (model/deepseek_v4/quant.py), so dummy weights take that precision.
+# scales, FP4 routed experts (model/families/deepseek_v4/quant.py), so dummy weights take that precision.
 DEEPSEEK_V4_FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",

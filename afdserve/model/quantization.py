@@ -1,5 +1,5 @@
 """config.json's `quantization_config` and the engine's `quantization` option -> an `Fp8Spec`
-(model/fp8.py describes the format). No torch: the frontend checks a model's quantization
+(model/layers/fp8.py describes the format). No torch: the frontend checks a model's quantization
 before any rank starts."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _ACTIVATION_SCHEMES = ("dynamic",)
 # DeepSeek-V4 stores them as such, one byte each (float8_e8m0fnu), which the loader widens.
 _SCALE_FMTS = (None, "ue8m0")
 # The routed experts' format: FP8 like the rest, or (DeepSeek-V4) FP4 e2m1 with a ue8m0 scale per
-# 32 inputs (kernels/fp4.py).
+# 32 inputs (kernels/reference/fp4.py).
 EXPERT_DTYPES = ("fp8", "fp4")
 
 

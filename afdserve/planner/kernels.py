@@ -18,7 +18,7 @@ def running_expert_kernels(dtype: str) -> ExpertKernels | None:
     if dtype not in ("bfloat16", "float16"):
         return None
     try:
-        from afdserve.kernels import triton_moe
+        from afdserve.kernels.moe import decode as triton_moe
     except ImportError:
         return None
     return ExpertKernels(

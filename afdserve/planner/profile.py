@@ -93,7 +93,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class ExpertKernels:
     """Which routed-experts kernel ran at a row count when the FFN points were measured: the
-    decode kernels (kernels/triton_moe.py) up to `decode_max_pairs` (token, expert) pairs, the
+    decode kernels (kernels/moe/decode.py) up to `decode_max_pairs` (token, expert) pairs, the
     grouped GEMM above.
 
     Every decode-kernel program holds the pair list padded to a power of two (at least

@@ -214,7 +214,7 @@ def sampling_params(
     tool_constraint: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; every bound is SamplingParams' own (named in the 400).
-    `defaults` (engine/generation_config.py, from --generation-config) fill the fields the
+    `defaults` (frontend/generation_config.py, from --generation-config) fill the fields the
     request left out."""
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,

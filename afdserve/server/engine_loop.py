@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from afdserve.engine.client import EngineClient, EngineStats
-from afdserve.engine.output_processor import Progress
-from afdserve.engine.outputs import SequenceOutput
+from afdserve.frontend.client import EngineClient, EngineStats
+from afdserve.frontend.output_processor import Progress
+from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.convert import Fanout

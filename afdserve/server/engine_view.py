@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from afdserve.engine.client import EngineClient
+from afdserve.frontend.client import EngineClient
 from afdserve.server.responses import TokenText
 
 

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from afdserve.engine.client import EngineStats
+from afdserve.frontend.client import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -56,7 +56,7 @@ class ServeOptions:
         None, metavar="FILE|TEMPLATE",
         help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
     generation_config: str = option(
-        "auto", metavar="auto|vllm|DIR",  # read by engine/generation_config.py
+        "auto", metavar="auto|vllm|DIR",  # read by frontend/generation_config.py
         help="defaults of omitted request fields: the model's generation_config.json (auto), "
              "none (vllm), or DIR's")  # fmt: skip
     # tool_choice "auto" (vLLM's two flags): the model's calls read by this parser.

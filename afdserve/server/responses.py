@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from afdserve.engine.outputs import SequenceOutput
+from afdserve.frontend.outputs import SequenceOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

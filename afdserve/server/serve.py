@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afdserve.afd.ranks.world import STANDBY
-from afdserve.engine.generation_config import generation_defaults
+from afdserve.frontend.generation_config import generation_defaults
 from afdserve.server.app import create_app
 from afdserve.server.connections import guarded_h11
 from afdserve.server.engine_view import EngineView

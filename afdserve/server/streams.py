@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from afdserve.engine.outputs import SequenceOutput, best
+from afdserve.frontend.outputs import SequenceOutput, best
 from afdserve.server import convert
 from afdserve.server import protocol as api
 from afdserve.server import responses as shape

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

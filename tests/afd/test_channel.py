@@ -455,7 +455,7 @@ def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypat
     frontend, and the rogues go on knocking while the ranks connect. The world starts, answers
     like the colocated engine, and the log says where the key came from but never shows it.
     Once every rank is in, the port closes."""
-    from afdserve.afd.clients.process import free_port
+    from afdserve.frontend.process import free_port
 
     from .conftest import GREEDY, colocated_tokens
 

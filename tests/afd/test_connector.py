@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from afdserve import LLM
-from afdserve.afd.clients.process import free_port
+from afdserve.frontend.process import free_port
 from afdserve.afd.dataplane.ffn import check_payload
 from afdserve.afd.dataplane.payload import LayoutError
 from afdserve.layout.plan import GraphTable, RankStep, plan_step
@@ -73,7 +73,7 @@ def _rank(rank: int, port: int, model_dir: str, errors) -> None:
     from afdserve.afd.dataplane.ffn import FFNExchange
     from afdserve.afd.dataplane.wire import Wire
     from afdserve.engine.factory import half_parts
-    from afdserve.model.loader import load_model
+    from afdserve.model.checkpoint.loader import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from afdserve.afd.clients.process import free_port
+from afdserve.frontend.process import free_port
 from afdserve.afd.step.control_shm import shared_memory_supported
 from afdserve.config import AFDConfig
 from afdserve.layout.plan import RankStep

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.clients.process import ProcessClient
+from afdserve.frontend.process import ProcessClient
 
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4", "abc", "MoE models",
            "Once upon a time"]  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 from afdserve import LLM
 from afdserve.afd.dataplane.wire import read_wire_log
 from afdserve.model.config import load_model_config
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
 from .wire_logs import assert_data_plane_matches_plan, collectives

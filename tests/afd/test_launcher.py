@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.clients.process import WorkerError
+from afdserve.frontend.process import WorkerError
 
 from .conftest import GREEDY
 
@@ -98,7 +98,7 @@ def test_ranks_started_elsewhere_join_the_frontend(afd_models, monkeypatch):
     import subprocess
     import sys
 
-    from afdserve.afd.clients.process import free_port
+    from afdserve.frontend.process import free_port
 
     key, frontend, master = os.urandom(16).hex(), free_port(), free_port()
     monkeypatch.setenv("AFDSERVE_AUTHKEY", key)

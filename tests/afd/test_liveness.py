@@ -10,7 +10,7 @@ import time
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.afd.clients.process import WorkerError
+from afdserve.frontend.process import WorkerError
 
 HEARTBEAT_S = 3.0
 LOAD = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

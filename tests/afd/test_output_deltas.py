@@ -14,10 +14,10 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.afd.ranks.messages import Outputs
-from afdserve.engine.outputs import SequenceOutput
+from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.tokenizer import load_tokenizer
-from afdserve.model.bundled import resolve_model
+from afdserve.model.fixtures.bundled import resolve_model
 
 PROMPTS = ["Hello", "naïve café — 東京", "abc abc abc", "x"]
 

@@ -1,11 +1,11 @@
-"""The frontend's routing policy (afd/clients/routing.py) on its own: prefix hits attract a
+"""The frontend's routing policy (frontend/routing.py) on its own: prefix hits attract a
 request, but never flood one rank beyond the tokens a hit saves."""
 
 from __future__ import annotations
 
 import pytest
 
-from afdserve.afd.clients.routing import PrefixMirror, Router
+from afdserve.frontend.routing import PrefixMirror, Router
 from afdserve.engine.prefix_hash import prefix_hashes
 
 BS = 4

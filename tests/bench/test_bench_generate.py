@@ -10,7 +10,7 @@ import pytest
 
 from afdserve.bench.generate import check_lengths, model_dir_for
 from afdserve.cli import main
-from afdserve.engine.outputs import CompletionOutput, RequestOutput
+from afdserve.frontend.outputs import CompletionOutput, RequestOutput
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from afdserve.model.bundled import resolve_model
+from afdserve.model.fixtures.bundled import resolve_model
 from tests.server.conftest import SERVED_NAME, ServerProcess, free_port, metrics, start_cli_server
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 8, 4

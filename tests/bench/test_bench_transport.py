@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from afdserve.afd.clients.process import free_port
+from afdserve.frontend.process import free_port
 from afdserve.bench.transport import (
     TransportBench,
     format_transport_table,
     layer_bytes,
     nccl_fp8_layers,
 )
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.reference.a2e import A2EFormat
 
 
 def test_layer_bytes_fp8_is_half_plus_the_scales():

@@ -1,6 +1,6 @@
 """`afdserve bench decode` on DeepSeek-V4 (a tiny checkpoint of transformers' own model, CPU): the
 bench fills every page of the V4 paged cache, colocated and in-process 1A1F decode the same greedy
-tokens from it (its decode steps on the batched path, model/deepseek_v4/batched.py), the KV
+tokens from it (its decode steps on the batched path, model/families/deepseek_v4/batched.py), the KV
 bytes it reports are a count made by hand, and the graph mode V4 cannot be captured in on CUDA
 (`full`) is refused before anything is built."""
 
@@ -18,11 +18,11 @@ from afdserve.bench.decode import DecodeBench, run_decode_bench
 from afdserve.bench.decode_steps import DecodeSteps, bench_batch, build_halves
 from afdserve.engine.model_runner import LocalFFN
 from afdserve.model.config import load_model_config
-from afdserve.model.deepseek_v4.cache import V4KVCache
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.presets import hf_config_of, preset_hf_config
 
-# The tiny V4 (model/deepseek_v4/tiny.py): layers sliding, CSA, HCA, CSA; window 4, CSA rate 2,
+# The tiny V4 (model/fixtures/deepseek_v4.py): layers sliding, CSA, HCA, CSA; window 4, CSA rate 2,
 # HCA rate 4, head_dim 16, indexer keys 8 wide, index_topk 2.
 CONTEXT, STEPS, BATCH, BLOCK = 10, 3, 3, 4
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from afdserve.afd.clients.process import free_port
+from afdserve.frontend.process import free_port
 from afdserve.afd.dataplane.connector import InProcessConnector
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, ffn_driver
@@ -22,7 +22,7 @@ from afdserve.bench.decode_steps import DecodeSteps, build_half, build_halves
 from afdserve.engine.model_runner import LocalFFN
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-from afdserve.model.model import ModelParts
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.presets import preset_hf_config
 
 BATCH, STEPS = 3, 4

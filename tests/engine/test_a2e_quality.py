@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.bundled import bundled_model_dir
+from afdserve.model.fixtures.bundled import bundled_model_dir
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
 

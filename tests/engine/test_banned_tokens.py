@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 from afdserve.engine.sampler import process_logits, sample
 from afdserve.engine.sampling_params import SamplingParams, with_bad_words_token_ids
 from afdserve.engine.sequence import Sequence
-from afdserve.model.bundled import bundled_model_dir
+from afdserve.model.fixtures.bundled import bundled_model_dir
 
 VOCAB = 32
 tokens = st.lists(st.integers(0, VOCAB - 1), max_size=8)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 in the colocated engine, over its paged cache (model/deepseek_v4/cache.py): greedy
+"""DeepSeek-V4 in the colocated engine, over its paged cache (model/families/deepseek_v4/cache.py): greedy
 tokens equal transformers' full-sequence forward teacher-forced (the definition: every generated
 token is the argmax of the full forward over the prompt and the tokens before it), on several tiny
 shapes (hc_mult 2-4, windows and compression rates that short prompts cross, the rate above and
@@ -20,12 +20,12 @@ from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.config import load_model_config
-from afdserve.model.deepseek_v4 import batched
-from afdserve.model.deepseek_v4 import model as model_module
-from afdserve.model.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
+from afdserve.model.families.deepseek_v4 import batched
+from afdserve.model.families.deepseek_v4 import model as model_module
+from afdserve.model.families.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
 from tests.engine.test_llm import run
 from tests.model.deepseek_v4_helpers import boundary_ties
 

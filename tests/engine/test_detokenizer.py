@@ -5,7 +5,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from afdserve.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
 
 TEXT = "héllo wörld ✓ 你好 🙂"
 TEXTS = [
@@ -188,7 +188,7 @@ def test_bundled_tokenizer_streams_through_decode_stream() -> None:
     """The engine's own tokenizer (byte-level, one token per byte) takes the fast path, and a
     random byte stream (what random weights produce) decodes as a full decode does."""
     from afdserve.engine.factory import load_tokenizer
-    from afdserve.model.bundled import resolve_model
+    from afdserve.model.fixtures.bundled import resolve_model
 
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(1)

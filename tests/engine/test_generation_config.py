@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.generation_config import generation_defaults
-from afdserve.model.bundled import resolve_model
+from afdserve.frontend.generation_config import generation_defaults
+from afdserve.model.fixtures.bundled import resolve_model
 
 PROMPTS = ["Hello, world", [5, 6, 7]]
 FILE = {"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": False,

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afdserve import LLM
-from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.cli import build_parser, llm_kwargs
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig, engine_configs
-from afdserve.engine.client import EngineClient
+from afdserve.frontend.client import EngineClient
 from afdserve.engine.factory import blocks_in_budget, kv_blocks_for
 from afdserve.engine.kv_cache import (
     bytes_per_block,
@@ -29,10 +29,10 @@ from afdserve.engine.kv_cache import (
 )
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
-from afdserve.kernels import reference
+from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout, Segment
 from afdserve.model.config import load_model_config
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 4

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.outputs import SequenceOutput
+from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
-from afdserve.model.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
+from afdserve.model.fixtures.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

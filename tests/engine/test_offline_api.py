@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, CompletionOutput, RequestOutput, SamplingParams
-from afdserve.engine.outputs import cumulative_logprob
+from afdserve.frontend.outputs import cumulative_logprob
 
 HELLO = "Hello, world"
 SAMPLED = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.client import EngineClient
-from afdserve.engine.output_processor import DeltaMismatch, OutputProcessor
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.output_processor import DeltaMismatch, OutputProcessor
 from afdserve.engine.requests import RequestError, TokenDelta
 from afdserve.engine.tokenizer import TokenIdsOnly, load_tokenizer
-from afdserve.model.bundled import resolve_model
+from afdserve.model.fixtures.bundled import resolve_model
 
 
 def delta(request_id: str, tokens: list[int], total: int, finished: bool = False,

@@ -62,7 +62,7 @@ def test_structured_output_with_caching() -> None:
 
 
 def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None:
-    from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported for "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.client import EngineClient
+from afdserve.frontend.client import EngineClient
 from afdserve.engine.sequence import Sequence, skip_draws
 
 PROMPTS = ["Hello", "naïve café — 東京", "abc abc abc", "x y z", "The"]

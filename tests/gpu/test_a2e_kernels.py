@@ -1,4 +1,4 @@
-"""The fp8 A2E kernels (kernels/triton_a2e.py) on the GPU: bit for bit a2e.py's torch functions
+"""The fp8 A2E kernels (kernels/triton/a2e.py) on the GPU: bit for bit a2e.py's torch functions
 (on CUDA and on CPU) in bf16, fp16 and float32, what a2e.py dispatches CUDA rows to, and captured
 in a CUDA graph (no host sync, no allocation that depends on the data)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.kernels import a2e
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.reference import a2e
+from afdserve.kernels.reference.a2e import A2EFormat
 
 pytestmark = pytest.mark.gpu
-triton_a2e = pytest.importorskip("afdserve.kernels.triton_a2e")  # needs Triton
+triton_a2e = pytest.importorskip("afdserve.kernels.triton.a2e")  # needs Triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

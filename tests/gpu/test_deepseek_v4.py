@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from tests.gpu.test_graphs import _check
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +66,7 @@ def test_in_process_1a1f_equals_colocated_on_cuda(v4_dirs, dtype, ubatches):
     [("float32", "colocated", 1), ("float32", "1A1F", 2), ("bfloat16", "colocated", 1)],
 )
 def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology, ubatches):
-    """full_decode_only captures V4's batched decode path (model/deepseek_v4/batched.py): decode
+    """full_decode_only captures V4's batched decode path (model/families/deepseek_v4/batched.py): decode
     steps of 5 sequences replay the graph of 8 rows (3 pad rows over stale block tables), steps
     with prefill chunks run eagerly; the tokens are graph_mode none's (float32: equal; bf16: equal
     up to a near-tie, as tests/gpu/test_graphs.py allows)."""

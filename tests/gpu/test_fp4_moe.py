@@ -1,5 +1,5 @@
-"""The FP4 routed-expert kernels (kernels/triton_fp4_moe.py) against the plain-torch reference
-(kernels/fp4.py's dequantization, then reference.moe_experts in float32), at DeepSeek-V4-Flash's
+"""The FP4 routed-expert kernels (kernels/moe/fp4_decode.py) against the plain-torch reference
+(kernels/reference/fp4.py's dequantization, then reference.moe_experts in float32), at DeepSeek-V4-Flash's
 expert shape (hidden 4096, intermediate 2048, top-6, swiglu_limit 10) on 16 experts.
 
 The weights the kernels decode are the reference's bit for bit (tests/kernels/
@@ -15,7 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.kernels import fp4, ops, reference
+from afdserve.kernels import ops
+
+from afdserve.kernels.reference import fp4
+
+from afdserve.kernels.reference import layers as reference
 from tests.gpu.sync import no_sync
 
 pytestmark = [
@@ -64,7 +68,7 @@ def plain_reference(x, ids, weights, gate_up: Stack, down: Stack, limit):
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_fp4_experts_match_reference(flash_experts, rows):
-    from afdserve.kernels import triton_fp4_moe
+    from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
     experts, hidden, _, top_k, limit = FLASH
     gate_up, down = flash_experts
@@ -80,7 +84,7 @@ def tile_shapes():
     """The table's shapes, and variants of its first: the weights as the dot's B operand, a
     narrower K step, 8 warps over twice the columns."""
     try:  # called at collection, also where there is no Triton (nor CUDA: all skip then)
-        from afdserve.kernels import triton_fp4_moe as k
+        from afdserve.kernels.moe import fp4_decode as k
     except ImportError:
         return []
     first = k.TILES[0][1]
@@ -92,7 +96,7 @@ def tile_shapes():
 @pytest.mark.parametrize("tiles", tile_shapes(), ids=str)
 def test_fp4_tile_shapes_match_reference(flash_experts, tiles):
     """Every shape the table may pick (and the sweep's kinds of variant) computes the same."""
-    from afdserve.kernels import triton_fp4_moe
+    from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
     experts, hidden, _, top_k, limit = FLASH
     gate_up, down = flash_experts
@@ -127,7 +131,7 @@ def test_fp4_experts_replay_in_cuda_graph(flash_experts, rows):
 def test_fp4_experts_prefill_chunks_and_absent_experts():
     """More pairs than one launch takes (row chunks), fp16 rows, no clamp, and pairs with id -1
     (an expert-parallel shard's experts held elsewhere), which contribute nothing."""
-    from afdserve.kernels import triton_fp4_moe
+    from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
     rows = triton_fp4_moe.MAX_PAIRS // 4 + 5
     gate_up, down = fp4_experts(16, 512, 256, seed=7)
@@ -144,9 +148,9 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
     """DeepSeek-V4's FFN half (router, FP4 experts through these kernels, FP8 shared expert)
     loaded on the GPU from a tiny FP4 checkpoint, captured and replayed, against the same
     checkpoint's FFN half on the CPU in float32 (the reference dequantization)."""
-    from afdserve.model.loader import load_model
-    from afdserve.model.model import ModelParts
-    from afdserve.model.tiny import make_tiny_model
+    from afdserve.model.checkpoint.loader import load_model
+    from afdserve.model.families.decoder.model import ModelParts
+    from afdserve.model.fixtures.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("v4") / "fp4", "deepseek_v4", hash_layers=1,
                            quantization="fp8", expert_dtype="fp4")  # fmt: skip

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.kernels import fp8
-from afdserve.model.tiny import make_tiny_model
+from afdserve.kernels.reference import fp8
+from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_fp8_kernels import fp8_linear_case
 from tests.gpu.test_graphs import _prompts
@@ -30,7 +30,8 @@ BLOCK = (128, 128)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_quantizes_its_rows_as_the_quantize_launch_does(rows, width, dtype):
     """Values, scales (a partial last group included) and the residual sum, bit for bit."""
-    from afdserve.kernels import triton_fp8_w8a8, triton_norm
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+    from afdserve.kernels.triton import norm as triton_norm
 
     gen = torch.Generator(device="cuda").manual_seed(rows + width)
     h = (torch.randn(rows, width, generator=gen, device="cuda") * 3).to(dtype)
@@ -49,7 +50,8 @@ def test_ops_norm_quantizes_the_rows_the_norm_outputs(weight_dtype):
     """ops.add_rms_norm(quantize=True): the quantized rows of what it returns unquantized; with
     a norm weight of another dtype (float32 output, which the GEMM takes weight-only) those
     rows as they are."""
-    from afdserve.kernels import ops, triton_fp8_w8a8
+    from afdserve.kernels import ops
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     h, delta = (torch.randn(24, 2048, generator=gen, device="cuda").bfloat16() for _ in "hd")
@@ -69,7 +71,7 @@ def test_ops_norm_quantizes_the_rows_the_norm_outputs(weight_dtype):
 @pytest.mark.parametrize("m", [17, 64, 256])
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (576, 1024), (200, 136)])
 def test_gemm_of_rows_quantized_before_equals_the_gemm_of_x(m, n, k):
-    from afdserve.kernels import triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + n)
     rows = fp8.Fp8Rows(*triton_fp8_w8a8.quantize_rows(x), x.dtype)
@@ -84,7 +86,7 @@ def test_gemm_of_rows_quantized_before_equals_the_gemm_of_x(m, n, k):
 def test_last_split_sums_the_partials_as_the_sum_launch_does(tiles, m, n, k, monkeypatch):
     """Every split count and tile, with and without a bias: the sum launch's bits, call after
     call (each launch leaves its tile counters at zero for the next)."""
-    from afdserve.kernels import triton_fp8_w8a8 as w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as w8a8
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 5 * n)
     tiles = w8a8.Tiles(*tiles)
@@ -99,7 +101,7 @@ def test_last_split_sums_the_partials_as_the_sum_launch_does(tiles, m, n, k, mon
 def test_last_split_sum_replays_in_a_cuda_graph():
     """Captured with the default tiles of a batch of 1 (q/k/v's shape: 4 splits), replayed on
     new rows: the sum launch's bits each time."""
-    from afdserve.kernels import triton_fp8_w8a8 as w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as w8a8
 
     x, q, scale, _ = fp8_linear_case(1, 5120, 2048, torch.bfloat16, bias=False, seed=9)
     assert w8a8.tiles_for(1, 5120, 2048).splits > 1 and w8a8.REDUCE_IN_GEMM
@@ -135,8 +137,8 @@ def test_model_with_the_fused_launches_serves_the_same_tokens_and_logprobs(fp8_m
     """FP8 models on CUDA, eager and under graphs, 24 sequences (more than the 16 rows up to
     which the GEMM quantizes its rows itself, so the norm quantizes them), with the fused
     launches and without: the same tokens and the same log-probabilities."""
-    from afdserve.kernels import triton_fp8_w8a8
-    from afdserve.model.attention import GQAAttention, MLAAttention
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+    from afdserve.model.layers.attention import GQAAttention, MLAAttention
 
     attention = {"gqa": GQAAttention, "mla": MLAAttention}[kind]
     prompts = _prompts(24)

@@ -1,11 +1,11 @@
 """The FP8 and sort-free expert kernels on the GPU against the references.
 
-FP8 weights (block-scaled, kernels/fp8.py) are compared with the reference the kernel computes:
+FP8 weights (block-scaled, kernels/reference/fp8.py) are compared with the reference the kernel computes:
 w8a8 (bf16/fp16 activations, the default) against kernels/fp8's w8a8 oracle (the activations
 quantized per row and 128-group, the weights dequantized), weight-only against the same weights
 dequantized to the activation dtype, computed in float64; what is left is the GEMMs'
 accumulation order. Every kernel also runs under CUDA's sync debug mode (no host sync) and
-replays in a CUDA graph on new inputs. The sort-free grouping (kernels/moe_align.py) is checked
+replays in a CUDA graph on new inputs. The sort-free grouping (kernels/moe/align.py) is checked
 pair for pair against a stable torch sort; the bf16 grouped path against the reference and the
 torch grouped GEMM it replaces; an FP8 model end to end (colocated and 1A1F, eager and graphs)
 against the CPU engine's reference dequantization."""
@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from afdserve import LLM, SamplingParams
-from afdserve.kernels import fp8, ops, reference
-from afdserve.model.fp8 import quantize_weight
-from afdserve.model.tiny import make_tiny_model
+from afdserve.kernels import ops
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.reference import layers as reference
+from afdserve.model.layers.fp8 import quantize_weight
+from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
 from tests.gpu.test_kernels import QWEN3_MOE, moe_case, rel_err
@@ -47,7 +49,7 @@ def fp8_linear_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed
 def fp8_linear_reference(x, q, scale, bias) -> torch.Tensor:
     """Weight-only over the weight dequantized to x's dtype, or the w8a8 oracle where the kernel
     quantizes x (triton_fp8.w8a8)."""
-    from afdserve.kernels import triton_fp8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     if triton_fp8.w8a8(x.dtype):
         return fp8.fp8_linear_w8a8(x.float(), q, scale, bias, BLOCK)
@@ -68,7 +70,7 @@ LINEAR_SHAPES = [
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_fp8_linear_matches_reference(m, n, k):
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + n + k)
-    from afdserve.kernels import triton_fp8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     assert triton_fp8.supports(x, q, scale, BLOCK)
     out = no_sync(ops.fp8_linear, x, q, scale, b, BLOCK)
@@ -83,7 +85,7 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
     """Activations quantized per row in groups of 128 (power-of-two scales), FP8 dots: equal to
     fp8.fp8_linear_w8a8 up to float32 summation order and the final rounding, at every row
     count (past SMALL_M as 128 x 128 tiles)."""
-    from afdserve.kernels import triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + n)
     out = no_sync(triton_fp8_w8a8.fp8_linear, x, q, scale, b)
@@ -102,7 +104,7 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
 def test_fp8_linear_w8a8_any_tiles_match_the_oracle(tiles, m, n, k):
     """Every K step (128 and its multiples, several scale groups a step, also past K), split
     and pipeline depth the tile rule may pick gives the oracle's result."""
-    from afdserve.kernels import triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 3 * n)
     out = no_sync(triton_fp8_w8a8.fp8_linear, x, q, scale, b, triton_fp8_w8a8.Tiles(*tiles))
@@ -115,7 +117,7 @@ def test_fp8_linear_w8a8_quantizes_in_the_gemm_as_its_own_launch_does(m, n, k, m
     """Up to QUANTIZE_IN_GEMM_ROWS rows the GEMM quantizes x per K step itself: the same FP8
     operands and scales as after the quantize launch, the same dots, so the same bits; on a
     row view with a stride past K too (x read in place)."""
-    from afdserve.kernels import triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 2 * n)
     wide = torch.randn(m, k + 64, device="cuda").bfloat16()
@@ -152,7 +154,7 @@ def test_fp8_linear_replays_in_cuda_graph():
 
 
 def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor):
-    """(q, scale) of each stack in model/fp8.py's layout (gate_up: a grid per half)."""
+    """(q, scale) of each stack in model/layers/fp8.py's layout (gate_up: a grid per half)."""
     return quantize_weight(gate_up, True, BLOCK), quantize_weight(down, False, BLOCK)
 
 
@@ -170,7 +172,7 @@ def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """A w8a8 expert kernel's left operand: quantized in groups of its K step (128 where the
     reduction dim allows, else the widest power of two dividing it), unquantized where that step
     is below 32, the smallest K of an FP8 dot (triton_fp8.operand_modes)."""
-    from afdserve.kernels.triton_moe import _k_block
+    from afdserve.kernels.moe.decode import _k_block
 
     step = _k_block(t.shape[-1])
     return fp8.quantize_activations(t, step) if step >= 32 else t.float()
@@ -180,7 +182,7 @@ def fp8_moe_reference(x, ids, weights, gate_up, down, a8=None) -> torch.Tensor:
     """Over the FP8 experts dequantized to x's dtype, as the kernels dequantize their tiles; with
     `a8` (default: as the kernels do, triton_fp8.W8A8_EXPERTS) x and the intermediate rounded to
     x's dtype and quantized per 128-group, as the w8a8 kernels do."""
-    from afdserve.kernels import triton_fp8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     if triton_fp8.W8A8_EXPERTS if a8 is None else a8:
         hit, local = ids.clamp(min=0).unique(return_inverse=True)
@@ -233,7 +235,8 @@ def test_fp8_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
 def test_fp8_decode_and_grouped_kernels_agree(rows):
     """Both FP8 paths on the same decode batch; pairs of no expert (id -1) contribute nothing
     in either (both kernels skip them)."""
-    from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
+    from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, *QWEN3_MOE, seed=50 + rows)
     ids[::3, 1] = -1
@@ -254,7 +257,8 @@ def test_fp8_decode_and_grouped_kernels_agree(rows):
 def test_fp8_moe_w8a8_kernels_match_their_oracle(rows):
     """Both expert paths with x and h quantized per 128-group (w8a8) against that oracle, pad
     pairs (id -1) included."""
-    from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
+    from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, *QWEN3_MOE, seed=70 + rows)
     ids[::3, 1] = -1
@@ -279,7 +283,8 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
     first orientation, kept for timing), w8a8 and weight-only, against the matching oracle and
     each other: at Qwen3's shapes (a decode batch of 1, 8-row tiles; a batch of 64) and at dims
     no tile divides (the weights-left loads clamp to the last column), pad pairs included."""
-    from afdserve.kernels import triton_fp8_moe, triton_grouped_moe
+    from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k,
                                               seed=80 + rows + hidden)  # fmt: skip
@@ -311,7 +316,7 @@ def test_grouped_down_tiles_over_several_scale_blocks(experts, hidden, inter, to
     """With the weights left a down tile may span whole scale blocks, each row scaled by its
     own block's (hidden 144: the second block partial, its columns clamped to the last): the
     oracle's, and the same products as one-block tiles."""
-    from afdserve.kernels import triton_grouped_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k, seed=rows)
     ids[::4, 0] = -1
@@ -332,7 +337,7 @@ def test_fp8_moe_replays_in_cuda_graph(rows):
     """Captured once (the decode kernels at 1 row, the grouped path with its assignment at 8
     and 256 rows of top-8: 16-row tiles, an expert over several at 256), replayed on new inputs
     copied into the captured buffers."""
-    from afdserve.kernels import triton_fp8_moe
+    from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
 
     x, ids, weights, gate_up, down = moe_case(rows, 32, 256, 128, 8, 60)
     gu, dn = fp8_experts(gate_up, down)
@@ -354,7 +359,7 @@ def test_fp8_moe_replays_in_cuda_graph(rows):
                            (40, 4, 64), (3000, 384, 16)],
 )  # fmt: skip
 def test_assignment_is_a_stable_sort_by_expert(pairs, experts, rows):
-    from afdserve.kernels.moe_align import assign, max_tiles
+    from afdserve.kernels.moe.align import assign, max_tiles
 
     gen = torch.Generator(device="cuda").manual_seed(pairs + experts)
     ids = torch.randint(-1, experts, (pairs,), generator=gen, device="cuda")
@@ -383,7 +388,9 @@ GROUPED_BF16_CASES = [
 def test_grouped_bf16_matches_reference(experts, hidden, inter, top_k, rows, shared):
     """ops' bf16 path above the decode kernels: the sort-free Triton grouped GEMM, equal to the
     reference and to the torch grouped GEMM (sort + scatter + gather) it replaced."""
-    from afdserve.kernels import moe_gpu, triton_grouped_moe, triton_moe
+    from afdserve.kernels.moe import torch_grouped as moe_gpu
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
+    from afdserve.kernels.moe import decode as triton_moe
 
     case = moe_case(rows, experts, hidden, inter, top_k, seed=rows + inter, shared=shared)
     assert case[1].numel() > triton_moe.MAX_PAIRS
@@ -395,7 +402,7 @@ def test_grouped_bf16_matches_reference(experts, hidden, inter, top_k, rows, sha
 
 
 def test_grouped_bf16_skips_absent_pairs_and_replays_in_cuda_graph():
-    from afdserve.kernels import triton_grouped_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
 
     x, ids, weights, gate_up, down = moe_case(256, 32, 256, 128, 8, 70)
     ids[::4, :3] = -1  # pad rows, experts held elsewhere

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from afdserve.kernels import ops, reference
+from afdserve.kernels import ops
+
+from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from tests.gpu.sync import no_sync
 
@@ -176,7 +178,7 @@ TRITON_MOE_CASES = [
 
 @pytest.mark.parametrize("experts,hidden,inter,top_k,rows,shared", TRITON_MOE_CASES)
 def test_triton_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
-    from afdserve.kernels import triton_moe
+    from afdserve.kernels.moe import decode as triton_moe
 
     seed = hash((experts, hidden, rows, shared)) % 1000
     case = moe_case(rows, experts, hidden, inter, top_k, seed, shared)
@@ -189,7 +191,7 @@ def test_triton_moe_matches_reference(experts, hidden, inter, top_k, rows, share
 
 
 def test_triton_moe_fp16_and_strided_input():
-    from afdserve.kernels import triton_moe
+    from afdserve.kernels.moe import decode as triton_moe
 
     x, ids, weights, gate_up, down = moe_case(6, 16, 256, 96, 4, 11, dtype=torch.float16)
     wide = torch.cat([x, x], dim=1)[:, :256]  # a non-contiguous view of the same rows
@@ -200,7 +202,7 @@ def test_triton_moe_fp16_and_strided_input():
 
 def test_triton_moe_replays_in_cuda_graph():
     """Captured once, replayed on new inputs copied into the captured buffers."""
-    from afdserve.kernels import triton_moe
+    from afdserve.kernels.moe import decode as triton_moe
 
     x, ids, weights, gate_up, down = moe_case(8, 32, 256, 128, 4, 21)
     triton_moe.moe_experts(x, ids, weights, gate_up, down)  # compile outside the capture
@@ -216,7 +218,8 @@ def test_triton_moe_replays_in_cuda_graph():
 
 
 def test_moe_dispatch_uses_triton_for_few_pairs():
-    from afdserve.kernels import moe_gpu, triton_moe
+    from afdserve.kernels.moe import torch_grouped as moe_gpu
+    from afdserve.kernels.moe import decode as triton_moe
 
     small = moe_case(triton_moe.MAX_PAIRS // 8, *QWEN3_MOE, seed=31)
     assert torch.equal(no_sync(ops.moe_experts, *small), triton_moe.moe_experts(*small))

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.kernels import ops, reference
+from afdserve.kernels import ops
+from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
 from tests.gpu.test_kernels import CASES, paged_case, rel_err
@@ -130,7 +131,7 @@ def test_fp8_prepare_qkv_matches_reference(norm, scales):
     """The fused prologue's FP8 k/v writes equal the reference write: bit for bit without q/k
     norms; with them (the norm's last float32 bits may differ, see test_qkv_kernel) a k element
     may land on the neighbouring e4m3 value, rarely. v is copied, so always bit for bit."""
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     for rows in (1, 7, 64):
         case = fp8_qkv_case(rows, norm, seed=rows + 100 * norm)
@@ -155,7 +156,7 @@ def test_fp8_prepare_qkv_matches_reference(norm, scales):
 def test_fp8_kernels_replay_in_cuda_graph():
     """The fused prologue's FP8 write and the attention over an FP8 cache, captured once with
     scales 0.5 / 0.25 (kernel constants) and replayed on new inputs, equal the eager calls."""
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     q, k, v, meta = paged_case(*CASES["decode"], 32, 4, 128, 16, torch.bfloat16, "cuda", seed=1)
     k8, v8 = k.to(FP8), v.to(FP8)

@@ -13,7 +13,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.afd.wire_logs import assert_data_plane_matches_plan
 
 pytestmark = [

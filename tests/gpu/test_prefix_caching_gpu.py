@@ -9,7 +9,7 @@ import random
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 from .test_graphs import _check
 

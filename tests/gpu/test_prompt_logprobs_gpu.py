@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ pytestmark = [
 @pytest.mark.parametrize(("rows", "tile", "width"), [(1, 1, 64), (3, 8, 2048), (64, 64, 2048),
                                                       (5, 7, 100), (0, 4, 32), (250, 256, 7168)])
 def test_push_tile_writes_rows_pads_and_ids(dtype, rows, tile, width):
-    from afdserve.kernels.triton_push import push_tile
+    from afdserve.kernels.triton.push import push_tile
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows * 31 + tile)
@@ -36,7 +36,7 @@ def test_push_tile_writes_rows_pads_and_ids(dtype, rows, tile, width):
 
 
 def test_push_tile_without_ids_and_into_a_strided_row_block():
-    from afdserve.kernels.triton_push import push_tile
+    from afdserve.kernels.triton.push import push_tile
 
     dev = torch.device("cuda")
     src = torch.randn(6, 48, device=dev)
@@ -49,7 +49,7 @@ def test_push_tile_without_ids_and_into_a_strided_row_block():
 
 
 def test_push_tile_rejects_rows_beyond_the_tile():
-    from afdserve.kernels.triton_push import push_tile
+    from afdserve.kernels.triton.push import push_tile
 
     dev = torch.device("cuda")
     with pytest.raises(ValueError, match="do not fit"):

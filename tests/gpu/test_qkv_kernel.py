@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from afdserve.kernels import reference
+from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import QKVLayout
 from tests.gpu.sync import no_sync
 
@@ -93,7 +93,7 @@ SHAPES = [(32, 4, 128), (32, 4, 64), (32, 4, 96), (8, 8, 128), (8, 8, 64), (8, 8
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
 def test_prepare_qkv_matches_reference(heads, kv_heads, dim, dtype, norm, interleave):
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     for rows in (0, 1, 7, 64):
         seed = hash((heads, kv_heads, dim, list(DTYPES).index(dtype), norm, interleave, rows))
@@ -108,7 +108,7 @@ def test_prepare_qkv_matches_reference(heads, kv_heads, dim, dtype, norm, interl
 def test_prepare_qkv_float32_norm_weights():
     """Norm weights in float32 with bf16 activations: the reference's norm output is float32 then,
     and so is its rotary; the kernel follows and rounds q to bf16 once at the end."""
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     case = qkv_case(7, 8, 8, 128, torch.bfloat16, True, 5)
     lay = case["layout"]
@@ -124,7 +124,7 @@ def test_prepare_qkv_float32_norm_weights():
 
 
 def test_prepare_qkv_does_not_sync():
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     case = qkv_case(9, 32, 4, 128, torch.bfloat16, True, 3)
     k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
@@ -135,7 +135,7 @@ def test_prepare_qkv_does_not_sync():
 def test_prepare_qkv_replays_in_cuda_graph():
     """Captured once, replayed on new inputs (qkv, cos/sin, slots and cache contents) copied into
     the captured buffers."""
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     case = qkv_case(64, 32, 4, 128, torch.bfloat16, True, 40)
     triton_qkv.prepare_qkv(**case)  # compile outside the capture
@@ -154,7 +154,7 @@ def test_prepare_qkv_replays_in_cuda_graph():
 
 
 def test_supports():
-    from afdserve.kernels import triton_qkv
+    from afdserve.kernels.triton import qkv as triton_qkv
 
     qkv = torch.zeros(2, 40 * 128, dtype=torch.bfloat16, device=DEVICE)
     cache = torch.zeros(4, BLOCK_SIZE, 4, 128, dtype=torch.bfloat16, device=DEVICE)

@@ -1,4 +1,4 @@
-"""Device timestamps (kernels/triton_stamp.py) read the GPU's global timer when the stream
+"""Device timestamps (kernels/triton/stamp.py) read the GPU's global timer when the stream
 reaches them, also inside a replayed CUDA graph."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = [
 
 
 def test_stamps_time_the_work_between_them_in_a_graph():
-    from afdserve.kernels.triton_stamp import Stamps
+    from afdserve.kernels.triton.stamp import Stamps
 
     stamps = Stamps(torch.device("cuda"))
 

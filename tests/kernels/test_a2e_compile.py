@@ -1,4 +1,4 @@
-"""The fp8 A2E kernels (kernels/triton_a2e.py) compile for the H200 (sm_90) down to a cubin on any
+"""The fp8 A2E kernels (kernels/triton/a2e.py) compile for the H200 (sm_90) down to a cubin on any
 machine with Triton, and their PTX holds only correctly rounded float32 arithmetic, which is what
 makes them bit for bit a2e.py's torch functions: the division `div.rn.f32` (not Triton's
 approximate `/`), no flush of subnormals (`.ftz`) and no fused multiply-add (one rounding where
@@ -30,7 +30,7 @@ def builds(dtype: str, ids: str) -> list[object]:
     """The three kernels for rows in `dtype` (also the output's), route ids of type `ids`."""
     import triton.language as tl
 
-    from afdserve.kernels import triton_a2e as k
+    from afdserve.kernels.triton import a2e as k
 
     rows, out = f"*{dtype}", getattr(tl, LANGUAGE[dtype])
     common = {"BLOCK_G": 8, "GROUP": 128}

@@ -1,4 +1,4 @@
-"""The fp8 A2E kernels (kernels/triton_a2e.py) on CPU under Triton's interpreter
+"""The fp8 A2E kernels (kernels/triton/a2e.py) on CPU under Triton's interpreter
 (TRITON_INTERPRET=1, numpy), bit for bit against a2e.py's torch functions, the format's definition.
 
 The interpreter runs in a subprocess, as the variable must be set before any @triton.jit function
@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels import a2e, triton_a2e as k
+from afdserve.kernels.reference import a2e
+
+from afdserve.kernels.triton import a2e as k
 
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 

@@ -1,7 +1,7 @@
 """Pairs routed to no expert here (id -1: a pad row, or an expert another rank holds) under
 Triton's interpreter (TRITON_INTERPRET=1, numpy), on CPU.
 
-The decode expert kernels (kernels/triton_moe.py, triton_fp8_moe.py) skip such pairs inside the
+The decode expert kernels (kernels/moe/decode.py, triton_fp8_moe.py) skip such pairs inside the
 kernel and the shared sum (`triton_moe.sum_pairs`) leaves them out, as the grouped kernels
 (triton_grouped_moe.py) do; nothing maps them to a real expert beforehand. Each path, with pads
 in every position (a row's first pair, a whole row, the only pair of an expert's slot), against
@@ -18,8 +18,12 @@ from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import torch
-from afdserve.kernels import fp8, reference, triton_fp8_moe, triton_grouped_moe, triton_moe
-from afdserve.model.fp8 import quantize_weight
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+from afdserve.kernels.moe import grouped as triton_grouped_moe
+from afdserve.kernels.moe import decode as triton_moe
+from afdserve.model.layers.fp8 import quantize_weight
 
 BLOCK = (128, 128)
 

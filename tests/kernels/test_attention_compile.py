@@ -1,4 +1,4 @@
-"""The paged attention kernel (kernels/triton_attention.py) compiles for the H200 (sm_90) on any
+"""The paged attention kernel (kernels/triton/attention.py) compiles for the H200 (sm_90) on any
 machine with Triton, no GPU needed, at the launches `paged_attention` picks, and the properties
 its launch constants rely on hold in what Triton emits: no spills in the main loop, the FP8
 decode launch within 128 registers (4 programs per SM), and its pipeline keeping the next tile's
@@ -28,7 +28,7 @@ def compile_for_h200(fp8: bool, launch, block_q: int = 2, direct: bool = False) 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from afdserve.kernels import triton_attention as ta
+    from afdserve.kernels.triton import attention as ta
 
     kernel = ta._paged_attention_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
@@ -86,7 +86,7 @@ def assert_loop_does_not_spill(compiled) -> None:
 
 
 def test_fp8_decode_launch_overlaps_loads_within_128_registers() -> None:
-    from afdserve.kernels import triton_attention as ta
+    from afdserve.kernels.triton import attention as ta
 
     for direct in (False, True):
         compiled = compile_for_h200(True, ta.FP8_DECODE_LAUNCH, direct=direct)
@@ -98,7 +98,7 @@ def test_fp8_decode_launch_overlaps_loads_within_128_registers() -> None:
 
 def test_three_stages_wait_for_every_copy() -> None:
     """The diagnosis the FP8 decode launch answers, on the bf16 cache's launch as on FP8's."""
-    from afdserve.kernels import triton_attention as ta
+    from afdserve.kernels.triton import attention as ta
 
     for fp8 in (False, True):
         compiled = compile_for_h200(fp8, ta.DEFAULT_LAUNCH)
@@ -107,7 +107,7 @@ def test_three_stages_wait_for_every_copy() -> None:
 
 
 def test_prefill_launches_compile() -> None:
-    from afdserve.kernels import triton_attention as ta
+    from afdserve.kernels.triton import attention as ta
 
     for fp8 in (False, True):
         assert_loop_does_not_spill(compile_for_h200(fp8, ta.DEFAULT_LAUNCH, block_q=8))

@@ -1,4 +1,4 @@
-"""Paged attention over an FP8 (float8_e4m3fn) cache (kernels/triton_attention.py) on CPU under
+"""Paged attention over an FP8 (float8_e4m3fn) cache (kernels/triton/attention.py) on CPU under
 Triton's interpreter (TRITON_INTERPRET=1, numpy), against `reference.paged_attention` over the
 dequantized cache in float64.
 
@@ -36,7 +36,9 @@ import math
 
 import torch
 
-from afdserve.kernels import reference, triton_attention
+from afdserve.kernels.reference import layers as reference
+
+from afdserve.kernels.triton import attention as triton_attention
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 
 FP8 = torch.float8_e4m3fn

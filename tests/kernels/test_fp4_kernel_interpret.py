@@ -1,4 +1,4 @@
-"""The FP4 expert kernels' decode (kernels/triton_fp4_moe.py) on CPU, against the plain-torch
+"""The FP4 expert kernels' decode (kernels/moe/fp4_decode.py) on CPU, against the plain-torch
 reference (`fp4.dequantize_fp4`, then `reference.moe_experts` in float32).
 
 1. The decode's integer formula, written again here in torch int32 ops, over all 16 e2m1 codes
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import fp4
+from afdserve.kernels.reference import fp4
 from tests.kernels.interpret import run_interpreted
 
 FP16_PAIR = 0x8E008E00 - (1 << 32)  # as the kernel's
@@ -61,7 +61,9 @@ def test_decode_formula_is_the_reference_bit_for_bit() -> None:
 
 INTERPRETED_CASES = """
 import torch
-from afdserve.kernels import fp4, reference, triton_fp4_moe as k
+from afdserve.kernels.reference import fp4
+from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.moe import fp4_decode as k
 
 def experts(e, rows_out, cols_in, gen, low, high):
     packed = torch.randint(0, 256, (e, rows_out, cols_in // 2), dtype=torch.uint8, generator=gen)

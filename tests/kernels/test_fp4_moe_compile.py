@@ -1,4 +1,4 @@
-"""The FP4 expert kernels (kernels/triton_fp4_moe.py) compile for the H200 (sm_90) down to a
+"""The FP4 expert kernels (kernels/moe/fp4_decode.py) compile for the H200 (sm_90) down to a
 cubin, on any machine with Triton: no GPU needed, so a CPU run catches a kernel that would not
 build before the GPU run does. Their numbers are tests/gpu/test_fp4_moe.py's (and, on CPU,
 tests/kernels/test_fp4_kernel_interpret.py's)."""
@@ -58,7 +58,7 @@ def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) ->
 def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
     """Both kernels at one tile shape, with a launch's constants at Flash's shape: a full pair
     list by expert, or (`by_expert` False) a decode batch's, one program per pair."""
-    from afdserve.kernels import triton_fp4_moe as k
+    from afdserve.kernels.moe import fp4_decode as k
 
     common = {"PAIRS_PAD": k.MAX_PAIRS if by_expert else 64, "BY_EXPERT": by_expert,
               "ROWS": tiles.rows, "WEIGHTS_LEFT": tiles.weights_left}  # fmt: skip
@@ -75,7 +75,7 @@ def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
 def test_kernels_compile_for_sm90() -> None:
     """Every tile shape of the table both ways of routing, and the weights as the dot's B
     operand once: nothing spilled to local memory."""
-    from afdserve.kernels import triton_fp4_moe as k
+    from afdserve.kernels.moe import fp4_decode as k
 
     first = k.TILES[0][1]
     builds = [(t, by) for t in dict.fromkeys(t for _, t in k.TILES) for by in (True, False)]

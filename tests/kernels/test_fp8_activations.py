@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels import fp8
+from afdserve.kernels.reference import fp8
 
 
 def test_groups_take_power_of_two_scales_and_round_as_torch_does():

@@ -11,7 +11,9 @@ from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import torch
-from afdserve.kernels import fp8, triton_fp8_w8a8 as w8a8, triton_norm
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.triton import fp8_w8a8 as w8a8
+from afdserve.kernels.triton import norm as triton_norm
 
 for rows, width in [(3, 256), (5, 200), (2, 96)]:
     gen = torch.Generator().manual_seed(rows + width)

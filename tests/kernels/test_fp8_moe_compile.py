@@ -1,5 +1,5 @@
-"""The FP8 expert kernels (kernels/triton_fp8_moe.py's decode kernels and the FP8 path of
-kernels/triton_grouped_moe.py) compile for the H200 (sm_90) down to a cubin on any machine with
+"""The FP8 expert kernels (kernels/moe/fp8_decode.py's decode kernels and the FP8 path of
+kernels/moe/grouped.py) compile for the H200 (sm_90) down to a cubin on any machine with
 Triton, no GPU needed: both operand orders, w8a8 and weight-only, nothing spilled to local
 memory. With the weights as the dots' left operand (the decode kernels' default; the grouped
 ones' option, off for now) their inner loops take fewer
@@ -81,8 +81,10 @@ def per_weight(kernel, warps: int, weights_per_step: int) -> float:
 
 def builds() -> list[tuple[str, bool, bool, object, float]]:
     """(kernel, a8, weights left, compiled, instructions per weight) of every build."""
-    from afdserve.kernels import triton_fp8, triton_fp8_moe, triton_grouped_moe
-    from afdserve.kernels.triton_moe import _k_block, _rows_per_tile
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+    from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
+    from afdserve.kernels.moe.decode import _k_block, _rows_per_tile
 
     out = []
     step = _k_block(HIDDEN), _k_block(INTER)

@@ -1,4 +1,4 @@
-"""The FP8 decode expert kernels (kernels/triton_fp8_moe.py) on CPU.
+"""The FP8 decode expert kernels (kernels/moe/fp8_decode.py) on CPU.
 
 1. `triton_fp8.as_operand`'s exponents, taken from the float32 bits of a row's largest value,
    written again here in torch int32 ops: the w8a8 one is the least power of two that brings
@@ -47,7 +47,7 @@ def test_exponents_from_bits_are_the_least_that_fit() -> None:
     # The oracle's scale for a group whose largest value is amax.
     groups = amax[:, None] * torch.linspace(-1, 1, 128)[None, :]
     assert torch.equal(groups.abs().amax(dim=1), amax)
-    from afdserve.kernels import fp8
+    from afdserve.kernels.reference import fp8
 
     q = fp8.quantize_activations(groups, 128)
     want = (groups.double() / torch.exp2(shift)[:, None]).float().to(fp8.FP8_DTYPE).double()
@@ -59,8 +59,9 @@ def test_exponents_from_bits_are_the_least_that_fit() -> None:
 
 INTERPRETED_CASES = """
 import torch
-from afdserve.kernels import fp8, triton_fp8_moe as k
-from afdserve.model.fp8 import quantize_weight
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.moe import fp8_decode as k
+from afdserve.model.layers.fp8 import quantize_weight
 
 BLOCK = (128, 128)
 

@@ -16,8 +16,9 @@ from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import torch
-from afdserve.kernels import fp8, triton_grouped_moe as g
-from afdserve.model.fp8 import quantize_weight
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.moe import grouped as g
+from afdserve.model.layers.fp8 import quantize_weight
 
 BLOCK = (128, 128)
 

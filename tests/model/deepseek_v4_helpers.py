@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.model.deepseek_v4.model import V4CausalLM
+from afdserve.model.families.deepseek_v4.model import V4CausalLM
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's batched decode path (model/deepseek_v4/batched.py) against the per-sequence path
+"""DeepSeek-V4's batched decode path (model/families/deepseek_v4/batched.py) against the per-sequence path
 over the same paged cache: sequences of different lengths decode together for several steps, so
 that in one step some close a CSA and/or HCA window (the first window too, and with fewer closed
 entries than index_topk) and some do not; the logits are close to float32 rounding, the tokens
@@ -15,13 +15,13 @@ import torch
 
 from afdserve.engine.cuda_graphs import UbatchBuffers
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
-from afdserve.model.deepseek_v4 import batched
-from afdserve.model.deepseek_v4.cache import V4KVCache
-from afdserve.model.deepseek_v4.model import V4CausalLM
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.families.deepseek_v4 import batched
+from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.families.deepseek_v4.model import V4CausalLM
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 CSA, HCA, SLIDING = (
     "compressed_sparse_attention",

@@ -12,7 +12,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from afdserve.model.config import parse_model_config
-from afdserve.model.deepseek_v4.tiny import TINY_V4
+from afdserve.model.fixtures.deepseek_v4 import TINY_V4
 
 
 def raw_config(**overrides: object) -> dict:

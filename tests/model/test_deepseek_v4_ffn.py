@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DeepseekV4ForCausalLM
 
-from afdserve.model.byte_tokenizer import VOCAB_SIZE
-from afdserve.model.deepseek_v4.tiny import TINY_V4, make_tiny_v4
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
+from afdserve.model.fixtures.deepseek_v4 import TINY_V4, make_tiny_v4
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 ROWS = 64
 LAYERS = TINY_V4["num_hidden_layers"]

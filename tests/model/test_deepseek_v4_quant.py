@@ -17,13 +17,13 @@ from transformers import DeepseekV4ForCausalLM
 
 from afdserve import LLM, SamplingParams
 from afdserve.cli import main
-from afdserve.kernels.fp4 import dequantize_fp4
-from afdserve.kernels.fp8 import dequantize_blockwise
-from afdserve.model.deepseek_v4.quant import Fp4Experts
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
-from afdserve.model.fp8 import Fp8Linear
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
+from afdserve.kernels.reference.fp4 import dequantize_fp4
+from afdserve.kernels.reference.fp8 import dequantize_blockwise
+from afdserve.model.families.deepseek_v4.quant import Fp4Experts
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+from afdserve.model.layers.fp8 import Fp8Linear
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.quantization import check_quantization
 from tests.model.deepseek_v4_helpers import boundary_ties
 

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afdserve.model.config import load_model_config
-from afdserve.model.loader import CheckpointError, load_model
-from afdserve.model.model import ModelParts
+from afdserve.model.checkpoint.loader import CheckpointError, load_model
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.quantization import check_quantization
-from afdserve.model.tiny import make_tiny_model
+from afdserve.model.fixtures.tiny import make_tiny_model
 
 E8M0 = torch.float8_e8m0fnu
 Weights = dict[str, torch.Tensor]
@@ -216,7 +216,7 @@ def test_experts_disagreeing_with_expert_dtype_are_refused(
 
 
 def test_fp4_experts_are_deepseek_v4_only(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    from afdserve.model.fp8_checkpoint import quantize_checkpoint
+    from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 
     path = quantize_checkpoint(shutil.copytree(tiny_models["qwen3_moe"], tmp_path / "qwen"))
     raw = json.loads((path / "config.json").read_text())

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from afdserve.model.loader import CheckpointError, load_model
-from afdserve.model.model import ModelParts
+from afdserve.model.checkpoint.loader import CheckpointError, load_model
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.presets import preset_hf_config, write_preset_config
 
 

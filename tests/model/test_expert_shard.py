@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from afdserve.kernels import reference
+from afdserve.kernels.reference import layers as reference
 from afdserve.layout.experts import contiguous_placement
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
 
 FFN = ModelParts(attention=False, ffn=True)
 

@@ -1,4 +1,4 @@
-"""FP8 q/k/v packed into one GEMM (model/attention.py's pack_qkv) when each projection's rows end
+"""FP8 q/k/v packed into one GEMM (model/layers/attention.py's pack_qkv) when each projection's rows end
 on a 128-row scale block, as in every published FP8 GQA checkpoint (Qwen3-30B-A3B: 4096, 512,
 512 rows): the projections become views of one FP8 matrix and one stacked scale grid, and the
 model still gives transformers' tokens on the dequantized checkpoint. Rows that do not end on a
@@ -14,13 +14,13 @@ import torch
 from transformers import Qwen3MoeForCausalLM
 
 from afdserve.kernels import ops
-from afdserve.kernels.fp8 import FP8_DTYPE
-from afdserve.model.attention import GQAAttention
-from afdserve.model.byte_tokenizer import build_byte_tokenizer
-from afdserve.model.fp8_checkpoint import quantize_checkpoint
-from afdserve.model.loader import load_model
-from afdserve.model.model import ModelParts
-from afdserve.model.tiny import mlp_layer_types, tiny_config
+from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.model.layers.attention import GQAAttention
+from afdserve.model.fixtures.byte_tokenizer import build_byte_tokenizer
+from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.tiny import mlp_layer_types, tiny_config
 from tests.model.test_fp8 import (
     PROMPTS,
     dequantized_copy,
@@ -78,7 +78,7 @@ def test_packed_fp8_model_matches_transformers(wide_heads: Path, tmp_path: Path)
 
 
 def test_projections_off_block_boundaries_stay_three(tmp_path: Path) -> None:
-    from afdserve.model.tiny import make_tiny_model
+    from afdserve.model.fixtures.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", "qwen3_moe", quantization="fp8")
     model, _ = load_model(path, ModelParts.colocated(), "float32")

@@ -15,8 +15,8 @@ import pytest
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.utils import filter_repo_objects
 
-from afdserve.model.bundled import bundled_model_dir
-from afdserve.model.hub import ALLOW_PATTERNS, REMOTE_CODE_PATTERNS, resolve_model_dir
+from afdserve.model.fixtures.bundled import bundled_model_dir
+from afdserve.model.checkpoint.hub import ALLOW_PATTERNS, REMOTE_CODE_PATTERNS, resolve_model_dir
 
 REPO = "afdserve-test/tiny-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

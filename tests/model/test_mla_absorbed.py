@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.afd.clients.single_process import SingleProcessClient
+from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.engine.client import EngineClient
+from afdserve.frontend.client import EngineClient
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels.reference import moe_experts, moe_experts_dense
+from afdserve.kernels.reference.layers import moe_experts, moe_experts_dense
 
 
 def test_dense_experts_equal_reference():

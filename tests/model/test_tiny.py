@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from afdserve.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from afdserve.model.tiny import (
+from afdserve.model.fixtures.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from afdserve.model.fixtures.tiny import (
     FAMILIES,
     build_tiny_model,
     gate_prefix,

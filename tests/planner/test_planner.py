@@ -375,7 +375,7 @@ def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(ca
     assert "does not say" in dispatch_note(synthetic_profile(), newer)
     # This code's dispatch, as ops.moe_experts reads it; the CLI prints the note when it differs.
     pytest.importorskip("triton")
-    from afdserve.kernels import triton_moe
+    from afdserve.kernels.moe import decode as triton_moe
 
     running = running_expert_kernels("bfloat16")
     assert (running.decode_max_pairs, running.grouped) == (triton_moe.MAX_PAIRS,

@@ -191,7 +191,7 @@ def test_step_metrics_and_afd_metrics(served) -> None:
 
 
 def model_config(server: ServerProcess) -> str:
-    from afdserve.model.bundled import bundled_model_dir
+    from afdserve.model.fixtures.bundled import bundled_model_dir
 
     return (bundled_model_dir() / "config.json").read_text()
 

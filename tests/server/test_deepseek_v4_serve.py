@@ -12,7 +12,7 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.cli import main
-from afdserve.model.deepseek_v4.tiny import make_tiny_v4
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
 from .conftest import SERVED_NAME, free_port, start_cli_server
 

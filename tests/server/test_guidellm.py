@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from afdserve.model.bundled import resolve_model
+from afdserve.model.fixtures.bundled import resolve_model
 
 from .conftest import SERVED_NAME, free_port, start_server
 

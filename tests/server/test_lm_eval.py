@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.bundled import bundled_model_dir
+from afdserve.model.fixtures.bundled import bundled_model_dir
 
 from .conftest import SERVED_NAME, free_port, start_server
 

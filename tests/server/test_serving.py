@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.outputs import cumulative_logprob
+from afdserve.frontend.outputs import cumulative_logprob
 from afdserve.engine.structured import StructuredOutputsParams
 from afdserve.server.options import ServeOptions
 

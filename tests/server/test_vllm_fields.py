@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.byte_tokenizer import PAD_TOKEN
+from afdserve.model.fixtures.byte_tokenizer import PAD_TOKEN
 from afdserve.server.options import ServeOptions
 from afdserve.server.serve import build_app
 

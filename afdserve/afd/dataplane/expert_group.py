@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from afdserve.afd.dataplane.payload import LayoutError
 from afdserve.afd.dataplane.wire import Wire
-from afdserve.model.model import MoECausalLM
-from afdserve.model.moe import Routing
+from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.layers.moe import Routing
 
 
 class ExpertGroup:

@@ -27,9 +27,9 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
-from afdserve.kernels.a2e import A2EFormat, scale_groups
+from afdserve.kernels.reference.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
-from afdserve.model.model import MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 
 
 def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, tile_rows: int,

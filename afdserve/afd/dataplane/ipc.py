@@ -30,10 +30,10 @@ import torch.distributed as dist
 from afdserve.afd.dataplane.connector import AttentionSide
 from afdserve.afd.dataplane.payload import HEADER, LayoutError, WaitClock
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.config import ModelConfig
-from afdserve.model.moe import Routing
+from afdserve.model.layers.moe import Routing
 
 _ALIGN = 256
 
@@ -107,7 +107,7 @@ class Inboxes:
 def push(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor | None = None,
          ids_dst: torch.Tensor | None = None, step: torch.Tensor | None = None,
          layer: int = 0, ubatch: int = 0) -> None:
-    from afdserve.kernels.triton_push import push_tile
+    from afdserve.kernels.triton.push import push_tile
 
     push_tile(src, dst, ids, ids_dst, step, layer, ubatch, HEADER)
 

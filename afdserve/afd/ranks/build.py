@@ -24,8 +24,8 @@ from afdserve.afd.dataplane.expert_group import ExpertGroup
 from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.afd.step.driver import AttentionDriver, Control, FFNDriver, WorkSource
-from afdserve.afd.step.recorder import StepRecorder
+from afdserve.engine.step_loop import AttentionDriver, Control, FFNDriver, WorkSource
+from afdserve.engine.step_recorder import StepRecorder
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
@@ -37,11 +37,11 @@ from afdserve.engine.factory import (
     parameter_bytes,
 )
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
-from afdserve.kernels.a2e import A2EFormat
+from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.model import MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 
 if TYPE_CHECKING:
     from afdserve.afd.dataplane.ipc import Inboxes
@@ -88,7 +88,7 @@ def attention_boundary(model: MoECausalLM, topology: Topology, rank: int,
     colocated model (`ffn_model`, or `model` itself when it holds both halves), the FFN half in
     this process (`ffn_model`, 1A1F on one device; `wire` only logs), the FFN rank's symmetric
     inbox (`inboxes`, connector "ipc"), or point-to-point batches over `wire`; every one hands
-    the rows over in `a2e_dtype`'s format (kernels/a2e.py)."""
+    the rows over in `a2e_dtype`'s format (kernels/reference/a2e.py)."""
     a2e = A2EFormat(a2e_dtype, model.dtype)
     if topology.colocated:
         return LocalFFN(ffn_model if ffn_model is not None else model, a2e)

@@ -112,7 +112,7 @@ class Outputs:
     """A step's token deltas as the engine core made them. Sending the whole output every step
     pickled and authenticated the prompt and every token so far: about 11 ms per step at batch
     256 with 512-token prompts on a 2-core box, against 0.2 ms for deltas, and the rank's next
-    step waits for it. Text is the frontend's (engine/output_processor.py)."""
+    step waits for it. Text is the frontend's (frontend/output_processor.py)."""
 
     rank: int
     outputs: tuple[TokenDelta, ...]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from afdserve.afd.step.control_shm import SharedMemoryControl, shared_memory_supported
-from afdserve.afd.step.round import FIELDS, ControlRound, decode, encode
+from afdserve.engine.control_round import FIELDS, ControlRound, decode, encode
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 

@@ -48,7 +48,7 @@ import time
 
 import torch.distributed as dist
 
-from afdserve.afd.step.round import FIELDS, ControlRound, decode, encode
+from afdserve.engine.control_round import FIELDS, ControlRound, decode, encode
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 

@@ -1,0 +1,381 @@
+"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0 format, kernels/reference/fp4.py),
+as three Triton launches with no host sync.
+
+The H200 (sm_90) has no FP4 tensor cores, so nothing here is an FP4 matmul: each program loads
+its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in registers and
+feeds tl.dot with an fp32 accumulator. The weights never exist in bf16 in memory: a decode step
+reads half a byte per weight plus one scale byte per 32, a quarter of bf16's traffic.
+
+The decode is what bounds these kernels: at the H200's copy bandwidth a weight has about two
+integer operations' worth of the SMs' time. (A first version spent two exp2, float math, selects
+and a gathered scale on each weight and ran at 4-7% of copy bandwidth.) So it is bit moves, two
+weights per 32-bit operation where it can (`_fp4_step`), on the packed bytes viewed as int32
+words, word j holding inputs 8j..8j + 7 (input 8j + i in nibble i):
+- nibbles i and i + 4 of a word become two fp16s in one int32: sign to bits 15 / 31, exponent
+  and mantissa to bits 11-9 / 27-25. An e2m1 code put there is its value times 2^-14, exactly:
+  e2m1's exponent 0 (the codes 0 and 0.5) lands in fp16's subnormals, whose value is mantissa *
+  2^-24, so the odd code needs no select. With the even and the odd nibbles first spread apart
+  (a shift and a bit select each per word) each pair is one shift and one and: 13 integer
+  instructions per 8 weights as ptxas compiles it (a bit select takes two lop3s there);
+- each fp16 -> fp32 (exact; sm_90 converts one half of a register per instruction);
+- times the group's factor 2^(s - 127 + 14), built once per 32 inputs from the scale byte s as
+  the fp32 bits (s + 14) << 23. For bf16 x the two fp32s are packed to a bf16 pair first and
+  multiplied as one (bf16 has fp32's exponent range, so the factor is a bf16 too); for fp16 x
+  the product is fp32, then rounded to fp16.
+About 4.6 instructions per weight in the inner loop all told (the default tile's sm_90 SASS,
+2026-12-02: 1 lop3 and 0.6 shifts for the bits, 1 conversion, half a pack, half a bf16 multiply,
+the rest loads, addresses and MMA issue), several times fewer than the first version's.
+
+Every weight is the reference's bit for bit: e2m1 * 2^(s - 127) has at most two significant
+bits, so each step above is exact in bf16 and fp32, and the one fp16 rounding is the one
+`fp4.dequantize_fp4` makes. Against `fp4.dequantize_fp4` + matmul only the fp32 accumulation
+order differs. The factor's bits are right for s <= 240 (a scale up to 2^113); above that
+(s + 14) << 23 runs into the sign bit and the weights are garbage. No real group has such a
+scale (a group's scale is its amax / 6, rounded up to a power of two). For s <= 1 (scales under
+2^-125) the products are subnormal, exact where the multiply keeps subnormals.
+
+The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), the two halves of one word's pair, so
+the converted values need no repacking; each K step takes four dots, one per i, against x's
+columns in the same order (`_x_slices`: one contiguous load of x, then splits). The words load
+as [rows, K / 32, 4] tiles (a row's K / 2 bytes contiguous: 128 bytes, a cache line, at K 256)
+beside their [rows, K / 32] scale bytes, a factor broadcast over its 4 words. The gate and up
+rows of a program's columns are one tile and one dot of twice the height. No load is masked:
+a tile's rows past its pairs read pair 0's row and columns past the last read the last one's,
+and neither is stored.
+
+`Tiles` is the tile shape: columns per gate/up and per down program, the K step, pair rows per
+tile, warps, pipeline stages, and which operand the weights are. With `weights_left` the decoded
+tile is the dot's A operand (out = W x^T, the weight rows the MMA's M), which sm_90's wgmma takes
+from registers, so the decode's output never round-trips through shared memory; the tile must
+then be at least 64 rows per 4 warps (below that Triton falls back to mma.sync, at about three
+times the instructions). Otherwise it is B (out = x W^T, about twice the instructions). `TILES`
+picks one by pair count; tools/fp4_moe_bench.py --sweep times a grid of them.
+
+The routing is resolved in the kernels as in triton_moe.py (whose pair helpers and final sum
+these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
+pair list it holds in registers, and streams the expert's weight tile once for all of them. That
+list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
+pairs, each chunk the same three launches, so a graph capture of any batch works. With fewer
+pairs than experts the programs are instead one per pair, and run for an expert's first pair
+(as in triton_moe.py). The tile shape and these follow the chunk's pair count (a host-side
+shape), so they need no sync either.
+
+1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
+2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
+3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.moe.decode import _expert_pairs, _tile_pairs, sum_pairs
+
+# Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
+MAX_PAIRS = 512
+
+
+class Tiles(NamedTuple):
+    """One launch's tile shape (module docstring). `k_block` is the K step wanted: a dimension it
+    does not divide takes its widest power-of-two divisor, at least one scale group (32)."""
+
+    gate_up_columns: int
+    down_columns: int
+    k_block: int = 256
+    rows: int = 16  # pairs of one expert sharing a weight tile; tl.dot's smallest height is 16
+    warps: int = 4
+    stages: int = 3
+    weights_left: bool = True
+
+
+# By pair count, each row used up to its first field. `tools/fp4_moe_bench.py --sweep` on an H200
+# at Flash's shape (2026-12-02, docs/benchmarks.md): 64 gate/up and 128 down columns at a K step of
+# 128 were the fastest at batches 8 and 64 (462.8 and 2256.7 us, against 534.1 and 2569.5 at a step
+# of 256) and within 1% of the fastest at batch 1 (101.2 against 100.4 us), so one shape serves all.
+TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128, k_block=128)),)
+
+
+def tiles_for(pairs: int) -> Tiles:
+    return next((t for bound, t in TILES if pairs <= bound), TILES[-1][1])
+
+
+# The narrowest K step: each step takes four dots of a quarter of it (one per nibble pair of a
+# word), and tl.dot's K is at least 16 on the GPU.
+MIN_K_BLOCK = 64
+
+
+def _k_block(dim: int, wanted: int) -> int:
+    block = max(wanted, MIN_K_BLOCK)
+    while dim % block:
+        block //= 2
+    if block < MIN_K_BLOCK:
+        raise ValueError(f"reduction dim {dim} is not a multiple of {MIN_K_BLOCK}")
+    return block
+
+
+def supports(
+    x: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+) -> bool:
+    """CUDA bf16/fp16 rows, uint8 packed weights and scales, contiguous, reduction dims
+    multiples of 64 (`MIN_K_BLOCK`; a scale per 32 inputs), packed bytes that start on a 4-byte
+    boundary (the kernels read them as int32 words). Others take the reference."""
+    tensors = (*gate_up, *down)
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not all(t.dtype == torch.uint8 and t.is_contiguous() for t in tensors):
+        return False
+    if gate_up[0].storage_offset() % 4 or down[0].storage_offset() % 4:
+        return False
+    hidden, inter = 2 * gate_up[0].shape[2], 2 * down[0].shape[2]
+    return hidden % MIN_K_BLOCK == 0 and inter % MIN_K_BLOCK == 0 and x.shape[-1] == hidden
+
+
+# Two fp16s' sign, exponent bits 1-0 and top mantissa bit (bits 15, 11-9 and 31, 27-25): where
+# `_fp4_step` puts two e2m1 codes. As an int32 (a larger literal would make the ops 64-bit).
+FP16_PAIR = tl.constexpr(0x8E008E00 - (1 << 32))
+
+
+@triton.jit
+def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr):
+    """The inputs of nibbles (i, i + 4) of the tile's words for i = 0..3, each [ROWS, K_BLOCK / 4]:
+    column 2j + h of slice i is x[:, k0 + 8j + i + 4h], matching `_fp4_step`'s weight order.
+    x_rows: [ROWS, 1] pointers to the pairs' rows, all in bounds (a tile's rows past its pairs
+    read pair 0's row, and are never stored), so no mask: one contiguous load, then splits."""
+    x = tl.load(x_rows + k0 + tl.arange(0, K_BLOCK)[None, :])
+    x = tl.reshape(x, (ROWS, K_BLOCK // 8, 2, 2, 2))  # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
+    b0, b1 = tl.split(x)
+    x0, x2 = tl.split(b0)
+    x1, x3 = tl.split(b1)
+    shape: tl.constexpr = (ROWS, K_BLOCK // 4)
+    return (
+        tl.reshape(x0, shape),
+        tl.reshape(x1, shape),
+        tl.reshape(x2, shape),
+        tl.reshape(x3, shape),
+    )
+
+
+@triton.jit
+def _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS: tl.constexpr,
+              K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):  # fmt: skip
+    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
+    docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
+    its scale bytes), xs from `_x_slices`."""
+    GROUPS: tl.constexpr = K_BLOCK // 32
+    g = tl.arange(0, GROUPS)
+    at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    w = tl.load(w_rows[:, None, None] + at)
+    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :])
+    # [COLUMNS, GROUPS, 1]: 2^(s - 127 + 14), one per 32 inputs (4 words).
+    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    # Nibbles i and i + 4 of every word (bits 4i and 16 + 4i) -> two fp16s in one int32 (bits
+    # FP16_PAIR). A code's sign must move 3 bits further than its magnitude (1 above it in the
+    # nibble, 4 above it in the fp16), onto the next nibble's magnitude; so first the even
+    # nibbles (0, 2, 4, 6: `spread`, magnitudes in place, signs 3 up) and the odd ones (`odd`,
+    # magnitudes 3 down, signs in place) are pulled apart, a shift and a bit select each; then
+    # each pair is one shift and one and.
+    spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
+    odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
+    halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
+              (spread << 1) & FP16_PAIR, odd & FP16_PAIR)  # fmt: skip
+    dtype = xs[0].dtype
+    if dtype == tl.bfloat16:
+        # bf16 has fp32's exponent range: the factor is a bf16 too, and the multiply a packed
+        # bf16 pair (one instruction for two weights) after the pack rather than before it.
+        factor = factor.to(tl.bfloat16)
+    for i in tl.static_range(4):
+        # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
+        # 8j + i + 4), one register, so no repacking before the fp16 -> fp32 conversions.
+        bits = halves[i]
+        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
+        value = both.to(tl.float16, bitcast=True).to(tl.float32)
+        if dtype == tl.bfloat16:
+            value = value.to(tl.bfloat16) * factor[:, :, :, None]
+        else:
+            value = (value * factor[:, :, :, None]).to(dtype)
+        acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
+    return acc
+
+
+@triton.jit
+def _fp4_dot(acc, xs, w, WEIGHTS_LEFT: tl.constexpr):
+    """acc += xs w^T, as acc^T += w xs^T when the weights are the A operand."""
+    # One return per helper, after a constexpr if: Triton checks every return's type alike.
+    if WEIGHTS_LEFT:
+        acc = tl.dot(w, tl.trans(xs), acc)
+    else:
+        acc = tl.dot(xs, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _acc_zeros(ROWS: tl.constexpr, COLUMNS: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):
+    if WEIGHTS_LEFT:
+        acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _rows_major(acc, WEIGHTS_LEFT: tl.constexpr):
+    """The accumulator as [ROWS, COLUMNS]."""
+    if WEIGHTS_LEFT:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, w_row, s_row, limit,
+    HAS_LIMIT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < inter
+    # One weight tile of 2 * COLUMNS rows, the gate rows of these columns and then their up
+    # rows, so one dot of twice the height (at 32 columns the 64 rows wgmma needs) serves both.
+    # [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales: gate rows first, then up rows.
+    # w_row = H / 8 and s_row = H / 32 are arguments, not computed here, so that Triton sees
+    # them as multiples of 16 and vectorizes the loads of a row (16-byte copies).
+    r = tl.arange(0, 2 * COLUMNS)
+    # Columns past the last (inter not a multiple of COLUMNS) read the last one's bytes, so the
+    # loads need no mask; their outputs are never stored.
+    both_col = tl.minimum(tl.program_id(0) * COLUMNS + r % COLUMNS, inter - 1)
+    both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
+    both_w = w_ptr + both_row * w_row
+    both_s = s_ptr + both_row * s_row
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
+        acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
+        for k0 in range(0, hidden, K_BLOCK):
+            xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK,
+                            WEIGHTS_LEFT)  # fmt: skip
+        # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+        both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
+        gate, up = tl.split(both)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + rows[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, w_row, s_row,
+    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < hidden
+    # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
+    # w_row = I / 8, s_row = I / 32; columns past the last read its bytes (as in gate/up).
+    load_col = tl.minimum(col, hidden - 1)
+    down_w = w_ptr + expert * hidden * w_row + load_col * w_row
+    down_s = s_ptr + expert * hidden * s_row + load_col * s_row
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        h_rows = h_ptr + rows[:, None] * inter
+        acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+        acc = _rows_major(acc, WEIGHTS_LEFT)
+        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + rows[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed bytes [..., n / 2] as int32 words [..., n / 8]: word j holds inputs 8j..8j + 7,
+    input 8j + i in its nibble i (bits 4i..4i + 3: little-endian, byte b is bits 8b..8b + 7)."""
+    return packed.view(torch.int32)
+
+
+def _launch(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None,
+    tiles: Tiles,
+) -> torch.Tensor:
+    """One chunk: x [rows, hidden], ids / weights [rows * top_k] -> [rows, hidden]."""
+    rows, hidden = x.shape
+    pairs = ids.shape[0]
+    inter = 2 * down[0].shape[2]
+    experts = gate_up[0].shape[0]
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    # As in triton_moe.py: with fewer pairs than experts, program s takes the expert of pair s
+    # (and runs if s is that expert's first pair), so a decode batch of 1 launches 6 expert
+    # programs per column tile rather than 256 that mostly exit; the pair list is padded to a
+    # power of two from 64, so a small batch's prologue (a prefix sum over it) is short too.
+    # Both follow the pair count, a shape: a few compiles, no sync.
+    slots = min(pairs, experts)
+    common = dict(
+        PAIRS_PAD=min(MAX_PAIRS, max(64, triton.next_power_of_2(pairs))),
+        BY_EXPERT=pairs > experts, ROWS=tiles.rows, WEIGHTS_LEFT=tiles.weights_left,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    columns = tiles.gate_up_columns
+    _gate_up_kernel[(triton.cdiv(inter, columns), slots)](
+        x, ids, _words(gate_up[0]), gate_up[1], h, pairs, top_k, hidden, inter,
+        hidden // 8, hidden // 32, 0.0 if limit is None else float(limit),
+        HAS_LIMIT=limit is not None,
+        COLUMNS=columns, K_BLOCK=_k_block(hidden, tiles.k_block), **common,
+    )  # fmt: skip
+    columns = tiles.down_columns
+    _down_kernel[(triton.cdiv(hidden, columns), slots)](
+        h, ids, weights, _words(down[0]), down[1], y, pairs, hidden, inter, inter // 8, inter // 32,
+        COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
+    )  # fmt: skip
+    return sum_pairs(y, ids, out, experts)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None = None,
+    tiles: Callable[[int], Tiles] = tiles_for,
+) -> torch.Tensor:
+    """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Each id is in
+    [0, experts) or -1 (no expert here: the pair is skipped, triton_moe's `_expert_pairs`). Each
+    chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
+    rows, top_k = topk_ids.shape
+    if rows == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
+    weights = topk_weights.reshape(-1).contiguous()
+    step = max(1, MAX_PAIRS // top_k)  # rows per launch
+    chunks = []
+    for r in range(0, rows, step):
+        pairs = slice(r * top_k, (r + step) * top_k)
+        chunk = x[r : r + step]
+        shape = tiles(chunk.shape[0] * top_k)
+        chunks.append(
+            _launch(chunk, ids[pairs], weights[pairs], top_k, gate_up, down, limit, shape)
+        )
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -1,0 +1,243 @@
+"""FP8 routed experts for decode batches: kernels/moe/decode.py's three launches over FP8 stacks.
+
+The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
+float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block rows,
+then up's). The routing is resolved in registers as in triton_moe (a program per touched expert,
+its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x 128
+scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
+(exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
+
+w8a8 by default (triton_fp8.W8A8_EXPERTS): x and h are quantized per row in groups of 128
+as the dense GEMM does (kernels/triton_fp8.as_operand), and the dots run on FP8 tensor cores;
+`a8=False` keeps them in x's dtype against the FP8 values cast to it (weight-only). Batches
+past MAX_PAIRS take kernels/moe/grouped.py with the same dequantization. No host sync: a
+CUDA graph captures the launches at their pair count.
+
+Operand order (`WEIGHTS_LEFT`, per launch `Tiles.weights_left`). The weight tile is the dots'
+left operand: out^T = W x^T, the weight rows the MMA's M and the pairs its N
+(triton_fp8.block_dot_left), as kernels/moe/fp4_decode.py does. With the weights right (out =
+x W^T, the first orientation) the activation rows were the M, at least 16 (the MMA's smallest)
+for one real pair at a batch of 1, so Triton ran mma with the weights as B fragments. Left, the
+gate and up rows of a program's columns are one tile of 2 * COLUMNS rows (one dot; 64 rows at
+32 columns, what wgmma needs at 4 warps), each half with its own block scale, and the pairs may
+be as few as the MMA's smallest N: a batch of 1 (up to MAX_PAIRS pairs, so at most 8 of one
+expert) takes 8-row tiles (`LEFT_ROWS`), half the x rows to load and quantize per K step.
+Triton runs those on mma (FP8 as fp16 on sm_90, one conversion per two weights), which counts
+fewer instructions than wgmma's 16-row tiles there (w8a8 wgmma takes the FP8 tile from shared
+memory unconverted, but x's staging and its fences cost more). No load is masked: columns past
+the last read its weights, rows past a tile's pairs read pair 0's row; neither is stored.
+
+Thread instructions per weight in the K loop, sm_90 SASS of Triton 3.6, Qwen3-30B-A3B's experts
+at 8 pairs (the default tiles), w8a8 / weight-only (tests/kernels/test_fp8_moe_compile.py,
+2026-12-02): gate/up 6.06 / 5.45 and down 6.02 / 5.28 in the first orientation as it was; 4.92 /
+4.64 and 4.77 / 4.42 with as_operand's exponents from the float bits (no log2 polynomial, a
+fifth of the loop); 2.98 / 2.84 and 2.91 / 2.78 with the weights left (16-row wgmma tiles:
+3.23 / 3.95 and 3.17 / 3.92). tools/fp8_moe_bench.py times both orders on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.kernels.triton.fp8_weight_only import as_operand, block_dot_left, down_tile, gate_up_right
+from afdserve.kernels.moe.decode import (
+    _expert_pairs,
+    _k_block,
+    _rows_per_tile,
+    _tile_pairs,
+    _tiles,
+    sum_pairs,
+)
+
+SCALE_BLOCK = 128
+# Pairs up to which `ops.moe_experts_fp8` takes these kernels; past it the sort-free grouped GEMM
+# with the same dequantization. Qwen3-30B-A3B's experts on an H200 (graph replay, 2026-12-02,
+# both with the weights right): these kernels 29 against 34 us at a batch of 1 at top-8, the
+# grouped GEMM faster from a batch of 8 (97 against 136 us) to 128 (205 against 380 us); with the
+# weights left these take 20.7 us at 1, the grouped 90.8 against 127.6 at 8. Batches 2-7 are
+# untimed.
+MAX_PAIRS = 8
+# Whether the weight tile is the dots' left operand (out^T = W x^T, module docstring); False
+# keeps the first orientation (out = x W^T), to time one against the other.
+WEIGHTS_LEFT = True
+# Pairs per tile with the weights left, up to MAX_PAIRS pairs (so one tile holds all of an
+# expert's): 8, the smallest N of an MMA (16 is the smallest M, so the old orientation's floor).
+LEFT_ROWS = 8
+# Columns per gate/up and down program with the weights left: tools/fp8_moe_bench.py --variants
+# on an H200 (2026-12-02, batch 1, w8a8): 64 / 128 20.7 us against 23.8 with triton_moe's 32 / 64
+# and 26.7 with the weights right (64 / 64: 20.9; 16-row wgmma tiles 32.9).
+LEFT_COLUMNS = (64, 128)
+
+
+class Tiles(NamedTuple):
+    """One launch's shape: columns per gate/up and per down program, pairs of one expert per
+    tile (None: triton_moe's choice by load), warps, pipeline stages, the weights' operand."""
+
+    gate_up_columns: int
+    down_columns: int
+    rows: int | None
+    warps: int
+    stages: int
+    weights_left: bool
+
+
+def tiles_for(pairs: int, weights_left: bool | None = None) -> Tiles:
+    """triton_moe's decode tiles by pair count (the FP8 sweep found none faster in the first
+    orientation); with the weights left, LEFT_COLUMNS and LEFT_ROWS-row tiles up to MAX_PAIRS."""
+    left = WEIGHTS_LEFT if weights_left is None else weights_left
+    gate_up, down, warps, stages = _tiles(pairs)
+    if left and pairs <= MAX_PAIRS:
+        return Tiles(*LEFT_COLUMNS, LEFT_ROWS, warps, stages, True)
+    return Tiles(gate_up, down, None, warps, stages, left)
+
+
+def supports(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, block: tuple[int, int]
+) -> bool:
+    """bf16/fp16 activations, contiguous FP8 stacks of 128 x 128 blocks, reduction dims that are
+    multiples of 16 (tl.dot's smallest K step)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not (gate_up.dtype == down.dtype == FP8_DTYPE) or tuple(block) != (128, 128):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    return gate_up.shape[2] % 16 == 0 and down.shape[2] % 16 == 0
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
+    inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < inter
+    k = tl.arange(0, K_BLOCK)
+    # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+    gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
+    up_scales = gate_scales + inter_blocks * s_row
+    if WEIGHTS_LEFT:
+        # One tile of 2 * COLUMNS weight rows, these columns' gate rows and then their up rows:
+        # one dot of twice the height (32 columns make the 64 rows wgmma needs at 4 warps).
+        # Columns past the last (inter not a multiple of COLUMNS) read the last one's weights,
+        # in the same scale block, so no load is masked; their outputs are never stored.
+        r = tl.arange(0, 2 * COLUMNS)
+        both_col = tl.minimum(tl.program_id(0) * COLUMNS + r % COLUMNS, inter - 1)
+        both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
+        both_rows = w_ptr + both_row[:, None] * hidden + k[None, :]
+        is_up = (r >= COLUMNS)[:, None]
+    else:
+        gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        up_rows = gate_rows + inter * hidden
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
+        if WEIGHTS_LEFT:
+            # A tile's rows past its pairs read pair 0's row (in bounds), never stored.
+            acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                scale = tl.where(is_up, tl.load(up_scales + k0 // 128),
+                                 tl.load(gate_scales + k0 // 128))  # fmt: skip
+                acc = block_dot_left(xo, rs, tl.load(both_rows + k0), scale, acc, X_SCALED)
+            # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+            both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
+            gate, up = tl.split(both)
+        else:
+            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
+                                     up_scales, hidden, k, True, X_SCALED, A_FP8, ROWS, COLUMNS,
+                                     K_BLOCK)  # fmt: skip
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + rows[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
+    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(1)
+    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    col_ok = col < hidden
+    k = tl.arange(0, K_BLOCK)
+    if WEIGHTS_LEFT:  # columns past the last read its weights (as in gate/up)
+        load_col = tl.minimum(col, hidden - 1).to(tl.int64)
+        down_rows = w_ptr + expert * hidden * inter + load_col[:, None] * inter + k[None, :]
+    else:
+        down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
+    scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
+    for first in range(0, count, ROWS):
+        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        h_rows = h_ptr + rows[:, None] * inter
+        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, True, X_SCALED, A_FP8,
+                        WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
+        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + rows[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    a8: bool | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """`fp8.moe_experts_fp8`'s contract on CUDA for up to MAX_PAIRS pairs: x [rows, hidden];
+    gate_up / down as (FP8 stack, scale grid); `a8` as in triton_grouped_moe.moe_experts;
+    `tiles`: the launch's shape (None: `tiles_for`'s, the orientation `WEIGHTS_LEFT`'s). Each id
+    is a held expert or -1 (no expert here: the pair is skipped). Check `supports` first."""
+    (w13, s13), (w2, s2) = gate_up, down
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    hidden, inter = w13.shape[2], w2.shape[2]
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    s13, s2 = s13.contiguous(), s2.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    experts = w13.shape[0]
+    a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
+    tiles = tiles_for(pairs) if tiles is None else tiles
+    routing = dict(
+        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
+        BY_EXPERT=pairs > experts,
+        ROWS=tiles.rows or _rows_per_tile(pairs, experts),
+        WEIGHTS_LEFT=tiles.weights_left,
+    )
+    slots = min(pairs, experts)
+    gate_up_columns, down_columns, _, warps, stages, _ = tiles
+    # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
+    assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+        x, ids, w13, s13, h, pairs, top_k, hidden, inter, s13.stride(0), s13.stride(1),
+        triton.cdiv(inter, SCALE_BLOCK), **routing, COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+        **triton_fp8.operand_modes(a8, _k_block(hidden), x.dtype),
+    )  # fmt: skip
+    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
+        h, ids, weights, w2, s2, y, pairs, hidden, inter, s2.stride(0), s2.stride(1), **routing,
+        COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+        **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
+    )  # fmt: skip
+    return sum_pairs(y, ids, out, experts)

@@ -1,0 +1,288 @@
+"""Routed experts for larger batches as a grouped GEMM in Triton, reading rows by indirection.
+
+kernels/moe/align.py groups the step's (token, k) pairs by expert into padded tiles of `rows`
+slots without a sort. Then three launches, no gather, scatter or copy around them:
+
+1. gate/up: a program per (tile, intermediate column block) finds its tile's expert from the group
+   ends, loads the tile's x rows by token index, streams the expert's weight tile once for all of
+   them and writes h[pair] = silu(x W_gate^T) * (x W_up^T) in x's dtype, by pair index.
+2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T),
+   float32, by pair index.
+3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype (pairs routed
+   to no expert here, id -1, are skipped: they were never written; triton_moe's `sum_pairs`).
+
+So the only data that moves besides the weights is x read once per tile, h and y: the sort,
+index_select, index_add and their copies of the torch grouped GEMM path (kernels/moe/torch_grouped.py) are
+gone. Tiles past the last group belong to no expert and exit at once; the grid is the worst case,
+static per pair count, so a CUDA graph captures it.
+
+Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
+float8_e4m3fn with a float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate's grid rows,
+then up's). Each FP8 weight tile lies in one scale block (with the weights left a down tile
+may span whole blocks, each row scaled by its own block's scale): by default x and h are
+quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
+triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
+either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
+FP8 weight tiles are the dots' left operand (out^T = W x^T: `FP8_WEIGHTS_LEFT`, as in
+kernels/moe/fp8_decode.py, whose docstring says why), the 16-row tiles of pairs the N: a w8a8
+tile goes from shared memory into wgmma unconverted. Thread instructions per weight in the K
+loop at a batch of 64 at top-8 of Qwen3-30B-A3B's experts (sm_90 SASS, Triton 3.6, 128-column
+tiles; tests/kernels/test_fp8_moe_compile.py, 2026-12-02), w8a8 / weight-only: gate/up 2.77 /
+2.73 and down 3.98 / 3.61 with the weights right as first written, 2.53 / 2.54 and 3.14 / 2.98
+with triton_fp8.as_operand's exponents from the float bits, 1.25 / 2.32 and 1.91 / 2.85 with
+the weights left (down 1.26 / 2.55 in tiles of 256 columns, Triton 3.9, 2026-12-04).
+(Weight-only gains little: Triton reads the FP8 tile from shared memory two bytes at a time for
+the fp16 wgmma's register operand.) bf16 weights stay the right operand.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.kernels.moe.align import assign
+from afdserve.kernels.triton.fp8_weight_only import as_operand, block_dot_left, down_tile, gate_up_right
+from afdserve.kernels.moe.decode import _k_block, sum_pairs
+
+# Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
+# triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
+# small against its compute. A batch of 1024 at top-8: the routed experts of Qwen3-30B-A3B are
+# still memory-bound there by the FLOP count (~4x), so tiles of at most 64 rows lose little.
+# Untimed. FP8 experts take this path at any count (the alternative is a bf16 copy of them), in
+# slices of this many pairs.
+GROUPED_MAX_PAIRS = 8192
+
+# Tile widths and launch settings: (intermediate columns per gate/up program, hidden columns per
+# down program, warps, pipeline stages).
+COLUMNS = (64, 64, 4, 3)
+# The same for FP8 weights: w8a8 tiles of 128 columns beat 64 (181.9 against 189.3 us at a batch
+# of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
+# 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
+# Down tiles of 256 columns (two scale blocks' rows, weights left) load and quantize each h tile
+# once for twice the weight bytes: 167.1 against 174.0 us at a batch of 64, 203.1 against 207.3
+# at 256, 87.5 against 89.8 at 8 (a layer's experts cycled over 4 copies, graph replay, H200,
+# 2026-12-04); 64 or 128 columns twice over was slower, as were 4 stages, 512 down columns
+# (169.0 at 64) and gate/up tiles of 256 columns (175.8 at 64, 218.7 at 256).
+FP8_COLUMNS = (128, 256, 4, 3)
+# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): on an
+# H200 (2026-12-02, Qwen3-30B-A3B preset, graphs) decode steps of 6.81 against 7.20 ms at a
+# batch of 8 and 19.77 against 21.00 at 256 (12.64 against 12.74 at 64). Both orders are the
+# oracle's within the same tolerance at every tile count per expert (tests/gpu/
+# test_fp8_kernels.py); the model test that once failed with this on is a rate over 64 prompts
+# now, both orders within it (its MOST_FAR_DIVERGENCES). bf16 weights are always the right
+# operand.
+FP8_WEIGHTS_LEFT = True
+SCALE_BLOCK = 128
+# Programmatic dependent launch of the path's five launches (grouping, gate/up, down, sum) on
+# sm_90+: 0 off; 1 each launch may be placed before the one ahead of it ends and waits for it
+# at its start (tl.extra.cuda.gdc_wait, before any load: a launch that read earlier outputs
+# before it, or ended without it, would break the chain's order); 2 also lets the next launch
+# be placed once every gate/up or down program is past its K loop. FP8 experts, H200, a layer's
+# experts over 4 copies, graph replay, two runs each (2026-12-04): 87.3 / 85.3 / 84.8 us at a
+# batch of 8 for 0 / 1 / 2, 166.7 / 165.9 / 165.1 at 64, 203.1 / 202.1 / 200.8 at 256, the
+# outputs bit for bit the same. (The same on the w8a8 dense GEMM gained nothing: not there.)
+GDC = 2
+
+
+def rows_per_tile(pairs: int, experts: int, w_fp8: bool = False) -> int:
+    """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16),
+    at most 64 (16 for FP8 weights). An expert with more pairs spans several tiles, each
+    re-reading its weights. (Four times the mean made a batch of 256 slower on an H200: 26.2
+    against 24.1 ms a step.) FP8 tiles taller than 16 rows cost more than the re-reads: at
+    Qwen3-30B-A3B's experts on an H200, 16-row tiles took 211 against 369 us at a batch of 160,
+    275 against 372 at 256 and 442 against 577 at 512, where bf16 prefers the taller ones (341
+    against 316 us at 256; tools/bench_fp8_kernels.py's shapes, graph replay, 2026-12-02)."""
+    mean = -(-pairs // max(1, min(pairs, experts)))
+    return min(16 if w_fp8 else 64, max(16, triton.next_power_of_2(2 * mean)))
+
+
+def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """bf16/fp16 activations with weights in the same dtype or FP8; reduction dims multiples of
+    16 (tl.dot's smallest K step), contiguous stacks."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (gate_up.dtype == down.dtype and gate_up.dtype in (x.dtype, FP8_DTYPE)):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    return gate_up.shape[2] % 16 == 0 and down.shape[2] % 16 == 0
+
+
+@triton.jit
+def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E_PAD: tl.constexpr):
+    """The expert of this program's tile (num_experts past the last group), the tile's pair
+    indices and which of its rows hold one."""
+    first = tl.program_id(0) * ROWS
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(end_ptr + e, mask=e < num_experts, other=2147483647)
+    done = ends <= first
+    expert = tl.sum(done.to(tl.int32), axis=0)  # groups ending at or before this tile
+    start = tl.max(tl.where(done, ends, 0), axis=0)
+    count = tl.load(count_ptr + tl.minimum(expert, num_experts - 1))
+    slot = first + tl.arange(0, ROWS)
+    # (A tile past the last group has expert == num_experts; the comparison is broadcast over
+    # the rows, which Triton's interpreter needs for a mask.)
+    row_ok = (slot - start < count) & (slot * 0 + expert < num_experts)
+    pairs = tl.load(slots_ptr + slot, mask=row_ok, other=0)
+    return expert, pairs, row_ok
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, slots_ptr, end_ptr, count_ptr, w_ptr, s_ptr, h_ptr, num_experts, top_k, hidden,
+    inter, s_expert, s_row, inter_blocks, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr, E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr, WEIGHTS_LEFT: tl.constexpr = False, GDC: tl.constexpr = 0,
+):  # fmt: skip
+    if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
+        tl.extra.cuda.gdc_wait()
+    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < inter
+        k = tl.arange(0, K_BLOCK)
+        if WEIGHTS_LEFT:  # FP8 only: the weight tiles the dots' left operand (module docstring)
+            # Columns past the last read the last one's weights (same scale block), so no load
+            # is masked, nor x's (rows past the tile's pairs read pair 0's row): none is stored.
+            load_col = tl.minimum(col, inter - 1).to(tl.int64)
+            gate_rows = w_ptr + e * 2 * inter * hidden + load_col[:, None] * hidden + k[None, :]
+        else:
+            gate_rows = w_ptr + e * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
+        up_rows = gate_rows + inter * hidden
+        # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
+        gate_scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
+        up_scales = gate_scales + inter_blocks * s_row
+        x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
+        if WEIGHTS_LEFT:
+            gate = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            up = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+            for k0 in range(0, hidden, K_BLOCK):
+                xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
+                gate = block_dot_left(xo, rs, tl.load(gate_rows + k0),
+                                      tl.load(gate_scales + k0 // 128), gate,
+                                      X_SCALED)  # fmt: skip
+                up = block_dot_left(xo, rs, tl.load(up_rows + k0), tl.load(up_scales + k0 // 128),
+                                    up, X_SCALED)  # fmt: skip
+            gate = tl.trans(gate)
+            up = tl.trans(up)
+        else:
+            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
+                                     up_scales, hidden, k, W_FP8, X_SCALED, A_FP8, ROWS, COLUMNS,
+                                     K_BLOCK)  # fmt: skip
+        if GDC == 2:  # the next launch may place its programs while these store
+            tl.extra.cuda.gdc_launch_dependents()
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, slots_ptr, end_ptr, count_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_experts, hidden,
+    inter, s_expert, s_row, ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr = False, GDC: tl.constexpr = 0,
+):  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < hidden
+        k = tl.arange(0, K_BLOCK)
+        scales = s_ptr + e * s_expert + (tl.program_id(1) * COLUMNS // 128) * s_row
+        h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
+        if WEIGHTS_LEFT:  # as in gate/up: no masked load
+            load_col = tl.minimum(col, hidden - 1).to(tl.int64)
+            down_rows = w_ptr + e * hidden * inter + load_col[:, None] * inter + k[None, :]
+            if COLUMNS > 128:  # a tile of several scale blocks' rows, each row its block's
+                scales = s_ptr + e * s_expert + (load_col // 128)[:, None] * s_row
+        else:
+            down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
+        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8, X_SCALED,
+                        A_FP8, WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
+        if GDC == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    a8: bool | None = None,
+    weights_left: bool | None = None,
+    launch: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
+    `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
+    h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
+    FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`); `launch`: (gate/up columns,
+    down columns, warps, stages) (None: `FP8_COLUMNS` or `COLUMNS`). Check `supports`."""
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    if pairs == 0 or experts == 0:
+        return torch.zeros_like(x)
+    if pairs > GROUPED_MAX_PAIRS:
+        # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
+        # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
+        # the experts once per slice costs little.
+        step = max(1, GROUPED_MAX_PAIRS // top_k)
+        return torch.cat([
+            moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
+                        gate_up, down, scales, a8, weights_left, launch)
+            for i in range(0, rows, step)
+        ])  # fmt: skip
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    w_fp8 = scales is not None
+    tile = rows_per_tile(pairs, experts, w_fp8)
+    gdc = GDC if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 else 0
+    groups = assign(ids, experts, tile, gdc)
+    if w_fp8:
+        gate_up_scale, down_scale = (s.contiguous() for s in scales)
+    else:  # never read: the FP8 branches compile out
+        gate_up_scale = down_scale = weights
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    gate_up_columns, down_columns, warps, stages = launch or (FP8_COLUMNS if w_fp8 else COLUMNS)
+    left = w_fp8 and (FP8_WEIGHTS_LEFT if weights_left is None else weights_left)
+    if w_fp8 and not left:  # weights right: the tile in one scale block (triton_fp8.block_dot)
+        down_columns = min(down_columns, SCALE_BLOCK)
+    # An FP8 tile lies in one scale block, or (down, weights left) spans whole ones.
+    assert SCALE_BLOCK % gate_up_columns == 0
+    assert SCALE_BLOCK % down_columns == 0 or down_columns % SCALE_BLOCK == 0
+    e_pad = max(16, triton.next_power_of_2(experts))
+    # FP8 weights: FP8 dots on rows quantized per 128-group (a8), or fp16 dots on bf16 rows
+    # scaled into fp16 (triton_fp8.as_operand), per kernel by its K step.
+    a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
+    up_step, down_step = _k_block(hidden), _k_block(inter)
+    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, WEIGHTS_LEFT=left, num_warps=warps,
+                  num_stages=stages, GDC=gdc, launch_pdl=gdc > 0)  # fmt: skip
+    g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)
+    d_strides = (down_scale.stride(0), down_scale.stride(1)) if w_fp8 else (0, 0)
+    _gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
+        x, groups.slots, groups.expert_end, groups.expert_count, gate_up, gate_up_scale, h,
+        experts, top_k, hidden, inter, *g_strides, triton.cdiv(inter, SCALE_BLOCK),
+        COLUMNS=gate_up_columns, K_BLOCK=up_step, **common,
+        **triton_fp8.operand_modes(a8, up_step, x.dtype, w_fp8),
+    )  # fmt: skip
+    _down_kernel[(groups.tiles, triton.cdiv(hidden, down_columns))](
+        h, groups.slots, groups.expert_end, groups.expert_count, weights, down, down_scale, y,
+        experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=down_step, **common,
+        **triton_fp8.operand_modes(a8, down_step, x.dtype, w_fp8),
+    )  # fmt: skip
+    return sum_pairs(y, ids, out, experts, gdc)

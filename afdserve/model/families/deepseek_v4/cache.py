@@ -1,0 +1,290 @@
+"""DeepSeek-V4's paged KV cache: every layer's state in pages of the engine's blocks.
+
+The engine gives each sequence one block table, as for every family (block b of the table covers
+positions [b B, (b + 1) B), B = block_size). A V4 layer keeps, per physical block, pages of its
+own geometry (`LayerGeometry`), each page a ring addressed by position:
+- `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
+  table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
+  fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
+- `entries` [ceil(B / m), head_dim] (compressed layers, rate m): entry w (tokens [w m, (w+1) m))
+  sits in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
+  block, the only part that grows with the context.
+- `open_kv`, `open_gate` [min(B, m), width]: the kv / gate projections of the window still open
+  (the compressor's tokens not yet pooled), at row p % min(B, m) of position p's block.
+- `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first series
+  (its gate with the position bias added, float32 as computed), which the next entry overlaps.
+- `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
+  are `index_entries`).
+So any chunking works (a chunk reads the state its start needs from the pages and writes what its
+end leaves), and preemption by recompute rewrites the pages from position 0.
+
+`read` turns the pages into the per-sequence `LayerState` that `V4Attention` consumes, and `write`
+stores the state after a chunk back: the attention itself is the one the model tests hold equal to
+transformers' full forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.model.config import ModelConfig
+from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
+
+_SHORT = {
+    "sliding_attention": "sliding",
+    "compressed_sparse_attention": "CSA",
+    "heavily_compressed_attention": "HCA",
+}
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One layer's pages per block: name -> (rows, width, float32?)."""
+
+    kind: str
+    block_size: int
+    window: int
+    rate: int  # 0: sliding layer, no compressor
+    pages: tuple[tuple[str, int, int, bool], ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
+        v4, dim = config.v4, config.head_dim
+        kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
+        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, False)]
+        if rate:
+            csa = kind == "compressed_sparse_attention"
+            compressors = [("", dim)] + ([("index_", v4.index_head_dim)] if csa else [])
+            slots, open_rows = -(-block_size // rate), min(block_size, rate)
+            for prefix, width in compressors:
+                pages.append((f"{prefix}entries", slots, width, False))
+                projected = 2 * width if csa else width
+                pages.append((f"{prefix}open_kv", open_rows, projected, False))
+                pages.append((f"{prefix}open_gate", open_rows, projected, False))
+                if csa:
+                    pages.append((f"{prefix}prev_kv", open_rows, width, False))
+                    pages.append((f"{prefix}prev_gate", open_rows, width, True))
+        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages))
+
+    def bytes_per_block(self, dtype: torch.dtype) -> int:
+        return sum(
+            rows * width * (4 if f32 else dtype.itemsize) for _, rows, width, f32 in self.pages
+        )
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return sum(
+        LayerGeometry.of(config, i, block_size).bytes_per_block(dtype)
+        for i in range(config.num_layers)
+    )
+
+
+def bytes_by_layer_type(
+    config: ModelConfig, block_size: int, dtype: torch.dtype
+) -> dict[str, tuple[int, int]]:
+    """Layer type -> (layers of that type, bytes per block of one of them)."""
+    out: dict[str, tuple[int, int]] = {}
+    for i in range(config.num_layers):
+        geometry = LayerGeometry.of(config, i, block_size)
+        count, _ = out.get(geometry.kind, (0, 0))
+        out[geometry.kind] = (count + 1, geometry.bytes_per_block(dtype))
+    return out
+
+
+def describe(config: ModelConfig, block_size: int, dtype: torch.dtype) -> str:
+    """The start-up line's breakdown: bytes per block of each layer type."""
+    parts = [
+        f"{count} {_SHORT[kind]} x {per} B"
+        for kind, (count, per) in bytes_by_layer_type(config, block_size, dtype).items()
+    ]
+    return "per block: " + ", ".join(parts)
+
+
+class LayerPages:
+    """One layer's pages over every block of the cache."""
+
+    def __init__(
+        self,
+        geometry: LayerGeometry,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.geometry = geometry
+        # Each page is [num_blocks, rows, width] over a flat buffer one row longer: that last row
+        # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
+        # so they never land in a real sequence's pages. It belongs to no block and is never read
+        # as state; `bytes` counts the pages only.
+        self.flat = {
+            name: torch.zeros(
+                num_blocks * rows + 1, width, device=device, dtype=torch.float32 if f32 else dtype
+            )
+            for name, rows, width, f32 in geometry.pages
+        }
+        self.pages = {
+            name: self.flat[name][:-1].view(num_blocks, rows, width)
+            for name, rows, width, _ in geometry.pages
+        }
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pages.values())
+
+    # ----- addressing: positions or entries -> rows of a page flattened to [blocks * rows] -----
+    # One sequence: table [max_blocks], positions/entries [n]; a batch (batched.py): table
+    # [rows, max_blocks], positions/entries [rows, n], each row through its own table.
+    @staticmethod
+    def _block(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return table[index] if table.dim() == 1 else table.gather(1, index)
+
+    def _rows_of(self, name: str, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = self.pages[name].shape[1]
+        block = self._block(table, positions // self.geometry.block_size)
+        return block * rows + positions % rows
+
+    def _entry_rows(self, name: str, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        bs, m, slots = self.geometry.block_size, self.geometry.rate, self.pages[name].shape[1]
+        block = entries * m // bs
+        first = (block * bs + m - 1) // m  # the block's first entry
+        return self._block(table, block) * slots + entries - first
+
+    def _get(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        page = self.pages[name]
+        return page.view(-1, page.shape[-1])[rows]
+
+    def _put(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        page = self.pages[name]
+        page.view(-1, page.shape[-1])[rows] = values.to(page.dtype)
+
+    # ----- a decode ubatch (batched.py): tables [rows, W], positions/entries [rows, n] -----
+    def batch_rows(self, name: str, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of `positions`, clamped into the W * B positions the tables address (a
+        clamped read is always masked, a clamped write never kept)."""
+        span = tables.shape[1] * self.geometry.block_size
+        return self._rows_of(name, tables, positions.clamp(0, span - 1))
+
+    def batch_entry_rows(
+        self, name: str, tables: torch.Tensor, entries: torch.Tensor
+    ) -> torch.Tensor:
+        count = -(-tables.shape[1] * self.geometry.block_size // self.geometry.rate)
+        return self._entry_rows(name, tables, entries.clamp(0, count - 1))
+
+    def take(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """flat rows [rows, n] -> [rows, n, width]."""
+        return self.flat[name][rows]
+
+    def store(
+        self, name: str, rows: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+    ) -> None:
+        """values [rows, n, width] to flat rows [rows, n] where `keep` [rows, n], the others to
+        the scratch row: one masked scatter, no host sync."""
+        flat = self.flat[name]
+        rows = torch.where(keep, rows, flat.shape[0] - 1)
+        flat[rows.reshape(-1)] = values.reshape(-1, flat.shape[1]).to(flat.dtype)
+
+    def _span(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(max(lo, 0), hi, device=device)
+
+    # ----- the per-sequence state -----
+    def read(self, table: torch.Tensor, start: int) -> LayerState | None:
+        """The state a chunk starting at position `start` needs (None at position 0)."""
+        if start == 0:
+            return None
+        g, dev = self.geometry, table.device
+        window = self._span(start - (g.window - 1), start, dev)
+        state = LayerState(self._get("window", self._rows_of("window", table, window)), window)
+        if g.rate:
+            state.compressor = self._read_compressor("", table, start)
+            if g.kind == "compressed_sparse_attention":
+                state.indexer = self._read_compressor("index_", table, start)
+        return state
+
+    def _read_compressor(self, prefix: str, table: torch.Tensor, start: int) -> CompressorState:
+        m, dev = self.geometry.rate, table.device
+        closed = start // m
+        entries = torch.arange(closed, device=dev)
+        pending = self._span(closed * m, start, dev)
+        state = CompressorState(
+            self._get(f"{prefix}entries", self._entry_rows(f"{prefix}entries", table, entries)),
+            self._get(f"{prefix}open_kv", self._rows_of(f"{prefix}open_kv", table, pending)),
+            self._get(f"{prefix}open_gate", self._rows_of(f"{prefix}open_gate", table, pending)),
+        )
+        if f"{prefix}prev_kv" in self.pages and closed > 0:
+            prev = self._span((closed - 1) * m, closed * m, dev)
+            state.prev_kv = self._get(
+                f"{prefix}prev_kv", self._rows_of(f"{prefix}prev_kv", table, prev)
+            )
+            state.prev_gate = self._get(
+                f"{prefix}prev_gate", self._rows_of(f"{prefix}prev_gate", table, prev)
+            )
+        return state
+
+    def write(self, table: torch.Tensor, start: int, end: int, after: LayerState) -> None:
+        """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
+        its windows closed, the open window's rows and (CSA) the last closed window's first
+        series. Only rows a later chunk reads are written, so no two share a page row."""
+        new = after.window_pos >= start
+        self._put(
+            "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
+        )
+        if self.geometry.rate:
+            self._write_compressor("", table, start, end, after.compressor)
+            if self.geometry.kind == "compressed_sparse_attention":
+                self._write_compressor("index_", table, start, end, after.indexer)
+
+    def _write_compressor(
+        self, prefix: str, table: torch.Tensor, start: int, end: int, state: CompressorState
+    ) -> None:
+        m, dev = self.geometry.rate, table.device
+        before, closed = start // m, end // m
+        if closed > before:
+            entries = torch.arange(before, closed, device=dev)
+            self._put(
+                f"{prefix}entries",
+                self._entry_rows(f"{prefix}entries", table, entries),
+                state.entries[before:closed],
+            )
+            if state.prev_kv is not None:
+                prev = self._span((closed - 1) * m, closed * m, dev)
+                self._put(
+                    f"{prefix}prev_kv",
+                    self._rows_of(f"{prefix}prev_kv", table, prev),
+                    state.prev_kv,
+                )
+                self._put(
+                    f"{prefix}prev_gate",
+                    self._rows_of(f"{prefix}prev_gate", table, prev),
+                    state.prev_gate,
+                )
+        pending = self._span(closed * m, end, dev)
+        self._put(
+            f"{prefix}open_kv", self._rows_of(f"{prefix}open_kv", table, pending), state.pending_kv
+        )
+        self._put(
+            f"{prefix}open_gate",
+            self._rows_of(f"{prefix}open_gate", table, pending),
+            state.pending_gate,
+        )
+
+
+class V4KVCache:
+    """The paged cache of one attention rank for a DeepSeek-V4 model: `LayerPages` per layer, over
+    the same `num_blocks` blocks of `block_size` positions the engine's block manager hands out."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.layers = [
+            LayerPages(LayerGeometry.of(config, i, block_size), num_blocks, dtype, device)
+            for i in range(config.num_layers)
+        ]
+        self.bytes = sum(layer.bytes for layer in self.layers)
+        self.summary = describe(config, block_size, dtype)

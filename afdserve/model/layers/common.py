@@ -1,0 +1,60 @@
+"""Building blocks shared by every family: RMSNorm, rotary embedding, the SiLU-gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afdserve.kernels import ops
+
+from afdserve.kernels.reference import layers as reference
+from afdserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding. `interleave` rotates pairs (x0, x1), (x2, x3), ... (DeepSeek) and
+    returns them de-interleaved; q and k get the same permutation, so their dot products are
+    unchanged."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = torch.tensor(config.rope_inv_freq, dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = config.rope_attention_scaling
+        self.interleave = config.rope_interleave
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [rows, dim / 2]
+        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [rows, heads, dim]; cos/sin [rows, dim / 2]."""
+        return ops.rotate(x, cos, sin, self.interleave)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): dense layers and shared experts; with `limit` (DeepSeek-V4's
+    swiglu_limit) gate and up are clamped first."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(reference.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
