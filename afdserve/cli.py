@@ -24,12 +24,20 @@ def add_engine_args(p: argparse.ArgumentParser, flags: dict[str, str] | None = N
     renames some, keyword -> flag), and the LLM's --frontend-address."""
     for cls in ENGINE_CONFIGS:
         group = add_config_group(p, cls, flags=flags)
-    group.add_argument("--frontend-address", default=None, metavar="HOST:PORT",
-                       help="listen here for ranks started elsewhere (torchrun) instead of "
-                            "spawning them (default: None, spawn)")
-    p.add_argument("--config", metavar="FILE.yaml", default=None,
-                   help="flags from a YAML file, one key per flag (max-num-seqs: 8, or "
-                        "max_num_seqs); flags on the command line override it (default: None)")
+    group.add_argument(
+        "--frontend-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="listen here for ranks started elsewhere (torchrun) instead of "
+        "spawning them (default: None, spawn)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=None,
+        help="flags from a YAML file, one key per flag (max-num-seqs: 8, or "
+        "max_num_seqs); flags on the command line override it (default: None)",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -55,16 +63,29 @@ def preflight(kwargs: dict) -> EngineConfigs:
 def cmd_generate(args: argparse.Namespace) -> int:
     from afdserve import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
     kwargs = llm_kwargs(args)
     preflight(kwargs)
     with LLM(**kwargs) as llm:
         prompts = args.prompt or ["Hello, my name is"]
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                                  "finish_reason": out.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": out.text,
+                            "token_ids": out.token_ids,
+                            "finish_reason": out.finish_reason,
+                        }
+                    )
+                )
             else:
                 print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
     return 0
@@ -86,9 +107,11 @@ def check_served_names(model: str | None, names: list[str] | None) -> None:
     if model is None and names:
         taken = [n for n in names[1:] if os.path.isdir(n)]
         if taken:
-            raise ValueError(f"--served-model-name took the directory {taken[0]!r} as a name and "
-                             f"no model was given: put the model first (afdserve serve MODEL "
-                             f"--served-model-name NAME) or give it as --model")  # fmt: skip
+            raise ValueError(
+                f"--served-model-name took the directory {taken[0]!r} as a name and "
+                f"no model was given: put the model first (afdserve serve MODEL "
+                f"--served-model-name NAME) or give it as --model"
+            )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -99,17 +122,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_served_names(kwargs["model"], args.served_model_name)
     model_dir = preflight(kwargs).engine.model
     options = build(
-        ServeOptions, args,
+        ServeOptions,
+        args,
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         chat_template=read_chat_template(args.chat_template),
-    )  # fmt: skip
+    )
     from afdserve.frontend.generation_config import generation_defaults
 
     # A bad file or directory: one line, now. The LLM reads the same source, so that its
     # get_default_sampling_params() agrees with the server's request defaults.
     generation_defaults(options.generation_config, model_dir)
-    return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config),
-                      options)
+    return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config), options)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -118,9 +141,15 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     hash_layers = args.hash_layers
     if hash_layers is None:
         hash_layers = 1 if args.family == "deepseek_v4" else 0
-    path = make_tiny_model(args.dir, args.family, hash_layers=hash_layers, seed=args.seed,
-                           dtype=args.dtype, quantization=args.quantization,
-                           expert_dtype=args.expert_dtype)
+    path = make_tiny_model(
+        args.dir,
+        args.family,
+        hash_layers=hash_layers,
+        seed=args.seed,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        expert_dtype=args.expert_dtype,
+    )
     print(path)
     return 0
 
@@ -139,21 +168,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     # --seed is the sampling seed of these prompts; the engine's generator seed is renamed.
     add_engine_args(gen, flags={"seed": "--engine-seed"})
-    gen.add_argument("--prompt", action="append",
-                     help="a prompt (repeat for several) (default: 'Hello, my name is')")
-    gen.add_argument("--max-tokens", type=int, default=32,
-                     help="tokens to generate per prompt at most (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature; 0 is greedy (default: 0.0)")
-    gen.add_argument("--top-p", type=float, default=1.0,
-                     help="nucleus sampling: the smallest set of tokens with this much "
-                          "probability (default: 1.0, all)")
-    gen.add_argument("--top-k", type=int, default=-1,
-                     help="sample from this many most likely tokens (default: -1, all)")
-    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, metavar="SEED",
-                     help="the prompts' sampling seed (default: None, the engine's generator)")
-    gen.add_argument("--json", action="store_true",
-                     help="one JSON object per prompt (default: False, one line of text)")
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for several) (default: 'Hello, my name is')",
+    )
+    gen.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="tokens to generate per prompt at most (default: 32)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0.0)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens with this much "
+        "probability (default: 1.0, all)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="sample from this many most likely tokens (default: -1, all)",
+    )
+    gen.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="the prompts' sampling seed (default: None, the engine's generator)",
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per prompt (default: False, one line of text)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     from afdserve.server.options import ServeOptions
@@ -165,33 +222,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
     tiny.add_argument("dir", help="the directory to write (default: none, required)")
-    tiny.add_argument("--family", required=True,
-                      choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral",
-                               "deepseek_v4"),
-                      help="the architecture, by its model_type (default: none, required)")
-    tiny.add_argument("--hash-layers", type=int, default=None,
-                      help="hash-routed MoE layers (default: 0; deepseek_v4: 1)")
-    tiny.add_argument("--seed", type=int, default=0,
-                      help="seed of the random weights (default: 0)")
-    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                      help="of the stored weights (default: float32)")
-    tiny.add_argument("--quantization", default=None, choices=("fp8",),
-                      help="fp8: linear weights in the public block-scaled FP8 layout "
-                           "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
-                           "quantization_config in config.json (default: none)")
-    tiny.add_argument("--expert-dtype", default=None, choices=("fp8", "fp4"),
-                      help="deepseek_v4 with --quantization fp8: its routed experts in FP8, or "
-                           "in FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 inputs) as "
-                           "DeepSeek-V4-Flash ships them (default: fp8)")
+    tiny.add_argument(
+        "--family",
+        required=True,
+        choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral", "deepseek_v4"),
+        help="the architecture, by its model_type (default: none, required)",
+    )
+    tiny.add_argument(
+        "--hash-layers",
+        type=int,
+        default=None,
+        help="hash-routed MoE layers (default: 0; deepseek_v4: 1)",
+    )
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    tiny.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="of the stored weights (default: float32)",
+    )
+    tiny.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="fp8: linear weights in the public block-scaled FP8 layout "
+        "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
+        "quantization_config in config.json (default: none)",
+    )
+    tiny.add_argument(
+        "--expert-dtype",
+        default=None,
+        choices=("fp8", "fp4"),
+        help="deepseek_v4 with --quantization fp8: its routed experts in FP8, or "
+        "in FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 inputs) as "
+        "DeepSeek-V4-Flash ships them (default: fp8)",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
 
     from afdserve.model.presets import PRESET_HELP
 
     make_config = sub.add_parser(
-        "make-config", help="write a preset's config.json: a model dir for --load-format dummy")
-    make_config.add_argument("--preset", required=True, metavar="NAME[:LAYERS]",
-                             help=PRESET_HELP + ": the config.json to write (default: none, "
-                                  "required)")
+        "make-config", help="write a preset's config.json: a model dir for --load-format dummy"
+    )
+    make_config.add_argument(
+        "--preset",
+        required=True,
+        metavar="NAME[:LAYERS]",
+        help=PRESET_HELP + ": the config.json to write (default: none, required)",
+    )
     make_config.add_argument("dir", help="the directory to write (default: none, required)")
     make_config.set_defaults(func=cmd_make_config)
 

@@ -53,72 +53,110 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 class EngineConfig:
     """One attention rank's engine: model, device, cache and scheduler limits."""
 
-    model: str = option(help="a Hugging Face model directory, or a hub id (org/name) read "
-                             "through the Hugging Face cache", positional=True,
-                        shown="the bundled tiny model")
-    device: str = option("auto", help="where the engine runs: auto (CUDA when this torch sees a "
-                                      "GPU, else cpu), cpu, cuda or cuda:N")
-    dtype: str = option("auto", allowed=(*DTYPES, *DTYPE_ALIASES),
-                        help="of weights and activations; auto: the checkpoint's torch_dtype; "
-                             "half is float16 and float is float32, as in vLLM")
+    model: str = option(
+        help="a Hugging Face model directory, or a hub id (org/name) read "
+        "through the Hugging Face cache",
+        positional=True,
+        shown="the bundled tiny model",
+    )
+    device: str = option(
+        "auto",
+        help="where the engine runs: auto (CUDA when this torch sees a "
+        "GPU, else cpu), cpu, cuda or cuda:N",
+    )
+    dtype: str = option(
+        "auto",
+        allowed=(*DTYPES, *DTYPE_ALIASES),
+        help="of weights and activations; auto: the checkpoint's torch_dtype; "
+        "half is float16 and float is float32, as in vLLM",
+    )
     max_num_seqs: int = option(64, help="the most sequences one step runs")
     max_num_batched_tokens: int = option(
-        2048, help="the most tokens one step runs (prompt chunks and decodes together)")
+        2048, help="the most tokens one step runs (prompt chunks and decodes together)"
+    )
     max_model_len: int | None = option(
-        None, help="the longest prompt plus output, in tokens",
-        shown="the model's max_position_embeddings")
+        None,
+        help="the longest prompt plus output, in tokens",
+        shown="the model's max_position_embeddings",
+    )
     kv_cache_blocks: int | None = option(
-        None, help="KV-cache blocks per attention rank",
+        None,
+        help="KV-cache blocks per attention rank",
         shown="what gpu_memory_utilization leaves on CUDA; max_num_seqs x max_model_len on CPU, "
-              "at most 1 GiB")  # fmt: skip
+        "at most 1 GiB",
+    )
     block_size: int = option(16, help="tokens per KV-cache block")
     gpu_memory_utilization: float = option(
-        0.85, help="the share of its GPU's memory a rank may fill: its KV cache gets what is "
-                   "left of that share once its weights are loaded")  # fmt: skip
-    seed: int = option(0, help="seed of the engine's generator, for requests without a seed, "
-                               "and of dummy weights")
+        0.85,
+        help="the share of its GPU's memory a rank may fill: its KV cache gets what is "
+        "left of that share once its weights are loaded",
+    )
+    seed: int = option(
+        0, help="seed of the engine's generator, for requests without a seed, and of dummy weights"
+    )
     load_format: str = option(
-        "auto", choices=LOAD_FORMATS,
+        "auto",
+        choices=LOAD_FORMATS,
         help="auto and safetensors read the checkpoint's safetensors; dummy builds the model "
-             "from config.json alone with random weights drawn from the seed (like vLLM's dummy "
-             "format), the same on every rank of every topology")  # fmt: skip
+        "from config.json alone with random weights drawn from the seed (like vLLM's dummy "
+        "format), the same on every rank of every topology",
+    )
     use_tqdm_on_load: bool = option(
-        True, help="a progress bar over checkpoint shards while loading (on a terminal)")
+        True, help="a progress bar over checkpoint shards while loading (on a terminal)"
+    )
     quantization: str | None = option(
-        None, allowed=QUANTIZATIONS,
+        None,
+        allowed=QUANTIZATIONS,
         help="fp8: block-scaled FP8 weights (float8_e4m3fn, a float32 scale per 128x128 block) "
-             "as DeepSeek-V3's checkpoints store them; a checkpoint in another dtype (or dummy "
-             "weights) is quantized at load. An FP8 checkpoint is read as FP8 either way",
-        shown="as the checkpoint's quantization_config says")  # fmt: skip
+        "as DeepSeek-V3's checkpoints store them; a checkpoint in another dtype (or dummy "
+        "weights) is quantized at load. An FP8 checkpoint is read as FP8 either way",
+        shown="as the checkpoint's quantization_config says",
+    )
     kv_cache_dtype: str = option(
-        "auto", allowed=KV_CACHE_DTYPES,
+        "auto",
+        allowed=KV_CACHE_DTYPES,
         help="of the paged KV cache: auto, the model's dtype; fp8 (alias fp8_e4m3): "
-             "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
-             "without KV scales), half the bytes of bf16, so twice the cached tokens")  # fmt: skip
+        "float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default for checkpoints "
+        "without KV scales), half the bytes of bf16, so twice the cached tokens",
+    )
     enable_prefix_caching: bool | None = option(
-        None, help="automatic prefix caching: a request's longest prefix of full blocks already "
-                   "in its attention rank's KV cache is taken from there, not recomputed",
-        shown="on, except for DeepSeek-V4, which has no plain paged cache")  # fmt: skip
-    # Where the model comes from (model/checkpoint/hub.py): the LLM hands the ranks local directories.
+        None,
+        help="automatic prefix caching: a request's longest prefix of full blocks already "
+        "in its attention rank's KV cache is taken from there, not recomputed",
+        shown="on, except for DeepSeek-V4, which has no plain paged cache",
+    )
+    # Where the model comes from (model/checkpoint/hub.py): the LLM hands the ranks local
+    # directories.
     revision: str | None = option(
-        None, help="with a hub id: the branch, tag or commit to load", shown="main")
+        None, help="with a hub id: the branch, tag or commit to load", shown="main"
+    )
     tokenizer: str | None = option(
-        None, help="the tokenizer's directory or hub id, when not the model's",
-        shown="the model's")
+        None, help="the tokenizer's directory or hub id, when not the model's", shown="the model's"
+    )
     download_dir: str | None = option(
-        None, metavar="DIR", help="the Hugging Face cache that hub ids are downloaded to and "
-                                  "read from", shown="$HF_HUB_CACHE, else $HF_HOME/hub")
+        None,
+        metavar="DIR",
+        help="the Hugging Face cache that hub ids are downloaded to and read from",
+        shown="$HF_HUB_CACHE, else $HF_HOME/hub",
+    )
     trust_remote_code: bool = option(
-        False, help="let transformers run a tokenizer's own Python code (tokenization_*.py, "
-                    "also downloaded then); the model itself always runs afdserve's own code "
-                    "for its architecture, so no model code from a checkpoint ever runs")
+        False,
+        help="let transformers run a tokenizer's own Python code (tokenization_*.py, "
+        "also downloaded then); the model itself always runs afdserve's own code "
+        "for its architecture, so no model code from a checkpoint ever runs",
+    )
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
-        _require(self.load_format in LOAD_FORMATS, owner, "load_format", self.load_format,
-                 f"one of {LOAD_FORMATS}")
+        _require(
+            self.load_format in LOAD_FORMATS,
+            owner,
+            "load_format",
+            self.load_format,
+            f"one of {LOAD_FORMATS}",
+        )
         _require(
             self.device == "auto" or self.device.split(":")[0] in DEVICES,
             owner,
@@ -126,14 +164,25 @@ class EngineConfig:
             self.device,
             f"one of {DEVICE_CHOICES} (optionally 'cuda:N')",
         )
-        _require(self.dtype in DTYPES, owner, "dtype", self.dtype,
-                 f"one of {(*DTYPES, *DTYPE_ALIASES)}")
+        _require(
+            self.dtype in DTYPES, owner, "dtype", self.dtype, f"one of {(*DTYPES, *DTYPE_ALIASES)}"
+        )
         for name in ("revision", "tokenizer", "download_dir"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, str) and value != ""), owner, name,
-                     value, "a non-empty string, or None")
-        _require(isinstance(self.trust_remote_code, bool), owner, "trust_remote_code",
-                 self.trust_remote_code, "True or False")
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                owner,
+                name,
+                value,
+                "a non-empty string, or None",
+            )
+        _require(
+            isinstance(self.trust_remote_code, bool),
+            owner,
+            "trust_remote_code",
+            self.trust_remote_code,
+            "True or False",
+        )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _positive_int(owner, name, getattr(self, name))
         if self.max_model_len is not None:
@@ -144,15 +193,34 @@ class EngineConfig:
         _require(
             ok, owner, "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]"
         )
-        _require(isinstance(self.use_tqdm_on_load, bool), owner, "use_tqdm_on_load",
-                 self.use_tqdm_on_load, "True or False")  # fmt: skip
-        _require(self.quantization is None or self.quantization in QUANTIZATIONS, owner,
-                 "quantization", self.quantization, f"None or one of {QUANTIZATIONS}")
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype",
-                 self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
-        _require(self.enable_prefix_caching in (None, True, False), owner,
-                 "enable_prefix_caching", self.enable_prefix_caching,
-                 "None (on where the model allows), True or False")
+        _require(
+            isinstance(self.use_tqdm_on_load, bool),
+            owner,
+            "use_tqdm_on_load",
+            self.use_tqdm_on_load,
+            "True or False",
+        )
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            owner,
+            "quantization",
+            self.quantization,
+            f"None or one of {QUANTIZATIONS}",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            owner,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"one of {KV_CACHE_DTYPES}",
+        )
+        _require(
+            self.enable_prefix_caching in (None, True, False),
+            owner,
+            "enable_prefix_caching",
+            self.enable_prefix_caching,
+            "None (on where the model allows), True or False",
+        )
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -170,29 +238,51 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class GraphConfig:
     """CUDA-graph policy. `sizes=None` means the default ladder up to max_num_seqs."""
 
-    mode: str = option("auto", kwarg="graph_mode", allowed=GRAPH_MODE_CHOICES,
-                       help="CUDA graphs: full_decode_only captures decode-only steps, full "
-                            "also steps with prompt chunks, none runs eagerly; auto: "
-                            "full_decode_only on CUDA (as vLLM captures by default), none on "
-                            "the CPU or with --enforce-eager")
+    mode: str = option(
+        "auto",
+        kwarg="graph_mode",
+        allowed=GRAPH_MODE_CHOICES,
+        help="CUDA graphs: full_decode_only captures decode-only steps, full "
+        "also steps with prompt chunks, none runs eagerly; auto: "
+        "full_decode_only on CUDA (as vLLM captures by default), none on "
+        "the CPU or with --enforce-eager",
+    )
     sizes: tuple[int, ...] | None = option(
-        None, kwarg="cuda_graph_sizes", parse=parse_sizes, metavar="N,N,...",
+        None,
+        kwarg="cuda_graph_sizes",
+        parse=parse_sizes,
+        metavar="N,N,...",
         help="the batch sizes captured, comma-separated",
-        shown="1,2,4,8,16,... up to max_num_seqs")
+        shown="1,2,4,8,16,... up to max_num_seqs",
+    )
     # vLLM's switch: graphs are on by default on CUDA, this turns them off.
     enforce_eager: bool = option(
-        False, help="capture no CUDA graphs (graph_mode auto becomes none); contradicts an "
-                    "explicit graph_mode other than none")
+        False,
+        help="capture no CUDA graphs (graph_mode auto becomes none); contradicts an "
+        "explicit graph_mode other than none",
+    )
 
     def __post_init__(self) -> None:
         owner = "GraphConfig"
-        _require(self.mode in GRAPH_MODE_CHOICES, owner, "mode", self.mode,
-                 f"one of {GRAPH_MODE_CHOICES}")
-        _require(isinstance(self.enforce_eager, bool), owner, "enforce_eager",
-                 self.enforce_eager, "True or False")
+        _require(
+            self.mode in GRAPH_MODE_CHOICES,
+            owner,
+            "mode",
+            self.mode,
+            f"one of {GRAPH_MODE_CHOICES}",
+        )
+        _require(
+            isinstance(self.enforce_eager, bool),
+            owner,
+            "enforce_eager",
+            self.enforce_eager,
+            "True or False",
+        )
         if self.enforce_eager and self.mode not in ("auto", "none"):
-            raise ValueError(f"GraphConfig.enforce_eager=True contradicts graph_mode="
-                             f"{self.mode!r}: give one or the other")
+            raise ValueError(
+                f"GraphConfig.enforce_eager=True contradicts graph_mode="
+                f"{self.mode!r}: give one or the other"
+            )
         if self.sizes is not None:
             sizes = tuple(self.sizes)
             ok = len(sizes) > 0 and all(
@@ -221,74 +311,110 @@ class GraphConfig:
 class AFDConfig:
     """How the model is split across ranks."""
 
-    topology: str = option("colocated", help="'colocated' or <A>A<F>F, e.g. 2A1F; <N>A0F is "
-                                             "N data-parallel replicas (--data-parallel-size N)")
-    ubatches: int = option(1, help="micro-batches per step (1..4), so that attention and FFN "
-                                   "ranks work at once")
+    topology: str = option(
+        "colocated",
+        help="'colocated' or <A>A<F>F, e.g. 2A1F; <N>A0F is "
+        "N data-parallel replicas (--data-parallel-size N)",
+    )
+    ubatches: int = option(
+        1, help="micro-batches per step (1..4), so that attention and FFN ranks work at once"
+    )
     gate_on_attention: bool = option(False, help="run the MoE router on the attention ranks")
     log_step_plan: bool | str = option(
-        False, parse=str, nargs="?", const=True, metavar="PATH",
-        help="write one JSON line per rank per step (to PATH; LLM.step_log() reads them)")
+        False,
+        parse=str,
+        nargs="?",
+        const=True,
+        metavar="PATH",
+        help="write one JSON line per rank per step (to PATH; LLM.step_log() reads them)",
+    )
     connector: str = option(
-        "auto", choices=CONNECTORS,
+        "auto",
+        choices=CONNECTORS,
         help="the data plane of an AFD topology: p2p, one process per rank over "
-             "torch.distributed point-to-point (NCCL on CUDA, gloo on CPU); ipc, one process "
-             "per rank, each on its own GPU of one host, tiles written straight into the "
-             "peer's symmetric memory; inprocess, 1A1F with both halves in this process (one "
-             "device); auto: ipc when every rank gets a GPU of its own, else inprocess for "
-             "1A1F on CUDA, else p2p")  # fmt: skip
+        "torch.distributed point-to-point (NCCL on CUDA, gloo on CPU); ipc, one process "
+        "per rank, each on its own GPU of one host, tiles written straight into the "
+        "peer's symmetric memory; inprocess, 1A1F with both halves in this process (one "
+        "device); auto: ipc when every rank gets a GPU of its own, else inprocess for "
+        "1A1F on CUDA, else p2p",
+    )
     timeout_s: float = option(
-        300.0, flag="--dist-timeout", metavar="S",
-        help="a collective or transfer that does not complete in this many seconds fails")
+        300.0,
+        flag="--dist-timeout",
+        metavar="S",
+        help="a collective or transfer that does not complete in this many seconds fails",
+    )
     heartbeat_timeout_s: float = option(
-        10.0, metavar="S",
+        10.0,
+        metavar="S",
         help="an attention rank that reports no step for this many seconds is hung (or waits "
-             "on a hung rank): every request fails and the world stops")  # fmt: skip
+        "on a hung rank): every request fails and the world stops",
+    )
     control_plane: str = option(
-        "auto", allowed=CONTROL_PLANES,
+        "auto",
+        allowed=CONTROL_PLANES,
         help="how ranks exchange their step reports: gloo (an all-gather, any hosts), shm (a "
-             "shared-memory board, every rank on one x86-64 Linux host); auto: shm when the "
-             "built-in launcher started every rank on this host and the host supports it, gloo "
-             "otherwise")  # fmt: skip
+        "shared-memory board, every rank on one x86-64 Linux host); auto: shm when the "
+        "built-in launcher started every rank on this host and the host supports it, gloo "
+        "otherwise",
+    )
     # Read back by `afdserve.afd.dataplane.wire.mirror_errors`.
     log_data_plane: str | None = option(
-        None, metavar="DIR",
+        None,
+        metavar="DIR",
         help="every rank writes each point-to-point batch it posts (and an FFN rank each "
-             "header it receives) to DIR/rank<N>.jsonl")  # fmt: skip
+        "header it receives) to DIR/rank<N>.jsonl",
+    )
     ffn_expert_parallel: bool = option(
-        False, help="the FFN ranks form one expert-parallel group, each holding a disjoint "
-                    "shard of the routed experts (allows A < F, e.g. 1A2F)")
+        False,
+        help="the FFN ranks form one expert-parallel group, each holding a disjoint "
+        "shard of the routed experts (allows A < F, e.g. 1A2F)",
+    )
     expert_placement: tuple[tuple[int, ...], ...] | None = option(
-        None, parse=parse_placement, metavar="E,E;E,E",
+        None,
+        parse=parse_placement,
+        metavar="E,E;E,E",
         help="with ffn_expert_parallel: the routed experts of each FFN rank, ';' between ranks "
-             "(every expert exactly once)", shown="contiguous near-equal shards")
+        "(every expert exactly once)",
+        shown="contiguous near-equal shards",
+    )
     a2e_dtype: str = option(
-        "auto", allowed=A2E_DTYPES,
+        "auto",
+        allowed=A2E_DTYPES,
         help="the hidden rows the attention side hands to the FFN: auto, in the model dtype; "
-             "bfloat16; fp8, float8_e4m3fn with a float32 scale per 128 channels of a row (half "
-             "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
-             "round trip at the FFN boundary, so every topology gives the same tokens",
-        shown="auto, the model dtype")  # fmt: skip
+        "bfloat16; fp8, float8_e4m3fn with a float32 scale per 128 channels of a row (half "
+        "the bytes). The FFN output comes back in the model dtype. Colocated runs the same "
+        "round trip at the FFN boundary, so every topology gives the same tokens",
+        shown="auto, the model dtype",
+    )
     routing_policy: str = option(
-        "prefix", choices=ROUTING_POLICIES,
+        "prefix",
+        choices=ROUTING_POLICIES,
         help="how the frontend picks the attention rank of a request: least-tokens, the one "
-             "with the least outstanding work; prefix, the same less the prompt tokens the rank "
-             "holds in its prefix cache (as least-tokens when prefix caching is off)")  # fmt: skip
+        "with the least outstanding work; prefix, the same less the prompt tokens the rank "
+        "holds in its prefix cache (as least-tokens when prefix caching is off)",
+    )
     # vLLM's data parallelism: N colocated engines (topology <N>A0F), one process each (one GPU
     # each on CUDA), behind one frontend that routes as it routes to AFD attention ranks.
     data_parallel_size: int = option(
-        1, aliases=("-dp",),
+        1,
+        aliases=("-dp",),
         help="this many colocated replicas of the whole model, one process (and on CUDA one "
-             "GPU) each, requests spread across them; the same as --topology <N>A0F")
+        "GPU) each, requests spread across them; the same as --topology <N>A0F",
+    )
     # vLLM's other two splits, which afdserve does not have: refused unless 1, saying what to use.
     tensor_parallel_size: int = option(
-        1, aliases=("-tp",),
+        1,
+        aliases=("-tp",),
         help="not supported: only 1 (afdserve splits a model into attention and FFN ranks "
-             "instead: --topology <A>A<F>F, with --ffn-expert-parallel for the experts)")
+        "instead: --topology <A>A<F>F, with --ffn-expert-parallel for the experts)",
+    )
     pipeline_parallel_size: int = option(
-        1, aliases=("-pp",),
+        1,
+        aliases=("-pp",),
         help="not supported: only 1 (use --topology <A>A<F>F, or --data-parallel-size for "
-             "replicas)")
+        "replicas)",
+    )
 
     def __post_init__(self) -> None:
         from afdserve.layout.experts import check_placement_shape
@@ -296,12 +422,22 @@ class AFDConfig:
 
         owner = "AFDConfig"
         self._data_parallel()
-        _require(isinstance(self.ffn_expert_parallel, bool), owner, "ffn_expert_parallel",
-                 self.ffn_expert_parallel, "True or False")
+        _require(
+            isinstance(self.ffn_expert_parallel, bool),
+            owner,
+            "ffn_expert_parallel",
+            self.ffn_expert_parallel,
+            "True or False",
+        )
         topology = Topology.parse(self.topology, expert_parallel=self.ffn_expert_parallel)
         if self.expert_placement is not None:
-            _require(self.ffn_expert_parallel, owner, "expert_placement",
-                     self.expert_placement, "None unless ffn_expert_parallel=True")
+            _require(
+                self.ffn_expert_parallel,
+                owner,
+                "expert_placement",
+                self.expert_placement,
+                "None unless ffn_expert_parallel=True",
+            )
             placement = check_placement_shape(self.expert_placement, topology.ffn_ranks)
             object.__setattr__(self, "expert_placement", placement)
         ok = isinstance(self.ubatches, int) and 1 <= self.ubatches <= 4
@@ -314,24 +450,44 @@ class AFDConfig:
             "True or False",
         )
         _require(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number > 0")
-        _require(isinstance(self.heartbeat_timeout_s, (int, float))
-                 and self.heartbeat_timeout_s > 0, owner, "heartbeat_timeout_s",
-                 self.heartbeat_timeout_s, "a number of seconds > 0")
-        _require(self.control_plane in CONTROL_PLANES, owner, "control_plane",
-                 self.control_plane, f"one of {CONTROL_PLANES}")
-        _require(self.connector in CONNECTORS, owner, "connector", self.connector,
-                 f"one of {CONNECTORS}")
-        _require(self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype,
-                 f"one of {A2E_DTYPES}")
-        _require(self.routing_policy in ROUTING_POLICIES, owner, "routing_policy",
-                 self.routing_policy, f"one of {ROUTING_POLICIES}")
+        _require(
+            isinstance(self.heartbeat_timeout_s, (int, float)) and self.heartbeat_timeout_s > 0,
+            owner,
+            "heartbeat_timeout_s",
+            self.heartbeat_timeout_s,
+            "a number of seconds > 0",
+        )
+        _require(
+            self.control_plane in CONTROL_PLANES,
+            owner,
+            "control_plane",
+            self.control_plane,
+            f"one of {CONTROL_PLANES}",
+        )
+        _require(
+            self.connector in CONNECTORS, owner, "connector", self.connector, f"one of {CONNECTORS}"
+        )
+        _require(
+            self.a2e_dtype in A2E_DTYPES, owner, "a2e_dtype", self.a2e_dtype, f"one of {A2E_DTYPES}"
+        )
+        _require(
+            self.routing_policy in ROUTING_POLICIES,
+            owner,
+            "routing_policy",
+            self.routing_policy,
+            f"one of {ROUTING_POLICIES}",
+        )
         if self.connector == "ipc" and self.a2e_dtype == "fp8":
             # The push kernel writes model-dtype rows; its quantizing form is not written yet.
-            raise ValueError("AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "
-                             "use connector='p2p' or 'inprocess'")
+            raise ValueError(
+                "AFDConfig.a2e_dtype='fp8' is not carried by connector='ipc' yet: "
+                "use connector='p2p' or 'inprocess'"
+            )
         if self.connector == "ipc" and topology.colocated:
-            raise ValueError("AFDConfig.connector='ipc' needs an AFD topology such as 1A1F, "
-                             f"got {self.topology!r}")
+            raise ValueError(
+                "AFDConfig.connector='ipc' needs an AFD topology such as 1A1F, "
+                f"got {self.topology!r}"
+            )
         if self.connector == "inprocess" and topology != Topology(1, 1):
             raise ValueError(
                 f"AFDConfig.connector='inprocess' needs topology 1A1F without "
@@ -351,12 +507,14 @@ class AFDConfig:
                 f"{owner}.tensor_parallel_size={self.tensor_parallel_size} is not supported: "
                 "afdserve has no tensor parallelism; split the model into attention and FFN "
                 "ranks with --topology <A>A<F>F (e.g. 1A1F; --ffn-expert-parallel shards the "
-                "experts), or run replicas with --data-parallel-size N")
+                "experts), or run replicas with --data-parallel-size N"
+            )
         if self.pipeline_parallel_size != 1:
             raise ValueError(
                 f"{owner}.pipeline_parallel_size={self.pipeline_parallel_size} is not "
                 "supported: afdserve has no pipeline parallelism; use --topology <A>A<F>F, or "
-                "--data-parallel-size N for replicas")
+                "--data-parallel-size N for replicas"
+            )
         if not isinstance(self.topology, str):
             return  # Topology.parse says what is wrong with it
         match = re.fullmatch(r"\s*([0-9]+)A0F\s*", self.topology, re.IGNORECASE)
@@ -372,14 +530,17 @@ class AFDConfig:
             f"{owner}.data_parallel_size={self.data_parallel_size} is not allowed with "
             f"topology={self.topology!r}: replicas are colocated engines (topology "
             f"'{self.data_parallel_size}A0F'); an AFD topology already has several attention "
-            "ranks, so give its attention ranks there (e.g. '2A1F') instead")
+            "ranks, so give its attention ranks there (e.g. '2A1F') instead"
+        )
 
     def check_device(self, device: str) -> None:
         """The connector can run on `device` (checked before any rank starts; "auto" is
         checked again once resolved)."""
         if self.connector == "ipc" and device != "auto" and not device.startswith("cuda"):
-            raise ValueError(f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
-                             f"memory), got device={device!r}; use connector='p2p' on CPU")
+            raise ValueError(
+                f"AFDConfig.connector='ipc' needs device='cuda' (symmetric GPU "
+                f"memory), got device={device!r}; use connector='p2p' on CPU"
+            )
 
     def resolve_connector(self, device: str, gpus: int, spawned: bool) -> AFDConfig:
         """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in

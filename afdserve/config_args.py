@@ -63,10 +63,23 @@ def option(
         --control-plane shm`), argparse's "append"; its default must be None (argparse would
         append to any other).
     """
-    meta = {"help": help, "flag": flag, "kwarg": kwarg, "choices": choices, "allowed": allowed,
-            "parse": parse, "metavar": metavar, "shown": shown, "nargs": nargs, "const": const,
-            "negate": negate, "positional": positional, "aliases": tuple(aliases),
-            "off_flag": off_flag, "repeat": repeat}  # fmt: skip
+    meta = {
+        "help": help,
+        "flag": flag,
+        "kwarg": kwarg,
+        "choices": choices,
+        "allowed": allowed,
+        "parse": parse,
+        "metavar": metavar,
+        "shown": shown,
+        "nargs": nargs,
+        "const": const,
+        "negate": negate,
+        "positional": positional,
+        "aliases": tuple(aliases),
+        "off_flag": off_flag,
+        "repeat": repeat,
+    }
     kept = {k: v for k, v in meta.items() if v is not None and v is not False and v != ()}
     return dataclasses.field(default=default, metadata=kept)
 
@@ -151,8 +164,9 @@ def add_field_argument(
     if meta.get("positional"):
         # SUPPRESS: an absent positional must not overwrite the flag's value (argparse sets a
         # missing optional positional to its default after the flags are read).
-        positional = parser.add_argument(kwarg_of(field), nargs="?", default=argparse.SUPPRESS,
-                                         **kw)
+        positional = parser.add_argument(
+            kwarg_of(field), nargs="?", default=argparse.SUPPRESS, **kw
+        )
         positional.help = text.replace("%", "%%")
         kw["metavar"] = kw.get("metavar") or flag.lstrip("-").replace("-", "_").upper()
         text = f"the same as the positional {kwarg_of(field)}: " + text
@@ -164,8 +178,9 @@ def add_field_argument(
     # Set after construction: BooleanOptionalAction would append its own "(default: ...)".
     action.help = text.replace("%", "%%")
     if meta.get("off_flag"):
-        off = parser.add_argument(meta["off_flag"], dest=kwarg_of(field), action="store_false",
-                                  default=value)
+        off = parser.add_argument(
+            meta["off_flag"], dest=kwarg_of(field), action="store_false", default=value
+        )
         off.help = f"the opposite of {flag}, which is off by default (default: {not value})"
     return action
 
@@ -249,8 +264,10 @@ def split_kwargs(
     unknown = [k for k in kwargs if k not in owners]
     if unknown:
         allowed = ", ".join([*owners, *also])
-        raise TypeError(f"{owner} got an unexpected keyword argument {unknown[0]!r}; "
-                        f"the keywords are: {allowed}")  # fmt: skip
+        raise TypeError(
+            f"{owner} got an unexpected keyword argument {unknown[0]!r}; "
+            f"the keywords are: {allowed}"
+        )
     for key, value in kwargs.items():
         parts[owners[key]][key] = value
     return parts
@@ -293,9 +310,9 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> a
 def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
+            return argv[i + 1], argv[:i] + argv[i + 2 :]
         if arg.startswith("--config="):
-            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
     return None, argv
 
 
@@ -313,16 +330,23 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
     if loaded is None:
         return []
     if not isinstance(loaded, dict):
-        raise ValueError(f"--config {path}: expected a mapping of flag: value, got "
-                         f"{type(loaded).__name__}")  # fmt: skip
-    flags = {s.lstrip("-"): (s, a) for a in parser._actions for s in a.option_strings
-             if s != "--config" and not isinstance(a, argparse._HelpAction)}
+        raise ValueError(
+            f"--config {path}: expected a mapping of flag: value, got {type(loaded).__name__}"
+        )
+    flags = {
+        s.lstrip("-"): (s, a)
+        for a in parser._actions
+        for s in a.option_strings
+        if s != "--config" and not isinstance(a, argparse._HelpAction)
+    }
     args: list[str] = []
     for key, value in loaded.items():
         name = str(key).lstrip("-").replace("_", "-")
         if name not in flags:
-            raise ValueError(f"--config {path}: unknown key {key!r}; the keys are the flags of "
-                             f"this command: {', '.join(sorted(flags))}")  # fmt: skip
+            raise ValueError(
+                f"--config {path}: unknown key {key!r}; the keys are the flags of "
+                f"this command: {', '.join(sorted(flags))}"
+            )
         args += _flag_args(*flags[name], value)
     return args
 
@@ -332,8 +356,7 @@ def _flag_args(flag: str, action: argparse.Action, value: Any) -> list[str]:
         return []  # the flag's default
     if action.nargs == 0:  # store_true, store_false, BooleanOptionalAction
         if not isinstance(value, bool):
-            raise ValueError(f"--config: {flag.lstrip('-')}: expected true or false, got "
-                             f"{value!r}")  # fmt: skip
+            raise ValueError(f"--config: {flag.lstrip('-')}: expected true or false, got {value!r}")
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value else []

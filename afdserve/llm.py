@@ -11,25 +11,25 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 
-from afdserve.frontend.process import ProcessClient
-from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.engine.step_recorder import StepLogFile
 from afdserve.config import EngineConfig, EngineConfigs, engine_configs
-from afdserve.frontend.client import EngineClient
-from afdserve.frontend.core_client import EngineCoreClient
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.factory import prefix_caching_for
+from afdserve.engine.sampling_params import SamplingParams, candidate_params
+from afdserve.engine.step_recorder import StepLogFile
+from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.core_client import EngineCoreClient
 from afdserve.frontend.generation_config import generation_defaults
 from afdserve.frontend.outputs import RequestOutput, SequenceOutput, gather
-from afdserve.engine.sampling_params import SamplingParams, candidate_params
-from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.frontend.process import ProcessClient
+from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
-from afdserve.model.config import load_model_config
 from afdserve.model.checkpoint.hub import TOKENIZER_PATTERNS, resolve_model_dir
 from afdserve.model.checkpoint.preflight import preflight
+from afdserve.model.config import load_model_config
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -237,8 +237,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [_with_tokenizer_dir(self, p) for p in _params_list(sampling_params, len(prompts))]
-        encoded = [_truncated(self, _prompt_tokens(self, p), sp)
-                   for p, sp in zip(prompts, params)]  # fmt: skip
+        encoded = [_truncated(self, _prompt_tokens(self, p), sp) for p, sp in zip(prompts, params)]
         for p in params:
             p.check_vocab(self.engine.vocab_size)
         groups = [[f"gen-{next(self._ids)}" for _ in range(p.candidates)] for p in params]
@@ -274,11 +273,16 @@ class LLM:
         message is continued, not closed) and `chat_template_kwargs` (the template's own
         variables, such as Qwen3's enable_thinking)."""
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be combined with "
-                             "add_generation_prompt=True; set that to False")  # fmt: skip
+            raise ValueError(
+                "continue_final_message: cannot be combined with "
+                "add_generation_prompt=True; set that to False"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        switches = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
-                    "continue_final_message": continue_final_message}  # fmt: skip
+        switches = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         prompts: list[PromptInput] = [
             {"prompt": _render_chat(self, c, chat_template, switches)} for c in conversations
         ]
@@ -367,8 +371,10 @@ def _truncated(llm: LLM, tokens: list[int], params: SamplingParams) -> list[int]
         return tokens
     limit = llm.engine.max_model_len
     if keep > limit:
-        raise ValueError(f"SamplingParams.truncate_prompt_tokens={keep}: must be -1 or at most "
-                         f"max_model_len={limit}")  # fmt: skip
+        raise ValueError(
+            f"SamplingParams.truncate_prompt_tokens={keep}: must be -1 or at most "
+            f"max_model_len={limit}"
+        )
     return tokens[-(limit if keep == -1 else keep) :]
 
 
@@ -381,8 +387,13 @@ def _run(
     group_of = {rid: g for g, ids in enumerate(groups) for rid in ids}
     open_in_group = [len(ids) for ids in groups]
     done: dict[str, SequenceOutput] = {}
-    with tqdm(total=len(groups), desc="Processed prompts", unit="prompt",
-              disable=not use_tqdm, dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(
+        total=len(groups),
+        desc="Processed prompts",
+        unit="prompt",
+        disable=not use_tqdm,
+        dynamic_ncols=True,
+    ) as bar:
         while len(done) < len(request_ids):
             for out in llm.engine.step():
                 if out.finished:

@@ -52,8 +52,9 @@ def rendered(action: argparse.Action) -> str:
     return action.help % {"default": action.default}
 
 
-@pytest.mark.parametrize(("cls", "key", "field"), fields_of(*ALL),
-                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("cls", "key", "field"), fields_of(*ALL), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_every_field_has_help_and_is_a_serve_flag(cls, key, field) -> None:
     assert field.metadata.get("help"), f"{cls.__name__}.{field.name} declares no help"
     action = actions_by_dest("serve")[key]
@@ -61,8 +62,11 @@ def test_every_field_has_help_and_is_a_serve_flag(cls, key, field) -> None:
     assert re.search(r"\(default: [^)]+\)$", rendered(action)), action.help
 
 
-@pytest.mark.parametrize(("cls", "key", "field"), fields_of(*ENGINE_CONFIGS),
-                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("cls", "key", "field"),
+    fields_of(*ENGINE_CONFIGS),
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_every_engine_field_is_a_generate_flag_and_an_llm_keyword(cls, key, field) -> None:
     action = actions_by_dest("generate")[key]
     assert action.option_strings or key == "model", key
@@ -90,8 +94,10 @@ def test_public_names_stay() -> None:
     assert serve["graph_mode"].option_strings == ["--graph-mode"]
     assert serve["cuda_graph_sizes"].option_strings == ["--cuda-graph-sizes"]
     assert serve["heartbeat_timeout_s"].option_strings == ["--heartbeat-timeout"]
-    assert serve["use_tqdm_on_load"].option_strings == ["--use-tqdm-on-load",
-                                                         "--no-use-tqdm-on-load"]
+    assert serve["use_tqdm_on_load"].option_strings == [
+        "--use-tqdm-on-load",
+        "--no-use-tqdm-on-load",
+    ]
     assert serve["seed"].option_strings == ["--seed"]  # serve's --seed is the engine seed
     # vLLM's switch, and its older spelling (now the default) still accepted.
     log_flags = [a.option_strings for a in subparser("serve")._actions if a.dest == "log_requests"]
@@ -109,45 +115,114 @@ def test_public_names_stay() -> None:
 
 def test_help_shows_the_defaults() -> None:
     text = " ".join(subparser("serve").format_help().split())
-    for expected in ("--heartbeat-timeout S", "request fails and the world stops (default: 10.0)",
-                     "--max-num-seqs MAX_NUM_SEQS the most sequences one step runs (default: 64)",
-                     "(default: 1,2,4,8,16,... up to max_num_seqs)",
-                     "--no-use-tqdm-on-load a progress bar", "(default: True)",
-                     "--enable-log-requests log a line per request", "(default: False)",
-                     "--disable-log-stats do not log the engine statistics line",
-                     "--on-engine-failure {exit,restart}", "(default: exit)",
-                     "model a Hugging Face model directory, or a hub id (org/name) read through "
-                     "the Hugging Face cache (default: the bundled tiny model)",
-                     "--device DEVICE where the engine runs: auto", "(default: auto)"):
+    for expected in (
+        "--heartbeat-timeout S",
+        "request fails and the world stops (default: 10.0)",
+        "--max-num-seqs MAX_NUM_SEQS the most sequences one step runs (default: 64)",
+        "(default: 1,2,4,8,16,... up to max_num_seqs)",
+        "--no-use-tqdm-on-load a progress bar",
+        "(default: True)",
+        "--enable-log-requests log a line per request",
+        "(default: False)",
+        "--disable-log-stats do not log the engine statistics line",
+        "--on-engine-failure {exit,restart}",
+        "(default: exit)",
+        "model a Hugging Face model directory, or a hub id (org/name) read through "
+        "the Hugging Face cache (default: the bundled tiny model)",
+        "--device DEVICE where the engine runs: auto",
+        "(default: auto)",
+    ):
         assert expected in text, expected
     assert text.count("(default: True) (default: True)") == 0
 
 
 def test_flags_round_trip_to_the_configs() -> None:
-    argv = ["serve", "--device", "cuda:1", "--dtype", "bfloat16", "--max-num-seqs", "8",
-            "--max-model-len", "512", "--kv-cache-blocks", "40", "--gpu-memory-utilization",
-            "0.5", "--seed", "7", "--load-format", "dummy", "--no-use-tqdm-on-load",
-            "--topology", "1A2F", "--ubatches", "2", "--gate-on-attention", "--log-step-plan",
-            "--connector", "p2p", "--dist-timeout", "60", "--heartbeat-timeout", "3",
-            "--control-plane", "gloo", "--log-data-plane", "/tmp/dp", "--ffn-expert-parallel",
-            "--expert-placement", "0,1;2,3", "--graph-mode", "full", "--cuda-graph-sizes",
-            "4,1,2", "--port", "0", "--disable-log-requests", "--max-restarts", "0",
-            "--request-timeout", "2.5", "--retry-after", "3"]
+    argv = [
+        "serve",
+        "--device",
+        "cuda:1",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "512",
+        "--kv-cache-blocks",
+        "40",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--seed",
+        "7",
+        "--load-format",
+        "dummy",
+        "--no-use-tqdm-on-load",
+        "--topology",
+        "1A2F",
+        "--ubatches",
+        "2",
+        "--gate-on-attention",
+        "--log-step-plan",
+        "--connector",
+        "p2p",
+        "--dist-timeout",
+        "60",
+        "--heartbeat-timeout",
+        "3",
+        "--control-plane",
+        "gloo",
+        "--log-data-plane",
+        "/tmp/dp",
+        "--ffn-expert-parallel",
+        "--expert-placement",
+        "0,1;2,3",
+        "--graph-mode",
+        "full",
+        "--cuda-graph-sizes",
+        "4,1,2",
+        "--port",
+        "0",
+        "--disable-log-requests",
+        "--max-restarts",
+        "0",
+        "--request-timeout",
+        "2.5",
+        "--retry-after",
+        "3",
+    ]
     args = build_parser().parse_args(argv)
     kwargs = llm_kwargs(args)
     assert kwargs.pop("frontend_address") is None
     assert engine_configs({**kwargs, "model": "m"}) == (
-        EngineConfig(model="m", device="cuda:1", dtype="bfloat16", max_num_seqs=8,
-                     max_model_len=512, kv_cache_blocks=40, gpu_memory_utilization=0.5, seed=7,
-                     load_format="dummy", use_tqdm_on_load=False),
-        AFDConfig(topology="1A2F", ubatches=2, gate_on_attention=True, log_step_plan=True,
-                  connector="p2p", timeout_s=60.0, heartbeat_timeout_s=3.0,
-                  control_plane="gloo", log_data_plane="/tmp/dp", ffn_expert_parallel=True,
-                  expert_placement=((0, 1), (2, 3))),
+        EngineConfig(
+            model="m",
+            device="cuda:1",
+            dtype="bfloat16",
+            max_num_seqs=8,
+            max_model_len=512,
+            kv_cache_blocks=40,
+            gpu_memory_utilization=0.5,
+            seed=7,
+            load_format="dummy",
+            use_tqdm_on_load=False,
+        ),
+        AFDConfig(
+            topology="1A2F",
+            ubatches=2,
+            gate_on_attention=True,
+            log_step_plan=True,
+            connector="p2p",
+            timeout_s=60.0,
+            heartbeat_timeout_s=3.0,
+            control_plane="gloo",
+            log_data_plane="/tmp/dp",
+            ffn_expert_parallel=True,
+            expert_placement=((0, 1), (2, 3)),
+        ),
         GraphConfig(mode="full", sizes=(1, 2, 4)),
-    )  # fmt: skip
+    )
     assert build(ServeOptions, args) == ServeOptions(
-        port=0, log_requests=False, max_restarts=0, request_timeout_s=2.5, retry_after_s=3)
+        port=0, log_requests=False, max_restarts=0, request_timeout_s=2.5, retry_after_s=3
+    )
 
 
 def test_no_flags_are_the_defaults() -> None:
@@ -155,15 +230,21 @@ def test_no_flags_are_the_defaults() -> None:
         kwargs = llm_kwargs(build_parser().parse_args([command]))
         assert kwargs.pop("frontend_address") is None
         assert engine_configs({**kwargs, "model": "m"}) == (
-            EngineConfig(model="m"), AFDConfig(), GraphConfig())
+            EngineConfig(model="m"),
+            AFDConfig(),
+            GraphConfig(),
+        )
     assert build(ServeOptions, build_parser().parse_args(["serve"])) == ServeOptions()
 
 
 def test_unknown_llm_keyword_is_a_type_error_naming_it() -> None:
     # Raised before the model directory is read or any process starts.
-    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument "
-                                        r"'graph_sizes'; the keywords are: model, .*"
-                                        r"cuda_graph_sizes.*frontend_address"):
+    with pytest.raises(
+        TypeError,
+        match=r"LLM\(\) got an unexpected keyword argument "
+        r"'graph_sizes'; the keywords are: model, .*"
+        r"cuda_graph_sizes.*frontend_address",
+    ):
         LLM("/no/such/model", graph_sizes=[1])
 
 
@@ -172,7 +253,8 @@ def test_split_and_build_by_keyword() -> None:
     assert parts == [{}, {"ubatches": 2}, {"graph_mode": "full"}]
     # An int for a float field is that float, as type=float would give.
     assert build(EngineConfig, {"model": "m", "gpu_memory_utilization": 1}) == EngineConfig(
-        model="m", gpu_memory_utilization=1.0)
+        model="m", gpu_memory_utilization=1.0
+    )
     with pytest.raises(ValueError, match=r"AFDConfig.ubatches=9 is not allowed"):
         engine_configs({"model": "m", "ubatches": 9})
 
@@ -198,8 +280,9 @@ def test_a_field_without_help_or_parser_is_refused() -> None:
 def test_a_repeated_flag_gathers_a_tuple() -> None:
     @dataclasses.dataclass(frozen=True)
     class Planes:
-        planes: tuple[str, ...] | None = option(None, flag="--plane", choices=("a", "b"),
-                                                repeat=True, shown="both", help="planes")
+        planes: tuple[str, ...] | None = option(
+            None, flag="--plane", choices=("a", "b"), repeat=True, shown="both", help="planes"
+        )
 
     parser = argparse.ArgumentParser()
     add_dataclass_arguments(parser, Planes)
@@ -219,13 +302,16 @@ def test_a_repeated_flag_gathers_a_tuple() -> None:
 def test_bench_flags_come_from_the_config_fields() -> None:
     parser = build_parser()
     bench = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    kinds = next(a for a in bench.choices["bench"]._actions
-                 if isinstance(a, argparse._SubParsersAction))  # fmt: skip
+    kinds = next(
+        a for a in bench.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
     engine_help = {k: f.metadata["help"] for _, k, f in fields_of(*ENGINE_CONFIGS)}
-    for kind, keys in {"decode": ("device", "dtype", "connector", "graph_mode"),
-                       "generate": ("device", "dtype", "connector", "load_format", "graph_mode"),
-                       "capacity": ("device", "dtype", "connector", "load_format", "graph_mode"),
-                       "transport": ("dtype",)}.items():  # fmt: skip
+    for kind, keys in {
+        "decode": ("device", "dtype", "connector", "graph_mode"),
+        "generate": ("device", "dtype", "connector", "load_format", "graph_mode"),
+        "capacity": ("device", "dtype", "connector", "load_format", "graph_mode"),
+        "transport": ("dtype",),
+    }.items():
         actions = {a.dest: a for a in kinds.choices[kind]._actions}
         for key in keys:
             assert actions[key].help.startswith(engine_help[key]), (kind, key)

@@ -51,8 +51,11 @@ def _imports(path: Path) -> list[str]:
 
 
 def test_layer_table_covers_every_module():
-    modules = ["afdserve." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
-               for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE]
+    modules = [
+        "afdserve." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py" or p.parent != PACKAGE
+    ]
     assert [m for m in modules if _layer(m) is None] == []
 
 
@@ -74,8 +77,10 @@ def test_no_upward_imports():
 def _module_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (`from afdserve.x import y` counts as x.y
     when y is a module, else as x)."""
-    paths = {p: "afdserve." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
-             for p in PACKAGE.rglob("*.py")}
+    paths = {
+        p: "afdserve." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+        for p in PACKAGE.rglob("*.py")
+    }
     modules = {m.removesuffix(".__init__") for m in paths.values()}
     graph: dict[str, set[str]] = {}
     for path, module in paths.items():
@@ -104,7 +109,7 @@ def test_no_import_circles():
         state[module] = "open"
         for other in sorted(graph.get(module, ())):
             if state.get(other) == "open":
-                circles.append(" -> ".join(trail[trail.index(other):] + [module, other]))
+                circles.append(" -> ".join(trail[trail.index(other) :] + [module, other]))
             elif other not in state:
                 visit(other, trail + [module])
         state[module] = "done"

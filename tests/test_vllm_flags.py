@@ -79,8 +79,20 @@ def configs(args: argparse.Namespace):
 
 
 def test_vllm_spellings() -> None:
-    args = parse("--model", "/m", "-dp", "2", "--dtype", "half", "--served-model-name", "a", "b",
-                 "--enable-log-requests", "--disable-log-stats", "--enforce-eager")  # fmt: skip
+    args = parse(
+        "--model",
+        "/m",
+        "-dp",
+        "2",
+        "--dtype",
+        "half",
+        "--served-model-name",
+        "a",
+        "b",
+        "--enable-log-requests",
+        "--disable-log-stats",
+        "--enforce-eager",
+    )
     engine, afd, graph = configs(args)
     assert (engine.model, engine.dtype) == ("/m", "float16")
     assert (afd.data_parallel_size, afd.topology) == (2, "2A0F")
@@ -99,15 +111,23 @@ def test_request_logs_are_off_by_default_as_in_vllm() -> None:
     assert build(ServeOptions, parse()).log_stats is True
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["-tp", "2"], "tensor_parallel_size=2 is not supported: afdserve has no tensor parallelism; "
-                   "split the model into attention and FFN ranks with --topology <A>A<F>F"),
-    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 is not supported"),
-    (["-dp", "2", "--topology", "2A1F"], "data_parallel_size=2 is not allowed with "
-                                         "topology='2A1F'"),
-    (["-dp", "0"], "AFDConfig.data_parallel_size=0 is not allowed: an integer >= 1"),
-    (["--graph-mode", "full", "--enforce-eager"], "enforce_eager=True contradicts graph_mode"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["-tp", "2"],
+            "tensor_parallel_size=2 is not supported: afdserve has no tensor parallelism; "
+            "split the model into attention and FFN ranks with --topology <A>A<F>F",
+        ),
+        (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 is not supported"),
+        (
+            ["-dp", "2", "--topology", "2A1F"],
+            "data_parallel_size=2 is not allowed with topology='2A1F'",
+        ),
+        (["-dp", "0"], "AFDConfig.data_parallel_size=0 is not allowed: an integer >= 1"),
+        (["--graph-mode", "full", "--enforce-eager"], "enforce_eager=True contradicts graph_mode"),
+    ],
+)
 def test_what_afdserve_cannot_honour_is_refused_by_name(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         llm_kwargs(parse(*flags))
@@ -137,26 +157,48 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_config_file_keys_are_flags_and_the_command_line_overrides(tmp_path: Path) -> None:
-    path = write(tmp_path, "model: /m\nport: 9000\nmax_num_seqs: 8\nmax-model-len: 512\n"
-                           "served-model-name: [a, b]\nenable-log-requests: true\n"
-                           "use-tqdm-on-load: false\ncuda-graph-sizes: [4, 1]\n"
-                           "disable-log-stats: true\n-dp: 2\n")  # fmt: skip
+    path = write(
+        tmp_path,
+        "model: /m\nport: 9000\nmax_num_seqs: 8\nmax-model-len: 512\n"
+        "served-model-name: [a, b]\nenable-log-requests: true\n"
+        "use-tqdm-on-load: false\ncuda-graph-sizes: [4, 1]\n"
+        "disable-log-stats: true\n-dp: 2\n",
+    )
     from_file = parse("--config", path)
-    same = parse("/m", "--port", "9000", "--max-num-seqs", "8", "--max-model-len", "512",
-                 "--served-model-name", "a", "b", "--enable-log-requests", "--no-use-tqdm-on-load",
-                 "--cuda-graph-sizes", "4,1", "--disable-log-stats", "-dp", "2")  # fmt: skip
+    same = parse(
+        "/m",
+        "--port",
+        "9000",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "a",
+        "b",
+        "--enable-log-requests",
+        "--no-use-tqdm-on-load",
+        "--cuda-graph-sizes",
+        "4,1",
+        "--disable-log-stats",
+        "-dp",
+        "2",
+    )
     assert vars(from_file) == vars(same)
     overridden = parse("--config", path, "--port", "9001", "--max-num-seqs", "4", "/other")
     assert (overridden.port, overridden.max_num_seqs, overridden.model) == (9001, 4, "/other")
     assert overridden.max_model_len == 512
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("max-num-sqs: 8\n", "unknown key 'max-num-sqs'; the keys are the flags of this command:"),
-    ("- port\n", "expected a mapping of flag: value, got list"),
-    ("enforce-eager: 1\n", "enforce-eager: expected true or false, got 1"),
-    ("port: [\n", "not valid YAML"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max-num-sqs: 8\n", "unknown key 'max-num-sqs'; the keys are the flags of this command:"),
+        ("- port\n", "expected a mapping of flag: value, got list"),
+        ("enforce-eager: 1\n", "enforce-eager: expected true or false, got 1"),
+        ("port: [\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_config_file_is_one_error_naming_what_is_wrong(
     tmp_path: Path, text: str, message: str
 ) -> None:

@@ -26,9 +26,9 @@ from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's
 
 from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.triton import attention as triton_attention
-from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.triton.attention import Launch
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 4, 128, 16
@@ -145,8 +145,10 @@ def main() -> None:
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = measure_copy_bandwidth(torch.device("cuda"))
-    print(f"paged decode attention, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}, block "
-          f"{BLOCK}; device copy bandwidth {copy:.0f} GB/s")  # fmt: skip
+    print(
+        f"paged decode attention, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}, block "
+        f"{BLOCK}; device copy bandwidth {copy:.0f} GB/s"
+    )
     print("batch    ctx  cache      us    GB/s  of_copy   rel_err  fp8_speedup / launch")
     best: dict[tuple[int, int, str], tuple[float, Launch]] = {}
     for batch, ctx in shapes:

@@ -4,8 +4,8 @@ median). Prints microseconds per call and the weight bytes read per second.
 
     PYTHONPATH=$PWD python tools/bench_fp8_kernels.py [--batches 1,8,64,256]
 
-Rows: the dense projections (q/k/v packed into one GEMM, as model/layers/attention.py runs them in bf16
-and in FP8), o_proj (each over COPIES weights, out of L2), and the routed experts of one layer
+Rows: the dense projections (q/k/v packed into one GEMM, as model/layers/attention.py runs them in
+bf16 and in FP8), o_proj (each over COPIES weights, out of L2), and the routed experts of one layer
 (top-8 of 128, random routing): bf16 decode kernels / sort-free grouped path / torch's grouped
 GEMM, FP8 kernels, each FP8 kernel weight-only and w8a8 (activations quantized per 128-group).
 """
@@ -19,20 +19,13 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from afdserve.kernels import ops
-
-from afdserve.kernels.reference import fp8
-
-from afdserve.kernels.moe import torch_grouped as moe_gpu
-
-from afdserve.kernels.triton import fp8_weight_only as triton_fp8
-
-from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
-
-from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
-
-from afdserve.kernels.moe import grouped as triton_grouped_moe
-
 from afdserve.kernels.moe import decode as triton_moe
+from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
+from afdserve.kernels.moe import grouped as triton_grouped_moe
+from afdserve.kernels.moe import torch_grouped as moe_gpu
+from afdserve.kernels.reference import fp8
+from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.model.layers.fp8 import quantize_weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
@@ -70,8 +63,10 @@ def projection(name: str, m: int, n: int, k: int, splits: tuple[int, ...]) -> No
     parts = [[fp8.quantize_blockwise(p, BLOCK) for p in w.split(list(splits))] for w in ws]
 
     fused = triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS
-    variants = [("weight-only", triton_fp8.fp8_linear, fused),
-                ("w8a8", triton_fp8_w8a8.fp8_linear, fused)]  # fmt: skip
+    variants = [
+        ("weight-only", triton_fp8.fp8_linear, fused),
+        ("w8a8", triton_fp8_w8a8.fp8_linear, fused),
+    ]
     if m <= fused:  # also with the quantize launch the GEMM does without at these rows
         variants.append(("w8a8 quantize launch", triton_fp8_w8a8.fp8_linear, 0))
     for label, linear, fuse_rows in variants:
@@ -105,8 +100,13 @@ def experts(m: int) -> None:
     g13, g2 = quantize_weight(w13, True, BLOCK), quantize_weight(w2, False, BLOCK)
     del w13, w2
     bf16_bytes, fp8_bytes = touched * per_expert * 2, touched * per_expert
-    print(line("experts bf16 (ops)", timed(lambda: ops.moe_experts(x, ids, weights, b13, b2)),
-               bf16_bytes))  # fmt: skip
+    print(
+        line(
+            "experts bf16 (ops)",
+            timed(lambda: ops.moe_experts(x, ids, weights, b13, b2)),
+            bf16_bytes,
+        )
+    )
     # Each path at every batch, so that the crossovers ops.py picks by pair count show.
     if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
         decode = lambda: triton_moe.moe_experts(x, ids, weights, b13, b2)  # noqa: E731
@@ -122,10 +122,12 @@ def experts(m: int) -> None:
         label = "w8a8" if a8 else "weight-only"
         if m * TOP_K <= 2 * triton_moe.MAX_PAIRS:
             fp8_decode = lambda a8=a8: triton_fp8_moe.moe_experts(  # noqa: E731
-                x, ids, weights, g13, g2, a8=a8)
+                x, ids, weights, g13, g2, a8=a8
+            )
             print(line(f"experts fp8 {label} decode kernels", timed(fp8_decode), fp8_bytes))
         fp8_grouped = lambda a8=a8: triton_grouped_moe.moe_experts(  # noqa: E731
-            x, ids, weights, g13[0], g2[0], (g13[1], g2[1]), a8=a8)
+            x, ids, weights, g13[0], g2[0], (g13[1], g2[1]), a8=a8
+        )
         print(line(f"experts fp8 {label} grouped (sort-free)", timed(fp8_grouped), fp8_bytes))
 
 

@@ -24,10 +24,10 @@ import torch
 
 from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels import ops
-from afdserve.kernels.reference import fp4
-from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 from afdserve.kernels.moe import decode as triton_moe
+from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 from afdserve.kernels.moe.fp4_decode import Tiles
+from afdserve.kernels.reference import fp4
 
 HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
 
@@ -73,12 +73,22 @@ def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> Non
         weights = torch.rand(batch, TOP_K, device="cuda", generator=gen)
         touched = int(ids.unique().numel())
         fp4_bytes = touched * 3 * HIDDEN * INTER * 4.25 / 8
-        print(f"batch {batch}: routed over all {experts} experts (the plain table's routing takes "
-              f"64, for its bf16 side), {touched} touched, {fp4_bytes / 1e6:.0f} MB")  # fmt: skip
+        print(
+            f"batch {batch}: routed over all {experts} experts (the plain table's routing takes "
+            f"64, for its bf16 side), {touched} touched, {fp4_bytes / 1e6:.0f} MB"
+        )
         for tiles in grid:
             try:
-                t = replay_seconds(triton_fp4_moe.moe_experts, x, ids, weights, gu, dn,
-                                   LIMIT, lambda pairs, tiles=tiles: tiles)  # fmt: skip
+                t = replay_seconds(
+                    triton_fp4_moe.moe_experts,
+                    x,
+                    ids,
+                    weights,
+                    gu,
+                    dn,
+                    LIMIT,
+                    lambda pairs, tiles=tiles: tiles,
+                )
             except Exception as e:  # a shape the device cannot run: reported, skipped
                 print(f"  {tiles}: failed, {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                 continue
@@ -123,8 +133,10 @@ def main() -> None:
     gu16 = fp4.dequantize_fp4(gu[0][:bf16_experts], gu[1][:bf16_experts], torch.bfloat16)
     dn16 = fp4.dequantize_fp4(dn[0][:bf16_experts], dn[1][:bf16_experts], torch.bfloat16)
     copy = measure_copy_bandwidth(torch.device("cuda"))
-    print(f"FP4 experts, hidden {HIDDEN}, intermediate {INTER}, top-{TOP_K}, {experts} experts; "
-          f"device copy bandwidth {copy:.0f} GB/s")  # fmt: skip
+    print(
+        f"FP4 experts, hidden {HIDDEN}, intermediate {INTER}, top-{TOP_K}, {experts} experts; "
+        f"device copy bandwidth {copy:.0f} GB/s"
+    )
     print("batch  touched  fp4_us  fp4_GB/s  of_copy  bf16_us(64 experts)  speedup")
     for batch in batches:
         x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
@@ -137,8 +149,10 @@ def main() -> None:
         t16 = replay_seconds(triton_moe.moe_experts, x, ids, weights, gu16, dn16)
         fp4_bytes = touched * 3 * HIDDEN * INTER * 4.25 / 8
         gbps = fp4_bytes / t4 / 1e9
-        print(f"{batch:5d}  {touched:7d}  {t4 * 1e6:6.1f}  {gbps:8.0f}  {gbps / copy:7.1%}  "
-              f"{t16 * 1e6:19.1f}  {t16 / t4:6.2f}x")  # fmt: skip
+        print(
+            f"{batch:5d}  {touched:7d}  {t4 * 1e6:6.1f}  {gbps:8.0f}  {gbps / copy:7.1%}  "
+            f"{t16 * 1e6:19.1f}  {t16 / t4:6.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,7 @@ def bench_batch(batch: int, gu, dn, gen, copy: float, decode_max: int, variants:
     nbytes = touched * 3 * HIDDEN * INTER
     print(f"batch {batch}: {pairs} pairs, {touched} experts touched, {nbytes / 1e6:.1f} MB")
     decode = partial(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn)
-    grouped = partial(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
-                      (gu[1], dn[1]))  # fmt: skip
+    grouped = partial(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0], (gu[1], dn[1]))
     for a8 in (True, False):
         mode = "w8a8" if a8 else "weight-only"
         if pairs <= decode_max:
@@ -79,8 +78,9 @@ def bench_batch(batch: int, gu, dn, gen, copy: float, decode_max: int, variants:
             new = timed_us(decode, a8=a8, tiles=triton_fp8_moe.tiles_for(pairs, True))
             show(f"decode {mode} weights left", new, nbytes, copy, old)
             for tiles in VARIANTS if variants and a8 and batch == 1 else ():
-                show(f"  {tuple(tiles)[:5]}", timed_us(decode, a8=a8, tiles=tiles), nbytes, copy,
-                     old)  # fmt: skip
+                show(
+                    f"  {tuple(tiles)[:5]}", timed_us(decode, a8=a8, tiles=tiles), nbytes, copy, old
+                )
         old = timed_us(grouped, a8=a8, weights_left=False)
         show(f"grouped {mode} weights right", old, nbytes, copy, None)
         new = timed_us(grouped, a8=a8, weights_left=True)
@@ -99,8 +99,10 @@ def main() -> None:
     gu, dn = quantize_weight(w13, True, BLOCK), quantize_weight(w2, False, BLOCK)
     del w13, w2
     copy = measure_copy_bandwidth(torch.device("cuda"))
-    print(f"{torch.cuda.get_device_name()}: Qwen3-30B-A3B's experts in FP8 ({EXPERTS}, hidden "
-          f"{HIDDEN}, intermediate {INTER}, top-{TOP_K}); copy {copy:.0f} GB/s")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}: Qwen3-30B-A3B's experts in FP8 ({EXPERTS}, hidden "
+        f"{HIDDEN}, intermediate {INTER}, top-{TOP_K}); copy {copy:.0f} GB/s"
+    )
     for batch in (int(b) for b in args.batches.split(",")):
         bench_batch(batch, gu, dn, gen, copy, args.decode_max, args.variants)
 

@@ -26,16 +26,26 @@ from pathlib import Path
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.model.presets import write_preset_config
 from afdserve.model.fixtures.tiny import FAMILIES, make_tiny_model
+from afdserve.model.presets import write_preset_config
 
 # The engine options of each setting measured against the model-dtype reference.
-SETTINGS = {"weights": {"quantization": "fp8"}, "kv": {"kv_cache_dtype": "fp8"},
-            "wire": {"a2e_dtype": "fp8"}}  # fmt: skip
+SETTINGS = {
+    "weights": {"quantization": "fp8"},
+    "kv": {"kv_cache_dtype": "fp8"},
+    "wire": {"a2e_dtype": "fp8"},
+}
 
-PROMPTS = [[7], [72, 101, 108, 108, 111], list(range(30, 58)), [256, 40, 41, 42, 200, 3, 4],
-           [(17 * i) % 256 for i in range(45)], [97, 98, 99, 100, 101, 102], [255, 0, 255, 0],
-           [(5 * i + 1) % 250 for i in range(20)]]  # fmt: skip
+PROMPTS = [
+    [7],
+    [72, 101, 108, 108, 111],
+    list(range(30, 58)),
+    [256, 40, 41, 42, 200, 3, 4],
+    [(17 * i) % 256 for i in range(45)],
+    [97, 98, 99, 100, 101, 102],
+    [255, 0, 255, 0],
+    [(5 * i + 1) % 250 for i in range(20)],
+]
 TOP = 20  # the most logprobs a request returns; the reference's token is nearly always among them
 
 
@@ -43,9 +53,13 @@ def reference(llm: LLM, tokens: int) -> list[tuple[list[int], list[float]]]:
     """Greedy continuation of every prompt and the logprob of each of its tokens."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids,
-                                                                o.outputs[0].logprobs)])
-            for o in outs]  # fmt: skip
+    return [
+        (
+            o.outputs[0].token_ids,
+            [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+        )
+        for o in outs
+    ]
 
 
 def teacher_forced(llm: LLM, ref: list[tuple[list[int], list[float]]]) -> tuple[float, float]:
@@ -87,11 +101,16 @@ def main() -> None:
         if args.preset:
             models = {args.preset: (str(write_preset_config(args.preset, root)), "dummy")}
         else:
-            models = {f: (str(make_tiny_model(Path(root) / f, f, seed=0)), "auto")
-                      for f in FAMILIES}  # fmt: skip
+            models = {
+                f: (str(make_tiny_model(Path(root) / f, f, seed=0)), "auto") for f in FAMILIES
+            }
         for name, (path, load_format) in models.items():
-            common = dict(device=args.device, load_format=load_format, seed=0,
-                          enforce_eager=args.enforce_eager)
+            common = dict(
+                device=args.device,
+                load_format=load_format,
+                seed=0,
+                enforce_eager=args.enforce_eager,
+            )
             for dtype in args.dtypes.split(","):
                 with LLM(path, dtype=dtype, **common) as llm:
                     ref = reference(llm, args.tokens)
@@ -102,8 +121,11 @@ def main() -> None:
                     if dtype == "float32" and setting == "weights":
                         with LLM(path, dtype="bfloat16", **common) as llm:
                             yardstick = f"{teacher_forced(llm, ref)[1]:11.4f}"
-                    print(f"{name:<14} {dtype:<9} {setting:<8} {agree:7.3f} {delta:8.4f} "
-                          f"{yardstick:>11}", flush=True)
+                    print(
+                        f"{name:<14} {dtype:<9} {setting:<8} {agree:7.3f} {delta:8.4f} "
+                        f"{yardstick:>11}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

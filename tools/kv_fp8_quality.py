@@ -24,9 +24,16 @@ from afdserve import LLM, SamplingParams
 from afdserve.model.fixtures.bundled import BUNDLED_FAMILY
 from afdserve.model.fixtures.tiny import make_tiny_model
 
-PROMPTS = [[7], [72, 101, 108, 108, 111], list(range(30, 58)), [256, 40, 41, 42, 200, 3, 4],
-           [(17 * i) % 256 for i in range(45)], [97, 98, 99, 100, 101, 102], [255, 0, 255, 0],
-           [(5 * i + 1) % 250 for i in range(20)]]  # fmt: skip
+PROMPTS = [
+    [7],
+    [72, 101, 108, 108, 111],
+    list(range(30, 58)),
+    [256, 40, 41, 42, 200, 3, 4],
+    [(17 * i) % 256 for i in range(45)],
+    [97, 98, 99, 100, 101, 102],
+    [255, 0, 255, 0],
+    [(5 * i + 1) % 250 for i in range(20)],
+]
 TOP = 20  # the most logprobs a request returns; the reference's token is nearly always among them
 
 Continuation = tuple[list[int], list[float]]
@@ -44,9 +51,13 @@ def continuations(llm: LLM, prompts: list[list[int]], tokens: int) -> list[Conti
     """Greedy continuation of every prompt and the logprob of each of its tokens."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids,
-                                                                o.outputs[0].logprobs)])
-            for o in outs]  # fmt: skip
+    return [
+        (
+            o.outputs[0].token_ids,
+            [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+        )
+        for o in outs
+    ]
 
 
 def teacher_forced(
@@ -84,15 +95,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{len(PROMPTS)} prompts x {args.tokens} tokens, teacher-forced, FP8 cache against "
-          "the model-dtype cache")
+    print(
+        f"{len(PROMPTS)} prompts x {args.tokens} tokens, teacher-forced, FP8 cache against "
+        "the model-dtype cache"
+    )
     print(f"{'model':<12} {'dtype':<9} {'agree':>7} {'|dlp|':>8} {'max':>8} {'free':>7}")
     with tempfile.TemporaryDirectory() as root:
         for name, path in tiny_models(Path(root)).items():
             for dtype in ("float32", "bfloat16"):
                 m = measure(path, dtype, PROMPTS, args.tokens)
-                print(f"{name:<12} {dtype:<9} {m['agree']:7.3f} {m['dlp']:8.4f} {m['max']:8.4f} "
-                      f"{m['free']:7.3f}")
+                print(
+                    f"{name:<12} {dtype:<9} {m['agree']:7.3f} {m['dlp']:8.4f} {m['max']:8.4f} "
+                    f"{m['free']:7.3f}"
+                )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,11 @@ def free_port() -> int:
 def rank_pids(server_pid: int) -> dict[int, int]:
     """rank -> pid of the server's running world (a rank names itself afdserve-rankN)."""
     ranks: dict[int, int] = {}
-    children = [pid for task in Path(f"/proc/{server_pid}/task").glob("*")
-                for pid in (task / "children").read_text().split()]  # fmt: skip
+    children = [
+        pid
+        for task in Path(f"/proc/{server_pid}/task").glob("*")
+        for pid in (task / "children").read_text().split()
+    ]
     for child in children:
         try:
             if not Path(f"/proc/{child}/comm").read_text().startswith("afdserve-rank"):
@@ -65,8 +68,13 @@ def health(url: str) -> int | None:
 
 def keep_streaming(url: str, stop: threading.Event, index: int) -> None:
     # Token ids: a dummy-weight model directory has no tokenizer files.
-    body = {"prompt": [10 + index, 20, 30], "max_tokens": 200, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "prompt": [10 + index, 20, 30],
+        "max_tokens": 200,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     while not stop.is_set():
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
@@ -83,24 +91,45 @@ def main() -> None:
     parser.add_argument("--victims", type=int, nargs="+", default=[2, 0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--gap", type=float, default=10.0,
-                        help="seconds between a recovery and the next kill (the standby world "
-                             "of the next restart starts meanwhile)")
-    parser.add_argument("serve_args", nargs=argparse.REMAINDER,
-                        help="after --: more `afdserve serve` arguments (--model DIR ...)")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=10.0,
+        help="seconds between a recovery and the next kill (the standby world "
+        "of the next restart starts meanwhile)",
+    )
+    parser.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        help="after --: more `afdserve serve` arguments (--model DIR ...)",
+    )
     parser.add_argument("--log", default="/tmp/recovery_time_server.log")
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "afdserve.cli", "serve", "--port", str(port), "--topology",
-               args.topology, "--on-engine-failure", "restart", "--max-restarts", "100",
-               # each kill is the first failure of its window: no back-off before its restart
-               "--restart-window", str(args.gap / 2)]
+    command = [
+        sys.executable,
+        "-m",
+        "afdserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--topology",
+        args.topology,
+        "--on-engine-failure",
+        "restart",
+        "--max-restarts",
+        "100",
+        # each kill is the first failure of its window: no back-off before its restart
+        "--restart-window",
+        str(args.gap / 2),
+    ]
     command += [a for a in args.serve_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(args.log, "wb") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL)  # fmt: skip
+        server = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     stop = threading.Event()
     try:
         deadline = time.monotonic() + 300
@@ -108,8 +137,10 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"the server did not start; see {args.log}")
             time.sleep(0.2)
-        streams = [threading.Thread(target=keep_streaming, args=(url, stop, i), daemon=True)
-                   for i in range(args.streams)]  # fmt: skip
+        streams = [
+            threading.Thread(target=keep_streaming, args=(url, stop, i), daemon=True)
+            for i in range(args.streams)
+        ]
         for thread in streams:
             thread.start()
         results: dict[int, list[float]] = {}
@@ -130,13 +161,24 @@ def main() -> None:
                 took = time.monotonic() - killed_at
                 kept = sorted(r for r in old if r != victim and now.get(r) == old[r])
                 results.setdefault(victim, []).append(took)
-                print(json.dumps({"victim": victim, "seconds": round(took, 3),
-                                  "ranks_kept": kept}), flush=True)  # fmt: skip
+                print(
+                    json.dumps({"victim": victim, "seconds": round(took, 3), "ranks_kept": kept}),
+                    flush=True,
+                )
         load = os.getloadavg()
         for victim, times in results.items():
-            print(json.dumps({"victim": victim, "median_s": round(statistics.median(times), 3),
-                              "min_s": round(min(times), 3), "max_s": round(max(times), 3),
-                              "n": len(times), "loadavg": [round(x, 2) for x in load]}))
+            print(
+                json.dumps(
+                    {
+                        "victim": victim,
+                        "median_s": round(statistics.median(times), 3),
+                        "min_s": round(min(times), 3),
+                        "max_s": round(max(times), 3),
+                        "n": len(times),
+                        "loadavg": [round(x, 2) for x in load],
+                    }
+                )
+            )
     finally:
         stop.set()
         server.send_signal(signal.SIGTERM)

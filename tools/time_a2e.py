@@ -1,5 +1,5 @@
-"""Times the fp8 A2E format (kernels/reference/a2e.py) on the GPU: a2e.py's torch functions against the
-Triton kernels (kernels/triton/a2e.py), as CUDA-graph replays.
+"""Times the fp8 A2E format (kernels/reference/a2e.py) on the GPU: a2e.py's torch functions against
+the Triton kernels (kernels/triton/a2e.py), as CUDA-graph replays.
 
     PYTHONPATH=$PWD python tools/time_a2e.py [--rows 1 64 256] [--hidden 2048] [--layers 48]
 
@@ -22,7 +22,6 @@ import torch
 from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's folder
 
 from afdserve.kernels.reference import a2e
-
 from afdserve.kernels.triton import a2e as triton_a2e
 
 
@@ -73,13 +72,22 @@ def main() -> None:
             t_kernel = step_us(fused, x, ids, args.layers, args.repeats)
             want, got = plain(x, ids, dtype), fused(x, ids, dtype)
             same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            print(json.dumps({"rows": rows, "hidden": args.hidden, "dtype": args.dtype,
-                              "use": use, "layers": args.layers,
-                              "torch_us_per_call": round(t_torch / args.layers, 2),
-                              "kernel_us_per_call": round(t_kernel / args.layers, 2),
-                              "torch_us_per_step": round(t_torch, 1),
-                              "kernel_us_per_step": round(t_kernel, 1),
-                              "bit_exact": same}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        "hidden": args.hidden,
+                        "dtype": args.dtype,
+                        "use": use,
+                        "layers": args.layers,
+                        "torch_us_per_call": round(t_torch / args.layers, 2),
+                        "kernel_us_per_call": round(t_kernel / args.layers, 2),
+                        "torch_us_per_step": round(t_torch, 1),
+                        "kernel_us_per_step": round(t_kernel, 1),
+                        "bit_exact": same,
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ routed experts a batch touches, and the weight and KV bytes of one step.
 Bytes are those held in memory: a block-scaled FP8 weight (`quantization="fp8"`) counts one byte
 per element plus its float32 scale grid, a routed expert's scales only for the experts touched
 (as its weights); an FP8 KV cache counts one byte per cached element. DeepSeek-V4's paged cache
-(model/families/deepseek_v4/cache.py) counts what its attention reads per layer type (`v4_layer_kv_bytes`).
+(model/families/deepseek_v4/cache.py) counts what its attention reads per layer type
+(`v4_layer_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
 
 
@@ -57,8 +58,11 @@ def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
 
 # The routed-expert stacks and, when quantized, their scales (FP8 grids, FP4 ue8m0 bytes): a step
 # reads the slices of the experts it touches, in the precision they are held in.
-EXPERT_STACKS = tuple(f"experts.{stack}{suffix}" for stack in ("gate_up_proj", "down_proj")
-                      for suffix in ("", SCALE_SUFFIX))  # fmt: skip
+EXPERT_STACKS = tuple(
+    f"experts.{stack}{suffix}"
+    for stack in ("gate_up_proj", "down_proj")
+    for suffix in ("", SCALE_SUFFIX)
+)
 
 
 def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
@@ -133,6 +137,8 @@ def timed_kv_bytes(model: MoECausalLM, batch: int, positions: range, itemsize: i
     if c.v4 is None:
         mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
-    per_step = [sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
-                for p in positions]  # fmt: skip
+    per_step = [
+        sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
+        for p in positions
+    ]
     return int(batch * sum(per_step) / len(per_step))

@@ -37,8 +37,8 @@ from afdserve.config_args import build, option
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.reference.a2e import A2EFormat
-from afdserve.model.config import parse_model_config
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
+from afdserve.model.config import parse_model_config
 from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.kernels import running_expert_kernels
@@ -71,19 +71,29 @@ class CalibrateBench:
     # 80 and 96: from 66 sequences on, the attention kernel gives each sequence one split on an
     # H200 with Qwen3-30B-A3B's 4 KV heads (triton_attention.plan_splits; two at 64), so 64 and
     # 128 alone leave the switch unmeasured.
-    fit_batches: tuple[int, ...] = option((1, 4, 16, 32, 64, 80, 96, 128, 160, 256), parse=sizes,
-                                          help="attention-rank batches the curves go through")
-    check_batches: tuple[int, ...] = option((1, 8, 64, 256), parse=sizes,
-                                            help="batches of the colocated and in-process steps "
-                                            "measured to check the prediction")
-    contexts: tuple[int, ...] = option((1024, 8192, 32768), parse=sizes,
-                                       help="context lengths of the attention points")
-    check_contexts: tuple[int, ...] = option((1024, 8192), parse=sizes,
-                                             help="context lengths of the checks")
+    fit_batches: tuple[int, ...] = option(
+        (1, 4, 16, 32, 64, 80, 96, 128, 160, 256),
+        parse=sizes,
+        help="attention-rank batches the curves go through",
+    )
+    check_batches: tuple[int, ...] = option(
+        (1, 8, 64, 256),
+        parse=sizes,
+        help="batches of the colocated and in-process steps measured to check the prediction",
+    )
+    contexts: tuple[int, ...] = option(
+        (1024, 8192, 32768), parse=sizes, help="context lengths of the attention points"
+    )
+    check_contexts: tuple[int, ...] = option(
+        (1024, 8192), parse=sizes, help="context lengths of the checks"
+    )
     # Powers of two are the tops of the decode kernels' padded pair buckets; 24, 48, 96 and 192
     # are inside buckets, where the planner's rule for a bucket (profile.ExpertKernels) is checked.
-    ffn_tokens: tuple[int, ...] = option((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512,
-                                          1024), parse=sizes, help="rows of the FFN-half points")
+    ffn_tokens: tuple[int, ...] = option(
+        (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024),
+        parse=sizes,
+        help="rows of the FFN-half points",
+    )
     steps: int = option(10, help="timed steps per point (median)")
     graph_mode: str = "full_decode_only"
     dtype: str = "bfloat16"
@@ -95,20 +105,33 @@ class CalibrateBench:
         if (self.model_dir is None) == (self.preset is None):
             raise ValueError("calibrate: give exactly one of --model DIR and --preset NAME")
         if self.preset is not None and not self.random_weights:
-            raise ValueError("calibrate.random_weights: a preset has no checkpoint: add "
-                             "--random-weights")
+            raise ValueError(
+                "calibrate.random_weights: a preset has no checkpoint: add --random-weights"
+            )
         for name in ("fit_batches", "check_batches", "contexts", "check_contexts", "ffn_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"calibrate.{name}: a non-empty list of integers >= 1")
         if self.steps < 2:
             raise ValueError("calibrate.steps: an integer >= 2")
 
-    def decode_spec(self, topology: str = "colocated", ubatches: int = 1,
-                    context: int = 1024) -> DecodeBench:
-        return DecodeBench(self.model_dir, self.preset, self.random_weights, (1,), context,
-                           topology=topology, graph_mode=self.graph_mode, ubatches=ubatches,
-                           steps=self.steps, dtype=self.dtype, device=self.device,
-                           block_size=self.block_size, seed=self.seed)  # fmt: skip
+    def decode_spec(
+        self, topology: str = "colocated", ubatches: int = 1, context: int = 1024
+    ) -> DecodeBench:
+        return DecodeBench(
+            self.model_dir,
+            self.preset,
+            self.random_weights,
+            (1,),
+            context,
+            topology=topology,
+            graph_mode=self.graph_mode,
+            ubatches=ubatches,
+            steps=self.steps,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            seed=self.seed,
+        )
 
 
 def _median_ms(fn, device: torch.device, repeats: int) -> float:
@@ -143,8 +166,9 @@ class NoFFN:
     def __init__(self, model: MoECausalLM, rows: int) -> None:
         param = next(model.parameters())
         self.a2e = A2EFormat("auto", model.dtype)
-        self.zeros = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype,
-                                 device=param.device)
+        self.zeros = torch.zeros(
+            rows, model.config.hidden_size, dtype=model.dtype, device=param.device
+        )
 
     def begin_step(self, plan, step: int) -> None:
         return None
@@ -183,8 +207,14 @@ class Calibration:
         return tokens * self.kv_per_token < 0.97 * free - (1 << 30)
 
     @torch.inference_mode()
-    def decode_ms(self, batch: int, context: int, topology: str = "colocated",
-                  ubatches: int = 1, attention_only: bool = False) -> float:
+    def decode_ms(
+        self,
+        batch: int,
+        context: int,
+        topology: str = "colocated",
+        ubatches: int = 1,
+        attention_only: bool = False,
+    ) -> float:
         spec = self.spec.decode_spec(topology, ubatches, context)
         ffn = self.model if topology == "in-process" else None
         boundary = NoFFN(self.model, batch) if attention_only else None
@@ -199,8 +229,13 @@ class Calibration:
     @torch.inference_mode()
     def ffn_ms(self, tokens: int) -> float:
         c, gen = self.config, torch.Generator(device=self.device).manual_seed(self.spec.seed)
-        x = torch.randn(tokens, c.hidden_size, device=self.device, generator=gen,
-                        dtype=TORCH_DTYPES[self.spec.dtype])
+        x = torch.randn(
+            tokens,
+            c.hidden_size,
+            device=self.device,
+            generator=gen,
+            dtype=TORCH_DTYPES[self.spec.dtype],
+        )
         ids = torch.randint(0, c.vocab_size, (tokens,), device=self.device, generator=gen)
 
         def layers() -> None:
@@ -225,16 +260,24 @@ def _hardware(device: torch.device) -> dict[str, str | float]:
         props = torch.cuda.get_device_properties(device)
         from afdserve.bench.bytes import measure_copy_bandwidth
 
-        return {"device": props.name, "memory_bytes": float(props.total_memory),
-                "copy_gbps": measure_copy_bandwidth(device)}
+        return {
+            "device": props.name,
+            "memory_bytes": float(props.total_memory),
+            "copy_gbps": measure_copy_bandwidth(device),
+        }
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"device": f"CPU ({platform.processor() or platform.machine()})",
-            "memory_bytes": float(memory)}
+    return {
+        "device": f"CPU ({platform.processor() or platform.machine()})",
+        "memory_bytes": float(memory),
+    }
 
 
 def _versions() -> dict[str, str]:
-    out = {"afdserve": afdserve.__version__ if hasattr(afdserve, "__version__") else "0.1.0",
-           "torch": torch.__version__, "python": platform.python_version()}
+    out = {
+        "afdserve": afdserve.__version__ if hasattr(afdserve, "__version__") else "0.1.0",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
     try:
@@ -254,8 +297,10 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
     for context in spec.contexts:
         for batch in spec.fit_batches:
             if not cal.fits(batch, context):
-                log(f"  attention rank, batch {batch}, context {context}: the KV cache does not "
-                    f"fit, skipped")
+                log(
+                    f"  attention rank, batch {batch}, context {context}: the KV cache does not "
+                    f"fit, skipped"
+                )
                 continue
             ms = cal.decode_ms(batch, context, "in-process", attention_only=True)
             log(f"  attention rank, batch {batch}, context {context}: {ms:.3f} ms")
@@ -267,9 +312,12 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
     first = spec.check_contexts[0]
     colocated_one = cal.decode_ms(1, first)
     split_one = cal.decode_ms(1, first, "in-process")
-    handover = {"inprocess": Handover(max(0.0, (split_one - colocated_one) / c.num_layers * 1e3),
-                                      f"calibrate: in-process 1A1F - colocated at batch 1, "
-                                      f"context {first}")}  # fmt: skip
+    handover = {
+        "inprocess": Handover(
+            max(0.0, (split_one - colocated_one) / c.num_layers * 1e3),
+            f"calibrate: in-process 1A1F - colocated at batch 1, context {first}",
+        )
+    }
     handover.update(TWO_GPU_HANDOVER)
     for context in spec.check_contexts:
         for batch in spec.check_batches:
@@ -281,20 +329,42 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
                 if (batch, context, topology, ubatches) == (1, first, "in-process", 1):
                     continue  # the hand-over's own point
                 ms = cal.decode_ms(batch, context, topology, ubatches)
-                log(f"  {topology} batch {batch}, context {context}, ubatches {ubatches}: "
-                    f"{ms:.3f} ms")
-                validation.append(ValidationPoint(
-                    "colocated" if topology == "colocated" else "1A1F", batch, context, ms,
-                    ubatches, "inprocess", "calibrate"))
+                log(
+                    f"  {topology} batch {batch}, context {context}, ubatches {ubatches}: "
+                    f"{ms:.3f} ms"
+                )
+                validation.append(
+                    ValidationPoint(
+                        "colocated" if topology == "colocated" else "1A1F",
+                        batch,
+                        context,
+                        ms,
+                        ubatches,
+                        "inprocess",
+                        "calibrate",
+                    )
+                )
     expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * TORCH_DTYPES[spec.dtype].itemsize
-    shape = ModelShape(spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
-                       c.num_layers, c.num_experts, c.top_k, spec.dtype, expert_bytes)
+    shape = ModelShape(
+        spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
+        c.num_layers,
+        c.num_experts,
+        c.top_k,
+        spec.dtype,
+        expert_bytes,
+    )
     return Profile(
-        date=datetime.date.today().isoformat(), hardware=_hardware(cal.device),
-        versions=_versions(), model=shape, attention=tuple(attention), ffn=tuple(ffn),
-        fixed=tuple(fixed), handover=handover, validation=tuple(validation),
+        date=datetime.date.today().isoformat(),
+        hardware=_hardware(cal.device),
+        versions=_versions(),
+        model=shape,
+        attention=tuple(attention),
+        ffn=tuple(ffn),
+        fixed=tuple(fixed),
+        handover=handover,
+        validation=tuple(validation),
         expert_kernels=_expert_kernels(spec),
-    )  # fmt: skip
+    )
 
 
 def _expert_kernels(spec: CalibrateBench) -> ExpertKernels | None:
@@ -315,6 +385,8 @@ def main_calibrate(args: argparse.Namespace) -> int:
     spec = build(CalibrateBench, args)
     profile = run_calibration(spec)
     profile.save(spec.out)
-    print(f"calibrate: {len(profile.attention)} attention steps, {len(profile.ffn)} FFN points, "
-          f"{len(profile.validation)} checks -> {spec.out}")
+    print(
+        f"calibrate: {len(profile.attention)} attention steps, {len(profile.ffn)} FFN points, "
+        f"{len(profile.validation)} checks -> {spec.out}"
+    )
     return 0

@@ -39,8 +39,9 @@ class CapacityBench:
     # The model's directory: --model's, or the temporary one written for --preset.
     model_dir: str | None = model_dir_option()
     preset: str | None = preset_option(", in a temporary dir (needs --load-format dummy)")
-    topologies: tuple[str, ...] = option(TOPOLOGIES, parse=names,
-                                         help="the engine layouts measured, comma-separated")
+    topologies: tuple[str, ...] = option(
+        TOPOLOGIES, parse=names, help="the engine layouts measured, comma-separated"
+    )
     context_len: int = option(8192, help="tokens per sequence the largest batch is found for")
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
@@ -118,51 +119,85 @@ class Capacity:
         return min(self.sequences_that_fit, self.scheduler_limit)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "capacity_tokens": self.capacity_tokens,
-                "sequences_that_fit": self.sequences_that_fit, "batch": self.batch}
+        return {
+            **asdict(self),
+            "capacity_tokens": self.capacity_tokens,
+            "sequences_that_fit": self.sequences_that_fit,
+            "batch": self.batch,
+        }
 
     def line(self) -> str:
-        measured = ("" if self.decode_tokens_per_s is None
-                    else f", decode {self.decode_tokens_per_s:.1f} tokens/s at that batch")
+        measured = (
+            ""
+            if self.decode_tokens_per_s is None
+            else f", decode {self.decode_tokens_per_s:.1f} tokens/s at that batch"
+        )
         who = "engine" if self.topology == "colocated" else f"attention rank {self.rank}"
-        return (f"{self.topology} {who}: parameters {self.parameter_bytes / 1e9:.3g} GB, "
-                f"KV cache {self.cache_bytes / 1e9:.3g} GB = {self.capacity_tokens} tokens = "
-                f"{self.sequences_that_fit} sequences of {self.context_len}; batch {self.batch} "
-                f"(scheduler limit {self.scheduler_limit})" + measured)
+        return (
+            f"{self.topology} {who}: parameters {self.parameter_bytes / 1e9:.3g} GB, "
+            f"KV cache {self.cache_bytes / 1e9:.3g} GB = {self.capacity_tokens} tokens = "
+            f"{self.sequences_that_fit} sequences of {self.context_len}; batch {self.batch} "
+            f"(scheduler limit {self.scheduler_limit})" + measured
+        )
 
 
 def open_llm(spec: CapacityBench, topology: str) -> LLM:
     """The engine whose allocation is read: sized exactly as a serving engine would be."""
     return LLM(
-        spec.model_dir, topology=topology, device=spec.device, dtype=spec.dtype,
-        connector=spec.connector if topology == "1A1F" else "auto", max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.context_len,
+        spec.model_dir,
+        topology=topology,
+        device=spec.device,
+        dtype=spec.dtype,
+        connector=spec.connector if topology == "1A1F" else "auto",
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.context_len,
         block_size=spec.block_size,
-        gpu_memory_utilization=spec.gpu_memory_utilization, load_format=spec.load_format,
-        kv_cache_dtype=spec.kv_cache_dtype, quantization=spec.quantization, seed=spec.seed,
-    )  # fmt: skip
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        load_format=spec.load_format,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        quantization=spec.quantization,
+        seed=spec.seed,
+    )
 
 
 def read_capacity(llm: LLM, topology: str, spec: CapacityBench) -> list[Capacity]:
     """Every attention rank's allocation, from its ready message."""
     return [
-        Capacity(topology, rank, ready.limits.num_blocks, ready.limits.block_size,
-                 ready.memory.cache_bytes, ready.memory.parameter_bytes, spec.context_len,
-                 min(spec.max_num_seqs, spec.max_num_batched_tokens))
-        for rank, ready in llm.rank_ready.items() if ready.limits is not None
+        Capacity(
+            topology,
+            rank,
+            ready.limits.num_blocks,
+            ready.limits.block_size,
+            ready.memory.cache_bytes,
+            ready.memory.parameter_bytes,
+            spec.context_len,
+            min(spec.max_num_seqs, spec.max_num_batched_tokens),
+        )
+        for rank, ready in llm.rank_ready.items()
+        if ready.limits is not None
     ]
 
 
 def measure_decode(spec: CapacityBench, capacity: Capacity) -> float:
     """Decode tokens/s at the capacity's batch and context (its engine is shut down by now)."""
     bench = DecodeBench(
-        model_dir=spec.model_dir, preset=None, random_weights=spec.load_format == "dummy",
-        batch_sizes=(capacity.batch,), context_len=spec.context_len, topology=capacity.topology,
-        connector=spec.connector, graph_mode=spec.graph_mode, steps=spec.steps, dtype=spec.dtype,
+        model_dir=spec.model_dir,
+        preset=None,
+        random_weights=spec.load_format == "dummy",
+        batch_sizes=(capacity.batch,),
+        context_len=spec.context_len,
+        topology=capacity.topology,
+        connector=spec.connector,
+        graph_mode=spec.graph_mode,
+        steps=spec.steps,
+        dtype=spec.dtype,
         device=spec.device,
-        block_size=spec.block_size, kv_cache_dtype=spec.kv_cache_dtype,
-        quantization=spec.quantization, seed=spec.seed,
-    )  # fmt: skip
+        block_size=spec.block_size,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        quantization=spec.quantization,
+        seed=spec.seed,
+    )
     results, _ = run_decode_bench(bench)
     if spec.device == "cuda":  # hand the colocated bench's weights back to the device
         gc.collect()
@@ -178,20 +213,43 @@ def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
         with open_llm(spec, topology) as llm:
             ranks = read_capacity(llm, topology, spec)
         if spec.measure:
-            ranks = [dataclasses.replace(c, decode_tokens_per_s=measure_decode(spec, c))
-                     for c in ranks]
+            ranks = [
+                dataclasses.replace(c, decode_tokens_per_s=measure_decode(spec, c)) for c in ranks
+            ]
         found += ranks
     return found
 
 
 def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("capacity", help="KV-cache capacity of colocated vs the 1A1F attention "
-                                          "rank, and the largest batch at a context length")
-    add_bench_flags(p, CapacityBench, (
-        "model_dir", "preset", "load_format", "topologies", "connector", "context_len",
-        "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-        "device", "dtype", "kv_cache_dtype", "quantization", "measure", "graph_mode", "steps",
-        "seed"))  # fmt: skip
+    p = kinds.add_parser(
+        "capacity",
+        help="KV-cache capacity of colocated vs the 1A1F attention "
+        "rank, and the largest batch at a context length",
+    )
+    add_bench_flags(
+        p,
+        CapacityBench,
+        (
+            "model_dir",
+            "preset",
+            "load_format",
+            "topologies",
+            "connector",
+            "context_len",
+            "gpu_memory_utilization",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "device",
+            "dtype",
+            "kv_cache_dtype",
+            "quantization",
+            "measure",
+            "graph_mode",
+            "steps",
+            "seed",
+        ),
+    )
     add_json_flag(p)
     p.set_defaults(func=main_capacity)
 
@@ -201,10 +259,11 @@ def main_capacity(args: argparse.Namespace) -> int:
         spec = build(CapacityBench, args, model_dir=model_dir)
         found = run_capacity_bench(spec)
     name = args.preset or args.model_dir
-    header = (f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "
-              f"{spec.context_len}, gpu_memory_utilization {spec.gpu_memory_utilization}"
-              + (f", {spec.quantization} weights" if spec.quantization else "")
-              + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else ""))
+    header = (
+        f"capacity bench: {name} ({spec.load_format} weights), {spec.dtype}, context "
+        f"{spec.context_len}, gpu_memory_utilization {spec.gpu_memory_utilization}"
+        + (f", {spec.quantization} weights" if spec.quantization else "")
+        + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else "")
+    )
     report("capacity", name, spec, header, found, args.json)
     return 0
-

@@ -16,6 +16,13 @@ from afdserve.bench.transport import add_transport_parser
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    for add in (add_decode_parser, add_control_parser, add_serve_parser, add_transport_parser,
-                add_generate_parser, add_capacity_parser, add_calibrate_parser):
+    for add in (
+        add_decode_parser,
+        add_control_parser,
+        add_serve_parser,
+        add_transport_parser,
+        add_generate_parser,
+        add_capacity_parser,
+        add_calibrate_parser,
+    ):
         add(kinds)

@@ -27,8 +27,13 @@ PLANES = ("gloo", "shm")
 class ControlBench:
     topology: str = option("1A1F", help="the world whose rounds are timed")
     control_planes: tuple[str, ...] | None = option(
-        None, flag="--control-plane", choices=PLANES, repeat=True, shown="both",
-        help="gloo or shm, repeatable")
+        None,
+        flag="--control-plane",
+        choices=PLANES,
+        repeat=True,
+        shown="both",
+        help="gloo or shm, repeatable",
+    )
     rounds: int = option(500, help="control rounds timed per plane")
 
     def __post_init__(self) -> None:
@@ -40,10 +45,12 @@ def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, res
     from afdserve.afd.step.control import open_control_plane
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=topology.world_size,
-                            timeout=timedelta(seconds=120))
-    control = open_control_plane(plane, topology, dist.new_group(backend="gloo"), rank, 120.0,
-                                 one_host=True)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=topology.world_size, timeout=timedelta(seconds=120)
+    )
+    control = open_control_plane(
+        plane, topology, dist.new_group(backend="gloo"), rank, 120.0, one_host=True
+    )
     report = RankStep(64, 64, True) if topology.is_attention(rank) else None
     times = []
     for _ in range(rounds + 10):
@@ -55,16 +62,19 @@ def _rank(rank: int, topology: Topology, plane: str, port: int, rounds: int, res
     dist.destroy_process_group()
 
 
-def measure_control_plane(topology: Topology, rounds: int = ControlBench.rounds,
-                          plane: str = "gloo") -> dict[int, float]:
+def measure_control_plane(
+    topology: Topology, rounds: int = ControlBench.rounds, plane: str = "gloo"
+) -> dict[int, float]:
     """Median microseconds of one control round, per rank."""
     from afdserve.frontend.process import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, topology, plane, port, rounds, results))
-             for r in range(topology.world_size)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, topology, plane, port, rounds, results))
+        for r in range(topology.world_size)
+    ]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=300) for _ in procs)
@@ -84,6 +94,8 @@ def main_control(args: argparse.Namespace) -> int:
     spec = build(ControlBench, args)
     for plane in spec.control_planes or PLANES:
         per_rank = measure_control_plane(topology, spec.rounds, plane)
-        print(f"control plane {plane}, {topology}, {spec.rounds} rounds (median per round): "
-              + ", ".join(f"rank {r} {us:.1f} us" for r, us in sorted(per_rank.items())))
+        print(
+            f"control plane {plane}, {topology}, {spec.rounds} rounds (median per round): "
+            + ", ".join(f"rank {r} {us:.1f} us" for r, us in sorted(per_rank.items()))
+        )
     return 0

@@ -46,9 +46,11 @@ class DecodeBench:
     model_dir: str | None = model_dir_option()
     preset: str | None = preset_option(": its shape with random weights, no directory")
     random_weights: bool = option(
-        False, help="random weights in --model's shape instead of its checkpoint")
-    batch_sizes: tuple[int, ...] = option((1, 8, 64), parse=sizes,
-                                          help="the decode batches timed, comma-separated")
+        False, help="random weights in --model's shape instead of its checkpoint"
+    )
+    batch_sizes: tuple[int, ...] = option(
+        (1, 8, 64), parse=sizes, help="the decode batches timed, comma-separated"
+    )
     context_len: int = option(1024, help="tokens already cached per sequence")
     topology: str = option("colocated", choices=TOPOLOGIES, help="the engine layout timed")
     connector: str = "p2p"  # the data plane of --topology 1A1F: one of BENCH_CONNECTORS
@@ -105,18 +107,29 @@ class DecodeBench:
         if self.a2e_dtype not in A2E_DTYPES:
             raise bad("a2e_dtype", f"one of {A2E_DTYPES}")
         if self.a2e_dtype == "fp8" and self.topology == "1A1F" and self.connector == "ipc":
-            raise bad("a2e_dtype", "auto or bfloat16 with --connector ipc (its push kernel "
-                      "writes rows in the model dtype); fp8 over p2p or in-process")  # fmt: skip
+            raise bad(
+                "a2e_dtype",
+                "auto or bfloat16 with --connector ipc (its push kernel "
+                "writes rows in the model dtype); fp8 over p2p or in-process",
+            )
         replicas = self.data_parallel_size
         if replicas < 1 or (replicas > 1 and self.topology != "colocated"):
-            raise bad("data_parallel_size", "an integer >= 1; above 1 only with --topology "
-                      "colocated (replicas are colocated engines)")  # fmt: skip
+            raise bad(
+                "data_parallel_size",
+                "an integer >= 1; above 1 only with --topology "
+                "colocated (replicas are colocated engines)",
+            )
         if self.compare_hf and self.data_parallel_size > 1:
-            raise bad("compare_hf", "off with --data-parallel-size above 1 (time transformers "
-                      "against one replica)")  # fmt: skip
+            raise bad(
+                "compare_hf",
+                "off with --data-parallel-size above 1 (time transformers against one replica)",
+            )
         if self.compare_hf and (self.quantization or self.kv_cache_dtype != "auto"):
-            raise bad("compare_hf", "off with --quantization or an FP8 --kv-cache-dtype "
-                      "(the transformers model shares bf16 weights and caches)")  # fmt: skip
+            raise bad(
+                "compare_hf",
+                "off with --quantization or an FP8 --kv-cache-dtype "
+                "(the transformers model shares bf16 weights and caches)",
+            )
 
 
 def format_table(results: list[DecodeResult], hf: dict[int, float] | None = None) -> str:
@@ -153,11 +166,31 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
 
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
-    add_bench_flags(p, DecodeBench, (
-        "model_dir", "preset", "random_weights", "batch_sizes", "context_len", "topology",
-        "connector", "graph_mode", "ubatches", "data_parallel_size", "steps", "dtype", "device",
-        "block_size", "quantization", "kv_cache_dtype", "a2e_dtype", "compare_hf",
-        "seed"))  # fmt: skip
+    add_bench_flags(
+        p,
+        DecodeBench,
+        (
+            "model_dir",
+            "preset",
+            "random_weights",
+            "batch_sizes",
+            "context_len",
+            "topology",
+            "connector",
+            "graph_mode",
+            "ubatches",
+            "data_parallel_size",
+            "steps",
+            "dtype",
+            "device",
+            "block_size",
+            "quantization",
+            "kv_cache_dtype",
+            "a2e_dtype",
+            "compare_hf",
+            "seed",
+        ),
+    )
     p.set_defaults(func=main_decode)
 
 
@@ -177,11 +210,11 @@ def main_decode(args: argparse.Namespace) -> int:
         + (f", {spec.quantization} weights" if spec.quantization else "")
         + (f", {spec.kv_cache_dtype} KV cache" if spec.kv_cache_dtype != "auto" else "")
         + (f", {spec.a2e_dtype} A2E rows" if spec.a2e_dtype != "auto" else "")
-        + f", {spec.topology}" + (f" x{replicas} replicas at once" if replicas > 1 else "")
+        + f", {spec.topology}"
+        + (f" x{replicas} replicas at once" if replicas > 1 else "")
         + ", "
         f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}, {spec.steps} steps (median)"
         + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
     )
     print(format_dp_table(dp, spec.device) if dp else format_table(results, hf))
     return 0
-

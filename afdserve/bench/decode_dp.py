@@ -47,8 +47,10 @@ def check_devices(replicas: int, device: str) -> None:
         return
     visible = torch.cuda.device_count()
     if visible < replicas:
-        raise ValueError(f"bench.data_parallel_size={replicas} needs {replicas} GPUs, one "
-                         f"replica each: this process sees {visible}")  # fmt: skip
+        raise ValueError(
+            f"bench.data_parallel_size={replicas} needs {replicas} GPUs, one "
+            f"replica each: this process sees {visible}"
+        )
 
 
 def _replica_main(replica: int, spec: DecodeSpec, replicas: int, barrier, results) -> None:
@@ -75,8 +77,14 @@ def run_dp_decode_bench(spec: DecodeSpec, replicas: int) -> list[DataParallelRes
     check_devices(replicas, spec.device)
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(replicas, timeout=BARRIER_TIMEOUT_S), ctx.Queue()
-    procs = [ctx.Process(target=_replica_main, args=(i, spec, replicas, barrier, results),
-                         name=f"afdserve-bench-replica{i}") for i in range(replicas)]  # fmt: skip
+    procs = [
+        ctx.Process(
+            target=_replica_main,
+            args=(i, spec, replicas, barrier, results),
+            name=f"afdserve-bench-replica{i}",
+        )
+        for i in range(replicas)
+    ]
     for p in procs:
         p.start()
     got: dict[int, list[DecodeResult]] = {}
@@ -86,8 +94,11 @@ def run_dp_decode_bench(spec: DecodeSpec, replicas: int) -> list[DataParallelRes
             try:
                 replica, where, rows = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and i not in got]  # fmt: skip
+                dead = [
+                    (i, p.exitcode)
+                    for i, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and i not in got
+                ]
                 if dead:
                     raise RuntimeError(
                         f"bench replica {dead[0][0]} exited with {dead[0][1]}"
@@ -103,8 +114,10 @@ def run_dp_decode_bench(spec: DecodeSpec, replicas: int) -> list[DataParallelRes
                 p.terminate()
                 p.join(10)
     where = tuple(devices[i] for i in range(replicas))
-    return [DataParallelResult(batch, tuple(got[i][k] for i in range(replicas)), where)
-            for k, batch in enumerate(spec.batch_sizes)]  # fmt: skip
+    return [
+        DataParallelResult(batch, tuple(got[i][k] for i in range(replicas)), where)
+        for k, batch in enumerate(spec.batch_sizes)
+    ]
 
 
 def format_dp_table(results: list[DataParallelResult], device: str) -> str:
@@ -114,10 +127,14 @@ def format_dp_table(results: list[DataParallelResult], device: str) -> str:
     for row in results:
         for i, (r, where) in enumerate(zip(row.replicas, row.devices)):
             frac = f"{r.achieved_gbps / r.copy_gbps:10.1%}" if r.copy_gbps else "         -"
-            lines.append(f"{row.batch:5d}  {i:7d}  {where:>6}  {r.step_ms:7.2f}  "
-                         f"{r.tokens_per_s:8.1f}  {r.achieved_gbps:4.0f}  {frac}")  # fmt: skip
+            lines.append(
+                f"{row.batch:5d}  {i:7d}  {where:>6}  {r.step_ms:7.2f}  "
+                f"{r.tokens_per_s:8.1f}  {r.achieved_gbps:4.0f}  {frac}"
+            )
         n = len(row.replicas)
-        lines.append(f"{row.batch:5d}  {'all':>7}  {n:>6}  {'':7}  {row.tokens_per_s:8.1f}  "
-                     f"(aggregate of {n} at once; {row.tokens_per_s_per_device:.1f} tokens/s "
-                     f"per {unit})")  # fmt: skip
+        lines.append(
+            f"{row.batch:5d}  {'all':>7}  {n:>6}  {'':7}  {row.tokens_per_s:8.1f}  "
+            f"(aggregate of {n} at once; {row.tokens_per_s_per_device:.1f} tokens/s "
+            f"per {unit})"
+        )
     return "\n".join(lines)

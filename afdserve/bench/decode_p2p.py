@@ -54,12 +54,19 @@ def _busy(stamps, steps: int) -> float:
     if len(marks) % steps:
         raise RuntimeError(f"{len(marks)} stamps do not split into {steps} steps")
     per = len(marks) // steps
-    return statistics.median(busy_ns(marks[i * per : (i + 1) * per])[1]
-                             for i in range(steps)) / 1e9
+    return statistics.median(busy_ns(marks[i * per : (i + 1) * per])[1] for i in range(steps)) / 1e9
 
 
-def _data_plane_only(inboxes, rank: int, layers: int, tile: int, hidden: int,
-                     dtype: torch.dtype, device: torch.device, steps: int) -> float:
+def _data_plane_only(
+    inboxes,
+    rank: int,
+    layers: int,
+    tile: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int,
+) -> float:
     """Microseconds per layer for the A2E send and E2A reply of one tile, nothing else, all
     layers in one CUDA graph: NCCL's mirrored batches, or connector="ipc"'s push kernels and
     flags when `inboxes` is given (the bodies `afdserve bench transport` times)."""
@@ -85,15 +92,18 @@ def recorder_plan(spec: DecodeSpec, batch: int, topology: Topology) -> StepPlan:
     return _graphs(spec, batch).recorder(0).plan((RankStep(batch, batch, True),), topology)
 
 
-def _attention_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int
-                     ) -> list[float]:
+def _attention_steps(
+    spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int
+) -> list[float]:
     """`count` decode steps of the attention rank; with `stamps`, the last PROFILED_STEPS are
     stamped. Returns the step times after warm-up."""
-    connector = attention_boundary(model, Topology(1, 1), 0, False, Wire(0), inboxes=inboxes,
-                                   a2e_dtype=spec.a2e_dtype)
+    connector = attention_boundary(
+        model, Topology(1, 1), 0, False, Wire(0), inboxes=inboxes, a2e_dtype=spec.a2e_dtype
+    )
     connector.stamps = stamps
-    steps = DecodeSteps(model, None, dataclasses.replace(spec, steps=count), batch,
-                        boundary=connector)
+    steps = DecodeSteps(
+        model, None, dataclasses.replace(spec, steps=count), batch, boundary=connector
+    )
     times = []
     for i in range(count):
         steps.stamps = stamps if stamps is not None and i >= count - PROFILED_STEPS else None
@@ -105,16 +115,25 @@ def _attention_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count
     torch.cuda.synchronize()
     gc.collect()  # the graphs and the KV cache of this run go before the next run's
     torch.cuda.empty_cache()
-    return times[WARMUP_STEPS - 1:]
+    return times[WARMUP_STEPS - 1 :]
 
 
 def _ffn_steps(spec: DecodeSpec, model, batch: int, inboxes, stamps, count: int) -> None:
     """The FFN rank's side of `_attention_steps`."""
     device = next(model.parameters()).device
     graphs = _graphs(spec, batch)
-    driver = ffn_driver(model, 1, device, Wire(1), graphs, graphs.recorder(1),
-                        FixedControl((RankStep(batch, batch, True),)), topology=Topology(1, 1),
-                        inboxes=inboxes, a2e_dtype=spec.a2e_dtype)
+    driver = ffn_driver(
+        model,
+        1,
+        device,
+        Wire(1),
+        graphs,
+        graphs.recorder(1),
+        FixedControl((RankStep(batch, batch, True),)),
+        topology=Topology(1, 1),
+        inboxes=inboxes,
+        a2e_dtype=spec.a2e_dtype,
+    )
     # Captured into the graphs, so set from the first step.
     driver.runner.exchange.transport.stamps = stamps
     for i in range(count):
@@ -137,8 +156,9 @@ def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=2, device_id=device, timeout=timedelta(seconds=300)
+    )
     raw = hf_config_of(spec.preset, spec.model_dir)
     parts = ModelParts(True, False) if rank == 0 else ModelParts(False, True)
     model = build_half(spec, raw, parts, device)
@@ -165,8 +185,9 @@ def _rank_main(rank: int, spec: DecodeSpec, port: int, results) -> None:
             stamps = Stamps(device)
             _ffn_steps(spec, model, batch, inboxes, stamps, WARMUP_STEPS + PROFILED_STEPS)
         busy = _busy(stamps, PROFILED_STEPS)
-        wire_us = _data_plane_only(inboxes, rank, config.num_layers, tile, config.hidden_size,
-                                   dtype, device, spec.steps)
+        wire_us = _data_plane_only(
+            inboxes, rank, config.num_layers, tile, config.hidden_size, dtype, device, spec.steps
+        )
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         if rank == 0:
@@ -196,10 +217,12 @@ def run_p2p_decode_bench(spec: DecodeSpec) -> list[DecodeResult]:
     out = []
     for batch, step_ms, attention_busy, wire_us in got[0]:
         busy = (attention_busy * 1e3, ffn_busy[batch] * 1e3)  # ms per step
-        print(f"1A1F over {spec.connector}, batch {batch}, ubatches {spec.ubatches}: step "
-              f"{step_ms:.2f} ms, A2E+E2A {wire_us:.1f} us/layer (data plane alone); busy per "
-              f"step (not waiting for the peer): attention GPU {busy[0]:.2f} ms "
-              f"({busy[0] / step_ms:.0%}), FFN GPU {busy[1]:.2f} ms ({busy[1] / step_ms:.0%}); "
-              f"step / busier role {step_ms / max(busy):.2f}")
+        print(
+            f"1A1F over {spec.connector}, batch {batch}, ubatches {spec.ubatches}: step "
+            f"{step_ms:.2f} ms, A2E+E2A {wire_us:.1f} us/layer (data plane alone); busy per "
+            f"step (not waiting for the peer): attention GPU {busy[0]:.2f} ms "
+            f"({busy[0] / step_ms:.0%}), FFN GPU {busy[1]:.2f} ms ({busy[1] / step_ms:.0%}); "
+            f"step / busier role {step_ms / max(busy):.2f}"
+        )
         out.append(DecodeResult(batch, step_ms, 0, 0, None))
     return out

@@ -34,8 +34,6 @@ from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-from afdserve.model.config import ModelConfig, parse_model_config
-from afdserve.model.families.deepseek_v4.cache import V4KVCache
 from afdserve.model.checkpoint.loader import (
     TORCH_DTYPES,
     all_tensor_names,
@@ -43,7 +41,9 @@ from afdserve.model.checkpoint.loader import (
     init_random_weights,
     load_weights,
 )
+from afdserve.model.config import ModelConfig, parse_model_config
 from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.families.deepseek_v4.cache import V4KVCache
 from afdserve.model.quantization import resolve_quantization
 
 
@@ -187,15 +187,23 @@ class DecodeSteps:
         self.runner = ModelRunner(model, self.kv, dev)
         topology = Topology(1, 0 if spec.topology == "colocated" else 1)
         if boundary is None:
-            boundary = attention_boundary(model, topology, 0, False, ffn_model=ffn,
-                                          a2e_dtype=spec.a2e_dtype)
+            boundary = attention_boundary(
+                model, topology, 0, False, ffn_model=ffn, a2e_dtype=spec.a2e_dtype
+            )
         graphs = StepGraphs(spec.graph_mode, (batch,), spec.ubatches)  # the batch's one graph
         self.eager = PlannedForward(self.runner, boundary)
         self.driver = attention_driver(
-            self, self.runner, boundary, graphs, graphs.recorder(0, keep_records=True),
-            LocalControl(), topology=topology, rank=0, max_model_len=last,
+            self,
+            self.runner,
+            boundary,
+            graphs,
+            graphs.recorder(0, keep_records=True),
+            LocalControl(),
+            topology=topology,
+            rank=0,
+            max_model_len=last,
             log_ranks=tuple(range(topology.world_size)),
-        )  # fmt: skip
+        )
         self.step_index = 0
 
     def _inputs(self) -> StepInputs:
@@ -257,9 +265,14 @@ class DecodeSteps:
 
 
 def check_cache_fits(
-    config: ModelConfig, batch: int, context_len: int, blocks: int, block_size: int,
-    dtype: torch.dtype, device: torch.device,
-) -> None:  # fmt: skip
+    config: ModelConfig,
+    batch: int,
+    context_len: int,
+    blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """A ValueError naming the batch, the context and the bytes where the bench's paged cache
     (every sequence at `context_len` plus the timed steps) is more than the GPU has free, in
     place of an out-of-memory traceback halfway through the batch sizes."""
@@ -276,9 +289,14 @@ def check_cache_fits(
         )
 
 
-def bench_batch(attn: MoECausalLM, ffn: MoECausalLM, spec: DecodeSpec, batch: int,
-                copy_gbps: float | None, ready: Callable[[], None] | None = None
-                ) -> DecodeResult:  # fmt: skip
+def bench_batch(
+    attn: MoECausalLM,
+    ffn: MoECausalLM,
+    spec: DecodeSpec,
+    batch: int,
+    copy_gbps: float | None,
+    ready: Callable[[], None] | None = None,
+) -> DecodeResult:
     """Warm up, then time `spec.steps` decode steps of a batch of `batch` (their median).
     `ready` runs between the two: -dp's replicas wait there for each other, so that their timed
     steps run at the same time (bench/decode_dp.py)."""

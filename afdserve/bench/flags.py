@@ -45,8 +45,13 @@ sizes = comma_list(int, "integers")
 
 def model_dir_option() -> Any:
     """--model of a bench that takes a model directory or a --preset."""
-    return option(None, flag="--model", metavar="MODEL_DIR", help="a Hugging Face model dir",
-                  shown="None, give it or --preset")  # fmt: skip
+    return option(
+        None,
+        flag="--model",
+        metavar="MODEL_DIR",
+        help="a Hugging Face model dir",
+        shown="None, give it or --preset",
+    )
 
 
 def preset_option(what: str) -> Any:
@@ -77,11 +82,13 @@ def add_engine_flags(p: argparse.ArgumentParser, spec: type, keywords: Sequence[
     """The engine options a bench spec shares (by keyword) with the engine's configs: flag,
     type and help from the config's field, the default from the bench spec's field."""
     for key in keywords:
-        found = next(((c, f) for c in ENGINE_CONFIGS
-                      for k, f in keyword_fields(c).items() if k == key), None)  # fmt: skip
+        found = next(
+            ((c, f) for c in ENGINE_CONFIGS for k, f in keyword_fields(c).items() if k == key), None
+        )
         if found is None:
-            raise TypeError(f"{spec.__name__}.{key} is no engine option: declare it with "
-                            "config_args.option")  # fmt: skip
+            raise TypeError(
+                f"{spec.__name__}.{key} is no engine option: declare it with config_args.option"
+            )
         cls, field = found
         add_field_argument(
             p,

@@ -27,8 +27,8 @@ from afdserve.bench.flags import (
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, LOAD_FORMATS
 from afdserve.config_args import build, option
-from afdserve.frontend.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.frontend.outputs import RequestOutput
 from afdserve.llm import LLM
 
 TOPOLOGIES = ("colocated", "1A1F")
@@ -39,12 +39,14 @@ class GenerateBench:
     # The model's directory: --model's, or the temporary one written for --preset.
     model_dir: str | None = model_dir_option()
     preset: str | None = preset_option(", in a temporary dir (needs --load-format dummy)")
-    batch_sizes: tuple[int, ...] = option((64, 256), parse=sizes,
-                                          help="requests per timed run, comma-separated")
+    batch_sizes: tuple[int, ...] = option(
+        (64, 256), parse=sizes, help="requests per timed run, comma-separated"
+    )
     input_len: int = option(512, help="prompt tokens per request")
     output_len: int = option(256, help="generated tokens per request")
-    topology: str = option("colocated", choices=TOPOLOGIES,
-                           help="colocated (with -dp N: N replicas) or 1A1F")
+    topology: str = option(
+        "colocated", choices=TOPOLOGIES, help="colocated (with -dp N: N replicas) or 1A1F"
+    )
     connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
     # Colocated replicas, one rank process (one GPU) each: what AFD on N GPUs is measured against.
     data_parallel_size: int = 1
@@ -72,10 +74,14 @@ class GenerateBench:
                 raise bad(field, "an integer >= 1")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {TOPOLOGIES}")
-        if self.data_parallel_size < 1 or (self.data_parallel_size > 1
-                                           and self.topology != "colocated"):
-            raise bad("data_parallel_size", "an integer >= 1; above 1 only with --topology "
-                                            "colocated (replicas are colocated engines)")
+        if self.data_parallel_size < 1 or (
+            self.data_parallel_size > 1 and self.topology != "colocated"
+        ):
+            raise bad(
+                "data_parallel_size",
+                "an integer >= 1; above 1 only with --topology "
+                "colocated (replicas are colocated engines)",
+            )
         if self.connector not in BENCH_CONNECTORS:
             raise bad("connector", "p2p or ipc")
         if self.load_format not in LOAD_FORMATS:
@@ -106,32 +112,45 @@ class GenerateResult:
         return self.output_tokens / self.wall_s
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total_tokens_per_s": self.total_tokens_per_s,
-                "output_tokens_per_s": self.output_tokens_per_s}
+        return {
+            **asdict(self),
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+        }
 
     def line(self) -> str:
-        return (f"batch {self.batch:4d}: {self.wall_s:8.2f} s wall, "
-                f"{self.total_tokens_per_s:10.1f} total tokens/s, "
-                f"{self.output_tokens_per_s:10.1f} output tokens/s, "
-                f"prefill of all {self.prefill_s:6.2f} s")
+        return (
+            f"batch {self.batch:4d}: {self.wall_s:8.2f} s wall, "
+            f"{self.total_tokens_per_s:10.1f} total tokens/s, "
+            f"{self.output_tokens_per_s:10.1f} output tokens/s, "
+            f"prefill of all {self.prefill_s:6.2f} s"
+        )
 
 
 def open_llm(spec: GenerateBench) -> LLM:
     sizes = list(spec.cuda_graph_sizes) if spec.cuda_graph_sizes is not None else None
     return LLM(
-        spec.model_dir, topology=spec.topology, device=spec.device, dtype=spec.dtype,
+        spec.model_dir,
+        topology=spec.topology,
+        device=spec.device,
+        dtype=spec.dtype,
         data_parallel_size=spec.data_parallel_size,
         connector=spec.connector if spec.topology == "1A1F" else "auto",
-        max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
         max_model_len=spec.input_len + spec.output_len,
-        gpu_memory_utilization=spec.gpu_memory_utilization, graph_mode=spec.graph_mode,
-        cuda_graph_sizes=sizes, ubatches=spec.ubatches, load_format=spec.load_format,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        graph_mode=spec.graph_mode,
+        cuda_graph_sizes=sizes,
+        ubatches=spec.ubatches,
+        load_format=spec.load_format,
         seed=spec.seed,
-    )  # fmt: skip
+    )
 
 
-def random_prompts(vocab_size: int, batch: int, input_len: int, gen: torch.Generator
-                   ) -> list[list[int]]:
+def random_prompts(
+    vocab_size: int, batch: int, input_len: int, gen: torch.Generator
+) -> list[list[int]]:
     return torch.randint(0, vocab_size, (batch, input_len), generator=gen).tolist()
 
 
@@ -140,12 +159,13 @@ def check_lengths(outputs: Sequence[RequestOutput], want: int) -> None:
     for i, out in enumerate(outputs):
         got = len(out.outputs[0].token_ids)
         if got != want:
-            raise RuntimeError(f"bench generate: request {i} produced {got} tokens "
-                               f"(finish_reason={out.finish_reason!r}), expected {want}")
+            raise RuntimeError(
+                f"bench generate: request {i} produced {got} tokens "
+                f"(finish_reason={out.finish_reason!r}), expected {want}"
+            )
 
 
-def run_batch(llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator
-              ) -> GenerateResult:
+def run_batch(llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator) -> GenerateResult:
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.vocab_size
     # The warm-up has the timed run's shapes, so every kernel the timed run needs is compiled
@@ -170,10 +190,29 @@ def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
-    add_bench_flags(p, GenerateBench, (
-        "model_dir", "preset", "load_format", "topology", "connector", "data_parallel_size",
-        "batch_sizes", "input_len", "output_len", "graph_mode", "cuda_graph_sizes", "ubatches",
-        "device", "dtype", "gpu_memory_utilization", "max_num_batched_tokens", "seed"))  # fmt: skip
+    add_bench_flags(
+        p,
+        GenerateBench,
+        (
+            "model_dir",
+            "preset",
+            "load_format",
+            "topology",
+            "connector",
+            "data_parallel_size",
+            "batch_sizes",
+            "input_len",
+            "output_len",
+            "graph_mode",
+            "cuda_graph_sizes",
+            "ubatches",
+            "device",
+            "dtype",
+            "gpu_memory_utilization",
+            "max_num_batched_tokens",
+            "seed",
+        ),
+    )
     add_json_flag(p)
     p.set_defaults(func=main_generate)
 
@@ -181,14 +220,20 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
 def main_generate(args: argparse.Namespace) -> int:
     with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
         graph_sizes = args.cuda_graph_sizes
-        spec = build(GenerateBench, args, model_dir=model_dir,
-                     cuda_graph_sizes=tuple(graph_sizes) if graph_sizes else None)
+        spec = build(
+            GenerateBench,
+            args,
+            model_dir=model_dir,
+            cuda_graph_sizes=tuple(graph_sizes) if graph_sizes else None,
+        )
         results = run_generate_bench(spec)
     name = args.preset or args.model_dir
     replicas = f" x{spec.data_parallel_size} replicas" if spec.data_parallel_size > 1 else ""
-    header = (f"generate bench: {name} ({spec.load_format} weights), {spec.topology}{replicas}"
-              f"{' over ' + spec.connector if spec.topology == '1A1F' else ''}, "
-              f"{spec.dtype}, input {spec.input_len}, output {spec.output_len}, "
-              f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}")
+    header = (
+        f"generate bench: {name} ({spec.load_format} weights), {spec.topology}{replicas}"
+        f"{' over ' + spec.connector if spec.topology == '1A1F' else ''}, "
+        f"{spec.dtype}, input {spec.input_len}, output {spec.output_len}, "
+        f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}"
+    )
     report("generate", name, spec, header, results, args.json)
     return 0

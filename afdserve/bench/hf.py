@@ -43,9 +43,13 @@ def hf_tokens_per_s(hf: torch.nn.Module, spec: DecodeSpec, batch: int) -> float:
 
     def generate(new_tokens: int) -> None:
         hf.generate(
-            input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, pad_token_id=0,
-        )  # fmt: skip
+            input_ids=prompt,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
 
     generate(2)  # warm-up
     one = device_seconds(lambda: generate(1), dev)

@@ -38,8 +38,10 @@ def model_dir_for(model_dir: str | None, preset: str | None, load_format: str) -
     except ValueError as e:
         raise ValueError(f"bench.{e}") from None
     if load_format != "dummy":
-        raise ValueError(f"bench.load_format={load_format!r} is not allowed with --preset: "
-                         f"'dummy' (a preset has no checkpoint)")
+        raise ValueError(
+            f"bench.load_format={load_format!r} is not allowed with --preset: "
+            f"'dummy' (a preset has no checkpoint)"
+        )
     with tempfile.TemporaryDirectory(prefix=f"afdserve-{preset}-") as tmp:
         yield str(write_preset_config(preset, tmp))
 
@@ -71,14 +73,19 @@ def device_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return timer.stop()
 
 
-def report(bench: str, name: str, spec: object, header: str, rows: Sequence, path: str | None
-           ) -> None:
+def report(
+    bench: str, name: str, spec: object, header: str, rows: Sequence, path: str | None
+) -> None:
     """Print the header and a line per row; with `path`, write the spec and the rows as JSON."""
     print(header)
     for row in rows:
         print(row.line())
     if path:
-        record = {"bench": bench, "model": name, **asdict(spec),
-                  "results": [row.as_dict() for row in rows]}
+        record = {
+            "bench": bench,
+            "model": name,
+            **asdict(spec),
+            "results": [row.as_dict() for row in rows],
+        }
         with open(path, "w") as f:
             json.dump(record, f, indent=2)

@@ -58,35 +58,48 @@ parse_rates = comma_list(float, "request rates like 1,4,16,inf")
 class ServeBench:
     base_url: str = option("http://127.0.0.1:8000", help="the server")
     num_prompts: int = option(200, help="requests per rate")
-    input_len: int = option(1024, help="prompt tokens per request (with --num-prefixes: after "
-                                       "the prefix)")  # fmt: skip
+    input_len: int = option(
+        1024, help="prompt tokens per request (with --num-prefixes: after the prefix)"
+    )
     output_len: int = option(128, help="generated tokens per request")
     # requests per second; math.inf: all at once
     request_rates: tuple[float, ...] = option(
-        (math.inf,), flag="--request-rate", parse=parse_rates,
-        help="comma-separated requests/s, Poisson arrivals; inf sends all at once")
+        (math.inf,),
+        flag="--request-rate",
+        parse=parse_rates,
+        help="comma-separated requests/s, Poisson arrivals; inf sends all at once",
+    )
     # None: the first model the server lists
     model: str | None = option(None, help="served model name", shown="the first listed")
     # None: from --model-dir's (or the served root's) config.json
-    vocab_size: int | None = option(None, help="prompt token ids are drawn from [0, N)",
-                                    shown="from --model-dir")  # fmt: skip
+    vocab_size: int | None = option(
+        None, help="prompt token ids are drawn from [0, N)", shown="from --model-dir"
+    )
     model_dir: str | None = option(
-        None, help="a model directory whose config.json gives the vocabulary size",
-        shown="the served model's path, when the server runs here")
+        None,
+        help="a model directory whose config.json gives the vocabulary size",
+        shown="the served model's path, when the server runs here",
+    )
     max_concurrency: int | None = option(
-        None, help="requests in flight at most, later arrivals wait for a slot",
-        shown="None, no limit")
+        None,
+        help="requests in flight at most, later arrivals wait for a slot",
+        shown="None, no limit",
+    )
     seed: int = option(0, help="seed of the prompts and arrival times")
     # None on the command line: $AFDSERVE_API_KEY, then $OPENAI_API_KEY (main_serve reads them)
-    api_key: str | None = option(None, help="Bearer token",
-                                 shown="$AFDSERVE_API_KEY, then $OPENAI_API_KEY")  # fmt: skip
+    api_key: str | None = option(
+        None, help="Bearer token", shown="$AFDSERVE_API_KEY, then $OPENAI_API_KEY"
+    )
     timeout_s: float = option(3600.0, help="seconds one request may take")
     num_prefixes: int = option(
-        0, help="the shared-prefix workload: P random prefixes, each request one of them plus "
-                "--input-len tokens of its own; 0: every prompt is random",
-        metavar="P")  # fmt: skip
-    prefix_len: int = option(256, help="tokens of each shared prefix (with --num-prefixes)",
-                             metavar="L")  # fmt: skip
+        0,
+        help="the shared-prefix workload: P random prefixes, each request one of them plus "
+        "--input-len tokens of its own; 0: every prompt is random",
+        metavar="P",
+    )
+    prefix_len: int = option(
+        256, help="tokens of each shared prefix (with --num-prefixes)", metavar="L"
+    )
 
     @property
     def prompt_len(self) -> int:
@@ -98,8 +111,10 @@ class ServeBench:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"bench serve: {name}={value!r}: must be an integer >= 1")
         if not self.request_rates or any(not rate > 0 for rate in self.request_rates):
-            raise ValueError(f"bench serve: request_rates={self.request_rates!r}: numbers > 0 "
-                             f"(or inf), e.g. 1,4,16,inf")  # fmt: skip
+            raise ValueError(
+                f"bench serve: request_rates={self.request_rates!r}: numbers > 0 "
+                f"(or inf), e.g. 1,4,16,inf"
+            )
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"bench serve: max_concurrency={self.max_concurrency}: must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -144,8 +159,9 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def shared_prefix_prompts(count: int, num_prefixes: int, prefix_len: int, suffix_len: int,
-                          vocab_size: int, seed: int) -> list[list[int]]:  # fmt: skip
+def shared_prefix_prompts(
+    count: int, num_prefixes: int, prefix_len: int, suffix_len: int, vocab_size: int, seed: int
+) -> list[list[int]]:
     """`count` prompts, each one of `num_prefixes` random prefixes of `prefix_len` tokens (in
     turn, then shuffled) plus `suffix_len` random tokens of its own."""
     rng = random.Random(seed)
@@ -157,8 +173,9 @@ def shared_prefix_prompts(count: int, num_prefixes: int, prefix_len: int, suffix
 
 def bench_prompts(spec: ServeBench, count: int, vocab_size: int, seed: int) -> list[list[int]]:
     if spec.num_prefixes:
-        return shared_prefix_prompts(count, spec.num_prefixes, spec.prefix_len, spec.input_len,
-                                     vocab_size, seed)  # fmt: skip
+        return shared_prefix_prompts(
+            count, spec.num_prefixes, spec.prefix_len, spec.input_len, vocab_size, seed
+        )
     return random_prompts(count, spec.input_len, vocab_size, seed)
 
 
@@ -173,13 +190,19 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
     return offsets
 
 
-async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
-               output_len: int) -> RequestResult:  # fmt: skip
+async def send(
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
     """One streamed completion, timed on the client's clock."""
     body = {
-        "model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(prompt_len=len(prompt))
     start = time.perf_counter()
     last = None
@@ -192,7 +215,7 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -221,8 +244,14 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int],
     return result
 
 
-async def run_rate(client: httpx.AsyncClient, spec: ServeBench, model: str,
-                   prompts: list[list[int]], rate: float, seed: int) -> RateResult:  # fmt: skip
+async def run_rate(
+    client: httpx.AsyncClient,
+    spec: ServeBench,
+    model: str,
+    prompts: list[list[int]],
+    rate: float,
+    seed: int,
+) -> RateResult:
     offsets = arrival_offsets(len(prompts), rate, random.Random(seed))
     slots = asyncio.Semaphore(spec.max_concurrency or len(prompts))
 
@@ -245,8 +274,11 @@ def _stats_ms(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     ms = np.asarray(values) * 1000.0
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)),
-            f"p{PERCENTILE}": float(np.percentile(ms, PERCENTILE))}  # fmt: skip
+    return {
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        f"p{PERCENTILE}": float(np.percentile(ms, PERCENTILE)),
+    }
 
 
 def summarize(rate: float, results: list[RequestResult], duration_s: float) -> RateResult:
@@ -275,8 +307,12 @@ def summarize(rate: float, results: list[RequestResult], duration_s: float) -> R
     )
 
 
-METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT (after the first token)", "itl": "ITL",
-                "e2e": "E2E latency"}  # fmt: skip
+METRIC_NAMES = {
+    "ttft": "TTFT",
+    "tpot": "TPOT (after the first token)",
+    "itl": "ITL",
+    "e2e": "E2E latency",
+}
 
 
 def _rate_name(rate: float) -> str:
@@ -298,8 +334,11 @@ def format_rate(r: RateResult, num_prompts: int) -> str:
     ]
     for key, name in METRIC_NAMES.items():
         s = r.ms[key]
-        cells = ("-", "-", "-") if s is None else (
-            f"{s['mean']:.2f}", f"{s['median']:.2f}", f"{s[f'p{PERCENTILE}']:.2f}")
+        cells = (
+            ("-", "-", "-")
+            if s is None
+            else (f"{s['mean']:.2f}", f"{s['median']:.2f}", f"{s[f'p{PERCENTILE}']:.2f}")
+        )
         lines.append(f"{name:<30}" + "".join(f"{c:>10}" for c in cells))
     if r.failed:
         errors = sorted({q.error for q in r.requests if not q.ok})
@@ -307,16 +346,28 @@ def format_rate(r: RateResult, num_prompts: int) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_COLUMNS = (("rate", 6), ("completed", 10), ("req/s", 9), ("out_tok/s", 11),
-                   ("ttft_ms", 9), ("tpot_ms", 9), ("itl_ms", 9), ("e2e_ms", 9))  # fmt: skip
+SUMMARY_COLUMNS = (
+    ("rate", 6),
+    ("completed", 10),
+    ("req/s", 9),
+    ("out_tok/s", 11),
+    ("ttft_ms", 9),
+    ("tpot_ms", 9),
+    ("itl_ms", 9),
+    ("e2e_ms", 9),
+)
 
 
 def format_summary(results: list[RateResult]) -> str:
     """One line per rate with the medians of TTFT, TPOT, ITL and e2e, for a table in the docs."""
     lines = ["".join(f"{name:>{width}}" for name, width in SUMMARY_COLUMNS)]
     for r in results:
-        cells = [f"{r.request_rate:g}", str(r.completed), f"{r.request_throughput:.2f}",
-                 f"{r.output_throughput:.1f}"]  # fmt: skip
+        cells = [
+            f"{r.request_rate:g}",
+            str(r.completed),
+            f"{r.request_throughput:.2f}",
+            f"{r.output_throughput:.1f}",
+        ]
         cells += [f"{s['median']:.1f}" if s else "-" for s in r.ms.values()]
         lines.append("".join(f"{c:>{w}}" for c, (_, w) in zip(cells, SUMMARY_COLUMNS)))
     return "\n".join(lines)
@@ -354,19 +405,23 @@ async def run_serve_bench(spec: ServeBench) -> tuple[str, list[RateResult]]:
     timeout = httpx.Timeout(spec.timeout_s, connect=CONNECT_TIMEOUT_S)
     # No pool limit: a client-side queue for connections would show up as server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=spec.base_url, headers=headers, timeout=timeout,
-                                 limits=limits, trust_env=False) as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=spec.base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False
+    ) as client:
         card = await _served_model(client, spec)
         model = card["id"]
         room = card.get("max_model_len")
         if room is not None and spec.prompt_len + spec.output_len > room:
-            raise RuntimeError(f"prompt + output_len = {spec.prompt_len + spec.output_len} "
-                               f"tokens exceeds the server's max_model_len {room}")  # fmt: skip
+            raise RuntimeError(
+                f"prompt + output_len = {spec.prompt_len + spec.output_len} "
+                f"tokens exceeds the server's max_model_len {room}"
+            )
         vocab = resolve_vocab_size(spec, card)
         # One request first: a wrong URL, key or model fails here, with the server's message.
         # Its prompt shares no prefix with any rate's (another seed).
-        check = await send(client, model, random_prompts(1, spec.prompt_len, vocab, spec.seed)[0],
-                           spec.output_len)  # fmt: skip
+        check = await send(
+            client, model, random_prompts(1, spec.prompt_len, vocab, spec.seed)[0], spec.output_len
+        )
         if not check.ok:
             raise RuntimeError(f"the first test request failed: {check.error}")
         results = []
@@ -383,16 +438,33 @@ def to_json(spec: ServeBench, model: str, results: list[RateResult]) -> dict:
         entry = asdict(r)
         entry["request_rate"] = "inf" if math.isinf(r.request_rate) else r.request_rate
         rates.append(entry)
-    config = {**asdict(spec), "api_key": None, "model": model,
-              "request_rates": ["inf" if math.isinf(x) else x for x in spec.request_rates]}
+    config = {
+        **asdict(spec),
+        "api_key": None,
+        "model": model,
+        "request_rates": ["inf" if math.isinf(x) else x for x in spec.request_rates],
+    }
     return {"config": config, "results": rates}
 
 
 def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, throughput")
-    for name in ("base_url", "model", "request_rates", "num_prompts", "input_len",
-                 "num_prefixes", "prefix_len", "output_len", "max_concurrency", "vocab_size",
-                 "model_dir", "seed", "api_key", "timeout_s"):  # fmt: skip
+    for name in (
+        "base_url",
+        "model",
+        "request_rates",
+        "num_prompts",
+        "input_len",
+        "num_prefixes",
+        "prefix_len",
+        "output_len",
+        "max_concurrency",
+        "vocab_size",
+        "model_dir",
+        "seed",
+        "api_key",
+        "timeout_s",
+    ):
         add_field_argument(p, ServeBench, name)
     add_json_flag(p)
     p.set_defaults(func=main_serve)
@@ -402,8 +474,7 @@ def main_serve(args: argparse.Namespace) -> int:
     if httpx is None:
         print("afdserve bench serve: needs httpx; pip install 'afdserve[bench]'", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("AFDSERVE_API_KEY") or os.environ.get(
-        "OPENAI_API_KEY")
+    api_key = args.api_key or os.environ.get("AFDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     spec = build(ServeBench, args, api_key=api_key)
     try:
         model, results = asyncio.run(run_serve_bench(spec))
@@ -411,11 +482,16 @@ def main_serve(args: argparse.Namespace) -> int:
         print(f"afdserve bench serve: {e}", file=sys.stderr)
         return 1
     concurrency = spec.max_concurrency or "unlimited"
-    shared = (f" after one of {spec.num_prefixes} shared prefixes of {spec.prefix_len}"
-              if spec.num_prefixes else "")  # fmt: skip
-    print(f"bench serve: {spec.base_url}, model {model!r}, {spec.num_prompts} prompts of "
-          f"{spec.input_len} random tokens{shared}, {spec.output_len} output tokens each, "
-          f"max concurrency {concurrency}, seed {spec.seed}")  # fmt: skip
+    shared = (
+        f" after one of {spec.num_prefixes} shared prefixes of {spec.prefix_len}"
+        if spec.num_prefixes
+        else ""
+    )
+    print(
+        f"bench serve: {spec.base_url}, model {model!r}, {spec.num_prompts} prompts of "
+        f"{spec.input_len} random tokens{shared}, {spec.output_len} output tokens each, "
+        f"max concurrency {concurrency}, seed {spec.seed}"
+    )
     for r in results:
         print(format_rate(r, spec.num_prompts))
     print(format_summary(results))

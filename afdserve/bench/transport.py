@@ -5,9 +5,9 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 
 Transports:
   nccl        the mirrored point-to-point batches of afd/dataplane/wire.py (NCCL send/recv kernels)
-  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile (kernels/reference/a2e.py),
-              sends fp8 rows (as bytes) and their scales, the FFN rank dequantizes and replies
-              in the model dtype; the time includes both conversions
+  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile
+              (kernels/reference/a2e.py), sends fp8 rows (as bytes) and their scales, the FFN rank
+              dequantizes and replies in the model dtype; the time includes both conversions
   ipc         connector="ipc" (afd/dataplane/ipc.py): symmetric memory (CUDA IPC, no multicast); the
               sender's push kernel writes rows, pad rows and ids straight into the receiver's
               inbox over NVLink, then raises a flag in the receiver's signal pad; the receiver's
@@ -40,8 +40,9 @@ TRANSPORTS = ("nccl", "nccl-fp8", "ipc", "ipc-copy", "ipc-signal")
 
 @dataclass(frozen=True)
 class TransportBench:
-    rows: tuple[int, ...] = option((1, 64, 256), parse=sizes,
-                                   help="hidden rows per transfer, comma-separated")
+    rows: tuple[int, ...] = option(
+        (1, 64, 256), parse=sizes, help="hidden rows per transfer, comma-separated"
+    )
     hidden: int = option(2048, help="the hidden size of a row")
     layers: int = option(48, help="round trips per step, one per MoE layer")
     dtype: str = "bfloat16"
@@ -54,15 +55,17 @@ class TransportBench:
         if self.hidden < 1 or self.layers < 1 or self.steps < 1:
             raise ValueError("bench.hidden, bench.layers and bench.steps must be positive")
         if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"bench.dtype={self.dtype!r} is not allowed: one of "
-                             f"{sorted(TORCH_DTYPES)}")
+            raise ValueError(
+                f"bench.dtype={self.dtype!r} is not allowed: one of {sorted(TORCH_DTYPES)}"
+            )
         for name in self.transports:
             if name not in TRANSPORTS:
                 raise ValueError(f"bench.transports: {name!r} is not allowed: one of {TRANSPORTS}")
 
 
-def nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
-                 out: torch.Tensor) -> None:
+def nccl_layers(
+    rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
+) -> None:
     """The mirrored batches of afd/dataplane/wire.py for one tile per layer, both ways, with no
     compute: rank 0 as the attention rank, rank 1 as the FFN rank."""
     wire, peer = Wire(rank), 1 - rank
@@ -77,8 +80,9 @@ def nccl_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
             work.wait()
 
 
-def nccl_fp8_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
-                    out: torch.Tensor) -> None:
+def nccl_fp8_layers(
+    rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
+) -> None:
     """nccl_layers with the fp8 A2E payload: [rows (uint8), scales, ids] then [output]."""
     wire, peer, fp8 = Wire(rank), 1 - rank, A2EFormat("fp8", x.dtype)
     rows, hidden = x.shape
@@ -87,12 +91,22 @@ def nccl_fp8_layers(rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
     for _ in range(layers):
         if rank == 0:
             q, scales = fp8.encode(x)
-            works = wire.post([P2P("send", q.view(torch.uint8), peer),
-                               P2P("send", scales, peer), P2P("send", ids, peer)])
+            works = wire.post(
+                [
+                    P2P("send", q.view(torch.uint8), peer),
+                    P2P("send", scales, peer),
+                    P2P("send", ids, peer),
+                ]
+            )
             works += wire.post([P2P("recv", out, peer)])
         else:
-            works = wire.post([P2P("recv", q_in.view(torch.uint8), peer),
-                               P2P("recv", scales_in, peer), P2P("recv", ids, peer)])
+            works = wire.post(
+                [
+                    P2P("recv", q_in.view(torch.uint8), peer),
+                    P2P("recv", scales_in, peer),
+                    P2P("recv", ids, peer),
+                ]
+            )
             for work in works:
                 work.wait()
             out.copy_(fp8.decode(q_in, scales_in))  # the FFN half would read these rows
@@ -106,8 +120,11 @@ def layer_bytes(spec: TransportBench, rows: int) -> dict[str, int]:
     the model dtype and in fp8, and the E2A rows, which stay in the model dtype."""
     dtype = TORCH_DTYPES[spec.dtype]
     plain = A2EFormat("auto", dtype).row_bytes(spec.hidden)
-    return {"a2e": rows * plain, "a2e_fp8": rows * A2EFormat("fp8", dtype).row_bytes(spec.hidden),
-            "e2a": rows * plain}
+    return {
+        "a2e": rows * plain,
+        "a2e_fp8": rows * A2EFormat("fp8", dtype).row_bytes(spec.hidden),
+        "e2a": rows * plain,
+    }
 
 
 class _IPC:
@@ -127,11 +144,12 @@ class _IPC:
         """(hidden [rows, hidden], ids [HEADER + rows]) of `rank`'s inbox, seen from here."""
         raw = self.handle.get_buffer(rank, (self.local.numel(),), torch.uint8)
         hidden = raw[: self.ids_offset].view(self.dtype).view(self.rows, self.hidden)
-        ids = raw[self.ids_offset:].view(torch.int32)
+        ids = raw[self.ids_offset :].view(torch.int32)
         return hidden, ids
 
-    def layers(self, rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
-               data: bool) -> None:
+    def layers(
+        self, rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor, data: bool
+    ) -> None:
         peer = 1 - rank
         peer_hidden, peer_ids = self.view(peer)
         my_hidden, _ = self.view(rank)
@@ -149,8 +167,9 @@ class _IPC:
                 self.handle.put_signal(peer)
 
 
-def ipc_layers(inboxes, rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor,
-               step: torch.Tensor) -> None:
+def ipc_layers(
+    inboxes, rank: int, layers: int, x: torch.Tensor, ids: torch.Tensor, step: torch.Tensor
+) -> None:
     """connector="ipc"'s hand-over of one tile per layer, both ways, with no compute: rank 0 as
     the attention rank, rank 1 as the FFN rank replying with the rows it received."""
     from afdserve.afd.dataplane.ipc import push
@@ -158,8 +177,15 @@ def ipc_layers(inboxes, rank: int, layers: int, x: torch.Tensor, ids: torch.Tens
     rows = x.shape[0]
     for layer in range(layers):
         if rank == 0:
-            push(x, inboxes.hidden(1, 0)[:rows], ids, inboxes.ids(1, 0)[: HEADER + rows], step,
-                 layer, 0)
+            push(
+                x,
+                inboxes.hidden(1, 0)[:rows],
+                ids,
+                inboxes.ids(1, 0)[: HEADER + rows],
+                step,
+                layer,
+                0,
+            )
             inboxes.signal(1, 0)
             inboxes.wait(1, 0)
         else:
@@ -192,8 +218,9 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=2, device_id=device, timeout=timedelta(seconds=120)
+    )
     dtype = TORCH_DTYPES[spec.dtype]
     rows_out = []
     for rows in spec.rows:
@@ -219,6 +246,7 @@ def _rank_main(rank: int, spec: TransportBench, port: int, results) -> None:
 
                 def body(ipc=ipc, x=x, ids=ids, data=(name == "ipc-copy")):
                     ipc.layers(rank, spec.layers, x, ids, data)
+
             dist.barrier()
             us = time_graph(body, spec.layers, spec.steps)
             if name == "nccl-fp8" and rank == 0:  # the reply is the tile as the FFN read it
@@ -258,9 +286,10 @@ def run_transport_bench(spec: TransportBench) -> list[tuple[int, str, float]]:
 def format_transport_table(spec: TransportBench, rows: list[tuple[int, str, float]]) -> str:
     """One line per tile size: bytes per layer (A2E in the model dtype and in fp8, E2A), then
     the time per layer of every transport."""
-    lines = ["| rows | A2E bytes | A2E bytes, fp8 | E2A bytes | " + " | ".join(spec.transports)
-             + " |", "| --- | --- | --- | --- | " + " | ".join("---" for _ in spec.transports)
-             + " |"]
+    lines = [
+        "| rows | A2E bytes | A2E bytes, fp8 | E2A bytes | " + " | ".join(spec.transports) + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in spec.transports) + " |",
+    ]
     for n in spec.rows:
         us = {name: t for r, name, t in rows if r == n}
         cells = " | ".join(f"{us[name]:.1f} us" for name in spec.transports)

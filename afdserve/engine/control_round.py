@@ -27,6 +27,7 @@ def encode(report: RankStep | None, shutdown: bool) -> tuple[int, int, int, int]
 
 def decode(rows: list[list[int]], topology: Topology) -> ControlRound:
     """Every rank's row, in rank order -> the attention ranks' reports and the shutdown flag."""
-    reports = tuple(RankStep(rows[r][0], rows[r][1], bool(rows[r][2]))
-                    for r in range(topology.attention_ranks))
+    reports = tuple(
+        RankStep(rows[r][0], rows[r][1], bool(rows[r][2])) for r in range(topology.attention_ranks)
+    )
     return ControlRound(reports, any(row[3] for row in rows))

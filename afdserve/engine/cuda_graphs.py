@@ -38,9 +38,10 @@ def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
 
 def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
     """Refuses, by name, graph modes a family's attention side cannot be captured in. DeepSeek-V4
-    on CUDA: `full_decode_only` captures its batched decode path (model/families/deepseek_v4/batched.py);
-    `full` would capture prefill and mixed steps too, which still attend per sequence with
-    host-side shapes. On CPU every graph mode runs eagerly anyway, so it is allowed there."""
+    on CUDA: `full_decode_only` captures its batched decode path
+    (model/families/deepseek_v4/batched.py); `full` would capture prefill and mixed steps too,
+    which still attend per sequence with host-side shapes. On CPU every graph mode runs eagerly
+    anyway, so it is allowed there."""
     if config.v4 is not None and graph_mode == "full" and device.startswith("cuda"):
         raise ValueError(
             f"GraphConfig.graph_mode={graph_mode!r} is not supported for family 'deepseek_v4' "

@@ -59,8 +59,7 @@ class EngineCore:
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
-        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size,
-                                          prefix_caching)
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
@@ -94,7 +93,9 @@ class EngineCore:
             raise RequestError(
                 f"request {request_id!r} resumed with {len(output_token_ids)} generated tokens: "
                 f"it had already reached max_tokens={params.max_tokens} or "
-                f"max_model_len={self.max_model_len}", request_id)  # fmt: skip
+                f"max_model_len={self.max_model_len}",
+                request_id,
+            )
         if self.extra_stop_ids:
             params = _with_stop_ids(params, self.extra_stop_ids)
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_id, output_token_ids)
@@ -161,15 +162,18 @@ class EngineCore:
         at = 0
         for seq, first, count in inputs.prompt_spans:
             if first != seq.prompt_logprobs_done:
-                raise RuntimeError(f"prompt logprobs of {seq.request_id!r}: position {first} "
-                                   f"follows {seq.prompt_logprobs_done} reported")  # fmt: skip
+                raise RuntimeError(
+                    f"prompt logprobs of {seq.request_id!r}: position {first} "
+                    f"follows {seq.prompt_logprobs_done} reported"
+                )
             targets += seq.token_ids[first + 1 : first + 1 + count]
             wanted += [seq.params.prompt_logprobs] * count
             owners.append((seq, at, at + count))
             at += count
         with torch.inference_mode():
-            found = prompt_entries(lambda r: self.model.logits(hidden[r]), inputs.prompt_rows,
-                                   targets, wanted)  # fmt: skip
+            found = prompt_entries(
+                lambda r: self.model.logits(hidden[r]), inputs.prompt_rows, targets, wanted
+            )
         for seq, lo, hi in owners:
             seq.prompt_logprobs.extend(found[lo:hi])
 
@@ -198,10 +202,19 @@ class EngineCore:
         t.emitted_tokens += len(new_ids)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
-        return TokenDelta(seq.request_id, new_ids, new_logprobs, seq.is_finished,
-                          seq.finish_reason, t.emitted_tokens, t.arrival_time,
-                          t.first_scheduled_time, t.first_token_time, seq.num_cached_tokens,
-                          new_prompt)
+        return TokenDelta(
+            seq.request_id,
+            new_ids,
+            new_logprobs,
+            seq.is_finished,
+            seq.finish_reason,
+            t.emitted_tokens,
+            t.arrival_time,
+            t.first_scheduled_time,
+            t.first_token_time,
+            seq.num_cached_tokens,
+            new_prompt,
+        )
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple[int, ...]) -> SamplingParams:

@@ -13,8 +13,8 @@ from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
-from afdserve.model.config import ModelConfig
 from afdserve.model.checkpoint.loader import LoadReport, load_model
+from afdserve.model.config import ModelConfig
 from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
             "EngineConfig.enable_prefix_caching=True is not supported for deepseek_v4: its KV "
             "cache (sliding windows, compressed entries, compressor state) is not a plain paged "
             "cache of one block per block_size tokens; leave the option unset or pass "
-            "--no-enable-prefix-caching")
+            "--no-enable-prefix-caching"
+        )
     if config.enable_prefix_caching is None:
         log.info("prefix caching is off for deepseek_v4 (no plain paged KV cache)")
     return False
@@ -132,8 +133,14 @@ def create_engine_core(
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
     cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device)
     per_type = getattr(cache, "summary", None)  # DeepSeek-V4: bytes per block of each layer type
-    log.info("KV cache: %d blocks of %d tokens, %s, %d bytes%s", blocks, config.block_size,
-             str(dtype).removeprefix("torch."), cache.bytes, f" ({per_type})" if per_type else "")
+    log.info(
+        "KV cache: %d blocks of %d tokens, %s, %d bytes%s",
+        blocks,
+        config.block_size,
+        str(dtype).removeprefix("torch."),
+        cache.bytes,
+        f" ({per_type})" if per_type else "",
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -141,25 +148,42 @@ def create_engine_core(
     )
     # The tokenizer only names the eos token when the config names none; loading it imports
     # transformers, seconds that every rank of every (re)started world would spend otherwise.
-    tokenizer = None if model.config.eos_token_ids else load_tokenizer(
-        config.tokenizer or config.model, config.trust_remote_code)
+    tokenizer = (
+        None
+        if model.config.eos_token_ids
+        else load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    )
     engine = EngineCore(model, tokenizer, cache, scheduler_config, device, prefix_caching)
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)
     memory = MemoryReport(
-        "attention", rank, parameter_bytes(model), cache.bytes, len(model.expected_tensors()),
-        cache_dtype=str(dtype).removeprefix("torch."), cache_blocks=blocks,
+        "attention",
+        rank,
+        parameter_bytes(model),
+        cache.bytes,
+        len(model.expected_tensors()),
+        cache_dtype=str(dtype).removeprefix("torch."),
+        cache_blocks=blocks,
     )
     return engine, report, memory
 
 
-def load_half(config: EngineConfig, parts: ModelParts, device: torch.device, rank: int = 0
-              ) -> tuple[MoECausalLM, LoadReport]:
+def load_half(
+    config: EngineConfig, parts: ModelParts, device: torch.device, rank: int = 0
+) -> tuple[MoECausalLM, LoadReport]:
     """One half of the configured model, read or drawn as `config.load_format` says. Every rank
     draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
-    return load_model(config.model, parts, config.dtype, str(device), config.load_format,
-                      config.seed, load_progress(config, rank), config.quantization)
+    return load_model(
+        config.model,
+        parts,
+        config.dtype,
+        str(device),
+        config.load_format,
+        config.seed,
+        load_progress(config, rank),
+        config.quantization,
+    )
 
 
 def parameter_bytes(model: MoECausalLM) -> int:

@@ -31,9 +31,11 @@ def check_fp8_kv(
     (before compute capability 8.9), and
     checkpoints that carry per-layer KV scales (they would be silently replaced by 1.0)."""
     if config.family == "deepseek_v4":
-        raise ValueError("EngineConfig.kv_cache_dtype='fp8' is not supported for family "
-                         "'deepseek_v4': its paged cache (windows, compressed entries, "
-                         "compressor state) is not quantized yet; use kv_cache_dtype='auto'")
+        raise ValueError(
+            "EngineConfig.kv_cache_dtype='fp8' is not supported for family "
+            "'deepseek_v4': its paged cache (windows, compressed entries, "
+            "compressor state) is not quantized yet; use kv_cache_dtype='auto'"
+        )
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         check_fp8_capability((major, minor), str(device))
@@ -43,14 +45,16 @@ def check_fp8_kv(
         raise ValueError(
             f"EngineConfig.kv_cache_dtype='fp8': the checkpoint carries KV-cache scales ({shown}), "
             "which afdserve does not apply yet (its FP8 cache uses scale 1.0); use "
-            "kv_cache_dtype='auto'")
+            "kv_cache_dtype='auto'"
+        )
 
 
 def check_fp8_capability(capability: tuple[int, int], device: str) -> None:
     if capability < (8, 9):
         raise ValueError(
             f"EngineConfig.kv_cache_dtype='fp8' needs a GPU of compute capability >= 8.9 (Ada, "
-            f"Hopper) for its e4m3 conversions; {device} has {capability[0]}.{capability[1]}")
+            f"Hopper) for its e4m3 conversions; {device} has {capability[0]}.{capability[1]}"
+        )
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

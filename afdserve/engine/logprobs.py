@@ -38,8 +38,10 @@ class Logprob(float):
         return (Logprob, (float(self), self.rank, self.decoded_token))
 
     def __repr__(self) -> str:
-        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
-                f"decoded_token={self.decoded_token!r})")  # fmt: skip
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
 
 
 Entry = dict[int, Logprob]

@@ -16,8 +16,8 @@ import torch
 from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
-from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.layers.moe import Routing
@@ -30,8 +30,8 @@ class PendingFFN(Protocol):
 class FFNBoundary(Protocol):
     """Where the attention side hands each layer's rows to the FFN half. `begin_step` gives it
     the rank's plan before the forward: every tile size it uses is read from there. `a2e`: the
-    format its rows reach the FFN half in (kernels/reference/a2e.py), which a router on the attention side
-    reads them in too."""
+    format its rows reach the FFN half in (kernels/reference/a2e.py), which a router on the
+    attention side reads them in too."""
 
     a2e: A2EFormat
 
@@ -98,7 +98,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);
         # the CPU reference loops over segments instead. DeepSeek-V4 reads them on every device:
-        # its decode ubatches run batched (model/families/deepseek_v4/batched.py) eagerly as in a graph.
+        # its decode ubatches run batched (model/families/deepseek_v4/batched.py) eagerly as in a
+        # graph.
         v4 = getattr(model.config, "v4", None) is not None
         self.batched_metadata = device.type == "cuda" or v4
 

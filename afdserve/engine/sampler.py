@@ -90,11 +90,13 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         ids = [min(t, vocab - 1) for ids in token_lists for t in ids]
         result = torch.zeros(len(seqs), vocab, device=device)
         result.index_put_(
-            (torch.tensor(rows, dtype=torch.long, device=device),
-             torch.tensor(ids, dtype=torch.long, device=device)),
+            (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(ids, dtype=torch.long, device=device),
+            ),
             torch.ones(len(ids), device=device),
             accumulate=True,
-        )  # fmt: skip
+        )
         return result
 
     output = counts([s.output_token_ids for s in seqs])

@@ -108,8 +108,12 @@ class SamplingParams:
             raise bad("min_p", "must be a number in [0, 1]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}]")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "detokenize"):  # fmt: skip
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from afdserve.afd.dataplane.ffn import FFNStepRunner
 from afdserve.afd.step.control import Control
-from afdserve.engine.step_recorder import StepRecorder
 from afdserve.engine.cuda_graphs import PlannedForward
+from afdserve.engine.step_recorder import StepRecorder
 from afdserve.layout.plan import AttentionRankPlan, RankStep, warmup_reports
 from afdserve.layout.topology import Topology
 
@@ -28,8 +28,9 @@ class WorkSource(Protocol):
 
     def schedule(self) -> tuple[Any, RankStep]: ...
 
-    def execute(self, work: Any, plan: AttentionRankPlan, forward: PlannedForward,
-                step: int) -> Any: ...
+    def execute(
+        self, work: Any, plan: AttentionRankPlan, forward: PlannedForward, step: int
+    ) -> Any: ...
 
     def idle_work(self) -> Any: ...
 
@@ -59,9 +60,16 @@ class StepMeter:
 
 
 class AttentionDriver:
-    def __init__(self, source: WorkSource, forward: PlannedForward, recorder: StepRecorder,
-                 control: Control, topology: Topology, rank: int,
-                 log_ranks: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        source: WorkSource,
+        forward: PlannedForward,
+        recorder: StepRecorder,
+        control: Control,
+        topology: Topology,
+        rank: int,
+        log_ranks: tuple[int, ...] | None = None,
+    ) -> None:
         self.source, self.forward, self.recorder = source, forward, recorder
         self.control, self.topology, self.rank = control, topology, rank
         self.log_ranks = log_ranks  # a one-process engine logs the FFN half's line too
@@ -98,8 +106,14 @@ class AttentionDriver:
 
 
 class FFNDriver:
-    def __init__(self, runner: FFNStepRunner, recorder: StepRecorder, control: Control,
-                 topology: Topology, rank: int) -> None:
+    def __init__(
+        self,
+        runner: FFNStepRunner,
+        recorder: StepRecorder,
+        control: Control,
+        topology: Topology,
+        rank: int,
+    ) -> None:
         self.runner, self.recorder, self.control = runner, recorder, control
         self.topology, self.rank = topology, rank
         self.meter = StepMeter()

@@ -53,8 +53,13 @@ class StructuredOutputsParams:
             if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("StructuredOutputsParams.choice: must be a non-empty list of str")
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [self.json is not None, self.json_object, self.regex is not None,
-                 self.choice is not None, self.grammar is not None]  # fmt: skip
+        given = [
+            self.json is not None,
+            self.json_object,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+        ]
         if sum(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams: give exactly one of json, json_object, regex, choice, "

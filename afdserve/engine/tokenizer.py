@@ -52,8 +52,11 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     """`trust_remote_code`: transformers' own flag, for a tokenizer with Python code of its own
     (EngineConfig.trust_remote_code)."""
     if not has_tokenizer_files(model_dir):
-        log.warning("%s has no tokenizer files: prompts must be token ids, and outputs carry "
-                    "token ids with empty text", model_dir)
+        log.warning(
+            "%s has no tokenizer files: prompts must be token ids, and outputs carry "
+            "token ids with empty text",
+            model_dir,
+        )
         return TokenIdsOnly(model_dir)
     from transformers import AutoTokenizer
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from afdserve.frontend.core_client import EngineCoreClient, EngineStats
-from afdserve.frontend.output_processor import OutputProcessor, Progress
-from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError, RequestLimits
 from afdserve.engine.sampling_params import SamplingParams, with_bad_words_token_ids
 from afdserve.engine.tokenizer import TokenIdsOnly
+from afdserve.frontend.core_client import EngineCoreClient, EngineStats
+from afdserve.frontend.output_processor import OutputProcessor, Progress
+from afdserve.frontend.outputs import SequenceOutput
 
 __all__ = ["EngineClient", "EngineStats"]
 
@@ -35,8 +35,10 @@ class EngineClient:
     ) -> None:
         """Raises RequestError for a request the engine refuses; others are unaffected."""
         if params.stop and isinstance(self.tokenizer, TokenIdsOnly):
-            raise RequestError(f"stop: {list(params.stop)} needs text, but the model directory "
-                               f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids")
+            raise RequestError(
+                f"stop: {list(params.stop)} needs text, but the model directory "
+                f"{self.tokenizer.model_dir} has no tokenizer; use stop_token_ids"
+            )
         if params.bad_words:  # tokenized here, the one place with the tokenizer
             try:
                 params = with_bad_words_token_ids(params, self.tokenizer)

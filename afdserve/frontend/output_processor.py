@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from afdserve.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
 from afdserve.engine.logprobs import Logprob
-from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenIdsOnly
+from afdserve.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
+from afdserve.frontend.outputs import SequenceOutput
 
 
 class DeltaMismatch(RuntimeError):
@@ -63,9 +63,14 @@ class OutputProcessor:
         tokenizer = self.tokenizer if params.detokenize else TokenIdsOnly("")
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = Progress(
-            list(prompt_token_ids), detok, tuple(params.stop), params.min_tokens,
-            params.include_stop_str_in_output, decode=params.detokenize,
-            stop_token_ids=tuple(params.stop_token_ids))
+            list(prompt_token_ids),
+            detok,
+            tuple(params.stop),
+            params.min_tokens,
+            params.include_stop_str_in_output,
+            decode=params.detokenize,
+            stop_token_ids=tuple(params.stop_token_ids),
+        )
 
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -100,9 +105,11 @@ class OutputProcessor:
         r.logprobs += [self._named(e, r.decode) for e in delta.new_logprobs]
         r.prompt_logprobs += [self._named(e, r.decode) for e in delta.new_prompt_logprobs]
         if len(r.token_ids) != delta.num_tokens:
-            raise DeltaMismatch(f"request {delta.request_id!r}: the engine core counts "
-                                f"{delta.num_tokens} tokens, its deltas add up to "
-                                f"{len(r.token_ids)}")
+            raise DeltaMismatch(
+                f"request {delta.request_id!r}: the engine core counts "
+                f"{delta.num_tokens} tokens, its deltas add up to "
+                f"{len(r.token_ids)}"
+            )
         for token in delta.new_token_ids:
             r.detok.add(token)
         finished, reason = delta.finished, delta.finish_reason
@@ -123,14 +130,22 @@ class OutputProcessor:
         new_text = text[r.emitted_text :]
         r.emitted_text = len(text)
         out = SequenceOutput(
-            request_id=delta.request_id, prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.token_ids), text=text, new_token_ids=list(delta.new_token_ids),
-            new_text=new_text, finished=finished, finish_reason=reason,
-            logprobs=list(r.logprobs), prompt_logprobs=list(r.prompt_logprobs),
+            request_id=delta.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=list(r.token_ids),
+            text=text,
+            new_token_ids=list(delta.new_token_ids),
+            new_text=new_text,
+            finished=finished,
+            finish_reason=reason,
+            logprobs=list(r.logprobs),
+            prompt_logprobs=list(r.prompt_logprobs),
             arrival_time=delta.arrival_time,
             first_scheduled_time=delta.first_scheduled_time,
-            first_token_time=delta.first_token_time, num_cached_tokens=delta.num_cached_tokens,
-            stop_reason=self._stop_reason(r, finished, reason))
+            first_token_time=delta.first_token_time,
+            num_cached_tokens=delta.num_cached_tokens,
+            stop_reason=self._stop_reason(r, finished, reason),
+        )
         return out, stopped and not delta.finished
 
     @staticmethod
@@ -148,8 +163,10 @@ class OutputProcessor:
         """The entry with each token's text as its decoded_token (vLLM's Logprob field)."""
         if entry is None or not decode:
             return entry
-        return {t: Logprob(v, getattr(v, "rank", None), self.tokenizer.decode([t]))
-                for t, v in entry.items()}  # fmt: skip
+        return {
+            t: Logprob(v, getattr(v, "rank", None), self.tokenizer.decode([t]))
+            for t, v in entry.items()
+        }
 
     @staticmethod
     def _find_stop(r: Progress) -> bool:

@@ -96,9 +96,12 @@ class RequestOutput:
     # The first choice's fields, as the flat output of afdserve 0.1 had them.
     @property
     def metrics(self) -> RequestMetrics:
-        return RequestMetrics(self.arrival_time, self.first_scheduled_time,
-                              self.first_token_time,
-                              sum(len(c.token_ids) for c in self.candidates))  # fmt: skip
+        return RequestMetrics(
+            self.arrival_time,
+            self.first_scheduled_time,
+            self.first_token_time,
+            sum(len(c.token_ids) for c in self.candidates),
+        )
 
     @property
     def text(self) -> str:
@@ -157,6 +160,7 @@ def gather(
         )
         for i, c in enumerate(chosen)
     ]
+
     def earliest(times: list[float | None]) -> float | None:
         known = [t for t in times if t is not None]
         return min(known) if known else None

@@ -12,7 +12,6 @@ import logging
 import time
 from collections import Counter
 
-from afdserve.frontend.routing import Router
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
@@ -31,10 +30,11 @@ from afdserve.afd.ranks.world import (
     WorkerError,
     free_port,
 )
-from afdserve.frontend.core_client import EngineCoreClient, EngineStats, cache_config_labels
 from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.frontend.core_client import EngineCoreClient, EngineStats, cache_config_labels
+from afdserve.frontend.routing import Router
 
 __all__ = ["ProcessClient", "WorkerError", "free_port"]
 
@@ -46,7 +46,7 @@ ROUTING_MAX_NEW_TOKENS = 1024
 
 
 def device_kind(spec: WorkerSpec) -> str:
-    """"cpu" or "cuda": where the world's ranks run."""
+    """ "cpu" or "cuda": where the world's ranks run."""
     return "cuda" if resolve_device(spec.engine.device).startswith("cuda") else "cpu"
 
 
@@ -72,8 +72,11 @@ class ProcessClient(EngineCoreClient):
         # in a device-side wait on its peer's signal: such worlds restart whole, as before.
         self.repairable = spawn and STANDBY.enabled and device_kind(spec) == "cpu"
         if spawn and STANDBY.enabled and not self.repairable:
-            log.info("a failed rank of this %s world restarts the whole world (only gloo worlds, "
-                     "on CPU, are rebuilt around their surviving ranks)", device_kind(spec))
+            log.info(
+                "a failed rank of this %s world restarts the whole world (only gloo worlds, "
+                "on CPU, are rebuilt around their surviving ranks)",
+                device_kind(spec),
+            )
         self.broken = False  # a rank failed: no step until `repair`
         self.address = self.world.address
         self._take_ready()
@@ -100,8 +103,8 @@ class ProcessClient(EngineCoreClient):
 
         engine = spec.engine
         self.cache_config = cache_config_labels(
-            self.limits, engine.kv_cache_dtype,
-            all(self.ready[r].prefix_caching for r in attention))  # fmt: skip
+            self.limits, engine.kv_cache_dtype, all(self.ready[r].prefix_caching for r in attention)
+        )
 
     @property
     def outstanding(self) -> list[int]:
@@ -158,13 +161,19 @@ class ProcessClient(EngineCoreClient):
                 self._forget(msg.request_id)
                 rejected = RequestError(msg.message, msg.request_id)
             elif isinstance(msg, (RankFailed, Lost, Parted)):
-                detail = (msg.traceback if isinstance(msg, RankFailed) else
-                          msg.reason if isinstance(msg, Parted) else "connection lost")
+                detail = (
+                    msg.traceback
+                    if isinstance(msg, RankFailed)
+                    else msg.reason
+                    if isinstance(msg, Parted)
+                    else "connection lost"
+                )
                 failed = sorted(self.world.failed_ranks())
                 self._fail()
                 if isinstance(msg, Parted) and failed:  # name the cause, not the witness
-                    raise WorkerError(f"rank(s) {failed} failed (rank {msg.rank} left its "
-                                      f"world:\n{detail})")
+                    raise WorkerError(
+                        f"rank(s) {failed} failed (rank {msg.rank} left its world:\n{detail})"
+                    )
                 raise WorkerError(f"rank {msg.rank} failed:\n{detail}")
         if rejected is not None:
             self._carried = results  # handed out by the next step()
@@ -231,8 +240,10 @@ class ProcessClient(EngineCoreClient):
             replaced = self.world.rebuild()
         except WorkerError as e:
             first = (str(e).splitlines() or [""])[0]
-            log.warning("could not rebuild the world around its surviving ranks (%s): every "
-                        "rank restarts", first)
+            log.warning(
+                "could not rebuild the world around its surviving ranks (%s): every rank restarts",
+                first,
+            )
             self.world.kill()
             self.shutdown()
             return False
@@ -241,8 +252,11 @@ class ProcessClient(EngineCoreClient):
         self.cost.clear()
         self._carried = []
         self._take_ready()
-        log.info("world rebuilt in %.1f s: rank(s) %s replaced, the others kept their weights",
-                 time.monotonic() - began, sorted(replaced))
+        log.info(
+            "world rebuilt in %.1f s: rank(s) %s replaced, the others kept their weights",
+            time.monotonic() - began,
+            sorted(replaced),
+        )
         try:  # the next standby world, for the next failure
             STANDBY.replenish(self.world.world)
         except OSError:

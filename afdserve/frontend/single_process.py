@@ -12,10 +12,10 @@ import torch
 from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.control import LocalControl
-from afdserve.frontend.core_client import EngineCoreClient, EngineStats, cache_config_labels
 from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.frontend.core_client import EngineCoreClient, EngineStats, cache_config_labels
 
 
 class SingleProcessClient(EngineCoreClient):

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels.reference import fp4
-
-from afdserve.kernels.reference import fp8
-
-from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.reference import fp4, fp8
+from afdserve.kernels.reference import layers as reference
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -25,9 +22,7 @@ def _triton_ready(t: torch.Tensor) -> bool:
     return True
 
 
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
-) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     if _triton_ready(x):
         from afdserve.kernels.triton import rotary as triton_rotary
 
@@ -44,7 +39,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+    h: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
     quantize: bool = False,
 ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
     """(rms_norm(h + delta), h + delta): the residual add fused into the norm after it.
@@ -70,8 +68,8 @@ def quantizes_for_gemm(
     triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS rows), which the norm then does instead."""
     if not (_triton_ready(h) and h.dim() == 2 and h.shape[-1] <= 16384):
         return False
-    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
     from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     if not (triton_fp8.supports(h, q, scale_inv, block) and triton_fp8.w8a8(h.dtype)):
         return False
@@ -134,7 +132,11 @@ def paged_attention(
 
 
 def route_greedy(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str, normalize: bool,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    normalize: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
@@ -171,8 +173,8 @@ def moe_experts(
         # torch sort / scatter / gather around it); past GROUPED_MAX_PAIRS (prefill chunks,
         # compute-bound) torch's grouped GEMM. The first crossover was measured.
         if _triton_ready(x):
-            from afdserve.kernels.moe import grouped as triton_grouped_moe
             from afdserve.kernels.moe import decode as triton_moe
+            from afdserve.kernels.moe import grouped as triton_grouped_moe
 
             pairs = topk_ids.numel()
             if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
@@ -202,20 +204,23 @@ def _no_absent_pairs(
 
 
 def fp8_linear(
-    x: torch.Tensor | fp8.Fp8Rows, q: torch.Tensor, scale_inv: torch.Tensor,
-    bias: torch.Tensor | None, block: tuple[int, int],
+    x: torch.Tensor | fp8.Fp8Rows,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int],
 ) -> torch.Tensor:
     """A block-scaled FP8 weight. On CUDA a Triton GEMM reads the FP8 weight itself: w8a8 for
     bf16/fp16 x (its rows quantized per 128-group, kernels/triton/fp8_w8a8.py, or already, by
-    `add_rms_norm(quantize=True)`), weight-only for float32 x (kernels/triton/fp8_weight_only.py); elsewhere the
-    weight-only reference dequantizes the whole weight first."""
+    `add_rms_norm(quantize=True)`), weight-only for float32 x (kernels/triton/fp8_weight_only.py);
+    elsewhere the weight-only reference dequantizes the whole weight first."""
     if isinstance(x, fp8.Fp8Rows):  # made only where quantizes_for_gemm held
         from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
 
         return triton_fp8_w8a8.fp8_linear(x, q, scale_inv, bias)
     if _triton_ready(x):
-        from afdserve.kernels.triton import fp8_weight_only as triton_fp8
         from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+        from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
         if triton_fp8.supports(x, q, scale_inv, block):
             if triton_fp8.w8a8(x.dtype):
@@ -282,9 +287,10 @@ def moe_experts_fp4(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On CUDA the
-    Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the experts,
-    graph capturable); elsewhere the reference dequantizes the routed experts one at a time."""
+    """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On
+    CUDA the Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the
+    experts, graph capturable); elsewhere the reference dequantizes the routed experts one at a
+    time."""
     if _triton_ready(x):
         from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 

@@ -42,8 +42,10 @@ def check_placement_shape(table: object, ffn_ranks: int) -> Placement:
         )
     shards = []
     for f, shard in enumerate(table):
-        if not isinstance(shard, Sequence) or isinstance(shard, str) or not all(
-            isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in shard
+        if (
+            not isinstance(shard, Sequence)
+            or isinstance(shard, str)
+            or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in shard)
         ):
             raise ValueError(
                 f"expert_placement[{f}]={shard!r} is not allowed: a list of expert ids "

@@ -69,9 +69,20 @@ from afdserve.layout.step import (
 from afdserve.layout.topology import Topology
 
 __all__ = [
-    "GRAPH_MODES", "MAX_UBATCHES", "RUN_MODES", "AttentionRankPlan", "FFNRankPlan", "GraphKey",
-    "GraphTable", "RankStep", "RunMode", "StepPlan", "capture_reports", "plan_step",
-    "split_rows", "warmup_reports",
+    "GRAPH_MODES",
+    "MAX_UBATCHES",
+    "RUN_MODES",
+    "AttentionRankPlan",
+    "FFNRankPlan",
+    "GraphKey",
+    "GraphTable",
+    "RankStep",
+    "RunMode",
+    "StepPlan",
+    "capture_reports",
+    "plan_step",
+    "split_rows",
+    "warmup_reports",
 ]
 
 
@@ -125,8 +136,7 @@ def _groups(topology: Topology) -> list[tuple[tuple[int, ...], tuple[int, ...]]]
         return [((), (rank,)) for rank in range(topology.attention_ranks)]
     if topology.expert_parallel:
         return [(topology.ffn_group, tuple(range(topology.attention_ranks)))]
-    return [((topology.attention_ranks + f,), topology.peers(f))
-            for f in range(topology.ffn_ranks)]
+    return [((topology.attention_ranks + f,), topology.peers(f)) for f in range(topology.ffn_ranks)]
 
 
 def _peer_index(rank: int, ffn_rank: int | None, peers: dict[int, tuple[int, ...]]) -> int:
@@ -153,8 +163,17 @@ def _plan_group(
             for rank in members
         ]
         ffn_idle = [
-            FFNRankPlan(f, peers[f], 0, no_rows, no_rows, "idle", None,
-                        group=topology.ffn_group, group_rows=no_rows if expert else ())
+            FFNRankPlan(
+                f,
+                peers[f],
+                0,
+                no_rows,
+                no_rows,
+                "idle",
+                None,
+                group=topology.ffn_group,
+                group_rows=no_rows if expert else (),
+            )
             for f in ffn_ranks
         ]
         return idle, ffn_idle

@@ -154,14 +154,18 @@ class FFNRankPlan:
 
     def __post_init__(self) -> None:
         if list(self.peers) != sorted(set(self.peers)) or not (self.peers or self.group):
-            raise ValueError(f"FFN rank {self.rank}: peers must be increasing and non-empty "
-                             f"outside an expert-parallel group, got {self.peers}")
+            raise ValueError(
+                f"FFN rank {self.rank}: peers must be increasing and non-empty "
+                f"outside an expert-parallel group, got {self.peers}"
+            )
         if self.receive_rows != tuple(len(self.peers) * tile for tile in self.tile_rows):
             raise ValueError(f"FFN rank {self.rank}: receive_rows != peers x tile_rows: {self}")
         if self.group:
             if self.rank not in self.group or len(self.group_rows) != len(self.tile_rows):
-                raise ValueError(f"FFN rank {self.rank}: not in its group, or group_rows per "
-                                 f"ubatch missing: {self}")
+                raise ValueError(
+                    f"FFN rank {self.rank}: not in its group, or group_rows per "
+                    f"ubatch missing: {self}"
+                )
             if any(g < r for g, r in zip(self.group_rows, self.receive_rows, strict=True)):
                 raise ValueError(f"FFN rank {self.rank}: group_rows < receive_rows: {self}")
         elif self.group_rows:
@@ -226,7 +230,8 @@ class StepPlan:
                         if theirs.ffn_rank == plan.rank and theirs.ffn_rows(u) != (lo, hi):
                             raise ValueError(
                                 f"ubatch {u}: FFN rank {plan.rank} reads rows {lo}:{hi} of "
-                                f"attention rank {peer}, which writes {theirs.ffn_rows(u)}")
+                                f"attention rank {peer}, which writes {theirs.ffn_rows(u)}"
+                            )
 
     def for_rank(self, rank: int) -> AttentionRankPlan | FFNRankPlan:
         """The plan of a global rank."""

@@ -70,7 +70,8 @@ class ModelConfig:
     quantization: Fp8Spec | None = None
     # SwiGLU clamp of experts and shared experts (DeepSeek-V4); None: no clamp.
     swiglu_limit: float | None = None
-    # DeepSeek-V4's attention side and mHC (model/families/deepseek_v4/config.py); None for other families.
+    # DeepSeek-V4's attention side and mHC (model/families/deepseek_v4/config.py); None for other
+    # families.
     v4: V4Config | None = None
 
     def __post_init__(self) -> None:
@@ -101,7 +102,8 @@ class ModelConfig:
             raise ValueError(
                 "deepseek_v4 has no single per-token KV width: its paged cache holds windows, "
                 "compressed entries and compressor state per layer type "
-                "(model/families/deepseek_v4/cache.py)")
+                "(model/families/deepseek_v4/cache.py)"
+            )
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.head_dim

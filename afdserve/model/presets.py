@@ -149,7 +149,8 @@ TINY: dict[str, Any] = {
 # fixtures of several public inference engines, e.g. the one in rtp-llm's
 # dsv4_checkpoint_inventory_test.py); compress_ratios has 44 entries for 43 layers, the last one
 # the MTP layer's, which afdserve does not build. Its weights: FP8 projections with ue8m0 block
-# scales, FP4 routed experts (model/families/deepseek_v4/quant.py), so dummy weights take that precision.
+# scales, FP4 routed experts (model/families/deepseek_v4/quant.py), so dummy weights take that
+# precision.
 DEEPSEEK_V4_FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -217,22 +218,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": TINY,
 }
 LAYERS_SEP = ":"
-PRESET_HELP = (f"a published config: one of {sorted(PRESETS)}, optionally NAME{LAYERS_SEP}LAYERS "
-               "for its first LAYERS layers only")  # fmt: skip
+PRESET_HELP = (
+    f"a published config: one of {sorted(PRESETS)}, optionally NAME{LAYERS_SEP}LAYERS "
+    "for its first LAYERS layers only"
+)
 
 
 def parse_preset(name: str) -> tuple[str, int | None]:
     """`NAME` or `NAME:LAYERS` -> (the preset, the layers kept; None: all)."""
     base, sep, layers = name.partition(LAYERS_SEP)
     if base not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known: one of {sorted(PRESETS)}, optionally "
-                         f"followed by {LAYERS_SEP}LAYERS")  # fmt: skip
+        raise ValueError(
+            f"preset={name!r} is not known: one of {sorted(PRESETS)}, optionally "
+            f"followed by {LAYERS_SEP}LAYERS"
+        )
     if not sep:
         return base, None
     total = PRESETS[base]["num_hidden_layers"]
     if not (layers.isdigit() and 1 <= int(layers) <= total):
-        raise ValueError(f"preset={name!r}: the layers kept after {LAYERS_SEP!r} must be an "
-                         f"integer in [1, {total}] ({base} has {total})")  # fmt: skip
+        raise ValueError(
+            f"preset={name!r}: the layers kept after {LAYERS_SEP!r} must be an "
+            f"integer in [1, {total}] ({base} has {total})"
+        )
     return base, int(layers)
 
 
@@ -267,8 +274,10 @@ def write_preset_config(name: str, out_dir: str | Path) -> Path:
     existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if existing:
         if existing != ["config.json"] or json.loads(path.read_text()) != config:
-            raise FileExistsError(f"out_dir={str(out_dir)!r} holds {existing}, not this preset's "
-                                  f"config.json alone; give a new or empty folder")
+            raise FileExistsError(
+                f"out_dir={str(out_dir)!r} holds {existing}, not this preset's "
+                f"config.json alone; give a new or empty folder"
+            )
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")

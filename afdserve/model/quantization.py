@@ -64,7 +64,8 @@ def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) ->
         raise ValueError(
             f"quantization_config.quant_method={method!r} is not supported: afdserve reads "
             "'fp8' checkpoints (float8_e4m3fn weights, float32 weight_scale_inv per 128x128 "
-            "block) only")  # fmt: skip
+            "block) only"
+        )
     fmt = qc.get("fmt", "e4m3")
     if fmt not in _FMTS:
         raise ValueError(f"quantization_config.fmt={fmt!r} is not supported: one of {_FMTS}")
@@ -72,16 +73,19 @@ def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) ->
     if scheme not in _ACTIVATION_SCHEMES:
         raise ValueError(
             f"quantization_config.activation_scheme={scheme!r} is not supported: one of "
-            f"{_ACTIVATION_SCHEMES} (static activation scales are not read)")
+            f"{_ACTIVATION_SCHEMES} (static activation scales are not read)"
+        )
     block = qc.get("weight_block_size")
     if block is None or list(block) != list(BLOCK):
         raise ValueError(
             f"quantization_config.weight_block_size={block!r} is not supported: "
-            f"{list(BLOCK)} (per-tensor FP8 and other block sizes are not)")
+            f"{list(BLOCK)} (per-tensor FP8 and other block sizes are not)"
+        )
     scale_fmt = qc.get("scale_fmt")
     if scale_fmt not in _SCALE_FMTS:
         raise ValueError(
-            f"quantization_config.scale_fmt={scale_fmt!r} is not supported: one of {_SCALE_FMTS}")
+            f"quantization_config.scale_fmt={scale_fmt!r} is not supported: one of {_SCALE_FMTS}"
+        )
     skip = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
     if not all(isinstance(s, str) for s in skip):
         raise ValueError(f"quantization_config.modules_to_not_convert={skip!r}: names expected")
@@ -89,11 +93,15 @@ def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) ->
     # quantization_config, and so does V4.1.
     expert_dtype = qc.get("expert_dtype", raw.get("expert_dtype")) or "fp8"
     if expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"quantization_config.expert_dtype={expert_dtype!r} is not supported: "
-                         f"one of {EXPERT_DTYPES}")
+        raise ValueError(
+            f"quantization_config.expert_dtype={expert_dtype!r} is not supported: "
+            f"one of {EXPERT_DTYPES}"
+        )
     if expert_dtype == "fp4" and not fp4_experts:
-        raise ValueError(f"quantization_config.expert_dtype='fp4' for model_type="
-                         f"{raw.get('model_type')!r}: FP4 experts are read for deepseek_v4 only")
+        raise ValueError(
+            f"quantization_config.expert_dtype='fp4' for model_type="
+            f"{raw.get('model_type')!r}: FP4 experts are read for deepseek_v4 only"
+        )
     return Fp8Spec(tuple(block), tuple(skip), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
 
@@ -102,8 +110,9 @@ def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -
     is read as it is (None and "fp8" both agree with it); "fp8" on any other checkpoint
     quantizes it at load."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported: None or one of "
-                         f"{QUANTIZATIONS}")  # fmt: skip
+        raise ValueError(
+            f"quantization={quantization!r} is not supported: None or one of {QUANTIZATIONS}"
+        )
     if checkpoint is None and quantization == "fp8":
         return Fp8Spec(online=True)
     return checkpoint

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.engine.kv_cache import bytes_per_block
-from afdserve.model.config import ModelConfig
 from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype, model_class
+from afdserve.model.config import ModelConfig
 from afdserve.model.families.decoder.model import ModelParts
 
 # Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):
@@ -45,8 +45,9 @@ def _half_bytes(config: ModelConfig, parts: ModelParts, dtype: torch.dtype) -> t
     return total, experts
 
 
-def model_bytes(config: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None
-                ) -> ModelBytes:
+def model_bytes(
+    config: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None
+) -> ModelBytes:
     torch_dtype = TORCH_DTYPES[dtype]
     colocated, experts = _half_bytes(config, ModelParts.colocated(), torch_dtype)
     attention, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
@@ -55,8 +56,9 @@ def model_bytes(config: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | No
     return ModelBytes(colocated, attention, ffn, experts, bytes_per_block(config, 1, kv))
 
 
-def max_batch(memory_bytes: float, utilization: float, weights: float, kv_per_token: int,
-              context: int) -> int:
+def max_batch(
+    memory_bytes: float, utilization: float, weights: float, kv_per_token: int, context: int
+) -> int:
     """Sequences of `context` tokens whose KV fits beside `weights` (0 when none does)."""
     room = memory_bytes * utilization - weights - RESERVE_BYTES
     return max(0, int(room // (kv_per_token * context)))

@@ -33,27 +33,43 @@ class PlanSpec:
     model_dir: str | None = option(None, flag="--model", help="a Hugging Face model directory")
     preset: str | None = option(None, choices=sorted(PRESETS), help="a published config")
     tpot_ms: float | None = option(
-        None, help="the time per output token to meet: each deployment runs the largest batch "
-        "whose predicted step is within it", shown="none: the largest batch that fits")
+        None,
+        help="the time per output token to meet: each deployment runs the largest batch "
+        "whose predicted step is within it",
+        shown="none: the largest batch that fits",
+    )
     profile: str | None = option(
-        None, help="the JSON of `afdserve bench calibrate`",
-        shown="the shipped profile of this model, if any")
-    transport: str = option("ipc", choices=TRANSPORTS,
-                            help="the data plane between GPUs of one world")
+        None,
+        help="the JSON of `afdserve bench calibrate`",
+        shown="the shipped profile of this model, if any",
+    )
+    transport: str = option(
+        "ipc", choices=TRANSPORTS, help="the data plane between GPUs of one world"
+    )
     dtype: str = option("bfloat16", choices=("bfloat16", "float16"), help="the weights' dtype")
     kv_cache_dtype: str = option("auto", choices=("auto", "fp8"), help="the KV cache's dtype")
     gpu_memory_utilization: float = option(0.9, help="share of each GPU's memory a rank may use")
     max_num_seqs: int = option(256, help="the most sequences one attention rank runs")
     top: int = option(20, help="deployments printed (all go to --json)")
-    json_out: str | None = option(None, flag="--json", metavar="FILE",
-                                  help="write every deployment's prediction as JSON")
-    plot: str | None = option(None, metavar="FILE.png",
-                              help="tokens/s per GPU against TPOT, one point per deployment "
-                              "(needs matplotlib: pip install afdserve[plot])")
-    check: bool = option(False, help="print the profile's measured steps (and --measured's) "
-                         "against the prediction, instead of a plan")
-    measured: str | None = option(None, metavar="FILE", help="more measured steps for --check: "
-                                  "a JSON list of ValidationPoint objects")
+    json_out: str | None = option(
+        None, flag="--json", metavar="FILE", help="write every deployment's prediction as JSON"
+    )
+    plot: str | None = option(
+        None,
+        metavar="FILE.png",
+        help="tokens/s per GPU against TPOT, one point per deployment "
+        "(needs matplotlib: pip install afdserve[plot])",
+    )
+    check: bool = option(
+        False,
+        help="print the profile's measured steps (and --measured's) "
+        "against the prediction, instead of a plan",
+    )
+    measured: str | None = option(
+        None,
+        metavar="FILE",
+        help="more measured steps for --check: a JSON list of ValidationPoint objects",
+    )
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.preset is None):
@@ -64,8 +80,10 @@ class PlanSpec:
         if self.tpot_ms is not None and self.tpot_ms <= 0:
             raise ValueError(f"plan.tpot_ms={self.tpot_ms} is not allowed: > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"plan.gpu_memory_utilization={self.gpu_memory_utilization} is "
-                             f"not allowed: in (0, 1]")
+            raise ValueError(
+                f"plan.gpu_memory_utilization={self.gpu_memory_utilization} is "
+                f"not allowed: in (0, 1]"
+            )
 
 
 @dataclass(frozen=True)
@@ -98,20 +116,25 @@ def load_profile(spec: PlanSpec, config: ModelConfig, name: str) -> Profile:
     else:
         shipped = sorted(SHIPPED.glob(f"*{name}*.json")) if SHIPPED.is_dir() else []
         if not shipped:
-            raise ValueError(f"no profile for {name}: measure one with `afdserve bench calibrate "
-                             f"--preset|--model ... --out FILE` on the GPU and pass --profile FILE")
+            raise ValueError(
+                f"no profile for {name}: measure one with `afdserve bench calibrate "
+                f"--preset|--model ... --out FILE` on the GPU and pass --profile FILE"
+            )
         profile = Profile.load(shipped[-1])
     m = profile.model
     mine = (config.num_layers, config.num_experts, config.top_k)
     if (m.num_layers, m.num_experts, m.top_k) != mine:
-        raise ValueError(f"profile {spec.profile or 'shipped'} was measured on {m.name} "
-                         f"({m.num_layers} layers, {m.num_experts} experts, top {m.top_k}), "
-                         f"not this model {mine}: calibrate on it")
+        raise ValueError(
+            f"profile {spec.profile or 'shipped'} was measured on {m.name} "
+            f"({m.num_layers} layers, {m.num_experts} experts, top {m.top_k}), "
+            f"not this model {mine}: calibrate on it"
+        )
     return profile
 
 
-def _rows_of(d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec,
-             memory: float) -> PlanRow | None:
+def _rows_of(
+    d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec, memory: float
+) -> PlanRow | None:
     util, seq_tokens = spec.gpu_memory_utilization, spec.context_len + spec.output_len
     mean_context = spec.context_len + spec.output_len / 2
     if d.colocated:
@@ -124,8 +147,10 @@ def _rows_of(d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec,
     top = min(fits, spec.max_num_seqs)
     if top < max(1, d.ubatches):
         return None
+
     def at(b: int) -> StepPrediction:
         return predict_step(costs, d, b, mean_context)
+
     batch = top
     if spec.tpot_ms is not None:  # the step grows with the batch: the largest within the target
         ok = [b for b in range(max(1, d.ubatches), top + 1) if at(b).step_ms <= spec.tpot_ms]
@@ -136,9 +161,22 @@ def _rows_of(d: Deployment, costs: Costs, sizes: ModelBytes, spec: PlanSpec,
     worlds = spec.gpus // d.gpus
     # Per GPU of the cluster: GPUs a whole number of worlds leaves over count, idle.
     total = worlds * d.attention * batch / (p.step_ms / 1e3)
-    return PlanRow(d.name, d.attention, d.ffn, d.expert_parallel, d.ubatches, worlds, batch,
-                   fits, p.step_ms, total / spec.gpus, total, p.busier, p.attention_busy_ms,
-                   p.ffn_busy_ms)  # fmt: skip
+    return PlanRow(
+        d.name,
+        d.attention,
+        d.ffn,
+        d.expert_parallel,
+        d.ubatches,
+        worlds,
+        batch,
+        fits,
+        p.step_ms,
+        total / spec.gpus,
+        total,
+        p.busier,
+        p.attention_busy_ms,
+        p.ffn_busy_ms,
+    )
 
 
 def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:
@@ -147,37 +185,49 @@ def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:
     costs = Costs.fit(profile)
     kv = "float8_e4m3fn" if spec.kv_cache_dtype == "fp8" else None
     sizes = model_bytes(config, spec.dtype, kv)
-    rows = [r for d in enumerate_deployments(spec.gpus, spec.transport)
-            if (r := _rows_of(d, costs, sizes, spec, profile.memory_bytes)) is not None]
+    rows = [
+        r
+        for d in enumerate_deployments(spec.gpus, spec.transport)
+        if (r := _rows_of(d, costs, sizes, spec, profile.memory_bytes)) is not None
+    ]
     rows.sort(key=lambda r: -r.tokens_per_s_per_gpu)
     return rows, profile
 
 
 def format_plan(rows: list[PlanRow], spec: PlanSpec, profile: Profile, top: int) -> str:
-    head = (f"plan: {spec.preset or spec.model_dir} on {spec.gpus} x "
-            f"{profile.hardware.get('device', 'GPU')}, context {spec.context_len} + "
-            f"{spec.output_len} output, {spec.transport}"
-            + (f", TPOT <= {spec.tpot_ms} ms" if spec.tpot_ms else "")
-            + f" (profile of {profile.date})")
-    lines = [head, "rank  deployment        worlds  batch/A  max  step_ms  tok/s/GPU   tok/s"
-             "  busier"]
+    head = (
+        f"plan: {spec.preset or spec.model_dir} on {spec.gpus} x "
+        f"{profile.hardware.get('device', 'GPU')}, context {spec.context_len} + "
+        f"{spec.output_len} output, {spec.transport}"
+        + (f", TPOT <= {spec.tpot_ms} ms" if spec.tpot_ms else "")
+        + f" (profile of {profile.date})"
+    )
+    lines = [
+        head,
+        "rank  deployment        worlds  batch/A  max  step_ms  tok/s/GPU   tok/s  busier",
+    ]
     for i, r in enumerate(rows[:top], 1):
-        lines.append(f"{i:4d}  {r.deployment:16s}  {r.worlds:6d}  {r.batch:7d}  {r.max_batch:3d}"
-                     f"  {r.step_ms:7.2f}  {r.tokens_per_s_per_gpu:9.1f}  {r.tokens_per_s:6.0f}"
-                     f"  {r.busier}")
+        lines.append(
+            f"{i:4d}  {r.deployment:16s}  {r.worlds:6d}  {r.batch:7d}  {r.max_batch:3d}"
+            f"  {r.step_ms:7.2f}  {r.tokens_per_s_per_gpu:9.1f}  {r.tokens_per_s:6.0f}"
+            f"  {r.busier}"
+        )
     if not rows:
         lines.append("no deployment fits (memory) or meets the TPOT target")
     else:
         base = next((r for r in rows if r.deployment == "colocated"), None)
         if base is not None and rows[0] is not base:
             gain = rows[0].tokens_per_s_per_gpu / base.tokens_per_s_per_gpu
-            lines.append(f"best: {rows[0].deployment}, {gain:.2f}x the tokens/s per GPU of "
-                         f"colocated replicas")
+            lines.append(
+                f"best: {rows[0].deployment}, {gain:.2f}x the tokens/s per GPU of "
+                f"colocated replicas"
+            )
     return "\n".join(lines)
 
 
-def check_rows(profile: Profile, extra: list[ValidationPoint]
-               ) -> list[tuple[ValidationPoint, float]]:
+def check_rows(
+    profile: Profile, extra: list[ValidationPoint]
+) -> list[tuple[ValidationPoint, float]]:
     """(measured point, predicted step ms) for every measured step of the profile and `extra`."""
     costs = Costs.fit(profile)
     out = []
@@ -205,22 +255,27 @@ def format_check(pairs: list[tuple[ValidationPoint, float]], kernels: str = "") 
         dep = v.deployment
         transport = "-" if dep == "colocated" else v.transport
         error = (p - v.step_ms) / v.step_ms
-        lines.append(f"{dep:10s}  {transport:9s}  "
-                     f"{v.ubatches:8d}  {v.batch:5d}  {v.context:7d}  {v.step_ms:11.2f}  "
-                     f"{p:12.2f}  {error:+6.1%}"
-                     + (f"  MISS (> {CHECK_TOLERANCE:.0%})" if abs(error) > CHECK_TOLERANCE
-                        else "")
-                     + ("  [other kernels]" if _other_kernels(v, kernels) else ""))
+        lines.append(
+            f"{dep:10s}  {transport:9s}  "
+            f"{v.ubatches:8d}  {v.batch:5d}  {v.context:7d}  {v.step_ms:11.2f}  "
+            f"{p:12.2f}  {error:+6.1%}"
+            + (f"  MISS (> {CHECK_TOLERANCE:.0%})" if abs(error) > CHECK_TOLERANCE else "")
+            + ("  [other kernels]" if _other_kernels(v, kernels) else "")
+        )
     if pairs:
         errors = [abs(p - v.step_ms) / v.step_ms for v, p in pairs]
         within = sum(e <= CHECK_TOLERANCE for e in errors)
-        lines.append(f"largest error {max(errors):.1%} over {len(pairs)} measured steps; "
-                     f"{within} of {len(pairs)} within {CHECK_TOLERANCE:.0%}")
+        lines.append(
+            f"largest error {max(errors):.1%} over {len(pairs)} measured steps; "
+            f"{within} of {len(pairs)} within {CHECK_TOLERANCE:.0%}"
+        )
         other = sorted({v.expert_kernels for v, _ in pairs if _other_kernels(v, kernels)})
         if other:
             count = sum(_other_kernels(v, kernels) for v, _ in pairs)
-            lines.append(f"[other kernels]: {count} steps ran {'; '.join(other)}, not the "
-                         f"profile's {kernels}: check them against a profile of their kernels")
+            lines.append(
+                f"[other kernels]: {count} steps ran {'; '.join(other)}, not the "
+                f"profile's {kernels}: check them against a profile of their kernels"
+            )
     return "\n".join(lines)
 
 
@@ -234,8 +289,12 @@ def _plot(rows: list[PlanRow], path: str) -> None:
         raise ValueError("--plot needs matplotlib: pip install 'afdserve[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
-        ax.scatter(r.step_ms, r.tokens_per_s_per_gpu, s=12,
-                   c="black" if r.deployment == "colocated" else "tab:blue")
+        ax.scatter(
+            r.step_ms,
+            r.tokens_per_s_per_gpu,
+            s=12,
+            c="black" if r.deployment == "colocated" else "tab:blue",
+        )
     for r in rows[:5]:
         ax.annotate(r.deployment, (r.step_ms, r.tokens_per_s_per_gpu), fontsize=7)
     ax.set_xlabel("TPOT (ms)")
@@ -245,8 +304,11 @@ def _plot(rows: list[PlanRow], path: str) -> None:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="predict the deployment a cluster should run, from a "
-                       "measured profile (afdserve bench calibrate)")
+    p = sub.add_parser(
+        "plan",
+        help="predict the deployment a cluster should run, from a "
+        "measured profile (afdserve bench calibrate)",
+    )
     add_dataclass_arguments(p, PlanSpec)
     p.set_defaults(func=main_plan)
 

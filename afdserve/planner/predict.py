@@ -37,8 +37,10 @@ class StepPrediction:
 
 def _handover_ms(costs: Costs, transport: str) -> float:
     if transport not in costs.handover_us:
-        raise ValueError(f"transport={transport!r}: the profile has no hand-over cost for it; "
-                         f"it has {sorted(costs.handover_us)}")
+        raise ValueError(
+            f"transport={transport!r}: the profile has no hand-over cost for it; "
+            f"it has {sorted(costs.handover_us)}"
+        )
     return costs.handover_us[transport] / 1e3
 
 

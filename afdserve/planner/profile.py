@@ -136,18 +136,25 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:
-            raise ValueError(f"profile version {self.version} is not allowed: this afdserve "
-                             f"reads version {PROFILE_VERSION}; re-run `afdserve bench calibrate`")
+            raise ValueError(
+                f"profile version {self.version} is not allowed: this afdserve "
+                f"reads version {PROFILE_VERSION}; re-run `afdserve bench calibrate`"
+            )
         if len(self.attention) < 2 or len(self.ffn) < 2 or not self.fixed:
-            raise ValueError("a profile needs at least 2 attention steps, 2 FFN points and 1 "
-                             "per-step point to draw its curves")
+            raise ValueError(
+                "a profile needs at least 2 attention steps, 2 FFN points and 1 "
+                "per-step point to draw its curves"
+            )
         if "memory_bytes" not in self.hardware:
             raise ValueError("profile.hardware has no memory_bytes")
         if self.expert_kernels is not None and (
-                self.model.expert_bytes <= 0 or not self.hardware.get("copy_gbps")):
-            raise ValueError("profile.expert_kernels needs model.expert_bytes > 0 and "
-                             "hardware.copy_gbps: the decode kernels' buckets are costed by the "
-                             "expert weights a row count reads")
+            self.model.expert_bytes <= 0 or not self.hardware.get("copy_gbps")
+        ):
+            raise ValueError(
+                "profile.expert_kernels needs model.expert_bytes > 0 and "
+                "hardware.copy_gbps: the decode kernels' buckets are costed by the "
+                "expert weights a row count reads"
+            )
 
     @property
     def memory_bytes(self) -> float:
@@ -181,12 +188,15 @@ class Profile:
                 handover={k: Handover(**v) for k, v in raw["handover"].items()},
                 validation=tuple(ValidationPoint(**p) for p in raw.get("validation", ())),
                 version=raw.get("version", 0),
-                expert_kernels=(ExpertKernels(**raw["expert_kernels"])
-                                if raw.get("expert_kernels") else None),
+                expert_kernels=(
+                    ExpertKernels(**raw["expert_kernels"]) if raw.get("expert_kernels") else None
+                ),
             )
         except (KeyError, TypeError) as e:
-            raise ValueError(f"profile: missing or unexpected field ({e}); a profile is what "
-                             f"`afdserve bench calibrate` writes") from None
+            raise ValueError(
+                f"profile: missing or unexpected field ({e}); a profile is what "
+                f"`afdserve bench calibrate` writes"
+            ) from None
 
 
 def touched(tokens: float, held: float, top_k: int, experts: int) -> float:
@@ -266,12 +276,12 @@ class Costs:
                 # The same programs over the same padded pair list: the bucket's measured count
                 # above, less the weights of the experts these rows do not touch.
                 x, y = above[0]
-                untouched = (touched(x, m.num_experts, m.top_k, m.num_experts)
-                             - touched(tokens, m.num_experts, m.top_k, m.num_experts))
+                untouched = touched(x, m.num_experts, m.top_k, m.num_experts) - touched(
+                    tokens, m.num_experts, m.top_k, m.num_experts
+                )
                 return y - self.expert_read_ms * untouched
             # No measured count above in the bucket: a line through the decode kernels' points.
-            points = [(x, y) for x, y in zip(*self.ffn)
-                      if kernels.bucket(x * m.top_k) is not None]
+            points = [(x, y) for x, y in zip(*self.ffn) if kernels.bucket(x * m.top_k) is not None]
         # The grouped GEMM's points only (or, with none of its own kind, every point).
         if not points:
             return interpolate(*self.ffn, tokens)

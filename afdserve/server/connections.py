@@ -93,8 +93,11 @@ class GuardedH11(H11Protocol):
             self._head_bytes, self._head_tail = size, seen[-(len(_HEAD_END) - 1) :]
         if size <= self.max_head_bytes:
             return True
-        body = json.dumps(error_body(431, f"request head: larger than this server's limit of "
-                                          f"{self.max_head_bytes} bytes")).encode()  # fmt: skip
+        body = json.dumps(
+            error_body(
+                431, f"request head: larger than this server's limit of {self.max_head_bytes} bytes"
+            )
+        ).encode()
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
             b"content-type: application/json\r\nconnection: close\r\n"

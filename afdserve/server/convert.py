@@ -45,30 +45,54 @@ def completion_prompts(engine: EngineView, prompt: Any) -> list[list[int]]:
 
 # Arguments of apply_chat_template itself: chat_template_kwargs may not set them.
 TEMPLATE_ARGUMENTS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def template_switches(body: api.ChatCompletionRequest) -> dict[str, Any]:
     """The request's add_generation_prompt, continue_final_message and chat_template_kwargs,
     as apply_chat_template's keywords; a combination the template cannot honour is a 400."""
     if body.continue_final_message and body.add_generation_prompt:
-        raise bad_request("continue_final_message: cannot be combined with "
-                          "add_generation_prompt: true; set that to false",
-                          "continue_final_message")  # fmt: skip
+        raise bad_request(
+            "continue_final_message: cannot be combined with "
+            "add_generation_prompt: true; set that to false",
+            "continue_final_message",
+        )
     if body.continue_final_message and body.messages[-1].role != "assistant":
-        raise bad_request("continue_final_message: the last message must be the assistant's "
-                          f"to continue, not {body.messages[-1].role!r}",
-                          "continue_final_message")  # fmt: skip
+        raise bad_request(
+            "continue_final_message: the last message must be the assistant's "
+            f"to continue, not {body.messages[-1].role!r}",
+            "continue_final_message",
+        )
     extra = dict(body.chat_template_kwargs or {})
     clash = sorted(TEMPLATE_ARGUMENTS & set(extra))
     if clash:
-        raise bad_request(f"chat_template_kwargs: {clash[0]!r} is an argument of the chat "
-                          "template's call, not a template variable", "chat_template_kwargs")
-    return {**extra, "add_generation_prompt": body.add_generation_prompt,
-            "continue_final_message": body.continue_final_message}  # fmt: skip
+        raise bad_request(
+            f"chat_template_kwargs: {clash[0]!r} is an argument of the chat "
+            "template's call, not a template variable",
+            "chat_template_kwargs",
+        )
+    return {
+        **extra,
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+    }
 
 
 def chat_prompt(
@@ -101,8 +125,9 @@ def chat_prompt(
     return engine.encode(text)
 
 
-def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int
-                     ) -> list[list[int]]:  # fmt: skip
+def truncate_prompts(
+    prompts: list[list[int]], keep: int | None, max_model_len: int
+) -> list[list[int]]:
     """vLLM's truncate_prompt_tokens: keep each prompt's last `keep` tokens (-1: as many as
     max_model_len). More than max_model_len is a 400: no prompt that long could run."""
     if keep is None:
@@ -110,8 +135,10 @@ def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: 
     if keep == -1:
         keep = max_model_len
     if keep == 0 or keep > max_model_len:
-        raise bad_request(f"truncate_prompt_tokens: {keep}; allowed: -1 (max_model_len) or "
-                          f"1..{max_model_len}", "truncate_prompt_tokens")  # fmt: skip
+        raise bad_request(
+            f"truncate_prompt_tokens: {keep}; allowed: -1 (max_model_len) or 1..{max_model_len}",
+            "truncate_prompt_tokens",
+        )
     return [p[-keep:] for p in prompts]
 
 
@@ -135,8 +162,12 @@ def max_tokens_for(
 
 
 # vLLM's older per-kind fields -> the StructuredOutputsParams field each fills.
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # fmt: skip
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def structured_outputs(
@@ -161,8 +192,9 @@ def structured_outputs(
         return None, ""
     name, *others = given
     if others:
-        raise bad_request(f"{others[0]}: cannot be combined with {name}; give one output "
-                          "constraint", others[0])  # fmt: skip
+        raise bad_request(
+            f"{others[0]}: cannot be combined with {name}; give one output constraint", others[0]
+        )
     try:
         params = StructuredOutputsParams(**constraints[name], tokenizer_dir=tokenizer_dir)
         params.check()
@@ -195,12 +227,19 @@ def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any]:
 def _structured(fields: api.StructuredOutputs | None) -> dict[str, Any]:
     if fields is None:
         return {}
-    kwargs = {"json": fields.json_schema, "regex": fields.regex, "choice": fields.choice,
-              "grammar": fields.grammar, "json_object": bool(fields.json_object)}  # fmt: skip
+    kwargs = {
+        "json": fields.json_schema,
+        "regex": fields.regex,
+        "choice": fields.choice,
+        "grammar": fields.grammar,
+        "json_object": bool(fields.json_object),
+    }
     kwargs = {k: v for k, v in kwargs.items() if v not in (None, False)}
     if not kwargs:
-        raise bad_request("structured_outputs: give one of json, regex, choice, grammar, "
-                          "json_object", "structured_outputs")  # fmt: skip
+        raise bad_request(
+            "structured_outputs: give one of json, regex, choice, grammar, json_object",
+            "structured_outputs",
+        )
     return kwargs
 
 
@@ -223,11 +262,24 @@ def sampling_params(
         "stop_token_ids": tuple(body.stop_token_ids or ()),
     }
     for name in (
-        "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-        "skip_special_tokens", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+        "n",
+        "best_of",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "bad_words",
+        "allowed_token_ids",
         "prompt_logprobs",
-    ):  # fmt: skip
+    ):
         value = getattr(body, name)
         if value is None and defaults:
             value = defaults.get(name)

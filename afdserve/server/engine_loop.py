@@ -30,11 +30,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from afdserve.engine.requests import RequestError
+from afdserve.engine.sampling_params import SamplingParams
 from afdserve.frontend.client import EngineClient, EngineStats
 from afdserve.frontend.output_processor import Progress
 from afdserve.frontend.outputs import SequenceOutput
-from afdserve.engine.requests import RequestError
-from afdserve.engine.sampling_params import SamplingParams
 from afdserve.server.convert import Fanout
 from afdserve.server.limits import Admission
 from afdserve.server.metrics import ServerMetrics
@@ -552,9 +552,13 @@ class Generation:
         if out.first_token_time is not None and out.first_scheduled_time is not None:
             prefill = out.first_token_time - out.first_scheduled_time
         first = self.first_token_at.get(index)
-        self.metrics.request_done(len(out.prompt_token_ids), len(out.token_ids),
-                                  self.fanout.params[index].max_tokens, prefill,
-                                  None if first is None else now - first)  # fmt: skip
+        self.metrics.request_done(
+            len(out.prompt_token_ids),
+            len(out.token_ids),
+            self.fanout.params[index].max_tokens,
+            prefill,
+            None if first is None else now - first,
+        )
 
     def summary(self, now: float) -> str:
         reasons = ",".join(str(o.finish_reason) for o in self.outputs if o is not None)

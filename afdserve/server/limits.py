@@ -65,8 +65,12 @@ class Admission:
 def _send_error(status: int, message: str, extra: tuple = ()) -> Callable:
     async def respond(send: Callable) -> None:
         body = json.dumps(error_body(status, message)).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", str(len(body)).encode()), *extra]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode()),
+            *extra,
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -135,9 +139,13 @@ class ConcurrencyLimit:
     (`exempt` paths) always pass: a liveness probe must not fail because the server is busy."""
 
     def __init__(
-        self, app: Any, limit: int, retry_after_s: int, exempt: tuple[str, ...],
+        self,
+        app: Any,
+        limit: int,
+        retry_after_s: int,
+        exempt: tuple[str, ...],
         on_refused: Callable[[], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app, self.limit, self.exempt, self.on_refused = app, limit, exempt, on_refused
         self.retry_after = (b"retry-after", str(retry_after_s).encode())
         self.active = 0

@@ -43,8 +43,16 @@ TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why the server refused a request without running it (afdserve_requests_rejected_total).
-REJECT_REASONS = ("waiting_requests", "waiting_tokens", "concurrency", "draining", "unavailable",
-                  "body_too_large", "body_timeout", "prompt_too_large")  # fmt: skip
+REJECT_REASONS = (
+    "waiting_requests",
+    "waiting_tokens",
+    "concurrency",
+    "draining",
+    "unavailable",
+    "body_too_large",
+    "body_timeout",
+    "prompt_too_large",
+)
 
 COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes would drown the API traffic
@@ -90,18 +98,26 @@ class EngineCollector(Collector):
         # vLLM's prefix-cache counters, in tokens; `engine` is vLLM's label of one engine core,
         # here one attention rank.
         for name, doc, per_rank in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             stats.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             stats.prefix_cache_hits),
-        ):  # fmt: skip
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                stats.prefix_cache_hits,
+            ),
+        ):
             counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
             for rank, tokens in sorted(per_rank.items()):
                 counter.add_metric([*label, str(rank)], tokens)
             yield counter
         preemptions = CounterMetricFamily(
-            "vllm:num_preemptions", "Sequences preempted by recompute, per attention rank",
-            labels=["model_name", "engine"])  # fmt: skip
+            "vllm:num_preemptions",
+            "Sequences preempted by recompute, per attention rank",
+            labels=["model_name", "engine"],
+        )
         for rank, count in sorted(stats.preemptions.items()):
             preemptions.add_metric([*label, str(rank)], count)
         yield preemptions
@@ -109,8 +125,10 @@ class EngineCollector(Collector):
         if stats.cache_config:
             names = sorted(stats.cache_config)
             info = GaugeMetricFamily(
-                "vllm:cache_config_info", "The KV cache's configuration (labels; value 1)",
-                labels=names)  # fmt: skip
+                "vllm:cache_config_info",
+                "The KV cache's configuration (labels; value 1)",
+                labels=names,
+            )
             info.add_metric([stats.cache_config[n] for n in names], 1.0)
             yield info
         yield from self._afd(stats)
@@ -120,26 +138,33 @@ class EngineCollector(Collector):
         how unevenly the tokens since the previous scrape fell on the ranks."""
         ranks = sorted(stats.scheduled_tokens)
         per_rank = (
-            ("afdserve:rank_busy_seconds",
-             "Wall seconds in the step's forward (FFN ranks: their FFN half), not waiting",
-             {r: stats.forward_s[r] - stats.wait_s.get(r, 0.0) for r in ranks}),
-            ("afdserve:rank_wait_seconds",
-             "Wall seconds waiting for the FFN rank's replies (FFN ranks: for the tiles; CPU: "
-             "blocking waits; CUDA: ~0)",
-             stats.wait_s),
+            (
+                "afdserve:rank_busy_seconds",
+                "Wall seconds in the step's forward (FFN ranks: their FFN half), not waiting",
+                {r: stats.forward_s[r] - stats.wait_s.get(r, 0.0) for r in ranks},
+            ),
+            (
+                "afdserve:rank_wait_seconds",
+                "Wall seconds waiting for the FFN rank's replies (FFN ranks: for the tiles; CPU: "
+                "blocking waits; CUDA: ~0)",
+                stats.wait_s,
+            ),
             ("afdserve:a2e_bytes", "Hidden-row bytes sent to the FFN rank", stats.a2e_bytes),
-            ("afdserve:e2a_bytes", "Hidden-row bytes received from the FFN rank",
-             stats.e2a_bytes),
-            ("afdserve:scheduled_tokens",
-             "Tokens computed (FFN ranks: real rows received)", stats.scheduled_tokens),
-        )  # fmt: skip
+            ("afdserve:e2a_bytes", "Hidden-row bytes received from the FFN rank", stats.e2a_bytes),
+            (
+                "afdserve:scheduled_tokens",
+                "Tokens computed (FFN ranks: real rows received)",
+                stats.scheduled_tokens,
+            ),
+        )
         ffn = sorted(stats.ffn_forward_s)
         ffn_figures = {
             "afdserve:rank_busy_seconds": {
-                r: stats.ffn_forward_s[r] - stats.ffn_wait_s.get(r, 0.0) for r in ffn},
+                r: stats.ffn_forward_s[r] - stats.ffn_wait_s.get(r, 0.0) for r in ffn
+            },
             "afdserve:rank_wait_seconds": stats.ffn_wait_s,
             "afdserve:scheduled_tokens": stats.ffn_tokens,
-        }  # fmt: skip
+        }
         for name, doc, values in per_rank:
             counter = CounterMetricFamily(name, doc, labels=["rank", "role"])
             for rank in ranks:
@@ -150,7 +175,9 @@ class EngineCollector(Collector):
         gauge = GaugeMetricFamily(
             "afdserve:attention_imbalance",
             "Max over mean of the tokens each attention rank computed since the previous "
-            "scrape (1: even; 0: none computed)", labels=["role"])  # fmt: skip
+            "scrape (1: even; 0: none computed)",
+            labels=["role"],
+        )
         gauge.add_metric(["attention"], imbalance(self._scheduled, stats.scheduled_tokens))
         self._scheduled = dict(stats.scheduled_tokens)
         yield gauge
@@ -171,8 +198,10 @@ def iteration_histogram(steps: dict[int, int], label: list[str]) -> HistogramMet
     buckets.append(("+Inf", sum(steps.values())))
     total = sum(t * n for t, n in steps.items())
     family = HistogramMetricFamily(
-        "vllm:iteration_tokens_total", "Tokens computed per engine step (each attention rank's)",
-        labels=["model_name"])  # fmt: skip
+        "vllm:iteration_tokens_total",
+        "Tokens computed per engine step (each attention rank's)",
+        labels=["model_name"],
+    )
     family.add_metric(label, buckets, total)
     return family
 
@@ -189,9 +218,11 @@ class ServerMetrics:
         registry = self.registry
         labels = ["model_name"]
         self.requests = Counter(
-            "afdserve_requests", "HTTP requests by endpoint and status code",
-            ["endpoint", "status"], registry=registry,
-        )  # fmt: skip
+            "afdserve_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=registry,
+        )
         self.aborted = Counter(
             "afdserve_requests_aborted",
             "Engine requests aborted before they finished: client gone or request timed out",
@@ -199,8 +230,10 @@ class ServerMetrics:
         )
         self._rejected = Counter(
             "afdserve_requests_rejected",
-            "HTTP requests the server refused to run, by reason", ["reason"], registry=registry,
-        )  # fmt: skip
+            "HTTP requests the server refused to run, by reason",
+            ["reason"],
+            registry=registry,
+        )
         for reason in REJECT_REASONS:  # present at 0, so that rates start from the beginning
             self._rejected.labels(reason)
         Gauge(
@@ -209,7 +242,8 @@ class ServerMetrics:
             registry=registry,
         ).set_function(lambda: waiting()[0])
         Gauge(
-            "afdserve_waiting_tokens", "Prompt tokens of afdserve_waiting_requests",
+            "afdserve_waiting_tokens",
+            "Prompt tokens of afdserve_waiting_requests",
             registry=registry,
         ).set_function(lambda: waiting()[1])
         self._prompt_tokens = Counter(
@@ -219,9 +253,11 @@ class ServerMetrics:
             "vllm:generation_tokens", "Generated tokens", labels, registry=registry
         )
         self._success = Counter(
-            "vllm:request_success", "Finished engine requests by finish reason",
-            ["model_name", "finished_reason"], registry=registry,
-        )  # fmt: skip
+            "vllm:request_success",
+            "Finished engine requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=registry)
@@ -261,19 +297,22 @@ class ServerMetrics:
         self._recovery = Histogram(
             "afdserve_recovery_seconds",
             "Seconds from an engine failure to serving again on the restarted engine",
-            buckets=RECOVERY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            buckets=RECOVERY_BUCKETS,
+            registry=registry,
+        )
         self._request_prompt = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens of each finished request", TOKEN_BUCKETS
         )
         self._request_generation = histogram(
-            "vllm:request_generation_tokens", "Generated tokens of each finished request",
+            "vllm:request_generation_tokens",
+            "Generated tokens of each finished request",
             TOKEN_BUCKETS,
-        )  # fmt: skip
+        )
         self._max_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
-            "The max_tokens each finished request asked for", TOKEN_BUCKETS,
-        )  # fmt: skip
+            "The max_tokens each finished request asked for",
+            TOKEN_BUCKETS,
+        )
         self._prefill = histogram(
             "vllm:request_prefill_time_seconds",
             "Seconds from a request's first scheduled step to its first token (its rank's clock)",
@@ -312,8 +351,15 @@ class ServerMetrics:
 
     def recovered(self, seconds: float) -> None:
         self._recovery.observe(seconds)
-    def request_done(self, prompt_tokens: int, generation_tokens: int, max_tokens: int,
-                     prefill_s: float | None, decode_s: float | None) -> None:  # fmt: skip
+
+    def request_done(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        max_tokens: int,
+        prefill_s: float | None,
+        decode_s: float | None,
+    ) -> None:
         """One engine sequence finished: its sizes and its prefill and decode phases."""
         model = self.model()
         self._request_prompt.labels(model).observe(prompt_tokens)

@@ -45,9 +45,17 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Fields that cannot change the generated text: accepted without a warning.
 IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "priority", "request_id",
-     "guided_decoding_backend", "cache_salt"}
-)  # fmt: skip
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "priority",
+        "request_id",
+        "guided_decoding_backend",
+        "cache_salt",
+    }
+)
 
 
 class StreamOptions(BaseModel):
@@ -157,10 +165,16 @@ class ChatMessage(BaseModel):
 
     def turn(self) -> dict[str, Any]:
         """The message as chat templates read it."""
-        extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
-                 "name": self.name}  # fmt: skip
-        return {"role": self.role, "content": self.text(),
-                **{k: v for k, v in extra.items() if v is not None}}  # fmt: skip
+        extra = {
+            "tool_calls": self.tool_calls,
+            "tool_call_id": self.tool_call_id,
+            "name": self.name,
+        }
+        return {
+            "role": self.role,
+            "content": self.text(),
+            **{k: v for k, v in extra.items() if v is not None},
+        }
 
     def text(self) -> str:
         if self.content is None:

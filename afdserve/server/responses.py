@@ -96,13 +96,18 @@ def prompt_logprobs(entries: list[dict[int, float] | None]) -> list[dict | None]
     """vLLM's prompt_logprobs: per prompt token None (the first) or {token id as a string:
     {"logprob", "rank", "decoded_token"}}."""
     return [
-        None if entry is None else {
-            str(t): {"logprob": float(v), "rank": getattr(v, "rank", None),
-                     "decoded_token": getattr(v, "decoded_token", None)}
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": float(v),
+                "rank": getattr(v, "rank", None),
+                "decoded_token": getattr(v, "decoded_token", None),
+            }
             for t, v in entry.items()
         }
         for entry in entries
-    ]  # fmt: skip
+    ]
 
 
 def finish_reason(out: SequenceOutput) -> str | None:
@@ -131,8 +136,7 @@ def delta_choice(index: int, delta: dict, logprobs: dict | None, finish: str | N
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def role_chunks(head: dict, n: int, first: Callable[[], dict] | None = None
-                ) -> tuple[dict, ...]:  # fmt: skip
+def role_chunks(head: dict, n: int, first: Callable[[], dict] | None = None) -> tuple[dict, ...]:
     """The opening chunk of each of `n` streamed chat choices: the role, and what `first()`
     gives instead of the empty content."""
     make = first or (lambda: {"role": "assistant", "content": ""})

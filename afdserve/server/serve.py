@@ -89,8 +89,10 @@ class Signals:
             raise KeyboardInterrupt(name)
         self.state.draining = True
         self.drain_deadline = time.monotonic() + self.state.options.drain_timeout_s
-        progress(f"{name}: draining {len(self.state.live)} request(s) for up to "
-                 f"{self.state.options.drain_timeout_s:g} s (a second signal stops at once)")
+        progress(
+            f"{name}: draining {len(self.state.live)} request(s) for up to "
+            f"{self.state.options.drain_timeout_s:g} s (a second signal stops at once)"
+        )
 
 
 def raise_open_files_limit() -> None:
@@ -252,14 +254,18 @@ def restart(engine: Engine, error: str, budget: RestartBudget, thread: threading
         return False
     state.detach(str(error))
     if engine.llm is not None and engine.llm.engine.core_client.repairable:
-        progress(f"{error}; replacing the failed rank(s) in {delay:g} s (on_engine_failure="
-                 f"restart: the others keep their weights)")
+        progress(
+            f"{error}; replacing the failed rank(s) in {delay:g} s (on_engine_failure="
+            f"restart: the others keep their weights)"
+        )
         if not back_off(delay, state, thread):
             return True
         began = time.monotonic()
         if engine.repair():
-            progress(f"rebuilt the world in {time.monotonic() - began:.1f} s: serving "
-                     f"{state.model_name!r} again")
+            progress(
+                f"rebuilt the world in {time.monotonic() - began:.1f} s: serving "
+                f"{state.model_name!r} again"
+            )
             return True
         error, delay = "the world could not be rebuilt around its surviving ranks", 0.0
     engine.stop()

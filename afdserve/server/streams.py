@@ -124,8 +124,9 @@ async def respond(
             return Response(status_code=CLIENT_CLOSED)
         outs = chosen(outs, gen.fanout.n, gen.fanout.candidates)
         choices = [make(i, o.text, o.token_ids, o.logprobs, o) for i, o in enumerate(outs)]
-        return JSONResponse({**head, **prompt_ids(outs[0]), "choices": choices,
-                             "usage": gen.usage()})  # fmt: skip
+        return JSONResponse(
+            {**head, **prompt_ids(outs[0]), "choices": choices, "usage": gen.usage()}
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     # vLLM's continuous_usage_stats: every chunk carries the usage so far too.
@@ -170,9 +171,12 @@ async def start(
     if state.log_requests:
         log.info(
             "request %s: %s, %d prompt(s) of %s tokens, %s",
-            gen.ids[0][:24], kind, len(fanout.prompts) // fanout.candidates,
-            ",".join(str(len(p)) for p in fanout.prompts[:: fanout.candidates]), fanout.params[0],
-        )  # fmt: skip
+            gen.ids[0][:24],
+            kind,
+            len(fanout.prompts) // fanout.candidates,
+            ",".join(str(len(p)) for p in fanout.prompts[:: fanout.candidates]),
+            fanout.params[0],
+        )
         gen.on_finish = lambda summary: log.info(
             "request %s finished: %s", gen.ids[0][:24], summary
         )

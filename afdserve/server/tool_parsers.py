@@ -87,8 +87,9 @@ def _qwen3_coder(body: str) -> Call | None:
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
-_DEEPSEEK_CALL = re.compile(r"^\s*(?:function)?<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*)\n```\s*$",
-                            re.DOTALL)  # fmt: skip
+_DEEPSEEK_CALL = re.compile(
+    r"^\s*(?:function)?<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*)\n```\s*$", re.DOTALL
+)
 
 
 def _deepseek_v3(body: str) -> Call | None:
@@ -111,17 +112,26 @@ def _kimi_k2(body: str) -> Call | None:
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("<tool_call>", "</tool_call>", _hermes),
     "qwen3_coder": ToolFormat("<tool_call>", "</tool_call>", _qwen3_coder),
-    "deepseek_v3": ToolFormat("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _deepseek_v3,
-                              ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
-    "kimi_k2": ToolFormat("<|tool_call_begin|>", "<|tool_call_end|>", _kimi_k2,
-                          ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")),
-}  # fmt: skip
+    "deepseek_v3": ToolFormat(
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        _deepseek_v3,
+        ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+    ),
+    "kimi_k2": ToolFormat(
+        "<|tool_call_begin|>",
+        "<|tool_call_end|>",
+        _kimi_k2,
+        ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+    ),
+}
 PARSERS = tuple(FORMATS)
 START, END = FORMATS["hermes"].start, FORMATS["hermes"].end
 
 
-def segments(text: str, final: bool, fmt: ToolFormat = FORMATS["hermes"]
-             ) -> tuple[list[Segment], int]:  # fmt: skip
+def segments(
+    text: str, final: bool, fmt: ToolFormat = FORMATS["hermes"]
+) -> tuple[list[Segment], int]:
     """The content pieces and calls of `text` in order, and how many characters they cover."""
     out: list[Segment] = []
     pos = 0

@@ -63,8 +63,9 @@ class ToolChoice:
             return None
         if self.name is not None:
             return [call(self.name, text)]
-        return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for item in value]  # fmt: skip
+        return [
+            call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
+        ]
 
 
 class AutoTools:
@@ -80,26 +81,32 @@ class AutoTools:
         if not calls:
             return shape.chat_choice(index, text, logprobs, finish)
         finish = "tool_calls" if finish == "stop" else finish
-        return tool_message(index, content or None, [call(n, a) for n, a in calls], logprobs,
-                            finish)  # fmt: skip
+        return tool_message(
+            index, content or None, [call(n, a) for n, a in calls], logprobs, finish
+        )
 
     def stream(self) -> AutoToolStream:
         return AutoToolStream(self.parser)
 
 
-def tool_message(index: int, content: str | None, calls: list[dict], logprobs: dict | None,
-                 finish: str | None) -> dict:  # fmt: skip
+def tool_message(
+    index: int, content: str | None, calls: list[dict], logprobs: dict | None, finish: str | None
+) -> dict:
     message = {"role": "assistant", "content": content, "tool_calls": calls}
     return shape.message_choice(index, message, logprobs, finish)
 
 
 def call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
-def tool_choice(body: api.ChatCompletionRequest, parser: str | None = None
-                ) -> ToolChoice | AutoTools | None:  # fmt: skip
+def tool_choice(
+    body: api.ChatCompletionRequest, parser: str | None = None
+) -> ToolChoice | AutoTools | None:
     """How the request's tools are answered: a forced call, the parser's reading of a free
     answer ("auto" with a `parser`), or None (no tools, or tool_choice "none")."""
     tools = body.tools or []
@@ -117,20 +124,36 @@ def tool_choice(body: api.ChatCompletionRequest, parser: str | None = None
             'tool_choice: "auto" needs a tool-call parser (serve with --enable-auto-tool-choice '
             '--tool-call-parser hermes); or use "required", a named function, or "none"',
             "tool_choice",
-        )  # fmt: skip
+        )
     functions = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in tools}
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, params in functions.items()]  # fmt: skip
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [name]}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, params in functions.items()
+        ]
         one = body.parallel_tool_calls is False
-        return ToolChoice(None, {"type": "array", "minItems": 1, "items": {"anyOf": items},
-                                 **({"maxItems": 1} if one else {})})  # fmt: skip
+        return ToolChoice(
+            None,
+            {
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": items},
+                **({"maxItems": 1} if one else {}),
+            },
+        )
     assert isinstance(choice, api.NamedToolChoice)
     name = choice.function.name
     if name not in functions:
-        raise bad_request(f"tool_choice: function {name!r} is not among the tools "
-                          f"({', '.join(sorted(functions))})", "tool_choice")  # fmt: skip
+        raise bad_request(
+            f"tool_choice: function {name!r} is not among the tools "
+            f"({', '.join(sorted(functions))})",
+            "tool_choice",
+        )
     return ToolChoice(name, functions[name])
 
 
@@ -192,8 +215,10 @@ class AutoToolStream:
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             first = self.calls.get(index, 0)
-            delta["tool_calls"] = [{"index": first + k, **call(name, arguments)}
-                                   for k, (name, arguments) in enumerate(calls)]  # fmt: skip
+            delta["tool_calls"] = [
+                {"index": first + k, **call(name, arguments)}
+                for k, (name, arguments) in enumerate(calls)
+            ]
             self.calls[index] = first + len(calls)
         if finish == "stop" and self.calls.get(index):
             finish = "tool_calls"

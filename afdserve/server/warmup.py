@@ -27,8 +27,10 @@ def warm_up(llm: LLM) -> None:
         engine = llm.engine
         longest = min(llm.engine_config.max_num_batched_tokens, engine.max_model_len - 2)
         # Distinct token ids per prompt, so that a prefix cache serves none of them.
-        prompts += [[(31 * i + 7 * j) % engine.vocab_size for j in range(n)]
-                    for i, n in enumerate(prefill_sizes(longest), start=1)]
+        prompts += [
+            [(31 * i + 7 * j) % engine.vocab_size for j in range(n)]
+            for i, n in enumerate(prefill_sizes(longest), start=1)
+        ]
     params = SamplingParams(max_tokens=2, temperature=0.0)
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
     for i, prompt in enumerate(prompts):

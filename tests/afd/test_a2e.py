@@ -1,7 +1,7 @@
-"""The fp8 A2E payload (AFDConfig.a2e_dtype, kernels/reference/a2e.py) over real gloo worlds: AFD gives
-colocated's tokens exactly under the same setting, with the gate on either side, 1-2 ubatches and
-a chunked prefill beside decodes; every A2E batch carries fp8 rows and their scales region in the
-plan's sizes, and the FFN half received scales on exactly the real rows (pad rows: scale 0)."""
+"""The fp8 A2E payload (AFDConfig.a2e_dtype, kernels/reference/a2e.py) over real gloo worlds: AFD
+gives colocated's tokens exactly under the same setting, with the gate on either side, 1-2 ubatches
+and a chunked prefill beside decodes; every A2E batch carries fp8 rows and their scales region in
+the plan's sizes, and the FFN half received scales on exactly the real rows (pad rows: scale 0)."""
 
 from __future__ import annotations
 
@@ -50,16 +50,27 @@ def _assert_scales_region(log_dir, step_log, hidden: int) -> None:
         assert tile["scaled_rows"] == tile["real_rows"], tile
 
 
-@pytest.mark.parametrize(("topology", "family", "ubatches", "gate", "graph_mode", "expert"),
-                         CASES)
-def test_fp8_afd_equals_colocated_fp8(afd_models, tmp_path, topology, family, ubatches, gate,
-                                      graph_mode, expert):
+@pytest.mark.parametrize(("topology", "family", "ubatches", "gate", "graph_mode", "expert"), CASES)
+def test_fp8_afd_equals_colocated_fp8(
+    afd_models, tmp_path, topology, family, ubatches, gate, graph_mode, expert
+):
     model = afd_models[family]
     prompts = mixed_prompts()  # a chunked prefill beside decodes
-    with LLM(str(model), topology=topology, dtype="float32", ubatches=ubatches,
-             gate_on_attention=gate, graph_mode=graph_mode, cuda_graph_sizes=[1, 2, 4, 8],
-             max_num_batched_tokens=16, log_step_plan=True, log_data_plane=str(tmp_path),
-             connector="p2p", ffn_expert_parallel=expert, **FP8) as llm:
+    with LLM(
+        str(model),
+        topology=topology,
+        dtype="float32",
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=16,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+        connector="p2p",
+        ffn_expert_parallel=expert,
+        **FP8,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     records = llm.step_log()
     assert got == colocated_tokens(model, prompts, max_num_batched_tokens=16, **FP8)
@@ -73,8 +84,16 @@ def test_fp8_afd_equals_colocated_fp8(afd_models, tmp_path, topology, family, ub
 def test_fp8_in_process_equals_colocated_fp8(afd_models, gate):
     model = afd_models["mixtral"]
     prompts = mixed_prompts()
-    with LLM(str(model), topology="1A1F", connector="inprocess", dtype="float32", ubatches=2,
-             gate_on_attention=gate, max_num_batched_tokens=16, **FP8) as llm:
+    with LLM(
+        str(model),
+        topology="1A1F",
+        connector="inprocess",
+        dtype="float32",
+        ubatches=2,
+        gate_on_attention=gate,
+        max_num_batched_tokens=16,
+        **FP8,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == colocated_tokens(model, prompts, max_num_batched_tokens=16, **FP8)
 
@@ -110,9 +129,16 @@ def test_bfloat16_wire_of_a_float32_model(afd_models, tmp_path):
     """a2e_dtype=bfloat16 over a float32 model: the rows travel as bfloat16, no scales."""
     model = afd_models["qwen3_moe"]
     prompts = mixed_prompts()
-    with LLM(str(model), topology="2A1F", dtype="float32", gate_on_attention=True,
-             max_num_batched_tokens=16, log_data_plane=str(tmp_path), connector="p2p",
-             a2e_dtype="bfloat16") as llm:
+    with LLM(
+        str(model),
+        topology="2A1F",
+        dtype="float32",
+        gate_on_attention=True,
+        max_num_batched_tokens=16,
+        log_data_plane=str(tmp_path),
+        connector="p2p",
+        a2e_dtype="bfloat16",
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     want = colocated_tokens(model, prompts, max_num_batched_tokens=16, a2e_dtype="bfloat16")
     assert got == want

@@ -481,10 +481,17 @@ def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypat
         if not round_done.wait(timeout=120):
             return  # the assertion below names it; the frontend's start-up times out
         for rank in range(3):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                       WORLD_SIZE="3", RANK=str(rank), AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}")
-            procs.append(subprocess.Popen([sys.executable, "-m", "afdserve.afd.ranks.worker"],
-                                          env=env))  # fmt: skip
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master),
+                WORLD_SIZE="3",
+                RANK=str(rank),
+                AFDSERVE_FRONTEND=f"127.0.0.1:{frontend}",
+            )
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env)
+            )
 
     starter = threading.Thread(target=start_ranks, daemon=True)
     starter.start()
@@ -571,8 +578,9 @@ def test_the_listener_outlives_running_out_of_file_descriptors() -> None:
     they are gone still gets in."""
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc/self/fd to count the open descriptors")
-    run = subprocess.run([sys.executable, "-c", _OUT_OF_DESCRIPTORS], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stderr
     assert "accepting a rank connection failed" in run.stdout, run.stdout
     assert "RANK 2" in run.stdout, run.stdout

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from afdserve import LLM
-from afdserve.frontend.process import free_port
 from afdserve.afd.dataplane.ffn import check_payload
 from afdserve.afd.dataplane.payload import LayoutError
+from afdserve.frontend.process import free_port
 from afdserve.layout.plan import GraphTable, RankStep, plan_step
 from afdserve.layout.topology import Topology
 

@@ -92,8 +92,13 @@ def test_control_planes_match_colocated(afd_models, control_plane):
     model = afd_models["qwen3_moe"]
     prompts = mixed_prompts()
     want = colocated_tokens(model, prompts)
-    with LLM(str(model), topology="2A1F", dtype="float32", max_num_batched_tokens=16,
-             control_plane=control_plane) as llm:
+    with LLM(
+        str(model),
+        topology="2A1F",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        control_plane=control_plane,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         boards = [_control_boards(p.pid) for p in llm.engine.core_client.world.procs]
     assert got == want

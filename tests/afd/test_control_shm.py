@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import pytest
 
-from afdserve.frontend.process import free_port
 from afdserve.afd.step.control_shm import shared_memory_supported
 from afdserve.config import AFDConfig
+from afdserve.frontend.process import free_port
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 
@@ -69,15 +69,17 @@ def _absent(rank: int, arg: int, rng: random.Random, timeout_s: float, control):
     return "no error"
 
 
-def _rank(rank: int, topology: Topology, port: int, scenario, arg: int, timeout_s: float,
-          results) -> None:
+def _rank(
+    rank: int, topology: Topology, port: int, scenario, arg: int, timeout_s: float, results
+) -> None:
     import torch.distributed as dist
 
     from afdserve.afd.step.control_shm import SharedMemoryControl
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=topology.world_size,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=topology.world_size, timeout=timedelta(seconds=120)
+    )
     control = SharedMemoryControl(topology, dist.new_group(backend="gloo"), rank, timeout_s)
     try:
         outcome = scenario(rank, arg, random.Random(rank), timeout_s, control)
@@ -87,14 +89,16 @@ def _rank(rank: int, topology: Topology, port: int, scenario, arg: int, timeout_
     control.close()
 
 
-def _world(topology: Topology, scenario, arg: int = 0, timeout_s: float = 60.0,
-           ranks: int | None = None) -> dict[int, tuple]:
+def _world(
+    topology: Topology, scenario, arg: int = 0, timeout_s: float = 60.0, ranks: int | None = None
+) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank,
-                         args=(r, topology, port, scenario, arg, timeout_s, results))
-             for r in range(topology.world_size)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, topology, port, scenario, arg, timeout_s, results))
+        for r in range(topology.world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -134,12 +138,17 @@ def test_a_rank_that_never_arrives_times_out_by_name():
     for rank in (0, 1):
         kind, message, waited = got[rank][0]
         assert kind == "ControlPlaneError"
-        assert message == (f"control round 1 on rank {rank}: ranks [2] did not arrive within "
-                           f"timeout_s=1.0 (hung or stopped)")
+        assert message == (
+            f"control round 1 on rank {rank}: ranks [2] did not arrive within "
+            f"timeout_s=1.0 (hung or stopped)"
+        )
         assert 1.0 <= waited < 5.0
 
 
 def test_control_plane_choice_is_checked():
-    with pytest.raises(ValueError, match=r"AFDConfig.control_plane='nccl' is not allowed: "
-                                         r"one of \('auto', 'gloo', 'shm'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"AFDConfig.control_plane='nccl' is not allowed: "
+        r"one of \('auto', 'gloo', 'shm'\)",
+    ):
         AFDConfig(topology="2A1F", control_plane="nccl")

@@ -9,8 +9,14 @@ import pytest
 from afdserve import LLM, SamplingParams
 from afdserve.frontend.process import ProcessClient
 
-PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4", "abc", "MoE models",
-           "Once upon a time"]  # fmt: skip
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France",
+    "1 2 3 4",
+    "abc",
+    "MoE models",
+    "Once upon a time",
+]
 
 
 def greedy(llm: LLM, max_tokens: int = 10) -> list[list[int]]:

@@ -63,16 +63,28 @@ def _assert_group_collectives(log_dir: Path, records: list[dict], topology) -> i
     return len(first)
 
 
-@pytest.mark.parametrize(("topology", "family", "ubatches", "gate", "graph_mode", "placement"),
-                         CASES)
-def test_expert_parallel_matches_colocated(afd_models, tmp_path, topology, family, ubatches,
-                                           gate, graph_mode, placement):
+@pytest.mark.parametrize(
+    ("topology", "family", "ubatches", "gate", "graph_mode", "placement"), CASES
+)
+def test_expert_parallel_matches_colocated(
+    afd_models, tmp_path, topology, family, ubatches, gate, graph_mode, placement
+):
     model = afd_models[family]
     prompts = mixed_prompts()  # a chunked prefill beside decodes under a budget of 16
-    with LLM(str(model), topology=topology, dtype="float32", ubatches=ubatches,
-             gate_on_attention=gate, graph_mode=graph_mode, cuda_graph_sizes=[1, 2, 4, 8],
-             max_num_batched_tokens=16, log_step_plan=True, log_data_plane=str(tmp_path),
-             ffn_expert_parallel=True, expert_placement=placement) as llm:
+    with LLM(
+        str(model),
+        topology=topology,
+        dtype="float32",
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=16,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+        ffn_expert_parallel=True,
+        expert_placement=placement,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         memory = llm.memory_reports
     records = llm.step_log()  # after shutdown: every rank has written its last step
@@ -87,8 +99,9 @@ def test_expert_parallel_matches_colocated(afd_models, tmp_path, topology, famil
         assert shards == [tuple(sorted(s)) for s in placement]
     # ... and its bytes are the replicated part (the same on every FFN rank) plus its experts'.
     per_expert = _expert_bytes(model)
-    replicated = {m.parameter_bytes - sum(per_expert[e] for e in m.experts)
-                  for m in memory if m.role == "ffn"}
+    replicated = {
+        m.parameter_bytes - sum(per_expert[e] for e in m.experts) for m in memory if m.role == "ffn"
+    }
     assert len(replicated) == 1  # 0 when the router sits on the attention side, no dense layer
 
     warmup = 4 if graph_mode != "none" else 0
@@ -98,8 +111,9 @@ def test_expert_parallel_matches_colocated(afd_models, tmp_path, topology, famil
     if topo.ffn_ranks > topo.attention_ranks:  # ranks without peers serve their experts
         assert any(r["peers"] == [] and any(r["group_rows"]) for r in ffn_records)
     if topo.attention_ranks > 1:  # an idle attention rank pads while another one works
-        assert any(r["real_rows"] == 0 and any(r["tile_rows"])
-                   for r in records if r["role"] == "attention")
+        assert any(
+            r["real_rows"] == 0 and any(r["tile_rows"]) for r in records if r["role"] == "attention"
+        )
     # The group shares one mode with every attention rank, step by step.
     modes: dict[int, set[str]] = defaultdict(set)
     for r in records:
@@ -123,12 +137,26 @@ def test_expert_parallel_config_errors(afd_models):
         AFDConfig(topology="2A2F", ffn_expert_parallel=1)
     with pytest.raises(ValueError, match=r"more than once \(expert: FFN indices\): \{1: \[0, 1"):
         AFDConfig(topology="1A2F", ffn_expert_parallel=True, expert_placement=[[0, 1], [1]])
-    args = build_parser().parse_args(["generate", "--topology", "1A2F", "--ffn-expert-parallel",
-                                      "--expert-placement", "0,1,2;3,4,5,6,7"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--topology",
+            "1A2F",
+            "--ffn-expert-parallel",
+            "--expert-placement",
+            "0,1,2;3,4,5,6,7",
+        ]
+    )
     kwargs = llm_kwargs(args)
-    assert kwargs["ffn_expert_parallel"] and kwargs["expert_placement"] == [[0, 1, 2],
-                                                                           [3, 4, 5, 6, 7]]
+    assert kwargs["ffn_expert_parallel"] and kwargs["expert_placement"] == [
+        [0, 1, 2],
+        [3, 4, 5, 6, 7],
+    ]
     # The model's expert count is checked by LLM before it starts a rank.
     with pytest.raises(ValueError, match=r"8 routed experts: experts held by no FFN rank: \[7\]"):
-        LLM(str(afd_models["mixtral"]), topology="1A2F", ffn_expert_parallel=True,
-            expert_placement=[[0, 1, 2], [3, 4, 5, 6]])
+        LLM(
+            str(afd_models["mixtral"]),
+            topology="1A2F",
+            ffn_expert_parallel=True,
+            expert_placement=[[0, 1, 2], [3, 4, 5, 6]],
+        )

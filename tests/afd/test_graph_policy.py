@@ -43,8 +43,10 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
     # (prompt + max_tokens, ties to rank 0), so costs 8, 44, 8, 8, 8, 8, 8, 8 put the first and
     # the third to seventh on rank 0, the second and the eighth on rank 1.
     six_two = [[1 + i, 2 + i] for i in range(8)]
-    six_two_params = [SamplingParams(max_tokens=42 if i == 1 else 6, temperature=0.0,
-                                     ignore_eos=True) for i in range(8)]
+    six_two_params = [
+        SamplingParams(max_tokens=42 if i == 1 else 6, temperature=0.0, ignore_eos=True)
+        for i in range(8)
+    ]
     with LLM(
         str(model),
         topology="2A1F",
@@ -82,8 +84,9 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
         for p in uneven[1:]
     ]
 
-    assert got_six_two == [colocated_tokens(model, [p], sp)[0]
-                           for p, sp in zip(six_two, six_two_params)]
+    assert got_six_two == [
+        colocated_tokens(model, [p], sp)[0] for p, sp in zip(six_two, six_two_params)
+    ]
     steps = _steps(records)
     # Warm-up captured every size on both roles together.
     captures = [r for r in records if r["mode"] == "capture"]

@@ -15,8 +15,13 @@ def test_2a1f_with_fp8_cache_equals_colocated_with_fp8_cache(afd_models, family)
     model = afd_models[family]
     prompts = mixed_prompts()
     want = colocated_tokens(model, prompts, kv_cache_dtype="fp8", max_num_batched_tokens=16)
-    with LLM(str(model), topology="2A1F", dtype="float32", kv_cache_dtype="fp8",
-             max_num_batched_tokens=16) as llm:  # fmt: skip
+    with LLM(
+        str(model),
+        topology="2A1F",
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        max_num_batched_tokens=16,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         reports = {m.rank: m for m in llm.memory_reports}
     assert got == want

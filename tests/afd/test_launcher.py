@@ -150,8 +150,12 @@ def test_auto_connector_resolves_by_where_ranks_run(topology, device, gpus, spaw
 
     resolved = AFDConfig(topology=topology).resolve_connector(device, gpus, spawned)
     assert resolved.connector == chosen
-    assert AFDConfig(topology=topology, connector="p2p").resolve_connector(
-        device, gpus, spawned).connector == "p2p"  # an explicit choice is kept
+    assert (
+        AFDConfig(topology=topology, connector="p2p")
+        .resolve_connector(device, gpus, spawned)
+        .connector
+        == "p2p"
+    )  # an explicit choice is kept
 
 
 def test_ipc_needs_cuda_and_an_afd_topology():

@@ -36,11 +36,17 @@ def _alive(pid: int) -> bool:
         (0, signal.SIGKILL, 3.0, "gloo"),
     ],
 )
-def test_dead_or_hung_rank_fails_the_engine_quickly(afd_models, victim, sig, within_s,
-                                                    control_plane):
-    llm = LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32",
-              heartbeat_timeout_s=HEARTBEAT_S, max_num_batched_tokens=16,
-              control_plane=control_plane)
+def test_dead_or_hung_rank_fails_the_engine_quickly(
+    afd_models, victim, sig, within_s, control_plane
+):
+    llm = LLM(
+        str(afd_models["qwen3_moe"]),
+        topology="2A1F",
+        dtype="float32",
+        heartbeat_timeout_s=HEARTBEAT_S,
+        max_num_batched_tokens=16,
+        control_plane=control_plane,
+    )
     pids = [p.pid for p in llm.engine.core_client.world.procs]
     try:
         for i in range(4):

@@ -24,8 +24,15 @@ def test_dummy_weights_match_across_topologies(afd_models, topology, expert_para
     1A2F world shards the routed experts over two FFN ranks."""
     model, prompts = afd_models["deepseek_v3"], mixed_prompts()
     want = _tokens(model, prompts, seed=11)
-    got = _tokens(model, prompts, seed=11, topology=topology, connector="p2p",
-                  ffn_expert_parallel=expert_parallel, max_num_batched_tokens=16)
+    got = _tokens(
+        model,
+        prompts,
+        seed=11,
+        topology=topology,
+        connector="p2p",
+        ffn_expert_parallel=expert_parallel,
+        max_num_batched_tokens=16,
+    )
     assert got == want
     assert _tokens(model, prompts, seed=12) != want  # the seed reaches the weights
     with LLM(str(model), dtype="float32") as llm:  # ... and dummy is not the checkpoint
@@ -48,8 +55,11 @@ def test_config_only_dir_runs_on_token_ids(tmp_path):
         with pytest.raises(RequestError, match="stop: \\['x'\\] needs text.*stop_token_ids"):
             llm.generate(prompts[0], SamplingParams(max_tokens=4, stop=["x"]))
         stop = want[0][2]
-        stopped = llm.generate(prompts[0], SamplingParams(
-            max_tokens=10, temperature=0.0, stop_token_ids=[stop]), use_tqdm=False)[0]
-        assert stopped.token_ids == want[0][:want[0].index(stop) + 1]
+        stopped = llm.generate(
+            prompts[0],
+            SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop]),
+            use_tqdm=False,
+        )[0]
+        assert stopped.token_ids == want[0][: want[0].index(stop) + 1]
     with pytest.raises(Exception, match="safetensors"):  # load_format="auto" needs weights
         LLM(str(model), dtype="float32")

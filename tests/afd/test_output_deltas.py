@@ -14,9 +14,9 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.afd.ranks.messages import Outputs
-from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.frontend.outputs import SequenceOutput
 from afdserve.model.fixtures.bundled import resolve_model
 
 PROMPTS = ["Hello", "naïve café — 東京", "abc abc abc", "x"]
@@ -30,6 +30,8 @@ def _params(stop: str) -> list[SamplingParams]:
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop, "zz"]),
         SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
     ]
+
+
 TIMES = ("arrival_time", "first_scheduled_time", "first_token_time")
 
 
@@ -75,8 +77,11 @@ def _same(got: dict, want: dict) -> None:
 @pytest.fixture(scope="module")
 def colocated() -> tuple[list[SamplingParams], dict[str, list[SequenceOutput]]]:
     with LLM(None, dtype="float32") as llm:
-        free = llm.generate(PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0,
-                                                       ignore_eos=True), use_tqdm=False)[0]
+        free = llm.generate(
+            PROMPTS[2],
+            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         stop = free.outputs[0].text[2:4]
         assert len(stop) == 2 and "zz" not in free.outputs[0].text
         params = _params(stop)
@@ -123,8 +128,9 @@ def test_the_streamed_pieces_add_up(colocated) -> None:
     rest = tokenizer.decode(stopped.token_ids, skip_special_tokens=True)[len(stopped.text) :]
     assert rest.startswith(stop) and len(stopped.token_ids) < 16
     # The stop string's first character came a step before its last, and was held back.
-    assert any(o.text == stopped.text and o.token_ids != stopped.token_ids
-               for o in series["r2"][:-1])
+    assert any(
+        o.text == stopped.text and o.token_ids != stopped.token_ids for o in series["r2"][:-1]
+    )
     assert len(series["r0"][-1].logprobs) == 12
     assert len(series["r3"]) == 1  # one token: its only output is also the last
 
@@ -154,21 +160,30 @@ def test_offline_api_with_stop_strings_n_and_logprobs_matches_colocated(two_rank
     prompts = ["Hello", "abc abc abc", [5, 6, 7]]
     params = [
         SamplingParams(max_tokens=12, temperature=0.8, seed=1, n=2, logprobs=1, stop=["o", "q"]),
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=["b"], logprobs=2,
-                       include_stop_str_in_output=True),
+        SamplingParams(
+            max_tokens=16,
+            temperature=0.0,
+            ignore_eos=True,
+            stop=["b"],
+            logprobs=2,
+            include_stop_str_in_output=True,
+        ),
         SamplingParams(max_tokens=10, temperature=0.7, seed=4, n=3, best_of=4, logprobs=0),
     ]
     got = two_ranks.generate(prompts, params, use_tqdm=False)
     with LLM(None, dtype="float32") as llm:
         want = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs) for o in got] == [2, 1, 3]
-    assert any(c.finish_reason == "stop" and len(c.token_ids) < 16
-               for o in want for c in o.outputs)
+    assert any(c.finish_reason == "stop" and len(c.token_ids) < 16 for o in want for c in o.outputs)
     for a, b in zip(got, want, strict=True):
         assert a.prompt_token_ids == b.prompt_token_ids and a.finished and b.finished
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert (x.index, x.text, x.token_ids, x.finish_reason) == (
-                y.index, y.text, y.token_ids, y.finish_reason)
+                y.index,
+                y.text,
+                y.token_ids,
+                y.finish_reason,
+            )
             assert _close(x.logprobs, y.logprobs)
             assert math.isclose(x.cumulative_logprob, y.cumulative_logprob, abs_tol=1e-3)
 
@@ -177,13 +192,17 @@ def test_a_stop_string_frees_the_request_on_its_rank(two_ranks: LLM) -> None:
     """The frontend finds the stop string and aborts the request at its rank: the rank stops
     stepping it and frees its KV blocks, long before max_tokens could have run out."""
     engine = two_ranks.engine
-    free = two_ranks.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0,
-                                                          ignore_eos=True), use_tqdm=False)[0]
+    free = two_ranks.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     stop = free.outputs[0].text[2:4]
     assert stop
     max_tokens = 400
-    engine.add_request("stopped", [5, 6, 7], SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=[stop]))
+    engine.add_request(
+        "stopped",
+        [5, 6, 7],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=[stop]),
+    )
     rank = engine.core_client.owner["stopped"]
     before = sum(engine.core_client.rank_stats[rank].steps.values())
     finished = None

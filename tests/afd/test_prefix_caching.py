@@ -25,10 +25,14 @@ TINY_CACHE = dict(dtype="float32", block_size=BS, kv_cache_blocks=10, max_num_ba
 @st.composite
 def shared_prefix_workloads(draw) -> tuple[list[list[int]], SamplingParams]:
     rng = random.Random(draw(st.integers(0, 2**31)))
-    prefixes = [[rng.randrange(250) for _ in range(rng.randint(1, 18))]
-                for _ in range(draw(st.integers(1, 3)))]  # fmt: skip
-    prompts = [rng.choice(prefixes) + [rng.randrange(250) for _ in range(rng.randint(1, 6))]
-               for _ in range(draw(st.integers(2, 7)))]  # fmt: skip
+    prefixes = [
+        [rng.randrange(250) for _ in range(rng.randint(1, 18))]
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    prompts = [
+        rng.choice(prefixes) + [rng.randrange(250) for _ in range(rng.randint(1, 6))]
+        for _ in range(draw(st.integers(2, 7)))
+    ]
     params = SamplingParams(max_tokens=draw(st.integers(1, 8)), temperature=0.0, ignore_eos=True)
     return prompts, params
 
@@ -53,8 +57,11 @@ def check_world(reference: LLM, llm: LLM, data) -> None:
 WORLDS = [
     pytest.param("colocated", {}, id="colocated"),
     # The graph layout (eager on CPU): cached prefills beside decodes keep the graph keys paired.
-    pytest.param("2A1F", {"graph_mode": "full_decode_only", "cuda_graph_sizes": [1, 2, 4, 8]},
-                 id="2A1F-graphs"),  # fmt: skip
+    pytest.param(
+        "2A1F",
+        {"graph_mode": "full_decode_only", "cuda_graph_sizes": [1, 2, 4, 8]},
+        id="2A1F-graphs",
+    ),
     pytest.param("3A2F", {"ubatches": 2}, id="3A2F", marks=pytest.mark.slow),
     pytest.param("2A2F", {"ffn_expert_parallel": True}, id="2A2F-ep", marks=pytest.mark.slow),
 ]
@@ -91,8 +98,14 @@ def test_ffn_ranks_compute_only_uncached_rows(afd_models, tmp_path) -> None:
     rng = random.Random(5)
     prefix = [rng.randrange(250) for _ in range(12)]
     first, second = prefix + [1, 2, 3], prefix + [7, 8, 9]
-    with LLM(model, topology="2A1F", dtype="float32", block_size=BS, log_step_plan=True,
-             log_data_plane=str(tmp_path)) as llm:  # fmt: skip
+    with LLM(
+        model,
+        topology="2A1F",
+        dtype="float32",
+        block_size=BS,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+    ) as llm:
         a = llm.generate([first], GREEDY, use_tqdm=False)[0]
         b = llm.generate([second], GREEDY, use_tqdm=False)[0]
     records = llm.step_log()
@@ -113,8 +126,13 @@ def test_a_repeated_prefix_goes_to_the_rank_that_cached_it(afd_models, policy) -
     `least-tokens` breaks the tie towards rank 0, which holds nothing of it."""
     rng = random.Random(11)
     one, two = ([rng.randrange(250) for _ in range(16)] for _ in range(2))
-    with LLM(str(afd_models["qwen3_moe"]), topology="2A1F", dtype="float32", block_size=BS,
-             routing_policy=policy) as llm:  # fmt: skip
+    with LLM(
+        str(afd_models["qwen3_moe"]),
+        topology="2A1F",
+        dtype="float32",
+        block_size=BS,
+        routing_policy=policy,
+    ) as llm:
         llm.generate([one + [1], two + [2]], GREEDY, use_tqdm=False)
         again = llm.generate([two + [3, 4]], GREEDY, use_tqdm=False)[0]
         stats = llm.engine.stats()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from afdserve.frontend.routing import PrefixMirror, Router
 from afdserve.engine.prefix_hash import prefix_hashes
+from afdserve.frontend.routing import PrefixMirror, Router
 
 BS = 4
 

@@ -21,8 +21,10 @@ def _batch(rank, step, ops):
 def test_mirror_check_rejects_the_batching_nccl_refuses():
     """The measured failure on two H200s: [send, send, recv] against [recv, recv] + [send]."""
     attention = [_batch(0, 0, [("send", 1, [4, 8]), ("send", 1, [8]), ("recv", 1, [4, 8])])]
-    ffn = [_batch(1, 0, [("recv", 0, [4, 8]), ("recv", 0, [8])]),
-           _batch(1, 0, [("send", 0, [4, 8])])]
+    ffn = [
+        _batch(1, 0, [("recv", 0, [4, 8]), ("recv", 0, [8])]),
+        _batch(1, 0, [("send", 0, [4, 8])]),
+    ]
     errors = mirror_errors({0: attention, 1: ffn})
     assert errors and "rank 0 posted 1 batches with 1, rank 1 posted 2 with 0" in errors[0]
 
@@ -32,8 +34,10 @@ def test_mirror_check_rejects_other_sizes_and_accepts_mirrors():
     wrong = [_batch(1, 0, [("recv", 0, [6, 8])]), _batch(1, 0, [("send", 0, [4, 8])])]
     assert "a mirror is [('recv', (4, 8)" in mirror_errors({0: sent, 1: wrong})[0]
     # A batch with two peers mirrors each peer's own batch.
-    ffn = [_batch(2, 0, [("recv", 0, [4, 8]), ("recv", 1, [4, 8])]),
-           _batch(2, 0, [("send", 0, [4, 8]), ("send", 1, [4, 8])])]
+    ffn = [
+        _batch(2, 0, [("recv", 0, [4, 8]), ("recv", 1, [4, 8])]),
+        _batch(2, 0, [("send", 0, [4, 8]), ("send", 1, [4, 8])]),
+    ]
     peer = [_batch(r, 0, [("send", 2, [4, 8])]) for r in (0, 1)]
     back = [_batch(r, 0, [("recv", 2, [4, 8])]) for r in (0, 1)]
     assert mirror_errors({0: [peer[0], back[0]], 1: [peer[1], back[1]], 2: ffn}) == []
@@ -53,10 +57,19 @@ CASES = [
 def test_data_plane_contract(afd_models, tmp_path, topology, family, ubatches, gate, graph_mode):
     model = afd_models[family]
     prompts = mixed_prompts()  # a chunked prefill beside decodes
-    with LLM(str(model), topology=topology, dtype="float32", ubatches=ubatches,
-             gate_on_attention=gate, graph_mode=graph_mode, cuda_graph_sizes=[1, 2, 4, 8],
-             max_num_batched_tokens=16, log_step_plan=True, log_data_plane=str(tmp_path),
-             connector="p2p") as llm:
+    with LLM(
+        str(model),
+        topology=topology,
+        dtype="float32",
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=16,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+        connector="p2p",
+    ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == colocated_tokens(model, prompts)

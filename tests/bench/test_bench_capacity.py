@@ -18,15 +18,22 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
 
 
 def _spec(model_dir, **overrides) -> CapacityBench:
-    fields = dict(model_dir=str(model_dir), context_len=100, device="cpu", dtype="float32",
-                  load_format="dummy", max_num_seqs=5)
+    fields = dict(
+        model_dir=str(model_dir),
+        context_len=100,
+        device="cpu",
+        dtype="float32",
+        load_format="dummy",
+        max_num_seqs=5,
+    )
     fields.update(overrides)
     return CapacityBench(**fields)
 
 
 def _cache_bytes(kv_cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in kv_cache.layers for t in layer
-               if t is not None)
+    return sum(
+        t.numel() * t.element_size() for layer in kv_cache.layers for t in layer if t is not None
+    )
 
 
 def test_capacity_is_what_the_engines_allocated(tmp_path):
@@ -36,10 +43,20 @@ def test_capacity_is_what_the_engines_allocated(tmp_path):
     spec = _spec(model)
     # Oracles: the KV tensors of a colocated engine, and of a 1A1F attention rank built in this
     # process (the in-process connector) the way a rank process builds it.
-    engines = {"colocated": open_llm(spec, "colocated"),
-               "1A1F": LLM(str(model), topology="1A1F", connector="inprocess", device="cpu",
-                           dtype="float32", max_num_seqs=5, max_num_batched_tokens=16384,
-                           max_model_len=100, load_format="dummy")}
+    engines = {
+        "colocated": open_llm(spec, "colocated"),
+        "1A1F": LLM(
+            str(model),
+            topology="1A1F",
+            connector="inprocess",
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=5,
+            max_num_batched_tokens=16384,
+            max_model_len=100,
+            load_format="dummy",
+        ),
+    }
     oracles = {}
     for topology, llm in engines.items():
         with llm:
@@ -70,19 +87,42 @@ def test_attention_rank_gets_the_room_of_the_experts(tmp_path):
     colocated = next(c for c in found if c.topology == "colocated")
     per_block = colocated.cache_bytes // colocated.num_blocks
     total = 4 * colocated.parameter_bytes
-    blocks = {c.topology: blocks_in_budget(total - c.parameter_bytes, total, 0.9, per_block)
-              for c in (attention, colocated)}
+    blocks = {
+        c.topology: blocks_in_budget(total - c.parameter_bytes, total, 0.9, per_block)
+        for c in (attention, colocated)
+    }
     experts_and_router = colocated.parameter_bytes - attention.parameter_bytes
     assert blocks["colocated"] > 0
     assert blocks["1A1F"] - blocks["colocated"] in (
-        experts_and_router // per_block, experts_and_router // per_block + 1)
+        experts_and_router // per_block,
+        experts_and_router // per_block + 1,
+    )
 
 
 def test_capacity_cli_measures_decode(tmp_path):
     out = tmp_path / "capacity.json"
-    code = main(["bench", "capacity", "--preset", "tiny", "--load-format", "dummy",
-                 "--topologies", "colocated", "--context-len", "40", "--max-num-seqs", "4",
-                 "--measure", "--steps", "2", "--json", str(out), *CPU])
+    code = main(
+        [
+            "bench",
+            "capacity",
+            "--preset",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--topologies",
+            "colocated",
+            "--context-len",
+            "40",
+            "--max-num-seqs",
+            "4",
+            "--measure",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+            *CPU,
+        ]
+    )
     assert code == 0
     (rank,) = json.loads(out.read_text())["results"]
     assert rank["batch"] == 4 and rank["decode_tokens_per_s"] > 0

@@ -20,9 +20,15 @@ from afdserve.model.presets import preset_config
 
 def spec(**overrides) -> DecodeBench:
     fields = dict(
-        model_dir=None, preset="tiny", random_weights=True, batch_sizes=(1, 3),
-        context_len=20, steps=3, dtype="float32", device="cpu",
-    )  # fmt: skip
+        model_dir=None,
+        preset="tiny",
+        random_weights=True,
+        batch_sizes=(1, 3),
+        context_len=20,
+        steps=3,
+        dtype="float32",
+        device="cpu",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -52,8 +58,8 @@ def test_decode_bench_runs_on_cpu(topology, ubatches):
 
 
 def test_kv_bytes_of_mla_count_one_latent():
-    from afdserve.model.config import parse_model_config
     from afdserve.model.checkpoint.loader import build_model
+    from afdserve.model.config import parse_model_config
     from afdserve.model.families.decoder.model import ModelParts
     from afdserve.model.presets import preset_hf_config
 
@@ -78,9 +84,15 @@ def test_cli_prints_a_table(capsys):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("preset", "nope"), ("random_weights", False), ("batch_sizes", ()), ("steps", 1),
-     ("topology", "2A1F"), ("graph_mode", "full")],
-)  # fmt: skip
+    [
+        ("preset", "nope"),
+        ("random_weights", False),
+        ("batch_sizes", ()),
+        ("steps", 1),
+        ("topology", "2A1F"),
+        ("graph_mode", "full"),
+    ],
+)
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"bench.{field}"):
         spec(**{field: value})

@@ -19,9 +19,15 @@ from afdserve.config_args import build
 
 def spec(**overrides) -> DecodeBench:
     fields = dict(
-        model_dir=None, preset="tiny", random_weights=True, batch_sizes=(1, 3),
-        context_len=20, steps=3, dtype="float32", device="cpu",
-    )  # fmt: skip
+        model_dir=None,
+        preset="tiny",
+        random_weights=True,
+        batch_sizes=(1, 3),
+        context_len=20,
+        steps=3,
+        dtype="float32",
+        device="cpu",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -42,11 +48,13 @@ def test_the_flag_reaches_the_spec(flag: str) -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
-    [({"data_parallel_size": 0}, "data_parallel_size"),
-     ({"data_parallel_size": 2, "topology": "in-process"}, "data_parallel_size"),
-     ({"data_parallel_size": 2, "topology": "1A1F"}, "data_parallel_size"),
-     ({"data_parallel_size": 2, "compare_hf": True}, "compare_hf")],
-)  # fmt: skip
+    [
+        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"data_parallel_size": 2, "topology": "in-process"}, "data_parallel_size"),
+        ({"data_parallel_size": 2, "topology": "1A1F"}, "data_parallel_size"),
+        ({"data_parallel_size": 2, "compare_hf": True}, "compare_hf"),
+    ],
+)
 def test_what_cannot_run_names_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"bench.{field}="):
         spec(**overrides)
@@ -57,10 +65,25 @@ def test_more_replicas_than_gpus_is_one_line_before_any_work() -> None:
     the count, before a model is built or a process started (nothing on stdout)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
-        [sys.executable, "-m", "afdserve.cli", "bench", "decode", "--preset", "tiny",
-         "--random-weights", "--device", "cuda", "-dp", "2"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "afdserve.cli",
+            "bench",
+            "decode",
+            "--preset",
+            "tiny",
+            "--random-weights",
+            "--device",
+            "cuda",
+            "-dp",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and done.stdout == "", done.stderr
@@ -76,7 +99,10 @@ def test_two_cpu_replicas_decode_what_one_process_decodes() -> None:
         for replica in row.replicas:
             # The same model, tokens and cache as one colocated process: the same bytes a step.
             assert (replica.batch, replica.weight_bytes, replica.kv_bytes) == (
-                one.batch, one.weight_bytes, one.kv_bytes)  # fmt: skip
+                one.batch,
+                one.weight_bytes,
+                one.kv_bytes,
+            )
             assert replica.step_ms > 0 and replica.copy_gbps is None
         assert row.tokens_per_s == pytest.approx(sum(r.tokens_per_s for r in row.replicas))
         assert row.tokens_per_s_per_device == pytest.approx(row.tokens_per_s / 2)
@@ -84,8 +110,10 @@ def test_two_cpu_replicas_decode_what_one_process_decodes() -> None:
 
 @pytest.mark.slow
 def test_the_cli_prints_each_replica_and_the_aggregate(capsys) -> None:
-    args = parse("bench decode --preset tiny --random-weights --batch-sizes 2 --context-len 9 "
-                 "--steps 2 --dtype float32 --device cpu -dp 2")  # fmt: skip
+    args = parse(
+        "bench decode --preset tiny --random-weights --batch-sizes 2 --context-len 9 "
+        "--steps 2 --dtype float32 --device cpu -dp 2"
+    )
     assert main_decode(args) == 0
     out = capsys.readouterr().out
     assert "x2 replicas at once" in out

@@ -22,9 +22,15 @@ from afdserve.cli import build_parser
 from afdserve.config import ENGINE_CONFIGS
 from afdserve.config_args import build, keyword_fields
 
-SPECS = {"decode": DecodeBench, "control": ControlBench, "serve": ServeBench,
-         "transport": TransportBench, "generate": GenerateBench, "capacity": CapacityBench,
-         "calibrate": CalibrateBench}  # fmt: skip
+SPECS = {
+    "decode": DecodeBench,
+    "control": ControlBench,
+    "serve": ServeBench,
+    "transport": TransportBench,
+    "generate": GenerateBench,
+    "capacity": CapacityBench,
+    "calibrate": CalibrateBench,
+}
 # Flags that are no part of what a bench measures: where its results are also written.
 OUTPUT_FLAGS = {"capacity": {"json"}, "generate": {"json"}, "serve": {"json"}}
 
@@ -32,8 +38,9 @@ OUTPUT_FLAGS = {"capacity": {"json"}, "generate": {"json"}, "serve": {"json"}}
 def bench_kinds() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    kinds = next(a for a in sub.choices["bench"]._actions
-                 if isinstance(a, argparse._SubParsersAction))  # fmt: skip
+    kinds = next(
+        a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
     return dict(kinds.choices)
 
 
@@ -67,8 +74,9 @@ def test_every_flag_default_is_its_spec_fields(kind: str) -> None:
     for action in flags(kind):
         if action.dest in OUTPUT_FLAGS.get(kind, ()):
             continue
-        assert action.dest in fields, f"bench {kind}: {action.option_strings} is no field of " \
-                                      f"{spec.__name__}"  # fmt: skip
+        assert action.dest in fields, (
+            f"bench {kind}: {action.option_strings} is no field of {spec.__name__}"
+        )
         dests.add(action.dest)
         field = fields[action.dest]
         if field.default is dataclasses.MISSING:
@@ -108,15 +116,18 @@ def test_list_flags_parse_into_the_spec() -> None:
         parse("control --control-plane tcp")
 
 
-@pytest.mark.parametrize(("spec", "line", "error"), [
-    (DecodeBench, "decode --model m --steps 1", "bench.steps=1 is not allowed"),
-    (DecodeBench, "decode --model m --batch-sizes ,", "bench.batch_sizes=() is not allowed"),
-    (CapacityBench, "capacity --model m --topologies 2A1F", "bench.topologies=('2A1F',)"),
-    (GenerateBench, "generate --model m --input-len 0", "bench.input_len=0 is not allowed"),
-    (TransportBench, "transport --transports nccl,tcp", "bench.transports: 'tcp'"),
-    (ServeBench, "serve --num-prompts 0", "bench serve: num_prompts=0"),
-    (ControlBench, "control --rounds 0", "bench.rounds=0 is not allowed: an integer >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "line", "error"),
+    [
+        (DecodeBench, "decode --model m --steps 1", "bench.steps=1 is not allowed"),
+        (DecodeBench, "decode --model m --batch-sizes ,", "bench.batch_sizes=() is not allowed"),
+        (CapacityBench, "capacity --model m --topologies 2A1F", "bench.topologies=('2A1F',)"),
+        (GenerateBench, "generate --model m --input-len 0", "bench.input_len=0 is not allowed"),
+        (TransportBench, "transport --transports nccl,tcp", "bench.transports: 'tcp'"),
+        (ServeBench, "serve --num-prompts 0", "bench serve: num_prompts=0"),
+        (ControlBench, "control --rounds 0", "bench.rounds=0 is not allowed: an integer >= 1"),
+    ],
+)
 def test_the_specs_check_what_the_flags_give(spec, line, error) -> None:
     with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
         build(spec, parse(line))

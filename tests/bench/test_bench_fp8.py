@@ -18,9 +18,19 @@ from afdserve.bench.decode import DecodeBench, main_decode, run_decode_bench
 from afdserve.model.presets import preset_hf_config
 
 # Wider than the tiny preset so that grids have several blocks, some partial (192 = 1.5 blocks).
-WIDE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            moe_intermediate_size=192, num_hidden_layers=2, num_experts=8, num_local_experts=8,
-            num_experts_per_tok=2, vocab_size=512, torch_dtype="float32")  # fmt: skip
+WIDE = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    moe_intermediate_size=192,
+    num_hidden_layers=2,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    torch_dtype="float32",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +49,18 @@ def fp8_bytes(rows: int, cols: int) -> int:
 
 
 def spec(model_dir: Path, **overrides) -> DecodeBench:
-    fields = dict(model_dir=str(model_dir), preset=None, random_weights=True, batch_sizes=(1,),
-                  context_len=20, steps=3, dtype="float32", device="cpu", quantization="fp8",
-                  kv_cache_dtype="fp8")  # fmt: skip
+    fields = dict(
+        model_dir=str(model_dir),
+        preset=None,
+        random_weights=True,
+        batch_sizes=(1,),
+        context_len=20,
+        steps=3,
+        dtype="float32",
+        device="cpu",
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -83,7 +102,7 @@ def test_cli_takes_quantization_and_kv_cache_dtype(wide_dir: Path, capsys):
 
 @pytest.mark.parametrize(
     "field,value", [("quantization", "int4"), ("kv_cache_dtype", "fp16"), ("compare_hf", True)]
-)  # fmt: skip
+)
 def test_bad_fp8_settings_name_the_field(wide_dir: Path, field, value):
     with pytest.raises(ValueError, match=f"bench.{field}"):
         spec(wide_dir, **{field: value})
@@ -114,8 +133,14 @@ def test_fp8_a2e_rows_reach_the_boundary_and_in_process_equals_colocated(wide_di
     raw = read_hf_config(str(wide_dir))
     tokens = {}
     for topology in ("colocated", "in-process"):
-        s = spec(wide_dir, topology=topology, a2e_dtype="fp8", quantization=None,
-                 kv_cache_dtype="auto", batch_sizes=(3,))  # fmt: skip
+        s = spec(
+            wide_dir,
+            topology=topology,
+            a2e_dtype="fp8",
+            quantization=None,
+            kv_cache_dtype="auto",
+            batch_sizes=(3,),
+        )
         attn, ffn = build_halves(s, raw)
         steps = DecodeSteps(attn, ffn, s, 3)
         assert steps.eager.boundary.a2e.name == "fp8"

@@ -18,9 +18,29 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
 @pytest.mark.parametrize("topology", ["colocated", "1A1F"])
 def test_generate_bench_runs_and_counts_tokens(tmp_path, capsys, topology):
     out = tmp_path / "generate.json"
-    code = main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy",
-                 "--topology", topology, "--batch-sizes", "2,3", "--input-len", "9",
-                 "--output-len", "5", "--max-num-batched-tokens", "16", "--json", str(out), *CPU])
+    code = main(
+        [
+            "bench",
+            "generate",
+            "--preset",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--topology",
+            topology,
+            "--batch-sizes",
+            "2,3",
+            "--input-len",
+            "9",
+            "--output-len",
+            "5",
+            "--max-num-batched-tokens",
+            "16",
+            "--json",
+            str(out),
+            *CPU,
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())
     assert record["topology"] == topology and record["load_format"] == "dummy"
@@ -31,7 +51,8 @@ def test_generate_bench_runs_and_counts_tokens(tmp_path, capsys, topology):
         assert 0 < r["prefill_s"] < r["wall_s"]
         assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
         assert r["total_tokens_per_s"] == pytest.approx(
-            (r["input_tokens"] + r["output_tokens"]) / r["wall_s"])
+            (r["input_tokens"] + r["output_tokens"]) / r["wall_s"]
+        )
     printed = capsys.readouterr().out
     assert "batch    2:" in printed and "output tokens/s" in printed
 
@@ -39,9 +60,27 @@ def test_generate_bench_runs_and_counts_tokens(tmp_path, capsys, topology):
 @pytest.mark.slow  # tests/afd/test_data_parallel.py runs the replicas in CI
 def test_generate_bench_runs_data_parallel_replicas(tmp_path):
     out = tmp_path / "generate.json"
-    code = main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy", "-dp", "2",
-                 "--batch-sizes", "4", "--input-len", "9", "--output-len", "5", "--json",
-                 str(out), *CPU])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "generate",
+            "--preset",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "-dp",
+            "2",
+            "--batch-sizes",
+            "4",
+            "--input-len",
+            "9",
+            "--output-len",
+            "5",
+            "--json",
+            str(out),
+            *CPU,
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())
     assert record["data_parallel_size"] == 2
@@ -49,8 +88,21 @@ def test_generate_bench_runs_data_parallel_replicas(tmp_path):
 
 
 def test_data_parallel_replicas_are_colocated_engines(capsys):
-    code = main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy", "-dp", "2",
-                 "--topology", "1A1F", *CPU])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "generate",
+            "--preset",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "-dp",
+            "2",
+            "--topology",
+            "1A1F",
+            *CPU,
+        ]
+    )
     assert code == 2
     assert "bench.data_parallel_size=2 is not allowed" in capsys.readouterr().err
 

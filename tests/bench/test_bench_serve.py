@@ -21,9 +21,15 @@ MODEL = {"model_name": SERVED_NAME}
 
 @pytest.fixture(scope="module")
 def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):
-    srv = start_cli_server(tmp_path_factory.mktemp("bench-serve"), free_port(),
-                           "--topology", "colocated", "--max-num-seqs", "1",
-                           "--disable-log-requests")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path_factory.mktemp("bench-serve"),
+        free_port(),
+        "--topology",
+        "colocated",
+        "--max-num-seqs",
+        "1",
+        "--disable-log-requests",
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -32,8 +38,18 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):
 
 
 def bench(server: ServerProcess, out: Path, *args: str) -> dict:
-    command = [sys.executable, "-m", "afdserve.cli", "bench", "serve", "--base-url", server.url,
-               "--json", str(out), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "afdserve.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--json",
+        str(out),
+        *args,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "request rate" in proc.stdout
@@ -47,9 +63,20 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
 
 def test_counts_and_tokens_are_exact(one_at_a_time: ServerProcess, tmp_path: Path) -> None:
     before = metrics(one_at_a_time)
-    report = bench(one_at_a_time, tmp_path / "bench.json", "--num-prompts", str(PROMPTS),
-                   "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
-                   "--request-rate", "2,inf", "--model-dir", str(resolve_model(None)))  # fmt: skip
+    report = bench(
+        one_at_a_time,
+        tmp_path / "bench.json",
+        "--num-prompts",
+        str(PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--request-rate",
+        "2,inf",
+        "--model-dir",
+        str(resolve_model(None)),
+    )
     after = metrics(one_at_a_time)
     assert report["config"]["model"] == SERVED_NAME
     assert [r["request_rate"] for r in report["results"]] == [2.0, "inf"]
@@ -58,7 +85,8 @@ def test_counts_and_tokens_are_exact(one_at_a_time: ServerProcess, tmp_path: Pat
         assert rate["input_tokens"] == PROMPTS * INPUT_LEN
         assert rate["output_tokens"] == PROMPTS * OUTPUT_LEN
         assert rate["output_throughput"] == pytest.approx(
-            rate["output_tokens"] / rate["duration_s"])
+            rate["output_tokens"] / rate["duration_s"]
+        )
         for request in rate["requests"]:
             assert request["ok"] and request["error"] == ""
             assert (request["prompt_len"], request["output_tokens"]) == (INPUT_LEN, OUTPUT_LEN)
@@ -82,8 +110,20 @@ def test_queue_time_is_the_wait_for_the_scheduler(
     so it never exceeds TTFT; the time until the engine accepts a request (what the metric
     held before) is a few milliseconds and would fail the lower bound."""
     before = metrics(one_at_a_time)
-    bench(one_at_a_time, tmp_path / "bench.json", "--num-prompts", "8", "--input-len", "8",
-          "--output-len", "16", "--request-rate", "inf", "--vocab-size", "260")  # fmt: skip
+    bench(
+        one_at_a_time,
+        tmp_path / "bench.json",
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "8",
+        "--output-len",
+        "16",
+        "--request-rate",
+        "inf",
+        "--vocab-size",
+        "260",
+    )
     after = metrics(one_at_a_time)
     assert delta(before, after, "vllm:request_queue_time_seconds_count") == 9
     queued = delta(before, after, "vllm:request_queue_time_seconds_sum")
@@ -110,13 +150,29 @@ def test_shared_prefix_workload_is_generated_as_specified() -> None:
         ServeBench("http://x", 1, 8, 4, (1.0,), num_prefixes=-1)
 
 
-def test_shared_prefix_bench_reports_cached_tokens(one_at_a_time: ServerProcess,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_shared_prefix_bench_reports_cached_tokens(
+    one_at_a_time: ServerProcess, tmp_path: Path
+) -> None:
     """Two prefixes of one 16-token block over six requests, run one at a time: each prefix is
     computed once, and the four other requests are served its block from the prefix cache."""
-    report = bench(one_at_a_time, tmp_path / "bench.json", "--num-prompts", "6",
-                   "--num-prefixes", "2", "--prefix-len", "16", "--input-len", "8",
-                   "--output-len", "2", "--request-rate", "inf", "--vocab-size", "260")  # fmt: skip
+    report = bench(
+        one_at_a_time,
+        tmp_path / "bench.json",
+        "--num-prompts",
+        "6",
+        "--num-prefixes",
+        "2",
+        "--prefix-len",
+        "16",
+        "--input-len",
+        "8",
+        "--output-len",
+        "2",
+        "--request-rate",
+        "inf",
+        "--vocab-size",
+        "260",
+    )
     (rate,) = report["results"]
     assert (rate["completed"], rate["input_tokens"]) == (6, 6 * 24)
     assert rate["cached_tokens"] == 4 * 16
@@ -134,14 +190,35 @@ def test_a_model_without_tokenizer_streams_a_chunk_per_token(
     command.append(str(model_dir))
     made = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
-    srv = start_cli_server(tmp_path, free_port(), str(model_dir), "--load-format", "dummy",
-                           "--topology", "colocated", "--max-num-seqs", "1",
-                           "--disable-log-requests", "--no-use-tqdm-on-load")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        str(model_dir),
+        "--load-format",
+        "dummy",
+        "--topology",
+        "colocated",
+        "--max-num-seqs",
+        "1",
+        "--disable-log-requests",
+        "--no-use-tqdm-on-load",
+    )
     try:
         srv.wait_healthy()
-        report = bench(srv, tmp_path / "bench.json", "--num-prompts", "2", "--input-len", "8",
-                       "--output-len", "6", "--request-rate", "inf",
-                       "--model-dir", str(model_dir))  # fmt: skip
+        report = bench(
+            srv,
+            tmp_path / "bench.json",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--request-rate",
+            "inf",
+            "--model-dir",
+            str(model_dir),
+        )
     finally:
         srv.stop()
     (rate,) = report["results"]

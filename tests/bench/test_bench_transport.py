@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from afdserve.frontend.process import free_port
 from afdserve.bench.transport import (
     TransportBench,
     format_transport_table,
     layer_bytes,
     nccl_fp8_layers,
 )
+from afdserve.frontend.process import free_port
 from afdserve.kernels.reference.a2e import A2EFormat
 
 

@@ -34,9 +34,16 @@ def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def spec(v4_dir: Path, **overrides) -> DecodeBench:
     fields = dict(
-        model_dir=str(v4_dir), preset=None, random_weights=False, batch_sizes=(1, BATCH),
-        context_len=CONTEXT, steps=STEPS, dtype="float32", device="cpu", block_size=BLOCK,
-    )  # fmt: skip
+        model_dir=str(v4_dir),
+        preset=None,
+        random_weights=False,
+        batch_sizes=(1, BATCH),
+        context_len=CONTEXT,
+        steps=STEPS,
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -58,19 +65,27 @@ def test_kv_bytes_of_each_layer_type_by_hand(v4_dir: Path) -> None:
         3: (
             3 * 16 * e,
             3 * 16 * e
-            + 1 * 16 * e + 2 * 1 * 32 * e + 2 * 16 * (e + 4)  # entry, open kv+gate, prev
-            + 1 * 8 * e + 2 * 1 * 16 * e + 2 * 8 * (e + 4),  # the indexer's
+            + 1 * 16 * e
+            + 2 * 1 * 32 * e
+            + 2 * 16 * (e + 4)  # entry, open kv+gate, prev
+            + 1 * 8 * e
+            + 2 * 1 * 16 * e
+            + 2 * 8 * (e + 4),  # the indexer's
             3 * 16 * e + 0 + 2 * 3 * 16 * e,
         ),
         # p=13: window 3 rows (of 13); CSA closed 6, topk 2 selected, open 1; HCA closed 3, open 1.
         13: (
             3 * 16 * e,
             3 * 16 * e
-            + 2 * 16 * e + 2 * 1 * 32 * e + 2 * 16 * (e + 4)
-            + 6 * 8 * e + 2 * 1 * 16 * e + 2 * 8 * (e + 4),
+            + 2 * 16 * e
+            + 2 * 1 * 32 * e
+            + 2 * 16 * (e + 4)
+            + 6 * 8 * e
+            + 2 * 1 * 16 * e
+            + 2 * 8 * (e + 4),
             3 * 16 * e + 3 * 16 * e + 2 * 1 * 16 * e,
         ),
-    }  # fmt: skip
+    }
     for position, (sliding, csa, hca) in want.items():
         got = [v4_layer_kv_bytes(c, layer, position, e) for layer in range(4)]
         assert got == [sliding, csa, hca, csa], position
@@ -144,8 +159,9 @@ def test_decode_bench_reports_the_hand_count(v4_dir: Path, topology: str) -> Non
 
 def test_graph_modes_v4_cannot_capture_are_refused_on_cuda(v4_dir: Path) -> None:
     s = spec(v4_dir, device="cuda", graph_mode="full")
-    with pytest.raises(ValueError, match="graph_mode='full' is not supported for "
-                                         "family 'deepseek_v4' on CUDA yet"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="graph_mode='full' is not supported for family 'deepseek_v4' on CUDA yet"
+    ):
         build_halves(s, hf_config_of(None, str(v4_dir)))
 
 
@@ -153,10 +169,18 @@ def test_graph_modes_v4_cannot_capture_are_refused_on_cuda(v4_dir: Path) -> None
 # FP4 experts, window 128, CSA rate 4, HCA rate 128, index_topk 512, hash layers): the bench's
 # `--preset deepseek-v4-flash:4` path in bf16, over a context that crosses two HCA windows.
 SHRUNK = dict(
-    hidden_size=256, head_dim=128, num_attention_heads=4, q_lora_rank=128, o_lora_rank=128,
-    o_groups=2, index_n_heads=4, index_head_dim=128, n_routed_experts=8,
-    moe_intermediate_size=256, vocab_size=512,
-)  # fmt: skip
+    hidden_size=256,
+    head_dim=128,
+    num_attention_heads=4,
+    q_lora_rank=128,
+    o_lora_rank=128,
+    o_groups=2,
+    index_n_heads=4,
+    index_head_dim=128,
+    n_routed_experts=8,
+    moe_intermediate_size=256,
+    vocab_size=512,
+)
 
 
 def test_shrunk_flash_in_bf16_decodes_alike_and_counts_by_hand(tmp_path: Path) -> None:
@@ -164,8 +188,15 @@ def test_shrunk_flash_in_bf16_decodes_alike_and_counts_by_hand(tmp_path: Path) -
     (tmp_path / "config.json").write_text(json.dumps(raw))
     got = {}
     for topology in ("colocated", "in-process"):
-        s = spec(tmp_path, random_weights=True, dtype="bfloat16", context_len=300, steps=2,
-                 block_size=16, topology=topology)  # fmt: skip
+        s = spec(
+            tmp_path,
+            random_weights=True,
+            dtype="bfloat16",
+            context_len=300,
+            steps=2,
+            block_size=16,
+            topology=topology,
+        )
         attn, ffn = build_halves(s, raw)
         assert bench_batch(attn, ffn, s, 2, None).kv_bytes == 2 * (205312 + 200192) // 2
         got[topology] = tokens(DecodeSteps(attn, ffn, s, 2))[:2]

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from afdserve.frontend.process import free_port
 from afdserve.afd.dataplane.connector import InProcessConnector
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, ffn_driver
@@ -20,6 +19,7 @@ from afdserve.afd.step.control import FixedControl
 from afdserve.bench.decode import DecodeBench
 from afdserve.bench.decode_steps import DecodeSteps, build_half, build_halves
 from afdserve.engine.model_runner import LocalFFN
+from afdserve.frontend.process import free_port
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
 from afdserve.model.families.decoder.model import ModelParts
@@ -30,9 +30,15 @@ BATCH, STEPS = 3, 4
 
 def spec(**overrides) -> DecodeBench:
     fields = dict(
-        model_dir=None, preset="tiny", random_weights=True, batch_sizes=(BATCH,),
-        context_len=10, steps=STEPS, dtype="float32", device="cpu",
-    )  # fmt: skip
+        model_dir=None,
+        preset="tiny",
+        random_weights=True,
+        batch_sizes=(BATCH,),
+        context_len=10,
+        steps=STEPS,
+        dtype="float32",
+        device="cpu",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -86,8 +92,16 @@ def _rank(rank: int, port: int, results) -> None:
         results.put((0, _tokens(DecodeSteps(model, None, s, BATCH, boundary=boundary))))
     else:
         graphs = StepGraphs(s.graph_mode, (BATCH,), s.ubatches)
-        driver = ffn_driver(model, 1, torch.device("cpu"), Wire(1), graphs, graphs.recorder(1),
-                            FixedControl((RankStep(BATCH, BATCH, True),)), topology=topology)
+        driver = ffn_driver(
+            model,
+            1,
+            torch.device("cpu"),
+            Wire(1),
+            graphs,
+            graphs.recorder(1),
+            FixedControl((RankStep(BATCH, BATCH, True),)),
+            topology=topology,
+        )
         for _ in range(STEPS):
             driver.step()
         results.put((1, driver.recorder.mode_counts["ffn:eager"]))

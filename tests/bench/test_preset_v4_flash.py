@@ -15,11 +15,11 @@ import torch
 from afdserve.bench.bytes import step_weight_bytes
 from afdserve.bench.decode import DecodeBench
 from afdserve.cli import main
+from afdserve.model.checkpoint.loader import build_model
 from afdserve.model.config import parse_model_config
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.layers.fp8 import Fp8Linear
-from afdserve.model.checkpoint.loader import build_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.presets import preset_config, preset_hf_config, write_preset_config
 
 FLASH = "deepseek-v4-flash"
@@ -32,9 +32,12 @@ def meta_model(name: str) -> torch.nn.Module:
 def test_preset_builds_flash_at_its_published_size() -> None:
     c = preset_config(FLASH)
     assert (c.num_layers, c.hidden_size, c.num_experts, c.top_k) == (43, 4096, 256, 6)
-    assert c.v4.attention_types[:4] == ("sliding_attention", "sliding_attention",
-                                        "compressed_sparse_attention",
-                                        "heavily_compressed_attention")  # fmt: skip
+    assert c.v4.attention_types[:4] == (
+        "sliding_attention",
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    )
     assert c.v4.attention_types[-1] == "compressed_sparse_attention"
     assert c.layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
     assert c.quantization.expert_dtype == "fp4" and c.quantization.scale_fmt == "ue8m0"
@@ -69,24 +72,29 @@ def test_layers_suffix_keeps_the_first_layers(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert main(["make-config", "--preset", f"{FLASH}:3", str(tmp_path / "three")]) == 0
     assert json.loads((tmp_path / "three" / "config.json").read_text())["num_hidden_layers"] == 3
-    bench = DecodeBench(model_dir=None, preset=f"{FLASH}:4", random_weights=True,
-                        batch_sizes=(1,), context_len=8)  # fmt: skip
+    bench = DecodeBench(
+        model_dir=None, preset=f"{FLASH}:4", random_weights=True, batch_sizes=(1,), context_len=8
+    )
     assert bench.preset == f"{FLASH}:4"
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    (f"{FLASH}:0", r"must be an integer in \[1, 43\]"),
-    (f"{FLASH}:44", r"must be an integer in \[1, 43\]"),
-    (f"{FLASH}:four", r"must be an integer in \[1, 43\]"),
-    ("deepseek-v5:4", r"preset='deepseek-v5:4' is not known: one of \["),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (f"{FLASH}:0", r"must be an integer in \[1, 43\]"),
+        (f"{FLASH}:44", r"must be an integer in \[1, 43\]"),
+        (f"{FLASH}:four", r"must be an integer in \[1, 43\]"),
+        ("deepseek-v5:4", r"preset='deepseek-v5:4' is not known: one of \["),
+    ],
+)
 def test_bad_preset_names_are_refused(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         preset_hf_config(name)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="bench.preset="):
-        DecodeBench(model_dir=None, preset=name, random_weights=True, batch_sizes=(1,),
-                    context_len=8)  # fmt: skip
+        DecodeBench(
+            model_dir=None, preset=name, random_weights=True, batch_sizes=(1,), context_len=8
+        )
 
 
 def fp8(rows: int, cols: int) -> int:

@@ -16,8 +16,9 @@ PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprob
 
 
 def _run(prompts, **kwargs) -> list[tuple[list[int], list[float]]]:
-    with LLM(str(bundled_model_dir()), dtype="float32", max_num_batched_tokens=256,
-             **kwargs) as llm:
+    with LLM(
+        str(bundled_model_dir()), dtype="float32", max_num_batched_tokens=256, **kwargs
+    ) as llm:
         outs = llm.generate(prompts, PARAMS)
     return [(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs]
 
@@ -27,8 +28,7 @@ def agreement(base, other) -> tuple[float, float]:
     agree = diverged = 0
     deltas: list[float] = []
     for (tokens_a, lp_a), (tokens_b, lp_b) in zip(base, other, strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b),
-                 len(tokens_a))
+        n = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), len(tokens_a))
         agree, diverged = agree + n, diverged + (n < len(tokens_a))
         deltas += [abs(a - b) for a, b in zip(lp_a[:n], lp_b[:n])]
     return agree / (agree + diverged), sum(deltas) / len(deltas)
@@ -40,7 +40,9 @@ def test_fp8_wire_quality_on_the_bundled_model():
     base = _run(prompts)
     fp8 = agreement(base, _run(prompts, a2e_dtype="fp8"))
     bf16 = agreement(base, _run(prompts, a2e_dtype="bfloat16"))
-    print(f"fp8 wire: agreement {fp8[0]:.3f}, mean |dlogprob| {fp8[1]:.4f}; "
-          f"bf16 wire: {bf16[0]:.3f}, {bf16[1]:.4f}")
+    print(
+        f"fp8 wire: agreement {fp8[0]:.3f}, mean |dlogprob| {fp8[1]:.4f}; "
+        f"bf16 wire: {bf16[0]:.3f}, {bf16[1]:.4f}"
+    )
     assert fp8[0] > 0.9 and fp8[1] < 0.1
     assert bf16[0] > fp8[0] and bf16[1] < fp8[1]  # fewer bits, more drift: the option is live

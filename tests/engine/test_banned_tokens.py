@@ -65,8 +65,9 @@ def test_sampling_never_draws_a_masked_token() -> None:
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     for seed in range(50):
         allowed_seq = seq_with([], allowed_token_ids=[4, 9, 17], temperature=1.0, seed=seed)
-        banned_seq = seq_with([5], bad_words=["x", "y"], bad_words_token_ids=[[7], [5, 8]],
-                              temperature=2.0, seed=seed)  # fmt: skip
+        banned_seq = seq_with(
+            [5], bad_words=["x", "y"], bad_words_token_ids=[[7], [5, 8]], temperature=2.0, seed=seed
+        )
         drawn = sample(logits.repeat(2, 1), [allowed_seq, banned_seq]).token_ids
         assert drawn[0] in (4, 9, 17) and drawn[1] not in (7, 8)
 

@@ -1,9 +1,9 @@
-"""DeepSeek-V4 in the colocated engine, over its paged cache (model/families/deepseek_v4/cache.py): greedy
-tokens equal transformers' full-sequence forward teacher-forced (the definition: every generated
-token is the argmax of the full forward over the prompt and the tokens before it), on several tiny
-shapes (hc_mult 2-4, windows and compression rates that short prompts cross, the rate above and
-below the block size, mixed layer types, hash layers), batched; chunked prefill in chunks of a
-few tokens and preemption by recompute give the same tokens, so do decode steps on the
+"""DeepSeek-V4 in the colocated engine, over its paged cache (model/families/deepseek_v4/cache.py):
+greedy tokens equal transformers' full-sequence forward teacher-forced (the definition: every
+generated token is the argmax of the full forward over the prompt and the tokens before it), on
+several tiny shapes (hc_mult 2-4, windows and compression rates that short prompts cross, the rate
+above and below the block size, mixed layer types, hash layers), batched; chunked prefill in chunks
+of a few tokens and preemption by recompute give the same tokens, so do decode steps on the
 per-sequence path instead of the batched one; and the cache's size is what its pages hold, per
 layer type."""
 
@@ -19,13 +19,13 @@ from transformers import DeepseekV4ForCausalLM
 from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.config import load_model_config
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
 from afdserve.model.families.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
-from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from tests.engine.test_llm import run
 from tests.model.deepseek_v4_helpers import boundary_ties
 
@@ -175,9 +175,12 @@ def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
 
     monkeypatch.setattr(model_module, "decode_attention", counted)
     with LLM(
-        str(path), dtype="float32", block_size=block_size, graph_mode="full_decode_only",
+        str(path),
+        dtype="float32",
+        block_size=block_size,
+        graph_mode="full_decode_only",
         cuda_graph_sizes=[3, 8],
-    ) as llm:  # fmt: skip
+    ) as llm:
         assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
     assert ran
     with LLM(str(path), dtype="float32", block_size=block_size) as llm:
@@ -194,8 +197,11 @@ def test_cuda_graph_modes_v4_cannot_capture_are_refused_by_name_on_cuda(shape) -
     (tests/afd/test_deepseek_v4_afd.py)."""
     _, path, _ = shape
     config = load_model_config(path)
-    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family "
-                                         r"'deepseek_v4' on CUDA yet") as err:  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"graph_mode='full' is not supported for family "
+        r"'deepseek_v4' on CUDA yet",
+    ) as err:
         check_capturable(config, "cuda:0", "full")
     assert "\n" not in str(err.value)
     for mode in ("full_decode_only", "full"):

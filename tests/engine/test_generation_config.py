@@ -16,8 +16,14 @@ from afdserve.frontend.generation_config import generation_defaults
 from afdserve.model.fixtures.bundled import resolve_model
 
 PROMPTS = ["Hello, world", [5, 6, 7]]
-FILE = {"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": False,
-        "top_p": None, "eos_token_id": 1}  # fmt: skip
+FILE = {
+    "temperature": 0.0,
+    "top_k": 5,
+    "max_new_tokens": 3,
+    "do_sample": False,
+    "top_p": None,
+    "eos_token_id": 1,
+}
 FROM_FILE = SamplingParams(temperature=0.0, top_k=5, max_tokens=3)
 
 
@@ -62,5 +68,8 @@ def test_a_bad_source_is_named_before_anything_starts(tmp_path: Path, model_dir:
     with pytest.raises(ValueError, match=r"generation_config\.json: SamplingParams\.top_p=0"):
         LLM(generation_config=str(tmp_path))
     assert generation_defaults("auto", tmp_path / "empty") == {}
-    assert generation_defaults("auto", model_dir) == {"temperature": 0.0, "top_k": 5,
-                                                      "max_tokens": 3}  # fmt: skip
+    assert generation_defaults("auto", model_dir) == {
+        "temperature": 0.0,
+        "top_k": 5,
+        "max_tokens": 3,
+    }

@@ -15,11 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afdserve import LLM
-from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.cli import build_parser, llm_kwargs
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig, engine_configs
-from afdserve.frontend.client import EngineClient
 from afdserve.engine.factory import blocks_in_budget, kv_blocks_for
 from afdserve.engine.kv_cache import (
     bytes_per_block,
@@ -29,8 +27,10 @@ from afdserve.engine.kv_cache import (
 )
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
-from afdserve.kernels.reference import layers as reference
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout, Segment
+from afdserve.kernels.reference import layers as reference
 from afdserve.model.config import load_model_config
 from afdserve.model.fixtures.tiny import make_tiny_model
 
@@ -46,8 +46,9 @@ def _quality_tool():
     return module
 
 
-def _meta(query_lens: list[int], context_lens: list[int], gen: torch.Generator
-          ) -> tuple[AttentionMetadata, int]:
+def _meta(
+    query_lens: list[int], context_lens: list[int], gen: torch.Generator
+) -> tuple[AttentionMetadata, int]:
     """Segments over shuffled blocks (prefill, chunked prefill and decode rows) and the number of
     blocks they use; every slot of the context is in the slot mapping, so one write fills it."""
     needs = [math.ceil(c / BLOCK) for c in context_lens]
@@ -66,13 +67,19 @@ def _meta(query_lens: list[int], context_lens: list[int], gen: torch.Generator
     return meta, sum(needs) + 2
 
 
-def _fill(cache: torch.Tensor, context_lens: list[int], meta: AttentionMetadata,
-          gen: torch.Generator, scale: float) -> None:
+def _fill(
+    cache: torch.Tensor,
+    context_lens: list[int],
+    meta: AttentionMetadata,
+    gen: torch.Generator,
+    scale: float,
+) -> None:
     """Writes every context slot of every segment (values up to well past 448 * scale)."""
     for seg in meta.segments:
         table = seg.block_table
-        slots = torch.tensor([int(table[p // BLOCK]) * BLOCK + p % BLOCK
-                              for p in range(seg.context_len)])  # fmt: skip
+        slots = torch.tensor(
+            [int(table[p // BLOCK]) * BLOCK + p % BLOCK for p in range(seg.context_len)]
+        )
         values = torch.randn(len(slots), *cache.shape[2:], generator=gen) * 3
         values[0, 0, 0] = 1000.0 * scale  # past the e4m3 range: clamped, not NaN
         reference.write_kv(cache, values, slots, scale)
@@ -119,8 +126,15 @@ def test_fp8_prepare_qkv_writes_the_quantized_rotated_kv():
     gen = torch.Generator().manual_seed(5)
     rows, heads, kv_heads, dim = 6, 4, 2, 16
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
-    layout = QKVLayout(heads, kv_heads, dim, torch.ones(dim).bfloat16() * 1.1,
-                       torch.ones(dim).bfloat16() * 0.9, 1e-6, False)  # fmt: skip
+    layout = QKVLayout(
+        heads,
+        kv_heads,
+        dim,
+        torch.ones(dim).bfloat16() * 1.1,
+        torch.ones(dim).bfloat16() * 0.9,
+        1e-6,
+        False,
+    )
     angles = torch.rand(rows, dim // 2, generator=gen) * 10
     slots = torch.tensor([0, 5, -1, 9, 2, 14])
     plain = [torch.zeros(4, BLOCK, kv_heads, dim, dtype=torch.bfloat16) for _ in "kv"]
@@ -157,8 +171,9 @@ def test_fp8_latent_cache_reads_alike_in_both_mla_paths(tiny_models):
     prompts = [[5, 6, 7, 8, 9, 10], [100, 3, 4], list(range(1, 30))]
     outs = []
     for batched in (False, True):
-        core_client, client = _engine(tiny_models["deepseek_v2"], kv_cache_dtype="fp8",
-                                      max_num_batched_tokens=7)  # fmt: skip
+        core_client, client = _engine(
+            tiny_models["deepseek_v2"], kv_cache_dtype="fp8", max_num_batched_tokens=7
+        )
         assert core_client.core.kv_cache.layers[0][0].dtype == FP8
         core_client.core.runner.batched_metadata = batched
         outs.append(_generate(client, prompts))
@@ -166,8 +181,9 @@ def test_fp8_latent_cache_reads_alike_in_both_mla_paths(tiny_models):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys()
-            torch.testing.assert_close(torch.tensor(list(la.values())),
-                                       torch.tensor(list(lb.values())), rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(list(la.values())), torch.tensor(list(lb.values())), rtol=0, atol=1e-4
+            )
 
 
 @pytest.mark.parametrize("model", ["bundled", "deepseek_v2"])
@@ -178,8 +194,10 @@ def test_fp8_cache_greedy_stays_close_to_the_model_dtype_cache(tmp_path, model):
     tool = _quality_tool()
     path = tool.tiny_models(tmp_path)[model]
     m = tool.measure(path, "float32", tool.PROMPTS[:6], tokens=8)
-    print(f"{model}: teacher-forced agreement {m['agree']:.3f}, mean |dlp| {m['dlp']:.4f}, "
-          f"max {m['max']:.4f}, free-running {m['free']:.3f}")
+    print(
+        f"{model}: teacher-forced agreement {m['agree']:.3f}, mean |dlp| {m['dlp']:.4f}, "
+        f"max {m['max']:.4f}, free-running {m['free']:.3f}"
+    )
     assert m["agree"] >= 0.85
     assert m["dlp"] < 0.2
 
@@ -195,8 +213,10 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(tiny_models):
     config = EngineConfig(model=str(tiny_models["qwen3_moe"]), max_num_seqs=1 << 20)
     cpu = torch.device("cpu")
     bf16_blocks = kv_blocks_for(config, model_config, torch.bfloat16, 64, cpu)
-    assert kv_blocks_for(config, model_config, fp8, 64, cpu) in (2 * bf16_blocks,
-                                                                 2 * bf16_blocks + 1)
+    assert kv_blocks_for(config, model_config, fp8, 64, cpu) in (
+        2 * bf16_blocks,
+        2 * bf16_blocks + 1,
+    )
     gpu = blocks_in_budget(80 << 30, 140 << 30, 0.9, per_bf16)
     assert blocks_in_budget(80 << 30, 140 << 30, 0.9, per_bf16 // 2) in (2 * gpu, 2 * gpu + 1)
 
@@ -204,8 +224,9 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(tiny_models):
 def test_fp8_engine_cache_is_fp8_at_half_the_bytes(tiny_models):
     caches = {}
     for kv in ("auto", "fp8_e4m3"):
-        core_client, _ = _engine(tiny_models["qwen3_moe"], dtype="bfloat16", kv_cache_blocks=32,
-                                 kv_cache_dtype=kv)  # fmt: skip
+        core_client, _ = _engine(
+            tiny_models["qwen3_moe"], dtype="bfloat16", kv_cache_blocks=32, kv_cache_dtype=kv
+        )
         caches[kv] = core_client.core.kv_cache
     assert {t.dtype for layer in caches["fp8_e4m3"].layers for t in layer} == {FP8}
     assert caches["auto"].layers[0][0].dtype == torch.bfloat16
@@ -224,8 +245,11 @@ def test_kv_cache_dtype_is_a_flag_and_a_keyword():
 
 @pytest.mark.parametrize("value", ["fp16", "int8", "fp8_e5m2", None])
 def test_a_bad_kv_cache_dtype_is_refused_naming_the_field(value):
-    with pytest.raises(ValueError, match=r"EngineConfig\.kv_cache_dtype=.*one of \('auto', "
-                                         r"'fp8', 'fp8_e4m3'\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"EngineConfig\.kv_cache_dtype=.*one of \('auto', "
+        r"'fp8', 'fp8_e4m3'\)",
+    ):
         EngineConfig(model="m", kv_cache_dtype=value)
     with pytest.raises(ValueError, match=r"EngineConfig\.kv_cache_dtype"):
         LLM(None, kv_cache_dtype=value)
@@ -233,8 +257,9 @@ def test_a_bad_kv_cache_dtype_is_refused_naming_the_field(value):
 
 def test_unsupported_combinations_are_refused_by_name(tmp_path, tiny_models):
     v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for family "
-                                         "'deepseek_v4'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' is not supported for family 'deepseek_v4'"
+    ):
         check_fp8_kv(load_model_config(v4), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"compute capability >= 8\.9.*cuda:0 has 8\.0"):
         check_fp8_capability((8, 0), "cuda:0")
@@ -251,7 +276,10 @@ def test_a_checkpoint_with_kv_scales_is_refused_by_name(tmp_path, tiny_models):
     tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
     tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"KV-cache scales \(model\.layers\.0\.self_attn\.k_scale, "
-                                         r"model\.layers\.0\.self_attn\.v_scale\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"KV-cache scales \(model\.layers\.0\.self_attn\.k_scale, "
+        r"model\.layers\.0\.self_attn\.v_scale\)",
+    ):
         _engine(model, kv_cache_dtype="fp8")
     _engine(model, kv_cache_blocks=8)

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.frontend.outputs import SequenceOutput
 from afdserve.engine.requests import RequestError
+from afdserve.frontend.outputs import SequenceOutput
 from afdserve.model.fixtures.byte_tokenizer import EOS_TOKEN, VOCAB_SIZE
 
 NEW_TOKENS = 24
@@ -168,8 +168,12 @@ def test_stop_strings_truncate_text(llm: LLM, reference: list, include: bool) ->
         stop = ascii_stop(full)
         if stop is None:
             continue
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=["\x00\x01", stop],
-                                include_stop_str_in_output=include)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            stop=["\x00\x01", stop],
+            include_stop_str_in_output=include,
+        )
         (out,) = llm.generate([prompt], params)
         assert out.finish_reason == "stop"
         assert out.text == full[: full.index(stop) + (len(stop) if include else 0)]
@@ -332,8 +336,13 @@ def test_skip_special_tokens(llm: LLM, skip: bool) -> None:
     """Greedy on a logit bias that forces the EOS token (ignore_eos keeps going): the text is the
     tokenizer's own decode of the tokens, with or without the special ones."""
     eos = llm.tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
-                            logit_bias={eos: 100.0}, skip_special_tokens=skip)
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        ignore_eos=True,
+        logit_bias={eos: 100.0},
+        skip_special_tokens=skip,
+    )
     (out,) = llm.generate(["ab"], params)
     assert out.token_ids == [eos] * 4
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=skip)

@@ -36,8 +36,10 @@ def test_outputs_have_vllms_shape(llm: LLM) -> None:
     )
     # The flat fields of afdserve 0.1 read the first choice.
     assert (out.text, out.token_ids, out.finish_reason) == (
-        choice.text, choice.token_ids, choice.finish_reason,
-    )  # fmt: skip
+        choice.text,
+        choice.token_ids,
+        choice.finish_reason,
+    )
     assert one(llm, HELLO, temperature=0.0, max_tokens=1).outputs[0].logprobs is None
 
 

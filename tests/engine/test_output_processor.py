@@ -6,15 +6,20 @@ from __future__ import annotations
 import pytest
 
 from afdserve import LLM, SamplingParams
-from afdserve.frontend.client import EngineClient
-from afdserve.frontend.output_processor import DeltaMismatch, OutputProcessor
 from afdserve.engine.requests import RequestError, TokenDelta
 from afdserve.engine.tokenizer import TokenIdsOnly, load_tokenizer
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.output_processor import DeltaMismatch, OutputProcessor
 from afdserve.model.fixtures.bundled import resolve_model
 
 
-def delta(request_id: str, tokens: list[int], total: int, finished: bool = False,
-          reason: str | None = None) -> TokenDelta:  # fmt: skip
+def delta(
+    request_id: str,
+    tokens: list[int],
+    total: int,
+    finished: bool = False,
+    reason: str | None = None,
+) -> TokenDelta:
     return TokenDelta(request_id, tuple(tokens), (), finished, reason, total, 0.0, None, None)
 
 
@@ -65,8 +70,11 @@ def test_stop_strings_need_a_tokenizer() -> None:
         max_model_len, vocab_size = 64, 256
 
     client = EngineClient(NoCore(), TokenIdsOnly("/models/dummy"))  # type: ignore[arg-type]
-    with pytest.raises(RequestError, match=r"stop: \['x'\] needs text, but the model directory "
-                                           r"/models/dummy has no tokenizer; use stop_token_ids"):
+    with pytest.raises(
+        RequestError,
+        match=r"stop: \['x'\] needs text, but the model directory "
+        r"/models/dummy has no tokenizer; use stop_token_ids",
+    ):
         client.add_request("r", [1, 2], SamplingParams(stop=["x"]))
 
 
@@ -74,17 +82,25 @@ def test_a_stop_string_aborts_the_request_at_the_core() -> None:
     with LLM(None, dtype="float32") as llm:
         engine = llm.engine
         core = engine.core_client.core
-        free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0,
-                                                        ignore_eos=True), use_tqdm=False)[0]
+        free = llm.generate(
+            [[5, 6, 7]],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         stop = free.outputs[0].text[2:4]
         assert stop
-        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0,
-                                                          ignore_eos=True, stop=[stop]))
+        engine.add_request(
+            "r",
+            [5, 6, 7],
+            SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, stop=[stop]),
+        )
         finished = None
         while finished is None:
             finished = next((o for o in engine.step() if o.finished), None)
-        assert finished.finish_reason == "stop" and finished.token_ids == \
-            free.outputs[0].token_ids[: len(finished.token_ids)]
+        assert (
+            finished.finish_reason == "stop"
+            and finished.token_ids == free.outputs[0].token_ids[: len(finished.token_ids)]
+        )
         # Aborted at the core within the same step(): not tracked, not scheduled, blocks free.
         assert "r" not in core.requests and not core.has_unfinished and not engine.has_unfinished
         assert core.block_manager.num_free_blocks == core.kv_cache.num_blocks

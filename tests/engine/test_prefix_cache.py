@@ -120,8 +120,9 @@ def test_no_block_is_handed_out_while_referenced(seed: int, num_blocks: int) -> 
     none, and a cached block holds exactly the tokens its hash chain names."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, BS, prefix_caching=True)
-    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([3, 8, 16]),
-                             max_model_len=4 * num_blocks)  # fmt: skip
+    config = SchedulerConfig(
+        max_num_seqs=6, max_num_batched_tokens=rng.choice([3, 8, 16]), max_model_len=4 * num_blocks
+    )
     scheduler = Scheduler(config, bm)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 10))] for _ in range(3)]
     content: dict[int, tuple[int, ...]] = {}  # block -> the positions' tokens written in it

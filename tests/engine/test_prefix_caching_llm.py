@@ -19,8 +19,9 @@ QUESTIONS = ["What is a cat?", "Name a colour.", "Count to three.", "Say hello."
 
 def run(enable: bool, **params: object) -> list:
     # A cache of 24 blocks of 4 tokens, chunks of 16: requests are preempted and prefixes evicted.
-    with LLM(enable_prefix_caching=enable, block_size=4, kv_cache_blocks=24,
-             max_num_batched_tokens=16) as llm:  # fmt: skip
+    with LLM(
+        enable_prefix_caching=enable, block_size=4, kv_cache_blocks=24, max_num_batched_tokens=16
+    ) as llm:
         assert llm.prefix_caching is enable
         sampling = SamplingParams(**{"max_tokens": 12, **params})
         prompts = [SYSTEM + q for q in QUESTIONS]
@@ -65,8 +66,9 @@ def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
-    with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported for "
-                                         "deepseek_v4"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="enable_prefix_caching=True is not supported for deepseek_v4"
+    ):
         LLM(model, enable_prefix_caching=True)
     config = load_model_config(model)
     with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
@@ -87,8 +89,9 @@ def test_flags_reach_the_configs() -> None:
 
     def configs(*flags: str):
         kwargs = llm_kwargs(build_parser().parse_args(["serve", *flags]))
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("frontend_address",
-                                                               "generation_config")}  # fmt: skip
+        kwargs = {
+            k: v for k, v in kwargs.items() if k not in ("frontend_address", "generation_config")
+        }
         return engine_configs({**kwargs, "model": "unchecked"})
 
     default = configs()

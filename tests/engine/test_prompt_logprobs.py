@@ -46,8 +46,9 @@ def check_against(hf_model, prompt: list[int], entries: list) -> None:
 
 @pytest.mark.parametrize("budget", [2048, 8])  # whole prompts, and chunks of 8 tokens
 def test_prompt_logprobs_match_transformers(model_dir, hf_models, budget: int) -> None:
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=K,
-                            logprobs=1)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=K, logprobs=1
+    )
     with LLM(str(model_dir), dtype="float32", max_num_batched_tokens=budget) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -56,7 +57,8 @@ def test_prompt_logprobs_match_transformers(model_dir, hf_models, budget: int) -
         entry = out.outputs[0].logprobs[0]
         token = out.token_ids[0]
         assert entry[token].rank == 1 and entry[token].decoded_token == llm.tokenizer.decode(
-            [token])  # fmt: skip
+            [token]
+        )
 
 
 def test_prompt_logprobs_survive_a_preemption(model_dir, hf_models) -> None:

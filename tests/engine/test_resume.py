@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.frontend.client import EngineClient
 from afdserve.engine.sequence import Sequence, skip_draws
+from afdserve.frontend.client import EngineClient
 
 PROMPTS = ["Hello", "naïve café — 東京", "abc abc abc", "x y z", "The"]
 
@@ -29,7 +29,7 @@ def _params(stop: str) -> list[SamplingParams]:
             frequency_penalty=0.7,
             repetition_penalty=1.3,
             ignore_eos=True,
-        ),  # fmt: skip
+        ),
         SamplingParams(max_tokens=10, temperature=0.7, seed=11, min_tokens=8),
     ]
 
@@ -100,8 +100,9 @@ def test_a_request_resumed_on_another_engine_goes_on_as_if_undisturbed(
         assert got.text == expected.text
         assert "".join(streams[mid]) == "".join(undisturbed[rid]) == expected.text
         assert got.finish_reason == expected.finish_reason
-        assert [sorted(e) if e else e for e in got.logprobs] == \
-            [sorted(e) if e else e for e in expected.logprobs]  # fmt: skip
+        assert [sorted(e) if e else e for e in got.logprobs] == [
+            sorted(e) if e else e for e in expected.logprobs
+        ]
 
 
 def test_a_seeded_sequence_resumed_draws_what_it_would_have_drawn() -> None:

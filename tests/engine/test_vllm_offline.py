@@ -70,8 +70,12 @@ def test_detokenize_output_kind_and_truncation(llm: LLM) -> None:
         assert one(llm, **GREEDY, output_kind=kind).token_ids == plain.token_ids
     tail = one(llm, **GREEDY, truncate_prompt_tokens=5)
     assert tail.prompt_token_ids == llm.encode_prompt(PROMPT)[-5:]
-    assert tail.token_ids == llm.generate({"prompt_token_ids": tail.prompt_token_ids},
-                                          SamplingParams(**GREEDY), use_tqdm=False)[0].token_ids
+    assert (
+        tail.token_ids
+        == llm.generate(
+            {"prompt_token_ids": tail.prompt_token_ids}, SamplingParams(**GREEDY), use_tqdm=False
+        )[0].token_ids
+    )
     with pytest.raises(ValueError, match="truncate_prompt_tokens=100000: must be -1 or at most"):
         one(llm, **GREEDY, truncate_prompt_tokens=100000)
 

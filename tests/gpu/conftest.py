@@ -17,8 +17,13 @@ WIDE_EXPERT_BYTES = 64 * 3 * 1024 * 2048 * 8 * 2
 def wide_model(tmp_path: Path) -> Path:
     """The tiny preset with 6.4 GB of bf16 experts."""
     config = preset_hf_config("tiny")
-    config.update(hidden_size=1024, moe_intermediate_size=2048, num_experts=64,
-                  num_hidden_layers=8, torch_dtype="bfloat16")
+    config.update(
+        hidden_size=1024,
+        moe_intermediate_size=2048,
+        num_experts=64,
+        num_hidden_layers=8,
+        torch_dtype="bfloat16",
+    )
     model = tmp_path / "wide"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))

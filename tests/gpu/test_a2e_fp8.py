@@ -1,7 +1,7 @@
-"""The fp8 A2E payload on the GPU (kernels/reference/a2e.py): in-process 1A1F with a2e_dtype=fp8 gives the
-tokens of colocated with a2e_dtype=fp8, in bf16 under CUDA graphs (the same round trip runs at
-both boundaries, inside the captured graphs), and the format's device arithmetic equals the CPU's
-bit for bit."""
+"""The fp8 A2E payload on the GPU (kernels/reference/a2e.py): in-process 1A1F with a2e_dtype=fp8
+gives the tokens of colocated with a2e_dtype=fp8, in bf16 under CUDA graphs (the same round trip
+runs at both boundaries, inside the captured graphs), and the format's device arithmetic equals the
+CPU's bit for bit."""
 
 from __future__ import annotations
 
@@ -34,14 +34,28 @@ def test_in_process_fp8_equals_colocated_fp8_under_graphs(bf16_model, ubatches, 
     test_graphs.py): two ubatches run the attention kernels over other row counts."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
-                  kv_cache_blocks=512, graph_mode="full_decode_only",
-                  cuda_graph_sizes=[1, 2, 4, 8, 16], a2e_dtype="fp8", log_step_plan=True)
+    common = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=16,
+        max_model_len=256,
+        kv_cache_blocks=512,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8, 16],
+        a2e_dtype="fp8",
+        log_step_plan=True,
+    )
     with LLM(str(bf16_model), **common) as colocated:
         want = [o.token_ids for o in colocated.generate(prompts, params)]
         assert "replay" in {r["mode"] for r in colocated.step_log()}
-        with LLM(str(bf16_model), topology="1A1F", connector="inprocess", ubatches=ubatches,
-                 gate_on_attention=gate, **common) as in_process:
+        with LLM(
+            str(bf16_model),
+            topology="1A1F",
+            connector="inprocess",
+            ubatches=ubatches,
+            gate_on_attention=gate,
+            **common,
+        ) as in_process:
             got = [o.token_ids for o in in_process.generate(prompts, params)]
             modes = {r["mode"] for r in in_process.step_log()}
         gaps = _check(colocated, prompts, got, want)

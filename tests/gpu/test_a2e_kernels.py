@@ -122,7 +122,12 @@ def test_captured_in_a_cuda_graph(dtype: torch.dtype, rows: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     q_want, s_want = a2e.quantize_rows_torch(new_x)
-    wants = (q_want, s_want, oracle(new_x, dtype), oracle(new_x, dtype, new_ids),
-             oracle(new_x, dtype))  # fmt: skip
+    wants = (
+        q_want,
+        s_want,
+        oracle(new_x, dtype),
+        oracle(new_x, dtype, new_ids),
+        oracle(new_x, dtype),
+    )
     for got, want in zip(outs, wants):
         same(got, want)

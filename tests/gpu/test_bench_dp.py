@@ -18,9 +18,15 @@ pytestmark = [
 
 def spec(**overrides) -> DecodeBench:
     fields = dict(
-        model_dir=None, preset="tiny", random_weights=True, batch_sizes=(1, 8),
-        context_len=64, steps=10, dtype="bfloat16", device="cuda",
-    )  # fmt: skip
+        model_dir=None,
+        preset="tiny",
+        random_weights=True,
+        batch_sizes=(1, 8),
+        context_len=64,
+        steps=10,
+        dtype="bfloat16",
+        device="cuda",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
@@ -34,7 +40,10 @@ def test_two_replicas_on_two_gpus(graph_mode: str) -> None:
         assert row.devices == ("cuda:0", "cuda:1")
         for replica in row.replicas:
             assert (replica.batch, replica.weight_bytes, replica.kv_bytes) == (
-                one.batch, one.weight_bytes, one.kv_bytes)  # fmt: skip
+                one.batch,
+                one.weight_bytes,
+                one.kv_bytes,
+            )
             assert replica.step_ms > 0 and replica.copy_gbps and replica.copy_gbps > 0
         assert row.tokens_per_s == pytest.approx(sum(r.tokens_per_s for r in row.replicas))
         assert row.tokens_per_s_per_device == pytest.approx(row.tokens_per_s / 2)

@@ -27,19 +27,49 @@ def test_dummy_1a1f_matches_colocated(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = []
     for topology, connector in (("colocated", "auto"), ("1A1F", "p2p")):
-        with LLM(model, topology=topology, connector=connector, device="cuda", dtype="float32",
-                 load_format="dummy", seed=5, graph_mode="full_decode_only",
-                 cuda_graph_sizes=[1, 2, 4, 8], max_num_seqs=8) as llm:
+        with LLM(
+            model,
+            topology=topology,
+            connector=connector,
+            device="cuda",
+            dtype="float32",
+            load_format="dummy",
+            seed=5,
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=[1, 2, 4, 8],
+            max_num_seqs=8,
+        ) as llm:
             tokens.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert tokens[0] == tokens[1]
 
 
 def test_generate_bench_1a1f_with_graphs(tmp_path):
     out = tmp_path / "generate.json"
-    assert main(["bench", "generate", "--preset", "tiny", "--load-format", "dummy",
-                 "--topology", "1A1F", "--batch-sizes", "4,8", "--input-len", "32",
-                 "--output-len", "16", "--graph-mode", "full_decode_only",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "generate",
+                "--preset",
+                "tiny",
+                "--load-format",
+                "dummy",
+                "--topology",
+                "1A1F",
+                "--batch-sizes",
+                "4,8",
+                "--input-len",
+                "32",
+                "--output-len",
+                "16",
+                "--graph-mode",
+                "full_decode_only",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["output_tokens"] for r in results] == [4 * 16, 8 * 16]
 
@@ -52,8 +82,13 @@ def test_attention_rank_has_the_room_of_the_experts(wide_model):
     that blur."""
     gc.collect()
     torch.cuda.empty_cache()
-    spec = CapacityBench(model_dir=str(wide_model), context_len=1024, gpu_memory_utilization=0.3,
-                         load_format="dummy", max_num_seqs=64)
+    spec = CapacityBench(
+        model_dir=str(wide_model),
+        context_len=1024,
+        gpu_memory_utilization=0.3,
+        load_format="dummy",
+        max_num_seqs=64,
+    )
     attention, colocated = run_capacity_bench(spec)
     assert (attention.topology, colocated.topology) == ("1A1F", "colocated")
     per_block = colocated.cache_bytes // colocated.num_blocks

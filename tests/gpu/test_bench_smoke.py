@@ -19,18 +19,27 @@ pytestmark = [
 
 def spec(**overrides) -> DecodeBench:
     fields = dict(
-        model_dir=None, preset="tiny", random_weights=True, batch_sizes=(1, 5),
-        context_len=40, steps=4, dtype="bfloat16", device="cuda",
-    )  # fmt: skip
+        model_dir=None,
+        preset="tiny",
+        random_weights=True,
+        batch_sizes=(1, 5),
+        context_len=40,
+        steps=4,
+        dtype="bfloat16",
+        device="cuda",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 
 
 @pytest.mark.parametrize(
     ("topology", "ubatches", "graph_mode"),
-    [("colocated", 1, "full_decode_only"), ("in-process", 2, "full_decode_only"),
-     ("in-process", 1, "full")],
-)  # fmt: skip
+    [
+        ("colocated", 1, "full_decode_only"),
+        ("in-process", 2, "full_decode_only"),
+        ("in-process", 1, "full"),
+    ],
+)
 def test_graph_replay_decodes_the_eager_tokens(topology, ubatches, graph_mode):
     """The bench's steps go through the engine's graph runner: the first captures, the rest
     replay, and every step picks the eager steps' tokens."""

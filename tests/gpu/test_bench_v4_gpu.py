@@ -32,9 +32,15 @@ def flash_dir(tmp_path: Path) -> Path:
 
 def spec(model: Path, **overrides) -> DecodeBench:
     fields = dict(
-        model_dir=str(model), preset=None, random_weights=True, batch_sizes=(1, 8),
-        context_len=600, steps=3, dtype="bfloat16", device="cuda",
-    )  # fmt: skip
+        model_dir=str(model),
+        preset=None,
+        random_weights=True,
+        batch_sizes=(1, 8),
+        context_len=600,
+        steps=3,
+        dtype="bfloat16",
+        device="cuda",
+    )
     fields.update(overrides)
     return DecodeBench(**fields)
 

@@ -66,20 +66,26 @@ def test_in_process_1a1f_equals_colocated_on_cuda(v4_dirs, dtype, ubatches):
     [("float32", "colocated", 1), ("float32", "1A1F", 2), ("bfloat16", "colocated", 1)],
 )
 def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology, ubatches):
-    """full_decode_only captures V4's batched decode path (model/families/deepseek_v4/batched.py): decode
-    steps of 5 sequences replay the graph of 8 rows (3 pad rows over stale block tables), steps
-    with prefill chunks run eagerly; the tokens are graph_mode none's (float32: equal; bf16: equal
-    up to a near-tie, as tests/gpu/test_graphs.py allows)."""
+    """full_decode_only captures V4's batched decode path (model/families/deepseek_v4/batched.py):
+    decode steps of 5 sequences replay the graph of 8 rows (3 pad rows over stale block tables),
+    steps with prefill chunks run eagerly; the tokens are graph_mode none's (float32: equal; bf16:
+    equal up to a near-tie, as tests/gpu/test_graphs.py allows)."""
     model = v4_dirs[dtype]
     want = tokens(model, dtype, "cuda")
     split = {}
     if topology == "1A1F":
         split = dict(topology=topology, connector="inprocess", ubatches=ubatches)
     with LLM(
-        str(model), dtype=dtype, device="cuda", max_num_batched_tokens=16,
-        graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4, 8], log_step_plan=True,
-        use_tqdm_on_load=False, **split,
-    ) as llm:  # fmt: skip
+        str(model),
+        dtype=dtype,
+        device="cuda",
+        max_num_batched_tokens=16,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        log_step_plan=True,
+        use_tqdm_on_load=False,
+        **split,
+    ) as llm:
         assert llm.engine.core_client.driver.forward.graphs is not None
         got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         records = [r for r in llm.step_log() if r["role"] == "attention"]
@@ -94,8 +100,11 @@ def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology,
 
 
 def test_full_graph_mode_is_refused_for_v4_on_cuda(v4_dirs):
-    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for "
-                                         r"family 'deepseek_v4' on CUDA"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"graph_mode='full' is not supported for "
+        r"family 'deepseek_v4' on CUDA",
+    ):
         LLM(str(v4_dirs["bfloat16"]), device="cuda", graph_mode="full")
 
 

@@ -1,6 +1,7 @@
 """The FP4 routed-expert kernels (kernels/moe/fp4_decode.py) against the plain-torch reference
-(kernels/reference/fp4.py's dequantization, then reference.moe_experts in float32), at DeepSeek-V4-Flash's
-expert shape (hidden 4096, intermediate 2048, top-6, swiglu_limit 10) on 16 experts.
+(kernels/reference/fp4.py's dequantization, then reference.moe_experts in float32), at
+DeepSeek-V4-Flash's expert shape (hidden 4096, intermediate 2048, top-6, swiglu_limit 10) on 16
+experts.
 
 The weights the kernels decode are the reference's bit for bit (tests/kernels/
 test_fp4_kernel_interpret.py checks the decode on CPU), so what the tolerance covers is bf16: h
@@ -16,9 +17,7 @@ import pytest
 import torch
 
 from afdserve.kernels import ops
-
 from afdserve.kernels.reference import fp4
-
 from afdserve.kernels.reference import layers as reference
 from tests.gpu.sync import no_sync
 
@@ -49,8 +48,9 @@ def flash_experts() -> tuple[Stack, Stack]:
     return fp4_experts(experts, hidden, inter, seed=0)
 
 
-def routed_rows(rows: int, experts: int, hidden: int, top_k: int, seed: int,
-                dtype: torch.dtype = torch.bfloat16):  # fmt: skip
+def routed_rows(
+    rows: int, experts: int, hidden: int, top_k: int, seed: int, dtype: torch.dtype = torch.bfloat16
+):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = (2 * torch.randn(rows, hidden, device="cuda", generator=gen)).to(dtype)
     ids = torch.rand(rows, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices
@@ -101,8 +101,9 @@ def test_fp4_tile_shapes_match_reference(flash_experts, tiles):
     experts, hidden, _, top_k, limit = FLASH
     gate_up, down = flash_experts
     x, ids, weights = routed_rows(8, experts, hidden, top_k, seed=8)
-    out = no_sync(triton_fp4_moe.moe_experts, x, ids, weights, gate_up, down, limit,
-                  lambda pairs: tiles)  # fmt: skip
+    out = no_sync(
+        triton_fp4_moe.moe_experts, x, ids, weights, gate_up, down, limit, lambda pairs: tiles
+    )
     assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
 
 
@@ -152,8 +153,13 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
     from afdserve.model.families.decoder.model import ModelParts
     from afdserve.model.fixtures.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("v4") / "fp4", "deepseek_v4", hash_layers=1,
-                           quantization="fp8", expert_dtype="fp4")  # fmt: skip
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("v4") / "fp4",
+        "deepseek_v4",
+        hash_layers=1,
+        quantization="fp8",
+        expert_dtype="fp4",
+    )
     ffn = ModelParts(attention=False, ffn=True)
     gpu, _ = load_model(path, ffn, "bfloat16", device="cuda")
     cpu, _ = load_model(path, ffn, "float32")

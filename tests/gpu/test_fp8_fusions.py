@@ -25,8 +25,9 @@ pytestmark = [
 BLOCK = (128, 128)
 
 
-@pytest.mark.parametrize("rows,width", [(1, 2048), (64, 2048), (256, 4096), (40, 200),
-                                        (17, 7168), (3, 96)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,width", [(1, 2048), (64, 2048), (256, 4096), (40, 200), (17, 7168), (3, 96)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_quantizes_its_rows_as_the_quantize_launch_does(rows, width, dtype):
     """Values, scales (a partial last group included) and the residual sum, bit for bit."""
@@ -79,8 +80,15 @@ def test_gemm_of_rows_quantized_before_equals_the_gemm_of_x(m, n, k):
     assert torch.equal(no_sync(triton_fp8_w8a8.fp8_linear, rows, q, scale, b), want)
 
 
-@pytest.mark.parametrize("tiles", [(16, 64, 128, 4, 4, 3), (64, 64, 256, 4, 4, 4),
-                                   (16, 16, 512, 2, 4, 3), (32, 32, 128, 8, 4, 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        (16, 64, 128, 4, 4, 3),
+        (64, 64, 256, 4, 4, 4),
+        (16, 16, 512, 2, 4, 3),
+        (32, 32, 128, 8, 4, 3),
+    ],
+)
 @pytest.mark.parametrize("m", [1, 8, 40])
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (576, 1024), (200, 136)])
 def test_last_split_sums_the_partials_as_the_sum_launch_does(tiles, m, n, k, monkeypatch):
@@ -126,14 +134,18 @@ def fp8_models(tmp_path_factory):
     """A Qwen3-MoE whose FP8 q/k/v pack into one GEMM, and a DeepSeek-V3 (MLA: q_a_proj and
     kv_a_proj_with_mqa read the layer input), both FP8 checkpoints."""
     root = tmp_path_factory.mktemp("fp8-fusions")
-    return {"gqa": write_wide_heads(root / "gqa", torch.bfloat16),
-            "mla": make_tiny_model(root / "mla", "deepseek_v3", seed=5, dtype="bfloat16",
-                                   quantization="fp8")}  # fmt: skip
+    return {
+        "gqa": write_wide_heads(root / "gqa", torch.bfloat16),
+        "mla": make_tiny_model(
+            root / "mla", "deepseek_v3", seed=5, dtype="bfloat16", quantization="fp8"
+        ),
+    }
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_model_with_the_fused_launches_serves_the_same_tokens_and_logprobs(fp8_models, kind,
-                                                                          monkeypatch):
+def test_model_with_the_fused_launches_serves_the_same_tokens_and_logprobs(
+    fp8_models, kind, monkeypatch
+):
     """FP8 models on CUDA, eager and under graphs, 24 sequences (more than the 16 rows up to
     which the GEMM quantizes its rows itself, so the norm quantizes them), with the fused
     launches and without: the same tokens and the same log-probabilities."""
@@ -143,8 +155,9 @@ def test_model_with_the_fused_launches_serves_the_same_tokens_and_logprobs(fp8_m
     attention = {"gqa": GQAAttention, "mla": MLAAttention}[kind]
     prompts = _prompts(24)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=32, max_model_len=256,
-                  kv_cache_blocks=512)  # fmt: skip
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=32, max_model_len=256, kv_cache_blocks=512
+    )
 
     def serve(**kw) -> tuple[bool, list]:
         with LLM(str(fp8_models[kind]), **common, **kw) as llm:

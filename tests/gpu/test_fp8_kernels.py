@@ -1,9 +1,9 @@
 """The FP8 and sort-free expert kernels on the GPU against the references.
 
-FP8 weights (block-scaled, kernels/reference/fp8.py) are compared with the reference the kernel computes:
-w8a8 (bf16/fp16 activations, the default) against kernels/fp8's w8a8 oracle (the activations
-quantized per row and 128-group, the weights dequantized), weight-only against the same weights
-dequantized to the activation dtype, computed in float64; what is left is the GEMMs'
+FP8 weights (block-scaled, kernels/reference/fp8.py) are compared with the reference the kernel
+computes: w8a8 (bf16/fp16 activations, the default) against kernels/fp8's w8a8 oracle (the
+activations quantized per row and 128-group, the weights dequantized), weight-only against the same
+weights dequantized to the activation dtype, computed in float64; what is left is the GEMMs'
 accumulation order. Every kernel also runs under CUDA's sync debug mode (no host sync) and
 replays in a CUDA graph on new inputs. The sort-free grouping (kernels/moe/align.py) is checked
 pair for pair against a stable torch sort; the bf16 grouped path against the reference and the
@@ -20,8 +20,8 @@ from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
 from afdserve.kernels.reference import fp8
 from afdserve.kernels.reference import layers as reference
-from afdserve.model.layers.fp8 import quantize_weight
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.layers.fp8 import quantize_weight
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
 from tests.gpu.test_kernels import QWEN3_MOE, moe_case, rel_err
@@ -97,8 +97,15 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
     assert torch.equal(deq, fp8.quantize_activations(x))
 
 
-@pytest.mark.parametrize("tiles", [(16, 16, 512, 1, 4, 3), (32, 32, 256, 2, 4, 4),
-                                   (64, 64, 256, 3, 4, 4), (64, 64, 128, 1, 4, 6)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        (16, 16, 512, 1, 4, 3),
+        (32, 32, 256, 2, 4, 4),
+        (64, 64, 256, 3, 4, 4),
+        (64, 64, 128, 1, 4, 6),
+    ],
+)
 @pytest.mark.parametrize("m", [1, 40])
 @pytest.mark.parametrize("n,k", [(576, 1024), (200, 136), (96, 40)])
 def test_fp8_linear_w8a8_any_tiles_match_the_oracle(tiles, m, n, k):
@@ -190,10 +197,13 @@ def fp8_moe_reference(x, ids, weights, gate_up, down, a8=None) -> torch.Tensor:
         w13 = fp8.dequantize_gate_up(gate_up[0][hit], gate_up[1][hit], torch.float32, BLOCK)
         w2 = fp8.dequantize_blockwise(down[0][hit], down[1][hit], torch.float32, BLOCK)
         return reference.routed_experts(
-            x.double(), local, weights.double(), len(hit),
+            x.double(),
+            local,
+            weights.double(),
+            len(hit),
             lambda e: (w13[e].double(), w2[e].double()),
             operand=lambda t: kernel_operand(t.to(x.dtype)).double(),
-        )  # fmt: skip
+        )
     return touched_reference(
         x,
         ids,
@@ -221,8 +231,9 @@ FP8_MOE_CASES = [
 
 @pytest.mark.parametrize("experts,hidden,inter,top_k,rows,shared", FP8_MOE_CASES)
 def test_fp8_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
-    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k,
-                                              seed=rows + hidden, shared=shared)  # fmt: skip
+    x, ids, weights, gate_up, down = moe_case(
+        rows, experts, hidden, inter, top_k, seed=rows + hidden, shared=shared
+    )
     gu, dn = fp8_experts(gate_up, down)
     out = no_sync(ops.moe_experts_fp8, x, ids, weights, gu, dn, BLOCK)
     ref = fp8_moe_reference(x, ids, weights, gu, dn)
@@ -243,8 +254,7 @@ def test_fp8_decode_and_grouped_kernels_agree(rows):
     gu, dn = fp8_experts(gate_up, down)
     assert triton_fp8_moe.supports(x, gu[0], dn[0], BLOCK)
     small = no_sync(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn)
-    grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
-                      (gu[1], dn[1]))  # fmt: skip
+    grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0], (gu[1], dn[1]))
     ref = fp8_moe_reference(x, ids, weights, gu, dn)
     assert rel_err(small, ref) < 2e-2 and rel_err(grouped, ref) < 2e-2
     assert rel_err(small, grouped) < 1e-2
@@ -264,10 +274,10 @@ def test_fp8_moe_w8a8_kernels_match_their_oracle(rows):
     ids[::3, 1] = -1
     gu, dn = fp8_experts(gate_up, down)
     ref = fp8_moe_reference(x, ids, weights, gu, dn, a8=True)
-    small = no_sync(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn,
-                    a8=True)  # fmt: skip
-    grouped = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
-                      (gu[1], dn[1]), a8=True)  # fmt: skip
+    small = no_sync(triton_fp8_moe.moe_experts, x, ids, weights, gu, dn, a8=True)
+    grouped = no_sync(
+        triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0], (gu[1], dn[1]), a8=True
+    )
     assert rel_err(small, ref) < 5e-3 and rel_err(grouped, ref) < 5e-3
 
 
@@ -277,8 +287,9 @@ def test_fp8_moe_w8a8_kernels_match_their_oracle(rows):
     "experts,hidden,inter,top_k,rows",
     [(*QWEN3_MOE, 1), (*QWEN3_MOE, 64), (16, 256, 96, 4, 2), (8, 144, 80, 2, 40)],
 )
-def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, top_k, rows, left,
-                                                      a8):  # fmt: skip
+def test_fp8_moe_both_operand_orders_match_the_oracle(
+    experts, hidden, inter, top_k, rows, left, a8
+):
     """Both FP8 paths with the weights as the dots' left operand (the default) and right (the
     first orientation, kept for timing), w8a8 and weight-only, against the matching oracle and
     each other: at Qwen3's shapes (a decode batch of 1, 8-row tiles; a batch of 64) and at dims
@@ -286,8 +297,9 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
     from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
     from afdserve.kernels.moe import grouped as triton_grouped_moe
 
-    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k,
-                                              seed=80 + rows + hidden)  # fmt: skip
+    x, ids, weights, gate_up, down = moe_case(
+        rows, experts, hidden, inter, top_k, seed=80 + rows + hidden
+    )
     ids[::3, -1] = -1
     gu, dn = fp8_experts(gate_up, down)
     ref = fp8_moe_reference(x, ids, weights, gu, dn, a8=a8)
@@ -295,12 +307,20 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
     out = {}
     for side in (left, not left):
         tiles = triton_fp8_moe.tiles_for(ids.numel(), side)
-        out["decode", side] = no_sync(triton_fp8_moe.moe_experts, x,
-                                      ids, weights, gu, dn, a8=a8,
-                                      tiles=tiles)  # fmt: skip
-        out["grouped", side] = no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0],
-                                       dn[0], (gu[1], dn[1]), a8=a8,
-                                       weights_left=side)  # fmt: skip
+        out["decode", side] = no_sync(
+            triton_fp8_moe.moe_experts, x, ids, weights, gu, dn, a8=a8, tiles=tiles
+        )
+        out["grouped", side] = no_sync(
+            triton_grouped_moe.moe_experts,
+            x,
+            ids,
+            weights,
+            gu[0],
+            dn[0],
+            (gu[1], dn[1]),
+            a8=a8,
+            weights_left=side,
+        )
     for path in ("decode", "grouped"):
         assert torch.isfinite(out[path, left]).all()
         assert rel_err(out[path, left], ref) < tol, path
@@ -309,10 +329,13 @@ def test_fp8_moe_both_operand_orders_match_the_oracle(experts, hidden, inter, to
 
 
 @pytest.mark.parametrize("down_columns", [128, 256, 512])
-@pytest.mark.parametrize("experts,hidden,inter,top_k,rows", [(*QWEN3_MOE, 64), (8, 144, 80, 2, 40),
-                                                             (16, 384, 256, 4, 30)])
-def test_grouped_down_tiles_over_several_scale_blocks(experts, hidden, inter, top_k, rows,
-                                                     down_columns):  # fmt: skip
+@pytest.mark.parametrize(
+    "experts,hidden,inter,top_k,rows",
+    [(*QWEN3_MOE, 64), (8, 144, 80, 2, 40), (16, 384, 256, 4, 30)],
+)
+def test_grouped_down_tiles_over_several_scale_blocks(
+    experts, hidden, inter, top_k, rows, down_columns
+):
     """With the weights left a down tile may span whole scale blocks, each row scaled by its
     own block's (hidden 144: the second block partial, its columns clamped to the last): the
     oracle's, and the same products as one-block tiles."""
@@ -323,9 +346,18 @@ def test_grouped_down_tiles_over_several_scale_blocks(experts, hidden, inter, to
     gu, dn = fp8_experts(gate_up, down)
 
     def grouped(columns: int) -> torch.Tensor:
-        return no_sync(triton_grouped_moe.moe_experts, x, ids, weights, gu[0], dn[0],
-                       (gu[1], dn[1]), a8=True, weights_left=True,
-                       launch=(128, columns, 4, 3))  # fmt: skip
+        return no_sync(
+            triton_grouped_moe.moe_experts,
+            x,
+            ids,
+            weights,
+            gu[0],
+            dn[0],
+            (gu[1], dn[1]),
+            a8=True,
+            weights_left=True,
+            launch=(128, columns, 4, 3),
+        )
 
     out = grouped(down_columns)
     assert rel_err(out, fp8_moe_reference(x, ids, weights, gu, dn, a8=True)) < 5e-3
@@ -355,9 +387,9 @@ def test_fp8_moe_replays_in_cuda_graph(rows):
 
 
 @pytest.mark.parametrize(
-    "pairs,experts,rows", [(1, 8, 16), (64, 128, 16), (2048, 128, 32), (5000, 256, 64),
-                           (40, 4, 64), (3000, 384, 16)],
-)  # fmt: skip
+    "pairs,experts,rows",
+    [(1, 8, 16), (64, 128, 16), (2048, 128, 32), (5000, 256, 64), (40, 4, 64), (3000, 384, 16)],
+)
 def test_assignment_is_a_stable_sort_by_expert(pairs, experts, rows):
     from afdserve.kernels.moe.align import assign, max_tiles
 
@@ -388,9 +420,9 @@ GROUPED_BF16_CASES = [
 def test_grouped_bf16_matches_reference(experts, hidden, inter, top_k, rows, shared):
     """ops' bf16 path above the decode kernels: the sort-free Triton grouped GEMM, equal to the
     reference and to the torch grouped GEMM (sort + scatter + gather) it replaced."""
-    from afdserve.kernels.moe import torch_grouped as moe_gpu
-    from afdserve.kernels.moe import grouped as triton_grouped_moe
     from afdserve.kernels.moe import decode as triton_moe
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
+    from afdserve.kernels.moe import torch_grouped as moe_gpu
 
     case = moe_case(rows, experts, hidden, inter, top_k, seed=rows + inter, shared=shared)
     assert case[1].numel() > triton_moe.MAX_PAIRS
@@ -424,8 +456,14 @@ def test_grouped_bf16_skips_absent_pairs_and_replays_in_cuda_graph():
 
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("fp8k") / "m", "qwen3_moe", hash_layers=1,
-                           seed=5, dtype="bfloat16", quantization="fp8")  # fmt: skip
+    return make_tiny_model(
+        tmp_path_factory.mktemp("fp8k") / "m",
+        "qwen3_moe",
+        hash_layers=1,
+        seed=5,
+        dtype="bfloat16",
+        quantization="fp8",
+    )
 
 
 TOP_K = 5
@@ -443,7 +481,8 @@ def _logprobs_close(got, want, k: int = TOP_K) -> int:
             continue
         assert not _far_divergence(g, w), (
             f"diverged at {i}: {g.token_ids[i]} not in the reference's top {k} "
-            f"{sorted(w.logprobs[i])} or {w.token_ids[i]} not in {sorted(g.logprobs[i])}")
+            f"{sorted(w.logprobs[i])} or {w.token_ids[i]} not in {sorted(g.logprobs[i])}"
+        )
         diverged += 1
     return diverged
 
@@ -471,15 +510,22 @@ def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_model, tmp_path, to
     engine's tokens up to near-ties."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=TOP_K)
-    common = dict(device="cuda", dtype="bfloat16", topology=topology, max_num_seqs=16,
-                  max_model_len=256, kv_cache_blocks=512)  # fmt: skip
+    common = dict(
+        device="cuda",
+        dtype="bfloat16",
+        topology=topology,
+        max_num_seqs=16,
+        max_model_len=256,
+        kv_cache_blocks=512,
+    )
     plain = dequantized_copy(fp8_model, tmp_path / "dequantized")
     with LLM(str(plain), **common) as bf16:
         want = bf16.generate(prompts, params)
     with LLM(str(fp8_model), **common) as eager:
         got_eager = eager.generate(prompts, params)
-        with LLM(str(fp8_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
-                 **common) as graphs:  # fmt: skip
+        with LLM(
+            str(fp8_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common
+        ) as graphs:
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
         diverged = _logprobs_close(got_eager, want)
         _check(eager, prompts, got_graphs, [o.token_ids for o in got_eager])
@@ -488,8 +534,13 @@ def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_model, tmp_path, to
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("grouped") / "m", "qwen3_moe", hash_layers=1,
-                           seed=5, dtype="bfloat16")  # fmt: skip
+    return make_tiny_model(
+        tmp_path_factory.mktemp("grouped") / "m",
+        "qwen3_moe",
+        hash_layers=1,
+        seed=5,
+        dtype="bfloat16",
+    )
 
 
 def _long_prompts(n: int, length: int) -> list[list[int]]:
@@ -512,18 +563,25 @@ def test_grouped_path_in_a_model_matches_cpu_reference(bf16_model, fp8_model, fp
     weight-only, so there vLLM's quantized-model oracle over 64 prompts: each divergence within
     each other's top 5, bar at most MOST_FAR_DIVERGENCES (the measured rate, above)."""
     prompts = _long_prompts(64 if fp8 else 8, 100)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                            logprobs=TOP_K if fp8 else None)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=TOP_K if fp8 else None
+    )
     model = str(fp8_model if fp8 else bf16_model)
-    common = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, kv_cache_blocks=256,
-                  max_num_batched_tokens=1024)  # fmt: skip
+    common = dict(
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_model_len=256,
+        kv_cache_blocks=256,
+        max_num_batched_tokens=1024,
+    )
     with LLM(model, device="cpu", **common) as cpu:
         want = cpu.generate(prompts, params)
     with LLM(model, device="cuda", **common) as cuda:
         got = cuda.generate(prompts, params)
         if fp8:
-            far = [i for i, (g, w) in enumerate(zip(got, want, strict=True))
-                   if _far_divergence(g, w)]  # fmt: skip
+            far = [
+                i for i, (g, w) in enumerate(zip(got, want, strict=True)) if _far_divergence(g, w)
+            ]
             assert len(far) <= MOST_FAR_DIVERGENCES, far
         else:
             _check(cuda, prompts, [o.token_ids for o in want], [o.token_ids for o in got])
@@ -534,12 +592,23 @@ def test_grouped_path_in_decode_graphs_equals_eager(bf16_model):
     graph of that size: the eager engine's tokens, up to near-ties."""
     prompts = _prompts(600)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=600, max_model_len=64,
-                  kv_cache_blocks=4096, max_num_batched_tokens=4096)  # fmt: skip
+    common = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=600,
+        max_model_len=64,
+        kv_cache_blocks=4096,
+        max_num_batched_tokens=4096,
+    )
     with LLM(str(bf16_model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=[600],
-                 log_step_plan=True, **common) as graphs:  # fmt: skip
+        with LLM(
+            str(bf16_model),
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=[600],
+            log_step_plan=True,
+            **common,
+        ) as graphs:
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             modes = {r["mode"] for r in graphs.step_log()}
         _check(eager, prompts, got, want)
@@ -557,17 +626,22 @@ def test_packed_fp8_qkv_on_cuda_matches_the_dequantized_model(wide_heads, tmp_pa
     to near-ties."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
-                  kv_cache_blocks=512)  # fmt: skip
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512
+    )
     with LLM(str(dequantized_copy(wide_heads, tmp_path / "dequantized")), **common) as bf16:
         want = [o.token_ids for o in bf16.generate(prompts, params)]
     with LLM(str(wide_heads), **common) as eager:
-        attn = next(m for m in eager.engine.core_client.core.runner.model.modules()
-                    if hasattr(m, "qkv_weight_scale_inv"))  # fmt: skip
+        attn = next(
+            m
+            for m in eager.engine.core_client.core.runner.model.modules()
+            if hasattr(m, "qkv_weight_scale_inv")
+        )
         assert attn.qkv_weight_scale_inv is not None and attn.qkv_weight.is_cuda
         got = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(wide_heads), graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
-                 **common) as graphs:  # fmt: skip
+        with LLM(
+            str(wide_heads), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common
+        ) as graphs:
             got_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
         _check(eager, prompts, want, got)
         _check(eager, prompts, got_graphs, got)

@@ -107,15 +107,25 @@ def test_ubatch_graphs_equal_eager(bf16_model, bf16_mla_model, family, ubatches,
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     common = dict(
-        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512,
-        topology="1A1F", connector="inprocess", ubatches=ubatches,
-    )  # fmt: skip
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=16,
+        max_model_len=256,
+        kv_cache_blocks=512,
+        topology="1A1F",
+        connector="inprocess",
+        ubatches=ubatches,
+    )
     with LLM(str(model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
         with LLM(
-            str(model), graph_mode=mode, cuda_graph_sizes=SIZES, log_step_plan=True,
-            max_num_batched_tokens=16, **common,
-        ) as graphs:  # fmt: skip
+            str(model),
+            graph_mode=mode,
+            cuda_graph_sizes=SIZES,
+            log_step_plan=True,
+            max_num_batched_tokens=16,
+            **common,
+        ) as graphs:
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             records = [r for r in graphs.step_log() if r["role"] == "attention"]
         gaps = _check(eager, prompts, got, want)

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from afdserve.kernels import ops
-
-from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.reference import layers as reference
 from tests.gpu.sync import no_sync
 
 pytestmark = [
@@ -92,9 +91,17 @@ def test_paged_attention_matches_reference(heads, kv_heads, dim, case, dtype_nam
     dtype = DTYPES[dtype_name]
     query_lens, context_lens, pad = CASES[case]
     q, k_cache, v_cache, meta = paged_case(
-        query_lens, context_lens, pad, heads, kv_heads, dim, block_size, dtype, "cuda",
+        query_lens,
+        context_lens,
+        pad,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        dtype,
+        "cuda",
         seed=hash((case, block_size, heads)) % 1000,
-    )  # fmt: skip
+    )
     scale = dim**-0.5
     out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
     ref = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), meta, scale)
@@ -136,9 +143,15 @@ QWEN3_MOE = (128, 2048, 768, 8)  # experts, hidden, inter, top_k of Qwen3-30B-A3
 
 
 def moe_case(
-    rows: int, experts: int, hidden: int, inter: int, top_k: int, seed: int, shared: bool = False,
+    rows: int,
+    experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    seed: int,
+    shared: bool = False,
     dtype: torch.dtype = torch.bfloat16,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+) -> tuple[torch.Tensor, ...]:
     """Random x, routing and weights on the GPU. `shared`: every row picks the same experts, so
     each of those experts gets every row (more rows than one tile holds)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -154,7 +167,6 @@ def moe_case(
         logits = logits[:1].expand(rows, experts)
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     return x, ids, weights, gate_up, down
-
 
 
 def moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
@@ -218,8 +230,8 @@ def test_triton_moe_replays_in_cuda_graph():
 
 
 def test_moe_dispatch_uses_triton_for_few_pairs():
-    from afdserve.kernels.moe import torch_grouped as moe_gpu
     from afdserve.kernels.moe import decode as triton_moe
+    from afdserve.kernels.moe import torch_grouped as moe_gpu
 
     small = moe_case(triton_moe.MAX_PAIRS // 8, *QWEN3_MOE, seed=31)
     assert torch.equal(no_sync(ops.moe_experts, *small), triton_moe.moe_experts(*small))

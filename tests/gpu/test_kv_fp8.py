@@ -10,8 +10,8 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
-from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.reference import layers as reference
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.sync import no_sync
 from tests.gpu.test_graphs import SIZES, _check, _prompts
@@ -45,9 +45,17 @@ def test_fp8_paged_attention_matches_reference(heads, kv_heads, dim, case, dtype
     dtype = DTYPES[dtype_name]
     query_lens, context_lens, pad = CASES[case]
     q, k_cache, v_cache, meta = paged_case(
-        query_lens, context_lens, pad, heads, kv_heads, dim, 16, dtype, "cuda",
+        query_lens,
+        context_lens,
+        pad,
+        heads,
+        kv_heads,
+        dim,
+        16,
+        dtype,
+        "cuda",
         seed=hash((case, heads, dim)) % 1000,
-    )  # fmt: skip
+    )
     k8 = reference.quantize_kv(k_cache, FP8, scales[0])
     v8 = reference.quantize_kv(v_cache, FP8, scales[1])
     scale = dim**-0.5
@@ -81,9 +89,10 @@ def poisoned(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor
     return out, tuple(segments)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,case", [(32, 4, 128, "decode"),
-                                                     (32, 4, 128, "chunked"),
-                                                     (16, 1, 80, "decode")])  # fmt: skip
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,case",
+    [(32, 4, 128, "decode"), (32, 4, 128, "chunked"), (16, 1, 80, "decode")],
+)
 def test_fp8_attention_ignores_nan_in_uncovered_slots(heads, kv_heads, dim, case):
     """The FP8 path loads K tiles unmasked (where the head dim needs no padding): NaN in the
     slots past each context and in block 0 (which the tables' padding points at) must not
@@ -94,8 +103,9 @@ def test_fp8_attention_ignores_nan_in_uncovered_slots(heads, kv_heads, dim, case
     )
     k8, segments = poisoned(reference.quantize_kv(k_cache, FP8, 0.05), meta)
     v8, _ = poisoned(reference.quantize_kv(v_cache, FP8, 0.03), meta)
-    meta = AttentionMetadata(meta.positions, meta.slot_mapping, segments,
-                             batch_segments(segments, torch.device("cuda")))  # fmt: skip
+    meta = AttentionMetadata(
+        meta.positions, meta.slot_mapping, segments, batch_segments(segments, torch.device("cuda"))
+    )
     out = no_sync(ops.paged_attention, q, k8, v8, meta, dim**-0.5, 0.05, 0.03)
     k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03), strict=True))
     ref = reference.paged_attention(q.double(), k, v, meta, dim**-0.5)
@@ -137,8 +147,9 @@ def test_fp8_prepare_qkv_matches_reference(norm, scales):
         case = fp8_qkv_case(rows, norm, seed=rows + 100 * norm)
         assert triton_qkv.supports(case["qkv"], case["k_cache"], case["v_cache"], 128)
         k_want, v_want = case["k_cache"].clone(), case["v_cache"].clone()
-        want_q = reference.prepare_qkv(**{**case, "k_cache": k_want, "v_cache": v_want},
-                                       k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+        want_q = reference.prepare_qkv(
+            **{**case, "k_cache": k_want, "v_cache": v_want}, k_scale=scales[0], v_scale=scales[1]
+        )
         got_q = no_sync(triton_qkv.prepare_qkv, **case, k_scale=scales[0], v_scale=scales[1])
         assert_same(got_q, want_q, exact=not norm)
         assert torch.equal(bits(case["v_cache"]), bits(v_want))
@@ -192,8 +203,10 @@ def test_fp8_kernels_replay_in_cuda_graph():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("kvfp8")
-    return {family: make_tiny_model(root / family, family, hash_layers=1, seed=5, dtype="bfloat16")
-            for family in ("qwen3_moe", "deepseek_v3")}  # fmt: skip
+    return {
+        family: make_tiny_model(root / family, family, hash_layers=1, seed=5, dtype="bfloat16")
+        for family in ("qwen3_moe", "deepseek_v3")
+    }
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -202,15 +215,22 @@ def test_fp8_cache_graphs_equal_eager(models, family):
     FP8 engine's tokens up to near-ties; the share equal to the bf16 cache's is printed."""
     prompts = _prompts(12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
-                  kv_cache_blocks=512)  # fmt: skip
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512
+    )
     with LLM(str(models[family]), **common) as plain:
         bf16_cache = [o.token_ids for o in plain.generate(prompts, params)]
     with LLM(str(models[family]), kv_cache_dtype="fp8", **common) as eager:
         assert eager.engine.core_client.core.kv_cache.dtype == FP8
         want = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(str(models[family]), kv_cache_dtype="fp8", graph_mode="full_decode_only",
-                 cuda_graph_sizes=SIZES, log_step_plan=True, **common) as graphs:  # fmt: skip
+        with LLM(
+            str(models[family]),
+            kv_cache_dtype="fp8",
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=SIZES,
+            log_step_plan=True,
+            **common,
+        ) as graphs:
             assert graphs.engine.core_client.driver.forward.graphs is not None
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             modes = {r["mode"] for r in graphs.step_log()}
@@ -218,8 +238,10 @@ def test_fp8_cache_graphs_equal_eager(models, family):
     assert "replay" in modes and "capture" in modes
     assert all(len(g) == params.max_tokens for g in got)
     same = sum(a == b for w, b16 in zip(want, bf16_cache) for a, b in zip(w, b16))
-    print(f"{family}: {len(gaps)} near-tie divergences (gaps {gaps}); FP8 eager equals the bf16 "
-          f"cache at {same / sum(map(len, want)):.3f} of positions")
+    print(
+        f"{family}: {len(gaps)} near-tie divergences (gaps {gaps}); FP8 eager equals the bf16 "
+        f"cache at {same / sum(map(len, want)):.3f} of positions"
+    )
 
 
 def test_fp8_cache_block_size_and_bytes(models):

@@ -33,8 +33,10 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("nccl-models")
-    return {f: make_tiny_model(root / f, f, hash_layers=1, seed=4)
-            for f in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")}
+    return {
+        f: make_tiny_model(root / f, f, hash_layers=1, seed=4)
+        for f in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
+    }
 
 
 _REFERENCE: dict[tuple, list[list[int]]] = {}
@@ -87,13 +89,24 @@ CASES = [
 
 
 @pytest.mark.parametrize(("connector", "family", "ubatches", "gate", "graph_mode"), CASES)
-def test_1a1f_across_gpus_matches_colocated(models, tmp_path, connector, family, ubatches, gate,
-                                            graph_mode):
+def test_1a1f_across_gpus_matches_colocated(
+    models, tmp_path, connector, family, ubatches, gate, graph_mode
+):
     model = models[family]
-    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector=connector,
-             ubatches=ubatches, gate_on_attention=gate, graph_mode=graph_mode,
-             cuda_graph_sizes=SIZES, max_num_batched_tokens=16, log_step_plan=True,
-             log_data_plane=str(tmp_path)) as llm:
+    with LLM(
+        str(model),
+        device="cuda",
+        dtype="float32",
+        topology="1A1F",
+        connector=connector,
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=SIZES,
+        max_num_batched_tokens=16,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+    ) as llm:
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
     records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == colocated(model)
@@ -107,8 +120,9 @@ def test_1a1f_across_gpus_matches_colocated(models, tmp_path, connector, family,
 
 def test_auto_picks_ipc_with_a_gpu_per_rank(models):
     model = models["deepseek_v2"]
-    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F",
-             max_num_batched_tokens=16) as llm:
+    with LLM(
+        str(model), device="cuda", dtype="float32", topology="1A1F", max_num_batched_tokens=16
+    ) as llm:
         assert llm.afd_config.connector == "ipc"
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
     assert got == colocated(model)
@@ -118,9 +132,17 @@ def test_auto_picks_ipc_with_a_gpu_per_rank(models):
 def test_requests_arriving_mid_run(models, connector):
     model = models["qwen3_moe"]
     prompts = _prompts()
-    with LLM(str(model), device="cuda", dtype="float32", topology="1A1F", connector=connector,
-             ubatches=2, graph_mode="full", cuda_graph_sizes=SIZES,
-             max_num_batched_tokens=16) as llm:
+    with LLM(
+        str(model),
+        device="cuda",
+        dtype="float32",
+        topology="1A1F",
+        connector=connector,
+        ubatches=2,
+        graph_mode="full",
+        cuda_graph_sizes=SIZES,
+        max_num_batched_tokens=16,
+    ) as llm:
         engine, done = llm.engine, {}
         pending = [(f"r{i}", p) for i, p in enumerate(prompts)]
         while len(done) < len(prompts):
@@ -140,9 +162,16 @@ def test_bfloat16_differences_are_reported(models, capsys, connector):
     can differ; greedy tokens may then split at near-ties. The count is printed."""
     model = models["deepseek_v3"]
     want = colocated(model, "bfloat16")
-    with LLM(str(model), device="cuda", dtype="bfloat16", topology="1A1F", connector=connector,
-             graph_mode="full_decode_only", cuda_graph_sizes=SIZES,
-             max_num_batched_tokens=16) as llm:
+    with LLM(
+        str(model),
+        device="cuda",
+        dtype="bfloat16",
+        topology="1A1F",
+        connector=connector,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=SIZES,
+        max_num_batched_tokens=16,
+    ) as llm:
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
     total = sum(len(w) for w in want)
     differ = sum(
@@ -150,7 +179,9 @@ def test_bfloat16_differences_are_reported(models, capsys, connector):
         for w, g in zip(want, got)
     )
     with capsys.disabled():
-        print(f"\nbf16 1A1F, connector {connector}: {differ} of {total} greedy tokens differ "
-              f"from colocated (counted from each sequence's first split)")
+        print(
+            f"\nbf16 1A1F, connector {connector}: {differ} of {total} greedy tokens differ "
+            f"from colocated (counted from each sequence's first split)"
+        )
     assert all(len(g) == len(w) for g, w in zip(got, want))
     assert differ <= total // 2

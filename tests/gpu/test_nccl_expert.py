@@ -11,7 +11,7 @@ import torch
 from afdserve import LLM
 from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
 
-from .test_nccl import GREEDY, SIZES, _prompts, colocated, models  # noqa: F401 (fixture)
+from .test_nccl import GREEDY, SIZES, _prompts, colocated, models  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,16 +25,33 @@ CASES = [
 
 
 @pytest.mark.parametrize(("topology", "family", "ubatches", "gate", "graph_mode"), CASES)
-def test_nccl_expert_parallel_matches_colocated(models, tmp_path, topology, family, ubatches,  # noqa: F811
-                                                gate, graph_mode):
+def test_nccl_expert_parallel_matches_colocated(
+    models,  # noqa: F811 (the fixture imported above)
+    tmp_path,
+    topology,
+    family,
+    ubatches,  # noqa: F811
+    gate,
+    graph_mode,
+):
     a, f = (int(n) for n in topology.rstrip("F").split("A"))
     if torch.cuda.device_count() < a + f:
         pytest.skip(f"{topology} needs {a + f} GPUs (one rank per GPU)")
     model = models[family]
-    with LLM(str(model), device="cuda", dtype="float32", topology=topology,
-             ffn_expert_parallel=True, ubatches=ubatches, gate_on_attention=gate,
-             graph_mode=graph_mode, cuda_graph_sizes=SIZES, max_num_batched_tokens=16,
-             log_step_plan=True, log_data_plane=str(tmp_path)) as llm:
+    with LLM(
+        str(model),
+        device="cuda",
+        dtype="float32",
+        topology=topology,
+        ffn_expert_parallel=True,
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=SIZES,
+        max_num_batched_tokens=16,
+        log_step_plan=True,
+        log_data_plane=str(tmp_path),
+    ) as llm:
         got = [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
     records = llm.step_log()
     assert got == colocated(model)

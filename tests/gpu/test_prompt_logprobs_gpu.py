@@ -18,8 +18,9 @@ PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_l
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("plp") / "m", "qwen3_moe", hash_layers=1,
-                           seed=5, dtype="float32")  # fmt: skip
+    return make_tiny_model(
+        tmp_path_factory.mktemp("plp") / "m", "qwen3_moe", hash_layers=1, seed=5, dtype="float32"
+    )
 
 
 def logprobs(model, **kwargs) -> list[list[dict[int, float]]]:

@@ -13,8 +13,10 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "tile", "width"), [(1, 1, 64), (3, 8, 2048), (64, 64, 2048),
-                                                      (5, 7, 100), (0, 4, 32), (250, 256, 7168)])
+@pytest.mark.parametrize(
+    ("rows", "tile", "width"),
+    [(1, 1, 64), (3, 8, 2048), (64, 64, 2048), (5, 7, 100), (0, 4, 32), (250, 256, 7168)],
+)
 def test_push_tile_writes_rows_pads_and_ids(dtype, rows, tile, width):
     from afdserve.kernels.triton.push import push_tile
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.metadata import QKVLayout
+from afdserve.kernels.reference import layers as reference
 from tests.gpu.sync import no_sync
 
 pytestmark = [
@@ -84,8 +84,17 @@ def check_case(case: dict, got_q: torch.Tensor, k_before: torch.Tensor, v_before
     )
 
 
-SHAPES = [(32, 4, 128), (32, 4, 64), (32, 4, 96), (8, 8, 128), (8, 8, 64), (8, 8, 96),
-          (4, 1, 128), (4, 1, 64), (4, 1, 96)]  # fmt: skip
+SHAPES = [
+    (32, 4, 128),
+    (32, 4, 64),
+    (32, 4, 96),
+    (8, 8, 128),
+    (8, 8, 64),
+    (8, 8, 96),
+    (4, 1, 128),
+    (4, 1, 64),
+    (4, 1, 96),
+]
 
 
 @pytest.mark.parametrize("interleave", [False, True])

@@ -84,7 +84,6 @@ def assert_routing_matches(
     )
 
 
-
 # Each combination compiles its own kernels on the GPU: the grid is kept to the cases that differ.
 @pytest.mark.parametrize(
     "scoring,normalize", [("softmax", True), ("softmax", False), ("sigmoid", False)]

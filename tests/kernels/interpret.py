@@ -12,12 +12,17 @@ import sys
 import pytest
 
 
-def run_interpreted(code: str, timeout: int, min_triton: tuple[int, int] | None = None,
-                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def run_interpreted(
+    code: str,
+    timeout: int,
+    min_triton: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     triton = pytest.importorskip("triton")
     version = tuple(int(v) for v in triton.__version__.split(".")[:2])
     if min_triton is not None and version < min_triton:
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels")
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
+    )

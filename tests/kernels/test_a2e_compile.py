@@ -36,15 +36,37 @@ def builds(dtype: str, ids: str) -> list[object]:
     common = {"BLOCK_G": 8, "GROUP": 128}
     quantize = {"INV_MAX": k.INV_MAX, "FP8_MAX": k.FP8_MAX, **common}
     return [
-        compile_for_h200(k._quantize_kernel, {"X": rows, "Q": "*fp8e4nv", "S": "*fp32",
-                         "hidden": "i32", "n_groups": "i32", "stride_x": "i32"}, quantize),
-        compile_for_h200(k._dequantize_kernel, {"Q": "*fp8e4nv", "S": "*fp32", "Y": rows,
-                         "hidden": "i32", "n_groups": "i32", "stride_q": "i32",
-                         "stride_s": "i32"}, {"OUT": out, **common}),
-        compile_for_h200(k._roundtrip_kernel, {"X": rows, "IDS": ids, "Y": rows,
-                         "hidden": "i32", "stride_x": "i32"},
-                         {"HAS_IDS": True, "OUT": out, **quantize}),
-    ]  # fmt: skip
+        compile_for_h200(
+            k._quantize_kernel,
+            {
+                "X": rows,
+                "Q": "*fp8e4nv",
+                "S": "*fp32",
+                "hidden": "i32",
+                "n_groups": "i32",
+                "stride_x": "i32",
+            },
+            quantize,
+        ),
+        compile_for_h200(
+            k._dequantize_kernel,
+            {
+                "Q": "*fp8e4nv",
+                "S": "*fp32",
+                "Y": rows,
+                "hidden": "i32",
+                "n_groups": "i32",
+                "stride_q": "i32",
+                "stride_s": "i32",
+            },
+            {"OUT": out, **common},
+        ),
+        compile_for_h200(
+            k._roundtrip_kernel,
+            {"X": rows, "IDS": ids, "Y": rows, "hidden": "i32", "stride_x": "i32"},
+            {"HAS_IDS": True, "OUT": out, **quantize},
+        ),
+    ]
 
 
 @pytest.mark.parametrize(("dtype", "ids"), [("bf16", "*i64"), ("fp16", "*i32"), ("fp32", "*i64")])

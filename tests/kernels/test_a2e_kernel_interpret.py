@@ -139,7 +139,8 @@ def test_kernels_under_the_interpreter(tmp_path: Path) -> None:
     script = tmp_path / "a2e_cases.py"
     script.write_text(CASES)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(script)], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split()[-1:] == ["non-finite"], run.stdout

@@ -16,8 +16,15 @@ import pytest
 triton = pytest.importorskip("triton")
 
 H200 = ("cuda", 90, 32)
-POINTERS = {"Q": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LSE": "*fp32",
-            "block_tables": "*i32", "query_start": "*i32", "context_lens": "*i32"}  # fmt: skip
+POINTERS = {
+    "Q": "*bf16",
+    "Out": "*bf16",
+    "OPart": "*fp32",
+    "LSE": "*fp32",
+    "block_tables": "*i32",
+    "query_start": "*i32",
+    "context_lens": "*i32",
+}
 FLOATS = {"qk_scale_log2": "fp32", "v_scale": "fp32"}
 
 
@@ -32,10 +39,20 @@ def compile_for_h200(fp8: bool, launch, block_q: int = 2, direct: bool = False) 
 
     kernel = ta._paged_attention_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
-    constants = {"GROUP": 8, "GROUP_PAD": 8, "BLOCK_Q": block_q, "HEAD_DIM": 128, "DIM_PAD": 128,
-                 "CACHE_BLOCK": 16, "BLOCK_N": launch.block_n, "DIRECT": direct, "IEEE": False,
-                 "FP8_KV": fp8, "DOT_DTYPE": tl.float16,
-                 "CAUSAL": not (fp8 and block_q == 2)}  # fmt: skip
+    constants = {
+        "GROUP": 8,
+        "GROUP_PAD": 8,
+        "BLOCK_Q": block_q,
+        "HEAD_DIM": 128,
+        "DIM_PAD": 128,
+        "CACHE_BLOCK": 16,
+        "BLOCK_N": launch.block_n,
+        "DIRECT": direct,
+        "IEEE": False,
+        "FP8_KV": fp8,
+        "DOT_DTYPE": tl.float16,
+        "CAUSAL": not (fp8 and block_q == 2),
+    }
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(POINTERS, **FLOATS, K=kv, V=kv)
     signature.update({name: "constexpr" for name in constants})

@@ -134,6 +134,11 @@ def test_fp8_cache_under_the_interpreter() -> None:
     if not interpreter_runs():
         pytest.skip("this Triton's interpreter cannot run a loop on this numpy")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_CASES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -31,8 +31,12 @@ def kernel_decode(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     2^(s - 113), float32 [..., n])."""
     spread = (words & 0x07070707) | ((words << 3) & ~0x07070707)
     odd = ((words >> 3) & 0x0E0E0E0E) | (words & ~0x0E0E0E0E)
-    halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
-              (spread << 1) & FP16_PAIR, odd & FP16_PAIR)  # fmt: skip
+    halves = (
+        (spread << 9) & FP16_PAIR,
+        (odd << 8) & FP16_PAIR,
+        (spread << 1) & FP16_PAIR,
+        odd & FP16_PAIR,
+    )
     nibbles = [halves[i % 4] >> (16 if i >= 4 else 0) for i in range(8)]  # nibble i of a word
     values = torch.stack([n.to(torch.int16).view(torch.float16) for n in nibbles], dim=-1)
     factor = ((scale.to(torch.int32) + 14) << 23).view(torch.float32)
@@ -106,6 +110,7 @@ for rows, dtype, tiles, limit, rtol, *e in [
 def test_kernels_under_the_interpreter() -> None:
     # Before 3.7 the interpreter cannot run the kernels' loop over an expert's pair tiles; there
     # the compiled kernels are checked on the GPU instead (tests/gpu/test_fp4_moe.py).
-    run = run_interpreted(INTERPRETED_CASES, timeout=300, min_triton=(3, 7),
-                          env={"TRITON_DEFAULT_FP_FUSION": "1"})
+    run = run_interpreted(
+        INTERPRETED_CASES, timeout=300, min_triton=(3, 7), env={"TRITON_DEFAULT_FP_FUSION": "1"}
+    )
     assert run.returncode == 0, run.stdout + run.stderr

@@ -39,8 +39,19 @@ DOWN = {
 }
 # What a launch at DeepSeek-V4-Flash's shape specializes as multiples of 16: the pointers (torch's
 # allocations) and the dims and row strides (4096, 2048, their / 8 and / 32); not top_k (6).
-ALIGNED = {"x_ptr", "ids_ptr", "w_ptr", "s_ptr", "h_ptr", "weights_ptr", "y_ptr", "hidden",
-           "inter", "w_row", "s_row"}  # fmt: skip
+ALIGNED = {
+    "x_ptr",
+    "ids_ptr",
+    "w_ptr",
+    "s_ptr",
+    "h_ptr",
+    "weights_ptr",
+    "y_ptr",
+    "hidden",
+    "inter",
+    "w_row",
+    "s_row",
+}
 
 
 def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) -> object:
@@ -60,11 +71,19 @@ def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
     list by expert, or (`by_expert` False) a decode batch's, one program per pair."""
     from afdserve.kernels.moe import fp4_decode as k
 
-    common = {"PAIRS_PAD": k.MAX_PAIRS if by_expert else 64, "BY_EXPERT": by_expert,
-              "ROWS": tiles.rows, "WEIGHTS_LEFT": tiles.weights_left}  # fmt: skip
+    common = {
+        "PAIRS_PAD": k.MAX_PAIRS if by_expert else 64,
+        "BY_EXPERT": by_expert,
+        "ROWS": tiles.rows,
+        "WEIGHTS_LEFT": tiles.weights_left,
+    }
     options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
-    gate_up = {"HAS_LIMIT": True, **common, "COLUMNS": tiles.gate_up_columns,
-               "K_BLOCK": k._k_block(4096, tiles.k_block)}  # fmt: skip
+    gate_up = {
+        "HAS_LIMIT": True,
+        **common,
+        "COLUMNS": tiles.gate_up_columns,
+        "K_BLOCK": k._k_block(4096, tiles.k_block),
+    }
     down = {**common, "COLUMNS": tiles.down_columns, "K_BLOCK": k._k_block(2048, tiles.k_block)}
     return (
         compile_for_h200(k._gate_up_kernel, GATE_UP, gate_up, options),

@@ -23,24 +23,82 @@ triton = pytest.importorskip("triton")
 H200 = ("cuda", 90, 32)
 HIDDEN, INTER, EXPERTS = 2048, 768, 128  # Qwen3-30B-A3B's experts
 X, FP8, SCALE = "*bf16", "*fp8e4nv", "*fp32"
-DECODE_GATE_UP = {"x_ptr": X, "ids_ptr": "*i64", "w_ptr": FP8, "s_ptr": SCALE, "h_ptr": X,
-                  "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
-                  "s_expert": "i32", "s_row": "i32", "inter_blocks": "i32"}  # fmt: skip
-DECODE_DOWN = {"h_ptr": X, "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": FP8,
-               "s_ptr": SCALE, "y_ptr": "*fp32", "num_pairs": "i32", "hidden": "i32",
-               "inter": "i32", "s_expert": "i32", "s_row": "i32"}  # fmt: skip
-GROUPED_GATE_UP = {"x_ptr": X, "slots_ptr": "*i32", "end_ptr": "*i32", "count_ptr": "*i32",
-                   "w_ptr": FP8, "s_ptr": SCALE, "h_ptr": X, "num_experts": "i32",
-                   "top_k": "i32", "hidden": "i32", "inter": "i32", "s_expert": "i32",
-                   "s_row": "i32", "inter_blocks": "i32"}  # fmt: skip
-GROUPED_DOWN = {"h_ptr": X, "slots_ptr": "*i32", "end_ptr": "*i32", "count_ptr": "*i32",
-                "weights_ptr": "*fp32", "w_ptr": FP8, "s_ptr": SCALE, "y_ptr": "*fp32",
-                "num_experts": "i32", "hidden": "i32", "inter": "i32", "s_expert": "i32",
-                "s_row": "i32"}  # fmt: skip
+DECODE_GATE_UP = {
+    "x_ptr": X,
+    "ids_ptr": "*i64",
+    "w_ptr": FP8,
+    "s_ptr": SCALE,
+    "h_ptr": X,
+    "num_pairs": "i32",
+    "top_k": "i32",
+    "hidden": "i32",
+    "inter": "i32",
+    "s_expert": "i32",
+    "s_row": "i32",
+    "inter_blocks": "i32",
+}
+DECODE_DOWN = {
+    "h_ptr": X,
+    "ids_ptr": "*i64",
+    "weights_ptr": "*fp32",
+    "w_ptr": FP8,
+    "s_ptr": SCALE,
+    "y_ptr": "*fp32",
+    "num_pairs": "i32",
+    "hidden": "i32",
+    "inter": "i32",
+    "s_expert": "i32",
+    "s_row": "i32",
+}
+GROUPED_GATE_UP = {
+    "x_ptr": X,
+    "slots_ptr": "*i32",
+    "end_ptr": "*i32",
+    "count_ptr": "*i32",
+    "w_ptr": FP8,
+    "s_ptr": SCALE,
+    "h_ptr": X,
+    "num_experts": "i32",
+    "top_k": "i32",
+    "hidden": "i32",
+    "inter": "i32",
+    "s_expert": "i32",
+    "s_row": "i32",
+    "inter_blocks": "i32",
+}
+GROUPED_DOWN = {
+    "h_ptr": X,
+    "slots_ptr": "*i32",
+    "end_ptr": "*i32",
+    "count_ptr": "*i32",
+    "weights_ptr": "*fp32",
+    "w_ptr": FP8,
+    "s_ptr": SCALE,
+    "y_ptr": "*fp32",
+    "num_experts": "i32",
+    "hidden": "i32",
+    "inter": "i32",
+    "s_expert": "i32",
+    "s_row": "i32",
+}
 # What a launch at these shapes specializes as multiples of 16: the pointers, the dims, the
 # experts' scale strides (gate/up's grid [E, 12, 16]: 192 and 16; down's [E, 16, 6]: 96, not 6).
-ALIGNED = {"x_ptr", "ids_ptr", "w_ptr", "s_ptr", "h_ptr", "weights_ptr", "y_ptr", "slots_ptr",
-           "end_ptr", "count_ptr", "num_experts", "hidden", "inter", "s_expert"}  # fmt: skip
+ALIGNED = {
+    "x_ptr",
+    "ids_ptr",
+    "w_ptr",
+    "s_ptr",
+    "h_ptr",
+    "weights_ptr",
+    "y_ptr",
+    "slots_ptr",
+    "end_ptr",
+    "count_ptr",
+    "num_experts",
+    "hidden",
+    "inter",
+    "s_expert",
+}
 
 
 def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) -> object:
@@ -81,10 +139,10 @@ def per_weight(kernel, warps: int, weights_per_step: int) -> float:
 
 def builds() -> list[tuple[str, bool, bool, object, float]]:
     """(kernel, a8, weights left, compiled, instructions per weight) of every build."""
-    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
     from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
     from afdserve.kernels.moe import grouped as triton_grouped_moe
     from afdserve.kernels.moe.decode import _k_block, _rows_per_tile
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     out = []
     step = _k_block(HIDDEN), _k_block(INTER)
@@ -96,11 +154,23 @@ def builds() -> list[tuple[str, bool, bool, object, float]]:
             common = {"PAIRS_PAD": 64, "BY_EXPERT": False, "ROWS": rows, "WEIGHTS_LEFT": left}
             options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
             for name, kernel, sig, columns, weight_rows, k in (
-                ("decode gate/up", triton_fp8_moe._gate_up_kernel, DECODE_GATE_UP,
-                 tiles.gate_up_columns, 2 * tiles.gate_up_columns, step[0]),
-                ("decode down", triton_fp8_moe._down_kernel, DECODE_DOWN, tiles.down_columns,
-                 tiles.down_columns, step[1]),
-            ):  # fmt: skip
+                (
+                    "decode gate/up",
+                    triton_fp8_moe._gate_up_kernel,
+                    DECODE_GATE_UP,
+                    tiles.gate_up_columns,
+                    2 * tiles.gate_up_columns,
+                    step[0],
+                ),
+                (
+                    "decode down",
+                    triton_fp8_moe._down_kernel,
+                    DECODE_DOWN,
+                    tiles.down_columns,
+                    tiles.down_columns,
+                    step[1],
+                ),
+            ):
                 modes = triton_fp8.operand_modes(a8, k, torch.bfloat16)
                 constants = {**common, "COLUMNS": columns, "K_BLOCK": k, **modes}
                 built = compile_for_h200(kernel, sig, constants, options)
@@ -110,17 +180,34 @@ def builds() -> list[tuple[str, bool, bool, object, float]]:
     rows = triton_grouped_moe.rows_per_tile(grouped_pairs, EXPERTS, True)
     for a8 in (True, False):
         for left in (True, False):
-            common = {"ROWS": rows, "E_PAD": EXPERTS, "W_FP8": True, "WEIGHTS_LEFT": left,
-                      "GDC": triton_grouped_moe.GDC}  # fmt: skip
+            common = {
+                "ROWS": rows,
+                "E_PAD": EXPERTS,
+                "W_FP8": True,
+                "WEIGHTS_LEFT": left,
+                "GDC": triton_grouped_moe.GDC,
+            }
             options = {"num_warps": warps, "num_stages": stages}
             # As moe_experts launches them: tiles of one scale block with the weights right.
             down = down_columns if left else min(down_columns, 128)
             for name, kernel, sig, columns, weight_rows, k in (
-                ("grouped gate/up", triton_grouped_moe._gate_up_kernel, GROUPED_GATE_UP,
-                 gate_up_columns, 2 * gate_up_columns, step[0]),
-                ("grouped down", triton_grouped_moe._down_kernel, GROUPED_DOWN, down, down,
-                 step[1]),
-            ):  # fmt: skip
+                (
+                    "grouped gate/up",
+                    triton_grouped_moe._gate_up_kernel,
+                    GROUPED_GATE_UP,
+                    gate_up_columns,
+                    2 * gate_up_columns,
+                    step[0],
+                ),
+                (
+                    "grouped down",
+                    triton_grouped_moe._down_kernel,
+                    GROUPED_DOWN,
+                    down,
+                    down,
+                    step[1],
+                ),
+            ):
                 modes = triton_fp8.operand_modes(a8, k, torch.bfloat16)
                 constants = {**common, "COLUMNS": columns, "K_BLOCK": k, **modes}
                 built = compile_for_h200(kernel, sig, constants, options)

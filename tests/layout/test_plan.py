@@ -82,8 +82,11 @@ Scenario = tuple[Topology, GraphTable, int, list[tuple[RankStep, ...]]]
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, steps: st.SearchStrategy[int] = st.just(1),
-              topology_strategy: st.SearchStrategy[Topology] | None = None) -> Scenario:
+def scenarios(
+    draw: st.DrawFn,
+    steps: st.SearchStrategy[int] = st.just(1),
+    topology_strategy: st.SearchStrategy[Topology] | None = None,
+) -> Scenario:
     topology = draw(topologies if topology_strategy is None else topology_strategy)
     ubatches = draw(ubatch_counts)
     mode = draw(graph_modes)
@@ -458,16 +461,30 @@ def test_log_records() -> None:
     plan = plan_step([decode(2), IDLE, RankStep(5, 2, False)], topology, GraphTable())
     records = plan.log_records(step=11)
     assert [(r["role"], r["rank"]) for r in records] == [
-        ("attention", 0), ("attention", 1), ("attention", 2), ("ffn", 3), ("ffn", 4)
-    ]  # fmt: skip
+        ("attention", 0),
+        ("attention", 1),
+        ("attention", 2),
+        ("ffn", 3),
+        ("ffn", 4),
+    ]
     keys = {"step", "role", "rank", "real_rows", "padded_rows", "tile_rows", "peers", "mode", "key"}
     # Attention lines also carry the real rows of each ubatch (what each peer's tile must hold).
-    assert all(set(r) - keys == ({"ubatch_real_rows"} if r["role"] == "attention" else set())
-               and keys <= set(r) for r in records)
+    assert all(
+        set(r) - keys == ({"ubatch_real_rows"} if r["role"] == "attention" else set())
+        and keys <= set(r)
+        for r in records
+    )
     assert records[3] == {
-        "step": 11, "role": "ffn", "rank": 3, "real_rows": 7, "padded_rows": 10,
-        "tile_rows": [5], "peers": [0, 2], "mode": "eager", "key": ["ffn", 3, [[2], [5]], [5]],
-    }  # fmt: skip
+        "step": 11,
+        "role": "ffn",
+        "rank": 3,
+        "real_rows": 7,
+        "padded_rows": 10,
+        "tile_rows": [5],
+        "peers": [0, 2],
+        "mode": "eager",
+        "key": ["ffn", 3, [[2], [5]], [5]],
+    }
     assert records[1]["peers"] == [4] and records[1]["key"] is None
     assert json.loads(json.dumps(records)) == records
     colocated = plan_step([decode(1)], Topology.parse("colocated"), GraphTable()).log_records(0)

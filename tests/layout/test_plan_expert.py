@@ -77,7 +77,8 @@ def test_the_world_shares_one_run_mode(scenario: Scenario) -> None:
     largest = max(r.num_tokens for r in working)
     graph_allowed = largest <= table.largest and (
         table.mode == "full"
-        or table.mode == "full_decode_only" and all(r.uniform_decode for r in working)
+        or table.mode == "full_decode_only"
+        and all(r.uniform_decode for r in working)
     )
     assert (mode in ("capture", "replay")) == graph_allowed
     keys = [p.key for p in plan.attention + plan.ffn]

@@ -19,9 +19,12 @@ def boundary_ties(model: V4CausalLM, ids: torch.Tensor) -> list[tuple[int, int]]
     """(layer, row) of every query whose k-th and (k+1)-th best closed entries score the same,
     in the full forward of `ids`."""
     seen: dict[int, tuple] = {}
-    hooks = [layer.self_attn.register_forward_pre_hook(
-        lambda module, args, i=i: seen.__setitem__(i, args))
-        for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda module, args, i=i: seen.__setitem__(i, args)
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
     try:
         model.forward_full(ids)
     finally:
@@ -34,8 +37,9 @@ def boundary_ties(model: V4CausalLM, ids: torch.Tensor) -> list[tuple[int, int]]
             continue
         x, positions, _, compress_rope = seen[i][:4]
         indexer = attn.compressor.indexer
-        scores, _ = indexer.scores(x, attn.q_a_norm(attn.q_a_proj(x)), positions, compress_rope,
-                                   None)
+        scores, _ = indexer.scores(
+            x, attn.q_a_norm(attn.q_a_proj(x)), positions, compress_rope, None
+        )
         k = indexer.topk
         if scores.shape[1] <= k:
             continue

@@ -1,12 +1,18 @@
-"""The A2E formats (kernels/reference/a2e.py): fp8 rows with a float32 scale per 128 channels, checked
-against a plain float64 oracle, and the bytes a row takes on the wire."""
+"""The A2E formats (kernels/reference/a2e.py): fp8 rows with a float32 scale per 128 channels,
+checked against a plain float64 oracle, and the bytes a row takes on the wire."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from afdserve.kernels.reference.a2e import GROUP, A2EFormat, dequantize_rows, quantize_rows, scale_groups
+from afdserve.kernels.reference.a2e import (
+    GROUP,
+    A2EFormat,
+    dequantize_rows,
+    quantize_rows,
+    scale_groups,
+)
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 
 
@@ -32,7 +38,7 @@ def test_quantize_matches_a_float64_oracle(hidden):
     # smallest normal (2^-6 of the scale) lose up to 2^-10 of the group's scale.
     err = (back - x).abs()
     per_group = scales.repeat_interleave(GROUP, dim=1)[:, :hidden]
-    assert bool((err <= x.abs() / 16 + per_group * 2 ** -9 + 1e-30).all())
+    assert bool((err <= x.abs() / 16 + per_group * 2**-9 + 1e-30).all())
 
 
 def test_groups_keep_an_outlier_from_the_other_groups():

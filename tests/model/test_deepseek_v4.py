@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM
 
-from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
-from afdserve.model.families.deepseek_v4 import names
-from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.families.deepseek_v4 import names
+from afdserve.model.families.deepseek_v4.model import V4CausalLM
+from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.model.deepseek_v4_helpers import boundary_ties
 
@@ -34,7 +34,8 @@ def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf(v4_dir: Path) -> DeepseekV4ForCausalLM:
     return DeepseekV4ForCausalLM.from_pretrained(
-        v4_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        v4_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,10 @@ def capture(hf: DeepseekV4ForCausalLM, ids: torch.Tensor) -> dict[str, tuple]:
     hooks = []
     for i, layer in enumerate(hf.model.layers):
         for part in ("attn_hc", "self_attn", "ffn_hc", "mlp"):
+
             def hook(module, args, kwargs, output, key=f"{i}.{part}"):
                 seen[key] = (args, kwargs, output)
+
             hooks.append(getattr(layer, part).register_forward_hook(hook, with_kwargs=True))
     with torch.no_grad():
         logits = hf(ids[None], use_cache=False).logits[0]
@@ -72,8 +75,9 @@ def capture(hf: DeepseekV4ForCausalLM, ids: torch.Tensor) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("length", [5, 13])
 @torch.inference_mode()
-def test_each_layer_equals_transformers_modules(hf: DeepseekV4ForCausalLM, ours: V4CausalLM,
-                                                length: int) -> None:
+def test_each_layer_equals_transformers_modules(
+    hf: DeepseekV4ForCausalLM, ours: V4CausalLM, length: int
+) -> None:
     ids = prompt(length, seed=length)
     seen = capture(hf, ids)
     positions = torch.arange(length)
@@ -95,8 +99,9 @@ def test_each_layer_equals_transformers_modules(hf: DeepseekV4ForCausalLM, ours:
 
 
 @torch.inference_mode()
-def test_compressors_and_indexer_equal_transformers(hf: DeepseekV4ForCausalLM, ours: V4CausalLM
-                                                    ) -> None:
+def test_compressors_and_indexer_equal_transformers(
+    hf: DeepseekV4ForCausalLM, ours: V4CausalLM
+) -> None:
     length = 13
     x = torch.randn(length, hf.config.hidden_size, generator=torch.Generator().manual_seed(5))
     positions = torch.arange(length)
@@ -117,8 +122,9 @@ def test_compressors_and_indexer_equal_transformers(hf: DeepseekV4ForCausalLM, o
 
 @pytest.mark.parametrize("length", LENGTHS)
 @torch.inference_mode()
-def test_full_forward_matches_transformers(hf: DeepseekV4ForCausalLM, ours: V4CausalLM,
-                                           length: int) -> None:
+def test_full_forward_matches_transformers(
+    hf: DeepseekV4ForCausalLM, ours: V4CausalLM, length: int
+) -> None:
     ids = prompt(length, seed=100 + length)
     assert boundary_ties(ours, ids) == []  # else the kept entries are torch.topk's choice
     want = hf(ids[None], use_cache=False).logits[0]
@@ -128,8 +134,9 @@ def test_full_forward_matches_transformers(hf: DeepseekV4ForCausalLM, ours: V4Ca
 
 
 @torch.inference_mode()
-def test_greedy_tokens_match_transformers_full_forward(hf: DeepseekV4ForCausalLM,
-                                                       ours: V4CausalLM) -> None:
+def test_greedy_tokens_match_transformers_full_forward(
+    hf: DeepseekV4ForCausalLM, ours: V4CausalLM
+) -> None:
     # transformers' full forward is the definition (its cached generate disagrees with it on
     # these shapes), so both sides re-run the whole sequence for every new token.
     for seed, length in ((1, 3), (2, 6)):
@@ -174,8 +181,12 @@ def rewrite(src: Path, dst: Path, edit) -> Path:
 @torch.inference_mode()
 def test_public_checkpoint_spelling_loads(v4_dir: Path, ours: V4CausalLM, tmp_path: Path) -> None:
     # DeepSeek's own files say `embed.weight`, `layers.0.attn...`, `hc_head_fn`: no `model.`.
-    top = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
-           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    top = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.hc_head.hc_fn": "hc_head_fn",
+        "model.hc_head.hc_base": "hc_head_base",
+        "model.hc_head.hc_scale": "hc_head_scale",
+    }
 
     def public(weights):
         return {top.get(k, k.removeprefix("model.")): v for k, v in weights.items()}
@@ -189,19 +200,38 @@ def test_public_checkpoint_spelling_loads(v4_dir: Path, ours: V4CausalLM, tmp_pa
         assert names.to_ours(names.to_public(name)) == name, name
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda w: {k: v for k, v in w.items() if k != "model.layers.2.attn.compressor.ape"},
-     r"missing tensors: layers\.2\.attn\.compressor\.ape$"),
-    (lambda w: {k: v for k, v in w.items() if k != "model.layers.1.ffn.experts.3.w3.weight"},
-     r"missing tensors: layers\.1\.ffn\.experts\.3\.w3\.weight$"),
-    (lambda w: {**w, "model.layers.0.ffn.gate.tid2eid": w["model.layers.0.ffn.gate.tid2eid"][:-1]},
-     rf"tid2eid: {VOCAB_SIZE - 1} rows, fewer than vocab_size={VOCAB_SIZE}"),
-    (lambda w: {**w, "model.layers.0.ffn.gate.tid2eid":
-                w["model.layers.0.ffn.gate.tid2eid"].index_fill(0, torch.tensor([5]), 4)},
-     r"tid2eid holds expert id 4, outside \[0, 4\)"),
-])
-def test_broken_checkpoint_is_refused_in_one_line(v4_dir: Path, tmp_path: Path, edit,
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda w: {k: v for k, v in w.items() if k != "model.layers.2.attn.compressor.ape"},
+            r"missing tensors: layers\.2\.attn\.compressor\.ape$",
+        ),
+        (
+            lambda w: {k: v for k, v in w.items() if k != "model.layers.1.ffn.experts.3.w3.weight"},
+            r"missing tensors: layers\.1\.ffn\.experts\.3\.w3\.weight$",
+        ),
+        (
+            lambda w: {
+                **w,
+                "model.layers.0.ffn.gate.tid2eid": w["model.layers.0.ffn.gate.tid2eid"][:-1],
+            },
+            rf"tid2eid: {VOCAB_SIZE - 1} rows, fewer than vocab_size={VOCAB_SIZE}",
+        ),
+        (
+            lambda w: {
+                **w,
+                "model.layers.0.ffn.gate.tid2eid": w["model.layers.0.ffn.gate.tid2eid"].index_fill(
+                    0, torch.tensor([5]), 4
+                ),
+            },
+            r"tid2eid holds expert id 4, outside \[0, 4\)",
+        ),
+    ],
+)
+def test_broken_checkpoint_is_refused_in_one_line(
+    v4_dir: Path, tmp_path: Path, edit, message: str
+) -> None:
     path = rewrite(v4_dir, tmp_path / "broken", edit)
     with pytest.raises(CheckpointError, match=message) as err:
         load_model(path, ModelParts.colocated(), "float32")
@@ -210,10 +240,14 @@ def test_broken_checkpoint_is_refused_in_one_line(v4_dir: Path, tmp_path: Path, 
 
 @torch.inference_mode()
 def test_bfloat16_keeps_transformers_float32_tensors(v4_dir: Path, ours: V4CausalLM) -> None:
-    hf16 = DeepseekV4ForCausalLM.from_pretrained(v4_dir, dtype=torch.bfloat16,
-                                                 attn_implementation="eager")
-    theirs = {n.replace("hc_head.hc_", "hc_head.") for n, p in hf16.named_parameters()
-              if p.dtype == torch.float32}
+    hf16 = DeepseekV4ForCausalLM.from_pretrained(
+        v4_dir, dtype=torch.bfloat16, attn_implementation="eager"
+    )
+    theirs = {
+        n.replace("hc_head.hc_", "hc_head.")
+        for n, p in hf16.named_parameters()
+        if p.dtype == torch.float32
+    }
     model, _ = load_model(v4_dir, ModelParts.colocated(), "bfloat16")
     mine = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert mine == theirs and len(mine) > 50
@@ -228,8 +262,9 @@ def test_engine_refuses_the_fp8_kv_cache_for_v4_by_name(v4_dir: Path) -> None:
     quantized, so kv_cache_dtype='fp8' is one clear error, not a silent model-dtype cache."""
     from afdserve import LLM
 
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for family "
-                                         "'deepseek_v4'") as err:  # fmt: skip
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' is not supported for family 'deepseek_v4'"
+    ) as err:
         LLM(str(v4_dir), dtype="float32", kv_cache_dtype="fp8")
     assert "\n" not in str(err.value)
 
@@ -247,11 +282,15 @@ def test_dummy_weights_agree_across_halves(v4_dir: Path) -> None:
 
 
 @torch.inference_mode()
-def test_transformers_module_names_load(v4_dir: Path, hf: DeepseekV4ForCausalLM, ours: V4CausalLM,
-                                        tmp_path: Path) -> None:
+def test_transformers_module_names_load(
+    v4_dir: Path, hf: DeepseekV4ForCausalLM, ours: V4CausalLM, tmp_path: Path
+) -> None:
     # A checkpoint written from transformers' state dict as is: stacked experts, its own names.
-    path = rewrite(v4_dir, tmp_path / "internal",
-                   lambda _: {k: v.contiguous() for k, v in hf.state_dict().items()})
+    path = rewrite(
+        v4_dir,
+        tmp_path / "internal",
+        lambda _: {k: v.contiguous() for k, v in hf.state_dict().items()},
+    )
     model, report = load_model(path, ModelParts.colocated(), "float32")
     assert report.unexpected == []
     ids = prompt(9, seed=4)
@@ -268,7 +307,18 @@ def test_make_tiny_model_cli_writes_a_v4_with_a_hash_layer(tmp_path: Path) -> No
     assert raw["model_type"] == "deepseek_v4" and raw["mlp_layer_types"][0] == "hash_moe"
     names_on_disk = load_file(tmp_path / "v4" / "model.safetensors").keys()
     assert "model.layers.0.ffn.gate.tid2eid" in names_on_disk  # the public spelling
-    assert main(["make-tiny-model", str(tmp_path / "none"), "--family", "deepseek_v4",
-                 "--hash-layers", "0"]) == 0
+    assert (
+        main(
+            [
+                "make-tiny-model",
+                str(tmp_path / "none"),
+                "--family",
+                "deepseek_v4",
+                "--hash-layers",
+                "0",
+            ]
+        )
+        == 0
+    )
     raw = json.loads((tmp_path / "none" / "config.json").read_text())
     assert "hash_moe" not in raw["mlp_layer_types"]

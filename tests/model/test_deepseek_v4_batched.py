@@ -1,10 +1,10 @@
-"""DeepSeek-V4's batched decode path (model/families/deepseek_v4/batched.py) against the per-sequence path
-over the same paged cache: sequences of different lengths decode together for several steps, so
-that in one step some close a CSA and/or HCA window (the first window too, and with fewer closed
-entries than index_topk) and some do not; the logits are close to float32 rounding, the tokens
-equal, and the pages it writes are the ones the per-sequence path writes. Pad rows (eagerly
-padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale block
-tables pointing at real sequences' blocks) write nothing into a real page and stay finite."""
+"""DeepSeek-V4's batched decode path (model/families/deepseek_v4/batched.py) against the
+per-sequence path over the same paged cache: sequences of different lengths decode together for
+several steps, so that in one step some close a CSA and/or HCA window (the first window too, and
+with fewer closed entries than index_topk) and some do not; the logits are close to float32
+rounding, the tokens equal, and the pages it writes are the ones the per-sequence path writes. Pad
+rows (eagerly padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale
+block tables pointing at real sequences' blocks) write nothing into a real page and stay finite."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 
 from afdserve.engine.cuda_graphs import UbatchBuffers
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.cache import V4KVCache
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
-from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 CSA, HCA, SLIDING = (
@@ -51,7 +51,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, V4CausalLM]:
             compress_rates={CSA: 3, HCA: 6},
             layer_types=[CSA, HCA, SLIDING, HCA],
             mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"],
-        ),  # fmt: skip
+        ),
     }
     return {name: load_model(d, ModelParts.colocated(), "float32")[0] for name, d in dirs.items()}
 
@@ -143,9 +143,12 @@ def scratch_rows(cache: V4KVCache) -> list[torch.Tensor]:
 @pytest.mark.parametrize("pad", [0, 3])
 @torch.inference_mode()
 def test_batched_decode_equals_the_per_sequence_path(
-    models: dict[str, V4CausalLM], shape: str, block_size: int, pad: int,
+    models: dict[str, V4CausalLM],
+    shape: str,
+    block_size: int,
+    pad: int,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     model = models[shape]
     tables, reference, twin, ids = setup(model, block_size)
     calls = []
@@ -206,9 +209,11 @@ def test_graph_buffers_pad_segments_write_no_real_page(
         buffers.load(segments, size, real)
         pad_positions = torch.full((size - real,), 7)  # (7 + 1) % 4 == 0: every window closes
         graph_meta = AttentionMetadata(
-            torch.cat((positions, pad_positions)), torch.full((size,), -1), (),
+            torch.cat((positions, pad_positions)),
+            torch.full((size,), -1),
+            (),
             buffers.batched(size, 1, width * block_size),
-        )  # fmt: skip
+        )
         step_ids = torch.cat((ids, torch.zeros(size - real, dtype=torch.int64)))
         got = forward(model, twin, step_ids, graph_meta)
         close(got[:real], want[:real])

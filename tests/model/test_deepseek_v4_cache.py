@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
-from afdserve.model.families.deepseek_v4.model import V4CausalLM
-from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.families.deepseek_v4.model import V4CausalLM
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.model.deepseek_v4_helpers import boundary_ties
 
@@ -22,14 +22,16 @@ SPLITS = ([29], [3, 5, 1, 4, 16], [1] * 29, [2] * 14 + [1], [4, 4, 4, 17], [7, 2
 
 @pytest.fixture(scope="module")
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("v4c") / "tiny", "deepseek_v4", hash_layers=1,
-                           seed=2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("v4c") / "tiny", "deepseek_v4", hash_layers=1, seed=2
+    )
 
 
 @pytest.fixture(scope="module")
 def hf(v4_dir: Path) -> DeepseekV4ForCausalLM:
     return DeepseekV4ForCausalLM.from_pretrained(
-        v4_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        v4_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_chunked_prefill_equals_transformers_full_forward(
     want = hf(ids[None], use_cache=False).logits[0]
     cache, got, start = ours.new_cache(), [], 0
     for size in split:
-        got.append(ours.forward_chunk(ids[start:start + size], cache))
+        got.append(ours.forward_chunk(ids[start : start + size], cache))
         start += size
     close(torch.cat(got), want)
     assert cache.length == ids.shape[0]
@@ -112,8 +114,14 @@ def test_transformers_cached_decode_agrees_with_its_full_forward_without_ties(
     """The oracle's two paths agree where the model is defined: its cache is right, and where
     they part it is over indexer ties (next test)."""
     seq = tokens(3, seed=8)
-    out = hf.generate(seq[None], max_new_tokens=16, do_sample=False, eos_token_id=None,
-                      output_logits=True, return_dict_in_generate=True)
+    out = hf.generate(
+        seq[None],
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     full = hf(out.sequences, use_cache=False).logits[0]
     assert boundary_ties(ours, out.sequences[0]) == []
     for step, logits in enumerate(out.logits):
@@ -133,6 +141,6 @@ def test_indexer_ties_are_broken_the_same_way_in_every_chunking(tmp_path: Path) 
     for split in SPLITS:
         cache, got, start = model.new_cache(), [], 0
         for size in split:
-            got.append(model.forward_chunk(ids[start:start + size], cache))
+            got.append(model.forward_chunk(ids[start : start + size], cache))
             start += size
         close(torch.cat(got), want, 1e-6)

@@ -34,19 +34,28 @@ def test_tiny_config_is_read_field_by_field() -> None:
     assert [v4.compress_rate(i) for i in range(4)] == [0, 2, 4, 2]
 
 
-@pytest.mark.parametrize("rope", [
-    None,
-    {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-     "beta_fast": 32, "beta_slow": 1},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ],
+)
 def test_both_rope_bases_match_transformers(rope: dict | None) -> None:
     overrides = {} if rope is None else {"rope_parameters": rope}
     hf = DeepseekV4Config(**{**TINY_V4, **overrides})
     rotary = DeepseekV4RotaryEmbedding(hf)
     c = parse_model_config(json.loads(hf.to_json_string()))
-    for label, ours, scale in (("main", c.rope_inv_freq, c.v4.main_attention_scaling),
-                               ("compress", c.v4.compress_inv_freq,
-                                c.v4.compress_attention_scaling)):
+    for label, ours, scale in (
+        ("main", c.rope_inv_freq, c.v4.main_attention_scaling),
+        ("compress", c.v4.compress_inv_freq, c.v4.compress_attention_scaling),
+    ):
         ref = getattr(rotary, f"{label}_inv_freq")
         assert torch.equal(torch.tensor(ours, dtype=torch.float32), ref), label
         assert scale == getattr(rotary, f"{label}_attention_scaling"), label
@@ -55,11 +64,18 @@ def test_both_rope_bases_match_transformers(rope: dict | None) -> None:
 
 
 def test_legacy_spellings_fold_like_transformers() -> None:
-    legacy = {k: v for k, v in TINY_V4.items()
-              if k not in ("layer_types", "mlp_layer_types", "compress_rates",
-                           "partial_rotary_factor")}
-    legacy.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=2, qk_rope_head_dim=8,
-                  compress_rate_csa=2, compress_rate_hca=4)
+    legacy = {
+        k: v
+        for k, v in TINY_V4.items()
+        if k not in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor")
+    }
+    legacy.update(
+        compress_ratios=[0, 4, 128, 4],
+        num_hash_layers=2,
+        qk_rope_head_dim=8,
+        compress_rate_csa=2,
+        compress_rate_hca=4,
+    )
     hf = DeepseekV4Config(**legacy)
     c = parse_model_config({**legacy, "model_type": "deepseek_v4"})
     assert c.v4.attention_types == tuple(hf.layer_types)
@@ -67,25 +83,49 @@ def test_legacy_spellings_fold_like_transformers() -> None:
     assert (c.v4.csa_rate, c.v4.hca_rate) == (2, 4) and c.qk_rope_head_dim == hf.qk_rope_head_dim
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention",
-                      "sliding_attention"]}, r"layer_types\[1\]='full_attention'"),
-    ({"compress_rates": {"compressed_sparse_attention": 1, "heavily_compressed_attention": 4}},
-     r"compress_rates\['compressed_sparse_attention'\]=1: must be an int >= 2"),
-    ({"compress_rates": {"compressed_sparse_attention": 2, "sparse": 4}},
-     r"compress_rates\['sparse'\]"),
-    ({"mlp_layer_types": ["moe", "dense", "moe", "moe"]}, r"mlp_layer_types\[1\]='dense'"),
-    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
-    ({"n_shared_experts": 2}, "n_shared_experts=2"),
-    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
-    ({"scoring_func": "relu"}, "scoring_func='relu'"),
-    ({"mlp_bias": True}, "mlp_bias=True"),
-    ({"o_groups": 3}, "o_groups=3"),
-    ({"sliding_window": 0}, "sliding_window=0"),
-    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config\.weight_block_size"),
-    ({"expert_dtype": "fp4"}, "expert_dtype='fp4' without a quantization_config"),
-    ({"topk_method": "greedy"}, "topk_method='greedy'"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {
+                "layer_types": [
+                    "sliding_attention",
+                    "full_attention",
+                    "sliding_attention",
+                    "sliding_attention",
+                ]
+            },
+            r"layer_types\[1\]='full_attention'",
+        ),
+        (
+            {
+                "compress_rates": {
+                    "compressed_sparse_attention": 1,
+                    "heavily_compressed_attention": 4,
+                }
+            },
+            r"compress_rates\['compressed_sparse_attention'\]=1: must be an int >= 2",
+        ),
+        (
+            {"compress_rates": {"compressed_sparse_attention": 2, "sparse": 4}},
+            r"compress_rates\['sparse'\]",
+        ),
+        ({"mlp_layer_types": ["moe", "dense", "moe", "moe"]}, r"mlp_layer_types\[1\]='dense'"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+        ({"n_shared_experts": 2}, "n_shared_experts=2"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ({"scoring_func": "relu"}, "scoring_func='relu'"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"o_groups": 3}, "o_groups=3"),
+        ({"sliding_window": 0}, "sliding_window=0"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantization_config\.weight_block_size",
+        ),
+        ({"expert_dtype": "fp4"}, "expert_dtype='fp4' without a quantization_config"),
+        ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ],
+)
 def test_bad_config_is_refused_naming_the_field(overrides: dict, message: str) -> None:
     raw = {**raw_config(), **overrides}
     with pytest.raises(ValueError, match=message) as err:

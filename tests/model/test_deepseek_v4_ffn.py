@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DeepseekV4ForCausalLM
 
-from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
-from afdserve.model.fixtures.deepseek_v4 import TINY_V4, make_tiny_v4
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
+from afdserve.model.fixtures.deepseek_v4 import TINY_V4, make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 ROWS = 64
@@ -28,14 +28,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v4-ffn")
     return {
         "sqrtsoftplus": make_tiny_model(root / "sqrtsoftplus", "deepseek_v4", hash_layers=1),
-        "sigmoid": make_tiny_v4(root / "sigmoid", seed=3, scoring_func="sigmoid",
-                                mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"]),
+        "sigmoid": make_tiny_v4(
+            root / "sigmoid",
+            seed=3,
+            scoring_func="sigmoid",
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        ),
     }
 
 
 def hf_model(path: Path) -> DeepseekV4ForCausalLM:
     return DeepseekV4ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +51,7 @@ def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
 @torch.inference_mode()
-def test_ffn_half_equals_transformers_moe_block(checkpoints: dict[str, Path], scoring: str
-                                                ) -> None:
+def test_ffn_half_equals_transformers_moe_block(checkpoints: dict[str, Path], scoring: str) -> None:
     path = checkpoints[scoring]
     hf = hf_model(path)
     ffn, report = load_model(path, ModelParts(attention=False, ffn=True), "float32")
@@ -105,16 +109,20 @@ def test_softmax_scores_follow_the_formula(checkpoints: dict[str, Path], tmp_pat
 
 @torch.inference_mode()
 def test_gate_on_attention_and_expert_shards_give_the_same_output(
-    checkpoints: dict[str, Path]
+    checkpoints: dict[str, Path],
 ) -> None:
     path = checkpoints["sqrtsoftplus"]
     full, _ = load_model(path, ModelParts(attention=False, ffn=True), "float32")
-    attn, _ = load_model(path, ModelParts(attention=True, ffn=False, gate_on_attention=True),
-                         "float32")
-    routed_ffn, _ = load_model(path, ModelParts(attention=False, ffn=True,
-                                                gate_on_attention=True), "float32")
-    shards = [load_model(path, ModelParts(attention=False, ffn=True, experts=held), "float32")[0]
-              for held in ((0, 1), (2, 3))]
+    attn, _ = load_model(
+        path, ModelParts(attention=True, ffn=False, gate_on_attention=True), "float32"
+    )
+    routed_ffn, _ = load_model(
+        path, ModelParts(attention=False, ffn=True, gate_on_attention=True), "float32"
+    )
+    shards = [
+        load_model(path, ModelParts(attention=False, ffn=True, experts=held), "float32")[0]
+        for held in ((0, 1), (2, 3))
+    ]
     for layer in range(LAYERS):
         x, ids = rows(100 + layer)
         want = full.ffn_half(layer, x, ids)

@@ -19,11 +19,11 @@ from afdserve import LLM, SamplingParams
 from afdserve.cli import main
 from afdserve.kernels.reference.fp4 import dequantize_fp4
 from afdserve.kernels.reference.fp8 import dequantize_blockwise
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.layers.fp8 import Fp8Linear
-from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.quantization import check_quantization
 from tests.model.deepseek_v4_helpers import boundary_ties
 
@@ -35,8 +35,21 @@ KINDS = ["hash_moe", "moe", "moe", "moe"]
 
 def make(root: Path, expert_dtype: str) -> Path:
     out = root / expert_dtype
-    assert main(["make-tiny-model", str(out), "--family", "deepseek_v4", "--quantization", "fp8",
-                 "--expert-dtype", expert_dtype]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "make-tiny-model",
+                str(out),
+                "--family",
+                "deepseek_v4",
+                "--quantization",
+                "fp8",
+                "--expert-dtype",
+                expert_dtype,
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -48,9 +61,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def theirs(checkpoints: dict[str, Path]) -> dict[str, DeepseekV4ForCausalLM]:
-    return {e: DeepseekV4ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-        for e, path in checkpoints.items()}  # fmt: skip
+    return {
+        e: DeepseekV4ForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        for e, path in checkpoints.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +91,12 @@ def test_make_tiny_model_writes_flash_layout(checkpoints: dict[str, Path]) -> No
     config = json.loads((checkpoints["fp4"] / "config.json").read_text())
     assert config["expert_dtype"] == "fp4"
     assert config["quantization_config"] == {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}  # fmt: skip
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
     assert "expert_dtype" not in json.loads((checkpoints["fp8"] / "config.json").read_text())
     for path in checkpoints.values():
         check_quantization(path, None)  # what the frontend checks before any rank starts
@@ -90,8 +110,12 @@ def test_make_tiny_model_writes_flash_layout(checkpoints: dict[str, Path]) -> No
     assert meta["layers.1.attn.wq_a.scale"] == ("F8_E8M0", [1, 1])
     assert meta["layers.1.attn.indexer.wq_b.scale"] == ("F8_E8M0", [1, 1])
     assert meta["layers.1.ffn.shared_experts.w2.weight"][0] == "F8_E4M3"
-    for bf16 in ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.indexer.weights_proj.weight",
-                 "layers.1.ffn.gate.weight", "head.weight"):  # fmt: skip
+    for bf16 in (
+        "layers.1.attn.compressor.wkv.weight",
+        "layers.1.attn.indexer.weights_proj.weight",
+        "layers.1.ffn.gate.weight",
+        "head.weight",
+    ):
         assert meta[bf16][0] == "F32" and bf16.replace(".weight", ".scale") not in meta
 
 
@@ -115,14 +139,16 @@ def test_weights_equal_transformers_dequantized(theirs: dict, ours: dict) -> Non
     """Bit for bit: the ue8m0 scales, the nibble order and the scale groups read alike."""
     for e in EXPERT_DTYPES:
         hf, model = theirs[e].model.layers[3], ours[e].model.layers[3]
-        assert torch.equal(model.self_attn.o_a_proj.dequantized(torch.float32),
-                           hf.self_attn.o_a_proj.weight)  # fmt: skip
+        assert torch.equal(
+            model.self_attn.o_a_proj.dequantized(torch.float32), hf.self_attn.o_a_proj.weight
+        )
         experts = model.mlp.experts
         if e == "fp4":
             got = dequantize_fp4(experts.down_proj, experts.down_proj_scale_inv, torch.float32)
         else:
-            got = dequantize_blockwise(experts.down_proj, experts.down_proj_scale_inv,
-                                       torch.float32, experts.fp8_block)  # fmt: skip
+            got = dequantize_blockwise(
+                experts.down_proj, experts.down_proj_scale_inv, torch.float32, experts.fp8_block
+            )
         assert torch.equal(got, hf.mlp.experts.down_proj)
 
 
@@ -145,8 +171,9 @@ def test_teacher_forced_logits_match_transformers(
 def test_quantization_is_not_a_no_op(ours: dict, tmp_path: Path) -> None:
     """The same tiny model unquantized gives other logits: the comparison above sees the FP4
     values (by far more than its tolerance)."""
-    plain = make_tiny_v4(tmp_path / "plain", 0, "float32", mlp_layer_types=KINDS,
-                         moe_intermediate_size=32)  # fmt: skip
+    plain = make_tiny_v4(
+        tmp_path / "plain", 0, "float32", mlp_layer_types=KINDS, moe_intermediate_size=32
+    )
     model, _ = load_model(plain, ModelParts.colocated(), "float32")
     ids = prompt(13, seed=5)
     want = ours["fp4"].forward_full(ids)
@@ -167,8 +194,9 @@ def test_each_role_reads_only_its_half(
     assert not [n for n in report.loaded if ".attn." in n]
     ids = prompt(9, seed=7)
     assert torch.equal(attention.forward_full(ids, ffn=ffn.ffn_half), full.forward_full(ids))
-    shard, report = load_model(path, ModelParts(attention=False, ffn=True, experts=(3, 1)),
-                               "float32")  # fmt: skip
+    shard, report = load_model(
+        path, ModelParts(attention=False, ffn=True, experts=(3, 1)), "float32"
+    )
     assert not [n for n in report.loaded if ".experts.0." in n or ".experts.2." in n]
     want = full.state_dict()
     for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"):
@@ -182,8 +210,9 @@ def test_dummy_fp4_weights_agree_across_halves(checkpoints: dict[str, Path]) -> 
     path = checkpoints["fp4"]
     full, _ = load_model(path, ModelParts.colocated(), "float32", load_format="dummy")
     attention, _ = load_model(path, ModelParts(True, False), "float32", load_format="dummy")
-    shard, _ = load_model(path, ModelParts(False, True, experts=(2,)), "float32",
-                          load_format="dummy")  # fmt: skip
+    shard, _ = load_model(
+        path, ModelParts(False, True, experts=(2,)), "float32", load_format="dummy"
+    )
     experts = full.model.layers[1].mlp.experts
     assert isinstance(experts, Fp4Experts) and int(experts.gate_up_proj_scale_inv.max()) > 0
     got = shard.model.layers[1].mlp.experts.gate_up_proj
@@ -218,10 +247,13 @@ def test_engine_greedy_tokens_are_transformers_argmax(
         assert got == logits[len(prompt) - 1 :].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize(("topology", "extra"), [
-    ("1A1F", {"connector": "inprocess", "gate_on_attention": True}),
-    ("1A2F", {"ffn_expert_parallel": True}),  # rank processes, each FFN rank its experts' bytes
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("topology", "extra"),
+    [
+        ("1A1F", {"connector": "inprocess", "gate_on_attention": True}),
+        ("1A2F", {"ffn_expert_parallel": True}),  # rank processes, each FFN rank its experts' bytes
+    ],
+)
 def test_afd_from_fp4_checkpoint_matches_colocated(
     checkpoints: dict[str, Path], engine_tokens: list[list[int]], topology: str, extra: dict
 ) -> None:

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from afdserve.model.config import load_model_config
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
+from afdserve.model.config import load_model_config
 from afdserve.model.families.decoder.model import ModelParts
-from afdserve.model.quantization import check_quantization
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.quantization import check_quantization
 
 E8M0 = torch.float8_e8m0fnu
 Weights = dict[str, torch.Tensor]
@@ -26,14 +26,20 @@ Weights = dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def fp4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("v4") / "fp4", "deepseek_v4", hash_layers=1,
-                           quantization="fp8", expert_dtype="fp4")  # fmt: skip
+    return make_tiny_model(
+        tmp_path_factory.mktemp("v4") / "fp4",
+        "deepseek_v4",
+        hash_layers=1,
+        quantization="fp8",
+        expert_dtype="fp4",
+    )
 
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("v4") / "fp8", "deepseek_v4", hash_layers=1,
-                           quantization="fp8")  # fmt: skip
+    return make_tiny_model(
+        tmp_path_factory.mktemp("v4") / "fp8", "deepseek_v4", hash_layers=1, quantization="fp8"
+    )
 
 
 def rewrite(
@@ -222,9 +228,13 @@ def test_fp4_experts_are_deepseek_v4_only(tiny_models: dict[str, Path], tmp_path
     raw = json.loads((path / "config.json").read_text())
     raw["quantization_config"]["expert_dtype"] = "fp4"
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "quantization_config.expert_dtype='fp4' for model_type='qwen3_moe': FP4 experts "
-            "are read for deepseek_v4 only")):  # fmt: skip
+            "are read for deepseek_v4 only"
+        ),
+    ):
         check_quantization(path, None)
 
 

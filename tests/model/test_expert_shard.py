@@ -24,8 +24,9 @@ def test_shards_add_up_to_the_whole_half(family: str, hash_models: dict[str, Pat
     full, _ = load_model(path, FFN, "float32")
     config = full.config
     placement = ((5, 0, 2), (1, 7), (3, 4, 6))  # not contiguous, uneven
-    shards = [load_model(path, ModelParts(False, True, experts=held), "float32")
-              for held in placement]
+    shards = [
+        load_model(path, ModelParts(False, True, experts=held), "float32") for held in placement
+    ]
     for (shard, report), held in zip(shards, placement, strict=True):
         assert report.skipped_other_half > 0
         for name, tensor in shard.state_dict().items():
@@ -57,8 +58,10 @@ def test_stacked_checkpoints_slice_the_shard(tiny_models: dict[str, Path], tmp_p
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():
             (tmp_path / name).write_bytes((src / name).read_bytes())
-    save_file({**attention, **{k: v.contiguous() for k, v in stacked.items()}},
-              tmp_path / "model.safetensors")
+    save_file(
+        {**attention, **{k: v.contiguous() for k, v in stacked.items()}},
+        tmp_path / "model.safetensors",
+    )
     held = contiguous_placement(full.config.num_experts, 3)[1]
     shard, report = load_model(tmp_path, ModelParts(False, True, experts=held), "float32")
     for name, tensor in shard.state_dict().items():

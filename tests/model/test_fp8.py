@@ -21,16 +21,21 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels.reference.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
-from afdserve.model.layers.fp8 import Fp8Linear
-from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.fixtures.tiny import FAMILIES, make_tiny_model
+from afdserve.model.layers.fp8 import Fp8Linear
 
 BLOCK = (128, 128)
 NEW_TOKENS = 16
-PROMPTS = [[7], [72, 101, 108, 108, 111], list(range(30, 58)), [256, 40, 41, 42, 200, 3, 4],
-           [(17 * i) % 256 for i in range(45)]]  # fmt: skip
+PROMPTS = [
+    [7],
+    [72, 101, 108, 108, 111],
+    list(range(30, 58)),
+    [256, 40, 41, 42, 200, 3, 4],
+    [(17 * i) % 256 for i in range(45)],
+]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 SCALE = "_scale_inv"
 
@@ -138,12 +143,19 @@ def test_make_tiny_model_writes_the_public_layout(
 ) -> None:
     from afdserve.cli import main
 
-    assert main(["make-tiny-model", str(tmp_path / "m"), "--family", "mixtral",
-                 "--quantization", "fp8"]) == 0
+    assert (
+        main(
+            ["make-tiny-model", str(tmp_path / "m"), "--family", "mixtral", "--quantization", "fp8"]
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128]}
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     weights = load_file(tmp_path / "m" / "model.safetensors")
     assert weights.keys() == load_file(fp8_models["mixtral"] / "model.safetensors").keys()
     for name, tensor in weights.items():
@@ -231,10 +243,17 @@ def test_online_fp8_is_the_fp8_checkpoint(
 def test_dummy_fp8_weights_are_the_quantized_dummy_weights(tiny_models: dict[str, Path]) -> None:
     path = tiny_models["qwen3_moe"]
     plain, _ = load_model(path, ModelParts.colocated(), "float32", load_format="dummy", seed=4)
-    fp8, _ = load_model(path, ModelParts.colocated(), "float32", load_format="dummy", seed=4,
-                        quantization="fp8")
-    ffn, _ = load_model(path, ModelParts(attention=False, ffn=True), "float32",
-                        load_format="dummy", seed=4, quantization="fp8")
+    fp8, _ = load_model(
+        path, ModelParts.colocated(), "float32", load_format="dummy", seed=4, quantization="fp8"
+    )
+    ffn, _ = load_model(
+        path,
+        ModelParts(attention=False, ffn=True),
+        "float32",
+        load_format="dummy",
+        seed=4,
+        quantization="fp8",
+    )
     want, got = plain.state_dict(), fp8.state_dict()
     for name, tensor in got.items():
         if name.endswith(SCALE):
@@ -274,8 +293,9 @@ def test_modules_to_not_convert_stay_in_the_model_dtype(
     # A prefix up to a module boundary, the same for a stack of experts, and a suffix: the
     # three ways transformers reads these names.
     keep = ("model.layers.0.self_attn", "model.layers.3.mlp.experts", "shared_experts.up_proj")
-    path = quantize_checkpoint(shutil.copytree(tiny_models["deepseek_v2"], tmp_path / "fp8"),
-                               modules_to_not_convert=keep)
+    path = quantize_checkpoint(
+        shutil.copytree(tiny_models["deepseek_v2"], tmp_path / "fp8"), modules_to_not_convert=keep
+    )
     weights = load_file(path / "model.safetensors")
     assert weights["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float32
     assert weights["model.layers.3.mlp.experts.5.up_proj.weight"].dtype == torch.float32

@@ -1,6 +1,6 @@
-"""FP8 q/k/v packed into one GEMM (model/layers/attention.py's pack_qkv) when each projection's rows end
-on a 128-row scale block, as in every published FP8 GQA checkpoint (Qwen3-30B-A3B: 4096, 512,
-512 rows): the projections become views of one FP8 matrix and one stacked scale grid, and the
+"""FP8 q/k/v packed into one GEMM (model/layers/attention.py's pack_qkv) when each projection's
+rows end on a 128-row scale block, as in every published FP8 GQA checkpoint (Qwen3-30B-A3B: 4096,
+512, 512 rows): the projections become views of one FP8 matrix and one stacked scale grid, and the
 model still gives transformers' tokens on the dequantized checkpoint. Rows that do not end on a
 block (the tiny models) stay three GEMMs."""
 
@@ -15,12 +15,12 @@ from transformers import Qwen3MoeForCausalLM
 
 from afdserve.kernels import ops
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
-from afdserve.model.layers.attention import GQAAttention
-from afdserve.model.fixtures.byte_tokenizer import build_byte_tokenizer
-from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.fixtures.byte_tokenizer import build_byte_tokenizer
+from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.fixtures.tiny import mlp_layer_types, tiny_config
+from afdserve.model.layers.attention import GQAAttention
 from tests.model.test_fp8 import (
     PROMPTS,
     dequantized_copy,
@@ -63,8 +63,7 @@ def test_fp8_qkv_is_packed_and_equals_three_gemms(wide_heads: Path) -> None:
         # The projections are views of the packed matrix and grid: loading filled those.
         assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[256:].data_ptr()
         assert attn.v_proj.weight_scale_inv.data_ptr() == attn.qkv_weight_scale_inv[3:].data_ptr()
-        packed = ops.fp8_linear(x, attn.qkv_weight, attn.qkv_weight_scale_inv, None,
-                                attn.qkv_block)  # fmt: skip
+        packed = ops.fp8_linear(x, attn.qkv_weight, attn.qkv_weight_scale_inv, None, attn.qkv_block)
         three = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
         torch.testing.assert_close(packed, three, rtol=1e-5, atol=1e-6)
 

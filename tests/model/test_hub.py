@@ -15,8 +15,8 @@ import pytest
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.utils import filter_repo_objects
 
-from afdserve.model.fixtures.bundled import bundled_model_dir
 from afdserve.model.checkpoint.hub import ALLOW_PATTERNS, REMOTE_CODE_PATTERNS, resolve_model_dir
+from afdserve.model.fixtures.bundled import bundled_model_dir
 
 REPO = "afdserve-test/tiny-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -78,10 +78,13 @@ def test_not_cached_offline_names_the_command_that_fetches_it(tmp_path: Path, of
     assert "`hf download Qwen/Qwen3-30B-A3B --cache-dir" in message and "\n" not in message
 
 
-@pytest.mark.parametrize(("model", "message"), [
-    ("/no/such/model", "model='/no/such/model': no such directory"),
-    ("./relative/dir", "model='./relative/dir': no such directory"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/no/such/model", "model='/no/such/model': no such directory"),
+        ("./relative/dir", "model='./relative/dir': no such directory"),
+    ],
+)
 def test_a_missing_path_is_not_taken_for_a_hub_id(model: str, message: str, offline) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_model_dir(model)
@@ -95,18 +98,40 @@ def test_revision_of_a_local_directory_is_refused(tmp_path: Path) -> None:
 def test_only_what_afdserve_reads_is_downloaded() -> None:
     """huggingface_hub's own pattern filter over a repository as published (Qwen3's files plus
     the pickles, GGUF and code some repositories carry)."""
-    listing = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "vocab.json", "merges.txt", "model.safetensors.index.json",
-               "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-               "tokenizer.model", "chat_template.jinja", "pytorch_model.bin", "consolidated.pt",
-               "model-q4.gguf", "modeling_custom.py", "tokenization_custom.py", "README.md",
-               "original/consolidated.00.pth"]  # fmt: skip
+    listing = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "merges.txt",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "pytorch_model.bin",
+        "consolidated.pt",
+        "model-q4.gguf",
+        "modeling_custom.py",
+        "tokenization_custom.py",
+        "README.md",
+        "original/consolidated.00.pth",
+    ]
     fetched = set(filter_repo_objects(listing, allow_patterns=list(ALLOW_PATTERNS)))
-    assert fetched == {"config.json", "generation_config.json", "tokenizer.json",
-                       "tokenizer_config.json", "vocab.json", "merges.txt",
-                       "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                       "model-00002-of-00002.safetensors", "tokenizer.model",
-                       "chat_template.jinja"}  # fmt: skip
+    assert fetched == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "merges.txt",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "tokenizer.model",
+        "chat_template.jinja",
+    }
     with_code = set(
         filter_repo_objects(listing, allow_patterns=[*ALLOW_PATTERNS, *REMOTE_CODE_PATTERNS])
     )
@@ -135,16 +160,27 @@ def test_the_cli_honours_hf_home_and_hf_hub_offline(tmp_path: Path) -> None:
     lay_out_cache(tmp_path / "hub", REPO, bundled_model_dir())
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "afdserve.cli", "generate", "--prompt", "Hi", "--json",
-               "--max-tokens", "4"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "afdserve.cli",
+        "generate",
+        "--prompt",
+        "Hi",
+        "--json",
+        "--max-tokens",
+        "4",
+    ]
     by_id = subprocess.run([*command, REPO], capture_output=True, text=True, env=env, timeout=120)
     assert by_id.returncode == 0, by_id.stderr
-    by_dir = subprocess.run([*command, str(bundled_model_dir())], capture_output=True, text=True,
-                            env=env, timeout=120)  # fmt: skip
+    by_dir = subprocess.run(
+        [*command, str(bundled_model_dir())], capture_output=True, text=True, env=env, timeout=120
+    )
     assert by_dir.returncode == 0, by_dir.stderr
     assert by_id.stdout == by_dir.stdout and '"token_ids": [' in by_id.stdout
-    missing = subprocess.run([*command, "org/absent"], capture_output=True, text=True, env=env,
-                             timeout=120)  # fmt: skip
+    missing = subprocess.run(
+        [*command, "org/absent"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
         f"afdserve: error: model='org/absent': not in the Hugging Face cache {tmp_path / 'hub'}, "

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.afd.ranks.messages import WorkerSpec
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
-from afdserve.frontend.client import EngineClient
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.frontend.client import EngineClient
+from afdserve.frontend.single_process import SingleProcessClient
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 3, 4], [42] * 11, list(range(1, 30)), [7]]
 

@@ -18,9 +18,9 @@ from afdserve.engine.model_runner import LocalFFN, ModelRunner
 from afdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.layout.plan import AttentionRankPlan
-from afdserve.model.fixtures.byte_tokenizer import PAD_ID, build_byte_tokenizer
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.fixtures.byte_tokenizer import PAD_ID, build_byte_tokenizer
 from afdserve.model.fixtures.tiny import FAMILIES, tiny_config
 
 BLOCK_SIZE = 4
@@ -70,8 +70,9 @@ def afdserve_prefill_logits(
         inputs = runner.prepare(out, out.num_tokens + pad_rows)
         real, rows = out.num_tokens, inputs.rows
         # One ubatch holding the step's real rows and `pad_rows` pad rows after them.
-        plan = AttentionRankPlan(0, None, real, rows, (real,), (rows,), (0,), "eager",
-                                 ("attention", 0, (rows,), (0,)))
+        plan = AttentionRankPlan(
+            0, None, real, rows, (real,), (rows,), (0,), "eager", ("attention", 0, (rows,), (0,))
+        )
         hidden = runner.forward(inputs, plan, LocalFFN(model))
         logits = model.logits(hidden)  # [rows, vocab]
         row = 0

@@ -54,16 +54,20 @@ def _fixed(b):
 
 def synthetic_profile(**extra) -> Profile:
     L = SHAPE.num_layers
-    attention = tuple(StepPoint(b, c, _fixed(b) + L * _attn(b, c))
-                      for b in (1, 4, 16, 64) for c in (1024, 8192))
+    attention = tuple(
+        StepPoint(b, c, _fixed(b) + L * _attn(b, c)) for b in (1, 4, 16, 64) for c in (1024, 8192)
+    )
     return Profile(
-        date="2026-12-02", hardware=H200, versions={"torch": "x"}, model=SHAPE,
+        date="2026-12-02",
+        hardware=H200,
+        versions={"torch": "x"},
+        model=SHAPE,
         attention=attention,
         ffn=tuple(FFNPoint(n, L * _ffn(n)) for n in (1, 8, 64, 512)),
         fixed=tuple(FixedPoint(b, _fixed(b)) for b in (1, 64)),
         handover={"ipc": Handover(25.0, "test"), "inprocess": Handover(2.0, "test")},
         **extra,
-    )  # fmt: skip
+    )
 
 
 def test_the_curves_reproduce_the_linear_costs_that_made_their_points():
@@ -75,7 +79,8 @@ def test_the_curves_reproduce_the_linear_costs_that_made_their_points():
         assert costs.ffn_ms(n, held=32) == pytest.approx(_ffn(n) / 4)  # a quarter of the experts
     assert costs.fixed_ms(128) == pytest.approx(_fixed(128))
     assert costs.colocated_step_ms(32, 4096) == pytest.approx(
-        _fixed(32) + 48 * (_attn(32, 4096) + _ffn(32)))
+        _fixed(32) + 48 * (_attn(32, 4096) + _ffn(32))
+    )
 
 
 def test_a_curve_is_piecewise_linear_through_noisy_points():
@@ -123,8 +128,16 @@ def test_the_enumeration_is_every_xAyF_that_can_run():
     names = [d.name for d in enumerate_deployments(2)]
     assert names == ["colocated"] + [f"1A1F u{u}" for u in (1, 2, 3, 4)]
     worlds = {(d.attention, d.ffn, d.expert_parallel) for d in enumerate_deployments(4)}
-    assert worlds == {(1, 0, False), (1, 1, False), (2, 1, False), (3, 1, False), (2, 2, False),
-                      (1, 2, True), (1, 3, True), (2, 2, True)}  # fmt: skip
+    assert worlds == {
+        (1, 0, False),
+        (1, 1, False),
+        (2, 1, False),
+        (3, 1, False),
+        (2, 2, False),
+        (1, 2, True),
+        (1, 3, True),
+        (2, 2, True),
+    }
     with pytest.raises(ValueError, match="gpus=0"):
         enumerate_deployments(0)
 
@@ -154,14 +167,16 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
     profile = synthetic_profile()
     path = tmp_path / "p.json"
     profile.save(path)
-    spec = PlanSpec(gpus=4, context_len=8192, output_len=256, preset="qwen3-30b-a3b",
-                    profile=str(path))
+    spec = PlanSpec(
+        gpus=4, context_len=8192, output_len=256, preset="qwen3-30b-a3b", profile=str(path)
+    )
     rows, _ = plan(spec)
     by = {r.deployment: r for r in rows}
     sizes = model_bytes(preset_config("qwen3-30b-a3b"))
     # Colocated: what the KV memory beside every weight allows, at prompt + output tokens.
-    assert by["colocated"].max_batch == max_batch(150e9, 0.9, sizes.colocated,
-                                                  sizes.kv_per_token, 8192 + 256)
+    assert by["colocated"].max_batch == max_batch(
+        150e9, 0.9, sizes.colocated, sizes.kv_per_token, 8192 + 256
+    )
     assert by["colocated"].worlds == 4
     # 1A1F: the attention rank holds only its half, so more sequences; two worlds on four GPUs.
     one = by["1A1F u1"]
@@ -176,7 +191,8 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
     assert three.worlds == 1
     assert three.tokens_per_s_per_gpu == pytest.approx(3 * three.batch / (step / 1e3) / 4)
     assert [r.tokens_per_s_per_gpu for r in rows] == sorted(
-        (r.tokens_per_s_per_gpu for r in rows), reverse=True)
+        (r.tokens_per_s_per_gpu for r in rows), reverse=True
+    )
     # A TPOT target: the largest batch whose step is within it.
     tpot = replace(spec, tpot_ms=30.0)
     for r in plan(tpot)[0]:
@@ -188,12 +204,17 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
 
 def test_check_sets_each_measured_step_against_its_prediction():
     costs = Costs.fit(synthetic_profile())
-    measured = (ValidationPoint("colocated", 8, 1024, 10.0),
-                ValidationPoint("1A1F", 64, 8192, 30.0, 2, "ipc"))
+    measured = (
+        ValidationPoint("colocated", 8, 1024, 10.0),
+        ValidationPoint("1A1F", 64, 8192, 30.0, 2, "ipc"),
+    )
     pairs = check_rows(synthetic_profile(validation=measured), [])
-    assert [p for _, p in pairs] == pytest.approx([
-        costs.colocated_step_ms(8, 1024),
-        predict_step(costs, Deployment(1, 1, ubatches=2), 64, 8192).step_ms])
+    assert [p for _, p in pairs] == pytest.approx(
+        [
+            costs.colocated_step_ms(8, 1024),
+            predict_step(costs, Deployment(1, 1, ubatches=2), 64, 8192).step_ms,
+        ]
+    )
 
 
 def test_a_profile_round_trips_and_bad_ones_are_refused(tmp_path):
@@ -211,8 +232,9 @@ def test_a_profile_round_trips_and_bad_ones_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'ffn'"):
         Profile.load(path)
     profile.save(path)
-    spec = PlanSpec(gpus=2, context_len=1024, output_len=64, preset="mixtral-8x7b",
-                    profile=str(path))
+    spec = PlanSpec(
+        gpus=2, context_len=1024, output_len=64, preset="mixtral-8x7b", profile=str(path)
+    )
     with pytest.raises(ValueError, match="measured on qwen3-30b-a3b"):
         plan(spec)
 
@@ -221,29 +243,93 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     """The real path end to end on the tiny preset: calibrate measures (CPU timings, noise on
     a shared box, so only the shape is asserted), plan and check read what it wrote."""
     out = tmp_path / "tiny.json"
-    assert main(["bench", "calibrate", "--preset", "tiny", "--random-weights", "--device", "cpu",
-                 "--graph-mode", "none", "--dtype", "float32", "--fit-batches", "1,2,4",
-                 "--check-batches", "3", "--contexts", "16,32", "--check-contexts", "16,32",
-                 "--ffn-tokens", "1,4,16",
-                 "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "calibrate",
+                "--preset",
+                "tiny",
+                "--random-weights",
+                "--device",
+                "cpu",
+                "--graph-mode",
+                "none",
+                "--dtype",
+                "float32",
+                "--fit-batches",
+                "1,2,4",
+                "--check-batches",
+                "3",
+                "--contexts",
+                "16,32",
+                "--check-contexts",
+                "16,32",
+                "--ffn-tokens",
+                "1,4,16",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     profile = Profile.load(out)
     assert {(p.batch, p.context) for p in profile.attention} == {
-        (b, c) for b in (1, 2, 4) for c in (16, 32)}
+        (b, c) for b in (1, 2, 4) for c in (16, 32)
+    }
     assert [p.tokens for p in profile.ffn] == [1, 4, 16]
     kinds = {(v.deployment, v.batch, v.context, v.ubatches) for v in profile.validation}
     assert kinds == {("colocated", 3, c, 1) for c in (16, 32)} | {
-        ("1A1F", 3, c, u) for c in (16, 32) for u in (1, 2)}
+        ("1A1F", 3, c, u) for c in (16, 32) for u in (1, 2)
+    }
     assert {"inprocess", "ipc", "nccl"} <= set(profile.handover)
     # tiny: hidden 64, expert intermediate 32, float32; the CPU runs no decode kernels.
     assert profile.model.expert_bytes == 3 * 64 * 32 * 4 and profile.expert_kernels is None
     assert all(p.step_ms > 0 for p in profile.attention)
     rows_json = tmp_path / "rows.json"
-    assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
-                 "--output-len", "8", "--profile", str(out), "--json", str(rows_json)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "tiny",
+                "--gpus",
+                "3",
+                "--context-len",
+                "16",
+                "--output-len",
+                "8",
+                "--profile",
+                str(out),
+                "--json",
+                str(rows_json),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(rows_json.read_text())
     assert {r["deployment"] for r in rows} >= {"colocated", "1A1F u1", "2A1F u1", "1A2F EP u1"}
-    assert main(["plan", "--preset", "tiny", "--gpus", "3", "--context-len", "16",
-                 "--output-len", "8", "--profile", str(out), "--check"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "tiny",
+                "--gpus",
+                "3",
+                "--context-len",
+                "16",
+                "--output-len",
+                "8",
+                "--profile",
+                str(out),
+                "--check",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert f"over {len(profile.validation)} measured steps" in text
     assert math.isfinite(float(text.rsplit("largest error ", 1)[1].split("%")[0]))
@@ -252,8 +338,7 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
 def test_the_shipped_h200_profile_is_the_default_and_other_models_need_their_own():
     """The profile measured on the H200 ships with the package: a plan of its model needs no
     --profile; a model it was not measured on is refused with the command that measures one."""
-    rows, profile = plan(PlanSpec(gpus=2, context_len=1024, output_len=128,
-                                  preset="qwen3-30b-a3b"))
+    rows, profile = plan(PlanSpec(gpus=2, context_len=1024, output_len=128, preset="qwen3-30b-a3b"))
     assert profile.hardware["device"] == "NVIDIA H200"
     assert profile.model.name == "qwen3-30b-a3b" and len(profile.attention) >= 10
     assert {r.deployment for r in rows} >= {"colocated", "1A1F u1"}
@@ -270,18 +355,27 @@ SHIPPED = REPO / "afdserve/planner/profiles/h200-qwen3-30b-a3b.json"
 def _kernel_profile(ffn_per_layer: dict[int, float], **extra) -> Profile:
     """1e6 bytes per expert at 1000 GB/s: reading one expert takes 0.001 ms."""
     return replace(
-        synthetic_profile(**extra), model=replace(SHAPE, expert_bytes=1_000_000),
+        synthetic_profile(**extra),
+        model=replace(SHAPE, expert_bytes=1_000_000),
         hardware={**H200, "copy_gbps": 1000.0},
         ffn=tuple(FFNPoint(n, 48 * ms) for n, ms in ffn_per_layer.items()),
-        expert_kernels=ExpertKernels(1024, "triton_grouped_moe"))
+        expert_kernels=ExpertKernels(1024, "triton_grouped_moe"),
+    )
 
 
 def test_the_ffn_curve_follows_the_experts_kernels_by_hand():
     k = ExpertKernels(1024, "triton_grouped_moe")
     # top-8: the decode kernels' pair list padded to a power of two, at least 64; past 1024 pairs
     # (128 rows) the grouped GEMM.
-    assert [k.bucket(8 * n) for n in (1, 8, 9, 64, 65, 81, 128)] == [64, 64, 128, 512, 1024,
-                                                                      1024, 1024]
+    assert [k.bucket(8 * n) for n in (1, 8, 9, 64, 65, 81, 128)] == [
+        64,
+        64,
+        128,
+        512,
+        1024,
+        1024,
+        1024,
+    ]
     assert k.bucket(8 * 129) is None and k.bucket(8 * 21.33) == 256
     ms = {8: 0.10, 64: 0.30, 128: 0.42, 256: 0.55, 512: 0.64, 1024: 0.84}
     costs = Costs.fit(_kernel_profile(ms))
@@ -293,10 +387,12 @@ def test_the_ffn_curve_follows_the_experts_kernels_by_hand():
     for n, ms_n in ms.items():  # through every point
         assert costs.ffn_ms(n) == pytest.approx(ms_n)
     # 81 rows: the 128-row bucket's measured time, less the experts 81 rows leave unread.
-    assert costs.ffn_ms(81) == pytest.approx(0.42 - 0.001 * (experts_touched(128)
-                                                             - experts_touched(81)))
-    assert costs.ffn_ms(4) == pytest.approx(0.10 - 0.001 * (experts_touched(8)
-                                                            - experts_touched(4)))
+    assert costs.ffn_ms(81) == pytest.approx(
+        0.42 - 0.001 * (experts_touched(128) - experts_touched(81))
+    )
+    assert costs.ffn_ms(4) == pytest.approx(
+        0.10 - 0.001 * (experts_touched(8) - experts_touched(4))
+    )
     # 162 rows run the grouped GEMM: its own points' line (256 -> 512), not one from 128.
     assert costs.ffn_ms(162) == pytest.approx(0.55 + (0.64 - 0.55) * (162 - 256) / 256)
     assert costs.ffn_ms(2048) == pytest.approx(0.84 + (0.84 - 0.64) * 1024 / 512)
@@ -327,8 +423,9 @@ def test_the_bucket_rule_predicts_the_measured_ffn_points_it_is_not_given():
     for path in (KERNELS_OF_2026_11_30, SHIPPED):
         profile = Profile.load(path)
         measured = {p.tokens: p.step_ms for p in profile.ffn}
-        costs = Costs.fit(replace(profile, ffn=tuple(p for p in profile.ffn
-                                                     if p.tokens not in (1, 2, 4))))
+        costs = Costs.fit(
+            replace(profile, ffn=tuple(p for p in profile.ffn if p.tokens not in (1, 2, 4)))
+        )
         for n in (1, 2, 4):
             assert 48 * costs.ffn_ms(n) == pytest.approx(measured[n], rel=0.05), (path.name, n)
 
@@ -339,7 +436,7 @@ def test_the_two_gpu_host_steps_are_predicted_within_ten_percent_on_their_own_ke
     (later grouped kernels) each is marked as run on other kernels."""
     measured = [ValidationPoint(**p) for p in json.loads(TWO_GPU_STEPS.read_text())]
     profile = Profile.load(KERNELS_OF_2026_11_30)
-    pairs = check_rows(profile, measured)[len(profile.validation):]
+    pairs = check_rows(profile, measured)[len(profile.validation) :]
     assert len(pairs) == 12
     for v, predicted in pairs:
         assert predicted == pytest.approx(v.step_ms, rel=0.10), v
@@ -349,8 +446,10 @@ def test_the_two_gpu_host_steps_are_predicted_within_ten_percent_on_their_own_ke
 
 
 def test_check_marks_misses_and_steps_of_other_kernels():
-    pairs = [(ValidationPoint("colocated", 8, 1024, 10.0), 10.5),
-             (ValidationPoint("colocated", 64, 1024, 20.0, expert_kernels="old"), 23.0)]
+    pairs = [
+        (ValidationPoint("colocated", 8, 1024, 10.0), 10.5),
+        (ValidationPoint("colocated", 64, 1024, 20.0, expert_kernels="old"), 23.0),
+    ]
     lines = format_check(pairs, "new").splitlines()
     assert lines[1].endswith("+5.0%")
     assert lines[2].endswith("+15.0%  MISS (> 10%)  [other kernels]")
@@ -367,7 +466,8 @@ def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(ca
         "note: the profile's FFN points ran decode kernels up to 1024 pairs, then "
         "triton_grouped_moe; this afdserve runs decode kernels up to 512 pairs, then "
         "triton_grouped_moe: FFN halves of 65-128 rows are predicted for the profile's kernels "
-        "(re-run `afdserve bench calibrate` for this code's)")
+        "(re-run `afdserve bench calibrate` for this code's)"
+    )
     older = replace(profile, expert_kernels=ExpertKernels(1024, "moe_gpu"))
     assert "FFN halves of 65 rows and more" in dispatch_note(older, newer)
     assert dispatch_note(profile, ExpertKernels(1024, "triton_grouped_moe", source="x")) is None
@@ -378,11 +478,30 @@ def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(ca
     from afdserve.kernels.moe import decode as triton_moe
 
     running = running_expert_kernels("bfloat16")
-    assert (running.decode_max_pairs, running.grouped) == (triton_moe.MAX_PAIRS,
-                                                           "triton_grouped_moe")
+    assert (running.decode_max_pairs, running.grouped) == (
+        triton_moe.MAX_PAIRS,
+        "triton_grouped_moe",
+    )
     assert running_expert_kernels("float32") is None
-    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "2", "--context-len", "1024",
-                 "--output-len", "64", "--top", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--gpus",
+                "2",
+                "--context-len",
+                "1024",
+                "--output-len",
+                "64",
+                "--top",
+                "1",
+            ]
+        )
+        == 0
+    )
     shipped = Profile.load(SHIPPED).expert_kernels
     assert ("note: the profile's FFN points ran" in capsys.readouterr().out) == (
-        shipped.decode_max_pairs != triton_moe.MAX_PAIRS)
+        shipped.decode_max_pairs != triton_moe.MAX_PAIRS
+    )

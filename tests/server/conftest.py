@@ -66,8 +66,9 @@ class ServerProcess:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"server still running after {timeout_s:g} s:\n"
-                                 f"{self.log()[-4000:]}") from None
+            raise AssertionError(
+                f"server still running after {timeout_s:g} s:\n{self.log()[-4000:]}"
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -108,8 +109,17 @@ def start_cli_server(tmp_path: Path, port: int, *args: str) -> ServerProcess:
     log_path = tmp_path / f"cli-server-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
     # --served-model-name takes several names (vLLM's nargs="+"): the --port after it ends them.
-    command = [sys.executable, "-m", "afdserve.cli", "serve", "--served-model-name", SERVED_NAME,
-               "--port", str(port), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "afdserve.cli",
+        "serve",
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        str(port),
+        *args,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -137,8 +147,10 @@ def wait_until_in_engine(server: ServerProcess, count: int, deadline_s: float = 
     deadline = time.monotonic() + deadline_s
     while True:
         seen = metrics(server)
-        inside = seen[("vllm:num_requests_running", labels)] + seen[
-            ("vllm:num_requests_waiting", labels)]
+        inside = (
+            seen[("vllm:num_requests_running", labels)]
+            + seen[("vllm:num_requests_waiting", labels)]
+        )
         if inside >= count:
             return
         assert time.monotonic() < deadline, f"{inside} of {count} requests in the engine"

@@ -39,8 +39,13 @@ MODEL = {"model_name": SERVED_NAME}
 def start(tmp_path: Path) -> tuple[ServerProcess, Path, Path]:
     steps, wire = tmp_path / "steps.jsonl", tmp_path / "wire"
     wire.mkdir()
-    engine = {"topology": "2A1F", "kv_cache_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE,
-              "log_step_plan": str(steps), "log_data_plane": str(wire)}  # fmt: skip
+    engine = {
+        "topology": "2A1F",
+        "kv_cache_blocks": KV_BLOCKS,
+        "block_size": BLOCK_SIZE,
+        "log_step_plan": str(steps),
+        "log_data_plane": str(wire),
+    }
     options = {"served_model_name": SERVED_NAME, "uvicorn_log_level": "warning"}
     port, marker = free_port(), uuid.uuid4().hex
     log_path = tmp_path / "server.log"
@@ -48,8 +53,11 @@ def start(tmp_path: Path) -> tuple[ServerProcess, Path, Path]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", SERVER_CODE, str(port), json.dumps(engine), json.dumps(options)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     return ServerProcess(proc, port, marker, log_path), steps, wire
 
 
@@ -64,8 +72,13 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 
 def complete(server: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -81,8 +94,11 @@ def wire_lines(wire: Path) -> dict[int, list[dict]]:
 
 def per_rank(sample: dict, name: str) -> dict[int, float]:
     """The attention ranks' samples of `name`, by rank."""
-    return {int(dict(labels)["rank"]): v for (n, labels), v in sample.items()
-            if n == name and dict(labels).get("role") == "attention"}  # fmt: skip
+    return {
+        int(dict(labels)["rank"]): v
+        for (n, labels), v in sample.items()
+        if n == name and dict(labels).get("role") == "attention"
+    }
 
 
 def hidden_bytes(batches: list[dict], kind: str, hidden: int) -> int:
@@ -126,8 +142,10 @@ def test_step_metrics_and_afd_metrics(served) -> None:
 
     # Three requests of 16 prompt tokens and 4 generated: 16 + 3 tokens computed each (the last
     # token is sampled, never fed back), none from the prefix cache.
-    assert sum(delta(pair, "vllm:prefix_cache_hits_total", **MODEL, engine=str(r))
-               for r in (0, 1)) == 0  # fmt: skip
+    assert (
+        sum(delta(pair, "vllm:prefix_cache_hits_total", **MODEL, engine=str(r)) for r in (0, 1))
+        == 0
+    )
     computed = 3 * (16 + 3)
     scheduled = per_rank(pair, "afdserve:scheduled_tokens_total")
     scheduled_before = per_rank(before, "afdserve:scheduled_tokens_total")
@@ -135,13 +153,18 @@ def test_step_metrics_and_afd_metrics(served) -> None:
     assert delta(pair, "vllm:iteration_tokens_total_sum", **MODEL) == computed
 
     # The histogram's buckets are the steps the ranks logged, by their real rows.
-    logged = [r for r in lines(steps_log)[steps_before:]
-              if r["role"] == "attention" and r["real_rows"] > 0]  # fmt: skip
+    logged = [
+        r
+        for r in lines(steps_log)[steps_before:]
+        if r["role"] == "attention" and r["real_rows"] > 0
+    ]
     assert sum(r["real_rows"] for r in logged) == computed
     for bound in ITERATION_BUCKETS:
         expected = sum(1 for r in logged if r["real_rows"] <= bound)
-        assert delta(pair, "vllm:iteration_tokens_total_bucket", **MODEL, le=str(float(bound))) \
-            == expected, bound  # fmt: skip
+        assert (
+            delta(pair, "vllm:iteration_tokens_total_bucket", **MODEL, le=str(float(bound)))
+            == expected
+        ), bound
     assert delta(pair, "vllm:iteration_tokens_total_count", **MODEL) == len(logged)
 
     # A2E / E2A bytes: what the data-plane log says crossed the wire, tensor by tensor.
@@ -151,8 +174,10 @@ def test_step_metrics_and_afd_metrics(served) -> None:
         per_rank(pair, "afdserve:a2e_bytes_total"),
         per_rank(pair, "afdserve:e2a_bytes_total"),
     )
-    a2e_before, e2a_before = (per_rank(before, "afdserve:a2e_bytes_total"),
-                              per_rank(before, "afdserve:e2a_bytes_total"))  # fmt: skip
+    a2e_before, e2a_before = (
+        per_rank(before, "afdserve:a2e_bytes_total"),
+        per_rank(before, "afdserve:e2a_bytes_total"),
+    )
     for rank in (0, 1):
         new = batches[rank][wire_before[rank] :]
         assert a2e[rank] - a2e_before.get(rank, 0) == hidden_bytes(new, "send", hidden) > 0
@@ -163,8 +188,10 @@ def test_step_metrics_and_afd_metrics(served) -> None:
         per_rank(pair, "afdserve:rank_busy_seconds_total"),
         per_rank(pair, "afdserve:rank_wait_seconds_total"),
     )
-    busy_before, wait_before = (per_rank(before, "afdserve:rank_busy_seconds_total"),
-                                per_rank(before, "afdserve:rank_wait_seconds_total"))  # fmt: skip
+    busy_before, wait_before = (
+        per_rank(before, "afdserve:rank_busy_seconds_total"),
+        per_rank(before, "afdserve:rank_wait_seconds_total"),
+    )
     for rank in (0, 1):
         spent = (busy[rank] - busy_before.get(rank, 0), wait[rank] - wait_before.get(rank, 0))
         assert spent[0] > 0 and spent[1] > 0 and sum(spent) < elapsed, (rank, spent)
@@ -182,11 +209,17 @@ def test_step_metrics_and_afd_metrics(served) -> None:
         assert 0 < ffn(pair, name) - ffn(before, name) < elapsed, name
 
     # The KV cache's configuration as the ranks hold it.
-    info = [labels for (name, labels), v in pair.items()
-            if name == "vllm:cache_config_info" and v == 1.0]  # fmt: skip
+    info = [
+        labels
+        for (name, labels), v in pair.items()
+        if name == "vllm:cache_config_info" and v == 1.0
+    ]
     assert len(info) == 1 and dict(info[0]) == {
-        "block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(KV_BLOCKS), "cache_dtype": "auto",
-        "enable_prefix_caching": dict(info[0])["enable_prefix_caching"]}  # fmt: skip
+        "block_size": str(BLOCK_SIZE),
+        "num_gpu_blocks": str(KV_BLOCKS),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": dict(info[0])["enable_prefix_caching"],
+    }
     assert dict(info[0])["enable_prefix_caching"] in ("True", "False")
 
 
@@ -201,15 +234,20 @@ def test_preemptions_counted_per_rank(served) -> None:
     server = served[0]
     before = metrics(server)
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda i: complete(server, list(range(100 + 20 * i, 116 + 20 * i)),
-                                                100), range(4)))  # fmt: skip
+        outs = list(
+            pool.map(
+                lambda i: complete(server, list(range(100 + 20 * i, 116 + 20 * i)), 100), range(4)
+            )
+        )
     assert all(len(o["choices"][0]["text"]) > 0 for o in outs)
     settle()
     after = metrics(server)
     name = "vllm:num_preemptions_total"
-    moved = {r: after.get((name, (("engine", str(r)), ("model_name", SERVED_NAME))), 0)
-             - before.get((name, (("engine", str(r)), ("model_name", SERVED_NAME))), 0)
-             for r in (0, 1)}  # fmt: skip
+    moved = {
+        r: after.get((name, (("engine", str(r)), ("model_name", SERVED_NAME))), 0)
+        - before.get((name, (("engine", str(r)), ("model_name", SERVED_NAME))), 0)
+        for r in (0, 1)
+    }
     # The router spreads four equal requests two and two: each rank ran out of blocks.
     assert moved[0] >= 1 and moved[1] >= 1, moved
 
@@ -239,8 +277,11 @@ def test_one_process_engine_reports_the_same_metrics() -> None:
         text = ServerMetrics(lambda: stats, lambda: "m").render().decode()
     finally:
         llm.shutdown()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     attention = (("rank", "0"), ("role", "attention"))
     assert samples[("afdserve:scheduled_tokens_total", attention)] == 2 * (10 + 2)
     assert samples[("vllm:iteration_tokens_total_sum", (("model_name", "m"),))] == 2 * (10 + 2)
@@ -248,7 +289,17 @@ def test_one_process_engine_reports_the_same_metrics() -> None:
     assert samples[("afdserve:rank_wait_seconds_total", attention)] == 0
     assert samples[("afdserve:rank_busy_seconds_total", attention)] > 0
     assert samples[("vllm:num_preemptions_total", (("engine", "0"), ("model_name", "m")))] == 0
-    assert samples[("vllm:cache_config_info", (
-        ("block_size", "16"), ("cache_dtype", "auto"), ("enable_prefix_caching", "False"),
-        ("num_gpu_blocks", "64"),
-    ))] == 1.0  # fmt: skip
+    assert (
+        samples[
+            (
+                "vllm:cache_config_info",
+                (
+                    ("block_size", "16"),
+                    ("cache_dtype", "auto"),
+                    ("enable_prefix_caching", "False"),
+                    ("num_gpu_blocks", "64"),
+                ),
+            )
+        ]
+        == 1.0
+    )

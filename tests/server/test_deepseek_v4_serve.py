@@ -35,8 +35,21 @@ def oracle(v4_dir: Path) -> list[list[int]]:
 
 
 def test_generate_cli_runs_v4(v4_dir: Path, oracle: list[list[int]], capsys) -> None:
-    code = main(["generate", str(v4_dir), "--dtype", "float32", "--prompt", "Hello, V4",
-                 "--max-tokens", "9", "--temperature", "0", "--json"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            str(v4_dir),
+            "--dtype",
+            "float32",
+            "--prompt",
+            "Hello, V4",
+            "--max-tokens",
+            "9",
+            "--temperature",
+            "0",
+            "--json",
+        ]
+    )
     assert code == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     (answer,) = (json.loads(line) for line in lines)
@@ -47,12 +60,27 @@ def test_generate_cli_runs_v4(v4_dir: Path, oracle: list[list[int]], capsys) -> 
 def test_serve_runs_v4(
     v4_dir: Path, oracle: list[list[int]], tmp_path: Path, topology: str
 ) -> None:
-    srv = start_cli_server(tmp_path, free_port(), str(v4_dir), "--dtype", "float32",
-                           "--topology", topology, "--max-num-batched-tokens", "8")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        str(v4_dir),
+        "--dtype",
+        "float32",
+        "--topology",
+        topology,
+        "--max-num-batched-tokens",
+        "8",
+    )
     try:
         srv.wait_healthy()
-        body = {"model": SERVED_NAME, "prompt": PROMPTS, "temperature": 0.0, "max_tokens": 9,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": SERVED_NAME,
+            "prompt": PROMPTS,
+            "temperature": 0.0,
+            "max_tokens": 9,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()
         got = [
             choice["token_ids"] for choice in sorted(answer["choices"], key=lambda c: c["index"])

@@ -33,18 +33,27 @@ def test_guidellm_smoke(tmp_path: Path) -> None:
         server.wait_healthy()
         run = subprocess.run(
             [
-                str(GUIDELLM), "run",
-                "--backend", f"kind=openai_http,target={server.url},model={SERVED_NAME}",
-                "--profile", "kind=concurrent,streams=4",
-                "--constraint", f"kind=max_requests,count={REQUESTS}",
-                "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
-                "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},"
-                          f"output_tokens={OUTPUT_TOKENS}",
-                "--output", f"kind=json,path={report}",
+                str(GUIDELLM),
+                "run",
+                "--backend",
+                f"kind=openai_http,target={server.url},model={SERVED_NAME}",
+                "--profile",
+                "kind=concurrent,streams=4",
+                "--constraint",
+                f"kind=max_requests,count={REQUESTS}",
+                "--tokenizer",
+                f"kind=hf_auto,model={resolve_model(None)}",
+                "--data",
+                f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+                "--output",
+                f"kind=json,path={report}",
                 "--disable-progress",
             ],
-            capture_output=True, text=True, timeout=90, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
         server.stop()

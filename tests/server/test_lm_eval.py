@@ -63,14 +63,20 @@ def test_lm_eval_local_completions_loglikelihood(tmp_path: Path, monkeypatch) ->
     try:
         server.wait_healthy()
         model_args = {
-            "base_url": f"{server.url}/v1/completions", "model": SERVED_NAME,
-            "tokenizer": str(bundled_model_dir()), "tokenizer_backend": "huggingface",
-            "num_concurrent": 1, "max_retries": 1,
-        }  # fmt: skip
+            "base_url": f"{server.url}/v1/completions",
+            "model": SERVED_NAME,
+            "tokenizer": str(bundled_model_dir()),
+            "tokenizer_backend": "huggingface",
+            "num_concurrent": 1,
+            "max_retries": 1,
+        }
         results = simple_evaluate(
-            model="local-completions", model_args=model_args, tasks=["afdserve_local_mc"],
-            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
-        )  # fmt: skip
+            model="local-completions",
+            model_args=model_args,
+            tasks=["afdserve_local_mc"],
+            task_manager=TaskManager(include_path=str(tmp_path)),
+            log_samples=True,
+        )
     finally:
         server.stop()
 

@@ -17,13 +17,27 @@ from .conftest import SERVED_NAME, free_port, start_cli_server
 
 
 def test_json_log_lines(tmp_path) -> None:
-    server = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--log-format", "json",
-                              "--enable-log-requests", "--stats-interval", "0.5")  # fmt: skip
+    server = start_cli_server(
+        tmp_path,
+        free_port(),
+        "--topology",
+        "1A1F",
+        "--log-format",
+        "json",
+        "--enable-log-requests",
+        "--stats-interval",
+        "0.5",
+    )
     try:
         server.wait_healthy()
         for max_tokens in (3, 5):
-            body = {"model": SERVED_NAME, "prompt": list(range(7, 19)), "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": SERVED_NAME,
+                "prompt": list(range(7, 19)),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
             response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
         deadline = time.monotonic() + 30

@@ -43,13 +43,26 @@ WAITING = "afdserve_waiting_requests{}"
 
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_cli_server(tmp_path_factory.mktemp("busy"), free_port(), "--topology",
-                           "colocated", "--max-num-seqs", "1", "--max-waiting-requests", "2",
-                           "--max-waiting-tokens", str(WAITING_TOKENS),
-                           "--max-request-body-bytes", str(BODY_LIMIT),
-                           "--max-prompt-chars", str(PROMPT_CHARS),
-                           "--header-timeout", str(HEADER_TIMEOUT_S),
-                           "--limit-concurrency", str(CONNECTIONS))  # fmt: skip
+    srv = start_cli_server(
+        tmp_path_factory.mktemp("busy"),
+        free_port(),
+        "--topology",
+        "colocated",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "2",
+        "--max-waiting-tokens",
+        str(WAITING_TOKENS),
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+        "--max-prompt-chars",
+        str(PROMPT_CHARS),
+        "--header-timeout",
+        str(HEADER_TIMEOUT_S),
+        "--limit-concurrency",
+        str(CONNECTIONS),
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -177,11 +190,14 @@ def test_invalid_unicode_is_a_400(busy: ServerProcess) -> None:
     cases = [
         ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
         ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
-        ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}', "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+            "messages",
+        ),
         ("/v1/completions", b'{"prompt": "\xff\xfe bytes", "max_tokens": 2}', None),
         ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
-    ]  # fmt: skip
+    ]
     for path, raw, param in cases:
         r = httpx.post(f"{busy.url}{path}", content=raw, headers=headers, timeout=30)
         assert r.status_code == 400, (raw, r.text)
@@ -205,8 +221,10 @@ def test_connections_without_a_request_head_are_closed(busy: ServerProcess) -> N
 
 
 def test_connections_beyond_the_limit_are_closed_at_once(busy: ServerProcess) -> None:
-    socks = [socket.create_connection(("127.0.0.1", busy.port), timeout=10)
-             for _ in range(CONNECTIONS + 1)]  # fmt: skip
+    socks = [
+        socket.create_connection(("127.0.0.1", busy.port), timeout=10)
+        for _ in range(CONNECTIONS + 1)
+    ]
     start = time.monotonic()
     try:
         closed_after = []
@@ -234,8 +252,13 @@ def test_requests_beyond_the_concurrency_limit_get_an_openai_503() -> None:
     async def slow_app(scope: dict, receive: object, send: object) -> None:
         await release.wait()
 
-    limit = ConcurrencyLimit(slow_app, limit=2, retry_after_s=3, exempt=("/health",),
-                             on_refused=lambda: refused.append(1))  # fmt: skip
+    limit = ConcurrencyLimit(
+        slow_app,
+        limit=2,
+        retry_after_s=3,
+        exempt=("/health",),
+        on_refused=lambda: refused.append(1),
+    )
 
     async def call(path: str) -> list[dict]:
         sent: list[dict] = []
@@ -312,13 +335,15 @@ def test_admission_counts_tokens_and_releases_them() -> None:
 
 def test_repeated_log_lines_are_rate_limited() -> None:
     limit = RateLimit(window_s=60, burst=5)
-    record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "accept failed: %s",
-                               ("Too many open files",), None)  # fmt: skip
+    record = logging.LogRecord(
+        "asyncio", logging.ERROR, __file__, 1, "accept failed: %s", ("Too many open files",), None
+    )
     assert sum(limit.filter(record) for _ in range(1000)) == 5
     other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "other", (), None)
     assert limit.filter(other)
-    info = logging.LogRecord("afdserve.server", logging.INFO, __file__, 1, "request %s", ("r",),
-                             None)  # fmt: skip
+    info = logging.LogRecord(
+        "afdserve.server", logging.INFO, __file__, 1, "request %s", ("r",), None
+    )
     assert all(limit.filter(info) for _ in range(1000))  # one line per request is not a flood
 
 

@@ -23,38 +23,73 @@ from afdserve.server.reasoned_tools import reasoned_grammar
 
 from .conftest import SERVED_NAME, free_port, start_server
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-           "required": ["city"], "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-             "required": ["zone"], "additionalProperties": False}}}]  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 OSLO = ("get_weather", {"city": "Oslo"})
 
 HERMES_TIME = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
 HERMES_OSLO = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-CODER_TIME = ("<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"
-              "</function>\n</tool_call>")  # fmt: skip
-CODER_OSLO = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
-              "</function>\n</tool_call>")  # fmt: skip
-DS_TIME = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
-           '{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
-DS_OSLO = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-           '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+CODER_TIME = (
+    "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+CODER_OSLO = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+DS_TIME = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+    '{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+DS_OSLO = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
 
 # (reasoning parser, tool parser, what the model writes, reasoning_content, content)
 AUTO = {
-    "qwen3+hermes": ("qwen3", "hermes",
-                     f"<think>\nNot {HERMES_TIME} yet.\n</think>\n\nChecking.{HERMES_OSLO}",
-                     f"\nNot {HERMES_TIME} yet.\n", "\n\nChecking."),
-    "qwen3+qwen3_coder": ("qwen3", "qwen3_coder",
-                          f"<think>\nNot {CODER_TIME} yet.\n</think>\n\nChecking.\n{CODER_OSLO}",
-                          f"\nNot {CODER_TIME} yet.\n", "\n\nChecking.\n"),
-    "deepseek_r1+deepseek_v3": ("deepseek_r1", "deepseek_v3",
-                                f"Not {DS_TIME} yet.</think>Checking.{DS_OSLO}",
-                                f"Not {DS_TIME} yet.", "Checking."),
-}  # fmt: skip
+    "qwen3+hermes": (
+        "qwen3",
+        "hermes",
+        f"<think>\nNot {HERMES_TIME} yet.\n</think>\n\nChecking.{HERMES_OSLO}",
+        f"\nNot {HERMES_TIME} yet.\n",
+        "\n\nChecking.",
+    ),
+    "qwen3+qwen3_coder": (
+        "qwen3",
+        "qwen3_coder",
+        f"<think>\nNot {CODER_TIME} yet.\n</think>\n\nChecking.\n{CODER_OSLO}",
+        f"\nNot {CODER_TIME} yet.\n",
+        "\n\nChecking.\n",
+    ),
+    "deepseek_r1+deepseek_v3": (
+        "deepseek_r1",
+        "deepseek_v3",
+        f"Not {DS_TIME} yet.</think>Checking.{DS_OSLO}",
+        f"Not {DS_TIME} yet.",
+        "Checking.",
+    ),
+}
 
 
 # qwen3_coder shares Qwen3's reasoning with hermes: its server is the slow cell of the matrix.
@@ -64,9 +99,14 @@ CELLS = [pytest.param(name, marks=pytest.mark.slow) if "coder" in name else name
 @pytest.fixture(scope="module", params=CELLS)
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     reasoning, tool_parser = AUTO[request.param][:2]
-    srv = start_server(tmp_path_factory.mktemp("reasoned-tools"), free_port(),
-                       topology="colocated", enable_auto_tool_choice=True,
-                       tool_call_parser=tool_parser, reasoning_parser=reasoning)  # fmt: skip
+    srv = start_server(
+        tmp_path_factory.mktemp("reasoned-tools"),
+        free_port(),
+        topology="colocated",
+        enable_auto_tool_choice=True,
+        tool_call_parser=tool_parser,
+        reasoning_parser=reasoning,
+    )
     try:
         srv.wait_healthy()
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
@@ -82,8 +122,13 @@ def oracle():
 
 
 def forced(text: str, max_tokens: int = 400) -> dict:
-    return {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": max_tokens,
-            "extra_body": {"structured_outputs": {"regex": re.escape(text)}}}  # fmt: skip
+    return {
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "extra_body": {"structured_outputs": {"regex": re.escape(text)}},
+    }
 
 
 def streamed(client: openai.OpenAI, **request: object) -> tuple[str, str, list, str | None]:
@@ -107,8 +152,9 @@ def test_auto_calls_come_only_from_the_content_after_the_reasoning(served) -> No
     _, _, text, reasoning, content = AUTO[name]
     request = forced(text)
     (choice,) = client.chat.completions.create(model=SERVED_NAME, **request).choices
-    calls = [(c.function.name, json.loads(c.function.arguments))
-             for c in choice.message.tool_calls or []]  # fmt: skip
+    calls = [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []
+    ]
     assert calls == [OSLO], "the call inside the think block is reasoning, not a call"
     assert choice.message.reasoning_content == reasoning  # type: ignore[attr-defined]
     assert choice.message.content == content and choice.finish_reason == "tool_calls"
@@ -136,8 +182,9 @@ def test_the_forced_call_grammar_is_reasoning_then_the_call(oracle: LLM, parser:
     import llguidance.hf
 
     model = oracle.engine_config.model
-    grammar = StructuredOutputsParams(grammar=reasoned_grammar(WEATHER, parser),
-                                      tokenizer_dir=model)  # fmt: skip
+    grammar = StructuredOutputsParams(
+        grammar=reasoned_grammar(WEATHER, parser), tokenizer_dir=model
+    )
     grammar.check()
     tokenizer = oracle.get_tokenizer()
     vocabulary = llguidance.hf.from_tokenizer(tokenizer)
@@ -168,15 +215,33 @@ def test_forced_calls_follow_the_reasoning(served, oracle: LLM, choice: str) -> 
         schema = WEATHER
     else:
         tool_choice = "required"
-        schema = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"enum": ["get_weather"]},
-                                              "parameters": WEATHER},
-             "required": ["name", "parameters"], "additionalProperties": False}]}}  # fmt: skip
+        schema = {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"enum": ["get_weather"]}, "parameters": WEATHER},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                ]
+            },
+        }
     tools = TOOLS[:1]
-    request = {"messages": ASK, "tools": tools, "temperature": 0.0, "max_tokens": 40,
-               "tool_choice": tool_choice, "parallel_tool_calls": False}  # fmt: skip
-    params = StructuredOutputsParams(grammar=reasoned_grammar(schema, parser),
-                                     tokenizer_dir=oracle.engine_config.model)  # fmt: skip
+    request = {
+        "messages": ASK,
+        "tools": tools,
+        "temperature": 0.0,
+        "max_tokens": 40,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+    }
+    params = StructuredOutputsParams(
+        grammar=reasoned_grammar(schema, parser), tokenizer_dir=oracle.engine_config.model
+    )
     expected = oracle.chat(
         ASK,
         SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=params),

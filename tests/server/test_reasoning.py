@@ -11,16 +11,24 @@ from afdserve.server.reasoning import ReasoningStream, split_reasoning
 
 CASES = [
     # R1: the template opened the block, the answer starts inside it.
-    ("deepseek_r1", "Let me think.\n</think>\n\nThe answer is 4.", "Let me think.\n",
-     "\n\nThe answer is 4."),
+    (
+        "deepseek_r1",
+        "Let me think.\n</think>\n\nThe answer is 4.",
+        "Let me think.\n",
+        "\n\nThe answer is 4.",
+    ),
     ("deepseek_r1", "<think>\nhmm</think>4", "\nhmm", "4"),
     ("deepseek_r1", "still thinking, cut by max_tokens", "still thinking, cut by max_tokens", ""),
     ("qwen3", "<think>\nOkay, 2+2.\n</think>\n\n4", "\nOkay, 2+2.\n", "\n\n4"),
-    ("qwen3", "4, without thinking (enable_thinking=false)", None,
-     "4, without thinking (enable_thinking=false)"),
+    (
+        "qwen3",
+        "4, without thinking (enable_thinking=false)",
+        None,
+        "4, without thinking (enable_thinking=false)",
+    ),
     ("qwen3", "<think>\ncut", "\ncut", ""),
     ("qwen3", "a < b </think> c", None, "a < b </think> c"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("parser", "text", "reasoning", "content"), CASES)

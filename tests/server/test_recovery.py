@@ -73,8 +73,9 @@ class Stream:
         self.first = threading.Event()
 
     def run(self, url: str, body: dict) -> Stream:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                          timeout=300) as r:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300
+        ) as r:
             self.status = r.status_code
             for line in r.iter_lines():
                 if not line or line == "data: [DONE]":
@@ -110,10 +111,19 @@ def value(server: ServerProcess, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_cli_server(tmp_path_factory.mktemp("recovery"), free_port(), "--topology", "2A1F",
-                           "--heartbeat-timeout", str(HEARTBEAT_S), "--on-engine-failure",
-                           "restart", "--max-restarts", "20",
-                           "--enable-log-requests")  # the per-request resume line  # fmt: skip
+    srv = start_cli_server(
+        tmp_path_factory.mktemp("recovery"),
+        free_port(),
+        "--topology",
+        "2A1F",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "--on-engine-failure",
+        "restart",
+        "--max-restarts",
+        "20",
+        "--enable-log-requests",
+    )  # the per-request resume line
     try:
         srv.wait_healthy()
         yield srv
@@ -173,8 +183,9 @@ def fail_a_rank_under_streams(
     assert health(srv.url) == 200
 
 
-def check_only_the_victim_was_replaced(srv: ServerProcess, old: dict[int, int], victim: int,
-                                       log: str) -> None:
+def check_only_the_victim_was_replaced(
+    srv: ServerProcess, old: dict[int, int], victim: int, log: str
+) -> None:
     """The survivors run on in their processes and joined the new world generation with the
     weights they had (their RankReady says their process loaded weights once); the victim's
     rank runs in a new process. `log`: the server's log since the failure."""
@@ -187,10 +198,14 @@ def check_only_the_victim_was_replaced(srv: ServerProcess, old: dict[int, int], 
         if rank == victim:
             continue
         assert now[rank] == pid, (rank, old, now)
-        assert re.search(rf"rank {rank} \(pid {pid}\) joined world generation \d+; weights "
-                         rf"loaded 1 time\(s\) by this process", log), log[-3000:]
-    assert re.search(rf"rank {victim} \(pid {now[victim]}\) joined world generation \d+",
-                     log), log[-3000:]
+        assert re.search(
+            rf"rank {rank} \(pid {pid}\) joined world generation \d+; weights "
+            rf"loaded 1 time\(s\) by this process",
+            log,
+        ), log[-3000:]
+    assert re.search(rf"rank {victim} \(pid {now[victim]}\) joined world generation \d+", log), log[
+        -3000:
+    ]
     assert f"rank(s) [{victim}] replaced" in log, log[-3000:]
 
 
@@ -231,8 +246,16 @@ def test_32_streams_survive_each_kind_of_rank_failure(
 def test_other_worlds_replace_only_the_killed_rank(
     tmp_path: Path, world: tuple[str, ...], victim: int
 ) -> None:
-    srv = start_cli_server(tmp_path, free_port(), *world, "--heartbeat-timeout", str(HEARTBEAT_S),
-                           "--on-engine-failure", "restart", "--enable-log-requests")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        *world,
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "--on-engine-failure",
+        "restart",
+        "--enable-log-requests",
+    )
     try:
         srv.wait_healthy()
         fail_a_rank_under_streams(srv, victim, signal.SIGKILL, count=4)
@@ -291,8 +314,16 @@ def test_a_failed_restart_is_retried_within_the_budget(tmp_path: Path) -> None:
     """Every rank is killed: no rank survives to rebuild the world around, so it restarts
     whole. The first restart fails (the standby processes it starts on were killed); the server
     tries again within --max-restarts, on freshly started processes, instead of exiting 1."""
-    srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
-                           "restart", "--max-restarts", "3")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        "--topology",
+        "1A1F",
+        "--on-engine-failure",
+        "restart",
+        "--max-restarts",
+        "3",
+    )
     try:
         srv.wait_healthy()
         old = rank_pids(srv.proc.pid)
@@ -341,9 +372,15 @@ def test_the_engine_thread_holds_resumes_and_bounds_resumes() -> None:
         want_long = second.generate([prompt], long)[0].outputs[0].token_ids
         events: dict[str, list] = {"long": [], "held": []}
         resumed, recovered = [], []
-        loop = EngineLoop(first.engine, recovery=Recovery(
-            resume=True, max_resumes=1, on_resume=lambda: resumed.append(1),
-            on_recovered=recovered.append)).start()  # fmt: skip
+        loop = EngineLoop(
+            first.engine,
+            recovery=Recovery(
+                resume=True,
+                max_resumes=1,
+                on_resume=lambda: resumed.append(1),
+                on_recovered=recovered.append,
+            ),
+        ).start()
         loop.submit("long", prompt, long, events["long"].append).result(10)
 
         def wait_for(check, what: str) -> None:

@@ -49,8 +49,9 @@ def clean(body: str) -> bool:
 
 def stream_lines(url: str, body: dict, first: threading.Event, lines: list[str]) -> None:
     """A streaming completion; sets `first` at the first token, collects every data line."""
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                      timeout=120) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
         lines.append(f"status {r.status_code}")
         for line in r.iter_lines():
             if line:
@@ -87,8 +88,16 @@ def stop(srv: ServerProcess) -> None:
 def test_failed_rank_fails_requests_and_the_server_exits_1(
     tmp_path: Path, victim: int, sig: signal.Signals, within_s: float
 ) -> None:
-    srv = start_cli_server(tmp_path, free_port(), "--topology", "2A1F", "--heartbeat-timeout",
-                           str(HEARTBEAT_S), "--on-engine-failure", "exit")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        "--topology",
+        "2A1F",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "--on-engine-failure",
+        "exit",
+    )
     try:
         srv.wait_healthy()
         ranks = rank_pids(srv.proc.pid)
@@ -125,9 +134,18 @@ def test_failed_rank_fails_requests_and_the_server_exits_1(
 
 @pytest.fixture(scope="module")
 def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_cli_server(tmp_path_factory.mktemp("restart"), free_port(), "--topology", "2A1F",
-                           "--heartbeat-timeout", str(HEARTBEAT_S), "--on-engine-failure",
-                           "restart", "--drain-timeout", "60")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path_factory.mktemp("restart"),
+        free_port(),
+        "--topology",
+        "2A1F",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "--on-engine-failure",
+        "restart",
+        "--drain-timeout",
+        "60",
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -184,8 +202,16 @@ def test_a_world_that_keeps_failing_exhausts_the_restart_budget(tmp_path: Path) 
     """--max-restarts 1: the first failure replaces the failed rank (the stream is resumed),
     the second (within the window) exits 1 with a line that says why, the stream held for a
     restart that will not come fails with the engine's error, and no rank is left behind."""
-    srv = start_cli_server(tmp_path, free_port(), "--topology", "1A1F", "--on-engine-failure",
-                           "restart", "--max-restarts", "1")  # fmt: skip
+    srv = start_cli_server(
+        tmp_path,
+        free_port(),
+        "--topology",
+        "1A1F",
+        "--on-engine-failure",
+        "restart",
+        "--max-restarts",
+        "1",
+    )
     try:
         srv.wait_healthy()
         for attempt in range(2):
@@ -242,8 +268,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_every_rank(
 
 
 def test_drain_timeout_cuts_off_what_is_left(tmp_path: Path) -> None:
-    srv = start_cli_server(tmp_path, free_port(), "--topology", "colocated",
-                           "--drain-timeout", "1")  # fmt: skip
+    srv = start_cli_server(tmp_path, free_port(), "--topology", "colocated", "--drain-timeout", "1")
     try:
         srv.wait_healthy()
         first, lines = threading.Event(), []

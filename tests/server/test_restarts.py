@@ -23,8 +23,18 @@ def test_failures_older_than_the_window_are_forgotten() -> None:
 def test_back_off_is_capped() -> None:
     budget = RestartBudget(max_restarts=10, window_s=1e9)
     delays = [budget.next_delay(float(t)) for t in range(10)]
-    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S,
-                      MAX_BACKOFF_S]  # fmt: skip
+    assert delays == [
+        0.0,
+        1.0,
+        2.0,
+        4.0,
+        8.0,
+        16.0,
+        MAX_BACKOFF_S,
+        MAX_BACKOFF_S,
+        MAX_BACKOFF_S,
+        MAX_BACKOFF_S,
+    ]
     assert budget.next_delay(10.0) is None
 
 

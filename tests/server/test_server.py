@@ -168,9 +168,14 @@ def test_concurrent_requests(client: openai.OpenAI, oracle: LLM) -> None:
 def test_n_choices_are_seeded_samples(client: openai.OpenAI, oracle: LLM) -> None:
     params = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
     got = client.completions.create(
-        model=SERVED_NAME, prompt=HELLO, n=2, seed=7, temperature=1.0, max_tokens=8,
+        model=SERVED_NAME,
+        prompt=HELLO,
+        n=2,
+        seed=7,
+        temperature=1.0,
+        max_tokens=8,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert [c.index for c in got.choices] == [0, 1]
     wants = [expected(oracle, HELLO, seed=7 + i, **params).text for i in range(2)]
     assert [c.text for c in got.choices] == wants
@@ -231,10 +236,17 @@ def test_requests_that_stopped_the_service_are_served_or_refused(
 def test_structured_output_on_the_ranks(client: openai.OpenAI) -> None:
     """The grammar runs beside the sampler on each attention rank of 2A1F."""
     answer = client.completions.create(
-        model=SERVED_NAME, prompt=["a", "b"], max_tokens=32, seed=3,
-        extra_body={"response_format": {"type": "json_schema", "json_schema": {
-            "schema": {"enum": ["alpha", "beta", "gamma"]}}}},
-    )  # fmt: skip
+        model=SERVED_NAME,
+        prompt=["a", "b"],
+        max_tokens=32,
+        seed=3,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"enum": ["alpha", "beta", "gamma"]}},
+            }
+        },
+    )
     assert [json.loads(c.text) in ("alpha", "beta", "gamma") for c in answer.choices] == [1, 1]
 
 
@@ -273,8 +285,9 @@ def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert steps[(("mode", "eager"), ("role", "attention"))] > 0
 
 
-def test_cached_tokens_and_prefix_cache_metrics(server: ServerProcess, client: openai.OpenAI
-                                                ) -> None:  # fmt: skip
+def test_cached_tokens_and_prefix_cache_metrics(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
     """A shared 40-token prefix: the first request computes it, the next ones (completion,
     streamed completion, over either rank) report its two full 16-token blocks as cached, and
     the per-rank counters of /metrics move by exactly the tokens looked up and found."""
@@ -283,25 +296,35 @@ def test_cached_tokens_and_prefix_cache_metrics(server: ServerProcess, client: o
     params = dict(model=SERVED_NAME, temperature=0.0, max_tokens=2)
     first = client.completions.create(prompt=prefix + [1], **params)
     again = client.completions.create(prompt=prefix + [2, 3], **params)
-    chunks = list(client.completions.create(
-        prompt=prefix + [4], stream=True, stream_options={"include_usage": True}, **params))
+    chunks = list(
+        client.completions.create(
+            prompt=prefix + [4], stream=True, stream_options={"include_usage": True}, **params
+        )
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == 32
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
 
     def total(name: str, snapshot: dict) -> float:
-        return sum(v for (n, labels), v in snapshot.items()
-                   if n == name and dict(labels).get("model_name") == SERVED_NAME)
+        return sum(
+            v
+            for (n, labels), v in snapshot.items()
+            if n == name and dict(labels).get("model_name") == SERVED_NAME
+        )
 
     def moved(snapshot: dict) -> tuple[float, float]:
-        return tuple(total(name, snapshot) - total(name, before)  # type: ignore[return-value]
-                     for name in ("vllm:prefix_cache_queries_total",
-                                  "vllm:prefix_cache_hits_total"))  # fmt: skip
+        return tuple(
+            total(name, snapshot) - total(name, before)  # type: ignore[return-value]
+            for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+        )
 
     # The engine thread's stats snapshot follows the ranks' last step report.
     wait_for(lambda: moved(metrics(server)) == (41 + 42 + 41, 64))
-    engines = {dict(labels)["engine"] for (n, labels) in metrics(server)
-               if n == "vllm:prefix_cache_queries_total"}  # fmt: skip
+    engines = {
+        dict(labels)["engine"]
+        for (n, labels) in metrics(server)
+        if n == "vllm:prefix_cache_queries_total"
+    }
     assert engines == {"0", "1"}  # one series per attention rank
 
 
@@ -436,14 +459,20 @@ def test_health_is_503_until_the_model_is_attached() -> None:
 def test_local_validation_and_stop(local: TestClient, oracle: LLM) -> None:
     bad = [
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "echo": True}, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "echo": True},
+            "echo",
+        ),
         ("/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
         ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "top_logprobs": 2}, "top_logprobs"),
-    ]  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+    ]
     for path, body, param in bad:
         r = local.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

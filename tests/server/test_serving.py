@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from afdserve import LLM, SamplingParams
-from afdserve.frontend.outputs import cumulative_logprob
 from afdserve.engine.structured import StructuredOutputsParams
+from afdserve.frontend.outputs import cumulative_logprob
 from afdserve.server.options import ServeOptions
 
 from .conftest import SERVED_NAME, ServerProcess, free_port, start_server
@@ -37,9 +37,13 @@ VOCAB = 260  # the bundled byte-level tokenizer
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(
-        tmp_path_factory.mktemp("serving"), free_port(), topology="colocated",
-        api_key=API_KEY, stats_interval_s=0.5, log_requests=True,  # off by default, as vLLM
-    )  # fmt: skip
+        tmp_path_factory.mktemp("serving"),
+        free_port(),
+        topology="colocated",
+        api_key=API_KEY,
+        stats_interval_s=0.5,
+        log_requests=True,  # off by default, as vLLM
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -118,8 +122,19 @@ plausible = {
     "guided_choice": st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3),
 }
 fields = sorted(
-    {*plausible, "best_of", "stream_options", "logprobs", "tools", "response_format", "unknown_x",
-     "guided_regex", "guided_json", "tool_choice", "parallel_tool_calls"}
+    {
+        *plausible,
+        "best_of",
+        "stream_options",
+        "logprobs",
+        "tools",
+        "response_format",
+        "unknown_x",
+        "guided_regex",
+        "guided_json",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
 )
 
 
@@ -132,10 +147,13 @@ def with_odd_field(base: dict) -> st.SearchStrategy[dict]:
 
 
 prompts = st.one_of(
-    st.text(max_size=40), token_ids, st.lists(st.text(max_size=10), min_size=1, max_size=3),
+    st.text(max_size=40),
+    token_ids,
+    st.lists(st.text(max_size=10), min_size=1, max_size=3),
     st.lists(token_ids.filter(bool), min_size=1, max_size=3),
-    st.lists(st.integers(-2, VOCAB + 2), max_size=6), odd,
-)  # fmt: skip
+    st.lists(st.integers(-2, VOCAB + 2), max_size=6),
+    odd,
+)
 turn = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=30)}
 )
@@ -299,10 +317,13 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         "additionalProperties": False,
     }
     answer = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": "JSON please"}], n=3, seed=1,
-        max_tokens=64, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "x", "schema": schema}},
-    )  # fmt: skip
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "JSON please"}],
+        n=3,
+        seed=1,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
     for choice in answer.choices:
         value = json.loads(choice.message.content)
         assert isinstance(value["ok"], bool) and value["color"] in ("red", "green")
@@ -314,8 +335,11 @@ def test_detokenization_fields(http: httpx.Client, oracle: LLM) -> None:
     text is the offline API's with the same fields, streamed or not."""
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
     full = offline(oracle, HELLO, **greedy).text
-    stop = next(full[i : i + 2] for i in range(1, len(full) - 1)
-                if full[i : i + 2].isascii() and full[i : i + 2].isprintable())  # fmt: skip
+    stop = next(
+        full[i : i + 2]
+        for i in range(1, len(full) - 1)
+        if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
     eos = oracle.tokenizer.eos_token_id
     cases = [
         {"stop": [stop], "include_stop_str_in_output": True},
@@ -325,13 +349,16 @@ def test_detokenization_fields(http: httpx.Client, oracle: LLM) -> None:
     ]
     for fields in cases:
         expected = offline(oracle, HELLO, **greedy, **fields).text
-        body = {"prompt": HELLO, **greedy, **fields,
-                "logit_bias": {str(k): v for k, v in fields.get("logit_bias", {}).items()}}
+        body = {
+            "prompt": HELLO,
+            **greedy,
+            **fields,
+            "logit_bias": {str(k): v for k, v in fields.get("logit_bias", {}).items()},
+        }
         answer = http.post("/v1/completions", json=body).json()
         assert answer["choices"][0]["text"] == expected, fields
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: {")]  # fmt: skip
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
     assert offline(oracle, HELLO, **greedy, **cases[0]).text.endswith(stop)
     assert "<|eos|>" in offline(oracle, HELLO, **greedy, **cases[2]).text
@@ -446,8 +473,16 @@ def test_startup_summary_request_log_and_stats_line(
     http: httpx.Client, served: ServerProcess
 ) -> None:
     summary = line_with(served, "max concurrency")
-    for part in ("afdserve 0.1.0", SERVED_NAME, "topology colocated", "dtype", "max_model_len 512",
-                 "KV cache", "tokens", "prefix caching on"):  # fmt: skip
+    for part in (
+        "afdserve 0.1.0",
+        SERVED_NAME,
+        "topology colocated",
+        "dtype",
+        "max_model_len 512",
+        "KV cache",
+        "tokens",
+        "prefix caching on",
+    ):
         assert part in summary, summary
     body = {"prompt": HELLO, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     answer = http.post("/v1/completions", json=body).json()
@@ -491,8 +526,10 @@ def test_config_errors_are_one_line_before_anything_starts(args: list[str], mess
     port = str(free_port())
     proc = subprocess.run(
         [sys.executable, "-m", "afdserve.cli", "serve", *args, "--port", port],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("afdserve: error:")
@@ -511,11 +548,14 @@ def test_several_served_model_names(oracle: LLM) -> None:
         cards = local.get("/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["first", "second"]
         assert local.get("/v1/models/second").json()["id"] == "second"
-        done = local.post("/v1/completions",
-                          json={"model": "second", "prompt": "hi", "max_tokens": 2})
+        done = local.post(
+            "/v1/completions", json={"model": "second", "prompt": "hi", "max_tokens": 2}
+        )
         assert done.status_code == 200 and done.json()["model"] == "first"
-        assert local.post("/v1/completions", json={"model": "third", "prompt": "hi"}
-                          ).status_code == 404  # fmt: skip
+        assert (
+            local.post("/v1/completions", json={"model": "third", "prompt": "hi"}).status_code
+            == 404
+        )
 
 
 @pytest.mark.parametrize(
@@ -540,8 +580,10 @@ def test_vllm_flag_errors_are_one_line_and_bind_no_port(args: list[str], message
         port = str(held.getsockname()[1])
         proc = subprocess.run(
             [sys.executable, "-m", "afdserve.cli", "serve", *args, "--port", port],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("afdserve: error:"), proc.stderr
@@ -552,8 +594,16 @@ def test_engine_flags_reach_the_llm() -> None:
     from afdserve.cli import build_parser, llm_kwargs
 
     args = build_parser().parse_args(
-        ["serve", "--topology", "1A1F", "--connector", "p2p", "--no-use-tqdm-on-load",
-         "--control-plane", "shm"]
+        [
+            "serve",
+            "--topology",
+            "1A1F",
+            "--connector",
+            "p2p",
+            "--no-use-tqdm-on-load",
+            "--control-plane",
+            "shm",
+        ]
     )
     kwargs = llm_kwargs(args)
     assert (kwargs["connector"], kwargs["use_tqdm_on_load"]) == ("p2p", False)
@@ -593,8 +643,10 @@ def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "max_new_tokens": 3, "do_sample": False})
     )
-    greedy = {n: offline(oracle, HELLO, temperature=0.0, max_tokens=n, ignore_eos=True).text
-              for n in (3, 5)}  # fmt: skip
+    greedy = {
+        n: offline(oracle, HELLO, temperature=0.0, max_tokens=n, ignore_eos=True).text
+        for n in (3, 5)
+    }
     body = {"prompt": HELLO, "ignore_eos": True}
     for source, tokens in ((str(tmp_path), 3), ("vllm", 16), ("auto", 16)):
         options = ServeOptions(served_model_name=SERVED_NAME, generation_config=source)
@@ -609,12 +661,27 @@ def test_generation_config_sets_the_defaults(oracle: LLM, tmp_path) -> None:
 
 # ----- tool calls: tool_choice "required" or a named function -----
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-           "required": ["city"], "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-             "required": ["zone"], "additionalProperties": False}}}]  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
@@ -636,13 +703,21 @@ def test_named_tool_choice_writes_the_functions_arguments(
     client: openai.OpenAI, oracle: LLM
 ) -> None:
     """The arguments are what the offline API writes under the function's parameter schema."""
-    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 40,
-               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    request = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": 40,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     answer = client.chat.completions.create(model=SERVED_NAME, **request)
     (choice,) = answer.choices
     params = StructuredOutputsParams(json=WEATHER, tokenizer_dir=oracle.engine_config.model)
-    expected = oracle.chat(ASK, SamplingParams(temperature=0.0, max_tokens=40,
-                                               structured_outputs=params), use_tqdm=False)[0]
+    expected = oracle.chat(
+        ASK,
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=params),
+        use_tqdm=False,
+    )[0]
     (call,) = choice.message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", expected.text)
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
@@ -652,8 +727,14 @@ def test_named_tool_choice_writes_the_functions_arguments(
 
 
 def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> None:
-    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 60,
-               "tool_choice": "required", "parallel_tool_calls": False}
+    request = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": 60,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
     (choice,) = client.chat.completions.create(model=SERVED_NAME, **request).choices
     (call,) = choice.message.tool_calls
     arguments = json.loads(call.function.arguments)
@@ -668,10 +749,21 @@ def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> N
 
 
 def test_a_conversation_with_tool_turns_is_served(http: httpx.Client) -> None:
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather",
-                                                       "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
     body = {"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3}
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
@@ -684,15 +776,20 @@ def test_a_conversation_with_tool_turns_is_served(http: httpx.Client) -> None:
         ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: needs a parser
         ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
         ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
     ],
 )
-def test_tool_requests_we_cannot_honour_are_a_400(http: httpx.Client, body: dict,
-                                                   param: str) -> None:  # fmt: skip
+def test_tool_requests_we_cannot_honour_are_a_400(
+    http: httpx.Client, body: dict, param: str
+) -> None:
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
@@ -700,8 +797,13 @@ def test_tool_requests_we_cannot_honour_are_a_400(http: httpx.Client, body: dict
 
 @pytest.fixture(scope="module")
 def auto_tools(tmp_path_factory: pytest.TempPathFactory):
-    srv = start_server(tmp_path_factory.mktemp("auto-tools"), free_port(), topology="colocated",
-                       enable_auto_tool_choice=True, tool_call_parser="hermes")  # fmt: skip
+    srv = start_server(
+        tmp_path_factory.mktemp("auto-tools"),
+        free_port(),
+        topology="colocated",
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+    )
     try:
         srv.wait_healthy()
         yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
@@ -713,19 +815,28 @@ def test_auto_tool_choice_reads_hermes_calls(auto_tools: openai.OpenAI) -> None:
     """A regex makes the tiny model write a preamble and one hermes call; the parser turns it
     into content and tool_calls, the same whole and streamed."""
     block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-    request = {"messages": ASK, "tools": TOOLS, "temperature": 0.0, "max_tokens": 120,
-               "extra_body": {"structured_outputs": {"regex": re.escape("Checking." + block)}}}
+    request = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": 120,
+        "extra_body": {"structured_outputs": {"regex": re.escape("Checking." + block)}},
+    }
     (choice,) = auto_tools.chat.completions.create(model=SERVED_NAME, **request).choices
     (call,) = choice.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
-                                                                         {"city": "Oslo"})
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Oslo"},
+    )
     assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
     calls, finish = streamed_calls(auto_tools, **request)
     assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
     assert finish == "tool_calls"
-    content = "".join(chunk.choices[0].delta.content or "" for chunk in
-                      auto_tools.chat.completions.create(model=SERVED_NAME, stream=True,
-                                                         **request) if chunk.choices)  # fmt: skip
+    content = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in auto_tools.chat.completions.create(model=SERVED_NAME, stream=True, **request)
+        if chunk.choices
+    )
     assert content == "Checking."
 
 
@@ -770,7 +881,8 @@ def test_return_token_ids(http: httpx.Client, oracle: LLM) -> None:
     assert answer["choices"][0]["token_ids"] == expected.token_ids
     chunks = sse_objects(http, "/v1/chat/completions", chat)
     assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [
-        expected.prompt_token_ids]
+        expected.prompt_token_ids
+    ]
     streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
     assert streamed == expected.token_ids
 
@@ -781,17 +893,20 @@ def test_truncate_prompt_tokens(http: httpx.Client, oracle: LLM) -> None:
     prompt = list(range(40, 60))
     greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    answer = http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 5,
-                                                **greedy}).json()  # fmt: skip
+    answer = http.post(
+        "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 5, **greedy}
+    ).json()
     expected = oracle.generate([{"prompt_token_ids": prompt[-5:]}], params, use_tqdm=False)[0]
     (choice,) = answer["choices"]
     assert choice["prompt_token_ids"] == prompt[-5:] and answer["usage"]["prompt_tokens"] == 5
     assert choice["token_ids"] == expected.token_ids
-    whole = http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1,
-                                               **greedy}).json()  # fmt: skip
+    whole = http.post(
+        "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1, **greedy}
+    ).json()
     assert whole["choices"][0]["prompt_token_ids"] == prompt
-    chat = http.post("/v1/chat/completions", json={"messages": ASK, "truncate_prompt_tokens": 3,
-                                                   **greedy}).json()  # fmt: skip
+    chat = http.post(
+        "/v1/chat/completions", json={"messages": ASK, "truncate_prompt_tokens": 3, **greedy}
+    ).json()
     full = oracle.chat(ASK, params, use_tqdm=False)[0].prompt_token_ids
     assert chat["prompt_token_ids"] == full[-3:]
     for bad in (0, -2, 10**6):
@@ -800,8 +915,13 @@ def test_truncate_prompt_tokens(http: httpx.Client, oracle: LLM) -> None:
 
 
 def test_continuous_usage_stats(http: httpx.Client) -> None:
-    body = {"prompt": HELLO, "max_tokens": 6, "ignore_eos": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "prompt": HELLO,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = sse_objects(http, "/v1/completions", body)
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == sorted(counts) and counts[-1] == 6 and len(counts) == 6
@@ -817,8 +937,10 @@ def test_echo_puts_the_prompt_before_the_answer(http: httpx.Client, oracle: LLM)
     prompts = [[72, 105], [79, 107, 33]]  # "Hi", "Ok!"
     body = {"prompt": prompts, "echo": True, "n": 2, **greedy}
     answer = http.post("/v1/completions", json=body).json()
-    assert [c["text"][: len(p)] for c, p in zip(answer["choices"], ["Hi", "Hi", "Ok!", "Ok!"],
-                                                strict=True)] == ["Hi", "Hi", "Ok!", "Ok!"]
+    assert [
+        c["text"][: len(p)]
+        for c, p in zip(answer["choices"], ["Hi", "Hi", "Ok!", "Ok!"], strict=True)
+    ] == ["Hi", "Hi", "Ok!", "Ok!"]
     texts = {i: "" for i in range(4)}
     for chunk in sse_objects(http, "/v1/completions", body):
         for c in chunk["choices"]:

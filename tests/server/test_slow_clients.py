@@ -38,12 +38,22 @@ FLOODER = "127.0.0.2"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_cli_server(tmp_path_factory.mktemp("slow"), free_port(), "--topology",
-                           "colocated", "--api-key", API_KEY,
-                           "--body-timeout", str(BODY_TIMEOUT_S),
-                           "--header-timeout", str(HEADER_TIMEOUT_S),
-                           "--max-connections-per-client", str(PER_CLIENT),
-                           "--max-header-bytes", str(HEADER_BYTES))  # fmt: skip
+    srv = start_cli_server(
+        tmp_path_factory.mktemp("slow"),
+        free_port(),
+        "--topology",
+        "colocated",
+        "--api-key",
+        API_KEY,
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
+        "--header-timeout",
+        str(HEADER_TIMEOUT_S),
+        "--max-connections-per-client",
+        str(PER_CLIENT),
+        "--max-header-bytes",
+        str(HEADER_BYTES),
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -81,9 +91,12 @@ def _status(response: bytes) -> int:
 
 
 SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
-             API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
-             b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod")  # fmt: skip
+SLOW_BODY = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    + API_KEY.encode()
+    + b"\r\nContent-Type: application/json\r\n"
+    b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"mod'
+)
 
 
 async def _flood(
@@ -252,8 +265,14 @@ def test_a_request_refused_before_its_body_closes_its_connection(server: ServerP
     length = b"999999999" if refusal == "413" else b"100000"
     method_path = b"GET /v1/models" if refusal == "get with a body" else b"POST /v1/completions"
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(method_path + b" HTTP/1.1\r\nHost: x\r\n" + auth +
-                     b"Content-Length: " + length + b"\r\n\r\n{")  # fmt: skip
+        sock.sendall(
+            method_path
+            + b" HTTP/1.1\r\nHost: x\r\n"
+            + auth
+            + b"Content-Length: "
+            + length
+            + b"\r\n\r\n{"
+        )
         start = time.monotonic()
         got = _read_all(sock, 3.0)
         assert time.monotonic() - start < 2.0, got

@@ -47,8 +47,9 @@ class Served:
 
     def requests(self, n: int) -> None:
         """`n` requests from a client process, one connection (keep-alive), then quiet."""
-        subprocess.run([sys.executable, "-c", CLIENT, str(self.port), str(n)], check=True,
-                       timeout=600)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-c", CLIENT, str(self.port), str(n)], check=True, timeout=600
+        )
         time.sleep(1.2)  # uvicorn's once-a-second tick, the engine loop back to idle
         gc.collect()
 

@@ -20,20 +20,25 @@ TIME = '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}<
     [
         ("Just text.", "Just text.", []),
         (WEATHER, "", [("get_weather", '{"city": "Oslo"}')]),
-        ("Let me check." + WEATHER, "Let me check.",
-         [("get_weather", '{"city": "Oslo"}')]),
-        (WEATHER + "\n" + TIME, "\n",
-         [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')]),
+        ("Let me check." + WEATHER, "Let me check.", [("get_weather", '{"city": "Oslo"}')]),
+        (
+            WEATHER + "\n" + TIME,
+            "\n",
+            [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')],
+        ),
         # The last call may be left open when the answer ends.
         ('<tool_call>{"name": "f", "arguments": {}}', "", [("f", "{}")]),
         # Not a call: kept as content, tags and all.
         ("a<tool_call>not json</tool_call>b", "a<tool_call>not json</tool_call>b", []),
-        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
-         []),
-        ("cut <tool_call>{\"name\": \"f\", \"argu", "cut <tool_call>{\"name\": \"f\", \"argu", []),
+        (
+            '<tool_call>{"arguments": {}}</tool_call>',
+            '<tool_call>{"arguments": {}}</tool_call>',
+            [],
+        ),
+        ('cut <tool_call>{"name": "f", "argu', 'cut <tool_call>{"name": "f", "argu', []),
         ("a < b <tool", "a < b <tool", []),
     ],
-)  # fmt: skip
+)
 def test_whole_answers(text: str, content: str, calls: list) -> None:
     assert parse_hermes(text) == (content, calls)
     for _, arguments in calls:
@@ -41,9 +46,20 @@ def test_whole_answers(text: str, content: str, calls: list) -> None:
 
 
 pieces = st.sampled_from(
-    ["Hi ", "a<b ", "<tool", "_call>", "</tool_call>", WEATHER, TIME, "\n", "<tool_call>x",
-     '{"name": "g", "arguments": {}}', "é✓"]
-)  # fmt: skip
+    [
+        "Hi ",
+        "a<b ",
+        "<tool",
+        "_call>",
+        "</tool_call>",
+        WEATHER,
+        TIME,
+        "\n",
+        "<tool_call>x",
+        '{"name": "g", "arguments": {}}',
+        "é✓",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -77,19 +93,39 @@ QWEN3_CODER = (
     "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"
 )
 FORMAT_CASES = [
-    ("deepseek_v3", DEEPSEEK, "Let me look.\n",
-     [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')]),
-    ("kimi_k2", KIMI, "Checking.",
-     [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')]),
-    ("qwen3_coder", QWEN3_CODER, "Sure.\n\n",
-     [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", '{"zone": "UTC"}')]),
+    (
+        "deepseek_v3",
+        DEEPSEEK,
+        "Let me look.\n",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')],
+    ),
+    (
+        "kimi_k2",
+        KIMI,
+        "Checking.",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')],
+    ),
+    (
+        "qwen3_coder",
+        QWEN3_CODER,
+        "Sure.\n\n",
+        [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", '{"zone": "UTC"}')],
+    ),
     # Not a call in the format: kept as content.
-    ("deepseek_v3", "<｜tool▁call▁begin｜>nonsense<｜tool▁call▁end｜>",
-     "<｜tool▁call▁begin｜>nonsense<｜tool▁call▁end｜>", []),
-    ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>",
-     "<tool_call>{\"name\": \"f\"}</tool_call>", []),
+    (
+        "deepseek_v3",
+        "<｜tool▁call▁begin｜>nonsense<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>nonsense<｜tool▁call▁end｜>",
+        [],
+    ),
+    (
+        "qwen3_coder",
+        '<tool_call>{"name": "f"}</tool_call>',
+        '<tool_call>{"name": "f"}</tool_call>',
+        [],
+    ),
     ("kimi_k2", "plain answer", "plain answer", []),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), FORMAT_CASES)

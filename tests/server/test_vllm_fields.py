@@ -78,16 +78,26 @@ class OnOutput(LogitsProcessor):
 def hf_greedy(hf_model, hf_tokenizer, processors: list[LogitsProcessor]) -> list[int]:
     ids = torch.tensor([PROMPT])
     out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-        eos_token_id=None, pad_token_id=hf_tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=hf_tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         logits_processor=LogitsProcessorList(processors),
-    )  # fmt: skip
+    )
     return out[0, len(PROMPT) :].tolist()
 
 
 def complete(http: TestClient, **fields: object) -> dict:
-    body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, **fields}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": NEW,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
@@ -99,18 +109,23 @@ def test_allowed_token_ids_match_transformers(http, hf_models, hf_tokenizer) -> 
     prefix = PrefixConstrainedLogitsProcessor(lambda _batch, _ids: allowed, 1)
     assert got == hf_greedy(hf_models["qwen3_moe"], hf_tokenizer, [prefix])
     assert set(got) <= set(allowed)
-    assert http.post("/v1/completions", json={"prompt": PROMPT, "allowed_token_ids": [10**6]}
-                     ).json()["error"]["param"] == "allowed_token_ids"  # fmt: skip
+    assert (
+        http.post("/v1/completions", json={"prompt": PROMPT, "allowed_token_ids": [10**6]}).json()[
+            "error"
+        ]["param"]
+        == "allowed_token_ids"
+    )
 
 
 def test_bad_words_match_transformers(http, hf_models, hf_tokenizer) -> None:
     plain = complete(http)["token_ids"]
     # A two-token word the greedy answer writes (text that tokenizes back to the same ids).
     word = next(
-        text for i in range(1, len(plain) - 1)
+        text
+        for i in range(1, len(plain) - 1)
         if (text := hf_tokenizer.decode(plain[i : i + 2])).strip() == text
         and hf_tokenizer.encode(text, add_special_tokens=False) == plain[i : i + 2]
-    )  # fmt: skip
+    )
     single = hf_tokenizer.decode(plain[:1])
     got = complete(http, bad_words=[word, single])
     ids = [hf_tokenizer.encode(w, add_special_tokens=False) for w in (word, single)]
@@ -124,11 +139,19 @@ def test_return_tokens_as_token_ids(http: TestClient) -> None:
     choice = complete(http, logprobs=2, return_tokens_as_token_ids=True)
     lp = choice["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
-    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top)
-               for top in lp["top_logprobs"])  # fmt: skip
-    body = {"messages": ASK, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True,
-            "return_token_ids": True}  # fmt: skip
+    assert all(
+        len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"]
+    )
+    body = {
+        "messages": ASK,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
     chat = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     content = chat["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
@@ -136,8 +159,14 @@ def test_return_tokens_as_token_ids(http: TestClient) -> None:
 
 
 def chat_prompt_ids(http: TestClient, messages: list[dict], **fields: object) -> dict:
-    body = {"messages": messages, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, **fields}  # fmt: skip
+    body = {
+        "messages": messages,
+        "max_tokens": 3,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -155,8 +184,10 @@ def test_chat_template_switches_match_transformers(
     http: TestClient, llm: LLM, hf_tokenizer, switches: dict
 ) -> None:
     answer = chat_prompt_ids(http, ASK, **switches)
-    kwargs = {**switches.get("chat_template_kwargs", {}),
-              "add_generation_prompt": switches.get("add_generation_prompt", True)}  # fmt: skip
+    kwargs = {
+        **switches.get("chat_template_kwargs", {}),
+        "add_generation_prompt": switches.get("add_generation_prompt", True),
+    }
     text = hf_tokenizer.apply_chat_template(ASK, chat_template=TEMPLATE, tokenize=False, **kwargs)
     assert answer["prompt_token_ids"] == hf_tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -167,10 +198,10 @@ def test_chat_template_switches_match_transformers(
 
 def test_continue_final_message_matches_transformers(http: TestClient, hf_tokenizer) -> None:
     turns = [*ASK, {"role": "assistant", "content": "Sure, the"}]
-    answer = chat_prompt_ids(http, turns, add_generation_prompt=False,
-                             continue_final_message=True)  # fmt: skip
-    text = hf_tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=False,
-                                            continue_final_message=True)  # fmt: skip
+    answer = chat_prompt_ids(http, turns, add_generation_prompt=False, continue_final_message=True)
+    text = hf_tokenizer.apply_chat_template(
+        turns, chat_template=TEMPLATE, tokenize=False, continue_final_message=True
+    )
     assert text.endswith("Sure, the")
     assert answer["prompt_token_ids"] == hf_tokenizer.encode(text, add_special_tokens=False)
 
@@ -179,8 +210,10 @@ def test_continue_final_message_matches_transformers(http: TestClient, hf_tokeni
     ("fields", "param"),
     [
         ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
-        ({"continue_final_message": True, "add_generation_prompt": False},
-         "continue_final_message"),  # the last message is the user's
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+        ),  # the last message is the user's
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": 3}, "chat_template_kwargs"),
         ({"use_beam_search": True}, "use_beam_search"),
@@ -201,8 +234,13 @@ def test_offline_api_honours_the_fields(llm: LLM, hf_models, hf_tokenizer) -> No
     """The same fields through SamplingParams: token ids only without text when detokenize is
     off, the prompt's tail with truncate_prompt_tokens, allowed ids as over HTTP."""
     allowed = [97, 98, 99]
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True,
-                            allowed_token_ids=allowed, detokenize=False)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=NEW,
+        temperature=0.0,
+        ignore_eos=True,
+        allowed_token_ids=allowed,
+        detokenize=False,
+    )
     (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     prefix = PrefixConstrainedLogitsProcessor(lambda _batch, _ids: allowed, 1)
     assert out.token_ids == hf_greedy(hf_models["qwen3_moe"], hf_tokenizer, [prefix])
@@ -244,10 +282,12 @@ def test_prompt_logprobs_field(http, llm: LLM) -> None:
     assert choice["prompt_logprobs"][0] is None
     for got, want in zip(choice["prompt_logprobs"][1:], offline.prompt_logprobs[1:], strict=True):
         assert {int(t): (v["rank"], v["decoded_token"]) for t, v in got.items()} == {
-            t: (v.rank, v.decoded_token) for t, v in want.items()}
+            t: (v.rank, v.decoded_token) for t, v in want.items()
+        }
         assert max(abs(got[str(t)]["logprob"] - v) for t, v in want.items()) < 1e-5
-    chat = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2,
-                                                   "prompt_logprobs": 0}).json()  # fmt: skip
+    chat = http.post(
+        "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "prompt_logprobs": 0}
+    ).json()
     assert chat["prompt_logprobs"][0] is None and "prompt_logprobs" not in chat["choices"][0]
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     r = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
@@ -283,8 +323,11 @@ def test_reasoning_parser_over_http(model_dir: Path) -> None:
         with TestClient(build_app(served, options)) as http:
             message = http.post("/v1/chat/completions", json=body).json()["choices"][0]
             with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
-                          if line.startswith("data: {")]  # fmt: skip
+                deltas = [
+                    json.loads(line[6:])["choices"][0]["delta"]
+                    for line in r.iter_lines()
+                    if line.startswith("data: {")
+                ]
     thinking, content = split_reasoning(text["message"]["content"], "deepseek_r1")
     assert thinking  # no </think> from a random model: all of it is reasoning (R1's rule)
     assert message["message"]["reasoning_content"] == thinking
@@ -312,10 +355,16 @@ def test_responses_api_with_the_openai_client(model_dir: Path, llm: LLM) -> None
         try:
             while not server.started:
                 thread.join(0.05)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                   max_retries=0)  # fmt: skip
-            kwargs = {"model": "tiny", "instructions": "Be brief.", "input": "hi",
-                      "max_output_tokens": 6, "temperature": 0.0}  # fmt: skip
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+            )
+            kwargs = {
+                "model": "tiny",
+                "instructions": "Be brief.",
+                "input": "hi",
+                "max_output_tokens": 6,
+                "temperature": 0.0,
+            }
             whole = client.responses.create(**kwargs)
             events = list(client.responses.create(**kwargs, stream=True))
             with pytest.raises(openai.BadRequestError, match="previous_response_id"):

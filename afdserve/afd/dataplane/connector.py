@@ -50,8 +50,9 @@ def planned_tile(plan: AttentionRankPlan, layer: int, ubatch: int, rows: int) ->
     return tile
 
 
-def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
-                  routed: tuple[bool, ...]) -> None:
+def check_routing(
+    plan: AttentionRankPlan, layer: int, routing: Routing | None, routed: tuple[bool, ...]
+) -> None:
     if (routing is not None) != routed[layer]:
         raise LayoutError(
             f"attention rank {plan.rank}, layer {layer}: routing "
@@ -61,8 +62,15 @@ def check_routing(plan: AttentionRankPlan, layer: int, routing: Routing | None,
 
 
 class _Pending:
-    def __init__(self, works: list, out: torch.Tensor, rows: int, keep: tuple,
-                 stamps=None, clock: WaitClock | None = None) -> None:
+    def __init__(
+        self,
+        works: list,
+        out: torch.Tensor,
+        rows: int,
+        keep: tuple,
+        stamps=None,
+        clock: WaitClock | None = None,
+    ) -> None:
         self.works, self.out, self.rows, self.keep, self.stamps = works, out, rows, keep, stamps
         self.clock = clock or WaitClock()
 
@@ -80,8 +88,9 @@ class AttentionSide:
     """What every multi-process attention connector shares: the routed layers, the step number
     on the device, the rank plan of the step, and the tile checks that open every post."""
 
-    def __init__(self, config: ModelConfig, device: torch.device,
-                 gate_on_attention: bool, a2e: A2EFormat) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device, gate_on_attention: bool, a2e: A2EFormat
+    ) -> None:
         self.a2e = a2e
         self.routed = routed_layers(config, gate_on_attention)
         self.step = StepCounter(device)
@@ -105,13 +114,26 @@ class AttentionSide:
 class AttentionConnector(AttentionSide):
     """Attention side over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 gate_on_attention: bool, wire: Wire, a2e: A2EFormat | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        gate_on_attention: bool,
+        wire: Wire,
+        a2e: A2EFormat | None = None,
+    ) -> None:
         super().__init__(config, device, gate_on_attention, a2e or A2EFormat("auto", dtype))
         self.hidden, self.dtype, self.device, self.wire = config.hidden_size, dtype, device, wire
 
-    def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
-             routing: Routing | None) -> _Pending | Ready:
+    def post(
+        self,
+        layer: int,
+        ubatch: int,
+        x: torch.Tensor,
+        route_ids: torch.Tensor,
+        routing: Routing | None,
+    ) -> _Pending | Ready:
         plan = self.plan
         rows = x.shape[0]
         tile = self._tile(layer, ubatch, rows, routing)
@@ -149,7 +171,8 @@ class AttentionConnector(AttentionSide):
 
     def _rows(self, x: torch.Tensor, route_ids: torch.Tensor, tile: int) -> list[torch.Tensor]:
         """The tile's rows in the A2E format, then (fp8) their scales; every pad row is zeros
-        with scale 0 (pad_zeroed). Each row's bytes depend on that row alone (kernels/reference/a2e.py)."""
+        with scale 0 (pad_zeroed). Each row's bytes depend on that row alone
+        (kernels/reference/a2e.py)."""
         q, scales = self.a2e.encode(pad_zeroed(x, route_ids))
         rows = x.shape[0]
         hidden = torch.zeros(tile, self.hidden, dtype=q.dtype, device=self.device)
@@ -166,8 +189,13 @@ class InProcessConnector:
     """1A1F in one process: the attention side hands its padded tile straight to the FFN half.
     Same plan, same padding, the same pad-row ids and the same id check as over the wire."""
 
-    def __init__(self, ffn_model, gate_on_attention: bool, wire: Wire | None = None,
-                 a2e: A2EFormat | None = None) -> None:
+    def __init__(
+        self,
+        ffn_model,
+        gate_on_attention: bool,
+        wire: Wire | None = None,
+        a2e: A2EFormat | None = None,
+    ) -> None:
         self.ffn_model, self.wire = ffn_model, wire  # the wire only logs: nothing travels
         self.a2e = a2e or A2EFormat("auto", ffn_model.dtype)
         self.vocab = ffn_model.config.vocab_size
@@ -178,8 +206,14 @@ class InProcessConnector:
     def begin_step(self, plan: AttentionRankPlan, step: int) -> None:
         self.plan, self.step_number = plan, step
 
-    def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
-             routing: Routing | None) -> Ready:
+    def post(
+        self,
+        layer: int,
+        ubatch: int,
+        x: torch.Tensor,
+        route_ids: torch.Tensor,
+        routing: Routing | None,
+    ) -> Ready:
         rows = x.shape[0]
         tile = planned_tile(self.plan, layer, ubatch, rows)
         check_routing(self.plan, layer, routing, self.routed)
@@ -189,16 +223,22 @@ class InProcessConnector:
             x = torch.cat((x, x.new_zeros(tile - rows, x.shape[1])))
             route_ids = torch.cat((route_ids, route_ids.new_full((tile - rows,), -1)))
             if routing is not None:
-                routing = tuple(torch.cat((t, t.new_zeros(tile - rows, t.shape[1])))
-                                for t in routing)
+                routing = tuple(
+                    torch.cat((t, t.new_zeros(tile - rows, t.shape[1]))) for t in routing
+                )
         if layer == 0:  # the same ids travel in every layer: one check per ubatch and step
             check_token_ids(route_ids, self.vocab, f"FFN half in process, ubatch {ubatch}")
         if self.wire is not None and self.wire.logging and not x.is_cuda:
             # What the FFN half ran, in the FFN rank's receive-log format.
             header = [self.step_number % STEP_MODULO, layer, ubatch, tile]
-            self.wire.note(step=self.step_number, layer=layer, ubatch=ubatch,
-                           peer=self.plan.rank, header=header,
-                           real_rows=int((route_ids != -1).sum()))
+            self.wire.note(
+                step=self.step_number,
+                layer=layer,
+                ubatch=ubatch,
+                peer=self.plan.rank,
+                header=header,
+                real_rows=int((route_ids != -1).sum()),
+            )
         x = self.a2e.ffn_rows(x, route_ids)  # the rows as an FFN rank would decode them
         y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
         return Ready(y[:rows])

@@ -31,25 +31,42 @@ from afdserve.model.layers.moe import Routing
 
 
 class ExpertGroup:
-    def __init__(self, model: MoECausalLM, group: tuple[int, ...],
-                 process_group: dist.ProcessGroup | None, wire: Wire) -> None:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        group: tuple[int, ...],
+        process_group: dist.ProcessGroup | None,
+        wire: Wire,
+    ) -> None:
         self.model, self.group, self.process_group, self.wire = model, group, process_group, wire
         config = model.config
         self.hidden, self.top_k, self.layer_types = (
-            config.hidden_size, config.top_k, config.layer_types)
+            config.hidden_size,
+            config.top_k,
+            config.layer_types,
+        )
         self.dtype = model.dtype  # the activations' (FP8 weights are float8)
 
-    def ffn(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
-            routing: Routing | None, group_rows: int, where: dict) -> torch.Tensor:
+    def ffn(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        routing: Routing | None,
+        group_rows: int,
+        where: dict,
+    ) -> torch.Tensor:
         """x [rows, hidden] (this rank's received rows, rows <= group_rows) -> y [rows, hidden]."""
         block = self.model.model.layers[layer].mlp
         if self.layer_types[layer] == "dense":
             return block(x, token_ids)
         rows, k, dev = x.shape[0], self.top_k, x.device
         if rows > group_rows:  # the plan sizes group_rows to hold every rank's rows: a bug
-            raise LayoutError(f"FFN group {self.group}, layer {layer}, ubatch "
-                              f"{where.get('ubatch')}: {rows} rows exceed the planned "
-                              f"group_rows of {group_rows}")
+            raise LayoutError(
+                f"FFN group {self.group}, layer {layer}, ubatch "
+                f"{where.get('ubatch')}: {rows} rows exceed the planned "
+                f"group_rows of {group_rows}"
+            )
         hidden = torch.zeros(group_rows, self.hidden, dtype=self.dtype, device=dev)
         route = torch.full((group_rows, 2 * k), -1, dtype=torch.int32, device=dev)
         route[:, k:] = 0  # weight bits of 0.0 on pad rows
@@ -79,7 +96,12 @@ class ExpertGroup:
         return y
 
     def _note(self, collective: str, where: dict, *tensors: torch.Tensor) -> None:
-        if self.wire.logging and not (tensors[0].is_cuda
-                                      and torch.cuda.is_current_stream_capturing()):
-            self.wire.note(collective=collective, group=list(self.group), **where,
-                           tensors=[[list(t.shape), str(t.dtype)] for t in tensors])
+        if self.wire.logging and not (
+            tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
+            self.wire.note(
+                collective=collective,
+                group=list(self.group),
+                **where,
+                tensors=[[list(t.shape), str(t.dtype)] for t in tensors],
+            )

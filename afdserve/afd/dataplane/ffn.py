@@ -32,9 +32,19 @@ from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.families.decoder.model import MoECausalLM
 
 
-def check_payload(*, rank: int, peer: int, step: int, layer: int, ubatch: int, tile_rows: int,
-                  hidden: torch.Tensor, ids: torch.Tensor, vocab_size: int,
-                  scales: torch.Tensor | None = None) -> None:
+def check_payload(
+    *,
+    rank: int,
+    peer: int,
+    step: int,
+    layer: int,
+    ubatch: int,
+    tile_rows: int,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    vocab_size: int,
+    scales: torch.Tensor | None = None,
+) -> None:
     """The receiver's check on CPU: rows and header match the plan; every id is -1 or in the
     vocab; with fp8 rows, the scales region (check_scales). Names rank, peer, layer, ubatch,
     expected and actual numbers."""
@@ -60,13 +70,16 @@ def check_scales(scales: torch.Tensor, ids: torch.Tensor, hidden: int, where: st
     row (token id -1), whose values are zeros."""
     shape = (ids.shape[0], scale_groups(hidden))
     if tuple(scales.shape) != shape or scales.dtype != torch.float32:
-        raise LayoutError(f"{where}: expected scales {shape} float32, got "
-                          f"{tuple(scales.shape)} {scales.dtype}")
+        raise LayoutError(
+            f"{where}: expected scales {shape} float32, got {tuple(scales.shape)} {scales.dtype}"
+        )
     bad = ~torch.isfinite(scales) | (scales < 0) | ((ids == -1).unsqueeze(1) & (scales != 0))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        raise LayoutError(f"{where}: row {row} (token id {int(ids[row])}) has scales "
-                          f"{scales[row].tolist()}; pad rows must have scale 0")
+        raise LayoutError(
+            f"{where}: row {row} (token id {int(ids[row])}) has scales "
+            f"{scales[row].tolist()}; pad rows must have scale 0"
+        )
 
 
 def scaled_rows(scales: torch.Tensor) -> int:
@@ -79,8 +92,15 @@ class WireTransport:
     point-to-point: one batch receiving every peer's tile, one batch sending every peer its rows
     (the mirrors of the attention side's batches, afd/dataplane/wire.py)."""
 
-    def __init__(self, wire: Wire, device: torch.device, dtype: torch.dtype, hidden: int,
-                 top_k: int, a2e: A2EFormat | None = None) -> None:
+    def __init__(
+        self,
+        wire: Wire,
+        device: torch.device,
+        dtype: torch.dtype,
+        hidden: int,
+        top_k: int,
+        a2e: A2EFormat | None = None,
+    ) -> None:
         self.wire, self.device, self.dtype = wire, device, dtype
         self.hidden, self.top_k = hidden, top_k
         self.a2e = a2e or A2EFormat("auto", dtype)
@@ -124,9 +144,17 @@ class WireTransport:
 
 
 class FFNExchange:
-    def __init__(self, model: MoECausalLM, rank: int, gate_on_attention: bool,
-                 device: torch.device, wire: Wire, expert: ExpertGroup | None = None,
-                 transport=None, a2e: A2EFormat | None = None) -> None:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        rank: int,
+        gate_on_attention: bool,
+        device: torch.device,
+        wire: Wire,
+        expert: ExpertGroup | None = None,
+        transport=None,
+        a2e: A2EFormat | None = None,
+    ) -> None:
         self.model, self.rank, self.device, self.wire = model, rank, device, wire
         self.expert = expert  # this rank's expert-parallel group, if it is in one
         config = model.config
@@ -136,16 +164,19 @@ class FFNExchange:
         self.step = StepCounter(device)
         self.a2e = a2e or A2EFormat("auto", self.dtype)
         # WireTransport, or afd/dataplane/ipc.py's IPCTransport: both receive views and reply alike.
-        self.transport = transport or WireTransport(wire, device, self.dtype, self.hidden,
-                                                    self.top_k, self.a2e)
+        self.transport = transport or WireTransport(
+            wire, device, self.dtype, self.hidden, self.top_k, self.a2e
+        )
 
     @torch.inference_mode()
     def run(self, plan: FFNRankPlan, step: int) -> None:
         """One step, eagerly (or under capture: then the graph holds exactly this). The caller
         sets `self.step` first: a graph must read it, not hold it as a constant."""
         if plan.group and self.expert is None:
-            raise LayoutError(f"FFN rank {self.rank}: the plan puts it in the expert-parallel "
-                              f"group {plan.group}, but it was built without one")
+            raise LayoutError(
+                f"FFN rank {self.rank}: the plan puts it in the expert-parallel "
+                f"group {plan.group}, but it was built without one"
+            )
         sends: list = []
         for layer in range(self.model.config.num_layers):
             # In an expert-parallel group a rank whose peers sent nothing still serves its experts.
@@ -159,8 +190,9 @@ class FFNExchange:
         rows, routed = plan.receive_rows[ubatch], self.routed[layer]
         where = {"step": step, "layer": layer, "ubatch": ubatch}
         if rows:
-            hidden, scales, ids, topk_ids, topk_w = self.transport.receive(plan, ubatch, routed,
-                                                                           where)
+            hidden, scales, ids, topk_ids, topk_w = self.transport.receive(
+                plan, ubatch, routed, where
+            )
             self._check(plan, step, layer, ubatch, hidden, ids, scales)
             if not self.a2e.plain:
                 # Dequantized here, on the home rank: an expert group exchanges model-dtype rows.
@@ -181,15 +213,31 @@ class FFNExchange:
             return []
         return self.transport.reply(plan, ubatch, y, where)
 
-    def _check(self, plan: FFNRankPlan, step: int, layer: int, ubatch: int,
-               hidden: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None) -> None:
+    def _check(
+        self,
+        plan: FFNRankPlan,
+        step: int,
+        layer: int,
+        ubatch: int,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        scales: torch.Tensor | None,
+    ) -> None:
         tile = plan.tile_rows[ubatch]
         if self.device.type == "cpu":
             for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
-                check_payload(rank=self.rank, peer=peer, step=step, layer=layer, ubatch=ubatch,
-                              tile_rows=tile, hidden=hidden[lo:hi], ids=ids[i],
-                              vocab_size=self.vocab,
-                              scales=None if scales is None else scales[lo:hi])
+                check_payload(
+                    rank=self.rank,
+                    peer=peer,
+                    step=step,
+                    layer=layer,
+                    ubatch=ubatch,
+                    tile_rows=tile,
+                    hidden=hidden[lo:hi],
+                    ids=ids[i],
+                    vocab_size=self.vocab,
+                    scales=None if scales is None else scales[lo:hi],
+                )
         else:
             # Reading the header back would sync the GPU every layer: assert on the device.
             header = ids[:, :HEADER]
@@ -199,16 +247,23 @@ class FFNExchange:
             check_token_ids(ids[:, HEADER:], self.vocab, f"FFN rank {self.rank}")
             if scales is not None:
                 pad = (ids[:, HEADER:] == -1).reshape(-1, 1)
-                torch._assert_async(~(pad & (scales != 0)).any(), "AFD payload: a pad row's "
-                                    "fp8 scale is not 0")
+                torch._assert_async(
+                    ~(pad & (scales != 0)).any(), "AFD payload: a pad row's fp8 scale is not 0"
+                )
         if self.wire.logging and not _capturing(hidden):
             # What this rank really received: each peer's header and its real (non-pad) rows,
             # and with fp8 rows the rows whose scales are not 0 (its real rows again).
             for i, (peer, lo, hi) in enumerate(plan.peer_rows(ubatch)):
                 extra = {} if scales is None else {"scaled_rows": scaled_rows(scales[lo:hi])}
-                self.wire.note(step=step, layer=layer, ubatch=ubatch, peer=peer,
-                               header=ids[i, :HEADER].tolist(),
-                               real_rows=int((ids[i, HEADER:] != -1).sum()), **extra)
+                self.wire.note(
+                    step=step,
+                    layer=layer,
+                    ubatch=ubatch,
+                    peer=peer,
+                    header=ids[i, :HEADER].tolist(),
+                    real_rows=int((ids[i, HEADER:] != -1).sum()),
+                    **extra,
+                )
 
 
 def _capturing(t: torch.Tensor) -> bool:

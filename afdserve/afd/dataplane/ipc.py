@@ -46,8 +46,17 @@ class Inboxes:
     """Every rank's inbox, seen from this rank (a collective: every rank of `group` builds it at
     the same point, with the same sizes)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 hidden: int, top_k: int, ubatches: int, peers_cap: int, tile_cap: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+        hidden: int,
+        top_k: int,
+        ubatches: int,
+        peers_cap: int,
+        tile_cap: int,
+    ) -> None:
         if device.type != "cuda":
             raise ValueError(f"connector='ipc' needs CUDA devices, this rank runs on {device}")
         import torch.distributed._symmetric_memory as symm_mem
@@ -67,16 +76,19 @@ class Inboxes:
     def _region(self, rank: int, ubatch: int, offset: int, nbytes: int) -> torch.Tensor:
         raw = self._raw.get(rank)
         if raw is None:
-            raw = self._raw[rank] = self.handle.get_buffer(rank, (self.local.numel(),),
-                                                           torch.uint8)
+            raw = self._raw[rank] = self.handle.get_buffer(rank, (self.local.numel(),), torch.uint8)
         start = ubatch * self._ubatch_bytes + offset
         return raw[start : start + nbytes]
 
     def hidden(self, rank: int, ubatch: int) -> torch.Tensor:
         """[peers_cap * tile_cap, hidden] of `rank`'s inbox."""
-        return (self._region(rank, ubatch, 0, self._hidden_bytes)
-                [: self.peers_cap * self.tile_cap * self.width * self.dtype.itemsize]
-                .view(self.dtype).view(-1, self.width))
+        return (
+            self._region(rank, ubatch, 0, self._hidden_bytes)[
+                : self.peers_cap * self.tile_cap * self.width * self.dtype.itemsize
+            ]
+            .view(self.dtype)
+            .view(-1, self.width)
+        )
 
     def ids(self, rank: int, ubatch: int) -> torch.Tensor:
         """[peers_cap * (HEADER + tile_cap)] int32 of `rank`'s inbox."""
@@ -93,9 +105,11 @@ class Inboxes:
 
     def check_rows(self, end_row: int, where: str) -> None:
         if end_row > self.peers_cap * self.tile_cap:
-            raise LayoutError(f"{where}: rows up to {end_row} exceed the inbox of "
-                              f"{self.peers_cap} x {self.tile_cap} rows (connector='ipc' sizes it "
-                              f"from max_num_batched_tokens and the capture sizes)")
+            raise LayoutError(
+                f"{where}: rows up to {end_row} exceed the inbox of "
+                f"{self.peers_cap} x {self.tile_cap} rows (connector='ipc' sizes it "
+                f"from max_num_batched_tokens and the capture sizes)"
+            )
 
     def signal(self, peer: int, ubatch: int) -> None:
         self.handle.put_signal(peer, ubatch)
@@ -104,17 +118,30 @@ class Inboxes:
         self.handle.wait_signal(peer, ubatch)
 
 
-def push(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor | None = None,
-         ids_dst: torch.Tensor | None = None, step: torch.Tensor | None = None,
-         layer: int = 0, ubatch: int = 0) -> None:
+def push(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    ids_dst: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+    layer: int = 0,
+    ubatch: int = 0,
+) -> None:
     from afdserve.kernels.triton.push import push_tile
 
     push_tile(src, dst, ids, ids_dst, step, layer, ubatch, HEADER)
 
 
 class _Reply:
-    def __init__(self, inboxes: Inboxes, peer: int, ubatch: int, out: torch.Tensor,
-                 stamps=None, clock: WaitClock | None = None) -> None:
+    def __init__(
+        self,
+        inboxes: Inboxes,
+        peer: int,
+        ubatch: int,
+        out: torch.Tensor,
+        stamps=None,
+        clock: WaitClock | None = None,
+    ) -> None:
         self.inboxes, self.peer, self.ubatch, self.out = inboxes, peer, ubatch, out
         self.stamps, self.clock = stamps, clock or WaitClock()
         self.waited = False
@@ -136,15 +163,23 @@ class _Reply:
 class IPCAttentionConnector(AttentionSide):
     """Attention side of connector="ipc". Same plan, padding, header and ids as over the wire."""
 
-    def __init__(self, config: ModelConfig, inboxes: Inboxes, rank: int,
-                 gate_on_attention: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, inboxes: Inboxes, rank: int, gate_on_attention: bool
+    ) -> None:
         # The push kernel writes the rows in the inbox's dtype, the model's: a plain A2E format.
-        super().__init__(config, inboxes.local.device, gate_on_attention,
-                         A2EFormat("auto", inboxes.dtype))
+        super().__init__(
+            config, inboxes.local.device, gate_on_attention, A2EFormat("auto", inboxes.dtype)
+        )
         self.inboxes, self.rank = inboxes, rank
 
-    def post(self, layer: int, ubatch: int, x: torch.Tensor, route_ids: torch.Tensor,
-             routing: Routing | None) -> _Reply | Ready:
+    def post(
+        self,
+        layer: int,
+        ubatch: int,
+        x: torch.Tensor,
+        route_ids: torch.Tensor,
+        routing: Routing | None,
+    ) -> _Reply | Ready:
         plan, inboxes = self.plan, self.inboxes
         rows = x.shape[0]
         tile = self._tile(layer, ubatch, rows, routing)
@@ -155,8 +190,15 @@ class IPCAttentionConnector(AttentionSide):
         inboxes.check_rows(hi, f"attention rank {plan.rank}, layer {layer}, ubatch {ubatch}")
         first_id = plan.peer_index * HEADER + lo
         ids_dst = inboxes.ids(ffn, ubatch)[first_id : first_id + HEADER + tile]
-        push(x, inboxes.hidden(ffn, ubatch)[lo:hi], route_ids, ids_dst, self.step.value,
-             layer, ubatch)
+        push(
+            x,
+            inboxes.hidden(ffn, ubatch)[lo:hi],
+            route_ids,
+            ids_dst,
+            self.step.value,
+            layer,
+            ubatch,
+        )
         if routing is not None:
             topk_ids, topk_w = inboxes.topk(ffn, ubatch)
             topk_ids[lo:hi].zero_()
@@ -164,8 +206,9 @@ class IPCAttentionConnector(AttentionSide):
             topk_ids[lo : lo + rows].copy_(routing[0])
             topk_w[lo : lo + rows].copy_(routing[1])
         inboxes.signal(ffn, ubatch)
-        return _Reply(inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows],
-                      self.stamps, self.clock)
+        return _Reply(
+            inboxes, ffn, ubatch, inboxes.hidden(self.rank, ubatch)[:rows], self.stamps, self.clock
+        )
 
 
 class IPCTransport:

@@ -45,10 +45,14 @@ class Wire:
     def post(self, ops: Sequence[P2P], **where: int) -> list:
         """Post `ops` as one batch; returns the works to wait on."""
         if self._log is not None:
-            self.note(ops=[[op.kind, op.peer, list(op.tensor.shape), str(op.tensor.dtype)]
-                           for op in ops], **where)
-        p2p = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer)
-               for op in ops]
+            self.note(
+                ops=[[op.kind, op.peer, list(op.tensor.shape), str(op.tensor.dtype)] for op in ops],
+                **where,
+            )
+        p2p = [
+            dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer)
+            for op in ops
+        ]
         return dist.batch_isend_irecv(p2p)
 
     def note(self, **record: Any) -> None:

@@ -24,8 +24,6 @@ from afdserve.afd.dataplane.expert_group import ExpertGroup
 from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.engine.step_loop import AttentionDriver, Control, FFNDriver, WorkSource
-from afdserve.engine.step_recorder import StepRecorder
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
@@ -37,6 +35,8 @@ from afdserve.engine.factory import (
     parameter_bytes,
 )
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
+from afdserve.engine.step_loop import AttentionDriver, Control, FFNDriver, WorkSource
+from afdserve.engine.step_recorder import StepRecorder
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
@@ -66,8 +66,9 @@ class StepGraphs:
         sizes = graphs.capture_sizes(spec.engine.max_num_seqs)
         return cls(graphs.mode, sizes, spec.afd.ubatches)
 
-    def recorder(self, rank: int, log_path: str | None = None,
-                 keep_records: bool = False) -> StepRecorder:
+    def recorder(
+        self, rank: int, log_path: str | None = None, keep_records: bool = False
+    ) -> StepRecorder:
         return StepRecorder(rank, self.mode, self.sizes, log_path, keep_records, self.ubatches)
 
     def captured_on(self, device: torch.device) -> bool:
@@ -75,15 +76,25 @@ class StepGraphs:
         run eagerly with the graph layout, so the plan's policy is the same everywhere."""
         wanted = self.mode != "none" and bool(self.sizes)
         if wanted and device.type != "cuda":
-            log.info("graph_mode=%s on %s: capture and replay steps run eagerly with the graph "
-                     "layout (CUDA graphs need device='cuda')", self.mode, device)
+            log.info(
+                "graph_mode=%s on %s: capture and replay steps run eagerly with the graph "
+                "layout (CUDA graphs need device='cuda')",
+                self.mode,
+                device,
+            )
         return wanted and device.type == "cuda"
 
 
-def attention_boundary(model: MoECausalLM, topology: Topology, rank: int,
-                       gate_on_attention: bool, wire: Wire | None = None,
-                       ffn_model: MoECausalLM | None = None,
-                       inboxes: Inboxes | None = None, a2e_dtype: str = "auto") -> FFNBoundary:
+def attention_boundary(
+    model: MoECausalLM,
+    topology: Topology,
+    rank: int,
+    gate_on_attention: bool,
+    wire: Wire | None = None,
+    ffn_model: MoECausalLM | None = None,
+    inboxes: Inboxes | None = None,
+    a2e_dtype: str = "auto",
+) -> FFNBoundary:
     """Where an attention rank's layers hand their rows to the FFN half: the FFN half of a
     colocated model (`ffn_model`, or `model` itself when it holds both halves), the FFN half in
     this process (`ffn_model`, 1A1F on one device; `wire` only logs), the FFN rank's symmetric
@@ -101,32 +112,55 @@ def attention_boundary(model: MoECausalLM, topology: Topology, rank: int,
         return IPCAttentionConnector(model.config, inboxes, rank, gate_on_attention)
     param = next(model.parameters())
     # A wire without a log path sends plainly; the workers pass one that logs when asked.
-    return AttentionConnector(model.config, model.dtype, param.device, gate_on_attention,
-                              wire if wire is not None else Wire(rank), a2e)
+    return AttentionConnector(
+        model.config,
+        model.dtype,
+        param.device,
+        gate_on_attention,
+        wire if wire is not None else Wire(rank),
+        a2e,
+    )
 
 
 def _check_ipc_format(a2e: A2EFormat) -> None:
     if not a2e.plain:  # the push kernel writes rows in the inbox's (the model's) dtype
-        raise ValueError(f"a2e_dtype={a2e.name!r} over a {a2e.model_dtype} model is not carried "
-                         f"by connector='ipc' yet: use connector='p2p'")
+        raise ValueError(
+            f"a2e_dtype={a2e.name!r} over a {a2e.model_dtype} model is not carried "
+            f"by connector='ipc' yet: use connector='p2p'"
+        )
 
 
-def graph_runner(runner: ModelRunner, graphs: StepGraphs, max_model_len: int
-                 ) -> CudaGraphRunner | None:
+def graph_runner(
+    runner: ModelRunner, graphs: StepGraphs, max_model_len: int
+) -> CudaGraphRunner | None:
     """The attention side's CUDA graphs (buffers for the largest capture size), or None where
     capture and replay steps run eagerly."""
     if not graphs.captured_on(runner.device):
         return None
     # The frontend refuses this first; a bench assembling its ranks here meets the same line.
     check_capturable(runner.model.config, str(runner.device), graphs.mode)
-    return CudaGraphRunner(runner, max(graphs.sizes), max_model_len,
-                           allow_prefill=graphs.mode == "full", ubatches=graphs.ubatches)
+    return CudaGraphRunner(
+        runner,
+        max(graphs.sizes),
+        max_model_len,
+        allow_prefill=graphs.mode == "full",
+        ubatches=graphs.ubatches,
+    )
 
 
-def attention_driver(source: WorkSource, runner: ModelRunner, boundary: FFNBoundary,
-                     graphs: StepGraphs, recorder: StepRecorder, control: Control, *,
-                     topology: Topology, rank: int, max_model_len: int,
-                     log_ranks: tuple[int, ...] | None = None) -> AttentionDriver:
+def attention_driver(
+    source: WorkSource,
+    runner: ModelRunner,
+    boundary: FFNBoundary,
+    graphs: StepGraphs,
+    recorder: StepRecorder,
+    control: Control,
+    *,
+    topology: Topology,
+    rank: int,
+    max_model_len: int,
+    log_ranks: tuple[int, ...] | None = None,
+) -> AttentionDriver:
     """An attention rank's step loop: `source` (the engine, or a bench's fixed decode batch)
     schedules and executes through `runner` and `boundary` under the plan, with CUDA graphs when
     `graphs` captures on the runner's device. `log_ranks`: the ranks whose step lines this rank
@@ -135,23 +169,47 @@ def attention_driver(source: WorkSource, runner: ModelRunner, boundary: FFNBound
     return AttentionDriver(source, forward, recorder, control, topology, rank, log_ranks)
 
 
-def open_inboxes(topology: Topology, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, ubatches: int, tile_cap: int) -> Inboxes:
+def open_inboxes(
+    topology: Topology,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ubatches: int,
+    tile_cap: int,
+) -> Inboxes:
     """The symmetric inboxes of connector "ipc", sized for the busiest FFN rank's peers and
     tiles of up to `tile_cap` rows. A collective over the whole world: every rank opens them
     once, with these same sizes."""
     from afdserve.afd.dataplane.ipc import Inboxes
 
     peers_cap = max(len(topology.peers(f)) for f in range(topology.ffn_ranks))
-    return Inboxes(dist.group.WORLD, device, dtype, config.hidden_size, config.top_k, ubatches,
-                   peers_cap, tile_cap)
+    return Inboxes(
+        dist.group.WORLD,
+        device,
+        dtype,
+        config.hidden_size,
+        config.top_k,
+        ubatches,
+        peers_cap,
+        tile_cap,
+    )
 
 
-def ffn_driver(model: MoECausalLM, rank: int, device: torch.device, wire: Wire,
-               graphs: StepGraphs, recorder: StepRecorder, control: Control, *,
-               topology: Topology, gate_on_attention: bool = False,
-               expert: ExpertGroup | None = None, inboxes: Inboxes | None = None,
-               a2e_dtype: str = "auto") -> FFNDriver:
+def ffn_driver(
+    model: MoECausalLM,
+    rank: int,
+    device: torch.device,
+    wire: Wire,
+    graphs: StepGraphs,
+    recorder: StepRecorder,
+    control: Control,
+    *,
+    topology: Topology,
+    gate_on_attention: bool = False,
+    expert: ExpertGroup | None = None,
+    inboxes: Inboxes | None = None,
+    a2e_dtype: str = "auto",
+) -> FFNDriver:
     """An FFN rank's step loop: its half receives every peer's tile (over `wire`, or from its
     symmetric inbox with `inboxes`) in `a2e_dtype`'s format, runs, and replies, as one CUDA
     graph per plan key when `graphs` captures on `device`; `expert`: its expert-parallel group,
@@ -194,8 +252,9 @@ def _wire(spec: WorkerSpec, rank: int) -> Wire:
     return Wire(rank, os.path.join(directory, f"rank{rank}.jsonl") if directory else None)
 
 
-def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype,
-             config: ModelConfig) -> Inboxes | None:
+def _inboxes(
+    spec: WorkerSpec, device: torch.device, dtype: torch.dtype, config: ModelConfig
+) -> Inboxes | None:
     """The inboxes of connector="ipc" (every rank of the world opens them, with these same
     sizes), or None for the other connectors."""
     if spec.afd.connector != "ipc":
@@ -206,14 +265,22 @@ def _inboxes(spec: WorkerSpec, device: torch.device, dtype: torch.dtype,
     return open_inboxes(spec.topology, config, dtype, device, spec.afd.ubatches, tile_cap)
 
 
-def _ready(rank: int, role: str, memory: MemoryReport, model, limits,
-           prefix_caching: bool = False) -> RankReady:
-    return RankReady(rank, role, memory, tuple(sorted(model.expected_tensors())), limits,
-                     prefix_caching)
+def _ready(
+    rank: int, role: str, memory: MemoryReport, model, limits, prefix_caching: bool = False
+) -> RankReady:
+    return RankReady(
+        rank, role, memory, tuple(sorted(model.expected_tensors())), limits, prefix_caching
+    )
 
 
-def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
-                         in_process: bool = False, kept: BuiltRank | None = None) -> BuiltRank:
+def build_attention_rank(
+    spec: WorkerSpec,
+    rank: int,
+    device: torch.device,
+    control: Control,
+    in_process: bool = False,
+    kept: BuiltRank | None = None,
+) -> BuiltRank:
     """An attention rank. Colocated topologies hold the FFN half too; `in_process` (1A1F on one
     device) holds the FFN rank's half behind an InProcessConnector and logs both ranks' lines.
     `kept`: this rank as built for an earlier world generation, whose engine core (model half,
@@ -233,30 +300,49 @@ def build_attention_rank(spec: WorkerSpec, rank: int, device: torch.device, cont
             # free, and it must leave the experts their room.
             ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
         core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
-    ready = [_ready(rank, "attention", memory, core.model, core.limits,
-                    core.block_manager.prefix_caching)]
+    ready = [
+        _ready(
+            rank, "attention", memory, core.model, core.limits, core.block_manager.prefix_caching
+        )
+    ]
     wire = inboxes = None
     if ffn_model is not None:
         wire = _wire(spec, 1)  # logs what FFN rank 1 ran: nothing travels
-        ffn_memory = MemoryReport("ffn", 1, parameter_bytes(ffn_model), 0,
-                                  len(ffn_model.expected_tensors()))
+        ffn_memory = MemoryReport(
+            "ffn", 1, parameter_bytes(ffn_model), 0, len(ffn_model.expected_tensors())
+        )
         ready.append(_ready(1, "ffn", ffn_memory, ffn_model, None))
     elif not topology.colocated:
         wire = _wire(spec, rank)
         inboxes = _inboxes(spec, device, core.model.dtype, core.config)
-    boundary = attention_boundary(core.model, topology, rank, gate, wire, ffn_model, inboxes,
-                                  spec.afd.a2e_dtype)
+    boundary = attention_boundary(
+        core.model, topology, rank, gate, wire, ffn_model, inboxes, spec.afd.a2e_dtype
+    )
     graphs = StepGraphs.of(spec)
     log_ranks = tuple(range(topology.world_size)) if in_process else None
-    driver = attention_driver(core, core.runner, boundary, graphs,
-                              graphs.recorder(rank, spec.log_path), control, topology=topology,
-                              rank=rank, max_model_len=core.max_model_len, log_ranks=log_ranks)
+    driver = attention_driver(
+        core,
+        core.runner,
+        boundary,
+        graphs,
+        graphs.recorder(rank, spec.log_path),
+        control,
+        topology=topology,
+        rank=rank,
+        max_model_len=core.max_model_len,
+        log_ranks=log_ranks,
+    )
     return BuiltRank(driver, core, wire, tuple(ready), boundary, core.model)
 
 
-def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: Control,
-                   expert_group: dist.ProcessGroup | None = None,
-                   kept: BuiltRank | None = None) -> BuiltRank:
+def build_ffn_rank(
+    spec: WorkerSpec,
+    rank: int,
+    device: torch.device,
+    control: Control,
+    expert_group: dist.ProcessGroup | None = None,
+    kept: BuiltRank | None = None,
+) -> BuiltRank:
     """An FFN rank; in an expert-parallel topology it loads only its shard of the routed experts
     and exchanges rows with the other FFN ranks over `expert_group` (FFN ranks only). `kept`:
     this rank as built for an earlier world generation, whose model half is reused."""
@@ -265,8 +351,9 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
     held = None
     if topology.expert_parallel:
         config = load_model_config(spec.engine.model)
-        placement = resolve_placement(spec.afd.expert_placement, config.num_experts,
-                                      topology.ffn_ranks)
+        placement = resolve_placement(
+            spec.afd.expert_placement, config.num_experts, topology.ffn_ranks
+        )
         held = placement[topology.ffn_index(rank)]
         parts = dataclasses.replace(parts, experts=held)
     if kept is not None and kept.half is not None:
@@ -279,9 +366,21 @@ def build_ffn_rank(spec: WorkerSpec, rank: int, device: torch.device, control: C
         expert = ExpertGroup(model, topology.ffn_group, expert_group, wire)
     inboxes = _inboxes(spec, device, model.dtype, model.config)
     graphs = StepGraphs.of(spec)
-    driver = ffn_driver(model, rank, device, wire, graphs, graphs.recorder(rank, spec.log_path),
-                        control, topology=topology, gate_on_attention=gate, expert=expert,
-                        inboxes=inboxes, a2e_dtype=spec.afd.a2e_dtype)
-    memory = MemoryReport("ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()),
-                          experts=held)
+    driver = ffn_driver(
+        model,
+        rank,
+        device,
+        wire,
+        graphs,
+        graphs.recorder(rank, spec.log_path),
+        control,
+        topology=topology,
+        gate_on_attention=gate,
+        expert=expert,
+        inboxes=inboxes,
+        a2e_dtype=spec.afd.a2e_dtype,
+    )
+    memory = MemoryReport(
+        "ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()), experts=held
+    )
     return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),), half=model)

@@ -70,21 +70,28 @@ Decoder = Callable[[object, str], object]
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls in _ALLOWED}
 # attrgetter of several names returns their tuple, in C: the encoder's only Python work per object.
 _GETTERS = {cls: operator.attrgetter(*names) for cls, names in _FIELDS.items() if len(names) > 1}
-_GETTERS.update({cls: (lambda v, n=names: tuple(getattr(v, x) for x in n))
-                 for cls, names in _FIELDS.items() if len(names) <= 1})  # fmt: skip
-
+_GETTERS.update(
+    {
+        cls: (lambda v, n=names: tuple(getattr(v, x) for x in n))
+        for cls, names in _FIELDS.items()
+        if len(names) <= 1
+    }
+)
 
 
 def _entries(entries: tuple) -> list:
     """Logprob entries as {token: [logprob, rank]}: json writes a Logprob (a float) as its bare
     number, which would drop its rank."""
-    return [None if e is None else {t: [float(v), getattr(v, "rank", None)] for t, v in e.items()}
-            for e in entries]
+    return [
+        None if e is None else {t: [float(v), getattr(v, "rank", None)] for t, v in e.items()}
+        for e in entries
+    ]
 
 
 _delta_fields = _GETTERS[TokenDelta]
-_LOGPROB_FIELDS = tuple(_FIELDS[TokenDelta].index(n)
-                        for n in ("new_logprobs", "new_prompt_logprobs"))  # fmt: skip
+_LOGPROB_FIELDS = tuple(
+    _FIELDS[TokenDelta].index(n) for n in ("new_logprobs", "new_prompt_logprobs")
+)
 
 
 def _delta(value: TokenDelta) -> tuple:
@@ -109,8 +116,9 @@ class DecodeError(ValueError):
 def encode(message: object) -> bytes:
     if type(message) not in _BY_NAME.values():
         raise TypeError(f"{type(message).__name__} is not a frontend <-> rank message")
-    return json.dumps([type(message).__name__, message], default=_fields,
-                      separators=(",", ":")).encode()  # fmt: skip
+    return json.dumps(
+        [type(message).__name__, message], default=_fields, separators=(",", ":")
+    ).encode()
 
 
 def _fields(value: object) -> object:
@@ -178,8 +186,12 @@ def _make_decoder(hint: object) -> Decoder:
     if hint is Logprob:
 
         def logprob(v: object, where: str) -> Logprob:
-            if (type(v) is list and len(v) == 2 and type(v[0]) in (float, int)
-                    and (v[1] is None or type(v[1]) is int)):
+            if (
+                type(v) is list
+                and len(v) == 2
+                and type(v[0]) in (float, int)
+                and (v[1] is None or type(v[1]) is int)
+            ):
                 return Logprob(float(v[0]), v[1])
             raise _fail(where, "[logprob, rank]", v)
 

@@ -78,8 +78,9 @@ def _store(world: int, timeout: timedelta, path: str | None) -> dist.Store | Non
     return store
 
 
-def init_world(spec: WorkerSpec, rank: int, store_path: str | None = None
-               ) -> tuple[dist.ProcessGroup, torch.device]:
+def init_world(
+    spec: WorkerSpec, rank: int, store_path: str | None = None
+) -> tuple[dist.ProcessGroup, torch.device]:
     """The data-plane world (NCCL on CUDA, gloo on CPU) and the control plane's gloo group."""
     device = rank_device(spec, rank)
     timeout = timedelta(seconds=spec.afd.timeout_s)
@@ -176,9 +177,13 @@ def worker_main(rank: int, conn: Channel) -> None:
         finally:
             _leave_world(built, control)
         dropped = kept.drop_requests()
-        log.warning("world generation %d broke (%s); left it with %d request(s) dropped, "
-                    "keeping the weights; waiting to rejoin", generation,
-                    reason.strip().splitlines()[-1], dropped)
+        log.warning(
+            "world generation %d broke (%s); left it with %d request(s) dropped, "
+            "keeping the weights; waiting to rejoin",
+            generation,
+            reason.strip().splitlines()[-1],
+            dropped,
+        )
         try:
             conn.send(Parted(rank, reason))
         except OSError:
@@ -306,8 +311,12 @@ def serve_ffn(built: BuiltRank, rank: int, conn: Channel) -> None:
     meter, clock = built.driver.meter, built.driver.runner.exchange.transport.clock
     while not built.driver.step().shutdown:
         if time.monotonic() - last_sent > HEARTBEAT_S:
-            stats = RankStats(scheduled_tokens=meter.scheduled_tokens, forward_s=meter.forward_s,
-                              wait_s=clock.seconds, role="ffn")  # fmt: skip
+            stats = RankStats(
+                scheduled_tokens=meter.scheduled_tokens,
+                forward_s=meter.forward_s,
+                wait_s=clock.seconds,
+                role="ffn",
+            )
             conn.send(Outputs(rank, (), stats))
             last_sent = time.monotonic()
 

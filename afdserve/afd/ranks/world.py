@@ -109,14 +109,16 @@ class Standby:
         self.listener.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
 
-    def take_ranks(self, ranks: set[int], deadline: float
-                   ) -> dict[int, tuple[subprocess.Popen, Channel]]:
+    def take_ranks(
+        self, ranks: set[int], deadline: float
+    ) -> dict[int, tuple[subprocess.Popen, Channel]]:
         """The processes of `ranks`, connected, to replace those ranks of a running world; the
         others are killed (a standby world is taken whole or not at all: the next standby is
         started afresh)."""
         try:
-            got = gather_ranks(self.listener, {r: self.procs[r] for r in ranks}, deadline,
-                               "standby")
+            got = gather_ranks(
+                self.listener, {r: self.procs[r] for r in ranks}, deadline, "standby"
+            )
         except BaseException:
             self.close()
             raise
@@ -124,8 +126,9 @@ class Standby:
         return {rank: (self.procs[rank], got[rank]) for rank in ranks}
 
 
-def gather_ranks(listener: RankListener, procs: Mapping[int, subprocess.Popen], deadline: float,
-                 what: str) -> dict[int, Channel]:
+def gather_ranks(
+    listener: RankListener, procs: Mapping[int, subprocess.Popen], deadline: float, what: str
+) -> dict[int, Channel]:
     """One authenticated connection from each process of `procs`, by the rank its Hello names
     (any other connection is closed). A WorkerError naming `what` when one of them exits or the
     deadline passes first, the connections gathered so far closed."""
@@ -141,8 +144,9 @@ def gather_ranks(listener: RankListener, procs: Mapping[int, subprocess.Popen], 
                     conn.close()
             exited = sorted(rank for rank, proc in procs.items() if proc.poll() is not None)
             if exited:
-                raise WorkerError(f"{what} process(es) of rank(s) {exited} exited before "
-                                  f"connecting")
+                raise WorkerError(
+                    f"{what} process(es) of rank(s) {exited} exited before connecting"
+                )
             if time.monotonic() > deadline:
                 missing = sorted(set(procs) - set(got))
                 raise WorkerError(f"{what} rank(s) {missing} did not connect in time")
@@ -181,8 +185,9 @@ class StandbyWorlds:
 STANDBY = StandbyWorlds()
 
 
-def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes
-                ) -> tuple[list[subprocess.Popen], str]:
+def spawn_ranks(
+    world: int, address: tuple[str, int], authkey: bytes
+) -> tuple[list[subprocess.Popen], str]:
     """The processes of a world on this host and the directory of their rendezvous store: a
     FileStore in a directory of this user's alone (0700), which the world removes at shutdown."""
     store_dir = tempfile.mkdtemp(prefix="afdserve-store-")
@@ -198,8 +203,9 @@ def spawn_ranks(world: int, address: tuple[str, int], authkey: bytes
     return procs, store_dir
 
 
-def spawn_rank(rank: int, world: int, address: tuple[str, int], authkey: bytes,
-               store_dir: str) -> subprocess.Popen:
+def spawn_rank(
+    rank: int, world: int, address: tuple[str, int], authkey: bytes, store_dir: str
+) -> subprocess.Popen:
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
@@ -211,8 +217,9 @@ def spawn_rank(rank: int, world: int, address: tuple[str, int], authkey: bytes,
         AFDSERVE_STORE_PATH=os.path.join(store_dir, "store"),
     )
     env.pop("AFDSERVE_AUTHKEY_FILE", None)
-    return subprocess.Popen([sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env,
-                            stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "afdserve.afd.ranks.worker"], env=env, stdin=subprocess.DEVNULL
+    )
 
 
 class RankWorld:
@@ -237,7 +244,11 @@ class RankWorld:
         key = read_key()
         if standby is not None:  # processes started ahead: they are connecting already
             self.authkey, self.listener, self.procs, self.store_dir = (
-                standby.authkey, standby.listener, standby.procs, standby.store_dir)
+                standby.authkey,
+                standby.listener,
+                standby.procs,
+                standby.store_dir,
+            )
             log.info("starting the world on %d standby rank processes", self.world)
         else:
             self.authkey = key if key is not None else os.urandom(32)
@@ -323,16 +334,24 @@ class RankWorld:
                     self.ready[msg.rank] = msg
                     log.info("%s", msg.memory.line())
                     if msg.generation:
-                        log.info("rank %d (pid %d) joined world generation %d; weights loaded "
-                                 "%d time(s) by this process", msg.rank,
-                                 self.procs[msg.rank].pid if self.procs else -1,
-                                 msg.generation, msg.loads)
+                        log.info(
+                            "rank %d (pid %d) joined world generation %d; weights loaded "
+                            "%d time(s) by this process",
+                            msg.rank,
+                            self.procs[msg.rank].pid if self.procs else -1,
+                            msg.generation,
+                            msg.loads,
+                        )
             self.check_alive("during start-up")
-            stopped = [rank for rank, proc in enumerate(self.procs)
-                       if self.generation and process_stopped(proc.pid)]  # fmt: skip
+            stopped = [
+                rank
+                for rank, proc in enumerate(self.procs)
+                if self.generation and process_stopped(proc.pid)
+            ]
             if stopped:  # a rebuild must not wait out the start-up timeout on a stopped rank
-                raise WorkerError(f"rank(s) {stopped} stopped while joining generation "
-                                  f"{self.generation}")
+                raise WorkerError(
+                    f"rank(s) {stopped} stopped while joining generation {self.generation}"
+                )
             if time.monotonic() > deadline:
                 raise WorkerError("ranks not ready before the start-up timeout")
         now = time.monotonic()
@@ -375,8 +394,9 @@ class RankWorld:
         (SIGSTOP, a debugger: /proc says so) when there are any, and otherwise the silent
         attention ranks, as what was seen and not as the culprit."""
         now = time.monotonic()
-        silent = {rank: now - heard for rank, heard in self.last_heard.items()
-                  if now - heard > timeout_s}  # fmt: skip
+        silent = {
+            rank: now - heard for rank, heard in self.last_heard.items() if now - heard > timeout_s
+        }
         if not silent:
             return
         longest = max(silent.values())
@@ -402,9 +422,11 @@ class RankWorld:
     # ----- rebuilding a broken world around its survivors -----
     def failed_ranks(self) -> set[int]:
         """Ranks that cannot rejoin: their process exited or is stopped, or its channel broke."""
-        return {rank for rank, proc in enumerate(self.procs)
-                if proc.poll() is not None or process_stopped(proc.pid)
-                or rank not in self.conns}  # fmt: skip
+        return {
+            rank
+            for rank, proc in enumerate(self.procs)
+            if proc.poll() is not None or process_stopped(proc.pid) or rank not in self.conns
+        }
 
     def kill_failed(self) -> set[int]:
         """SIGKILL the failed ranks now: a stopped (hung) one must be gone before a replacement
@@ -450,25 +472,30 @@ class RankWorld:
                 raise WorkerError(f"rank(s) {gone} failed too while the world broke")
             if time.monotonic() > deadline:
                 stuck = sorted(survivors - self.parted)
-                raise WorkerError(f"rank(s) {stuck} did not leave the broken world within "
-                                  f"{PART_TIMEOUT_S:g} s")
+                raise WorkerError(
+                    f"rank(s) {stuck} did not leave the broken world within {PART_TIMEOUT_S:g} s"
+                )
         generation = self.generation + 1
         store_path = os.path.join(self.store_dir, f"store.{generation}")
         start_deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (proc, conn) in self._replacements(failed, start_deadline).items():
             self.procs[rank], self.conns[rank] = proc, conn
-            conn.send(dataclasses.replace(self.spec, store_path=store_path,
-                                          generation=generation))
+            conn.send(dataclasses.replace(self.spec, store_path=store_path, generation=generation))
         for rank in sorted(survivors):
             self.send(rank, Rejoin(generation, store_path))
         self.generation, self.parted, self.ready = generation, set(), {}
-        log.info("world generation %d: rank(s) %s replaced, rank(s) %s rejoin with their "
-                 "weights", generation, sorted(failed), sorted(survivors))
+        log.info(
+            "world generation %d: rank(s) %s replaced, rank(s) %s rejoin with their weights",
+            generation,
+            sorted(failed),
+            sorted(survivors),
+        )
         self._wait_ready(start_deadline)
         return failed
 
-    def _replacements(self, ranks: set[int], deadline: float
-                      ) -> dict[int, tuple[subprocess.Popen, Channel]]:
+    def _replacements(
+        self, ranks: set[int], deadline: float
+    ) -> dict[int, tuple[subprocess.Popen, Channel]]:
         """A connected process for each of `ranks`: a standby world's (imports done), or fresh."""
         standby = STANDBY.take(self.world)
         if standby is not None:
@@ -477,8 +504,9 @@ class RankWorld:
         procs: dict[int, subprocess.Popen] = {}
         try:
             for rank in ranks:
-                procs[rank] = spawn_rank(rank, self.world, listener.address, self.authkey,
-                                         self.store_dir or "")
+                procs[rank] = spawn_rank(
+                    rank, self.world, listener.address, self.authkey, self.store_dir or ""
+                )
             got = gather_ranks(listener, procs, deadline, "replacement")
         except BaseException:
             for proc in procs.values():

@@ -57,8 +57,14 @@ class ControlPlane:
         pass
 
 
-def open_control_plane(choice: str, topology: Topology, group: dist.ProcessGroup, rank: int,
-                       timeout_s: float, one_host: bool) -> ControlPlane | SharedMemoryControl:
+def open_control_plane(
+    choice: str,
+    topology: Topology,
+    group: dist.ProcessGroup,
+    rank: int,
+    timeout_s: float,
+    one_host: bool,
+) -> ControlPlane | SharedMemoryControl:
     """Every rank of a world calls this at start-up with the same arguments (`one_host`: the
     built-in launcher spawned the world, so every rank runs on this host); "auto" takes shared
     memory there when this host supports it, and gloo otherwise (torchrun, several hosts)."""

@@ -96,12 +96,14 @@ def _exited(pid: int) -> bool:
 
 
 class SharedMemoryControl:
-    def __init__(self, topology: Topology, group: dist.ProcessGroup, rank: int,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, topology: Topology, group: dist.ProcessGroup, rank: int, timeout_s: float
+    ) -> None:
         if not shared_memory_supported():
             raise ControlPlaneError(
                 f"control_plane='shm' needs an x86-64 Linux host ({SHM_DIR} and x86 store "
-                f"order), this is {platform.system()} {platform.machine()}: use 'gloo'")
+                f"order), this is {platform.system()} {platform.machine()}: use 'gloo'"
+            )
         self.topology, self.rank, self.timeout_s = topology, rank, timeout_s
         world = topology.world_size
         # [board][rank] -> word index of the slot's round number; line 0 holds the token
@@ -145,8 +147,11 @@ class SharedMemoryControl:
                 os.unlink(path)  # every rank has mapped it (or failed to): the name can go
         # A pid means this process only in this rank's pid namespace (containers): ranks in
         # another one are left to the timeout.
-        self._pids = {r: pid for r, (_, pid, space) in enumerate(gathered)
-                      if r != self.rank and space is not None and space == _pid_namespace()}
+        self._pids = {
+            r: pid
+            for r, (_, pid, space) in enumerate(gathered)
+            if r != self.rank and space is not None and space == _pid_namespace()
+        }
         failed = [e for e in dict.fromkeys(e for e, _, _ in gathered) if e is not None]
         if failed or board is None:
             if board is not None:
@@ -154,7 +159,9 @@ class SharedMemoryControl:
                 board[0].close()
             raise ControlPlaneError(
                 "control_plane='shm' needs every rank on one host, sharing /dev/shm: "
-                + "; ".join(failed) + " (use control_plane='gloo' across hosts)")
+                + "; ".join(failed)
+                + " (use control_plane='gloo' across hosts)"
+            )
         return board
 
     @staticmethod
@@ -185,7 +192,7 @@ class SharedMemoryControl:
             words[mine + 1 + i] = value
         words[mine] = n  # after the fields: x86 stores become visible in program order
         self._wait(n, slots)
-        round_ = decode([words[s + 1:s + 1 + FIELDS].tolist() for s in slots], self.topology)
+        round_ = decode([words[s + 1 : s + 1 + FIELDS].tolist() for s in slots], self.topology)
         self._busy = any(r.num_tokens for r in round_.reports)
         return round_
 
@@ -209,15 +216,20 @@ class SharedMemoryControl:
                 look_at = now + LIVENESS_S
 
     def _check(self, n: int, missing: list[int], waited_s: float) -> None:
-        gone = [f"rank {r} (pid {self._pids[r]})" for r in missing
-                if r in self._pids and _exited(self._pids[r])]
+        gone = [
+            f"rank {r} (pid {self._pids[r]})"
+            for r in missing
+            if r in self._pids and _exited(self._pids[r])
+        ]
         if gone:
-            raise ControlPlaneError(f"control round {n} on rank {self.rank}: "
-                                    f"{', '.join(gone)} exited")
+            raise ControlPlaneError(
+                f"control round {n} on rank {self.rank}: {', '.join(gone)} exited"
+            )
         if waited_s > self.timeout_s:
             raise ControlPlaneError(
                 f"control round {n} on rank {self.rank}: ranks {missing} did not arrive within "
-                f"timeout_s={self.timeout_s} (hung or stopped)")
+                f"timeout_s={self.timeout_s} (hung or stopped)"
+            )
 
     def close(self) -> None:
         """Unmap the board (its name is long gone). Every exchange is over by now."""

@@ -62,9 +62,16 @@ def _chunking(pairs: int, experts_pad: int) -> tuple[int, int]:
 
 @triton.jit
 def _count_kernel(
-    ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, GDC: tl.constexpr = 0,
-):  # fmt: skip
+    ids_ptr,
+    counts_ptr,
+    rank_ptr,
+    num_pairs,
+    num_experts,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    GDC: tl.constexpr = 0,
+):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
@@ -83,10 +90,22 @@ def _count_kernel(
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, counts_ptr, rank_ptr, slots_ptr, end_ptr, count_ptr, num_pairs, num_experts,
-    num_chunks, ROWS: tl.constexpr, E_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, GDC: tl.constexpr = 0,
-):  # fmt: skip
+    ids_ptr,
+    counts_ptr,
+    rank_ptr,
+    slots_ptr,
+    end_ptr,
+    count_ptr,
+    num_pairs,
+    num_experts,
+    num_chunks,
+    ROWS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    GDC: tl.constexpr = 0,
+):
     if GDC:
         tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
@@ -129,11 +148,36 @@ def assign(ids: torch.Tensor, experts: int, rows: int, gdc: int = 0) -> Assignme
     end = torch.empty(experts, dtype=torch.int32, device=dev)
     count = torch.empty(experts, dtype=torch.int32, device=dev)
     warps = 4 if experts_pad <= 128 else 8
-    _count_kernel[(chunks,)](ids, counts, rank, pairs, experts, E_PAD=experts_pad, CHUNK=chunk,
-                             SUB=SUB, GDC=gdc, num_warps=warps, launch_pdl=gdc > 0)  # fmt: skip
+    _count_kernel[(chunks,)](
+        ids,
+        counts,
+        rank,
+        pairs,
+        experts,
+        E_PAD=experts_pad,
+        CHUNK=chunk,
+        SUB=SUB,
+        GDC=gdc,
+        num_warps=warps,
+        launch_pdl=gdc > 0,
+    )
     _place_kernel[(chunks,)](
-        ids, counts, rank, slots, end, count, pairs, experts, chunks, ROWS=rows,
-        E_PAD=experts_pad, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), CHUNK=chunk,
-        SUB=SUB, GDC=gdc, num_warps=warps, launch_pdl=gdc > 0,
-    )  # fmt: skip
+        ids,
+        counts,
+        rank,
+        slots,
+        end,
+        count,
+        pairs,
+        experts,
+        chunks,
+        ROWS=rows,
+        E_PAD=experts_pad,
+        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
+        CHUNK=chunk,
+        SUB=SUB,
+        GDC=gdc,
+        num_warps=warps,
+        launch_pdl=gdc > 0,
+    )
     return Assignment(slots, end, count, rows, tiles)

@@ -99,10 +99,20 @@ def _tile_pairs(pair, mine, rank, first, count, ROWS: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, h_ptr, num_pairs, top_k, hidden, inter,
-    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    h_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -128,10 +138,20 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, y_ptr, num_pairs, hidden, inter,
-    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    h_ptr,
+    ids_ptr,
+    weights_ptr,
+    w_ptr,
+    y_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -152,8 +172,17 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: tl.constexpr,
-                COLUMNS: tl.constexpr, GDC: tl.constexpr = 0):  # fmt: skip
+def _sum_kernel(
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    num_experts,
+    top_k,
+    hidden,
+    TOP_K_PAD: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    GDC: tl.constexpr = 0,
+):
     """out[row] = the sum of the row's y rows, skipping pairs routed to no expert here (id
     outside [0, num_experts): never written). Every expert path's last launch: the row's top_k
     loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after another, and
@@ -167,22 +196,33 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, num_experts, top_k, hidden, TOP_K_PAD: 
     expert = tl.load(ids_ptr + pair, mask=j < top_k, other=-1)
     routed = (j < top_k) & (expert >= 0) & (expert < num_experts)
     ok = col < hidden
-    y = tl.load(y_ptr + pair[:, None] * hidden + col[None, :], mask=routed[:, None] & ok[None, :],
-                other=0.0)  # fmt: skip
+    y = tl.load(
+        y_ptr + pair[:, None] * hidden + col[None, :], mask=routed[:, None] & ok[None, :], other=0.0
+    )
     out = tl.sum(y, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int,
-              gdc: int = 0) -> torch.Tensor:  # fmt: skip
+def sum_pairs(
+    y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int, gdc: int = 0
+) -> torch.Tensor:
     """`_sum_kernel` over out [rows, hidden] from y [rows * top_k, hidden] float32 and the flat
     ids [rows * top_k]."""
     rows, hidden = out.shape
     top_k = ids.numel() // max(1, rows)
     _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
-        y, ids, out, experts, top_k, hidden, TOP_K_PAD=max(2, triton.next_power_of_2(top_k)),
-        COLUMNS=SUM_COLUMNS, GDC=gdc, num_warps=4, launch_pdl=gdc > 0,
-    )  # fmt: skip
+        y,
+        ids,
+        out,
+        experts,
+        top_k,
+        hidden,
+        TOP_K_PAD=max(2, triton.next_power_of_2(top_k)),
+        COLUMNS=SUM_COLUMNS,
+        GDC=gdc,
+        num_warps=4,
+        launch_pdl=gdc > 0,
+    )
     return out
 
 
@@ -216,11 +256,33 @@ def moe_experts(
     slots = min(pairs, experts)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
     _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
-        x, ids, gate_up, h, pairs, top_k, hidden, inter, **routing, COLUMNS=gate_up_columns,
-        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        x,
+        ids,
+        gate_up,
+        h,
+        pairs,
+        top_k,
+        hidden,
+        inter,
+        **routing,
+        COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden),
+        num_warps=warps,
+        num_stages=stages,
+    )
     _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h, ids, weights, down, y, pairs, hidden, inter, **routing, COLUMNS=down_columns,
-        K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        h,
+        ids,
+        weights,
+        down,
+        y,
+        pairs,
+        hidden,
+        inter,
+        **routing,
+        COLUMNS=down_columns,
+        K_BLOCK=_k_block(inter),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return sum_pairs(y, ids, out, experts)

@@ -1,5 +1,5 @@
-"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0 format, kernels/reference/fp4.py),
-as three Triton launches with no host sync.
+"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0 format,
+kernels/reference/fp4.py), as three Triton launches with no host sync.
 
 The H200 (sm_90) has no FP4 tensor cores, so nothing here is an FP4 matmul: each program loads
 its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in registers and
@@ -163,8 +163,16 @@ def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS: tl.constexpr,
-              K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr):  # fmt: skip
+def _fp4_step(
+    acc,
+    xs,
+    w_rows,
+    s_rows,
+    k0,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
     """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
     docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
     its scale bytes), xs from `_x_slices`."""
@@ -183,8 +191,12 @@ def _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS: tl.constexpr,
     # each pair is one shift and one and.
     spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
     odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
-    halves = ((spread << 9) & FP16_PAIR, (odd << 8) & FP16_PAIR,
-              (spread << 1) & FP16_PAIR, odd & FP16_PAIR)  # fmt: skip
+    halves = (
+        (spread << 9) & FP16_PAIR,
+        (odd << 8) & FP16_PAIR,
+        (spread << 1) & FP16_PAIR,
+        odd & FP16_PAIR,
+    )
     dtype = xs[0].dtype
     if dtype == tl.bfloat16:
         # bf16 has fp32's exponent range: the factor is a bf16 too, and the multiply a packed
@@ -234,10 +246,26 @@ def _rows_major(acc, WEIGHTS_LEFT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, w_row, s_row, limit,
-    HAS_LIMIT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
-    ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    s_ptr,
+    h_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    w_row,
+    s_row,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -260,8 +288,7 @@ def _gate_up_kernel(
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
             xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
-            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK,
-                            WEIGHTS_LEFT)  # fmt: skip
+            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK, WEIGHTS_LEFT)
         # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
         gate, up = tl.split(both)
@@ -275,10 +302,24 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, w_row, s_row,
-    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    ids_ptr,
+    weights_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    w_row,
+    s_row,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -333,21 +374,48 @@ def _launch(
     slots = min(pairs, experts)
     common = dict(
         PAIRS_PAD=min(MAX_PAIRS, max(64, triton.next_power_of_2(pairs))),
-        BY_EXPERT=pairs > experts, ROWS=tiles.rows, WEIGHTS_LEFT=tiles.weights_left,
-        num_warps=tiles.warps, num_stages=tiles.stages,
-    )  # fmt: skip
+        BY_EXPERT=pairs > experts,
+        ROWS=tiles.rows,
+        WEIGHTS_LEFT=tiles.weights_left,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
     columns = tiles.gate_up_columns
     _gate_up_kernel[(triton.cdiv(inter, columns), slots)](
-        x, ids, _words(gate_up[0]), gate_up[1], h, pairs, top_k, hidden, inter,
-        hidden // 8, hidden // 32, 0.0 if limit is None else float(limit),
+        x,
+        ids,
+        _words(gate_up[0]),
+        gate_up[1],
+        h,
+        pairs,
+        top_k,
+        hidden,
+        inter,
+        hidden // 8,
+        hidden // 32,
+        0.0 if limit is None else float(limit),
         HAS_LIMIT=limit is not None,
-        COLUMNS=columns, K_BLOCK=_k_block(hidden, tiles.k_block), **common,
-    )  # fmt: skip
+        COLUMNS=columns,
+        K_BLOCK=_k_block(hidden, tiles.k_block),
+        **common,
+    )
     columns = tiles.down_columns
     _down_kernel[(triton.cdiv(hidden, columns), slots)](
-        h, ids, weights, _words(down[0]), down[1], y, pairs, hidden, inter, inter // 8, inter // 32,
-        COLUMNS=columns, K_BLOCK=_k_block(inter, tiles.k_block), **common,
-    )  # fmt: skip
+        h,
+        ids,
+        weights,
+        _words(down[0]),
+        down[1],
+        y,
+        pairs,
+        hidden,
+        inter,
+        inter // 8,
+        inter // 32,
+        COLUMNS=columns,
+        K_BLOCK=_k_block(inter, tiles.k_block),
+        **common,
+    )
     return sum_pairs(y, ids, out, experts)
 
 

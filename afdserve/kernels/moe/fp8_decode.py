@@ -1,10 +1,10 @@
 """FP8 routed experts for decode batches: kernels/moe/decode.py's three launches over FP8 stacks.
 
 The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
-float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block rows,
-then up's). The routing is resolved in registers as in triton_moe (a program per touched expert,
-its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x 128
-scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
+float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block
+rows, then up's). The routing is resolved in registers as in triton_moe (a program per touched
+expert, its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x
+128 scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
 (exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
 
 w8a8 by default (triton_fp8.W8A8_EXPERTS): x and h are quantized per row in groups of 128
@@ -43,9 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.triton import fp8_weight_only as triton_fp8
-from afdserve.kernels.reference.fp8 import FP8_DTYPE
-from afdserve.kernels.triton.fp8_weight_only import as_operand, block_dot_left, down_tile, gate_up_right
 from afdserve.kernels.moe.decode import (
     _expert_pairs,
     _k_block,
@@ -53,6 +50,14 @@ from afdserve.kernels.moe.decode import (
     _tile_pairs,
     _tiles,
     sum_pairs,
+)
+from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+from afdserve.kernels.triton.fp8_weight_only import (
+    as_operand,
+    block_dot_left,
+    down_tile,
+    gate_up_right,
 )
 
 SCALE_BLOCK = 128
@@ -113,11 +118,27 @@ def supports(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, num_pairs, top_k, hidden, inter, s_expert, s_row,
-    inter_blocks, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    s_ptr,
+    h_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    s_expert,
+    s_row,
+    inter_blocks,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
-):  # fmt: skip
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -147,16 +168,31 @@ def _gate_up_kernel(
             acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
             for k0 in range(0, hidden, K_BLOCK):
                 xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
-                scale = tl.where(is_up, tl.load(up_scales + k0 // 128),
-                                 tl.load(gate_scales + k0 // 128))  # fmt: skip
+                scale = tl.where(
+                    is_up, tl.load(up_scales + k0 // 128), tl.load(gate_scales + k0 // 128)
+                )
                 acc = block_dot_left(xo, rs, tl.load(both_rows + k0), scale, acc, X_SCALED)
             # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
             both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
             gate, up = tl.split(both)
         else:
-            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
-                                     up_scales, hidden, k, True, X_SCALED, A_FP8, ROWS, COLUMNS,
-                                     K_BLOCK)  # fmt: skip
+            gate, up = gate_up_right(
+                x_rows,
+                row_ok,
+                gate_rows,
+                up_rows,
+                col_ok,
+                gate_scales,
+                up_scales,
+                hidden,
+                k,
+                True,
+                X_SCALED,
+                A_FP8,
+                ROWS,
+                COLUMNS,
+                K_BLOCK,
+            )
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -164,11 +200,26 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_pairs, hidden, inter, s_expert, s_row,
-    PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+    h_ptr,
+    ids_ptr,
+    weights_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    s_expert,
+    s_row,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
-):  # fmt: skip
+):
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
@@ -183,8 +234,22 @@ def _down_kernel(
     for first in range(0, count, ROWS):
         rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
-        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, True, X_SCALED, A_FP8,
-                        WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
+        acc = down_tile(
+            h_rows,
+            row_ok,
+            down_rows,
+            col_ok,
+            scales,
+            inter,
+            k,
+            True,
+            X_SCALED,
+            A_FP8,
+            WEIGHTS_LEFT,
+            ROWS,
+            COLUMNS,
+            K_BLOCK,
+        )
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -230,14 +295,42 @@ def moe_experts(
     # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
     assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
     _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
-        x, ids, w13, s13, h, pairs, top_k, hidden, inter, s13.stride(0), s13.stride(1),
-        triton.cdiv(inter, SCALE_BLOCK), **routing, COLUMNS=gate_up_columns,
-        K_BLOCK=_k_block(hidden), num_warps=warps, num_stages=stages,
+        x,
+        ids,
+        w13,
+        s13,
+        h,
+        pairs,
+        top_k,
+        hidden,
+        inter,
+        s13.stride(0),
+        s13.stride(1),
+        triton.cdiv(inter, SCALE_BLOCK),
+        **routing,
+        COLUMNS=gate_up_columns,
+        K_BLOCK=_k_block(hidden),
+        num_warps=warps,
+        num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(hidden), x.dtype),
-    )  # fmt: skip
+    )
     _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h, ids, weights, w2, s2, y, pairs, hidden, inter, s2.stride(0), s2.stride(1), **routing,
-        COLUMNS=down_columns, K_BLOCK=_k_block(inter), num_warps=warps, num_stages=stages,
+        h,
+        ids,
+        weights,
+        w2,
+        s2,
+        y,
+        pairs,
+        hidden,
+        inter,
+        s2.stride(0),
+        s2.stride(1),
+        **routing,
+        COLUMNS=down_columns,
+        K_BLOCK=_k_block(inter),
+        num_warps=warps,
+        num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
-    )  # fmt: skip
+    )
     return sum_pairs(y, ids, out, experts)

@@ -12,13 +12,13 @@ slots without a sort. Then three launches, no gather, scatter or copy around the
    to no expert here, id -1, are skipped: they were never written; triton_moe's `sum_pairs`).
 
 So the only data that moves besides the weights is x read once per tile, h and y: the sort,
-index_select, index_add and their copies of the torch grouped GEMM path (kernels/moe/torch_grouped.py) are
-gone. Tiles past the last group belong to no expert and exit at once; the grid is the worst case,
-static per pair count, so a CUDA graph captures it.
+index_select, index_add and their copies of the torch grouped GEMM path
+(kernels/moe/torch_grouped.py) are gone. Tiles past the last group belong to no expert and exit at
+once; the grid is the worst case, static per pair count, so a CUDA graph captures it.
 
 Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
-float8_e4m3fn with a float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate's grid rows,
-then up's). Each FP8 weight tile lies in one scale block (with the weights left a down tile
+float8_e4m3fn with a float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate's grid
+rows, then up's). Each FP8 weight tile lies in one scale block (with the weights left a down tile
 may span whole blocks, each row scaled by its own block's scale): by default x and h are
 quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
 triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
@@ -41,11 +41,16 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.triton import fp8_weight_only as triton_fp8
-from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.moe.align import assign
-from afdserve.kernels.triton.fp8_weight_only import as_operand, block_dot_left, down_tile, gate_up_right
 from afdserve.kernels.moe.decode import _k_block, sum_pairs
+from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+from afdserve.kernels.triton.fp8_weight_only import (
+    as_operand,
+    block_dot_left,
+    down_tile,
+    gate_up_right,
+)
 
 # Pairs up to which `ops.moe_experts` takes this path for bf16/fp16 experts (above
 # triton_moe.MAX_PAIRS); past it (prefill chunks) torch's grouped GEMM, whose sort and copies are
@@ -132,11 +137,30 @@ def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, slots_ptr, end_ptr, count_ptr, w_ptr, s_ptr, h_ptr, num_experts, top_k, hidden,
-    inter, s_expert, s_row, inter_blocks, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    K_BLOCK: tl.constexpr, E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr,
-    A_FP8: tl.constexpr, WEIGHTS_LEFT: tl.constexpr = False, GDC: tl.constexpr = 0,
-):  # fmt: skip
+    x_ptr,
+    slots_ptr,
+    end_ptr,
+    count_ptr,
+    w_ptr,
+    s_ptr,
+    h_ptr,
+    num_experts,
+    top_k,
+    hidden,
+    inter,
+    s_expert,
+    s_row,
+    inter_blocks,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    W_FP8: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
+):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
@@ -162,17 +186,37 @@ def _gate_up_kernel(
             up = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
             for k0 in range(0, hidden, K_BLOCK):
                 xo, rs = as_operand(tl.load(x_rows + k0 + k[None, :]), X_SCALED, A_FP8)
-                gate = block_dot_left(xo, rs, tl.load(gate_rows + k0),
-                                      tl.load(gate_scales + k0 // 128), gate,
-                                      X_SCALED)  # fmt: skip
-                up = block_dot_left(xo, rs, tl.load(up_rows + k0), tl.load(up_scales + k0 // 128),
-                                    up, X_SCALED)  # fmt: skip
+                gate = block_dot_left(
+                    xo,
+                    rs,
+                    tl.load(gate_rows + k0),
+                    tl.load(gate_scales + k0 // 128),
+                    gate,
+                    X_SCALED,
+                )
+                up = block_dot_left(
+                    xo, rs, tl.load(up_rows + k0), tl.load(up_scales + k0 // 128), up, X_SCALED
+                )
             gate = tl.trans(gate)
             up = tl.trans(up)
         else:
-            gate, up = gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales,
-                                     up_scales, hidden, k, W_FP8, X_SCALED, A_FP8, ROWS, COLUMNS,
-                                     K_BLOCK)  # fmt: skip
+            gate, up = gate_up_right(
+                x_rows,
+                row_ok,
+                gate_rows,
+                up_rows,
+                col_ok,
+                gate_scales,
+                up_scales,
+                hidden,
+                k,
+                W_FP8,
+                X_SCALED,
+                A_FP8,
+                ROWS,
+                COLUMNS,
+                K_BLOCK,
+            )
         if GDC == 2:  # the next launch may place its programs while these store
             tl.extra.cuda.gdc_launch_dependents()
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -182,11 +226,29 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, slots_ptr, end_ptr, count_ptr, weights_ptr, w_ptr, s_ptr, y_ptr, num_experts, hidden,
-    inter, s_expert, s_row, ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr,
-    E_PAD: tl.constexpr, W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
-    WEIGHTS_LEFT: tl.constexpr = False, GDC: tl.constexpr = 0,
-):  # fmt: skip
+    h_ptr,
+    slots_ptr,
+    end_ptr,
+    count_ptr,
+    weights_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    num_experts,
+    hidden,
+    inter,
+    s_expert,
+    s_row,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    W_FP8: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
+):
     if GDC:
         tl.extra.cuda.gdc_wait()
     expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
@@ -204,8 +266,22 @@ def _down_kernel(
                 scales = s_ptr + e * s_expert + (load_col // 128)[:, None] * s_row
         else:
             down_rows = w_ptr + e * hidden * inter + col.to(tl.int64)[:, None] * inter
-        acc = down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8, X_SCALED,
-                        A_FP8, WEIGHTS_LEFT, ROWS, COLUMNS, K_BLOCK)  # fmt: skip
+        acc = down_tile(
+            h_rows,
+            row_ok,
+            down_rows,
+            col_ok,
+            scales,
+            inter,
+            k,
+            W_FP8,
+            X_SCALED,
+            A_FP8,
+            WEIGHTS_LEFT,
+            ROWS,
+            COLUMNS,
+            K_BLOCK,
+        )
         if GDC == 2:
             tl.extra.cuda.gdc_launch_dependents()
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -239,11 +315,22 @@ def moe_experts(
         # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
         # the experts once per slice costs little.
         step = max(1, GROUPED_MAX_PAIRS // top_k)
-        return torch.cat([
-            moe_experts(x[i : i + step], topk_ids[i : i + step], topk_weights[i : i + step],
-                        gate_up, down, scales, a8, weights_left, launch)
-            for i in range(0, rows, step)
-        ])  # fmt: skip
+        return torch.cat(
+            [
+                moe_experts(
+                    x[i : i + step],
+                    topk_ids[i : i + step],
+                    topk_weights[i : i + step],
+                    gate_up,
+                    down,
+                    scales,
+                    a8,
+                    weights_left,
+                    launch,
+                )
+                for i in range(0, rows, step)
+            ]
+        )
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
@@ -270,19 +357,53 @@ def moe_experts(
     # scaled into fp16 (triton_fp8.as_operand), per kernel by its K step.
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     up_step, down_step = _k_block(hidden), _k_block(inter)
-    common = dict(ROWS=tile, E_PAD=e_pad, W_FP8=w_fp8, WEIGHTS_LEFT=left, num_warps=warps,
-                  num_stages=stages, GDC=gdc, launch_pdl=gdc > 0)  # fmt: skip
+    common = dict(
+        ROWS=tile,
+        E_PAD=e_pad,
+        W_FP8=w_fp8,
+        WEIGHTS_LEFT=left,
+        num_warps=warps,
+        num_stages=stages,
+        GDC=gdc,
+        launch_pdl=gdc > 0,
+    )
     g_strides = (gate_up_scale.stride(0), gate_up_scale.stride(1)) if w_fp8 else (0, 0)
     d_strides = (down_scale.stride(0), down_scale.stride(1)) if w_fp8 else (0, 0)
     _gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
-        x, groups.slots, groups.expert_end, groups.expert_count, gate_up, gate_up_scale, h,
-        experts, top_k, hidden, inter, *g_strides, triton.cdiv(inter, SCALE_BLOCK),
-        COLUMNS=gate_up_columns, K_BLOCK=up_step, **common,
+        x,
+        groups.slots,
+        groups.expert_end,
+        groups.expert_count,
+        gate_up,
+        gate_up_scale,
+        h,
+        experts,
+        top_k,
+        hidden,
+        inter,
+        *g_strides,
+        triton.cdiv(inter, SCALE_BLOCK),
+        COLUMNS=gate_up_columns,
+        K_BLOCK=up_step,
+        **common,
         **triton_fp8.operand_modes(a8, up_step, x.dtype, w_fp8),
-    )  # fmt: skip
+    )
     _down_kernel[(groups.tiles, triton.cdiv(hidden, down_columns))](
-        h, groups.slots, groups.expert_end, groups.expert_count, weights, down, down_scale, y,
-        experts, hidden, inter, *d_strides, COLUMNS=down_columns, K_BLOCK=down_step, **common,
+        h,
+        groups.slots,
+        groups.expert_end,
+        groups.expert_count,
+        weights,
+        down,
+        down_scale,
+        y,
+        experts,
+        hidden,
+        inter,
+        *d_strides,
+        COLUMNS=down_columns,
+        K_BLOCK=down_step,
+        **common,
         **triton_fp8.operand_modes(a8, down_step, x.dtype, w_fp8),
-    )  # fmt: skip
+    )
     return sum_pairs(y, ids, out, experts, gdc)

@@ -41,9 +41,18 @@ def supports(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
 
 @triton.jit
 def _logits_kernel(
-    x_ptr, w_ptr, out_ptr, rows, experts, hidden, stride_x, chunks_per_split,
-    ROWS: tl.constexpr, EXPERTS: tl.constexpr, K_BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    experts,
+    hidden,
+    stride_x,
+    chunks_per_split,
+    ROWS: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     expert = tl.program_id(1) * EXPERTS + tl.arange(0, EXPERTS)
     split = tl.program_id(2)
@@ -66,10 +75,19 @@ def _logits_kernel(
 
 @triton.jit
 def _select_kernel(
-    partial_ptr, ids_ptr, weights_ptr, rows, experts, splits, scale,
-    SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, TOP_K: tl.constexpr,
-    E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-):  # fmt: skip
+    partial_ptr,
+    ids_ptr,
+    weights_ptr,
+    rows,
+    experts,
+    splits,
+    scale,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
     row = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     ok = e < experts
@@ -139,13 +157,33 @@ def route(
     splits = triton.cdiv(chunks, chunks_per_split)  # drop splits that would have no chunk
     partial = torch.empty(splits, rows, experts, dtype=torch.float32, device=x.device)
     _logits_kernel[(grid_rows, grid_experts, splits)](
-        x, weight, partial, rows, experts, hidden, x.stride(0), chunks_per_split,
-        ROWS=row_block, EXPERTS=expert_block, K_BLOCK=k_block, num_warps=warps,
-    )  # fmt: skip
+        x,
+        weight,
+        partial,
+        rows,
+        experts,
+        hidden,
+        x.stride(0),
+        chunks_per_split,
+        ROWS=row_block,
+        EXPERTS=expert_block,
+        K_BLOCK=k_block,
+        num_warps=warps,
+    )
     e_pad = triton.next_power_of_2(experts)
     _select_kernel[(rows,)](
-        partial, ids, weights, rows, experts, splits, float(scale),
-        SIGMOID=scoring == "sigmoid", NORMALIZE=bool(normalize), TOP_K=top_k, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k), num_warps=1 if e_pad <= 256 else 4,
-    )  # fmt: skip
+        partial,
+        ids,
+        weights,
+        rows,
+        experts,
+        splits,
+        float(scale),
+        SIGMOID=scoring == "sigmoid",
+        NORMALIZE=bool(normalize),
+        TOP_K=top_k,
+        E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k),
+        num_warps=1 if e_pad <= 256 else 4,
+    )
     return ids, weights

@@ -35,10 +35,18 @@ import torch.nn.functional as F
 from afdserve.config import A2E_DTYPES
 from afdserve.kernels.reference.fp8 import FP8_DTYPE, FP8_MAX, GROUP, scale_groups
 
-__all__ = ["A2E_DTYPES", "GROUP", "A2EFormat", "dequantize_rows", "dequantize_rows_torch",
-           "pad_zeroed", "quantize_rows", "quantize_rows_torch", "roundtrip_rows",
-           "scale_groups"]  # fmt: skip
-
+__all__ = [
+    "A2E_DTYPES",
+    "GROUP",
+    "A2EFormat",
+    "dequantize_rows",
+    "dequantize_rows_torch",
+    "pad_zeroed",
+    "quantize_rows",
+    "quantize_rows_torch",
+    "roundtrip_rows",
+    "scale_groups",
+]
 
 
 def _grouped(x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ ue8m0 scale per 32 consecutive inputs of a row, [..., out, in / 32]: a byte b me
 and mantissa (bit 0): the values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
 
 In memory afdserve keeps both as uint8 (`packed`, `scale`): a shift of uint8 is logical, and
-float8_e8m0fnu has no arithmetic on CUDA. The reference is weight-only, like kernels/reference/fp8.py:
-activations stay in the model dtype, each routed expert is dequantized right before its matmuls.
+float8_e8m0fnu has no arithmetic on CUDA. The reference is weight-only, like
+kernels/reference/fp8.py: activations stay in the model dtype, each routed expert is dequantized
+right before its matmuls.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from afdserve.kernels.reference.layers import routed_experts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/reference/a2e.py, which its
-# Triton kernels share from here rather than from a2e.py, which dispatches to them).
+# Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/reference/a2e.py,
+# which its Triton kernels share from here rather than from a2e.py, which dispatches to them).
 GROUP = 128
 
 
@@ -83,7 +83,9 @@ def quantize_blockwise(
 
 
 def dequantize_blockwise(
-    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype,
     block: tuple[int, int],
 ) -> torch.Tensor:
     """q [..., out, in] (float8) and its scale grid -> the weight in `dtype` (the product is taken
@@ -93,7 +95,10 @@ def dequantize_blockwise(
 
 
 def fp8_linear(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
     """y = x @ dequant(q)^T + bias, weight-only: x and y stay in x's dtype."""
@@ -118,7 +123,10 @@ def quantize_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
 
 
 def fp8_linear_w8a8(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
     """y = quantize_activations(x) @ dequant(q)^T + bias in float32, rounded once to x's dtype:
@@ -137,8 +145,13 @@ def dequantize_gate_up(
     meet on a block boundary, so each half is dequantized on its own grid."""
     q_gate, q_up = q.chunk(2, dim=-2)
     s_gate, s_up = scale_inv.chunk(2, dim=-2)
-    return torch.cat((dequantize_blockwise(q_gate, s_gate, dtype, block),
-                      dequantize_blockwise(q_up, s_up, dtype, block)), dim=-2)
+    return torch.cat(
+        (
+            dequantize_blockwise(q_gate, s_gate, dtype, block),
+            dequantize_blockwise(q_up, s_up, dtype, block),
+        ),
+        dim=-2,
+    )
 
 
 def moe_experts_fp8(
@@ -155,10 +168,14 @@ def moe_experts_fp8(
     [E, H, I]. Only the experts some row is routed to are dequantized, one at a time, so the
     transient is one expert's weights in x's dtype. `a8`: x and the intermediate quantized per
     row in groups of 128 as well (the w8a8 GPU kernels' oracle; give float32 x)."""
+
     def weights_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block),
-                dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block))
+        return (
+            dequantize_gate_up(gate_up[0][expert], gate_up[1][expert], x.dtype, block),
+            dequantize_blockwise(down[0][expert], down[1][expert], x.dtype, block),
+        )
 
     operand = (lambda t: quantize_activations(t, block[1]).to(t.dtype)) if a8 else None
-    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit,
-                          operand)  # fmt: skip
+    return routed_experts(
+        x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit, operand
+    )

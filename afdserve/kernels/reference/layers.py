@@ -35,9 +35,7 @@ def dequantize_kv(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> tor
     return (cached.float() * scale).to(dtype)
 
 
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
-) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """Rotary embedding. x [rows, heads, dim]; cos/sin [rows, dim / 2]. Pairs (x[i], x[i + dim/2]),
     or (x[2i], x[2i+1]) when interleaved (DeepSeek), whose output comes back de-interleaved: q and
     k get the same permutation, so their dot products are unchanged."""
@@ -173,8 +171,14 @@ def moe_experts(
     topk_ids/weights [rows, k]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden,
     inter]. -> [rows, hidden]. A pair with id -1 goes to no expert (pad rows, experts another
     rank holds)."""
-    return routed_experts(x, topk_ids, topk_weights, gate_up.shape[0],
-                          lambda expert: (gate_up[expert], down[expert]), limit)
+    return routed_experts(
+        x,
+        topk_ids,
+        topk_weights,
+        gate_up.shape[0],
+        lambda expert: (gate_up[expert], down[expert]),
+        limit,
+    )
 
 
 def routed_experts(

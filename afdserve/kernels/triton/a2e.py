@@ -1,6 +1,6 @@
-"""The fp8 A2E format (kernels/reference/a2e.py) in Triton, one launch per call: quantize rows, dequantize
-rows, and the round trip a boundary with no wire runs (pad rows zeroed, quantized, dequantized)
-without writing the fp8 rows or their scales anywhere.
+"""The fp8 A2E format (kernels/reference/a2e.py) in Triton, one launch per call: quantize rows,
+dequantize rows, and the round trip a boundary with no wire runs (pad rows zeroed, quantized,
+dequantized) without writing the fp8 rows or their scales anywhere.
 
 Bit for bit a2e.py's torch functions, which are the oracle: every step is one correctly rounded
 float32 operation in the order torch runs them. amax is exact (a maximum); the scale is a float32
@@ -76,9 +76,17 @@ def _quantize(x, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    X, Q, S, hidden, n_groups, stride_x,
-    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-):  # fmt: skip
+    X,
+    Q,
+    S,
+    hidden,
+    n_groups,
+    stride_x,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    INV_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     groups, cols, mask = _tile(hidden, BLOCK_G, GROUP)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -89,9 +97,17 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    Q, S, Y, hidden, n_groups, stride_q, stride_s,
-    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, OUT: tl.constexpr,
-):  # fmt: skip
+    Q,
+    S,
+    Y,
+    hidden,
+    n_groups,
+    stride_q,
+    stride_s,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    OUT: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     groups, cols, mask = _tile(hidden, BLOCK_G, GROUP)
     q = tl.load(Q + row * stride_q + cols, mask=mask, other=0.0).to(tl.float32)
@@ -102,10 +118,18 @@ def _dequantize_kernel(
 
 @triton.jit
 def _roundtrip_kernel(
-    X, IDS, Y, hidden, stride_x,
-    HAS_IDS: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
-    INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
-):  # fmt: skip
+    X,
+    IDS,
+    Y,
+    hidden,
+    stride_x,
+    HAS_IDS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    INV_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    OUT: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     groups, cols, mask = _tile(hidden, BLOCK_G, GROUP)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -137,9 +161,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_g, per_row, warps = _launch(hidden)
     if rows and hidden:
         _quantize_kernel[(rows, per_row)](
-            x, q, scales, hidden, n_groups, x.stride(0),
-            BLOCK_G=block_g, GROUP=GROUP, INV_MAX=INV_MAX, FP8_MAX=FP8_MAX, num_warps=warps,
-        )  # fmt: skip
+            x,
+            q,
+            scales,
+            hidden,
+            n_groups,
+            x.stride(0),
+            BLOCK_G=block_g,
+            GROUP=GROUP,
+            INV_MAX=INV_MAX,
+            FP8_MAX=FP8_MAX,
+            num_warps=warps,
+        )
     return q, scales
 
 
@@ -152,9 +185,18 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     block_g, per_row, warps = _launch(hidden)
     if rows and hidden:
         _dequantize_kernel[(rows, per_row)](
-            q, scales, y, hidden, scales.shape[1], q.stride(0), scales.stride(0),
-            BLOCK_G=block_g, GROUP=GROUP, OUT=_TL[dtype], num_warps=warps,
-        )  # fmt: skip
+            q,
+            scales,
+            y,
+            hidden,
+            scales.shape[1],
+            q.stride(0),
+            scales.stride(0),
+            BLOCK_G=block_g,
+            GROUP=GROUP,
+            OUT=_TL[dtype],
+            num_warps=warps,
+        )
     return y
 
 
@@ -170,8 +212,17 @@ def roundtrip(
     if rows and hidden:
         ids = route_ids.contiguous() if route_ids is not None else x  # x: a placeholder
         _roundtrip_kernel[(rows, per_row)](
-            x, ids, y, hidden, x.stride(0),
-            HAS_IDS=route_ids is not None, BLOCK_G=block_g, GROUP=GROUP,
-            INV_MAX=INV_MAX, FP8_MAX=FP8_MAX, OUT=_TL[dtype], num_warps=warps,
-        )  # fmt: skip
+            x,
+            ids,
+            y,
+            hidden,
+            x.stride(0),
+            HAS_IDS=route_ids is not None,
+            BLOCK_G=block_g,
+            GROUP=GROUP,
+            INV_MAX=INV_MAX,
+            FP8_MAX=FP8_MAX,
+            OUT=_TL[dtype],
+            num_warps=warps,
+        )
     return y

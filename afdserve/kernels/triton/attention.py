@@ -76,11 +76,28 @@ FP8_DECODE_LAUNCH = Launch(block_n=64, warps=4, stages=5, programs_per_sm=2, max
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
-    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-):  # fmt: skip
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    hi,
+    pos,
+    kv_base,
+    strides,
+    dims,
+    dim_ok,
+    qk_scale_log2,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """One online-softmax step over the tile of tokens from `start`. MASKED: some tokens may be
     >= hi (else none are, and no load or score needs a mask); CAUSAL: some rows' positions may
     precede a token (else, as in decode, every row sees the whole slice)."""
@@ -137,22 +154,48 @@ def _attend_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Out, OPart, LSE,
-    block_tables, query_start, context_lens,
-    qk_scale_log2, v_scale,
-    stride_qr, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_or, stride_oh,
-    stride_pr, stride_ph, stride_ps,
-    stride_lr, stride_lh,
+    Q,
+    K,
+    V,
+    Out,
+    OPart,
+    LSE,
+    block_tables,
+    query_start,
+    context_lens,
+    qk_scale_log2,
+    v_scale,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_or,
+    stride_oh,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_lr,
+    stride_lh,
     stride_bt,
-    split_tokens, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, CAUSAL: tl.constexpr,
-):  # fmt: skip
+    split_tokens,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     seg = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_block = tl.program_id(2) // num_splits
@@ -196,21 +239,77 @@ def _paged_attention_kernel(
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, full_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
-                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, False, CAUSAL,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                start,
+                hi,
+                pos,
+                kv_base,
+                strides,
+                dims,
+                dim_ok,
+                qk_scale_log2,
+                CACHE_BLOCK,
+                BLOCK_N,
+                HEAD_DIM,
+                DIM_PAD,
+                IEEE,
+                FP8_KV,
+                DOT_DTYPE,
+                False,
+                CAUSAL,
+            )
         if full_hi < hi:
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, full_hi, hi, pos, kv_base, strides, dims, dim_ok,
-                qk_scale_log2, CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE,
-                True, CAUSAL,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                full_hi,
+                hi,
+                pos,
+                kv_base,
+                strides,
+                dims,
+                dim_ok,
+                qk_scale_log2,
+                CACHE_BLOCK,
+                BLOCK_N,
+                HEAD_DIM,
+                DIM_PAD,
+                IEEE,
+                FP8_KV,
+                DOT_DTYPE,
+                True,
+                CAUSAL,
+            )
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, hi, pos, kv_base, strides, dims, dim_ok, qk_scale_log2,
-                CACHE_BLOCK, BLOCK_N, HEAD_DIM, DIM_PAD, IEEE, FP8_KV, DOT_DTYPE, True, True,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                start,
+                hi,
+                pos,
+                kv_base,
+                strides,
+                dims,
+                dim_ok,
+                qk_scale_log2,
+                CACHE_BLOCK,
+                BLOCK_N,
+                HEAD_DIM,
+                DIM_PAD,
+                IEEE,
+                FP8_KV,
+                DOT_DTYPE,
+                True,
+                True,
+            )
 
     has = l_i > 0.0
     denom = tl.where(has, l_i, 1.0)
@@ -262,11 +361,22 @@ def plan_splits(
 
 @triton.jit
 def _combine_kernel(
-    Parts, LSE, Out, covered_ptr,
-    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+    Parts,
+    LSE,
+    Out,
+    covered_ptr,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_lr,
+    stride_lh,
+    stride_or,
+    stride_oh,
     num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-):  # fmt: skip
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
     """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass.
     A slice with no keys has lse -inf: weight 0, and its partial output is not read at all, so
     `Parts` needs no zero fill. Rows from `covered_ptr`'s value on (the segments' total: graph
@@ -293,8 +403,11 @@ def _combine_kernel(
         other=0.0,
     )
     out = tl.sum(parts * weight[:, None], axis=0)
-    tl.store(Out + row * stride_or + head * stride_oh + dims, out.to(Out.dtype.element_ty),
-             mask=dims < HEAD_DIM)  # fmt: skip
+    tl.store(
+        Out + row * stride_or + head * stride_oh + dims,
+        out.to(Out.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def combine_splits(
@@ -307,12 +420,18 @@ def combine_splits(
     out = torch.empty(rows, heads, dim, dtype=out_dtype, device=parts.device)
     if rows:
         _combine_kernel[(rows, heads)](
-            parts, lse, out, covered,
-            *parts.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+            parts,
+            lse,
+            out,
+            covered,
+            *parts.stride()[:3],
+            *lse.stride()[:2],
+            *out.stride()[:2],
             splits,
-            SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=dim,
             DIM_PAD=triton.next_power_of_2(dim),
-        )  # fmt: skip
+        )
     return out
 
 
@@ -353,9 +472,13 @@ def paged_attention(
         launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     splits, split_tokens = plan_splits(
-        segments, kv_heads, q_blocks, batched.max_context_len, _sm_count(q.device),
+        segments,
+        kv_heads,
+        q_blocks,
+        batched.max_context_len,
+        _sm_count(q.device),
         launch,
-    )  # fmt: skip
+    )
     direct = splits == 1
     if direct:
         # Rows no segment covers (graph padding) are never written by the kernel: zero them.
@@ -373,25 +496,48 @@ def paged_attention(
     qk_scale_log2 = scale * LOG2E * (float(k_scale) if fp8_kv else 1.0)
     grid = (segments, kv_heads, q_blocks * splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, parts, lse,
-        tables, batched.query_start, batched.context_lens,
-        qk_scale_log2, float(v_scale),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        parts,
+        lse,
+        tables,
+        batched.query_start,
+        batched.context_lens,
+        qk_scale_log2,
+        float(v_scale),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         *part_strides,
         *lse_strides,
         tables.stride(0),
-        split_tokens, splits,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), CACHE_BLOCK=cache_block,
-        BLOCK_N=launch.block_n, DIRECT=direct, IEEE=q.dtype == torch.float32, FP8_KV=fp8_kv,
+        split_tokens,
+        splits,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=dim,
+        DIM_PAD=triton.next_power_of_2(dim),
+        CACHE_BLOCK=cache_block,
+        BLOCK_N=launch.block_n,
+        DIRECT=direct,
+        IEEE=q.dtype == torch.float32,
+        FP8_KV=fp8_kv,
         DOT_DTYPE=tl.float32 if q.dtype == torch.float32 else tl.float16,
         CAUSAL=not (fp8_kv and decode),
-        num_warps=launch.warps, num_stages=launch.stages,
+        num_warps=launch.warps,
+        num_stages=launch.stages,
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
-    )  # fmt: skip
+    )
     if direct:
         return out
     return combine_splits(parts, lse, q.dtype, batched.query_start[segments:])
@@ -433,6 +579,12 @@ def write_kv(
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     _write_kv_kernel[(rows,)](
-        cache, flat, slot_mapping, flat.stride(0), width, float(scale),
-        BLOCK=triton.next_power_of_2(width), FP8_KV=cache.dtype == torch.float8_e4m3fn,
-    )  # fmt: skip
+        cache,
+        flat,
+        slot_mapping,
+        flat.stride(0),
+        width,
+        float(scale),
+        BLOCK=triton.next_power_of_2(width),
+        FP8_KV=cache.dtype == torch.float8_e4m3fn,
+    )

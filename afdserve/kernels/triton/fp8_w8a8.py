@@ -10,8 +10,8 @@ cores with both operands as stored.
 2. GEMM: per group of 128 along K (one activation group, one weight scale block: BN divides
    128) the dot of the FP8 tiles, its float32 partial times the rows' scales and the block's
    scale; a K step (`Tiles.bk`) is one or more such groups. K is split at small M as in
-   kernels/triton/fp8_weight_only.py, its float32 partials summed in split order by the tile's last split
-   to finish (`REDUCE_IN_GEMM`): each split stores its partial and counts itself in on a
+   kernels/triton/fp8_weight_only.py, its float32 partials summed in split order by the tile's last
+   split to finish (`REDUCE_IN_GEMM`): each split stores its partial and counts itself in on a
    per-weight tile counter; the one that counts last sums every partial in split order (the
    same order and rounding as a separate sum launch, whichever split is last) and sets the
    counter back to zero for the next call, so the counters are zeroed once, at allocation.
@@ -63,14 +63,16 @@ def _tile_counters(weight: torch.Tensor) -> torch.Tensor:
     key = (weight.device, weight.data_ptr())
     counters = _COUNTERS.get(key)
     if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
-                                                device=weight.device)  # fmt: skip
+        counters = _COUNTERS[key] = torch.zeros(
+            MAX_SPLIT_TILES, dtype=torch.int32, device=weight.device
+        )
     return counters
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.constexpr,
-                     GROUP: tl.constexpr):  # fmt: skip
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     ok = c < K
@@ -83,11 +85,30 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.con
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, groups,
-    ws_stride, k_per_split, a_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, QUANTIZE: tl.constexpr,
-    GROUP: tl.constexpr, REDUCE: tl.constexpr = False,
-):  # fmt: skip
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    groups,
+    ws_stride,
+    k_per_split,
+    a_stride,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    REDUCE: tl.constexpr = False,
+):
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.arange(0, GROUP)
@@ -131,8 +152,9 @@ def _gemm_kernel(
             if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 total = tl.zeros((BM, BN), dtype=tl.float32)
                 for split in range(splits):  # from L2: other programs wrote them
-                    total += tl.load(parts + split * M * N, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
+                    total += tl.load(
+                        parts + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    )
                 if HAS_BIAS:
                     total += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(out, total.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -185,8 +207,9 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x2.device)
     scales = torch.empty(m, groups, dtype=torch.float32, device=x2.device)
     if m:
-        _quantize_kernel[(m, groups)](x2, q, scales, k, x2.stride(0), groups, FP8_LIMIT=FP8_MAX,
-                                      GROUP=GROUP, num_warps=1)  # fmt: skip
+        _quantize_kernel[(m, groups)](
+            x2, q, scales, k, x2.stride(0), groups, FP8_LIMIT=FP8_MAX, GROUP=GROUP, num_warps=1
+        )
     return q, scales
 
 
@@ -226,15 +249,42 @@ def fp8_linear(
     reduce = splits > 1 and REDUCE_IN_GEMM and grid[0] * grid[1] <= MAX_SPLIT_TILES
     counters = _tile_counters(q) if reduce else y  # never read unless reducing
     _gemm_kernel[grid](
-        xq, xs, q, scale_inv, bias_arg, y, part, counters, m, n, k, triton.cdiv(k, GROUP),
-        scale_inv.stride(0), steps_per_split * bk, xq.stride(0),
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SPLIT=splits > 1, QUANTIZE=fused,
-        GROUP=GROUP, REDUCE=reduce,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        xq,
+        xs,
+        q,
+        scale_inv,
+        bias_arg,
+        y,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        triton.cdiv(k, GROUP),
+        scale_inv.stride(0),
+        steps_per_split * bk,
+        xq.stride(0),
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        SPLIT=splits > 1,
+        QUANTIZE=fused,
+        GROUP=GROUP,
+        REDUCE=reduce,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if splits > 1 and not reduce:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            part, bias_arg, y, m, n, HAS_BIAS=bias is not None, SPLIT=splits, BLOCK=SUM_BLOCK,
+            part,
+            bias_arg,
+            y,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            SPLIT=splits,
+            BLOCK=SUM_BLOCK,
             num_warps=4,
-        )  # fmt: skip
+        )
     return y.view(*lead, n)

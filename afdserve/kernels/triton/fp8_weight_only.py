@@ -3,9 +3,9 @@ Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`, an
 `block_dot_left` for the expert kernels that take the weights as the dots' left operand).
 
 W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
-(kernels/reference/fp8.py has the format and the reference); no dequantized copy of it is ever written.
-bf16/fp16 x takes the w8a8 GEMM (kernels/triton/fp8_w8a8.py, `w8a8`); this one serves float32 x
-and the comparison. Two ways to apply the scales, by M:
+(kernels/reference/fp8.py has the format and the reference); no dequantized copy of it is ever
+written. bf16/fp16 x takes the w8a8 GEMM (kernels/triton/fp8_w8a8.py, `w8a8`); this one serves
+float32 x and the comparison. Two ways to apply the scales, by M:
 
 - small M (decode, up to 64 rows; also every routed-expert kernel): a tile's output columns and
   its K step divide 128 and start on a multiple of their size, so the whole tile lies in one
@@ -134,8 +134,17 @@ def as_operand(xs, X_SCALED: tl.constexpr, A_FP8: tl.constexpr = False):
 
 
 @triton.jit
-def block_dot(xo, rows, w_ptrs, w_mask, scale_ptr, acc, W_FP8: tl.constexpr,
-              X_SCALED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def block_dot(
+    xo,
+    rows,
+    w_ptrs,
+    w_mask,
+    scale_ptr,
+    acc,
+    W_FP8: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """acc + x @ W^T over one K step of a weight tile [columns, K step], x given as
     `as_operand` makes it. FP8 (the tile in one scale block, `scale_ptr` its scale): the dot on
     the FP8 values cast to the operand's dtype (exact), its float32 result times the block scale
@@ -169,9 +178,23 @@ def block_dot_left(xo, rows, w, scale, acc, X_SCALED: tl.constexpr):
 
 
 @triton.jit
-def gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales, up_scales, hidden, k,
-                  W_FP8: tl.constexpr, X_SCALED: tl.constexpr, A_FP8: tl.constexpr,
-                  ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):  # fmt: skip
+def gate_up_right(
+    x_rows,
+    row_ok,
+    gate_rows,
+    up_rows,
+    col_ok,
+    gate_scales,
+    up_scales,
+    hidden,
+    k,
+    W_FP8: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):
     """(gate, up) [ROWS, COLUMNS] float32 of an expert kernel's tile with the weights as the dots'
     right operand (x W^T): x's rows (`x_rows`, masked by `row_ok`) against the gate and up rows of
     its columns, K step by K step, x made an operand once per step for both (`as_operand`)."""
@@ -181,17 +204,48 @@ def gate_up_right(x_rows, row_ok, gate_rows, up_rows, col_ok, gate_scales, up_sc
         xs = tl.load(x_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
         xo, rs = as_operand(xs, X_SCALED, A_FP8)
         w_cols = k0 + k[None, :]
-        gate = block_dot(xo, rs, gate_rows + w_cols, col_ok[:, None], gate_scales + k0 // 128,
-                         gate, W_FP8, X_SCALED, "tf32")  # fmt: skip
-        up = block_dot(xo, rs, up_rows + w_cols, col_ok[:, None], up_scales + k0 // 128, up,
-                       W_FP8, X_SCALED, "tf32")  # fmt: skip
+        gate = block_dot(
+            xo,
+            rs,
+            gate_rows + w_cols,
+            col_ok[:, None],
+            gate_scales + k0 // 128,
+            gate,
+            W_FP8,
+            X_SCALED,
+            "tf32",
+        )
+        up = block_dot(
+            xo,
+            rs,
+            up_rows + w_cols,
+            col_ok[:, None],
+            up_scales + k0 // 128,
+            up,
+            W_FP8,
+            X_SCALED,
+            "tf32",
+        )
     return gate, up
 
 
 @triton.jit
-def down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8: tl.constexpr,
-              X_SCALED: tl.constexpr, A_FP8: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
-              ROWS: tl.constexpr, COLUMNS: tl.constexpr, K_BLOCK: tl.constexpr):  # fmt: skip
+def down_tile(
+    h_rows,
+    row_ok,
+    down_rows,
+    col_ok,
+    scales,
+    inter,
+    k,
+    W_FP8: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):
     """acc [ROWS, COLUMNS] float32 of an expert kernel's down tile: h's rows against the down
     rows of its columns. WEIGHTS_LEFT (FP8 only): `down_rows` [COLUMNS, K step] pointers whose
     columns past the last read the last one's weights, h's rows unmasked (rows past the tile's
@@ -201,26 +255,52 @@ def down_tile(h_rows, row_ok, down_rows, col_ok, scales, inter, k, W_FP8: tl.con
         acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             ho, rs = as_operand(tl.load(h_rows + k0 + k[None, :]), X_SCALED, A_FP8)
-            acc = block_dot_left(ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128),
-                                 acc, X_SCALED)  # fmt: skip
+            acc = block_dot_left(
+                ho, rs, tl.load(down_rows + k0), tl.load(scales + k0 // 128), acc, X_SCALED
+            )
         acc = tl.trans(acc)
     else:
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
             ho, rs = as_operand(hs, X_SCALED, A_FP8)
-            acc = block_dot(ho, rs, down_rows + k0 + k[None, :], col_ok[:, None],
-                            scales + k0 // 128, acc, W_FP8, X_SCALED, "tf32")  # fmt: skip
+            acc = block_dot(
+                ho,
+                rs,
+                down_rows + k0 + k[None, :],
+                col_ok[:, None],
+                scales + k0 // 128,
+                acc,
+                W_FP8,
+                X_SCALED,
+                "tf32",
+            )
     return acc
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, x_stride, s_stride, k_per_split,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr, SCALE_PARTIALS: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    s_stride,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SCALE_PARTIALS: tl.constexpr,
+    SPLIT: tl.constexpr,
     X_SCALED: tl.constexpr,
-):  # fmt: skip
+):
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -239,11 +319,11 @@ def _fp8_linear_kernel(
         if SCALE_PARTIALS:  # BN and BK divide 128: one scale for the tile
             scale = s_ptr + (tl.program_id(0) * BN // 128) * s_stride + k0 // 128
             xo, rows = as_operand(xs, X_SCALED)
-            acc = block_dot(xo, rows, w_rows + kk[None, :], w_mask, scale, acc, True, X_SCALED,
-                            PRECISION)  # fmt: skip
+            acc = block_dot(
+                xo, rows, w_rows + kk[None, :], w_mask, scale, acc, True, X_SCALED, PRECISION
+            )
         else:  # dequantized as the reference does, accumulated in place
-            w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None],
-                             dtype)  # fmt: skip
+            w = dequant_tile(w_rows + kk[None, :], w_mask, s_rows + k0 // 128, n_ok[:, None], dtype)
             acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
@@ -257,8 +337,9 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _sum_splits_kernel(
+    part_ptr, b_ptr, y_ptr, M, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -336,22 +417,48 @@ def fp8_linear(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     bias_arg = bias if bias is not None else y  # never read without a bias
     _fp8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
-        x2, q, scale_inv, bias_arg, y, part, m, n, k, x2.stride(0), scale_inv.stride(0),
-        blocks_per_split * SCALE_BLOCK, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-        PRECISION=precision, SCALE_PARTIALS=m <= SMALL_M, SPLIT=splits,
-        X_SCALED=x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        x2,
+        q,
+        scale_inv,
+        bias_arg,
+        y,
+        part,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        scale_inv.stride(0),
+        blocks_per_split * SCALE_BLOCK,
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        PRECISION=precision,
+        SCALE_PARTIALS=m <= SMALL_M,
+        SPLIT=splits,
+        X_SCALED=x.dtype == torch.bfloat16,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            part, bias_arg, y, m, n, HAS_BIAS=bias is not None, SPLIT=splits, BLOCK=SUM_BLOCK,
+            part,
+            bias_arg,
+            y,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            SPLIT=splits,
+            BLOCK=SUM_BLOCK,
             num_warps=4,
-        )  # fmt: skip
+        )
     return y.view(*lead, n)
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, cols, s_stride, ROWS: tl.constexpr,
-                       COLS: tl.constexpr):  # fmt: skip
+def _dequantize_kernel(
+    q_ptr, s_ptr, out_ptr, rows, cols, s_stride, ROWS: tl.constexpr, COLS: tl.constexpr
+):
     # ROWS divides 128 and COLS is 128: the tile lies in one scale block.
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * COLS + tl.arange(0, COLS)
@@ -372,6 +479,15 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
     scale_inv = scale_inv.contiguous()
     tile_rows = 32
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(cols, SCALE_BLOCK))
-    _dequantize_kernel[grid](q, scale_inv, out, rows, cols, scale_inv.stride(0), ROWS=tile_rows,
-                             COLS=SCALE_BLOCK, num_warps=4)  # fmt: skip
+    _dequantize_kernel[grid](
+        q,
+        scale_inv,
+        out,
+        rows,
+        cols,
+        scale_inv.stride(0),
+        ROWS=tile_rows,
+        COLS=SCALE_BLOCK,
+        num_warps=4,
+    )
     return out

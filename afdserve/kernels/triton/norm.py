@@ -22,19 +22,34 @@ from afdserve.kernels.triton.fp8_weight_only import exact_shift
 
 @triton.jit
 def _rms_norm_kernel(
-    X, W, Y, D, H, S, stride_x, stride_y, stride_d, stride_h, width, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr, FP8: tl.constexpr = False, GROUP: tl.constexpr = 128,
+    X,
+    W,
+    Y,
+    D,
+    H,
+    S,
+    stride_x,
+    stride_y,
+    stride_d,
+    stride_h,
+    width,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+    FP8: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
     FP8_LIMIT: tl.constexpr = 448.0,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if ADD:
         # The sum is rounded to the stream's dtype before the statistics, as `h + delta` is.
-        x = (x.to(tl.float32) + tl.load(D + row * stride_d + cols, mask=mask, other=0.0).to(
-            tl.float32
-        )).to(X.dtype.element_ty)
+        x = (
+            x.to(tl.float32)
+            + tl.load(D + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+        ).to(X.dtype.element_ty)
         tl.store(H + row * stride_h + cols, x, mask=mask)
     x = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
@@ -49,8 +64,9 @@ def _rms_norm_kernel(
         q = tl.reshape(y * tl.exp2(-shift)[:, None], (BLOCK,))
         tl.store(Y + row * stride_y + cols, q.to(tl.float8e4nv), mask=mask)
         group = tl.arange(0, BLOCK // GROUP)
-        tl.store(S + row * tl.cdiv(width, GROUP) + group, tl.exp2(shift),
-                 mask=group * GROUP < width)  # fmt: skip
+        tl.store(
+            S + row * tl.cdiv(width, GROUP) + group, tl.exp2(shift), mask=group * GROUP < width
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -69,12 +85,25 @@ def _launch(flat, weight, eps, delta=None, summed=None, scales=None) -> torch.Te
         add = delta is not None
         d, h = (delta, summed) if add else (flat, flat)  # placeholders when not adding
         _rms_norm_kernel[(rows,)](
-            flat, weight, out, d, h, scales if fp8 else flat,
-            flat.stride(0), out.stride(0), d.stride(0), h.stride(0),
-            width, eps,
-            BLOCK=block, ADD=add, FP8=fp8, GROUP=GROUP, FP8_LIMIT=FP8_MAX,
+            flat,
+            weight,
+            out,
+            d,
+            h,
+            scales if fp8 else flat,
+            flat.stride(0),
+            out.stride(0),
+            d.stride(0),
+            h.stride(0),
+            width,
+            eps,
+            BLOCK=block,
+            ADD=add,
+            FP8=fp8,
+            GROUP=GROUP,
+            FP8_LIMIT=FP8_MAX,
             num_warps=4 if block <= 2048 else 8,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -100,6 +129,7 @@ def add_rms_norm_fp8(
     (bf16/fp16 h and weight of one dtype): (those rows, h + delta)."""
     flat, d = _rows(h), _rows(delta)
     summed = torch.empty_like(flat)
-    scales = torch.empty(flat.shape[0], scale_groups(flat.shape[-1]), dtype=torch.float32,
-                         device=flat.device)  # fmt: skip
+    scales = torch.empty(
+        flat.shape[0], scale_groups(flat.shape[-1]), dtype=torch.float32, device=flat.device
+    )
     return Fp8Rows(_launch(flat, weight, eps, d, summed, scales), scales, h.dtype), summed

@@ -13,8 +13,9 @@ import triton.language as tl
 @triton.jit
 def _stamp_kernel(BUF, COUNT, capacity):
     i = tl.load(COUNT)
-    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                    is_pure=False, pack=1)
+    now = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
     tl.store(BUF + i, now, mask=i < capacity)
     tl.store(COUNT, i + 1)
 
@@ -38,4 +39,3 @@ class Stamps:
         if n > self.buf.numel():
             raise RuntimeError(f"{n} stamps overflowed a buffer of {self.buf.numel()}")
         return self.buf[:n].tolist()
-

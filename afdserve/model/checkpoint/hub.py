@@ -65,27 +65,35 @@ def resolve_model_dir(
     given, or the cached snapshot of a hub id (downloaded first unless HF_HUB_OFFLINE)."""
     if model in (None, "", "tiny"):
         if revision is not None:
-            raise ValueError(f"revision={revision!r}: applies to a hub id, and {what} is the "
-                             "bundled tiny model")  # fmt: skip
+            raise ValueError(
+                f"revision={revision!r}: applies to a hub id, and {what} is the bundled tiny model"
+            )
         return resolve_model(model)
     path = Path(model).expanduser()
     if path.is_dir():
         if revision is not None:
-            raise ValueError(f"revision={revision!r}: applies to a hub id, and {what}={model!r} "
-                             "is a local directory")  # fmt: skip
+            raise ValueError(
+                f"revision={revision!r}: applies to a hub id, and {what}={model!r} "
+                "is a local directory"
+            )
         return str(path)
     if not looks_like_repo_id(model):
-        raise ValueError(f"{what}={model!r}: no such directory (expected a Hugging Face model "
-                         "directory or a hub id such as Qwen/Qwen3-30B-A3B)")  # fmt: skip
+        raise ValueError(
+            f"{what}={model!r}: no such directory (expected a Hugging Face model "
+            "directory or a hub id such as Qwen/Qwen3-30B-A3B)"
+        )
     if trust_remote_code:
         patterns = (*patterns, *REMOTE_CODE_PATTERNS)
     return _snapshot(model, revision, download_dir, what, patterns)
 
 
 def _snapshot(
-    repo_id: str, revision: str | None, download_dir: str | None, what: str,
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    what: str,
     patterns: tuple[str, ...],
-) -> str:  # fmt: skip
+) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -102,18 +110,26 @@ def _snapshot(
     offline = bool(constants.HF_HUB_OFFLINE)
     try:
         return snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(patterns),
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            allow_patterns=list(patterns),
             local_files_only=offline,
-        )  # fmt: skip
+        )
     except GatedRepoError:
-        raise ValueError(f"{named}: a gated repository; accept its terms on the hub, then set "
-                         "HF_TOKEN (or run `hf auth login`)") from None  # fmt: skip
+        raise ValueError(
+            f"{named}: a gated repository; accept its terms on the hub, then set "
+            "HF_TOKEN (or run `hf auth login`)"
+        ) from None
     except RepositoryNotFoundError:
-        raise ValueError(f"{named}: no such directory, and no such repository on the hub (a "
-                         "private one needs HF_TOKEN)") from None  # fmt: skip
+        raise ValueError(
+            f"{named}: no such directory, and no such repository on the hub (a "
+            "private one needs HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
-        raise ValueError(f"{named}: the repository has no such revision (a branch, tag or "
-                         "commit)") from None  # fmt: skip
+        raise ValueError(
+            f"{named}: the repository has no such revision (a branch, tag or commit)"
+        ) from None
     except IncompleteSnapshotError as e:
         raise ValueError(
             f"{named}: the cached snapshot in {cache} is incomplete and the hub "
@@ -121,7 +137,9 @@ def _snapshot(
         ) from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        raise ValueError(f"{named}: not in the Hugging Face cache {cache}, and {why}; fetch it "
-                         f"first with `{fetch}`") from None  # fmt: skip
+        raise ValueError(
+            f"{named}: not in the Hugging Face cache {cache}, and {why}; fetch it "
+            f"first with `{fetch}`"
+        ) from None
     except HFValidationError as e:
         raise ValueError(f"{named}: no such directory, and not a hub id ({e})") from None

@@ -30,11 +30,12 @@ from tqdm import tqdm
 
 from afdserve.config import LOAD_FORMATS
 from afdserve.kernels.reference.fp4 import quantize_fp4
-from afdserve.model.layers.attention import GQAAttention
 from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.families.deepseek_v4 import names as v4_names
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
+from afdserve.model.layers.attention import GQAAttention
 from afdserve.model.layers.fp8 import (
     SCALE_SUFFIX,
     is_fp8,
@@ -42,7 +43,6 @@ from afdserve.model.layers.fp8 import (
     quantize_weight,
     scale_shape_error,
 )
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.layers.moe import Experts, Router
 from afdserve.model.quantization import resolve_quantization
 
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PER_EXPERT = re.compile(
-    r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight(_scale_inv)?$")
+    r"^(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight(_scale_inv)?$"
+)
 _PART = {
     "gate_proj": "gate",
     "w1": "gate",
@@ -176,13 +177,22 @@ def load_weights(
         expected.pop("lm_head.weight", None)
     quant = model.config.quantization
     # Online FP8: scales are computed from the weights as they are read, not read themselves.
-    computed = {name: expected.pop(name) for name in list(expected)
-                if quant is not None and quant.online and name.endswith(SCALE_SUFFIX)}
+    computed = {
+        name: expected.pop(name)
+        for name in list(expected)
+        if quant is not None and quant.online and name.endswith(SCALE_SUFFIX)
+    }
     filled: dict[str, set] = {name: set() for name in expected}
     held = _held_experts(model)
     report = LoadReport()
-    bar = tqdm(files, desc=PROGRESS_DESC, unit="shard", file=sys.stderr, dynamic_ncols=True,
-               disable=None if progress is None else not progress)  # fmt: skip
+    bar = tqdm(
+        files,
+        desc=PROGRESS_DESC,
+        unit="shard",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=None if progress is None else not progress,
+    )
     for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -198,8 +208,9 @@ def load_weights(
                 if shard is not None and expert is not None:
                     # An expert-parallel shard reads only its own experts, one by one.
                     if expert >= model.config.num_experts:
-                        raise CheckpointError(f"{name}: expert {expert} but the config has "
-                                              f"{model.config.num_experts}")
+                        raise CheckpointError(
+                            f"{name}: expert {expert} but the config has {model.config.num_experts}"
+                        )
                     if expert not in shard:
                         report.skipped_other_half += 1
                         continue
@@ -220,8 +231,9 @@ def load_weights(
                     stacked = target.endswith("gate_up_proj") and part is None
                     tensor, grid = quantize_weight(tensor, stacked, quant.block)
                     _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX, True)
-                _copy_into(expected[target], tensor, slot, part, name,
-                           target.endswith(SCALE_SUFFIX))
+                _copy_into(
+                    expected[target], tensor, slot, part, name, target.endswith(SCALE_SUFFIX)
+                )
                 filled[target].add((expert, part))
                 report.loaded.append(name)
     missing = _missing(model.config, expected, filled, held)
@@ -253,12 +265,18 @@ def _check_hash_tables(model: MoECausalLM) -> None:
         low, high = int(table.min()), int(table.max())
         if low < 0 or high >= experts:
             bad = low if low < 0 else high
-            raise CheckpointError(f"{name}.tid2eid holds expert id {bad}, outside "
-                                  f"[0, {experts}) (the config's number of routed experts)")
+            raise CheckpointError(
+                f"{name}.tid2eid holds expert id {bad}, outside "
+                f"[0, {experts}) (the config's number of routed experts)"
+            )
 
 
 def _copy_into(
-    dst: torch.Tensor, src: torch.Tensor, expert: int | None, part: str | None, name: str,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    expert: int | None,
+    part: str | None,
+    name: str,
     scale: bool = False,
 ) -> None:
     if expert is not None:
@@ -269,11 +287,16 @@ def _copy_into(
             half = dst.shape[0] // 2
             dst = dst[:half] if part == "gate" else dst[half:]
     if tuple(src.shape) != tuple(dst.shape) and scale:
-        raise CheckpointError(scale_shape_error(name, tuple(src.shape), tuple(dst.shape),
-                                                fp4=dst.dtype == torch.uint8))
+        raise CheckpointError(
+            scale_shape_error(
+                name, tuple(src.shape), tuple(dst.shape), fp4=dst.dtype == torch.uint8
+            )
+        )
     if name.endswith("tid2eid") and src.dim() == 2 and src.shape[0] < dst.shape[0]:
-        raise CheckpointError(f"{name}: {src.shape[0]} rows, fewer than vocab_size="
-                              f"{dst.shape[0]}: every token id needs its experts")
+        raise CheckpointError(
+            f"{name}: {src.shape[0]} rows, fewer than vocab_size="
+            f"{dst.shape[0]}: every token id needs its experts"
+        )
     if tuple(src.shape) != tuple(dst.shape):
         raise CheckpointError(
             f"{name}: shape {tuple(src.shape)} in the checkpoint, the config implies "
@@ -293,8 +316,9 @@ def _held_experts(model: MoECausalLM) -> dict[str, tuple[int, ...]]:
     return held
 
 
-def _missing(config: ModelConfig, expected: dict, filled: dict[str, set],
-             held: dict[str, tuple[int, ...]]) -> list[str]:
+def _missing(
+    config: ModelConfig, expected: dict, filled: dict[str, set], held: dict[str, tuple[int, ...]]
+) -> list[str]:
     missing = []
     for name, tensor in expected.items():
         got = filled[name]
@@ -337,8 +361,13 @@ def all_tensor_names(config: ModelConfig) -> set[str]:
 
 
 def load_model(
-    model_dir: str | Path, parts: ModelParts, dtype: str = "auto", device: str = "cpu",
-    load_format: str = "auto", seed: int = 0, progress: bool | None = None,
+    model_dir: str | Path,
+    parts: ModelParts,
+    dtype: str = "auto",
+    device: str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+    progress: bool | None = None,
     quantization: str | None = None,
 ) -> tuple[MoECausalLM, LoadReport]:
     """One half of the model in `model_dir`. `load_format`: "auto" and "safetensors" read the
@@ -350,7 +379,8 @@ def load_model(
         raise ValueError(f"load_format={load_format!r} is not allowed: one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
     config = dataclasses.replace(
-        config, quantization=resolve_quantization(config.quantization, quantization))
+        config, quantization=resolve_quantization(config.quantization, quantization)
+    )
     model = build_model(config, parts, resolve_dtype(dtype, config), device)
     if load_format == "dummy":
         init_random_weights(model, seed)
@@ -393,8 +423,12 @@ def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) ->
             scale = state[name + SCALE_SUFFIX]
             for index, expert in enumerate(held.get(name, range(stored.shape[0]))):
                 gen.manual_seed(_tensor_seed(seed, name, expert))
-                values = torch.empty(*stored.shape[1:-1], 2 * stored.shape[-1],
-                                     dtype=model.dtype, device=stored.device)
+                values = torch.empty(
+                    *stored.shape[1:-1],
+                    2 * stored.shape[-1],
+                    dtype=model.dtype,
+                    device=stored.device,
+                )
                 stored[index], scale[index] = quantize_fp4(values.normal_(0.0, std, generator=gen))
             continue
         if name.endswith("tid2eid"):

@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.checkpoint.loader import (
     CheckpointError,
     _checkpoint_files,
@@ -24,7 +22,9 @@ from afdserve.model.checkpoint.loader import (
     _target,
     model_class,
 )
+from afdserve.model.config import ModelConfig, load_model_config
 from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.quantization import resolve_quantization
 
 

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference.fp8 import Fp8Rows
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.reference.fp8 import Fp8Rows
 from afdserve.kernels.reference.layers import causal_attention, dequantize_kv, gather_kv
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
 from afdserve.model.layers.common import RMSNorm, Rotary
+from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
 
 LayerCache = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -81,8 +81,7 @@ class GQAAttention(nn.Module):
         packed FP8 q/k/v GEMM (ops.quantizes_for_gemm), saving that GEMM's quantize launch."""
         if self.qkv_weight_scale_inv is None:
             return False
-        return ops.quantizes_for_gemm(h, self.qkv_weight, self.qkv_weight_scale_inv,
-                                      self.qkv_block)  # fmt: skip
+        return ops.quantizes_for_gemm(h, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_block)
 
     def forward(
         self,
@@ -94,8 +93,9 @@ class GQAAttention(nn.Module):
     ) -> torch.Tensor:
         rows = x.shape[0]
         if self.qkv_weight_scale_inv is not None:
-            qkv = ops.fp8_linear(x, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_bias,
-                                 self.qkv_block)  # fmt: skip
+            qkv = ops.fp8_linear(
+                x, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_bias, self.qkv_block
+            )
         elif self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         else:
@@ -105,10 +105,12 @@ class GQAAttention(nn.Module):
         layout = QKVLayout(
             self.heads, self.kv_heads, self.head_dim, *norms, self.eps, rotary.interleave
         )
-        q = ops.prepare_qkv(qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping,
-                            self.k_scale, self.v_scale)
+        q = ops.prepare_qkv(
+            qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
         out = ops.paged_attention(  # [rows, heads, dim]
-            q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale
+        )
         return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 
 
@@ -146,9 +148,11 @@ class MLAAttention(nn.Module):
     def takes_fp8_rows(self, h: torch.Tensor) -> bool:
         """As GQA's: both projections of the layer input (q_a or q, kv_a) FP8 w8a8 GEMMs."""
         inputs = (self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa)
-        return all(isinstance(p, Fp8Linear)
-                   and ops.quantizes_for_gemm(h, p.weight, p.weight_scale_inv, p.block)
-                   for p in inputs)  # fmt: skip
+        return all(
+            isinstance(p, Fp8Linear)
+            and ops.quantizes_for_gemm(h, p.weight, p.weight_scale_inv, p.block)
+            for p in inputs
+        )
 
     def forward(
         self,
@@ -168,8 +172,12 @@ class MLAAttention(nn.Module):
         q_pe = rotary.rotate(q_pe, cos, sin)
         k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
         latent_cache, _ = cache
-        ops.write_kv(latent_cache, torch.cat((latent[:, None, :], k_pe), dim=-1),
-                     meta.slot_mapping, self.k_scale)
+        ops.write_kv(
+            latent_cache,
+            torch.cat((latent[:, None, :], k_pe), dim=-1),
+            meta.slot_mapping,
+            self.k_scale,
+        )
         if meta.batched is not None:
             return self._absorbed(q_nope, q_pe, latent_cache, meta)
         q = torch.cat((q_nope, q_pe), dim=-1)
@@ -186,9 +194,13 @@ class MLAAttention(nn.Module):
             )
         return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
 
-
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Attention in the latent space: kv_b_proj's key part is folded into the query and its
         value part applied after, so every head attends straight over the cached
         [latent, rope key] rows as one shared KV head (MQA). One batched kernel launch, no
@@ -202,7 +214,8 @@ class MLAAttention(nn.Module):
         q = torch.cat((q_latent, q_pe), dim=-1)  # [rows, H, L + R]
         # Values are the latent part of the same cached rows; the rope part of the output is unused.
         out = ops.paged_attention(
-            q, latent_cache, latent_cache, meta, self.scale, self.k_scale, self.k_scale)
+            q, latent_cache, latent_cache, meta, self.scale, self.k_scale, self.k_scale
+        )
         out = torch.einsum("rhl,hvl->rhv", out[..., : self.kv_lora_rank], w_uv)
         return self.o_proj(out.reshape(rows, self.heads * self.v_dim))
 

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-
 from afdserve.kernels.reference import layers as reference
 from afdserve.model.config import ModelConfig
 

@@ -11,7 +11,8 @@ Which weights are FP8: every linear projection of attention (GQA q/k/v/o, MLA's 
 kv_a_proj_with_mqa, kv_b_proj, o_proj), of dense MLPs and shared experts, and the routed
 experts, less the modules named in `modules_to_not_convert`. Embeddings, norms, routers and
 lm_head stay in the model dtype. In memory the weights stay FP8 (one byte each) beside their
-scales; the CPU path dequantizes them right before each matmul (weight-only, kernels/reference/fp8.py).
+scales; the CPU path dequantizes them right before each matmul (weight-only,
+kernels/reference/fp8.py).
 
 Stacked experts keep the same layout: `experts.gate_up_proj` [E, 2I, H] float8 with
 `experts.gate_up_proj_scale_inv` [E, 2 * ceil(I / 128), ceil(H / 128)] (gate's grid, then up's:
@@ -41,16 +42,24 @@ class Fp8Linear(nn.Module):
     `weight_scale_inv` [ceil(out / 128), ceil(in / 128)] float32 (the checkpoint's names), an
     optional bias in the model dtype."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        block: tuple[int, int],
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-            requires_grad=False)
+            requires_grad=False,
+        )
         grid = scale_grid(out_features, in_features, block)
         self.weight_scale_inv = nn.Parameter(
-            torch.empty(grid, dtype=torch.float32, device=device), requires_grad=False)
+            torch.empty(grid, dtype=torch.float32, device=device), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,21 +99,28 @@ def convert_to_fp8(model: nn.Module, family: str, num_experts: int, spec: Fp8Spe
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, nn.Linear) and name != "lm_head":
                 if spec.converts(*_checkpoint_names(family, name)):
-                    fp8 = Fp8Linear(child.in_features, child.out_features,
-                                    child.bias is not None, spec.block, child.weight.device)
+                    fp8 = Fp8Linear(
+                        child.in_features,
+                        child.out_features,
+                        child.bias is not None,
+                        spec.block,
+                        child.weight.device,
+                    )
                     setattr(parent, child_name, fp8)
             elif isinstance(child, Experts):
                 # A pattern may name the stack itself (transformers' own module tree) or the
                 # checkpoint's experts one by one.
-                wanted = {spec.converts(*names)
-                          for names in _expert_modules(family, name, num_experts)}
+                wanted = {
+                    spec.converts(*names) for names in _expert_modules(family, name, num_experts)
+                }
                 if not spec.converts(*_checkpoint_names(family, name)):
                     wanted = {False}
                 if len(wanted) > 1:
                     raise ValueError(
                         f"quantization_config.modules_to_not_convert names some of {name}'s "
                         "routed experts but not all: afdserve stacks a layer's experts, all FP8 "
-                        "or none")  # fmt: skip
+                        "or none"
+                    )
                 if wanted == {True}:
                     quantize_experts(child, spec.block)
 
@@ -120,11 +136,21 @@ def quantize_experts(experts: Experts, block: tuple[int, int]) -> None:
             grid = (2 * half[0], half[1])
         else:
             grid = scale_grid(rows, cols, block)
-        setattr(experts, name, nn.Parameter(
-            torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False))
-        setattr(experts, name + SCALE_SUFFIX, nn.Parameter(
-            torch.empty(count, *grid, dtype=torch.float32, device=old.device),
-            requires_grad=False))
+        setattr(
+            experts,
+            name,
+            nn.Parameter(
+                torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False
+            ),
+        )
+        setattr(
+            experts,
+            name + SCALE_SUFFIX,
+            nn.Parameter(
+                torch.empty(count, *grid, dtype=torch.float32, device=old.device),
+                requires_grad=False,
+            ),
+        )
     experts.fp8_block = block
 
 
@@ -144,43 +170,59 @@ def quantize_weight(
     if not stacked_gate_up:
         return quantize_blockwise(weight, block)
     halves = [quantize_blockwise(h, block) for h in weight.chunk(2, dim=-2)]
-    return (torch.cat([q for q, _ in halves], dim=-2),
-            torch.cat([s for _, s in halves], dim=-2))
+    return (torch.cat([q for q, _ in halves], dim=-2), torch.cat([s for _, s in halves], dim=-2))
 
 
-def load_problem(name: str, src: torch.Tensor, dst: torch.Tensor,
-                 spec: Fp8Spec | None) -> str | None:
+def load_problem(
+    name: str, src: torch.Tensor, dst: torch.Tensor, spec: Fp8Spec | None
+) -> str | None:
     """Why checkpoint tensor `name` cannot fill `dst`, as far as FP8 goes (None: it can). A
     copy would otherwise cast silently: FP8 values without their scales, a bf16 scale."""
     online = spec is not None and spec.online
     if name.endswith(SCALE_SUFFIX):
         if src.dtype != torch.float32:
-            return (f"{name}: dtype {src.dtype} for a block scale; FP8 checkpoints store "
-                    "weight_scale_inv as float32")  # fmt: skip
+            return (
+                f"{name}: dtype {src.dtype} for a block scale; FP8 checkpoints store "
+                "weight_scale_inv as float32"
+            )
         return None
     if is_fp8(dst):
         if online and _is_float8(src.dtype):
-            return (f"{name}: {src.dtype} in a checkpoint whose config.json has no "
-                    "quantization_config: FP8 weights cannot be read without their scales")
+            return (
+                f"{name}: {src.dtype} in a checkpoint whose config.json has no "
+                "quantization_config: FP8 weights cannot be read without their scales"
+            )
         if not online and src.dtype != FP8_DTYPE:
-            return (f"{name}: dtype {src.dtype} in an FP8 checkpoint, float8_e4m3fn expected "
-                    "(with its weight_scale_inv); a module kept in another dtype must be named "
-                    "in quantization_config.modules_to_not_convert")  # fmt: skip
+            return (
+                f"{name}: dtype {src.dtype} in an FP8 checkpoint, float8_e4m3fn expected "
+                "(with its weight_scale_inv); a module kept in another dtype must be named "
+                "in quantization_config.modules_to_not_convert"
+            )
         return None
     if _is_float8(src.dtype):
-        why = ("config.json has no quantization_config" if spec is None or online else
-               "the module is never quantized (embeddings, norms, routers, lm_head) or is in "
-               "quantization_config.modules_to_not_convert")
-        return (f"{name}: {src.dtype} in the checkpoint, but afdserve keeps this tensor in "
-                f"{dst.dtype}: {why}; FP8 weights cannot be read without their scales")
+        why = (
+            "config.json has no quantization_config"
+            if spec is None or online
+            else "the module is never quantized (embeddings, norms, routers, lm_head) or is in "
+            "quantization_config.modules_to_not_convert"
+        )
+        return (
+            f"{name}: {src.dtype} in the checkpoint, but afdserve keeps this tensor in "
+            f"{dst.dtype}: {why}; FP8 weights cannot be read without their scales"
+        )
     return None
 
 
-def scale_shape_error(name: str, got: tuple[int, ...], want: tuple[int, ...],
-                      fp4: bool = False) -> str:
+def scale_shape_error(
+    name: str, got: tuple[int, ...], want: tuple[int, ...], fp4: bool = False
+) -> str:
     if fp4:  # DeepSeek-V4's FP4 experts (kernels/reference/fp4.py)
-        return (f"{name}: shape {got} in the checkpoint, expected {want}: one ue8m0 scale per "
-                "32 inputs of each row of its weight (out x in / 32)")
-    return (f"{name}: shape {got} in the checkpoint, expected {want}: one scale per "
-            "128x128 block of its weight, partial blocks included (ceil(out / 128) x "
-            "ceil(in / 128))")
+        return (
+            f"{name}: shape {got} in the checkpoint, expected {want}: one ue8m0 scale per "
+            "32 inputs of each row of its weight (out x in / 32)"
+        )
+    return (
+        f"{name}: shape {got} in the checkpoint, expected {want}: one scale per "
+        "128x128 block of its weight, partial blocks included (ceil(out / 128) x "
+        "ceil(in / 128))"
+    )

@@ -125,8 +125,9 @@ class Experts(nn.Module):
         if held is not None:
             # global expert id -> index in this shard, -1 when held elsewhere (not a checkpoint
             # tensor, so not persistent; filled by `index_held` once the module has storage)
-            self.register_buffer("local_index", torch.empty(config.num_experts, dtype=torch.long),
-                                 persistent=False)
+            self.register_buffer(
+                "local_index", torch.empty(config.num_experts, dtype=torch.long), persistent=False
+            )
             self.index_held()
 
     def index_held(self) -> None:
@@ -134,7 +135,8 @@ class Experts(nn.Module):
             return
         self.local_index.fill_(-1)
         self.local_index[list(self.held)] = torch.arange(
-            len(self.held), device=self.local_index.device)
+            len(self.held), device=self.local_index.device
+        )
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         ids, weights = routing
@@ -143,20 +145,32 @@ class Experts(nn.Module):
             ids = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
         if self.fp8_block is not None:
             return ops.moe_experts_fp8(
-                x, ids, weights, (self.gate_up_proj, self.gate_up_proj_scale_inv),
-                (self.down_proj, self.down_proj_scale_inv), self.fp8_block, self.limit)
+                x,
+                ids,
+                weights,
+                (self.gate_up_proj, self.gate_up_proj_scale_inv),
+                (self.down_proj, self.down_proj_scale_inv),
+                self.fp8_block,
+                self.limit,
+            )
         return ops.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, with_router: bool = True,
-                 held: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        with_router: bool = True,
+        held: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.gate = Router(config, layer) if with_router else None
         self.experts = Experts(config, held)
         shared = config.n_shared_experts * config.moe_intermediate_size
         self.shared_experts = (
-            GatedMLP(config.hidden_size, shared, config.swiglu_limit) if shared else None)
+            GatedMLP(config.hidden_size, shared, config.swiglu_limit) if shared else None
+        )
 
     def forward(
         self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
@@ -179,8 +193,9 @@ class DenseFFN(GatedMLP):
         return super().forward(x)
 
 
-def make_ffn(config: ModelConfig, layer: int, with_router: bool = True,
-             held: tuple[int, ...] | None = None) -> nn.Module:
+def make_ffn(
+    config: ModelConfig, layer: int, with_router: bool = True, held: tuple[int, ...] | None = None
+) -> nn.Module:
     if config.layer_types[layer] == "dense":
         return DenseFFN(config)
     return MoEBlock(config, layer, with_router, held)

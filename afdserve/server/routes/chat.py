@@ -33,11 +33,16 @@ def router(state: ServerState) -> APIRouter:
         engine, view = state.ready()
         answering = check(body, state, view)
         prompt = await asyncio.to_thread(
-            convert.chat_prompt, view, body.messages, chat_template=state.chat_template,
-            tools=tools.template_tools(body), switches=convert.template_switches(body),
-        )  # fmt: skip
-        (prompt,) = convert.truncate_prompts([prompt], body.truncate_prompt_tokens,
-                                             view.max_model_len)  # fmt: skip
+            convert.chat_prompt,
+            view,
+            body.messages,
+            chat_template=state.chat_template,
+            tools=tools.template_tools(body),
+            switches=convert.template_switches(body),
+        )
+        (prompt,) = convert.truncate_prompts(
+            [prompt], body.truncate_prompt_tokens, view.max_model_len
+        )
         params = sampling_params(body, view, prompt, answering)
         gen = await start(state, engine, "chat", convert.fan_out([prompt], params))
         head = shape.envelope("chat.completion", f"chatcmpl-{gen.ids[0][:24]}", state.model_name)
@@ -47,8 +52,9 @@ def router(state: ServerState) -> APIRouter:
             return shape.chat_logprobs(names, token_ids, entries, top)
 
         formatter = logprobs if body.logprobs else None
-        return await reply(gen, request, body, head, answering, formatter, params.n,
-                           state.options.reasoning_parser)  # fmt: skip
+        return await reply(
+            gen, request, body, head, answering, formatter, params.n, state.options.reasoning_parser
+        )
 
     return routes
 
@@ -83,9 +89,14 @@ def sampling_params(
     logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
     try:
         return convert.sampling_params(
-            body, max_tokens, logprobs_k, view.vocab_size, view.model_dir, view.defaults,
+            body,
+            max_tokens,
+            logprobs_k,
+            view.vocab_size,
+            view.model_dir,
+            view.defaults,
             answering.constraint if answering else None,
-        )  # fmt: skip
+        )
     except APIError as e:
         if e.param == "logprobs":  # the engine's name for what chat calls top_logprobs
             e.param, e.message = "top_logprobs", "top_" + e.message

@@ -26,8 +26,7 @@ def router(state: ServerState) -> APIRouter:
         engine, view = state.ready()
         check(body, state, view)
         prompts = await asyncio.to_thread(convert.completion_prompts, view, body.prompt)
-        prompts = convert.truncate_prompts(prompts, body.truncate_prompt_tokens,
-                                           view.max_model_len)  # fmt: skip
+        prompts = convert.truncate_prompts(prompts, body.truncate_prompt_tokens, view.max_model_len)
         default = view.defaults.get("max_tokens", convert.COMPLETION_MAX_TOKENS)
         max_tokens = convert.max_tokens_for(body.max_tokens, default, prompts, view.max_model_len)
         params = convert.sampling_params(
@@ -45,8 +44,9 @@ def router(state: ServerState) -> APIRouter:
         if body.echo:
             choice = await echoing(view, prompts, params)
         echo_logprobs = bool(body.echo) and body.logprobs is not None
-        return await respond(gen, request, body, head, choice, formatter,
-                             echo_logprobs=echo_logprobs)  # fmt: skip
+        return await respond(
+            gen, request, body, head, choice, formatter, echo_logprobs=echo_logprobs
+        )
 
     return routes
 
@@ -67,7 +67,8 @@ def check(body: api.CompletionRequest, state: ServerState, view: EngineView) -> 
 async def echoing(view: EngineView, prompts: list[list[int]], params: SamplingParams) -> Choice:
     """echo: each choice's text starts with its prompt's (streamed: in its first chunk)."""
     echoes = await asyncio.to_thread(
-        lambda: [view.tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
+        lambda: [view.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    )
     echoed: set[int] = set()
 
     def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:

@@ -27,10 +27,16 @@ from afdserve.server.streams import CLIENT_CLOSED, GenerationStream, start
 
 # Field -> its harmless values; anything else would change the answer in a way not served.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "previous_response_id": (None,),
-    "reasoning": (None,), "background": (None, False), "include": (None, []),
-    "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
-}  # fmt: skip
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "previous_response_id": (None,),
+    "reasoning": (None,),
+    "background": (None, False),
+    "include": (None, []),
+    "conversation": (None,),
+    "prompt": (None,),
+    "truncation": (None, "disabled"),
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -52,8 +58,10 @@ def messages_of(body: ResponsesRequest) -> list[api.ChatMessage]:
     turns = [api.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     for i, item in enumerate(items):
         if item.get("type", "message") != "message" or "role" not in item:
-            raise bad_request(f"input.{i}: only messages with a role are served, not "
-                              f"{item.get('type')!r} items", "input")  # fmt: skip
+            raise bad_request(
+                f"input.{i}: only messages with a role are served, not {item.get('type')!r} items",
+                "input",
+            )
         content = item.get("content")
         if isinstance(content, list):
             if any(p.get("type") not in ("input_text", "output_text", "text") for p in content):
@@ -84,14 +92,17 @@ def router(state: ServerState) -> APIRouter:
         turns = messages_of(body)
         check_messages(turns, state.max_prompt_chars(view))
         state.admission.check(1)
-        prompt = await asyncio.to_thread(convert.chat_prompt, view, turns,
-                                          chat_template=state.chat_template)  # fmt: skip
+        prompt = await asyncio.to_thread(
+            convert.chat_prompt, view, turns, chat_template=state.chat_template
+        )
         fields = api.SamplingFields(temperature=body.temperature, top_p=body.top_p)
         default = view.defaults.get("max_tokens")
-        max_tokens = convert.max_tokens_for(body.max_output_tokens, default, [prompt],
-                                            view.max_model_len)  # fmt: skip
-        params = convert.sampling_params(fields, max_tokens, None, view.vocab_size,
-                                         view.model_dir, view.defaults)  # fmt: skip
+        max_tokens = convert.max_tokens_for(
+            body.max_output_tokens, default, [prompt], view.max_model_len
+        )
+        params = convert.sampling_params(
+            fields, max_tokens, None, view.vocab_size, view.model_dir, view.defaults
+        )
         gen = await start(state, engine, "responses", convert.fan_out([prompt], params))
         shell = Shell(f"resp_{uuid.uuid4().hex}", state.model_name, body)
         if not body.stream:
@@ -115,30 +126,50 @@ class Shell:
         self.sequence = 0
 
     def item(self, text: str, status: str) -> dict:
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
 
     def response(self, text: str | None, finish: str | None, gen: Generation | None) -> dict:
-        status = "in_progress" if text is None else (
-            "incomplete" if finish == "length" else "completed")  # fmt: skip
+        status = (
+            "in_progress" if text is None else ("incomplete" if finish == "length" else "completed")
+        )
         usage = None
         if gen is not None:
             used = gen.usage()
-            usage = {"input_tokens": used["prompt_tokens"], "output_tokens":
-                     used["completion_tokens"], "total_tokens": used["total_tokens"],
-                     "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+            usage = {
+                "input_tokens": used["prompt_tokens"],
+                "output_tokens": used["completion_tokens"],
+                "total_tokens": used["total_tokens"],
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
-            "status": status, "output": [] if text is None else [self.item(text, "completed")],
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "output": [] if text is None else [self.item(text, "completed")],
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
             else None,
-            "instructions": self.body.instructions, "max_output_tokens":
-            self.body.max_output_tokens, "temperature": self.body.temperature,
-            "top_p": self.body.top_p, "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "text": {"format": {"type": "text"}}, "error": None, "usage": usage,
+            "instructions": self.body.instructions,
+            "max_output_tokens": self.body.max_output_tokens,
+            "temperature": self.body.temperature,
+            "top_p": self.body.top_p,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "error": None,
+            "usage": usage,
             "metadata": {},
-        }  # fmt: skip
+        }
 
     def event(self, kind: str, **fields: Any) -> str:
         self.sequence += 1
@@ -151,20 +182,30 @@ class Shell:
         text, finish = "", None
         try:
             yield self.event("response.created", response=self.response(None, None, None))
-            yield self.event("response.output_item.added", output_index=0,
-                             item={**self.item("", "in_progress"), "content": []})
-            yield self.event("response.content_part.added", **where,
-                             part={"type": "output_text", "text": "", "annotations": []})
+            yield self.event(
+                "response.output_item.added",
+                output_index=0,
+                item={**self.item("", "in_progress"), "content": []},
+            )
+            yield self.event(
+                "response.content_part.added",
+                **where,
+                part={"type": "output_text", "text": "", "annotations": []},
+            )
             async for _, out in gen.events():
                 if out.new_text:
                     text += out.new_text
                     yield self.event("response.output_text.delta", **where, delta=out.new_text)
                 finish = out.finish_reason
             yield self.event("response.output_text.done", **where, text=text)
-            yield self.event("response.content_part.done", **where,
-                             part={"type": "output_text", "text": text, "annotations": []})
-            yield self.event("response.output_item.done", output_index=0,
-                             item=self.item(text, "completed"))
+            yield self.event(
+                "response.content_part.done",
+                **where,
+                part={"type": "output_text", "text": text, "annotations": []},
+            )
+            yield self.event(
+                "response.output_item.done", output_index=0, item=self.item(text, "completed")
+            )
             final = self.response(text, finish, gen)
             ended = "incomplete" if final["status"] == "incomplete" else "completed"
             yield self.event(f"response.{ended}", response=final)

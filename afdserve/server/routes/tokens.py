@@ -27,16 +27,20 @@ def router(state: ServerState) -> APIRouter:
         if body.messages is not None:
             check_messages(body.messages, state.max_prompt_chars(view))
             tokens = await asyncio.to_thread(
-                convert.chat_prompt, view, body.messages, body.add_generation_prompt,
+                convert.chat_prompt,
+                view,
+                body.messages,
+                body.add_generation_prompt,
                 state.chat_template,
-            )  # fmt: skip
+            )
         else:
             text = body.prompt or ""
             check_text(text, "prompt")
             check_prompt_chars(text, state.max_prompt_chars(view), "prompt")
             special = body.add_special_tokens
-            tokens = await asyncio.to_thread(view.tokenizer.encode, text,
-                                             add_special_tokens=special)  # fmt: skip
+            tokens = await asyncio.to_thread(
+                view.tokenizer.encode, text, add_special_tokens=special
+            )
         return JSONResponse(
             {"count": len(tokens), "max_model_len": view.max_model_len, "tokens": tokens}
         )

@@ -18,10 +18,10 @@ from torch import nn
 
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
-from afdserve.model.layers.attention import LayerCache, make_attention
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers.fp8 import convert_to_fp8
+from afdserve.model.layers.attention import LayerCache, make_attention
 from afdserve.model.layers.common import RMSNorm, Rotary
+from afdserve.model.layers.fp8 import convert_to_fp8
 from afdserve.model.layers.moe import Router, Routing, make_ffn
 
 
@@ -58,13 +58,13 @@ class DecoderLayer(nn.Module):
             self.self_attn = make_attention(config)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if parts.ffn:
-            self.mlp = make_ffn(config, layer, with_router=not router_here_on_attention,
-                                held=parts.experts)
+            self.mlp = make_ffn(
+                config, layer, with_router=not router_here_on_attention, held=parts.experts
+            )
             if router_here_on_attention and parts.attention:
                 self.mlp.gate = Router(config, layer)  # colocated: one module holds both
         elif router_here_on_attention:
             self.mlp = RouterHolder(config, layer)
-
 
 
 def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
@@ -72,6 +72,7 @@ def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
     meta device (build_model) goes through torch._refs, whose first use imports torch._dynamo,
     seconds that each rank of every (re)started world would spend for nothing."""
     return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
 
 class ModelBody(nn.Module):
     def __init__(self, config: ModelConfig, parts: ModelParts) -> None:
@@ -136,7 +137,10 @@ class MoECausalLM(nn.Module):
         return h + ffn_out
 
     def route_on_attention(
-        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
+        self,
+        layer: int,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
         ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Routing | None:
         """With gate_on_attention the top-k ids and weights computed here travel along with x.

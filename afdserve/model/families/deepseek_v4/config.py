@@ -23,45 +23,106 @@ MLP_TYPES = ("hash_moe", "moe")
 # What transformers picks when the config leaves them out.
 DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 DEFAULT_NUM_HASH_LAYERS = 3
-_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
-                  128: "heavily_compressed_attention"}
+_RATIO_TO_TYPE = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    128: "heavily_compressed_attention",
+}
 
-HONOURED = frozenset({
-    "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank", "num_experts_per_tok",
-    "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
-    "routed_scaling_factor", "max_position_embeddings", "rope_theta", "layer_types",
-    "compress_rates", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-    "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank",
-    "index_n_heads", "index_head_dim", "index_topk", "hidden_act", "rms_norm_eps",
-    "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "rope_parameters",
-    "partial_rotary_factor", "attention_bias", "mlp_bias", "qk_rope_head_dim",
-    "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers",
-    "dtype", "torch_dtype",
-    # FP8 weights with ue8m0 scales, FP4 routed experts (model/families/deepseek_v4/quant.py); V4 says
-    # expert_dtype at the top level, which transformers moves into quantization_config.
-    "quantization_config", "expert_dtype",
-    # DeepSeek-V4-Flash's config.json says both: the routing V4 always has (checked below), and
-    # YaRN in the spelling transformers folds into rope_parameters (of "compress" only).
-    "topk_method", "rope_scaling",
-    # The multi-token-prediction layers: transformers does not build them and neither do we
-    # (their `mtp.*` tensors are reported as unexpected and skipped).
-    "num_nextn_predict_layers",
-})
+HONOURED = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "q_lora_rank",
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "n_shared_experts",
+        "scoring_func",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "max_position_embeddings",
+        "rope_theta",
+        "layer_types",
+        "compress_rates",
+        "compress_rope_theta",
+        "hc_mult",
+        "hc_sinkhorn_iters",
+        "hc_eps",
+        "mlp_layer_types",
+        "swiglu_limit",
+        "sliding_window",
+        "o_groups",
+        "o_lora_rank",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "hidden_act",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "attention_bias",
+        "mlp_bias",
+        "qk_rope_head_dim",
+        "compress_ratios",
+        "compress_rate_csa",
+        "compress_rate_hca",
+        "num_hash_layers",
+        "dtype",
+        "torch_dtype",
+        # FP8 weights with ue8m0 scales, FP4 routed experts (model/families/deepseek_v4/quant.py);
+        # V4 says expert_dtype at the top level, which transformers moves into quantization_config.
+        "quantization_config",
+        "expert_dtype",
+        # DeepSeek-V4-Flash's config.json says both: the routing V4 always has (checked below), and
+        # YaRN in the spelling transformers folds into rope_parameters (of "compress" only).
+        "topk_method",
+        "rope_scaling",
+        # The multi-token-prediction layers: transformers does not build them and neither do we
+        # (their `mtp.*` tensors are reported as unexpected and skipped).
+        "num_nextn_predict_layers",
+    }
+)
 # Keys that change nothing at inference.
-IGNORED = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path", "initializer_range",
-    "use_cache", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
-    "router_jitter_noise", "output_attentions", "output_hidden_states", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-})
+IGNORED = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+    }
+)
 
 
 def _check_keys(raw: dict[str, Any]) -> None:
     unknown = sorted(k for k in raw if k not in HONOURED and k not in IGNORED)
     if unknown:
-        raise ValueError(f"deepseek_v4 config field {unknown[0]!r} is not supported"
-                         + (f" (nor {unknown[1:]})" if len(unknown) > 1 else ""))
+        raise ValueError(
+            f"deepseek_v4 config field {unknown[0]!r} is not supported"
+            + (f" (nor {unknown[1:]})" if len(unknown) > 1 else "")
+        )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -74,13 +135,15 @@ def _attention_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     if types is None and raw.get("compress_ratios") is not None:
         ratios = list(raw["compress_ratios"])
         for i, r in enumerate(ratios):
-            _require(r in _RATIO_TO_TYPE,
-                     f"compress_ratios[{i}]={r!r}: one of {list(_RATIO_TO_TYPE)}")
+            _require(
+                r in _RATIO_TO_TYPE, f"compress_ratios[{i}]={r!r}: one of {list(_RATIO_TO_TYPE)}"
+            )
         types = [_RATIO_TO_TYPE[r] for r in ratios]
     if types is None:  # transformers' default: two HCA layers, then CSA and HCA alternating
         types = ["heavily_compressed_attention"] * min(n, 2) + [
             "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
-            for i in range(max(n - 2, 0))]
+            for i in range(max(n - 2, 0))
+        ]
     _require(len(types) >= n, f"layer_types has {len(types)} entries, num_hidden_layers={n}")
     types = tuple(types[:n])
     for i, kind in enumerate(types):
@@ -103,22 +166,31 @@ def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
 
 def _compress_rates(raw: dict[str, Any]) -> tuple[int, int]:
     rates = dict(raw.get("compress_rates") or DEFAULT_COMPRESS_RATES)
-    for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
-                        ("heavily_compressed_attention", "compress_rate_hca")):
+    for key, legacy in (
+        ("compressed_sparse_attention", "compress_rate_csa"),
+        ("heavily_compressed_attention", "compress_rate_hca"),
+    ):
         if raw.get(legacy) is not None:
             rates[key] = raw[legacy]
     for key in rates:
         _require(key in COMPRESSED_TYPES, f"compress_rates[{key!r}]: keys are {COMPRESSED_TYPES}")
     for key in COMPRESSED_TYPES:
         rate = rates.get(key, DEFAULT_COMPRESS_RATES[key])
-        _require(isinstance(rate, int) and rate >= 2,
-                 f"compress_rates[{key!r}]={rate!r}: must be an int >= 2")
+        _require(
+            isinstance(rate, int) and rate >= 2,
+            f"compress_rates[{key!r}]={rate!r}: must be an int >= 2",
+        )
         rates[key] = rate
     return rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
 
 
-def _rope(raw: dict[str, Any], label: str, theta: float, factor: float, head_dim: int,
-          ) -> tuple[tuple[float, ...], float]:
+def _rope(
+    raw: dict[str, Any],
+    label: str,
+    theta: float,
+    factor: float,
+    head_dim: int,
+) -> tuple[tuple[float, ...], float]:
     """Inverse frequencies and cos/sin scale of one rope label ("main" or "compress"). Scaled
     types (YaRN on "compress") come from transformers' own definitions, through its config class,
     so that positions mean what the checkpoint's authors meant."""
@@ -141,8 +213,10 @@ def _rope(raw: dict[str, Any], label: str, theta: float, factor: float, head_dim
     from transformers import DeepseekV4Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    _require(kind in ROPE_INIT_FUNCTIONS,
-             f"rope_parameters[{label!r}].rope_type={kind!r}: one of {sorted(ROPE_INIT_FUNCTIONS)}")
+    _require(
+        kind in ROPE_INIT_FUNCTIONS,
+        f"rope_parameters[{label!r}].rope_type={kind!r}: one of {sorted(ROPE_INIT_FUNCTIONS)}",
+    )
     hf = DeepseekV4Config(**{k: v for k, v in raw.items() if k not in IGNORED})
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf, "cpu", layer_type=label)
     return tuple(inv_freq.tolist()), float(scaling)
@@ -153,100 +227,173 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
     ModelConfig, so this module needs nothing from there)."""
     _check_keys(raw)
     if raw.get("rope_scaling") is not None:
-        _require(raw.get("rope_parameters") is None,
-                 "rope_scaling and rope_parameters both given: give one")
-        raw = {**{k: v for k, v in raw.items() if k != "rope_scaling"},
-               "rope_parameters": raw["rope_scaling"]}
-    _require(raw.get("topk_method", "noaux_tc") == "noaux_tc",
-             f"topk_method={raw.get('topk_method')!r}: V4 routes 'noaux_tc' only")
+        _require(
+            raw.get("rope_parameters") is None,
+            "rope_scaling and rope_parameters both given: give one",
+        )
+        raw = {
+            **{k: v for k, v in raw.items() if k != "rope_scaling"},
+            "rope_parameters": raw["rope_scaling"],
+        }
+    _require(
+        raw.get("topk_method", "noaux_tc") == "noaux_tc",
+        f"topk_method={raw.get('topk_method')!r}: V4 routes 'noaux_tc' only",
+    )
     n = int(raw.get("num_hidden_layers", 43))
     hidden, heads = int(raw.get("hidden_size", 4096)), int(raw.get("num_attention_heads", 64))
     head_dim = int(raw.get("head_dim", 512))
-    _require(int(raw.get("num_key_value_heads", 1)) == 1,
-             f"num_key_value_heads={raw.get('num_key_value_heads')!r}: V4 attention is "
-             "shared-KV MQA, exactly 1")
-    _require(int(raw.get("n_shared_experts", 1)) == 1,
-             f"n_shared_experts={raw.get('n_shared_experts')!r}: V4 defines exactly 1")
-    _require(raw.get("norm_topk_prob", True) is True,
-             "norm_topk_prob=False: V4 always normalises the chosen experts' scores")
+    _require(
+        int(raw.get("num_key_value_heads", 1)) == 1,
+        f"num_key_value_heads={raw.get('num_key_value_heads')!r}: V4 attention is "
+        "shared-KV MQA, exactly 1",
+    )
+    _require(
+        int(raw.get("n_shared_experts", 1)) == 1,
+        f"n_shared_experts={raw.get('n_shared_experts')!r}: V4 defines exactly 1",
+    )
+    _require(
+        raw.get("norm_topk_prob", True) is True,
+        "norm_topk_prob=False: V4 always normalises the chosen experts' scores",
+    )
     for key in ("attention_bias", "mlp_bias"):
         _require(not raw.get(key, False), f"{key}=True: V4 projections have no bias")
-    _require(raw.get("hidden_act", "silu") == "silu",
-             f"hidden_act={raw.get('hidden_act')!r}: only 'silu'")
+    _require(
+        raw.get("hidden_act", "silu") == "silu",
+        f"hidden_act={raw.get('hidden_act')!r}: only 'silu'",
+    )
     factor = raw.get("partial_rotary_factor")
     if factor is None:
         legacy = raw.get("qk_rope_head_dim")
         factor = legacy / head_dim if legacy is not None else 64 / 512
     rope_dim = int(head_dim * float(factor))
     if raw.get("qk_rope_head_dim") is not None:
-        _require(int(raw["qk_rope_head_dim"]) == rope_dim,
-                 f"qk_rope_head_dim={raw['qk_rope_head_dim']} but head_dim * "
-                 f"partial_rotary_factor = {rope_dim}")
-    _require(0 < rope_dim <= head_dim and rope_dim % 2 == 0,
-             f"partial_rotary_factor={factor}: rotary width {rope_dim} must be even, in "
-             f"(0, head_dim={head_dim}]")
+        _require(
+            int(raw["qk_rope_head_dim"]) == rope_dim,
+            f"qk_rope_head_dim={raw['qk_rope_head_dim']} but head_dim * "
+            f"partial_rotary_factor = {rope_dim}",
+        )
+    _require(
+        0 < rope_dim <= head_dim and rope_dim % 2 == 0,
+        f"partial_rotary_factor={factor}: rotary width {rope_dim} must be even, in "
+        f"(0, head_dim={head_dim}]",
+    )
     index_head_dim = int(raw.get("index_head_dim", 128))
-    _require(rope_dim <= index_head_dim,
-             f"index_head_dim={index_head_dim}: below the rotary width {rope_dim}")
+    _require(
+        rope_dim <= index_head_dim,
+        f"index_head_dim={index_head_dim}: below the rotary width {rope_dim}",
+    )
     o_groups = int(raw.get("o_groups", 8))
-    _require(o_groups >= 1 and heads % o_groups == 0,
-             f"o_groups={o_groups}: must divide num_attention_heads={heads}")
+    _require(
+        o_groups >= 1 and heads % o_groups == 0,
+        f"o_groups={o_groups}: must divide num_attention_heads={heads}",
+    )
     num_experts = int(raw.get("n_routed_experts", 256))
     top_k = int(raw.get("num_experts_per_tok", 6))
-    _require(1 <= top_k <= num_experts,
-             f"num_experts_per_tok={top_k}: must be in [1, n_routed_experts={num_experts}]")
-    for key, low in (("sliding_window", 1), ("hc_mult", 1), ("hc_sinkhorn_iters", 1),
-                     ("index_topk", 1), ("index_n_heads", 1), ("o_lora_rank", 1),
-                     ("q_lora_rank", 1)):
+    _require(
+        1 <= top_k <= num_experts,
+        f"num_experts_per_tok={top_k}: must be in [1, n_routed_experts={num_experts}]",
+    )
+    for key, low in (
+        ("sliding_window", 1),
+        ("hc_mult", 1),
+        ("hc_sinkhorn_iters", 1),
+        ("index_topk", 1),
+        ("index_n_heads", 1),
+        ("o_lora_rank", 1),
+        ("q_lora_rank", 1),
+    ):
         if key in raw:
-            _require(isinstance(raw[key], int) and raw[key] >= low,
-                     f"{key}={raw[key]!r}: must be an int >= {low}")
+            _require(
+                isinstance(raw[key], int) and raw[key] >= low,
+                f"{key}={raw[key]!r}: must be an int >= {low}",
+            )
     csa, hca = _compress_rates(raw)
-    main_inv, main_scale = _rope(raw, "main", float(raw.get("rope_theta", 10000.0)), factor,
-                                 head_dim)
-    comp_inv, comp_scale = _rope(raw, "compress", float(raw.get("compress_rope_theta", 160000.0)),
-                                 factor, head_dim)
+    main_inv, main_scale = _rope(
+        raw, "main", float(raw.get("rope_theta", 10000.0)), factor, head_dim
+    )
+    comp_inv, comp_scale = _rope(
+        raw, "compress", float(raw.get("compress_rope_theta", 160000.0)), factor, head_dim
+    )
     for label, inv in (("main", main_inv), ("compress", comp_inv)):
-        _require(len(inv) * 2 == rope_dim, f"rope_parameters[{label!r}] gives {len(inv)} "
-                 f"frequencies for the rotary width {rope_dim}")
+        _require(
+            len(inv) * 2 == rope_dim,
+            f"rope_parameters[{label!r}] gives {len(inv)} "
+            f"frequencies for the rotary width {rope_dim}",
+        )
     v4 = V4Config(
-        attention_types=_attention_types(raw, n), csa_rate=csa, hca_rate=hca,
-        sliding_window=int(raw.get("sliding_window", 128)), hc_mult=int(raw.get("hc_mult", 4)),
+        attention_types=_attention_types(raw, n),
+        csa_rate=csa,
+        hca_rate=hca,
+        sliding_window=int(raw.get("sliding_window", 128)),
+        hc_mult=int(raw.get("hc_mult", 4)),
         hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(raw.get("hc_eps", 1e-6)), o_groups=o_groups,
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        o_groups=o_groups,
         o_lora_rank=int(raw.get("o_lora_rank", 1024)),
-        index_n_heads=int(raw.get("index_n_heads", 64)), index_head_dim=index_head_dim,
-        index_topk=int(raw.get("index_topk", 512)), compress_inv_freq=comp_inv,
-        compress_attention_scaling=comp_scale, main_attention_scaling=main_scale)
+        index_n_heads=int(raw.get("index_n_heads", 64)),
+        index_head_dim=index_head_dim,
+        index_topk=int(raw.get("index_topk", 512)),
+        compress_inv_freq=comp_inv,
+        compress_attention_scaling=comp_scale,
+        main_attention_scaling=main_scale,
+    )
     eos = raw.get("eos_token_id", 1)
     limit = raw.get("swiglu_limit", 10.0)
     quantization = parse_quantization_config(raw, fp4_experts=True)
-    _require(raw.get("expert_dtype") is None or quantization is not None,
-             f"expert_dtype={raw.get('expert_dtype')!r} without a quantization_config: the "
-             "experts' precision needs the checkpoint's FP8 quantization_config beside it")
+    _require(
+        raw.get("expert_dtype") is None or quantization is not None,
+        f"expert_dtype={raw.get('expert_dtype')!r} without a quantization_config: the "
+        "experts' precision needs the checkpoint's FP8 quantization_config beside it",
+    )
     inter = int(raw.get("moe_intermediate_size", 2048))
     if quantization is not None and quantization.expert_dtype == "fp4":
-        _require(hidden % 32 == 0 and inter % 32 == 0,
-                 f"expert_dtype='fp4' with hidden_size={hidden}, moe_intermediate_size={inter}: "
-                 "both must be multiples of 32 (one ue8m0 scale per 32 inputs)")
+        _require(
+            hidden % 32 == 0 and inter % 32 == 0,
+            f"expert_dtype='fp4' with hidden_size={hidden}, moe_intermediate_size={inter}: "
+            "both must be multiples of 32 (one ue8m0 scale per 32 inputs)",
+        )
     return dict(
-        family="deepseek_v4", vocab_size=int(raw.get("vocab_size", 129280)), hidden_size=hidden,
-        num_layers=n, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        family="deepseek_v4",
+        vocab_size=int(raw.get("vocab_size", 129280)),
+        hidden_size=hidden,
+        num_layers=n,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        attention="v4", num_heads=heads, num_kv_heads=1, head_dim=head_dim, qk_norm=False,
-        attention_bias=False, rope_inv_freq=main_inv, rope_attention_scaling=main_scale,
-        rope_interleave=True, q_lora_rank=int(raw.get("q_lora_rank", 1024)), kv_lora_rank=0,
-        qk_nope_head_dim=head_dim - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=head_dim,
-        softmax_scale=head_dim**-0.5, layer_types=_mlp_types(raw, n), intermediate_size=0,
+        attention="v4",
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        qk_norm=False,
+        attention_bias=False,
+        rope_inv_freq=main_inv,
+        rope_attention_scaling=main_scale,
+        rope_interleave=True,
+        q_lora_rank=int(raw.get("q_lora_rank", 1024)),
+        kv_lora_rank=0,
+        qk_nope_head_dim=head_dim - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=head_dim,
+        softmax_scale=head_dim**-0.5,
+        layer_types=_mlp_types(raw, n),
+        intermediate_size=0,
         moe_intermediate_size=inter,
-        num_experts=num_experts, top_k=top_k, n_shared_experts=1,
+        num_experts=num_experts,
+        top_k=top_k,
+        n_shared_experts=1,
         scoring=raw.get("scoring_func", "sqrtsoftplus"),
         # Top-k on scores + e_score_correction_bias, weights from the scores: DeepSeek-V3's
         # noaux_tc with a single expert group.
-        topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True,
+        topk_method="noaux_tc",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
-        hidden_act="silu", torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        swiglu_limit=None if limit is None else float(limit), v4=v4, quantization=quantization)
+        hidden_act="silu",
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        swiglu_limit=None if limit is None else float(limit),
+        v4=v4,
+        quantization=quantization,
+    )

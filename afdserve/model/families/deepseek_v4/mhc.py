@@ -71,13 +71,15 @@ class HyperConnection(nn.Module):
         return collapsed, post, comb
 
 
-def expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-           ) -> torch.Tensor:
+def expand(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """The streams after a block: post * y + comb^T h. comb is read by its first index (sum_j
     comb[j, k] h[j]); Sinkhorn leaves it non-symmetric, so the direction matters."""
     dtype = h.dtype
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), h)
+        comb.to(dtype).transpose(-1, -2), h
+    )
 
 
 class HyperHead(nn.Module):

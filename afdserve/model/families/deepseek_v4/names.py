@@ -76,7 +76,7 @@ def to_ours(name: str) -> str:
     """A public checkpoint name (or transformers' module name) -> our module's tensor name; a
     name we do not know comes back as it was (the loader reports it as unexpected, e.g. the MTP
     layers' `mtp.*`)."""
-    bare = name[len("model."):] if name.startswith("model.") else name
+    bare = name[len("model.") :] if name.startswith("model.") else name
     scale = _PUBLIC_SCALE.match(bare)
     if scale is not None and scale.group(1).rsplit(".", 1)[-1] not in _MHC_MODULES:
         return to_ours(scale.group(1) + ".weight") + OUR_SCALE
@@ -89,7 +89,7 @@ def to_ours(name: str) -> str:
     layer, rest = m.groups()
     for public, ours in _LAYER:
         if rest.startswith(public):
-            return f"model.layers.{layer}.{ours}{rest[len(public):]}"
+            return f"model.layers.{layer}.{ours}{rest[len(public) :]}"
     # transformers' own module names are ours but for the indexer's scoring head.
     return f"model.layers.{layer}.{rest.replace('.indexer.scorer.', '.indexer.')}"
 
@@ -107,5 +107,5 @@ def to_public(name: str) -> str:
     layer, rest = m.groups()
     for public, ours in _LAYER:
         if rest.startswith(ours):
-            return f"layers.{layer}.{public}{rest[len(ours):]}"
+            return f"layers.{layer}.{public}{rest[len(ours) :]}"
     return name

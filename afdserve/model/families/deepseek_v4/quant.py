@@ -8,8 +8,9 @@ DeepSeek-V4-Flash's checkpoint keeps in FP8 (float8_e4m3fn, a ue8m0 scale per 12
 per 32 inputs) the routed experts; in bf16 everything else, the compressors' and the indexer's
 `weights_proj` included (transformers' `_keep_in_fp32_modules` lists the same five). In memory:
 FP8 weights stay float8_e4m3fn beside float32 scale grids (ue8m0 widens exactly), so they take
-the FP8 path every family takes (model/layers/fp8.py); FP4 experts stay packed bytes beside their scale
-bytes (`Fp4Experts`), read by kernels/reference/fp4.py on the CPU and kernels/moe/fp4_decode.py on CUDA.
+the FP8 path every family takes (model/layers/fp8.py); FP4 experts stay packed bytes beside their
+scale bytes (`Fp4Experts`), read by kernels/reference/fp4.py on the CPU and
+kernels/moe/fp4_decode.py on CUDA.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from afdserve.model.quantization import Fp8Spec
 # Our names of the linear layers the public checkpoint stores in FP8.
 FP8_MODULES = re.compile(
     r"\.(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|compressor\.indexer\.q_b_proj)"
-    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj))$")  # fmt: skip
+    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj))$"
+)
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # ue8m0 scales, or their bytes (MXFP8 style)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # int8 as published
 PACKED_ONLY = (torch.int8, torch.float4_e2m1fn_x2)  # dtypes no unquantized weight has
@@ -47,17 +49,27 @@ class Fp4Experts(Experts):
         e, device = self.gate_up_proj.shape[0], self.gate_up_proj.device
         for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
             for suffix, width in (("", cols // 2), (SCALE_SUFFIX, cols // FP4_BLOCK)):
-                setattr(self, name + suffix, nn.Parameter(
-                    torch.empty(e, rows, width, dtype=torch.uint8, device=device),
-                    requires_grad=False))  # fmt: skip
+                setattr(
+                    self,
+                    name + suffix,
+                    nn.Parameter(
+                        torch.empty(e, rows, width, dtype=torch.uint8, device=device),
+                        requires_grad=False,
+                    ),
+                )
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         ids, weights = routing
         if self.held is not None:  # as Experts.forward: held elsewhere or pad -> -1
             ids = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
         return ops.moe_experts_fp4(
-            x, ids, weights, (self.gate_up_proj, self.gate_up_proj_scale_inv),
-            (self.down_proj, self.down_proj_scale_inv), self.limit)  # fmt: skip
+            x,
+            ids,
+            weights,
+            (self.gate_up_proj, self.gate_up_proj_scale_inv),
+            (self.down_proj, self.down_proj_scale_inv),
+            self.limit,
+        )
 
 
 def _public_module(name: str) -> str:
@@ -73,16 +85,25 @@ def convert_to_quantized(model: nn.Module, config: ModelConfig) -> None:
         raise ValueError(
             "quantization='fp8' on a deepseek_v4 checkpoint without quantization_config is not "
             "supported: V4 is read in its published precision (FP8 projections, FP4 or FP8 "
-            "experts, as its quantization_config says); allowed: None")  # fmt: skip
+            "experts, as its quantization_config says); allowed: None"
+        )
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if not spec.converts(name, _public_module(name)):
                 continue
             if isinstance(child, nn.Linear) and FP8_MODULES.search(name):
-                setattr(parent, child_name, Fp8Linear(
-                    child.in_features, child.out_features, False, spec.block,
-                    child.weight.device))  # fmt: skip
+                setattr(
+                    parent,
+                    child_name,
+                    Fp8Linear(
+                        child.in_features,
+                        child.out_features,
+                        False,
+                        spec.block,
+                        child.weight.device,
+                    ),
+                )
             elif isinstance(child, Experts) and spec.expert_dtype == "fp4":
                 setattr(parent, child_name, Fp4Experts(config, child.held))
             elif isinstance(child, Experts):
@@ -96,10 +117,15 @@ def load_problem_v4(
     and ue8m0 scales, then the FP8 rules every family has."""
     scale = target.endswith(SCALE_SUFFIX)
     if dst.dtype == torch.uint8:  # an FP4 expert stack: packed pairs or their scale bytes
-        ok, what = ((E8M0_DTYPES, "ue8m0 scales (float8_e8m0fnu or uint8), one per 32 inputs")
-                    if scale else
-                    (FP4_DTYPES, "packed e2m1 pairs (int8 as published, uint8 or "
-                                 "float4_e2m1fn_x2), two inputs per byte"))  # fmt: skip
+        ok, what = (
+            (E8M0_DTYPES, "ue8m0 scales (float8_e8m0fnu or uint8), one per 32 inputs")
+            if scale
+            else (
+                FP4_DTYPES,
+                "packed e2m1 pairs (int8 as published, uint8 or "
+                "float4_e2m1fn_x2), two inputs per byte",
+            )
+        )
         if src.dtype not in ok:
             return (
                 f"{name}: dtype {src.dtype} for an FP4 expert (expert_dtype='fp4'); expected {what}"

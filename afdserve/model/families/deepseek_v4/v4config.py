@@ -29,5 +29,7 @@ class V4Config:
 
     def compress_rate(self, layer: int) -> int:
         kind = self.attention_types[layer]
-        return {"compressed_sparse_attention": self.csa_rate,
-                "heavily_compressed_attention": self.hca_rate}.get(kind, 0)
+        return {
+            "compressed_sparse_attention": self.csa_rate,
+            "heavily_compressed_attention": self.hca_rate,
+        }.get(kind, 0)
