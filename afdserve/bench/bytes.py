@@ -15,9 +15,9 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
+from afdserve.model.parts import CausalLM
 
 
 def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> float:
@@ -37,7 +37,7 @@ def measure_copy_bandwidth(device: torch.device, size_bytes: int = 2 << 30) -> f
     return 2 * size_bytes / statistics.median(times) / 1e9
 
 
-def touched_experts(steps, ffn: MoECausalLM) -> dict[str, int]:
+def touched_experts(steps, ffn: CausalLM) -> dict[str, int]:
     """Distinct routed experts each MoE layer uses in one step of this batch (all ubatches)."""
     ids: dict[str, list[torch.Tensor]] = {}
     hooks = []
@@ -65,7 +65,7 @@ EXPERT_STACKS = tuple(
 )
 
 
-def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict[str, int]) -> int:
+def step_weight_bytes(attn: CausalLM, ffn: CausalLM, batch: int, hit: dict[str, int]) -> int:
     """Bytes of the parameters one step reads, each in its stored dtype (FP8 one byte, FP4 half a
     byte as packed pairs): every non-expert weight once, the touched experts' slices, one
     embedding row per sequence (the whole table when lm_head is tied to it)."""
@@ -88,7 +88,7 @@ def step_weight_bytes(attn: MoECausalLM, ffn: MoECausalLM, batch: int, hit: dict
     return total
 
 
-def step_kv_bytes(model: MoECausalLM, batch: int, mean_context: float, itemsize: int) -> int:
+def step_kv_bytes(model: CausalLM, batch: int, mean_context: float, itemsize: int) -> int:
     """`itemsize`: bytes per cached element (the cache's dtype: 1 for the FP8 cache)."""
     c = model.config
     tensors = 1 if c.attention == "mla" else 2
@@ -129,7 +129,7 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
     return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)
 
 
-def timed_kv_bytes(model: MoECausalLM, batch: int, positions: range, itemsize: int) -> int:
+def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int) -> int:
     """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
     GQA and MLA read the cache of position + 1 tokens (the new token's row included),
     DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""

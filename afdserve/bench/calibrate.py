@@ -39,7 +39,7 @@ from afdserve.engine.model_runner import Ready
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
 from afdserve.model.config import parse_model_config
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.kernels import running_expert_kernels
 from afdserve.planner.profile import (
@@ -163,7 +163,7 @@ class NoFFN:
     """An FFN boundary that answers every layer with zeros at once: the attention rank's own
     time, with nothing to wait for."""
 
-    def __init__(self, model: MoECausalLM, rows: int) -> None:
+    def __init__(self, model: CausalLM, rows: int) -> None:
         param = next(model.parameters())
         self.a2e = A2EFormat("auto", model.dtype)
         self.zeros = torch.zeros(
@@ -184,9 +184,9 @@ class Calibration:
         self.config = parse_model_config(self.raw)
         self.device = torch.device(spec.device)
         self.kv_per_token = bytes_per_block(self.config, 1, TORCH_DTYPES[spec.dtype])
-        self.model: MoECausalLM | None = None
+        self.model: CausalLM | None = None
 
-    def build(self, parts: ModelParts) -> MoECausalLM:
+    def build(self, parts: ModelParts) -> CausalLM:
         self.model = None
         self.release()
         self.model = build_half(self.spec.decode_spec(), self.raw, parts, self.device)

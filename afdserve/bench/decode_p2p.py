@@ -31,7 +31,7 @@ from afdserve.layout.plan import RankStep
 from afdserve.layout.step import StepPlan
 from afdserve.layout.topology import Topology
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
-from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.parts import ModelParts
 from afdserve.model.presets import hf_config_of
 
 PROFILED_STEPS = 5

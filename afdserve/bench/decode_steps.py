@@ -42,8 +42,8 @@ from afdserve.model.checkpoint.loader import (
     load_weights,
 )
 from afdserve.model.config import ModelConfig, parse_model_config
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
 from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 
@@ -104,7 +104,7 @@ class DecodeResult:
         return (self.weight_bytes + self.kv_bytes) / (self.step_ms / 1e3) / 1e9
 
 
-def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.device) -> MoECausalLM:
+def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.device) -> CausalLM:
     """One half (or the whole model) of the config `raw`: random weights hold what a colocated
     model of the spec's seed holds, so every half equals its part of the colocated model."""
     config = parse_model_config(raw)
@@ -120,7 +120,7 @@ def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.dev
     return model
 
 
-def build_halves(spec: DecodeSpec, raw: dict) -> tuple[MoECausalLM, MoECausalLM]:
+def build_halves(spec: DecodeSpec, raw: dict) -> tuple[CausalLM, CausalLM]:
     """(attention half, FFN half) on the spec's device; colocated, both are the one model."""
     device = torch.device(spec.device)
     if spec.topology == "colocated":
@@ -154,8 +154,8 @@ class DecodeSteps:
 
     def __init__(
         self,
-        model: MoECausalLM,
-        ffn: MoECausalLM | None,
+        model: CausalLM,
+        ffn: CausalLM | None,
         spec: DecodeSpec,
         batch: int,
         boundary: FFNBoundary | None = None,
@@ -290,8 +290,8 @@ def check_cache_fits(
 
 
 def bench_batch(
-    attn: MoECausalLM,
-    ffn: MoECausalLM,
+    attn: CausalLM,
+    ffn: CausalLM,
     spec: DecodeSpec,
     batch: int,
     copy_gbps: float | None,

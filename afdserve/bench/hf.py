@@ -7,11 +7,11 @@ import torch
 
 from afdserve.bench.decode_steps import DecodeSpec
 from afdserve.bench.report import device_seconds
-from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.parts import CausalLM
 
 
 def hf_sharing_weights(
-    attn: MoECausalLM, ffn: MoECausalLM, raw: dict, dtype: torch.dtype, device: torch.device
+    attn: CausalLM, ffn: CausalLM, raw: dict, dtype: torch.dtype, device: torch.device
 ) -> torch.nn.Module:
     """The transformers model of the same config, its parameters the very tensors afdserve holds
     (no second copy of the weights: a 30B model fits once, not twice)."""

@@ -29,7 +29,7 @@ from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from afdserve.engine.sequence import Sequence
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.parts import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class _Tracked:
 class EngineCore:
     def __init__(
         self,
-        model: MoECausalLM,
+        model: CausalLM,
         tokenizer,
         kv_cache: KVCache,
         scheduler_config: SchedulerConfig,

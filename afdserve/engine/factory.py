@@ -15,7 +15,7 @@ from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.checkpoint.loader import LoadReport, load_model
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.parts import CausalLM, ModelParts
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def create_engine_core(
 
 def load_half(
     config: EngineConfig, parts: ModelParts, device: torch.device, rank: int = 0
-) -> tuple[MoECausalLM, LoadReport]:
+) -> tuple[CausalLM, LoadReport]:
     """One half of the configured model, read or drawn as `config.load_format` says. Every rank
     draws dummy weights from the same `config.seed`: halves equal the colocated model's."""
     return load_model(
@@ -186,7 +186,7 @@ def load_half(
     )
 
 
-def parameter_bytes(model: MoECausalLM) -> int:
+def parameter_bytes(model: CausalLM) -> int:
     return sum(t.numel() * t.element_size() for t in model.expected_tensors().values())
 
 

@@ -19,8 +19,8 @@ from afdserve.engine.sequence import Sequence
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.plan import AttentionRankPlan
-from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.layers.moe import Routing
+from afdserve.model.parts import CausalLM
 
 
 class PendingFFN(Protocol):
@@ -59,7 +59,7 @@ class LocalFFN:
     """Colocated: the FFN half of the same model, called directly, on the rows as they would
     reach an FFN rank (`a2e`'s round trip), so colocated and AFD give the same tokens."""
 
-    def __init__(self, model: MoECausalLM, a2e: A2EFormat | None = None) -> None:
+    def __init__(self, model: CausalLM, a2e: A2EFormat | None = None) -> None:
         self.model = model
         self.a2e = a2e or A2EFormat("auto", model.dtype)
 
@@ -93,7 +93,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: MoECausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
         # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);

@@ -11,7 +11,7 @@ import torch
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype, model_class
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.parts import ModelParts
 
 # Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):
 # 0.7-1.0 GB on the H200 in `afdserve bench capacity` (docs/benchmarks.md, 2026-11-30).

@@ -22,7 +22,7 @@ from afdserve.engine.model_runner import LocalFFN
 from afdserve.frontend.process import free_port
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.parts import ModelParts
 from afdserve.model.presets import preset_hf_config
 
 BATCH, STEPS = 3, 4

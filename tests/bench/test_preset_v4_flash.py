@@ -17,9 +17,9 @@ from afdserve.bench.decode import DecodeBench
 from afdserve.cli import main
 from afdserve.model.checkpoint.loader import build_model
 from afdserve.model.config import parse_model_config
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.layers.fp8 import Fp8Linear
+from afdserve.model.parts import ModelParts
 from afdserve.model.presets import preset_config, preset_hf_config, write_preset_config
 
 FLASH = "deepseek-v4-flash"

@@ -21,11 +21,11 @@ from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.config import load_model_config
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
 from afdserve.model.families.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+from afdserve.model.parts import ModelParts
 from tests.engine.test_llm import run
 from tests.model.deepseek_v4_helpers import boundary_ties
 

@@ -150,8 +150,8 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
     loaded on the GPU from a tiny FP4 checkpoint, captured and replayed, against the same
     checkpoint's FFN half on the CPU in float32 (the reference dequantization)."""
     from afdserve.model.checkpoint.loader import load_model
-    from afdserve.model.families.decoder.model import ModelParts
     from afdserve.model.fixtures.tiny import make_tiny_model
+    from afdserve.model.parts import ModelParts
 
     path = make_tiny_model(
         tmp_path_factory.mktemp("v4") / "fp4",

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM
 
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4 import names
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
 from tests.model.deepseek_v4_helpers import boundary_ties
 
 # Lengths below, at and past the window (4) and every compression boundary (2, 4).

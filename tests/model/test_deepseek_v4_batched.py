@@ -16,12 +16,12 @@ import torch
 from afdserve.engine.cuda_graphs import UbatchBuffers
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.cache import V4KVCache
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
 
 CSA, HCA, SLIDING = (
     "compressed_sparse_attention",

@@ -11,10 +11,10 @@ import torch
 from transformers import DeepseekV4ForCausalLM
 
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
 from tests.model.deepseek_v4_helpers import boundary_ties
 
 SPLITS = ([29], [3, 5, 1, 4, 16], [1] * 29, [2] * 14 + [1], [4, 4, 4, 17], [7, 22])

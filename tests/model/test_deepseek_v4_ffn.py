@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from transformers import DeepseekV4ForCausalLM
 
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
 from afdserve.model.fixtures.deepseek_v4 import TINY_V4, make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
 
 ROWS = 64
 LAYERS = TINY_V4["num_hidden_layers"]

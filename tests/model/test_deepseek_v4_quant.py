@@ -20,10 +20,10 @@ from afdserve.cli import main
 from afdserve.kernels.reference.fp4 import dequantize_fp4
 from afdserve.kernels.reference.fp8 import dequantize_blockwise
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.layers.fp8 import Fp8Linear
+from afdserve.model.parts import ModelParts
 from afdserve.model.quantization import check_quantization
 from tests.model.deepseek_v4_helpers import boundary_ties
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
-from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.parts import ModelParts
 from afdserve.model.presets import preset_hf_config, write_preset_config
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from afdserve.kernels.reference import layers as reference
 from afdserve.layout.experts import contiguous_placement
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
+from afdserve.model.parts import ModelParts
 
 FFN = ModelParts(attention=False, ffn=True)
 

@@ -22,10 +22,10 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 from afdserve import LLM, SamplingParams
 from afdserve.kernels.reference.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.fixtures.tiny import FAMILIES, make_tiny_model
 from afdserve.model.layers.fp8 import Fp8Linear
+from afdserve.model.parts import ModelParts
 
 BLOCK = (128, 128)
 NEW_TOKENS = 16

@@ -16,11 +16,11 @@ from transformers import Qwen3MoeForCausalLM
 from afdserve.kernels import ops
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.byte_tokenizer import build_byte_tokenizer
 from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
 from afdserve.model.fixtures.tiny import mlp_layer_types, tiny_config
 from afdserve.model.layers.attention import GQAAttention
+from afdserve.model.parts import ModelParts
 from tests.model.test_fp8 import (
     PROMPTS,
     dequantized_copy,

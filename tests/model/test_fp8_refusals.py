@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from afdserve import LLM
 from afdserve.config import EngineConfig
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
+from afdserve.model.parts import ModelParts
 
 EXPERT_SCALE = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
 ATTENTION_SCALE = "model.layers.1.self_attn.k_proj.weight_scale_inv"

@@ -20,10 +20,11 @@ from torch import nn
 
 from afdserve import LLM, SamplingParams
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.fixtures.byte_tokenizer import PAD_ID, VOCAB_SIZE
 from afdserve.model.fixtures.tiny import FAMILIES, gate_prefix, make_tiny_model
 from afdserve.model.layers.moe import Router, TokenIdError
+from afdserve.model.parts import ModelParts
 
 NEW_TOKENS = 24
 PROMPTS = [

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
 from afdserve.model.checkpoint.loader import PROGRESS_DESC, CheckpointError, load_model
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.tiny import make_tiny_model, shard_checkpoint
+from afdserve.model.parts import ModelParts
 
 PROMPTS = [[5, 6, 7], list(range(40, 61)), [200] * 9, [72, 105]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

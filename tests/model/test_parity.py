@@ -19,9 +19,10 @@ from afdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.fixtures.byte_tokenizer import PAD_ID, build_byte_tokenizer
 from afdserve.model.fixtures.tiny import FAMILIES, tiny_config
+from afdserve.model.parts import ModelParts
 
 BLOCK_SIZE = 4
 NEW_TOKENS = 24

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from afdserve import LLM
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
 from afdserve.model.checkpoint.preflight import preflight
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.fixtures.byte_tokenizer import VOCAB_SIZE
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
 
 TABLE = "model.layers.0.ffn.gate.tid2eid"
 

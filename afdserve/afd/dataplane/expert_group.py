@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from afdserve.afd.dataplane.payload import LayoutError
 from afdserve.afd.dataplane.wire import Wire
-from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.layers.moe import Routing
+from afdserve.model.parts import CausalLM
 
 
 class ExpertGroup:
     def __init__(
         self,
-        model: MoECausalLM,
+        model: CausalLM,
         group: tuple[int, ...],
         process_group: dist.ProcessGroup | None,
         wire: Wire,

@@ -29,7 +29,7 @@ from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
 from afdserve.kernels.reference.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
-from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.parts import CausalLM
 
 
 def check_payload(
@@ -146,7 +146,7 @@ class WireTransport:
 class FFNExchange:
     def __init__(
         self,
-        model: MoECausalLM,
+        model: CausalLM,
         rank: int,
         gate_on_attention: bool,
         device: torch.device,

@@ -41,7 +41,7 @@ from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.parts import CausalLM
 
 if TYPE_CHECKING:
     from afdserve.afd.dataplane.ipc import Inboxes
@@ -86,12 +86,12 @@ class StepGraphs:
 
 
 def attention_boundary(
-    model: MoECausalLM,
+    model: CausalLM,
     topology: Topology,
     rank: int,
     gate_on_attention: bool,
     wire: Wire | None = None,
-    ffn_model: MoECausalLM | None = None,
+    ffn_model: CausalLM | None = None,
     inboxes: Inboxes | None = None,
     a2e_dtype: str = "auto",
 ) -> FFNBoundary:
@@ -196,7 +196,7 @@ def open_inboxes(
 
 
 def ffn_driver(
-    model: MoECausalLM,
+    model: CausalLM,
     rank: int,
     device: torch.device,
     wire: Wire,
@@ -233,7 +233,7 @@ class BuiltRank:
     wire: Wire | None
     ready: tuple[RankReady, ...]  # one per rank this process holds (two for in-process 1A1F)
     boundary: FFNBoundary | None = None  # attention ranks: where rows cross to the FFN half
-    half: MoECausalLM | None = None  # the weights this rank holds (an FFN rank's model)
+    half: CausalLM | None = None  # the weights this rank holds (an FFN rank's model)
 
     def drop_requests(self) -> int:
         """Forget every request (its KV blocks go back to the free list; blocks a prefix cache

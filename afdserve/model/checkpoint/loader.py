@@ -31,7 +31,7 @@ from tqdm import tqdm
 from afdserve.config import LOAD_FORMATS
 from afdserve.kernels.reference.fp4 import quantize_fp4
 from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.families.decoder.model import ModelParts, MoECausalLM
+from afdserve.model.families.decoder.model import MoECausalLM
 from afdserve.model.families.deepseek_v4 import names as v4_names
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
@@ -44,6 +44,7 @@ from afdserve.model.layers.fp8 import (
     scale_shape_error,
 )
 from afdserve.model.layers.moe import Experts, Router
+from afdserve.model.parts import ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from afdserve.model.checkpoint.loader import (
     model_class,
 )
 from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.families.decoder.model import ModelParts
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
+from afdserve.model.parts import ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 

@@ -199,3 +199,11 @@ def make_ffn(
     if config.layer_types[layer] == "dense":
         return DenseFFN(config)
     return MoEBlock(config, layer, with_router, held)
+
+
+class RouterHolder(nn.Module):
+    """The attention side's `mlp.gate` when the gate runs there."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(config, layer)

@@ -11,7 +11,6 @@ builds only its half and loads exactly the tensors that half names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,30 +21,8 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.layers.attention import LayerCache, make_attention
 from afdserve.model.layers.common import RMSNorm, Rotary
 from afdserve.model.layers.fp8 import convert_to_fp8
-from afdserve.model.layers.moe import Router, Routing, make_ffn
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """Which half a process holds. The router lives with the FFN half unless gate_on_attention."""
-
-    attention: bool = True
-    ffn: bool = True
-    gate_on_attention: bool = False
-    # The routed experts this FFN half holds (an expert-parallel shard); None = all of them.
-    experts: tuple[int, ...] | None = None
-
-    @staticmethod
-    def colocated(gate_on_attention: bool = False) -> ModelParts:
-        return ModelParts(True, True, gate_on_attention)
-
-
-class RouterHolder(nn.Module):
-    """The attention side's `mlp.gate` when the gate runs there."""
-
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.gate = Router(config, layer)
+from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
+from afdserve.model.parts import ModelParts
 
 
 class DecoderLayer(nn.Module):

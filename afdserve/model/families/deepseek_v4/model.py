@@ -29,13 +29,13 @@ from torch import nn
 
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.decoder.model import ModelParts, RouterHolder
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.families.deepseek_v4.batched import DecodeRows, decode_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 from afdserve.model.families.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
-from afdserve.model.layers.moe import Router, Routing, make_ffn
+from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
+from afdserve.model.parts import ModelParts
 
 FFNHalf = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 StreamState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, post, comb

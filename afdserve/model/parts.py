@@ -1,0 +1,70 @@
+"""What the engine and the ranks know of a model: which half a process holds (`ModelParts`) and
+the calls they drive it through (`CausalLM`), whatever its family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from afdserve.kernels.metadata import AttentionMetadata
+from afdserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Which half a process holds. The router lives with the FFN half unless gate_on_attention."""
+
+    attention: bool = True
+    ffn: bool = True
+    gate_on_attention: bool = False
+    # The routed experts this FFN half holds (an expert-parallel shard); None = all of them.
+    experts: tuple[int, ...] | None = None
+
+    @staticmethod
+    def colocated(gate_on_attention: bool = False) -> ModelParts:
+        return ModelParts(True, True, gate_on_attention)
+
+
+class CausalLM(Protocol):
+    """A model as two halves per layer, split at the FFN boundary. The residual the attention
+    half carries from layer to layer is the family's own (a tensor, or DeepSeek-V4's streams);
+    only `x`, the normalised FFN input, and the FFN output cross the boundary."""
+
+    config: ModelConfig
+    parts: ModelParts
+    dtype: torch.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> Any: ...
+
+    def cos_sin(self, positions: torch.Tensor) -> Any: ...
+
+    def attention_half(
+        self,
+        layer: int,
+        h: Any,
+        ffn_out: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: Any,
+        cos_sin: Any,
+    ) -> tuple[torch.Tensor, Any]: ...
+
+    def route_on_attention(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Any: ...
+
+    def add_ffn_output(self, h: Any, ffn_out: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def ffn_half(
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, routing: Any = None
+    ) -> torch.Tensor: ...
+
+    def expected_tensors(self) -> dict[str, torch.Tensor]: ...
