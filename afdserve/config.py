@@ -123,7 +123,7 @@ class EngineConfig:
         None,
         help="automatic prefix caching: a request's longest prefix of full blocks already "
         "in its attention rank's KV cache is taken from there, not recomputed",
-        shown="on, except for DeepSeek-V4, which has no plain paged cache",
+        shown="on, except for a model whose cache cannot reuse blocks by prefix",
     )
     # Where the model comes from (model/checkpoint/hub.py): the LLM hands the ranks local
     # directories.

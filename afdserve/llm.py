@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.config import EngineConfig, EngineConfigs, engine_configs
-from afdserve.engine.cuda_graphs import check_capturable
+from afdserve.engine.cuda_graphs import auto_graph_mode, check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.factory import prefix_caching_for
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
@@ -29,7 +29,7 @@ from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.checkpoint.hub import TOKENIZER_PATTERNS, resolve_model_dir
 from afdserve.model.checkpoint.preflight import preflight
-from afdserve.model.config import load_model_config
+from afdserve.model.families import load_model_config
 from afdserve.model.quantization import check_quantization
 
 Prompt = str | list[int]
@@ -142,19 +142,12 @@ class LLM:
         model_config = preflight(
             model, self.engine_config.load_format, self.engine_config.quantization
         )
-        if (
-            model_config.v4 is not None
-            and kwargs.get("graph_mode", "auto") == "auto"
-            and self.graph_config.mode != "none"
-        ):
-            # graph_mode "auto" stays eager for V4: its decode graphs read the whole padded
-            # entry axis (max_model_len / compress rate entries per row, at every capture
-            # size), which a long max_model_len makes large; full_decode_only asks for them.
-            log.info(
-                "graph_mode auto is none for deepseek_v4 (its decode graphs pad every row to "
-                "max_model_len's compressed entries); pass graph_mode='full_decode_only' for them"
-            )
-            self.graph_config = dataclasses.replace(self.graph_config, mode="none")
+        if kwargs.get("graph_mode", "auto") == "auto":
+            # What auto becomes where the model's cache layout keeps it eager (model/cache.py).
+            mode, why = auto_graph_mode(model_config, self.graph_config.mode)
+            if why is not None:
+                log.info("graph_mode auto is none for %s (%s)", model_config.family, why)
+                self.graph_config = dataclasses.replace(self.graph_config, mode=mode)
         check_capturable(model_config, device, self.graph_config.mode)
         if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
             prefix_caching_for(self.engine_config, model_config)
@@ -271,7 +264,7 @@ class LLM:
         rendered through the tokenizer's chat template (or `chat_template`), with vLLM's
         switches: `add_generation_prompt`, `continue_final_message` (the last, assistant
         message is continued, not closed) and `chat_template_kwargs` (the template's own
-        variables, such as Qwen3's enable_thinking)."""
+        variables, such as an enable_thinking switch)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be combined with "

@@ -1,6 +1,7 @@
-"""Imports run one way: the pure layout at the bottom, then model and kernels, the engine, the AFD
-ranks and processes, and the user-facing API, server and benchmarks on top. Read from the source
-(every import statement, also those inside functions), so a lazy upward import fails too."""
+"""Imports run one way: the pure layout at the bottom, then kernels and model, the engine, the AFD
+ranks and processes, the frontend, and the user-facing API, server and benchmarks on top. Read
+from the source (every import statement, also those inside functions), so a lazy upward import
+fails too."""
 
 from __future__ import annotations
 
@@ -15,13 +16,27 @@ LAYERS = {  # module prefix -> layer; a module may import only its own layer and
     "afdserve.config": 0,
     "afdserve.config_args": 0,  # flags and keywords from the config dataclasses (no torch)
     "afdserve.kernels": 1,
+    "afdserve.kernels.metadata": 1.0,  # the attention metadata every implementation reads
+    "afdserve.kernels.reference": 1.1,  # plain torch: the CPU path, the oracles, the formats
+    "afdserve.kernels.triton": 1.2,  # Triton kernels of the dense layers and the wire
+    "afdserve.kernels.moe": 1.3,  # the routed experts' kernels
+    "afdserve.kernels.ops": 1.4,  # the dispatch the model calls
     "afdserve.model": 2,
+    "afdserve.model.config": 2.0,  # ModelConfig, the cache interface, the model's parts
+    "afdserve.model.quantization": 2.0,
+    "afdserve.model.cache": 2.0,
+    "afdserve.model.parts": 2.0,
+    "afdserve.model.layers": 2.1,  # blocks every family builds from
+    "afdserve.model.families": 2.2,  # one folder per architecture, and their registry
+    "afdserve.model.fixtures": 2.3,  # tiny checkpoints, the byte tokenizer, the bundled model
+    "afdserve.model.checkpoint": 2.4,  # reading a model dir: hub, preflight, loader
+    "afdserve.model.presets": 2.5,
     "afdserve.engine": 3,
     "afdserve.afd": 4,
     "afdserve.afd.dataplane": 4.0,  # both sides of every transport, and the FFN half's step
-    "afdserve.afd.step": 4.1,  # the step loop: control round, plan, drivers, recorder
+    "afdserve.afd.step": 4.1,  # the control planes across ranks, the FFN driver
     "afdserve.afd.ranks": 4.2,  # one rank of any role, its process and messages
-    "afdserve.afd.clients": 4.3,  # the frontend's clients of one process or of a world
+    "afdserve.frontend": 4.5,  # clients of one process or of a world, output processing
     "afdserve.llm": 5,
     "afdserve.planner": 5,  # deployment predictions from a measured profile and the model's sizes
     "afdserve.server": 6,
@@ -118,3 +133,33 @@ def test_no_import_circles():
         if module not in state:
             visit(module, [])
     assert circles == []
+
+
+FAMILY_NAMES = ("deepseek", "qwen", "mixtral", "v4")
+FAMILY_BLIND = ("engine", "afd", "frontend", "llm.py")
+
+
+def test_engine_and_frontend_name_no_family():
+    """What a family keeps per sequence reaches the engine through its cache layout
+    (model/cache.py): the rank side, the AFD ranks, the frontend and the offline API name no
+    family, in code or in comments."""
+    named = []
+    for place in FAMILY_BLIND:
+        root = PACKAGE / place
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                words = set(line.lower().replace("-", "_").replace("/", " ").split())
+                if any(w.strip("`'\".,:;()[]").startswith(FAMILY_NAMES) for w in words):
+                    named.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert named == []
+
+
+def test_model_reaches_kernels_through_ops():
+    """The model calls kernels through `ops` (and reads the attention metadata types) only."""
+    allowed = ("afdserve.kernels.ops", "afdserve.kernels.metadata")
+    past = []
+    for path in (PACKAGE / "model").rglob("*.py"):
+        for imported in _imports(path):
+            if imported.startswith("afdserve.kernels") and imported not in allowed:
+                past.append(f"{path.relative_to(PACKAGE)} imports {imported}")
+    assert past == []

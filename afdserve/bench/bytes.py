@@ -112,7 +112,7 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
       its indexer: all `closed` keys (index_head_dim wide), it scores every one, and its own
       open rows and last closed series at index_head_dim, as the compressor's.
     Writes (the new row, an entry its window closes) are left out, as for every family."""
-    v4, d, f32 = config.v4, config.head_dim, 4
+    v4, d, f32 = config.family_config, config.head_dim, 4
     kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
     total = min(position, v4.sliding_window - 1) * d * itemsize
     if not rate:
@@ -134,7 +134,7 @@ def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int)
     GQA and MLA read the cache of position + 1 tokens (the new token's row included),
     DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""
     c = model.config
-    if c.v4 is None:
+    if c.family_config is None:
         mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
     per_step = [

@@ -38,7 +38,7 @@ from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
-from afdserve.model.config import parse_model_config
+from afdserve.model.families import parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.kernels import running_expert_kernels

@@ -24,9 +24,9 @@ import torch.multiprocessing as mp
 from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, ffn_driver, open_inboxes
-from afdserve.afd.step.control import FixedControl
 from afdserve.bench.decode_steps import DecodeResult, DecodeSpec, DecodeSteps, build_half
 from afdserve.bench.report import WARMUP_STEPS
+from afdserve.engine.control_round import FixedControl
 from afdserve.layout.plan import RankStep
 from afdserve.layout.step import StepPlan
 from afdserve.layout.topology import Topology

@@ -19,12 +19,11 @@ from typing import Protocol
 import torch
 
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_driver
-from afdserve.afd.step.control import LocalControl
 from afdserve.bench.bytes import step_weight_bytes, timed_kv_bytes, touched_experts
 from afdserve.bench.report import WARMUP_STEPS, Timer
+from afdserve.engine.control_round import LocalControl
 from afdserve.engine.cuda_graphs import PlannedForward, check_capturable
 from afdserve.engine.kv_cache import (
-    KVCache,
     bytes_per_block,
     cache_dtype,
     check_fp8_kv,
@@ -41,8 +40,8 @@ from afdserve.model.checkpoint.loader import (
     init_random_weights,
     load_weights,
 )
-from afdserve.model.config import ModelConfig, parse_model_config
-from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.quantization import resolve_quantization
 
@@ -132,14 +131,6 @@ def build_halves(spec: DecodeSpec, raw: dict) -> tuple[CausalLM, CausalLM]:
     )
 
 
-def cache_tensors(kv: KVCache | V4KVCache) -> list[torch.Tensor]:
-    """Every tensor of the cache, each layer's in order: K and V (MLA: its latent), or a V4
-    layer's pages (window ring, entries, open and previous windows, the indexer's own)."""
-    if isinstance(kv, V4KVCache):
-        return [page for layer in kv.layers for page in layer.pages.values()]
-    return [t for pair in kv.layers for t in pair if t is not None]
-
-
 class DecodeSteps:
     """A batch of `batch` sequences with `context_len` random cached tokens, decoded in lockstep.
     The cache is the engine's (`make_kv_cache`), every tensor of it drawn at unit scale in its
@@ -171,7 +162,7 @@ class DecodeSteps:
         check_cache_fits(config, batch, spec.context_len, batch * self.width, bs, kv_dtype, dev)
         self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
-        for t in cache_tensors(self.kv):
+        for t in self.kv.tensors():
             if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
                 t.copy_(torch.randn(t.shape, generator=gen, device=dev))
             else:

@@ -16,13 +16,20 @@ prefix.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from afdserve.engine.prefix_hash import ROOT, block_hash
 from afdserve.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        blocks_for: Callable[[int, int], int] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks={num_blocks}: must be >= 1")
         if block_size < 1:
@@ -30,6 +37,9 @@ class BlockManager:
         self._num_blocks = num_blocks
         self._block_size = block_size
         self.prefix_caching = prefix_caching
+        # Blocks a sequence of n tokens needs (the cache layout's `blocks_for`; default: every
+        # block holds block_size positions).
+        self._blocks_for = blocks_for or (lambda n, size: -(-n // size))
         self._refs = [0] * num_blocks
         # Blocks without a reference, least recently freed first; the values are unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -68,7 +78,7 @@ class BlockManager:
         """Extra blocks so that `seq.block_table` covers positions `[0, num_tokens)`."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens}: must be >= 0")
-        total = -(-num_tokens // self._block_size)
+        total = self._blocks_for(num_tokens, self._block_size)
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:

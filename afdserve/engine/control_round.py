@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
@@ -31,3 +32,24 @@ def decode(rows: list[list[int]], topology: Topology) -> ControlRound:
         RankStep(rows[r][0], rows[r][1], bool(rows[r][2])) for r in range(topology.attention_ranks)
     )
     return ControlRound(reports, any(row[3] for row in rows))
+
+
+class Control(Protocol):
+    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound: ...
+
+
+class LocalControl:
+    """One process and one attention rank: its report is the whole world's."""
+
+    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
+        return ControlRound((report,) if report is not None else (), shutdown)
+
+
+class FixedControl:
+    """Every step the same reports (the decode benchmark's FFN rank knows them in advance)."""
+
+    def __init__(self, reports: tuple[RankStep, ...]) -> None:
+        self.reports = reports
+
+    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
+        return ControlRound(self.reports, shutdown)

@@ -20,6 +20,7 @@ from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.config import ModelConfig
+from afdserve.model.families import cache_layout
 
 
 class GraphCaptureError(RuntimeError):
@@ -37,17 +38,23 @@ def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
 
 
 def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
-    """Refuses, by name, graph modes a family's attention side cannot be captured in. DeepSeek-V4
-    on CUDA: `full_decode_only` captures its batched decode path
-    (model/families/deepseek_v4/batched.py); `full` would capture prefill and mixed steps too,
-    which still attend per sequence with host-side shapes. On CPU every graph mode runs eagerly
-    anyway, so it is allowed there."""
-    if config.v4 is not None and graph_mode == "full" and device.startswith("cuda"):
+    """Refuses, by name, a graph mode the model's cache layout cannot be captured in on CUDA.
+    On CPU every graph mode runs eagerly anyway, so it is allowed there."""
+    why = cache_layout(config).graph_refusal(graph_mode)
+    if why is not None and device.startswith("cuda"):
         raise ValueError(
-            f"GraphConfig.graph_mode={graph_mode!r} is not supported for family 'deepseek_v4' "
-            "on CUDA yet: its prefill and mixed steps attend per sequence (only decode steps "
-            "are batched and capturable); use graph_mode='full_decode_only' or 'none'"
+            f"GraphConfig.graph_mode={graph_mode!r} is not supported for family "
+            f"{config.family!r} on CUDA yet: {why}"
         )
+
+
+def auto_graph_mode(config: ModelConfig, mode: str) -> tuple[str, str | None]:
+    """What graph_mode "auto" (already resolved to `mode` for the device) becomes for this model,
+    and why, where its layout keeps it eager."""
+    why = cache_layout(config).eager_by_default
+    if why is None or mode == "none":
+        return mode, None
+    return "none", why
 
 
 def graphs_supported(runner: ModelRunner) -> str | None:
@@ -178,7 +185,7 @@ class CudaGraphRunner:
         if plan.mode == "capture":
             # A capture executes the forward twice (its warm run, then the replay), so it runs
             # over blank buffers (pad rows only, as the warm-up steps) and the replay alone runs
-            # the step: a step need not be idempotent (DeepSeek-V4's window ring and CSA's
+            # the step: a step need not be idempotent (a sliding window's ring and a compressor's
             # prev rows overwrite rows the same step reads). The graph reads the buffers by
             # address, never their contents on the host, so what it holds is the same.
             self._load_blank(plan)

@@ -19,7 +19,6 @@ import torch
 
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.logprobs import prompt_entries
 from afdserve.engine.model_runner import ModelRunner, StepInputs
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
@@ -28,6 +27,7 @@ from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.layout.plan import AttentionRankPlan, RankStep
+from afdserve.model.cache import PagedCache
 from afdserve.model.config import ModelConfig
 from afdserve.model.parts import CausalLM
 
@@ -49,7 +49,7 @@ class EngineCore:
         self,
         model: CausalLM,
         tokenizer,
-        kv_cache: KVCache,
+        kv_cache: PagedCache,
         scheduler_config: SchedulerConfig,
         device: torch.device,
         prefix_caching: bool = False,
@@ -59,7 +59,9 @@ class EngineCore:
         self.model, self.device = model, device
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
-        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size, prefix_caching)
+        self.block_manager = BlockManager(
+            kv_cache.num_blocks, kv_cache.block_size, prefix_caching, kv_cache.layout.blocks_for
+        )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len

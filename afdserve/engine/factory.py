@@ -15,6 +15,7 @@ from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.checkpoint.loader import LoadReport, load_model
 from afdserve.model.config import ModelConfig
+from afdserve.model.families import cache_layout
 from afdserve.model.parts import CausalLM, ModelParts
 
 log = logging.getLogger(__name__)
@@ -94,20 +95,20 @@ def kv_blocks_for(
 
 
 def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
-    """Whether the rank caches prefixes: on unless turned off, and off for a family without a
-    plain paged cache (DeepSeek-V4's windows and compressed entries would have to be keyed on
-    whole compression windows), where asking for it is an error rather than ignored."""
-    if model_config.v4 is None:
+    """Whether the rank caches prefixes: on unless turned off, and off where the model's cache
+    layout cannot reuse a block by its prefix, where asking for it is an error rather than
+    ignored."""
+    why = cache_layout(model_config).prefix_reuse_refusal
+    if why is None:
         return config.enable_prefix_caching is not False
     if config.enable_prefix_caching:
         raise ValueError(
-            "EngineConfig.enable_prefix_caching=True is not supported for deepseek_v4: its KV "
-            "cache (sliding windows, compressed entries, compressor state) is not a plain paged "
-            "cache of one block per block_size tokens; leave the option unset or pass "
+            f"EngineConfig.enable_prefix_caching=True is not supported for "
+            f"{model_config.family}: {why}; leave the option unset or pass "
             "--no-enable-prefix-caching"
         )
     if config.enable_prefix_caching is None:
-        log.info("prefix caching is off for deepseek_v4 (no plain paged KV cache)")
+        log.info("prefix caching is off for %s (%s)", model_config.family, why)
     return False
 
 
@@ -132,14 +133,13 @@ def create_engine_core(
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
     cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device)
-    per_type = getattr(cache, "summary", None)  # DeepSeek-V4: bytes per block of each layer type
     log.info(
         "KV cache: %d blocks of %d tokens, %s, %d bytes%s",
         blocks,
         config.block_size,
         str(dtype).removeprefix("torch."),
         cache.bytes,
-        f" ({per_type})" if per_type else "",
+        f" ({cache.summary})" if cache.summary else "",
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

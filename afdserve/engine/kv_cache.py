@@ -1,4 +1,5 @@
-"""The paged KV cache of one attention rank: per layer `[num_blocks, block_size, heads, dim]`.
+"""The paged cache of one attention rank, as the model's `CacheLayout` describes it
+(model/cache.py): the engine sizes, allocates and checks it without knowing the family.
 
 Its dtype is the model's (kv_cache_dtype="auto") or float8_e4m3fn ("fp8", vLLM's alias
 "fp8_e4m3"): half a bf16 cache's bytes per token, so the same memory holds twice the tokens. The
@@ -11,8 +12,9 @@ from collections.abc import Iterable
 
 import torch
 
+from afdserve.model.cache import PagedCache
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.deepseek_v4 import cache as v4_cache
+from afdserve.model.families import cache_layout
 
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # vLLM's and ModelOpt's names
@@ -26,15 +28,14 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 def check_fp8_kv(
     config: ModelConfig, device: torch.device, checkpoint_names: Iterable[str] = ()
 ) -> None:
-    """Refuses, by name, what the FP8 cache is not built for: DeepSeek-V4 (its pages of windows,
-    entries and compressor state are not quantized yet), CUDA devices without e4m3 conversions
-    (before compute capability 8.9), and
-    checkpoints that carry per-layer KV scales (they would be silently replaced by 1.0)."""
-    if config.family == "deepseek_v4":
+    """Refuses, by name, what the FP8 cache is not built for: pages the layout says cannot be
+    FP8, CUDA devices without e4m3 conversions (before compute capability 8.9), and checkpoints
+    that carry per-layer KV scales (they would be silently replaced by 1.0)."""
+    why = cache_layout(config).fp8_refusal
+    if why is not None:
         raise ValueError(
-            "EngineConfig.kv_cache_dtype='fp8' is not supported for family "
-            "'deepseek_v4': its paged cache (windows, compressed entries, "
-            "compressor state) is not quantized yet; use kv_cache_dtype='auto'"
+            f"EngineConfig.kv_cache_dtype='fp8' is not supported for family {config.family!r}: "
+            f"{why}; use kv_cache_dtype='auto'"
         )
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -58,34 +59,8 @@ def check_fp8_capability(capability: tuple[int, int], device: str) -> None:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    if config.v4 is not None:
-        return v4_cache.bytes_per_block(config, block_size, dtype)
-    per_token = config.num_cache_heads * config.kv_cache_dim
-    tensors = 1 if config.attention == "mla" else 2  # MLA caches one latent, GQA keys and values
-    return config.num_layers * tensors * block_size * per_token * dtype.itemsize
-
-
-class KVCache:
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        shape = (num_blocks, block_size, config.num_cache_heads, config.kv_cache_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for _ in range(config.num_layers):
-            first = torch.zeros(shape, dtype=dtype, device=device)
-            second = (
-                None
-                if config.attention == "mla"
-                else torch.zeros(shape, dtype=dtype, device=device)
-            )
-            self.layers.append((first, second))
-        self.bytes = bytes_per_block(config, block_size, dtype) * num_blocks
+    """Bytes every layer of the model holds per block of `block_size` positions."""
+    return cache_layout(config).bytes_per_block(block_size, dtype)
 
 
 def make_kv_cache(
@@ -94,9 +69,6 @@ def make_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> KVCache | v4_cache.V4KVCache:
-    """The family's paged cache over `num_blocks` blocks (DeepSeek-V4: pages per layer type,
-    model/families/deepseek_v4/cache.py)."""
-    if config.v4 is not None:
-        return v4_cache.V4KVCache(config, num_blocks, block_size, dtype, device)
-    return KVCache(config, num_blocks, block_size, dtype, device)
+) -> PagedCache:
+    """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says."""
+    return cache_layout(config).allocate(num_blocks, block_size, dtype, device)

@@ -13,12 +13,12 @@ from typing import Protocol
 
 import torch
 
-from afdserve.engine.kv_cache import KVCache
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.plan import AttentionRankPlan
+from afdserve.model.cache import PagedCache
 from afdserve.model.layers.moe import Routing
 from afdserve.model.parts import CausalLM
 
@@ -93,15 +93,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: PagedCache, device: torch.device) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
         # Batched segment tensors feed the one-launch kernels (and MLA's latent-space path);
-        # the CPU reference loops over segments instead. DeepSeek-V4 reads them on every device:
-        # its decode ubatches run batched (model/families/deepseek_v4/batched.py) eagerly as in a
-        # graph.
-        v4 = getattr(model.config, "v4", None) is not None
-        self.batched_metadata = device.type == "cuda" or v4
+        # the CPU reference loops over segments instead, unless the cache layout says its
+        # layers read them on every device.
+        batched = kv_cache.layout.batched_segments
+        self.batched_metadata = device.type == "cuda" or batched
 
     def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
         ids: list[int] = []
@@ -174,8 +173,7 @@ class ModelRunner:
         self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary
     ) -> torch.Tensor:
         """Runs every layer over the plan's ubatches; returns the final hidden states
-        [rows, hidden] (DeepSeek-V4: its streams [rows, hc_mult, hidden]; the residual each
-        layer hands the next is the model's own, see model/families/deepseek_v4/model.py)."""
+        [rows, hidden], or the family's own residual (model/parts.py, CausalLM)."""
         model = self.model
         bounds = plan.ubatch_bounds
         if plan.padded_rows != inputs.rows or inputs.meta.num_rows != inputs.rows:

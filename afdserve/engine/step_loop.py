@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from afdserve.afd.dataplane.ffn import FFNStepRunner
-from afdserve.afd.step.control import Control
+from afdserve.engine.control_round import Control
 from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.step_recorder import StepRecorder
 from afdserve.layout.plan import AttentionRankPlan, RankStep, warmup_reports
@@ -103,39 +102,3 @@ class AttentionDriver:
                 meter.step_tokens.append(mine.real_rows)
         self.recorder.record(plan, self.log_ranks)
         return StepResult(outputs, plan.has_work)
-
-
-class FFNDriver:
-    def __init__(
-        self,
-        runner: FFNStepRunner,
-        recorder: StepRecorder,
-        control: Control,
-        topology: Topology,
-        rank: int,
-    ) -> None:
-        self.runner, self.recorder, self.control = runner, recorder, control
-        self.topology, self.rank = topology, rank
-        self.meter = StepMeter()
-
-    def warmup(self) -> None:
-        for reports in warmup_reports(self.recorder.table, self.topology):
-            self._run(reports)
-        self.meter = StepMeter()
-
-    def step(self) -> StepResult:
-        round_ = self.control.exchange(None)
-        if round_.shutdown:
-            return StepResult([], False, shutdown=True)
-        return self._run(round_.reports)
-
-    def _run(self, reports: tuple[RankStep, ...]) -> StepResult:
-        plan = self.recorder.plan(reports, self.topology)
-        mine = plan.for_rank(self.rank)
-        start = time.perf_counter()
-        self.runner.run(mine, self.recorder.step)
-        if mine.mode != "idle":
-            self.meter.forward_s += time.perf_counter() - start
-            self.meter.scheduled_tokens += mine.real_rows
-        self.recorder.record(plan)
-        return StepResult([], plan.has_work)

@@ -11,7 +11,7 @@ import torch
 
 from afdserve.afd.ranks.build import build_attention_rank
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.afd.step.control import LocalControl
+from afdserve.engine.control_round import LocalControl
 from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import TokenDelta
 from afdserve.engine.sampling_params import SamplingParams

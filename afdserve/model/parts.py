@@ -1,15 +1,16 @@
-"""What the engine and the ranks know of a model: which half a process holds (`ModelParts`) and
-the calls they drive it through (`CausalLM`), whatever its family."""
+"""What the engine and the ranks know of a model: which half a process holds (`ModelParts`), the
+calls they drive it through (`CausalLM`) and what a family registers (`Family`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from afdserve.kernels.metadata import AttentionMetadata
+from afdserve.model.cache import CacheLayout
 from afdserve.model.config import ModelConfig
 
 
@@ -68,3 +69,14 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def expected_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family gives the rest of afdserve (model/families/ registers each)."""
+
+    model_types: tuple[str, ...]  # config.json's model_type values it serves
+    architectures: Mapping[str, str]  # config.json's architectures -> model_type
+    parse_config: Callable[[dict[str, Any], str], ModelConfig]  # (raw, model_type)
+    model_class: type
+    cache_layout: Callable[[ModelConfig], CacheLayout]

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from afdserve.model.config import ModelConfig, parse_model_config, read_hf_config
+from afdserve.model.config import ModelConfig, read_hf_config
+from afdserve.model.families import parse_model_config
 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (numbers cross-checked against the
 # Megatron launch script scripts/models/qwen3-30B-A3B.sh in slime, github.com/zyzshishui/slime).

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from afdserve.engine.kv_cache import bytes_per_block
-from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype, model_class
+from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype
 from afdserve.model.config import ModelConfig
+from afdserve.model.families import model_class
 from afdserve.model.parts import ModelParts
 
 # Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from afdserve.config_args import add_dataclass_arguments, build, option
-from afdserve.model.config import ModelConfig, parse_model_config
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import parse_model_config
 from afdserve.model.presets import PRESETS, hf_config_of
 from afdserve.planner.deployments import Deployment, enumerate_deployments
 from afdserve.planner.kernels import dispatch_note, running_expert_kernels

@@ -14,7 +14,7 @@ import pytest
 
 from afdserve import LLM
 from afdserve.afd.dataplane.wire import read_wire_log
-from afdserve.model.config import load_model_config
+from afdserve.model.families import load_model_config
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts

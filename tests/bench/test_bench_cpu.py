@@ -59,7 +59,7 @@ def test_decode_bench_runs_on_cpu(topology, ubatches):
 
 def test_kv_bytes_of_mla_count_one_latent():
     from afdserve.model.checkpoint.loader import build_model
-    from afdserve.model.config import parse_model_config
+    from afdserve.model.families import parse_model_config
     from afdserve.model.parts import ModelParts
     from afdserve.model.presets import preset_hf_config
 

@@ -16,9 +16,10 @@ from afdserve.afd.dataplane.connector import InProcessConnector
 from afdserve.bench.bytes import v4_layer_kv_bytes
 from afdserve.bench.decode import DecodeBench, run_decode_bench
 from afdserve.bench.decode_steps import DecodeSteps, bench_batch, build_halves
+from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.engine.model_runner import LocalFFN
-from afdserve.model.config import load_model_config
-from afdserve.model.families.deepseek_v4.cache import V4KVCache
+from afdserve.model.cache import PagedCache
+from afdserve.model.families import load_model_config
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.presets import hf_config_of, preset_hf_config
 
@@ -52,7 +53,7 @@ def test_kv_bytes_of_each_layer_type_by_hand(v4_dir: Path) -> None:
     """bf16 pages (2 bytes) and float32 prev_gate (4), at positions before the window fills, with
     fewer closed entries than index_topk, and past several windows."""
     c = load_model_config(v4_dir)
-    assert c.v4.attention_types == (
+    assert c.family_config.attention_types == (
         "sliding_attention",
         "compressed_sparse_attention",
         "heavily_compressed_attention",
@@ -96,7 +97,7 @@ def test_kv_bytes_are_what_the_cache_hands_the_attention(v4_dir: Path) -> None:
     """At every position up to a few windows, the bytes of the state `LayerPages.read` returns
     are the count, except CSA's entries: the attention keeps only the indexer's top-k of them."""
     c = load_model_config(v4_dir)
-    cache = V4KVCache(c, 8, BLOCK, torch.bfloat16, "cpu")
+    cache = make_kv_cache(c, 8, BLOCK, torch.bfloat16, "cpu")
     table = torch.arange(8)
     for position in range(1, 8 * BLOCK):
         for layer, pages in enumerate(cache.layers):
@@ -109,7 +110,7 @@ def test_kv_bytes_are_what_the_cache_hands_the_attention(v4_dir: Path) -> None:
             read = sum(t.numel() * t.element_size() for t in parts)
             if state.indexer is not None:  # CSA: unselected entries are not read
                 closed = state.compressor.entries.shape[0]
-                read -= (closed - min(c.v4.index_topk, closed)) * c.head_dim * 2
+                read -= (closed - min(c.family_config.index_topk, closed)) * c.head_dim * 2
             assert v4_layer_kv_bytes(c, layer, position, 2) == read, (position, layer)
 
 
@@ -124,7 +125,7 @@ def test_in_process_decodes_the_colocated_tokens_over_a_full_cache(v4_dir: Path)
         s = spec(v4_dir, topology=topology)
         attn, ffn = build_halves(s, raw)
         steps = DecodeSteps(attn, ffn, s, BATCH)
-        assert isinstance(steps.kv, V4KVCache)
+        assert isinstance(steps.kv, PagedCache)
         boundary = InProcessConnector if topology == "in-process" else LocalFFN
         assert isinstance(steps.driver.forward.boundary, boundary)
         # Device segments on CPU too: the decode steps take the batched path a graph captures.

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from afdserve.afd.dataplane.connector import InProcessConnector
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, ffn_driver
-from afdserve.afd.step.control import FixedControl
 from afdserve.bench.decode import DecodeBench
 from afdserve.bench.decode_steps import DecodeSteps, build_half, build_halves
+from afdserve.engine.control_round import FixedControl
 from afdserve.engine.model_runner import LocalFFN
 from afdserve.frontend.process import free_port
 from afdserve.layout.plan import RankStep

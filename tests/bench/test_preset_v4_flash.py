@@ -16,7 +16,7 @@ from afdserve.bench.bytes import step_weight_bytes
 from afdserve.bench.decode import DecodeBench
 from afdserve.cli import main
 from afdserve.model.checkpoint.loader import build_model
-from afdserve.model.config import parse_model_config
+from afdserve.model.families import parse_model_config
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.layers.fp8 import Fp8Linear
 from afdserve.model.parts import ModelParts
@@ -32,19 +32,19 @@ def meta_model(name: str) -> torch.nn.Module:
 def test_preset_builds_flash_at_its_published_size() -> None:
     c = preset_config(FLASH)
     assert (c.num_layers, c.hidden_size, c.num_experts, c.top_k) == (43, 4096, 256, 6)
-    assert c.v4.attention_types[:4] == (
+    assert c.family_config.attention_types[:4] == (
         "sliding_attention",
         "sliding_attention",
         "compressed_sparse_attention",
         "heavily_compressed_attention",
     )
-    assert c.v4.attention_types[-1] == "compressed_sparse_attention"
+    assert c.family_config.attention_types[-1] == "compressed_sparse_attention"
     assert c.layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
     assert c.quantization.expert_dtype == "fp4" and c.quantization.scale_fmt == "ue8m0"
     # YaRN (rope_scaling) on the compressed layers' rope only, as transformers reads it.
     raw = {k: v for k, v in preset_hf_config(FLASH).items() if k != "rope_scaling"}
     unscaled = parse_model_config(raw)
-    assert c.v4.compress_inv_freq != unscaled.v4.compress_inv_freq
+    assert c.family_config.compress_inv_freq != unscaled.family_config.compress_inv_freq
     assert c.rope_inv_freq == unscaled.rope_inv_freq
     total = expert = 0
     for name, p in meta_model(FLASH).named_parameters():
@@ -62,8 +62,8 @@ def test_layers_suffix_keeps_the_first_layers(tmp_path: Path) -> None:
     raw = preset_hf_config(f"{FLASH}:4")
     assert raw == {**preset_hf_config(FLASH), "num_hidden_layers": 4}
     c = preset_config(f"{FLASH}:4")
-    assert c.num_layers == 4 and len(c.v4.attention_types) == len(c.layer_types) == 4
-    assert c.v4.attention_types == preset_config(FLASH).v4.attention_types[:4]
+    assert c.num_layers == 4 and len(c.family_config.attention_types) == len(c.layer_types) == 4
+    assert c.family_config.attention_types == preset_config(FLASH).family_config.attention_types[:4]
     model = meta_model(f"{FLASH}:4")
     assert len(model.model.layers) == 4
     assert isinstance(model.model.layers[3].mlp.experts, Fp4Experts)

@@ -18,12 +18,11 @@ from transformers import DeepseekV4ForCausalLM
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import check_capturable
-from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.engine.kv_cache import bytes_per_block, make_kv_cache
 from afdserve.model.checkpoint.loader import load_model
-from afdserve.model.config import load_model_config
+from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
-from afdserve.model.families.deepseek_v4.cache import V4KVCache, bytes_by_layer_type
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from tests.engine.test_llm import run
@@ -134,18 +133,19 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     the bytes the pages really allocate."""
     _, path, block_size = shape
     config = load_model_config(path)
-    cache = V4KVCache(config, 3, block_size, torch.float32, "cpu")
+    cache = make_kv_cache(config, 3, block_size, torch.float32, "cpu")
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.pages.values())
     assert cache.bytes == held == 3 * bytes_per_block(config, block_size, torch.float32)
-    for kind, (count, per_block) in bytes_by_layer_type(config, block_size, torch.float32).items():
-        layers = [pages for pages in cache.layers if pages.geometry.kind == kind]
-        assert len(layers) == count
+    for spec in cache_layout(config).specs:  # one spec per attention type
+        per_block = spec.bytes_per_block(block_size, torch.float32)
+        layers = [pages for pages in cache.layers if pages.geometry.kind == spec.attention_type]
+        assert [cache.layers.index(pages) for pages in layers] == list(spec.layers)
         assert all(pages.bytes == 3 * per_block for pages in layers)
     # A sliding layer's pages are its window alone; a compressed layer's grow by its entries.
     kinds = {pages.geometry.kind: pages for pages in cache.layers}
     if SLIDING in kinds:
         assert list(kinds[SLIDING].pages) == ["window"]
-    for kind, rate in ((CSA, config.v4.csa_rate), (HCA, config.v4.hca_rate)):
+    for kind, rate in ((CSA, config.family_config.csa_rate), (HCA, config.family_config.hca_rate)):
         if kind in kinds:
             assert kinds[kind].pages["entries"].shape[1] == -(-block_size // rate)
     with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
@@ -154,9 +154,10 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     assert ready.memory.cache_bytes == 5 * bytes_per_block(config, block_size, torch.float32)
     assert ready.memory.cache_blocks == 5
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
-    for kind, (count, per_block) in bytes_by_layer_type(config, block_size, torch.float32).items():
-        short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[kind]
-        assert f"{count} {short} x {per_block} B" in line
+    for spec in cache_layout(config).specs:
+        short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[spec.attention_type]
+        per_block = spec.bytes_per_block(block_size, torch.float32)
+        assert f"{len(spec.layers)} {short} x {per_block} B" in line
 
 
 def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(

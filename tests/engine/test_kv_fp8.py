@@ -31,7 +31,7 @@ from afdserve.frontend.client import EngineClient
 from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout, Segment
 from afdserve.kernels.reference import layers as reference
-from afdserve.model.config import load_model_config
+from afdserve.model.families import load_model_config
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 FP8 = torch.float8_e4m3fn

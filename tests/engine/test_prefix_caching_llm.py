@@ -11,7 +11,7 @@ import pytest
 from afdserve import LLM, SamplingParams, StructuredOutputsParams
 from afdserve.config import EngineConfig
 from afdserve.engine.factory import prefix_caching_for
-from afdserve.model.config import load_model_config
+from afdserve.model.families import load_model_config
 
 SYSTEM = "You are a helpful assistant. Answer briefly and politely. "
 QUESTIONS = ["What is a cat?", "Name a colour.", "Count to three.", "Say hello."]

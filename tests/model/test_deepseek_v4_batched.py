@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from afdserve.engine.cuda_graphs import UbatchBuffers
+from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.model.cache import PagedCache
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
-from afdserve.model.families.deepseek_v4.cache import V4KVCache
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.tiny import make_tiny_model
@@ -57,7 +58,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, V4CausalLM]:
 
 
 def forward(
-    model: V4CausalLM, cache: V4KVCache, ids: torch.Tensor, meta: AttentionMetadata
+    model: V4CausalLM, cache: PagedCache, ids: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
     """The engine's layer loop (engine/model_runner.py, one ubatch) -> logits of every row."""
     h = model.embed(ids)
@@ -79,7 +80,7 @@ def tables_for(lengths: tuple[int, ...], block_size: int, width: int) -> torch.T
 
 
 def prefill(
-    model: V4CausalLM, cache: V4KVCache, prompts: list[torch.Tensor], tables: torch.Tensor
+    model: V4CausalLM, cache: PagedCache, prompts: list[torch.Tensor], tables: torch.Tensor
 ) -> None:
     for prompt, table in zip(prompts, tables, strict=True):
         if len(prompt):
@@ -102,7 +103,7 @@ def decode_meta(
     return AttentionMetadata(full, torch.zeros(rows, dtype=torch.int64), segments, batched_meta)
 
 
-def pages_close(got: V4KVCache, want: V4KVCache) -> None:
+def pages_close(got: PagedCache, want: PagedCache) -> None:
     for layer, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
         for name in w.pages:
             torch.testing.assert_close(
@@ -124,9 +125,9 @@ def setup(model: V4CausalLM, block_size: int):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in LENGTHS]
     blocks = int(tables.max()) + 1
-    reference = V4KVCache(model.config, blocks, block_size, torch.float32, "cpu")
+    reference = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
     prefill(model, reference, prompts, tables)
-    twin = V4KVCache(model.config, blocks, block_size, torch.float32, "cpu")
+    twin = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
     for a, b in zip(twin.layers, reference.layers, strict=True):
         for name in a.flat:
             a.flat[name].copy_(b.flat[name])
@@ -134,7 +135,7 @@ def setup(model: V4CausalLM, block_size: int):
     return tables, reference, twin, last
 
 
-def scratch_rows(cache: V4KVCache) -> list[torch.Tensor]:
+def scratch_rows(cache: PagedCache) -> list[torch.Tensor]:
     return [layer.flat[name][-1].clone() for layer in cache.layers for name in layer.flat]
 
 
@@ -154,7 +155,7 @@ def test_batched_decode_equals_the_per_sequence_path(
     calls = []
     monkeypatch.setattr(batched, "_compressed", _counting(batched._compressed, calls))
     positions = torch.tensor(LENGTHS)
-    rates = (model.config.v4.csa_rate, model.config.v4.hca_rate)
+    rates = (model.config.family_config.csa_rate, model.config.family_config.hca_rate)
     closing: dict[int, list[tuple[bool, ...]]] = {rate: [] for rate in rates}
     for _ in range(STEPS):
         for rate in rates:
@@ -228,7 +229,7 @@ def test_full_mode_graph_layout_is_refused_by_name(models: dict[str, V4CausalLM]
     """Prefill rows still attend per sequence from host-side segments: a graph layout for them
     (full mode, no segments) is one clear error, never a silent zero attention."""
     model = models["tiny"]
-    cache = V4KVCache(model.config, 4, 4, torch.float32, "cpu")
+    cache = make_kv_cache(model.config, 4, 4, torch.float32, "cpu")
     buffers = UbatchBuffers(4, 4, torch.device("cpu"))
     meta = AttentionMetadata(
         torch.zeros(4, dtype=torch.int64), torch.full((4,), -1), (), buffers.batched(4, 4, 16)

@@ -85,7 +85,7 @@ def test_cached_greedy_decode_equals_full_forward_greedy(
 
 @torch.inference_mode()
 def test_cache_holds_what_the_design_says(ours: V4CausalLM) -> None:
-    v4 = ours.config.v4
+    v4 = ours.config.family_config
     cache = ours.new_cache()
     ours.forward_chunk(tokens(23, seed=3), cache)
     for layer, state in enumerate(cache.layers):

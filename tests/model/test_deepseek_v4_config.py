@@ -11,7 +11,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-from afdserve.model.config import parse_model_config
+from afdserve.model.families import parse_model_config
 from afdserve.model.fixtures.deepseek_v4 import TINY_V4
 
 
@@ -22,7 +22,7 @@ def raw_config(**overrides: object) -> dict:
 
 def test_tiny_config_is_read_field_by_field() -> None:
     c = parse_model_config(raw_config())
-    v4 = c.v4
+    v4 = c.family_config
     assert c.family == "deepseek_v4" and c.attention == "v4"
     assert v4.attention_types == tuple(TINY_V4["layer_types"])
     assert c.layer_types == tuple(TINY_V4["mlp_layer_types"]) and c.hash_layers == (0,)
@@ -53,14 +53,17 @@ def test_both_rope_bases_match_transformers(rope: dict | None) -> None:
     rotary = DeepseekV4RotaryEmbedding(hf)
     c = parse_model_config(json.loads(hf.to_json_string()))
     for label, ours, scale in (
-        ("main", c.rope_inv_freq, c.v4.main_attention_scaling),
-        ("compress", c.v4.compress_inv_freq, c.v4.compress_attention_scaling),
+        ("main", c.rope_inv_freq, c.family_config.main_attention_scaling),
+        ("compress", c.family_config.compress_inv_freq, c.family_config.compress_attention_scaling),
     ):
         ref = getattr(rotary, f"{label}_inv_freq")
         assert torch.equal(torch.tensor(ours, dtype=torch.float32), ref), label
         assert scale == getattr(rotary, f"{label}_attention_scaling"), label
     if rope is not None:  # YaRN really changed the compressed layers' frequencies
-        assert c.v4.compress_inv_freq != parse_model_config(raw_config()).v4.compress_inv_freq
+        assert (
+            c.family_config.compress_inv_freq
+            != parse_model_config(raw_config()).family_config.compress_inv_freq
+        )
 
 
 def test_legacy_spellings_fold_like_transformers() -> None:
@@ -78,9 +81,12 @@ def test_legacy_spellings_fold_like_transformers() -> None:
     )
     hf = DeepseekV4Config(**legacy)
     c = parse_model_config({**legacy, "model_type": "deepseek_v4"})
-    assert c.v4.attention_types == tuple(hf.layer_types)
+    assert c.family_config.attention_types == tuple(hf.layer_types)
     assert c.layer_types == tuple(hf.mlp_layer_types) == ("hash_moe",) * 2 + ("moe",) * 2
-    assert (c.v4.csa_rate, c.v4.hca_rate) == (2, 4) and c.qk_rope_head_dim == hf.qk_rope_head_dim
+    assert (c.family_config.csa_rate, c.family_config.hca_rate) == (
+        2,
+        4,
+    ) and c.qk_rope_head_dim == hf.qk_rope_head_dim
 
 
 @pytest.mark.parametrize(
@@ -136,5 +142,8 @@ def test_bad_config_is_refused_naming_the_field(overrides: dict, message: str) -
 def test_every_field_transformers_writes_is_known() -> None:
     # The full default config (V4-Flash's shape): nothing in it is refused.
     c = parse_model_config(json.loads(DeepseekV4Config().to_json_string()))
-    assert c.num_layers == 43 and c.v4.attention_types[:2] == ("heavily_compressed_attention",) * 2
+    assert (
+        c.num_layers == 43
+        and c.family_config.attention_types[:2] == ("heavily_compressed_attention",) * 2
+    )
     assert c.layer_types[:4] == ("hash_moe",) * 3 + ("moe",)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afdserve.model.checkpoint.loader import CheckpointError, load_model
-from afdserve.model.config import load_model_config
+from afdserve.model.families import load_model_config
 from afdserve.model.fixtures.tiny import make_tiny_model
 from afdserve.model.parts import ModelParts
 from afdserve.model.quantization import check_quantization

@@ -13,7 +13,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.block_manager import BlockManager
-from afdserve.engine.kv_cache import KVCache
+from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.engine.model_runner import LocalFFN, ModelRunner
 from afdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from afdserve.engine.sequence import Sequence
@@ -52,7 +52,7 @@ def afdserve_prefill_logits(
     step per chunk. Blocks are handed out round-robin, so every table is scattered over the cache;
     `pad_rows` extra rows (slot -1, route id -1) ride along as a padded graph batch would."""
     need = [-(-len(p) // BLOCK_SIZE) for p in prompts]
-    cache = KVCache(model.config, sum(need), BLOCK_SIZE, torch.float32, "cpu")
+    cache = make_kv_cache(model.config, sum(need), BLOCK_SIZE, torch.float32, "cpu")
     manager = BlockManager(cache.num_blocks, BLOCK_SIZE)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     seqs = [Sequence(f"seq-{i}", p, params, None) for i, p in enumerate(prompts)]

@@ -24,6 +24,8 @@ from afdserve.afd.dataplane.expert_group import ExpertGroup
 from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
+from afdserve.afd.step.ffn_driver import FFNDriver
+from afdserve.engine.control_round import Control
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
@@ -35,12 +37,13 @@ from afdserve.engine.factory import (
     parameter_bytes,
 )
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
-from afdserve.engine.step_loop import AttentionDriver, Control, FFNDriver, WorkSource
+from afdserve.engine.step_loop import AttentionDriver, WorkSource
 from afdserve.engine.step_recorder import StepRecorder
 from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
-from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import load_model_config
 from afdserve.model.parts import CausalLM
 
 if TYPE_CHECKING:

@@ -9,8 +9,6 @@ shared memory for worlds on one host, several times cheaper per round. `open_con
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.distributed as dist
 
@@ -18,27 +16,6 @@ from afdserve.afd.step.control_shm import SharedMemoryControl, shared_memory_sup
 from afdserve.engine.control_round import FIELDS, ControlRound, decode, encode
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
-
-
-class Control(Protocol):
-    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound: ...
-
-
-class LocalControl:
-    """One process and one attention rank: its report is the whole world's."""
-
-    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
-        return ControlRound((report,) if report is not None else (), shutdown)
-
-
-class FixedControl:
-    """Every step the same reports (the decode benchmark's FFN rank knows them in advance)."""
-
-    def __init__(self, reports: tuple[RankStep, ...]) -> None:
-        self.reports = reports
-
-    def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
-        return ControlRound(self.reports, shutdown)
 
 
 class ControlPlane:

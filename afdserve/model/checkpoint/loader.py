@@ -30,10 +30,9 @@ from tqdm import tqdm
 
 from afdserve.config import LOAD_FORMATS
 from afdserve.kernels.reference.fp4 import quantize_fp4
-from afdserve.model.config import ModelConfig, load_model_config
-from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import load_model_config, model_class
 from afdserve.model.families.deepseek_v4 import names as v4_names
-from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
 from afdserve.model.layers.attention import GQAAttention
 from afdserve.model.layers.fp8 import (
@@ -44,7 +43,7 @@ from afdserve.model.layers.fp8 import (
     scale_shape_error,
 )
 from afdserve.model.layers.moe import Experts, Router
-from afdserve.model.parts import ModelParts
+from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)
@@ -101,20 +100,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def model_class(config: ModelConfig) -> type[MoECausalLM] | type[V4CausalLM]:
-    return V4CausalLM if config.family == "deepseek_v4" else MoECausalLM
-
-
 def build_model(
     config: ModelConfig, parts: ModelParts, dtype: torch.dtype, device: torch.device | str
-) -> MoECausalLM:
+) -> CausalLM:
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
     # Module.to_empty's empty_like of a meta tensor goes through torch._refs, whose first use
     # imports it (about two seconds of every rank's start); torch.empty of the shape does not.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if isinstance(model, V4CausalLM):
+    if hasattr(model, "keep_float32"):  # modules a family keeps in float32
         model.keep_float32()
     for module in model.modules():
         if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
@@ -122,7 +117,7 @@ def build_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention and config.v4 is None:  # V4 computes its rope from the config
+    if parts.attention and config.family_config is None:  # V4 computes its rope from the config
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():
@@ -162,7 +157,7 @@ def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
 
 
 def load_weights(
-    model: MoECausalLM,
+    model: CausalLM,
     model_dir: str | Path,
     known_names: set[str] | None = None,
     progress: bool | None = None,
@@ -255,7 +250,7 @@ def load_weights(
     return report
 
 
-def _check_hash_tables(model: MoECausalLM) -> None:
+def _check_hash_tables(model: CausalLM) -> None:
     """A hash layer's table must name real experts: an id out of range would index past the
     stacked experts (or silently hit a wrong one on an expert-parallel shard)."""
     experts = model.config.num_experts
@@ -307,7 +302,7 @@ def _copy_into(
         dst.copy_(src)
 
 
-def _held_experts(model: MoECausalLM) -> dict[str, tuple[int, ...]]:
+def _held_experts(model: CausalLM) -> dict[str, tuple[int, ...]]:
     """Stacked expert tensor name -> the experts its shard holds (expert-parallel halves only)."""
     held = {}
     for name, module in model.named_modules():
@@ -370,7 +365,7 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
     quantization: str | None = None,
-) -> tuple[MoECausalLM, LoadReport]:
+) -> tuple[CausalLM, LoadReport]:
     """One half of the model in `model_dir`. `load_format`: "auto" and "safetensors" read the
     checkpoint; "dummy" reads config.json only and draws random weights from `seed` (the same
     tensor gets the same values in every half that holds it: see `init_random_weights`).
@@ -402,7 +397,7 @@ def _tensor_seed(seed: int, name: str, expert: int | None = None) -> int:
 
 
 @torch.no_grad()
-def init_random_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> None:
+def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for benchmarks at real sizes (presets), drawn on the model's device.
 
     Every tensor draws from its own generator seeded by (seed, name), and each routed expert of

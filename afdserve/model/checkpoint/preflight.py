@@ -20,9 +20,9 @@ from afdserve.model.checkpoint.loader import (
     _checkpoint_files,
     _missing,
     _target,
-    model_class,
 )
-from afdserve.model.config import ModelConfig, load_model_config
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import load_model_config, model_class
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.parts import ModelParts
 from afdserve.model.quantization import resolve_quantization

@@ -171,7 +171,7 @@ class Indexer(Compressor):
     (its keys) and `index_n_heads` query heads; score(t, s) = sum_h w_h(t) relu(q_h(t) . k_s)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        v4 = config.v4
+        v4 = config.family_config
         super().__init__(
             config.hidden_size, v4.index_head_dim, v4.csa_rate, True, config.rms_norm_eps
         )
@@ -246,7 +246,7 @@ class V4Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        v4 = config.v4
+        v4 = config.family_config
         hidden, heads, dim = config.hidden_size, config.num_heads, config.head_dim
         self.kind = v4.attention_types[layer]
         self.heads, self.dim, self.window = heads, dim, v4.sliding_window

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
 
@@ -51,7 +52,7 @@ class LayerGeometry:
 
     @classmethod
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
-        v4, dim = config.v4, config.head_dim
+        v4, dim = config.family_config, config.head_dim
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
         pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, False)]
         if rate:
@@ -74,32 +75,64 @@ class LayerGeometry:
         )
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return sum(
-        LayerGeometry.of(config, i, block_size).bytes_per_block(dtype)
-        for i in range(config.num_layers)
-    )
+# Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
+PREFIX_REUSE_REFUSAL = (
+    "its KV cache (sliding windows, compressed entries, compressor state) is not a plain paged "
+    "cache of one block per block_size tokens"
+)
+FP8_REFUSAL = "its paged cache (windows, compressed entries, compressor state) is not quantized yet"
+FULL_GRAPH_REFUSAL = (
+    "its prefill and mixed steps attend per sequence (only decode steps are batched and "
+    "capturable); use graph_mode='full_decode_only' or 'none'"
+)
+EAGER_BY_DEFAULT = (
+    "its decode graphs pad every row to max_model_len's compressed entries; pass "
+    "graph_mode='full_decode_only' for them"
+)
 
 
-def bytes_by_layer_type(
-    config: ModelConfig, block_size: int, dtype: torch.dtype
-) -> dict[str, tuple[int, int]]:
-    """Layer type -> (layers of that type, bytes per block of one of them)."""
-    out: dict[str, tuple[int, int]] = {}
-    for i in range(config.num_layers):
-        geometry = LayerGeometry.of(config, i, block_size)
-        count, _ = out.get(geometry.kind, (0, 0))
-        out[geometry.kind] = (count + 1, geometry.bytes_per_block(dtype))
-    return out
+@dataclass(frozen=True)
+class V4Pages(CacheSpec):
+    """The layers of one attention type, each a `LayerPages` over the engine's blocks."""
+
+    attention_type: str
+    layers: tuple[int, ...]
+    config: ModelConfig
+    prefix_reuse_refusal = PREFIX_REUSE_REFUSAL
+    fp8_refusal = FP8_REFUSAL
+    graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
+    eager_by_default = EAGER_BY_DEFAULT
+    # Decode ubatches run batched from device segments on every device (batched.py), so CPU
+    # runs what a graph captures.
+    batched_segments = True
+
+    @property
+    def kind(self) -> str:
+        return _SHORT[self.attention_type]
+
+    def geometry(self, block_size: int) -> LayerGeometry:
+        return LayerGeometry.of(self.config, self.layers[0], block_size)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return self.geometry(block_size).bytes_per_block(dtype)
+
+    def allocate(self, num_blocks, block_size, dtype, device) -> list[LayerPages]:
+        geometry = self.geometry(block_size)
+        return [LayerPages(geometry, num_blocks, dtype, device) for _ in self.layers]
+
+    @staticmethod
+    def tensors(layer_cache: LayerPages):
+        yield from layer_cache.pages.values()
 
 
-def describe(config: ModelConfig, block_size: int, dtype: torch.dtype) -> str:
-    """The start-up line's breakdown: bytes per block of each layer type."""
-    parts = [
-        f"{count} {_SHORT[kind]} x {per} B"
-        for kind, (count, per) in bytes_by_layer_type(config, block_size, dtype).items()
-    ]
-    return "per block: " + ", ".join(parts)
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    """One spec per attention type, in the order the types first appear."""
+    types = config.family_config.attention_types
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(types):
+        groups.setdefault(kind, []).append(i)
+    specs = tuple(V4Pages(kind, tuple(layers), config) for kind, layers in groups.items())
+    return CacheLayout(specs, config.num_layers)
 
 
 class LayerPages:
@@ -267,24 +300,3 @@ class LayerPages:
             self._rows_of(f"{prefix}open_gate", table, pending),
             state.pending_gate,
         )
-
-
-class V4KVCache:
-    """The paged cache of one attention rank for a DeepSeek-V4 model: `LayerPages` per layer, over
-    the same `num_blocks` blocks of `block_size` positions the engine's block manager hands out."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.layers = [
-            LayerPages(LayerGeometry.of(config, i, block_size), num_blocks, dtype, device)
-            for i in range(config.num_layers)
-        ]
-        self.bytes = sum(layer.bytes for layer in self.layers)
-        self.summary = describe(config, block_size, dtype)

@@ -8,10 +8,41 @@ as if it said something else. Legacy spellings that transformers folds in (`comp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from afdserve.model.families.deepseek_v4.v4config import V4Config
 from afdserve.model.quantization import parse_quantization_config
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """The attention side of DeepSeek-V4: per-layer attention type, compression, indexer, mHC."""
+
+    attention_types: tuple[str, ...]
+    csa_rate: int
+    hca_rate: int
+    sliding_window: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    # Rotary of the compressed layers, their compressors and indexer ("compress" in transformers);
+    # the sliding layers use ModelConfig.rope_inv_freq ("main").
+    compress_inv_freq: tuple[float, ...]
+    compress_attention_scaling: float
+    main_attention_scaling: float
+
+    def compress_rate(self, layer: int) -> int:
+        kind = self.attention_types[layer]
+        return {
+            "compressed_sparse_attention": self.csa_rate,
+            "heavily_compressed_attention": self.hca_rate,
+        }.get(kind, 0)
+
 
 ATTENTION_TYPES = (
     "sliding_attention",
@@ -394,6 +425,6 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         hidden_act="silu",
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         swiglu_limit=None if limit is None else float(limit),
-        v4=v4,
+        family_config=v4,
         quantization=quantization,
     )

@@ -53,7 +53,7 @@ class SequenceCache:
 class V4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, parts: ModelParts) -> None:
         super().__init__()
-        v4, hidden, eps = config.v4, config.hidden_size, config.rms_norm_eps
+        v4, hidden, eps = config.family_config, config.hidden_size, config.rms_norm_eps
         if parts.attention:
             hc = (hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
             self.attn_hc = HyperConnection(*hc)
@@ -74,7 +74,7 @@ class V4DecoderLayer(nn.Module):
 class V4Body(nn.Module):
     def __init__(self, config: ModelConfig, parts: ModelParts) -> None:
         super().__init__()
-        v4 = config.v4
+        v4 = config.family_config
         if parts.attention:
             # No random init (the loader writes it): see model.model.uninitialized_embedding.
             shape = (config.vocab_size, config.hidden_size)
@@ -89,7 +89,7 @@ class V4Body(nn.Module):
 class V4CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
         super().__init__()
-        if config.v4 is None:
+        if config.family_config is None:
             raise ValueError(f"V4CausalLM needs a deepseek_v4 config, not {config.family!r}")
         self.config = config
         self.parts = parts or ModelParts.colocated()
@@ -118,7 +118,7 @@ class V4CausalLM(nn.Module):
     def ropes(self, device: torch.device | str) -> dict[str, RopeTable]:
         """Both rope bases. From the config's tuples, not buffers, so a model built on the meta
         device and moved with to_empty needs nothing refilled."""
-        c, v4 = self.config, self.config.v4
+        c, v4 = self.config, self.config.family_config
         main = torch.tensor(c.rope_inv_freq, dtype=torch.float32, device=device)
         comp = torch.tensor(v4.compress_inv_freq, dtype=torch.float32, device=device)
         return {
@@ -172,7 +172,7 @@ class V4CausalLM(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids [rows] -> the streams [rows, hc_mult, hidden], every stream the embedding."""
         embedded = self.model.embed_tokens(token_ids)
-        return embedded.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
+        return embedded.unsqueeze(1).expand(-1, self.config.family_config.hc_mult, -1).contiguous()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Nothing precomputed ([rows, 0] each): V4 rotates inside its attention, by two bases,
@@ -276,7 +276,7 @@ class V4CausalLM(nn.Module):
         positions = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)
         ropes = self.ropes(token_ids.device)
         embedded = self.model.embed_tokens(token_ids)
-        h = embedded.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
+        h = embedded.unsqueeze(1).expand(-1, self.config.family_config.hc_mult, -1).contiguous()
         for layer in range(self.config.num_layers):
             x, state = self.sequence_attention_half(layer, h, positions, ropes, cache)
             h = self.expand_ffn(state, ffn(layer, x, token_ids))

@@ -1,0 +1,167 @@
+"""The cache interface between a model family and the engine: the state a family's layers keep
+per sequence, in pages of the engine's blocks.
+
+The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)).
+Each group of layers describes its pages with a `CacheSpec`; a model's specs form its
+`CacheLayout`, which the block manager, the memory budget, prefix caching, the FP8 check, the
+CUDA-graph policy and the model runner read. None of them asks which family it runs (vLLM v1's
+`KVCacheSpec` per layer group is the model of this seam). `PagedKV` is the plain paged cache of
+GQA keys and values or MLA's latent; DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+GRAPH_MODES = ("none", "full_decode_only", "full")
+
+
+class CacheSpec(ABC):
+    """One group of layers whose per-sequence state has the same page geometry."""
+
+    kind: str  # its name in the start-up line ("KV", "sliding", "CSA", ...)
+    layers: tuple[int, ...]
+    # Why a block's pages cannot be reused by its prefix hash (None: they can: a block's pages
+    # depend on the tokens up to its end and on nothing else).
+    prefix_reuse_refusal: str | None = None
+    # Why the pages cannot be stored as float8_e4m3fn (None: they can, at scale 1.0).
+    fp8_refusal: str | None = None
+    # (graph mode, why the layers cannot be captured in it on CUDA).
+    graph_refusals: tuple[tuple[str, str], ...] = ()
+    # Why graph_mode "auto" stays "none" on CUDA for these layers (None: the engine's default).
+    eager_by_default: str | None = None
+    # Whether the layers read the batched segment tensors on every device (the CPU reference
+    # otherwise loops over segments).
+    batched_segments: bool = False
+
+    @abstractmethod
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one layer of the group holds per block."""
+
+    @abstractmethod
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> list[Any]:
+        """One layer cache per layer of the group, over `num_blocks` blocks."""
+
+    @staticmethod
+    def tensors(layer_cache: Any) -> Iterator[torch.Tensor]:
+        """Every tensor of one layer's cache (the benches fill them)."""
+        yield from (t for t in layer_cache if t is not None)
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class PagedKV(CacheSpec):
+    """Per layer `[num_blocks, block_size, heads, dim]`: keys and values (GQA), or one latent
+    (MLA: `tensors=1`). Its layer cache is the pair (keys, values or None)."""
+
+    layers: tuple[int, ...]
+    heads: int
+    dim: int
+    tensors_per_layer: int = 2
+    kind: str = "KV"
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return self.tensors_per_layer * block_size * self.heads * self.dim * dtype.itemsize
+
+    def allocate(self, num_blocks, block_size, dtype, device) -> list[Any]:
+        shape = (num_blocks, block_size, self.heads, self.dim)
+
+        def one() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return [(one(), one() if self.tensors_per_layer == 2 else None) for _ in self.layers]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A model's specs, one per group of layers; every layer in exactly one group."""
+
+    specs: tuple[CacheSpec, ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        covered = sorted(i for spec in self.specs for i in spec.layers)
+        if covered != list(range(self.num_layers)):
+            raise ValueError(f"cache specs cover layers {covered}, not 0..{self.num_layers - 1}")
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return sum(len(s.layers) * s.bytes_per_block(block_size, dtype) for s in self.specs)
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
+
+    def _first(self, reasons) -> str | None:
+        return next((r for r in reasons if r is not None), None)
+
+    @property
+    def prefix_reuse_refusal(self) -> str | None:
+        return self._first(s.prefix_reuse_refusal for s in self.specs)
+
+    @property
+    def fp8_refusal(self) -> str | None:
+        return self._first(s.fp8_refusal for s in self.specs)
+
+    @property
+    def eager_by_default(self) -> str | None:
+        return self._first(s.eager_by_default for s in self.specs)
+
+    @property
+    def batched_segments(self) -> bool:
+        return any(s.batched_segments for s in self.specs)
+
+    def graph_refusal(self, graph_mode: str) -> str | None:
+        return self._first(
+            why for s in self.specs for mode, why in s.graph_refusals if mode == graph_mode
+        )
+
+    def describe(self, block_size: int, dtype: torch.dtype) -> str | None:
+        """The start-up line's bytes per block of each group, where there are several kinds."""
+        if len({s.kind for s in self.specs}) < 2:
+            return None
+        parts = [
+            f"{len(s.layers)} {s.kind} x {s.bytes_per_block(block_size, dtype)} B"
+            for s in self.specs
+        ]
+        return "per block: " + ", ".join(parts)
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> PagedCache:
+        layers: list[Any] = [None] * self.num_layers
+        for spec in self.specs:
+            for i, cache in zip(
+                spec.layers, spec.allocate(num_blocks, block_size, dtype, device), strict=True
+            ):
+                layers[i] = cache
+        return PagedCache(self, layers, num_blocks, block_size, dtype)
+
+
+class PagedCache:
+    """One attention rank's cache: `layers[i]` is what layer i's attention reads and writes."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        layers: list[Any],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.layout, self.layers = layout, layers
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.bytes = layout.bytes_per_block(block_size, dtype) * num_blocks
+        self.summary = layout.describe(block_size, dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, layer by layer."""
+        spec_of = {i: spec for spec in self.layout.specs for i in spec.layers}
+        return [t for i, cache in enumerate(self.layers) for t in spec_of[i].tensors(cache)]
