@@ -161,10 +161,8 @@ def cmd_make_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="afdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """`afdserve generate`: the engine's flags and the prompts' sampling."""
     gen = sub.add_parser("generate", help="generate text offline")
     # --seed is the sampling seed of these prompts; the engine's generator seed is renamed.
     add_engine_args(gen, flags={"seed": "--engine-seed"})
@@ -213,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=cmd_generate)
 
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """`afdserve serve`: the engine's flags and the server's options."""
     from afdserve.server.options import ServeOptions
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -220,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_group(serve, ServeOptions)
     serve.set_defaults(func=cmd_serve)
 
+
+def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
+    """`afdserve make-tiny-model`: a random HF checkpoint for tests."""
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
     tiny.add_argument("dir", help="the directory to write (default: none, required)")
     tiny.add_argument(
@@ -259,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.set_defaults(func=cmd_make_tiny)
 
+
+def add_make_config_parser(sub: argparse._SubParsersAction) -> None:
+    """`afdserve make-config`: a preset's config.json."""
     from afdserve.model.presets import PRESET_HELP
 
     make_config = sub.add_parser(
@@ -272,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make_config.add_argument("dir", help="the directory to write (default: none, required)")
     make_config.set_defaults(func=cmd_make_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="afdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_make_tiny_parser(sub)
+    add_make_config_parser(sub)
 
     from afdserve.planner.plan import add_plan_parser
 

@@ -42,26 +42,22 @@ def option(
     off_flag: str | None = None,
     repeat: bool = False,
 ) -> Any:
-    """A dataclass field with its user-facing declaration.
+    """A dataclass field with its user-facing declaration (metavar, nargs, const: argparse's).
 
-    help: what the option does (the default is appended as "(default: X)").
-    flag: the command-line flag, when not `--` + the keyword with `_` as `-` and without a
-        trailing `_s` (`heartbeat_timeout_s` is `--heartbeat-timeout`).
-    kwarg: the keyword (and argparse dest), when not the field's name.
-    choices: values argparse enforces. allowed: values only shown (as the metavar), left to
-        the class's own validation so that a wrong value is its one-line error.
+    help: what the option does; "(default: X)" is appended, or `shown` where the value alone
+        would not tell what it means (max_model_len=None: "the model's max_position_embeddings").
+    flag: the flag, when not `--` + the keyword with `_` as `-` and no trailing `_s`
+        (`heartbeat_timeout_s` is `--heartbeat-timeout`); aliases: more flags (vLLM's `-dp`);
+        kwarg: the keyword (and argparse dest), when not the field's name.
+    choices: values argparse enforces. allowed: values only shown (as the metavar), left to the
+        class's own validation so that a wrong value is its one-line error.
     parse: turns the flag's text into the value, for types other than str, int, float, bool.
-    shown: what "(default: X)" says where the value alone would not tell what it means
-        (max_model_len=None: "the model's max_position_embeddings").
-    negate: a True-by-default bool set False by the flag (`--disable-log-requests`).
-    positional: an optional positional argument, and a flag (`--model`) beside it, as vLLM
-        takes both.
-    aliases: more flags for the option (vLLM's short forms: `-dp`).
-    off_flag: a flag that sets a False-by-default bool False again (vLLM's older spelling of a
-        switch whose default flipped: `--disable-log-requests`).
+    negate: a True-by-default bool set False by the flag (`--disable-log-stats`). off_flag: a
+        flag that sets a False-by-default bool False again (vLLM's older spelling of a switch
+        whose default flipped: `--disable-log-requests`).
+    positional: an optional positional argument, and a flag (`--model`) beside it, as in vLLM.
     repeat: a tuple field whose flag is given once per value (`--control-plane gloo
-        --control-plane shm`), argparse's "append"; its default must be None (argparse would
-        append to any other).
+        --control-plane shm`); its default must be None (argparse would append to any other).
     """
     meta = {
         "help": help,

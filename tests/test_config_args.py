@@ -137,58 +137,15 @@ def test_help_shows_the_defaults() -> None:
 
 
 def test_flags_round_trip_to_the_configs() -> None:
-    argv = [
-        "serve",
-        "--device",
-        "cuda:1",
-        "--dtype",
-        "bfloat16",
-        "--max-num-seqs",
-        "8",
-        "--max-model-len",
-        "512",
-        "--kv-cache-blocks",
-        "40",
-        "--gpu-memory-utilization",
-        "0.5",
-        "--seed",
-        "7",
-        "--load-format",
-        "dummy",
-        "--no-use-tqdm-on-load",
-        "--topology",
-        "1A2F",
-        "--ubatches",
-        "2",
-        "--gate-on-attention",
-        "--log-step-plan",
-        "--connector",
-        "p2p",
-        "--dist-timeout",
-        "60",
-        "--heartbeat-timeout",
-        "3",
-        "--control-plane",
-        "gloo",
-        "--log-data-plane",
-        "/tmp/dp",
-        "--ffn-expert-parallel",
-        "--expert-placement",
-        "0,1;2,3",
-        "--graph-mode",
-        "full",
-        "--cuda-graph-sizes",
-        "4,1,2",
-        "--port",
-        "0",
-        "--disable-log-requests",
-        "--max-restarts",
-        "0",
-        "--request-timeout",
-        "2.5",
-        "--retry-after",
-        "3",
-    ]
+    argv = """
+        serve --device cuda:1 --dtype bfloat16 --max-num-seqs 8 --max-model-len 512
+        --kv-cache-blocks 40 --gpu-memory-utilization 0.5 --seed 7 --load-format dummy
+        --no-use-tqdm-on-load --topology 1A2F --ubatches 2 --gate-on-attention --log-step-plan
+        --connector p2p --dist-timeout 60 --heartbeat-timeout 3 --control-plane gloo
+        --log-data-plane /tmp/dp --ffn-expert-parallel --expert-placement 0,1;2,3
+        --graph-mode full --cuda-graph-sizes 4,1,2 --port 0 --disable-log-requests
+        --max-restarts 0 --request-timeout 2.5 --retry-after 3
+    """.split()
     args = build_parser().parse_args(argv)
     kwargs = llm_kwargs(args)
     assert kwargs.pop("frontend_address") is None

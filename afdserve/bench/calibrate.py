@@ -2,18 +2,13 @@
 and write it as one JSON profile (planner/profile.py says what it holds).
 
 Everything runs on one device with the decode benches' own steps (bench/decode_steps.py, CUDA
-graphs as `--graph-mode` says):
-- the attention rank alone: its half of every layer, with an FFN boundary that answers zeros at
-  once (`NoFFN`), on a grid of batches x contexts up to what its KV cache can hold on the device
-  (an attention rank holds only its half, so far more than a colocated engine can);
-- the FFN half of every layer over `--ffn-tokens` rows, captured in one graph where the device
-  allows, else eager;
-- the per-step work outside the layers (embedding, final norm, lm_head, greedy pick) per batch;
-- whole deployments as validation, which the curves are not drawn through: colocated steps and
-  in-process 1A1F (both halves on the device, 1 and 2 ubatches) at `--check-batches`; in-process
-  1A1F at batch 1 also gives the hand-over cost of the split on one device.
-The hand-over between two GPUs cannot be measured on one: the profile carries the two-GPU figures
-of docs/benchmarks.md (TWO_GPU_HANDOVER, with their source).
+graphs as `--graph-mode` says): the attention rank alone (an FFN boundary that answers zeros at
+once, `NoFFN`) on a grid of batches x contexts up to what its KV cache can hold; the FFN half of
+every layer over `--ffn-tokens` rows; the per-step work outside the layers per batch; and whole
+deployments as validation, which the curves are not drawn through: colocated steps and in-process
+1A1F (1 and 2 ubatches) at `--check-batches`, whose batch 1 also gives the hand-over cost of the
+split on one device. The hand-over between two GPUs cannot be measured on one: the profile
+carries the two-GPU figures of docs/benchmarks.md (TWO_GPU_HANDOVER, with their source).
 """
 
 from __future__ import annotations

@@ -2,23 +2,15 @@
 benchmark do, and report what its clients see.
 
 For each request rate, `num_prompts` requests arrive as a Poisson process (rate `inf`: all at
-once). Each streams `/v1/completions` with `input_len` random token ids as its prompt,
-`max_tokens=output_len` and `ignore_eos`, so that every request generates exactly `output_len`
-tokens. Per request, on the client's clock from the moment it is sent:
-- TTFT: until the first streamed chunk;
-- ITL: the gaps between consecutive chunks after the first;
-- TPOT: (e2e - TTFT) / (output tokens - 1), the mean time per token after the first;
-- e2e: until the last chunk.
-Output tokens are the server's `usage` (stream_options.include_usage), not a count of chunks: a
-server may merge tokens into one chunk or hold back text. Throughputs divide by the wall time from
-the first request sent to the last one finished. Every rate gets fresh prompts (same seed, same
-prompts on every run), so that a server with a prefix cache gains nothing from an earlier rate.
-
-With `--num-prefixes P` the workload shares prefixes (a system prompt, few-shot examples): P
-random prefixes of `--prefix-len` tokens, each request one of them (in turn, then shuffled, so each
-is used num_prompts / P times, give or take one) followed by `--input-len` random tokens of its
-own. The report adds the prompt tokens the server served from its prefix cache (`usage.
-prompt_tokens_details.cached_tokens`).
+once), each streaming `/v1/completions` with `input_len` random token ids, `max_tokens=output_len`
+and `ignore_eos`, so that each generates exactly `output_len` tokens. On the client's clock from
+the moment a request is sent: TTFT until the first streamed chunk, ITL the gaps between later
+chunks, TPOT (e2e - TTFT) / (output tokens - 1), e2e until the last chunk. Output tokens are the
+server's `usage`, not a count of chunks (a server may merge tokens or hold back text);
+throughputs divide by the wall time from the first request sent to the last one finished. Every
+rate gets fresh prompts (the same on every run), so that a prefix cache gains nothing from an
+earlier rate. `--num-prefixes P` shares P random prefixes of `--prefix-len` tokens among the
+requests, and reports the prompt tokens served from the cache.
 
 Only the standard library, httpx and numpy: the client runs beside any server with vLLM's
 completions API, `vllm serve` included.

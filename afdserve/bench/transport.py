@@ -5,13 +5,10 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 
 Transports:
   nccl        the mirrored point-to-point batches of afd/dataplane/wire.py (NCCL send/recv kernels)
-  nccl-fp8    as nccl with a2e_dtype=fp8: the attention rank quantizes the tile
-              (kernels/reference/a2e.py), sends fp8 rows (as bytes) and their scales, the FFN rank
-              dequantizes and replies in the model dtype; the time includes both conversions
-  ipc         connector="ipc" (afd/dataplane/ipc.py): symmetric memory (CUDA IPC, no multicast); the
-              sender's push kernel writes rows, pad rows and ids straight into the receiver's
-              inbox over NVLink, then raises a flag in the receiver's signal pad; the receiver's
-              stream waits on that flag
+  nccl-fp8    as nccl with a2e_dtype=fp8: the rows go as fp8 bytes with their scales, and the
+              time includes quantizing and dequantizing them (kernels/reference/a2e.py)
+  ipc         connector="ipc" (afd/dataplane/ipc.py): the sender's push kernel writes the rows
+              and ids straight into the receiver's symmetric-memory inbox, then raises a flag
   ipc-copy    as ipc, but the rows and ids go by `copy_` (copy-engine transfers)
   ipc-signal  the flags alone, no rows: the floor of any flag-based transport
 """

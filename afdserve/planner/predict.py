@@ -1,6 +1,8 @@
 """A deployment's decode step, predicted from the fitted costs (profile.py).
 
 Colocated replica: per-step work + every layer's attention half + FFN half, one after the other.
+In-process 1A1F (both halves on one GPU, the single-GPU check of the split) likewise runs
+everything in turn: u * (ta + tf + hand-over) per layer.
 
 xAyF across GPUs, per attention rank a batch of b sequences in u ubatches of b / u: each FFN rank
 serves the ceil(A / F) attention ranks whose home it is and runs the FFN half once per ubatch
@@ -8,11 +10,7 @@ over all their rows (an expert-parallel group: over the group's gathered rows, F
 largest receive, with E / F experts held). The layer loop is layer-major and ubatch-minor, so per
 layer the attention GPU works u * ta, the FFN GPU u * tf, and each ubatch's own chain ta + tf plus
 its hand-over must fit in the layer too: the layer takes the largest of the three. Each role
-pays the whole hand-over per ubatch (its own send and its wait for the peer's reply: the two-GPU
-busy times of docs/benchmarks.md grow by about that much per ubatch).
-
-In-process 1A1F (both halves on one GPU, the single-GPU check of the split) runs everything one
-after the other: u * (ta + tf + hand-over) per layer.
+pays the whole hand-over per ubatch (its own send and its wait for the peer's reply).
 """
 
 from __future__ import annotations

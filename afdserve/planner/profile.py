@@ -1,30 +1,13 @@
 """The measured costs the planner predicts from, as one JSON file (`afdserve bench calibrate`
-writes it), and the cost curves drawn through them.
-
-What a profile holds, all on one GPU of the machine at hand, CUDA graphs on:
-- `attention`: decode steps of an attention rank alone (its half of every layer, the FFN half
-  answering zeros at once), per batch and context: embedding, layers, lm_head, greedy pick;
-- `ffn`: the FFN half of every layer over `tokens` rows with every routed expert held;
-- `fixed`: the per-step work outside the layers (embedding, final norm, lm_head, greedy pick);
-- `handover`: per layer and ubatch, what handing the rows to the FFN half and back adds, per
-  transport (us);
-- `validation`: measured steps of whole deployments (colocated, in-process 1A1F, two-GPU 1A1F),
-  which the curves are not drawn through: `afdserve plan --check` sets them against the
-  prediction.
+writes it; `Profile` says what it holds), and the cost curves drawn through them (`Costs`).
 
 The curves are piecewise linear through the points (the kernels switch paths with the batch, so
 no one formula holds): the FFN half per layer in tokens; the attention half per layer in batch
 at each measured context, and linear in context between (and beyond) the measured contexts. Past
 the last point a curve goes on with its last slope. An expert-parallel shard of `held` of `E`
 experts does held / E of the FFN half's work over the rows it gathers (its experts receive that
-share of the routed pairs, and read that share of the weights).
-
-Where the profile says which routed-experts kernel ran at which row count (`expert_kernels`),
-the FFN curve follows the kernels instead of a straight line between its points: the grouped
-GEMM's points are interpolated among themselves only (a line from a decode-kernel point to a
-grouped one describes neither), and on the decode kernels a row count costs what the measured
-count above it in the same padded pair bucket costs, less the weights of the experts it does
-not touch (see `ExpertKernels`).
+share of the routed pairs, and read that share of the weights). Where the profile names the
+routed-experts kernels (`expert_kernels`), the FFN curve follows them (`Costs.ffn_ms`).
 """
 
 from __future__ import annotations
@@ -121,6 +104,17 @@ class ExpertKernels:
 
 @dataclass(frozen=True)
 class Profile:
+    """What was measured, all on one GPU of the machine at hand, CUDA graphs on:
+    - `attention`: decode steps of an attention rank alone (its half of every layer, the FFN half
+      answering zeros at once), per batch and context: embedding, layers, lm_head, greedy pick;
+    - `ffn`: the FFN half of every layer over `tokens` rows with every routed expert held;
+    - `fixed`: the per-step work outside the layers (embedding, final norm, lm_head, greedy pick);
+    - `handover`: per layer and ubatch, what handing the rows to the FFN half and back adds, per
+      transport (us);
+    - `validation`: measured steps of whole deployments (colocated, in-process 1A1F, two-GPU
+      1A1F), which the curves are not drawn through: `afdserve plan --check` sets them against
+      the prediction."""
+
     date: str
     hardware: dict[str, str | float]  # device name, memory_bytes, copy_gbps
     versions: dict[str, str]
@@ -264,6 +258,11 @@ class Costs:
         return max(0.0, self._ffn_all_experts(tokens)) * share
 
     def _ffn_all_experts(self, tokens: float) -> float:
+        """With `expert_kernels`, the curve follows the kernels instead of a straight line between
+        its points: the grouped GEMM's points are interpolated among themselves only (a line from
+        a decode-kernel point to a grouped one describes neither), and on the decode kernels a row
+        count costs what the measured count above it in the same padded pair bucket costs, less
+        the weights of the experts it does not touch (see `ExpertKernels`)."""
         kernels = self.expert_kernels
         if kernels is None:
             return interpolate(*self.ffn, tokens)

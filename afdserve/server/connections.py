@@ -1,21 +1,18 @@
 """uvicorn's h11 protocol with guards on connections, which uvicorn lacks:
 
-- a deadline on every request head, the first and each one after it on a keep-alive connection.
-  uvicorn's keep-alive timeout starts only after a response and any byte cancels it, so a client
-  that connects and sends nothing (or its headers a byte at a time) would hold a file descriptor
-  for as long as it likes. Such a connection is closed once `head_timeout_s` passed.
-- a head larger than `max_head_bytes`, counted as the bytes arrive (request line, headers and the
-  blank line), is a 431 and the connection closes. h11's own bound
-  (`h11_max_incomplete_event_size`) only applies while the head is incomplete in its buffer, so
-  a head that arrives whole in one read passed it at up to twice the size.
-- a cap on open connections per client address (`max_per_client`), so that one client cannot
-  take every slot, and on all of them (`max_connections`); one beyond either is closed at once.
-  (uvicorn's limit_concurrency would answer its requests with a plain-text 503; requests in
-  progress are bounded in the app instead, limits.ConcurrencyLimit, with an OpenAI-style body.)
+- a deadline on every request head, the first and each one after it on a keep-alive connection
+  (`head_timeout_s`): uvicorn's keep-alive timeout starts only after a response and any byte
+  cancels it, so a client that sends nothing, or its headers a byte at a time, would hold a file
+  descriptor for as long as it likes.
+- a head larger than `max_head_bytes`, counted as the bytes arrive, is a 431 and the connection
+  closes. h11's own bound (`h11_max_incomplete_event_size`) applies only while the head is
+  incomplete in its buffer, so a head that arrives whole in one read passed it at twice the size.
+- a cap on open connections per client address (`max_per_client`) and on all of them
+  (`max_connections`); one beyond either is closed at once. (Requests in progress are bounded in
+  the app, limits.ConcurrencyLimit, with an OpenAI-style body, not uvicorn's plain-text 503.)
 - a response sent before its request's body has arrived (a 401, a 413, a 408) ends the
-  connection: otherwise h11 goes on reading the rest of that body, and a client that trickles it
-  keeps the connection (and each byte cancels the keep-alive timer). The body's own deadline is
-  limits.BodyLimit's.
+  connection: otherwise h11 reads on, and a client that trickles the body keeps the connection.
+  The body's own deadline is limits.BodyLimit's.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ If `step()` raises anything but a per-request refusal, a rank is gone and `error
 (serve.py then exits or restarts the ranks). Without `Recovery.resume` every in-flight request is
 failed with an EngineFailure, new ones are refused, and `healthy` turns False for good. With it
 (on_engine_failure="restart") the loop keeps every request, takes new ones, and waits for
-`resume_on(new client)`: then each request goes on from its prompt plus the tokens it already had
-(engine_core recomputes them, the seeded sampler skips their draws, the output processor's
-progress carries the detokenizer on), so its client sees a pause and then the same tokens an
-undisturbed run gives. Clients see the first line of an error; the log keeps all of it, rank
-tracebacks included.
+`resume_on(new client)`: each request goes on from its prompt plus the tokens it already had
+(recomputed; the seeded sampler skips their draws), so its client sees a pause and then the
+tokens an undisturbed run gives. Clients see an error's first line; the log keeps all of it.
 """
 
 from __future__ import annotations

@@ -207,6 +207,8 @@ def iteration_histogram(steps: dict[int, int], label: list[str]) -> HistogramMet
 
 
 class ServerMetrics:
+    """The server's metrics in their own registry; one method per observation."""
+
     def __init__(
         self,
         snapshot: Callable[[], EngineStats | None],
@@ -215,8 +217,21 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.model = model
+        self._declare_http(waiting)
+        self._declare_tokens()
+        self._declare_latencies()
+        self._declare_recovery()  # before the request sizes: /metrics keeps its order
+        self._declare_requests()
+        self.registry.register(EngineCollector(snapshot, model))
+        # process_* (CPU, memory, open files of the frontend process), as vLLM's /metrics has.
+        ProcessCollector(registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def _declare_http(self, waiting: Callable[[], tuple[int, int]]) -> None:
+        """What the HTTP side counts: requests, aborts, refusals, the frontend's waiting bound."""
         registry = self.registry
-        labels = ["model_name"]
         self.requests = Counter(
             "afdserve_requests",
             "HTTP requests by endpoint and status code",
@@ -246,6 +261,10 @@ class ServerMetrics:
             "Prompt tokens of afdserve_waiting_requests",
             registry=registry,
         ).set_function(lambda: waiting()[1])
+
+    def _declare_tokens(self) -> None:
+        """vLLM's token and finished-request counters."""
+        registry, labels = self.registry, ["model_name"]
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens admitted to the engine", labels, registry=registry
         )
@@ -259,73 +278,75 @@ class ServerMetrics:
             registry=registry,
         )
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
-
-        self._ttft = histogram(
+    def _declare_latencies(self) -> None:
+        """vLLM's per-token and per-request latency histograms."""
+        self._ttft = self._histogram(
             "vllm:time_to_first_token_seconds",
             "Seconds from submitting a request to the engine to its first generated token",
             TTFT_BUCKETS,
         )
-        self._itl = histogram(
+        self._itl = self._histogram(
             "vllm:inter_token_latency_seconds",
             "Seconds between consecutive tokens delivered for one request",
             TPOT_BUCKETS,
         )
         # vLLM's older name of the same observation, which many dashboards still read.
-        self._tpot = histogram(
+        self._tpot = self._histogram(
             "vllm:time_per_output_token_seconds",
             "Seconds between consecutive tokens delivered for one request",
             TPOT_BUCKETS,
         )
-        self._e2e = histogram(
+        self._e2e = self._histogram(
             "vllm:e2e_request_latency_seconds",
             "Seconds from the HTTP request's arrival to its last token",
             REQUEST_BUCKETS,
         )
-        self._queue = histogram(
+        self._queue = self._histogram(
             "vllm:request_queue_time_seconds",
             "Seconds from a request's arrival at its attention rank's engine to the first step "
             "that computes any of its tokens",
             REQUEST_BUCKETS,
         )
+
+    def _declare_requests(self) -> None:
+        """vLLM's histograms of each finished request: its sizes and its two phases."""
+        self._request_prompt = self._histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request", TOKEN_BUCKETS
+        )
+        self._request_generation = self._histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens of each finished request",
+            TOKEN_BUCKETS,
+        )
+        self._max_tokens = self._histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The max_tokens each finished request asked for",
+            TOKEN_BUCKETS,
+        )
+        self._prefill = self._histogram(
+            "vllm:request_prefill_time_seconds",
+            "Seconds from a request's first scheduled step to its first token (its rank's clock)",
+            REQUEST_BUCKETS,
+        )
+        self._decode = self._histogram(
+            "vllm:request_decode_time_seconds",
+            "Seconds from a request's first token to its last, as the frontend received them",
+            REQUEST_BUCKETS,
+        )
+
+    def _declare_recovery(self) -> None:
+        """Requests resumed after an engine failure, and how long serving stopped."""
         self.resumes = Counter(
             "afdserve_request_resumes",
             "Engine requests resumed on a restarted engine after the one they ran on failed",
-            registry=registry,
+            registry=self.registry,
         )
         self._recovery = Histogram(
             "afdserve_recovery_seconds",
             "Seconds from an engine failure to serving again on the restarted engine",
             buckets=RECOVERY_BUCKETS,
-            registry=registry,
+            registry=self.registry,
         )
-        self._request_prompt = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens of each finished request", TOKEN_BUCKETS
-        )
-        self._request_generation = histogram(
-            "vllm:request_generation_tokens",
-            "Generated tokens of each finished request",
-            TOKEN_BUCKETS,
-        )
-        self._max_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "The max_tokens each finished request asked for",
-            TOKEN_BUCKETS,
-        )
-        self._prefill = histogram(
-            "vllm:request_prefill_time_seconds",
-            "Seconds from a request's first scheduled step to its first token (its rank's clock)",
-            REQUEST_BUCKETS,
-        )
-        self._decode = histogram(
-            "vllm:request_decode_time_seconds",
-            "Seconds from a request's first token to its last, as the frontend received them",
-            REQUEST_BUCKETS,
-        )
-        self.registry.register(EngineCollector(snapshot, model))
-        # process_* (CPU, memory, open files of the frontend process), as vLLM's /metrics has.
-        ProcessCollector(registry=registry)
 
     # One method per observation, so that callers never spell a label.
     def prompt_tokens(self, count: int) -> None:

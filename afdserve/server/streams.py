@@ -68,6 +68,60 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
+class ChoiceMaker:
+    """Shapes a request's outputs into choices, adding what vLLM's `return_token_ids` and
+    `prompt_logprobs` ask for. A prompt's part goes out once: per choice for completions, once
+    per response for chat (streamed: in the first chunk that carries it)."""
+
+    def __init__(
+        self,
+        body: api.SamplingFields,
+        head: dict,
+        choice: Choice,
+        logprobs: Logprobs | None,
+        echo_logprobs: bool,
+    ) -> None:
+        self.choice, self.logprobs, self.echo_logprobs = choice, logprobs, echo_logprobs
+        self.with_ids = bool(body.return_token_ids)
+        self.with_prompt_logprobs = body.prompt_logprobs is not None
+        self.per_choice = not head["object"].startswith("chat.")
+        # Choices (or -1: the response) already given their prompt's part.
+        self.prompts_sent: set[int] = set()
+
+    def make(
+        self, index: int, text: str, ids: list[int], entries: list, out: SequenceOutput
+    ) -> dict:
+        """Choice `index` of `text` and its tokens `ids` with their logprob `entries`."""
+        first = index not in self.prompts_sent
+        lp = None
+        if self.logprobs is not None:
+            if self.echo_logprobs and first:
+                lp = self.logprobs(out.prompt_token_ids + ids, out.prompt_logprobs + entries)
+            else:
+                lp = self.logprobs(ids, entries)
+        made = self.choice(index, text, lp, shape.finish_reason(out))
+        made.setdefault("stop_reason", out.stop_reason)  # vLLM's: the stop string or token id
+        if self.with_ids:
+            made["token_ids"] = list(ids)
+        if self.per_choice and first:
+            if self.with_ids:
+                made["prompt_token_ids"] = list(out.prompt_token_ids)
+            if self.with_prompt_logprobs:
+                made["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
+        self.prompts_sent.add(index)
+        return made
+
+    def prompt_part(self, out: SequenceOutput) -> dict:
+        """The response's prompt fields (chat), the first time only."""
+        if self.per_choice or -1 in self.prompts_sent:
+            return {}
+        self.prompts_sent.add(-1)
+        part = {"prompt_token_ids": list(out.prompt_token_ids)} if self.with_ids else {}
+        if self.with_prompt_logprobs:
+            part["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
+        return part
+
+
 async def respond(
     gen: Generation,
     request: Request,
@@ -80,83 +134,62 @@ async def respond(
 ) -> Response:
     """Run `gen` to the end as one JSON body, or as server-sent events when `body.stream`.
     `logprobs` formats a choice's logprobs; None when the request asked for none.
-    vLLM's `return_token_ids` adds each choice's `token_ids` (streamed: the new ones) and the
-    prompt's `prompt_token_ids` (streamed: in the first chunk), per choice for completions,
-    once per response for chat; vLLM's `prompt_logprobs` likewise. `echo_logprobs`: a choice's
-    logprobs start with its prompt's tokens (the first without a logprob), as echo shows them."""
-    with_ids = bool(body.return_token_ids)
-    with_prompt_logprobs = body.prompt_logprobs is not None
-    per_choice = not head["object"].startswith("chat.")
-    prompts_sent: set[int] = set()  # choices (or -1: the response) given their prompt's part
-
-    def make(index: int, text: str, ids: list[int], entries: list, out: SequenceOutput) -> dict:
-        first = index not in prompts_sent
-        lp = None
-        if logprobs is not None:
-            if echo_logprobs and first:
-                lp = logprobs(out.prompt_token_ids + ids, out.prompt_logprobs + entries)
-            else:
-                lp = logprobs(ids, entries)
-        made = choice(index, text, lp, shape.finish_reason(out))
-        made.setdefault("stop_reason", out.stop_reason)  # vLLM's: the stop string or token id
-        if with_ids:
-            made["token_ids"] = list(ids)
-        if per_choice and first:
-            if with_ids:
-                made["prompt_token_ids"] = list(out.prompt_token_ids)
-            if with_prompt_logprobs:
-                made["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
-        prompts_sent.add(index)
-        return made
-
-    def prompt_ids(out: SequenceOutput) -> dict:
-        if per_choice or -1 in prompts_sent:
-            return {}
-        prompts_sent.add(-1)
-        part = {"prompt_token_ids": list(out.prompt_token_ids)} if with_ids else {}
-        if with_prompt_logprobs:
-            part["prompt_logprobs"] = shape.prompt_logprobs(out.prompt_logprobs)
-        return part
-
+    `echo_logprobs`: a choice's logprobs start with its prompt's tokens (the first without a
+    logprob), as echo shows them. `opening`: events sent before the first choice."""
+    maker = ChoiceMaker(body, head, choice, logprobs, echo_logprobs)
     if not body.stream:
-        outs = await gen.collect(request.receive)
-        if outs is None:
-            return Response(status_code=CLIENT_CLOSED)
-        outs = chosen(outs, gen.fanout.n, gen.fanout.candidates)
-        choices = [make(i, o.text, o.token_ids, o.logprobs, o) for i, o in enumerate(outs)]
-        return JSONResponse(
-            {**head, **prompt_ids(outs[0]), "choices": choices, "usage": gen.usage()}
-        )
-
+        return await whole(gen, request, head, maker)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     # vLLM's continuous_usage_stats: every chunk carries the usage so far too.
     every_chunk = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    content = events(gen, request, head, maker, opening, include_usage, every_chunk)
+    return GenerationStream(gen, content, media_type="text/event-stream")
 
-    async def events() -> AsyncIterator[str]:
-        watcher = asyncio.ensure_future(gen.watch_disconnect(request.receive))
-        try:
-            for obj in opening:
-                yield sse(obj)
-            async for index, out in gen.events():
-                ids, entries = new_tokens(out)
-                # A chunk for every step that produced tokens, as vLLM does, even when the
-                # detokenizer holds their text back (a partial UTF-8 character, a possible stop
-                # string, a model without a tokenizer): clients time tokens by chunks.
-                if ids or out.new_text or out.finished:
-                    c = make(index, out.new_text, ids, entries, out)
-                    usage = {"usage": gen.usage()} if every_chunk else {}
-                    yield sse({**head, **prompt_ids(out), "choices": [c], **usage})
-            if include_usage and not gen.open:
-                yield sse({**head, "choices": [], "usage": gen.usage()})
-        except APIError as e:  # the engine failed mid-stream: tell the client in-band
-            yield sse(e.body())
-        finally:
-            watcher.cancel()
-            gen.abort()
-            gen.close()
-        yield "data: [DONE]\n\n"
 
-    return GenerationStream(gen, events(), media_type="text/event-stream")
+async def whole(gen: Generation, request: Request, head: dict, maker: ChoiceMaker) -> Response:
+    """`gen` run to the end as one JSON body (499 if the client left first)."""
+    outs = await gen.collect(request.receive)
+    if outs is None:
+        return Response(status_code=CLIENT_CLOSED)
+    outs = chosen(outs, gen.fanout.n, gen.fanout.candidates)
+    choices = [maker.make(i, o.text, o.token_ids, o.logprobs, o) for i, o in enumerate(outs)]
+    return JSONResponse(
+        {**head, **maker.prompt_part(outs[0]), "choices": choices, "usage": gen.usage()}
+    )
+
+
+async def events(
+    gen: Generation,
+    request: Request,
+    head: dict,
+    maker: ChoiceMaker,
+    opening: tuple[dict, ...],
+    include_usage: bool,
+    every_chunk: bool,
+) -> AsyncIterator[str]:
+    """`gen` as server-sent events; an engine failure mid-stream is told in-band."""
+    watcher = asyncio.ensure_future(gen.watch_disconnect(request.receive))
+    try:
+        for obj in opening:
+            yield sse(obj)
+        async for index, out in gen.events():
+            ids, entries = new_tokens(out)
+            # A chunk for every step that produced tokens, as vLLM does, even when the
+            # detokenizer holds their text back (a partial UTF-8 character, a possible stop
+            # string, a model without a tokenizer): clients time tokens by chunks.
+            if ids or out.new_text or out.finished:
+                c = maker.make(index, out.new_text, ids, entries, out)
+                usage = {"usage": gen.usage()} if every_chunk else {}
+                yield sse({**head, **maker.prompt_part(out), "choices": [c], **usage})
+        if include_usage and not gen.open:
+            yield sse({**head, "choices": [], "usage": gen.usage()})
+    except APIError as e:
+        yield sse(e.body())
+    finally:
+        watcher.cancel()
+        gen.abort()
+        gen.close()
+    yield "data: [DONE]\n\n"
 
 
 async def start(

@@ -1,12 +1,9 @@
-"""Tool-call parsers for `tool_choice: "auto"`: the model decides whether to call, in its own
-format, and the server turns that text into OpenAI's `tool_calls`. vLLM's parsers of the same
-names, as the models write them:
+"""Tool-call parsers for `tool_choice: "auto"`: the model calls in its own format, and the server
+turns that text into OpenAI's `tool_calls`; vLLM's parsers of the same names, as models write them:
 
 - `hermes` (Hermes, Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
-  </function></tool_call>`; a value that reads as JSON (a number, true, an object) is that
-  value, anything else a string (vLLM converts by the tool's schema, which this parser does not
-  see).
+  </function></tool_call>`.
 - `deepseek_v3` (DeepSeek-V3, R1): inside `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`, each
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments in a ```json fence, then
   `<｜tool▁call▁end｜>`.
@@ -14,12 +11,8 @@ names, as the models write them:
   `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`.
 
 Everything else is the message's content, a block that is not a valid call included, markers
-and all: nothing the model wrote is dropped, except the section markers around the calls.
-
-One segmentation serves whole and streamed answers. Streamed, it runs on what has not been sent
-yet and leaves for later what may still change: a tail that could be the start of a marker and a
-block not closed yet. So the streamed content adds up to the whole answer's content and the
-streamed calls are the whole answer's calls.
+and all: nothing the model wrote is dropped, except the section markers around the calls. One
+segmentation (`segments`) serves whole and streamed answers (`ToolCallStream`).
 """
 
 from __future__ import annotations
@@ -72,6 +65,8 @@ _QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re
 
 
 def _qwen3_coder(body: str) -> Call | None:
+    """A value that reads as JSON (a number, true, an object) is that value, anything else a
+    string (vLLM converts by the tool's schema, which this parser does not see)."""
     match = _QWEN_FUNCTION.match(body)
     if match is None:
         return None
@@ -174,7 +169,10 @@ def parse_hermes(text: str) -> tuple[str, list[Call]]:
 
 
 class ToolCallStream:
-    """One streamed answer, fed its text deltas."""
+    """One streamed answer, fed its text deltas. The segmentation runs on what has not been sent
+    yet and leaves for later what may still change: a tail that could be the start of a marker
+    and a block not closed yet. So the streamed content adds up to the whole answer's content
+    and the streamed calls are the whole answer's calls."""
 
     def __init__(self, parser: str = "hermes") -> None:
         self.fmt = FORMATS[parser]

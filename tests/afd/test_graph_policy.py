@@ -28,25 +28,24 @@ def _assert_paired_replay(records: list[dict]) -> None:
                 assert ffn["mode"] == "eager", (ffn, peers)
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def test_full_decode_only_two_peers_one_ffn(afd_models):
     """Decode 4+4 replays; a chunked prefill 7+1 (same total) runs the FFN eagerly; 6+2 and 4+4 get
     different keys; outputs equal colocated."""
     model = afd_models["qwen3_moe"]
-    decode = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    decode = greedy(5)
     short = [[10 + i, 20 + i, 30 + i] for i in range(8)]  # equal costs: 4 per rank
     long_prompt = [(3 * i + 1) % 250 for i in range(30)]
     uneven = [[1, 2]] * 2 + [[7, 8, 9]]  # first request of each generate() picks rank 0
-    uneven_params = [
-        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 4, 4)
-    ]
+    uneven_params = [greedy(m) for m in (30, 4, 4)]
     # Six decodes beside two: requests go to the rank with the fewest outstanding tokens
     # (prompt + max_tokens, ties to rank 0), so costs 8, 44, 8, 8, 8, 8, 8, 8 put the first and
     # the third to seventh on rank 0, the second and the eighth on rank 1.
     six_two = [[1 + i, 2 + i] for i in range(8)]
-    six_two_params = [
-        SamplingParams(max_tokens=42 if i == 1 else 6, temperature=0.0, ignore_eos=True)
-        for i in range(8)
-    ]
+    six_two_params = [greedy(42 if i == 1 else 6) for i in range(8)]
     with LLM(
         str(model),
         topology="2A1F",
@@ -57,36 +56,21 @@ def test_full_decode_only_two_peers_one_ffn(afd_models):
         log_step_plan=True,
     ) as llm:
         got_short = [o.token_ids for o in llm.generate(short, decode)]
-        got_mixed = [
-            o.token_ids
-            for o in llm.generate(
-                [long_prompt, [5]],
-                [
-                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                ],
-            )
-        ]
+        got_mixed = [o.token_ids for o in llm.generate([long_prompt, [5]], [greedy(3), greedy(12)])]
         got_uneven = [o.token_ids for o in llm.generate(uneven, uneven_params)]
         got_six_two = [o.token_ids for o in llm.generate(six_two, six_two_params)]
     records = llm.step_log()
     assert got_short == colocated_tokens(model, short, decode)
-    assert (
-        got_mixed[0]
-        == colocated_tokens(
-            model, [long_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        )[0]
-    )
-    assert got_uneven[1:] == [
-        colocated_tokens(
-            model, [p], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        )[0]
-        for p in uneven[1:]
-    ]
-
+    assert got_mixed[0] == colocated_tokens(model, [long_prompt], greedy(3))[0]
+    assert got_uneven[1:] == [colocated_tokens(model, [p], greedy(4))[0] for p in uneven[1:]]
     assert got_six_two == [
         colocated_tokens(model, [p], sp)[0] for p, sp in zip(six_two, six_two_params)
     ]
+    check_graph_decisions(records)
+
+
+def check_graph_decisions(records: list[dict]) -> None:
+    """What the steps of the test above captured, replayed or ran eagerly, and under which keys."""
     steps = _steps(records)
     # Warm-up captured every size on both roles together.
     captures = [r for r in records if r["mode"] == "capture"]

@@ -243,38 +243,12 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     """The real path end to end on the tiny preset: calibrate measures (CPU timings, noise on
     a shared box, so only the shape is asserted), plan and check read what it wrote."""
     out = tmp_path / "tiny.json"
-    assert (
-        main(
-            [
-                "bench",
-                "calibrate",
-                "--preset",
-                "tiny",
-                "--random-weights",
-                "--device",
-                "cpu",
-                "--graph-mode",
-                "none",
-                "--dtype",
-                "float32",
-                "--fit-batches",
-                "1,2,4",
-                "--check-batches",
-                "3",
-                "--contexts",
-                "16,32",
-                "--check-contexts",
-                "16,32",
-                "--ffn-tokens",
-                "1,4,16",
-                "--steps",
-                "2",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    calibrate = """
+        bench calibrate --preset tiny --random-weights --device cpu --graph-mode none
+        --dtype float32 --fit-batches 1,2,4 --check-batches 3 --contexts 16,32
+        --check-contexts 16,32 --ffn-tokens 1,4,16 --steps 2
+    """.split()
+    assert main([*calibrate, "--out", str(out)]) == 0
     profile = Profile.load(out)
     assert {(p.batch, p.context) for p in profile.attention} == {
         (b, c) for b in (1, 2, 4) for c in (16, 32)
@@ -289,47 +263,12 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
     assert profile.model.expert_bytes == 3 * 64 * 32 * 4 and profile.expert_kernels is None
     assert all(p.step_ms > 0 for p in profile.attention)
     rows_json = tmp_path / "rows.json"
-    assert (
-        main(
-            [
-                "plan",
-                "--preset",
-                "tiny",
-                "--gpus",
-                "3",
-                "--context-len",
-                "16",
-                "--output-len",
-                "8",
-                "--profile",
-                str(out),
-                "--json",
-                str(rows_json),
-            ]
-        )
-        == 0
-    )
+    plan_argv = "plan --preset tiny --gpus 3 --context-len 16 --output-len 8".split()
+    plan_argv += ["--profile", str(out)]
+    assert main([*plan_argv, "--json", str(rows_json)]) == 0
     rows = json.loads(rows_json.read_text())
     assert {r["deployment"] for r in rows} >= {"colocated", "1A1F u1", "2A1F u1", "1A2F EP u1"}
-    assert (
-        main(
-            [
-                "plan",
-                "--preset",
-                "tiny",
-                "--gpus",
-                "3",
-                "--context-len",
-                "16",
-                "--output-len",
-                "8",
-                "--profile",
-                str(out),
-                "--check",
-            ]
-        )
-        == 0
-    )
+    assert main([*plan_argv, "--check"]) == 0
     text = capsys.readouterr().out
     assert f"over {len(profile.validation)} measured steps" in text
     assert math.isfinite(float(text.rsplit("largest error ", 1)[1].split("%")[0]))

@@ -136,38 +136,51 @@ def test_step_metrics_and_afd_metrics(served) -> None:
     assert pair[("afdserve:attention_imbalance", (("role", "attention"),))] == 1.0
     elapsed = time.monotonic() - start_s
 
-    def delta(after: dict, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
     # Three requests of 16 prompt tokens and 4 generated: 16 + 3 tokens computed each (the last
     # token is sampled, never fed back), none from the prefix cache.
+    computed = 3 * (16 + 3)
+    check_tokens(before, pair, lines(steps_log)[steps_before:], computed)
+    check_boundary_bytes(server, before, pair, wire, wire_before)
+    check_busy_and_wait(before, pair, elapsed)
+    check_ffn_rank(before, pair, computed, elapsed)
+    check_cache_config(pair)
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def check_tokens(before: dict, pair: dict, steps: list[dict], computed: int) -> None:
+    """Tokens computed, per rank and in the iteration histogram, against the step-plan log."""
     assert (
-        sum(delta(pair, "vllm:prefix_cache_hits_total", **MODEL, engine=str(r)) for r in (0, 1))
+        sum(
+            delta(before, pair, "vllm:prefix_cache_hits_total", **MODEL, engine=str(r))
+            for r in (0, 1)
+        )
         == 0
     )
-    computed = 3 * (16 + 3)
     scheduled = per_rank(pair, "afdserve:scheduled_tokens_total")
     scheduled_before = per_rank(before, "afdserve:scheduled_tokens_total")
     assert sum(scheduled.values()) - sum(scheduled_before.values()) == computed
-    assert delta(pair, "vllm:iteration_tokens_total_sum", **MODEL) == computed
+    assert delta(before, pair, "vllm:iteration_tokens_total_sum", **MODEL) == computed
 
     # The histogram's buckets are the steps the ranks logged, by their real rows.
-    logged = [
-        r
-        for r in lines(steps_log)[steps_before:]
-        if r["role"] == "attention" and r["real_rows"] > 0
-    ]
+    logged = [r for r in steps if r["role"] == "attention" and r["real_rows"] > 0]
     assert sum(r["real_rows"] for r in logged) == computed
     for bound in ITERATION_BUCKETS:
         expected = sum(1 for r in logged if r["real_rows"] <= bound)
-        assert (
-            delta(pair, "vllm:iteration_tokens_total_bucket", **MODEL, le=str(float(bound)))
-            == expected
-        ), bound
-    assert delta(pair, "vllm:iteration_tokens_total_count", **MODEL) == len(logged)
+        bucket = delta(
+            before, pair, "vllm:iteration_tokens_total_bucket", **MODEL, le=str(float(bound))
+        )
+        assert bucket == expected, bound
+    assert delta(before, pair, "vllm:iteration_tokens_total_count", **MODEL) == len(logged)
 
-    # A2E / E2A bytes: what the data-plane log says crossed the wire, tensor by tensor.
+
+def check_boundary_bytes(
+    server: ServerProcess, before: dict, pair: dict, wire: Path, wire_before: dict[int, int]
+) -> None:
+    """A2E / E2A bytes: what the data-plane log says crossed the wire, tensor by tensor."""
     hidden = json.loads(model_config(server)).get("hidden_size")
     batches = wire_lines(wire)
     a2e, e2a = (
@@ -183,7 +196,9 @@ def test_step_metrics_and_afd_metrics(served) -> None:
         assert a2e[rank] - a2e_before.get(rank, 0) == hidden_bytes(new, "send", hidden) > 0
         assert e2a[rank] - e2a_before.get(rank, 0) == hidden_bytes(new, "recv", hidden) > 0
 
-    # Busy and waiting seconds: both ran on each rank (gloo waits block), within the wall time.
+
+def check_busy_and_wait(before: dict, pair: dict, elapsed: float) -> None:
+    """Busy and waiting seconds: both ran on each rank (gloo waits block), within the wall time."""
     busy, wait = (
         per_rank(pair, "afdserve:rank_busy_seconds_total"),
         per_rank(pair, "afdserve:rank_wait_seconds_total"),
@@ -196,7 +211,10 @@ def test_step_metrics_and_afd_metrics(served) -> None:
         spent = (busy[rank] - busy_before.get(rank, 0), wait[rank] - wait_before.get(rank, 0))
         assert spent[0] > 0 and spent[1] > 0 and sum(spent) < elapsed, (rank, spent)
 
-    # The FFN rank (2) reports over its own channel: every real row both ranks sent it.
+
+def check_ffn_rank(before: dict, pair: dict, computed: int, elapsed: float) -> None:
+    """The FFN rank (2) reports over its own channel: every real row both ranks sent it."""
+
     def ffn(sample: dict, name: str) -> float:
         return sample.get((name, (("rank", "2"), ("role", "ffn"))), 0.0)
 
@@ -208,7 +226,9 @@ def test_step_metrics_and_afd_metrics(served) -> None:
     for name in ("afdserve:rank_busy_seconds_total", "afdserve:rank_wait_seconds_total"):
         assert 0 < ffn(pair, name) - ffn(before, name) < elapsed, name
 
-    # The KV cache's configuration as the ranks hold it.
+
+def check_cache_config(pair: dict) -> None:
+    """The KV cache's configuration as the ranks hold it."""
     info = [
         labels
         for (name, labels), v in pair.items()

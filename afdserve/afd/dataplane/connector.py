@@ -1,18 +1,15 @@
 """The attention side of the data plane. Every size comes from the rank's plan.
 
 Per layer and ubatch each attention peer posts two batches with its FFN rank, in this order:
-  1. sends:   hidden  [tile_rows, hidden]  model dtype; pad rows are zeros (a2e_dtype fp8:
-                                           float8_e4m3fn values sent as their uint8 bytes, then
-              scales  [tile_rows, groups]  float32, one per 128 channels, 0 on pad rows;
-                                           kernels/reference/a2e.py)
-              ids     [4 + tile_rows]      int32: header (step, layer, ubatch, tile_rows), then
-                                           token ids, -1 on pad rows
-              routing (layers in `routed_layers` only): topk ids [tile_rows, k] int32,
-                                           weights [tile_rows, k] fp32
-  2. receive: the FFN output [tile_rows, hidden]
-and the FFN rank posts their mirrors (afd/dataplane/ffn.py): one batch receiving every peer's tile,
-one batch sending every peer its output (the contract is in afd/dataplane/wire.py). The header lets
-the FFN rank prove it reads the tile its peer wrote for this very step, layer and ubatch.
+  1. sends: hidden [tile_rows, hidden] in the model dtype, zeros on pad rows (a2e_dtype fp8:
+     float8_e4m3fn values as their uint8 bytes, and scales [tile_rows, groups] float32, one per
+     128 channels, 0 on pad rows; kernels/reference/a2e.py); ids [4 + tile_rows] int32, a header
+     (step, layer, ubatch, tile_rows) then token ids, -1 on pad rows; and in `routed_layers` the
+     routing: topk ids [tile_rows, k] int32, weights [tile_rows, k] fp32;
+  2. receives: the FFN output [tile_rows, hidden].
+The FFN rank posts their mirrors (afd/dataplane/ffn.py; the contract is in wire.py): one batch
+receiving every peer's tile, one sending every peer its output. The header lets the FFN rank
+prove it reads the tile its peer wrote for this very step, layer and ubatch.
 
 Everything here is CUDA-graph capturable: the step number is read from a device tensor that
 `begin_step` fills, and the other header fields are constants of the captured layout.

@@ -2,21 +2,18 @@
 (layout/experts.py) and the group computes every row's experts together.
 
 Per MoE layer and ubatch, on every FFN rank of the group (same order everywhere):
-  1. route its own received rows (the replicated router, or the routing its peers sent when the
-     gate sits on the attention side); rows with token id -1 (pad rows of a tile) and the pad rows
-     up to `group_rows` go to no expert (routing id -1);
+  1. route its own received rows (the replicated router, or the routing its peers sent); pad rows
+     (token id -1, and those up to `group_rows`) go to no expert (routing id -1);
   2. all-gather [group_rows, hidden] hidden states and [group_rows, 2k] routing (top-k ids and
-     the float32 weights' bits, both int32, so one collective) over the FFN group;
-  3. run its own experts over the gathered rows: a partial sum per row;
-  4. reduce-scatter (sum) the partials: each rank gets its own rows' routed output back;
-  5. add the shared experts of its own rows (replicated, computed once per row).
-Dense layers run on the home rank alone. Token ids never leave the home rank: hash layers route
-there. Every size is the plan's `group_rows[u]`, so the collectives match on every rank and a CUDA
-graph of the step holds them. Why this design, and its cost, is in docs/design.md.
-
-The collectives run on a process group of the FFN ranks only (NCCL on CUDA, gloo on CPU), apart
-from the point-to-point batches with the attention ranks; with a wire log each collective is
-noted, so tests check that every member ran the same ones in the same order.
+     the float32 weights' bits, both int32: one collective) over the FFN group;
+  3. run its own experts over the gathered rows, and reduce-scatter (sum) the partial sums: each
+     rank gets its own rows' routed output back;
+  4. add the shared experts of its own rows (replicated, computed once per row).
+Dense layers run on the home rank alone; token ids never leave it (hash layers route there).
+Every size is the plan's `group_rows[u]`, so the collectives match on every rank and a CUDA graph
+of the step holds them (why this design, and its cost: docs/design.md). The collectives run on a
+process group of the FFN ranks only (NCCL on CUDA, gloo on CPU); a wire log notes each, so tests
+check that every member ran the same ones in the same order.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The same-host data plane (`connector="ipc"`): every rank owns an inbox in symmetric memory (CUDA
-IPC over NVLink, multicast off), and a sender writes its tile straight into the receiver's inbox,
-then raises a flag in the receiver's signal pad; the receiver's stream waits on that flag. No
-NCCL kernel runs on the data path: one layer's A2E + E2A at batch 64 (256 KiB each way) took
-62.3 us over NCCL and 28.6 us with copy-engine copies and flags on two H200s, flags alone 5.8 us
-(`afdserve bench transport`, docs/benchmarks.md); the copies here are kernels (kernels/
-triton_push.py).
+IPC over NVLink, multicast off), and a sender writes its tile straight into the receiver's inbox
+(a kernel: kernels/triton/push.py), then raises a flag in the receiver's signal pad; the
+receiver's stream waits on that flag. No NCCL kernel runs on the data path, which is what makes
+the hand-over cheaper than NCCL's (`afdserve bench transport`, docs/benchmarks.md).
 
 Why one inbox per ubatch is enough, with no double buffering: the hand-over of a ubatch strictly
 alternates. An attention rank writes layer l + 1 of ubatch u only after it consumed the FFN
@@ -13,13 +11,6 @@ from the inbox (stream order). Likewise the FFN rank writes its reply to layer l
 the attention rank signalled layer l + 1, which it does after consuming the reply to layer l.
 The flags are channel u of the symmetric handle: put waits for the slot to be free, wait takes
 the flag back, so a flag never overtakes the one before it.
-
-Layout of every rank's inbox, per ubatch (all ranks allocate the same size, as symmetric memory
-requires): hidden [peers_cap * tile_cap, hidden]; ids [peers_cap * HEADER + peers_cap *
-tile_cap] int32, peer i's header and ids at i * (HEADER + tile); topk ids and weights
-[peers_cap * tile_cap, top_k]. An FFN rank's inbox receives its peers' tiles at the rows their
-plans name (`AttentionRankPlan.ffn_rows`, `FFNRankPlan.peer_rows`); an attention rank's inbox
-receives the replies in its hidden rows [0, tile).
 """
 
 from __future__ import annotations
@@ -44,7 +35,13 @@ def _aligned(n: int) -> int:
 
 class Inboxes:
     """Every rank's inbox, seen from this rank (a collective: every rank of `group` builds it at
-    the same point, with the same sizes)."""
+    the same point, with the same sizes, as symmetric memory requires).
+
+    Per ubatch: hidden [peers_cap * tile_cap, hidden]; ids [peers_cap * HEADER + peers_cap *
+    tile_cap] int32, peer i's header and ids at i * (HEADER + tile); topk ids and weights
+    [peers_cap * tile_cap, top_k]. An FFN rank's inbox receives its peers' tiles at the rows
+    their plans name (`AttentionRankPlan.ffn_rows`, `FFNRankPlan.peer_rows`); an attention
+    rank's inbox receives the replies in its hidden rows [0, tile)."""
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """The frontend <-> rank channel: TCP connections that authenticate both ways with HMAC-SHA256 over
 fresh random challenges, then carry length-prefixed frames of the message codec (codec.py: JSON
-checked against the message types, never pickle).
+checked against the message types, never pickle). The key: `AFDSERVE_AUTHKEY` (hex) or
+`AFDSERVE_AUTHKEY_FILE` (a file holding the hex key); it is never logged.
 
 Why not `multiprocessing.connection.Listener(authkey=...)`: its handshake runs inside `accept()`,
 so one peer that connects and stays silent blocks every rank behind it, a wrong key kills the
@@ -10,9 +11,6 @@ message (a `Hello`); a peer with a wrong key, a silent one, or one whose first f
 well-formed `Hello` is dropped and logged, and the others go on. After that, a `Channel` reads
 whatever has arrived without waiting for the rest of a frame, so a peer that sends half a frame
 stalls nobody. The channel is not encrypted: across hosts, run it on a private network.
-
-The key: `AFDSERVE_AUTHKEY` (hex) or `AFDSERVE_AUTHKEY_FILE` (a file holding the hex key); it is
-never logged.
 """
 
 from __future__ import annotations

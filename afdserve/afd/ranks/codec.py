@@ -9,13 +9,9 @@ not JSON, names another type, lacks or adds a field, or carries a value of the w
 `DecodeError`, and nothing was built. A tuple travels as a JSON list, a dict as a JSON object
 (an int key as its decimal string), a dataclass as the list of its fields in declaration order
 (both ends run the same afdserve); floats as JSON numbers (inf and nan as Python's json writes
-them), so every value comes back equal.
-
-Speed: the encoder is json.dumps with a hook for the dataclasses, in C but for that hook; the
-decoder is made once per type from its hints, with fast paths for the common shapes (a tuple
-of ints, an optional number). Checking every value costs more than unpickling: for an Outputs
-of 256 token deltas, about 3x pickle's time to encode and 5x to decode (a 2-core box under
-load; the encode is the part in a rank's step).
+them), so every value comes back equal. The encoder is json.dumps with a hook for the
+dataclasses; the decoder is made once per type from its hints, with fast paths for the common
+shapes (a tuple of ints, an optional number). Checking every value costs more than unpickling.
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@ replaced), and stop them all, leaving no process behind.
 Network exposure of a built-in (one-host) world: the rank channel listens on loopback until every
 rank has connected, then closes (a rebuild's replacement connects to a standby world's listener or
 to one opened for it alone, on loopback, closed once it is in); the rendezvous store is a torch
-FileStore in a directory only this user can open (mode 0700; each world generation a fresh file
-there), so no socket serves it and no other user can read or write its keys (a TCPStore, even
-on loopback, answers any local process: torch gives it no authentication); gloo and NCCL
-bootstrap over the loopback interface. Ranks started elsewhere
-(torchrun) rendezvous through env:// as usual, whose TCPStore, like gloo and NCCL themselves,
-has no authentication: such a world belongs on a private network (docs/design.md).
+FileStore in a directory only this user can open (mode 0700, a fresh file per generation): no
+socket serves it (a TCPStore, even on loopback, answers any local process); gloo and NCCL
+bootstrap over loopback. Ranks started elsewhere (torchrun) rendezvous through env://, whose
+TCPStore, like gloo and NCCL themselves, has no authentication: such a world belongs on a private
+network (docs/design.md).
 """
 
 from __future__ import annotations

@@ -3,39 +3,16 @@
 
 The board is one file in /dev/shm (POSIX shared memory on Linux), int64 words:
 
-    line 0             [token, 0...]               token: a random number rank 0 writes, which
-                                                   every rank checks to know it opened this world's
-                                                   board
+    line 0             [token, 0...]               token: a random number rank 0 writes; every
+                                                   rank checks it to know it opened this board
     board 0, board 1   one 64-byte line per rank:  [round, num_tokens, num_reqs, uniform_decode,
                                                     shutdown, 0, 0, 0]
 
 A round n: rank r writes its fields into its slot of board n % 2, then the round number n into
 the slot's first word, then waits until every slot of that board holds n, then copies every slot.
-
-Why x86-64 only: the round number is what tells a reader the fields are there. x86-64 (TSO)
-makes one core's stores visible to the others in program order, never reorders a load with an
-earlier load, and never lets a store pass an earlier load: a reader that sees round n in a slot
-also sees the fields written before it, and a rank's reads of a round are done before its next
-round number is seen. Each word is read and written as one aligned 8-byte move (a memoryview
-item), so no word is ever seen half-written, and every store is its own interpreter step, so no
-compiler reorders them. A weaker memory model (ARM, POWER) would need release stores and
-acquire loads, which Python cannot express: `shared_memory_supported` says no there, and "auto"
-stays on gloo.
-
-Why two boards are enough (a slot is never overwritten while a rank still reads it): rank r
-writes round n into board n % 2 only after its round n-1 returned, that is after every rank
-published round n-1; a rank publishes round n-1 only after its round n-2 returned, and round
-n-2 returns only after it copied board (n-2) % 2 = n % 2. So when r overwrites its slot with
-round n, every rank has finished reading round n-2 from it. For the same reason a reader waiting
-on round n finds n-2 or n in a slot, never n+2, so "the slot holds n" means round n's fields.
-
-Cleanup: rank 0 creates the file, and unlinks it as soon as every rank has mapped it (the
-mappings outlive the name; the kernel frees the memory when the last rank exits), so nothing is
-left in /dev/shm whichever rank later crashes. Only a crash inside the start-up handshake can
-leave an `afdserve-control-*` file behind. The file is opened directly rather than through
-multiprocessing.shared_memory: before Python 3.13 (no track=False) that registers every attach
-with a resource tracker, which complains about or unlinks a segment other processes still use
-(and processes started by multiprocessing share one tracker, whose bookkeeping is a set).
+Why that is safe on x86-64 only: `shared_memory_supported`; why two boards are enough:
+`SharedMemoryControl.exchange`. Rank 0 unlinks the file once every rank has mapped it, so only a
+crash inside the start-up handshake can leave an `afdserve-control-*` file behind.
 """
 
 from __future__ import annotations
@@ -71,6 +48,14 @@ class ControlPlaneError(RuntimeError):
 
 
 def shared_memory_supported() -> bool:
+    """x86-64 Linux only. The round number is what tells a reader the fields are there: x86-64
+    (TSO) makes one core's stores visible to the others in program order, never reorders a load
+    with an earlier load, and never lets a store pass an earlier load, so a reader that sees round
+    n in a slot also sees the fields written before it, and a rank's reads of a round are done
+    before its next round number is seen. Each word is one aligned 8-byte move (a memoryview
+    item), never seen half-written, and each store is its own interpreter step, which no compiler
+    reorders. A weaker memory model (ARM, POWER) would need release stores and acquire loads,
+    which Python cannot express: no there, and "auto" stays on gloo."""
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
@@ -144,7 +129,9 @@ class SharedMemoryControl:
             dist.all_gather_object(gathered, (error, os.getpid(), _pid_namespace()), group=group)
         finally:
             if self.rank == 0 and shared[2] is None:
-                os.unlink(path)  # every rank has mapped it (or failed to): the name can go
+                # Every rank has mapped it (or failed to): the name can go, the mappings
+                # outlive it, and the kernel frees the memory when the last rank exits.
+                os.unlink(path)
         # A pid means this process only in this rank's pid namespace (containers): ranks in
         # another one are left to the timeout.
         self._pids = {
@@ -166,6 +153,10 @@ class SharedMemoryControl:
 
     @staticmethod
     def _map_file(path: str, size: int, create: bool) -> tuple[mmap.mmap, memoryview]:
+        """The file opened directly, not through multiprocessing.shared_memory: before Python
+        3.13 (no track=False) that registers every attach with a resource tracker, which
+        complains about or unlinks a segment other processes still use (and processes started
+        by multiprocessing share one tracker, whose bookkeeping is a set)."""
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -183,7 +174,14 @@ class SharedMemoryControl:
         return board, memoryview(board).cast("q")
 
     def exchange(self, report: RankStep | None, shutdown: bool = False) -> ControlRound:
-        """Attention ranks pass their report; FFN ranks pass None."""
+        """One round: attention ranks pass their report; FFN ranks pass None.
+
+        Two boards are enough (a slot is never overwritten while a rank still reads it): rank r
+        writes round n into board n % 2 only after its round n-1 returned, that is after every
+        rank published round n-1; a rank publishes round n-1 only after its round n-2 returned,
+        and round n-2 returns only after it copied board n % 2. So when r overwrites its slot
+        with round n, every rank has finished reading round n-2 from it; and a reader waiting on
+        round n finds n-2 or n in a slot, never n+2: "the slot holds n" means round n's fields."""
         self._round += 1
         n, words = self._round, self._words
         slots = self._slots[n & 1]
