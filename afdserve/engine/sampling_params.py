@@ -93,9 +93,21 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {allowed}")
+        # The checks run in this order, so a request with several bad fields is told the first.
+        self._check_sampling()
+        self._check_output_fields()
+        self._check_penalties_and_choices()
+        self._check_structured_outputs()
+        self._normalise_stops()
+        self._normalise_token_lists()
+        self._normalise_logit_bias()
 
+    def _bad(self, name: str, allowed: str) -> ValueError:
+        return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {allowed}")
+
+    def _check_sampling(self) -> None:
+        """The length and the distribution: max_tokens, temperature, top_k/top_p/min_p, seed."""
+        bad = self._bad
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _finite_in(self.temperature, 0.0, math.inf):
@@ -108,6 +120,10 @@ class SamplingParams:
             raise bad("min_p", "must be a number in [0, 1]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+
+    def _check_output_fields(self) -> None:
+        """What comes back: the bool flags, min_tokens, logprobs, prompt truncation, kind."""
+        bad = self._bad
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -129,6 +145,10 @@ class SamplingParams:
             )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY)")
+
+    def _check_penalties_and_choices(self) -> None:
+        """The three penalties, then `n` and `best_of`."""
+        bad = self._bad
         for name in ("presence_penalty", "frequency_penalty"):
             if not _finite_in(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
                 raise bad(name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")
@@ -139,22 +159,27 @@ class SamplingParams:
         if self.best_of is not None and not (_is_int(self.best_of) and self.best_of >= self.n):
             raise bad("best_of", f"must be None or an integer >= n={self.n}")
 
-        if self.structured_outputs is not None:
-            # These two name no value: the constraint holds server-side fields (tokenizer_dir,
-            # a path) that an HTTP client, who sees this message, must not.
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError(
-                    "SamplingParams.structured_outputs: must be None or a StructuredOutputsParams"
-                )
-            # The grammar ends the output with EOS: it must be allowed to stop it, at once.
-            if self.ignore_eos or self.min_tokens:
-                raise ValueError(
-                    "SamplingParams.structured_outputs: cannot be combined with "
-                    "ignore_eos or min_tokens"
-                )
+    def _check_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        # These two name no value: the constraint holds server-side fields (tokenizer_dir,
+        # a path) that an HTTP client, who sees this message, must not.
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                "SamplingParams.structured_outputs: must be None or a StructuredOutputsParams"
+            )
+        # The grammar ends the output with EOS: it must be allowed to stop it, at once.
+        if self.ignore_eos or self.min_tokens:
+            raise ValueError(
+                "SamplingParams.structured_outputs: cannot be combined with "
+                "ignore_eos or min_tokens"
+            )
 
-        # Frozen dataclass: normalise the sequence fields in place so that the stored value is
-        # always a hashable tuple whatever the caller passed (str, list or tuple).
+    # The _normalise_* checks also store the field back: the dataclass is frozen, and the stored
+    # value must be a hashable tuple whatever the caller passed (str, list or tuple).
+
+    def _normalise_stops(self) -> None:
+        bad = self._bad
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be a non-empty string or a list/tuple of non-empty strings")
@@ -167,6 +192,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list/tuple of integers >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
+    def _normalise_token_lists(self) -> None:
+        """bad_words, their token ids, allowed_token_ids."""
+        bad = self._bad
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if not isinstance(words, (list, tuple)) or not all(
             isinstance(w, str) and w.strip() for w in words
@@ -191,17 +219,19 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must be None or a non-empty list of token ids >= 0")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
-        if self.logit_bias is not None:
-            bias = self.logit_bias
-            ok = isinstance(bias, dict) and all(
-                _is_int(t) and t >= 0 and _finite_in(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
-                for t, v in bias.items()
-            )
-            if not ok:
-                allowed = f"must map token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, "
-                raise bad("logit_bias", allowed + f"{MAX_LOGIT_BIAS:g}]")
-            # A copy: the caller's dict may change after the request was made.
-            object.__setattr__(self, "logit_bias", {t: float(v) for t, v in bias.items()} or None)
+    def _normalise_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        bias = self.logit_bias
+        ok = isinstance(bias, dict) and all(
+            _is_int(t) and t >= 0 and _finite_in(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            for t, v in bias.items()
+        )
+        if not ok:
+            allowed = f"must map token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, "
+            raise self._bad("logit_bias", allowed + f"{MAX_LOGIT_BIAS:g}]")
+        # A copy: the caller's dict may change after the request was made.
+        object.__setattr__(self, "logit_bias", {t: float(v) for t, v in bias.items()} or None)
 
     @property
     def greedy(self) -> bool:

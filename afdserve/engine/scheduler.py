@@ -4,23 +4,8 @@ There is no prefill phase and no decode phase. Every sequence has `num_computed_
 whose KV is in the cache) and `num_tokens`; a step moves some sequences' `num_computed_tokens`
 forward. A decode is just a sequence that is one token behind; a prompt is a sequence that is many
 tokens behind and may be caught up over several steps (chunked prefill). A step samples a token for
-every sequence it brings level with the end of its `token_ids`.
-
-Policy, per step, with a budget of `max_num_batched_tokens` tokens:
-1. Running sequences first, in admission order: each takes `min(uncomputed, budget)` tokens, i.e. 1
-   for a decode, a chunk for a prefill still in progress.
-2. Then waiting sequences, strictly FIFO (a waiting sequence never overtakes an earlier one), while
-   budget, `max_num_seqs` and free blocks allow; a prompt is cut to the remaining budget when
-   `chunked_prefill`, else admitted only whole. A waiting sequence is admitted only if the blocks
-   for this chunk are free. No admission in a step that had to preempt.
-With prefix caching a waiting sequence first takes the cached blocks of its longest cached
-prefix (engine/block_manager.py) and starts at `num_computed_tokens` = their positions: the step
-counts, and the plan sees, only the tokens it computes. Blocks are allocated for exactly the
-positions computed in the step. When a running sequence cannot
-get its blocks, the most recently admitted running sequence is preempted by recompute: it frees its
-blocks, drops to `num_computed_tokens = 0` and returns to the front of the waiting queue, keeping
-its generated tokens, which are recomputed like prompt tokens. Sampling is therefore unaffected:
-each token is still sampled exactly once, from the same prefix.
+every sequence it brings level with the end of its `token_ids`. The policy is `Scheduler.schedule`'s
+docstring; preemption (by recompute) is `Scheduler._make_room`'s.
 """
 
 from __future__ import annotations
@@ -162,6 +147,17 @@ class Scheduler:
         self._retire(seq, reason)
 
     def schedule(self) -> SchedulerOutput:
+        """One step's work, within a budget of `max_num_batched_tokens` tokens:
+        1. Running sequences first, in admission order: each takes `min(uncomputed, budget)`
+           tokens, i.e. 1 for a decode, a chunk for a prefill still in progress.
+        2. Then waiting sequences, strictly FIFO (a waiting sequence never overtakes an earlier
+           one), while budget, `max_num_seqs` and free blocks for this chunk allow; a prompt is
+           cut to the remaining budget when `chunked_prefill`, else admitted only whole. No
+           admission in a step that had to preempt.
+        With prefix caching a waiting sequence first takes the cached blocks of its longest cached
+        prefix (engine/block_manager.py) and starts at `num_computed_tokens` = their positions:
+        the step counts, and the plan sees, only the tokens it computes. Blocks are allocated for
+        exactly the positions computed in the step."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -258,8 +254,12 @@ class Scheduler:
         return None
 
     def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
-        """Preempt from the back of `running` until `seq` can get the blocks for `num_new` more
-        positions. Returns False when `seq` itself had to be preempted."""
+        """Preempt from the back of `running` (the most recently admitted first) until `seq` can
+        get the blocks for `num_new` more positions. Returns False when `seq` itself had to be
+        preempted. Preemption is by recompute: a victim frees its blocks, drops to
+        `num_computed_tokens = 0` and returns to the front of the waiting queue, keeping its
+        generated tokens, which are recomputed like prompt tokens. Sampling is therefore
+        unaffected: each token is still sampled exactly once, from the same prefix."""
         needed = self.block_manager.blocks_needed(seq, seq.num_computed_tokens + num_new)
         while not self.block_manager.can_allocate(needed):
             if self.running[-1] is seq and len(self.running) == 1:

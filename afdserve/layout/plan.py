@@ -3,50 +3,13 @@
 Every rank all-gathers the attention ranks' `RankStep` reports and calls
 `plan_step(reports, topology, graph_table, ubatches)`. The function is pure (no torch, no I/O, no
 clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else in afdserve derives a
-row count, a peer set, a tile size, a graph key or a run mode; the field reports in
-`shared/seeds/` are what happens when two places derive them and disagree.
+row count, a peer set, a tile size, a graph key or a run mode: two places that derive one can
+disagree.
 
-A *group* is an FFN rank together with its peers (attention ranks r with r mod F == f). When
-colocated (F == 0) every attention rank is a group of its own, with no FFN rank and no tiles.
-With m ubatches, attention of ubatch u + 1 overlaps FFN of ubatch u.
-
-Rules:
-1. `len(reports) == A` and `1 <= ubatches <= 4`.
-2. A group with no real rows is *idle*: every member and its FFN rank get mode "idle", zero rows,
-   zero tiles and key None. No exchange happens for that group.
-3. A group may use a graph when the graph mode allows it ("none": never; "full_decode_only": every
-   member with work is a uniform decode; "full": always) and its largest real row count is at most
-   the largest capture size.
-4. Graph group: size = the smallest capture size >= the group's largest real count. Every member,
-   idle members included, computes `size` rows split by `split_rows(size, m)`; tile = that split.
-   Eager group: every member computes its real rows split by `split_rows(real, m)`; the tile of
-   ubatch u is the largest member's rows in ubatch u, and smaller members pad up to it.
-   Real rows always occupy the first rows of the padded batch, so a member's real rows per ubatch
-   are the overlap of [0, real) with that ubatch's row range.
-5. Keys spell out the layout, never a sum two layouts can share:
-   attention key = ("attention", rank, ubatch_rows, tile_rows),
-   FFN key       = ("ffn", rank, (ubatch_rows of each peer, in peer order), tile_rows).
-   The global rank is part of the key because a group may capture a graph while another group
-   runs eagerly; a key in `GraphTable.captured` must mean "this rank holds this graph".
-6. Modes: a graph group replays when every key of the group (members and FFN rank) is captured,
-   otherwise the whole group captures together. An eager group runs "eager" on every member and on
-   its FFN rank. So an FFN rank replays only when all its peers replay: an eager attention step
-   (prefill, chunked prefill, a size above the largest capture) makes its FFN rank eager even when
-   a graph with the same key exists.
-
-Every peer sends exactly `tile_rows[u]` rows per layer in ubatch u and its FFN rank receives
-`len(peers) * tile_rows[u]`; pad rows carry zero hidden states and token id -1.
-
-Expert parallelism (`topology.expert_parallel`): the FFN ranks exchange rows among themselves,
-so they must agree on the sizes of that exchange and on one run mode, and each of them replays
-only when every attention rank whose rows reach the group replays. So the whole world is one
-group: rules 2-6 apply with every attention rank as a member and every FFN rank as its FFN side.
-Each FFN rank still receives from its own peers (r mod F == f, none for f >= A); in addition
-7. group_rows[u] = the largest receive_rows[u] in the group: every FFN rank contributes exactly
-   that many rows to the group's exchange in ubatch u (its received rows, then pad rows that go
-   to no expert), so the exchange holds every row of the group by construction and drops none;
-8. the FFN key also spells out group_rows: ("ffn", rank, peers' ubatch_rows, tile_rows,
-   group_rows).
+A *group* is an FFN rank together with its peers (attention ranks r with r mod F == f); colocated
+(F == 0), every attention rank is a group of its own, with no FFN rank and no tiles. With m
+ubatches, attention of ubatch u + 1 overlaps FFN of ubatch u. The numbered rules the plan follows
+are in the comment block "the rules of plan_step" below.
 """
 
 from __future__ import annotations
@@ -109,6 +72,44 @@ def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep
     return [capture_reports(size, topology) for size in sorted(table.sizes, reverse=True)]
 
 
+# ---------------------------------------------------------------- the rules of plan_step
+# 1. `len(reports) == A` and `1 <= ubatches <= 4`.
+# 2. A group with no real rows is *idle*: every member and its FFN rank get mode "idle", zero
+#    rows, zero tiles and key None. No exchange happens for that group.
+# 3. A group may use a graph when the graph mode allows it ("none": never; "full_decode_only":
+#    every member with work is a uniform decode; "full": always) and its largest real row count
+#    is at most the largest capture size.
+# 4. Graph group: size = the smallest capture size >= the group's largest real count. Every
+#    member, idle members included, computes `size` rows split by `split_rows(size, m)`; tile =
+#    that split. Eager group: every member computes its real rows split by `split_rows(real, m)`;
+#    the tile of ubatch u is the largest member's rows in ubatch u, and smaller members pad up to
+#    it. Real rows always occupy the first rows of the padded batch, so a member's real rows per
+#    ubatch are the overlap of [0, real) with that ubatch's row range.
+# 5. Keys spell out the layout, never a sum two layouts can share:
+#    attention key = ("attention", rank, ubatch_rows, tile_rows),
+#    FFN key       = ("ffn", rank, (ubatch_rows of each peer, in peer order), tile_rows).
+#    The global rank is part of the key because a group may capture a graph while another group
+#    runs eagerly; a key in `GraphTable.captured` must mean "this rank holds this graph".
+# 6. Modes: a graph group replays when every key of the group (members and FFN rank) is captured,
+#    otherwise the whole group captures together. An eager group runs "eager" on every member and
+#    on its FFN rank. So an FFN rank replays only when all its peers replay: an eager attention
+#    step (prefill, chunked prefill, a size above the largest capture) makes its FFN rank eager
+#    even when a graph with the same key exists.
+# Every peer sends exactly `tile_rows[u]` rows per layer in ubatch u and its FFN rank receives
+# `len(peers) * tile_rows[u]`; pad rows carry zero hidden states and token id -1.
+#
+# Expert parallelism (`topology.expert_parallel`): the FFN ranks exchange rows among themselves,
+# so they must agree on the sizes of that exchange and on one run mode, and each of them replays
+# only when every attention rank whose rows reach the group replays. So the whole world is one
+# group: rules 2-6 apply with every attention rank as a member and every FFN rank as its FFN side.
+# Each FFN rank still receives from its own peers (r mod F == f, none for f >= A); in addition
+# 7. group_rows[u] = the largest receive_rows[u] in the group: every FFN rank contributes exactly
+#    that many rows to the group's exchange in ubatch u (its received rows, then pad rows that go
+#    to no expert), so the exchange holds every row of the group by construction and drops none;
+# 8. the FFN key also spells out group_rows: ("ffn", rank, peers' ubatch_rows, tile_rows,
+#    group_rows).
+
+
 def _real_per_ubatch(real: int, ubatch_rows: tuple[int, ...]) -> tuple[int, ...]:
     # Real rows fill the padded batch from the front: ubatch u covers [start, start + rows).
     overlap, start = [], 0
@@ -153,57 +154,22 @@ def _plan_group(
 ) -> tuple[list[AttentionRankPlan], list[FFNRankPlan]]:
     """Plans of one group: its member attention ranks and its FFN ranks."""
     group = [reports[rank] for rank in members]
-    no_rows = (0,) * ubatches
     peers = {f: topology.peers(topology.ffn_index(f)) for f in ffn_ranks}
     home = {rank: topology.ffn_rank_of(rank) for rank in members}
     expert = topology.expert_parallel
     if all(report.num_tokens == 0 for report in group):
-        idle = [
-            AttentionRankPlan(rank, home[rank], 0, 0, no_rows, no_rows, no_rows, "idle", None)
-            for rank in members
-        ]
-        ffn_idle = [
-            FFNRankPlan(
-                f,
-                peers[f],
-                0,
-                no_rows,
-                no_rows,
-                "idle",
-                None,
-                group=topology.ffn_group,
-                group_rows=no_rows if expert else (),
-            )
-            for f in ffn_ranks
-        ]
-        return idle, ffn_idle
+        return _idle_group(ffn_ranks, members, peers, home, ubatches, topology)
 
     size = _graph_size(group, table)
-    if size is None:
-        rows = {rank: split_rows(reports[rank].num_tokens, ubatches) for rank in members}
-        tile = tuple(max(rows[rank][u] for rank in members) for u in range(ubatches))
-    else:
-        tile = split_rows(size, ubatches)
-        rows = {rank: tile for rank in members}
+    rows, tile = _rows_and_tile(size, members, reports, ubatches)
     if not ffn_ranks:
-        tile = no_rows
+        tile = (0,) * ubatches
     receive = {f: tuple(len(peers[f]) * rows_u for rows_u in tile) for f in ffn_ranks}
     group_rows = (
         tuple(max(receive[f][u] for f in ffn_ranks) for u in range(ubatches)) if expert else ()
     )
-
-    keys: dict[int, GraphKey] = {rank: ("attention", rank, rows[rank], tile) for rank in members}
-    for f in ffn_ranks:
-        keys[f] = ("ffn", f, tuple(rows[rank] for rank in peers[f]), tile)
-        if expert:
-            keys[f] += (group_rows,)
-    mode: RunMode
-    if size is None:
-        mode = "eager"
-    elif all(key in table.captured for key in keys.values()):
-        mode = "replay"
-    else:
-        mode = "capture"
+    keys = _keys(members, peers, rows, tile, group_rows if expert else None)
+    mode = _mode(size, keys, table)
 
     member_plans = [
         AttentionRankPlan(
@@ -237,13 +203,83 @@ def _plan_group(
     return member_plans, ffn_plans
 
 
+def _idle_group(
+    ffn_ranks: tuple[int, ...],
+    members: tuple[int, ...],
+    peers: dict[int, tuple[int, ...]],
+    home: dict[int, int | None],
+    ubatches: int,
+    topology: Topology,
+) -> tuple[list[AttentionRankPlan], list[FFNRankPlan]]:
+    """Rule 2: zero rows, zero tiles, mode "idle" and no key on every rank of the group."""
+    no_rows = (0,) * ubatches
+    idle = [
+        AttentionRankPlan(rank, home[rank], 0, 0, no_rows, no_rows, no_rows, "idle", None)
+        for rank in members
+    ]
+    ffn_idle = [
+        FFNRankPlan(
+            f,
+            peers[f],
+            0,
+            no_rows,
+            no_rows,
+            "idle",
+            None,
+            group=topology.ffn_group,
+            group_rows=no_rows if topology.expert_parallel else (),
+        )
+        for f in ffn_ranks
+    ]
+    return idle, ffn_idle
+
+
+def _rows_and_tile(
+    size: int | None, members: tuple[int, ...], reports: tuple[RankStep, ...], ubatches: int
+) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:
+    """Rule 4: (each member's rows per ubatch, the tile) of a graph group (`size`) or an eager one
+    (None)."""
+    if size is None:
+        rows = {rank: split_rows(reports[rank].num_tokens, ubatches) for rank in members}
+        tile = tuple(max(rows[rank][u] for rank in members) for u in range(ubatches))
+    else:
+        tile = split_rows(size, ubatches)
+        rows = {rank: tile for rank in members}
+    return rows, tile
+
+
+def _keys(
+    members: tuple[int, ...],
+    peers: dict[int, tuple[int, ...]],
+    rows: dict[int, tuple[int, ...]],
+    tile: tuple[int, ...],
+    group_rows: tuple[int, ...] | None,
+) -> dict[int, GraphKey]:
+    """Rules 5 and 8: each rank's graph key; `group_rows` only in an expert-parallel group."""
+    keys: dict[int, GraphKey] = {rank: ("attention", rank, rows[rank], tile) for rank in members}
+    for f, its_peers in peers.items():
+        keys[f] = ("ffn", f, tuple(rows[rank] for rank in its_peers), tile)
+        if group_rows is not None:
+            keys[f] += (group_rows,)
+    return keys
+
+
+def _mode(size: int | None, keys: dict[int, GraphKey], table: GraphTable) -> RunMode:
+    """Rule 6: one mode for the whole group."""
+    if size is None:
+        return "eager"
+    if all(key in table.captured for key in keys.values()):
+        return "replay"
+    return "capture"
+
+
 def plan_step(
     reports: Sequence[RankStep],
     topology: Topology,
     graph_table: GraphTable,
     ubatches: int = 1,
 ) -> StepPlan:
-    """Plan one step for every rank; see the module docstring for the rules."""
+    """Plan one step for every rank, by the rules in the comment block above."""
     reports = tuple(reports)
     if len(reports) != topology.attention_ranks:
         raise ValueError(

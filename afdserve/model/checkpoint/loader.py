@@ -156,6 +156,31 @@ def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
     return prefix + stacked + (m.group(4) or ""), expert, proj
 
 
+@dataclass
+class _Targets:
+    """The model tensors a load fills, and which (expert, part) pieces of each it has filled."""
+
+    expected: dict[str, torch.Tensor]
+    # Online FP8: scales are computed from the weights as they are read, not read themselves.
+    computed: dict[str, torch.Tensor]
+    held: dict[str, tuple[int, ...]]
+    filled: dict[str, set] = field(default_factory=dict)
+
+
+def _targets(model: CausalLM) -> _Targets:
+    expected = model.expected_tensors()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    quant = model.config.quantization
+    computed = {
+        name: expected.pop(name)
+        for name in list(expected)
+        if quant is not None and quant.online and name.endswith(SCALE_SUFFIX)
+    }
+    filled: dict[str, set] = {name: set() for name in expected}
+    return _Targets(expected, computed, _held_experts(model), filled)
+
+
 def load_weights(
     model: CausalLM,
     model_dir: str | Path,
@@ -168,18 +193,7 @@ def load_weights(
     carriage returns."""
     model_dir = Path(model_dir)
     files = _checkpoint_files(model_dir)
-    expected = model.expected_tensors()
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    quant = model.config.quantization
-    # Online FP8: scales are computed from the weights as they are read, not read themselves.
-    computed = {
-        name: expected.pop(name)
-        for name in list(expected)
-        if quant is not None and quant.online and name.endswith(SCALE_SUFFIX)
-    }
-    filled: dict[str, set] = {name: set() for name in expected}
-    held = _held_experts(model)
+    targets = _targets(model)
     report = LoadReport()
     bar = tqdm(
         files,
@@ -192,47 +206,8 @@ def load_weights(
     for path in bar:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, expert, part = _target(name, model.config.family)
-                if target not in expected:
-                    if known_names is not None and target in known_names:
-                        report.skipped_other_half += 1
-                    elif not (model.config.tie_word_embeddings and target == "lm_head.weight"):
-                        report.unexpected.append(name)
-                    continue
-                shard = held.get(target)
-                slot = expert
-                if shard is not None and expert is not None:
-                    # An expert-parallel shard reads only its own experts, one by one.
-                    if expert >= model.config.num_experts:
-                        raise CheckpointError(
-                            f"{name}: expert {expert} but the config has {model.config.num_experts}"
-                        )
-                    if expert not in shard:
-                        report.skipped_other_half += 1
-                        continue
-                    slot, tensor = shard.index(expert), f.get_tensor(name)
-                elif shard is not None:  # an already-stacked checkpoint: slice the shard out
-                    tensor = f.get_tensor(name)[list(shard)]
-                else:
-                    tensor = f.get_tensor(name)
-                if model.config.family == "deepseek_v4":  # ue8m0 scales, FP4 experts
-                    problem = load_problem_v4(name, target, tensor, expected[target], quant)
-                    tensor = tensor if problem else stored_form(tensor, expected[target], target)
-                else:
-                    problem = load_problem(name, tensor, expected[target], quant)
-                if problem:
-                    raise CheckpointError(problem)
-                scale = computed.get(target + SCALE_SUFFIX)
-                if scale is not None:  # online FP8: quantized here, on its own grid(s)
-                    stacked = target.endswith("gate_up_proj") and part is None
-                    tensor, grid = quantize_weight(tensor, stacked, quant.block)
-                    _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX, True)
-                _copy_into(
-                    expected[target], tensor, slot, part, name, target.endswith(SCALE_SUFFIX)
-                )
-                filled[target].add((expert, part))
-                report.loaded.append(name)
-    missing = _missing(model.config, expected, filled, held)
+                _load_tensor(model, f, name, targets, known_names, report)
+    missing = _missing(model.config, targets.expected, targets.filled, targets.held)
     if missing:
         shown = ", ".join(missing[:20]) + (
             f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
@@ -246,8 +221,66 @@ def load_weights(
             len(report.unexpected),
             ", ".join(report.unexpected[:10]),
         )
-    report.bytes = _tensor_bytes(expected) + _tensor_bytes(computed)
+    report.bytes = _tensor_bytes(targets.expected) + _tensor_bytes(targets.computed)
     return report
+
+
+def _load_tensor(
+    model: CausalLM,
+    f,
+    name: str,
+    targets: _Targets,
+    known_names: set[str] | None,
+    report: LoadReport,
+) -> None:
+    """Copy checkpoint tensor `name` (of the open shard `f`) into its place in `model`, checked
+    and, for online FP8, quantized; or count it as another half's, or as unexpected."""
+    config = model.config
+    target, expert, part = _target(name, config.family)
+    if target not in targets.expected:
+        if known_names is not None and target in known_names:
+            report.skipped_other_half += 1
+        elif not (config.tie_word_embeddings and target == "lm_head.weight"):
+            report.unexpected.append(name)
+        return
+    read = _read_held(f, name, expert, targets.held.get(target), config.num_experts)
+    if read is None:
+        report.skipped_other_half += 1
+        return
+    slot, tensor = read
+    dst, quant = targets.expected[target], config.quantization
+    if config.family == "deepseek_v4":  # ue8m0 scales, FP4 experts
+        problem = load_problem_v4(name, target, tensor, dst, quant)
+        tensor = tensor if problem else stored_form(tensor, dst, target)
+    else:
+        problem = load_problem(name, tensor, dst, quant)
+    if problem:
+        raise CheckpointError(problem)
+    scale = targets.computed.get(target + SCALE_SUFFIX)
+    if scale is not None:  # online FP8: quantized here, on its own grid(s)
+        stacked = target.endswith("gate_up_proj") and part is None
+        tensor, grid = quantize_weight(tensor, stacked, quant.block)
+        _copy_into(scale, grid, slot, part, name + SCALE_SUFFIX, True)
+    _copy_into(dst, tensor, slot, part, name, target.endswith(SCALE_SUFFIX))
+    targets.filled[target].add((expert, part))
+    report.loaded.append(name)
+
+
+def _read_held(
+    f, name: str, expert: int | None, shard: tuple[int, ...] | None, num_experts: int
+) -> tuple[int | None, torch.Tensor] | None:
+    """(slot in the model's stack, tensor) of what this half holds of checkpoint tensor `name`;
+    None for an expert that another expert-parallel shard holds."""
+    if shard is None:
+        return expert, f.get_tensor(name)
+    if expert is None:  # an already-stacked checkpoint: slice the shard out
+        return None, f.get_tensor(name)[list(shard)]
+    # An expert-parallel shard reads only its own experts, one by one.
+    if expert >= num_experts:
+        raise CheckpointError(f"{name}: expert {expert} but the config has {num_experts}")
+    if expert not in shard:
+        return None
+    return shard.index(expert), f.get_tensor(name)
 
 
 def _check_hash_tables(model: CausalLM) -> None:

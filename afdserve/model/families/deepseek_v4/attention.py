@@ -1,5 +1,5 @@
 """DeepSeek-V4 attention over consecutive rows of one sequence, with its state between calls
-(`LayerState`: the window's rows, `CompressorState` per compressor); no paged cache yet.
+(`LayerState`: the window's rows, `CompressorState` per compressor; cache.py pages it).
 
 Three layer types share one block: shared-KV MQA (one `head_dim` head read as key and value)
 over a sliding window, with partial interleaved rotary on each head's trailing
@@ -11,8 +11,7 @@ Compressed layers add entries that summarise whole windows of `compress_rate` to
   window's first series with its own second), and each query sees only the `index_topk` closed
   entries the lightning indexer scores highest.
 A query at position t may read entry w only when (w + 1) * m <= t + 1: every token it summarises
-is at or before t. Rows given in any chunks (a whole prompt, pieces of it, one decode token)
-give the same result as the whole sequence at once, up to GEMM rounding.
+is at or before t. Any chunking of the rows gives the whole sequence's result, up to GEMM rounding.
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@
 A decode ubatch gives each sequence exactly one row (its new token at position t). This path runs
 all of them in tensor ops over the paged layout of cache.py, with no loop over sequences and no
 host sync: every shape follows the ubatch's row count and the block table's width W (the graph
-buffers' maxima), never a sequence's length.
-- window: the rows of positions t - 1 .. t - (window - 1), masked where negative, beside t's own;
-  t's row is written to the ring.
-- each compressor (HCA's, CSA's and its indexer's): t's window (positions [w m, (w + 1) m),
-  w = t // m) read from the open rows, t's own projections in its slot, the previous window's
-  first series (CSA) from prev_*; pooled for every row, and written, with prev_*, only by rows
-  whose token closes the window ((t + 1) % m == 0); the others write t's open row instead. The
-  entry axis is padded to the ceil(W B / m) entries the table can address; entries at or past
-  the (t + 1) // m closed ones are masked.
-- CSA: the indexer scores every padded entry, invisible ones -inf, and `Indexer.ranked` (the
-  per-sequence path's stable sort) keeps the first index_topk: visible entries come first, so a
-  top-k beyond the visible count keeps all of them and masks the rest, as the per-sequence path.
-Rows read before they write, and a sequence writes only its own blocks' rows (V4 shares no block
-between sequences: prefix caching is off), so the order of rows does not matter. Pad rows (a
-graph's padding, context 0) read whatever their table points at, send every write to the pages'
-scratch row (`LayerPages.flat`) and give a zero output, as rows of no segment do on the
-per-sequence path; the sink keeps their softmax finite.
+buffers' maxima), never a sequence's length. Rows read before they write, and a sequence writes
+only its own blocks' rows (V4 shares no block between sequences: prefix caching is off), so the
+order of rows does not matter. Pad rows (a graph's padding, context 0) read whatever their table
+points at, send every write to the pages' scratch row (`LayerPages.flat`) and give a zero output,
+as rows of no segment do on the per-sequence path; the sink keeps their softmax finite.
 """
 
 from __future__ import annotations
@@ -66,7 +54,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One layer's attention of a decode ubatch: x [rows, hidden] -> [rows, hidden], as
     `V4Attention.forward` gives each row over `pages.read`'s state, with what `pages.write`
-    would store written to the pages."""
+    would store written to the pages. The window: the rows of positions t - 1 .. t - (window - 1),
+    masked where negative, beside t's own; t's row is written to the ring."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     t, real = rows.positions, rows.real
@@ -96,7 +85,11 @@ def _compressed(
     rope: RopeTable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed keys [rows, n, head_dim] each row attends to and their mask [rows, n]: HCA
-    every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them."""
+    every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them.
+    Entries at or past the (t + 1) // m closed ones are masked. CSA: the indexer scores every
+    padded entry, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
+    keeps the first index_topk: visible entries come first, so a top-k beyond the visible count
+    keeps all of them and masks the rest, as the per-sequence path."""
     comp = attn.compressor
     count = -(-rows.tables.shape[1] * pages.geometry.block_size // comp.rate)
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
@@ -119,9 +112,13 @@ def _compress(
     rope: RopeTable,
     read: torch.Tensor,
 ) -> torch.Tensor:
-    """Feed each row's token to one compressor (pages `prefix`*): pool its window, write what the
-    per-sequence path writes, and return the entries at `read` [rows, n] (the one this step
-    closes in its place) -> [rows, n, dim]."""
+    """Feed each row's token to one compressor (pages `prefix`*: HCA's, CSA's or its indexer's):
+    pool its window, write what the per-sequence path writes, and return the entries at `read`
+    [rows, n] (the one this step closes in its place) -> [rows, n, dim]. t's window (positions
+    [w m, (w + 1) m), w = t // m) is read from the open rows, t's own projections in its slot, the
+    previous window's first series (CSA) from prev_*; it is pooled for every row, and written,
+    with prev_*, only by rows whose token closes the window ((t + 1) % m == 0); the others write
+    t's open row instead."""
     m, t, tables = comp.rate, rows.positions, rows.tables
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     w = t // m

@@ -2,21 +2,9 @@
 
 The engine gives each sequence one block table, as for every family (block b of the table covers
 positions [b B, (b + 1) B), B = block_size). A V4 layer keeps, per physical block, pages of its
-own geometry (`LayerGeometry`), each page a ring addressed by position:
-- `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
-  table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
-  fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
-- `entries` [ceil(B / m), head_dim] (compressed layers, rate m): entry w (tokens [w m, (w+1) m))
-  sits in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
-  block, the only part that grows with the context.
-- `open_kv`, `open_gate` [min(B, m), width]: the kv / gate projections of the window still open
-  (the compressor's tokens not yet pooled), at row p % min(B, m) of position p's block.
-- `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first series
-  (its gate with the position bias added, float32 as computed), which the next entry overlaps.
-- `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
-  are `index_entries`).
-So any chunking works (a chunk reads the state its start needs from the pages and writes what its
-end leaves), and preemption by recompute rewrites the pages from position 0.
+own geometry (`LayerGeometry` lists them), each page a ring addressed by position. So any chunking
+works (a chunk reads the state its start needs from the pages and writes what its end leaves),
+and preemption by recompute rewrites the pages from position 0.
 
 `read` turns the pages into the per-sequence `LayerState` that `V4Attention` consumes, and `write`
 stores the state after a chunk back: the attention itself is the one the model tests hold equal to
@@ -42,7 +30,20 @@ _SHORT = {
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """One layer's pages per block: name -> (rows, width, float32?)."""
+    """One layer's pages per block: name -> (rows, width, float32?), for rate m and B = block_size:
+    - `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
+      table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
+      fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
+    - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
+      in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
+      block, the only part that grows with the context.
+    - `open_kv`, `open_gate` [min(B, m), width]: the kv / gate projections of the window still
+      open (the compressor's tokens not yet pooled), at row p % min(B, m) of position p's block.
+    - `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first
+      series (its gate with the position bias added, float32 as computed), which the next entry
+      overlaps.
+    - `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
+      are `index_entries`)."""
 
     kind: str
     block_size: int

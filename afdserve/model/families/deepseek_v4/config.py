@@ -255,17 +255,10 @@ def _rope(
 
 def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """Every ModelConfig field of a DeepSeek-V4 config.json (model/config.py builds the
-    ModelConfig, so this module needs nothing from there)."""
+    ModelConfig, so this module needs nothing from there). The checks run in a fixed order, so a
+    config with several faults is refused for the same one each time."""
     _check_keys(raw)
-    if raw.get("rope_scaling") is not None:
-        _require(
-            raw.get("rope_parameters") is None,
-            "rope_scaling and rope_parameters both given: give one",
-        )
-        raw = {
-            **{k: v for k, v in raw.items() if k != "rope_scaling"},
-            "rope_parameters": raw["rope_scaling"],
-        }
+    raw = _fold_rope_scaling(raw)
     _require(
         raw.get("topk_method", "noaux_tc") == "noaux_tc",
         f"topk_method={raw.get('topk_method')!r}: V4 routes 'noaux_tc' only",
@@ -273,6 +266,58 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
     n = int(raw.get("num_hidden_layers", 43))
     hidden, heads = int(raw.get("hidden_size", 4096)), int(raw.get("num_attention_heads", 64))
     head_dim = int(raw.get("head_dim", 512))
+    _check_fixed_choices(raw)
+    factor, rope_dim = _rotary_width(raw, head_dim)
+    index_head_dim, o_groups = _index_and_output_groups(raw, heads, rope_dim)
+    num_experts, top_k = _routed_experts(raw)
+    _check_positive_ints(raw)
+    csa, hca = _compress_rates(raw)
+    (main_inv, main_scale), (comp_inv, comp_scale) = _ropes(raw, factor, head_dim, rope_dim)
+    v4 = V4Config(
+        attention_types=_attention_types(raw, n),
+        csa_rate=csa,
+        hca_rate=hca,
+        sliding_window=int(raw.get("sliding_window", 128)),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        o_groups=o_groups,
+        o_lora_rank=int(raw.get("o_lora_rank", 1024)),
+        index_n_heads=int(raw.get("index_n_heads", 64)),
+        index_head_dim=index_head_dim,
+        index_topk=int(raw.get("index_topk", 512)),
+        compress_inv_freq=comp_inv,
+        compress_attention_scaling=comp_scale,
+        main_attention_scaling=main_scale,
+    )
+    quantization, inter = _expert_precision(raw, hidden)
+    return dict(
+        family="deepseek_v4",
+        **_model_fields(raw, n, hidden),
+        **_attention_fields(raw, heads, head_dim, rope_dim, main_inv, main_scale),
+        **_ffn_fields(raw, n, inter, num_experts, top_k),
+        family_config=v4,
+        quantization=quantization,
+    )
+
+
+def _fold_rope_scaling(raw: dict[str, Any]) -> dict[str, Any]:
+    """`rope_scaling` is another spelling of `rope_parameters` (V4-Flash's config.json uses it)."""
+    if raw.get("rope_scaling") is None:
+        return raw
+    _require(
+        raw.get("rope_parameters") is None,
+        "rope_scaling and rope_parameters both given: give one",
+    )
+    return {
+        **{k: v for k, v in raw.items() if k != "rope_scaling"},
+        "rope_parameters": raw["rope_scaling"],
+    }
+
+
+def _check_fixed_choices(raw: dict[str, Any]) -> None:
+    """What V4 defines one way only: shared-KV MQA, one shared expert, normalised top-k scores,
+    no projection biases, SiLU."""
     _require(
         int(raw.get("num_key_value_heads", 1)) == 1,
         f"num_key_value_heads={raw.get('num_key_value_heads')!r}: V4 attention is "
@@ -292,6 +337,10 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         raw.get("hidden_act", "silu") == "silu",
         f"hidden_act={raw.get('hidden_act')!r}: only 'silu'",
     )
+
+
+def _rotary_width(raw: dict[str, Any], head_dim: int) -> tuple[float, int]:
+    """(partial_rotary_factor, rotary width), from the factor or the legacy qk_rope_head_dim."""
     factor = raw.get("partial_rotary_factor")
     if factor is None:
         legacy = raw.get("qk_rope_head_dim")
@@ -308,6 +357,12 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         f"partial_rotary_factor={factor}: rotary width {rope_dim} must be even, in "
         f"(0, head_dim={head_dim}]",
     )
+    return factor, rope_dim
+
+
+def _index_and_output_groups(raw: dict[str, Any], heads: int, rope_dim: int) -> tuple[int, int]:
+    """(index_head_dim, o_groups): the indexer's heads carry the rotary part; the output
+    projection's groups split the attention heads evenly."""
     index_head_dim = int(raw.get("index_head_dim", 128))
     _require(
         rope_dim <= index_head_dim,
@@ -318,12 +373,20 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         o_groups >= 1 and heads % o_groups == 0,
         f"o_groups={o_groups}: must divide num_attention_heads={heads}",
     )
+    return index_head_dim, o_groups
+
+
+def _routed_experts(raw: dict[str, Any]) -> tuple[int, int]:
     num_experts = int(raw.get("n_routed_experts", 256))
     top_k = int(raw.get("num_experts_per_tok", 6))
     _require(
         1 <= top_k <= num_experts,
         f"num_experts_per_tok={top_k}: must be in [1, n_routed_experts={num_experts}]",
     )
+    return num_experts, top_k
+
+
+def _check_positive_ints(raw: dict[str, Any]) -> None:
     for key, low in (
         ("sliding_window", 1),
         ("hc_mult", 1),
@@ -338,38 +401,27 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 isinstance(raw[key], int) and raw[key] >= low,
                 f"{key}={raw[key]!r}: must be an int >= {low}",
             )
-    csa, hca = _compress_rates(raw)
-    main_inv, main_scale = _rope(
-        raw, "main", float(raw.get("rope_theta", 10000.0)), factor, head_dim
-    )
-    comp_inv, comp_scale = _rope(
+
+
+def _ropes(
+    raw: dict[str, Any], factor: float, head_dim: int, rope_dim: int
+) -> tuple[tuple[tuple[float, ...], float], tuple[tuple[float, ...], float]]:
+    """(inverse frequencies, scale) of "main" and of "compress", each as wide as the rotary."""
+    main = _rope(raw, "main", float(raw.get("rope_theta", 10000.0)), factor, head_dim)
+    compress = _rope(
         raw, "compress", float(raw.get("compress_rope_theta", 160000.0)), factor, head_dim
     )
-    for label, inv in (("main", main_inv), ("compress", comp_inv)):
+    for label, (inv, _) in (("main", main), ("compress", compress)):
         _require(
             len(inv) * 2 == rope_dim,
             f"rope_parameters[{label!r}] gives {len(inv)} "
             f"frequencies for the rotary width {rope_dim}",
         )
-    v4 = V4Config(
-        attention_types=_attention_types(raw, n),
-        csa_rate=csa,
-        hca_rate=hca,
-        sliding_window=int(raw.get("sliding_window", 128)),
-        hc_mult=int(raw.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(raw.get("hc_eps", 1e-6)),
-        o_groups=o_groups,
-        o_lora_rank=int(raw.get("o_lora_rank", 1024)),
-        index_n_heads=int(raw.get("index_n_heads", 64)),
-        index_head_dim=index_head_dim,
-        index_topk=int(raw.get("index_topk", 512)),
-        compress_inv_freq=comp_inv,
-        compress_attention_scaling=comp_scale,
-        main_attention_scaling=main_scale,
-    )
-    eos = raw.get("eos_token_id", 1)
-    limit = raw.get("swiglu_limit", 10.0)
+    return main, compress
+
+
+def _expert_precision(raw: dict[str, Any], hidden: int) -> tuple[Any, int]:
+    """(quantization, moe_intermediate_size): FP4 experts need both widths in whole 32-blocks."""
     quantization = parse_quantization_config(raw, fp4_experts=True)
     _require(
         raw.get("expert_dtype") is None or quantization is not None,
@@ -383,8 +435,13 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
             f"expert_dtype='fp4' with hidden_size={hidden}, moe_intermediate_size={inter}: "
             "both must be multiples of 32 (one ue8m0 scale per 32 inputs)",
         )
+    return quantization, inter
+
+
+def _model_fields(raw: dict[str, Any], n: int, hidden: int) -> dict[str, Any]:
+    """The fields neither half owns: sizes, norms, embeddings, special tokens, dtype."""
+    eos = raw.get("eos_token_id", 1)
     return dict(
-        family="deepseek_v4",
         vocab_size=int(raw.get("vocab_size", 129280)),
         hidden_size=hidden,
         num_layers=n,
@@ -393,6 +450,20 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _attention_fields(
+    raw: dict[str, Any],
+    heads: int,
+    head_dim: int,
+    rope_dim: int,
+    main_inv: tuple[float, ...],
+    main_scale: float,
+) -> dict[str, Any]:
+    """ModelConfig's attention fields; the rest of V4's attention is in V4Config."""
+    return dict(
         attention="v4",
         num_heads=heads,
         num_kv_heads=1,
@@ -408,6 +479,14 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         qk_rope_head_dim=rope_dim,
         v_head_dim=head_dim,
         softmax_scale=head_dim**-0.5,
+    )
+
+
+def _ffn_fields(
+    raw: dict[str, Any], n: int, inter: int, num_experts: int, top_k: int
+) -> dict[str, Any]:
+    limit = raw.get("swiglu_limit", 10.0)
+    return dict(
         layer_types=_mlp_types(raw, n),
         intermediate_size=0,
         moe_intermediate_size=inter,
@@ -423,8 +502,5 @@ def v4_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=True,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
         hidden_act="silu",
-        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         swiglu_limit=None if limit is None else float(limit),
-        family_config=v4,
-        quantization=quantization,
     )

@@ -10,13 +10,8 @@ the attention half then expands y into the streams: post * y + comb^T h.
 `forward_full` runs one sequence from position 0 (the definition the tests hold against
 transformers' full forward); `forward_chunk` runs the next rows of one sequence against its
 `SequenceCache`, a contiguous per-sequence cache (the window, compressed entries and compressor
-state of docs/design.md), so prefill in chunks and decode give the full forward's logits.
-
-The engine drives the same layers through `embed`, `attention_half`, `add_ffn_output` and
-`logits`, the interface `MoECausalLM` gives it: the residual it carries from layer to layer is the
-streams (and, between the halves, the FFN hyper-connection's post and comb), so mHC never leaves
-the attention side; each sequence's attention reads and writes its state in the paged cache
-(cache.py) through its block table, a decode ubatch's all at once (batched.py).
+state of docs/design.md), so prefill in chunks and decode give the full forward's logits. How the
+engine drives the halves is `V4CausalLM`'s docstring.
 """
 
 from __future__ import annotations
@@ -87,6 +82,13 @@ class V4Body(nn.Module):
 
 
 class V4CausalLM(nn.Module):
+    """The halves `parts` names. The engine drives the layers through `embed`, `attention_half`,
+    `add_ffn_output` and `logits`, the interface `MoECausalLM` gives it: the residual it carries
+    from layer to layer is the streams (and, between the halves, the FFN hyper-connection's post
+    and comb), so mHC never leaves the attention side; each sequence's attention reads and writes
+    its state in the paged cache (cache.py) through its block table, a decode ubatch's all at once
+    (batched.py)."""
+
     def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
         super().__init__()
         if config.family_config is None:
