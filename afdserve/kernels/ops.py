@@ -158,11 +158,8 @@ def moe_experts(
     limit: float | None = None,
 ) -> torch.Tensor:
     if limit is not None:
-        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit): the reference, or its
-        # sync-free form inside a graph capture.
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
-        return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit).
+        return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels.moe import torch_grouped as moe_gpu
 
@@ -187,10 +184,22 @@ def moe_experts(
         if moe_gpu.supports(x, gate_up, down):
             ids, weights = _no_absent_pairs(topk_ids, topk_weights)
             return moe_gpu.moe_experts(x, ids, weights, gate_up, down)
-        if torch.cuda.is_current_stream_capturing():
-            # The reference reads per-expert counts back to the host, which a graph cannot.
-            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
-    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+    return _reference_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def _reference_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """The reference, or inside a CUDA graph capture its sync-free dense form (the reference
+    reads per-expert counts back to the host, which a graph cannot)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
+    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
 
 
 def _no_absent_pairs(

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
+
 # Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the sort-free grouped
 # GEMM, for Qwen3-30B-A3B's experts on an H200 (tools/bench_fp8_kernels.py, graph replay,
 # 2026-12-02): equal at a batch of 64 at top-8 (296 against 295 us), the grouped GEMM 1.35x
@@ -43,13 +45,6 @@ SUM_COLUMNS = 512
 
 def _tiles(pairs: int) -> tuple[int, int, int, int]:
     return next((row[1:] for row in TILES if pairs <= row[0]), TILES[-1][1:])
-
-
-def _rows_per_tile(pairs: int, experts: int) -> int:
-    """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16).
-    An expert with more pairs loops over tiles and re-reads its weights for each."""
-    mean = -(-pairs // min(pairs, experts))
-    return min(64, max(16, triton.next_power_of_2(2 * mean)))
 
 
 def _k_block(dim: int) -> int:
@@ -70,34 +65,6 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 
 @triton.jit
-def _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
-    """The expert program `slot` owns and its pairs (none if it owns no expert: pairs of id -1
-    are no program's, so their count is 0 and no weight is read for them).
-    Returns (expert, pair indices, which pairs are this expert's, their rank, their count)."""
-    pair = tl.arange(0, PAIRS_PAD)
-    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
-    if BY_EXPERT:
-        expert = slot.to(tl.int64)
-        mine = ids == expert
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        same = (ids == expert) & (ids >= 0)
-        owned_earlier = tl.sum((same & (pair < slot)).to(tl.int32), axis=0)
-        mine = same & (owned_earlier == 0)
-    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    count = tl.sum(mine.to(tl.int32), axis=0)
-    return expert, pair, mine, rank, count
-
-
-@triton.jit
-def _tile_pairs(pair, mine, rank, first, count, ROWS: tl.constexpr):
-    """Pairs of ranks [first, first + ROWS) of one expert, and which of those rows exist."""
-    row = first + tl.arange(0, ROWS)
-    pick = mine[None, :] & (rank[None, :] == row[:, None])  # [ROWS, PAIRS_PAD]
-    return tl.sum(tl.where(pick, pair[None, :], 0), axis=1), row < count
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,
     ids_ptr,
@@ -113,15 +80,14 @@ def _gate_up_kernel(
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     gate_rows = w_ptr + expert * 2 * inter * hidden + col[:, None] * hidden  # [COLUMNS, 1]
     up_rows = gate_rows + inter * hidden
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
@@ -152,14 +118,13 @@ def _down_kernel(
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     down_rows = w_ptr + expert * hidden * inter + col[:, None] * inter  # [COLUMNS, 1]
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
@@ -241,48 +206,37 @@ def moe_experts(
     if pairs == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
-    weights = topk_weights.reshape(-1).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
     experts = gate_up.shape[0]
-    # One compile serves every pair count up to 64 (a decode batch of 8 at top-8).
-    routing = dict(
-        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
-        BY_EXPERT=pairs > experts,
-        ROWS=_rows_per_tile(pairs, experts),
-    )
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), launch.slots)](
         x,
-        ids,
+        launch.ids,
         gate_up,
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
         inter,
-        **routing,
+        **launch.routing,
         COLUMNS=gate_up_columns,
         K_BLOCK=_k_block(hidden),
         num_warps=warps,
         num_stages=stages,
     )
-    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h,
-        ids,
-        weights,
+    _down_kernel[(triton.cdiv(hidden, down_columns), launch.slots)](
+        launch.h,
+        launch.ids,
+        launch.weights,
         down,
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
-        **routing,
+        **launch.routing,
         COLUMNS=down_columns,
         K_BLOCK=_k_block(inter),
         num_warps=warps,
         num_stages=stages,
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, launch.ids, launch.out, experts)

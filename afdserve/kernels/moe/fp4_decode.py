@@ -74,7 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe.decode import _expert_pairs, _tile_pairs, sum_pairs
+from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
 MAX_PAIRS = 512
@@ -266,10 +267,9 @@ def _gate_up_kernel(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     # One weight tile of 2 * COLUMNS rows, the gate rows of these columns and then their up
     # rows, so one dot of twice the height (at 32 columns the 64 rows wgmma needs) serves both.
     # [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales: gate rows first, then up rows.
@@ -283,7 +283,7 @@ def _gate_up_kernel(
     both_w = w_ptr + both_row * w_row
     both_s = s_ptr + both_row * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
@@ -320,17 +320,16 @@ def _down_kernel(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
     # w_row = I / 8, s_row = I / 32; columns past the last read its bytes (as in gate/up).
     load_col = tl.minimum(col, hidden - 1)
     down_w = w_ptr + expert * hidden * w_row + load_col * w_row
     down_s = s_ptr + expert * hidden * s_row + load_col * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, inter, K_BLOCK):
@@ -350,32 +349,22 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _launch(
     x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    top_k: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
     tiles: Tiles,
 ) -> torch.Tensor:
-    """One chunk: x [rows, hidden], ids / weights [rows * top_k] -> [rows, hidden]."""
-    rows, hidden = x.shape
-    pairs = ids.shape[0]
+    """One chunk of at most `MAX_PAIRS` pairs: x [rows, hidden], topk_ids / topk_weights
+    [rows, top_k] -> [rows, hidden]."""
+    top_k, hidden = topk_ids.shape[1], x.shape[1]
     inter = 2 * down[0].shape[2]
     experts = gate_up[0].shape[0]
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    # As in triton_moe.py: with fewer pairs than experts, program s takes the expert of pair s
-    # (and runs if s is that expert's first pair), so a decode batch of 1 launches 6 expert
-    # programs per column tile rather than 256 that mostly exit; the pair list is padded to a
-    # power of two from 64, so a small batch's prologue (a prefix sum over it) is short too.
-    # Both follow the pair count, a shape: a few compiles, no sync.
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter, tiles.rows)
+    ids, pairs, slots = launch.ids, launch.ids.numel(), launch.slots
     common = dict(
-        PAIRS_PAD=min(MAX_PAIRS, max(64, triton.next_power_of_2(pairs))),
-        BY_EXPERT=pairs > experts,
-        ROWS=tiles.rows,
+        **launch.routing,
         WEIGHTS_LEFT=tiles.weights_left,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
@@ -386,7 +375,7 @@ def _launch(
         ids,
         _words(gate_up[0]),
         gate_up[1],
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
@@ -401,12 +390,12 @@ def _launch(
     )
     columns = tiles.down_columns
     _down_kernel[(triton.cdiv(hidden, columns), slots)](
-        h,
+        launch.h,
         ids,
-        weights,
+        launch.weights,
         _words(down[0]),
         down[1],
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
@@ -416,7 +405,7 @@ def _launch(
         K_BLOCK=_k_block(inter, tiles.k_block),
         **common,
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, ids, launch.out, experts)
 
 
 def moe_experts(
@@ -429,21 +418,15 @@ def moe_experts(
     tiles: Callable[[int], Tiles] = tiles_for,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Each id is in
-    [0, experts) or -1 (no expert here: the pair is skipped, triton_moe's `_expert_pairs`). Each
+    [0, experts) or -1 (no expert here: the pair is skipped, routing.expert_pairs). Each
     chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
-    rows, top_k = topk_ids.shape
-    if rows == 0:
+    if topk_ids.shape[0] == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
-    weights = topk_weights.reshape(-1).contiguous()
-    step = max(1, MAX_PAIRS // top_k)  # rows per launch
-    chunks = []
-    for r in range(0, rows, step):
-        pairs = slice(r * top_k, (r + step) * top_k)
-        chunk = x[r : r + step]
-        shape = tiles(chunk.shape[0] * top_k)
-        chunks.append(
-            _launch(chunk, ids[pairs], weights[pairs], top_k, gate_up, down, limit, shape)
-        )
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def run(chunk: slice) -> torch.Tensor:
+        ids = topk_ids[chunk]
+        shape = tiles(ids.numel())
+        return _launch(x[chunk], ids, topk_weights[chunk], gate_up, down, limit, shape)
+
+    return in_row_chunks(topk_ids, MAX_PAIRS, run)

@@ -43,14 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe.decode import (
-    _expert_pairs,
-    _k_block,
-    _rows_per_tile,
-    _tile_pairs,
-    _tiles,
-    sum_pairs,
-)
+from afdserve.kernels.moe.decode import _k_block, _tiles, sum_pairs
+from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.kernels.triton.fp8_weight_only import (
@@ -139,10 +133,9 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
     gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
@@ -161,7 +154,7 @@ def _gate_up_kernel(
         gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
         up_rows = gate_rows + inter * hidden
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
         if WEIGHTS_LEFT:
             # A tile's rows past its pairs read pair 0's row (in bounds), never stored.
@@ -220,10 +213,9 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     if WEIGHTS_LEFT:  # columns past the last read its weights (as in gate/up)
         load_col = tl.minimum(col, hidden - 1).to(tl.int64)
@@ -232,7 +224,7 @@ def _down_kernel(
         down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
     scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = down_tile(
             h_rows,
@@ -276,30 +268,20 @@ def moe_experts(
         return torch.zeros_like(x)
     x = x.contiguous()
     s13, s2 = s13.contiguous(), s2.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
     experts = w13.shape[0]
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     tiles = tiles_for(pairs) if tiles is None else tiles
-    routing = dict(
-        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
-        BY_EXPERT=pairs > experts,
-        ROWS=tiles.rows or _rows_per_tile(pairs, experts),
-        WEIGHTS_LEFT=tiles.weights_left,
-    )
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter, tiles.rows)
+    routing = dict(**launch.routing, WEIGHTS_LEFT=tiles.weights_left)
     gate_up_columns, down_columns, _, warps, stages, _ = tiles
     # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
     assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), launch.slots)](
         x,
-        ids,
+        launch.ids,
         w13,
         s13,
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
@@ -314,13 +296,13 @@ def moe_experts(
         num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(hidden), x.dtype),
     )
-    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h,
-        ids,
-        weights,
+    _down_kernel[(triton.cdiv(hidden, down_columns), launch.slots)](
+        launch.h,
+        launch.ids,
+        launch.weights,
         w2,
         s2,
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
@@ -333,4 +315,4 @@ def moe_experts(
         num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, launch.ids, launch.out, experts)

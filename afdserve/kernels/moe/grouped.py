@@ -43,6 +43,7 @@ import triton.language as tl
 
 from afdserve.kernels.moe.align import assign
 from afdserve.kernels.moe.decode import _k_block, sum_pairs
+from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.kernels.triton.fp8_weight_only import (
@@ -117,25 +118,6 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 
 @triton.jit
-def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E_PAD: tl.constexpr):
-    """The expert of this program's tile (num_experts past the last group), the tile's pair
-    indices and which of its rows hold one."""
-    first = tl.program_id(0) * ROWS
-    e = tl.arange(0, E_PAD)
-    ends = tl.load(end_ptr + e, mask=e < num_experts, other=2147483647)
-    done = ends <= first
-    expert = tl.sum(done.to(tl.int32), axis=0)  # groups ending at or before this tile
-    start = tl.max(tl.where(done, ends, 0), axis=0)
-    count = tl.load(count_ptr + tl.minimum(expert, num_experts - 1))
-    slot = first + tl.arange(0, ROWS)
-    # (A tile past the last group has expert == num_experts; the comparison is broadcast over
-    # the rows, which Triton's interpreter needs for a mask.)
-    row_ok = (slot - start < count) & (slot * 0 + expert < num_experts)
-    pairs = tl.load(slots_ptr + slot, mask=row_ok, other=0)
-    return expert, pairs, row_ok
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,
     slots_ptr,
@@ -163,7 +145,7 @@ def _gate_up_kernel(
 ):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
-    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
         e = expert.to(tl.int64)
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -251,7 +233,7 @@ def _down_kernel(
 ):
     if GDC:
         tl.extra.cuda.gdc_wait()
-    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
         e = expert.to(tl.int64)
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -314,23 +296,20 @@ def moe_experts(
         # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
         # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
         # the experts once per slice costs little.
-        step = max(1, GROUPED_MAX_PAIRS // top_k)
-        return torch.cat(
-            [
-                moe_experts(
-                    x[i : i + step],
-                    topk_ids[i : i + step],
-                    topk_weights[i : i + step],
-                    gate_up,
-                    down,
-                    scales,
-                    a8,
-                    weights_left,
-                    launch,
-                )
-                for i in range(0, rows, step)
-            ]
-        )
+        def run(chunk: slice) -> torch.Tensor:
+            return moe_experts(
+                x[chunk],
+                topk_ids[chunk],
+                topk_weights[chunk],
+                gate_up,
+                down,
+                scales,
+                a8,
+                weights_left,
+                launch,
+            )
+
+        return in_row_chunks(topk_ids, GROUPED_MAX_PAIRS, run)
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
