@@ -1,6 +1,8 @@
 """The kernels the model calls. Each name resolves to the plain-torch reference; a GPU fast path
 replaces it only for CUDA tensors, and each fast path is compared against the reference in
 tests/gpu/test_kernels.py. The fast modules import Triton, so they load on first CUDA use only.
+The model reaches the kernels through this module and metadata.py alone: the weight formats and
+the plain-torch pieces it uses as they are (no fast path) are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,19 @@ import torch
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 from afdserve.kernels.reference import fp4, fp8
 from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.reference.fp4 import FP4_BLOCK as FP4_BLOCK
+from afdserve.kernels.reference.fp4 import as_bytes as as_bytes
+from afdserve.kernels.reference.fp4 import e8m0_to_float as e8m0_to_float
+from afdserve.kernels.reference.fp4 import quantize_fp4 as quantize_fp4
+from afdserve.kernels.reference.fp8 import FP8_DTYPE as FP8_DTYPE
+from afdserve.kernels.reference.fp8 import FP8_MAX as FP8_MAX
+from afdserve.kernels.reference.fp8 import Fp8Rows as Fp8Rows
+from afdserve.kernels.reference.fp8 import quantize_blockwise as quantize_blockwise
+from afdserve.kernels.reference.fp8 import scale_grid as scale_grid
+from afdserve.kernels.reference.layers import causal_attention as causal_attention
+from afdserve.kernels.reference.layers import dequantize_kv as dequantize_kv
+from afdserve.kernels.reference.layers import gather_kv as gather_kv
+from afdserve.kernels.reference.layers import swiglu as swiglu
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
