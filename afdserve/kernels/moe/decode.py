@@ -1,24 +1,17 @@
-"""Routed experts for small token counts as three Triton launches, with no host sync.
+"""Routed experts for decode batches as three Triton launches, with no host sync.
 
-A decode step routes few (token, expert) pairs, so the grouped GEMM's sort / scatter / gather round
-trip and its per-group tiles cost more than reading the touched experts' weights. Here the routing
-is resolved inside the kernels, from the pair list held in registers: each program owns one expert,
-collects that expert's pairs (a prefix sum over the list) and streams the expert's weight tile once
-for all of them. With fewer pairs than experts, program `s` takes the expert of pair `s` and runs
-only if `s` is that expert's first pair, so the grid is never larger than the pair count; with
-more, program `s` takes expert `s` and exits if no pair chose it. The pair list lives in registers
-of every program, which is why this path is for small batches (up to `MAX_PAIRS`).
+A decode step routes few (token, expert) pairs, so a grouped GEMM's sort / scatter / gather and
+its per-group tiles cost more than reading the touched experts' weights. Here the routing is
+resolved inside the kernels from the pair list held in registers (moe/routing.py): each program
+owns one expert, collects its pairs by a prefix sum and streams the expert's weight tile once for
+all of them. The list lives in every program's registers, hence small batches only (`MAX_PAIRS`).
 
 1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
-3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype.
+3. sum:     out[row] = sum of the row's routed y rows (pairs of id -1 skipped), in x's dtype.
 
-A pair with id -1 (a pad row, or an expert another rank holds) belongs to no program and its y
-row is never written; the sum skips it (`_sum_kernel` reads the ids), so no launch maps those
-pairs to a real expert beforehand.
-
-Weights are stacked as in afdserve: gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I].
-All products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
+Weights as afdserve stacks them: gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
+Products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
 """
 
 from __future__ import annotations

@@ -1,65 +1,15 @@
-"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0 format,
-kernels/reference/fp4.py), as three Triton launches with no host sync.
+"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0, kernels/reference/fp4.py),
+three Triton launches with no host sync, routed in registers as decode.py is (moe/routing.py).
 
-The H200 (sm_90) has no FP4 tensor cores, so nothing here is an FP4 matmul: each program loads
-its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in registers and
-feeds tl.dot with an fp32 accumulator. The weights never exist in bf16 in memory: a decode step
-reads half a byte per weight plus one scale byte per 32, a quarter of bf16's traffic.
-
-The decode is what bounds these kernels: at the H200's copy bandwidth a weight has about two
-integer operations' worth of the SMs' time. (A first version spent two exp2, float math, selects
-and a gathered scale on each weight and ran at 4-7% of copy bandwidth.) So it is bit moves, two
-weights per 32-bit operation where it can (`_fp4_step`), on the packed bytes viewed as int32
-words, word j holding inputs 8j..8j + 7 (input 8j + i in nibble i):
-- nibbles i and i + 4 of a word become two fp16s in one int32: sign to bits 15 / 31, exponent
-  and mantissa to bits 11-9 / 27-25. An e2m1 code put there is its value times 2^-14, exactly:
-  e2m1's exponent 0 (the codes 0 and 0.5) lands in fp16's subnormals, whose value is mantissa *
-  2^-24, so the odd code needs no select. With the even and the odd nibbles first spread apart
-  (a shift and a bit select each per word) each pair is one shift and one and: 13 integer
-  instructions per 8 weights as ptxas compiles it (a bit select takes two lop3s there);
-- each fp16 -> fp32 (exact; sm_90 converts one half of a register per instruction);
-- times the group's factor 2^(s - 127 + 14), built once per 32 inputs from the scale byte s as
-  the fp32 bits (s + 14) << 23. For bf16 x the two fp32s are packed to a bf16 pair first and
-  multiplied as one (bf16 has fp32's exponent range, so the factor is a bf16 too); for fp16 x
-  the product is fp32, then rounded to fp16.
-About 4.6 instructions per weight in the inner loop all told (the default tile's sm_90 SASS,
-2026-12-02: 1 lop3 and 0.6 shifts for the bits, 1 conversion, half a pack, half a bf16 multiply,
-the rest loads, addresses and MMA issue), several times fewer than the first version's.
-
-Every weight is the reference's bit for bit: e2m1 * 2^(s - 127) has at most two significant
-bits, so each step above is exact in bf16 and fp32, and the one fp16 rounding is the one
-`fp4.dequantize_fp4` makes. Against `fp4.dequantize_fp4` + matmul only the fp32 accumulation
-order differs. The factor's bits are right for s <= 240 (a scale up to 2^113); above that
-(s + 14) << 23 runs into the sign bit and the weights are garbage. No real group has such a
-scale (a group's scale is its amax / 6, rounded up to a power of two). For s <= 1 (scales under
-2^-125) the products are subnormal, exact where the multiply keeps subnormals.
-
-The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), the two halves of one word's pair, so
-the converted values need no repacking; each K step takes four dots, one per i, against x's
-columns in the same order (`_x_slices`: one contiguous load of x, then splits). The words load
-as [rows, K / 32, 4] tiles (a row's K / 2 bytes contiguous: 128 bytes, a cache line, at K 256)
-beside their [rows, K / 32] scale bytes, a factor broadcast over its 4 words. The gate and up
-rows of a program's columns are one tile and one dot of twice the height. No load is masked:
-a tile's rows past its pairs read pair 0's row and columns past the last read the last one's,
-and neither is stored.
-
-`Tiles` is the tile shape: columns per gate/up and per down program, the K step, pair rows per
-tile, warps, pipeline stages, and which operand the weights are. With `weights_left` the decoded
-tile is the dot's A operand (out = W x^T, the weight rows the MMA's M), which sm_90's wgmma takes
-from registers, so the decode's output never round-trips through shared memory; the tile must
-then be at least 64 rows per 4 warps (below that Triton falls back to mma.sync, at about three
-times the instructions). Otherwise it is B (out = x W^T, about twice the instructions). `TILES`
-picks one by pair count; tools/fp4_moe_bench.py --sweep times a grid of them.
-
-The routing is resolved in the kernels as in triton_moe.py (whose pair helpers and final sum
-these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
-pair list it holds in registers, and streams the expert's weight tile once for all of them. That
-list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
-pairs, each chunk the same three launches, so a graph capture of any batch works. With fewer
-pairs than experts the programs are instead one per pair, and run for an expert's first pair
-(as in triton_moe.py). The tile shape and these follow the chunk's pair count (a host-side
-shape), so they need no sync either.
-
+sm_90 has no FP4 tensor cores: each program loads its expert's packed bytes as int32 words (word
+j holds inputs 8j..8j + 7) and their ue8m0 scales, decodes them to x's dtype in registers with
+bit moves, two weights per 32-bit operation (`_fp4_step`: the decode, not the bytes, bounds these
+kernels), and feeds tl.dot with an fp32 accumulator; no bf16 copy of the weights ever exists.
+Every weight is `fp4.dequantize_fp4`'s bit for bit; only the accumulation order differs.
+`Tiles` is the tile shape: with `weights_left` the decoded tile is the dot's A operand, which
+wgmma takes from registers (at least 64 rows per 4 warps), else B. No load is masked: rows past a
+tile's pairs read pair 0's row, columns past the last read its bytes; neither is stored. Batches
+past `MAX_PAIRS` pairs run in row chunks, each the same three launches:
 1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
 3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
@@ -174,9 +124,18 @@ def _fp4_step(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
-    docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
-    its scale bytes), xs from `_x_slices`."""
+    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile: rows at `w_rows` / `s_rows`
+    ([COLUMNS] pointers to a row's int32 words and its scale bytes), xs from `_x_slices`.
+
+    Nibbles i and i + 4 of a word become two fp16s in one int32 (`FP16_PAIR`'s bits): an e2m1
+    code there is its value times 2^-14, exactly (e2m1's exponent 0 lands in fp16's subnormals,
+    so the odd code 0.5 needs no select). Each fp16 -> fp32 is exact; then times the group's
+    factor 2^(s - 127 + 14), the fp32 bits (s + 14) << 23 of the scale byte s (right for
+    s <= 240, a scale up to 2^113, which no real group reaches; s <= 1 gives subnormals). For
+    bf16 x the pair is packed to bf16 and multiplied as one; for fp16 x the product is fp32,
+    rounded once. e2m1 * 2^(s - 127) has at most two significant bits, so every step is exact.
+    The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), one word's halves: no repacking.
+    The words load as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes."""
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
     at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]

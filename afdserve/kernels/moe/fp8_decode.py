@@ -1,38 +1,17 @@
-"""FP8 routed experts for decode batches: kernels/moe/decode.py's three launches over FP8 stacks.
+"""FP8 routed experts for decode batches: decode.py's three launches over FP8 stacks.
 
-The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
-float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block
-rows, then up's). The routing is resolved in registers as in triton_moe (a program per touched
-expert, its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x
-128 scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
-(exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
-
-w8a8 by default (triton_fp8.W8A8_EXPERTS): x and h are quantized per row in groups of 128
-as the dense GEMM does (kernels/triton_fp8.as_operand), and the dots run on FP8 tensor cores;
-`a8=False` keeps them in x's dtype against the FP8 values cast to it (weight-only). Batches
-past MAX_PAIRS take kernels/moe/grouped.py with the same dequantization. No host sync: a
-CUDA graph captures the launches at their pair count.
-
-Operand order (`WEIGHTS_LEFT`, per launch `Tiles.weights_left`). The weight tile is the dots'
-left operand: out^T = W x^T, the weight rows the MMA's M and the pairs its N
-(triton_fp8.block_dot_left), as kernels/moe/fp4_decode.py does. With the weights right (out =
-x W^T, the first orientation) the activation rows were the M, at least 16 (the MMA's smallest)
-for one real pair at a batch of 1, so Triton ran mma with the weights as B fragments. Left, the
-gate and up rows of a program's columns are one tile of 2 * COLUMNS rows (one dot; 64 rows at
-32 columns, what wgmma needs at 4 warps), each half with its own block scale, and the pairs may
-be as few as the MMA's smallest N: a batch of 1 (up to MAX_PAIRS pairs, so at most 8 of one
-expert) takes 8-row tiles (`LEFT_ROWS`), half the x rows to load and quantize per K step.
-Triton runs those on mma (FP8 as fp16 on sm_90, one conversion per two weights), which counts
-fewer instructions than wgmma's 16-row tiles there (w8a8 wgmma takes the FP8 tile from shared
-memory unconverted, but x's staging and its fences cost more). No load is masked: columns past
-the last read its weights, rows past a tile's pairs read pair 0's row; neither is stored.
-
-Thread instructions per weight in the K loop, sm_90 SASS of Triton 3.6, Qwen3-30B-A3B's experts
-at 8 pairs (the default tiles), w8a8 / weight-only (tests/kernels/test_fp8_moe_compile.py,
-2026-12-02): gate/up 6.06 / 5.45 and down 6.02 / 5.28 in the first orientation as it was; 4.92 /
-4.64 and 4.77 / 4.42 with as_operand's exponents from the float bits (no log2 polynomial, a
-fifth of the loop); 2.98 / 2.84 and 2.91 / 2.78 with the weights left (16-row wgmma tiles:
-3.23 / 3.95 and 3.17 / 3.92). tools/fp8_moe_bench.py times both orders on the GPU.
+The experts stay float8_e4m3fn, gate_up [E, 2I, H] and down [E, H, I], each with a float32 scale
+per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block rows, then
+up's). Routing is in registers as in decode.py (moe/routing.py). Each weight tile lies in one
+scale block, so a dot's float32 partial is scaled once (triton/fp8_weight_only.py's block_dot).
+w8a8 by default (fp8_weight_only.W8A8_EXPERTS): x and h are quantized per row and group of 128
+and the dots run on FP8 tensor cores; `a8=False` runs them in x's dtype against the FP8 values.
+The weight tile is the dots' left operand (`WEIGHTS_LEFT`, out^T = W x^T): the weight rows are
+the MMA's M and the pairs its N, so a batch of 1 takes 8-row tiles of pairs (`LEFT_ROWS`, the
+smallest N) where an M is at least 16; a program's gate and up rows are one tile of 2 * COLUMNS
+rows, one dot, each half with its own block scale. No load is masked: columns past the last
+read its weights, rows past a tile's pairs read pair 0's row; neither is stored. Batches past
+MAX_PAIRS take grouped.py with the same dequantization. No host sync.
 """
 
 from __future__ import annotations
