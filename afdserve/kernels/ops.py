@@ -1,6 +1,8 @@
 """The kernels the model calls. Each name resolves to the plain-torch reference; a GPU fast path
 replaces it only for CUDA tensors, and each fast path is compared against the reference in
 tests/gpu/test_kernels.py. The fast modules import Triton, so they load on first CUDA use only.
+The model reaches the kernels through this module and metadata.py alone: the weight formats and
+the plain-torch pieces it uses as they are (no fast path) are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,19 @@ import torch
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 from afdserve.kernels.reference import fp4, fp8
 from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.reference.fp4 import FP4_BLOCK as FP4_BLOCK
+from afdserve.kernels.reference.fp4 import as_bytes as as_bytes
+from afdserve.kernels.reference.fp4 import e8m0_to_float as e8m0_to_float
+from afdserve.kernels.reference.fp4 import quantize_fp4 as quantize_fp4
+from afdserve.kernels.reference.fp8 import FP8_DTYPE as FP8_DTYPE
+from afdserve.kernels.reference.fp8 import FP8_MAX as FP8_MAX
+from afdserve.kernels.reference.fp8 import Fp8Rows as Fp8Rows
+from afdserve.kernels.reference.fp8 import quantize_blockwise as quantize_blockwise
+from afdserve.kernels.reference.fp8 import scale_grid as scale_grid
+from afdserve.kernels.reference.layers import causal_attention as causal_attention
+from afdserve.kernels.reference.layers import dequantize_kv as dequantize_kv
+from afdserve.kernels.reference.layers import gather_kv as gather_kv
+from afdserve.kernels.reference.layers import swiglu as swiglu
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -158,11 +173,8 @@ def moe_experts(
     limit: float | None = None,
 ) -> torch.Tensor:
     if limit is not None:
-        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit): the reference, or its
-        # sync-free form inside a graph capture.
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
-        return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit).
+        return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels.moe import torch_grouped as moe_gpu
 
@@ -187,10 +199,22 @@ def moe_experts(
         if moe_gpu.supports(x, gate_up, down):
             ids, weights = _no_absent_pairs(topk_ids, topk_weights)
             return moe_gpu.moe_experts(x, ids, weights, gate_up, down)
-        if torch.cuda.is_current_stream_capturing():
-            # The reference reads per-expert counts back to the host, which a graph cannot.
-            return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down)
-    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+    return _reference_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def _reference_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """The reference, or inside a CUDA graph capture its sync-free dense form (the reference
+    reads per-expert counts back to the host, which a graph cannot)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
+    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
 
 
 def _no_absent_pairs(

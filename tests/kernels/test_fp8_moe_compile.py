@@ -141,7 +141,8 @@ def builds() -> list[tuple[str, bool, bool, object, float]]:
     """(kernel, a8, weights left, compiled, instructions per weight) of every build."""
     from afdserve.kernels.moe import fp8_decode as triton_fp8_moe
     from afdserve.kernels.moe import grouped as triton_grouped_moe
-    from afdserve.kernels.moe.decode import _k_block, _rows_per_tile
+    from afdserve.kernels.moe.decode import _k_block
+    from afdserve.kernels.moe.routing import rows_per_tile
     from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     out = []
@@ -150,7 +151,7 @@ def builds() -> list[tuple[str, bool, bool, object, float]]:
     for a8 in (True, False):
         for left in (True, False):
             tiles = triton_fp8_moe.tiles_for(pairs, left)
-            rows = tiles.rows or _rows_per_tile(pairs, EXPERTS)
+            rows = tiles.rows or rows_per_tile(pairs, EXPERTS)
             common = {"PAIRS_PAD": 64, "BY_EXPERT": False, "ROWS": rows, "WEIGHTS_LEFT": left}
             options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
             for name, kernel, sig, columns, weight_rows, k in (

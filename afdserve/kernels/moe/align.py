@@ -1,23 +1,17 @@
 """Token -> expert assignment for the grouped expert kernels, with no sort and no host sync.
 
-The routed (token, k) pairs of a step are numbered p = row * top_k + j. The expert kernels want
-them grouped by expert, each group padded up to a whole number of row tiles, so that one program
-owns one tile of one expert and reads its weight tile once for all the tile's rows. A counting
-sort does it in two launches, with no torch sort, scatter or gather:
-
-1. count: the pairs are cut into chunks; a program per chunk counts each expert's pairs in its
-   chunk and gives each pair its rank among the chunk's pairs of the same expert.
-2. place:  every program reads the chunk x expert count grid (small: it is sized so), derives the
+The routed (token, k) pairs of a step, p = row * top_k + j, are grouped by expert, each group
+padded to a whole number of row tiles, so that one program owns one tile of one expert and reads
+its weight tile once for all the tile's rows. A counting sort in two launches:
+1. count: a program per chunk of pairs counts each expert's pairs in its chunk and gives each
+   pair its rank among the chunk's pairs of the same expert.
+2. place: every program reads the chunk x expert count grid (sized to be small), derives the
    padded group starts by prefix sums over experts and chunks, and writes each of its pairs into
    slot start[expert] + (pairs of that expert in earlier chunks) + rank.
-
-The slots stay in pair order within a group (a stable counting sort), so results do not depend
-on launch timing. Slots past a group's count are never written: the expert kernels know each
-group's count and mask those rows instead of reading a sentinel. Pairs whose id is outside
-[0, experts) (-1: a pad row, or an expert another rank holds) get no slot, so they cost nothing.
-
-Sizes are static per pair count (a CUDA graph of one batch size replays the same launches): the
-slot buffer holds the worst case, every group one partial tile past its pairs.
+The slots keep pair order within a group (stable), so results do not depend on launch timing.
+Slots past a group's count are never written (the kernels mask them by the count); pairs with
+an id outside [0, experts) get no slot. Sizes are static per pair count (a CUDA graph replays
+them): the slot buffer holds the worst case, every group one partial tile past its pairs.
 """
 
 from __future__ import annotations

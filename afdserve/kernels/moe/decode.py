@@ -1,24 +1,17 @@
-"""Routed experts for small token counts as three Triton launches, with no host sync.
+"""Routed experts for decode batches as three Triton launches, with no host sync.
 
-A decode step routes few (token, expert) pairs, so the grouped GEMM's sort / scatter / gather round
-trip and its per-group tiles cost more than reading the touched experts' weights. Here the routing
-is resolved inside the kernels, from the pair list held in registers: each program owns one expert,
-collects that expert's pairs (a prefix sum over the list) and streams the expert's weight tile once
-for all of them. With fewer pairs than experts, program `s` takes the expert of pair `s` and runs
-only if `s` is that expert's first pair, so the grid is never larger than the pair count; with
-more, program `s` takes expert `s` and exits if no pair chose it. The pair list lives in registers
-of every program, which is why this path is for small batches (up to `MAX_PAIRS`).
+A decode step routes few (token, expert) pairs, so a grouped GEMM's sort / scatter / gather and
+its per-group tiles cost more than reading the touched experts' weights. Here the routing is
+resolved inside the kernels from the pair list held in registers (moe/routing.py): each program
+owns one expert, collects its pairs by a prefix sum and streams the expert's weight tile once for
+all of them. The list lives in every program's registers, hence small batches only (`MAX_PAIRS`).
 
 1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
-3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype.
+3. sum:     out[row] = sum of the row's routed y rows (pairs of id -1 skipped), in x's dtype.
 
-A pair with id -1 (a pad row, or an expert another rank holds) belongs to no program and its y
-row is never written; the sum skips it (`_sum_kernel` reads the ids), so no launch maps those
-pairs to a real expert beforehand.
-
-Weights are stacked as in afdserve: gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I].
-All products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
+Weights as afdserve stacks them: gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
+Products accumulate in fp32; h is stored in x's dtype, as the grouped GEMM path stores it.
 """
 
 from __future__ import annotations
@@ -26,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
 
 # Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the sort-free grouped
 # GEMM, for Qwen3-30B-A3B's experts on an H200 (tools/bench_fp8_kernels.py, graph replay,
@@ -43,13 +38,6 @@ SUM_COLUMNS = 512
 
 def _tiles(pairs: int) -> tuple[int, int, int, int]:
     return next((row[1:] for row in TILES if pairs <= row[0]), TILES[-1][1:])
-
-
-def _rows_per_tile(pairs: int, experts: int) -> int:
-    """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16).
-    An expert with more pairs loops over tiles and re-reads its weights for each."""
-    mean = -(-pairs // min(pairs, experts))
-    return min(64, max(16, triton.next_power_of_2(2 * mean)))
 
 
 def _k_block(dim: int) -> int:
@@ -70,34 +58,6 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 
 @triton.jit
-def _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
-    """The expert program `slot` owns and its pairs (none if it owns no expert: pairs of id -1
-    are no program's, so their count is 0 and no weight is read for them).
-    Returns (expert, pair indices, which pairs are this expert's, their rank, their count)."""
-    pair = tl.arange(0, PAIRS_PAD)
-    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
-    if BY_EXPERT:
-        expert = slot.to(tl.int64)
-        mine = ids == expert
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        same = (ids == expert) & (ids >= 0)
-        owned_earlier = tl.sum((same & (pair < slot)).to(tl.int32), axis=0)
-        mine = same & (owned_earlier == 0)
-    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    count = tl.sum(mine.to(tl.int32), axis=0)
-    return expert, pair, mine, rank, count
-
-
-@triton.jit
-def _tile_pairs(pair, mine, rank, first, count, ROWS: tl.constexpr):
-    """Pairs of ranks [first, first + ROWS) of one expert, and which of those rows exist."""
-    row = first + tl.arange(0, ROWS)
-    pick = mine[None, :] & (rank[None, :] == row[:, None])  # [ROWS, PAIRS_PAD]
-    return tl.sum(tl.where(pick, pair[None, :], 0), axis=1), row < count
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,
     ids_ptr,
@@ -113,15 +73,14 @@ def _gate_up_kernel(
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     gate_rows = w_ptr + expert * 2 * inter * hidden + col[:, None] * hidden  # [COLUMNS, 1]
     up_rows = gate_rows + inter * hidden
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         gate = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         up = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
@@ -152,14 +111,13 @@ def _down_kernel(
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     down_rows = w_ptr + expert * hidden * inter + col[:, None] * inter  # [COLUMNS, 1]
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = tl.zeros((ROWS, COLUMNS), dtype=tl.float32)
         for k0 in range(0, inter, K_BLOCK):
@@ -241,48 +199,37 @@ def moe_experts(
     if pairs == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
-    weights = topk_weights.reshape(-1).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
     experts = gate_up.shape[0]
-    # One compile serves every pair count up to 64 (a decode batch of 8 at top-8).
-    routing = dict(
-        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
-        BY_EXPERT=pairs > experts,
-        ROWS=_rows_per_tile(pairs, experts),
-    )
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter)
     gate_up_columns, down_columns, warps, stages = _tiles(pairs)
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), launch.slots)](
         x,
-        ids,
+        launch.ids,
         gate_up,
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
         inter,
-        **routing,
+        **launch.routing,
         COLUMNS=gate_up_columns,
         K_BLOCK=_k_block(hidden),
         num_warps=warps,
         num_stages=stages,
     )
-    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h,
-        ids,
-        weights,
+    _down_kernel[(triton.cdiv(hidden, down_columns), launch.slots)](
+        launch.h,
+        launch.ids,
+        launch.weights,
         down,
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
-        **routing,
+        **launch.routing,
         COLUMNS=down_columns,
         K_BLOCK=_k_block(inter),
         num_warps=warps,
         num_stages=stages,
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, launch.ids, launch.out, experts)

@@ -1,65 +1,15 @@
-"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0 format,
-kernels/reference/fp4.py), as three Triton launches with no host sync.
+"""Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0, kernels/reference/fp4.py),
+three Triton launches with no host sync, routed in registers as decode.py is (moe/routing.py).
 
-The H200 (sm_90) has no FP4 tensor cores, so nothing here is an FP4 matmul: each program loads
-its expert's packed bytes and their ue8m0 scales, decodes them to x's dtype in registers and
-feeds tl.dot with an fp32 accumulator. The weights never exist in bf16 in memory: a decode step
-reads half a byte per weight plus one scale byte per 32, a quarter of bf16's traffic.
-
-The decode is what bounds these kernels: at the H200's copy bandwidth a weight has about two
-integer operations' worth of the SMs' time. (A first version spent two exp2, float math, selects
-and a gathered scale on each weight and ran at 4-7% of copy bandwidth.) So it is bit moves, two
-weights per 32-bit operation where it can (`_fp4_step`), on the packed bytes viewed as int32
-words, word j holding inputs 8j..8j + 7 (input 8j + i in nibble i):
-- nibbles i and i + 4 of a word become two fp16s in one int32: sign to bits 15 / 31, exponent
-  and mantissa to bits 11-9 / 27-25. An e2m1 code put there is its value times 2^-14, exactly:
-  e2m1's exponent 0 (the codes 0 and 0.5) lands in fp16's subnormals, whose value is mantissa *
-  2^-24, so the odd code needs no select. With the even and the odd nibbles first spread apart
-  (a shift and a bit select each per word) each pair is one shift and one and: 13 integer
-  instructions per 8 weights as ptxas compiles it (a bit select takes two lop3s there);
-- each fp16 -> fp32 (exact; sm_90 converts one half of a register per instruction);
-- times the group's factor 2^(s - 127 + 14), built once per 32 inputs from the scale byte s as
-  the fp32 bits (s + 14) << 23. For bf16 x the two fp32s are packed to a bf16 pair first and
-  multiplied as one (bf16 has fp32's exponent range, so the factor is a bf16 too); for fp16 x
-  the product is fp32, then rounded to fp16.
-About 4.6 instructions per weight in the inner loop all told (the default tile's sm_90 SASS,
-2026-12-02: 1 lop3 and 0.6 shifts for the bits, 1 conversion, half a pack, half a bf16 multiply,
-the rest loads, addresses and MMA issue), several times fewer than the first version's.
-
-Every weight is the reference's bit for bit: e2m1 * 2^(s - 127) has at most two significant
-bits, so each step above is exact in bf16 and fp32, and the one fp16 rounding is the one
-`fp4.dequantize_fp4` makes. Against `fp4.dequantize_fp4` + matmul only the fp32 accumulation
-order differs. The factor's bits are right for s <= 240 (a scale up to 2^113); above that
-(s + 14) << 23 runs into the sign bit and the weights are garbage. No real group has such a
-scale (a group's scale is its amax / 6, rounded up to a power of two). For s <= 1 (scales under
-2^-125) the products are subnormal, exact where the multiply keeps subnormals.
-
-The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), the two halves of one word's pair, so
-the converted values need no repacking; each K step takes four dots, one per i, against x's
-columns in the same order (`_x_slices`: one contiguous load of x, then splits). The words load
-as [rows, K / 32, 4] tiles (a row's K / 2 bytes contiguous: 128 bytes, a cache line, at K 256)
-beside their [rows, K / 32] scale bytes, a factor broadcast over its 4 words. The gate and up
-rows of a program's columns are one tile and one dot of twice the height. No load is masked:
-a tile's rows past its pairs read pair 0's row and columns past the last read the last one's,
-and neither is stored.
-
-`Tiles` is the tile shape: columns per gate/up and per down program, the K step, pair rows per
-tile, warps, pipeline stages, and which operand the weights are. With `weights_left` the decoded
-tile is the dot's A operand (out = W x^T, the weight rows the MMA's M), which sm_90's wgmma takes
-from registers, so the decode's output never round-trips through shared memory; the tile must
-then be at least 64 rows per 4 warps (below that Triton falls back to mma.sync, at about three
-times the instructions). Otherwise it is B (out = x W^T, about twice the instructions). `TILES`
-picks one by pair count; tools/fp4_moe_bench.py --sweep times a grid of them.
-
-The routing is resolved in the kernels as in triton_moe.py (whose pair helpers and final sum
-these reuse): each program owns one expert, finds that expert's (token, expert) pairs in the
-pair list it holds in registers, and streams the expert's weight tile once for all of them. That
-list is bounded by `MAX_PAIRS`; larger batches (prefill) run in row chunks of at most that many
-pairs, each chunk the same three launches, so a graph capture of any batch works. With fewer
-pairs than experts the programs are instead one per pair, and run for an expert's first pair
-(as in triton_moe.py). The tile shape and these follow the chunk's pair count (a host-side
-shape), so they need no sync either.
-
+sm_90 has no FP4 tensor cores: each program loads its expert's packed bytes as int32 words (word
+j holds inputs 8j..8j + 7) and their ue8m0 scales, decodes them to x's dtype in registers with
+bit moves, two weights per 32-bit operation (`_fp4_step`: the decode, not the bytes, bounds these
+kernels), and feeds tl.dot with an fp32 accumulator; no bf16 copy of the weights ever exists.
+Every weight is `fp4.dequantize_fp4`'s bit for bit; only the accumulation order differs.
+`Tiles` is the tile shape: with `weights_left` the decoded tile is the dot's A operand, which
+wgmma takes from registers (at least 64 rows per 4 warps), else B. No load is masked: rows past a
+tile's pairs read pair 0's row, columns past the last read its bytes; neither is stored. Batches
+past `MAX_PAIRS` pairs run in row chunks, each the same three launches:
 1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
 3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
@@ -74,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe.decode import _expert_pairs, _tile_pairs, sum_pairs
+from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
 MAX_PAIRS = 512
@@ -173,9 +124,18 @@ def _fp4_step(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile, decoded as the module
-    docstring says: rows at `w_rows` / `s_rows` ([COLUMNS] pointers to a row's int32 words and
-    its scale bytes), xs from `_x_slices`."""
+    """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile: rows at `w_rows` / `s_rows`
+    ([COLUMNS] pointers to a row's int32 words and its scale bytes), xs from `_x_slices`.
+
+    Nibbles i and i + 4 of a word become two fp16s in one int32 (`FP16_PAIR`'s bits): an e2m1
+    code there is its value times 2^-14, exactly (e2m1's exponent 0 lands in fp16's subnormals,
+    so the odd code 0.5 needs no select). Each fp16 -> fp32 is exact; then times the group's
+    factor 2^(s - 127 + 14), the fp32 bits (s + 14) << 23 of the scale byte s (right for
+    s <= 240, a scale up to 2^113, which no real group reaches; s <= 1 gives subnormals). For
+    bf16 x the pair is packed to bf16 and multiplied as one; for fp16 x the product is fp32,
+    rounded once. e2m1 * 2^(s - 127) has at most two significant bits, so every step is exact.
+    The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), one word's halves: no repacking.
+    The words load as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes."""
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
     at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
@@ -266,10 +226,9 @@ def _gate_up_kernel(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     # One weight tile of 2 * COLUMNS rows, the gate rows of these columns and then their up
     # rows, so one dot of twice the height (at 32 columns the 64 rows wgmma needs) serves both.
     # [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales: gate rows first, then up rows.
@@ -283,7 +242,7 @@ def _gate_up_kernel(
     both_w = w_ptr + both_row * w_row
     both_s = s_ptr + both_row * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, hidden, K_BLOCK):
@@ -320,17 +279,16 @@ def _down_kernel(
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
     # w_row = I / 8, s_row = I / 32; columns past the last read its bytes (as in gate/up).
     load_col = tl.minimum(col, hidden - 1)
     down_w = w_ptr + expert * hidden * w_row + load_col * w_row
     down_s = s_ptr + expert * hidden * s_row + load_col * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         for k0 in range(0, inter, K_BLOCK):
@@ -350,32 +308,22 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _launch(
     x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    top_k: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
     tiles: Tiles,
 ) -> torch.Tensor:
-    """One chunk: x [rows, hidden], ids / weights [rows * top_k] -> [rows, hidden]."""
-    rows, hidden = x.shape
-    pairs = ids.shape[0]
+    """One chunk of at most `MAX_PAIRS` pairs: x [rows, hidden], topk_ids / topk_weights
+    [rows, top_k] -> [rows, hidden]."""
+    top_k, hidden = topk_ids.shape[1], x.shape[1]
     inter = 2 * down[0].shape[2]
     experts = gate_up[0].shape[0]
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    # As in triton_moe.py: with fewer pairs than experts, program s takes the expert of pair s
-    # (and runs if s is that expert's first pair), so a decode batch of 1 launches 6 expert
-    # programs per column tile rather than 256 that mostly exit; the pair list is padded to a
-    # power of two from 64, so a small batch's prologue (a prefix sum over it) is short too.
-    # Both follow the pair count, a shape: a few compiles, no sync.
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter, tiles.rows)
+    ids, pairs, slots = launch.ids, launch.ids.numel(), launch.slots
     common = dict(
-        PAIRS_PAD=min(MAX_PAIRS, max(64, triton.next_power_of_2(pairs))),
-        BY_EXPERT=pairs > experts,
-        ROWS=tiles.rows,
+        **launch.routing,
         WEIGHTS_LEFT=tiles.weights_left,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
@@ -386,7 +334,7 @@ def _launch(
         ids,
         _words(gate_up[0]),
         gate_up[1],
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
@@ -401,12 +349,12 @@ def _launch(
     )
     columns = tiles.down_columns
     _down_kernel[(triton.cdiv(hidden, columns), slots)](
-        h,
+        launch.h,
         ids,
-        weights,
+        launch.weights,
         _words(down[0]),
         down[1],
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
@@ -416,7 +364,7 @@ def _launch(
         K_BLOCK=_k_block(inter, tiles.k_block),
         **common,
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, ids, launch.out, experts)
 
 
 def moe_experts(
@@ -429,21 +377,15 @@ def moe_experts(
     tiles: Callable[[int], Tiles] = tiles_for,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Each id is in
-    [0, experts) or -1 (no expert here: the pair is skipped, triton_moe's `_expert_pairs`). Each
+    [0, experts) or -1 (no expert here: the pair is skipped, routing.expert_pairs). Each
     chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
-    rows, top_k = topk_ids.shape
-    if rows == 0:
+    if topk_ids.shape[0] == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()  # [pairs], pair p = row * top_k + j
-    weights = topk_weights.reshape(-1).contiguous()
-    step = max(1, MAX_PAIRS // top_k)  # rows per launch
-    chunks = []
-    for r in range(0, rows, step):
-        pairs = slice(r * top_k, (r + step) * top_k)
-        chunk = x[r : r + step]
-        shape = tiles(chunk.shape[0] * top_k)
-        chunks.append(
-            _launch(chunk, ids[pairs], weights[pairs], top_k, gate_up, down, limit, shape)
-        )
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def run(chunk: slice) -> torch.Tensor:
+        ids = topk_ids[chunk]
+        shape = tiles(ids.numel())
+        return _launch(x[chunk], ids, topk_weights[chunk], gate_up, down, limit, shape)
+
+    return in_row_chunks(topk_ids, MAX_PAIRS, run)

@@ -1,38 +1,17 @@
-"""FP8 routed experts for decode batches: kernels/moe/decode.py's three launches over FP8 stacks.
+"""FP8 routed experts for decode batches: decode.py's three launches over FP8 stacks.
 
-The experts stay float8_e4m3fn in GPU memory, gate_up [E, 2I, H] and down [E, H, I], each with a
-float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block
-rows, then up's). The routing is resolved in registers as in triton_moe (a program per touched
-expert, its pairs found by a prefix sum over the pair list); each FP8 weight tile lies in one 128 x
-128 scale block (its columns and K step divide 128), so tl.dot runs on its values cast to x's dtype
-(exact) and the float32 partial is multiplied by the block scale (kernels/triton_fp8.block_dot).
-
-w8a8 by default (triton_fp8.W8A8_EXPERTS): x and h are quantized per row in groups of 128
-as the dense GEMM does (kernels/triton_fp8.as_operand), and the dots run on FP8 tensor cores;
-`a8=False` keeps them in x's dtype against the FP8 values cast to it (weight-only). Batches
-past MAX_PAIRS take kernels/moe/grouped.py with the same dequantization. No host sync: a
-CUDA graph captures the launches at their pair count.
-
-Operand order (`WEIGHTS_LEFT`, per launch `Tiles.weights_left`). The weight tile is the dots'
-left operand: out^T = W x^T, the weight rows the MMA's M and the pairs its N
-(triton_fp8.block_dot_left), as kernels/moe/fp4_decode.py does. With the weights right (out =
-x W^T, the first orientation) the activation rows were the M, at least 16 (the MMA's smallest)
-for one real pair at a batch of 1, so Triton ran mma with the weights as B fragments. Left, the
-gate and up rows of a program's columns are one tile of 2 * COLUMNS rows (one dot; 64 rows at
-32 columns, what wgmma needs at 4 warps), each half with its own block scale, and the pairs may
-be as few as the MMA's smallest N: a batch of 1 (up to MAX_PAIRS pairs, so at most 8 of one
-expert) takes 8-row tiles (`LEFT_ROWS`), half the x rows to load and quantize per K step.
-Triton runs those on mma (FP8 as fp16 on sm_90, one conversion per two weights), which counts
-fewer instructions than wgmma's 16-row tiles there (w8a8 wgmma takes the FP8 tile from shared
-memory unconverted, but x's staging and its fences cost more). No load is masked: columns past
-the last read its weights, rows past a tile's pairs read pair 0's row; neither is stored.
-
-Thread instructions per weight in the K loop, sm_90 SASS of Triton 3.6, Qwen3-30B-A3B's experts
-at 8 pairs (the default tiles), w8a8 / weight-only (tests/kernels/test_fp8_moe_compile.py,
-2026-12-02): gate/up 6.06 / 5.45 and down 6.02 / 5.28 in the first orientation as it was; 4.92 /
-4.64 and 4.77 / 4.42 with as_operand's exponents from the float bits (no log2 polynomial, a
-fifth of the loop); 2.98 / 2.84 and 2.91 / 2.78 with the weights left (16-row wgmma tiles:
-3.23 / 3.95 and 3.17 / 3.92). tools/fp8_moe_bench.py times both orders on the GPU.
+The experts stay float8_e4m3fn, gate_up [E, 2I, H] and down [E, H, I], each with a float32 scale
+per 128 x 128 block (model/layers/fp8.py's layout: gate_up's grid holds gate's block rows, then
+up's). Routing is in registers as in decode.py (moe/routing.py). Each weight tile lies in one
+scale block, so a dot's float32 partial is scaled once (triton/fp8_weight_only.py's block_dot).
+w8a8 by default (fp8_weight_only.W8A8_EXPERTS): x and h are quantized per row and group of 128
+and the dots run on FP8 tensor cores; `a8=False` runs them in x's dtype against the FP8 values.
+The weight tile is the dots' left operand (`WEIGHTS_LEFT`, out^T = W x^T): the weight rows are
+the MMA's M and the pairs its N, so a batch of 1 takes 8-row tiles of pairs (`LEFT_ROWS`, the
+smallest N) where an M is at least 16; a program's gate and up rows are one tile of 2 * COLUMNS
+rows, one dot, each half with its own block scale. No load is masked: columns past the last
+read its weights, rows past a tile's pairs read pair 0's row; neither is stored. Batches past
+MAX_PAIRS take grouped.py with the same dequantization. No host sync.
 """
 
 from __future__ import annotations
@@ -43,14 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe.decode import (
-    _expert_pairs,
-    _k_block,
-    _rows_per_tile,
-    _tile_pairs,
-    _tiles,
-    sum_pairs,
-)
+from afdserve.kernels.moe.decode import _k_block, _tiles, sum_pairs
+from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.kernels.triton.fp8_weight_only import (
@@ -139,10 +112,9 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < inter
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     # COLUMNS divides 128: the tile's rows share a scale row of each half's grid.
     gate_scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
@@ -161,7 +133,7 @@ def _gate_up_kernel(
         gate_rows = w_ptr + expert * 2 * inter * hidden + col.to(tl.int64)[:, None] * hidden
         up_rows = gate_rows + inter * hidden
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k).to(tl.int64)[:, None] * hidden
         if WEIGHTS_LEFT:
             # A tile's rows past its pairs read pair 0's row (in bounds), never stored.
@@ -220,10 +192,9 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    expert, pair, mine, rank, count = _expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    col_ok = col < hidden
+    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+        ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
+    )
     k = tl.arange(0, K_BLOCK)
     if WEIGHTS_LEFT:  # columns past the last read its weights (as in gate/up)
         load_col = tl.minimum(col, hidden - 1).to(tl.int64)
@@ -232,7 +203,7 @@ def _down_kernel(
         down_rows = w_ptr + expert * hidden * inter + col.to(tl.int64)[:, None] * inter
     scales = s_ptr + expert * s_expert + (tl.program_id(0) * COLUMNS // 128) * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = _tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = down_tile(
             h_rows,
@@ -276,30 +247,20 @@ def moe_experts(
         return torch.zeros_like(x)
     x = x.contiguous()
     s13, s2 = s13.contiguous(), s2.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
     experts = w13.shape[0]
     a8 = triton_fp8.W8A8_EXPERTS if a8 is None else a8
     tiles = tiles_for(pairs) if tiles is None else tiles
-    routing = dict(
-        PAIRS_PAD=max(64, triton.next_power_of_2(pairs)),
-        BY_EXPERT=pairs > experts,
-        ROWS=tiles.rows or _rows_per_tile(pairs, experts),
-        WEIGHTS_LEFT=tiles.weights_left,
-    )
-    slots = min(pairs, experts)
+    launch = decode_launch(x, topk_ids, topk_weights, experts, inter, tiles.rows)
+    routing = dict(**launch.routing, WEIGHTS_LEFT=tiles.weights_left)
     gate_up_columns, down_columns, _, warps, stages, _ = tiles
     # Each FP8 tile must lie in one scale block (triton_fp8.block_dot).
     assert SCALE_BLOCK % gate_up_columns == 0 and SCALE_BLOCK % down_columns == 0
-    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), slots)](
+    _gate_up_kernel[(triton.cdiv(inter, gate_up_columns), launch.slots)](
         x,
-        ids,
+        launch.ids,
         w13,
         s13,
-        h,
+        launch.h,
         pairs,
         top_k,
         hidden,
@@ -314,13 +275,13 @@ def moe_experts(
         num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(hidden), x.dtype),
     )
-    _down_kernel[(triton.cdiv(hidden, down_columns), slots)](
-        h,
-        ids,
-        weights,
+    _down_kernel[(triton.cdiv(hidden, down_columns), launch.slots)](
+        launch.h,
+        launch.ids,
+        launch.weights,
         w2,
         s2,
-        y,
+        launch.y,
         pairs,
         hidden,
         inter,
@@ -333,4 +294,4 @@ def moe_experts(
         num_stages=stages,
         **triton_fp8.operand_modes(a8, _k_block(inter), x.dtype),
     )
-    return sum_pairs(y, ids, out, experts)
+    return sum_pairs(launch.y, launch.ids, launch.out, experts)

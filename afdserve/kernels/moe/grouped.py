@@ -1,38 +1,18 @@
 """Routed experts for larger batches as a grouped GEMM in Triton, reading rows by indirection.
 
-kernels/moe/align.py groups the step's (token, k) pairs by expert into padded tiles of `rows`
-slots without a sort. Then three launches, no gather, scatter or copy around them:
-
-1. gate/up: a program per (tile, intermediate column block) finds its tile's expert from the group
-   ends, loads the tile's x rows by token index, streams the expert's weight tile once for all of
-   them and writes h[pair] = silu(x W_gate^T) * (x W_up^T) in x's dtype, by pair index.
-2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T),
-   float32, by pair index.
-3. sum:     out[row] = sum of the row's routed y rows, cast to x's dtype (pairs routed
-   to no expert here, id -1, are skipped: they were never written; triton_moe's `sum_pairs`).
-
-So the only data that moves besides the weights is x read once per tile, h and y: the sort,
-index_select, index_add and their copies of the torch grouped GEMM path
-(kernels/moe/torch_grouped.py) are gone. Tiles past the last group belong to no expert and exit at
-once; the grid is the worst case, static per pair count, so a CUDA graph captures it.
-
-Weights: bf16/fp16 stacks as in afdserve (gate_up [E, 2I, H], down [E, H, I]), or the same in
-float8_e4m3fn with a float32 scale per 128 x 128 block (model/layers/fp8.py's layout: gate's grid
-rows, then up's). Each FP8 weight tile lies in one scale block (with the weights left a down tile
-may span whole blocks, each row scaled by its own block's scale): by default x and h are
-quantized per row and group of 128 and the dot runs on FP8 tensor cores (w8a8,
-triton_fp8.W8A8_EXPERTS), or the dot runs on the FP8 values cast to x's dtype (weight-only);
-either way its float32 partial is scaled once per block (kernels/triton_fp8.block_dot).
-FP8 weight tiles are the dots' left operand (out^T = W x^T: `FP8_WEIGHTS_LEFT`, as in
-kernels/moe/fp8_decode.py, whose docstring says why), the 16-row tiles of pairs the N: a w8a8
-tile goes from shared memory into wgmma unconverted. Thread instructions per weight in the K
-loop at a batch of 64 at top-8 of Qwen3-30B-A3B's experts (sm_90 SASS, Triton 3.6, 128-column
-tiles; tests/kernels/test_fp8_moe_compile.py, 2026-12-02), w8a8 / weight-only: gate/up 2.77 /
-2.73 and down 3.98 / 3.61 with the weights right as first written, 2.53 / 2.54 and 3.14 / 2.98
-with triton_fp8.as_operand's exponents from the float bits, 1.25 / 2.32 and 1.91 / 2.85 with
-the weights left (down 1.26 / 2.55 in tiles of 256 columns, Triton 3.9, 2026-12-04).
-(Weight-only gains little: Triton reads the FP8 tile from shared memory two bytes at a time for
-the fp16 wgmma's register operand.) bf16 weights stay the right operand.
+align.py groups the step's (token, k) pairs by expert into padded tiles of `rows` slots, no sort;
+a program finds its tile's expert from the group ends (routing.tile_rows; tiles past the last
+group exit at once: the grid is static per pair count). Three launches, no gather or scatter:
+1. gate/up: per (tile, intermediate column block), the tile's x rows loaded by token index
+   against the expert's weight tile, read once: h[pair] = silu(x W_gate^T) * (x W_up^T).
+2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T).
+3. sum:     out[row] = sum of the row's routed y rows (pairs of id -1 skipped: decode.sum_pairs).
+Weights: bf16/fp16 stacks (gate_up [E, 2I, H], down [E, H, I]), or FP8 with a float32 scale per
+128 x 128 block (model/layers/fp8.py's layout) applied to the dot's float32 partial: w8a8 by
+default (x and h quantized per row and group of 128: fp8_weight_only.W8A8_EXPERTS), else on the
+FP8 values cast to x's dtype. FP8 tiles are the dots' left operand (`FP8_WEIGHTS_LEFT`, as in
+fp8_decode.py; a down tile may span whole scale blocks, each row scaled by its own) and the
+16-row tiles of pairs the N; bf16 weights stay the right operand.
 """
 
 from __future__ import annotations
@@ -43,6 +23,7 @@ import triton.language as tl
 
 from afdserve.kernels.moe.align import assign
 from afdserve.kernels.moe.decode import _k_block, sum_pairs
+from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.kernels.triton.fp8_weight_only import (
@@ -95,11 +76,8 @@ GDC = 2
 def rows_per_tile(pairs: int, experts: int, w_fp8: bool = False) -> int:
     """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16),
     at most 64 (16 for FP8 weights). An expert with more pairs spans several tiles, each
-    re-reading its weights. (Four times the mean made a batch of 256 slower on an H200: 26.2
-    against 24.1 ms a step.) FP8 tiles taller than 16 rows cost more than the re-reads: at
-    Qwen3-30B-A3B's experts on an H200, 16-row tiles took 211 against 369 us at a batch of 160,
-    275 against 372 at 256 and 442 against 577 at 512, where bf16 prefers the taller ones (341
-    against 316 us at 256; tools/bench_fp8_kernels.py's shapes, graph replay, 2026-12-02)."""
+    re-reading its weights; for FP8 tiles taller than 16 rows cost more than the re-reads, where
+    bf16 prefers the taller ones (measured on an H200)."""
     mean = -(-pairs // max(1, min(pairs, experts)))
     return min(16 if w_fp8 else 64, max(16, triton.next_power_of_2(2 * mean)))
 
@@ -114,25 +92,6 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         return False
     return gate_up.shape[2] % 16 == 0 and down.shape[2] % 16 == 0
-
-
-@triton.jit
-def _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS: tl.constexpr, E_PAD: tl.constexpr):
-    """The expert of this program's tile (num_experts past the last group), the tile's pair
-    indices and which of its rows hold one."""
-    first = tl.program_id(0) * ROWS
-    e = tl.arange(0, E_PAD)
-    ends = tl.load(end_ptr + e, mask=e < num_experts, other=2147483647)
-    done = ends <= first
-    expert = tl.sum(done.to(tl.int32), axis=0)  # groups ending at or before this tile
-    start = tl.max(tl.where(done, ends, 0), axis=0)
-    count = tl.load(count_ptr + tl.minimum(expert, num_experts - 1))
-    slot = first + tl.arange(0, ROWS)
-    # (A tile past the last group has expert == num_experts; the comparison is broadcast over
-    # the rows, which Triton's interpreter needs for a mask.)
-    row_ok = (slot - start < count) & (slot * 0 + expert < num_experts)
-    pairs = tl.load(slots_ptr + slot, mask=row_ok, other=0)
-    return expert, pairs, row_ok
 
 
 @triton.jit
@@ -163,7 +122,7 @@ def _gate_up_kernel(
 ):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
-    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
         e = expert.to(tl.int64)
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -251,7 +210,7 @@ def _down_kernel(
 ):
     if GDC:
         tl.extra.cuda.gdc_wait()
-    expert, pairs, row_ok = _tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
     if expert < num_experts:
         e = expert.to(tl.int64)
         col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -314,23 +273,20 @@ def moe_experts(
         # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
         # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
         # the experts once per slice costs little.
-        step = max(1, GROUPED_MAX_PAIRS // top_k)
-        return torch.cat(
-            [
-                moe_experts(
-                    x[i : i + step],
-                    topk_ids[i : i + step],
-                    topk_weights[i : i + step],
-                    gate_up,
-                    down,
-                    scales,
-                    a8,
-                    weights_left,
-                    launch,
-                )
-                for i in range(0, rows, step)
-            ]
-        )
+        def run(chunk: slice) -> torch.Tensor:
+            return moe_experts(
+                x[chunk],
+                topk_ids[chunk],
+                topk_weights[chunk],
+                gate_up,
+                down,
+                scales,
+                a8,
+                weights_left,
+                launch,
+            )
+
+        return in_row_chunks(topk_ids, GROUPED_MAX_PAIRS, run)
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()

@@ -2,27 +2,17 @@
 
   auto      the model dtype: the rows travel as they are (today's wire, bit for bit)
   bfloat16  the rows travel as bfloat16 (a cast when the model runs in another dtype)
-  fp8       each row is cut into groups of `GROUP` (128) channels; each group travels as
-            float8_e4m3fn values `q` and one float32 scale, `x ~= q * scale`, scale = amax / 448
+  fp8       each row cut into groups of `GROUP` (128) channels (a last partial group scales what
+            it holds), each float8_e4m3fn values `q` and a float32 scale = amax / 448
 
-The FFN output coming back (E2A) stays in the model dtype: it is added to the residual stream.
-
-Why a scale per 128 channels rather than one per row: a few channels of an LLM's hidden state
-run far larger than the rest, and one scale per row sized for them leaves the other channels few
-of e4m3's exponent steps; DeepSeek-V3 quantizes its activations in 1x128 tiles for that reason.
-Per group costs 4 bytes per 128 channels (3%) where per row costs 4 bytes a row, and both are
-local to the row, so a row's bytes never depend on which tile, pad rows or peers it travels with:
-that is what keeps AFD token-identical to colocated, where the same round trip runs at the
-boundary (engine/model_runner.py's LocalFFN). A last partial group scales the channels it holds.
-
-A zero row (every pad row) has scale 0 and zero values; the FFN side checks pad rows' scales.
-
-The `*_torch` functions are plain torch on the rows' own device and are the format's definition
-(the oracle): about 15 small kernels per round trip. On CUDA with Triton installed, fp8 rows in
-bf16 / fp16 / float32 take kernels/triton/a2e.py instead, bit for bit the same: one launch to
-quantize, one to dequantize, and one for the round trip of a boundary with no wire (`roundtrip`,
-`ffn_rows`), which never writes the fp8 rows. Both paths are CUDA-graph capturable; CPU rows
-always take torch, and a world runs one path on both of its sides either way.
+The FFN output coming back (E2A) stays in the model dtype. A scale per 128 channels, not per row:
+a few channels of an LLM's hidden state run far larger than the rest (DeepSeek-V3 quantizes its
+activations in 1x128 tiles for that reason); and local to the row, so its bytes never depend on
+its tile, pad rows or peers, which keeps AFD token-identical to colocated (engine/model_runner.py's
+LocalFFN runs the same round trip). A zero row (every pad row) has scale 0 and zero values.
+The `*_torch` functions are the format's definition (the oracle); on CUDA with Triton, fp8 rows
+take kernels/triton/a2e.py, bit for bit the same (a launch per quantize, dequantize or wire-less
+round trip); both are CUDA-graph capturable, and a world runs one path on both of its sides.
 """
 
 from __future__ import annotations

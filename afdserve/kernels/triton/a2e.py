@@ -2,21 +2,16 @@
 dequantize rows, and the round trip a boundary with no wire runs (pad rows zeroed, quantized,
 dequantized) without writing the fp8 rows or their scales anywhere.
 
-Bit for bit a2e.py's torch functions, which are the oracle: every step is one correctly rounded
-float32 operation in the order torch runs them. amax is exact (a maximum); the scale is a float32
-product with the float32 constant torch multiplies by (1 / 448 rounded once to float32); the
-quotient is `tl.div_rn` (Triton's `/` is approximate on the GPU, torch's is correctly rounded);
-after the clamp, the rounding to e4m3 is to nearest even (`_e4m3_grid`); dequantizing is the
-float32 product of the e4m3 value and its scale, cast to the dtype to nearest even. The fused
-round trip multiplies the float32 value that the e4m3 byte would hold, so it never casts. A NaN
-in a group makes its amax and scale NaN, as torch's amax does (the reduction and the clamp
-propagate it; Triton's plain max drops it). tests/kernels/test_a2e_compile.py checks the PTX
-for these instructions (no fma, no flush of subnormals, no approximate division).
-
-A program takes `BLOCK_G` groups of one row, [BLOCK_G, 128] channels; the masked channels past
-the row (the last group's missing ones, the groups past the last) load as zeros, which raise no
-amax, as a2e.py's zero padding. No host sync and no allocation that depends on the data: a CUDA
-graph captures each call at its row count.
+Bit for bit a2e.py's torch functions (the oracle): each step is one correctly rounded float32
+operation in torch's order. amax is exact; the scale is the float32 product with torch's constant
+(1 / 448 rounded once to float32); the quotient is `tl.div_rn` (Triton's `/` is approximate on
+the GPU); after the clamp the rounding to e4m3 is to nearest even (`_e4m3_grid`); dequantizing is
+the float32 product of the e4m3 value and its scale, cast to nearest even. The fused round trip
+multiplies the float32 value the e4m3 byte would hold, so it never casts. A NaN in a group makes
+its amax and scale NaN, as torch's does (Triton's plain max would drop it); test_a2e_compile.py
+checks the PTX for no fma, no flush of subnormals and no approximate division.
+A program takes `BLOCK_G` groups of one row; masked channels past the row load as zeros, which
+raise no amax (a2e.py's zero padding). No host sync, no data-dependent allocation: graphable.
 """
 
 from __future__ import annotations

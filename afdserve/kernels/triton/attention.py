@@ -3,28 +3,16 @@ KV write that skips pad rows on the device (no host sync).
 
 Attention is split-K ("flash decoding"): program (segment, kv_head, query_block * splits + split)
 attends one block of query rows x all query heads sharing that KV head over one slice of the
-context, and writes its partial output with its log-sum-exp; `combine_splits` merges the slices.
-With one split the kernel writes the final output directly. The query heads of a KV head are
-folded into the rows of one tile, so a decode step still feeds `tl.dot` at least 16 rows and each
-KV tile is read once per KV head, not once per query head.
-
-An FP8 cache (float8_e4m3fn) is read without dequantizing it: the tiles' bytes are cast to the
-dots' dtype (float16, which holds every e4m3 value exactly and takes one cvt per 2 values on
-sm_90; float32 for a float32 q), q is cast to it once (a bf16 q is exact in float16 unless
-|q| > 65504 or tiny), k_scale is folded into the score scale and v_scale into the output's
-normalization (per-tensor scales, kernel arguments, so graphs capture them). That is at least as
-exact as dequantizing each tile: k * scale is never rounded to q's dtype. Triton
-then loads K and V straight from shared memory in the dot operand layout and converts in
-registers (the earlier float32 multiply made it convert in a blocked layout and round-trip the
-tiles through shared memory again). Whole tiles run without token masks (decode rows need no
-causal mask either), the slice's partial last tile after them with masks; K tiles are loaded
-unmasked even there when the head dim needs no padding (tokens past the slice read block 0 and
-get a -inf score). Per 64-token tile and thread the FP8 decode loop went from 1025 SASS
-instructions to 762 (bf16's: 624). FP8 decode has its own launch (`FP8_DECODE_LAUNCH`): at 2-4
-stages Triton's pipeliner keeps no copy in flight while a program computes, so a program reads
-one tile per (latency + compute) and the FP8 tile's half bytes meant half the bandwidth; 5
-stages keep the next tile in flight. The KV write divides by the scale, clamps to +-448 and
-casts (round to nearest even), as `reference.quantize_kv` does.
+context and writes its partial output with its log-sum-exp; `combine_splits` merges the slices
+(one split writes the final output directly). A KV head's query heads are folded into one
+tile's rows: a decode step feeds `tl.dot` at least 16 rows, each KV tile read once per KV
+head. An FP8 cache is read without dequantizing: the tiles' bytes are cast in registers to the
+dots' dtype (float16, exact for every e4m3 value; float32 for a float32 q), q is cast to it once
+(a bf16 q is exact unless |q| > 65504 or tiny), k_scale is folded into the score scale and
+v_scale into the output's normalization (kernel arguments, so graphs capture them): as exact as
+dequantizing, k * scale never rounded. Whole tiles run without token masks, the partial last
+tile with them (K unmasked where the head dim needs no padding: tokens past the slice get -inf).
+FP8 decode has its own launch (`FP8_DECODE_LAUNCH`). The KV write is `reference.quantize_kv`'s.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """The w8a8 block-scaled FP8 linear layer on CUDA (DeepSeek's recipe, as vLLM runs block-FP8
 checkpoints): activations quantized once per row and group of 128, then a GEMM on FP8 tensor
-cores with both operands as stored.
+cores with both operands as stored. The oracle is kernels/reference/fp8.py's fp8_linear_w8a8;
+the two differ only in float32 summation order and the final rounding. No host sync.
 
-1. quantize: x [M, K] -> e4m3 rows [M, K] and a float32 scale per row and 128-group
-   [M, ceil(K / 128)], each a power of two that brings the group's largest |value| into
-   (224, 448] (kernels/fp8.quantize_activations is the reference: a power of two makes
-   x / scale exact, so only the rounding to e4m3 loses bits). Up to QUANTIZE_IN_GEMM_ROWS rows
-   the GEMM does this itself, per K step, and there is no launch of its own.
-2. GEMM: per group of 128 along K (one activation group, one weight scale block: BN divides
-   128) the dot of the FP8 tiles, its float32 partial times the rows' scales and the block's
-   scale; a K step (`Tiles.bk`) is one or more such groups. K is split at small M as in
-   kernels/triton/fp8_weight_only.py, its float32 partials summed in split order by the tile's last
-   split to finish (`REDUCE_IN_GEMM`): each split stores its partial and counts itself in on a
-   per-weight tile counter; the one that counts last sums every partial in split order (the
-   same order and rounding as a separate sum launch, whichever split is last) and sets the
-   counter back to zero for the next call, so the counters are zeroed once, at allocation.
-
-The oracle is kernels/fp8.fp8_linear_w8a8; the two differ only in float32 summation order and
-the final rounding. Quantizing in its own launch keeps the GEMM's loop a plain pipelined FP8
-dot: fused into the loop (each program re-reducing the row maxima of its x tile), the same
-GEMM took twice as long on an H200 at 64 rows (14.4 against 7.1 us for Qwen3-30B-A3B's packed
-q/k/v; docs/benchmarks.md, 2026-12-02). No host sync: a CUDA graph captures the launches.
+1. quantize: x [M, K] -> e4m3 rows [M, K] and a float32 power-of-two scale per row and 128-group
+   [M, ceil(K / 128)] that brings the group's largest |value| into (224, 448] (the reference's
+   quantize_activations; x / scale is exact). Its own launch keeps the GEMM's loop a plain
+   pipelined FP8 dot; up to QUANTIZE_IN_GEMM_ROWS rows the GEMM does it per K step instead.
+2. GEMM: per group of 128 along K (one activation group, one weight scale block: BN divides 128)
+   the dot of the FP8 tiles, its float32 partial times the rows' and the block's scales. K is
+   split at small M as in fp8_weight_only.py; the tile's last split to finish sums the partials
+   in split order (`REDUCE_IN_GEMM`: each split counts itself in on a per-tile counter, and the
+   last one sums, with the rounding of a separate sum launch, and zeroes the counter again).
 """
 
 from __future__ import annotations
@@ -174,16 +165,12 @@ class Tiles(NamedTuple):
 
 
 def tiles_for(m: int, n: int, k: int) -> Tiles:
-    """From sweeps on an H200 at Qwen3-30B-A3B's packed q/k/v (5120 x 2048) and o_proj
-    (2048 x 4096) at 1, 8, 64 and 256 rows (graph replay over 8 copies of the weight, so that
-    it streams from HBM rather than L2; docs/benchmarks.md, 2026-12-03): 64-column tiles, one
-    row tile up to 64 rows and 64-row tiles to 512, K split until about 320 programs stream the
-    weight at up to 16 rows and 128 past that (a program with more rows has more to do per
-    weight byte), at most 8 splits. Past 16 rows deeper pipelines: K steps of 256 over 4 stages
-    to 64 rows (q/k/v 9.6 against 11.6 us, o_proj 10.5 against 11.6 at 64, the quantize launch
-    included), and 6 stages past that for a K of 4096 and more (o_proj 18.0 against 21.8 us at
-    256; q/k/v's K of 2048 gained nothing). Past 512 rows (prefill) 128 x 128 tiles over 8
-    warps, whole K."""
+    """The tiles of an [m, k] x [n, k]^T GEMM, from sweeps on an H200 (docs/benchmarks.md):
+    64-column tiles, one row tile up to 64 rows and 64-row tiles to 512, K split until about 320
+    programs stream the weight at up to 16 rows and 128 past that (a program with more rows has
+    more to do per weight byte), at most 8 splits. Past 16 rows deeper pipelines: K steps of 256
+    over 4 stages to 64 rows, and 6 stages past that for a K of 4096 and more. Past 512 rows
+    (prefill) 128 x 128 tiles over 8 warps, whole K."""
     if m > 512:
         return Tiles(128, 128, GROUP, 1, 8, 3)
     bm = min(64, max(16, triton.next_power_of_2(m)))

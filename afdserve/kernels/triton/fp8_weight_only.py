@@ -1,29 +1,18 @@
 """A block-scaled FP8 linear layer on CUDA, weight-only: y = x @ dequant(W)^T + bias in one
-Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`, and
-`block_dot_left` for the expert kernels that take the weights as the dots' left operand).
+Triton GEMM, and the pieces the FP8 kernels share (`as_operand`, `block_dot`, `block_dot_left`).
 
-W [out, in] stays float8_e4m3fn in GPU memory with a float32 `scale_inv` per 128 x 128 block
-(kernels/reference/fp8.py has the format and the reference); no dequantized copy of it is ever
-written. bf16/fp16 x takes the w8a8 GEMM (kernels/triton/fp8_w8a8.py, `w8a8`); this one serves
-float32 x and the comparison. Two ways to apply the scales, by M:
-
-- small M (decode, up to 64 rows; also every routed-expert kernel): a tile's output columns and
-  its K step divide 128 and start on a multiple of their size, so the whole tile lies in one
-  scale block. The FP8 values are cast to fp16 (exact: every e4m3 value is an fp16 value; bf16
-  rows of x are scaled by a power of two into fp16, also exact: `as_operand`), tl.dot runs on
-  them, and its float32 partial is multiplied by the one block scale (`block_dot`). Against the
-  reference (which rounds each dequantized weight to x's dtype) the only difference is that
-  rounding, which this skips. The expert kernels quantize x per row instead by default
-  (`as_operand`'s A_FP8).
-- large M (prefill): each tile is dequantized in registers as the reference does it (FP8 to
-  float32, times its row's block scale, rounded to x's dtype: `dequant_tile`) and accumulated in
-  place.
-
-At small M the output alone gives too few programs to keep every SM streaming the weight (a
-2048-wide projection in tiles of 32 columns is 64 programs), so K is split too, in whole scale
-blocks; each split writes a float32 partial and a second launch sums them in split order, adds
-the bias and rounds once (deterministic, unlike atomics). No host sync: shapes pick the tiles,
-so a CUDA graph captures the launches at their batch size.
+W [out, in] stays float8_e4m3fn with a float32 `scale_inv` per 128 x 128 block (the format and
+reference: kernels/reference/fp8.py); no dequantized copy is written. bf16/fp16 x takes the w8a8
+GEMM (fp8_w8a8.py, `w8a8`); this one serves float32 x. The scales, by M:
+- small M (decode, up to `SMALL_M` rows; every routed-expert kernel too): a tile's columns and K
+  step divide 128 and start on a multiple of their size, so it lies in one scale block; tl.dot
+  runs on the FP8 values cast to fp16 (exact, as are bf16 rows scaled into fp16: `as_operand`)
+  and its float32 partial is multiplied by the block scale (`block_dot`). The reference's
+  rounding of each dequantized weight to x's dtype is the only difference it skips.
+- large M (prefill): each tile dequantized in registers as the reference does (`dequant_tile`).
+At small M the output alone gives too few programs to keep every SM streaming the weight, so K
+is split too, in whole scale blocks; a second launch sums the float32 partials in split order,
+adds the bias and rounds once (deterministic). Shapes pick the tiles: no host sync.
 """
 
 from __future__ import annotations
@@ -96,25 +85,17 @@ def _pow2(shift):
 def as_operand(xs, X_SCALED: tl.constexpr, A_FP8: tl.constexpr = False):
     """(left operand, per-row scale) of a dot against FP8 weights.
 
-    A_FP8 (w8a8): each row of the K step quantized to float8_e4m3fn with its own power-of-two
-    scale, the one that brings its largest value into (224, 448] (DeepSeek's 1 x 128 activation
-    groups; a power of two, so `x / scale` is exact and only the rounding to e4m3 loses bits, as
-    `kernels/fp8.quantize_activations` computes it). The dot then runs on FP8 tensor cores with
-    both operands as stored: no per-weight conversion at all.
-
-    X_SCALED (bf16 x, weight-only): each row times a power of two that brings its largest value
-    into [2^13, 2^14), in fp16. Exact: fp16 holds every bf16 value in its range with mantissa to
-    spare, and a power of two only moves the exponent (only values below 2^-27 of their row's
-    largest lose bits). The dot then runs in fp16, against FP8 weights cast to fp16 in one
-    instruction per two values, where casting them to bf16 takes three (Triton's e4m3 -> bf16
-    goes through fp16); products and the float32 accumulation are the same as in bf16.
-    Otherwise x as it is (the scale is not read).
-
-    Both exponents come from the largest value's float32 bits, amax = m 2^e with m in [1, 2),
-    a few integer operations where log2 costs a polynomial per row (about a third of the
-    decode kernels' instructions): A_FP8 divides by 2^(e - 8) if m <= 1.75 (448 = 1.75 * 2^8),
-    else by 2^(e - 7), the least power of two that fits (`exact_shift`'s); X_SCALED by
-    2^(e - 13). The clamps keep amax normal, so every power of two is a normal float32."""
+    A_FP8 (w8a8): each row of the K step quantized to float8_e4m3fn with the power-of-two scale
+    that brings its largest value into (224, 448] (DeepSeek's 1 x 128 activation groups, as
+    reference/fp8.py's quantize_activations), so the dot runs on FP8 tensor cores as stored.
+    X_SCALED (bf16 x, weight-only): each row times the power of two that brings its largest value
+    into [2^13, 2^14), in fp16: exact (only values below 2^-27 of the row's largest lose bits),
+    and the dot runs in fp16 against FP8 weights cast to fp16, one instruction per two values
+    where bf16 takes three (Triton's e4m3 -> bf16 goes through fp16). Otherwise x as it is.
+    Both exponents come from the largest value's float32 bits, amax = m 2^e with m in [1, 2), a
+    few integer operations rather than a log2 polynomial: A_FP8 divides by 2^(e - 8) if
+    m <= 1.75 (448 = 1.75 * 2^8), else by 2^(e - 7); X_SCALED by 2^(e - 13). The clamps keep amax
+    normal, so every power of two is a normal float32."""
     if A_FP8:
         xf = xs.to(tl.float32)
         bits = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30).to(tl.int32, bitcast=True)

@@ -2,8 +2,7 @@
 on the pad rows, and optionally the token-id payload (header, then one id per row, -1 on pad rows).
 
 A copy through `tensor.copy_` into peer memory becomes a copy-engine transfer, whose start-up
-dominates at these sizes (about 7.6 us per copy inside a CUDA graph on two H200s, from
-`afdserve bench transport`); a kernel's stores go out over NVLink at once, and one launch covers
+dominates at these sizes; a kernel's stores go out over NVLink at once, and one launch covers
 rows, pad rows and ids.
 """
 

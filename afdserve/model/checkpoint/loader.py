@@ -29,7 +29,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from afdserve.config import LOAD_FORMATS
-from afdserve.kernels.reference.fp4 import quantize_fp4
+from afdserve.kernels.ops import quantize_fp4
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import load_model_config, model_class
 from afdserve.model.families.deepseek_v4 import names as v4_names

@@ -15,8 +15,7 @@ from torch import nn
 
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
-from afdserve.kernels.reference.fp8 import Fp8Rows
-from afdserve.kernels.reference.layers import causal_attention, dequantize_kv, gather_kv
+from afdserve.kernels.ops import Fp8Rows
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers.common import RMSNorm, Rotary
 from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
@@ -183,13 +182,14 @@ class MLAAttention(nn.Module):
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_zeros(rows, self.heads, self.v_dim)
         for seg in meta.segments:
-            cached = gather_kv(latent_cache, seg.block_table, seg.context_len)[:, 0]  # [ctx, L+R]
-            cached = dequantize_kv(cached, self.k_scale, q.dtype)
+            # [ctx, L + R]
+            cached = ops.gather_kv(latent_cache, seg.block_table, seg.context_len)[:, 0]
+            cached = ops.dequantize_kv(cached, self.k_scale, q.dtype)
             ctx_latent, ctx_pe = cached.split([self.kv_lora_rank, self.rope], dim=-1)
             kv = self.kv_b_proj(ctx_latent).view(-1, self.heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, ctx_pe[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-            out[seg.row_start : seg.row_end] = causal_attention(
+            out[seg.row_start : seg.row_end] = ops.causal_attention(
                 q[seg.row_start : seg.row_end], k, v, self.scale
             )
         return self.o_proj(out.reshape(rows, self.heads * self.v_dim))

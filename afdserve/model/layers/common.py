@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference import layers as reference
 from afdserve.model.config import ModelConfig
 
 
@@ -56,4 +55,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.limit is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(reference.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

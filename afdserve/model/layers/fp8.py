@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference.fp8 import FP8_DTYPE, quantize_blockwise, scale_grid
+from afdserve.kernels.ops import FP8_DTYPE, quantize_blockwise, scale_grid
 from afdserve.model.layers.moe import Experts
 from afdserve.model.quantization import Fp8Spec
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.reference.fp4 import FP4_BLOCK, as_bytes, e8m0_to_float
+from afdserve.kernels.ops import FP4_BLOCK, as_bytes, e8m0_to_float
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4 import names
 from afdserve.model.layers.fp8 import SCALE_SUFFIX, Fp8Linear, load_problem, quantize_experts
