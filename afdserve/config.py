@@ -29,7 +29,7 @@ QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quant
 CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/reference/a2e.py
+A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
 ROUTING_POLICIES = ("prefix", "least-tokens")  # frontend/routing.py
 
 

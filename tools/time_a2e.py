@@ -1,4 +1,4 @@
-"""Times the fp8 A2E format (kernels/reference/a2e.py) on the GPU: a2e.py's torch functions against
+"""Times the fp8 A2E format (kernels/a2e.py) on the GPU: a2e.py's torch functions against
 the Triton kernels (kernels/triton/a2e.py), as CUDA-graph replays.
 
     PYTHONPATH=$PWD python tools/time_a2e.py [--rows 1 64 256] [--hidden 2048] [--layers 48]
@@ -21,7 +21,7 @@ import json
 import torch
 from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's folder
 
-from afdserve.kernels.reference import a2e
+from afdserve.kernels import a2e
 from afdserve.kernels.triton import a2e as triton_a2e
 
 

@@ -31,7 +31,7 @@ from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.config_args import build, option
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.reference.a2e import A2EFormat
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
 from afdserve.model.families import parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts

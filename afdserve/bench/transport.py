@@ -6,7 +6,7 @@ attention GPU. This is the measurement the data-plane transport is chosen by.
 Transports:
   nccl        the mirrored point-to-point batches of afd/dataplane/wire.py (NCCL send/recv kernels)
   nccl-fp8    as nccl with a2e_dtype=fp8: the rows go as fp8 bytes with their scales, and the
-              time includes quantizing and dequantizing them (kernels/reference/a2e.py)
+              time includes quantizing and dequantizing them (kernels/a2e.py)
   ipc         connector="ipc" (afd/dataplane/ipc.py): the sender's push kernel writes the rows
               and ids straight into the receiver's symmetric-memory inbox, then raises a flag
   ipc-copy    as ipc, but the rows and ids go by `copy_` (copy-engine transfers)
@@ -29,7 +29,7 @@ from afdserve.afd.dataplane.payload import HEADER
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.bench.flags import add_bench_flags, names, sizes
 from afdserve.config_args import build, option
-from afdserve.kernels.reference.a2e import A2EFormat, scale_groups
+from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
 
 TRANSPORTS = ("nccl", "nccl-fp8", "ipc", "ipc-copy", "ipc-signal")

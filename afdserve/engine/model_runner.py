@@ -15,8 +15,8 @@ import torch
 
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
-from afdserve.kernels.reference.a2e import A2EFormat
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.cache import PagedCache
 from afdserve.model.layers.moe import Routing
@@ -30,7 +30,7 @@ class PendingFFN(Protocol):
 class FFNBoundary(Protocol):
     """Where the attention side hands each layer's rows to the FFN half. `begin_step` gives it
     the rank's plan before the forward: every tile size it uses is read from there. `a2e`: the
-    format its rows reach the FFN half in (kernels/reference/a2e.py), which a router on the
+    format its rows reach the FFN half in (kernels/a2e.py), which a router on the
     attention side reads them in too."""
 
     a2e: A2EFormat

@@ -1,4 +1,4 @@
-"""The fp8 A2E payload (AFDConfig.a2e_dtype, kernels/reference/a2e.py) over real gloo worlds: AFD
+"""The fp8 A2E payload (AFDConfig.a2e_dtype, kernels/a2e.py) over real gloo worlds: AFD
 gives colocated's tokens exactly under the same setting, with the gate on either side, 1-2 ubatches
 and a chunked prefill beside decodes; every A2E batch carries fp8 rows and their scales region in
 the plan's sizes, and the FFN half received scales on exactly the real rows (pad rows: scale 0)."""
@@ -14,7 +14,7 @@ from afdserve import LLM
 from afdserve.afd.dataplane.ffn import check_payload
 from afdserve.afd.dataplane.payload import LayoutError
 from afdserve.afd.dataplane.wire import read_wire_log
-from afdserve.kernels.reference.a2e import quantize_rows, scale_groups
+from afdserve.kernels.a2e import quantize_rows, scale_groups
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
 from .wire_logs import assert_data_plane_matches_plan, received

@@ -17,7 +17,7 @@ from afdserve.bench.transport import (
     nccl_fp8_layers,
 )
 from afdserve.frontend.process import free_port
-from afdserve.kernels.reference.a2e import A2EFormat
+from afdserve.kernels.a2e import A2EFormat
 
 
 def test_layer_bytes_fp8_is_half_plus_the_scales():

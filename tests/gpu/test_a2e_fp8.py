@@ -1,4 +1,4 @@
-"""The fp8 A2E payload on the GPU (kernels/reference/a2e.py): in-process 1A1F with a2e_dtype=fp8
+"""The fp8 A2E payload on the GPU (kernels/a2e.py): in-process 1A1F with a2e_dtype=fp8
 gives the tokens of colocated with a2e_dtype=fp8, in bf16 under CUDA graphs (the same round trip
 runs at both boundaries, inside the captured graphs), and the format's device arithmetic equals the
 CPU's bit for bit."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.kernels.reference.a2e import A2EFormat, quantize_rows
+from afdserve.kernels.a2e import A2EFormat, quantize_rows
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 from .test_graphs import _check

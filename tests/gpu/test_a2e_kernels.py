@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.kernels.reference import a2e
-from afdserve.kernels.reference.a2e import A2EFormat
+from afdserve.kernels import a2e
+from afdserve.kernels.a2e import A2EFormat
 
 pytestmark = pytest.mark.gpu
 triton_a2e = pytest.importorskip("afdserve.kernels.triton.a2e")  # needs Triton

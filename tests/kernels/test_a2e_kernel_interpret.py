@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.reference import a2e
+from afdserve.kernels import a2e
 
 from afdserve.kernels.triton import a2e as k
 

@@ -1,4 +1,4 @@
-"""The A2E formats (kernels/reference/a2e.py): fp8 rows with a float32 scale per 128 channels,
+"""The A2E formats (kernels/a2e.py): fp8 rows with a float32 scale per 128 channels,
 checked against a plain float64 oracle, and the bytes a row takes on the wire."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.kernels.reference.a2e import (
+from afdserve.kernels.a2e import (
     GROUP,
     A2EFormat,
     dequantize_rows,

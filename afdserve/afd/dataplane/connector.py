@@ -3,7 +3,7 @@
 Per layer and ubatch each attention peer posts two batches with its FFN rank, in this order:
   1. sends: hidden [tile_rows, hidden] in the model dtype, zeros on pad rows (a2e_dtype fp8:
      float8_e4m3fn values as their uint8 bytes, and scales [tile_rows, groups] float32, one per
-     128 channels, 0 on pad rows; kernels/reference/a2e.py); ids [4 + tile_rows] int32, a header
+     128 channels, 0 on pad rows; kernels/a2e.py); ids [4 + tile_rows] int32, a header
      (step, layer, ubatch, tile_rows) then token ids, -1 on pad rows; and in `routed_layers` the
      routing: topk ids [tile_rows, k] int32, weights [tile_rows, k] fp32;
   2. receives: the FFN output [tile_rows, hidden].
@@ -30,7 +30,7 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.reference.a2e import A2EFormat, pad_zeroed
+from afdserve.kernels.a2e import A2EFormat, pad_zeroed
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers.moe import Routing
@@ -169,7 +169,7 @@ class AttentionConnector(AttentionSide):
     def _rows(self, x: torch.Tensor, route_ids: torch.Tensor, tile: int) -> list[torch.Tensor]:
         """The tile's rows in the A2E format, then (fp8) their scales; every pad row is zeros
         with scale 0 (pad_zeroed). Each row's bytes depend on that row alone
-        (kernels/reference/a2e.py)."""
+        (kernels/a2e.py)."""
         q, scales = self.a2e.encode(pad_zeroed(x, route_ids))
         rows = x.shape[0]
         hidden = torch.zeros(tile, self.hidden, dtype=q.dtype, device=self.device)

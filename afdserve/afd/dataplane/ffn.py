@@ -27,7 +27,7 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
-from afdserve.kernels.reference.a2e import A2EFormat, scale_groups
+from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.parts import CausalLM
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from afdserve.afd.dataplane.connector import AttentionSide
 from afdserve.afd.dataplane.payload import HEADER, LayoutError, WaitClock
 from afdserve.engine.model_runner import Ready
-from afdserve.kernels.reference.a2e import A2EFormat
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers.moe import Routing

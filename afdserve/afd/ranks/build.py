@@ -39,7 +39,7 @@ from afdserve.engine.factory import (
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
 from afdserve.engine.step_loop import AttentionDriver, WorkSource
 from afdserve.engine.step_recorder import StepRecorder
-from afdserve.kernels.reference.a2e import A2EFormat
+from afdserve.kernels.a2e import A2EFormat
 from afdserve.layout.experts import resolve_placement
 from afdserve.layout.topology import Topology
 from afdserve.model.config import ModelConfig
@@ -102,7 +102,7 @@ def attention_boundary(
     colocated model (`ffn_model`, or `model` itself when it holds both halves), the FFN half in
     this process (`ffn_model`, 1A1F on one device; `wire` only logs), the FFN rank's symmetric
     inbox (`inboxes`, connector "ipc"), or point-to-point batches over `wire`; every one hands
-    the rows over in `a2e_dtype`'s format (kernels/reference/a2e.py)."""
+    the rows over in `a2e_dtype`'s format (kernels/a2e.py)."""
     a2e = A2EFormat(a2e_dtype, model.dtype)
     if topology.colocated:
         return LocalFFN(ffn_model if ffn_model is not None else model, a2e)

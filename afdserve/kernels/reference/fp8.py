@@ -24,7 +24,7 @@ from afdserve.kernels.reference.layers import routed_experts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/reference/a2e.py,
+# Channels per float32 scale of an FP8 activation row (the A2E rows of kernels/a2e.py,
 # which its Triton kernels share from here rather than from a2e.py, which dispatches to them).
 GROUP = 128
 

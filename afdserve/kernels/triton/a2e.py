@@ -1,4 +1,4 @@
-"""The fp8 A2E format (kernels/reference/a2e.py) in Triton, one launch per call: quantize rows,
+"""The fp8 A2E format (kernels/a2e.py) in Triton, one launch per call: quantize rows,
 dequantize rows, and the round trip a boundary with no wire runs (pad rows zeroed, quantized,
 dequantized) without writing the fp8 rows or their scales anywhere.
 
