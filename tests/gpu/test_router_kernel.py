@@ -14,7 +14,7 @@ pytestmark = [
 if not torch.cuda.is_available():  # Triton ships with CUDA builds of torch only
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from afdserve.kernels import triton_router  # noqa: E402
+from afdserve.kernels.moe import router as triton_router  # noqa: E402
 
 DEVICE = "cuda"
 TIE = 1e-5  # rows whose k-th and (k+1)-th reference scores are closer may pick either expert
