@@ -3,8 +3,9 @@ takes: scheduler, chunked prefill, decode, sampling, detokenization and (1A1F) o
 rank. Each batch is `batch` requests of `input_len` random prompt token ids that each generate
 exactly `output_len` tokens (greedy, ignore_eos), once to warm up and once timed.
 
-Colocated runs in this process on one device; 1A1F starts one process per rank over
-torch.distributed (on CUDA rank r uses cuda:r: attention on GPU 0, the FFN half on GPU 1).
+Every engine flag `serve` takes is taken here, with the same defaults (graph mode auto included),
+so the figures compare with the server's. Prefill is reported in tokens/s and, on CUDA, as a
+share of the device's measured bf16 matmul rate by the model's active FLOPs (bench/flops.py).
 """
 
 from __future__ import annotations
@@ -12,26 +13,26 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from afdserve.bench.flags import (
-    BENCH_CONNECTORS,
     add_bench_flags,
     add_json_flag,
     model_dir_option,
     preset_option,
     sizes,
 )
+from afdserve.bench.flops import active_parameters, measure_matmul_tflops
 from afdserve.bench.report import invalid, model_dir_for, report
-from afdserve.config import GRAPH_MODES, LOAD_FORMATS
-from afdserve.config_args import build, option
+from afdserve.config import ENGINE_CONFIGS, engine_configs
+from afdserve.config_args import add_dataclass_arguments, build, option, values_of
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.frontend.outputs import RequestOutput
 from afdserve.llm import LLM
-
-TOPOLOGIES = ("colocated", "1A1F")
+from afdserve.model.families import load_model_config
 
 
 @dataclass(frozen=True)
@@ -44,55 +45,29 @@ class GenerateBench:
     )
     input_len: int = option(512, help="prompt tokens per request")
     output_len: int = option(256, help="generated tokens per request")
-    topology: str = option(
-        "colocated", choices=TOPOLOGIES, help="colocated (with -dp N: N replicas) or 1A1F"
-    )
-    connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
-    # Colocated replicas, one rank process (one GPU) each: what AFD on N GPUs is measured against.
-    data_parallel_size: int = 1
-    load_format: str = "auto"
-    graph_mode: str = "none"
-    cuda_graph_sizes: tuple[int, ...] | None = None
-    ubatches: int = 1
-    device: str = "cuda"
-    dtype: str = "bfloat16"
-    gpu_memory_utilization: float = 0.85
-    # Prefill chunk budget: 32 prompts of 512 tokens per step (vLLM's offline default is alike).
-    max_num_batched_tokens: int = 16384
-    seed: int = 0
+    # Every other engine option, as `LLM` keywords: the flags and defaults `serve` has, so the
+    # figures compare with the server's. max_model_len is input_len + output_len.
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> ValueError:
-            return invalid(self, field, allowed)
+        def bad(name: str, allowed: str) -> ValueError:
+            return invalid(self, name, allowed)
 
         if self.model_dir is None:
             raise bad("model_dir", "a model directory: give --model DIR, or --preset NAME")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise bad("batch_sizes", "a non-empty list of integers >= 1")
-        for field in ("input_len", "output_len", "ubatches", "max_num_batched_tokens"):
-            if getattr(self, field) < 1:
-                raise bad(field, "an integer >= 1")
-        if self.topology not in TOPOLOGIES:
-            raise bad("topology", f"one of {TOPOLOGIES}")
-        if self.data_parallel_size < 1 or (
-            self.data_parallel_size > 1 and self.topology != "colocated"
-        ):
-            raise bad(
-                "data_parallel_size",
-                "an integer >= 1; above 1 only with --topology "
-                "colocated (replicas are colocated engines)",
-            )
-        if self.connector not in BENCH_CONNECTORS:
-            raise bad("connector", "p2p or ipc")
-        if self.load_format not in LOAD_FORMATS:
-            raise bad("load_format", f"one of {LOAD_FORMATS}")
-        if self.graph_mode not in GRAPH_MODES:
-            raise bad("graph_mode", f"one of {GRAPH_MODES}")
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        # The engine's own checks, with its messages, before any process starts.
+        engine_configs({**self.llm_kwargs(), "model": self.model_dir}, owner="bench generate")
 
-    @property
-    def max_num_seqs(self) -> int:
-        """Every request of the largest batch runs at once; smaller batches submit fewer."""
-        return max(self.batch_sizes)
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in self.engine.items() if k != "model"},
+            "max_model_len": self.input_len + self.output_len,
+        }
 
 
 @dataclass(frozen=True)
@@ -102,6 +77,8 @@ class GenerateResult:
     output_tokens: int
     wall_s: float
     prefill_s: float  # from the first arrival to the last request's first token
+    active_parameters: int  # per token, 2 FLOPs each (bench/flops.py)
+    peak_tflops: float | None  # the device's measured bf16 matmul rate (CUDA only)
 
     @property
     def total_tokens_per_s(self) -> float:
@@ -111,41 +88,45 @@ class GenerateResult:
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens over the time until every request had its first token (decodes of
+        the early requests run in those steps too, so this is a lower bound)."""
+        return self.input_tokens / self.prefill_s
+
+    @property
+    def prefill_tflops(self) -> float:
+        return 2 * self.active_parameters * self.prefill_tokens_per_s / 1e12
+
+    @property
+    def prefill_share_of_peak(self) -> float | None:
+        return None if self.peak_tflops is None else self.prefill_tflops / self.peak_tflops
+
     def as_dict(self) -> dict:
         return {
             **asdict(self),
             "total_tokens_per_s": self.total_tokens_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefill_tflops": self.prefill_tflops,
+            "prefill_share_of_peak": self.prefill_share_of_peak,
         }
 
     def line(self) -> str:
+        share = self.prefill_share_of_peak
+        peak = "" if share is None else f" ({share:.1%} of the bf16 matmul peak)"
         return (
             f"batch {self.batch:4d}: {self.wall_s:8.2f} s wall, "
             f"{self.total_tokens_per_s:10.1f} total tokens/s, "
             f"{self.output_tokens_per_s:10.1f} output tokens/s, "
-            f"prefill of all {self.prefill_s:6.2f} s"
+            f"prefill of all {self.prefill_s:6.2f} s, "
+            f"{self.prefill_tokens_per_s:9.1f} prefill tokens/s = "
+            f"{self.prefill_tflops:6.1f} TFLOP/s{peak}"
         )
 
 
 def open_llm(spec: GenerateBench) -> LLM:
-    sizes = list(spec.cuda_graph_sizes) if spec.cuda_graph_sizes is not None else None
-    return LLM(
-        spec.model_dir,
-        topology=spec.topology,
-        device=spec.device,
-        dtype=spec.dtype,
-        data_parallel_size=spec.data_parallel_size,
-        connector=spec.connector if spec.topology == "1A1F" else "auto",
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=spec.input_len + spec.output_len,
-        gpu_memory_utilization=spec.gpu_memory_utilization,
-        graph_mode=spec.graph_mode,
-        cuda_graph_sizes=sizes,
-        ubatches=spec.ubatches,
-        load_format=spec.load_format,
-        seed=spec.seed,
-    )
+    return LLM(spec.model_dir, **spec.llm_kwargs())
 
 
 def random_prompts(
@@ -165,7 +146,9 @@ def check_lengths(outputs: Sequence[RequestOutput], want: int) -> None:
             )
 
 
-def run_batch(llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator) -> GenerateResult:
+def run_batch(
+    llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator, flops: tuple[int, float | None]
+) -> GenerateResult:
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.vocab_size
     # The warm-up has the timed run's shapes, so every kernel the timed run needs is compiled
@@ -179,61 +162,52 @@ def run_batch(llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator) -
     check_lengths(outputs, spec.output_len)
     # Both times come from the attention rank's monotonic clock.
     prefill = max(o.first_token_time for o in outputs) - min(o.arrival_time for o in outputs)
-    return GenerateResult(batch, batch * spec.input_len, batch * spec.output_len, wall, prefill)
+    inputs, generated = batch * spec.input_len, batch * spec.output_len
+    return GenerateResult(batch, inputs, generated, wall, prefill, *flops)
 
 
-def run_generate_bench(spec: GenerateBench) -> list[GenerateResult]:
-    gen = torch.Generator().manual_seed(spec.seed)
+def run_generate_bench(spec: GenerateBench) -> tuple[list[GenerateResult], str]:
+    """The timed runs, and the engine as it ran them (what "auto" became) for the header."""
+    gen = torch.Generator().manual_seed(spec.engine.get("seed", 0))
     with open_llm(spec) as llm:
-        return [run_batch(llm, spec, batch, gen) for batch in spec.batch_sizes]
+        engine, graph = llm.engine_config, llm.graph_config
+        device = torch.device(engine.device)
+        peak = measure_matmul_tflops(device) if device.type == "cuda" else None
+        flops = (active_parameters(load_model_config(engine.model)), peak)
+        ran = (
+            f"{llm.afd_config.topology}, {engine.dtype}, graph_mode={graph.mode}, "
+            f"max_num_seqs={engine.max_num_seqs}, "
+            f"max_num_batched_tokens={engine.max_num_batched_tokens}"
+        )
+        return [run_batch(llm, spec, batch, gen, flops) for batch in spec.batch_sizes], ran
 
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("generate", help="end-to-end offline throughput through LLM.generate")
-    add_bench_flags(
-        p,
-        GenerateBench,
-        (
-            "model_dir",
-            "preset",
-            "load_format",
-            "topology",
-            "connector",
-            "data_parallel_size",
-            "batch_sizes",
-            "input_len",
-            "output_len",
-            "graph_mode",
-            "cuda_graph_sizes",
-            "ubatches",
-            "device",
-            "dtype",
-            "gpu_memory_utilization",
-            "max_num_batched_tokens",
-            "seed",
-        ),
+    p = kinds.add_parser(
+        "generate",
+        help="end-to-end offline throughput through LLM.generate, with every engine flag "
+        "serve takes and its defaults",
     )
+    add_bench_flags(
+        p, GenerateBench, ("model_dir", "preset", "batch_sizes", "input_len", "output_len")
+    )
+    for cls in ENGINE_CONFIGS:
+        add_dataclass_arguments(p, cls, skip=("model", "max_model_len"))
     add_json_flag(p)
     p.set_defaults(func=main_generate)
 
 
 def main_generate(args: argparse.Namespace) -> int:
-    with model_dir_for(args.model_dir, args.preset, args.load_format) as model_dir:
-        graph_sizes = args.cuda_graph_sizes
-        spec = build(
-            GenerateBench,
-            args,
-            model_dir=model_dir,
-            cuda_graph_sizes=tuple(graph_sizes) if graph_sizes else None,
-        )
-        results = run_generate_bench(spec)
+    engine = {k: v for cls in ENGINE_CONFIGS for k, v in values_of(args, cls).items()}
+    engine.pop("model", None)
+    load_format = engine.get("load_format", "auto")
+    with model_dir_for(args.model_dir, args.preset, load_format) as model_dir:
+        spec = build(GenerateBench, args, model_dir=model_dir, engine=engine)
+        results, ran = run_generate_bench(spec)
     name = args.preset or args.model_dir
-    replicas = f" x{spec.data_parallel_size} replicas" if spec.data_parallel_size > 1 else ""
     header = (
-        f"generate bench: {name} ({spec.load_format} weights), {spec.topology}{replicas}"
-        f"{' over ' + spec.connector if spec.topology == '1A1F' else ''}, "
-        f"{spec.dtype}, input {spec.input_len}, output {spec.output_len}, "
-        f"graph_mode={spec.graph_mode}, ubatches={spec.ubatches}"
+        f"generate bench: {name} ({load_format} weights), {ran}, "
+        f"input {spec.input_len}, output {spec.output_len}"
     )
     report("generate", name, spec, header, results, args.json)
     return 0

@@ -1,0 +1,50 @@
+"""What a prefill's arithmetic is measured against: the model's active parameters per token (2
+FLOPs each, the convention the issue's and vLLM's throughput figures use; attention's own
+context-dependent FLOPs are left out) and the device's measured bf16 matmul rate."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import model_class
+from afdserve.model.layers.fp8 import SCALE_SUFFIX
+from afdserve.model.parts import ModelParts
+
+# Stacked routed experts hold every expert; a token runs top_k of num_experts of them.
+ROUTED = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def active_parameters(config: ModelConfig) -> int:
+    """Weights one token multiplies through: every matrix but the embedding, the routed experts
+    at top_k / num_experts of their count (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = model_class(config)(config, ModelParts.colocated())
+    total = 0.0
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith(SCALE_SUFFIX) or "embed_tokens" in name or tensor.dim() < 2:
+            continue
+        share = config.top_k / config.num_experts if name.endswith(ROUTED) else 1.0
+        numel = tensor.numel() * (2 if tensor.dtype == torch.uint8 else 1)  # FP4: two a byte
+        total += numel * share
+    if config.tie_word_embeddings:  # the head is the embedding's matrix
+        total += config.vocab_size * config.hidden_size
+    return int(total)
+
+
+def measure_matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    """TFLOP/s of an n x n x n bf16 matmul on `device` (median of 10 after 3 warm-ups)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
