@@ -49,7 +49,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     return {**kwargs, "frontend_address": args.frontend_address}
 
 
-def preflight(kwargs: dict) -> EngineConfigs:
+def preflight(kwargs: dict, usage: str = "llm") -> EngineConfigs:
     """The configs as the LLM will run them, from `llm_kwargs`: every configuration error is one
     line here, before any port is bound or process started (a model that is no directory or
     cached hub id, --device cuda without a GPU, too few GPUs for the replicas). A hub id is
@@ -57,7 +57,8 @@ def preflight(kwargs: dict) -> EngineConfigs:
     from afdserve.llm import resolve_engine
 
     rest = {k: v for k, v in kwargs.items() if k not in ("model", "frontend_address")}
-    return resolve_engine(kwargs["model"], rest, spawned=kwargs["frontend_address"] is None)
+    spawned = kwargs["frontend_address"] is None
+    return resolve_engine(kwargs["model"], rest, spawned, usage)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -120,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     kwargs = llm_kwargs(args)
     check_served_names(kwargs["model"], args.served_model_name)
-    model_dir = preflight(kwargs).engine.model
+    model_dir = preflight(kwargs, "server").engine.model
     options = build(
         ServeOptions,
         args,
@@ -132,7 +133,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A bad file or directory: one line, now. The LLM reads the same source, so that its
     # get_default_sampling_params() agrees with the server's request defaults.
     generation_defaults(options.generation_config, model_dir)
-    return run_server(lambda: LLM(**kwargs, generation_config=options.generation_config), options)
+    return run_server(
+        lambda: LLM(**kwargs, generation_config=options.generation_config, usage_context="server"),
+        options,
+    )
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -70,9 +70,18 @@ class EngineConfig:
         help="of weights and activations; auto: the checkpoint's torch_dtype; "
         "half is float16 and float is float32, as in vLLM",
     )
-    max_num_seqs: int = option(64, help="the most sequences one step runs")
-    max_num_batched_tokens: int = option(
-        2048, help="the most tokens one step runs (prompt chunks and decodes together)"
+    max_num_seqs: int | None = option(
+        None,
+        help="the most sequences one step runs",
+        shown="auto: 1024 on a GPU of 70 GiB or more other than an A100, 256 on other GPUs, "
+        "64 on the CPU",
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        help="the most tokens one step runs (prompt chunks and decodes together)",
+        shown="auto: 8192 for the server and 16384 offline on a GPU of 70 GiB or more other "
+        "than an A100, 2048 and 8192 on other GPUs, 2048 on the CPU; at most max_num_seqs x "
+        "max_model_len",
     )
     max_model_len: int | None = option(
         None,
@@ -184,7 +193,8 @@ class EngineConfig:
             "True or False",
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _positive_int(owner, name, getattr(self, name))
+            if getattr(self, name) is not None or name == "block_size":
+                _positive_int(owner, name, getattr(self, name))
         if self.max_model_len is not None:
             _positive_int(owner, "max_model_len", self.max_model_len)
         if self.kv_cache_blocks is not None:
@@ -226,12 +236,56 @@ class EngineConfig:
     def fp8_kv_cache(self) -> bool:
         return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
+    def with_batch_defaults(
+        self, usage: str, device: str, gpu_bytes: int = 0, gpu_name: str = ""
+    ) -> EngineConfig:
+        """This config with max_num_seqs and max_num_batched_tokens "auto" (None) replaced by
+        `batch_defaults` for the resolved `device`; a defaulted token budget is no larger than
+        max_num_seqs sequences of max_model_len tokens could use, as in vLLM."""
+        if usage not in USAGES:
+            raise ValueError(f"usage={usage!r}: one of {USAGES}")
+        seqs, tokens = batch_defaults(device, usage, gpu_bytes, gpu_name)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else seqs
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            longest = self.max_model_len if self.max_model_len is not None else tokens
+            max_num_batched_tokens = min(tokens, max_num_seqs * longest)
+        return dataclasses.replace(
+            self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+
+
+# What max_num_seqs and max_num_batched_tokens "auto" become, by device and usage, as vLLM's
+# EngineArgs.get_batch_defaults sets them on GPUs (its A100 exception included: a large token
+# budget lowered its throughput there); the CPU keeps small steps.
+USAGES = ("llm", "server")
+LARGE_GPU_BYTES = 70 << 30
+
+
+def batch_defaults(
+    device: str, usage: str, gpu_bytes: int = 0, gpu_name: str = ""
+) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for `device` ("cpu", "cuda[:N]"), `usage` ("llm":
+    offline, "server"), and the GPU's total memory and name."""
+    if not device.startswith("cuda"):
+        return 64, 2048
+    if gpu_bytes >= LARGE_GPU_BYTES and "a100" not in gpu_name.lower():
+        return 1024, 8192 if usage == "server" else 16384
+    return 256, 2048 if usage == "server" else 8192
+
+
+# The largest batch captured by default (as vLLM's): a larger decode batch runs eagerly, where
+# its launches weigh less against its work.
+MAX_DEFAULT_CAPTURE = 512
+
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every 8 up to max_num_seqs (which is always included)."""
-    ladder = [s for s in (1, 2, 4) if s < max_num_seqs]
-    ladder += list(range(8, max_num_seqs, 8))
-    return tuple(sorted(set(ladder + [max_num_seqs])))
+    """1, 2, 4, 8, then every 8 up to 256 and every 16 past it, up to max_num_seqs or 512
+    (the largest is always included)."""
+    top = min(max_num_seqs, MAX_DEFAULT_CAPTURE)
+    ladder = [s for s in (1, 2, 4) if s < top]
+    ladder += list(range(8, min(top, 256), 8)) + list(range(256, top, 16))
+    return tuple(sorted(set(ladder + [top])))
 
 
 @dataclass(frozen=True)
@@ -253,7 +307,7 @@ class GraphConfig:
         parse=parse_sizes,
         metavar="N,N,...",
         help="the batch sizes captured, comma-separated",
-        shown="1,2,4,8,16,... up to max_num_seqs",
+        shown="1,2,4,8,16,... every 8 up to 256, every 16 past it, up to max_num_seqs or 512",
     )
     # vLLM's switch: graphs are on by default on CUDA, this turns them off.
     enforce_eager: bool = option(

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.config import EngineConfig, EngineConfigs, engine_configs
 from afdserve.engine.cuda_graphs import auto_graph_mode, check_capturable
-from afdserve.engine.device import resolve_device
+from afdserve.engine.device import resolve_device, with_batch_limits
 from afdserve.engine.factory import prefix_caching_for
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.step_recorder import StepLogFile
@@ -47,15 +47,18 @@ def _parse_address(text: str | None) -> tuple[str, int] | None:
 
 
 def resolve_engine(
-    model: str | None, kwargs: Mapping[str, object], spawned: bool = True
+    model: str | None, kwargs: Mapping[str, object], spawned: bool = True, usage: str = "llm"
 ) -> EngineConfigs:
     """The configs as the LLM runs them, every check done before any process starts: the
     keywords checked as given (the configs read no directory), then the model and tokenizer
     made local directories (a hub id: its cached snapshot, downloaded if need be) and, when this
     process spawns the ranks on this host, device and graph mode "auto" resolved (ranks started
-    elsewhere resolve them on their own hosts)."""
+    elsewhere resolve them on their own hosts). The batch limits "auto" resolve here either way
+    (every rank of a world must agree on them), by `usage` ("llm" or "server") and the GPU
+    this process sees."""
     engine, afd, graph = engine_configs(
-        {"model": model or "tiny", **kwargs}, also=("frontend_address", "generation_config")
+        {"model": model or "tiny", **kwargs},
+        also=("frontend_address", "generation_config", "usage_context"),
     )
     model_dir, tokenizer_dir = resolve_sources(model, engine)
     engine = dataclasses.replace(engine, model=model_dir, tokenizer=tokenizer_dir)
@@ -64,7 +67,7 @@ def resolve_engine(
         afd.check_device(engine.device)
         graph = graph.resolved(engine.device)
         check_replicas(afd.parsed_topology, engine.device)
-    return EngineConfigs(engine, afd, graph)
+    return EngineConfigs(with_batch_limits(engine, usage), afd, graph)
 
 
 def check_replicas(topology: Topology, device: str) -> None:
@@ -114,17 +117,22 @@ class LLM:
         *,
         frontend_address: str | None = None,
         generation_config: str = "auto",
+        usage_context: str = "llm",
         **kwargs: object,
     ) -> None:
         """`kwargs`: the fields of EngineConfig, AFDConfig and GraphConfig by their keywords
         (topology=, device=, graph_mode=, cuda_graph_sizes=, ...; `afdserve serve --help`
         lists every one with its default). `frontend_address`: HOST:PORT to listen on for
         ranks started elsewhere instead of spawning them; `generation_config`: "auto",
-        "vllm" or a directory, the defaults of `get_default_sampling_params()`."""
+        "vllm" or a directory, the defaults of `get_default_sampling_params()`;
+        `usage_context`: "llm", or "server" (`afdserve serve`), whose batch limits "auto"
+        differ as vLLM's do."""
         # The bundled model is served under a short name (its path is a cache detail).
         self.model_name = "afdserve-tiny" if model in (None, "", "tiny") else str(model)
         spawned = frontend_address is None
-        self.engine_config, afd, self.graph_config = resolve_engine(model, kwargs, spawned)
+        self.engine_config, afd, self.graph_config = resolve_engine(
+            model, kwargs, spawned, usage_context
+        )
         model, tokenizer = self.engine_config.model, self.engine_config.tokenizer
         self.generation_config = generation_config
         self._generation_defaults = generation_defaults(generation_config, model)

@@ -118,8 +118,9 @@ def test_help_shows_the_defaults() -> None:
     for expected in (
         "--heartbeat-timeout S",
         "request fails and the world stops (default: 10.0)",
-        "--max-num-seqs MAX_NUM_SEQS the most sequences one step runs (default: 64)",
-        "(default: 1,2,4,8,16,... up to max_num_seqs)",
+        "--max-num-seqs MAX_NUM_SEQS the most sequences one step runs (default: auto: 1024 on "
+        "a GPU of 70 GiB or more other than an A100, 256 on other GPUs, 64 on the CPU)",
+        "(default: 1,2,4,8,16,... every 8 up to 256, every 16 past it, up to max_num_seqs or 512)",
         "--no-use-tqdm-on-load a progress bar",
         "(default: True)",
         "--enable-log-requests log a line per request",

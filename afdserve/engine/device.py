@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from afdserve.config import USAGES, EngineConfig
+
 
 def cuda_unavailable_reason() -> str | None:
     """Why this process cannot use CUDA, or None when it can."""
@@ -48,3 +50,19 @@ def resolve_device(device: str) -> str:
             f"device={device!r}: this process sees {count} GPU(s), cuda:0..cuda:{count - 1}"
         )
     return device
+
+
+def with_batch_limits(config: EngineConfig, usage: str = "llm") -> EngineConfig:
+    """`config` with max_num_seqs and max_num_batched_tokens "auto" (None) replaced by what
+    they become on its device as this process sees it (config.batch_defaults: by the GPU's
+    memory and name, and `usage`: "llm" offline or "server")."""
+    if usage not in USAGES:
+        raise ValueError(f"usage_context={usage!r}: one of {USAGES}")
+    if config.max_num_seqs is not None and config.max_num_batched_tokens is not None:
+        return config
+    device, gpu_bytes, gpu_name = resolve_device(config.device), 0, ""
+    if device.startswith("cuda"):
+        # Device properties come from the driver: no context is made on the GPU.
+        props = torch.cuda.get_device_properties(torch.device(device))
+        gpu_bytes, gpu_name = props.total_memory, props.name
+    return config.with_batch_defaults(usage, device, gpu_bytes, gpu_name)

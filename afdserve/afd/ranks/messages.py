@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.engine.device import with_batch_limits
 from afdserve.engine.factory import MemoryReport
 from afdserve.engine.requests import RequestLimits, TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
@@ -30,6 +31,11 @@ class WorkerSpec:
     # one joins the survivors' new store); None: AFDSERVE_STORE_PATH, or env:// under torchrun.
     store_path: str | None = None
     generation: int = 0
+
+    def __post_init__(self) -> None:
+        # A spec built by hand (tests, benches) may leave the batch limits "auto"; the LLM
+        # resolves them before it hands every rank the same spec.
+        object.__setattr__(self, "engine", with_batch_limits(self.engine))
 
     @property
     def topology(self) -> Topology:
