@@ -1,10 +1,12 @@
-"""DeepSeek-V4's batched decode path (model/families/deepseek_v4/batched.py) against the
-per-sequence path over the same paged cache: sequences of different lengths decode together for
-several steps, so that in one step some close a CSA and/or HCA window (the first window too, and
-with fewer closed entries than index_topk) and some do not; the logits are close to float32
-rounding, the tokens equal, and the pages it writes are the ones the per-sequence path writes. Pad
-rows (eagerly padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale
-block tables pointing at real sequences' blocks) write nothing into a real page and stay finite."""
+"""DeepSeek-V4's batched path (model/families/deepseek_v4/batched.py) against the per-sequence
+path over the same paged cache. Decode: sequences of different lengths decode together for several
+steps, so that in one step some close a CSA and/or HCA window (the first window too, and with
+fewer closed entries than index_topk) and some do not. Chunks: several sequences' prefill chunks
+of lengths around both rates and past the window, starting from 0 or mid-window, beside decodes.
+The logits are close to float32 rounding, the tokens equal, and the pages it writes are the ones
+the per-sequence path writes. Pad rows (eagerly padded rows beyond the segments, and the CUDA
+graph buffers' pad segments with stale block tables pointing at real sequences' blocks) attend to
+nothing, write nothing into a real page and stay finite."""
 
 from __future__ import annotations
 

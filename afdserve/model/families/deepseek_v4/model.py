@@ -224,6 +224,8 @@ class V4CausalLM(nn.Module):
         own: RopeTable,
         compress: RopeTable,
     ) -> torch.Tensor:
+        """One segment at a time from the host-side segments (a step without device metadata):
+        `V4Attention.forward` over `read`'s state, then `write`; the oracle of batched.py."""
         y = torch.zeros_like(x)
         for seg in meta.segments:
             start = seg.context_len - seg.num_rows
