@@ -13,6 +13,9 @@ off), so the order of segments does not matter. Pad rows (rows of no segment, or
 pad segment of context 0) read whatever their table points at, send every write to the pages'
 scratch row (`LayerPages.flat`) and give a zero output, as on the per-sequence path; the sink
 keeps their softmax finite. A decode ubatch (one row per segment) is the case CUDA graphs capture.
+NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor (CSA's
+main entries only its top-k): cheap for decode and short chunks, but a long prefill of a long
+context wants the keys per segment (a varlen kernel), not per row.
 """
 
 from __future__ import annotations
