@@ -1,10 +1,12 @@
-"""DeepSeek-V4's batched decode path (model/families/deepseek_v4/batched.py) against the
-per-sequence path over the same paged cache: sequences of different lengths decode together for
-several steps, so that in one step some close a CSA and/or HCA window (the first window too, and
-with fewer closed entries than index_topk) and some do not; the logits are close to float32
-rounding, the tokens equal, and the pages it writes are the ones the per-sequence path writes. Pad
-rows (eagerly padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale
-block tables pointing at real sequences' blocks) write nothing into a real page and stay finite."""
+"""DeepSeek-V4's batched path (model/families/deepseek_v4/batched.py) against the per-sequence
+path over the same paged cache. Decode: sequences of different lengths decode together for several
+steps, so that in one step some close a CSA and/or HCA window (the first window too, and with
+fewer closed entries than index_topk) and some do not. Chunks: several sequences' prefill chunks
+of lengths around both rates and past the window, starting from 0 or mid-window, beside decodes.
+The logits are close to float32 rounding, the tokens equal, and the pages it writes are the ones
+the per-sequence path writes. Pad rows (eagerly padded rows beyond the segments, and the CUDA
+graph buffers' pad segments with stale block tables pointing at real sequences' blocks) attend to
+nothing, write nothing into a real page and stay finite."""
 
 from __future__ import annotations
 
@@ -224,15 +226,99 @@ def test_graph_buffers_pad_segments_write_no_real_page(
     assert any(bool(row.abs().sum() > 0) for row in scratch_rows(twin))
 
 
+def chunk_lengths(model: V4CausalLM) -> list[int]:
+    """Chunk lengths around the compress rates m (CSA) and M (HCA) and past the window: each
+    closes no window, one, or several, and a chunk starting where the last one ended starts
+    mid-window."""
+    v4 = model.config.family_config
+    m, big, window = v4.csa_rate, v4.hca_rate, v4.sliding_window
+    return [m - 1, m, m + 1, 1, 2 * m + 3, big - 1, 1, big + 1, 2 * big + 3, window + 5]
+
+
+def step_meta(
+    chunks: list[tuple[torch.Tensor, int, int]], pad: int, device_meta: bool, host: bool
+) -> AttentionMetadata:
+    """One step: per sequence (table, start, rows) its rows [start, start + rows), the segments
+    in order, then `pad` pad rows (position 0, no segment); device segments or not, host-side
+    segments or not (a graph's static layout has none)."""
+    segments, positions, row = [], [], 0
+    for table, start, n in chunks:
+        segments.append(Segment(row, row + n, table, start + n))
+        positions.append(torch.arange(start, start + n))
+        row += n
+    positions.append(torch.zeros(pad, dtype=torch.int64))
+    device = batch_segments(tuple(segments), torch.device("cpu")) if device_meta else None
+    slots = torch.zeros(row + pad, dtype=torch.int64)
+    return AttentionMetadata(torch.cat(positions), slots, tuple(segments) if host else (), device)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("shape", ["tiny", "r3r6"])
+@pytest.mark.parametrize(("pad", "host"), [(0, True), (3, True), (2, False)])
 @torch.inference_mode()
-def test_full_mode_graph_layout_is_refused_by_name(models: dict[str, V4CausalLM]) -> None:
-    """Prefill rows still attend per sequence from host-side segments: a graph layout for them
-    (full mode, no segments) is one clear error, never a silent zero attention."""
+def test_batched_chunks_equal_the_per_sequence_path(
+    models: dict[str, V4CausalLM],
+    shape: str,
+    block_size: int,
+    pad: int,
+    host: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps of several sequences' chunks (prefills from position 0, chunks starting mid-window
+    and closing several CSA and HCA windows, chunks longer than the window, decodes beside
+    them) run at once and give the per-sequence path's logits and pages, step after step."""
+    model = models[shape]
+    lengths = chunk_lengths(model)
+    sequences, steps = 6, 4
+    total = max(lengths) * steps
+    tables = tables_for((0,) * sequences, block_size, -(-total // block_size))
+    blocks = int(tables.max()) + 1
+    reference = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    twin = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    calls = []
+    monkeypatch.setattr(batched, "_compressed", _counting(batched._compressed, calls))
+    gen = torch.Generator().manual_seed(3)
+    done = [0] * sequences
+    for step in range(steps):
+        # Sequence 0 alone in the first step (one prefill from 0), all of them after.
+        chunks = [
+            (tables[i], done[i], lengths[(3 * i + step) % len(lengths)])
+            for i in range(1 if step == 0 else sequences)
+        ]
+        real = sum(n for _, _, n in chunks)
+        ids = torch.cat((torch.randint(0, 256, (real,), generator=gen), torch.zeros(pad).long()))
+        want = forward(model, reference, ids, step_meta(chunks, pad, False, True))
+        before = len(calls)
+        got = forward(model, twin, ids, step_meta(chunks, pad, True, host))
+        assert len(calls) > before  # the batched path ran, the reference did not
+        close(got[:real], want[:real])
+        assert bool(torch.isfinite(got).all())
+        pages_close(twin, reference)
+        for table, start, n in chunks:
+            done[int((tables == table).all(1).nonzero())] = start + n
+
+
+@torch.inference_mode()
+def test_pad_rows_give_zero_attention_and_write_no_real_page(
+    models: dict[str, V4CausalLM],
+) -> None:
+    """Pad rows beside a prefill chunk: every layer's attention output is zero on them (as on
+    the per-sequence path), and the pages are those of the prefill alone."""
     model = models["tiny"]
-    cache = make_kv_cache(model.config, 4, 4, torch.float32, "cpu")
-    buffers = UbatchBuffers(4, 4, torch.device("cpu"))
-    meta = AttentionMetadata(
-        torch.zeros(4, dtype=torch.int64), torch.full((4,), -1), (), buffers.batched(4, 4, 16)
-    )
-    with pytest.raises(ValueError, match="only decode ubatches run from device metadata"):
-        forward(model, cache, torch.zeros(4, dtype=torch.int64), meta)
+    tables = tables_for((0, 0), 4, 4)
+    blocks = int(tables.max()) + 1
+    padded_cache = make_kv_cache(model.config, blocks, 4, torch.float32, "cpu")
+    alone = make_kv_cache(model.config, blocks, 4, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (9,), generator=gen)
+    forward(model, alone, ids, step_meta([(tables[0], 0, 9)], 0, True, True))
+    padded = step_meta([(tables[0], 0, 9)], 5, True, True)
+    forward(model, padded_cache, torch.cat((ids, torch.zeros(5).long())), padded)
+    pages_close(padded_cache, alone)
+    rows, ropes = batched.StepRows.of(padded), model.ropes("cpu")
+    x = torch.randn(14, model.config.hidden_size, generator=gen)
+    for layer, pages in enumerate(padded_cache.layers):
+        attn = model.model.layers[layer].self_attn
+        own = ropes["main"] if attn.kind == SLIDING else ropes["compress"]
+        y = batched.step_attention(attn, pages, x, rows, own, ropes["compress"])
+        assert bool((y[9:] == 0).all()) and bool(y[:9].abs().sum() > 0)

@@ -1,13 +1,21 @@
-"""DeepSeek-V4 attention for a decode ubatch, every sequence at once: what a CUDA graph captures.
+"""DeepSeek-V4 attention for a whole ubatch at once: prefill chunks of any length beside decodes.
 
-A decode ubatch gives each sequence exactly one row (its new token at position t). This path runs
-all of them in tensor ops over the paged layout of cache.py, with no loop over sequences and no
-host sync: every shape follows the ubatch's row count and the block table's width W (the graph
-buffers' maxima), never a sequence's length. Rows read before they write, and a sequence writes
-only its own blocks' rows (V4 shares no block between sequences: prefix caching is off), so the
-order of rows does not matter. Pad rows (a graph's padding, context 0) read whatever their table
-points at, send every write to the pages' scratch row (`LayerPages.flat`) and give a zero output,
-as rows of no segment do on the per-sequence path; the sink keeps their softmax finite.
+Rows are grouped by segment (consecutive positions of one sequence, a chunk [start, end)); every
+row carries its position, its segment's block table and its chunk's bounds (`StepRows`), and the
+layer runs in tensor ops over the paged layout of cache.py, with no loop over sequences or tokens
+and no host sync: every shape follows the ubatch's row count and the block table's width W (the
+graph buffers' maxima), never a sequence's length. What a row needs at position q is this
+chunk's own row r - (p - q) when q >= start (`StepRows.chunk_or`), else the pages, which hold the
+state the chunk starts from (`LayerPages.read`'s contract). Each page row is written by the one
+row whose value `LayerPages.write` would leave there, after every read of that page, and a
+sequence writes only its own blocks (V4 shares no block between sequences: prefix caching is
+off), so the order of segments does not matter. Pad rows (rows of no segment, or of a graph's
+pad segment of context 0) read whatever their table points at, send every write to the pages'
+scratch row (`LayerPages.flat`) and give a zero output, as on the per-sequence path; the sink
+keeps their softmax finite. A decode ubatch (one row per segment) is the case CUDA graphs capture.
+NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor (CSA's
+main entries only its top-k): cheap for decode and short chunks, but a long prefill of a long
+context wants the keys per segment (a varlen kernel), not per row.
 """
 
 from __future__ import annotations
@@ -23,50 +31,77 @@ from afdserve.model.families.deepseek_v4.cache import LayerPages
 
 
 @dataclass(frozen=True)
-class DecodeRows:
-    """One decode ubatch on the device: row i is segment i's one token (rows past the segments,
-    and segments of context 0, are pad rows)."""
+class StepRows:
+    """One ubatch's rows on the device, each with its segment's table and chunk bounds."""
 
     positions: torch.Tensor  # [rows] int64
     tables: torch.Tensor  # [rows, W] int64, W = the block table width (max blocks per sequence)
-    real: torch.Tensor  # [rows] bool
+    real: torch.Tensor  # [rows] bool: in a segment of context > 0
+    start: torch.Tensor  # [rows] int64: the first position of the row's chunk
+    end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
+    decode: bool  # every segment one row at most (host-side: max_query_len)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata) -> DecodeRows | None:
-        """The decode rows of `meta`, or None when it is no decode ubatch (a segment of more than
-        one row) or carries no device segments (`batched`)."""
+    def of(cls, meta: AttentionMetadata) -> StepRows | None:
+        """The rows of `meta`, or None when it carries no device segments (`batched`)."""
         batched = meta.batched
-        if batched is None or batched.max_query_len > 1:
+        if batched is None:
             return None
-        pad = meta.num_rows - batched.context_lens.shape[0]  # host-side sizes only
-        context = F.pad(batched.context_lens.long(), (0, pad))
-        tables = F.pad(batched.block_tables.long(), (0, 0, 0, pad))
-        return cls(meta.positions.long(), tables, context > 0)
+        query_start = batched.query_start.long()
+        row = torch.arange(meta.num_rows, device=query_start.device)
+        # Row r is in segment i when query_start[i] <= r < query_start[i + 1]; rows past the
+        # last segment get index n, the pad segment appended here (no rows, context 0).
+        segment = torch.searchsorted(query_start[1:], row, right=True)
+        context = F.pad(batched.context_lens.long(), (0, 1))[segment]
+        count = F.pad(query_start[1:] - query_start[:-1], (0, 1))[segment]
+        tables = F.pad(batched.block_tables.long(), (0, 0, 0, 1))[segment]
+        return cls(
+            meta.positions.long(),
+            tables,
+            context > 0,
+            context - count,
+            context,
+            batched.max_query_len <= 1,
+        )
+
+    def chunk_or(
+        self, values: torch.Tensor, positions: torch.Tensor, cached: torch.Tensor
+    ) -> torch.Tensor:
+        """What each row sees at `positions` [rows, n]: the chunk's own rows' `values` [rows,
+        width] where a position is at or past the chunk's start, `cached` [rows, n, width]
+        before it -> [rows, n, width]. Positions past a row's own read a clamped row (kept
+        only where masked)."""
+        rows = values.shape[0]
+        row = torch.arange(rows, device=values.device)
+        source = (row[:, None] - (self.positions[:, None] - positions)).clamp(0, rows - 1)
+        own = (positions >= self.start[:, None])[..., None]
+        return torch.where(own, values[source].to(cached.dtype), cached)
 
 
-def decode_attention(
+def step_attention(
     attn: V4Attention,
     pages: LayerPages,
     x: torch.Tensor,
-    rows: DecodeRows,
+    rows: StepRows,
     rope: RopeTable,
     compress_rope: RopeTable,
 ) -> torch.Tensor:
-    """One layer's attention of a decode ubatch: x [rows, hidden] -> [rows, hidden], as
-    `V4Attention.forward` gives each row over `pages.read`'s state, with what `pages.write`
-    would store written to the pages. The window: the rows of positions t - 1 .. t - (window - 1),
-    masked where negative, beside t's own; t's row is written to the ring."""
+    """One layer's attention of a ubatch: x [rows, hidden] -> [rows, hidden], as
+    `V4Attention.forward` gives each chunk over `pages.read`'s state, with what `pages.write`
+    would store written to the pages. The window of the row at p: positions p - window + 1 .. p,
+    masked where negative; the last window - 1 positions of each chunk go to the ring."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    t, real = rows.positions, rows.real
-    cos_sin = rope.at(t)
+    p, real = rows.positions, rows.real
+    cos_sin = rope.at(p)
     q_residual, q, kv = attn.project(x, cos_sin)
-    back = t[:, None] - torch.arange(1, attn.window, device=t.device)  # [rows, window - 1]
+    back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
     cached = pages.take("window", pages.batch_rows("window", rows.tables, back))
-    keys = torch.cat((cached, kv[:, None].to(cached.dtype)), dim=1)
-    allowed = torch.cat((back >= 0, real[:, None]), dim=1)
+    keys = rows.chunk_or(kv, back, cached)
+    allowed = (back >= 0) & real[:, None]
+    last = real & (p >= rows.end - (attn.window - 1))
     pages.store(
-        "window", pages.batch_rows("window", rows.tables, t[:, None]), kv[:, None], real[:, None]
+        "window", pages.batch_rows("window", rows.tables, p[:, None]), kv[:, None], last[:, None]
     )
     if attn.compressor is not None:
         entries, seen = _compressed(attn, pages, x, q_residual, rows, compress_rope)
@@ -76,17 +111,29 @@ def decode_attention(
     return torch.where(real[:, None], y, torch.zeros_like(y))
 
 
+def decode_attention(
+    attn: V4Attention,
+    pages: LayerPages,
+    x: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+    compress_rope: RopeTable,
+) -> torch.Tensor:
+    """A decode ubatch: `step_attention`, named apart as the form full_decode_only captures."""
+    return step_attention(attn, pages, x, rows, rope, compress_rope)
+
+
 def _compressed(
     attn: V4Attention,
     pages: LayerPages,
     x: torch.Tensor,
     q_residual: torch.Tensor,
-    rows: DecodeRows,
+    rows: StepRows,
     rope: RopeTable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed keys [rows, n, head_dim] each row attends to and their mask [rows, n]: HCA
     every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them.
-    Entries at or past the (t + 1) // m closed ones are masked. CSA: the indexer scores every
+    Entries at or past the (p + 1) // m closed ones are masked. CSA: the indexer scores every
     padded entry, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
     keeps the first index_topk: visible entries come first, so a top-k beyond the visible count
     keeps all of them and masks the rest, as the per-sequence path."""
@@ -95,12 +142,26 @@ def _compressed(
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
     closed = ((rows.positions + 1) // comp.rate)[:, None]
     if comp.indexer is None:
-        return _compress(comp, pages, "", x, rows, rope, every), every < closed
+        new = _compress(comp, pages, "", x, rows, rope)
+        return _entries_at(pages, "", rows, new, every), every < closed
     indexer = comp.indexer
-    index_keys = _compress(indexer, pages, "index_", x, rows, rope, every)
+    index_new = _compress(indexer, pages, "index_", x, rows, rope)
+    index_keys = _entries_at(pages, "index_", rows, index_new, every)
     scores = indexer.score_keys(x, q_residual, rows.positions, rope, index_keys)
     top = indexer.ranked(scores.masked_fill(every >= closed, float("-inf")))
-    return _compress(comp, pages, "", x, rows, rope, top), top < closed
+    new = _compress(comp, pages, "", x, rows, rope)
+    return _entries_at(pages, "", rows, new, top), top < closed
+
+
+def _entries_at(
+    pages: LayerPages, prefix: str, rows: StepRows, new: torch.Tensor, read: torch.Tensor
+) -> torch.Tensor:
+    """Entries `read` [rows, n] of one compressor -> [rows, n, dim]: an entry closed inside the
+    chunk is the `new` [rows, dim] of the row that closed it (at position (w + 1) m - 1), one
+    closed before it comes from the pages (which this chunk writes only past its start)."""
+    name = f"{prefix}entries"
+    stored = pages.take(name, pages.batch_entry_rows(name, rows.tables, read))
+    return rows.chunk_or(new, (read + 1) * pages.geometry.rate - 1, stored)
 
 
 def _compress(
@@ -108,55 +169,56 @@ def _compress(
     pages: LayerPages,
     prefix: str,
     x: torch.Tensor,
-    rows: DecodeRows,
+    rows: StepRows,
     rope: RopeTable,
-    read: torch.Tensor,
 ) -> torch.Tensor:
-    """Feed each row's token to one compressor (pages `prefix`*: HCA's, CSA's or its indexer's):
-    pool its window, write what the per-sequence path writes, and return the entries at `read`
-    [rows, n] (the one this step closes in its place) -> [rows, n, dim]. t's window (positions
-    [w m, (w + 1) m), w = t // m) is read from the open rows, t's own projections in its slot, the
-    previous window's first series (CSA) from prev_*; it is pooled for every row, and written,
-    with prev_*, only by rows whose token closes the window ((t + 1) % m == 0); the others write
-    t's open row instead."""
-    m, t, tables = comp.rate, rows.positions, rows.tables
+    """Feed each row's token to one compressor (pages `prefix`*: HCA's, CSA's or its indexer's)
+    and write what the per-sequence path writes -> [rows, dim]: the entry of p's window w = p // m
+    (positions [w m, (w + 1) m)), pooled for every row, kept where p closes it ((p + 1) % m == 0).
+    The window's rows before the chunk come from the open rows, the others from the chunk; CSA's
+    first series (window w - 1's) from prev_* when that window closed before the chunk, else as
+    the window. Writes: each closed window's entry; the open rows the chunk's end leaves; prev_*
+    by the row closing the chunk's last window."""
+    m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
-    w = t // m
-    closes = rows.real & ((t + 1) % m == 0)
-    slots = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: t's window
-    here = (slots == t[:, None])[..., None]
+    w = p // m
+    closes = rows.real & ((p + 1) % m == 0)
+    slots = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
     window = pages.batch_rows(f"{prefix}open_kv", tables, slots)  # open_* and prev_*: alike
-    win_kv = torch.where(here, kv[:, None], pages.take(f"{prefix}open_kv", window).to(kv.dtype))
-    win_gate = torch.where(
-        here, gate[:, None], pages.take(f"{prefix}open_gate", window).to(gate.dtype)
-    )
-    own = pages.batch_rows(f"{prefix}open_kv", tables, t[:, None])
-    still_open = (rows.real & ~closes)[:, None]
-    pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
-    pages.store(f"{prefix}open_gate", own, gate[:, None], still_open)
+    win_kv = rows.chunk_or(kv, slots, pages.take(f"{prefix}open_kv", window))
+    win_gate = rows.chunk_or(gate, slots, pages.take(f"{prefix}open_gate", window))
     win_gate = win_gate + comp.position_bias
     if comp.overlap:
         d = comp.dim
-        previous = pages.batch_rows(f"{prefix}prev_kv", tables, slots - m)
-        first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
-        first_kv = torch.where(first, pages.take(f"{prefix}prev_kv", previous).to(kv.dtype), 0.0)
+        earlier = slots - m
+        previous = pages.batch_rows(f"{prefix}prev_kv", tables, earlier)
+        pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", previous))
+        pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", previous))
+        pending_gate = pending_gate + comp.position_bias
+        paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
+        first_kv = torch.where(
+            paged, pages.take(f"{prefix}prev_kv", previous).to(kv.dtype), pending[..., :d]
+        )
         first_gate = torch.where(
-            first, pages.take(f"{prefix}prev_gate", previous).float(), float("-inf")
-        ).to(win_gate.dtype)
-        keep = closes[:, None].expand(-1, m)
-        pages.store(f"{prefix}prev_kv", window, win_kv[..., :d], keep)
-        pages.store(f"{prefix}prev_gate", window, win_gate[..., :d], keep)
+            paged, pages.take(f"{prefix}prev_gate", previous).float(), pending_gate[..., :d].float()
+        )
+        first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
+        first_kv = torch.where(first, first_kv, 0.0)
+        first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
+        last = (closes & ((p + 1) // m == end // m))[:, None].expand(-1, m)
+        pages.store(f"{prefix}prev_kv", window, win_kv[..., :d], last)
+        pages.store(f"{prefix}prev_gate", window, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
-    new = comp.pool(win_kv, win_gate, w * m, rope)  # [rows, dim], kept where t closes
-    entry = ((t + 1) // m - 1).clamp(min=0)[:, None]
-    stored = pages.take(
-        f"{prefix}entries", pages.batch_entry_rows(f"{prefix}entries", tables, read)
-    )
+    still_open = (rows.real & (p >= end // m * m))[:, None]
+    own = pages.batch_rows(f"{prefix}open_kv", tables, p[:, None])
+    pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
+    pages.store(f"{prefix}open_gate", own, gate[:, None], still_open)
+    new = comp.pool(win_kv, win_gate, w * m, rope)  # [rows, dim]
+    entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     pages.store(
         f"{prefix}entries",
         pages.batch_entry_rows(f"{prefix}entries", tables, entry),
         new[:, None],
         closes[:, None],
     )
-    is_new = ((read == entry) & closes[:, None])[..., None]
-    return torch.where(is_new, new[:, None].to(stored.dtype), stored)
+    return new

@@ -25,7 +25,7 @@ from torch import nn
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
-from afdserve.model.families.deepseek_v4.batched import DecodeRows, decode_attention
+from afdserve.model.families.deepseek_v4.batched import StepRows, decode_attention, step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 from afdserve.model.families.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
@@ -86,8 +86,8 @@ class V4CausalLM(nn.Module):
     `add_ffn_output` and `logits`, the interface `MoECausalLM` gives it: the residual it carries
     from layer to layer is the streams (and, between the halves, the FFN hyper-connection's post
     and comb), so mHC never leaves the attention side; each sequence's attention reads and writes
-    its state in the paged cache (cache.py) through its block table, a decode ubatch's all at once
-    (batched.py)."""
+    its state in the paged cache (cache.py) through its block table, every sequence of a ubatch at
+    once (batched.py) when the step carries device segments."""
 
     def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
         super().__init__()
@@ -195,20 +195,22 @@ class V4CausalLM(nn.Module):
         that the previous layer's StreamState, into which `ffn_out` is expanded first. Each
         segment of `meta` (consecutive rows of one sequence) attends over the state its block
         table addresses in `cache` and writes its own rows back; rows of no segment (pad rows)
-        get a zero attention output. A decode ubatch (one row per segment, device metadata in
-        `meta.batched`) runs all its sequences at once (batched.py), the form a CUDA graph
-        captures. -> (x [rows, hidden], what crosses to the FFN; the state kept here)."""
+        get a zero attention output. With device metadata (`meta.batched`) every sequence of
+        the ubatch runs at once (batched.py; a decode ubatch is the form a CUDA graph captures),
+        without it one at a time (`_per_sequence`, the oracle the tests hold it to). -> (x
+        [rows, hidden], what crosses to the FFN; the state kept here)."""
         h = residual if ffn_out is None else self.expand_ffn(residual, ffn_out)
         block = self.model.layers[layer]
         collapsed, post, comb = block.attn_hc(h)
         x = block.input_layernorm(collapsed)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
-        decode = DecodeRows.of(meta)
-        if decode is not None:
-            y = decode_attention(attn, cache, x, decode, own, ropes["compress"])
-        else:
+        rows = StepRows.of(meta)
+        if rows is None:
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
+        else:
+            attend = decode_attention if rows.decode else step_attention
+            y = attend(attn, cache, x, rows, own, ropes["compress"])
         h = expand(h, y, post, comb)
         collapsed, post, comb = block.ffn_hc(h)
         return block.post_attention_layernorm(collapsed), (h, post, comb)
@@ -222,12 +224,8 @@ class V4CausalLM(nn.Module):
         own: RopeTable,
         compress: RopeTable,
     ) -> torch.Tensor:
-        if not meta.segments and meta.batched is not None and x.shape[0]:
-            # A graph of full mode: its static metadata carries no host-side segments.
-            raise ValueError(
-                "DeepSeek-V4 attends to prefill rows per sequence, from host-side "
-                "segments: only decode ubatches run from device metadata"
-            )
+        """One segment at a time from the host-side segments (a step without device metadata):
+        `V4Attention.forward` over `read`'s state, then `write`; the oracle of batched.py."""
         y = torch.zeros_like(x)
         for seg in meta.segments:
             start = seg.context_len - seg.num_rows
