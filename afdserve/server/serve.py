@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afdserve.afd.ranks.frontend_files import remove_own as remove_own_files
 from afdserve.afd.ranks.world import STANDBY
 from afdserve.frontend.generation_config import generation_defaults
 from afdserve.server.app import create_app
@@ -341,6 +342,9 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         engine.stop()
         STANDBY.close()
         kill_leftover_ranks()
+        # And for files: a store directory or key file whose world an interrupt left unowned.
+        for path in remove_own_files():
+            log.warning("removed %s, left by an interrupted start", path)
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -525,23 +525,37 @@ def test_a_world_starts_and_serves_with_rogues_at_its_door(afd_models, monkeypat
 
 def test_a_frontend_without_a_key_writes_one_to_a_private_file(monkeypatch, caplog, afd_models):
     """Ranks started elsewhere, no key given: the log names a 0600 file holding a fresh key,
-    not the key."""
+    not the key; a start that fails (no rank came) removes the file."""
     from afdserve.afd.ranks.world import RankWorld, WorkerError
 
     monkeypatch.delenv("AFDSERVE_AUTHKEY", raising=False)
     monkeypatch.delenv("AFDSERVE_AUTHKEY_FILE", raising=False)
     caplog.set_level(logging.INFO)
+    seen: dict = {}
+
+    class WhileWaiting(logging.Handler):
+        """Reads the file while the frontend waits for ranks: the moment they would read it."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for 2 ranks" in record.getMessage():
+                path = record.getMessage().split("AFDSERVE_AUTHKEY_FILE=")[1].strip()
+                seen.update(path=path, mode=stat.S_IMODE(os.stat(path).st_mode))
+                seen["key"] = read_key({"AFDSERVE_AUTHKEY_FILE": path})
+
+    handler = WhileWaiting()
+    world_log = logging.getLogger("afdserve.afd.ranks.world")
+    world_log.addHandler(handler)
     spec = WorkerSpec(
         EngineConfig(model=str(afd_models["qwen3_moe"])), AFDConfig(topology="1A1F"), GraphConfig()
     )
-    with pytest.raises(WorkerError, match="0 of 2 ranks connected"):
-        RankWorld(spec, spawn=False, startup_timeout_s=0.5)
-    line = next(r.getMessage() for r in caplog.records if "waiting for 2 ranks" in r.getMessage())
-    path = line.split("AFDSERVE_AUTHKEY_FILE=")[1].strip()
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    key = read_key({"AFDSERVE_AUTHKEY_FILE": path})
-    assert key is not None and key.hex() not in caplog.text
-    os.unlink(path)
+    try:
+        with pytest.raises(WorkerError, match="0 of 2 ranks connected"):
+            RankWorld(spec, spawn=False, startup_timeout_s=0.5)
+    finally:
+        world_log.removeHandler(handler)
+    assert seen["mode"] == 0o600
+    assert seen["key"] is not None and seen["key"].hex() not in caplog.text
+    assert not os.path.exists(seen["path"])
 
 
 _OUT_OF_DESCRIPTORS = """

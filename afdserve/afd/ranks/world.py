@@ -7,7 +7,8 @@ replaced), and stop them all, leaving no process behind.
 Network exposure of a built-in (one-host) world: the rank channel listens on loopback until every
 rank has connected, then closes (a rebuild's replacement connects to a standby world's listener or
 to one opened for it alone, on loopback, closed once it is in); the rendezvous store is a torch
-FileStore in a directory only this user can open (mode 0700, a fresh file per generation): no
+FileStore in a directory only this user can open (mode 0700, a fresh file per generation;
+removed at shutdown, or by the next frontend when this one was killed: frontend_files.py): no
 socket serves it (a TCPStore, even on loopback, answers any local process); gloo and NCCL
 bootstrap over loopback. Ranks started elsewhere (torchrun) rendezvous through env://, whose
 TCPStore, like gloo and NCCL themselves, has no authentication: such a world belongs on a private
@@ -19,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, read_key
+from afdserve.afd.ranks.frontend_files import make_store_dir, remove, write_key_file
 from afdserve.afd.ranks.messages import (
     Outputs,
     Parted,
@@ -106,7 +106,7 @@ class Standby:
         for proc in others:
             proc.wait(timeout=KILL_WAIT_S)
         self.listener.close()
-        shutil.rmtree(self.store_dir, ignore_errors=True)
+        remove(self.store_dir)
 
     def take_ranks(
         self, ranks: set[int], deadline: float
@@ -188,8 +188,9 @@ def spawn_ranks(
     world: int, address: tuple[str, int], authkey: bytes
 ) -> tuple[list[subprocess.Popen], str]:
     """The processes of a world on this host and the directory of their rendezvous store: a
-    FileStore in a directory of this user's alone (0700), which the world removes at shutdown."""
-    store_dir = tempfile.mkdtemp(prefix="afdserve-store-")
+    FileStore in a directory of this user's alone (0700), which the world removes at shutdown
+    (frontend_files.py: named after this process, so that one left by a killed frontend goes)."""
+    store_dir = make_store_dir()
     procs = []
     try:
         for rank in range(world):
@@ -197,7 +198,7 @@ def spawn_ranks(
     except BaseException:
         for proc in procs:
             proc.kill()
-        shutil.rmtree(store_dir, ignore_errors=True)
+        remove(store_dir)
         raise
     return procs, store_dir
 
@@ -236,6 +237,7 @@ class RankWorld:
         self.last_heard: dict[int, float] = {}
         self.closed = False
         self.store_dir: str | None = None
+        self.key_file: str | None = None  # written for ranks started elsewhere, if no key given
         self.spawned = spawn
         self.generation = 0  # bumped each time the world is rebuilt around its survivors
         self.parted: set[int] = set()  # ranks that said Parted in this generation
@@ -285,12 +287,10 @@ class RankWorld:
                 else (f"AFDSERVE_AUTHKEY_FILE={os.environ['AFDSERVE_AUTHKEY_FILE']}")
             )
             return f"they authenticate with the key from {source}"
-        fd, path = tempfile.mkstemp(prefix="afdserve-authkey-")  # mode 0600, this user only
-        with os.fdopen(fd, "w") as f:
-            f.write(self.authkey.hex() + "\n")
+        self.key_file = write_key_file(self.authkey)  # mode 0600, removed at shutdown
         return (
-            f"a fresh key was written to {path} (mode 0600): start the ranks with "
-            f"AFDSERVE_AUTHKEY_FILE={path}"
+            f"a fresh key was written to {self.key_file} (mode 0600): start the ranks with "
+            f"AFDSERVE_AUTHKEY_FILE={self.key_file}"
         )
 
     def _accept(self, deadline: float) -> None:
@@ -537,8 +537,9 @@ class RankWorld:
         for conn in self.conns.values():
             conn.close()
         self.listener.close()
-        if self.store_dir is not None:
-            shutil.rmtree(self.store_dir, ignore_errors=True)
+        for path in (self.store_dir, self.key_file):
+            if path is not None:
+                remove(path)
 
     def kill(self) -> None:
         """SIGKILL every rank process still alive (SIGTERM would wait on a stopped one)."""
