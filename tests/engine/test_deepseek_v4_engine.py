@@ -192,8 +192,8 @@ def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
 
 
 def test_cuda_graph_modes_v4_cannot_capture_are_refused_by_name_on_cuda(shape) -> None:
-    """full_decode_only captures V4's batched decode path; `full` would capture prefill steps,
-    which attend per sequence with host-side shapes: refused by name on CUDA before any rank
+    """full_decode_only captures V4's batched decode path; `full` would capture its mixed
+    steps, not yet captured and checked on a GPU: refused by name on CUDA before any rank
     starts. On CPU every graph mode runs eagerly with the graph layout, as for every family
     (tests/afd/test_deepseek_v4_afd.py)."""
     _, path, _ = shape

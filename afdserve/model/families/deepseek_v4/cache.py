@@ -83,8 +83,9 @@ PREFIX_REUSE_REFUSAL = (
 )
 FP8_REFUSAL = "its paged cache (windows, compressed entries, compressor state) is not quantized yet"
 FULL_GRAPH_REFUSAL = (
-    "its prefill and mixed steps attend per sequence (only decode steps are batched and "
-    "capturable); use graph_mode='full_decode_only' or 'none'"
+    "its prefill and mixed steps run batched but have not been captured and checked in a CUDA "
+    "graph yet (each row gathers its compressed keys, which grows with rows x context); use "
+    "graph_mode='full_decode_only' or 'none'"
 )
 EAGER_BY_DEFAULT = (
     "its decode graphs pad every row to max_model_len's compressed entries; pass "
