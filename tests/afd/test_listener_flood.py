@@ -82,7 +82,7 @@ def test_a_flood_of_silent_peers_costs_no_thread_and_a_rank_still_gets_in(monkey
     try:
         before = _threads()
         flood = _start_flood(listener.address)
-        _wait_for(lambda: listener.pending >= FLOOD, within=10)
+        _wait_for(lambda: listener.pending >= FLOOD, within=30)
         during = _threads()
         start = time.monotonic()
         rank = connect(listener.address, KEY)
@@ -94,7 +94,7 @@ def test_a_flood_of_silent_peers_costs_no_thread_and_a_rank_still_gets_in(monkey
         assert got is not None and got[0] == Hello(1)
         assert took < 2.0
         assert during <= MAX_THREADS and during <= before + 1
-        _wait_for(lambda: listener.rejected >= FLOOD, within=10)
+        _wait_for(lambda: listener.rejected >= FLOOD, within=30)
         assert listener.pending == 0
 
         def summed() -> int:
@@ -102,7 +102,7 @@ def test_a_flood_of_silent_peers_costs_no_thread_and_a_rank_still_gets_in(monkey
             counted = [r.args[0] for r in caplog.records if "not logged one by one" in r.message]
             return len(caplog.records) - len(counted) + sum(counted)
 
-        _wait_for(lambda: summed() >= FLOOD, within=10)
+        _wait_for(lambda: summed() >= FLOOD, within=30)
         print(f"log lines for {FLOOD} rejected peers: {len(caplog.records)}")
         assert len(caplog.records) <= channel_module.LOGGED_WARNINGS + 1
         assert summed() == FLOOD
