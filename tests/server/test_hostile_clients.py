@@ -2,6 +2,8 @@
 
 - slow heads from three client addresses, each connection reopened as soon as it is closed, at the
   connection cap: /health and completions from a fourth address are still answered;
+- requests with 100,000 unknown fields, or fields named with a newline and a forged log line: a
+  few kB of log in all, and no line of the log that a request wrote;
 - a request framed two ways (Content-Length and Transfer-Encoding, two lengths, a coding other than
   chunked, ...): a 400, then the connection closes, so a request pipelined behind it is not served.
 
@@ -194,6 +196,43 @@ def test_1100_slow_heads_from_three_addresses_leave_others_served(tmp_path) -> N
     finally:
         srv.stop()
     assert marked_pids(srv.marker) == []
+
+
+# ----- the log -----
+
+
+def _log_size(server: ServerProcess) -> int:
+    return server.log_path.stat().st_size
+
+
+def test_unknown_fields_leave_a_few_kb_of_log(server: ServerProcess) -> None:
+    unknown = {f"field_{i}": 0 for i in range(100_000)}
+    before = _log_size(server)
+    with httpx.Client(timeout=60) as http:
+        for _ in range(10):
+            body = {"prompt": "Hello", "max_tokens": 1, **unknown}
+            assert http.post(f"{server.url}/v1/completions", json=body).status_code == 200
+        long_name = {"n" * 1_000_000: 0, "prompt": "Hello", "max_tokens": 1}
+        assert http.post(f"{server.url}/v1/completions", json=long_name).status_code == 200
+    grown = _log_size(server) - before
+    print(f"11 requests with 100,000 unknown fields or a 1 MB name: {grown} bytes of log")
+    assert grown <= 100_000, grown
+
+
+FORGED = "ERROR 2025-01-01 00:00:00,000 afdserve.server: FORGED"
+
+
+@pytest.mark.parametrize("separator", ["\n", "\r\n", "\r", "\u2028", "\x1b[2K\r"])
+def test_a_field_name_cannot_forge_a_log_line(server: ServerProcess, separator: str) -> None:
+    before = _log_size(server)
+    body = {"prompt": "Hello", "max_tokens": 1, f"x{separator}{FORGED}": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    with open(server.log_path, "rb") as f:
+        f.seek(before)
+        written = f.read().decode()
+    lines = [line for line in written.splitlines() if "FORGED" in line]
+    assert len(lines) == 1 and lines[0].startswith("WARNING "), written
+    assert separator not in lines[0] and "\x1b" not in lines[0], lines
 
 
 # ----- framing (RFC 9112, 6.1 and 6.3) -----
