@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.structured import StructuredOutputsParams
 from afdserve.server import protocol as api
+from afdserve.server.logs import few
 from afdserve.server.protocol import bad_request, public_message
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def check_fields(body: api.SamplingFields) -> None:
         raise bad_request(f"{field}: {value!r} is not supported by this server", field)
     unknown = body.unknown_fields()
     if unknown:
-        log.warning("request fields not recognised and ignored: %s", ", ".join(unknown))
+        log.warning("request fields not recognised and ignored: %s", few(unknown))
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed with stream: true", "stream_options")
 

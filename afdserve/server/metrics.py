@@ -54,6 +54,9 @@ REJECT_REASONS = (
     "prompt_too_large",
 )
 
+# Why the server closed a connection for want of a slot (slots.py).
+SHED_REASONS = ("reading_share", "connection_cap", "per_client")
+
 COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes would drown the API traffic
 
@@ -251,6 +254,15 @@ class ServerMetrics:
         )
         for reason in REJECT_REASONS:  # present at 0, so that rates start from the beginning
             self._rejected.labels(reason)
+        self._shed = Counter(
+            "afdserve_connections_shed",
+            "Connections closed for want of a slot: a slow one beyond the reading share or at "
+            "the connection cap, or a new one beyond its address's cap",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in SHED_REASONS:
+            self._shed.labels(reason)
         Gauge(
             "afdserve_waiting_requests",
             "Engine requests admitted by the frontend that have no token yet",
@@ -393,6 +405,9 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()
+
+    def connection_shed(self, reason: str) -> None:
+        self._shed.labels(reason).inc()
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in COUNTED_ENDPOINTS else "other"

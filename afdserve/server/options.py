@@ -138,7 +138,7 @@ class ServeOptions:
     limit_concurrency: int | None = option(
         1024,
         help="requests in progress beyond this get 503 + Retry-After; connections beyond "
-        "it are closed",
+        "it and --max-reading-connections are closed, slow ones first",
     )
     timeout_keep_alive_s: int = option(
         5, help="uvicorn: seconds an idle keep-alive connection stays open"
@@ -157,6 +157,14 @@ class ServeOptions:
         512,
         help="connections from one client address beyond this are closed at once, so that "
         "one client cannot take every slot of --limit-concurrency",
+    )
+    # server/slots.py: slow clients take reading slots from each other, not from the others.
+    max_reading_connections: int | None = option(
+        None,
+        help="connections still sending their request (or idle between two) beyond this: the "
+        "oldest of the client address holding the most is closed. Slots of their own, on top "
+        "of --limit-concurrency's",
+        shown="a quarter of --limit-concurrency",
     )
 
     def __post_init__(self) -> None:
@@ -221,6 +229,7 @@ class ServeOptions:
             "max_prompt_chars",
             "limit_concurrency",
             "max_connections_per_client",
+            "max_reading_connections",
         ):
             _positive(self, name, "an integer > 0, or none", optional=True, integer=True)
         for name in (
@@ -230,6 +239,22 @@ class ServeOptions:
             "max_header_bytes",
         ):
             _positive(self, name, "an integer > 0", integer=True)
+
+    @property
+    def reading_connections(self) -> int | None:
+        """The reading connections' share (slots.py); None: no share."""
+        if self.max_reading_connections is not None:
+            return self.max_reading_connections
+        if self.limit_concurrency is None:
+            return None
+        return max(1, self.limit_concurrency // 4)
+
+    @property
+    def max_connections(self) -> int | None:
+        """The cap on all connections: the requests in progress and the reading share."""
+        if self.limit_concurrency is None:
+            return None
+        return self.limit_concurrency + (self.reading_connections or 0)
 
 
 def _positive(

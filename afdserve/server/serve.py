@@ -210,12 +210,7 @@ def http_server(app: FastAPI, options: ServeOptions) -> uvicorn.Server:
         lifespan="on",
         timeout_keep_alive=options.timeout_keep_alive_s,
         h11_max_incomplete_event_size=options.max_header_bytes,
-        http=guarded_h11(
-            options.header_timeout_s,
-            options.max_header_bytes,
-            options.limit_concurrency,
-            options.max_connections_per_client,
-        ),
+        http=guarded_h11(options, app.state.server.metrics.connection_shed),
     )
     rate_limit_servers(options.log_format)
     return uvicorn.Server(config)

@@ -15,6 +15,8 @@ from afdserve.server.options import ServeOptions
 
 from .conftest import SERVED_NAME, free_port, start_cli_server
 
+FORGED = '{"level": "ERROR", "message": "FORGED"}'
+
 
 def test_json_log_lines(tmp_path) -> None:
     server = start_cli_server(
@@ -40,6 +42,11 @@ def test_json_log_lines(tmp_path) -> None:
             }
             response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
+        # A field named to forge a line, among 100,000 unknown ones: one record, a few kB.
+        unknown = {f"field_{i}": 0 for i in range(100_000)}
+        forged = {"prompt": "hi", "max_tokens": 1, f"a\n{FORGED}": 0, **unknown}
+        response = httpx.post(f"{server.url}/v1/completions", json=forged, timeout=60)
+        assert response.status_code == 200, response.text
         deadline = time.monotonic() + 30
         while "generation" not in server.log() and time.monotonic() < deadline:
             time.sleep(0.25)
@@ -56,10 +63,18 @@ def test_json_log_lines(tmp_path) -> None:
     started = [m for m in messages if m.startswith("request ") and "prompt(s) of 12 tokens" in m]
     finished = [m for m in messages if m.startswith("request ") and " finished: " in m]
     assert len(started) == 2, messages
-    assert [m.split(": ", 1)[1].split(" in ")[0] for m in finished] == ["3 tokens", "5 tokens"]
+    assert [m.split(": ", 1)[1].split(" in ")[0] for m in finished] == [
+        "3 tokens",
+        "5 tokens",
+        "1 tokens",
+    ]
     assert any(m.startswith("ready: serving 'tiny'") for m in messages), messages
     assert any(m.startswith("running ") and "generation" in m for m in messages), messages
     assert all(r["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") for r in records)
+    forging = [r for r in records if "FORGED" in json.dumps(r)]
+    assert len(forging) == 1 and forging[0]["level"] == "WARNING", forging
+    assert f"a\\n{FORGED}" in forging[0]["message"] and "\n" not in forging[0]["message"]
+    assert len(json.dumps(forging[0])) < 2000, forging[0]
 
 
 def test_unknown_log_format_is_refused_by_name() -> None:

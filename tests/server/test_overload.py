@@ -221,9 +221,12 @@ def test_connections_without_a_request_head_are_closed(busy: ServerProcess) -> N
 
 
 def test_connections_beyond_the_limit_are_closed_at_once(busy: ServerProcess) -> None:
+    """The cap is --limit-concurrency plus the reading share (a quarter of it); one connection
+    beyond it closes one of the silent ones at once (slots.py), the others wait for the head
+    deadline."""
     socks = [
         socket.create_connection(("127.0.0.1", busy.port), timeout=10)
-        for _ in range(CONNECTIONS + 1)
+        for _ in range(CONNECTIONS + CONNECTIONS // 4 + 1)
     ]
     start = time.monotonic()
     try:
@@ -240,7 +243,7 @@ def test_connections_beyond_the_limit_are_closed_at_once(busy: ServerProcess) ->
         for sock in socks:
             sock.close()
     assert len(closed_after) == len(socks), closed_after
-    assert min(closed_after) < 0.5 * HEADER_TIMEOUT_S, closed_after  # the one over the cap
+    assert min(closed_after) < 0.5 * HEADER_TIMEOUT_S, closed_after  # the oldest, at the cap
     assert max(closed_after) < HEADER_TIMEOUT_S + 4, closed_after  # the others: silent
     assert httpx.get(f"{busy.url}/health", timeout=10).status_code == 200
 

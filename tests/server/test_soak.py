@@ -59,7 +59,8 @@ class Served:
         return {
             "live generations": len(state.live),
             "engine flights": len(state.engine._flights),
-            "connections by address": len(protocol.per_client),
+            "connections by address": len(protocol.slots.per_client),
+            "reading connections by address": len(protocol.slots.reading),
             "open connections": len(self.server.server_state.connections),
         }
 
