@@ -186,11 +186,15 @@ def worker_main(rank: int, conn: Channel) -> None:
         )
         try:
             conn.send(Parted(rank, reason))
+            rejoin = _wait_for_rejoin(rank, conn)
         except OSError:
-            return  # the frontend is gone
-        rejoin = _wait_for_rejoin(rank, conn)
+            rejoin = None  # the frontend is gone
         if rejoin is None:
-            return
+            # Ended with its world broken: the rank failed, and says so. A launcher that
+            # restarts failed ranks (torchrun --max-restarts) starts it again, and it connects
+            # to the frontend's next world; exit 0 would end torchrun's node as finished.
+            log.warning("world generation %d broke and was not rebuilt: exiting 1", generation)
+            raise SystemExit(1)
         generation, store_path = rejoin.generation, rejoin.store_path
 
 
