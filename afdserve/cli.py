@@ -128,6 +128,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("AFDSERVE_API_KEY") or None,
         chat_template=read_chat_template(args.chat_template),
     )
+    if options.on_engine_failure == "restart" and kwargs["frontend_address"]:
+        from afdserve.afd.ranks.channel import read_key
+
+        if read_key() is None:
+            # A generated key is written for one world: restarted ranks elsewhere would start
+            # against a file that is gone, holding a key the next world does not take.
+            raise ValueError(
+                "--on-engine-failure restart with --frontend-address needs the ranks' key "
+                "given: set AFDSERVE_AUTHKEY (hex, >= 16 bytes) or AFDSERVE_AUTHKEY_FILE for "
+                "the frontend and every rank"
+            )
     from afdserve.frontend.generation_config import generation_defaults
 
     # A bad file or directory: one line, now. The LLM reads the same source, so that its

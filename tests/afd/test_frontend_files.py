@@ -287,3 +287,17 @@ def test_a_server_drained_by_sigterm_leaves_no_key_file(afd_models, tmp_path):
     finally:
         for proc in [server, *ranks]:
             _end(proc)
+
+
+def test_restart_with_ranks_elsewhere_needs_a_given_key(monkeypatch, capsys) -> None:
+    """A generated key is written for one world; ranks elsewhere restarted by their torchrun
+    would read a file that is gone. serve refuses the combination by name, before any port."""
+    from afdserve.cli import main
+
+    monkeypatch.delenv("AFDSERVE_AUTHKEY", raising=False)
+    monkeypatch.delenv("AFDSERVE_AUTHKEY_FILE", raising=False)
+    argv = ["serve", "--device", "cpu", "--frontend-address", "127.0.0.1:0"]
+    assert main([*argv, "--on-engine-failure", "restart"]) == 2
+    err = capsys.readouterr().err
+    assert "--on-engine-failure restart with --frontend-address needs the ranks' key" in err
+    assert "AFDSERVE_AUTHKEY" in err
