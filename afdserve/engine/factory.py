@@ -96,9 +96,9 @@ def kv_blocks_for(
 
 def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
     """Whether the rank caches prefixes: on unless turned off, and off where the model's cache
-    layout cannot reuse a block by its prefix, where asking for it is an error rather than
-    ignored."""
-    why = cache_layout(model_config).prefix_reuse_refusal
+    layout cannot reuse a block by its prefix at this block size, where asking for it is an
+    error rather than ignored."""
+    why = cache_layout(model_config).prefix_reuse_refusal(config.block_size)
     if why is None:
         return config.enable_prefix_caching is not False
     if config.enable_prefix_caching:

@@ -26,9 +26,6 @@ class CacheSpec(ABC):
 
     kind: str  # its name in the start-up line ("KV", "sliding", "CSA", ...)
     layers: tuple[int, ...]
-    # Why a block's pages cannot be reused by its prefix hash (None: they can: a block's pages
-    # depend on the tokens up to its end and on nothing else).
-    prefix_reuse_refusal: str | None = None
     # Why the pages cannot be stored as float8_e4m3fn (None: they can, at scale 1.0).
     fp8_refusal: str | None = None
     # (graph mode, why the layers cannot be captured in it on CUDA).
@@ -56,6 +53,12 @@ class CacheSpec(ABC):
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
+
+    def prefix_reuse_refusal(self, block_size: int) -> str | None:
+        """Why a full block's pages cannot be reused by its prefix hash at this block size
+        (None: they can: once full, a block's pages depend on the tokens up to its end and on
+        nothing else, and nothing writes them again)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,8 @@ class CacheLayout:
     def _first(self, reasons) -> str | None:
         return next((r for r in reasons if r is not None), None)
 
-    @property
-    def prefix_reuse_refusal(self) -> str | None:
-        return self._first(s.prefix_reuse_refusal for s in self.specs)
+    def prefix_reuse_refusal(self, block_size: int) -> str | None:
+        return self._first(s.prefix_reuse_refusal(block_size) for s in self.specs)
 
     @property
     def fp8_refusal(self) -> str | None:

@@ -67,7 +67,9 @@ def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     with pytest.raises(
-        ValueError, match="enable_prefix_caching=True is not supported for deepseek_v4"
+        ValueError,
+        match="enable_prefix_caching=True is not supported for deepseek_v4: a chunk writes "
+        "only the state its end leaves",
     ):
         LLM(model, enable_prefix_caching=True)
     config = load_model_config(model)

@@ -78,8 +78,8 @@ class LayerGeometry:
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
 PREFIX_REUSE_REFUSAL = (
-    "its KV cache (sliding windows, compressed entries, compressor state) is not a plain paged "
-    "cache of one block per block_size tokens"
+    "a chunk writes only the state its end leaves (the last window rows, the last closed "
+    "window's first series), so a cached block holds no state to resume from at its end"
 )
 FP8_REFUSAL = "its paged cache (windows, compressed entries, compressor state) is not quantized yet"
 FULL_GRAPH_REFUSAL = (
@@ -100,7 +100,6 @@ class V4Pages(CacheSpec):
     attention_type: str
     layers: tuple[int, ...]
     config: ModelConfig
-    prefix_reuse_refusal = PREFIX_REUSE_REFUSAL
     fp8_refusal = FP8_REFUSAL
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     eager_by_default = EAGER_BY_DEFAULT
@@ -111,6 +110,12 @@ class V4Pages(CacheSpec):
     @property
     def kind(self) -> str:
         return _SHORT[self.attention_type]
+
+    def prefix_reuse_refusal(self, block_size: int) -> str | None:
+        # A chunk writes only the state its end leaves for later chunks (the last window - 1
+        # rows, the last closed window's first series), so a full block inside a chunk holds
+        # no state to resume from at its own end: reuse would need each block's boundary state.
+        return PREFIX_REUSE_REFUSAL
 
     def geometry(self, block_size: int) -> LayerGeometry:
         return LayerGeometry.of(self.config, self.layers[0], block_size)
