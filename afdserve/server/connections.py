@@ -1,23 +1,16 @@
 """uvicorn's h11 protocol with guards on connections, which uvicorn lacks:
 
-- a deadline on every request head, the first and each one after it on a keep-alive connection
-  (`head_timeout_s`): uvicorn's keep-alive timeout starts only after a response and any byte
-  cancels it, so a client that sends nothing, or its headers a byte at a time, would hold a file
-  descriptor for as long as it likes.
-- a head larger than `max_head_bytes`, counted as the bytes arrive, is a 431 and the connection
-  closes. h11's own bound (`h11_max_incomplete_event_size`) applies only while the head is
-  incomplete in its buffer, so a head that arrived whole in one read passed it at twice the size.
-- connection slots (slots.py): a share for connections still sending their request, shed oldest
-  first from the address that holds the most, within a cap on all of them and one per client
-  address. The slot is taken when a connection opens, before its path is read, so /health and a
-  well-behaved client keep theirs only because slow ones are closed first.
-- framing that RFC 9112 (6.1) tells a server to refuse, and h11 lets through: Content-Length and
-  Transfer-Encoding together (h11 frames by the latter and keeps the connection, so a request
-  pipelined behind it would be served), Transfer-Encoding in HTTP/1.0. These, and what h11
-  itself refuses, are a 400 in OpenAI's shape, and the connection closes.
-- a response sent before its request's body has arrived (a 401, a 413, a 408) ends the
-  connection: otherwise h11 reads on, and a client that trickles the body keeps the connection.
-  The body's own deadline is limits.BodyLimit's.
+- a deadline on every request head, keep-alive ones included (`head_timeout_s`): uvicorn's
+  keep-alive timeout starts only after a response and any byte cancels it;
+- a head over `max_head_bytes`, counted as it arrives, is a 431 and a close (h11's own bound
+  holds only while the head is incomplete in its buffer);
+- connection slots (slots.py), taken when a connection opens, before its path is read: slow
+  connections are shed first, so /health and well-behaved clients keep theirs;
+- framing RFC 9112 (6.1) refuses and h11 lets through (Content-Length with Transfer-Encoding,
+  Transfer-Encoding on HTTP/1.0), and what h11 refuses itself: a 400 in OpenAI's shape, then a
+  close;
+- a response sent before its request's body arrived (401, 413, 408) ends the connection, or a
+  client trickling the body would keep it.
 """
 
 from __future__ import annotations

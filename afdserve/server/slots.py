@@ -1,19 +1,15 @@
 """Who holds the server's connection slots, and whom to close when they run short.
 
-A connection is *reading* while the client owes the server its request: from the accept (or the
-end of the previous response) until its head and body are all in. Otherwise it is *serving*: the
-server owes the response, and the requests in progress are bounded in the app (--limit-concurrency,
-limits.ConcurrencyLimit). A client that sends nothing, or its head a byte at a time, stays reading.
-
-Reading connections get a share of their own (`max_reading`); all connections together a cap
-(`max_connections`, the requests in progress plus that share). When reading connections are too
-many, the one closed is the oldest of the client address that holds the most of them (max-min
-fair, as Envoy's overload manager closes idle connections first and nginx's limit_conn counts per
-address): slow clients, from however many addresses, take reading slots from each other, and a
-client that sends its request at once is not the one closed. For the share, a connection is closed
-only once it has had `grace_s` to send its head (a burst of new connections is accepted before any
-of their heads is read); at the cap, at any age. A new connection that finds the cap full of
-serving connections, or its address at `max_per_client`, is itself closed.
+A connection is *reading* while the client owes its request (from the accept, or the end of the
+previous response, until head and body are in), else *serving* (requests in progress are bounded
+in the app: --limit-concurrency). Reading connections get a share of their own (`max_reading`);
+all together a cap (`max_connections`: requests in progress plus that share). When reading ones
+are too many, the oldest of the address holding the most is closed (max-min fair, as Envoy's
+overload manager closes idle connections first and nginx's limit_conn counts per address): slow
+clients, from however many addresses, take slots from each other, and a client that sends its
+request at once is not closed. For the share a connection gets `grace_s` to send its head (a
+burst is accepted before any head is read); at the cap, none. A new connection that finds the
+cap full of serving ones, or its address at `max_per_client`, is closed itself.
 
 Used from the event loop only."""
 

@@ -1,27 +1,16 @@
 """Block-scaled FP8 weights in the model: the checkpoint format, and the modules that hold them.
 
-Published FP8 MoE checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8) store each quantized
-linear weight as float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block, and say so
-in config.json:
-
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
-
-Which weights are FP8: every linear projection of attention (GQA q/k/v/o, MLA's q_a/q_b/q_proj,
-kv_a_proj_with_mqa, kv_b_proj, o_proj), of dense MLPs and shared experts, and the routed
-experts, less the modules named in `modules_to_not_convert`. Embeddings, norms, routers and
-lm_head stay in the model dtype. In memory the weights stay FP8 (one byte each) beside their
-scales; the CPU path dequantizes them right before each matmul (weight-only,
-kernels/reference/fp8.py).
-
-Stacked experts keep the same layout: `experts.gate_up_proj` [E, 2I, H] float8 with
-`experts.gate_up_proj_scale_inv` [E, 2 * ceil(I / 128), ceil(H / 128)] (gate's grid, then up's:
-when I is not a multiple of 128 the two halves do not meet on a block boundary, so each keeps its
-own), and `experts.down_proj` [E, H, I] with `experts.down_proj_scale_inv`. Every scale is named
-after its weight plus `_scale_inv`, in the checkpoint and in the model.
-
-The engine option `quantization="fp8"` quantizes a bf16/fp32 checkpoint (or dummy weights) at
-load into the same layout (`Fp8Spec.online`), so one code path serves both.
+Published FP8 MoE checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8) store each quantized linear
+weight as float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block, as their
+`quantization_config` (quant_method fp8, weight_block_size [128, 128]) says. Every linear
+projection of attention, dense MLPs, shared and routed experts is FP8, less
+`modules_to_not_convert`; embeddings, norms, routers and lm_head stay in the model dtype. The
+weights stay FP8 in memory beside their scales; the CPU path dequantizes right before each matmul.
+Stacked experts keep the layout: `experts.gate_up_proj` [E, 2I, H] with its scale grid
+[E, 2 * ceil(I / 128), ceil(H / 128)] (gate's grid, then up's, each its own when I is no multiple
+of 128), `experts.down_proj` [E, H, I] likewise; a scale is named after its weight plus
+`_scale_inv`. `quantization="fp8"` quantizes a bf16/fp32 checkpoint (or dummy weights) at load into
+the same layout (`Fp8Spec.online`), so one code path serves both.
 """
 
 from __future__ import annotations

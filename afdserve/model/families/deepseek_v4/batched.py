@@ -1,21 +1,16 @@
 """DeepSeek-V4 attention for a whole ubatch at once: prefill chunks of any length beside decodes.
 
-Rows are grouped by segment (consecutive positions of one sequence, a chunk [start, end)); every
+Rows are grouped by segment (consecutive positions of one sequence, a chunk [start, end)); each
 row carries its position, its segment's block table and its chunk's bounds (`StepRows`), and the
-layer runs in tensor ops over the paged layout of cache.py, with no loop over sequences or tokens
-and no host sync: every shape follows the ubatch's row count and the block table's width W (the
-graph buffers' maxima), never a sequence's length. What a row needs at position q is this
-chunk's own row r - (p - q) when q >= start (`StepRows.chunk_or`), else the pages, which hold the
-state the chunk starts from (`LayerPages.read`'s contract). Each page row is written by the one
-row whose value `LayerPages.write` would leave there, after every read of that page, and a
-sequence writes only its own blocks (V4 shares no block between sequences: prefix caching is
-off), so the order of segments does not matter. Pad rows (rows of no segment, or of a graph's
-pad segment of context 0) read whatever their table points at, send every write to the pages'
-scratch row (`LayerPages.flat`) and give a zero output, as on the per-sequence path; the sink
-keeps their softmax finite. A decode ubatch (one row per segment) is the case CUDA graphs capture.
-NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor (CSA's
-main entries only its top-k): cheap for decode and short chunks, but a long prefill of a long
-context wants the keys per segment (a varlen kernel), not per row.
+layer runs in tensor ops over cache.py's pages with no loop over sequences or tokens and no host
+sync: shapes follow the row count and the block-table width W, never a sequence's length. A row
+reads position q from its own chunk when q >= start (`StepRows.chunk_or`), else from the pages
+(`LayerPages.read`'s contract). Each page row is written by the one row whose value
+`LayerPages.write` would leave there, after every read of that page; a sequence writes only its
+own blocks (V4 shares none: no prefix caching), so segment order does not matter. Pad rows write
+to the pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
+NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap
+for decode and short chunks; a long prefill of a long context wants them per segment.
 """
 
 from __future__ import annotations
