@@ -74,11 +74,15 @@ class BlockManager:
     def refs(self, block: int) -> int:
         return self._refs[block]
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` positions holds (the cache layout's rule)."""
+        return self._blocks_for(num_tokens, self._block_size)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks so that `seq.block_table` covers positions `[0, num_tokens)`."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens}: must be >= 0")
-        total = self._blocks_for(num_tokens, self._block_size)
+        total = self.blocks_for(num_tokens)
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:

@@ -188,7 +188,7 @@ class Scheduler:
                 if not self.config.chunked_prefill:
                     break
                 num_new = budget
-            total = -(-(num_cached + num_new) // bm.block_size)
+            total = bm.blocks_for(num_cached + num_new)
             if total > bm.num_blocks:
                 raise self._too_small(seq, num_cached + num_new)
             # Cached blocks nobody references sit in the free queue: taking them costs free
@@ -282,7 +282,7 @@ class Scheduler:
         bm = self.block_manager
         return RuntimeError(
             f"KV cache too small: request {seq.request_id!r} alone needs "
-            f"{-(-positions // bm.block_size)} blocks for {positions} positions, but the cache "
+            f"{bm.blocks_for(positions)} blocks for {positions} positions, but the cache "
             f"holds {bm.num_blocks} blocks of {bm.block_size} tokens "
             f"({bm.num_blocks * bm.block_size} positions)"
         )
