@@ -23,9 +23,7 @@ import triton.language as tl
 from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
 
 # Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the sort-free grouped
-# GEMM, for Qwen3-30B-A3B's experts on an H200 (tools/bench_fp8_kernels.py, graph replay,
-# 2026-12-02): equal at a batch of 64 at top-8 (296 against 295 us), the grouped GEMM 1.35x
-# faster at 96 and 128 (405 against 300 us), and this path 4.6x slower past 1024 pairs.
+# GEMM: where the two took the same time on an H200 (docs/benchmarks.md, "Kernel constants").
 MAX_PAIRS = 512
 
 # Tile shapes by pair count, each row used up to its first field: (pairs, intermediate columns

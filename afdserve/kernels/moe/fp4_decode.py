@@ -44,10 +44,8 @@ class Tiles(NamedTuple):
     weights_left: bool = True
 
 
-# By pair count, each row used up to its first field. `tools/fp4_moe_bench.py --sweep` on an H200
-# at Flash's shape (2026-12-02, docs/benchmarks.md): 64 gate/up and 128 down columns at a K step of
-# 128 were the fastest at batches 8 and 64 (462.8 and 2256.7 us, against 534.1 and 2569.5 at a step
-# of 256) and within 1% of the fastest at batch 1 (101.2 against 100.4 us), so one shape serves all.
+# By pair count, each row used up to its first field. One shape serves every batch: the fastest
+# of `tools/fp4_moe_bench.py --sweep` at Flash's shape (docs/benchmarks.md, "Kernel constants").
 TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128, k_block=128)),)
 
 

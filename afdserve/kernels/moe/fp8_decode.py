@@ -34,12 +34,8 @@ from afdserve.kernels.triton.fp8_weight_only import (
 )
 
 SCALE_BLOCK = 128
-# Pairs up to which `ops.moe_experts_fp8` takes these kernels; past it the sort-free grouped GEMM
-# with the same dequantization. Qwen3-30B-A3B's experts on an H200 (graph replay, 2026-12-02,
-# both with the weights right): these kernels 29 against 34 us at a batch of 1 at top-8, the
-# grouped GEMM faster from a batch of 8 (97 against 136 us) to 128 (205 against 380 us); with the
-# weights left these take 20.7 us at 1, the grouped 90.8 against 127.6 at 8. Batches 2-7 are
-# untimed.
+# Pairs up to which `ops.moe_experts_fp8` takes these kernels (a batch of 1 at top-8); past it the
+# sort-free grouped GEMM was faster on an H200 (docs/benchmarks.md, "Kernel constants").
 MAX_PAIRS = 8
 # Whether the weight tile is the dots' left operand (out^T = W x^T, module docstring); False
 # keeps the first orientation (out = x W^T), to time one against the other.
@@ -47,9 +43,8 @@ WEIGHTS_LEFT = True
 # Pairs per tile with the weights left, up to MAX_PAIRS pairs (so one tile holds all of an
 # expert's): 8, the smallest N of an MMA (16 is the smallest M, so the old orientation's floor).
 LEFT_ROWS = 8
-# Columns per gate/up and down program with the weights left: tools/fp8_moe_bench.py --variants
-# on an H200 (2026-12-02, batch 1, w8a8): 64 / 128 20.7 us against 23.8 with triton_moe's 32 / 64
-# and 26.7 with the weights right (64 / 64: 20.9; 16-row wgmma tiles 32.9).
+# Columns per gate/up and down program with the weights left: the fastest of
+# `tools/fp8_moe_bench.py --variants` on an H200 (docs/benchmarks.md, "Kernel constants").
 LEFT_COLUMNS = (64, 128)
 
 

@@ -44,21 +44,13 @@ GROUPED_MAX_PAIRS = 8192
 # Tile widths and launch settings: (intermediate columns per gate/up program, hidden columns per
 # down program, warps, pipeline stages).
 COLUMNS = (64, 64, 4, 3)
-# The same for FP8 weights: w8a8 tiles of 128 columns beat 64 (181.9 against 189.3 us at a batch
-# of 64, 243.0 against 253.8 at 256; within 5% the other way at 8: Qwen3-30B-A3B's experts, H200,
-# 2026-12-02). Taller tiles lost at every batch (16 rows: 181.9 us at 64; 32: 277.3; 64: 673.9).
-# Down tiles of 256 columns (two scale blocks' rows, weights left) load and quantize each h tile
-# once for twice the weight bytes: 167.1 against 174.0 us at a batch of 64, 203.1 against 207.3
-# at 256, 87.5 against 89.8 at 8 (a layer's experts cycled over 4 copies, graph replay, H200,
-# 2026-12-04); 64 or 128 columns twice over was slower, as were 4 stages, 512 down columns
-# (169.0 at 64) and gate/up tiles of 256 columns (175.8 at 64, 218.7 at 256).
+# The same for FP8 weights: gate/up tiles of 128 columns; down tiles of 256 (two scale blocks'
+# rows, weights left) load and quantize each h tile once for twice the weight bytes. The sweep
+# that chose them is in docs/benchmarks.md ("Kernel constants").
 FP8_COLUMNS = (128, 256, 4, 3)
-# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): on an
-# H200 (2026-12-02, Qwen3-30B-A3B preset, graphs) decode steps of 6.81 against 7.20 ms at a
-# batch of 8 and 19.77 against 21.00 at 256 (12.64 against 12.74 at 64). Both orders are the
-# oracle's within the same tolerance at every tile count per expert (tests/gpu/
-# test_fp8_kernels.py); the model test that once failed with this on is a rate over 64 prompts
-# now, both orders within it (its MOST_FAR_DIVERGENCES). bf16 weights are always the right
+# Whether FP8 weight tiles are the dots' left operand (out^T = W x^T, module docstring): faster
+# decode steps on an H200 (docs/benchmarks.md, "Kernel constants"); both orders are the oracle's
+# within the same tolerance (tests/gpu/test_fp8_kernels.py). bf16 weights are always the right
 # operand.
 FP8_WEIGHTS_LEFT = True
 SCALE_BLOCK = 128
@@ -66,10 +58,8 @@ SCALE_BLOCK = 128
 # sm_90+: 0 off; 1 each launch may be placed before the one ahead of it ends and waits for it
 # at its start (tl.extra.cuda.gdc_wait, before any load: a launch that read earlier outputs
 # before it, or ended without it, would break the chain's order); 2 also lets the next launch
-# be placed once every gate/up or down program is past its K loop. FP8 experts, H200, a layer's
-# experts over 4 copies, graph replay, two runs each (2026-12-04): 87.3 / 85.3 / 84.8 us at a
-# batch of 8 for 0 / 1 / 2, 166.7 / 165.9 / 165.1 at 64, 203.1 / 202.1 / 200.8 at 256, the
-# outputs bit for bit the same. (The same on the w8a8 dense GEMM gained nothing: not there.)
+# be placed once every gate/up or down program is past its K loop. 2 was 1-3% faster a layer,
+# outputs bit for bit the same (docs/benchmarks.md, "Kernel constants").
 GDC = 2
 
 

@@ -40,8 +40,7 @@ GROUP = SCALE_BLOCK  # activation values per scale: one weight block's K
 QUANTIZE_IN_GEMM_ROWS = 16
 # Whether K splits are summed by the tile's last split (module docstring) rather than by a
 # second launch, which costs a launch per split GEMM: two a layer at a batch of 1 (q/k/v and
-# o_proj), one at 64. Qwen3-30B-A3B FP8 decode on an H200 (graphs, context 1024, 2026-12-04):
-# 3.08 / 3.08 against 3.13 / 3.14 ms a step at a batch of 1, within spread past it.
+# o_proj), one at 64 (docs/benchmarks.md, "Kernel constants").
 REDUCE_IN_GEMM = True
 # Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
 MAX_SPLIT_TILES = 512

@@ -351,14 +351,12 @@ def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     return bm, bn, SCALE_BLOCK, splits, 4, 4
 
 
-# Whether the dense GEMM quantizes its activations (w8a8, kernels/triton/fp8_w8a8.py): on an
-# H200 it took 7.1 against 17.7 us for Qwen3-30B-A3B's packed q/k/v at 64 rows and 14.4 against
-# 32.5 at 256 (docs/benchmarks.md, 2026-12-02); vLLM and DeepSeek's own inference quantize
-# activations the same way (per token, groups of 128).
+# Whether the dense GEMM quantizes its activations (w8a8, kernels/triton/fp8_w8a8.py): faster
+# than weight-only on an H200 (docs/benchmarks.md, "Kernel constants"); vLLM and DeepSeek's own
+# inference quantize activations the same way (per token, groups of 128).
 W8A8 = True
-# Whether the routed-expert kernels (triton_fp8_moe, triton_grouped_moe) quantize x and h too:
-# the grouped GEMM took 181.9 against 197.7 us at a batch of 64 and 243.0 against 267.1 at 256
-# (with 128-column tiles, triton_grouped_moe.FP8_COLUMNS; Qwen3-30B-A3B's experts, H200).
+# Whether the routed-expert kernels (moe/fp8_decode.py, moe/grouped.py) quantize x and h too:
+# faster on an H200 (docs/benchmarks.md, "Kernel constants").
 W8A8_EXPERTS = True
 
 
