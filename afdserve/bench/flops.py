@@ -8,6 +8,7 @@ import statistics
 
 import torch
 
+from afdserve.bench.report import device_seconds
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import model_class
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
@@ -38,13 +39,5 @@ def measure_matmul_tflops(device: torch.device, n: int = 8192) -> float:
     """TFLOP/s of an n x n x n bf16 matmul on `device` (median of 10 after 3 warm-ups)."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
+    times = [device_seconds(lambda: torch.mm(a, b), device) for _ in range(13)][3:]
     return 2 * n**3 / statistics.median(times) / 1e12

@@ -170,11 +170,12 @@ def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
     _, path, block_size = shape
     ran = []
 
-    def counted(*args):
-        ran.append(1)
-        return batched.decode_attention(*args)
+    def counted(attn, pages, x, rows, *ropes):
+        if bool((rows.end - rows.start <= 1).all()):  # a decode ubatch: one row per sequence
+            ran.append(1)
+        return batched.step_attention(attn, pages, x, rows, *ropes)
 
-    monkeypatch.setattr(model_module, "decode_attention", counted)
+    monkeypatch.setattr(model_module, "step_attention", counted)
     with LLM(
         str(path),
         dtype="float32",

@@ -34,7 +34,6 @@ class StepRows:
     real: torch.Tensor  # [rows] bool: in a segment of context > 0
     start: torch.Tensor  # [rows] int64: the first position of the row's chunk
     end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
-    decode: bool  # every segment one row at most (host-side: max_query_len)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StepRows | None:
@@ -56,7 +55,6 @@ class StepRows:
             context > 0,
             context - count,
             context,
-            batched.max_query_len <= 1,
         )
 
     def chunk_or(
@@ -104,18 +102,6 @@ def step_attention(
         allowed = torch.cat((allowed, seen), dim=1)
     y = attn.finish(attn.attend_batched(q, keys, allowed), cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
-
-
-def decode_attention(
-    attn: V4Attention,
-    pages: LayerPages,
-    x: torch.Tensor,
-    rows: StepRows,
-    rope: RopeTable,
-    compress_rope: RopeTable,
-) -> torch.Tensor:
-    """A decode ubatch: `step_attention`, named apart as the form full_decode_only captures."""
-    return step_attention(attn, pages, x, rows, rope, compress_rope)
 
 
 def _compressed(

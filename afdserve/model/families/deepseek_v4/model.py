@@ -25,7 +25,7 @@ from torch import nn
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
-from afdserve.model.families.deepseek_v4.batched import StepRows, decode_attention, step_attention
+from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 from afdserve.model.families.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
@@ -209,8 +209,7 @@ class V4CausalLM(nn.Module):
         if rows is None:
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
         else:
-            attend = decode_attention if rows.decode else step_attention
-            y = attend(attn, cache, x, rows, own, ropes["compress"])
+            y = step_attention(attn, cache, x, rows, own, ropes["compress"])
         h = expand(h, y, post, comb)
         collapsed, post, comb = block.ffn_hc(h)
         return block.post_attention_layernorm(collapsed), (h, post, comb)
