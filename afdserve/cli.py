@@ -239,12 +239,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
     """`afdserve make-tiny-model`: a random HF checkpoint for tests."""
+    from afdserve.model.families import FAMILIES as SERVED_FAMILIES
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint")
     tiny.add_argument("dir", help="the directory to write (default: none, required)")
     tiny.add_argument(
         "--family",
         required=True,
-        choices=("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral", "deepseek_v4"),
+        choices=SERVED_FAMILIES,
         help="the architecture, by its model_type (default: none, required)",
     )
     tiny.add_argument(

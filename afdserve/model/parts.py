@@ -4,7 +4,8 @@ calls they drive it through (`CausalLM`) and what a family registers (`Family`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -80,3 +81,9 @@ class Family:
     parse_config: Callable[[dict[str, Any], str], ModelConfig]  # (raw, model_type)
     model_class: type
     cache_layout: Callable[[ModelConfig], CacheLayout]
+    # Published configs for the benches (model/presets.py): preset name -> config.json dict.
+    presets: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    # Writes a tiny random checkpoint (model/fixtures/tiny.py's make_tiny_model hands over to it):
+    # (out_dir, model_type, hash_layers, seed, dtype, quantization) -> out_dir. None: the
+    # decoder families' builder in tiny.py.
+    make_tiny: Callable[..., Path] | None = None

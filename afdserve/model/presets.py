@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from afdserve.model.config import ModelConfig, read_hf_config
-from afdserve.model.families import parse_model_config
+from afdserve.model.families import REGISTERED, parse_model_config
 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (numbers cross-checked against the
 # Megatron launch script scripts/models/qwen3-30B-A3B.sh in slime, github.com/zyzshishui/slime).
@@ -217,6 +217,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": MIXTRAL_8X7B,
     "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
     "tiny": TINY,
+    # Each family folder may publish its own (model/parts.py's Family.presets).
+    **{name: config for family in REGISTERED for name, config in family.presets.items()},
 }
 LAYERS_SEP = ":"
 PRESET_HELP = (
