@@ -15,7 +15,7 @@ from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.config import EngineConfig, EngineConfigs, engine_configs
 from afdserve.engine.cuda_graphs import auto_graph_mode, check_capturable
 from afdserve.engine.device import resolve_device, with_batch_limits
-from afdserve.engine.factory import prefix_caching_for
+from afdserve.engine.factory import max_model_len_for, prefix_caching_for
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.step_recorder import StepLogFile
 from afdserve.engine.tokenizer import load_tokenizer
@@ -152,7 +152,8 @@ class LLM:
         )
         if kwargs.get("graph_mode", "auto") == "auto":
             # What auto becomes where the model's cache layout keeps it eager (model/cache.py).
-            mode, why = auto_graph_mode(model_config, self.graph_config.mode)
+            max_len = max_model_len_for(self.engine_config, model_config)
+            mode, why = auto_graph_mode(model_config, self.graph_config.mode, max_len)
             if why is not None:
                 log.info("graph_mode auto is none for %s (%s)", model_config.family, why)
                 self.graph_config = dataclasses.replace(self.graph_config, mode=mode)

@@ -48,10 +48,10 @@ def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
         )
 
 
-def auto_graph_mode(config: ModelConfig, mode: str) -> tuple[str, str | None]:
-    """What graph_mode "auto" (already resolved to `mode` for the device) becomes for this model,
-    and why, where its layout keeps it eager."""
-    why = cache_layout(config).eager_by_default
+def auto_graph_mode(config: ModelConfig, mode: str, max_model_len: int) -> tuple[str, str | None]:
+    """What graph_mode "auto" (already resolved to `mode` for the device) becomes for this model
+    at this max_model_len, and why, where its layout keeps it eager."""
+    why = cache_layout(config).eager_by_default(max_model_len)
     if why is None or mode == "none":
         return mode, None
     return "none", why

@@ -32,6 +32,9 @@ class CacheSpec(ABC):
     graph_refusals: tuple[tuple[str, str], ...] = ()
     # Why graph_mode "auto" stays "none" on CUDA for these layers (None: the engine's default).
     eager_by_default: str | None = None
+    # (max_model_len above which "auto" stays "none" on CUDA, why): for layers whose captured
+    # decode reads every row's state out to max_model_len, so that a graph's cost grows with it.
+    graph_context_limit: tuple[int, str] | None = None
     # Whether the layers read the batched segment tensors on every device (the CPU reference
     # otherwise loops over segments).
     batched_segments: bool = False
@@ -112,9 +115,16 @@ class CacheLayout:
     def fp8_refusal(self) -> str | None:
         return self._first(s.fp8_refusal for s in self.specs)
 
-    @property
-    def eager_by_default(self) -> str | None:
-        return self._first(s.eager_by_default for s in self.specs)
+    def eager_by_default(self, max_model_len: int) -> str | None:
+        """Why graph_mode "auto" stays "none" on CUDA for this model at this max_model_len."""
+        over = (
+            f"max_model_len={max_model_len} > {limit}: {why}"
+            for s in self.specs
+            if s.graph_context_limit is not None
+            for limit, why in (s.graph_context_limit,)
+            if max_model_len > limit
+        )
+        return self._first((*(s.eager_by_default for s in self.specs), *over))
 
     @property
     def batched_segments(self) -> bool:

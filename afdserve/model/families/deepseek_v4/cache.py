@@ -87,9 +87,13 @@ FULL_GRAPH_REFUSAL = (
     "graph yet (each row gathers its compressed keys, which grows with rows x context); use "
     "graph_mode='full_decode_only' or 'none'"
 )
-EAGER_BY_DEFAULT = (
-    "its decode graphs pad every row to max_model_len's compressed entries; pass "
-    "graph_mode='full_decode_only' for them"
+# Graphs by default up to the longest context measured to win (docs/benchmarks.md, "DeepSeek-V4
+# served"): a captured decode step reads every row's compressed entries out to max_model_len.
+GRAPH_CONTEXT_LIMIT = (
+    8192,
+    "DeepSeek-V4's decode graphs read every row's compressed entries out to max_model_len, "
+    "measured to beat eager steps only up to 8192; pass graph_mode='full_decode_only' for "
+    "them at longer contexts",
 )
 
 
@@ -102,7 +106,7 @@ class V4Pages(CacheSpec):
     config: ModelConfig
     fp8_refusal = FP8_REFUSAL
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
-    eager_by_default = EAGER_BY_DEFAULT
+    graph_context_limit = GRAPH_CONTEXT_LIMIT
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
     # runs what a graph captures.
     batched_segments = True
