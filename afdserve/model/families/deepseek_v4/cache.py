@@ -90,10 +90,10 @@ FULL_GRAPH_REFUSAL = (
 # Graphs by default up to the longest context measured to win (docs/benchmarks.md, "DeepSeek-V4
 # served"): a captured decode step reads every row's compressed entries out to max_model_len.
 GRAPH_CONTEXT_LIMIT = (
-    8192,
-    "DeepSeek-V4's decode graphs read every row's compressed entries out to max_model_len, "
-    "measured to beat eager steps only up to 8192; pass graph_mode='full_decode_only' for "
-    "them at longer contexts",
+    65536,
+    "DeepSeek-V4's decode graphs read every row's compressed entries out to max_model_len "
+    "(their time and scratch memory grow with it), measured to beat eager steps up to 65536; "
+    "pass graph_mode='full_decode_only' for them at longer contexts",
 )
 
 
