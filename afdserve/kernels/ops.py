@@ -108,7 +108,7 @@ def prepare_qkv(
     if _triton_ready(qkv):
         from afdserve.kernels.triton import qkv as triton_qkv
 
-        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
+        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim, layout):
             return triton_qkv.prepare_qkv(*args)
     return reference.prepare_qkv(*args)
 
