@@ -4,7 +4,8 @@ nothing). Layouts: Qwen3's per-head norms over the whole head's rotary; MiniMax-
 row's whole q and k (weights of heads * head_dim) with rotary on half of each head, the rest passed
 through; the partial rotary with no norm (bit for bit) and interleaved. float32 and float16 (the
 interpreter's bf16 is unreliable, and so is its float8_e4m3fn cast, which rounds 1.97 to 1.0: the
-FP8 cache is tests/gpu/test_qkv_kernel.py's, which runs the same layouts compiled). In a subprocess: the variable must be set before any @triton.jit function is defined."""
+FP8 cache is tests/gpu/test_qkv_kernel.py's, which runs the same layouts compiled). In a
+subprocess: the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
 
