@@ -170,3 +170,44 @@ def test_config_fields_refused_by_name(change: dict, named: str) -> None:
     raw = copy.deepcopy(MINIMAX_M2) | change
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")):
         parse_model_config(raw)
+
+
+def test_make_tiny_model_cli_writes_the_public_fp8_layout(tmp_path: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from afdserve.cli import main
+
+    out = tmp_path / "m2"
+    args = ["make-tiny-model", str(out), "--family", "minimax_m2", "--quantization", "fp8"]
+    assert main(args) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "minimax_m2" and raw["num_mtp_modules"] == 1
+    quant = raw["quantization_config"]
+    assert quant["fmt"] == "float8_e4m3fn"
+    assert quant["modules_to_not_convert"] == ["gate", "e_score_correction_bias", "lm_head"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes["model.layers.0.block_sparse_moe.experts.3.w2.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.0.block_sparse_moe.gate.weight"] == "F32"
+    assert dtypes["model.layers.0.block_sparse_moe.e_score_correction_bias"] == "F32"
+    with pytest.raises(ValueError, match="hash_layers=1"):
+        make_tiny_model(tmp_path / "hash", "minimax_m2", hash_layers=1)
+
+
+def test_prefix_caching_changes_no_token(tiny: Path) -> None:
+    """The plain paged KV cache: a prompt's shared prefix is served from cached blocks, and the
+    tokens are those of a run without caching."""
+    prefix = [(11 * i + 5) % 256 for i in range(24)]
+    prompts = [prefix + [1, 2, 3], prefix + [200, 7], prefix + [42]]
+    got = {}
+    for enable in (False, True):
+        with LLM(str(tiny), dtype="float32", block_size=4, enable_prefix_caching=enable) as llm:
+            llm.generate(prompts[:1], GREEDY)  # leaves the prefix's blocks cached
+            outs = llm.generate(prompts, GREEDY)
+        got[enable] = [o.token_ids for o in outs]
+        cached = [o.num_cached_tokens for o in outs]
+        assert all(c >= 24 for c in cached) if enable else not any(cached)
+    assert got[True] == got[False]
