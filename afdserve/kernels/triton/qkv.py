@@ -157,8 +157,10 @@ def _qkv_kernel(
     src = x_row + head * DIM
     c = _round(tl.load(COS + row * stride_cos + i, mask=mask, other=0.0).to(tl.float32), DT)
     s = _round(tl.load(SIN + row * stride_sin + i, mask=mask, other=0.0).to(tl.float32), DT)
+    # Names assigned in both branches of this runtime `if` must keep one type: q's and k's
+    # columns (different widths) get names of their own.
     if head < HEADS:
-        n = tl.arange(0, Q_NORM_PAD)
+        q_cols = tl.arange(0, Q_NORM_PAD)
         o1, o2, op = _norm_rotate(
             src,
             QW,
@@ -170,8 +172,8 @@ def _qkv_kernel(
             j,
             pass_mask,
             x_row,
-            n,
-            n < HEADS * DIM,
+            q_cols,
+            q_cols < HEADS * DIM,
             eps,
             ROT_HALF,
             PASS,
@@ -187,7 +189,7 @@ def _qkv_kernel(
         tl.store(dst + 2 * ROT_HALF + j, op.to(Q.dtype.element_ty), mask=pass_mask)
     else:
         kv = head - HEADS
-        n = tl.arange(0, K_NORM_PAD)
+        k_cols = tl.arange(0, K_NORM_PAD)
         o1, o2, op = _norm_rotate(
             src,
             KW,
@@ -199,8 +201,8 @@ def _qkv_kernel(
             j,
             pass_mask,
             x_row + HEADS * DIM,
-            n,
-            n < KV_HEADS * DIM,
+            k_cols,
+            k_cols < KV_HEADS * DIM,
             eps,
             ROT_HALF,
             PASS,
@@ -212,7 +214,7 @@ def _qkv_kernel(
         )
         slot = tl.load(SLOT + row * stride_slot).to(tl.int64)
         offset = (slot * KV_HEADS + kv) * DIM  # masked off entirely when slot is -1
-        # Quantized into new names: o1/o2 must keep the q branch's float32 type.
+        # Quantized by _store_k: o1/o2 must keep the q branch's float32 type.
         _store_k(K_CACHE, offset, o1, i, mask & (slot >= 0), k_scale, FP8_KV)
         _store_k(K_CACHE, offset, o2, ROT_HALF + i, mask & (slot >= 0), k_scale, FP8_KV)
         _store_k(K_CACHE, offset, op, 2 * ROT_HALF + j, pass_mask & (slot >= 0), k_scale, FP8_KV)
