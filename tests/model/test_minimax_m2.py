@@ -211,3 +211,27 @@ def test_prefix_caching_changes_no_token(tiny: Path) -> None:
         cached = [o.num_cached_tokens for o in outs]
         assert all(c >= 24 for c in cached) if enable else not any(cached)
     assert got[True] == got[False]
+
+
+def test_yarn_on_the_partial_rotary_matches_transformers(tiny: Path, tmp_path: Path) -> None:
+    """A scaled rope over the partial width: frequencies from transformers' own yarn with its
+    partial_rotary_factor, cos/sin scaled by its attention factor."""
+    import json
+    import shutil
+
+    edited = tmp_path / "yarn"
+    shutil.copytree(tiny, edited)
+    raw = json.loads((edited / "config.json").read_text())
+    raw["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "partial_rotary_factor": 0.5,
+    }
+    (edited / "config.json").write_text(json.dumps(raw))
+    model, _ = load_model(edited, ModelParts.colocated(), "float32")
+    assert model.rotary.scaling != 1.0 and len(model.config.rope_inv_freq) == 4
+    hf = MiniMaxM2ForCausalLM.from_pretrained(edited, dtype=torch.float32).eval()
+    for prompt, logits in zip(PROMPTS, afdserve_prefill_logits(model, PROMPTS), strict=True):
+        relative_close(logits, hf_logits(hf, prompt))
