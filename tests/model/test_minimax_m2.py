@@ -160,6 +160,8 @@ def test_preset_is_the_published_shape() -> None:
         ({"layernorm_mlp_beta": 0.5}, "layernorm_mlp_beta=0.5"),
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"attn_type_list": [0] + [1] * 61}, "attn_type_list"),
+        ({"layer_types": ["linear_attention"] * 62}, "layer_types"),
+        ({"mlp_beta_factor": 2}, "mlp_beta_factor=2"),
         ({"rotary_dim": 63}, "rotary_dim=63"),
         ({"partial_rotary_factor": 0.25}, "disagree"),
         ({"some_new_field": 1}, "'some_new_field' is not supported"),
@@ -235,3 +237,26 @@ def test_yarn_on_the_partial_rotary_matches_transformers(tiny: Path, tmp_path: P
     hf = MiniMaxM2ForCausalLM.from_pretrained(edited, dtype=torch.float32).eval()
     for prompt, logits in zip(PROMPTS, afdserve_prefill_logits(model, PROMPTS), strict=True):
         relative_close(logits, hf_logits(hf, prompt))
+
+
+def test_training_only_and_switched_off_fields_are_accepted() -> None:
+    """The keys a published config.json carries beyond the preset's: training-only ones, and
+    MiniMax-Text-01's at the values that switch them off."""
+    raw = copy.deepcopy(MINIMAX_M2) | {
+        "auto_map": {"AutoModelForCausalLM": "modeling_minimax_m2.MiniMaxM2ForCausalLM"},
+        "transformers_version": "4.46.1",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "use_cache": True,
+        "max_model_len": None,
+        "layernorm_full_attention_beta": 1.0,
+        "layernorm_linear_attention_beta": 1.0,
+        "layernorm_mlp_beta": 1.0,
+        "mlp_intermediate_size": 8192,
+        "shared_moe_mode": "sigmoid",
+        "sliding_window": None,
+    }
+    assert parse_model_config(raw) == parse_model_config(copy.deepcopy(MINIMAX_M2))

@@ -79,6 +79,14 @@ FIXED: dict[str, tuple[Any, ...]] = {
     "layernorm_linear_attention_beta": (1, 1.0),
     "layernorm_mlp_alpha": (1, 1.0),
     "layernorm_mlp_beta": (1, 1.0),
+    # transformers' spelling of the same factors (its `minimax`, MiniMax-Text-01).
+    "full_attn_alpha_factor": (1, 1.0),
+    "full_attn_beta_factor": (1, 1.0),
+    "linear_attn_alpha_factor": (1, 1.0),
+    "linear_attn_beta_factor": (1, 1.0),
+    "mlp_alpha_factor": (1, 1.0),
+    "mlp_beta_factor": (1, 1.0),
+    "postnorm": (False,),
 }
 # The MTP modules: not built (see MiniMaxM2Options.mtp_modules).
 MTP_KEYS = ("num_mtp_modules", "mtp_transformer_layers", "use_mtp")
@@ -105,6 +113,7 @@ IGNORED = frozenset(
         # routes, shared_intermediate_size is 0), and neither transformers nor vLLM reads them.
         "mlp_intermediate_size",
         "shared_moe_mode",
+        "block_size",  # Text-01's lightning-attention block: M2 has no such layer
     }
 )
 
@@ -114,7 +123,7 @@ def _refuse(message: str) -> None:
 
 
 def _check_keys(raw: dict[str, Any], layers: int) -> None:
-    known = HONOURED | IGNORED | set(FIXED) | set(MTP_KEYS) | {"attn_type_list"}
+    known = HONOURED | IGNORED | set(FIXED) | set(MTP_KEYS) | {"attn_type_list", "layer_types"}
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         others = f" (nor {unknown[1:]})" if len(unknown) > 1 else ""
@@ -122,10 +131,14 @@ def _check_keys(raw: dict[str, Any], layers: int) -> None:
     for key, allowed in FIXED.items():
         if key in raw and raw[key] not in allowed:
             _refuse(f"{key}={raw[key]!r} is not supported: only {allowed[0]!r} (MiniMax-M2's)")
+    # MiniMax-Text-01's lightning (linear) attention layers, in either spelling (0 in
+    # attn_type_list, "linear_attention" in layer_types): transformers' M2 has none.
     kinds = raw.get("attn_type_list")
     if kinds is not None and any(kind != 1 for kind in list(kinds)[:layers]):
-        # MiniMax-Text-01's 0 = lightning (linear) attention; transformers' M2 has none.
         _refuse(f"attn_type_list={kinds!r}: only full attention (1) in every layer")
+    kinds = raw.get("layer_types")
+    if kinds is not None and any(kind != "full_attention" for kind in list(kinds)[:layers]):
+        _refuse(f"layer_types={kinds!r}: only 'full_attention' in every layer")
 
 
 def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
