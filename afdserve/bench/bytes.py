@@ -134,7 +134,7 @@ def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int)
     GQA and MLA read the cache of position + 1 tokens (the new token's row included),
     DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""
     c = model.config
-    if c.family_config is None:
+    if c.attention in ("gqa", "mla"):
         mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
     per_step = [

@@ -86,7 +86,10 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class QKVLayout:
     """How GQA's packed projection [rows, (heads + 2 kv_heads) * head_dim] splits into heads, and
-    what its prologue applies: per-head q/k norms (both or neither) and the rotary's pairing."""
+    what its prologue applies: q/k norms (both or neither), per head (Qwen3: weights [head_dim])
+    or, with `norm_over_heads`, over each row's whole q and k (MiniMax-M2: weights [heads *
+    head_dim] and [kv_heads * head_dim]); the rotary's pairing, over each head's first
+    `rotary_dim` channels (None: all of them; the rest pass through, MiniMax-M2's partial rope)."""
 
     heads: int
     kv_heads: int
@@ -95,7 +98,18 @@ class QKVLayout:
     k_norm: torch.Tensor | None
     eps: float
     interleave: bool
+    norm_over_heads: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("q_norm and k_norm come together: give both or neither")
+        rot = self.rotary_width
+        if rot <= 0 or rot % 2 or rot > self.head_dim:
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim}: an even width in (0, head_dim={self.head_dim}]"
+            )
+
+    @property
+    def rotary_width(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim

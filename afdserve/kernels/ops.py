@@ -108,7 +108,7 @@ def prepare_qkv(
     if _triton_ready(qkv):
         from afdserve.kernels.triton import qkv as triton_qkv
 
-        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim):
+        if triton_qkv.supports(qkv, k_cache, v_cache, layout.head_dim, layout):
             return triton_qkv.prepare_qkv(*args)
     return reference.prepare_qkv(*args)
 
@@ -153,14 +153,16 @@ def route_greedy(
     scoring: str,
     normalize: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The router's plain top-k (softmax or sigmoid scores) as one fused launch on CUDA, or None
-    where the fast path does not apply and the caller keeps its torch form."""
-    if _triton_ready(x):
+    """The router's plain top-k (softmax or sigmoid scores; with `bias` added for the choice
+    only, noaux_tc of one group) as fused launches on CUDA, or None where the fast path does not
+    apply and the caller keeps its torch form."""
+    if _triton_ready(x) and scoring in ("softmax", "sigmoid"):
         from afdserve.kernels.moe import router as triton_router
 
         if triton_router.supports(x, weight, top_k):
-            return triton_router.route(x, weight, top_k, scoring, normalize, scale)
+            return triton_router.route(x, weight, top_k, scoring, normalize, scale, bias)
     return None
 
 

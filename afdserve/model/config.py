@@ -86,7 +86,7 @@ class ModelConfig:
     @property
     def kv_cache_dim(self) -> int:
         """Width of one cached token per KV head (MLA caches the compressed latent)."""
-        if self.family_config is not None:
+        if self.attention not in ("gqa", "mla"):
             raise ValueError(
                 f"family {self.family!r} has no single per-token KV width: its layers describe "
                 "their own pages (model/cache.py)"

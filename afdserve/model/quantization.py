@@ -15,7 +15,8 @@ from afdserve.config import QUANTIZATIONS
 # The one block size of every published FP8 checkpoint, and the one afdserve reads.
 BLOCK = (128, 128)
 # What a quantization_config may say for afdserve to honour it (anything else is refused by name).
-_FMTS = ("e4m3",)
+# MiniMax-M2 spells it as the torch dtype.
+_FMTS = ("e4m3", "float8_e4m3fn")
 _ACTIVATION_SCHEMES = ("dynamic",)
 # DeepSeek-V3.1 marks its float32 scales as powers of two ("ue8m0"): the same dequantization;
 # DeepSeek-V4 stores them as such, one byte each (float8_e8m0fnu), which the loader widens.

@@ -174,3 +174,65 @@ def test_supports():
     assert not triton_qkv.supports(qkv, cache.transpose(0, 1), cache, 128)
     assert not triton_qkv.supports(qkv, cache, cache, 127)
     assert not triton_qkv.supports(qkv, cache, cache, 514)
+
+
+def norm_over_heads_case(
+    rows: int, heads: int, kv_heads: int, dim: int, rot: int, dtype: torch.dtype, seed: int
+) -> dict:
+    """`qkv_case` in MiniMax-M2's layout: q/k norm weights over the whole row's q and k, rotary
+    on each head's first `rot` channels (cos/sin [rows, rot / 2])."""
+    case = qkv_case(rows, heads, kv_heads, dim, dtype, False, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    norms = [
+        (1 + 0.2 * torch.randn(n * dim, generator=gen)).to(dtype).to(DEVICE)
+        for n in (heads, kv_heads)
+    ]
+    case["layout"] = QKVLayout(heads, kv_heads, dim, *norms, EPS, False, True, rot)
+    case["cos"], case["sin"] = case["cos"][:, : rot // 2], case["sin"][:, : rot // 2]
+    return case
+
+
+# MiniMax-M2's (48 query, 8 KV heads of 128, rotary 64), its per-GPU slices, a smaller one.
+NORM_OVER_HEADS_SHAPES = [(48, 8, 128, 64), (6, 1, 128, 64), (12, 2, 128, 64), (4, 2, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "rot"), NORM_OVER_HEADS_SHAPES)
+def test_prepare_qkv_norm_over_heads_partial_rotary(heads, kv_heads, dim, rot, dtype):
+    from afdserve.kernels.triton import qkv as triton_qkv
+
+    for rows in (0, 1, 7, 64):
+        seed = hash((heads, kv_heads, dim, rot, list(DTYPES).index(dtype), rows))
+        case = norm_over_heads_case(rows, heads, kv_heads, dim, rot, DTYPES[dtype], seed)
+        qkv, layout = case["qkv"], case["layout"]
+        assert triton_qkv.supports(qkv, case["k_cache"], case["v_cache"], dim, layout)
+        k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+        got = triton_qkv.prepare_qkv(**case)
+        check_case(case, got, k_before, v_before)
+
+
+def test_prepare_qkv_norm_over_heads_fp8_cache():
+    """MiniMax-M2's layout into an FP8 cache: v quantized bit for bit as the reference does; k
+    from a norm a few ulps off may land on the neighbouring e4m3 value, no further."""
+    from afdserve.kernels.triton import qkv as triton_qkv
+
+    case = norm_over_heads_case(33, 48, 8, 128, 64, torch.bfloat16, 7)
+    for name in ("k_cache", "v_cache"):
+        case[name] = case[name].to(torch.float8_e4m3fn)
+    theirs = {name: case[name].clone() for name in ("k_cache", "v_cache")}
+    got = triton_qkv.prepare_qkv(**case, k_scale=0.5, v_scale=2.0)
+    want = reference.prepare_qkv(**{**case, **theirs}, k_scale=0.5, v_scale=2.0)
+    assert_same(got, want, exact=False)
+    assert torch.equal(case["v_cache"].view(torch.uint8), theirs["v_cache"].view(torch.uint8))
+    k, k_want = case["k_cache"].double(), theirs["k_cache"].double()
+    assert bool(((k - k_want).abs() <= 0.125 * k_want.abs() + 2**-9).all())
+
+
+def test_supports_norm_over_heads_up_to_its_tile():
+    from afdserve.kernels.triton import qkv as triton_qkv
+
+    case = norm_over_heads_case(2, 48, 8, 128, 64, torch.bfloat16, 1)
+    args = (case["qkv"], case["k_cache"], case["v_cache"], 128)
+    assert triton_qkv.supports(*args, case["layout"])
+    wide = dataclasses.replace(case["layout"], heads=triton_qkv.MAX_NORM_WIDTH // 128 + 1)
+    assert not triton_qkv.supports(*args, wide)

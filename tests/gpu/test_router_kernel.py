@@ -155,3 +155,25 @@ def test_router_supports():
     assert not triton_router.supports(x, weight.T.contiguous().T, 8)  # non-contiguous weight
     big_x, big = router_case(4, 513, 256, torch.bfloat16, seed=62)
     assert not triton_router.supports(big_x, big, 8)  # E > 512
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+@pytest.mark.parametrize("experts,hidden,top_k", [(256, 3072, 8), (60, 512, 4)])
+def test_router_with_selection_bias(experts, hidden, top_k, rows):
+    """MiniMax-M2's routing (noaux_tc of one group): sigmoid scores, the float32 bias added for
+    the choice only, the picked scores renormalised; against `Router.forward`'s torch form."""
+    x, weight = router_case(rows, experts, hidden, torch.bfloat16, seed=experts + rows + 7)
+    gen = torch.Generator().manual_seed(rows)
+    bias = (torch.randn(experts, generator=gen) * 0.05).to(DEVICE)
+    assert triton_router.supports(x, weight, top_k)
+    ids, weights = triton_router.route(x, weight, top_k, "sigmoid", True, 1.0, bias)
+    scores = reference_scores(x, weight, "sigmoid")
+    choice = scores + bias
+    ref_ids = choice.topk(top_k, dim=-1).indices
+    ranked = choice.sort(-1, descending=True).values
+    keep = (ranked[:, top_k - 1] - ranked[:, top_k]).abs() >= TIE
+    assert int((~keep).sum()) <= max(2, rows // 8)
+    assert torch.equal(ids.sort(-1).values[keep], ref_ids.sort(-1).values[keep])
+    ref = scores.gather(1, ids)
+    ref = ref / ref.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights[keep], ref[keep], rtol=1e-5, atol=1e-7)

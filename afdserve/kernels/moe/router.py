@@ -7,11 +7,14 @@ topk, sum, divide, multiply), each costing a few microseconds even inside a CUDA
    of H). At one row the E*H weight read dominates (0.5 MB for Qwen3-30B-A3B), so H is split
    until the grid has about `TARGET_PROGRAMS` programs and the read is spread over many SMs.
 2. select: per row, sum the partials (a fixed order, so results are deterministic), softmax or
-   sigmoid, top-k by repeated argmax, then normalise and scale.
+   sigmoid, top-k by repeated argmax, then normalise and scale. With a selection bias (noaux_tc
+   of one group: MiniMax-M2's `e_score_correction_bias`) the argmax runs over score + bias and
+   each pick's weight is its score alone.
 
 Products of bf16/fp16 inputs are exact in fp32 and accumulate in fp32, so the logits equal
 `x.float() @ weight.float().T` up to summation order; no tf32 anywhere (inputs are never fp32).
-Hash layers, `noaux_tc` and `group_limited_greedy` stay on the torch path in `Router.forward`.
+Hash layers, grouped `noaux_tc` and `group_limited_greedy` stay on the torch path in
+`Router.forward`.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def _logits_kernel(
 @triton.jit
 def _select_kernel(
     partial_ptr,
+    bias_ptr,
     ids_ptr,
     weights_ptr,
     rows,
     experts,
     splits,
     scale,
+    HAS_BIAS: tl.constexpr,
     SIGMOID: tl.constexpr,
     NORMALIZE: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -103,16 +108,22 @@ def _select_kernel(
         scores = p / tl.sum(p, axis=0)
     # Below every real score (sigmoid and softmax are >= 0), so padding is never picked.
     scores = tl.where(ok, scores, float("-inf"))
+    if HAS_BIAS:  # what picks the experts; their weights stay the scores
+        choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    else:
+        choice = scores
     slot = tl.arange(0, K_PAD)
     top_ids = tl.zeros((K_PAD,), dtype=tl.int64)
     top_weights = tl.zeros((K_PAD,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=0)
+        best = tl.max(choice, axis=0)
         # The lowest index among ties; clamped so a NaN row can never yield an out-of-range id.
-        pick = tl.minimum(tl.min(tl.where(scores == best, e, E_PAD), axis=0), experts - 1)
+        pick = tl.minimum(tl.min(tl.where(choice == best, e, E_PAD), axis=0), experts - 1)
+        if HAS_BIAS:
+            best = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)  # exactly scores[pick]
         top_ids = tl.where(slot == j, pick.to(tl.int64), top_ids)
         top_weights = tl.where(slot == j, best, top_weights)
-        scores = tl.where(e == pick, float("-inf"), scores)
+        choice = tl.where(e == pick, float("-inf"), choice)
     if NORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)  # K_PAD padding is 0
     keep = slot < TOP_K
@@ -136,9 +147,11 @@ def route(
     scoring: str,
     normalize: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, H] bf16/fp16, weight [E, H] of the same dtype -> (ids int64 [rows, top_k],
-    weights float32 [rows, top_k], descending). Check `supports` first; this only assumes the
+    weights float32 [rows, top_k], descending; with `bias` [E] (added to the scores for the
+    choice only) in the order of score + bias). Check `supports` first; this only assumes the
     shapes, so it also runs on CPU tensors under TRITON_INTERPRET=1."""
     rows, hidden = x.shape
     experts = weight.shape[0]
@@ -173,12 +186,14 @@ def route(
     e_pad = triton.next_power_of_2(experts)
     _select_kernel[(rows,)](
         partial,
+        partial if bias is None else bias,  # unread without a bias
         ids,
         weights,
         rows,
         experts,
         splits,
         float(scale),
+        HAS_BIAS=bias is not None,
         SIGMOID=scoring == "sigmoid",
         NORMALIZE=bool(normalize),
         TOP_K=top_k,

@@ -75,19 +75,32 @@ def prepare_qkv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """GQA's prologue on the packed projection: per-head q/k norms (when given), rotary on q and
-    k, k and v into the cache (quantized with k_scale / v_scale when it is FP8). Returns q
+    """GQA's prologue on the packed projection: q/k norms (when given; per head, or over each
+    row's whole q and k), rotary on q and k (on each head's first `rotary_width` channels), k and
+    v into the cache (quantized with k_scale / v_scale when it is FP8). Returns q
     [rows, heads, head_dim]."""
     rows, d, lay = qkv.shape[0], layout.head_dim, layout
     q, k, v = qkv.split([lay.heads * d, lay.kv_heads * d, lay.kv_heads * d], dim=-1)
-    q, k = q.view(rows, lay.heads, d), k.view(rows, lay.kv_heads, d)
-    v = v.view(rows, lay.kv_heads, d)
-    if lay.q_norm is not None and lay.k_norm is not None:
+    if lay.q_norm is not None and lay.k_norm is not None and lay.norm_over_heads:
         q, k = rms_norm(q, lay.q_norm, lay.eps), rms_norm(k, lay.k_norm, lay.eps)
-    q, k = rotate(q, cos, sin, lay.interleave), rotate(k, cos, sin, lay.interleave)
+    q, k = q.reshape(rows, lay.heads, d), k.reshape(rows, lay.kv_heads, d)
+    v = v.view(rows, lay.kv_heads, d)
+    if lay.q_norm is not None and lay.k_norm is not None and not lay.norm_over_heads:
+        q, k = rms_norm(q, lay.q_norm, lay.eps), rms_norm(k, lay.k_norm, lay.eps)
+    q, k = _rotate_part(q, cos, sin, lay), _rotate_part(k, cos, sin, lay)
     write_kv(k_cache, k, slot_mapping, k_scale)
     write_kv(v_cache, v, slot_mapping, v_scale)
     return q
+
+
+def _rotate_part(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: QKVLayout
+) -> torch.Tensor:
+    """`rotate` on each head's first rotary_width channels; the others pass through."""
+    rot = layout.rotary_width
+    if rot == x.shape[-1]:
+        return rotate(x, cos, sin, layout.interleave)
+    return torch.cat((rotate(x[..., :rot], cos, sin, layout.interleave), x[..., rot:]), dim=-1)
 
 
 def write_kv(

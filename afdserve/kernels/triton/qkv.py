@@ -1,11 +1,15 @@
-"""The GQA attention prologue in one Triton launch: per-head RMSNorm of q and k (Qwen3), rotary on
-both, and the k/v writes into the paged cache. Eagerly that is six launches per layer, each a few
-microseconds of mostly launch overhead at decode batch sizes.
+"""The GQA attention prologue in one Triton launch: RMSNorm of q and k, per head (Qwen3) or over
+each row's whole q and k (MiniMax-M2), rotary on both (on each head's first rotary_width channels:
+MiniMax-M2's partial rope passes the rest through), and the k/v writes into the paged cache.
+Eagerly that is six launches per layer, each a few microseconds of mostly launch overhead at
+decode batch sizes.
 
-Grid (rows, heads + kv_heads): program (r, h) reads head h of row r from the fused qkv row. q and
-k heads sit back to back there, so head h's source is columns [h * dim, (h + 1) * dim) either way.
-A q program writes the new q; a k program writes its rotated k and copies the matching v head into
-the cache, at the row's slot (slot -1: nothing).
+Grid (rows, heads + kv_heads): program (r, h) reads head h of row r from the fused qkv row (for a
+norm over the heads also the row's whole q or k, whose statistics each program recomputes from
+cache rather than in a launch of their own). q and k heads sit back to back there, so head h's
+source is columns [h * dim, (h + 1) * dim) either way. A q program writes the new q; a k program
+writes its rotated k and copies the matching v head into the cache, at the row's slot (slot -1:
+nothing).
 
 Numerics follow the reference composition step by step, rounding where it rounds: the normalised
 head to qkv's dtype, the weight product to the promoted dtype, cos/sin to that dtype, and each
@@ -33,46 +37,80 @@ def _round(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _normed(x, W, w_idx, mask, inv, NORM: tl.constexpr, DT: tl.constexpr):
+    """x normalised by `inv` times its weight, in float32 (reference.rms_norm: the normalised
+    value rounded to x's dtype, then one rounding of weight * it); x as it is without a norm."""
+    if NORM:
+        w = tl.load(W + w_idx, mask=mask, other=0.0).to(tl.float32)
+        return _round(w * _round(x.to(tl.float32) * inv, x.dtype), DT)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _norm_rotate(
     src,
     W,
+    w_base,
     c,
     s,
     i,
     mask,
+    j,
+    pass_mask,
+    row_src,
+    n,
+    n_mask,
     eps,
-    HALF: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    PASS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     NORM: tl.constexpr,
+    OVER_HEADS: tl.constexpr,
+    NORM_WIDTH: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One head: (first, second) output halves in float32, each already rounded to DT."""
+    """One head: (first, second) rotated halves and the pass-through channels past the rotary
+    width, in float32, each already rounded to DT. The norm's statistics are the head's own, or
+    with OVER_HEADS the row's whole q (or k) at `row_src` (indices n, n_mask)."""
     if INTERLEAVE:
         idx1 = 2 * i
         idx2 = 2 * i + 1
     else:
         idx1 = i
-        idx2 = HALF + i
+        idx2 = ROT_HALF + i
     x1 = tl.load(src + idx1, mask=mask, other=0.0)
     x2 = tl.load(src + idx2, mask=mask, other=0.0)
+    xp = tl.load(src + 2 * ROT_HALF + j, mask=pass_mask, other=0.0)
+    inv = 1.0
     if NORM:
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # Times 1/dim rather than over dim: torch's CUDA mean does the same, and the product is
-        # correctly rounded where Triton's float division (div.full.f32) is approximate.
-        inv_dim: tl.constexpr = 1.0 / (2 * HALF)
-        mean_sq = (tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)) * inv_dim
-        inv = tl.math.rsqrt(mean_sq + eps)
-        w1 = tl.load(W + idx1, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(W + idx2, mask=mask, other=0.0).to(tl.float32)
-        # reference.rms_norm: normalised row in x's dtype, then one rounding of weight * it.
-        y1 = _round(w1 * _round(a1 * inv, x1.dtype), DT)
-        y2 = _round(w2 * _round(a2 * inv, x2.dtype), DT)
-    else:
-        y1, y2 = x1.to(tl.float32), x2.to(tl.float32)
+        if OVER_HEADS:
+            a = tl.load(row_src + n, mask=n_mask, other=0.0).to(tl.float32)
+            sum_sq = tl.sum(a * a, axis=0)
+        else:
+            a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+            sum_sq = tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)
+            if PASS > 0:
+                ap = xp.to(tl.float32)
+                sum_sq = sum_sq + tl.sum(ap * ap, axis=0)
+        # Times 1/width rather than over width: torch's CUDA mean does the same, and the product
+        # is correctly rounded where Triton's float division (div.full.f32) is approximate.
+        inv_width: tl.constexpr = 1.0 / NORM_WIDTH
+        inv = tl.math.rsqrt(sum_sq * inv_width + eps)
+    y1 = _normed(x1, W, w_base + idx1, mask, inv, NORM, DT)
+    y2 = _normed(x2, W, w_base + idx2, mask, inv, NORM, DT)
+    yp = _normed(xp, W, w_base + 2 * ROT_HALF + j, pass_mask, inv, NORM, DT)
     # reference.rotate: every product and sum rounded to the rotated tensor's dtype.
     o1 = _round(_round(y1 * c, DT) - _round(y2 * s, DT), DT)
     o2 = _round(_round(y2 * c, DT) + _round(y1 * s, DT), DT)
-    return o1, o2
+    return o1, o2, yp
+
+
+@triton.jit
+def _store_k(K_CACHE, offset, o, idx, keep, k_scale, FP8_KV: tl.constexpr):
+    if FP8_KV:
+        tl.store(K_CACHE + offset + idx, quantize_fp8(o, k_scale, K_CACHE.dtype.element_ty), keep)
+    else:
+        tl.store(K_CACHE + offset + idx, o.to(K_CACHE.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -95,53 +133,112 @@ def _qkv_kernel(
     v_scale,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    ROT_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    Q_NORM_PAD: tl.constexpr,
+    K_NORM_PAD: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     NORM: tl.constexpr,
+    OVER_HEADS: tl.constexpr,
     DT: tl.constexpr,
     FP8_KV: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    dim: tl.constexpr = 2 * HALF
-    i = tl.arange(0, HALF_PAD)
-    mask = i < HALF
-    src = X + row * stride_x + head * dim
+    PASS: tl.constexpr = DIM - 2 * ROT_HALF
+    i = tl.arange(0, ROT_PAD)
+    mask = i < ROT_HALF
+    j = tl.arange(0, PASS_PAD)
+    pass_mask = j < PASS
+    x_row = X + row * stride_x
+    src = x_row + head * DIM
     c = _round(tl.load(COS + row * stride_cos + i, mask=mask, other=0.0).to(tl.float32), DT)
     s = _round(tl.load(SIN + row * stride_sin + i, mask=mask, other=0.0).to(tl.float32), DT)
+    # Names assigned in both branches of this runtime `if` must keep one type: q's and k's
+    # columns (different widths) get names of their own.
     if head < HEADS:
-        o1, o2 = _norm_rotate(src, QW, c, s, i, mask, eps, HALF, INTERLEAVE, NORM, DT)
-        dst = Q + (row * HEADS + head) * dim
+        q_cols = tl.arange(0, Q_NORM_PAD)
+        o1, o2, op = _norm_rotate(
+            src,
+            QW,
+            head * DIM if OVER_HEADS else 0,
+            c,
+            s,
+            i,
+            mask,
+            j,
+            pass_mask,
+            x_row,
+            q_cols,
+            q_cols < HEADS * DIM,
+            eps,
+            ROT_HALF,
+            PASS,
+            INTERLEAVE,
+            NORM,
+            OVER_HEADS,
+            HEADS * DIM if OVER_HEADS else DIM,
+            DT,
+        )
+        dst = Q + (row * HEADS + head) * DIM
         tl.store(dst + i, o1.to(Q.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF + i, o2.to(Q.dtype.element_ty), mask=mask)
+        tl.store(dst + ROT_HALF + i, o2.to(Q.dtype.element_ty), mask=mask)
+        tl.store(dst + 2 * ROT_HALF + j, op.to(Q.dtype.element_ty), mask=pass_mask)
     else:
-        o1, o2 = _norm_rotate(src, KW, c, s, i, mask, eps, HALF, INTERLEAVE, NORM, DT)
-        slot = tl.load(SLOT + row * stride_slot).to(tl.int64)
-        keep = mask & (slot >= 0)
         kv = head - HEADS
-        offset = (slot * KV_HEADS + kv) * dim  # masked off entirely when slot is -1
-        if FP8_KV:  # quantized into new names: o1/o2 must keep the q branch's float32 type
-            k1 = quantize_fp8(o1, k_scale, K_CACHE.dtype.element_ty)
-            k2 = quantize_fp8(o2, k_scale, K_CACHE.dtype.element_ty)
-            tl.store(K_CACHE + offset + i, k1, mask=keep)
-            tl.store(K_CACHE + offset + HALF + i, k2, mask=keep)
-        else:
-            tl.store(K_CACHE + offset + i, o1.to(K_CACHE.dtype.element_ty), mask=keep)
-            tl.store(K_CACHE + offset + HALF + i, o2.to(K_CACHE.dtype.element_ty), mask=keep)
-        v_src = src + KV_HEADS * dim  # v head kv sits kv_heads heads after k head kv
-        v1 = tl.load(v_src + i, mask=keep, other=0.0)
-        v2 = tl.load(v_src + HALF + i, mask=keep, other=0.0)
+        k_cols = tl.arange(0, K_NORM_PAD)
+        o1, o2, op = _norm_rotate(
+            src,
+            KW,
+            kv * DIM if OVER_HEADS else 0,
+            c,
+            s,
+            i,
+            mask,
+            j,
+            pass_mask,
+            x_row + HEADS * DIM,
+            k_cols,
+            k_cols < KV_HEADS * DIM,
+            eps,
+            ROT_HALF,
+            PASS,
+            INTERLEAVE,
+            NORM,
+            OVER_HEADS,
+            KV_HEADS * DIM if OVER_HEADS else DIM,
+            DT,
+        )
+        slot = tl.load(SLOT + row * stride_slot).to(tl.int64)
+        offset = (slot * KV_HEADS + kv) * DIM  # masked off entirely when slot is -1
+        # Quantized by _store_k: o1/o2 must keep the q branch's float32 type.
+        _store_k(K_CACHE, offset, o1, i, mask & (slot >= 0), k_scale, FP8_KV)
+        _store_k(K_CACHE, offset, o2, ROT_HALF + i, mask & (slot >= 0), k_scale, FP8_KV)
+        _store_k(K_CACHE, offset, op, 2 * ROT_HALF + j, pass_mask & (slot >= 0), k_scale, FP8_KV)
+        d = tl.arange(0, DIM_PAD)
+        keep = (d < DIM) & (slot >= 0)
+        v = tl.load(src + KV_HEADS * DIM + d, mask=keep, other=0.0)  # v head kv: kv_heads later
         if FP8_KV:
-            v1 = quantize_fp8(v1, v_scale, V_CACHE.dtype.element_ty)
-            v2 = quantize_fp8(v2, v_scale, V_CACHE.dtype.element_ty)
-        tl.store(V_CACHE + offset + i, v1.to(V_CACHE.dtype.element_ty), mask=keep)
-        tl.store(V_CACHE + offset + HALF + i, v2.to(V_CACHE.dtype.element_ty), mask=keep)
+            v = quantize_fp8(v, v_scale, V_CACHE.dtype.element_ty)
+        tl.store(V_CACHE + offset + d, v.to(V_CACHE.dtype.element_ty), mask=keep)
+
+
+# The widest q (heads * head_dim) whose norm statistics a program reads in one tile.
+MAX_NORM_WIDTH = 16384
 
 
 def supports(
-    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    head_dim: int,
+    layout: QKVLayout | None = None,
 ) -> bool:
+    if layout is not None and layout.norm_over_heads and layout.heads * head_dim > MAX_NORM_WIDTH:
+        return False
     return (
         qkv.is_cuda
         and k_cache.is_cuda
@@ -169,7 +266,8 @@ def prepare_qkv(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """qkv [rows, (heads + 2 * kv_heads) * head_dim] (last dim contiguous, rows may be strided);
-    q_norm/k_norm [head_dim] or both None; cos/sin [rows, head_dim / 2] float32 (last dim
+    q_norm/k_norm [head_dim] (or [heads * head_dim] / [kv_heads * head_dim] with
+    layout.norm_over_heads) or both None; cos/sin [rows, rotary_width / 2] float32 (last dim
     contiguous); caches [blocks, block_size, kv_heads, head_dim] contiguous; slot_mapping [rows],
     -1 for pad rows; caches in qkv's dtype, or float8_e4m3fn quantized with k_scale / v_scale.
     Writes k and v into the caches; returns q [rows, heads, head_dim] in qkv's
@@ -181,11 +279,12 @@ def prepare_qkv(
     if rows == 0:
         return q
     norm = q_norm is not None
+    over_heads = norm and layout.norm_over_heads
     # The reference's norm output takes torch's promotion of weight and input; rotary then
     # rounds in that dtype. q comes back in qkv's dtype regardless.
     dtype = torch.promote_types(q_norm.dtype, qkv.dtype) if norm else qkv.dtype
-    half = head_dim // 2
-    half_pad = triton.next_power_of_2(half)
+    rot_half = layout.rotary_width // 2
+    rot_pad = triton.next_power_of_2(rot_half)
     _qkv_kernel[(rows, heads + kv_heads)](
         qkv,
         q_norm if norm else qkv,  # unread when NORM is off
@@ -205,13 +304,19 @@ def prepare_qkv(
         float(v_scale),
         HEADS=heads,
         KV_HEADS=kv_heads,
-        HALF=half,
-        HALF_PAD=half_pad,
+        DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        ROT_HALF=rot_half,
+        ROT_PAD=rot_pad,
+        PASS_PAD=triton.next_power_of_2(max(1, head_dim - 2 * rot_half)),
+        Q_NORM_PAD=triton.next_power_of_2(heads * head_dim) if over_heads else 1,
+        K_NORM_PAD=triton.next_power_of_2(kv_heads * head_dim) if over_heads else 1,
         INTERLEAVE=layout.interleave,
         NORM=norm,
+        OVER_HEADS=over_heads,
         DT=_TL_DTYPES[dtype],
         FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=max(1, min(4, half_pad // 64)),
+        num_warps=4 if over_heads else max(1, min(4, rot_pad // 64)),
         enable_fp_fusion=False,
     )
     return q

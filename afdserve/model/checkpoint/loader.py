@@ -36,6 +36,7 @@ from afdserve.model.families.deepseek_v4 import names as v4_names
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
 from afdserve.model.layers.attention import GQAAttention
 from afdserve.model.layers.fp8 import (
+    BLOCK_SPARSE_MOE_FAMILIES,
     SCALE_SUFFIX,
     is_fp8,
     load_problem,
@@ -117,7 +118,7 @@ def build_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention and config.family_config is None:  # V4 computes its rope from the config
+    if parts.attention and config.attention in ("gqa", "mla"):  # V4 computes its own rope
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():
@@ -148,6 +149,8 @@ def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
     if family == "deepseek_v4":
         name = v4_names.to_ours(name)
     name = name.replace(".block_sparse_moe.", ".mlp.")
+    if family == "minimax_m2":  # its selection bias sits beside the gate, afdserve's in it
+        name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
     m = _PER_EXPERT.match(name)
     if m is None:
         return name, None, None
@@ -371,8 +374,10 @@ _MIXTRAL_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 
 def _checkpoint_name(config: ModelConfig, name: str, expert: int | None, part: str | None) -> str:
     """A missing tensor as the family's checkpoints spell it (the inverse of `_target`)."""
-    mixtral = config.family == "mixtral"
+    mixtral = config.family in BLOCK_SPARSE_MOE_FAMILIES
     v4 = config.family == "deepseek_v4"
+    if config.family == "minimax_m2":
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
     if expert is not None:
         stacked = "experts.down_proj" if part == "down" else "experts.gate_up_proj"
         proj = _MIXTRAL_PROJ[part] if mixtral or v4 else f"{part}_proj"

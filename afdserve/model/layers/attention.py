@@ -1,4 +1,5 @@
-"""Attention of the two kinds afdserve serves: GQA (Qwen3-MoE, Mixtral) and MLA (DeepSeek-V2/V3).
+"""Attention of the two kinds afdserve serves: GQA (Qwen3-MoE, Mixtral, MiniMax-M2) and MLA
+(DeepSeek-V2/V3).
 
 Each layer owns its slice of the paged KV cache, handed in per call: `(k_cache, v_cache)` for GQA,
 `(latent_cache, None)` for MLA, which caches the compressed latent plus the rotated key part.
@@ -36,11 +37,17 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        # MiniMax-M2 normalises each row's whole q and k (its family_config says so), Qwen3 each
+        # head: the norms' widths differ, and so does what the prologue computes.
+        self.norm_over_heads = getattr(config.family_config, "qk_norm_over_heads", False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            q_width, k_width = (self.heads, self.kv_heads) if self.norm_over_heads else (1, 1)
+            self.q_norm = RMSNorm(q_width * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width * self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Rotary on each head's first rotary_dim channels (MiniMax-M2 rotates half of them).
+        self.rotary_dim = 2 * len(config.rope_inv_freq)
         self.scale = config.softmax_scale
         self.eps = config.rms_norm_eps
         self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (module docstring)
@@ -102,7 +109,14 @@ class GQAAttention(nn.Module):
         k_cache, v_cache = cache
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         layout = QKVLayout(
-            self.heads, self.kv_heads, self.head_dim, *norms, self.eps, rotary.interleave
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            *norms,
+            self.eps,
+            rotary.interleave,
+            self.norm_over_heads,
+            self.rotary_dim,
         )
         q = ops.prepare_qkv(
             qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale

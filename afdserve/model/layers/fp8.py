@@ -66,15 +66,21 @@ def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return module.weight
 
 
+# Families whose checkpoints say `block_sparse_moe` for afdserve's `mlp` and w1/w3/w2 for the
+# experts' gate/up/down projections.
+BLOCK_SPARSE_MOE_FAMILIES = ("mixtral", "minimax_m2")
+
+
 def _checkpoint_names(config_family: str, name: str) -> tuple[str, ...]:
-    """afdserve's module name and, for Mixtral, the checkpoint's (`block_sparse_moe`)."""
-    if config_family == "mixtral" and ".mlp." in name:
+    """afdserve's module name and, for Mixtral and MiniMax-M2, the checkpoint's."""
+    if config_family in BLOCK_SPARSE_MOE_FAMILIES and ".mlp." in name:
         return name, name.replace(".mlp.", ".block_sparse_moe.")
     return (name,)
 
 
 def _expert_modules(family: str, name: str, experts: int) -> list[tuple[str, ...]]:
-    projs = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    mixtral_names = family in BLOCK_SPARSE_MOE_FAMILIES
+    projs = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     return [_checkpoint_names(family, f"{name}.{e}.{p}") for e in range(experts) for p in projs]
 
 

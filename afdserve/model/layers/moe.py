@@ -68,9 +68,12 @@ class Router(nn.Module):
         return logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> Routing:
-        if self.method == "greedy" and not self.hash:
+        # One group of noaux_tc (MiniMax-M2) is greedy top-k over score + bias.
+        one_group = self.method == "noaux_tc" and self.n_group == 1
+        if (self.method == "greedy" or one_group) and not self.hash:
+            bias = self.e_score_correction_bias if one_group else None
             fused = ops.route_greedy(
-                x, self.weight, self.top_k, self.scoring, self.normalize, self.scale
+                x, self.weight, self.top_k, self.scoring, self.normalize, self.scale, bias
             )
             if fused is not None:
                 return fused

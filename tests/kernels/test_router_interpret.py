@@ -1,0 +1,38 @@
+"""The Triton router (kernels/moe/router.py) with a selection bias, as MiniMax-M2 routes (sigmoid
+scores, `e_score_correction_bias` added for the choice only, weights renormalised, noaux_tc of one
+group), under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the experts and weights of
+`Router.forward`'s torch form. float16 rows (the interpreter computes bf16 wrongly);
+tests/gpu/test_router_kernel.py runs it compiled. Both kernels loop over a runtime bound, which
+Triton 3.6's interpreter cannot run on numpy 2.4 (skipped there). In a subprocess: the variable
+must be set before any @triton.jit function is defined."""
+
+from __future__ import annotations
+
+from tests.kernels.interpret import run_interpreted
+
+INTERPRETED_CASES = """
+import torch
+from afdserve.kernels.moe import router as triton_router
+
+for rows, experts, hidden, top_k, scale in [(1, 16, 64, 2, 1.0), (9, 60, 96, 4, 2.5)]:
+    gen = torch.Generator().manual_seed(rows + experts)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).half()
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).half()
+    bias = torch.randn(experts, generator=gen) * 0.3  # large enough to change choices
+    scores = (x.float() @ weight.float().T).sigmoid()
+    ref_ids = (scores + bias).topk(top_k, dim=-1).indices
+    ref = scores.gather(1, ref_ids)
+    ref = ref / ref.sum(-1, keepdim=True) * scale
+    assert not torch.equal(ref_ids.sort(-1).values, scores.topk(top_k).indices.sort(-1).values)
+    ids, weights = triton_router.route(x, weight, top_k, "sigmoid", True, scale, bias)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)  # both in order of score + bias
+    torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
+    print("bias", rows, experts, "ok")
+print("ok")
+"""
+
+
+def test_router_with_selection_bias_under_the_interpreter() -> None:
+    run = run_interpreted(INTERPRETED_CASES, timeout=600, min_triton=(3, 7))
+    output = run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), output
