@@ -48,14 +48,16 @@ class LayerGeometry:
       overlaps.
     - `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
-    Storage: "kv" pages (window, entries: what queries read) take the cache's dtype, FP8 too;
-    "state" pages (the compressor's open rows and first series) the model's; "float32" stays."""
+    Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
+    pages (the compressor's open rows and first series) the model's; "float32" stays (`stored`
+    says how an FP8 cache holds each)."""
 
     kind: str
     block_size: int
     window: int
     rate: int  # 0: sliding layer, no compressor
     pages: tuple[tuple[str, int, int, str], ...]
+    rope: int  # the trailing rotated channels of every key and entry
 
     @classmethod
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
@@ -74,7 +76,7 @@ class LayerGeometry:
                 if csa:
                     pages.append((f"{prefix}prev_kv", open_rows, width, "state"))
                     pages.append((f"{prefix}prev_gate", open_rows, width, "float32"))
-        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages))
+        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages), config.qk_rope_head_dim)
 
     @property
     def resumable(self) -> bool:
@@ -92,23 +94,30 @@ class LayerGeometry:
         bounds = [start, *cuts, end]
         return list(zip(bounds[:-1], bounds[1:]))
 
+    def stored(self, cache_dtype: torch.dtype) -> list[tuple[str, int, int, torch.dtype]]:
+        """The tensors a cache of `cache_dtype` holds per block: (name, rows, width, dtype).
+        An FP8 cache splits each "kv" page: its unrotated channels e4m3, the rotated ones
+        (`{name}_rope`) bf16, as DeepSeek's FP8 MLA cache keeps its rope part (positions
+        read through e4m3's 3 mantissa bits moved a tiny V4's logits twice as far). It keeps
+        the compressor's state bf16 (V4's dtype wherever e4m3 runs): the gates are softmax
+        logits, which e4m3 would reweight by up to e^(|g| / 16), and the rows are pooled
+        before the entry is quantized once. prev_gate stays float32, as computed."""
+        fp8 = cache_dtype == ops.FP8_DTYPE
+        out = []
+        for name, rows, width, storage in self.pages:
+            if storage == "float32":
+                out.append((name, rows, width, torch.float32))
+            elif not fp8:
+                out.append((name, rows, width, cache_dtype))
+            elif storage == "state":
+                out.append((name, rows, width, torch.bfloat16))
+            else:
+                out.append((name, rows, width - self.rope, cache_dtype))
+                out.append((f"{name}_rope", rows, self.rope, torch.bfloat16))
+        return out
+
     def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return sum(
-            rows * width * page_dtype(storage, dtype).itemsize
-            for _, rows, width, storage in self.pages
-        )
-
-
-def page_dtype(storage: str, cache_dtype: torch.dtype) -> torch.dtype:
-    """A page's dtype in a cache of `cache_dtype`. An FP8 cache keeps the compressor's state in
-    bf16 (V4's dtype wherever e4m3 runs): its gates are softmax logits, which e4m3's 3 mantissa
-    bits would reweight by up to e^(|g| / 16), and its rows are pooled before the entry is
-    quantized once. prev_gate stays float32, the bias-added gate as computed."""
-    if storage == "float32":
-        return torch.float32
-    if storage == "state" and cache_dtype == ops.FP8_DTYPE:
-        return torch.bfloat16
-    return cache_dtype
+        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
 
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
@@ -180,10 +189,11 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 class LayerPages:
     """One layer's pages over every block of the cache. An FP8 cache (kv_cache_dtype="fp8") holds
-    its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other families' k_scale: vLLM's
-    default, model/layers/attention.py): writes quantize, reads dequantize, and `as_stored` gives
-    a chunk's own keys as the pages would, so every key a query reads has passed through the
-    cache whichever chunk wrote it, and any chunking gives the same tokens."""
+    the unrotated channels of its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other
+    families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
+    (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
+    own keys as the pages would, so every key a query reads has passed through the cache
+    whichever chunk wrote it, and any chunking gives the same tokens."""
 
     def __init__(
         self,
@@ -199,15 +209,14 @@ class LayerPages:
         # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
         # so they never land in a real sequence's pages. It belongs to no block and is never read
         # as state; `bytes` counts the pages only.
+        stored = geometry.stored(dtype)
         self.flat = {
-            name: torch.zeros(
-                num_blocks * rows + 1, width, device=device, dtype=page_dtype(storage, dtype)
-            )
-            for name, rows, width, storage in geometry.pages
+            name: torch.zeros(num_blocks * rows + 1, width, device=device, dtype=page_dtype)
+            for name, rows, width, page_dtype in stored
         }
         self.pages = {
             name: self.flat[name][:-1].view(num_blocks, rows, width)
-            for name, rows, width, _ in geometry.pages
+            for name, rows, width, _ in stored
         }
 
     @property
@@ -215,20 +224,41 @@ class LayerPages:
         return sum(t.numel() * t.element_size() for t in self.pages.values())
 
     def as_stored(self, values: torch.Tensor) -> torch.Tensor:
-        """Keys or entries as a "kv" page gives them back (an FP8 round trip; else unchanged)."""
+        """Keys or entries [..., width] as a "kv" page gives them back (FP8: the round trip of
+        both parts; else unchanged)."""
         if not self.fp8:
             return values
-        stored = ops.quantize_kv(values, ops.FP8_DTYPE, self.scale)
-        return ops.dequantize_kv(stored, self.scale, values.dtype)
+        cut = values.shape[-1] - self.geometry.rope
+        nope = ops.quantize_kv(values[..., :cut], ops.FP8_DTYPE, self.scale)
+        return torch.cat(
+            (
+                ops.dequantize_kv(nope, self.scale, values.dtype),
+                values[..., cut:].to(torch.bfloat16).to(values.dtype),
+            ),
+            dim=-1,
+        )
 
-    def _stored(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        return ops.quantize_kv(values, self.flat[name].dtype, self.scale)
-
-    def _loaded(self, name: str, values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """Page rows in the reader's `dtype` (None: as stored); float32 pages stay float32."""
-        if dtype is None or values.dtype == torch.float32:
+    def _load(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """Flat rows of page `name` in the reader's `dtype` (None: bf16 where FP8, else as
+        stored); float32 pages stay float32."""
+        values = self.flat[name][rows]
+        if values.dtype == torch.float32:
             return values
-        return ops.dequantize_kv(values, self.scale, dtype).to(dtype)
+        dtype = dtype or (torch.bfloat16 if self.fp8 else values.dtype)
+        if f"{name}_rope" not in self.flat:
+            return values.to(dtype)
+        rope = self.flat[f"{name}_rope"][rows]
+        return torch.cat((ops.dequantize_kv(values, self.scale, dtype), rope.to(dtype)), dim=-1)
+
+    def _save(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """values [n, width] into flat rows [n] of page `name` (quantized where FP8)."""
+        flat = self.flat[name]
+        if f"{name}_rope" not in self.flat:
+            flat[rows] = values.to(flat.dtype)
+            return
+        cut = flat.shape[-1]
+        flat[rows] = ops.quantize_kv(values[..., :cut], flat.dtype, self.scale)
+        self.flat[f"{name}_rope"][rows] = values[..., cut:].to(torch.bfloat16)
 
     # ----- addressing: positions or entries -> rows of a page flattened to [blocks * rows] -----
     # One sequence: table [max_blocks], positions/entries [n]; a batch (batched.py): table
@@ -248,14 +278,6 @@ class LayerPages:
         first = (block * bs + m - 1) // m  # the block's first entry
         return self._block(table, block) * slots + entries - first
 
-    def _get(self, name: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        page = self.pages[name]
-        return self._loaded(name, page.view(-1, page.shape[-1])[rows], dtype)
-
-    def _put(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
-        page = self.pages[name]
-        page.view(-1, page.shape[-1])[rows] = self._stored(name, values)
-
     # ----- a ubatch (batched.py): tables [rows, W], positions/entries [rows, n] -----
     def batch_rows(self, name: str, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of `positions`, clamped into the W * B positions the tables address (a
@@ -270,17 +292,16 @@ class LayerPages:
         return self._entry_rows(name, tables, entries.clamp(0, count - 1))
 
     def take(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """flat rows [rows, n] -> [rows, n, width], in `dtype` (None: as stored)."""
-        return self._loaded(name, self.flat[name][rows], dtype)
+        """flat rows [rows, n] -> [rows, n, width], in `dtype` (`_load`)."""
+        return self._load(name, rows, dtype)
 
     def store(
         self, name: str, rows: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
     ) -> None:
         """values [rows, n, width] to flat rows [rows, n] where `keep` [rows, n], the others to
         the scratch row: one masked scatter, no host sync."""
-        flat = self.flat[name]
-        rows = torch.where(keep, rows, flat.shape[0] - 1)
-        flat[rows.reshape(-1)] = self._stored(name, values.reshape(-1, flat.shape[1]))
+        rows = torch.where(keep, rows, self.flat[name].shape[0] - 1)
+        self._save(name, rows.reshape(-1), values.reshape(-1, values.shape[-1]))
 
     def _span(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         return torch.arange(max(lo, 0), hi, device=device)
@@ -294,7 +315,7 @@ class LayerPages:
         g, dev = self.geometry, table.device
         window = self._span(start - (g.window - 1), start, dev)
         state = LayerState(
-            self._get("window", self._rows_of("window", table, window), dtype), window
+            self._load("window", self._rows_of("window", table, window), dtype), window
         )
         if g.rate:
             state.compressor = self._read_compressor("", table, start, dtype)
@@ -311,7 +332,7 @@ class LayerPages:
         pending = self._span(closed * m, start, dev)
 
         def get(name: str, rows: torch.Tensor) -> torch.Tensor:
-            return self._get(f"{prefix}{name}", rows, dtype)
+            return self._load(f"{prefix}{name}", rows, dtype)
 
         state = CompressorState(
             get("entries", self._entry_rows(f"{prefix}entries", table, entries)),
@@ -331,7 +352,7 @@ class LayerPages:
         series. Only rows a later chunk reads are written, so no two share a page row. Fed a
         chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state."""
         new = after.window_pos >= start
-        self._put(
+        self._save(
             "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
         )
         if self.geometry.rate:
@@ -346,7 +367,7 @@ class LayerPages:
         before, closed = start // m, end // m
         if closed > before:
             entries = torch.arange(before, closed, device=dev)
-            self._put(
+            self._save(
                 f"{prefix}entries",
                 self._entry_rows(f"{prefix}entries", table, entries),
                 state.entries[before:closed],
@@ -355,9 +376,9 @@ class LayerPages:
                 prev = self._rows_of(
                     f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
                 )
-                self._put(f"{prefix}prev_kv", prev, state.prev_kv)
-                self._put(f"{prefix}prev_gate", prev, state.prev_gate)
+                self._save(f"{prefix}prev_kv", prev, state.prev_kv)
+                self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)
         rows = self._rows_of(f"{prefix}open_kv", table, pending)
-        self._put(f"{prefix}open_kv", rows, state.pending_kv)
-        self._put(f"{prefix}open_gate", rows, state.pending_gate)
+        self._save(f"{prefix}open_kv", rows, state.pending_kv)
+        self._save(f"{prefix}open_gate", rows, state.pending_gate)
