@@ -307,9 +307,11 @@ class LayerPages:
         return torch.arange(max(lo, 0), hi, device=device)
 
     # ----- the per-sequence state -----
-    def read(self, table: torch.Tensor, start: int, dtype: torch.dtype) -> LayerState | None:
+    def read(
+        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None
+    ) -> LayerState | None:
         """The state a chunk starting at position `start` needs (None at position 0), in the
-        reader's `dtype` (the first series' gates stay float32)."""
+        reader's `dtype` (`_load`; the first series' gates stay float32)."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
@@ -324,7 +326,7 @@ class LayerPages:
         return state
 
     def _read_compressor(
-        self, prefix: str, table: torch.Tensor, start: int, dtype: torch.dtype
+        self, prefix: str, table: torch.Tensor, start: int, dtype: torch.dtype | None
     ) -> CompressorState:
         m, dev = self.geometry.rate, table.device
         closed = start // m
