@@ -241,7 +241,8 @@ class LayerPages:
     def _load(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """Flat rows of page `name` in the reader's `dtype` (None: bf16 where FP8, else as
         stored); float32 pages stay float32."""
-        values = self.flat[name][rows]
+        page = self.flat[name]
+        values = self._bytes(page)[rows].view(page.dtype)
         if values.dtype == torch.float32:
             return values
         dtype = dtype or (torch.bfloat16 if self.fp8 else values.dtype)
@@ -250,6 +251,12 @@ class LayerPages:
         rope = self.flat[f"{name}_rope"][rows]
         return torch.cat((ops.dequantize_kv(values, self.scale, dtype), rope.to(dtype)), dim=-1)
 
+    @staticmethod
+    def _bytes(page: torch.Tensor) -> torch.Tensor:
+        """An e4m3 page as bytes: indexing kernels take uint8 on every device and torch
+        version, float8 not everywhere."""
+        return page.view(torch.uint8) if page.dtype == ops.FP8_DTYPE else page
+
     def _save(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         """values [n, width] into flat rows [n] of page `name` (quantized where FP8)."""
         flat = self.flat[name]
@@ -257,7 +264,8 @@ class LayerPages:
             flat[rows] = values.to(flat.dtype)
             return
         cut = flat.shape[-1]
-        flat[rows] = ops.quantize_kv(values[..., :cut], flat.dtype, self.scale)
+        stored = ops.quantize_kv(values[..., :cut], flat.dtype, self.scale)
+        self._bytes(flat)[rows] = self._bytes(stored)
         self.flat[f"{name}_rope"][rows] = values[..., cut:].to(torch.bfloat16)
 
     # ----- addressing: positions or entries -> rows of a page flattened to [blocks * rows] -----
