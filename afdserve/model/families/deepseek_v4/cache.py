@@ -193,7 +193,8 @@ class LayerPages:
     families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
     (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
     own keys as the pages would, so every key a query reads has passed through the cache
-    whichever chunk wrote it, and any chunking gives the same tokens."""
+    whichever chunk wrote it: on a bf16 model (whose compressor state the bf16 pages hold
+    exactly) any chunking, prefix hits included, reads the same keys."""
 
     def __init__(
         self,
