@@ -1,9 +1,9 @@
 """Prefix caching for DeepSeek-V4 (model/families/deepseek_v4/cache.py's boundary writes): with
 caching on, requests that share a prefix with earlier ones resume from its full blocks and give the
 tokens of the engine without caching, for shared prefixes ending mid-window and mid-compressor
-window, a window shorter and longer than a block, chunked prefill, the per-sequence path, and hits
-taken when preempted sequences come back; block sizes that end inside a compressor window are
-refused by name."""
+window, a window shorter and longer than a block, chunked prefill, the per-sequence path, hits
+taken when preempted sequences come back, and a bf16 model over the FP8 cache; block sizes that
+end inside a compressor window are refused by name."""
 
 from __future__ import annotations
 
@@ -143,3 +143,23 @@ def test_block_sizes_inside_a_compressor_window_are_refused(tmp_path) -> None:
     config = load_model_config(path)
     assert prefix_caching_for(EngineConfig(model=str(path), block_size=6), config) is False
     assert prefix_caching_for(EngineConfig(model=str(path), block_size=8), config) is True
+
+
+def test_fp8_cache_with_caching_gives_its_uncached_tokens(tmp_path) -> None:
+    """A bf16 model over the FP8 cache: a chunk's own keys and entries take the pages' round trip
+    and the compressor state's bf16 pages hold its values exactly, so resuming from cached blocks
+    reads the keys the uncached run read."""
+    path = make_tiny_v4(tmp_path / "v4", seed=6, dtype="bfloat16")
+    runs = {}
+    for enable in (False, True):
+        with LLM(
+            str(path),
+            dtype="bfloat16",
+            block_size=4,
+            kv_cache_dtype="fp8",
+            enable_prefix_caching=enable,
+            max_num_batched_tokens=5,
+        ) as llm:
+            runs[enable] = one_by_one(llm, workload())
+    assert runs[True][0] == runs[False][0]
+    assert sum(runs[True][1]) > 0 and sum(runs[False][1]) == 0
