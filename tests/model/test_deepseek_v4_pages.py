@@ -116,10 +116,11 @@ def test_fp8_pages_batched_equals_per_sequence(model, block_size) -> None:
     assert any(bool(layer.pages["window"].float().abs().sum() > 0) for layer in caches[1].layers)
 
 
-def test_fp8_block_bytes_halve_the_kv_pages_only(tmp_path) -> None:
-    """Per layer and block: the KV pages at one byte an element, the compressor's state at
-    bf16's two, its biased gates at four; for deepseek-v4-flash at block_size 128 (CSA rate 4,
-    HCA 128) the FP8 cache holds the bf16 cache's blocks times the printed ratio."""
+def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
+    """Per layer and block: the KV pages' unrotated channels at one byte an element, their
+    rotated ones and the compressor's state at bf16's two, its biased gates at four; for
+    deepseek-v4-flash at block_size 128 (CSA rate 4, HCA 128) the FP8 cache holds the bf16
+    cache's blocks times the printed ratio (1.29: HCA's open rows stay bf16)."""
     config = load_model_config(make_tiny_v4(tmp_path / "v4"))
     rope = config.qk_rope_head_dim
     for spec in cache_layout(config).specs:
