@@ -1,8 +1,9 @@
 """How far an FP8 KV cache (kv_cache_dtype="fp8", scale 1.0) moves a tiny model's outputs, on CPU.
 
-For each model (the bundled tiny Qwen3-MoE and a tiny DeepSeek-V2, whose MLA caches the latent)
-and dtype: the greedy continuation of each prompt with the model-dtype cache (the reference);
-then, teacher-forced on that continuation, the same engine with the FP8 cache. Printed:
+For each model (the bundled tiny Qwen3-MoE, a tiny DeepSeek-V2, whose MLA caches the latent, and
+a tiny DeepSeek-V4, whose pages hold window rows and compressed entries) and dtype: the greedy
+continuation of each prompt with the model-dtype cache (the reference); then, teacher-forced on
+that continuation, the same engine with the FP8 cache. Printed:
   agree   the share of positions where the FP8 cache's argmax is the reference's token
   |dlp|   mean |logprob_fp8(t) - logprob_ref(t)| of the reference's token t (nats)
   max     the largest of those
@@ -40,10 +41,11 @@ Continuation = tuple[list[int], list[float]]
 
 
 def tiny_models(root: Path) -> dict[str, Path]:
-    """The bundled model (built as bundled.py builds it) and a tiny MLA checkpoint."""
+    """The bundled model (built as bundled.py builds it), a tiny MLA and a tiny V4 checkpoint."""
     return {
         "bundled": make_tiny_model(root / "bundled", BUNDLED_FAMILY, hash_layers=1, seed=0),
         "deepseek_v2": make_tiny_model(root / "deepseek_v2", "deepseek_v2", seed=0),
+        "deepseek_v4": make_tiny_model(root / "deepseek_v4", "deepseek_v4", seed=0),
     }
 
 

@@ -99,7 +99,8 @@ def step_kv_bytes(model: CausalLM, batch: int, mean_context: float, itemsize: in
 def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: int) -> int:
     """Bytes one sequence's decode query at `position` reads of DeepSeek-V4 layer `layer`'s pages:
     the state `LayerPages.read(table, position)` hands `V4Attention` (model/deepseek_v4/
-    cache.py, attention.py), in the pages' dtypes (`itemsize` bytes, `prev_gate` float32).
+    cache.py, attention.py), in the pages' dtypes (`itemsize` bytes, `prev_gate` float32; an
+    FP8 cache, itemsize 1, keeps the rotated channels and the compressor's state bf16).
 
     W = sliding_window, d = head_dim, m = the layer's compress rate, closed = position // m
     (the windows pooled into entries so far), open = position % m (rows of the open window):
@@ -114,16 +115,22 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
     Writes (the new row, an entry its window closes) are left out, as for every family."""
     v4, d, f32 = config.family_config, config.head_dim, 4
     kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
-    total = min(position, v4.sliding_window - 1) * d * itemsize
+    state = 2 if itemsize == 1 else itemsize  # the compressor's rows: bf16 in an FP8 cache
+    rope = config.qk_rope_head_dim
+
+    def key(width: int) -> int:  # one row of a window or entries page
+        return (width - rope) * itemsize + rope * state
+
+    total = min(position, v4.sliding_window - 1) * key(d)
     if not rate:
         return total
     closed, open_rows = divmod(position, rate)
     if kind == "heavily_compressed_attention":
-        return total + closed * d * itemsize + 2 * open_rows * d * itemsize
+        return total + closed * key(d) + 2 * open_rows * d * state
 
     def compressor(width: int, entries: int) -> int:
-        prev = rate * width * (itemsize + f32) if closed else 0
-        return entries * width * itemsize + 2 * open_rows * 2 * width * itemsize + prev
+        prev = rate * width * (state + f32) if closed else 0
+        return entries * key(width) + 2 * open_rows * 2 * width * state + prev
 
     selected = min(v4.index_topk, closed)
     return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)

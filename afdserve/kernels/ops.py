@@ -24,6 +24,7 @@ from afdserve.kernels.reference.fp8 import scale_grid as scale_grid
 from afdserve.kernels.reference.layers import causal_attention as causal_attention
 from afdserve.kernels.reference.layers import dequantize_kv as dequantize_kv
 from afdserve.kernels.reference.layers import gather_kv as gather_kv
+from afdserve.kernels.reference.layers import quantize_kv as quantize_kv
 from afdserve.kernels.reference.layers import swiglu as swiglu
 
 

@@ -128,3 +128,35 @@ def test_v4_in_process_1a1f_matches_colocated(v4_models):
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == colocated_tokens(model, prompts)
+
+
+PREFIX_WORLDS = [
+    pytest.param("2A1F", {}, id="2A1F"),
+    pytest.param(
+        "3A2F",
+        {"ubatches": 2, "graph_mode": "full_decode_only", "cuda_graph_sizes": GRAPH_SIZES},
+        id="3A2F-u2-graphs",
+        marks=SLOW,
+    ),
+    pytest.param("2A2F", {"ffn_expert_parallel": True}, id="2A2F-ep", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize(("topology", "extra"), PREFIX_WORLDS)
+def test_v4_prefix_caching_under_afd_gives_the_uncached_tokens(v4_models, topology, extra):
+    """Prefixes of 13 and 19 tokens (ending mid-window and mid-compressor window) computed in a
+    first round; in the second, prompts sharing them resume from their full blocks on the rank
+    the router sends them to (the one that cached them), in chunks beside decodes."""
+    model = v4_models["hc2"]  # rates 2 and 4: blocks of 4 resume
+    prefixes = [[(11 * i + 5 * n) % 250 for i in range(n)] for n in (13, 19)]
+    first = [p + [1, 2] for p in prefixes]
+    second = [p + tail for p in prefixes for tail in ([3], [4, 5, 6, 7, 8, 9])]
+    cache = dict(block_size=4, max_num_batched_tokens=8)
+    with LLM(
+        str(model), topology=topology, dtype="float32", enable_prefix_caching=True, **cache, **extra
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(first, GREEDY)]
+        outs = llm.generate(second, GREEDY)
+        got += [o.token_ids for o in outs]
+    assert [o.num_cached_tokens for o in outs] == [12, 12, 16, 16]
+    assert got == colocated_tokens(model, first + second, enable_prefix_caching=False, **cache)

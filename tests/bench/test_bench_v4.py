@@ -112,6 +112,16 @@ def test_kv_bytes_are_what_the_cache_hands_the_attention(v4_dir: Path) -> None:
                 closed = state.compressor.entries.shape[0]
                 read -= (closed - min(c.family_config.index_topk, closed)) * c.head_dim * 2
             assert v4_layer_kv_bytes(c, layer, position, 2) == read, (position, layer)
+            # The FP8 cache: the unrotated channels of window rows and entries at one byte.
+            keys = [(state.window_kv.shape[0], c.head_dim)]
+            if state.compressor is not None:
+                closed = state.compressor.entries.shape[0]
+                selected = min(c.family_config.index_topk, closed) if state.indexer else closed
+                keys.append((selected, c.head_dim))
+            if state.indexer is not None:
+                keys.append((state.indexer.entries.shape[0], c.family_config.index_head_dim))
+            fp8 = read - sum(rows * (width - c.qk_rope_head_dim) for rows, width in keys)
+            assert v4_layer_kv_bytes(c, layer, position, 1) == fp8, (position, layer)
 
 
 def tokens(steps: DecodeSteps) -> list[list[int]]:

@@ -186,11 +186,13 @@ def test_fp8_latent_cache_reads_alike_in_both_mla_paths(tiny_models):
             )
 
 
-@pytest.mark.parametrize("model", ["bundled", "deepseek_v2"])
+@pytest.mark.parametrize("model", ["bundled", "deepseek_v2", "deepseek_v4"])
 def test_fp8_cache_greedy_stays_close_to_the_model_dtype_cache(tmp_path, model):
     """Teacher-forced along the float32 cache's greedy continuations (tools/kv_fp8_quality.py,
     which prints the same figures for bf16 too). Measured at 8 prompts x 16 tokens: agreement
-    0.945 and mean |d logprob| 0.07 on both; random tiny models have small logit gaps."""
+    0.945 and mean |d logprob| 0.07 on the first two; random tiny models have small logit gaps.
+    DeepSeek-V4 (its window rows and compressed entries, whose values are their keys): 0.85 and
+    0.19 there, 0.90 and 0.11 at this test's 6 x 8."""
     tool = _quality_tool()
     path = tool.tiny_models(tmp_path)[model]
     m = tool.measure(path, "float32", tool.PROMPTS[:6], tokens=8)
@@ -233,6 +235,27 @@ def test_fp8_engine_cache_is_fp8_at_half_the_bytes(tiny_models):
     assert caches["fp8_e4m3"].bytes * 2 == caches["auto"].bytes
 
 
+def test_deepseek_v4_engine_cache_stores_its_kv_pages_in_fp8(tmp_path):
+    """V4's pages (model/families/deepseek_v4/cache.py): window rows and compressed entries
+    (the indexer's keys too) e4m3 but for their rotated channels (bf16), the compressor's state
+    bf16, its biased gates float32; the cache is the bytes its geometry says."""
+    v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
+    caches = {}
+    for kv in ("auto", "fp8"):
+        core_client, _ = _engine(v4, dtype="bfloat16", kv_cache_blocks=8, kv_cache_dtype=kv)
+        caches[kv] = core_client.core.kv_cache
+    config = load_model_config(v4)
+    assert caches["fp8"].bytes == 8 * bytes_per_block(config, 16, FP8) < caches["auto"].bytes
+    csa = caches["fp8"].layers[
+        config.family_config.attention_types.index("compressed_sparse_attention")
+    ]
+    dtypes = {name: page.dtype for name, page in csa.pages.items()}
+    assert {n for n, d in dtypes.items() if d == FP8} == {"window", "entries", "index_entries"}
+    assert dtypes["prev_gate"] == torch.float32
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith(("_rope", "_kv")))
+    assert csa.pages["window_rope"].shape[-1] == config.qk_rope_head_dim
+
+
 def test_kv_cache_dtype_is_a_flag_and_a_keyword():
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
     kwargs = llm_kwargs(args)
@@ -257,10 +280,7 @@ def test_a_bad_kv_cache_dtype_is_refused_naming_the_field(value):
 
 def test_unsupported_combinations_are_refused_by_name(tmp_path, tiny_models):
     v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
-    with pytest.raises(
-        ValueError, match="kv_cache_dtype='fp8' is not supported for family 'deepseek_v4'"
-    ):
-        check_fp8_kv(load_model_config(v4), torch.device("cpu"))
+    check_fp8_kv(load_model_config(v4), torch.device("cpu"))  # every family's cache takes FP8
     with pytest.raises(ValueError, match=r"compute capability >= 8\.9.*cuda:0 has 8\.0"):
         check_fp8_capability((8, 0), "cuda:0")
     check_fp8_capability((9, 0), "cuda:0")

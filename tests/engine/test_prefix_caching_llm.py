@@ -1,6 +1,7 @@
 """Prefix caching through the offline API on one process: what it changes (cached tokens, the
 counters) and what it must not (tokens, under n > 1, seeds, stop strings, structured output,
-preemption), with caching off as the oracle; DeepSeek-V4 refuses it by name."""
+preemption), with caching off as the oracle; DeepSeek-V4 refuses it by name at block sizes that
+end inside its compressor windows (tests/engine/test_deepseek_v4_prefix_caching.py runs it)."""
 
 from __future__ import annotations
 
@@ -63,22 +64,23 @@ def test_structured_output_with_caching() -> None:
 
 
 def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None:
+    """At a block size that is not a multiple of its compress rates (the tiny V4's: 2 and 4)."""
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     with pytest.raises(
         ValueError,
-        match="enable_prefix_caching=True is not supported for deepseek_v4: a chunk writes "
-        "only the state its end leaves",
+        match="enable_prefix_caching=True is not supported for deepseek_v4: block_size=6 is "
+        r"not a multiple of every compress rate \(CSA 2, HCA 4\)",
     ):
-        LLM(model, enable_prefix_caching=True)
+        LLM(model, enable_prefix_caching=True, block_size=6)
     config = load_model_config(model)
     with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
-        assert prefix_caching_for(EngineConfig(model=model), config) is False
+        assert prefix_caching_for(EngineConfig(model=model, block_size=6), config) is False
     assert "prefix caching is off for deepseek_v4" in caplog.text
     off = EngineConfig(model=model, enable_prefix_caching=False)
     assert prefix_caching_for(off, config) is False
-    with LLM(model, dtype="float32") as llm:  # the default: runs, without caching
+    with LLM(model, dtype="float32", block_size=6) as llm:  # the default: runs, without caching
         assert llm.prefix_caching is False
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         outs = llm.generate([[5, 6, 7, 8] * 6] * 2, params, use_tqdm=False)

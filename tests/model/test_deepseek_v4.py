@@ -257,18 +257,6 @@ def test_bfloat16_keeps_transformers_float32_tensors(v4_dir: Path, ours: V4Causa
     close(model.forward_full(ids), ours.forward_full(ids), 0.1)
 
 
-def test_engine_refuses_the_fp8_kv_cache_for_v4_by_name(v4_dir: Path) -> None:
-    """The paged V4 cache runs (tests/engine/test_deepseek_v4_engine.py); its pages are not
-    quantized, so kv_cache_dtype='fp8' is one clear error, not a silent model-dtype cache."""
-    from afdserve import LLM
-
-    with pytest.raises(
-        ValueError, match="kv_cache_dtype='fp8' is not supported for family 'deepseek_v4'"
-    ) as err:
-        LLM(str(v4_dir), dtype="float32", kv_cache_dtype="fp8")
-    assert "\n" not in str(err.value)
-
-
 @torch.inference_mode()
 def test_dummy_weights_agree_across_halves(v4_dir: Path) -> None:
     """load_format="dummy" (benchmarks at real sizes): every half draws the same values."""

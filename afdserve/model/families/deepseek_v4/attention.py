@@ -16,6 +16,7 @@ is at or before t. Any chunking of the rows gives the whole sequence's result, u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,14 @@ from torch import nn
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm
 from afdserve.model.layers.fp8 import linear_weight
+
+# Keys as the cache gives them back (an FP8 cache's round trip, cache.LayerPages.as_stored): applied
+# to a chunk's own keys and entries, so a query reads every key alike wherever it came from.
+Stored = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(values: torch.Tensor) -> torch.Tensor:
+    return values
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,11 @@ class Compressor(nn.Module):
         self.indexer: Indexer | None = None
 
     def extend(
-        self, x: torch.Tensor, state: CompressorState | None, rope: RopeTable
+        self,
+        x: torch.Tensor,
+        state: CompressorState | None,
+        rope: RopeTable,
+        stored: Stored = _same,
     ) -> CompressorState:
         """Feed the rows x [rows, hidden] that follow `state` (None: the sequence's first rows):
         every window they close becomes an entry, rotated at the window's first position; the
@@ -140,7 +153,7 @@ class Compressor(nn.Module):
             )
         count = state.entries.shape[0]
         starts = (count + torch.arange(windows, device=x.device)) * m
-        done.entries = torch.cat((state.entries, self.pool(kv, gate, starts, rope)))
+        done.entries = torch.cat((state.entries, stored(self.pool(kv, gate, starts, rope))))
         return done
 
     def overlap_slots(
@@ -185,10 +198,11 @@ class Indexer(Compressor):
         positions: torch.Tensor,
         rope: RopeTable,
         state: CompressorState | None,
+        stored: Stored = _same,
     ) -> tuple[torch.Tensor, CompressorState]:
         """-> (score [rows, entries] of every compressed entry for every query, -inf where its
         window is still open; the indexer's own compressor state after these rows)."""
-        state = self.extend(x, state, rope)
+        state = self.extend(x, state, rope, stored)
         keys = state.entries  # [entries, dim]
         rows, entries = x.shape[0], keys.shape[0]
         if entries == 0:
@@ -231,9 +245,10 @@ class Indexer(Compressor):
         positions: torch.Tensor,
         rope: RopeTable,
         state: CompressorState | None,
+        stored: Stored = _same,
     ) -> tuple[torch.Tensor, CompressorState]:
         """-> ([rows, entries] bool: the entries each query attends to, the state after)."""
-        scores, state = self.scores(x, q_residual, positions, rope, state)
+        scores, state = self.scores(x, q_residual, positions, rope, state, stored)
         closed = visible(positions, scores.shape[1], self.rate)
         chosen = torch.zeros_like(closed).scatter_(1, self.ranked(scores), True)
         # A query with fewer closed entries than topk takes all of them (and no open one).
@@ -277,13 +292,15 @@ class V4Attention(nn.Module):
         rope: RopeTable,
         compress_rope: RopeTable,
         state: LayerState | None = None,
+        stored: Stored = _same,
     ) -> tuple[torch.Tensor, LayerState]:
         """x [rows, hidden]: consecutive rows of one sequence at `positions`, following `state`
         (None: they start the sequence). rope: this layer's base (main on sliding layers,
-        compress on the others); compress_rope: the compressors'. -> (output, the state after
-        these rows)."""
+        compress on the others); compress_rope: the compressors'; stored: the cache's round
+        trip of keys and entries. -> (output, the state after these rows)."""
         cos_sin = rope.at(positions)
         q_residual, q, kv = self.project(x, cos_sin)
+        kv = stored(kv)
         keys, key_pos = kv, positions
         if state is not None:
             keys = torch.cat((state.window_kv, kv))
@@ -296,11 +313,11 @@ class V4Attention(nn.Module):
         after = LayerState(keys[keep:], key_pos[keep:])
         if self.compressor is not None:
             before = state or LayerState(kv[:0], positions[:0])
-            after.compressor = self.compressor.extend(x, before.compressor, compress_rope)
+            after.compressor = self.compressor.extend(x, before.compressor, compress_rope, stored)
             entries = after.compressor.entries
             if self.kind == "compressed_sparse_attention":
                 seen, after.indexer = self.compressor.indexer.select(
-                    x, q_residual, positions, compress_rope, before.indexer
+                    x, q_residual, positions, compress_rope, before.indexer, stored
                 )
             else:
                 seen = visible(positions, entries.shape[0], self.compressor.rate)

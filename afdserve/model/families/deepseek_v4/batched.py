@@ -6,9 +6,11 @@ layer runs in tensor ops over cache.py's pages with no loop over sequences or to
 sync: shapes follow the row count and the block-table width W, never a sequence's length. A row
 reads position q from its own chunk when q >= start (`StepRows.chunk_or`), else from the pages
 (`LayerPages.read`'s contract). Each page row is written by the one row whose value
-`LayerPages.write` would leave there, after every read of that page; a sequence writes only its
-own blocks (V4 shares none: no prefix caching), so segment order does not matter. Pad rows write
-to the pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
+`LayerPages.write` would leave there (block by block where blocks resume: each completed block's
+end state too), after every read of that page; a sequence writes only positions of its own chunk
+and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
+before the chunk) are never written and segment order does not matter. Pad rows write to the
+pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
 NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap
 for decode and short chunks; a long prefill of a long context wants them per segment.
 """
@@ -62,13 +64,17 @@ class StepRows:
     ) -> torch.Tensor:
         """What each row sees at `positions` [rows, n]: the chunk's own rows' `values` [rows,
         width] where a position is at or past the chunk's start, `cached` [rows, n, width]
-        before it -> [rows, n, width]. Positions past a row's own read a clamped row (kept
-        only where masked)."""
+        before it -> [rows, n, width], in values' dtype. Positions past a row's own read a
+        clamped row (kept only where masked)."""
         rows = values.shape[0]
         row = torch.arange(rows, device=values.device)
         source = (row[:, None] - (self.positions[:, None] - positions)).clamp(0, rows - 1)
         own = (positions >= self.start[:, None])[..., None]
-        return torch.where(own, values[source].to(cached.dtype), cached)
+        return torch.where(own, values[source], cached.to(values.dtype))
+
+    def block_end(self, block_size: int) -> torch.Tensor:
+        """[rows] the end of each row's piece: its block's end, or its chunk's if sooner."""
+        return torch.minimum((self.positions // block_size + 1) * block_size, self.end)
 
 
 def step_attention(
@@ -81,24 +87,26 @@ def step_attention(
 ) -> torch.Tensor:
     """One layer's attention of a ubatch: x [rows, hidden] -> [rows, hidden], as
     `V4Attention.forward` gives each chunk over `pages.read`'s state, with what `pages.write`
-    would store written to the pages. The window of the row at p: positions p - window + 1 .. p,
-    masked where negative; the last window - 1 positions of each chunk go to the ring."""
+    would store written to the pages. The window of the row at p: positions p - window + 1 ..
+    p, masked where negative; the last window - 1 positions of each piece (`LayerGeometry.pieces`:
+    the chunk, cut at block ends where blocks resume) go to the ring."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     p, real = rows.positions, rows.real
     cos_sin = rope.at(p)
     q_residual, q, kv = attn.project(x, cos_sin)
+    kv = pages.as_stored(kv)
     back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    cached = pages.take("window", pages.batch_rows("window", rows.tables, back))
+    cached = pages.take("window", pages.batch_rows("window", rows.tables, back), kv.dtype)
     keys = rows.chunk_or(kv, back, cached)
     allowed = (back >= 0) & real[:, None]
-    last = real & (p >= rows.end - (attn.window - 1))
+    last = real & (p >= _piece_end(pages, rows) - (attn.window - 1))
     pages.store(
         "window", pages.batch_rows("window", rows.tables, p[:, None]), kv[:, None], last[:, None]
     )
     if attn.compressor is not None:
         entries, seen = _compressed(attn, pages, x, q_residual, rows, compress_rope)
-        keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
+        keys = torch.cat((keys, entries), dim=1)
         allowed = torch.cat((allowed, seen), dim=1)
     y = attn.finish(attn.attend_batched(q, keys, allowed), cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
@@ -134,6 +142,13 @@ def _compressed(
     return _entries_at(pages, "", rows, new, top), top < closed
 
 
+def _piece_end(pages: LayerPages, rows: StepRows) -> torch.Tensor:
+    """[rows] where the piece holding each row ends (the pages' writes leave that end's state)."""
+    if pages.geometry.resumable:
+        return rows.block_end(pages.geometry.block_size)
+    return rows.end
+
+
 def _entries_at(
     pages: LayerPages, prefix: str, rows: StepRows, new: torch.Tensor, read: torch.Tensor
 ) -> torch.Tensor:
@@ -141,7 +156,7 @@ def _entries_at(
     chunk is the `new` [rows, dim] of the row that closed it (at position (w + 1) m - 1), one
     closed before it comes from the pages (which this chunk writes only past its start)."""
     name = f"{prefix}entries"
-    stored = pages.take(name, pages.batch_entry_rows(name, rows.tables, read))
+    stored = pages.take(name, pages.batch_entry_rows(name, rows.tables, read), new.dtype)
     return rows.chunk_or(new, (read + 1) * pages.geometry.rate - 1, stored)
 
 
@@ -159,7 +174,7 @@ def _compress(
     The window's rows before the chunk come from the open rows, the others from the chunk; CSA's
     first series (window w - 1's) from prev_* when that window closed before the chunk, else as
     the window. Writes: each closed window's entry; the open rows the chunk's end leaves; prev_*
-    by the row closing the chunk's last window."""
+    by the row closing each piece's last window."""
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     w = p // m
@@ -178,7 +193,7 @@ def _compress(
         pending_gate = pending_gate + comp.position_bias
         paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
         first_kv = torch.where(
-            paged, pages.take(f"{prefix}prev_kv", previous).to(kv.dtype), pending[..., :d]
+            paged, pages.take(f"{prefix}prev_kv", previous, kv.dtype), pending[..., :d]
         )
         first_gate = torch.where(
             paged, pages.take(f"{prefix}prev_gate", previous).float(), pending_gate[..., :d].float()
@@ -186,7 +201,7 @@ def _compress(
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, first_kv, 0.0)
         first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
-        last = (closes & ((p + 1) // m == end // m))[:, None].expand(-1, m)
+        last = (closes & ((p + 1) // m == _piece_end(pages, rows) // m))[:, None].expand(-1, m)
         pages.store(f"{prefix}prev_kv", window, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", window, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
@@ -194,7 +209,7 @@ def _compress(
     own = pages.batch_rows(f"{prefix}open_kv", tables, p[:, None])
     pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
     pages.store(f"{prefix}open_gate", own, gate[:, None], still_open)
-    new = comp.pool(win_kv, win_gate, w * m, rope)  # [rows, dim]
+    new = pages.as_stored(comp.pool(win_kv, win_gate, w * m, rope))  # [rows, dim]
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     pages.store(
         f"{prefix}entries",

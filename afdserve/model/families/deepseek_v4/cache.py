@@ -4,19 +4,23 @@ The engine gives each sequence one block table, as for every family (block b of 
 positions [b B, (b + 1) B), B = block_size). A V4 layer keeps, per physical block, pages of its
 own geometry (`LayerGeometry` lists them), each page a ring addressed by position. So any chunking
 works (a chunk reads the state its start needs from the pages and writes what its end leaves),
-and preemption by recompute rewrites the pages from position 0.
+and preemption by recompute rewrites the pages from position 0. A chunk also writes the state
+each block it completes leaves at its end (boundary writes), so a full block resumes a chunk
+starting there: prefix caching reuses it where B is a multiple of every compress rate.
 
 `read` turns the pages into the per-sequence `LayerState` that `V4Attention` consumes, and `write`
 stores the state after a chunk back: the attention itself is the one the model tests hold equal to
-transformers' full forward.
+transformers' full forward. An FP8 cache stores the KV pages as float8_e4m3fn (`LayerPages`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
@@ -30,7 +34,7 @@ _SHORT = {
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """One layer's pages per block: name -> (rows, width, float32?), for rate m and B = block_size:
+    """One layer's pages per block: name -> (rows, width, storage), for rate m and B = block_size:
     - `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
       table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
       fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
@@ -43,45 +47,80 @@ class LayerGeometry:
       series (its gate with the position bias added, float32 as computed), which the next entry
       overlaps.
     - `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
-      are `index_entries`)."""
+      are `index_entries`).
+    Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
+    pages (the compressor's open rows and first series) the model's; "float32" stays (`stored`
+    says how an FP8 cache holds each)."""
 
     kind: str
     block_size: int
     window: int
     rate: int  # 0: sliding layer, no compressor
-    pages: tuple[tuple[str, int, int, bool], ...]
+    pages: tuple[tuple[str, int, int, str], ...]
+    rope: int  # the trailing rotated channels of every key and entry
 
     @classmethod
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
         v4, dim = config.family_config, config.head_dim
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
-        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, False)]
+        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
         if rate:
             csa = kind == "compressed_sparse_attention"
             compressors = [("", dim)] + ([("index_", v4.index_head_dim)] if csa else [])
             slots, open_rows = -(-block_size // rate), min(block_size, rate)
             for prefix, width in compressors:
-                pages.append((f"{prefix}entries", slots, width, False))
+                pages.append((f"{prefix}entries", slots, width, "kv"))
                 projected = 2 * width if csa else width
-                pages.append((f"{prefix}open_kv", open_rows, projected, False))
-                pages.append((f"{prefix}open_gate", open_rows, projected, False))
+                pages.append((f"{prefix}open_kv", open_rows, projected, "state"))
+                pages.append((f"{prefix}open_gate", open_rows, projected, "state"))
                 if csa:
-                    pages.append((f"{prefix}prev_kv", open_rows, width, False))
-                    pages.append((f"{prefix}prev_gate", open_rows, width, True))
-        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages))
+                    pages.append((f"{prefix}prev_kv", open_rows, width, "state"))
+                    pages.append((f"{prefix}prev_gate", open_rows, width, "float32"))
+        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages), config.qk_rope_head_dim)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether every block boundary is one of the compressor's window boundaries: then the
+        state at a block's end lies in that block and the ones before it (a window's entry and
+        first series sit in the block it starts in), so a chunk completing the block can leave
+        it there and a reused block is never written again."""
+        return self.rate == 0 or self.block_size % self.rate == 0
+
+    def pieces(self, start: int, end: int) -> list[tuple[int, int]]:
+        """[start, end) cut at the block boundaries inside it, when the boundaries resume."""
+        if not self.resumable:
+            return [(start, end)]
+        cuts = range((start // self.block_size + 1) * self.block_size, end, self.block_size)
+        bounds = [start, *cuts, end]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def stored(self, cache_dtype: torch.dtype) -> list[tuple[str, int, int, torch.dtype]]:
+        """The tensors a cache of `cache_dtype` holds per block: (name, rows, width, dtype).
+        An FP8 cache splits each "kv" page: its unrotated channels e4m3, the rotated ones
+        (`{name}_rope`) bf16, as DeepSeek's FP8 MLA cache keeps its rope part (on tiny V4s,
+        mean |d logprob| 0.18 against 0.28 all in e4m3: tools/kv_fp8_quality.py). It keeps
+        the compressor's state bf16 (V4's dtype wherever e4m3 runs): the gates are softmax
+        logits, which e4m3 would reweight by up to e^(|g| / 16), and the rows are pooled
+        before the entry is quantized once. prev_gate stays float32, as computed."""
+        fp8 = cache_dtype == ops.FP8_DTYPE
+        out = []
+        for name, rows, width, storage in self.pages:
+            if storage == "float32":
+                out.append((name, rows, width, torch.float32))
+            elif not fp8:
+                out.append((name, rows, width, cache_dtype))
+            elif storage == "state":
+                out.append((name, rows, width, torch.bfloat16))
+            else:
+                out.append((name, rows, width - self.rope, cache_dtype))
+                out.append((f"{name}_rope", rows, self.rope, torch.bfloat16))
+        return out
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return sum(
-            rows * width * (4 if f32 else dtype.itemsize) for _, rows, width, f32 in self.pages
-        )
+        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
 
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
-PREFIX_REUSE_REFUSAL = (
-    "a chunk writes only the state its end leaves (the last window rows, the last closed "
-    "window's first series), so a cached block holds no state to resume from at its end"
-)
-FP8_REFUSAL = "its paged cache (windows, compressed entries, compressor state) is not quantized yet"
 FULL_GRAPH_REFUSAL = (
     "its prefill and mixed steps run batched but have not been captured and checked in a CUDA "
     "graph yet (each row gathers its compressed keys, which grows with rows x context); use "
@@ -104,7 +143,6 @@ class V4Pages(CacheSpec):
     attention_type: str
     layers: tuple[int, ...]
     config: ModelConfig
-    fp8_refusal = FP8_REFUSAL
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     graph_context_limit = GRAPH_CONTEXT_LIMIT
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
@@ -116,10 +154,17 @@ class V4Pages(CacheSpec):
         return _SHORT[self.attention_type]
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
-        # A chunk writes only the state its end leaves for later chunks (the last window - 1
-        # rows, the last closed window's first series), so a full block inside a chunk holds
-        # no state to resume from at its own end: reuse would need each block's boundary state.
-        return PREFIX_REUSE_REFUSAL
+        if self.geometry(block_size).resumable:
+            return None
+        v4 = self.config.family_config
+        rates = {_SHORT[t]: v4.compress_rate(i) for i, t in enumerate(v4.attention_types)}
+        named = ", ".join(f"{kind} {rate}" for kind, rate in rates.items() if rate)
+        lcm = math.lcm(*(rate for rate in rates.values() if rate))
+        return (
+            f"block_size={block_size} is not a multiple of every compress rate ({named}), so a "
+            "block would end inside a compressor window, whose state lives in the block the "
+            f"window starts in; use a block_size that is a multiple of {lcm}"
+        )
 
     def geometry(self, block_size: int) -> LayerGeometry:
         return LayerGeometry.of(self.config, self.layers[0], block_size)
@@ -147,7 +192,13 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 
 class LayerPages:
-    """One layer's pages over every block of the cache."""
+    """One layer's pages over every block of the cache. An FP8 cache (kv_cache_dtype="fp8") holds
+    the unrotated channels of its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other
+    families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
+    (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
+    own keys as the pages would, so every key a query reads has passed through the cache
+    whichever chunk wrote it: on a bf16 model (whose compressor state the bf16 pages hold
+    exactly) any chunking, prefix hits included, reads the same keys."""
 
     def __init__(
         self,
@@ -157,24 +208,70 @@ class LayerPages:
         device: torch.device | str,
     ) -> None:
         self.geometry = geometry
+        self.scale = 1.0
+        self.fp8 = dtype == ops.FP8_DTYPE
         # Each page is [num_blocks, rows, width] over a flat buffer one row longer: that last row
         # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
         # so they never land in a real sequence's pages. It belongs to no block and is never read
         # as state; `bytes` counts the pages only.
+        stored = geometry.stored(dtype)
         self.flat = {
-            name: torch.zeros(
-                num_blocks * rows + 1, width, device=device, dtype=torch.float32 if f32 else dtype
-            )
-            for name, rows, width, f32 in geometry.pages
+            name: torch.zeros(num_blocks * rows + 1, width, device=device, dtype=page_dtype)
+            for name, rows, width, page_dtype in stored
         }
         self.pages = {
             name: self.flat[name][:-1].view(num_blocks, rows, width)
-            for name, rows, width, _ in geometry.pages
+            for name, rows, width, _ in stored
         }
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pages.values())
+
+    def as_stored(self, values: torch.Tensor) -> torch.Tensor:
+        """Keys or entries [..., width] as a "kv" page gives them back (FP8: the round trip of
+        both parts; else unchanged)."""
+        if not self.fp8:
+            return values
+        cut = values.shape[-1] - self.geometry.rope
+        nope = ops.quantize_kv(values[..., :cut], ops.FP8_DTYPE, self.scale)
+        return torch.cat(
+            (
+                ops.dequantize_kv(nope, self.scale, values.dtype),
+                values[..., cut:].to(torch.bfloat16).to(values.dtype),
+            ),
+            dim=-1,
+        )
+
+    def _load(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """Flat rows of page `name` in the reader's `dtype` (None: bf16 where FP8, else as
+        stored); float32 pages stay float32."""
+        page = self.flat[name]
+        values = self._bytes(page)[rows].view(page.dtype)
+        if values.dtype == torch.float32:
+            return values
+        dtype = dtype or (torch.bfloat16 if self.fp8 else values.dtype)
+        if f"{name}_rope" not in self.flat:
+            return values.to(dtype)
+        rope = self.flat[f"{name}_rope"][rows]
+        return torch.cat((ops.dequantize_kv(values, self.scale, dtype), rope.to(dtype)), dim=-1)
+
+    @staticmethod
+    def _bytes(page: torch.Tensor) -> torch.Tensor:
+        """An e4m3 page as bytes: indexing kernels take uint8 on every device and torch
+        version, float8 not everywhere."""
+        return page.view(torch.uint8) if page.dtype == ops.FP8_DTYPE else page
+
+    def _save(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """values [n, width] into flat rows [n] of page `name` (quantized where FP8)."""
+        flat = self.flat[name]
+        if f"{name}_rope" not in self.flat:
+            flat[rows] = values.to(flat.dtype)
+            return
+        cut = flat.shape[-1]
+        stored = ops.quantize_kv(values[..., :cut], flat.dtype, self.scale)
+        self._bytes(flat)[rows] = self._bytes(stored)
+        self.flat[f"{name}_rope"][rows] = values[..., cut:].to(torch.bfloat16)
 
     # ----- addressing: positions or entries -> rows of a page flattened to [blocks * rows] -----
     # One sequence: table [max_blocks], positions/entries [n]; a batch (batched.py): table
@@ -194,15 +291,7 @@ class LayerPages:
         first = (block * bs + m - 1) // m  # the block's first entry
         return self._block(table, block) * slots + entries - first
 
-    def _get(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        page = self.pages[name]
-        return page.view(-1, page.shape[-1])[rows]
-
-    def _put(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
-        page = self.pages[name]
-        page.view(-1, page.shape[-1])[rows] = values.to(page.dtype)
-
-    # ----- a decode ubatch (batched.py): tables [rows, W], positions/entries [rows, n] -----
+    # ----- a ubatch (batched.py): tables [rows, W], positions/entries [rows, n] -----
     def batch_rows(self, name: str, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of `positions`, clamped into the W * B positions the tables address (a
         clamped read is always masked, a clamped write never kept)."""
@@ -215,62 +304,70 @@ class LayerPages:
         count = -(-tables.shape[1] * self.geometry.block_size // self.geometry.rate)
         return self._entry_rows(name, tables, entries.clamp(0, count - 1))
 
-    def take(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """flat rows [rows, n] -> [rows, n, width]."""
-        return self.flat[name][rows]
+    def take(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """flat rows [rows, n] -> [rows, n, width], in `dtype` (`_load`)."""
+        return self._load(name, rows, dtype)
 
     def store(
         self, name: str, rows: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
     ) -> None:
         """values [rows, n, width] to flat rows [rows, n] where `keep` [rows, n], the others to
         the scratch row: one masked scatter, no host sync."""
-        flat = self.flat[name]
-        rows = torch.where(keep, rows, flat.shape[0] - 1)
-        flat[rows.reshape(-1)] = values.reshape(-1, flat.shape[1]).to(flat.dtype)
+        rows = torch.where(keep, rows, self.flat[name].shape[0] - 1)
+        self._save(name, rows.reshape(-1), values.reshape(-1, values.shape[-1]))
 
     def _span(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         return torch.arange(max(lo, 0), hi, device=device)
 
     # ----- the per-sequence state -----
-    def read(self, table: torch.Tensor, start: int) -> LayerState | None:
-        """The state a chunk starting at position `start` needs (None at position 0)."""
+    def read(
+        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None
+    ) -> LayerState | None:
+        """The state a chunk starting at position `start` needs (None at position 0), in the
+        reader's `dtype` (`_load`; the first series' gates stay float32)."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
         window = self._span(start - (g.window - 1), start, dev)
-        state = LayerState(self._get("window", self._rows_of("window", table, window)), window)
+        state = LayerState(
+            self._load("window", self._rows_of("window", table, window), dtype), window
+        )
         if g.rate:
-            state.compressor = self._read_compressor("", table, start)
+            state.compressor = self._read_compressor("", table, start, dtype)
             if g.kind == "compressed_sparse_attention":
-                state.indexer = self._read_compressor("index_", table, start)
+                state.indexer = self._read_compressor("index_", table, start, dtype)
         return state
 
-    def _read_compressor(self, prefix: str, table: torch.Tensor, start: int) -> CompressorState:
+    def _read_compressor(
+        self, prefix: str, table: torch.Tensor, start: int, dtype: torch.dtype | None
+    ) -> CompressorState:
         m, dev = self.geometry.rate, table.device
         closed = start // m
         entries = torch.arange(closed, device=dev)
         pending = self._span(closed * m, start, dev)
+
+        def get(name: str, rows: torch.Tensor) -> torch.Tensor:
+            return self._load(f"{prefix}{name}", rows, dtype)
+
         state = CompressorState(
-            self._get(f"{prefix}entries", self._entry_rows(f"{prefix}entries", table, entries)),
-            self._get(f"{prefix}open_kv", self._rows_of(f"{prefix}open_kv", table, pending)),
-            self._get(f"{prefix}open_gate", self._rows_of(f"{prefix}open_gate", table, pending)),
+            get("entries", self._entry_rows(f"{prefix}entries", table, entries)),
+            get("open_kv", self._rows_of(f"{prefix}open_kv", table, pending)),
+            get("open_gate", self._rows_of(f"{prefix}open_gate", table, pending)),
         )
         if f"{prefix}prev_kv" in self.pages and closed > 0:
-            prev = self._span((closed - 1) * m, closed * m, dev)
-            state.prev_kv = self._get(
-                f"{prefix}prev_kv", self._rows_of(f"{prefix}prev_kv", table, prev)
+            prev = self._rows_of(
+                f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
             )
-            state.prev_gate = self._get(
-                f"{prefix}prev_gate", self._rows_of(f"{prefix}prev_gate", table, prev)
-            )
+            state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
     def write(self, table: torch.Tensor, start: int, end: int, after: LayerState) -> None:
         """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
         its windows closed, the open window's rows and (CSA) the last closed window's first
-        series. Only rows a later chunk reads are written, so no two share a page row."""
+        series. Only rows a later chunk reads are written, so no two share a page row. Fed a
+        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state."""
         new = after.window_pos >= start
-        self._put(
+        self._save(
             "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
         )
         if self.geometry.rate:
@@ -285,29 +382,18 @@ class LayerPages:
         before, closed = start // m, end // m
         if closed > before:
             entries = torch.arange(before, closed, device=dev)
-            self._put(
+            self._save(
                 f"{prefix}entries",
                 self._entry_rows(f"{prefix}entries", table, entries),
                 state.entries[before:closed],
             )
             if state.prev_kv is not None:
-                prev = self._span((closed - 1) * m, closed * m, dev)
-                self._put(
-                    f"{prefix}prev_kv",
-                    self._rows_of(f"{prefix}prev_kv", table, prev),
-                    state.prev_kv,
+                prev = self._rows_of(
+                    f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
                 )
-                self._put(
-                    f"{prefix}prev_gate",
-                    self._rows_of(f"{prefix}prev_gate", table, prev),
-                    state.prev_gate,
-                )
+                self._save(f"{prefix}prev_kv", prev, state.prev_kv)
+                self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)
-        self._put(
-            f"{prefix}open_kv", self._rows_of(f"{prefix}open_kv", table, pending), state.pending_kv
-        )
-        self._put(
-            f"{prefix}open_gate",
-            self._rows_of(f"{prefix}open_gate", table, pending),
-            state.pending_gate,
-        )
+        rows = self._rows_of(f"{prefix}open_kv", table, pending)
+        self._save(f"{prefix}open_kv", rows, state.pending_kv)
+        self._save(f"{prefix}open_gate", rows, state.pending_gate)

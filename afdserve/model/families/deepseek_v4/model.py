@@ -224,16 +224,20 @@ class V4CausalLM(nn.Module):
         compress: RopeTable,
     ) -> torch.Tensor:
         """One segment at a time from the host-side segments (a step without device metadata):
-        `V4Attention.forward` over `read`'s state, then `write`; the oracle of batched.py."""
+        `V4Attention.forward` over `read`'s state, then `write`, block by block where blocks
+        resume (`LayerGeometry.pieces`: each block's end state written); the oracle of
+        batched.py."""
         y = torch.zeros_like(x)
         for seg in meta.segments:
             start = seg.context_len - seg.num_rows
-            rows = slice(seg.row_start, seg.row_end)
-            out, after = attn(
-                x[rows], meta.positions[rows], own, compress, cache.read(seg.block_table, start)
-            )
-            cache.write(seg.block_table, start, seg.context_len, after)
-            y[rows] = out
+            state = cache.read(seg.block_table, start, x.dtype)
+            for lo, hi in cache.geometry.pieces(start, seg.context_len):
+                rows = slice(seg.row_start + lo - start, seg.row_start + hi - start)
+                out, state = attn(
+                    x[rows], meta.positions[rows], own, compress, state, cache.as_stored
+                )
+                cache.write(seg.block_table, lo, hi, state)
+                y[rows] = out
         return y
 
     def add_ffn_output(self, residual: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
