@@ -89,6 +89,7 @@ class GptOssMoE(nn.Module):
         super().__init__()
         self.gate = GptOssRouter(config, layer) if with_router else None
         self.experts = GptOssExperts(config, held)
+        self.shared_experts = None  # none in gpt-oss (an expert-parallel group asks, as MoEBlock)
 
     def forward(
         self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None

@@ -1,0 +1,45 @@
+"""gpt-oss under AFD over real rank processes (gloo): 2A1F, 3A2F and an expert-parallel FFN group
+give the colocated greedy tokens, token for token. The router's bias and the experts' biases
+travel as the other families' weights do; with expert parallelism each shard adds the down
+bias only for the pairs it holds, and the group's sum is the whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from afdserve import LLM
+from afdserve.model.fixtures.tiny import make_tiny_model
+
+from .conftest import GREEDY, colocated_tokens, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt-oss-afd") / "m", "gpt_oss", seed=3)
+
+
+CASES = [
+    # topology, ubatches, gate_on_attention, expert parallel
+    pytest.param("2A1F", 2, False, False, id="2A1F"),
+    pytest.param("3A2F", 1, True, False, id="3A2F-gate", marks=pytest.mark.slow),
+    pytest.param("1A2F", 1, False, True, id="1A2F-expert-parallel"),
+    pytest.param("2A2F", 2, True, True, id="2A2F-expert-parallel", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("topology", "ubatches", "gate", "expert_parallel"), CASES)
+def test_gpt_oss_afd_matches_colocated(gpt_oss_model, topology, ubatches, gate, expert_parallel):
+    prompts = mixed_prompts()  # a chunked prefill (past the window) beside decodes
+    with LLM(
+        str(gpt_oss_model),
+        topology=topology,
+        dtype="float32",
+        ubatches=ubatches,
+        gate_on_attention=gate,
+        max_num_batched_tokens=16,
+        ffn_expert_parallel=expert_parallel,
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == colocated_tokens(gpt_oss_model, prompts)
