@@ -16,21 +16,30 @@ from .conftest import GREEDY, colocated_tokens, mixed_prompts
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gpt-oss-afd") / "m", "gpt_oss", seed=3)
+def gpt_oss_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, Path]:
+    """bf16-layout (float32) and MXFP4 tiny checkpoints."""
+    root = tmp_path_factory.mktemp("gpt-oss-afd")
+    return {
+        quant: make_tiny_model(root / str(quant), "gpt_oss", seed=3, quantization=quant)
+        for quant in (None, "mxfp4")
+    }
 
 
 CASES = [
-    # topology, ubatches, gate_on_attention, expert parallel
-    pytest.param("2A1F", 2, False, False, id="2A1F"),
-    pytest.param("3A2F", 1, True, False, id="3A2F-gate", marks=pytest.mark.slow),
-    pytest.param("1A2F", 1, False, True, id="1A2F-expert-parallel"),
-    pytest.param("2A2F", 2, True, True, id="2A2F-expert-parallel", marks=pytest.mark.slow),
+    # topology, ubatches, gate_on_attention, expert parallel, quantization
+    pytest.param("2A1F", 2, False, False, None, id="2A1F"),
+    pytest.param("3A2F", 1, True, False, None, id="3A2F-gate", marks=pytest.mark.slow),
+    pytest.param("1A2F", 1, False, True, None, id="1A2F-expert-parallel"),
+    pytest.param("2A2F", 2, True, True, None, id="2A2F-expert-parallel", marks=pytest.mark.slow),
+    pytest.param("1A2F", 1, False, True, "mxfp4", id="1A2F-mxfp4", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("topology", "ubatches", "gate", "expert_parallel"), CASES)
-def test_gpt_oss_afd_matches_colocated(gpt_oss_model, topology, ubatches, gate, expert_parallel):
+@pytest.mark.parametrize(("topology", "ubatches", "gate", "expert_parallel", "quant"), CASES)
+def test_gpt_oss_afd_matches_colocated(
+    gpt_oss_models, topology, ubatches, gate, expert_parallel, quant
+):
+    gpt_oss_model = gpt_oss_models[quant]
     prompts = mixed_prompts()  # a chunked prefill (past the window) beside decodes
     with LLM(
         str(gpt_oss_model),

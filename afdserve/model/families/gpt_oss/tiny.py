@@ -118,7 +118,7 @@ def make_tiny_gpt_oss(
 def mxfp4_experts(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' [E, in, out] expert stack -> (blocks [E, out, in / 32, 16], scales
     [E, out, in / 32]) as MXFP4 checkpoints store them (rows in the published order)."""
-    packed, scales = quantize_fp4(stacked.transpose(1, 2).float())
+    packed, scales = quantize_fp4(stacked.transpose(1, 2).float().contiguous())
     return packed.unflatten(-1, (-1, 16)).contiguous(), scales.contiguous()
 
 
