@@ -329,10 +329,12 @@ def moe_experts_fp4(
     if _triton_ready(x):
         from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
-        if triton_fp4_moe.supports(x, gate_up, down) and (glu is None or glu.plain):
+        if triton_fp4_moe.supports(x, gate_up, down):
             if gate_up[0].shape[0] == 0:  # a shard without experts
                 return torch.zeros_like(x)
-            return triton_fp4_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+            return triton_fp4_moe.moe_experts(
+                x, topk_ids, topk_weights, gate_up, down, limit, glu=glu
+            )
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
         # counts back to the host, so every expert is dequantized and run (small models only).
