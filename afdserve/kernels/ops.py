@@ -179,10 +179,12 @@ def moe_experts(
     glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """`glu`: gpt-oss's expert biases and sigmoid gain (`reference.ExpertGLU`)."""
-    if limit is not None or (glu is not None and not glu.plain):
-        # The GPU kernels of unquantized experts have no clamp (DeepSeek-V4's swiglu_limit),
-        # biases nor gain (gpt-oss) yet: the reference, graph capturable in its dense form.
-        return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+    if glu is not None and not glu.plain:
+        return _gpt_oss_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+    if limit is not None:
+        # The GPU kernels take a clamp only with gpt-oss's biases and gain so far (DeepSeek-V4's
+        # swiglu_limit alone): the reference, graph capturable in its dense form.
+        return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels.moe import torch_grouped as moe_gpu
 
@@ -208,6 +210,29 @@ def moe_experts(
             ids, weights = _no_absent_pairs(topk_ids, topk_weights)
             return moe_gpu.moe_experts(x, ids, weights, gate_up, down)
     return _reference_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def _gpt_oss_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None,
+    glu: ExpertGLU,
+) -> torch.Tensor:
+    """Experts with gpt-oss's biases and gain: on CUDA up to `decode.MAX_PAIRS` pairs (decode,
+    every captured graph) the decode kernels; more pairs (eager prefill chunks) the reference,
+    whose host sync an eager step affords (the grouped GEMMs take no biases yet)."""
+    if _triton_ready(x) and gate_up.shape[0] > 0:
+        from afdserve.kernels.moe import decode as triton_moe
+
+        small = topk_ids.numel() <= triton_moe.MAX_PAIRS
+        if small and triton_moe.supports(x, gate_up, down):
+            return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+    if x.is_cuda and gate_up.shape[0] == 0:  # a shard without experts
+        return torch.zeros_like(x)
+    return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
 
 
 def _reference_experts(

@@ -1,6 +1,7 @@
-"""The FP4 expert kernels (kernels/moe/fp4_decode.py) with gpt-oss's SwiGLU (`ExpertGLU`): gate/up
-and down biases, the clamp and the sigmoid gain alpha with up offset by one, on CPU under
-Triton's interpreter against `reference.moe_experts` over the dequantized weights in float32.
+"""The expert decode kernels with gpt-oss's SwiGLU (`ExpertGLU`): gate/up and down biases, the
+clamp and the sigmoid gain alpha with up offset by one, on CPU under Triton's interpreter
+against `reference.moe_experts` in float32: the FP4 kernels (kernels/moe/fp4_decode.py, MXFP4)
+over the dequantized weights, and the unquantized ones (kernels/moe/decode.py, bf16 gpt-oss).
 
 Cases: biases and gain with the clamp binding, biases alone, the gain alone; float32 rows
 (float32's tolerance) and fp16; expert-parallel ids (-1: pairs held elsewhere, and expert slots
@@ -19,6 +20,7 @@ CASES = """
 import torch
 from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.moe import decode
 from afdserve.kernels.moe import fp4_decode as k
 
 def experts(e, rows_out, cols_in, gen):
@@ -58,11 +60,40 @@ for rows, dtype, biases, alpha, limit, absent, rtol in [
     (3, torch.float16, True, 1.702, 1.0, False, 3e-3),  # h in fp16
 ]:
     print(rows, dtype, check(rows, dtype, biases, alpha, limit, absent, rows, rtol))
+
+def check_plain(rows, dtype, absent, seed, rtol):
+    hidden, inter, top_k, e = 64, 48, 2, 4
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=gen) / 8).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=gen) / 7).to(dtype)
+    glu = reference.ExpertGLU(
+        torch.randn(e, 2 * inter, generator=gen).to(dtype),
+        torch.randn(e, hidden, generator=gen).to(dtype),
+        1.702,
+    )
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    ids = torch.rand(rows, e, generator=gen).topk(top_k, dim=-1).indices
+    if absent:
+        ids = torch.where(ids >= 2, -1, ids)
+    weights = torch.rand(rows, top_k, generator=gen)
+    out = decode.moe_experts(x, ids, weights, w13, w2, 1.0, glu)
+    glu32 = reference.ExpertGLU(glu.gate_up_bias.float(), glu.down_bias.float(), 1.702)
+    ref = reference.moe_experts(x.float(), ids, weights, w13.float(), w2.float(), 1.0, glu32)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert out.dtype == dtype and err < rtol, (rows, dtype, absent, err)
+    return err
+
+for rows, dtype, absent, rtol in [
+    (3, torch.float32, False, 1e-5),
+    (9, torch.float32, True, 1e-5),
+    (5, torch.float16, False, 3e-3),
+]:
+    print("decode", rows, dtype, check_plain(rows, dtype, absent, rows, rtol))
 print("ok")
 """
 
 
-def test_fp4_glu_kernels_under_the_interpreter() -> None:
+def test_expert_glu_kernels_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     if not interpreter_runs():
         pytest.skip("this Triton's interpreter cannot run a loop on this numpy")
