@@ -221,17 +221,23 @@ def _gpt_oss_experts(
     limit: float | None,
     glu: ExpertGLU,
 ) -> torch.Tensor:
-    """Experts with gpt-oss's biases and gain: on CUDA up to `decode.MAX_PAIRS` pairs (decode,
-    every captured graph) the decode kernels; more pairs (eager prefill chunks) the reference,
-    whose host sync an eager step affords (the grouped GEMMs take no biases yet)."""
-    if _triton_ready(x) and gate_up.shape[0] > 0:
-        from afdserve.kernels.moe import decode as triton_moe
-
-        small = topk_ids.numel() <= triton_moe.MAX_PAIRS
-        if small and triton_moe.supports(x, gate_up, down):
-            return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+    """Experts with gpt-oss's biases and gain. On CUDA the decode kernels (the grouped GEMMs take
+    no biases yet), in row chunks of at most `decode.MAX_PAIRS` pairs past that: no host sync
+    and graph capturable at any batch; a prefill chunk re-reads its experts per row chunk."""
     if x.is_cuda and gate_up.shape[0] == 0:  # a shard without experts
         return torch.zeros_like(x)
+    if _triton_ready(x):
+        from afdserve.kernels.moe import decode as triton_moe
+        from afdserve.kernels.moe.routing import in_row_chunks
+
+        if triton_moe.supports(x, gate_up, down):
+            x = x.contiguous()
+
+            def run(rows: slice) -> torch.Tensor:
+                ids, weights = topk_ids[rows], topk_weights[rows]
+                return triton_moe.moe_experts(x[rows], ids, weights, gate_up, down, limit, glu)
+
+            return in_row_chunks(topk_ids, triton_moe.MAX_PAIRS, run)
     return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
 
 

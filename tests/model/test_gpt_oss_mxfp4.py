@@ -58,8 +58,8 @@ def test_experts_stay_fp4(dirs) -> None:
     model = load_model(dirs[1], ModelParts.colocated(), "float32")[0]
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts, GptOssFp4Experts)
-    assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_proj.shape == (4, 64, 32)
-    assert experts.down_proj_scale_inv.shape == (4, 64, 1)
+    assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_proj.shape == (4, 128, 32)
+    assert experts.down_proj_scale_inv.shape == (4, 64, 2)
 
 
 def test_mxfp4_logits_and_tokens_match_transformers(dirs, hf_dequantized) -> None:

@@ -27,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TINY_GPT_OSS = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 64,
-    "intermediate_size": 32,
+    "intermediate_size": 64,  # a multiple of 64: the FP4 kernels take it (fp4_decode.MIN_K_BLOCK)
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
