@@ -52,3 +52,23 @@ def test_gpt_oss_afd_matches_colocated(
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == colocated_tokens(gpt_oss_model, prompts)
+
+
+def test_gpt_oss_in_process_1a1f_with_graph_layouts(gpt_oss_models):
+    """Both halves in one process under `full` graphs' padded layouts (pad rows through the
+    sinks, windows and biased experts, their outputs dropped) and 3 ubatches."""
+    model = gpt_oss_models[None]
+    prompts = mixed_prompts()
+    with LLM(
+        str(model),
+        topology="1A1F",
+        connector="inprocess",
+        dtype="float32",
+        ubatches=3,
+        gate_on_attention=True,
+        graph_mode="full",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_batched_tokens=8,
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == colocated_tokens(model, prompts)
