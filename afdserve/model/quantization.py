@@ -35,6 +35,8 @@ class Fp8Spec:
     online: bool = False
     scale_fmt: str | None = None
     expert_dtype: str = "fp8"
+    # The checkpoint's quant_method: "fp8", or "mxfp4" (gpt-oss: FP4 experts, nothing in FP8).
+    method: str = "fp8"
 
     def converts(self, *names: str) -> bool:
         """Whether a module spelled `names` (the checkpoint's name, and afdserve's where it
@@ -134,7 +136,9 @@ def _mxfp4_spec(qc: dict[str, Any]) -> Fp8Spec:
         )
     # `dequantize` asks transformers to widen the experts at load; afdserve keeps them FP4
     # and reads them as such (the same values), so the flag changes nothing here.
-    return Fp8Spec(modules_to_not_convert=tuple(skip), scale_fmt="ue8m0", expert_dtype="fp4")
+    return Fp8Spec(
+        modules_to_not_convert=tuple(skip), scale_fmt="ue8m0", expert_dtype="fp4", method="mxfp4"
+    )
 
 
 def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -> Fp8Spec | None:
@@ -147,6 +151,11 @@ def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -
         )
     if checkpoint is None and quantization == "fp8":
         return Fp8Spec(online=True)
+    if checkpoint is not None and checkpoint.method == "mxfp4" and quantization == "fp8":
+        raise ValueError(
+            "quantization='fp8' on an MXFP4 checkpoint is not supported: its experts are read "
+            "in MXFP4 as published and nothing else is quantized; allowed: None"
+        )
     return checkpoint
 
 

@@ -90,3 +90,8 @@ def test_mxfp4_bytes_under_a_plain_config_are_refused(dirs, tmp_path) -> None:
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="uint8 \\(MXFP4 bytes\\)"):
         load_model(copy, ModelParts.colocated(), "float32")
+
+
+def test_fp8_option_on_mxfp4_is_refused(dirs) -> None:
+    with pytest.raises(ValueError, match="quantization='fp8' on an MXFP4 checkpoint"):
+        load_model(dirs[1], ModelParts.colocated(), "float32", quantization="fp8")
