@@ -265,10 +265,11 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument(
         "--quantization",
         default=None,
-        choices=("fp8",),
+        choices=("fp8", "mxfp4"),
         help="fp8: linear weights in the public block-scaled FP8 layout "
         "(float8_e4m3fn, float32 weight_scale_inv per 128x128 block), with "
-        "quantization_config in config.json (default: none)",
+        "quantization_config in config.json; mxfp4 (gpt_oss): routed experts as "
+        "e2m1 pairs with a ue8m0 scale per 32 inputs, as published (default: none)",
     )
     tiny.add_argument(
         "--expert-dtype",

@@ -56,12 +56,13 @@ def touched_experts(steps, ffn: CausalLM) -> dict[str, int]:
     return {name: int(torch.cat(got).unique().numel()) for name, got in ids.items()}
 
 
-# The routed-expert stacks and, when quantized, their scales (FP8 grids, FP4 ue8m0 bytes): a step
-# reads the slices of the experts it touches, in the precision they are held in.
+# The routed-expert stacks and, when quantized, their scales (FP8 grids, FP4 ue8m0 bytes), and
+# gpt-oss's expert biases: a step reads the slices of the experts it touches, in the precision
+# they are held in.
 EXPERT_STACKS = tuple(
     f"experts.{stack}{suffix}"
     for stack in ("gate_up_proj", "down_proj")
-    for suffix in ("", SCALE_SUFFIX)
+    for suffix in ("", SCALE_SUFFIX, "_bias")
 )
 
 
@@ -138,12 +139,20 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
 
 def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int) -> int:
     """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
-    GQA and MLA read the cache of position + 1 tokens (the new token's row included),
-    DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""
+    GQA and MLA read the cache of position + 1 tokens (the new token's row included), gpt-oss's
+    sliding layers at most their window of them, DeepSeek-V4 what `v4_layer_kv_bytes` says of
+    each layer."""
     c = model.config
     if c.attention in ("gqa", "mla"):
         mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
+    if hasattr(c.family_config, "window"):  # gpt-oss: a sliding layer reads its window only
+        per_token = 2 * c.num_kv_heads * c.head_dim * itemsize
+        per_step = [
+            sum(min(p + 1, c.family_config.window(i) or p + 1) for i in range(c.num_layers))
+            for p in positions
+        ]
+        return int(batch * per_token * sum(per_step) / len(per_step))
     per_step = [
         sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
         for p in positions

@@ -21,6 +21,7 @@ from afdserve.kernels.reference.fp8 import FP8_MAX as FP8_MAX
 from afdserve.kernels.reference.fp8 import Fp8Rows as Fp8Rows
 from afdserve.kernels.reference.fp8 import quantize_blockwise as quantize_blockwise
 from afdserve.kernels.reference.fp8 import scale_grid as scale_grid
+from afdserve.kernels.reference.layers import ExpertGLU as ExpertGLU
 from afdserve.kernels.reference.layers import causal_attention as causal_attention
 from afdserve.kernels.reference.layers import dequantize_kv as dequantize_kv
 from afdserve.kernels.reference.layers import gather_kv as gather_kv
@@ -133,8 +134,12 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """`k_scale`/`v_scale`: an FP8 cache's per-tensor scales (ignored for other caches)."""
+    """`k_scale`/`v_scale`: an FP8 cache's per-tensor scales (ignored for other caches);
+    `sinks` [heads] (a learned logit per head in the softmax's denominator) and `window` (a
+    sliding-window layer's width): gpt-oss's (`reference.causal_attention`)."""
     args = (q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if (
         meta.batched is not None
@@ -143,8 +148,8 @@ def paged_attention(
     ):
         from afdserve.kernels.triton import attention as triton_attention
 
-        return triton_attention.paged_attention(*args)
-    return reference.paged_attention(*args)
+        return triton_attention.paged_attention(*args, sinks=sinks, window=window)
+    return reference.paged_attention(*args, sinks, window)
 
 
 def route_greedy(
@@ -174,9 +179,14 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
+    """`glu`: gpt-oss's expert biases and sigmoid gain (`reference.ExpertGLU`)."""
+    if glu is not None and not glu.plain:
+        return _gpt_oss_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
     if limit is not None:
-        # The GPU kernels have no clamp yet (DeepSeek-V4's swiglu_limit).
+        # The GPU kernels take a clamp only with gpt-oss's biases and gain so far (DeepSeek-V4's
+        # swiglu_limit alone): the reference, graph capturable in its dense form.
         return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit)
     if x.is_cuda:
         from afdserve.kernels.moe import torch_grouped as moe_gpu
@@ -205,6 +215,35 @@ def moe_experts(
     return _reference_experts(x, topk_ids, topk_weights, gate_up, down)
 
 
+def _gpt_oss_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float | None,
+    glu: ExpertGLU,
+) -> torch.Tensor:
+    """Experts with gpt-oss's biases and gain. On CUDA the decode kernels (the grouped GEMMs take
+    no biases yet), in row chunks of at most `decode.MAX_PAIRS` pairs past that: no host sync
+    and graph capturable at any batch; a prefill chunk re-reads its experts per row chunk."""
+    if x.is_cuda and gate_up.shape[0] == 0:  # a shard without experts
+        return torch.zeros_like(x)
+    if _triton_ready(x):
+        from afdserve.kernels.moe import decode as triton_moe
+        from afdserve.kernels.moe.routing import in_row_chunks
+
+        if triton_moe.supports(x, gate_up, down):
+            x = x.contiguous()
+
+            def run(rows: slice) -> torch.Tensor:
+                ids, weights = topk_ids[rows], topk_weights[rows]
+                return triton_moe.moe_experts(x[rows], ids, weights, gate_up, down, limit, glu)
+
+            return in_row_chunks(topk_ids, triton_moe.MAX_PAIRS, run)
+    return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+
+
 def _reference_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -212,12 +251,14 @@ def _reference_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """The reference, or inside a CUDA graph capture its sync-free dense form (the reference
     reads per-expert counts back to the host, which a graph cannot)."""
+    args = (x, topk_ids, topk_weights, gate_up, down, limit, glu)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return reference.moe_experts_dense(x, topk_ids, topk_weights, gate_up, down, limit)
-    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+        return reference.moe_experts_dense(*args)
+    return reference.moe_experts(*args)
 
 
 def _no_absent_pairs(
@@ -313,22 +354,25 @@ def moe_experts_fp4(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On
     CUDA the Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the
     experts, graph capturable); elsewhere the reference dequantizes the routed experts one at a
-    time."""
+    time. `glu`: gpt-oss's biases and gain (MXFP4 is this format)."""
     if _triton_ready(x):
         from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
 
         if triton_fp4_moe.supports(x, gate_up, down):
             if gate_up[0].shape[0] == 0:  # a shard without experts
                 return torch.zeros_like(x)
-            return triton_fp4_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+            return triton_fp4_moe.moe_experts(
+                x, topk_ids, topk_weights, gate_up, down, limit, glu=glu
+            )
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # Rows the kernels do not take (float32) in a graph: the reference reads per-expert
         # counts back to the host, so every expert is dequantized and run (small models only).
         w13 = fp4.dequantize_fp4(*gate_up, x.dtype)
         w2 = fp4.dequantize_fp4(*down, x.dtype)
-        return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit)
-    return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit)
+        return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit, glu)
+    return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit, glu)

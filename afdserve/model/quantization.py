@@ -36,6 +36,8 @@ class Fp8Spec:
     online: bool = False
     scale_fmt: str | None = None
     expert_dtype: str = "fp8"
+    # The checkpoint's quant_method: "fp8", or "mxfp4" (gpt-oss: FP4 experts, nothing in FP8).
+    method: str = "fp8"
 
     def converts(self, *names: str) -> bool:
         """Whether a module spelled `names` (the checkpoint's name, and afdserve's where it
@@ -50,17 +52,22 @@ class Fp8Spec:
         return True
 
 
-def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) -> Fp8Spec | None:
+def parse_quantization_config(
+    raw: dict[str, Any], fp4_experts: bool = False, mxfp4_experts: bool = False
+) -> Fp8Spec | None:
     """config.json's quantization_config -> the spec, None without one. A config afdserve cannot
     honour is a ValueError naming the field: serving FP8 weights read any other way (their
     scales dropped) would produce wrong tokens without an error. `fp4_experts`: the family reads
-    expert_dtype='fp4' (DeepSeek-V4's parser says so)."""
+    expert_dtype='fp4' (DeepSeek-V4's parser says so); `mxfp4_experts`: quant_method 'mxfp4'
+    (gpt-oss), its routed experts FP4 and everything else unquantized."""
     qc = raw.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise ValueError(f"quantization_config={qc!r}: expected an object")
     method = qc.get("quant_method")
+    if method == "mxfp4" and mxfp4_experts:
+        return _mxfp4_spec(qc)
     if method != "fp8":
         raise ValueError(
             f"quantization_config.quant_method={method!r} is not supported: afdserve reads "
@@ -106,6 +113,35 @@ def parse_quantization_config(raw: dict[str, Any], fp4_experts: bool = False) ->
     return Fp8Spec(tuple(block), tuple(skip), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
 
+# What an MXFP4 quantization_config may say besides its method and skipped modules.
+_MXFP4_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
+
+
+def _mxfp4_spec(qc: dict[str, Any]) -> Fp8Spec:
+    """gpt-oss's MXFP4: the routed experts as e2m1 pairs with a ue8m0 scale per 32 inputs (the
+    format of DeepSeek-V4's FP4 experts); `modules_to_not_convert` names what stays unquantized
+    (attention, router, embeddings, head: no other module is ever quantized here)."""
+    unknown = sorted(k for k in qc if k not in _MXFP4_KEYS)
+    if unknown:
+        raise ValueError(
+            f"quantization_config.{unknown[0]} is not supported for quant_method='mxfp4': "
+            f"allowed keys {_MXFP4_KEYS}"
+        )
+    skip = list(qc.get("modules_to_not_convert") or [])
+    if not all(isinstance(s, str) for s in skip):
+        raise ValueError(f"quantization_config.modules_to_not_convert={skip!r}: names expected")
+    if any(re.match(rf"(?:{p})(?:\.|$)", "model.layers.0.mlp.experts") for p in skip):
+        raise ValueError(
+            f"quantization_config.modules_to_not_convert={skip!r} keeps the routed experts "
+            "unquantized: MXFP4 quantizes only them"
+        )
+    # `dequantize` asks transformers to widen the experts at load; afdserve keeps them FP4
+    # and reads them as such (the same values), so the flag changes nothing here.
+    return Fp8Spec(
+        modules_to_not_convert=tuple(skip), scale_fmt="ue8m0", expert_dtype="fp4", method="mxfp4"
+    )
+
+
 def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -> Fp8Spec | None:
     """The checkpoint's spec together with the engine's `quantization` option: an FP8 checkpoint
     is read as it is (None and "fp8" both agree with it); "fp8" on any other checkpoint
@@ -116,6 +152,11 @@ def resolve_quantization(checkpoint: Fp8Spec | None, quantization: str | None) -
         )
     if checkpoint is None and quantization == "fp8":
         return Fp8Spec(online=True)
+    if checkpoint is not None and checkpoint.method == "mxfp4" and quantization == "fp8":
+        raise ValueError(
+            "quantization='fp8' on an MXFP4 checkpoint is not supported: its experts are read "
+            "in MXFP4 as published and nothing else is quantized; allowed: None"
+        )
     return checkpoint
 
 
@@ -124,4 +165,6 @@ def check_quantization(model_dir: str | Path, quantization: str | None) -> None:
     with open(Path(model_dir) / "config.json") as f:
         raw = json.load(f)
     v4 = raw.get("model_type") == "deepseek_v4"  # the family whose experts may be FP4
-    resolve_quantization(parse_quantization_config(raw, fp4_experts=v4), quantization)
+    mxfp4 = raw.get("model_type") == "gpt_oss"  # the family whose experts may be MXFP4
+    spec = parse_quantization_config(raw, fp4_experts=v4, mxfp4_experts=mxfp4)
+    resolve_quantization(spec, quantization)

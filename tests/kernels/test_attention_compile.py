@@ -21,6 +21,7 @@ POINTERS = {
     "Out": "*bf16",
     "OPart": "*fp32",
     "LSE": "*fp32",
+    "Sinks": "*bf16",
     "block_tables": "*i32",
     "query_start": "*i32",
     "context_lens": "*i32",
@@ -28,9 +29,12 @@ POINTERS = {
 FLOATS = {"qk_scale_log2": "fp32", "v_scale": "fp32"}
 
 
-def compile_for_h200(fp8: bool, launch, block_q: int = 2, direct: bool = False) -> object:
+def compile_for_h200(
+    fp8: bool, launch, block_q: int = 2, direct: bool = False, gpt_oss: bool = False
+) -> object:
     """The kernel at Qwen3-30B-A3B's heads (32 q heads, 4 KV heads, dim 128, cache block 16):
-    a decode launch (`block_q` 2: 16 rows of 8 heads) or a prefill one (8: 64 rows)."""
+    a decode launch (`block_q` 2: 16 rows of 8 heads) or a prefill one (8: 64 rows). `gpt_oss`:
+    with sinks and a window, at dim 64 (its 64 q heads over 8 KV heads: the same group)."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,8 +47,8 @@ def compile_for_h200(fp8: bool, launch, block_q: int = 2, direct: bool = False) 
         "GROUP": 8,
         "GROUP_PAD": 8,
         "BLOCK_Q": block_q,
-        "HEAD_DIM": 128,
-        "DIM_PAD": 128,
+        "HEAD_DIM": 64 if gpt_oss else 128,
+        "DIM_PAD": 64 if gpt_oss else 128,
         "CACHE_BLOCK": 16,
         "BLOCK_N": launch.block_n,
         "DIRECT": direct,
@@ -52,6 +56,8 @@ def compile_for_h200(fp8: bool, launch, block_q: int = 2, direct: bool = False) 
         "FP8_KV": fp8,
         "DOT_DTYPE": tl.float16,
         "CAUSAL": not (fp8 and block_q == 2),
+        "HAS_SINKS": gpt_oss,  # gpt-oss's sinks and windows: compiled away elsewhere
+        "HAS_WINDOW": gpt_oss,
     }
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(POINTERS, **FLOATS, K=kv, V=kv)
@@ -128,3 +134,15 @@ def test_prefill_launches_compile() -> None:
 
     for fp8 in (False, True):
         assert_loop_does_not_spill(compile_for_h200(fp8, ta.DEFAULT_LAUNCH, block_q=8))
+
+
+def test_gpt_oss_launches_compile_without_spills() -> None:
+    """Sinks (in the direct store, or left to the combine kernel) and windows, decode and
+    prefill, on both caches."""
+    from afdserve.kernels.triton import attention as ta
+
+    for fp8 in (False, True):
+        for block_q, direct in ((2, False), (2, True), (8, True)):
+            launch = ta.FP8_DECODE_LAUNCH if fp8 and block_q == 2 else ta.DEFAULT_LAUNCH
+            compiled = compile_for_h200(fp8, launch, block_q, direct, gpt_oss=True)
+            assert_loop_does_not_spill(compiled)

@@ -6,8 +6,10 @@ resolved inside the kernels from the pair list held in registers (moe/routing.py
 owns one expert, collects its pairs by a prefix sum and streams the expert's weight tile once for
 all of them. The list lives in every program's registers, hence small batches only (`MAX_PAIRS`).
 
-1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns.
-2. down:    y[pair] = weight[pair] * (h[pair] W_down^T) for one tile of the hidden columns, fp32.
+1. gate/up: h[pair] = silu(x W_gate^T) * (x W_up^T) for one tile of the intermediate columns
+   (gpt-oss, a clamp and `ExpertGLU`: biases, then (u' + 1) * g' * sigmoid(alpha g')).
+2. down:    y[pair] = weight[pair] * (h[pair] W_down^T (+ its bias)) for one tile of the hidden
+   columns, fp32.
 3. sum:     out[row] = sum of the row's routed y rows (pairs of id -1 skipped), in x's dtype.
 
 Weights as afdserve stacks them: gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.moe.routing import decode_launch, program_pairs, tile_pairs
+from afdserve.kernels.reference.layers import ExpertGLU
 
 # Pairs (rows * top_k) up to which `ops.moe_experts` picks this path over the sort-free grouped
 # GEMM: where the two took the same time on an H200 (docs/benchmarks.md, "Kernel constants").
@@ -65,11 +68,17 @@ def _gate_up_kernel(
     top_k,
     hidden,
     inter,
+    limit,
+    bias_ptr,
+    alpha,
     PAIRS_PAD: tl.constexpr,
     BY_EXPERT: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
+    HAS_ALPHA: tl.constexpr = False,
 ):
     expert, pair, mine, rank, count, col, col_ok = program_pairs(
         ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
@@ -77,6 +86,10 @@ def _gate_up_kernel(
     k = tl.arange(0, K_BLOCK)
     gate_rows = w_ptr + expert * 2 * inter * hidden + col[:, None] * hidden  # [COLUMNS, 1]
     up_rows = gate_rows + inter * hidden
+    if HAS_BIAS:  # [E, 2I], gate half first; an expert slot without pairs reads expert 0's
+        bias_row = bias_ptr + tl.maximum(expert, 0) * 2 * inter
+        gate_bias = tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)
+        up_bias = tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)
     for first in range(0, count, ROWS):
         rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
@@ -88,7 +101,16 @@ def _gate_up_kernel(
             wu = tl.load(up_rows + k0 + k[None, :], mask=col_ok[:, None], other=0.0)
             gate = tl.dot(xs, tl.trans(wg), gate)
             up = tl.dot(xs, tl.trans(wu), up)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_BIAS:
+            gate += gate_bias[None, :]
+            up += up_bias[None, :]
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if HAS_ALPHA:
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -103,17 +125,22 @@ def _down_kernel(
     num_pairs,
     hidden,
     inter,
+    bias_ptr,
     PAIRS_PAD: tl.constexpr,
     BY_EXPERT: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
     expert, pair, mine, rank, count, col, col_ok = program_pairs(
         ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
     )
     k = tl.arange(0, K_BLOCK)
     down_rows = w_ptr + expert * hidden * inter + col[:, None] * inter  # [COLUMNS, 1]
+    if HAS_BIAS:  # [E, H]; an expert slot without pairs reads expert 0's
+        bias = tl.load(bias_ptr + tl.maximum(expert, 0) * hidden + col, mask=col_ok, other=0.0)
+        bias = bias.to(tl.float32)
     for first in range(0, count, ROWS):
         rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
@@ -122,6 +149,8 @@ def _down_kernel(
             hs = tl.load(h_rows + k0 + k[None, :], mask=row_ok[:, None], other=0.0)
             wd = tl.load(down_rows + k0 + k[None, :], mask=col_ok[:, None], other=0.0)
             acc = tl.dot(hs, tl.trans(wd), acc)
+        if HAS_BIAS:
+            acc += bias[None, :]
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -188,9 +217,12 @@ def moe_experts(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
-    check `supports` first."""
+    check `supports` first. `limit`, `glu`: gpt-oss's clamp, biases (contiguous) and gain."""
+    glu = glu or ExpertGLU()
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     hidden, inter = gate_up.shape[2], down.shape[2]
@@ -209,9 +241,15 @@ def moe_experts(
         top_k,
         hidden,
         inter,
+        0.0 if limit is None else float(limit),
+        x if glu.gate_up_bias is None else glu.gate_up_bias,  # unused placeholder without
+        1.0 if glu.alpha is None else float(glu.alpha),
         **launch.routing,
         COLUMNS=gate_up_columns,
         K_BLOCK=_k_block(hidden),
+        HAS_LIMIT=limit is not None,
+        HAS_BIAS=glu.gate_up_bias is not None,
+        HAS_ALPHA=glu.alpha is not None,
         num_warps=warps,
         num_stages=stages,
     )
@@ -224,9 +262,11 @@ def moe_experts(
         pairs,
         hidden,
         inter,
+        x if glu.down_bias is None else glu.down_bias,  # unused placeholder without
         **launch.routing,
         COLUMNS=down_columns,
         K_BLOCK=_k_block(inter),
+        HAS_BIAS=glu.down_bias is not None,
         num_warps=warps,
         num_stages=stages,
     )

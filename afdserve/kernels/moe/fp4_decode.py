@@ -10,8 +10,9 @@ Every weight is `fp4.dequantize_fp4`'s bit for bit; only the accumulation order 
 wgmma takes from registers (at least 64 rows per 4 warps), else B. No load is masked: rows past a
 tile's pairs read pair 0's row, columns past the last read its bytes; neither is stored. Batches
 past `MAX_PAIRS` pairs run in row chunks, each the same three launches:
-1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T.
-2. down:    y[pair] = weight[pair] * (h[pair] W_down^T), fp32.
+1. gate/up: h[pair] = silu(min(g, limit)) * clamp(u, -limit, limit), g, u = x W_gate^T, x W_up^T
+   (gpt-oss, `ExpertGLU`: plus their biases, and (u' + 1) * g' * sigmoid(alpha g') instead).
+2. down:    y[pair] = weight[pair] * (h[pair] W_down^T (+ its bias)), fp32.
 3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
 """
 
@@ -26,6 +27,7 @@ import triton.language as tl
 
 from afdserve.kernels.moe.decode import sum_pairs
 from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
+from afdserve.kernels.reference.layers import ExpertGLU
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
 MAX_PAIRS = 512
@@ -216,7 +218,11 @@ def _gate_up_kernel(
     w_row,
     s_row,
     limit,
+    bias_ptr,
+    alpha,
     HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
     PAIRS_PAD: tl.constexpr,
     BY_EXPERT: tl.constexpr,
     ROWS: tl.constexpr,
@@ -239,6 +245,10 @@ def _gate_up_kernel(
     both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
     both_w = w_ptr + both_row * w_row
     both_s = s_ptr + both_row * s_row
+    if HAS_BIAS:  # [E, 2I], gate half first; an expert slot without pairs reads expert 0's
+        bias_row = bias_ptr + tl.maximum(expert, 0) * 2 * inter
+        gate_bias = tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)
+        up_bias = tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)
     for first in range(0, count, ROWS):
         rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
@@ -249,10 +259,16 @@ def _gate_up_kernel(
         # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
         gate, up = tl.split(both)
+        if HAS_BIAS:
+            gate += gate_bias[None, :]
+            up += up_bias[None, :]
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_ALPHA:
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -270,6 +286,8 @@ def _down_kernel(
     inter,
     w_row,
     s_row,
+    bias_ptr,
+    HAS_BIAS: tl.constexpr,
     PAIRS_PAD: tl.constexpr,
     BY_EXPERT: tl.constexpr,
     ROWS: tl.constexpr,
@@ -280,6 +298,9 @@ def _down_kernel(
     expert, pair, mine, rank, count, col, col_ok = program_pairs(
         ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
     )
+    if HAS_BIAS:  # [E, H]; an expert slot without pairs reads expert 0's
+        bias = tl.load(bias_ptr + tl.maximum(expert, 0) * hidden + col, mask=col_ok, other=0.0)
+        bias = bias.to(tl.float32)
     # [E, H, I / 8] int32 words and [E, H, I / 32] scales.
     # w_row = I / 8, s_row = I / 32; columns past the last read its bytes (as in gate/up).
     load_col = tl.minimum(col, hidden - 1)
@@ -293,6 +314,8 @@ def _down_kernel(
             hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
             acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
         acc = _rows_major(acc, WEIGHTS_LEFT)
+        if HAS_BIAS:
+            acc += bias[None, :]
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + rows[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -312,6 +335,7 @@ def _launch(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
     tiles: Tiles,
+    glu: ExpertGLU,
 ) -> torch.Tensor:
     """One chunk of at most `MAX_PAIRS` pairs: x [rows, hidden], topk_ids / topk_weights
     [rows, top_k] -> [rows, hidden]."""
@@ -340,7 +364,11 @@ def _launch(
         hidden // 8,
         hidden // 32,
         0.0 if limit is None else float(limit),
+        x if glu.gate_up_bias is None else glu.gate_up_bias,  # unused placeholder without
+        1.0 if glu.alpha is None else float(glu.alpha),
         HAS_LIMIT=limit is not None,
+        HAS_BIAS=glu.gate_up_bias is not None,
+        HAS_ALPHA=glu.alpha is not None,
         COLUMNS=columns,
         K_BLOCK=_k_block(hidden, tiles.k_block),
         **common,
@@ -358,6 +386,8 @@ def _launch(
         inter,
         inter // 8,
         inter // 32,
+        x if glu.down_bias is None else glu.down_bias,  # unused placeholder without
+        HAS_BIAS=glu.down_bias is not None,
         COLUMNS=columns,
         K_BLOCK=_k_block(inter, tiles.k_block),
         **common,
@@ -373,10 +403,13 @@ def moe_experts(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
     tiles: Callable[[int], Tiles] = tiles_for,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4`; check `supports` first. Each id is in
     [0, experts) or -1 (no expert here: the pair is skipped, routing.expert_pairs). Each
-    chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own)."""
+    chunk's tile shape is `tiles(pairs)` (`TILES`' choice; the sweep and tests pass their own).
+    `glu`: gpt-oss's biases (contiguous) and gain."""
+    glu = glu or ExpertGLU()
     if topk_ids.shape[0] == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
@@ -384,6 +417,6 @@ def moe_experts(
     def run(chunk: slice) -> torch.Tensor:
         ids = topk_ids[chunk]
         shape = tiles(ids.numel())
-        return _launch(x[chunk], ids, topk_weights[chunk], gate_up, down, limit, shape)
+        return _launch(x[chunk], ids, topk_weights[chunk], gate_up, down, limit, shape, glu)
 
     return in_row_chunks(topk_ids, MAX_PAIRS, run)

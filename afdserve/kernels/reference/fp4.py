@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels.reference.layers import routed_experts
+from afdserve.kernels.reference.layers import ExpertGLU, routed_experts
 
 FP4_BLOCK = 32  # inputs per ue8m0 scale
 E8M0_BIAS = 127
@@ -98,6 +98,7 @@ def moe_experts_fp4(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """`reference.moe_experts` over FP4 experts: (packed, scale) of gate_up [E, 2I, H / 2] and
     down [E, H, I / 2]. Only the experts some row is routed to are dequantized, one at a time."""
@@ -108,4 +109,5 @@ def moe_experts_fp4(
             dequantize_fp4(down[0][expert], down[1][expert], x.dtype),
         )
 
-    return routed_experts(x, topk_ids, topk_weights, gate_up[0].shape[0], weights_of, limit)
+    num_experts = gate_up[0].shape[0]
+    return routed_experts(x, topk_ids, topk_weights, num_experts, weights_of, limit, glu=glu)

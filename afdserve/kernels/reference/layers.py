@@ -9,6 +9,7 @@ the e4m3 range; reads give back fp8 * scale in the reader's dtype (`quantize_kv`
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,25 @@ from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
 
 FP8_KV = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value: a cast past it gives NaN, so clamp first
+
+
+@dataclass(frozen=True)
+class ExpertGLU:
+    """What gpt-oss's experts add to the SiLU-gated pair: biases of gate_up [experts, 2 * inter]
+    (gate half first) and of down [experts, hidden], and the gate's sigmoid gain `alpha`
+    (`swiglu`). The default adds nothing."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    alpha: float | None = None
+
+    def biases(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        b13, b2 = self.gate_up_bias, self.down_bias
+        return (None if b13 is None else b13[expert], None if b2 is None else b2[expert])
+
+    @property
+    def plain(self) -> bool:
+        return self.gate_up_bias is None and self.down_bias is None and self.alpha is None
 
 
 def quantize_kv(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -118,28 +138,46 @@ def write_kv(
     flat.index_copy_(0, slot_mapping, stored)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, *shape]."""
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0
+) -> torch.Tensor:
+    """One sequence's cached tokens at positions [first, length): [length - first, *shape]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    skipped = first // block_size
+    blocks = cache[block_table[skipped:num_blocks].long()].flatten(0, 1)
+    return blocks[first - skipped * block_size : length - skipped * block_size]
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [rows, heads, dk] are the last `rows` positions of k/v [ctx, kv_heads, d].
-    Returns [rows, heads, dv]."""
+    Returns [rows, heads, dv]. `sinks` [heads]: a learned logit per head in the softmax's
+    denominator (gpt-oss), whose share of the mass goes to no value. `window`: a query at
+    position p sees keys p - window < j <= p only (a sliding-window layer)."""
     rows, heads, ctx = q.shape[0], q.shape[1], k.shape[0]
     group = heads // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dk]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dv]
     scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, rows, ctx]
     query_pos = torch.arange(ctx - rows, ctx, device=q.device)[:, None]
-    mask = torch.arange(ctx, device=q.device)[None, :] > query_pos
+    key_pos = torch.arange(ctx, device=q.device)[None, :]
+    mask = key_pos > query_pos
+    if window is not None:
+        mask = mask | (key_pos <= query_pos - window)
     scores = scores.masked_fill(mask, float("-inf"))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)  # [rows, heads, dv]
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v).transpose(0, 1)  # [rows, heads, dv]
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, rows, 1)
+    probs = F.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(q.dtype), v).transpose(0, 1)
 
 
 def paged_attention(
@@ -150,25 +188,38 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of every segment's rows over its cached context (prefill, chunked prefill and
     decode alike). q [rows, heads, dk]; the new rows' KV must already be written. Pad rows come
-    out zero. An FP8 cache is read dequantized (`dequantize_kv`) with k_scale / v_scale."""
+    out zero. An FP8 cache is read dequantized (`dequantize_kv`) with k_scale / v_scale.
+    `sinks`, `window`: as `causal_attention`'s; with a window only the keys the segment's first
+    row can see are read."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     for seg in meta.segments:
-        k = dequantize_kv(gather_kv(k_cache, seg.block_table, seg.context_len), k_scale, q.dtype)
-        v = dequantize_kv(gather_kv(v_cache, seg.block_table, seg.context_len), v_scale, q.dtype)
+        first = 0
+        if window is not None:
+            first = max(0, seg.context_len - seg.num_rows - window + 1)
+        k = gather_kv(k_cache, seg.block_table, seg.context_len, first)
+        v = gather_kv(v_cache, seg.block_table, seg.context_len, first)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         out[seg.row_start : seg.row_end] = causal_attention(
-            q[seg.row_start : seg.row_end], k, v, scale
+            q[seg.row_start : seg.row_end], k, v, scale, sinks, window
         )
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None = None, alpha: float | None = None
+) -> torch.Tensor:
     """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) gate is clamped from above and
-    up on both sides first."""
+    up on both sides first. With `alpha` (gpt-oss) the gate's sigmoid has that gain and up is
+    offset by one: gate * sigmoid(alpha * gate) * (up + 1), after the same clamps."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if alpha is not None:
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     return F.silu(gate) * up
 
 
@@ -179,11 +230,12 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Routed experts, SiLU-gated (clamped at `limit` when given). x [rows, hidden];
     topk_ids/weights [rows, k]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden,
     inter]. -> [rows, hidden]. A pair with id -1 goes to no expert (pad rows, experts another
-    rank holds)."""
+    rank holds). `glu`: gpt-oss's biases and sigmoid gain."""
     return routed_experts(
         x,
         topk_ids,
@@ -191,6 +243,7 @@ def moe_experts(
         gate_up.shape[0],
         lambda expert: (gate_up[expert], down[expert]),
         limit,
+        glu=glu,
     )
 
 
@@ -202,10 +255,12 @@ def routed_experts(
     weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     limit: float | None = None,
     operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """`moe_experts` with each expert's (gate_up, down) from `weights_of(expert)`, asked only for
     the experts some row is routed to (the FP8 path dequantizes them there, one at a time).
     `operand`: applied to the left operand of both GEMMs (w8a8's activation quantization)."""
+    glu = glu or ExpertGLU()
     operand = operand or (lambda t: t)
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
@@ -221,8 +276,9 @@ def routed_experts(
         tokens = token_of[start : start + count]
         start += count
         w13, w2 = weights_of(expert)
-        gate, up = F.linear(operand(x[tokens]), w13).chunk(2, dim=-1)
-        y = F.linear(operand(swiglu(gate, up, limit)), w2)
+        b13, b2 = glu.biases(expert)
+        gate, up = F.linear(operand(x[tokens]), w13, b13).chunk(2, dim=-1)
+        y = F.linear(operand(swiglu(gate, up, limit, glu.alpha)), w2, b2)
         weight = topk_weights.reshape(-1)[picks].unsqueeze(-1)
         out.index_add_(0, tokens, (y * weight).to(out.dtype))
     return out
@@ -235,17 +291,20 @@ def moe_experts_dense(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """`moe_experts` with no host sync (CUDA-graph capturable in any dtype): every expert runs
     over every row and rows it does not serve get weight 0. Accumulates per row in expert order,
     like `moe_experts`. Costs experts x rows: for graphs of small float32 models only."""
+    glu = glu or ExpertGLU()
     rows, experts = x.shape[0], gate_up.shape[0]
     weights = torch.zeros(rows, experts + 1, dtype=topk_weights.dtype, device=x.device)
     weights.scatter_(1, topk_ids + 1, topk_weights)  # [rows, 1 + experts]; column 0: id -1
     weights = weights[:, 1:]
     out = torch.zeros_like(x)
     for expert in range(experts):
-        gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(swiglu(gate, up, limit), down[expert])
+        b13, b2 = glu.biases(expert)
+        gate, up = F.linear(x, gate_up[expert], b13).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, limit, glu.alpha), down[expert], b2)
         out += (y * weights[:, expert : expert + 1]).to(out.dtype)
     return out

@@ -27,6 +27,7 @@ import triton.language as tl
 from afdserve.kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 BLOCK_N = 64  # context tokens per inner tile
 MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 # Split the context until about this many programs run per SM, and the kernel's launch shape:
@@ -76,6 +77,7 @@ def _attend_tile(
     dims,
     dim_ok,
     qk_scale_log2,
+    window,
     CACHE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -85,10 +87,13 @@ def _attend_tile(
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One online-softmax step over the tile of tokens from `start`. MASKED: some tokens may be
     >= hi (else none are, and no load or score needs a mask); CAUSAL: some rows' positions may
-    precede a token (else, as in decode, every row sees the whole slice)."""
+    precede a token (else, as in decode, every row sees the whole slice); with HAS_WINDOW a row
+    at p also sees no token at or before p - window (rows of one tile start the slice at the
+    first row's window, so later rows mask its head)."""
     K, V, table, k_head, v_head = kv_base
     stride_kb, stride_kt, stride_vb, stride_vt = strides
     tok = start + tl.arange(0, BLOCK_N)
@@ -127,6 +132,8 @@ def _attend_tile(
         s = tl.where(tok_ok[None, :], s, float("-inf"))
     elif CAUSAL:
         s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
+    if CAUSAL and HAS_WINDOW:
+        s = tl.where(tok[None, :] > pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -148,11 +155,13 @@ def _paged_attention_kernel(
     Out,
     OPart,
     LSE,
+    Sinks,
     block_tables,
     query_start,
     context_lens,
     qk_scale_log2,
     v_scale,
+    window,
     stride_qr,
     stride_qh,
     stride_kb,
@@ -183,6 +192,8 @@ def _paged_attention_kernel(
     FP8_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     seg = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -213,6 +224,8 @@ def _paged_attention_kernel(
     # Keys this program may need: its context slice, cut at the block's last query position.
     last_pos = ctx - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
     lo = split * split_tokens
+    if HAS_WINDOW:  # the splits start at the first key the block's first row sees
+        lo += tl.maximum(ctx - q_len + q_block * BLOCK_Q - window + 1, 0)
     hi = tl.minimum(tl.minimum(lo + split_tokens, ctx), last_pos + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -239,6 +252,7 @@ def _paged_attention_kernel(
                 dims,
                 dim_ok,
                 qk_scale_log2,
+                window,
                 CACHE_BLOCK,
                 BLOCK_N,
                 HEAD_DIM,
@@ -248,6 +262,7 @@ def _paged_attention_kernel(
                 DOT_DTYPE,
                 False,
                 CAUSAL,
+                HAS_WINDOW,
             )
         if full_hi < hi:
             m_i, l_i, acc = _attend_tile(
@@ -263,6 +278,7 @@ def _paged_attention_kernel(
                 dims,
                 dim_ok,
                 qk_scale_log2,
+                window,
                 CACHE_BLOCK,
                 BLOCK_N,
                 HEAD_DIM,
@@ -272,6 +288,7 @@ def _paged_attention_kernel(
                 DOT_DTYPE,
                 True,
                 CAUSAL,
+                HAS_WINDOW,
             )
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -288,6 +305,7 @@ def _paged_attention_kernel(
                 dims,
                 dim_ok,
                 qk_scale_log2,
+                window,
                 CACHE_BLOCK,
                 BLOCK_N,
                 HEAD_DIM,
@@ -297,8 +315,16 @@ def _paged_attention_kernel(
                 DOT_DTYPE,
                 True,
                 True,
+                HAS_WINDOW,
             )
 
+    if HAS_SINKS and DIRECT:  # the sink's mass joins the denominator, with no value (split:
+        # `combine_splits` adds it once)
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_C
+        m_all = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_all)
+        l_i = l_i * rescale + tl.exp2(sink - m_all)
+        acc = acc * rescale[:, None]
     has = l_i > 0.0
     denom = tl.where(has, l_i, 1.0)
     if FP8_KV:
@@ -353,6 +379,7 @@ def _combine_kernel(
     LSE,
     Out,
     covered_ptr,
+    Sinks,
     stride_pr,
     stride_ph,
     stride_ps,
@@ -364,8 +391,10 @@ def _combine_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass.
+    """Out[row, head] = the slices' partial outputs weighted by their share of the softmax mass
+    (with HAS_SINKS, of the mass with the head's sink logit: a share that goes to no value).
     A slice with no keys has lse -inf: weight 0, and its partial output is not read at all, so
     `Parts` needs no zero fill. Rows from `covered_ptr`'s value on (the segments' total: graph
     padding, which no program of the attention kernel writes) come out zero without reading
@@ -380,9 +409,15 @@ def _combine_kernel(
         other=float("-inf"),
     )
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * LOG2E_C
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
-    weight = weight / tl.maximum(tl.sum(weight, axis=0), 1e-30)
+    total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
+    weight = weight / tl.maximum(total, 1e-30)
     dims = tl.arange(0, DIM_PAD)
     has = lse > float("-inf")
     parts = tl.load(
@@ -399,11 +434,15 @@ def _combine_kernel(
 
 
 def combine_splits(
-    parts: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype, covered: torch.Tensor
+    parts: torch.Tensor,
+    lse: torch.Tensor,
+    out_dtype: torch.dtype,
+    covered: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """parts [rows, heads, splits, dim] float32, lse [rows, heads, splits] (log2 units), both
     written for the rows before `covered`'s one int32 value (the rows the segments cover); the
-    rows from it on come out zero."""
+    rows from it on come out zero. `sinks` [heads]: each head's sink logit (natural units)."""
     rows, heads, splits, dim = parts.shape
     out = torch.empty(rows, heads, dim, dtype=out_dtype, device=parts.device)
     if rows:
@@ -412,6 +451,7 @@ def combine_splits(
             lse,
             out,
             covered,
+            lse if sinks is None else sinks,
             *parts.stride()[:3],
             *lse.stride()[:2],
             *out.stride()[:2],
@@ -419,6 +459,7 @@ def combine_splits(
             SPLITS_PAD=triton.next_power_of_2(splits),
             HEAD_DIM=dim,
             DIM_PAD=triton.next_power_of_2(dim),
+            HAS_SINKS=sinks is not None,
         )
     return out
 
@@ -432,9 +473,12 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     launch: Launch | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; needs `meta.batched`. q [rows, heads, dim].
     The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale).
+    With a `window` the splits cover a query block's windows, not the whole context.
     `launch`: the kernel's launch constants (default: `FP8_DECODE_LAUNCH` for decode over an FP8
     cache, else `DEFAULT_LAUNCH`); only benchmarks pass it."""
     batched = meta.batched
@@ -459,13 +503,11 @@ def paged_attention(
     if launch is None:
         launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
+    span = batched.max_context_len
+    if window is not None:  # the keys one query block can see
+        span = min(span, window + block_q - 1)
     splits, split_tokens = plan_splits(
-        segments,
-        kv_heads,
-        q_blocks,
-        batched.max_context_len,
-        _sm_count(q.device),
-        launch,
+        segments, kv_heads, q_blocks, span, _sm_count(q.device), launch
     )
     direct = splits == 1
     if direct:
@@ -490,11 +532,13 @@ def paged_attention(
         out,
         parts,
         lse,
+        q if sinks is None else sinks,  # unused placeholder without sinks
         tables,
         batched.query_start,
         batched.context_lens,
         qk_scale_log2,
         float(v_scale),
+        0 if window is None else int(window),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -522,13 +566,15 @@ def paged_attention(
         FP8_KV=fp8_kv,
         DOT_DTYPE=tl.float32 if q.dtype == torch.float32 else tl.float16,
         CAUSAL=not (fp8_kv and decode),
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=window is not None,
         num_warps=launch.warps,
         num_stages=launch.stages,
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )
     if direct:
         return out
-    return combine_splits(parts, lse, q.dtype, batched.query_start[segments:])
+    return combine_splits(parts, lse, q.dtype, batched.query_start[segments:], sinks)
 
 
 @triton.jit

@@ -34,7 +34,10 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families import load_model_config, model_class
 from afdserve.model.families.deepseek_v4 import names as v4_names
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
+from afdserve.model.families.gpt_oss import names as gpt_oss_names
+from afdserve.model.families.gpt_oss import quant as gpt_oss_quant
 from afdserve.model.layers.attention import GQAAttention
+from afdserve.model.layers.common import Rotary
 from afdserve.model.layers.fp8 import (
     BLOCK_SPARSE_MOE_FAMILIES,
     SCALE_SUFFIX,
@@ -65,6 +68,8 @@ _PART = {
 
 PROGRESS_DESC = "Loading safetensors checkpoint shards"
 _EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+# Stacked per expert too (gpt-oss): drawn and sharded expert by expert, as the stacks are.
+_EXPERT_BIASES = ("experts.gate_up_proj_bias", "experts.down_proj_bias")
 
 
 class CheckpointError(ValueError):
@@ -118,7 +123,7 @@ def build_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention and config.attention in ("gqa", "mla"):  # V4 computes its own rope
+    if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():
@@ -148,6 +153,8 @@ def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
     DeepSeek-V4's public names mapped."""
     if family == "deepseek_v4":
         name = v4_names.to_ours(name)
+    elif family == "gpt_oss":
+        name = gpt_oss_names.to_ours(name)
     name = name.replace(".block_sparse_moe.", ".mlp.")
     if family == "minimax_m2":  # its selection bias sits beside the gate, afdserve's in it
         name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
@@ -255,6 +262,9 @@ def _load_tensor(
     if config.family == "deepseek_v4":  # ue8m0 scales, FP4 experts
         problem = load_problem_v4(name, target, tensor, dst, quant)
         tensor = tensor if problem else stored_form(tensor, dst, target)
+    elif config.family == "gpt_oss":  # stacked experts transposed, interleaved; MXFP4 bytes
+        problem = gpt_oss_quant.load_problem(name, tensor, dst)
+        tensor = tensor if problem else gpt_oss_names.stored_form(name, tensor)
     else:
         problem = load_problem(name, tensor, dst, quant)
     if problem:
@@ -345,6 +355,7 @@ def _held_experts(model: CausalLM) -> dict[str, tuple[int, ...]]:
         if isinstance(module, Experts) and module.held is not None:
             for tensor in ("gate_up_proj", "down_proj"):
                 held[f"{name}.{tensor}"] = held[f"{name}.{tensor}{SCALE_SUFFIX}"] = module.held
+                held[f"{name}.{tensor}_bias"] = module.held
     return held
 
 
@@ -378,6 +389,8 @@ def _checkpoint_name(config: ModelConfig, name: str, expert: int | None, part: s
     v4 = config.family == "deepseek_v4"
     if config.family == "minimax_m2":
         name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+    if config.family == "gpt_oss":
+        return gpt_oss_names.to_public(name, config.quantization is not None)
     if expert is not None:
         stacked = "experts.down_proj" if part == "down" else "experts.gate_up_proj"
         proj = _MIXTRAL_PROJ[part] if mixtral or v4 else f"{part}_proj"
@@ -472,7 +485,7 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
             tensor.copy_(keys.argsort(dim=-1)[:, : tensor.shape[1]])
         elif name.endswith("norm.weight"):
             tensor.fill_(1.0)
-        elif name.endswith(_EXPERT_STACKS):
+        elif name.endswith(_EXPERT_STACKS + _EXPERT_BIASES):
             experts = held.get(name, range(tensor.shape[0]))
             for index, expert in enumerate(experts):  # [E, out, in]: one slice per expert
                 gen.manual_seed(_tensor_seed(seed, name, expert))

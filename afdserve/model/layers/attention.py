@@ -55,6 +55,9 @@ class GQAAttention(nn.Module):
         self.qkv_weight_scale_inv: torch.Tensor | None = None  # FP8 packed: its scale grid
         self.qkv_block: tuple[int, int] | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # gpt-oss: a learned sink logit per head (a parameter there) and a sliding window.
+        self.sinks: torch.Tensor | None = None
+        self.window: int | None = None
 
     def pack_qkv(self) -> None:
         """Lay q, k and v's weights out as one [q + k + v, hidden] matrix, so a step runs one GEMM
@@ -122,7 +125,15 @@ class GQAAttention(nn.Module):
             qkv, layout, *cos_sin, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale
         )
         out = ops.paged_attention(  # [rows, heads, dim]
-            q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            sinks=self.sinks,
+            window=self.window,
         )
         return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 

@@ -52,30 +52,40 @@ def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
 
 
 class ModelBody(nn.Module):
-    def __init__(self, config: ModelConfig, parts: ModelParts) -> None:
+    def __init__(
+        self, config: ModelConfig, parts: ModelParts, layer_class: type[nn.Module] = DecoderLayer
+    ) -> None:
         super().__init__()
         if parts.attention:
             self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, parts) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(layer_class(config, i, parts) for i in range(config.num_layers))
 
 
 class MoECausalLM(nn.Module):
+    # A family on this decoder with layers of its own (gpt-oss) names its layer class here; its
+    # layers keep the names `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
+    # (with the router as `mlp.gate`), which the halves below call.
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
         super().__init__()
         self.config = config
         self.parts = parts or ModelParts.colocated()
         # The dtype of activations and of every unquantized weight (FP8 weights are float8).
         self.dtype = torch.get_default_dtype()
-        self.model = ModelBody(config, self.parts)
+        self.model = ModelBody(config, self.parts, self.layer_class)
         if self.parts.attention:
             self.rotary = Rotary(config)
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.quantization is not None:
-            convert_to_fp8(self, config.family, config.num_experts, config.quantization)
+            self.convert_quantized()
+
+    def convert_quantized(self) -> None:
+        """Swap in the quantized modules the config's quantization names (on meta, before the
+        weights have storage)."""
+        convert_to_fp8(self, self.config.family, self.config.num_experts, self.config.quantization)
 
     # ----- attention half -----
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
