@@ -30,6 +30,9 @@ LAYERS = {  # module prefix -> layer; a module may import only its own layer and
     "afdserve.model.layers": 2.1,  # blocks every family builds from
     "afdserve.model.families": 2.2,  # one folder per architecture, and their registry
     "afdserve.model.fixtures": 2.3,  # tiny checkpoints, the byte tokenizer, the bundled model
+    # Leaves a family's own tiny-checkpoint builder (Family.make_tiny) writes with.
+    "afdserve.model.fixtures.byte_tokenizer": 2.15,
+    "afdserve.model.fixtures.fp8_checkpoint": 2.15,
     "afdserve.model.checkpoint": 2.4,  # reading a model dir: hub, preflight, loader
     "afdserve.model.presets": 2.5,
     "afdserve.engine": 3,

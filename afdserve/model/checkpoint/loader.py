@@ -117,7 +117,7 @@ def build_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention and config.family_config is None:  # V4 computes its rope from the config
+    if parts.attention and hasattr(model, "rotary"):  # V4 computes its rope from the config
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
         for module in model.modules():

@@ -24,15 +24,28 @@ from afdserve.model.layers.fp8 import convert_to_fp8
 from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
 from afdserve.model.parts import ModelParts
 
+# (config, layer) -> the layer's attention module; a family that extends MLA passes its own.
+AttentionFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def decoder_attention(config: ModelConfig, layer: int) -> nn.Module:
+    return make_attention(config)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, parts: ModelParts) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        parts: ModelParts,
+        attention: AttentionFactory = decoder_attention,
+    ) -> None:
         super().__init__()
         moe = config.layer_types[layer] != "dense"
         router_here_on_attention = parts.gate_on_attention and moe
         if parts.attention:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.self_attn = make_attention(config)
+            self.self_attn = attention(config, layer)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if parts.ffn:
             self.mlp = make_ffn(
@@ -52,24 +65,34 @@ def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
 
 
 class ModelBody(nn.Module):
-    def __init__(self, config: ModelConfig, parts: ModelParts) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parts: ModelParts,
+        attention: AttentionFactory = decoder_attention,
+    ) -> None:
         super().__init__()
         if parts.attention:
             self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, parts) for i in range(config.num_layers)
+            DecoderLayer(config, i, parts, attention) for i in range(config.num_layers)
         )
 
 
 class MoECausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parts: ModelParts | None = None,
+        attention: AttentionFactory = decoder_attention,
+    ) -> None:
         super().__init__()
         self.config = config
         self.parts = parts or ModelParts.colocated()
         # The dtype of activations and of every unquantized weight (FP8 weights are float8).
         self.dtype = torch.get_default_dtype()
-        self.model = ModelBody(config, self.parts)
+        self.model = ModelBody(config, self.parts, attention)
         if self.parts.attention:
             self.rotary = Rotary(config)
             if not config.tie_word_embeddings:
