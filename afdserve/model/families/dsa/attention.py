@@ -18,7 +18,6 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.dsa.indexer import Indexer, select_batched, select_per_segment
 from afdserve.model.layers.attention import LayerCache, MLAAttention
 from afdserve.model.layers.common import Rotary
-from afdserve.model.layers.fp8 import linear_weight
 
 # Query rows attended at once: bounds the [rows, index_topk, latent] gather of a long prefill.
 ATTEND_ROWS = 256
@@ -47,16 +46,9 @@ class DSAAttention(MLAAttention):
         slots this layer attended, -1 for none). `selected`: the last full layer's, which a
         layer without an indexer reuses."""
         rows = x.shape[0]
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_latent).view(rows, self.heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        cos, sin = cos_sin
-        q_pe = rotary.rotate(q_pe, cos, sin)
-        k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)
+        q_latent, q_nope, q_pe = self.project(x, meta, rotary, cache, cos_sin)
         latent_cache, keys_cache = cache
-        row = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_pe), dim=-1)
-        ops.write_kv(latent_cache, row, meta.slot_mapping, self.k_scale)
+        cos, sin = cos_sin
         if self.indexer is not None:
             ops.write_kv(keys_cache, self.indexer.keys(x, cos, sin), meta.slot_mapping)
             selected = self._select(x, q_latent, cos, sin, keys_cache, meta)
@@ -92,13 +84,10 @@ class DSAAttention(MLAAttention):
         latent_cache: torch.Tensor,
         selected: torch.Tensor,
     ) -> torch.Tensor:
-        """Absorbed MLA over each row's selected slots: q_nope . (W_uk c) = (W_uk^T q_nope) . c,
-        so keys and values are the cached latents themselves. -> [rows, heads, v_dim]; rows
+        """Absorbed MLA (`MLAAttention.absorb`) over each row's selected slots: keys and values
+        are the cached latents themselves. -> [rows, heads, v_dim]; rows
         with nothing selected (pad rows) give zeros."""
-        w = linear_weight(self.kv_b_proj, q_nope.dtype)
-        w = w.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, L], [H, v, L]
-        q = torch.cat((torch.einsum("rhn,hnl->rhl", q_nope, w_uk), q_pe), dim=-1)
+        q, w_uv = self.absorb(q_nope, q_pe)  # [rows, H, L + R], [H, v, L]
         flat = latent_cache.view(-1, latent_cache.shape[-1])
         out = q.new_zeros(q.shape[0], self.heads, self.kv_lora_rank)
         for lo in range(0, q.shape[0], ATTEND_ROWS):
