@@ -19,6 +19,7 @@ from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import family_of, parse_model_config
+from afdserve.model.families.dsa import indexer as indexer_module
 from afdserve.model.families.dsa.cache import DSAPages
 from afdserve.model.families.dsa.indexer import Indexer, select_batched, select_per_segment
 from afdserve.model.families.dsa.tiny import build_tiny_dsa
@@ -128,10 +129,12 @@ def test_prefix_caching_gives_the_uncached_tokens(dsa_models):
     assert outs[True] == outs[False]
 
 
-def test_batched_selection_is_the_per_sequence_one():
+@pytest.mark.parametrize("score_elements", [indexer_module.SCORE_ELEMENTS, 1])
+def test_batched_selection_is_the_per_sequence_one(score_elements, monkeypatch):
     """`select_batched` (device segments, every row at once) keeps the slots the reference
     keeps: a prefill chunk begun mid-sequence, a decode row, a sequence shorter than top-k and
-    pad rows, over scattered block tables."""
+    pad rows, over scattered block tables; scored whole or one row at a time."""
+    monkeypatch.setattr(indexer_module, "SCORE_ELEMENTS", score_elements)
     config = parse_model_config(json.loads(json.dumps(family_of("glm_moe_dsa").presets["glm-5"])))
     torch.manual_seed(0)
     indexer = Indexer(config)

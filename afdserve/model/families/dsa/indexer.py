@@ -25,8 +25,9 @@ from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.batched import StepRows
 
-# Query rows scored at once: bounds the [rows, heads, context] float32 scores of a long prefill.
-SCORE_ROWS = 256
+# Scores held at once, [rows, heads, context] float32 (256 MiB): rows are scored in chunks of
+# this many elements, so a long context costs more launches rather than memory.
+SCORE_ELEMENTS = 1 << 26
 
 
 class HeadWeights(nn.Module):
@@ -86,6 +87,11 @@ class Indexer(nn.Module):
         return kept.masked_fill(order.values[:, : self.topk] == float("-inf"), -1)
 
 
+def _chunks(rows: int, heads: int, context: int) -> range:
+    """The first row of each chunk of rows whose scores fit SCORE_ELEMENTS."""
+    return range(0, rows, max(1, SCORE_ELEMENTS // (heads * max(context, 1))))
+
+
 def _slots(positions: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """positions [rows, K] (-1: none), tables [rows, W] -> cache slots [rows, K] (-1: none)."""
     block = tables.gather(1, (positions.clamp(min=0) // block_size).clamp(max=tables.shape[1] - 1))
@@ -99,8 +105,9 @@ def select_per_segment(
     keys_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The reference: each segment scores its rows against its own cached keys, SCORE_ROWS rows
-    at a time. q [rows, H, D], w [rows, H] -> slots [rows, topk] (pad rows -1)."""
+    """The reference: each segment scores its rows against its own cached keys, gathered once,
+    in row chunks (`_chunks`). q [rows, H, D], w [rows, H] -> slots [rows, topk] (pad rows
+    -1)."""
     block_size = keys_cache.shape[1]
     slots = torch.full((q.shape[0], indexer.topk), -1, dtype=torch.long, device=q.device)
     for seg in meta.segments:
@@ -109,8 +116,9 @@ def select_per_segment(
         )
         table = seg.block_table.long()[None, :]
         context = torch.arange(seg.context_len, device=q.device)
-        for lo in range(seg.row_start, seg.row_end, SCORE_ROWS):
-            hi = min(lo + SCORE_ROWS, seg.row_end)
+        step = _chunks(seg.num_rows, indexer.heads, seg.context_len).step
+        for lo in range(seg.row_start, seg.row_end, step):
+            hi = min(lo + step, seg.row_end)
             visible = context[None, :] <= meta.positions[lo:hi, None]
             kept = indexer.top(indexer.scores(q[lo:hi], w[lo:hi], keys[None]), visible)
             slots[lo:hi] = _slots(kept, table.expand(hi - lo, -1), block_size)
@@ -124,14 +132,20 @@ def select_batched(
     keys_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Every row at once from the device segments (no host sync, CUDA-graph capturable): each
-    row gathers its own sequence's keys over the block-table width W, [rows, W B, D]; pad rows
-    see nothing. -> slots [rows, topk]."""
+    """Every row from the device segments (no host sync, CUDA-graph capturable): each row
+    gathers its own sequence's keys over the block-table width W, [rows, W B, D], in row chunks
+    of fixed size (`_chunks`); pad rows see nothing. -> slots [rows, topk]."""
     rows = StepRows.of(meta)
     block_size = keys_cache.shape[1]
-    keys = keys_cache[rows.tables].flatten(1, 3)  # [rows, W B, D]
-    keys = ops.dequantize_kv(keys, 1.0, torch.float32)
-    context = torch.arange(keys.shape[1], device=q.device)
+    context = torch.arange(rows.tables.shape[1] * block_size, device=q.device)
     visible = (context[None, :] <= rows.positions[:, None]) & rows.real[:, None]
-    kept = indexer.top(indexer.scores(q, w, keys), visible)
-    return _slots(kept, rows.tables, block_size)
+    kept = []
+    chunks = _chunks(q.shape[0], indexer.heads, context.shape[0])
+    for lo in chunks:
+        hi = min(lo + chunks.step, q.shape[0])
+        keys = keys_cache[rows.tables[lo:hi]].flatten(1, 3)  # [rows, W B, D]
+        keys = ops.dequantize_kv(keys, 1.0, torch.float32)
+        kept.append(indexer.top(indexer.scores(q[lo:hi], w[lo:hi], keys), visible[lo:hi]))
+    if not kept:  # a ubatch of no rows
+        return torch.full((0, indexer.topk), -1, dtype=torch.long, device=q.device)
+    return _slots(torch.cat(kept), rows.tables, block_size)
