@@ -85,6 +85,16 @@ def test_refused_by_name(preset, fields, message):
         parse_model_config({**preset, **fields})
 
 
+def test_a_preset_cut_to_its_first_layers_keeps_their_schedules():
+    """NAME:LAYERS keeps the published per-layer lists; the parser reads their first entries."""
+    pattern = "FSS" * 26
+    raw = {**GLM_5, "index_topk_pattern": pattern, "num_hidden_layers": 4}
+    raw["mlp_layer_types"] = ["dense"] * 3 + ["sparse"] * 75
+    c = parse_model_config(raw)
+    assert c.family_config.indexer_types == ("full", "shared", "shared", "full")
+    assert c.layer_types == ("dense", "dense", "dense", "moe")
+
+
 def test_training_only_fields_are_ignored():
     raw = {**DEEPSEEK_V32, "aux_loss_alpha": 0.001, "seq_aux": True, "router_aux_loss_coef": 0.1}
     assert parse_model_config(raw) == parse_model_config(DEEPSEEK_V32)

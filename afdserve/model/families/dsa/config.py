@@ -205,7 +205,8 @@ def _mlp_layer_types(raw: dict[str, Any], model_type: str, n: int) -> list[str] 
     kinds = raw.get("mlp_layer_types")
     if kinds is None:
         return None
-    if len(kinds) != n or any(k not in ("dense", "sparse") for k in kinds):
+    kinds = list(kinds)[:n]  # a preset's NAME:LAYERS keeps the published lists
+    if len(kinds) < n or any(k not in ("dense", "sparse") for k in kinds):
         raise _refuse(
             model_type,
             f"mlp_layer_types={kinds!r}: {n} entries of 'dense' or 'sparse' expected",
@@ -228,7 +229,8 @@ def _indexer_types(raw: dict[str, Any], model_type: str, n: int) -> tuple[str, .
         freq = max(int(raw.get("index_topk_freq", 1)), 1)
         offset = int(raw.get("index_skip_topk_offset", 2))
         kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    if len(kinds) != n or any(k not in INDEXER_TYPES for k in kinds):
+    kinds = list(kinds)[:n]
+    if len(kinds) < n or any(k not in INDEXER_TYPES for k in kinds):
         raise _refuse(model_type, f"indexer_types={kinds!r}: {n} entries of {INDEXER_TYPES}")
     if kinds[0] != "full":
         raise _refuse(
