@@ -15,7 +15,12 @@ import torch
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.dsa.indexer import Indexer, select_batched, select_per_segment
+from afdserve.model.families.dsa.indexer import (
+    Indexer,
+    select_batched,
+    select_per_segment,
+    take,
+)
 from afdserve.model.layers.attention import LayerCache, MLAAttention
 from afdserve.model.layers.common import Rotary
 
@@ -93,7 +98,8 @@ class DSAAttention(MLAAttention):
         for lo in range(0, q.shape[0], ATTEND_ROWS):
             hi = min(lo + ATTEND_ROWS, q.shape[0])
             slots = selected[lo:hi]
-            kv = ops.dequantize_kv(flat[slots.clamp(min=0)], self.k_scale, q.dtype)  # [r, K, L+R]
+            kv = take(flat, slots.clamp(min=0))  # [r, K, L+R]
+            kv = ops.dequantize_kv(kv, self.k_scale, q.dtype)
             scores = torch.einsum("rhd,rkd->rhk", q[lo:hi], kv) * self.scale
             valid = (slots >= 0)[:, None, :]
             scores = scores.masked_fill(~valid, float("-inf"))

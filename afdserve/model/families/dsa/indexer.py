@@ -87,6 +87,14 @@ class Indexer(nn.Module):
         return kept.masked_fill(order.values[:, : self.topk] == float("-inf"), -1)
 
 
+def take(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """pages[index], an FP8 cache's gathered as bytes (float8 indexing kernels are not on every
+    device and torch release; the bytes are the same values)."""
+    if pages.dtype != torch.float8_e4m3fn:
+        return pages[index]
+    return pages.view(torch.uint8)[index].view(pages.dtype)
+
+
 def _chunks(rows: int, heads: int, context: int) -> range:
     """The first row of each chunk of rows whose scores fit SCORE_ELEMENTS."""
     return range(0, rows, max(1, SCORE_ELEMENTS // (heads * max(context, 1))))
@@ -111,9 +119,9 @@ def select_per_segment(
     block_size = keys_cache.shape[1]
     slots = torch.full((q.shape[0], indexer.topk), -1, dtype=torch.long, device=q.device)
     for seg in meta.segments:
-        keys = ops.dequantize_kv(
-            ops.gather_kv(keys_cache, seg.block_table, seg.context_len)[:, 0], 1.0, torch.float32
-        )
+        blocks = seg.block_table[: -(-seg.context_len // block_size)].long()
+        keys = take(keys_cache, blocks).flatten(0, 2)[: seg.context_len]  # [context, D]
+        keys = ops.dequantize_kv(keys, 1.0, torch.float32)
         table = seg.block_table.long()[None, :]
         context = torch.arange(seg.context_len, device=q.device)
         step = _chunks(seg.num_rows, indexer.heads, seg.context_len).step
@@ -143,7 +151,7 @@ def select_batched(
     chunks = _chunks(q.shape[0], indexer.heads, context.shape[0])
     for lo in chunks:
         hi = min(lo + chunks.step, q.shape[0])
-        keys = keys_cache[rows.tables[lo:hi]].flatten(1, 3)  # [rows, W B, D]
+        keys = take(keys_cache, rows.tables[lo:hi]).flatten(1, 3)  # [rows, W B, D]
         keys = ops.dequantize_kv(keys, 1.0, torch.float32)
         kept.append(indexer.top(indexer.scores(q[lo:hi], w[lo:hi], keys), visible[lo:hi]))
     if not kept:  # a ubatch of no rows
