@@ -28,7 +28,12 @@ def test_deepseek_v32_preset_reads_as_transformers_does():
     assert c.quantization is not None and c.quantization.block == (128, 128)
     assert (c.topk_method, c.scoring, c.n_group, c.topk_group) == ("noaux_tc", "sigmoid", 8, 4)
     # Per block of 64 positions: every layer's latent (512 + 64) and indexer key (128), bf16.
-    assert cache_layout(c).bytes_per_block(64, torch.bfloat16) == 61 * 64 * (576 + 128) * 2
+    layout = cache_layout(c)
+    assert layout.bytes_per_block(64, torch.bfloat16) == 61 * 64 * (576 + 128) * 2
+    # Prefix reuse and the FP8 cache allowed; decode graphs by name only, `full` refused.
+    assert layout.prefix_reuse_refusal(64) is None and layout.fp8_refusal is None
+    assert layout.eager_by_default and layout.graph_refusal("full")
+    assert layout.graph_refusal("full_decode_only") is None
 
 
 def test_glm5_preset_reads_as_transformers_does():
