@@ -90,7 +90,7 @@ HONOURED = frozenset(
         "index_skip_topk_offset",
         "attention_bias",
         "mlp_bias",  # must be false
-        "head_dim",  # transformers points it at qk_rope_head_dim; checked, not read
+        "head_dim",  # transformers overwrites it with qk_rope_head_dim: derived, not read
         "qk_head_dim",  # must be qk_nope_head_dim + qk_rope_head_dim
         "moe_layer_freq",  # must be 1: every layer past the dense ones is MoE
         "topk_method",  # must be noaux_tc
