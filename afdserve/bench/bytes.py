@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
+from afdserve.model.families.dsa.config import DSAConfig
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
 from afdserve.model.parts import CausalLM
@@ -137,13 +138,24 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
     return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)
 
 
+def dsa_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: int) -> int:
+    """Bytes one decode query at `position` reads of a DSA layer (DeepSeek-V3.2, GLM-5;
+    model/families/dsa/): the latents of the min(index_topk, position + 1) selected tokens, and,
+    where the layer runs its indexer, the keys of all position + 1 (it scores every one)."""
+    dsa, context = config.family_config, position + 1
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    keys = context * dsa.index_head_dim if dsa.has_indexer(layer) else 0
+    return (min(dsa.index_topk, context) * latent + keys) * itemsize
+
+
 def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int) -> int:
     """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
     GQA and MLA read the cache of position + 1 tokens (the new token's row included), gpt-oss's
-    sliding layers at most their window of them, DeepSeek-V4 what `v4_layer_kv_bytes` says of
-    each layer."""
+    sliding layers at most their window of them, DeepSeek-V4 and DSA what `v4_layer_kv_bytes`
+    and `dsa_layer_kv_bytes` say of each layer."""
     c = model.config
-    if c.attention in ("gqa", "mla"):
+    dsa = isinstance(c.family_config, DSAConfig)
+    if c.attention in ("gqa", "mla") and not dsa and not hasattr(c.family_config, "window"):
         mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
     if hasattr(c.family_config, "window"):  # gpt-oss: a sliding layer reads its window only
@@ -153,8 +165,8 @@ def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int)
             for p in positions
         ]
         return int(batch * per_token * sum(per_step) / len(per_step))
+    per_layer = dsa_layer_kv_bytes if dsa else v4_layer_kv_bytes
     per_step = [
-        sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
-        for p in positions
+        sum(per_layer(c, layer, p, itemsize) for layer in range(c.num_layers)) for p in positions
     ]
     return int(batch * sum(per_step) / len(per_step))

@@ -178,6 +178,44 @@ class MLAAttention(nn.Module):
             for p in inputs
         )
 
+    def project(
+        self,
+        x: torch.Tensor | Fp8Rows,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        cache: LayerCache,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The rows' queries, their latents written into the cache -> (q_a_layernorm's output,
+        None without q_lora_rank; q_nope [rows, H, nope]; q_pe [rows, H, rope], rotated)."""
+        rows = x.shape[0]
+        q_latent = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
+        q = self.q_b_proj(q_latent) if self.q_lora else self.q_proj(x)
+        q = q.view(rows, self.heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        cos, sin = cos_sin
+        q_pe = rotary.rotate(q_pe, cos, sin)
+        k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
+        ops.write_kv(
+            cache[0],
+            torch.cat((latent[:, None, :], k_pe), dim=-1),
+            meta.slot_mapping,
+            self.k_scale,
+        )
+        return q_latent, q_nope, q_pe
+
+    def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key part folded into the query: (q [rows, H, L + R] to attend straight
+        over the cached [latent, rope key] rows, w_uv [H, v, L] to apply to the output's latent
+        part). q_nope . (W_uk c) = (W_uk^T q_nope) . c."""
+        w = linear_weight(self.kv_b_proj, q_nope.dtype)
+        w = w.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, L], [H, v, L]
+        q_latent = torch.einsum("rhn,hnl->rhl", q_nope, w_uk)
+        return torch.cat((q_latent, q_pe), dim=-1), w_uv
+
     def forward(
         self,
         x: torch.Tensor | Fp8Rows,
@@ -187,21 +225,8 @@ class MLAAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(rows, self.heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        cos, sin = cos_sin
-        q_pe = rotary.rotate(q_pe, cos, sin)
-        k_pe = rotary.rotate(k_pe[:, None, :], cos, sin)  # [rows, 1, rope]
+        _, q_nope, q_pe = self.project(x, meta, rotary, cache, cos_sin)
         latent_cache, _ = cache
-        ops.write_kv(
-            latent_cache,
-            torch.cat((latent[:, None, :], k_pe), dim=-1),
-            meta.slot_mapping,
-            self.k_scale,
-        )
         if meta.batched is not None:
             return self._absorbed(q_nope, q_pe, latent_cache, meta)
         q = torch.cat((q_nope, q_pe), dim=-1)
@@ -232,11 +257,7 @@ class MLAAttention(nn.Module):
         per-sequence expansion, and CUDA-graph capturable. Equal to the expanded form:
         q_nope . (W_uk c) = (W_uk^T q_nope) . c."""
         rows = q_nope.shape[0]
-        w = linear_weight(self.kv_b_proj, q_nope.dtype)
-        w = w.view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, L], [H, v, L]
-        q_latent = torch.einsum("rhn,hnl->rhl", q_nope, w_uk)
-        q = torch.cat((q_latent, q_pe), dim=-1)  # [rows, H, L + R]
+        q, w_uv = self.absorb(q_nope, q_pe)  # [rows, H, L + R]
         # Values are the latent part of the same cached rows; the rope part of the output is unused.
         out = ops.paged_attention(
             q, latent_cache, latent_cache, meta, self.scale, self.k_scale, self.k_scale

@@ -10,6 +10,7 @@ builds only its half and loads exactly the tensors that half names.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -24,15 +25,28 @@ from afdserve.model.layers.fp8 import convert_to_fp8
 from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
 from afdserve.model.parts import ModelParts
 
+# (config, layer) -> the layer's attention module; a family that extends MLA passes its own.
+AttentionFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def decoder_attention(config: ModelConfig, layer: int) -> nn.Module:
+    return make_attention(config)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, parts: ModelParts) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        parts: ModelParts,
+        attention: AttentionFactory = decoder_attention,
+    ) -> None:
         super().__init__()
         moe = config.layer_types[layer] != "dense"
         router_here_on_attention = parts.gate_on_attention and moe
         if parts.attention:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.self_attn = make_attention(config)
+            self.self_attn = attention(config, layer)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if parts.ffn:
             self.mlp = make_ffn(
@@ -53,7 +67,10 @@ def uninitialized_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
 
 class ModelBody(nn.Module):
     def __init__(
-        self, config: ModelConfig, parts: ModelParts, layer_class: type[nn.Module] = DecoderLayer
+        self,
+        config: ModelConfig,
+        parts: ModelParts,
+        layer_class: Callable[..., nn.Module] = DecoderLayer,
     ) -> None:
         super().__init__()
         if parts.attention:
@@ -65,16 +82,25 @@ class ModelBody(nn.Module):
 class MoECausalLM(nn.Module):
     # A family on this decoder with layers of its own (gpt-oss) names its layer class here; its
     # layers keep the names `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
-    # (with the router as `mlp.gate`), which the halves below call.
+    # (with the router as `mlp.gate`), which the halves below call. One that only changes the
+    # attention (DSA) passes its `attention` factory to DecoderLayer instead.
     layer_class: type[nn.Module] = DecoderLayer
 
-    def __init__(self, config: ModelConfig, parts: ModelParts | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parts: ModelParts | None = None,
+        attention: AttentionFactory = decoder_attention,
+    ) -> None:
         super().__init__()
         self.config = config
         self.parts = parts or ModelParts.colocated()
         # The dtype of activations and of every unquantized weight (FP8 weights are float8).
         self.dtype = torch.get_default_dtype()
-        self.model = ModelBody(config, self.parts, self.layer_class)
+        layer = self.layer_class
+        if layer is DecoderLayer:
+            layer = functools.partial(DecoderLayer, attention=attention)
+        self.model = ModelBody(config, self.parts, layer)
         if self.parts.attention:
             self.rotary = Rotary(config)
             if not config.tie_word_embeddings:
