@@ -21,6 +21,7 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afdserve-stats", daemon=True)
         self._last = (time.monotonic(), 0.0, 0.0)
+        self._last_spec = (0, 0)  # accepted, drafted draft tokens at the last line
 
     def start(self) -> StatsLogger:
         self._thread.start()
@@ -52,7 +53,20 @@ class StatsLogger:
             f"running {running}, waiting {waiting}, KV cache {kv:.1%}{cached}, "
             f"prompt {(prompt - prompt_before) / elapsed:.1f} tokens/s, "
             f"generation {(generated - generated_before) / elapsed:.1f} tokens/s"
+            f"{self._acceptance(stats)}"
         )
+
+    def _acceptance(self, stats) -> str:
+        """The draft acceptance rate since the last line (vLLM's SpecDecoding line), or ""."""
+        if stats is None or not stats.spec_decode:
+            return ""
+        accepted, drafted = stats.spec_totals
+        before = self._last_spec
+        self._last_spec = (accepted, drafted)
+        new_drafted = drafted - before[1]
+        if not new_drafted:
+            return ", draft acceptance rate n/a"
+        return f", draft acceptance rate {(accepted - before[0]) / new_drafted:.1%}"
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
