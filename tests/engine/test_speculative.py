@@ -185,7 +185,8 @@ def _record_steps(llm: LLM) -> list[tuple[int, int]]:
     def noted():
         out = schedule()
         chunks = sum(e.seq.num_uncomputed_tokens > 1 and not e.draft_ids for e in out.scheduled)
-        steps.append((chunks, sum(bool(e.draft_ids) for e in out.scheduled)))
+        if out.scheduled:
+            steps.append((chunks, sum(bool(e.draft_ids) for e in out.scheduled)))
         return out
 
     scheduler.schedule = noted
@@ -297,3 +298,27 @@ def test_seeded_sampling_repeats_itself() -> None:
         crowd = llm.generate(REPEATING, params, use_tqdm=False)[0].outputs[0].token_ids
         assert llm.engine.stats().spec_decode[0].num_drafts > 0
     assert alone == crowd
+
+
+@pytest.mark.parametrize("graph_mode", ["full_decode_only", "full"])
+def test_graph_policy_of_verification_steps(graph_mode) -> None:
+    """The plan's graph decision for verification steps (CPU runs captures and replays eagerly
+    in the graph's padded layout): full_decode_only keeps them eager, as steps of more than one
+    row a request, and still replays plain decodes; full replays them at a captured size."""
+    with LLM(
+        "tiny",
+        dtype="float32",
+        speculative_config=NGRAM,
+        graph_mode=graph_mode,
+        cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
+        log_step_plan=True,
+    ) as llm:
+        steps = _record_steps(llm)
+        got = [o.outputs[0].token_ids for o in llm.generate(REPEATING, GREEDY, use_tqdm=False)]
+        records = llm.step_log()[-len(steps) :]  # after the warm-up's captures
+    want, _, _, _ = _run("tiny", None, GREEDY, rounds=1)
+    assert got == want
+    verifying = {r["mode"] for r, (_, drafted) in zip(records, steps, strict=True) if drafted}
+    plain = {r["mode"] for r, (_, drafted) in zip(records, steps, strict=True) if not drafted}
+    assert verifying == ({"eager"} if graph_mode == "full_decode_only" else {"replay"})
+    assert "replay" in plain
