@@ -90,8 +90,11 @@ class SchedulerOutput:
 
     @property
     def uniform_decode(self) -> bool:
+        """Every sequence decodes: its last token, and its drafts when it has any (at most
+        num_speculative_tokens, which the decode graphs' query length allows for)."""
         return bool(self.scheduled) and all(
-            entry.num_new_tokens == 1 and entry.samples for entry in self.scheduled
+            entry.num_new_tokens == 1 + len(entry.draft_ids) and entry.samples
+            for entry in self.scheduled
         )
 
     @property

@@ -17,6 +17,8 @@ from afdserve.engine.rejection import verify
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
 from afdserve.engine.speculative import Drafter, ngram_drafts
+from afdserve.layout.plan import GraphTable, RankStep, plan_step
+from afdserve.layout.topology import Topology
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 NGRAM = {
@@ -254,7 +256,7 @@ def test_update_rolls_back_rejected_drafts() -> None:
     seq = _decoding(scheduler, SamplingParams(max_tokens=10))
     out = scheduler.schedule()
     assert [(e.draft_ids, e.num_new_tokens) for e in out.scheduled] == [((1, 2, 3), 4)]
-    assert not out.uniform_decode
+    assert out.uniform_decode  # a decode and its drafts: a decode step for the graphs
     scheduler.update(out, [[1, 5]])  # the first draft accepted, then 5 instead of 2
     assert seq.token_ids == [1, 2, 3, 1, 2, 3, 1, 5]
     assert seq.num_computed_tokens == 7  # the rejected drafts' positions 7 and 8 are not
@@ -303,22 +305,32 @@ def test_seeded_sampling_repeats_itself() -> None:
 @pytest.mark.parametrize("graph_mode", ["full_decode_only", "full"])
 def test_graph_policy_of_verification_steps(graph_mode) -> None:
     """The plan's graph decision for verification steps (CPU runs captures and replays eagerly
-    in the graph's padded layout): full_decode_only keeps them eager, as steps of more than one
-    row a request, and still replays plain decodes; full replays them at a captured size."""
+    in the graph's padded layout, and records them): a step of decodes and their drafts is a
+    decode step, replayed under full_decode_only too; one with a prefill chunk beside them runs
+    eagerly there and replays under full."""
     with LLM(
         "tiny",
         dtype="float32",
         speculative_config=NGRAM,
         graph_mode=graph_mode,
         cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
+        max_num_batched_tokens=24,
         log_step_plan=True,
     ) as llm:
         steps = _record_steps(llm)
         got = [o.outputs[0].token_ids for o in llm.generate(REPEATING, GREEDY, use_tqdm=False)]
         records = llm.step_log()[-len(steps) :]  # after the warm-up's captures
-    want, _, _, _ = _run("tiny", None, GREEDY, rounds=1)
+    want, _, _, _ = _run("tiny", None, GREEDY, rounds=1, max_num_batched_tokens=24)
     assert got == want
-    verifying = {r["mode"] for r, (_, drafted) in zip(records, steps, strict=True) if drafted}
-    plain = {r["mode"] for r, (_, drafted) in zip(records, steps, strict=True) if not drafted}
-    assert verifying == ({"eager"} if graph_mode == "full_decode_only" else {"replay"})
-    assert "replay" in plain
+    modes = zip(records, steps, strict=True)
+    verifying = {r["mode"] for r, (chunks, drafted) in modes if drafted and not chunks}
+    assert verifying == {"replay"}
+    beside = {r["mode"] for r, (chunks, drafted) in zip(records, steps) if drafted and chunks}
+    assert beside == ({"eager"} if graph_mode == "full_decode_only" else {"replay"})
+
+
+def test_a_decode_step_with_drafts_plans_a_graph() -> None:
+    """Two requests with 3 and 0 drafts: 5 rows, a decode step, padded to the capture size 8."""
+    plan = plan_step([RankStep(5, 2, True)], Topology(1, 0), GraphTable("full_decode_only", (4, 8)))
+    (mine,) = plan.attention
+    assert (mine.mode, mine.padded_rows) == ("capture", 8)

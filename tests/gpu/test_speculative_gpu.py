@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) on one GPU under CUDA graphs, colocated and in-process 1A1F:
-the eager engine's greedy tokens without speculation (bf16: up to reported near-ties).
-full_decode_only replays plain decode steps and runs verification steps (k + 1 rows a
-sequence) eagerly; full replays verification steps of a captured size too."""
+the eager engine's greedy tokens without speculation (bf16: up to reported near-ties). Decode
+steps with drafts (up to k + 1 rows a sequence) replay under full_decode_only, whose graphs'
+attention is launched for queries of k + 1 rows; full also replays those beside a prefill."""
 
 from __future__ import annotations
 
