@@ -17,23 +17,47 @@ from afdserve.config import SpeculativeConfig
 from afdserve.engine.sequence import Sequence
 
 
-def ngram_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
+def ngram_drafts(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> tuple[int, ...]:
     """The up to `k` tokens that followed the earliest earlier occurrence of the longest suffix
-    n-gram of `tokens` (min_n <= n <= max_n); () when no such n-gram occurs earlier."""
-    length = len(tokens)
+    n-gram of `tokens` (min_n <= n <= max_n); () when no such n-gram occurs earlier.
+    One pass over the tokens finds where the last token recurs; only those places are extended
+    backwards, so a long sequence costs one vectorised comparison a step."""
+    array = np.asarray(tokens, dtype=np.int64)
+    length = len(array)
     if k < 1 or length < min_n + 1:
         return ()
-    array = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = array[length - n :]
-        # Windows starting at 0 .. length - n - 1: each ends before the suffix's own last token,
-        # so at least one token follows it.
-        windows = np.lib.stride_tricks.sliding_window_view(array[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tuple(int(t) for t in array[start : start + k])
-    return ()
+    ends = np.flatnonzero(array[: length - 1] == array[-1])  # each occurrence's last position
+    matched = np.ones(len(ends), dtype=np.int64)  # suffix tokens matched so far, per occurrence
+    alive = ends
+    for back in range(1, min(max_n, length - 1)):
+        alive = alive[alive >= back]
+        alive = alive[array[alive - back] == array[length - 1 - back]]
+        if not alive.size:
+            break
+        matched[np.searchsorted(ends, alive)] += 1
+    if not ends.size or matched.max() < min_n:
+        return ()
+    # The earliest occurrence of the longest n-gram ends first among those that match it.
+    end = int(ends[np.argmax(matched >= matched.max())])
+    return tuple(int(t) for t in array[end + 1 : end + 1 + k])
+
+
+class TokenArray:
+    """A sequence's tokens as a growing int64 array, so each step's lookup converts only the
+    tokens appended since the last one."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(64, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, tokens: list[int]) -> np.ndarray:
+        if len(tokens) > len(self.data):
+            grown = np.empty(max(2 * len(self.data), len(tokens)), dtype=np.int64)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        self.data[self.size : len(tokens)] = tokens[self.size :]
+        self.size = len(tokens)
+        return self.data[: self.size]
 
 
 def why_not_speculating(seq: Sequence) -> str | None:
@@ -88,5 +112,8 @@ class Drafter:
         )
         if k < 1 or why_not_speculating(seq) is not None:
             return ()
+        if seq.draft_lookup is None:
+            seq.draft_lookup = TokenArray()
+        tokens = seq.draft_lookup.sync(seq.token_ids)
         config = self.config
-        return ngram_drafts(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+        return ngram_drafts(tokens, k, config.prompt_lookup_min, config.prompt_lookup_max)
