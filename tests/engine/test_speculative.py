@@ -334,3 +334,13 @@ def test_a_decode_step_with_drafts_plans_a_graph() -> None:
     plan = plan_step([RankStep(5, 2, True)], Topology(1, 0), GraphTable("full_decode_only", (4, 8)))
     (mine,) = plan.attention
     assert (mine.mode, mine.padded_rows) == ("capture", 8)
+
+
+def test_deepseek_v4_refuses_speculation_by_name(tmp_path) -> None:
+    """Its windows and compressors consume every row a step writes: rejected drafts cannot be
+    left behind to be overwritten."""
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+
+    model = str(make_tiny_v4(tmp_path / "v4"))
+    with pytest.raises(ValueError, match="speculative_config is not supported for deepseek_v4"):
+        LLM(model, speculative_config=NGRAM)
