@@ -154,7 +154,11 @@ class CudaGraphRunner:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
         rows = plan.padded_rows
         batched = inputs.meta.batched
-        if not self.allow_prefill and batched and batched.max_query_len > self.decode_query_len:
+        if (
+            not self.allow_prefill
+            and batched is not None
+            and batched.max_query_len > self.decode_query_len
+        ):
             raise GraphCaptureError(
                 f"a query of {batched.max_query_len} rows replays a decode graph launched for "
                 f"{self.decode_query_len}"
