@@ -20,7 +20,7 @@ import torch
 from afdserve.config import SpeculativeConfig
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.logprobs import prompt_entries
+from afdserve.engine.logprobs import entries, prompt_entries
 from afdserve.engine.model_runner import ModelRunner, StepInputs
 from afdserve.engine.rejection import verify
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
@@ -187,7 +187,30 @@ class EngineCore:
             for entry, tokens in zip(spec, verified, strict=True):
                 by_seq[id(entry.seq)] = tokens
                 self.drafter.stats.record(len(entry.draft_ids), len(tokens) - 1)
+            self._verified_logprobs(logits[index], spec, verified)
         return [by_seq.get(id(entry.seq)) for entry in out.scheduled]
+
+    def _verified_logprobs(self, logits: torch.Tensor, spec: list, verified: list) -> None:
+        """Each emitted token's entry from its own row (the model's unmodified distribution
+        there, as a one-token step would give it). `logits`: k + 1 rows per entry of `spec`."""
+        rows, tokens, wanted, owners, at = [], [], [], [], 0
+        for entry, emitted in zip(spec, verified, strict=True):
+            if entry.seq.params.logprobs is not None:
+                rows += range(at, at + len(emitted))
+                tokens += emitted
+                wanted += [entry.seq.params.logprobs] * len(emitted)
+                owners += [entry.seq] * len(emitted)
+            at += len(entry.draft_ids) + 1
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        found = entries(
+            torch.log_softmax(logits[index].float(), dim=-1),
+            torch.tensor(tokens, device=logits.device),
+            wanted,
+        )
+        for seq, entry in zip(owners, found, strict=True):
+            seq.output_logprobs.append(entry)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
         """The prompt's logprobs from this step's hidden rows (the prefill's own forward, on

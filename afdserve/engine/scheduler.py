@@ -260,6 +260,8 @@ class Scheduler:
                     break
             seq.num_computed_tokens = min(computed, seq.num_tokens)
             self.block_manager.register(seq)
+            if reason is not None and seq.params.logprobs is not None:
+                del seq.output_logprobs[seq.num_output_tokens :]  # of the tokens a stop cut off
             if reason is not None:
                 self._retire(seq, reason)
                 finished.append(seq)

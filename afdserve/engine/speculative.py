@@ -71,8 +71,6 @@ def why_not_speculating(seq: Sequence) -> str | None:
         return "bad_words match the earlier output tokens"
     if params.structured_outputs is not None:
         return "a grammar advances with each token"
-    if params.logprobs is not None:
-        return "logprobs are reported per sampled token"
     if seq.num_output_tokens < params.min_tokens:
         return "min_tokens masks the stop tokens position by position"
     return None

@@ -170,6 +170,9 @@ def _run(model: str, speculative: dict | None, params, rounds: int = 2, **kwargs
         steps = _record_steps(llm)
         outs = llm.generate(REPEATING, params, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]
+        for out in outs:  # one logprob entry per token, also where a stop cut the drafts
+            logprobs = out.outputs[0].logprobs
+            assert logprobs is None or len(logprobs) == len(out.outputs[0].token_ids)
         if rounds > 1:
             again = [list(o.prompt_token_ids) + list(t) for o, t in zip(outs, tokens, strict=True)]
             tokens += [o.outputs[0].token_ids for o in llm.generate(again, params, use_tqdm=False)]
@@ -222,11 +225,13 @@ def moe_model(tmp_path_factory) -> str:
 
 
 def test_greedy_tokens_unchanged_moe_two_ubatches(moe_model) -> None:
-    """MLA and routed experts, two ubatches, a stop token per prompt: the same tokens and
-    finish reasons."""
+    """MLA and routed experts, two ubatches, a stop token per prompt (logprobs asked for too):
+    the same tokens."""
     want, _, _, _ = _run(moe_model, None, GREEDY, rounds=1)
     params = [
-        SamplingParams(max_tokens=17, temperature=0.0, stop_token_ids=[t[8]] if i % 2 else [])
+        SamplingParams(
+            max_tokens=17, temperature=0.0, stop_token_ids=[t[8]] if i % 2 else [], logprobs=1
+        )
         for i, t in enumerate(want)
     ]
     want, _, _, _ = _run(moe_model, None, params, rounds=1, ubatches=2)
@@ -266,10 +271,13 @@ def test_update_rolls_back_rejected_drafts() -> None:
 
 def test_update_stops_inside_accepted_drafts_and_limits_drafts() -> None:
     scheduler = _scheduler()
-    seq = _decoding(scheduler, SamplingParams(max_tokens=10, stop_token_ids=[2]))
+    seq = _decoding(scheduler, SamplingParams(max_tokens=10, stop_token_ids=[2], logprobs=0))
     out = scheduler.schedule()
+    entries = [{token: -1.0} for token in (3, 1, 2, 3, 7)]  # what the engine found, per token
+    seq.output_logprobs = list(entries)
     assert scheduler.update(out, [[1, 2, 3, 7]]) == [seq]  # every draft accepted, 2 stops
     assert (seq.output_token_ids, seq.finish_reason) == ([3, 1, 2], "stop")
+    assert seq.output_logprobs == entries[:3]  # the entries of the tokens cut off are dropped
     # max_tokens=3 leaves room for one draft after the verification's own token; so does
     # max_model_len 8 for a sequence of 6 tokens.
     for scheduler, params in (
@@ -289,6 +297,25 @@ def test_requests_that_cannot_speculate_decode_one_token_a_step() -> None:
         assert llm.engine.stats().spec_decode[0].num_drafts == 0
     with LLM("tiny", dtype="float32") as llm:
         assert got == [o.outputs[0].token_ids for o in llm.generate(REPEATING[:2], params)]
+
+
+def test_logprobs_of_emitted_tokens_come_from_their_own_rows() -> None:
+    """Greedy with logprobs: the tokens and each token's entry (its own and the top 2) are those
+    of one-token steps."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    runs = []
+    for speculative in (None, NGRAM):
+        with LLM("tiny", dtype="float32", speculative_config=speculative) as llm:
+            runs.append([o.outputs[0] for o in llm.generate(REPEATING[:3], params)])
+            drafts = llm.engine.stats().spec_decode
+    assert drafts[0].num_accepted_tokens > 0
+    for want, got in zip(*runs, strict=True):
+        assert got.token_ids == want.token_ids
+        assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+        for mine, theirs in zip(got.logprobs, want.logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            for token, value in theirs.items():
+                assert abs(mine[token] - value) < 1e-4 and mine[token].rank == value.rank
 
 
 def test_seeded_sampling_repeats_itself() -> None:
