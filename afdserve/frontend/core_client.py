@@ -51,10 +51,15 @@ class EngineStats:
         return sum(self.prefix_cache_hits.values()) / queries if queries else None
 
     @property
-    def spec_totals(self) -> tuple[int, int]:
-        """(accepted, drafted) draft tokens since start, every rank together."""
+    def spec_totals(self) -> tuple[int, int, int]:
+        """(accepted draft tokens, draft tokens, sequences verified with drafts) since start,
+        every rank together."""
         ranks = self.spec_decode.values()
-        return sum(s.num_accepted_tokens for s in ranks), sum(s.num_draft_tokens for s in ranks)
+        return (
+            sum(s.num_accepted_tokens for s in ranks),
+            sum(s.num_draft_tokens for s in ranks),
+            sum(s.num_drafts for s in ranks),
+        )
 
 
 def cache_config_labels(limits: RequestLimits, cache_dtype: str, prefix_caching: bool) -> dict:

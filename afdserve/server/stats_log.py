@@ -21,7 +21,7 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afdserve-stats", daemon=True)
         self._last = (time.monotonic(), 0.0, 0.0)
-        self._last_spec = (0, 0)  # accepted, drafted draft tokens at the last line
+        self._last_spec = (0, 0, 0)  # EngineStats.spec_totals at the last line
 
     def start(self) -> StatsLogger:
         self._thread.start()
@@ -57,16 +57,19 @@ class StatsLogger:
         )
 
     def _acceptance(self, stats) -> str:
-        """The draft acceptance rate since the last line (vLLM's SpecDecoding line), or ""."""
+        """Since the last line (vLLM's SpecDecoding line): the share of draft tokens accepted,
+        and the tokens a verification gives a sequence (its accepted drafts and one more)."""
         if stats is None or not stats.spec_decode:
             return ""
-        accepted, drafted = stats.spec_totals
-        before = self._last_spec
-        self._last_spec = (accepted, drafted)
-        new_drafted = drafted - before[1]
-        if not new_drafted:
+        totals = stats.spec_totals
+        accepted, drafted, drafts = (now - then for now, then in zip(totals, self._last_spec))
+        self._last_spec = totals
+        if not drafted:
             return ", draft acceptance rate n/a"
-        return f", draft acceptance rate {(accepted - before[0]) / new_drafted:.1%}"
+        return (
+            f", draft acceptance rate {accepted / drafted:.1%}, mean acceptance length "
+            f"{1 + accepted / drafts:.2f}"
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

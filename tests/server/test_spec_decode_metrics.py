@@ -41,4 +41,6 @@ def test_spec_decode_metrics_and_stats_line() -> None:
     per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", p)] for p in "01"]
     assert per_pos == spec.accepted_per_pos and sum(per_pos) == accepted
     rate = spec.num_accepted_tokens / spec.num_draft_tokens
-    assert line is not None and line.endswith(f"draft acceptance rate {rate:.1%}")
+    length = 1 + spec.num_accepted_tokens / spec.num_drafts
+    assert line is not None
+    assert line.endswith(f"draft acceptance rate {rate:.1%}, mean acceptance length {length:.2f}")
