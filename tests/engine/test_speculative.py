@@ -371,3 +371,14 @@ def test_deepseek_v4_refuses_speculation_by_name(tmp_path) -> None:
     model = str(make_tiny_v4(tmp_path / "v4"))
     with pytest.raises(ValueError, match="speculative_config is not supported for deepseek_v4"):
         LLM(model, speculative_config=NGRAM)
+
+
+def test_config_file_mapping_reaches_the_flag(tmp_path) -> None:
+    """vLLM's --config YAML may spell the speculative config as a nested mapping."""
+    from afdserve.cli import build_parser
+    from afdserve.config_args import parse_with_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    args = parse_with_config(build_parser(), ["serve", "--config", str(path)])
+    assert args.speculative_config == SpeculativeConfig("ngram", 2)
