@@ -382,3 +382,21 @@ def test_config_file_mapping_reaches_the_flag(tmp_path) -> None:
     path.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
     args = parse_with_config(build_parser(), ["serve", "--config", str(path)])
     assert args.speculative_config == SpeculativeConfig("ngram", 2)
+
+
+def test_stop_strings_end_the_output_at_the_same_token() -> None:
+    """Several tokens reach the frontend per step: a stop string one of them completes ends
+    text, token ids and logprobs there, as when tokens came one a step."""
+    with LLM("tiny", dtype="float32") as llm:
+        texts = [o.outputs[0].text for o in llm.generate(REPEATING, GREEDY, use_tqdm=False)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, stop=[text[4:6]], logprobs=0)
+        for text in texts
+    ]
+    results = []
+    for speculative in (None, NGRAM):
+        with LLM("tiny", dtype="float32", speculative_config=speculative) as llm:
+            outs = [o.outputs[0] for o in llm.generate(REPEATING, params, use_tqdm=False)]
+        results.append([(o.text, o.token_ids, len(o.logprobs), o.finish_reason) for o in outs])
+    assert results[0] == results[1]
+    assert all(reason == "stop" for *_, reason in results[0])
