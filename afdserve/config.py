@@ -6,6 +6,7 @@ starts or any weight is read.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -61,6 +62,21 @@ SPECULATIVE_NOT_YET = {
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
+def _check_method(method: object) -> None:
+    if isinstance(method, str) and method in SPECULATIVE_NOT_YET:
+        raise ValueError(
+            f"SpeculativeConfig.method={method!r} is not yet supported: "
+            f"{SPECULATIVE_NOT_YET[method]}; the methods run are {SPECULATIVE_METHODS}"
+        )
+    _require(
+        method in SPECULATIVE_METHODS,
+        "SpeculativeConfig",
+        "method",
+        method,
+        f"one of {SPECULATIVE_METHODS}",
+    )
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config, the n-gram method: each decoding sequence's longest suffix
@@ -75,18 +91,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         owner = "SpeculativeConfig"
-        if self.method in SPECULATIVE_NOT_YET:
-            raise ValueError(
-                f"{owner}.method={self.method!r} is not yet supported: "
-                f"{SPECULATIVE_NOT_YET[self.method]}; the methods run are {SPECULATIVE_METHODS}"
-            )
-        _require(
-            self.method in SPECULATIVE_METHODS,
-            owner,
-            "method",
-            self.method,
-            f"one of {SPECULATIVE_METHODS}",
-        )
+        _check_method(self.method)
         _positive_int(owner, "num_speculative_tokens", self.num_speculative_tokens)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
@@ -124,9 +129,18 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: 'method' is required, one of {SPECULATIVE_METHODS}"
             )
+        _check_method(value["method"])
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: 'num_speculative_tokens' is required")
         return cls(**value)
+
+
+def _speculative_flag(text: str) -> SpeculativeConfig | None:
+    """--speculative-config's parse: argparse shows an ArgumentTypeError's own message."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -216,7 +230,7 @@ class EngineConfig:
     )
     speculative_config: SpeculativeConfig | None = option(
         None,
-        parse=SpeculativeConfig.parse,
+        parse=_speculative_flag,
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
         'K, "prompt_lookup_max": N, "prompt_lookup_min": M}\' (a dict for LLM()); verification '

@@ -76,13 +76,16 @@ def test_config_takes_vllm_spelling_and_refuses_the_rest() -> None:
             EngineConfig("m", speculative_config=value)
 
 
-def test_cli_flag_reaches_the_config() -> None:
+def test_cli_flag_reaches_the_config(capsys) -> None:
     from afdserve.cli import build_parser
 
     args = build_parser().parse_args(
         ["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     )
     assert args.speculative_config == SpeculativeConfig("ngram", 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "mtp"}'])
+    assert "method='mtp' is not yet supported" in capsys.readouterr().err
 
 
 def _seq(params: SamplingParams) -> Sequence:
