@@ -6,7 +6,9 @@ starts or any weight is read.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -47,6 +49,98 @@ def _require(ok: bool, owner: str, name: str, value: object, allowed: str) -> No
 def _positive_int(owner: str, name: str, value: object) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     _require(ok, owner, name, value, "an integer >= 1")
+
+
+# Speculative decoding (vLLM's --speculative-config): the methods run, and those refused for now.
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_NOT_YET = {
+    "mtp": "drafts from the checkpoint's next-token-prediction layers are not loaded yet "
+    "(afdserve skips num_nextn_predict_layers)",
+    "deepseek_mtp": "vLLM's other name of mtp, not yet run: the checkpoint's "
+    "next-token-prediction layers are not loaded yet",
+}
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def _check_method(method: object) -> None:
+    if isinstance(method, str) and method in SPECULATIVE_NOT_YET:
+        raise ValueError(
+            f"SpeculativeConfig.method={method!r} is not yet supported: "
+            f"{SPECULATIVE_NOT_YET[method]}; the methods run are {SPECULATIVE_METHODS}"
+        )
+    _require(
+        method in SPECULATIVE_METHODS,
+        "SpeculativeConfig",
+        "method",
+        method,
+        f"one of {SPECULATIVE_METHODS}",
+    )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, the n-gram method: each decoding sequence's longest suffix
+    n-gram (prompt_lookup_min <= n <= prompt_lookup_max) found earlier in its own tokens
+    proposes the up to num_speculative_tokens tokens that followed it. Only one of the lookup
+    bounds given: the other takes its value; neither: both 5 (vLLM's defaults)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 1
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "SpeculativeConfig"
+        _check_method(self.method)
+        _positive_int(owner, "num_speculative_tokens", self.num_speculative_tokens)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        _positive_int(owner, "prompt_lookup_min", low)
+        _positive_int(owner, "prompt_lookup_max", high)
+        _require(low <= high, owner, "prompt_lookup_min", low, f"at most prompt_lookup_max={high}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From a dict, its JSON text (the flag's) or a SpeculativeConfig; None stays None.
+        A key other than vLLM's n-gram ones is refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"speculative_config={value!r}: expected a dict or its JSON text, with keys "
+                f"{SPECULATIVE_KEYS}"
+            )
+        unknown = [key for key in value if key not in SPECULATIVE_KEYS]
+        if unknown:
+            raise ValueError(
+                f"speculative_config: key {unknown[0]!r} is not supported; the keys are "
+                f"{SPECULATIVE_KEYS}"
+            )
+        if "method" not in value:
+            raise ValueError(
+                f"speculative_config: 'method' is required, one of {SPECULATIVE_METHODS}"
+            )
+        _check_method(value["method"])
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: 'num_speculative_tokens' is required")
+        return cls(**value)
+
+
+def _speculative_flag(text: str) -> SpeculativeConfig | None:
+    """--speculative-config's parse: argparse shows an ArgumentTypeError's own message."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -134,6 +228,15 @@ class EngineConfig:
         "in its attention rank's KV cache is taken from there, not recomputed",
         shown="on, except for a model whose cache cannot reuse blocks by prefix",
     )
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        parse=_speculative_flag,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
+        'K, "prompt_lookup_max": N, "prompt_lookup_min": M}\' (a dict for LLM()); verification '
+        "is lossless (greedy tokens unchanged, sampling by rejection against the target)",
+        shown="none",
+    )
     # Where the model comes from (model/checkpoint/hub.py): the LLM hands the ranks local
     # directories.
     revision: str | None = option(
@@ -157,6 +260,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         _require(

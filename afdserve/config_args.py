@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -358,6 +359,8 @@ def _flag_args(flag: str, action: argparse.Action, value: Any) -> list[str]:
         return [flag] if value else []
     if action.nargs == "?" and isinstance(value, bool):
         return [flag] if value else []
+    if isinstance(value, dict):  # a JSON-valued flag (--speculative-config)
+        return [flag, json.dumps(value)]
     if isinstance(value, (list, tuple)):
         if action.nargs in ("+", "*"):
             return [flag, *(str(v) for v in value)]

@@ -106,8 +106,12 @@ class CudaGraphRunner:
         max_model_len: int,
         allow_prefill: bool,
         ubatches: int = 1,
+        decode_query_len: int = 1,
     ) -> None:
+        """`decode_query_len`: the most rows a request has in a decode step (1 + the drafts of
+        speculative decoding), which the decode-only graphs' attention is launched for."""
         self.runner = runner
+        self.decode_query_len = decode_query_len
         dev = runner.device
         self.max_rows, self.max_model_len = max_rows, max_model_len
         # full mode replays steps with prefill chunks too, so its graphs budget for long queries.
@@ -126,7 +130,8 @@ class CudaGraphRunner:
         metas = []
         for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
             n = hi - lo
-            batched = buffers.batched(n, n if self.allow_prefill else 1, self.max_model_len)
+            query = n if self.allow_prefill else min(n, self.decode_query_len)
+            batched = buffers.batched(n, query, self.max_model_len)
             metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
         # The whole batch's view (positions feed the rotary tables of every ubatch).
         whole = AttentionMetadata(
@@ -148,6 +153,16 @@ class CudaGraphRunner:
     def _load(self, inputs: StepInputs, plan: AttentionRankPlan) -> None:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
         rows = plan.padded_rows
+        batched = inputs.meta.batched
+        if (
+            not self.allow_prefill
+            and batched is not None
+            and batched.max_query_len > self.decode_query_len
+        ):
+            raise GraphCaptureError(
+                f"a query of {batched.max_query_len} rows replays a decode graph launched for "
+                f"{self.decode_query_len}"
+            )
         self.input_ids[:rows].copy_(inputs.input_ids)
         self.route_ids[:rows].copy_(inputs.route_ids)
         self.positions[:rows].copy_(inputs.meta.positions)

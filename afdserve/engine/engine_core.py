@@ -17,15 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.config import SpeculativeConfig
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
-from afdserve.engine.logprobs import prompt_entries
+from afdserve.engine.logprobs import entries, prompt_entries
 from afdserve.engine.model_runner import ModelRunner, StepInputs
+from afdserve.engine.rejection import verify
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampler import sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from afdserve.engine.sequence import Sequence
+from afdserve.engine.speculative import Drafter
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.cache import PagedCache
 from afdserve.model.config import ModelConfig
@@ -53,6 +56,7 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         prefix_caching: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         # The tokenizer only gives the eos token when the config names none: text is the
         # frontend's (frontend/output_processor.py).
@@ -62,7 +66,8 @@ class EngineCore:
         self.block_manager = BlockManager(
             kv_cache.num_blocks, kv_cache.block_size, prefix_caching, kv_cache.layout.blocks_for
         )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.drafter = Drafter(speculative) if speculative is not None else None
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)
         self.runner = ModelRunner(model, kv_cache, device)
         self.max_model_len = scheduler_config.max_model_len
         self.requests: dict[str, _Tracked] = {}
@@ -147,15 +152,65 @@ class EngineCore:
             self.scheduler.update(out, [None] * len(out.scheduled))
             return self._collect(out)
         logits = self.runner.logits(hidden, inputs)
-        result = sample(logits, inputs.sample_seqs)
-        by_seq = dict(zip((id(s) for s in inputs.sample_seqs), result.token_ids))
-        logprobs = dict(zip((id(s) for s in inputs.sample_seqs), result.logprobs))
-        sampled = [by_seq.get(id(entry.seq)) for entry in out.scheduled]
-        for entry in out.scheduled:
-            if id(entry.seq) in logprobs and entry.seq.params.logprobs is not None:
-                entry.seq.output_logprobs.append(logprobs[id(entry.seq)])
-        self.scheduler.update(out, sampled)
+        self.scheduler.update(out, self._sample(out, logits))
         return self._collect(out)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int | list[int] | None]:
+        """Per scheduled sequence: its sampled token, the verified tokens of one with drafts
+        (engine/rejection.py), or None. `logits`: the sampling rows in scheduled order, k + 1
+        for a sequence with k drafts."""
+        plain_rows, plain, spec_rows, spec = [], [], [], []
+        row = 0
+        for entry in out.scheduled:
+            if not entry.samples:
+                continue
+            rows = list(range(row, row + 1 + len(entry.draft_ids)))
+            if entry.draft_ids:
+                spec_rows += rows
+                spec.append(entry)
+            else:
+                plain_rows += rows
+                plain.append(entry.seq)
+            row += len(rows)
+        by_seq: dict[int, int | list[int]] = {}
+        if plain:
+            index = torch.tensor(plain_rows, device=logits.device)
+            result = sample(logits[index] if spec else logits, plain)
+            by_seq.update(zip((id(s) for s in plain), result.token_ids))
+            for seq, entry in zip(plain, result.logprobs, strict=True):
+                if seq.params.logprobs is not None:
+                    seq.output_logprobs.append(entry)
+        if spec:
+            index = torch.tensor(spec_rows, device=logits.device)
+            drafts = [entry.draft_ids for entry in spec]
+            verified = verify(logits[index], [entry.seq for entry in spec], drafts)
+            for entry, tokens in zip(spec, verified, strict=True):
+                by_seq[id(entry.seq)] = tokens
+                self.drafter.stats.record(len(entry.draft_ids), len(tokens) - 1)
+            self._verified_logprobs(logits[index], spec, verified)
+        return [by_seq.get(id(entry.seq)) for entry in out.scheduled]
+
+    def _verified_logprobs(self, logits: torch.Tensor, spec: list, verified: list) -> None:
+        """Each emitted token's entry from its own row (the model's unmodified distribution
+        there, as a one-token step would give it). `logits`: k + 1 rows per entry of `spec`."""
+        rows, tokens, wanted, owners, at = [], [], [], [], 0
+        for entry, emitted in zip(spec, verified, strict=True):
+            if entry.seq.params.logprobs is not None:
+                rows += range(at, at + len(emitted))
+                tokens += emitted
+                wanted += [entry.seq.params.logprobs] * len(emitted)
+                owners += [entry.seq] * len(emitted)
+            at += len(entry.draft_ids) + 1
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        found = entries(
+            torch.log_softmax(logits[index].float(), dim=-1),
+            torch.tensor(tokens, device=logits.device),
+            wanted,
+        )
+        for seq, entry in zip(owners, found, strict=True):
+            seq.output_logprobs.append(entry)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
         """The prompt's logprobs from this step's hidden rows (the prefill's own forward, on

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afdserve.config import EngineConfig
+from afdserve.config import EngineConfig, SpeculativeConfig
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
@@ -112,6 +112,21 @@ def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
     return False
 
 
+def speculative_for(config: EngineConfig, model_config: ModelConfig) -> SpeculativeConfig | None:
+    """The speculative config, refused for a cache whose slots are not addressed by position
+    alone: rolling rejected drafts back leaves their KV behind to be overwritten, which only a
+    cache that could also reuse blocks by prefix tolerates (a ring or a compressor would have
+    consumed them)."""
+    speculative = config.speculative_config
+    why = cache_layout(model_config).prefix_reuse_refusal(config.block_size)
+    if speculative is not None and why is not None:
+        raise ValueError(
+            f"EngineConfig.speculative_config is not supported for {model_config.family}: "
+            f"rejected drafts' KV must be overwritable in place, and its cache cannot ({why})"
+        )
+    return speculative
+
+
 def load_progress(config: EngineConfig, rank: int) -> bool | None:
     """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
     as in vLLM, because bars from several processes on one terminal overwrite each other."""
@@ -153,7 +168,10 @@ def create_engine_core(
         if model.config.eos_token_ids
         else load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     )
-    engine = EngineCore(model, tokenizer, cache, scheduler_config, device, prefix_caching)
+    speculative = speculative_for(config, model.config)
+    engine = EngineCore(
+        model, tokenizer, cache, scheduler_config, device, prefix_caching, speculative
+    )
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.
     torch.manual_seed(config.seed + rank)

@@ -76,7 +76,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [rows] (pad rows: 0, a valid embedding row)
     route_ids: torch.Tensor  # [rows] (pad rows: -1, the id that travels to the FFN)
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [n] row of each sampling sequence's last token
+    sample_rows: torch.Tensor  # [n] row of each sampling sequence's last token (and drafts)
     sample_seqs: list[Sequence]
     real_rows: int
     # Per-ubatch metadata given up front (CUDA graphs read it from static buffers); None: sliced
@@ -117,11 +117,12 @@ class ModelRunner:
             end = start + entry.num_new_tokens
             row = len(ids)
             ids.extend(seq.token_ids[start:end])
+            ids.extend(entry.draft_ids)  # past token_ids: the drafts this step verifies
             positions.extend(range(start, end))
             row_seq.extend([index] * (end - start))
             spans.append((row, len(ids), index, end))
-            if entry.samples:
-                sample_rows.append(len(ids) - 1)
+            if entry.samples:  # the last token's row, and each draft's
+                sample_rows.extend(range(len(ids) - 1 - len(entry.draft_ids), len(ids)))
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
                 # Position p predicts token p + 1: up to the last prompt token's predecessor.

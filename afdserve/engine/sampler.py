@@ -113,6 +113,22 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, then min-p, top-k, top-p, then one inverse-CDF draw per row.
     [m, vocab] -> [m]"""
+    probs, sorted_ids = filtered_probs(logits, seqs)
+    # Uniforms come from each row's own CPU generator when seeded, else from torch's default CPU
+    # generator; one [m] copy to the device instead of moving [m, vocab] probabilities. Exactly
+    # one draw per row: a resumed sequence skips one per token it had (sequence.skip_draws).
+    uniform = torch.stack([draw_uniform(s) for s in seqs]).to(logits.device)
+    return pick(probs, sorted_ids, uniform)
+
+
+def draw_uniform(seq: Sequence) -> torch.Tensor:
+    """One float64 uniform in [0, 1) from the sequence's generator (torch's default unseeded)."""
+    return torch.rand((), generator=seq.generator, dtype=torch.float64)
+
+
+def filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's sampling distribution after temperature, min-p, top-k and top-p, sorted by
+    descending logit: (probs [m, vocab] summing to 1, the token of each column [m, vocab])."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
     # Clipped to the vocabulary here, in Python: a huge top_k would not fit a torch integer.
@@ -138,20 +154,20 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     probs = probs.masked_fill(~keep, 0.0)
+    return probs, sorted_ids
 
-    # Uniforms come from each row's own CPU generator when seeded, else from torch's default CPU
-    # generator; one [m] copy to the device instead of moving [m, vocab] probabilities. Exactly
-    # one draw per row: a resumed sequence skips one per token it had (sequence.skip_draws).
-    uniform = torch.stack(
-        [torch.rand((), generator=s.generator, dtype=torch.float64) for s in seqs]
-    ).to(device)
+
+def pick(probs: torch.Tensor, sorted_ids: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw of each row at `uniform` [m] (float64 in [0, 1)): the token whose
+    mass interval holds uniform x the row's total. [m, vocab] -> [m]"""
     cdf = torch.cumsum(probs.double(), dim=-1)  # [m, vocab]
     target = uniform[:, None] * cdf[:, -1:]
     position = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # u * total can round up to total; the draw must still land on a token with mass. Those form
-    # a prefix of the sorted row: the filters and underflow only zero its tail.
-    # clamp(min=0): a row with no mass at all (NaN logits) takes its top token, never index -1.
-    position = torch.minimum(position, (probs > 0).sum(dim=-1) - 1).clamp(min=0)
+    # u * total can round up to total; the draw must still land on a token with mass: at most
+    # the last column that has some (a row with no mass at all, NaN logits, takes column 0).
+    columns = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, columns, 0).amax(dim=-1)
+    position = torch.minimum(position, last)
     return sorted_ids.gather(-1, position[:, None]).squeeze(-1)
 
 

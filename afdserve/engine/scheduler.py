@@ -5,7 +5,9 @@ whose KV is in the cache) and `num_tokens`; a step moves some sequences' `num_co
 forward. A decode is just a sequence that is one token behind; a prompt is a sequence that is many
 tokens behind and may be caught up over several steps (chunked prefill). A step samples a token for
 every sequence it brings level with the end of its `token_ids`. The policy is `Scheduler.schedule`'s
-docstring; preemption (by recompute) is `Scheduler._make_room`'s.
+docstring; preemption (by recompute) is `Scheduler._make_room`'s. With speculative decoding a
+decoding sequence may also carry drafts (engine/speculative.py): rows past its `token_ids` that
+the step verifies, keeping the accepted ones (`Scheduler.update`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.sequence import Sequence, SequenceStatus
+from afdserve.engine.speculative import Drafter
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -46,21 +49,25 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledSeq:
-    """Computes positions `[seq.num_computed_tokens, + num_new_tokens)` of `seq` this step."""
+    """Computes positions `[seq.num_computed_tokens, + num_new_tokens)` of `seq` this step;
+    with `draft_ids`, the last of them are the drafts that follow `token_ids`."""
 
     seq: Sequence
     num_new_tokens: int
+    draft_ids: tuple[int, ...] = ()
     # Fixed at construction: `update` advances the sequence, and the answer must not change.
     _samples: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         end = self.seq.num_computed_tokens + self.num_new_tokens
-        if self.num_new_tokens < 1 or end > self.seq.num_tokens:
+        limit = self.seq.num_tokens + len(self.draft_ids)
+        if self.num_new_tokens < 1 or end > limit or (self.draft_ids and end != limit):
             raise ValueError(
                 f"ScheduledSeq.num_new_tokens={self.num_new_tokens}: must be in "
-                f"[1, {self.seq.num_uncomputed_tokens}] for {self.seq!r}"
+                f"[1, {self.seq.num_uncomputed_tokens}] for {self.seq!r}, reaching its "
+                f"{len(self.draft_ids)} drafts' end when it has any"
             )
-        self._samples = end == self.seq.num_tokens
+        self._samples = end == limit
 
     @property
     def samples(self) -> bool:
@@ -83,8 +90,11 @@ class SchedulerOutput:
 
     @property
     def uniform_decode(self) -> bool:
+        """Every sequence decodes: its last token, and its drafts when it has any (at most
+        num_speculative_tokens, which the decode graphs' query length allows for)."""
         return bool(self.scheduled) and all(
-            entry.num_new_tokens == 1 and entry.samples for entry in self.scheduled
+            entry.num_new_tokens == 1 + len(entry.draft_ids) and entry.samples
+            for entry in self.scheduled
         )
 
     @property
@@ -93,9 +103,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, drafter: Drafter | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._unfinished: dict[str, Sequence] = {}
@@ -157,7 +170,8 @@ class Scheduler:
         With prefix caching a waiting sequence first takes the cached blocks of its longest cached
         prefix (engine/block_manager.py) and starts at `num_computed_tokens` = their positions:
         the step counts, and the plan sees, only the tokens it computes. Blocks are allocated for
-        exactly the positions computed in the step."""
+        exactly the positions computed in the step. A decoding sequence also takes its drafts
+        (`_drafts`) as more new tokens."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -166,10 +180,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts(seq, budget)
+            num_new += len(drafts)
             if not self._make_room(seq, num_new, preempted):
                 break  # `seq` preempted itself; it was the last running sequence
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, drafts))
             budget -= num_new
             index += 1
 
@@ -208,7 +224,12 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+    def update(
+        self, output: SchedulerOutput, sampled: list[int | list[int] | None]
+    ) -> list[Sequence]:
+        """`sampled`: per scheduled sequence its sampled token, or for one with drafts the
+        accepted drafts and the token after them (engine/rejection.py); None when it does not
+        sample. Stop conditions are checked token by token: a stop ends the list there."""
         if len(sampled) != len(output.scheduled):
             raise ValueError(
                 f"Scheduler.update: {len(sampled)} sampled entries for "
@@ -217,25 +238,48 @@ class Scheduler:
         finished: list[Sequence] = []
         for entry, token in zip(output.scheduled, sampled, strict=True):
             seq = entry.seq
-            if entry.samples != (token is not None):
+            tokens = [token] if isinstance(token, int) else token
+            if entry.samples != (tokens is not None) or (
+                tokens is not None and not 1 <= len(tokens) <= len(entry.draft_ids) + 1
+            ):
                 raise ValueError(
-                    f"Scheduler.update: {seq.request_id!r} samples={entry.samples} but got "
-                    f"token {token!r}"
+                    f"Scheduler.update: {seq.request_id!r} samples={entry.samples} with "
+                    f"{len(entry.draft_ids)} drafts but got {token!r}"
                 )
             if seq.is_finished:
                 continue  # aborted while its step was in flight; its blocks are already free
-            seq.num_computed_tokens += entry.num_new_tokens
+            # Rejected drafts' positions are not computed: their KV slots are overwritten later,
+            # and no block holding them is registered for prefix reuse.
+            rejected = len(entry.draft_ids) - (len(tokens) - 1 if tokens else 0)
+            computed = seq.num_computed_tokens + entry.num_new_tokens - rejected
+            reason = None
+            for new in tokens or ():
+                seq.token_ids.append(new)
+                reason = self._stop_reason(seq, new)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = min(computed, seq.num_tokens)
             self.block_manager.register(seq)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            if reason is not None and seq.params.logprobs is not None:
+                del seq.output_logprobs[seq.num_output_tokens :]  # of the tokens a stop cut off
             if reason is not None:
                 self._retire(seq, reason)
                 finished.append(seq)
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Drafts for a decoding sequence, within the step's budget, max_model_len (the drafts
+        and the token after them must fit) and the blocks free now: drafts never preempt."""
+        if self.drafter is None or seq.num_uncomputed_tokens != 1:
+            return ()
+        limit = min(budget - 1, self.config.max_model_len - seq.num_tokens - 1)
+        drafts = self.drafter.propose(seq, limit)
+        bm = self.block_manager
+        if drafts and not bm.can_allocate(bm.blocks_needed(seq, seq.num_tokens + len(drafts))):
+            return ()
+        return drafts
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

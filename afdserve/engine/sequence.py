@@ -68,6 +68,7 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else []
         )
         self.grammar = None  # a structured.GrammarState for a constrained sequence
+        self.draft_lookup = None  # speculative.TokenArray: token_ids for the n-gram lookup
         if params.structured_outputs is not None:
             self.grammar = _grammar_state(request_id, params)
 

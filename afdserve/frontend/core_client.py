@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from afdserve.engine.requests import RequestLimits, TokenDelta
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.speculative import SpecStats
 
 
 @dataclass
@@ -38,6 +39,8 @@ class EngineStats:
     ffn_tokens: dict[int, int] = field(default_factory=dict)
     # Every step since start, every attention rank: tokens computed -> how many steps.
     iteration_tokens: dict[int, int] = field(default_factory=dict)
+    # Per attention rank, cumulative, with speculative decoding on (vllm:spec_decode_*).
+    spec_decode: dict[int, SpecStats] = field(default_factory=dict)
     # vLLM's cache_config_info labels (block_size, num_gpu_blocks, cache_dtype, ...).
     cache_config: dict[str, str] = field(default_factory=dict)
 
@@ -46,6 +49,17 @@ class EngineStats:
         """Hits over queries since start, every rank together; None before any query."""
         queries = sum(self.prefix_cache_queries.values())
         return sum(self.prefix_cache_hits.values()) / queries if queries else None
+
+    @property
+    def spec_totals(self) -> tuple[int, int, int]:
+        """(accepted draft tokens, draft tokens, sequences verified with drafts) since start,
+        every rank together."""
+        ranks = self.spec_decode.values()
+        return (
+            sum(s.num_accepted_tokens for s in ranks),
+            sum(s.num_draft_tokens for s in ranks),
+            sum(s.num_drafts for s in ranks),
+        )
 
 
 def cache_config_labels(limits: RequestLimits, cache_dtype: str, prefix_caching: bool) -> dict:

@@ -101,6 +101,7 @@ class OutputProcessor:
         return Processed(outputs, stopped)
 
     def _advance(self, r: Progress, delta: TokenDelta) -> tuple[SequenceOutput, bool]:
+        first = len(r.token_ids)
         r.token_ids += delta.new_token_ids
         r.logprobs += [self._named(e, r.decode) for e in delta.new_logprobs]
         r.prompt_logprobs += [self._named(e, r.decode) for e in delta.new_prompt_logprobs]
@@ -110,12 +111,8 @@ class OutputProcessor:
                 f"{delta.num_tokens} tokens, its deltas add up to "
                 f"{len(r.token_ids)}"
             )
-        for token in delta.new_token_ids:
-            r.detok.add(token)
         finished, reason = delta.finished, delta.finish_reason
-        if finished:
-            r.detok.flush()
-        stopped = self._find_stop(r)
+        stopped = self._add_tokens(r, delta)
         if stopped and not finished:
             finished, reason = True, "stop"
         elif stopped and reason == "length":
@@ -134,7 +131,7 @@ class OutputProcessor:
             prompt_token_ids=r.prompt_token_ids,
             token_ids=list(r.token_ids),
             text=text,
-            new_token_ids=list(delta.new_token_ids),
+            new_token_ids=r.token_ids[first:],
             new_text=new_text,
             finished=finished,
             finish_reason=reason,
@@ -168,11 +165,28 @@ class OutputProcessor:
             for t, v in entry.items()
         }
 
+    def _add_tokens(self, r: Progress, delta: TokenDelta) -> bool:
+        """Detokenizes the delta's tokens one at a time (speculative decoding sends several a
+        step): a stop string one of them completes ends the output at that token, with its
+        logprobs, as when tokens came one a step. Returns whether a stop string completed."""
+        new = delta.new_token_ids
+        first = len(r.token_ids) - len(new)
+        for i, token in enumerate(new):
+            r.detok.add(token)
+            if i < len(new) - 1 and self._find_stop(r, first + i + 1):
+                del r.token_ids[first + i + 1 :]
+                del r.logprobs[first + i + 1 :]
+                return True
+        if delta.finished:
+            r.detok.flush()
+        return self._find_stop(r, len(r.token_ids))
+
     @staticmethod
-    def _find_stop(r: Progress) -> bool:
-        """Whether a stop string completed with this step; sets the text's truncation point.
-        Stop strings count once min_tokens are out (vLLM's rule), like stop tokens do."""
-        if not r.stops or r.text_limit is not None or len(r.token_ids) < r.min_tokens:
+    def _find_stop(r: Progress, num_tokens: int) -> bool:
+        """Whether a stop string completed with the output's first `num_tokens` tokens; sets
+        the text's truncation point. Stop strings count once min_tokens are out (vLLM's rule),
+        like stop tokens do."""
+        if not r.stops or r.text_limit is not None or num_tokens < r.min_tokens:
             return False
         text = r.detok.text
         hit = find_stop_string(text, r.stops, r.emitted_text)

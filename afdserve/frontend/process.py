@@ -33,6 +33,7 @@ from afdserve.afd.ranks.world import (
 from afdserve.engine.device import resolve_device
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.speculative import SpecStats
 from afdserve.frontend.core_client import EngineCoreClient, EngineStats, cache_config_labels
 from afdserve.frontend.routing import Router
 
@@ -203,6 +204,9 @@ class ProcessClient(EngineCoreClient):
                 continue
             stats.prefix_cache_queries[rank] = rank_stats.prefix_cache_queries
             stats.prefix_cache_hits[rank] = rank_stats.prefix_cache_hits
+            if rank_stats.spec_decode is not None:
+                drafts, drafted, accepted, *per_pos = rank_stats.spec_decode
+                stats.spec_decode[rank] = SpecStats(drafts, drafted, accepted, per_pos)
             stats.running += rank_stats.running
             stats.waiting += rank_stats.waiting
             stats.kv_cache_usage += rank_stats.kv_cache_usage / ranks

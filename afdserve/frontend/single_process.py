@@ -72,6 +72,7 @@ class SingleProcessClient(EngineCoreClient):
             e2a_bytes={0: 0},
             iteration_tokens=dict(self.iteration_tokens),
             cache_config=self.cache_config,
+            spec_decode={0: drafter.stats} if (drafter := self.core.drafter) else {},
         )
 
     def step_log(self) -> list[dict]:

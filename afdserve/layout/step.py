@@ -29,7 +29,9 @@ class RankStep:
 
     num_tokens: int
     num_reqs: int
-    uniform_decode: bool  # every request decodes exactly one token
+    # Every request decodes one token, with its drafts when speculating (engine/speculative.py):
+    # a verification step's k + 1 rows a request are still a decode step for the graphs.
+    uniform_decode: bool
 
     def __post_init__(self) -> None:
         _check_int("num_tokens", self.num_tokens, 0)
@@ -46,10 +48,10 @@ class RankStep:
                 f"num_tokens ({self.num_tokens}) and num_reqs ({self.num_reqs}) must be zero "
                 f"together: a step with requests computes tokens and vice versa"
             )
-        if self.uniform_decode and not self.num_tokens == self.num_reqs > 0:
+        if self.uniform_decode and not self.num_reqs > 0:
             raise ValueError(
-                f"uniform_decode=True requires num_tokens == num_reqs > 0 (one token per "
-                f"request), got num_tokens={self.num_tokens}, num_reqs={self.num_reqs}"
+                f"uniform_decode=True requires num_reqs > 0 (a decode step has requests), got "
+                f"num_tokens={self.num_tokens}, num_reqs={self.num_reqs}"
             )
 
 

@@ -125,6 +125,8 @@ class EngineCollector(Collector):
             preemptions.add_metric([*label, str(rank)], count)
         yield preemptions
         yield iteration_histogram(stats.iteration_tokens, label)
+        if stats.spec_decode:
+            yield from spec_decode_counters(stats, label)
         if stats.cache_config:
             names = sorted(stats.cache_config)
             info = GaugeMetricFamily(
@@ -191,6 +193,29 @@ def imbalance(before: dict[int, int], now: dict[int, int]) -> float:
     deltas = [count - before.get(rank, 0) for rank, count in now.items()]
     total = sum(deltas)
     return max(deltas) * len(deltas) / total if total > 0 else 0.0
+
+
+def spec_decode_counters(stats: EngineStats, label: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, per attention rank (`engine`), and the accepted
+    drafts at each position (`position`: 0 is the first draft)."""
+    for name, doc, attr in (
+        ("vllm:spec_decode_num_drafts", "Sequences verified with drafts", "num_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", "num_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", "num_accepted_tokens"),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        for rank, spec in sorted(stats.spec_decode.items()):
+            counter.add_metric([*label, str(rank)], getattr(spec, attr))
+        yield counter
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each position",
+        labels=["model_name", "engine", "position"],
+    )
+    for rank, spec in sorted(stats.spec_decode.items()):
+        for position, count in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([*label, str(rank), str(position)], count)
+    yield per_pos
 
 
 def iteration_histogram(steps: dict[int, int], label: list[str]) -> HistogramMetricFamily:

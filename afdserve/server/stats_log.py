@@ -21,6 +21,7 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afdserve-stats", daemon=True)
         self._last = (time.monotonic(), 0.0, 0.0)
+        self._last_spec = (0, 0, 0)  # EngineStats.spec_totals at the last line
 
     def start(self) -> StatsLogger:
         self._thread.start()
@@ -52,6 +53,22 @@ class StatsLogger:
             f"running {running}, waiting {waiting}, KV cache {kv:.1%}{cached}, "
             f"prompt {(prompt - prompt_before) / elapsed:.1f} tokens/s, "
             f"generation {(generated - generated_before) / elapsed:.1f} tokens/s"
+            f"{self._acceptance(stats)}"
+        )
+
+    def _acceptance(self, stats) -> str:
+        """Since the last line (vLLM's SpecDecoding line): the share of draft tokens accepted,
+        and the tokens a verification gives a sequence (its accepted drafts and one more)."""
+        if stats is None or not stats.spec_decode:
+            return ""
+        totals = stats.spec_totals
+        accepted, drafted, drafts = (now - then for now, then in zip(totals, self._last_spec))
+        self._last_spec = totals
+        if not drafted:
+            return ", draft acceptance rate n/a"
+        return (
+            f", draft acceptance rate {accepted / drafted:.1%}, mean acceptance length "
+            f"{1 + accepted / drafts:.2f}"
         )
 
     def _run(self) -> None:

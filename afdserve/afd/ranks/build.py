@@ -61,13 +61,16 @@ class StepGraphs:
     mode: str = "none"
     sizes: tuple[int, ...] = ()
     ubatches: int = 1
+    decode_query_len: int = 1  # rows a request in a decode step: 1 + its drafts at most
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> StepGraphs:
         # Ranks started elsewhere get "auto" as given: each resolves it on its own host.
         graphs = spec.graphs.resolved(resolve_device(spec.engine.device))
         sizes = graphs.capture_sizes(spec.engine.max_num_seqs)
-        return cls(graphs.mode, sizes, spec.afd.ubatches)
+        speculative = spec.engine.speculative_config
+        drafts = speculative.num_speculative_tokens if speculative is not None else 0
+        return cls(graphs.mode, sizes, spec.afd.ubatches, 1 + drafts)
 
     def recorder(
         self, rank: int, log_path: str | None = None, keep_records: bool = False
@@ -148,6 +151,7 @@ def graph_runner(
         max_model_len,
         allow_prefill=graphs.mode == "full",
         ubatches=graphs.ubatches,
+        decode_query_len=graphs.decode_query_len,
     )
 
 

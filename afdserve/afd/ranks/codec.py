@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable
 
 from afdserve.afd.ranks import messages
-from afdserve.config import AFDConfig, EngineConfig, GraphConfig
+from afdserve.config import AFDConfig, EngineConfig, GraphConfig, SpeculativeConfig
 from afdserve.engine.factory import MemoryReport
 from afdserve.engine.logprobs import Logprob
 from afdserve.engine.requests import RequestLimits, TokenDelta
@@ -48,6 +48,7 @@ MESSAGES: tuple[type, ...] = (
 # Types a message may hold inside it (a field's hint names them); nothing else is ever built.
 NESTED: tuple[type, ...] = (
     EngineConfig,
+    SpeculativeConfig,
     AFDConfig,
     GraphConfig,
     MemoryReport,

@@ -111,6 +111,8 @@ class RankStats:
     # An FFN rank reports these figures too (no outputs, nothing else): forward_s is its FFN
     # half's steps, wait_s its waits for the tiles, scheduled_tokens the real rows it received.
     role: str = "attention"
+    # Speculative decoding, cumulative (engine/speculative.py SpecStats); None when it is off.
+    spec_decode: tuple[int, ...] | None = None  # drafts, draft tokens, accepted, then per position
 
 
 @dataclass(frozen=True)

@@ -275,7 +275,16 @@ def _stats(built: BuiltRank) -> RankStats:
         0.0 if clock is None else clock.seconds,
         a2e,
         e2a,
+        spec_decode=spec_counts(built.core.drafter),
     )
+
+
+def spec_counts(drafter) -> tuple[int, ...] | None:
+    """The drafter's counters as RankStats carries them (None without speculation)."""
+    if drafter is None:
+        return None
+    s = drafter.stats
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.accepted_per_pos)
 
 
 def boundary_bytes(built: BuiltRank) -> tuple[int, int]:
