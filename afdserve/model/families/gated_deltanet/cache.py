@@ -1,0 +1,84 @@
+"""The Gated DeltaNet hybrids' cache: paged keys and values for the full-attention layers, and a
+state slot per sequence for the linear-attention layers (model/cache.py's `SequenceSlots`).
+
+A linear layer's state does not grow with the context: the delta rule's matrix per value head,
+[heads, key_dim, value_dim] float32 (the precision transformers' reference keeps it in), and the
+short convolution's last K - 1 inputs, [conv_dim, K - 1] in the cache dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.model.cache import CacheLayout, PagedKV, SequenceSlots
+from afdserve.model.config import ModelConfig
+from afdserve.model.families.gated_deltanet.config import FULL, LINEAR, GDNConfig
+
+PREFIX_REUSE_REFUSAL = (
+    "a linear-attention layer keeps one recurrent state per sequence, not per block, so a cached "
+    "block holds no state to resume from (snapshots at block boundaries are not implemented)"
+)
+FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
+GRAPH_REFUSAL = (
+    "its linear-attention layers run the torch reference of the delta rule, which loops over "
+    "segments on the host; use graph_mode='none'"
+)
+EAGER_BY_DEFAULT = "its linear-attention layers have no graph-capturable kernels yet"
+
+
+@dataclass
+class LinearState:
+    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv]."""
+
+    conv: torch.Tensor
+    delta: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DeltaNetState(SequenceSlots):
+    layers: tuple[int, ...]
+    gdn: GDNConfig
+    kind: str = "GDN"
+    fp8_refusal = FP8_REFUSAL
+    graph_refusals = (("full", GRAPH_REFUSAL), ("full_decode_only", GRAPH_REFUSAL))
+    eager_by_default = EAGER_BY_DEFAULT
+
+    def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        c = self.gdn
+        return (
+            (c.conv_dim, c.conv_kernel - 1),
+            (c.num_value_heads, c.key_head_dim, c.value_head_dim),
+        )
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv, delta = self._shapes()
+        return (
+            torch.Size(conv).numel() * dtype.itemsize
+            + torch.Size(delta).numel() * torch.float32.itemsize
+        )
+
+    def allocate_slots(self, num_slots, dtype, device) -> list[LinearState]:
+        conv, delta = self._shapes()
+        return [
+            LinearState(
+                torch.zeros(num_slots, *conv, dtype=dtype, device=device),
+                torch.zeros(num_slots, *delta, dtype=torch.float32, device=device),
+            )
+            for _ in self.layers
+        ]
+
+    @staticmethod
+    def tensors(layer_cache: LinearState):
+        yield from (layer_cache.conv, layer_cache.delta)
+
+    def prefix_reuse_refusal(self, block_size: int) -> str | None:
+        return PREFIX_REUSE_REFUSAL
+
+
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    gdn: GDNConfig = config.family_config
+    full = PagedKV(gdn.layers_of(FULL), config.num_kv_heads, config.head_dim)
+    state = DeltaNetState(gdn.layers_of(LINEAR), gdn)
+    return CacheLayout(tuple(s for s in (full, state) if s.layers), config.num_layers)
