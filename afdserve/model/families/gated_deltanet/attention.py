@@ -61,5 +61,5 @@ class GatedAttention(nn.Module):
         ops.write_kv(k_cache, k, meta.slot_mapping)
         ops.write_kv(v_cache, v, meta.slot_mapping)
         out = ops.paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale)
-        out = out.reshape(rows, self.heads * d) * torch.sigmoid(gate.reshape(rows, -1))
+        out = out.reshape(rows, self.heads * d) * torch.sigmoid(gate.flatten(1))
         return self.o_proj(out)

@@ -74,8 +74,8 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x).view(rows, self.hk, 2 * self.dk + 2 * per * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(rows, self.hk, 2 * per).split(per, dim=-1)
-        qkv = torch.cat([t.reshape(rows, -1) for t in (q, k, v)], dim=-1)
-        return qkv, z.reshape(rows, self.hv, self.dv), b.reshape(rows, -1), a.reshape(rows, -1)
+        qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=-1)
+        return qkv, z.reshape(rows, self.hv, self.dv), b.flatten(1), a.flatten(1)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = mixed.shape[0]
