@@ -39,9 +39,7 @@ def one_shot(model: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("budget", [3, 5])
 def test_chunked_prefill_gives_the_one_shot_tokens(model, one_shot, budget: int) -> None:
-    with LLM(
-        str(model), dtype="float32", block_size=BLOCK, max_num_batched_tokens=budget
-    ) as llm:
+    with LLM(str(model), dtype="float32", block_size=BLOCK, max_num_batched_tokens=budget) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
 
 
