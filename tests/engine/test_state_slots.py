@@ -133,4 +133,3 @@ def test_segments_carry_their_slot_through_a_ubatch_split() -> None:
         (2, 9, 0),
     ]
     assert second.batched.state_slots.tolist() == [2, 0]
-
