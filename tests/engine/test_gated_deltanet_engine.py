@@ -61,6 +61,22 @@ def test_preemption_by_recompute_keeps_the_tokens(model, one_shot) -> None:
     assert manager.num_slots == 3 and manager.num_free_slots == 3
 
 
+def test_decode_graph_layout_keeps_the_tokens(model, one_shot) -> None:
+    """graph_mode full_decode_only as it runs on CPU: decode steps padded to the capture sizes,
+    pad segments (slot -1) writing the scratch slot, one batched step per layer."""
+    with LLM(
+        str(model),
+        dtype="float32",
+        block_size=BLOCK,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        log_step_plan=True,
+    ) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
+        modes = {r["mode"] for r in llm.step_log()}
+    assert {"capture", "replay"} <= modes
+
+
 def test_two_ubatches_split_sequences_and_keep_the_tokens(model, one_shot) -> None:
     """In-process 1A1F with two ubatches: a prefill's rows fall on both sides of the ubatch
     boundary, the second part resuming from the state the first left."""

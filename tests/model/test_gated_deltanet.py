@@ -6,6 +6,7 @@ honoured or refused by name; the presets parse."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -138,8 +139,9 @@ def test_config_fields_honoured(tiny) -> None:
 def test_cache_layout_refuses_what_the_state_cannot_do(tiny) -> None:
     layout = cache_layout(load_model_config(tiny["qwen3_next"]))
     assert "recurrent state" in layout.prefix_reuse_refusal(16)
-    assert layout.fp8_refusal and layout.eager_by_default
-    assert layout.graph_refusal("full") and layout.graph_refusal("full_decode_only")
+    assert layout.fp8_refusal and layout.batched_segments
+    # Decode steps are capturable (deltanet.py's batched step); prefill chunks are not.
+    assert layout.graph_refusal("full") and layout.graph_refusal("full_decode_only") is None
     with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported"):
         LLM(str(tiny["qwen3_next"]), dtype="float32", enable_prefix_caching=True)
 
@@ -151,3 +153,39 @@ def test_presets_parse(name: str) -> None:
     kinds = config.family_config.attention_types
     assert len(kinds) == layers and kinds.count("full_attention") == layers // 4
     assert config.family_config.rotary_dim == 64  # 0.25 of head_dim 256
+
+
+@torch.inference_mode()
+def test_one_token_prompts_start_the_batched_step_from_an_empty_state(tiny) -> None:
+    """Every first step of one-token prompts is all one-row segments at position 0: the batched
+    step (a decode graph's) must ignore what the slots held before."""
+    path, singles = tiny["qwen3_next"], [[5], [77], [200], [5]]
+    hf = _oracle("qwen3_next", path)
+    with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=2) as llm:
+        for _ in range(2):  # the second round reuses slots the first one left dirty
+            outs = [o.token_ids for o in llm.generate(singles, GREEDY)]
+            for prompt, got in zip(singles, outs, strict=True):
+                logits = hf(input_ids=torch.tensor([prompt + got[:-1]])).logits[0]
+                assert got == logits.argmax(dim=-1).tolist()
+
+
+@torch.inference_mode()
+def test_pad_segments_write_only_the_scratch_slot(tiny) -> None:
+    """A captured decode step's pad segments (slot -1) leave every sequence's state alone."""
+    model, _ = load_model(tiny["qwen3_next"], ModelParts.colocated(), "float32")
+    layer = model.model.layers[0].linear_attn
+    state = cache_layout(model.config).specs[1].allocate_slots(3, torch.float32, "cpu")[0]
+    gen = torch.Generator().manual_seed(0)
+    state.conv_all.normal_(generator=gen), state.delta_all.normal_(generator=gen)
+    qkv = torch.randn(4, state.conv.shape[1], generator=gen)
+    g, beta = -torch.rand(4, layer.hv, generator=gen), torch.rand(4, layer.hv, generator=gen)
+    alone, padded = copy.deepcopy(state), copy.deepcopy(state)
+    out_alone, out_padded = torch.zeros(4, layer.hv, layer.dv), torch.zeros(4, layer.hv, layer.dv)
+    no = torch.tensor([False])
+    layer._step(torch.tensor([1]), torch.tensor([2]), no, qkv, g, beta, alone, out_alone)
+    rows, slots = torch.tensor([1, 3, 3]), torch.tensor([2, -1, -1])
+    layer._step(rows, slots, no.repeat(3), qkv, g, beta, padded, out_padded)
+    torch.testing.assert_close(out_padded[1], out_alone[1], atol=0, rtol=0)
+    torch.testing.assert_close(padded.conv, alone.conv, atol=0, rtol=0)
+    torch.testing.assert_close(padded.delta, alone.delta, atol=0, rtol=0)
+    assert not torch.equal(padded.delta_all[-1], state.delta_all[-1])  # the scratch took them

@@ -21,19 +21,33 @@ PREFIX_REUSE_REFUSAL = (
     "block holds no state to resume from (snapshots at block boundaries are not implemented)"
 )
 FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
-GRAPH_REFUSAL = (
-    "its linear-attention layers run the torch reference of the delta rule, which loops over "
-    "segments on the host; use graph_mode='none'"
+FULL_GRAPH_REFUSAL = (
+    "its linear-attention layers run prefill chunks through the torch delta rule, which loops "
+    "over segments on the host; use graph_mode='full_decode_only' or 'none'"
 )
-EAGER_BY_DEFAULT = "its linear-attention layers have no graph-capturable kernels yet"
 
 
 @dataclass
 class LinearState:
-    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv]."""
+    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv],
+    views of buffers one slot longer (`conv_all`, `delta_all`): that last slot (`scratch`) is
+    where a batched decode step sends the writes of pad segments (slot -1), so they never land
+    in a sequence's state. It is never read as state; the cache's bytes count the slots only."""
 
-    conv: torch.Tensor
-    delta: torch.Tensor
+    conv_all: torch.Tensor
+    delta_all: torch.Tensor
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.conv_all[:-1]
+
+    @property
+    def delta(self) -> torch.Tensor:
+        return self.delta_all[:-1]
+
+    @property
+    def scratch(self) -> int:
+        return self.conv_all.shape[0] - 1
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,10 @@ class DeltaNetState(SequenceSlots):
     gdn: GDNConfig
     kind: str = "GDN"
     fp8_refusal = FP8_REFUSAL
-    graph_refusals = (("full", GRAPH_REFUSAL), ("full_decode_only", GRAPH_REFUSAL))
-    eager_by_default = EAGER_BY_DEFAULT
+    graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
+    # Decode steps run batched from the device segments on every device (deltanet.py), so the
+    # CPU runs what a decode graph captures.
+    batched_segments = True
 
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         c = self.gdn
@@ -63,8 +79,8 @@ class DeltaNetState(SequenceSlots):
         conv, delta = self._shapes()
         return [
             LinearState(
-                torch.zeros(num_slots, *conv, dtype=dtype, device=device),
-                torch.zeros(num_slots, *delta, dtype=torch.float32, device=device),
+                torch.zeros(num_slots + 1, *conv, dtype=dtype, device=device),
+                torch.zeros(num_slots + 1, *delta, dtype=torch.float32, device=device),
             )
             for _ in self.layers
         ]

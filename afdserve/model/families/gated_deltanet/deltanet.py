@@ -92,17 +92,17 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [rows, hv]
         core = x.new_zeros(rows, self.hv, self.dv)  # pad rows stay zero
-        steps = [s for s in meta.segments if s.num_rows == 1 and s.context_len > 1]
-        if steps:
-            self._decode(steps, qkv, g, beta, state, core)
+        steps, stepped = _recurrence_steps(meta)
+        if steps is not None:
+            self._step(*steps, qkv, g, beta, state, core)
         for seg in meta.segments:
-            if not (seg.num_rows == 1 and seg.context_len > 1):
+            if not stepped(seg):
                 self._prefill(seg, qkv, g, beta, state, core)
         out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.view(rows, self.value_dim))
 
     def _prefill(self, seg: Segment, qkv, g, beta, state: LinearState, core) -> None:
-        """A segment of several rows, or a sequence's first row: the chunked form."""
+        """A segment of several rows: the chunked form, from its slot's state."""
         r0, r1, slot = seg.row_start, seg.row_end, seg.state_slot
         fresh = seg.context_len == seg.num_rows  # starts at position 0
         window = None if fresh else state.conv[slot]
@@ -115,17 +115,42 @@ class GatedDeltaNet(nn.Module):
         )
         core[r0:r1] = out.to(core.dtype)
 
-    def _decode(self, steps: list[Segment], qkv, g, beta, state: LinearState, core) -> None:
-        """One row of each sequence past position 0: one step of the recurrence, batched."""
-        dev = qkv.device
-        rows = torch.tensor([s.row_start for s in steps], device=dev)
-        slots = torch.tensor([s.state_slot for s in steps], device=dev)
+    def _step(self, rows, slots, fresh, qkv, g, beta, state: LinearState, core) -> None:
+        """One row of each of b sequences: rows, slots [b] (slot -1: a pad segment, sent to the
+        scratch slot), fresh [b] (the row is position 0: an empty state). No host sync, so a
+        decode graph captures it."""
+        slots = torch.where(slots < 0, state.scratch, slots)
         weight = self.conv1d.weight[:, 0].to(qkv.dtype)  # [conv_dim, K]
-        seq = torch.cat((state.conv[slots].to(qkv.dtype), qkv[rows][..., None]), dim=-1)
-        state.conv[slots] = seq[..., 1:].to(state.conv.dtype)
+        window = state.conv_all[slots].to(qkv.dtype)  # [b, conv_dim, K - 1]
+        window = torch.where(fresh[:, None, None], 0.0, window)
+        seq = torch.cat((window, qkv[rows][..., None]), dim=-1)
+        state.conv_all[slots] = seq[..., 1:].to(state.conv_all.dtype)
         mixed = F.silu((seq * weight).sum(-1))  # [b, conv_dim]
         q, k, v = self._split(mixed)
-        out, state.delta[slots] = delta_rule.recurrent_step(
-            q, k, v, g[rows], beta[rows], state.delta[slots]
-        )
+        delta = torch.where(fresh[:, None, None, None], 0.0, state.delta_all[slots])
+        out, state.delta_all[slots] = delta_rule.recurrent_step(q, k, v, g[rows], beta[rows], delta)
         core[rows] = out.to(core.dtype)
+
+
+def _recurrence_steps(meta: AttentionMetadata):
+    """(rows, slots, fresh) of the segments that step the recurrence once, or None, and which
+    host segments they cover. A step whose segments are all one row (a decode step, captured or
+    not) reads the device segments; otherwise the one-row segments past position 0 go together
+    and the others run chunked."""
+    batched = meta.batched
+    if batched is not None and all(seg.num_rows == 1 for seg in meta.segments):
+        # Under a captured decode graph there are no host segments: every segment is one row.
+        steps = (
+            batched.query_start[:-1].long(),
+            batched.state_slots.long(),
+            batched.context_lens == 1,
+        )
+        return steps, lambda seg: True
+    one = [s for s in meta.segments if s.num_rows == 1 and s.context_len > 1]
+    if not one:
+        return None, lambda seg: False
+    dev = meta.positions.device
+    rows = torch.tensor([s.row_start for s in one], device=dev)
+    slots = torch.tensor([s.state_slot for s in one], device=dev)
+    fresh = torch.zeros(len(one), dtype=torch.bool, device=dev)
+    return (rows, slots, fresh), lambda seg: seg.num_rows == 1 and seg.context_len > 1

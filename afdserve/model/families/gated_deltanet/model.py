@@ -91,6 +91,7 @@ class HybridCausalLM(nn.Module):
         self.model = HybridBody(config, self.parts)
         if self.parts.attention and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._inv_freq: torch.Tensor | None = None
         prefix = config.family_config.checkpoint_prefix
         self._rename = None if prefix == "model." else (prefix, "model.")
 
@@ -105,7 +106,12 @@ class HybridCausalLM(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = torch.tensor(self.config.rope_inv_freq, dtype=torch.float32, device=positions.device)
+        inv = self._inv_freq
+        if inv is None or inv.device != positions.device:
+            # Built on the first (eager) step, never inside a graph capture: not a checkpoint
+            # tensor, so not a buffer the loader would leave unwritten.
+            inv = torch.tensor(self.config.rope_inv_freq, device=positions.device)
+            self._inv_freq = inv
         freqs = positions.float()[:, None] * inv[None, :]  # [rows, rotary_dim / 2]
         return freqs.cos(), freqs.sin()
 
