@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
+from afdserve.model.families import cache_layout
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
 from afdserve.model.parts import CausalLM
@@ -129,14 +130,25 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
     return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)
 
 
+ITEMSIZE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+
+
 def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int) -> int:
     """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
-    GQA and MLA read the cache of position + 1 tokens (the new token's row included),
-    DeepSeek-V4 what `v4_layer_kv_bytes` says of each layer."""
+    GQA and MLA read the cache of position + 1 tokens (the new token's row included), a layout
+    with state slots that and each slot read and written, DeepSeek-V4 what `v4_layer_kv_bytes`
+    says of each layer."""
     c = model.config
+    mean_context = sum(p + 1 for p in positions) / len(positions)
     if c.family_config is None:
-        mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
+    layout = cache_layout(c)
+    dtype = ITEMSIZE_DTYPES[itemsize]
+    if layout.bytes_per_slot(dtype):
+        # Linear attention: its state slot read and written whole each step, beside the paged
+        # layers' context.
+        paged = mean_context * layout.bytes_per_block(1, dtype)
+        return int(batch * (paged + 2 * layout.bytes_per_slot(dtype)))
     per_step = [
         sum(v4_layer_kv_bytes(c, layer, p, itemsize) for layer in range(c.num_layers))
         for p in positions
