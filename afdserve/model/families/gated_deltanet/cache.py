@@ -52,8 +52,14 @@ class LinearState:
 
 @dataclass(frozen=True)
 class DeltaNetState(SequenceSlots):
+    """The linear layers of a delta-rule family (Gated DeltaNet; Kimi Delta Attention too)."""
+
     layers: tuple[int, ...]
-    gdn: GDNConfig
+    conv_dim: int
+    conv_kernel: int
+    heads: int  # value heads
+    key_head_dim: int
+    value_head_dim: int
     kind: str = "GDN"
     fp8_refusal = FP8_REFUSAL
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
@@ -62,10 +68,9 @@ class DeltaNetState(SequenceSlots):
     batched_segments = True
 
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        c = self.gdn
         return (
-            (c.conv_dim, c.conv_kernel - 1),
-            (c.num_value_heads, c.key_head_dim, c.value_head_dim),
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.heads, self.key_head_dim, self.value_head_dim),
         )
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
@@ -96,5 +101,12 @@ class DeltaNetState(SequenceSlots):
 def cache_layout(config: ModelConfig) -> CacheLayout:
     gdn: GDNConfig = config.family_config
     full = PagedKV(gdn.layers_of(FULL), config.num_kv_heads, config.head_dim)
-    state = DeltaNetState(gdn.layers_of(LINEAR), gdn)
+    state = DeltaNetState(
+        gdn.layers_of(LINEAR),
+        gdn.conv_dim,
+        gdn.conv_kernel,
+        gdn.num_value_heads,
+        gdn.key_head_dim,
+        gdn.value_head_dim,
+    )
     return CacheLayout(tuple(s for s in (full, state) if s.layers), config.num_layers)

@@ -34,7 +34,66 @@ class GatedRMSNorm(nn.Module):
         return out.to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleLayer(nn.Module):
+    """What every delta-rule layer shares: per segment its slot's state, the short convolution
+    over q, k and v, the delta rule. A subclass projects (`_inputs`), lays out q, k and v
+    (`_split`) and finishes the output (`_output`)."""
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [rows, hidden] -> (qkv [rows, conv_dim], gate, g (log decay), beta)."""
+        raise NotImplementedError
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def conv_weight(self) -> torch.Tensor:
+        """[conv_dim, K]."""
+        return self.conv1d.weight[:, 0]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
+        qkv, gate, g, beta = self._inputs(x)
+        core = x.new_zeros(x.shape[0], self.hv, self.dv)  # pad rows stay zero
+        steps, stepped = _recurrence_steps(meta)
+        if steps is not None:
+            self._step(*steps, qkv, g, beta, state, core)
+        for seg in meta.segments:
+            if not stepped(seg):
+                self._prefill(seg, qkv, g, beta, state, core)
+        return self._output(core, gate)
+
+    def _prefill(self, seg: Segment, qkv, g, beta, state: LinearState, core) -> None:
+        """A segment of several rows: the chunked form, from its slot's state."""
+        r0, r1, slot = seg.row_start, seg.row_end, seg.state_slot
+        fresh = seg.context_len == seg.num_rows  # starts at position 0
+        window = None if fresh else state.conv[slot]
+        mixed, state.conv[slot] = delta_rule.causal_conv(qkv[r0:r1], window, self.conv_weight())
+        q, k, v = self._split(mixed)
+        out, state.delta[slot] = delta_rule.chunked(
+            q, k, v, g[r0:r1], beta[r0:r1], None if fresh else state.delta[slot]
+        )
+        core[r0:r1] = out.to(core.dtype)
+
+    def _step(self, rows, slots, fresh, qkv, g, beta, state: LinearState, core) -> None:
+        """One row of each of b sequences: rows, slots [b] (slot -1: a pad segment, sent to the
+        scratch slot), fresh [b] (the row is position 0: an empty state). No host sync, so a
+        decode graph captures it."""
+        slots = torch.where(slots < 0, state.scratch, slots)
+        weight = self.conv_weight().to(qkv.dtype)  # [conv_dim, K]
+        window = state.conv_all[slots].to(qkv.dtype)  # [b, conv_dim, K - 1]
+        window = torch.where(fresh[:, None, None], 0.0, window)
+        seq = torch.cat((window, qkv[rows][..., None]), dim=-1)
+        state.conv_all[slots] = seq[..., 1:].to(state.conv_all.dtype)
+        mixed = F.silu((seq * weight).sum(-1))  # [b, conv_dim]
+        q, k, v = self._split(mixed)
+        delta = torch.where(fresh[:, None, None, None], 0.0, state.delta_all[slots])
+        out, state.delta_all[slots] = delta_rule.recurrent_step(q, k, v, g[rows], beta[rows], delta)
+        core[rows] = out.to(core.dtype)
+
+
+class GatedDeltaNet(DeltaRuleLayer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config.family_config
@@ -86,50 +145,14 @@ class GatedDeltaNet(nn.Module):
             v.reshape(rows, self.hv, self.dv),
         )
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
-        rows = x.shape[0]
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         qkv, z, b, a = self._project(x)
-        beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [rows, hv]
-        core = x.new_zeros(rows, self.hv, self.dv)  # pad rows stay zero
-        steps, stepped = _recurrence_steps(meta)
-        if steps is not None:
-            self._step(*steps, qkv, g, beta, state, core)
-        for seg in meta.segments:
-            if not stepped(seg):
-                self._prefill(seg, qkv, g, beta, state, core)
-        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))
-        return self.out_proj(out.view(rows, self.value_dim))
+        return qkv, z, g, b.sigmoid()
 
-    def _prefill(self, seg: Segment, qkv, g, beta, state: LinearState, core) -> None:
-        """A segment of several rows: the chunked form, from its slot's state."""
-        r0, r1, slot = seg.row_start, seg.row_end, seg.state_slot
-        fresh = seg.context_len == seg.num_rows  # starts at position 0
-        window = None if fresh else state.conv[slot]
-        mixed, state.conv[slot] = delta_rule.causal_conv(
-            qkv[r0:r1], window, self.conv1d.weight[:, 0]
-        )
-        q, k, v = self._split(mixed)
-        out, state.delta[slot] = delta_rule.chunked(
-            q, k, v, g[r0:r1], beta[r0:r1], None if fresh else state.delta[slot]
-        )
-        core[r0:r1] = out.to(core.dtype)
-
-    def _step(self, rows, slots, fresh, qkv, g, beta, state: LinearState, core) -> None:
-        """One row of each of b sequences: rows, slots [b] (slot -1: a pad segment, sent to the
-        scratch slot), fresh [b] (the row is position 0: an empty state). No host sync, so a
-        decode graph captures it."""
-        slots = torch.where(slots < 0, state.scratch, slots)
-        weight = self.conv1d.weight[:, 0].to(qkv.dtype)  # [conv_dim, K]
-        window = state.conv_all[slots].to(qkv.dtype)  # [b, conv_dim, K - 1]
-        window = torch.where(fresh[:, None, None], 0.0, window)
-        seq = torch.cat((window, qkv[rows][..., None]), dim=-1)
-        state.conv_all[slots] = seq[..., 1:].to(state.conv_all.dtype)
-        mixed = F.silu((seq * weight).sum(-1))  # [b, conv_dim]
-        q, k, v = self._split(mixed)
-        delta = torch.where(fresh[:, None, None, None], 0.0, state.delta_all[slots])
-        out, state.delta_all[slots] = delta_rule.recurrent_step(q, k, v, g[rows], beta[rows], delta)
-        core[rows] = out.to(core.dtype)
+    def _output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out = self.norm(core.reshape(-1, self.dv), gate.reshape(-1, self.dv))
+        return self.out_proj(out.view(core.shape[0], self.value_dim))
 
 
 def _recurrence_steps(meta: AttentionMetadata):
