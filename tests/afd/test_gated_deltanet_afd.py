@@ -1,8 +1,9 @@
-"""The Gated DeltaNet hybrids under AFD over real gloo worlds: every attention rank keeps its own
-state slots beside its own blocks (the linear layers' state never crosses to the FFN side, only
-the normed rows of width hidden_size do), the gated shared expert runs on the FFN ranks, and the
-greedy tokens equal colocated ones token for token (float32): 2A1F, 3A2F, expert-parallel groups,
-the gate on either side, one or two ubatches, a chunked prefill beside decodes."""
+"""The delta-rule hybrids (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear) under AFD over real gloo
+worlds: every attention rank keeps its own state slots beside its own blocks (the linear layers'
+state never crosses to the FFN side, only the normed rows do), the shared experts (Qwen's gated
+one) run on the FFN ranks, and the greedy tokens equal colocated ones token for token (float32):
+2A1F, 3A2F, expert-parallel groups, the gate on either side, one or two ubatches, a chunked
+prefill beside decodes."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ CASES = [
     pytest.param("3A2F", "qwen3_5_moe", 1, True, False, id="3A2F-3.5-gate", marks=SLOW),
     pytest.param("2A2F", "qwen3_next", 2, True, True, id="2A2F-next-ep", marks=SLOW),
     pytest.param("1A2F", "qwen3_5_moe", 1, False, True, id="1A2F-3.5-ep", marks=SLOW),
+    pytest.param("2A1F", "kimi_linear", 2, True, False, id="2A1F-kimi-u2-gate", marks=SLOW),
+    pytest.param("3A2F", "kimi_linear", 1, False, True, id="3A2F-kimi-ep", marks=SLOW),
 ]
 
 
 @pytest.fixture(scope="module")
 def gdn_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gdn-afd")
-    return {t: make_tiny_model(root / t, t, seed=3) for t in ("qwen3_next", "qwen3_5_moe")}
+    types = ("qwen3_next", "qwen3_5_moe", "kimi_linear")
+    return {t: make_tiny_model(root / t, t, seed=3) for t in types}
 
 
 @pytest.mark.parametrize(("topology", "model_type", "ubatches", "gate", "expert_parallel"), CASES)

@@ -1,8 +1,9 @@
-"""The Gated DeltaNet hybrids in the colocated engine: chunked prefill (chunks of a few tokens,
-so the state and the convolution window cross chunk boundaries), preemption by recompute (a slot
-changes hands and a victim restarts from position 0) and two ubatches (a sequence's rows split
-between them) all give the one-shot greedy tokens, which tests/model/test_gated_deltanet.py holds
-equal to transformers; every slot and block is free at the end."""
+"""The delta-rule hybrids (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear) in the colocated engine:
+chunked prefill (chunks of a few tokens, so the state and the convolution window cross chunk
+boundaries), preemption by recompute (a slot changes hands and a victim restarts from position
+0), the decode-graph layout and two ubatches (a sequence's rows split between them) all give the
+one-shot greedy tokens, which tests/model/test_gated_deltanet.py holds equal to transformers;
+every slot and block is free at the end."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from afdserve import LLM, SamplingParams
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.engine.test_llm import run
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_moe")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "kimi_linear")
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 BLOCK = 4

@@ -1,8 +1,9 @@
-"""The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5-MoE image-text and text-only) against
-transformers: the delta rule's chunked and recurrent forms equal its torch reference, split
-anywhere; greedy tokens equal the full forward's argmax teacher-forced (CPU, float32); the
-image-text checkpoint loads text-only with its vision tower skipped by name; config fields are
-honoured or refused by name; the presets parse."""
+"""The delta-rule hybrids (Qwen3-Next, Qwen3.5-MoE image-text and text-only, Kimi-Linear)
+against transformers: the delta rule's chunked and recurrent forms equal its torch references
+(a decay per head, and Kimi's per key channel), split anywhere; greedy tokens equal the full
+forward's argmax teacher-forced (CPU, float32); the image-text checkpoint loads text-only with
+its vision tower skipped by name; config fields are honoured or refused by name; the presets
+parse."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
+from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from afdserve import LLM, SamplingParams
@@ -25,7 +27,7 @@ from afdserve.model.fixtures.tiny import make_tiny_model
 from afdserve.model.parts import ModelParts
 from afdserve.model.presets import preset_config, preset_hf_config
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear")
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -55,6 +57,24 @@ def test_chunked_and_recurrent_forms_equal_transformers_reference() -> None:
     torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(state, ref_state[0], atol=1e-5, rtol=0)
     # The same tokens as two chunked pieces (odd chunk sizes) and one recurrent step.
+    o1, s1 = delta_rule.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
+    part = slice(70, n - 1)
+    o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
+    last = slice(n - 1, n)
+    o3, s3 = delta_rule.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
+    torch.testing.assert_close(torch.cat([o1, o2, o3]), ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(s3[0], ref_state[0], atol=1e-5, rtol=0)
+
+
+def test_per_channel_decay_equals_kimi_reference() -> None:
+    gen = torch.Generator().manual_seed(1)
+    n, h, d = 150, 3, 8
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    g, beta = -0.5 * torch.rand(n, h, d, generator=gen), torch.rand(n, h, generator=gen)
+    ref, ref_state = hf_kimi.chunk_kimi_delta_attention(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
     o1, s1 = delta_rule.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
     part = slice(70, n - 1)
     o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
@@ -146,13 +166,36 @@ def test_cache_layout_refuses_what_the_state_cannot_do(tiny) -> None:
         LLM(str(tiny["qwen3_next"]), dtype="float32", enable_prefix_caching=True)
 
 
-@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "qwen3.5-35b-a3b:6"])
+def test_kimi_config_reads_both_spellings_and_the_cache_holds_its_latent(tiny) -> None:
+    raw = json.loads((tiny["kimi_linear"] / "config.json").read_text())
+    assert "num_experts_per_token" in raw  # transformers writes the public spelling
+    config = parse_model_config(raw)
+    assert (config.top_k, config.num_experts, config.n_group) == (2, 4, 2)
+    assert config.layer_types == ("dense", "moe", "moe", "moe")
+    public = {k: v for k, v in raw.items() if k not in ("layer_types", "linear_head_dim")}
+    public["linear_attn_config"] = {"full_attn_layers": [2], "kda_layers": [1, 3, 4], "head_dim": 8}
+    assert parse_model_config(public).family_config == config.family_config
+    kinds = {s.kind: s for s in cache_layout(config).specs}
+    assert kinds["KV"].heads == 1 and kinds["KV"].dim == 16 + 8  # kv_lora_rank + rope
+    assert kinds["KDA"].bytes_per_slot(torch.float32) == 4 * (3 * 16 * 3 + 2 * 8 * 8)
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        parse_model_config({**raw, "mlp_layer_types": ["dense", "moe", "sparse", "sparse"]})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "qwen3.5-35b-a3b:6", "kimi-linear-48b-a3b:8"],
+)
 def test_presets_parse(name: str) -> None:
     config = preset_config(name)
     layers = preset_hf_config(name)["num_hidden_layers"]
     kinds = config.family_config.attention_types
-    assert len(kinds) == layers and kinds.count("full_attention") == layers // 4
-    assert config.family_config.rotary_dim == 64  # 0.25 of head_dim 256
+    assert len(kinds) == layers and kinds.count("full_attention") in (
+        layers // 4,
+        (layers - 1) // 4,
+    )
+    if config.family != "kimi_linear":
+        assert config.family_config.rotary_dim == 64  # 0.25 of head_dim 256
 
 
 @torch.inference_mode()

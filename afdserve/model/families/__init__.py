@@ -12,9 +12,10 @@ from afdserve.model.config import ModelConfig, read_hf_config
 from afdserve.model.families.decoder.family import FAMILY as DECODER
 from afdserve.model.families.deepseek_v4.family import FAMILY as DEEPSEEK_V4
 from afdserve.model.families.gated_deltanet.family import FAMILY as GATED_DELTANET
+from afdserve.model.families.kimi_linear.family import FAMILY as KIMI_LINEAR
 from afdserve.model.parts import Family
 
-REGISTERED = (DECODER, DEEPSEEK_V4, GATED_DELTANET)
+REGISTERED = (DECODER, DEEPSEEK_V4, GATED_DELTANET, KIMI_LINEAR)
 FAMILIES = tuple(t for family in REGISTERED for t in family.model_types)
 ARCHITECTURES = {a: t for family in REGISTERED for a, t in family.architectures.items()}
 

@@ -8,6 +8,10 @@ from its start, every u_j depends on S at the chunk start (S0) and on the u of e
 through a strictly lower-triangular system, (I + A) U = beta V - (beta e^G K) S0 with
 A[j, m] = beta_j e^(G_j - G_m) k_j . k_m (m < j), solved once per chunk; the outputs and the state
 at the chunk's end then follow from S0 and U by matrix products. Sums run in float32 throughout.
+
+Kimi Delta Attention decays each key channel on its own: g is [n, h, dk] instead of [n, h], and
+exp(g) scales the state's rows. `chunked` then takes the per-channel form, whose pairwise decays
+e^(G_i - G_j) are [C, C, dk] per head and chunk.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def chunked(
     """One sequence's n tokens: q, k [n, hk, dk], v [n, hv, dv], g, beta [n, hv], state
     [hv, dk, dv] float32 or None (empty) -> (out [n, hv, dv] float32, state after them)."""
     n, heads, dk, dv = v.shape[0], v.shape[1], k.shape[-1], v.shape[-1]
+    if g.dim() == 3:
+        return _chunked_per_channel(q, k, v, g, beta, state, chunk)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, heads)
     pad = -n % chunk
     if pad:
@@ -82,6 +88,40 @@ def chunked(
     return out.reshape(heads, -1, dv)[:, :n].transpose(0, 1), s
 
 
+def _chunked_per_channel(q, k, v, g, beta, state, chunk: int):
+    """`chunked` with g [n, h, dk]: the same system, each pairwise decay per key channel."""
+    n, heads, dk, dv = v.shape[0], v.shape[1], k.shape[-1], v.shape[-1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, heads)  # g: [heads, n, dk]
+    pad = -n % chunk
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    blocks = (n + pad) // chunk
+    q, k, v, g = (t.reshape(heads, blocks, chunk, -1) for t in (q, k, v, g))
+    beta = beta.reshape(heads, blocks, chunk)
+    cum = g.cumsum(2)  # G_i per channel: [heads, blocks, chunk, dk]
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    eye = torch.eye(chunk, device=q.device)
+    s = torch.zeros(heads, dk, dv, device=q.device) if state is None else state.float()
+    out = torch.empty(heads, blocks, chunk, dv, device=q.device)
+    for b in range(blocks):
+        gb = cum[:, b]
+        # e^(G_i - G_j) per channel for j <= i, 0 above the diagonal: [heads, C, C, dk]
+        pair = (gb[:, :, None] - gb[:, None, :]).masked_fill(later[..., None], float("-inf"))
+        pair = pair.exp()
+        kb = k[:, b] * beta[:, b, :, None]
+        system = (kb[:, :, None] * k[:, b, None] * pair).sum(-1).tril(-1) + eye
+        solve = torch.linalg.solve_triangular
+        u_free = solve(system, v[:, b] * beta[:, b, :, None], upper=False, unitriangular=True)
+        u_of_state = solve(system, kb * gb.exp(), upper=False, unitriangular=True)
+        u = u_free - u_of_state @ s
+        scores = (q[:, b, :, None] * k[:, b, None] * pair).sum(-1)
+        out[:, b] = (q[:, b] * gb.exp()) @ s + scores @ u
+        end = gb[:, -1:]  # [heads, 1, dk]
+        s = s * end.exp().transpose(1, 2) + (k[:, b] * (end - gb).exp()).transpose(1, 2) @ u
+    return out.reshape(heads, -1, dv)[:, :n].transpose(0, 1), s
+
+
 def recurrent_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,7 +138,8 @@ def recurrent_step(
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
     q, k = l2_normalize(q.float()), l2_normalize(k.float())
     q = q * q.shape[-1] ** -0.5
-    s = state * g.float().exp()[..., None, None]
+    decay = g.float().exp()  # [b, hv] per head, or [b, hv, dk] per key channel
+    s = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
     remembered = (s * k[..., None]).sum(-2)  # S^T k: [b, hv, dv]
     u = (v.float() - remembered) * beta.float()[..., None]
     s = s + k[..., None] * u[..., None, :]
