@@ -1,8 +1,8 @@
-"""Qwen3-Next and Qwen3.5-MoE on one GPU (the delta rule in torch; attention, rotary and the
-experts on their Triton paths): float32 greedy tokens equal the CPU engine's (which
-tests/model/test_gated_deltanet.py holds equal to transformers), colocated and in-process 1A1F
-alike, over a batch with chunked prefill beside decodes; full_decode_only captures the batched
-decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens;
+"""Qwen3-Next, Qwen3.5-MoE and Kimi-Linear on one GPU (the delta rule in torch; attention,
+rotary and the experts on their Triton paths): float32 greedy tokens equal the CPU engine's
+(which tests/model/test_gated_deltanet.py holds equal to transformers), colocated and in-process
+1A1F alike, over a batch with chunked prefill beside decodes; full_decode_only captures the
+batched decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens;
 `full` is refused by name; `auto` captures decode steps."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def gdn_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     root = tmp_path_factory.mktemp("gdn-gpu")
     return {
         (t, dtype): make_tiny_model(root / f"{t}-{dtype}", t, seed=2, dtype=dtype)
-        for t in ("qwen3_next", "qwen3_5_moe")
+        for t in ("qwen3_next", "qwen3_5_moe", "kimi_linear")
         for dtype in ("float32", "bfloat16")
     }
 
@@ -44,7 +44,7 @@ def tokens(model: Path, dtype: str, device: str, **kwargs) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe", "kimi_linear"])
 @pytest.mark.parametrize("ubatches", [1, 2])
 def test_cuda_equals_cpu_colocated_and_in_process(gdn_dirs, model_type, ubatches):
     model = gdn_dirs[(model_type, "float32")]
@@ -61,6 +61,8 @@ def test_cuda_equals_cpu_colocated_and_in_process(gdn_dirs, model_type, ubatches
         ("qwen3_next", "float32", "colocated"),
         ("qwen3_5_moe", "float32", "1A1F"),
         ("qwen3_next", "bfloat16", "colocated"),
+        ("kimi_linear", "float32", "1A1F"),
+        ("kimi_linear", "bfloat16", "colocated"),
     ],
 )
 def test_full_decode_only_graphs_give_the_eager_tokens(gdn_dirs, model_type, dtype, topology):
