@@ -10,8 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.kernels import ops
+from afdserve.kernels.reference import delta_rule as reference
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.test_graphs import _check
 
@@ -101,3 +104,28 @@ def test_full_graph_mode_is_refused_on_cuda(gdn_dirs):
 def test_auto_captures_decode_steps(gdn_dirs):
     with LLM(str(gdn_dirs[("qwen3_next", "bfloat16")]), dtype="bfloat16", device="cuda") as llm:
         assert llm.graph_config.mode == "full_decode_only"
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
+    """Qwen3-Next's linear-layer shape (16 key heads, 32 value heads, 128 x 128) and Kimi's
+    per-channel decay: the Triton step against the torch one, pad rows in the scratch slot."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, hk, hv, d = 64, 16, 32, 128
+    q, k = (torch.randn(b, hk, d, device="cuda", generator=gen) for _ in range(2))
+    v = torch.randn(b, hv, d, device="cuda", generator=gen)
+    shape = (b, hv, d) if per_channel else (b, hv)
+    g = -torch.rand(shape, device="cuda", generator=gen)
+    beta = torch.rand(b, hv, device="cuda", generator=gen)
+    states = torch.randn(b + 1, hv, d, d, device="cuda", generator=gen)
+    slots = torch.randperm(b, device="cuda", generator=gen)
+    slots[-4:] = b  # pad rows
+    fresh = torch.rand(b, device="cuda", generator=gen) < 0.2
+    want_states, got_states = states.clone(), states.clone()
+    real = slice(0, b - 4)
+    want = reference.step_slots(
+        q[real], k[real], v[real], g[real], beta[real], want_states, slots[real], fresh[real]
+    )
+    got = ops.delta_rule_step(q, k, v, g, beta, got_states, slots, fresh)
+    torch.testing.assert_close(got[real], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_states[:b], want_states[:b], atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from afdserve import LLM, SamplingParams
+from afdserve.kernels import ops
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config, parse_model_config
 from afdserve.model.families.gated_deltanet import delta_rule
@@ -61,7 +62,7 @@ def test_chunked_and_recurrent_forms_equal_transformers_reference() -> None:
     part = slice(70, n - 1)
     o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
     last = slice(n - 1, n)
-    o3, s3 = delta_rule.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
+    o3, s3 = ops.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
     torch.testing.assert_close(torch.cat([o1, o2, o3]), ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(s3[0], ref_state[0], atol=1e-5, rtol=0)
 
@@ -79,7 +80,7 @@ def test_per_channel_decay_equals_kimi_reference() -> None:
     part = slice(70, n - 1)
     o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
     last = slice(n - 1, n)
-    o3, s3 = delta_rule.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
+    o3, s3 = ops.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
     torch.testing.assert_close(torch.cat([o1, o2, o3]), ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(s3[0], ref_state[0], atol=1e-5, rtol=0)
 

@@ -1,5 +1,5 @@
-"""The gated delta rule and its short convolution in plain torch: the CPU path, and the CUDA path
-until Triton kernels land (the spec keeps CUDA graphs off meanwhile, cache.py).
+"""The gated delta rule's chunked form and its short convolution in plain torch: the prefill path
+on every device (one decode step is `ops.delta_rule_step`, a Triton launch on CUDA).
 
 Per value head, with q and k L2-normalised and q scaled by 1/sqrt(dk), a state S [dk, dv] moves
 token by token: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
@@ -19,11 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afdserve.kernels import ops
+
 CHUNK = 64
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def _prepare(q, k, v, g, beta, heads: int):
@@ -31,7 +29,7 @@ def _prepare(q, k, v, g, beta, heads: int):
     if q.shape[1] != heads:
         q = q.repeat_interleave(heads // q.shape[1], dim=1)
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    q, k = ops.l2_normalize(q.float()), ops.l2_normalize(k.float())
     q = q * q.shape[-1] ** -0.5
     return (
         q.transpose(0, 1),
@@ -120,30 +118,6 @@ def _chunked_per_channel(q, k, v, g, beta, state, chunk: int):
         end = gb[:, -1:]  # [heads, 1, dk]
         s = s * end.exp().transpose(1, 2) + (k[:, b] * (end - gb).exp()).transpose(1, 2) @ u
     return out.reshape(heads, -1, dv)[:, :n].transpose(0, 1), s
-
-
-def recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of b sequences: q, k [b, hk, dk], v [b, hv, dv], g, beta [b, hv], state
-    [b, hv, dk, dv] float32 -> (out [b, hv, dv] float32, the new states)."""
-    heads = v.shape[1]
-    if q.shape[1] != heads:
-        q = q.repeat_interleave(heads // q.shape[1], dim=1)
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
-    q = q * q.shape[-1] ** -0.5
-    decay = g.float().exp()  # [b, hv] per head, or [b, hv, dk] per key channel
-    s = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
-    remembered = (s * k[..., None]).sum(-2)  # S^T k: [b, hv, dv]
-    u = (v.float() - remembered) * beta.float()[..., None]
-    s = s + k[..., None] * u[..., None, :]
-    return (s * q[..., None]).sum(-2), s
 
 
 def causal_conv(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, Segment
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.gated_deltanet import delta_rule
@@ -88,8 +89,7 @@ class DeltaRuleLayer(nn.Module):
         state.conv_all[slots] = seq[..., 1:].to(state.conv_all.dtype)
         mixed = F.silu((seq * weight).sum(-1))  # [b, conv_dim]
         q, k, v = self._split(mixed)
-        delta = torch.where(fresh[:, None, None, None], 0.0, state.delta_all[slots])
-        out, state.delta_all[slots] = delta_rule.recurrent_step(q, k, v, g[rows], beta[rows], delta)
+        out = ops.delta_rule_step(q, k, v, g[rows], beta[rows], state.delta_all, slots, fresh)
         core[rows] = out.to(core.dtype)
 
 
