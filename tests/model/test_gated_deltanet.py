@@ -21,6 +21,7 @@ from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config, parse_model_config
+from afdserve.model.families.gated_deltanet import config as gdn_config
 from afdserve.model.families.gated_deltanet import delta_rule
 from afdserve.model.families.gated_deltanet import tiny as gdn_tiny
 from afdserve.model.fixtures import byte_tokenizer
@@ -233,3 +234,13 @@ def test_pad_segments_write_only_the_scratch_slot(tiny) -> None:
     torch.testing.assert_close(padded.conv, alone.conv, atol=0, rtol=0)
     torch.testing.assert_close(padded.delta, alone.delta, atol=0, rtol=0)
     assert not torch.equal(padded.delta_all[-1], state.delta_all[-1])  # the scratch took them
+
+
+def test_training_only_and_vision_fields_change_nothing(tiny) -> None:
+    raw = json.loads((tiny["qwen3_5_moe"] / "config.json").read_text())
+    base = parse_model_config(raw)
+    noisy = json.loads(json.dumps(raw))
+    noisy["text_config"].update({key: 7 for key in gdn_config.TRAINING_ONLY})
+    noisy.update({key: 7 for key in gdn_config.VISION_ONLY if key != "vision_config"})
+    noisy.pop("vision_config")
+    assert parse_model_config(noisy) == base
