@@ -36,7 +36,8 @@ class BatchedSegments:
     block_tables: torch.Tensor  # [n, max_blocks] int32
     max_query_len: int
     max_context_len: int
-    state_slots: torch.Tensor | None = None  # [n] int32, each segment's state slot (or -1)
+    # [n] int32, each segment's state slot (-1: none); None where no segment has one.
+    state_slots: torch.Tensor | None = None
 
 
 def batch_segments(segments: tuple[Segment, ...], device: torch.device) -> BatchedSegments:
@@ -52,8 +53,17 @@ def batch_segments(segments: tuple[Segment, ...], device: torch.device) -> Batch
         block_tables=tables,
         max_query_len=max((s.num_rows for s in segments), default=0),
         max_context_len=max((s.context_len for s in segments), default=0),
-        state_slots=torch.tensor([s.state_slot for s in segments], dtype=torch.int32).to(device),
+        state_slots=_state_slots(segments, device),
     )
+
+
+def _state_slots(segments: tuple[Segment, ...], device: torch.device) -> torch.Tensor | None:
+    """The segments' state slots, or None where the cache keeps no state per sequence (no
+    copy to the device for the other families)."""
+    slots = [s.state_slot for s in segments]
+    if all(slot < 0 for slot in slots):
+        return None
+    return torch.tensor(slots, dtype=torch.int32).to(device)
 
 
 @dataclass(frozen=True)

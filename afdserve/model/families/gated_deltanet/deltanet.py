@@ -161,6 +161,8 @@ def _recurrence_steps(meta: AttentionMetadata):
     not) reads the device segments; otherwise the one-row segments past position 0 go together
     and the others run chunked."""
     batched = meta.batched
+    if batched is not None and batched.state_slots is None:  # no segment at all (pad rows only)
+        return None, lambda seg: False
     if batched is not None and all(seg.num_rows == 1 for seg in meta.segments):
         # Under a captured decode graph there are no host segments: every segment is one row.
         steps = (
