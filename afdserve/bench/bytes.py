@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from afdserve.model.config import ModelConfig
+from afdserve.model.families import cache_layout
 from afdserve.model.families.dsa.config import DSAConfig
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
@@ -138,6 +139,9 @@ def v4_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: 
     return total + compressor(d, selected) + compressor(v4.index_head_dim, closed)
 
 
+ITEMSIZE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+
+
 def dsa_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize: int) -> int:
     """Bytes one decode query at `position` reads of a DSA layer (DeepSeek-V3.2, GLM-5;
     model/families/dsa/): the latents of the min(index_topk, position + 1) selected tokens, and,
@@ -151,12 +155,19 @@ def dsa_layer_kv_bytes(config: ModelConfig, layer: int, position: int, itemsize:
 def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int) -> int:
     """KV bytes of one step of `batch` sequences, averaged over decode steps at `positions`:
     GQA and MLA read the cache of position + 1 tokens (the new token's row included), gpt-oss's
-    sliding layers at most their window of them, DeepSeek-V4 and DSA what `v4_layer_kv_bytes`
-    and `dsa_layer_kv_bytes` say of each layer."""
+    sliding layers at most their window of them, a layout with state slots that and each slot
+    read and written, DeepSeek-V4 and DSA what `v4_layer_kv_bytes` and `dsa_layer_kv_bytes` say
+    of each layer."""
     c = model.config
+    mean_context = sum(p + 1 for p in positions) / len(positions)
+    layout, dtype = cache_layout(c), ITEMSIZE_DTYPES[itemsize]
+    if layout.bytes_per_slot(dtype):
+        # Linear attention: its state slot read and written whole each step, beside the paged
+        # layers' context.
+        paged = mean_context * layout.bytes_per_block(1, dtype)
+        return int(batch * (paged + 2 * layout.bytes_per_slot(dtype)))
     dsa = isinstance(c.family_config, DSAConfig)
     if c.attention in ("gqa", "mla") and not dsa and not hasattr(c.family_config, "window"):
-        mean_context = sum(p + 1 for p in positions) / len(positions)
         return step_kv_bytes(model, batch, mean_context, itemsize)
     if hasattr(c.family_config, "window"):  # gpt-oss: a sliding layer reads its window only
         per_token = 2 * c.num_kv_heads * c.head_dim * itemsize

@@ -28,6 +28,7 @@ from afdserve.engine.kv_cache import (
     cache_dtype,
     check_fp8_kv,
     make_kv_cache,
+    slots_for,
 )
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
@@ -41,7 +42,7 @@ from afdserve.model.checkpoint.loader import (
     load_weights,
 )
 from afdserve.model.config import ModelConfig
-from afdserve.model.families import parse_model_config
+from afdserve.model.families import cache_layout, parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.quantization import resolve_quantization
 
@@ -160,7 +161,9 @@ class DecodeSteps:
         if kv_dtype != TORCH_DTYPES[spec.dtype]:
             check_fp8_kv(config, dev)
         check_cache_fits(config, batch, spec.context_len, batch * self.width, bs, kv_dtype, dev)
-        self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev)
+        # One state slot per sequence where the layout keeps one (linear attention).
+        slots = slots_for(config, batch, kv_dtype)
+        self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev, slots)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
         for t in self.kv.tensors():
             if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
@@ -175,6 +178,7 @@ class DecodeSteps:
         self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.context_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.state_slots = torch.arange(batch, dtype=torch.int32, device=dev)
         self.runner = ModelRunner(model, self.kv, dev)
         topology = Topology(1, 0 if spec.topology == "colocated" else 1)
         if boundary is None:
@@ -199,10 +203,16 @@ class DecodeSteps:
 
     def _inputs(self) -> StepInputs:
         context = self.spec.context_len + self.step_index + 1
-        segments = tuple(Segment(i, i + 1, self.tables[i], context) for i in range(self.batch))
+        segments = tuple(
+            Segment(i, i + 1, self.tables[i], context, i if self.kv.num_slots else -1)
+            for i in range(self.batch)
+        )
         batched = None
         if self.runner.batched_metadata:  # as ModelRunner.prepare gives it (DeepSeek-V4: always)
-            batched = BatchedSegments(self.query_start, self.context_lens, self.tables, 1, context)
+            slots = self.state_slots if self.kv.num_slots else -torch.ones_like(self.state_slots)
+            batched = BatchedSegments(
+                self.query_start, self.context_lens, self.tables, 1, context, slots
+            )
         meta = AttentionMetadata(self.positions, self.slots, segments, batched)
         sample_rows = self.query_start[:-1].long()
         return StepInputs(self.input_ids, self.input_ids, meta, sample_rows, [], self.batch)
@@ -270,6 +280,7 @@ def check_cache_fits(
     if device.type != "cuda":
         return
     need = bytes_per_block(config, block_size, dtype) * blocks
+    need += cache_layout(config).bytes_per_slot(dtype) * slots_for(config, batch, dtype)
     free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise ValueError(

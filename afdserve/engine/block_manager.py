@@ -11,6 +11,12 @@ its hash (eviction). Blocks that hold no hash are freed to the front of the queu
 reused before any cached block is evicted. Only full blocks are shared, and a shared block is
 never written again: a sequence writes only the positions it computes, which lie past its cached
 prefix.
+
+State slots (model/cache.py's `SequenceSlots`): where the cache keeps a fixed-size state per
+sequence, a sequence takes a slot with its first blocks and gives it back with them (finished,
+aborted or preempted). There are as many slots as the scheduler runs sequences, so admission never
+waits for one; a new holder needs no zeroed slot, as its layers start from an empty state at
+position 0.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class BlockManager:
         block_size: int,
         prefix_caching: bool = False,
         blocks_for: Callable[[int, int], int] | None = None,
+        num_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks={num_blocks}: must be >= 1")
@@ -44,6 +51,10 @@ class BlockManager:
         # Blocks without a reference, least recently freed first; the values are unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of: dict[int, bytes] = {}
+        if num_slots < 0:
+            raise ValueError(f"BlockManager.num_slots={num_slots}: must be >= 0")
+        self._num_slots = num_slots
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
         self._block_of: dict[bytes, int] = {}
         # Prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits, in tokens).
         self.queried_tokens = 0
@@ -62,6 +73,14 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks a sequence can be given: unreferenced ones, cached or not."""
         return len(self._free)
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -151,6 +170,15 @@ class BlockManager:
 
     # ----- allocation -----
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks so that `seq.block_table` covers `[0, num_tokens)`, and its state slot if it
+        has none yet."""
+        if self._num_slots and seq.state_slot is None:
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"no free state slot for {seq.request_id!r}: all {self._num_slots} are held "
+                    "(the scheduler runs at most that many sequences)"
+                )
+            seq.state_slot = self._free_slots.pop()
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self._free):
             raise RuntimeError(
@@ -184,3 +212,6 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None

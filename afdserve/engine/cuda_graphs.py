@@ -72,6 +72,8 @@ class UbatchBuffers:
         self.query_start = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_rows, width, dtype=torch.int32, device=device)
+        # Pad segments hold state slot -1: no sequence's state.
+        self.state_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
 
     def batched(self, rows: int, max_query_len: int, max_context_len: int) -> BatchedSegments:
         return BatchedSegments(
@@ -80,6 +82,7 @@ class UbatchBuffers:
             block_tables=self.block_tables[:rows],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
+            state_slots=self.state_slots[:rows],
         )
 
     def load(self, batched: BatchedSegments | None, rows: int, real: int) -> None:
@@ -91,11 +94,14 @@ class UbatchBuffers:
             self.context_lens[:segments].copy_(batched.context_lens)
             width = batched.block_tables.shape[1]
             self.block_tables[:segments, :width].copy_(batched.block_tables)
+            if batched.state_slots is not None:
+                self.state_slots[:segments].copy_(batched.state_slots)
         else:
             self.query_start[0] = 0
         if segments < rows:  # segments past the real ones: no rows, no context
             self.query_start[segments + 1 : rows + 1] = real
             self.context_lens[segments:rows] = 0
+            self.state_slots[segments:rows] = -1
 
 
 class CudaGraphRunner:

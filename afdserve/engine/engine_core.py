@@ -64,7 +64,11 @@ class EngineCore:
         self.config: ModelConfig = model.config
         self.kv_cache = kv_cache
         self.block_manager = BlockManager(
-            kv_cache.num_blocks, kv_cache.block_size, prefix_caching, kv_cache.layout.blocks_for
+            kv_cache.num_blocks,
+            kv_cache.block_size,
+            prefix_caching,
+            kv_cache.layout.blocks_for,
+            kv_cache.num_slots,
         )
         self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)

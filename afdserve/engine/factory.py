@@ -10,7 +10,13 @@ import torch
 from afdserve.config import EngineConfig, SpeculativeConfig
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
-from afdserve.engine.kv_cache import bytes_per_block, cache_dtype, check_fp8_kv, make_kv_cache
+from afdserve.engine.kv_cache import (
+    bytes_per_block,
+    cache_dtype,
+    check_fp8_kv,
+    make_kv_cache,
+    slots_for,
+)
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.model.checkpoint.loader import LoadReport, load_model
@@ -72,19 +78,24 @@ def kv_blocks_for(
     device: torch.device,
 ) -> int:
     """Blocks of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
-    block's bytes, so twice the blocks in the same budget)."""
+    block's bytes, so twice the blocks in the same budget). The state slots of a layout that
+    keeps a state per sequence (max_num_seqs of them) come out of the budget first."""
     per_block = bytes_per_block(model_config, config.block_size, dtype)
     needed_one = -(-max_model_len // config.block_size)
     if config.kv_cache_blocks is not None:
         return config.kv_cache_blocks
+    slots = slots_for(model_config, config.max_num_seqs, dtype)
+    slot_bytes = slots * cache_layout(model_config).bytes_per_slot(dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Memory this process's allocator holds but does not use is free for the cache too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        blocks = blocks_in_budget(free, total, config.gpu_memory_utilization, per_block)
+        blocks = blocks_in_budget(
+            free - slot_bytes, total, config.gpu_memory_utilization, per_block
+        )
     else:
         want = config.max_num_seqs * needed_one
-        blocks = min(want, CPU_CACHE_BUDGET // per_block)
+        blocks = min(want, max(0, CPU_CACHE_BUDGET - slot_bytes) // per_block)
     if blocks < needed_one:
         raise ValueError(
             f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one "
@@ -147,7 +158,8 @@ def create_engine_core(
     prefix_caching = prefix_caching_for(config, model.config)
     max_len = max_model_len_for(config, model.config)
     blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
-    cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device)
+    slots = slots_for(model.config, config.max_num_seqs, dtype)
+    cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device, slots)
     log.info(
         "KV cache: %d blocks of %d tokens, %s, %d bytes%s",
         blocks,

@@ -69,6 +69,14 @@ def make_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    num_slots: int = 0,
 ) -> PagedCache:
-    """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says."""
-    return cache_layout(config).allocate(num_blocks, block_size, dtype, device)
+    """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says, and
+    `num_slots` sequence slots where the layout keeps a state per sequence."""
+    return cache_layout(config).allocate(num_blocks, block_size, dtype, device, num_slots)
+
+
+def slots_for(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """Sequence slots the cache needs: one per sequence the scheduler may run, or none where
+    the layout keeps no state per sequence."""
+    return max_num_seqs if cache_layout(config).bytes_per_slot(dtype) else 0

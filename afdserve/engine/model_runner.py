@@ -149,8 +149,10 @@ class ModelRunner:
         bs = self.block_size
         slots = table_tensor[seq_of_row, position_tensor // bs] * bs + position_tensor % bs
         slots[real:] = -1  # pad rows write no KV
+        state = [-1 if e.seq.state_slot is None else e.seq.state_slot for e in out.scheduled]
         segments = tuple(
-            Segment(r0, r1, table_tensor[index], context) for r0, r1, index, context in spans
+            Segment(r0, r1, table_tensor[index], context, state[index])
+            for r0, r1, index, context in spans
         )
         meta = AttentionMetadata(
             positions=position_tensor,

@@ -41,6 +41,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # The slot of the cache's per-sequence state while it runs (engine/block_manager.py);
+        # None without one.
+        self.state_slot: int | None = None
         # Prefix caching (engine/block_manager.py): the chained hashes of the full blocks of
         # `token_ids` known so far, how many blocks of `block_table` are registered under theirs,
         # and the prompt tokens the first admission found cached (None until admitted).

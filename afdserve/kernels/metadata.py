@@ -18,6 +18,9 @@ class Segment:
     row_end: int
     block_table: torch.Tensor  # [max_blocks] int32/int64 on the cache device
     context_len: int
+    # The sequence's slot of the cache's per-sequence state (model/cache.py's SequenceSlots);
+    # -1 where the cache keeps none.
+    state_slot: int = -1
 
     @property
     def num_rows(self) -> int:
@@ -33,6 +36,8 @@ class BatchedSegments:
     block_tables: torch.Tensor  # [n, max_blocks] int32
     max_query_len: int
     max_context_len: int
+    # [n] int32, each segment's state slot (-1: none); None where no segment has one.
+    state_slots: torch.Tensor | None = None
 
 
 def batch_segments(segments: tuple[Segment, ...], device: torch.device) -> BatchedSegments:
@@ -48,7 +53,17 @@ def batch_segments(segments: tuple[Segment, ...], device: torch.device) -> Batch
         block_tables=tables,
         max_query_len=max((s.num_rows for s in segments), default=0),
         max_context_len=max((s.context_len for s in segments), default=0),
+        state_slots=_state_slots(segments, device),
     )
+
+
+def _state_slots(segments: tuple[Segment, ...], device: torch.device) -> torch.Tensor | None:
+    """The segments' state slots, or None where the cache keeps no state per sequence (no
+    copy to the device for the other families)."""
+    slots = [s.state_slot for s in segments]
+    if all(slot < 0 for slot in slots):
+        return None
+    return torch.tensor(slots, dtype=torch.int32).to(device)
 
 
 @dataclass(frozen=True)
@@ -73,7 +88,9 @@ class AttentionMetadata:
             if lo >= hi:
                 continue
             context = seg.context_len - (seg.row_end - hi)
-            segments.append(Segment(lo - start, hi - start, seg.block_table, context))
+            segments.append(
+                Segment(lo - start, hi - start, seg.block_table, context, seg.state_slot)
+            )
         segments = tuple(segments)
         batched = None
         if self.batched is not None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.reference import delta_rule as reference_delta_rule
 from afdserve.kernels.reference import fp4, fp8
 from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.reference.delta_rule import l2_normalize as l2_normalize
+from afdserve.kernels.reference.delta_rule import recurrent_step as recurrent_step
 from afdserve.kernels.reference.fp4 import FP4_BLOCK as FP4_BLOCK
 from afdserve.kernels.reference.fp4 import as_bytes as as_bytes
 from afdserve.kernels.reference.fp4 import e8m0_to_float as e8m0_to_float
@@ -376,3 +379,22 @@ def moe_experts_fp4(
         w2 = fp4.dequantize_fp4(*down, x.dtype)
         return reference.moe_experts_dense(x, topk_ids, topk_weights, w13, w2, limit, glu)
     return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit, glu)
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of the gated delta rule over state slots, in place
+    (kernels/reference/delta_rule.py's `step_slots`)."""
+    if _triton_ready(v) and states.is_contiguous():
+        from afdserve.kernels.triton import delta_rule as triton_delta_rule
+
+        return triton_delta_rule.step_slots(q, k, v, g, beta, states, slots, fresh)
+    return reference_delta_rule.step_slots(q, k, v, g, beta, states, slots, fresh)

@@ -1,12 +1,14 @@
 """The cache interface between a model family and the engine: the state a family's layers keep
-per sequence, in pages of the engine's blocks.
+per sequence, in pages of the engine's blocks or in one fixed-size slot per sequence.
 
-The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)).
-Each group of layers describes its pages with a `CacheSpec`; a model's specs form its
-`CacheLayout`, which the block manager, the memory budget, prefix caching, the FP8 check, the
-CUDA-graph policy and the model runner read. None of them asks which family it runs (vLLM v1's
-`KVCacheSpec` per layer group is the model of this seam). `PagedKV` is the plain paged cache of
-GQA keys and values or MLA's latent; DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py.
+The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)) and,
+where a layout holds `SequenceSlots` specs, one state slot. Each group of layers describes its
+state with a `CacheSpec`; a model's specs form its `CacheLayout`, which the block manager, the
+memory budget, prefix caching, the FP8 check, the CUDA-graph policy and the model runner read.
+None of them asks which family it runs (vLLM v1's `KVCacheSpec` per layer group is the model of
+this seam). `PagedKV` is the plain paged cache of GQA keys and values or MLA's latent;
+DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py; a linear-attention layer's
+recurrent state is a `SequenceSlots` spec (model/families/gated_deltanet/cache.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,34 @@ class CacheSpec(ABC):
         return None
 
 
+class SequenceSlots(CacheSpec):
+    """A group of layers whose state per sequence has a fixed size, whatever its length (a
+    linear-attention layer's recurrent state and convolution window): one slot per running
+    sequence, `[num_slots, ...]` per tensor, none per block. The engine gives a sequence its
+    slot with its first blocks and takes it back with them; a layer starts from an empty state
+    wherever a segment starts at position 0, so a slot needs no zeroing when it changes hands
+    (and a sequence preempted by recompute starts afresh)."""
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 0
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return 0
+
+    def allocate(self, num_blocks, block_size, dtype, device) -> list[Any]:
+        raise TypeError(f"{type(self).__name__} holds slots, not blocks: use allocate_slots")
+
+    @abstractmethod
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one layer of the group holds per sequence slot."""
+
+    @abstractmethod
+    def allocate_slots(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> list[Any]:
+        """One layer cache per layer of the group, over `num_slots` slots."""
+
+
 @dataclass(frozen=True)
 class PagedKV(CacheSpec):
     """Per layer `[num_blocks, block_size, heads, dim]`: keys and values (GQA), or one latent
@@ -101,6 +131,11 @@ class CacheLayout:
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return sum(len(s.layers) * s.bytes_per_block(block_size, dtype) for s in self.specs)
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes every layer holds per sequence slot (0: the layout needs no slots)."""
+        slotted = (s for s in self.specs if isinstance(s, SequenceSlots))
+        return sum(len(s.layers) * s.bytes_per_slot(dtype) for s in slotted)
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
@@ -142,19 +177,38 @@ class CacheLayout:
         parts = [
             f"{len(s.layers)} {s.kind} x {s.bytes_per_block(block_size, dtype)} B"
             for s in self.specs
+            if not isinstance(s, SequenceSlots)
         ]
-        return "per block: " + ", ".join(parts)
+        line = "per block: " + ", ".join(parts)
+        slots = [
+            f"{len(s.layers)} {s.kind} x {s.bytes_per_slot(dtype)} B"
+            for s in self.specs
+            if isinstance(s, SequenceSlots)
+        ]
+        return line + ("; per sequence: " + ", ".join(slots) if slots else "")
 
     def allocate(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_slots: int = 0,
     ) -> PagedCache:
+        """`num_slots`: sequence slots of the `SequenceSlots` specs (the engine's max_num_seqs);
+        required where the layout has such specs."""
+        if num_slots < 1 and self.bytes_per_slot(dtype):
+            raise ValueError(f"num_slots={num_slots}: this cache layout needs >= 1 state slot")
         layers: list[Any] = [None] * self.num_layers
         for spec in self.specs:
-            for i, cache in zip(
-                spec.layers, spec.allocate(num_blocks, block_size, dtype, device), strict=True
-            ):
+            if isinstance(spec, SequenceSlots):
+                caches = spec.allocate_slots(num_slots, dtype, device)
+            else:
+                caches = spec.allocate(num_blocks, block_size, dtype, device)
+            for i, cache in zip(spec.layers, caches, strict=True):
                 layers[i] = cache
-        return PagedCache(self, layers, num_blocks, block_size, dtype)
+        slots = num_slots if self.bytes_per_slot(dtype) else 0
+        return PagedCache(self, layers, num_blocks, block_size, dtype, slots)
 
 
 class PagedCache:
@@ -167,10 +221,15 @@ class PagedCache:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
+        num_slots: int = 0,
     ) -> None:
         self.layout, self.layers = layout, layers
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.bytes = layout.bytes_per_block(block_size, dtype) * num_blocks
+        self.num_slots = num_slots  # sequence slots (0: the layout keeps no state per sequence)
+        self.bytes = (
+            layout.bytes_per_block(block_size, dtype) * num_blocks
+            + layout.bytes_per_slot(dtype) * num_slots
+        )
         self.summary = layout.describe(block_size, dtype)
 
     def tensors(self) -> list[torch.Tensor]:

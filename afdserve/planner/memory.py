@@ -11,7 +11,7 @@ import torch
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype
 from afdserve.model.config import ModelConfig
-from afdserve.model.families import model_class
+from afdserve.model.families import cache_layout, model_class
 from afdserve.model.parts import ModelParts
 
 # Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):
@@ -26,6 +26,8 @@ class ModelBytes:
     ffn: int  # an FFN rank's half with every routed expert
     routed_experts: int  # of `ffn`, the routed experts' part (sharded by expert parallelism)
     kv_per_token: int
+    # A linear-attention layer's fixed state per sequence (model/cache.py's SequenceSlots).
+    state_per_sequence: int = 0
 
     def ffn_shard(self, shards: int) -> float:
         """An FFN rank of an expert-parallel group of `shards`: its experts, the rest replicated."""
@@ -54,12 +56,19 @@ def model_bytes(
     attention, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
     ffn, _ = _half_bytes(config, ModelParts(False, True), torch_dtype)
     kv = getattr(torch, kv_dtype) if kv_dtype else torch_dtype
-    return ModelBytes(colocated, attention, ffn, experts, bytes_per_block(config, 1, kv))
+    state = cache_layout(config).bytes_per_slot(kv)
+    return ModelBytes(colocated, attention, ffn, experts, bytes_per_block(config, 1, kv), state)
 
 
 def max_batch(
-    memory_bytes: float, utilization: float, weights: float, kv_per_token: int, context: int
+    memory_bytes: float,
+    utilization: float,
+    weights: float,
+    kv_per_token: int,
+    context: int,
+    state_per_sequence: int = 0,
 ) -> int:
-    """Sequences of `context` tokens whose KV fits beside `weights` (0 when none does)."""
+    """Sequences of `context` tokens whose KV (and fixed state) fits beside `weights` (0 when
+    none does)."""
     room = memory_bytes * utilization - weights - RESERVE_BYTES
-    return max(0, int(room // (kv_per_token * context)))
+    return max(0, int(room // (kv_per_token * context + state_per_sequence)))

@@ -139,12 +139,16 @@ def _rows_of(
     util, seq_tokens = spec.gpu_memory_utilization, spec.context_len + spec.output_len
     mean_context = spec.context_len + spec.output_len / 2
     if d.colocated:
-        fits = max_batch(memory, util, sizes.colocated, sizes.kv_per_token, seq_tokens)
+        fits = max_batch(
+            memory, util, sizes.colocated, sizes.kv_per_token, seq_tokens, sizes.state_per_sequence
+        )
     else:
         ffn = sizes.ffn_shard(d.ffn) if d.expert_parallel else sizes.ffn
         if max_batch(memory, util, ffn, sizes.kv_per_token, 1) < 1:
             return None  # the FFN half (or its shard) does not fit a GPU
-        fits = max_batch(memory, util, sizes.attention, sizes.kv_per_token, seq_tokens)
+        fits = max_batch(
+            memory, util, sizes.attention, sizes.kv_per_token, seq_tokens, sizes.state_per_sequence
+        )
     top = min(fits, spec.max_num_seqs)
     if top < max(1, d.ubatches):
         return None

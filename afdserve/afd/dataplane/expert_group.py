@@ -88,9 +88,8 @@ class ExpertGroup:
         self._note("reduce_scatter", where, partial)
         dist.reduce_scatter_single(mine, partial, group=self.process_group)
         y = mine[:rows]
-        if block.shared_experts is not None:
-            y = y + block.shared_experts(x)
-        return y
+        shared = block.shared(x)
+        return y if shared is None else y + shared
 
     def _note(self, collective: str, where: dict, *tensors: torch.Tensor) -> None:
         if self.wire.logging and not (

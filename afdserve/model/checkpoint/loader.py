@@ -81,6 +81,7 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     skipped_other_half: int = 0
+    skipped_by_name: int = 0  # tensors the family never reads (a vision tower, an MTP head)
     bytes: int = 0
 
 
@@ -166,6 +167,13 @@ def _target(name: str, family: str) -> tuple[str, int | None, str | None]:
     return prefix + stacked + (m.group(4) or ""), expert, proj
 
 
+def _our_name(model: CausalLM, name: str) -> str | None:
+    """A checkpoint tensor's name in `model`, or None for one the family skips by name: a family
+    whose checkpoints nest the model or carry tensors it never reads says so itself."""
+    rename = getattr(model, "checkpoint_name", None)
+    return name if rename is None else rename(name)
+
+
 @dataclass
 class _Targets:
     """The model tensors a load fills, and which (expert, part) pieces of each it has filled."""
@@ -246,7 +254,11 @@ def _load_tensor(
     """Copy checkpoint tensor `name` (of the open shard `f`) into its place in `model`, checked
     and, for online FP8, quantized; or count it as another half's, or as unexpected."""
     config = model.config
-    target, expert, part = _target(name, config.family)
+    ours = _our_name(model, name)
+    if ours is None:
+        report.skipped_by_name += 1
+        return
+    target, expert, part = _target(ours, config.family)
     if target not in targets.expected:
         if known_names is not None and target in known_names:
             report.skipped_other_half += 1

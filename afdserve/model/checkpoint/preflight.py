@@ -19,6 +19,7 @@ from afdserve.model.checkpoint.loader import (
     CheckpointError,
     _checkpoint_files,
     _missing,
+    _our_name,
     _target,
 )
 from afdserve.model.config import ModelConfig
@@ -44,7 +45,8 @@ def preflight(
 
 def _check_tensors(model_dir: Path, config: ModelConfig) -> None:
     with torch.device("meta"):
-        expected = dict(model_class(config)(config, ModelParts.colocated()).state_dict())
+        model = model_class(config)(config, ModelParts.colocated())
+    expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     if config.quantization is not None and config.quantization.online:
@@ -53,7 +55,10 @@ def _check_tensors(model_dir: Path, config: ModelConfig) -> None:
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, expert, part = _target(name, config.family)
+                ours = _our_name(model, name)
+                if ours is None:
+                    continue
+                target, expert, part = _target(ours, config.family)
                 if target not in filled:
                     continue
                 filled[target].add((expert, part))

@@ -12,11 +12,13 @@ from afdserve.model.config import ModelConfig, read_hf_config
 from afdserve.model.families.decoder.family import FAMILY as DECODER
 from afdserve.model.families.deepseek_v4.family import FAMILY as DEEPSEEK_V4
 from afdserve.model.families.dsa.family import FAMILY as DSA
+from afdserve.model.families.gated_deltanet.family import FAMILY as GATED_DELTANET
 from afdserve.model.families.gpt_oss.family import FAMILY as GPT_OSS
+from afdserve.model.families.kimi_linear.family import FAMILY as KIMI_LINEAR
 from afdserve.model.families.minimax_m2.family import FAMILY as MINIMAX_M2
 from afdserve.model.parts import Family
 
-REGISTERED = (DECODER, DEEPSEEK_V4, MINIMAX_M2, GPT_OSS, DSA)
+REGISTERED = (DECODER, DEEPSEEK_V4, MINIMAX_M2, GPT_OSS, DSA, GATED_DELTANET, KIMI_LINEAR)
 FAMILIES = tuple(t for family in REGISTERED for t in family.model_types)
 ARCHITECTURES = {a: t for family in REGISTERED for a, t in family.architectures.items()}
 

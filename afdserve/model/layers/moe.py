@@ -181,9 +181,13 @@ class MoEBlock(nn.Module):
         if routing is None:
             routing = self.gate(x, token_ids)
         y = self.experts(x, routing)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        shared = self.shared(x)
+        return y if shared is None else y + shared
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the shared experts add over rows x (None: there are none). A family whose shared
+        expert is gated (Qwen3-Next) overrides it; an expert-parallel group calls it too."""
+        return None if self.shared_experts is None else self.shared_experts(x)
 
 
 class DenseFFN(GatedMLP):

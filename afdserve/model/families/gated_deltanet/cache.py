@@ -1,0 +1,112 @@
+"""The Gated DeltaNet hybrids' cache: paged keys and values for the full-attention layers, and a
+state slot per sequence for the linear-attention layers (model/cache.py's `SequenceSlots`).
+
+A linear layer's state does not grow with the context: the delta rule's matrix per value head,
+[heads, key_dim, value_dim] float32 (the precision transformers' reference keeps it in), and the
+short convolution's last K - 1 inputs, [conv_dim, K - 1] in the cache dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.model.cache import CacheLayout, PagedKV, SequenceSlots
+from afdserve.model.config import ModelConfig
+from afdserve.model.families.gated_deltanet.config import FULL, LINEAR, GDNConfig
+
+PREFIX_REUSE_REFUSAL = (
+    "a linear-attention layer keeps one recurrent state per sequence, not per block, so a cached "
+    "block holds no state to resume from (snapshots at block boundaries are not implemented)"
+)
+FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
+FULL_GRAPH_REFUSAL = (
+    "its linear-attention layers run prefill chunks through the torch delta rule, which loops "
+    "over segments on the host; use graph_mode='full_decode_only' or 'none'"
+)
+
+
+@dataclass
+class LinearState:
+    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv],
+    views of buffers one slot longer (`conv_all`, `delta_all`): that last slot (`scratch`) is
+    where a batched decode step sends the writes of pad segments (slot -1), so they never land
+    in a sequence's state. It is never read as state; the cache's bytes count the slots only."""
+
+    conv_all: torch.Tensor
+    delta_all: torch.Tensor
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.conv_all[:-1]
+
+    @property
+    def delta(self) -> torch.Tensor:
+        return self.delta_all[:-1]
+
+    @property
+    def scratch(self) -> int:
+        return self.conv_all.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class DeltaNetState(SequenceSlots):
+    """The linear layers of a delta-rule family (Gated DeltaNet; Kimi Delta Attention too)."""
+
+    layers: tuple[int, ...]
+    conv_dim: int
+    conv_kernel: int
+    heads: int  # value heads
+    key_head_dim: int
+    value_head_dim: int
+    kind: str = "GDN"
+    fp8_refusal = FP8_REFUSAL
+    graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
+    # Decode steps run batched from the device segments on every device (deltanet.py), so the
+    # CPU runs what a decode graph captures.
+    batched_segments = True
+
+    def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.heads, self.key_head_dim, self.value_head_dim),
+        )
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv, delta = self._shapes()
+        return (
+            torch.Size(conv).numel() * dtype.itemsize
+            + torch.Size(delta).numel() * torch.float32.itemsize
+        )
+
+    def allocate_slots(self, num_slots, dtype, device) -> list[LinearState]:
+        conv, delta = self._shapes()
+        return [
+            LinearState(
+                torch.zeros(num_slots + 1, *conv, dtype=dtype, device=device),
+                torch.zeros(num_slots + 1, *delta, dtype=torch.float32, device=device),
+            )
+            for _ in self.layers
+        ]
+
+    @staticmethod
+    def tensors(layer_cache: LinearState):
+        yield from (layer_cache.conv, layer_cache.delta)
+
+    def prefix_reuse_refusal(self, block_size: int) -> str | None:
+        return PREFIX_REUSE_REFUSAL
+
+
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    gdn: GDNConfig = config.family_config
+    full = PagedKV(gdn.layers_of(FULL), config.num_kv_heads, config.head_dim)
+    state = DeltaNetState(
+        gdn.layers_of(LINEAR),
+        gdn.conv_dim,
+        gdn.conv_kernel,
+        gdn.num_value_heads,
+        gdn.key_head_dim,
+        gdn.value_head_dim,
+    )
+    return CacheLayout(tuple(s for s in (full, state) if s.layers), config.num_layers)

@@ -1,0 +1,131 @@
+"""Qwen3-Next, Qwen3.5-MoE and Kimi-Linear on one GPU (the delta rule in torch; attention,
+rotary and the experts on their Triton paths): float32 greedy tokens equal the CPU engine's
+(which tests/model/test_gated_deltanet.py holds equal to transformers), colocated and in-process
+1A1F alike, over a batch with chunked prefill beside decodes; full_decode_only captures the
+batched decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens;
+`full` is refused by name; `auto` captures decode steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams
+from afdserve.kernels import ops
+from afdserve.kernels.reference import delta_rule as reference
+from afdserve.model.fixtures.tiny import make_tiny_model
+from tests.gpu.test_graphs import _check
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = [[(7 * i + 3) % 250 for i in range(45)], [5, 6, 7], [42] * 9, [9], list(range(60, 80))]
+
+
+@pytest.fixture(scope="module")
+def gdn_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("gdn-gpu")
+    return {
+        (t, dtype): make_tiny_model(root / f"{t}-{dtype}", t, seed=2, dtype=dtype)
+        for t in ("qwen3_next", "qwen3_5_moe", "kimi_linear")
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def tokens(model: Path, dtype: str, device: str, **kwargs) -> list[list[int]]:
+    kwargs.setdefault("graph_mode", "none")
+    with LLM(
+        str(model),
+        dtype=dtype,
+        device=device,
+        max_num_batched_tokens=16,
+        use_tqdm_on_load=False,
+        **kwargs,
+    ) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe", "kimi_linear"])
+@pytest.mark.parametrize("ubatches", [1, 2])
+def test_cuda_equals_cpu_colocated_and_in_process(gdn_dirs, model_type, ubatches):
+    model = gdn_dirs[(model_type, "float32")]
+    colocated = tokens(model, "float32", "cuda")
+    split = tokens(
+        model, "float32", "cuda", topology="1A1F", connector="inprocess", ubatches=ubatches
+    )
+    assert split == colocated == tokens(model, "float32", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "dtype", "topology"),
+    [
+        ("qwen3_next", "float32", "colocated"),
+        ("qwen3_5_moe", "float32", "1A1F"),
+        ("qwen3_next", "bfloat16", "colocated"),
+        ("kimi_linear", "float32", "1A1F"),
+        ("kimi_linear", "bfloat16", "colocated"),
+    ],
+)
+def test_full_decode_only_graphs_give_the_eager_tokens(gdn_dirs, model_type, dtype, topology):
+    model = gdn_dirs[(model_type, dtype)]
+    want = tokens(model, dtype, "cuda")
+    split = {} if topology == "colocated" else dict(topology=topology, connector="inprocess")
+    with LLM(
+        str(model),
+        dtype=dtype,
+        device="cuda",
+        max_num_batched_tokens=16,
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        log_step_plan=True,
+        use_tqdm_on_load=False,
+        **split,
+    ) as llm:
+        assert llm.engine.core_client.driver.forward.graphs is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        records = [r for r in llm.step_log() if r["role"] == "attention"]
+    modes = {r["mode"] for r in records}
+    assert {"capture", "replay", "eager"} <= modes, modes
+    assert any(r["mode"] == "replay" and r["padded_rows"] > r["real_rows"] for r in records)
+    if dtype == "float32":
+        assert got == want
+    else:
+        with LLM(str(model), dtype=dtype, device="cuda", graph_mode="none") as eager:
+            _check(eager, PROMPTS, got, want)
+
+
+def test_full_graph_mode_is_refused_on_cuda(gdn_dirs):
+    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family"):
+        LLM(str(gdn_dirs[("qwen3_next", "bfloat16")]), device="cuda", graph_mode="full")
+
+
+def test_auto_captures_decode_steps(gdn_dirs):
+    with LLM(str(gdn_dirs[("qwen3_next", "bfloat16")]), dtype="bfloat16", device="cuda") as llm:
+        assert llm.graph_config.mode == "full_decode_only"
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
+    """Qwen3-Next's linear-layer shape (16 key heads, 32 value heads, 128 x 128) and Kimi's
+    per-channel decay: the Triton step against the torch one, pad rows in the scratch slot."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, hk, hv, d = 64, 16, 32, 128
+    q, k = (torch.randn(b, hk, d, device="cuda", generator=gen) for _ in range(2))
+    v = torch.randn(b, hv, d, device="cuda", generator=gen)
+    shape = (b, hv, d) if per_channel else (b, hv)
+    g = -torch.rand(shape, device="cuda", generator=gen)
+    beta = torch.rand(b, hv, device="cuda", generator=gen)
+    states = torch.randn(b + 1, hv, d, d, device="cuda", generator=gen)
+    slots = torch.randperm(b, device="cuda", generator=gen)
+    slots[-4:] = b  # pad rows
+    fresh = torch.rand(b, device="cuda", generator=gen) < 0.2
+    want_states, got_states = states.clone(), states.clone()
+    real = slice(0, b - 4)
+    want = reference.step_slots(
+        q[real], k[real], v[real], g[real], beta[real], want_states, slots[real], fresh[real]
+    )
+    got = ops.delta_rule_step(q, k, v, g, beta, got_states, slots, fresh)
+    torch.testing.assert_close(got[real], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_states[:b], want_states[:b], atol=1e-4, rtol=1e-4)
