@@ -146,6 +146,30 @@ def paged_attention(
     return reference.paged_attention(*args)
 
 
+def hyper_connection(
+    h: torch.Tensor,
+    update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    iters: int,
+    eps: tuple[float, float, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V4's mHC site (update (y, post, comb): the streams' update after the previous
+    block first; eps: mHC's, its norm's, the block norm's) as two fused launches on CUDA ->
+    (streams, normalised collapse, post, comb), or None where the fast path does not apply and
+    the caller keeps its torch form (model/families/deepseek_v4/mhc.py, the reference)."""
+    if not _triton_ready(h):
+        return None
+    from afdserve.kernels.triton import mhc as triton_mhc
+
+    y, post, comb = update if update is not None else (None, None, None)
+    if not triton_mhc.supports(h, y, post, comb, fn):
+        return None
+    return triton_mhc.hyper_connection(h, y, post, comb, fn, base, scale, norm_weight, iters, *eps)
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,
