@@ -170,6 +170,33 @@ def hyper_connection(
     return triton_mhc.hyper_connection(h, y, post, comb, fn, base, scale, norm_weight, iters, *eps)
 
 
+def v4_sparse_attention(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    window: tuple[torch.Tensor, torch.Tensor],
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    rate: int,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
+    the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
+    each row sees) -> [rows, heads, dim], or None where the fast path does not apply and the
+    caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
+    window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
+    rows: (positions, chunk starts, real)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import v4_attention as triton_v4_attention
+
+    if not triton_v4_attention.supports(q, own, window[0]):
+        return None
+    if entries is not None and not triton_v4_attention.supports(q, entries[0], entries[1]):
+        return None
+    return triton_v4_attention.sparse_attention(q, own, *window, entries, rate, *rows, sinks, scale)
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -9,8 +9,10 @@ reads position q from its own chunk when q >= start (`StepRows.chunk_or`), else 
 `LayerPages.write` would leave there, after every read of that page; a sequence writes only its
 own blocks (V4 shares none: no prefix caching), so segment order does not matter. Pad rows write
 to the pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
-NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap
-for decode and short chunks; a long prefill of a long context wants them per segment.
+On CUDA the attention itself (window, selected entries, sinks) is one launch reading the pages
+(`_attend`, ops.v4_sparse_attention). NOTE: elsewhere each row gathers its own compressed keys,
+[rows, ceil(W B / m), dim] per compressor, and the indexer does everywhere: cheap for decode and
+short chunks; a long prefill of a long context wants them per segment.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.families.deepseek_v4.attention import Compressor, RopeTable, V4Attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
@@ -89,19 +92,60 @@ def step_attention(
     cos_sin = rope.at(p)
     q_residual, q, kv = attn.project(x, cos_sin)
     back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    cached = pages.take("window", pages.batch_rows("window", rows.tables, back))
-    keys = rows.chunk_or(kv, back, cached)
-    allowed = (back >= 0) & real[:, None]
+    window_rows = pages.batch_rows("window", rows.tables, back)
+    selected = None
+    if attn.compressor is not None:
+        selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
+    out = _attend(attn, pages, q, kv, rows, window_rows, selected)
+    # After every read of the ring: row p's slot may still hold a position the window needs.
     last = real & (p >= rows.end - (attn.window - 1))
     pages.store(
         "window", pages.batch_rows("window", rows.tables, p[:, None]), kv[:, None], last[:, None]
     )
-    if attn.compressor is not None:
-        entries, seen = _compressed(attn, pages, x, q_residual, rows, compress_rope)
-        keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
-        allowed = torch.cat((allowed, seen), dim=1)
-    y = attn.finish(attn.attend_batched(q, keys, allowed), cos_sin)
+    y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
+
+
+def _attend(
+    attn: V4Attention,
+    pages: LayerPages,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: StepRows,
+    window_rows: torch.Tensor,
+    selected: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """q [rows, heads, dim] over each row's window (positions p - window + 1 .. p, masked where
+    negative; the chunk's own `kv` rows, the page's `window_rows` before the chunk) and its
+    `selected` compressed entries ((indices [rows, n], the chunk's pooled `new` [rows, dim]),
+    masked unless closed at or before p) -> [rows, heads, dim]: one fused launch on CUDA
+    (ops.v4_sparse_attention), the torch form below elsewhere."""
+    p, comp = rows.positions, attn.compressor
+    entries = None
+    if selected is not None:
+        read, new = selected
+        entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
+        entries = (new, pages.flat["entries"], entry_rows, read)
+    fused = ops.v4_sparse_attention(
+        q,
+        kv,
+        (pages.flat["window"], window_rows),
+        entries,
+        comp.rate if comp is not None else 0,
+        (p, rows.start, rows.real),
+        attn.sinks,
+        attn.scale,
+    )
+    if fused is not None:
+        return fused
+    back = p[:, None] - torch.arange(attn.window, device=p.device)
+    keys = rows.chunk_or(kv, back, pages.take("window", window_rows))
+    allowed = (back >= 0) & rows.real[:, None]
+    if entries is not None:
+        stored = pages.take("entries", entry_rows)
+        keys = torch.cat((keys, rows.chunk_or(new, (read + 1) * comp.rate - 1, stored)), dim=1)
+        allowed = torch.cat((allowed, read < ((p + 1) // comp.rate)[:, None]), dim=1)
+    return attn.attend_batched(q, keys, allowed)
 
 
 def _compressed(
@@ -112,26 +156,25 @@ def _compressed(
     rows: StepRows,
     rope: RopeTable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed keys [rows, n, head_dim] each row attends to and their mask [rows, n]: HCA
-    every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them.
-    Entries at or past the (p + 1) // m closed ones are masked. CSA: the indexer scores every
-    padded entry, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
-    keeps the first index_topk: visible entries come first, so a top-k beyond the visible count
-    keeps all of them and masks the rest, as the per-sequence path."""
+    """The compressed entries each row attends to, (indices [rows, n], the entry each row pooled
+    [rows, dim], which `_attend` reads for entries closed inside the chunk): HCA every entry the
+    table can address (n = ceil(W B / m)), CSA the indexer's top-k of them. Entries at or past
+    the (p + 1) // m closed ones are masked there. CSA: the indexer scores every padded entry,
+    invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort) keeps the
+    first index_topk: visible entries come first, so a top-k beyond the visible count keeps all
+    of them and masks the rest, as the per-sequence path."""
     comp = attn.compressor
     count = -(-rows.tables.shape[1] * pages.geometry.block_size // comp.rate)
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
-    closed = ((rows.positions + 1) // comp.rate)[:, None]
     if comp.indexer is None:
-        new = _compress(comp, pages, "", x, rows, rope)
-        return _entries_at(pages, "", rows, new, every), every < closed
+        return every, _compress(comp, pages, "", x, rows, rope)
+    closed = ((rows.positions + 1) // comp.rate)[:, None]
     indexer = comp.indexer
     index_new = _compress(indexer, pages, "index_", x, rows, rope)
     index_keys = _entries_at(pages, "index_", rows, index_new, every)
     scores = indexer.score_keys(x, q_residual, rows.positions, rope, index_keys)
     top = indexer.ranked(scores.masked_fill(every >= closed, float("-inf")))
-    new = _compress(comp, pages, "", x, rows, rope)
-    return _entries_at(pages, "", rows, new, top), top < closed
+    return top, _compress(comp, pages, "", x, rows, rope)
 
 
 def _entries_at(
