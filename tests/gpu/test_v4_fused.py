@@ -1,0 +1,297 @@
+"""DeepSeek-V4's fused CUDA paths (kernels/triton/mhc.py, kernels/triton/v4_attention.py) against
+the torch path they replace: each kernel on CUDA at the tiny shapes and at V4-Flash's (hc_mult 4,
+hidden 4096; 64 heads of 512, window 128, CSA rate 4 with top-512, HCA rate 128), rows 1, odd and
+64, in float32 and bf16, eagerly and replayed from a CUDA graph; and the tiny V4's logits through
+the engine's layer loop (a prefill step, then decode steps with pad rows) on CUDA, fused, against
+the same loop on CPU (the torch path), float32, eagerly and from a captured decode step."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from afdserve.engine.kv_cache import make_kv_cache
+from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.triton import mhc as triton_mhc
+from afdserve.kernels.triton import v4_attention as triton_v4_attention
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.deepseek_v4 import batched
+from afdserve.model.families.deepseek_v4.mhc import HyperConnection, expand, v4_rms_norm
+from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+from afdserve.model.parts import ModelParts
+from tests.model.test_deepseek_v4_batched import forward
+
+pytestmark = pytest.mark.gpu
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+SLIDING = "sliding_attention"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# V4-Flash's attention shapes on a model of hidden 64 (dummy weights: only the attention's
+# shapes, sinks and scale matter here).
+FLASH_ATTENTION = dict(
+    hidden_size=64,
+    num_attention_heads=64,
+    head_dim=512,
+    partial_rotary_factor=0.125,
+    q_lora_rank=16,
+    o_groups=8,
+    o_lora_rank=8,
+    index_head_dim=128,
+    index_topk=512,
+    sliding_window=128,
+    compress_rates={CSA: 4, HCA: 128},
+    max_position_embeddings=16384,
+    layer_types=[SLIDING, CSA, HCA, CSA],
+)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def mhc_inputs(rows, n, hidden, dtype, update, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hc = HyperConnection(hidden, n, 20, 1e-6, 1e-6)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=gen) * (n * hidden) ** -0.5)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=gen) * 0.5)
+        hc.scale.copy_(torch.rand(3, generator=gen) + 0.5)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    h = torch.randn(rows, n, hidden, generator=gen).to(dtype)
+    step = None
+    if update:
+        y = torch.randn(rows, hidden, generator=gen).to(dtype)
+        step = (y, torch.rand(rows, n, generator=gen) * 2, torch.rand(rows, n, n, generator=gen))
+    moved = None if step is None else tuple(t.cuda() for t in step)
+    return hc.cuda(), weight.cuda(), h.cuda(), moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "n", "hidden"), [(1, 4, 4096), (7, 4, 4096), (64, 4, 4096), (3, 2, 32), (5, 3, 200)]
+)
+@pytest.mark.parametrize("update", [False, True])
+@torch.inference_mode()
+def test_mhc_site_equals_the_torch_path(rows, n, hidden, dtype, update):
+    hc, weight, h, step = mhc_inputs(rows, n, hidden, dtype, update, rows + n)
+    eps = (hc.hc_eps, hc.norm_eps, 1e-6)
+    got = ops.hyper_connection(h, step, hc.fn, hc.base, hc.scale, weight, hc.iters, eps)
+    assert got is not None  # the fused path applies
+    streams = h if step is None else expand(h, *step)
+    collapsed, post, comb = hc(streams)
+    want = (streams, v4_rms_norm(collapsed, weight, 1e-6), post, comb)
+    for name, g, w in zip(("streams", "x", "post", "comb"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert relative(g, w) < TOL[dtype], (name, relative(g, w))
+    # Replayed from a graph, with new inputs copied into the captured ones: the eager values.
+    args = (hc.fn, hc.base, hc.scale, weight, hc.iters, *eps)
+    y, p, c = step if step is not None else (None, None, None)
+    triton_mhc.hyper_connection(h, y, p, c, *args)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_mhc.hyper_connection(h, y, p, c, *args)
+    _, _, fresh_h, fresh_step = mhc_inputs(rows, n, hidden, dtype, update, rows + n + 1)
+    h.copy_(fresh_h)
+    for buffer, value in zip(step or (), fresh_step or (), strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    eager = triton_mhc.hyper_connection(h, y, p, c, *args)
+    for g, w in zip(captured, eager, strict=True):
+        assert torch.equal(g, w)
+
+
+def attention_model(root: Path, name: str, **overrides):
+    path = make_tiny_v4(root / name, seed=3, **overrides)
+    return load_model(path, ModelParts.colocated(), "float32", "cuda", load_format="dummy")[0]
+
+
+@pytest.fixture(scope="module")
+def attention_models(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("v4-fused")
+    return {
+        "tiny": attention_model(root, "tiny", layer_types=[SLIDING, CSA, HCA, CSA]),
+        "flash": attention_model(root, "flash", **FLASH_ATTENTION),
+    }
+
+
+def step_rows(chunks, width, pad, gen) -> batched.StepRows:
+    """(start, rows) per sequence -> StepRows on CUDA, `pad` pad rows appended."""
+    positions, tables, real, start, end = [], [], [], [], []
+    perm = torch.randperm(len(chunks) * width + 2, generator=gen)
+    for i, (first, count) in enumerate(chunks):
+        for q in range(first, first + count):
+            positions.append(q)
+            tables.append(perm[i * width : (i + 1) * width])
+            real.append(True)
+            start.append(first)
+            end.append(first + count)
+    for _ in range(pad):
+        positions.append(0)
+        tables.append(perm[:width])
+        real.append(False)
+        start.append(0)
+        end.append(0)
+    values = (positions, torch.stack(tables), real, start, end)
+    return batched.StepRows(*(torch.as_tensor(v).cuda() for v in values))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(8000, 1)], 0), ([(0, 1), (3, 1), (130, 1), (511, 1), (4095, 1), (8191, 1), (77, 1)], 1),
+     ([(0, 40), (300, 1), (200, 150)], 2)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, chunks, pad):
+    model = attention_models[shape]
+    gen = torch.Generator().manual_seed(len(chunks))
+    fill = torch.Generator(device="cuda").manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    cache = make_kv_cache(model.config, len(chunks) * width + 2, block_size, dtype, "cuda")
+    for layer in range(3):  # sliding, CSA, HCA
+        attn, pages = model.model.layers[layer].self_attn, cache.layers[layer]
+        for name in ("window", "entries"):
+            if name in pages.flat:
+                flat = pages.flat[name]
+                flat.copy_(torch.randn(flat.shape, generator=fill, device="cuda"))
+        n, heads, dim = rows.positions.shape[0], attn.heads, attn.dim
+        q = torch.randn(n, heads, dim, generator=gen).to(dtype).cuda()
+        kv = torch.randn(n, dim, generator=gen).to(dtype).cuda()
+        back = rows.positions[:, None] - torch.arange(attn.window, device="cuda")
+        window_rows = pages.batch_rows("window", rows.tables, back)
+        entries, rate = None, 0
+        if attn.compressor is not None:
+            rate = attn.compressor.rate
+            count = -(-width * block_size // rate)
+            if attn.kind == HCA:
+                read = torch.arange(count).expand(n, count)
+            else:
+                k = min(attn.compressor.indexer.topk, count)
+                read = torch.stack([torch.randperm(count, generator=gen)[:k] for _ in range(n)])
+            read = read.cuda()
+            new = torch.randn(n, dim, generator=gen).to(dtype).cuda()
+            entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
+            entries = (new, pages.flat["entries"], entry_rows, read)
+        call = (q, kv, pages.flat["window"], window_rows, entries, rate)
+        call += (rows.positions, rows.start, rows.real, attn.sinks, attn.scale)
+        got = triton_v4_attention.sparse_attention(*call)
+        # The torch form of `_attend` (ops.v4_sparse_attention would take the kernel on CUDA).
+        keys = rows.chunk_or(kv, back, pages.take("window", window_rows))
+        allowed = (back >= 0) & rows.real[:, None]
+        if entries is not None:
+            at = (read + 1) * rate - 1
+            keys = torch.cat((keys, rows.chunk_or(new, at, pages.take("entries", entry_rows))), 1)
+            closed = ((rows.positions + 1) // rate)[:, None]
+            allowed = torch.cat((allowed, read < closed), dim=1)
+        want = attn.attend_batched(q, keys, allowed)
+        real = rows.real
+        assert got.dtype == dtype and bool(torch.isfinite(got).all())
+        assert bool((got[~real] == 0).all())
+        assert relative(got[real], want[real]) < TOL[dtype], (attn.kind, relative(got, want))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = triton_v4_attention.sparse_attention(*call)
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        graph.replay()
+        assert torch.equal(captured, triton_v4_attention.sparse_attention(*call))
+
+
+def engine_steps(model, device: str) -> list[torch.Tensor]:
+    """The engine's layer loop (tests/model/test_deepseek_v4_batched.forward) over a prefill step
+    of four sequences, then three decode steps of them with two pad rows -> logits per step;
+    the same ids whatever the device."""
+    block_size, lengths = 4, (1, 5, 9, 14)
+    gen = torch.Generator().manual_seed(4)
+    tables = torch.randperm(4 * 8, generator=gen).view(4, 8).to(device)
+    cache = make_kv_cache(model.config, 4 * 8, block_size, torch.float32, device)
+    logits, row, segments = [], 0, []
+    for i, n in enumerate(lengths):
+        segments.append(Segment(row, row + n, tables[i], n))
+        row += n
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    ids = torch.randint(0, 256, (row,), generator=gen)
+    for step in range(4):
+        meta = AttentionMetadata(
+            positions.to(device),
+            torch.zeros(positions.shape[0], dtype=torch.int64, device=device),
+            tuple(segments),
+            batch_segments(tuple(segments), torch.device(device)),
+        )
+        logits.append(forward(model, cache, ids.to(device), meta).cpu())
+        context = [n + step + 1 for n in lengths]
+        segments = [Segment(i, i + 1, tables[i], c + 1) for i, c in enumerate(context)]
+        positions = torch.tensor(context + [0, 0])
+        ids = torch.randint(0, 256, (6,), generator=gen)
+    return logits
+
+
+@torch.inference_mode()
+def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch):
+    path = make_tiny_v4(tmp_path / "tiny", seed=2)
+    cpu = load_model(path, ModelParts.colocated(), "float32")[0]
+    cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
+    calls = {"mhc": 0, "attention": 0}
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(triton_mhc, "hyper_connection", counted("mhc", triton_mhc.hyper_connection))
+    monkeypatch.setattr(
+        triton_v4_attention,
+        "sparse_attention",
+        counted("attention", triton_v4_attention.sparse_attention),
+    )
+    want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
+    layers = cuda.config.num_layers
+    assert calls == {"mhc": 2 * layers * 4, "attention": layers * 4}  # every site, every step
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4 * float(w.abs().max()), rtol=0.0, msg=str(step))
+        real = slice(0, 4) if step else slice(None)
+        assert g[real].argmax(-1).tolist() == w[real].argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def test_tiny_v4_decode_step_replays_from_a_graph(tmp_path):
+    """A decode step captured whole (both mHC sites and the attention of every layer, the pages
+    written inside) replays to the eager step's logits from the same cache state."""
+    path = make_tiny_v4(tmp_path / "tiny", seed=2)
+    model = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
+    gen = torch.Generator().manual_seed(5)
+    tables = torch.randperm(4 * 8, generator=gen).view(4, 8).cuda()
+    cache = make_kv_cache(model.config, 4 * 8, 4, torch.float32, "cuda")
+    lengths = (3, 6, 11, 17)
+    for i, n in enumerate(lengths):  # each prompt alone
+        meta = AttentionMetadata(
+            torch.arange(n).cuda(),
+            torch.zeros(n, dtype=torch.int64).cuda(),
+            (Segment(0, n, tables[i], n),),
+            batch_segments((Segment(0, n, tables[i], n),), torch.device("cuda")),
+        )
+        forward(model, cache, torch.randint(0, 256, (n,), generator=gen).cuda(), meta)
+    segments = tuple(Segment(i, i + 1, tables[i], n + 1) for i, n in enumerate(lengths))
+    meta = AttentionMetadata(
+        torch.tensor(lengths + (0,)).cuda(),
+        torch.zeros(5, dtype=torch.int64).cuda(),
+        segments,
+        batch_segments(segments, torch.device("cuda")),
+    )
+    ids = torch.randint(0, 256, (5,), generator=gen).cuda()
+    warm, graph_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    forward(model, warm, ids, meta)  # compiles every kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(model, graph_cache, ids, meta)
+    want = forward(model, cache, ids, meta)
+    graph.replay()
+    torch.testing.assert_close(captured[:4], want[:4], atol=1e-5, rtol=0.0)
