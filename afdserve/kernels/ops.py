@@ -197,6 +197,49 @@ def v4_sparse_attention(
     return triton_v4_attention.sparse_attention(q, own, *window, entries, rate, *rows, sinks, scale)
 
 
+def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_dim: int) -> bool:
+    """Whether `v4_compress_decode` runs for these projections and pages."""
+    if not _triton_ready(kv):
+        return False
+    from afdserve.kernels.triton import v4_compress as triton_v4_compress
+
+    return triton_v4_compress.supports(kv, open_kv, dim, rope_dim)
+
+
+def v4_compress_decode(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    pages: dict[str, torch.Tensor],
+    rows: dict[str, torch.Tensor],
+    position_bias: torch.Tensor,
+    norm: tuple[torch.Tensor, float],
+    rope: tuple[torch.Tensor, float],
+    positions: torch.Tensor,
+    real: torch.Tensor,
+    rate: int,
+    dim: int,
+) -> torch.Tensor:
+    """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
+    `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
+    the pages written; rope: (inv_freq, scaling) of the entries' rotary. The torch form is
+    model/families/deepseek_v4/batched.py's `_compress`."""
+    from afdserve.kernels.triton import v4_compress as triton_v4_compress
+
+    return triton_v4_compress.compress_decode(
+        kv,
+        gate,
+        pages,
+        rows,
+        position_bias,
+        norm,
+        rope,
+        positions,
+        real,
+        rate,
+        dim,
+    )
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

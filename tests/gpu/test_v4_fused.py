@@ -1,4 +1,4 @@
-"""DeepSeek-V4's fused CUDA paths (kernels/triton/mhc.py, kernels/triton/v4_attention.py) against
+"""DeepSeek-V4's fused CUDA paths (kernels/triton/mhc.py, v4_attention.py, v4_compress.py) against
 the torch path they replace: each kernel on CUDA at the tiny shapes and at V4-Flash's (hc_mult 4,
 hidden 4096; 64 heads of 512, window 128, CSA rate 4 with top-512, HCA rate 128), rows 1, odd and
 64, in float32 and bf16, eagerly and replayed from a CUDA graph; and the tiny V4's logits through
@@ -8,6 +8,7 @@ the same loop on CPU (the torch path), float32, eagerly and from a captured deco
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.triton import mhc as triton_mhc
 from afdserve.kernels.triton import v4_attention as triton_v4_attention
+from afdserve.kernels.triton import v4_compress as triton_v4_compress
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.mhc import HyperConnection, expand, v4_rms_norm
@@ -203,6 +205,54 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
         assert torch.equal(captured, triton_v4_attention.sparse_attention(*call))
 
 
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 7, 64])
+@torch.inference_mode()
+def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
+    """Each compressor (CSA's, its indexer's, HCA's) over a decode ubatch of `count` rows at
+    positions that open, continue and close windows, two pad rows: the entries of the closing
+    rows and every page after the step (but the scratch row) as `_compress`'s torch form."""
+    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
+    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
+    model = load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
+    gen = torch.Generator().manual_seed(count)
+    block_size, width = 64, 40
+    positions = torch.randint(0, width * block_size - 1, (count,), generator=gen)
+    positions[: min(count, 3)] = torch.tensor([3, 0, 127])[: min(count, 3)]
+    rows = step_rows([(int(p), 1) for p in positions], width, 2, gen)
+    rows = dataclasses.replace(rows, decode=True)
+    rope = model.ropes("cuda")["compress"]
+    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
+        comp = model.model.layers[layer].self_attn.compressor
+        comp = comp.indexer if prefix else comp
+        blocks = count * width + 2
+        torch_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
+        fused_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
+        graph_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
+        for name, flat in torch_pages.flat.items():
+            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
+            fused_pages.flat[name].copy_(flat)
+            graph_pages.flat[name].copy_(flat)
+        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
+        x = x.to(dtype).cuda()
+        torch_rows = dataclasses.replace(rows, decode=False)  # the torch form, on CUDA too
+        want = batched._compress(comp, torch_pages, prefix, x, torch_rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
+        if bool(closes.any()):
+            assert relative(got[closes], want[closes]) < TOL[dtype], (layer, prefix)
+        for name, flat in torch_pages.flat.items():
+            assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
+            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
+        graph.replay()
+        assert torch.equal(captured[closes], got[closes])
+        for name, flat in fused_pages.flat.items():
+            assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
+
+
 def engine_steps(model, device: str) -> list[torch.Tensor]:
     """The engine's layer loop (tests/model/test_deepseek_v4_batched.forward) over a prefill step
     of four sequences, then three decode steps of them with two pad rows -> logits per step;
@@ -237,7 +287,7 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
     cpu = load_model(path, ModelParts.colocated(), "float32")[0]
     cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
-    calls = {"mhc": 0, "attention": 0}
+    calls = {"mhc": 0, "attention": 0, "compress": 0}
 
     def counted(name, fn):
         def wrapped(*args, **kwargs):
@@ -252,9 +302,15 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
         "sparse_attention",
         counted("attention", triton_v4_attention.sparse_attention),
     )
+    monkeypatch.setattr(
+        triton_v4_compress,
+        "compress_decode",
+        counted("compress", triton_v4_compress.compress_decode),
+    )
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
     layers = cuda.config.num_layers
-    assert calls == {"mhc": 2 * layers * 4, "attention": layers * 4}  # every site, every step
+    # Every mHC site and attention of 4 steps; the compressors (CSA 2, HCA 1) of 3 decode steps.
+    assert calls == {"mhc": 2 * layers * 4, "attention": layers * 4, "compress": 5 * 3}
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4 * float(w.abs().max()), rtol=0.0, msg=str(step))
         real = slice(0, 4) if step else slice(None)

@@ -37,6 +37,7 @@ class StepRows:
     real: torch.Tensor  # [rows] bool: in a segment of context > 0
     start: torch.Tensor  # [rows] int64: the first position of the row's chunk
     end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
+    decode: bool = False  # every segment one row (known on the host: what a graph captures)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StepRows | None:
@@ -58,6 +59,7 @@ class StepRows:
             context > 0,
             context - count,
             context,
+            batched.max_query_len <= 1,
         )
 
     def chunk_or(
@@ -205,6 +207,11 @@ def _compress(
     by the row closing the chunk's last window."""
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
+    rope_dim = 2 * rope.inv_freq.shape[0]
+    if rows.decode and ops.fuses_v4_compress(
+        kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim
+    ):
+        return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
     w = p // m
     closes = rows.real & ((p + 1) % m == 0)
     slots = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
@@ -246,3 +253,42 @@ def _compress(
         closes[:, None],
     )
     return new
+
+
+def _compress_decode(
+    comp: Compressor,
+    pages: LayerPages,
+    prefix: str,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+) -> torch.Tensor:
+    """`_compress` of a decode ubatch (each row alone in its chunk) as one launch
+    (ops.v4_compress_decode) over the page rows LayerPages addresses -> [rows, dim]."""
+    m, p, tables = comp.rate, rows.positions, rows.tables
+    slots = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
+    names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
+    flat = {name: pages.flat[prefix + name] for name in names}
+    entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
+    addresses = {
+        "window": pages.batch_rows(f"{prefix}open_kv", tables, slots),
+        "own": pages.batch_rows(f"{prefix}open_kv", tables, p[:, None])[:, 0],
+        "entry": pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0],
+    }
+    if comp.overlap:
+        addresses["previous"] = pages.batch_rows(f"{prefix}prev_kv", tables, slots - m)
+    norm = (comp.kv_norm.weight, comp.kv_norm.eps)
+    return ops.v4_compress_decode(
+        kv,
+        gate,
+        flat,
+        addresses,
+        comp.position_bias,
+        norm,
+        (rope.inv_freq, rope.scaling),
+        p,
+        rows.real,
+        m,
+        comp.dim,
+    )
