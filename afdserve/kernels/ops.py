@@ -240,6 +240,28 @@ def v4_compress_decode(
     )
 
 
+def v4_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    entry_rows: torch.Tensor,
+    rate: int,
+    positions: torch.Tensor,
+    start: torch.Tensor,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's lightning indexer scores of a ubatch [rows, count] float32, its keys read
+    from the page in one launch on CUDA (kernels/triton/v4_indexer.py says which), or None where
+    the fast path does not apply and the caller keeps its torch form (batched.py's)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
+
+    if not triton_v4_indexer.supports(q, new, page):
+        return None
+    return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

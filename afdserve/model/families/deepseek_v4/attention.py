@@ -207,12 +207,22 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """score [rows, entries] of keys [entries, dim] (every row the same) or [rows, entries,
         dim] (each row its own), unmasked."""
+        return self.score(*self.queries(x, q_residual, positions, rope), keys)
+
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: RopeTable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the rotated query heads q [rows, heads, dim], their weights w [rows, heads] float32,
+        the head scale folded in)."""
         rows = x.shape[0]
         q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
         q = rope_tail(q, *rope.at(positions))
+        return q, self.weights_proj(x).float() * self.heads**-0.5
+
+    def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h relu(q_h . k) / sqrt(dim) for keys as `score_keys` takes them."""
         spec = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
         scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.dim**-0.5
-        weights = self.weights_proj(x).float() * self.heads**-0.5
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
     def ranked(self, scores: torch.Tensor) -> torch.Tensor:

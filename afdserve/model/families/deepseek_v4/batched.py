@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
-from afdserve.model.families.deepseek_v4.attention import Compressor, RopeTable, V4Attention
+from afdserve.model.families.deepseek_v4.attention import (
+    Compressor,
+    Indexer,
+    RopeTable,
+    V4Attention,
+)
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 
 
@@ -170,24 +175,36 @@ def _compressed(
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
     if comp.indexer is None:
         return every, _compress(comp, pages, "", x, rows, rope)
-    closed = ((rows.positions + 1) // comp.rate)[:, None]
     indexer = comp.indexer
     index_new = _compress(indexer, pages, "index_", x, rows, rope)
-    index_keys = _entries_at(pages, "index_", rows, index_new, every)
-    scores = indexer.score_keys(x, q_residual, rows.positions, rope, index_keys)
-    top = indexer.ranked(scores.masked_fill(every >= closed, float("-inf")))
+    top = indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, index_new))
     return top, _compress(comp, pages, "", x, rows, rope)
 
 
-def _entries_at(
-    pages: LayerPages, prefix: str, rows: StepRows, new: torch.Tensor, read: torch.Tensor
+def _index_scores(
+    indexer: Indexer,
+    pages: LayerPages,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+    new: torch.Tensor,
 ) -> torch.Tensor:
-    """Entries `read` [rows, n] of one compressor -> [rows, n, dim]: an entry closed inside the
-    chunk is the `new` [rows, dim] of the row that closed it (at position (w + 1) m - 1), one
-    closed before it comes from the pages (which this chunk writes only past its start)."""
-    name = f"{prefix}entries"
-    stored = pages.take(name, pages.batch_entry_rows(name, rows.tables, read))
-    return rows.chunk_or(new, (read + 1) * pages.geometry.rate - 1, stored)
+    """The indexer's score [rows, n] of every entry the table can address (n = ceil(W B / m)),
+    -inf where not closed at or before the row: one launch on CUDA (ops.v4_index_scores), the
+    gathered keys and `Indexer.score` elsewhere. `new` [rows, dim]: the entry each row pooled."""
+    m, p = indexer.rate, rows.positions
+    count = -(-rows.tables.shape[1] * pages.geometry.block_size // m)
+    every = torch.arange(count, device=x.device).expand(x.shape[0], count)
+    q, weights = indexer.queries(x, q_residual, p, rope)
+    entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
+    page = pages.flat["index_entries"]
+    fused = ops.v4_index_scores(q, weights, new, page, entry_rows, m, p, rows.start)
+    if fused is not None:
+        return fused
+    keys = rows.chunk_or(new, (every + 1) * m - 1, pages.take("index_entries", entry_rows))
+    scores = indexer.score(q, weights, keys)
+    return scores.masked_fill(every >= ((p + 1) // m)[:, None], float("-inf"))
 
 
 def _compress(
