@@ -1,9 +1,10 @@
-"""DeepSeek-V4's fused CUDA paths (kernels/triton/mhc.py, v4_attention.py, v4_compress.py) against
-the torch path they replace: each kernel on CUDA at the tiny shapes and at V4-Flash's (hc_mult 4,
-hidden 4096; 64 heads of 512, window 128, CSA rate 4 with top-512, HCA rate 128), rows 1, odd and
-64, in float32 and bf16, eagerly and replayed from a CUDA graph; and the tiny V4's logits through
-the engine's layer loop (a prefill step, then decode steps with pad rows) on CUDA, fused, against
-the same loop on CPU (the torch path), float32, eagerly and from a captured decode step."""
+"""DeepSeek-V4's fused CUDA paths (kernels/triton/: mhc.py, v4_attention.py, v4_compress.py,
+v4_indexer.py) against the torch path they replace: each kernel on CUDA at the tiny shapes and at
+V4-Flash's (hc_mult 4, hidden 4096; 64 heads of 512, window 128, CSA rate 4 with top-512 and an
+indexer of 64 heads of 128, HCA rate 128), rows 1, odd and 64, float32 and bf16, eagerly and
+replayed from a CUDA graph; and the tiny V4's logits through the engine's layer loop (a prefill
+step, then decode steps with pad rows) on CUDA, every fused path counted, against the same loop
+on CPU (the torch path), float32; and a captured decode step against the eager one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.triton import mhc as triton_mhc
 from afdserve.kernels.triton import v4_attention as triton_v4_attention
 from afdserve.kernels.triton import v4_compress as triton_v4_compress
+from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.mhc import HyperConnection, expand, v4_rms_norm
@@ -43,6 +45,7 @@ FLASH_ATTENTION = dict(
     o_groups=8,
     o_lora_rank=8,
     index_head_dim=128,
+    index_n_heads=64,
     index_topk=512,
     sliding_window=128,
     compress_rates={CSA: 4, HCA: 128},
@@ -253,6 +256,60 @@ def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
             assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
 
 
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(8000, 1)], 0), ([(0, 1), (3, 1), (130, 1), (511, 1), (4095, 1), (8191, 1)], 1),
+     ([(0, 40), (300, 1), (200, 150)], 2)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunks, pad):
+    """The CSA indexer's scores of every addressable entry (the same ones -inf, the others
+    close; float32: the same top-k), eagerly and replayed from a graph."""
+    model = attention_models[shape]
+    indexer = model.model.layers[1].self_attn.compressor.indexer
+    gen = torch.Generator().manual_seed(len(chunks))
+    fill = torch.Generator(device="cuda").manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    cache = make_kv_cache(model.config, len(chunks) * width + 2, block_size, dtype, "cuda")
+    pages = cache.layers[1]
+    page = pages.flat["index_entries"]
+    page.copy_(torch.randn(page.shape, generator=fill, device="cuda"))
+    n = rows.positions.shape[0]
+    x = torch.randn(n, model.config.hidden_size, generator=gen).to(dtype).cuda()
+    q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).to(dtype).cuda()
+    new = torch.randn(n, indexer.dim, generator=gen).to(dtype).cuda()
+    rope = model.ropes("cuda")["compress"]
+    # The queries of the float32 model, in the pages' dtype.
+    q, weights = indexer.queries(x.float(), q_residual.float(), rows.positions, rope)
+    q = q.to(dtype)
+    count = -(-width * block_size // indexer.rate)
+    every = torch.arange(count, device="cuda").expand(n, count)
+    entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
+    call = (q, weights, new, page, entry_rows, indexer.rate, rows.positions, rows.start)
+    got = triton_v4_indexer.index_scores(*call)
+    # The torch form of `_index_scores` (ops.v4_index_scores would take the kernel on CUDA).
+    keys = rows.chunk_or(
+        new, (every + 1) * indexer.rate - 1, pages.take("index_entries", entry_rows)
+    )
+    closed = ((rows.positions + 1) // indexer.rate)[:, None]
+    want = indexer.score(q, weights, keys).masked_fill(every >= closed, float("-inf"))
+    seen = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), seen)
+    assert relative(got[seen], want[seen]) < 1e-5
+    if dtype == torch.float32:
+        assert torch.equal(indexer.ranked(got), indexer.ranked(want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_v4_indexer.index_scores(*call)
+    q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+    graph.replay()
+    assert torch.equal(captured, triton_v4_indexer.index_scores(*call))
+
+
 def engine_steps(model, device: str) -> list[torch.Tensor]:
     """The engine's layer loop (tests/model/test_deepseek_v4_batched.forward) over a prefill step
     of four sequences, then three decode steps of them with two pad rows -> logits per step;
@@ -287,7 +344,7 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
     cpu = load_model(path, ModelParts.colocated(), "float32")[0]
     cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
-    calls = {"mhc": 0, "attention": 0, "compress": 0}
+    calls = {"mhc": 0, "attention": 0, "compress": 0, "index": 0}
 
     def counted(name, fn):
         def wrapped(*args, **kwargs):
@@ -307,10 +364,15 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
         "compress_decode",
         counted("compress", triton_v4_compress.compress_decode),
     )
+    monkeypatch.setattr(
+        triton_v4_indexer, "index_scores", counted("index", triton_v4_indexer.index_scores)
+    )
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
     layers = cuda.config.num_layers
-    # Every mHC site and attention of 4 steps; the compressors (CSA 2, HCA 1) of 3 decode steps.
-    assert calls == {"mhc": 2 * layers * 4, "attention": layers * 4, "compress": 5 * 3}
+    # Every mHC site, attention and indexer (2 CSA layers) of 4 steps; the compressors (CSA 2,
+    # HCA 1) of the 3 decode steps.
+    fused = {"mhc": 2 * layers * 4, "attention": layers * 4, "compress": 5 * 3, "index": 2 * 4}
+    assert calls == fused
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4 * float(w.abs().max()), rtol=0.0, msg=str(step))
         real = slice(0, 4) if step else slice(None)
