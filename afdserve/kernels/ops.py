@@ -262,6 +262,24 @@ def v4_index_scores(
     return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
 
 
+def v4_norm_rope(
+    x: torch.Tensor,
+    norm: tuple[torch.Tensor | None, float] | None,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    negate: bool = False,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's per-head RMS norm and partial interleaved rotary of x [rows, heads, dim] in
+    one launch on CUDA (kernels/triton/v4_norm_rope.py), or None where the fast path does not
+    apply and the caller keeps its torch form (model/families/deepseek_v4/attention.py's)."""
+    if not _triton_ready(x):
+        return None
+    from afdserve.kernels.triton import v4_norm_rope as triton_v4_norm_rope
+
+    if not triton_v4_norm_rope.supports(x):
+        return None
+    return triton_v4_norm_rope.norm_rope(x, norm, cos_sin, negate)
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,
