@@ -1,10 +1,11 @@
 """DeepSeek-V4's fused CUDA paths (kernels/triton/: mhc.py, v4_attention.py, v4_compress.py,
-v4_indexer.py) against the torch path they replace: each kernel on CUDA at the tiny shapes and at
-V4-Flash's (hc_mult 4, hidden 4096; 64 heads of 512, window 128, CSA rate 4 with top-512 and an
-indexer of 64 heads of 128, HCA rate 128), rows 1, odd and 64, float32 and bf16, eagerly and
-replayed from a CUDA graph; and the tiny V4's logits through the engine's layer loop (a prefill
-step, then decode steps with pad rows) on CUDA, every fused path counted, against the same loop
-on CPU (the torch path), float32; and a captured decode step against the eager one."""
+v4_indexer.py, v4_norm_rope.py) against the torch path they replace: each kernel on CUDA at the
+tiny shapes and at V4-Flash's (hc_mult 4, hidden 4096; 64 heads of 512, window 128, CSA rate 4
+with top-512 and an indexer of 64 heads of 128, HCA rate 128), rows 1, odd and 64, float32 and
+bf16, eagerly and replayed from a CUDA graph; and the tiny V4's logits through the engine's layer
+loop (a prefill step, then decode steps with pad rows) on CUDA, every fused path counted, against
+the same loop on CPU (the torch path), float32; and a captured decode step against the eager
+one."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ from afdserve.kernels.triton import mhc as triton_mhc
 from afdserve.kernels.triton import v4_attention as triton_v4_attention
 from afdserve.kernels.triton import v4_compress as triton_v4_compress
 from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
+from afdserve.kernels.triton import v4_norm_rope as triton_v4_norm_rope
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
-from afdserve.model.families.deepseek_v4.mhc import HyperConnection, expand, v4_rms_norm
+from afdserve.model.families.deepseek_v4.attention import rope_tail
+from afdserve.model.families.deepseek_v4.mhc import (
+    HyperConnection,
+    expand,
+    unweighted_rms_norm,
+    v4_rms_norm,
+)
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from tests.model.test_deepseek_v4_batched import forward
@@ -310,6 +318,41 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
     assert torch.equal(captured, triton_v4_indexer.index_scores(*call))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize(
+    ("use", "heads", "dim"),
+    [("q", 64, 512), ("kv", 1, 512), ("q_residual", 1, 1024), ("index_q", 64, 128),
+     ("output", 64, 512), ("q", 4, 16)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_norm_rope_equals_the_torch_forms(use, heads, dim, rows, dtype):
+    """Each use of V4's per-head norm and rotary at V4-Flash's shapes (64 rotated dims) and the
+    tiny one's, eagerly and replayed from a graph."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, heads, dim, generator=gen) * 3).to(dtype).cuda()
+    weight = (torch.rand(dim, generator=gen) + 0.5).cuda()
+    angle = torch.rand(rows, 32 if dim > 16 else 4, generator=gen).cuda() * 5000
+    cos_sin = (angle.cos() * 1.2, angle.sin() * 1.2)
+    norm = {"q": (None, 1e-6), "kv": (weight, 1e-6), "q_residual": (weight, 1e-6)}.get(use)
+    rotated = None if use == "q_residual" else cos_sin
+    back = use == "output"
+    want = x
+    if norm is not None:
+        want = unweighted_rms_norm(x, 1e-6) if norm[0] is None else v4_rms_norm(x, weight, 1e-6)
+    if rotated is not None:
+        want = rope_tail(want, cos_sin[0], -cos_sin[1] if back else cos_sin[1])
+    got = ops.v4_norm_rope(x, norm, rotated, back)
+    assert got is not None and got.dtype == dtype
+    assert relative(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_v4_norm_rope.norm_rope(x, norm, rotated, back)
+    x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
+    graph.replay()
+    assert torch.equal(captured, triton_v4_norm_rope.norm_rope(x, norm, rotated, back))
+
+
 def engine_steps(model, device: str) -> list[torch.Tensor]:
     """The engine's layer loop (tests/model/test_deepseek_v4_batched.forward) over a prefill step
     of four sequences, then three decode steps of them with two pad rows -> logits per step;
@@ -344,7 +387,7 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
     cpu = load_model(path, ModelParts.colocated(), "float32")[0]
     cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
-    calls = {"mhc": 0, "attention": 0, "compress": 0, "index": 0}
+    calls = {"mhc": 0, "attention": 0, "compress": 0, "index": 0, "norm_rope": 0}
 
     def counted(name, fn):
         def wrapped(*args, **kwargs):
@@ -367,11 +410,15 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     monkeypatch.setattr(
         triton_v4_indexer, "index_scores", counted("index", triton_v4_indexer.index_scores)
     )
+    monkeypatch.setattr(
+        triton_v4_norm_rope, "norm_rope", counted("norm_rope", triton_v4_norm_rope.norm_rope)
+    )
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
     layers = cuda.config.num_layers
-    # Every mHC site, attention and indexer (2 CSA layers) of 4 steps; the compressors (CSA 2,
-    # HCA 1) of the 3 decode steps.
-    fused = {"mhc": 2 * layers * 4, "attention": layers * 4, "compress": 5 * 3, "index": 2 * 4}
+    # Of 4 steps: every mHC site, attention and indexer (2 CSA layers), 4 norm-rotaries a layer
+    # and the indexer's; of the 3 decode steps, the compressors (CSA 2, HCA 1).
+    fused = {"mhc": 2 * layers * 4, "attention": layers * 4, "index": 2 * 4}
+    fused |= {"compress": 5 * 3, "norm_rope": (4 * layers + 2) * 4}
     assert calls == fused
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4 * float(w.abs().max()), rtol=0.0, msg=str(step))
