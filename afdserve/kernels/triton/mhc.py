@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 # Elements of `fn` one program holds in registers, and rows it takes (chosen so a program's tile
-# stays near 32 float32 registers a thread at four warps; not measured).
+# stays near 32 float32 registers a thread at eight warps; not measured).
 FN_TILE = 8192
 MAX_ROWS_PER_PROGRAM = 8
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
@@ -243,6 +243,7 @@ def hyper_connection(
         BLOCK=block,
         N_PAD=n_pad,
         MIX_PAD=mix_pad,
+        num_warps=8,  # the FN_TILE tile and its product with the streams (chosen, not measured)
     )
     collapse_block = min(triton.next_power_of_2(hidden), COLLAPSE_BLOCK)
     _collapse_kernel[(rows,)](
