@@ -3,17 +3,17 @@
 from the pages, the softmax-gated pooling, the entry's norm and rotary, and every page write.
 
 One program per row at position p, window w = p // m. Slot j of the window is position w m + j:
-p's own projections `KV`, `GATE` for j = p - w m, the open page rows `WINDOW_ROWS[r, j]` before
+p's own projections `KV`, `GATE` for j = p - w m, the open page rows `ADDRESSES[r, j]` before
 it (later slots are read from the row itself and never kept: only a row that closes its window,
 p = (w + 1) m - 1, has no later slot, and only its entry is stored or read). CSA (`OVERLAP`): m
-more slots before them, window w - 1's first series from the prev pages at `PREVIOUS_ROWS`
+more slots before them, window w - 1's first series from the prev pages at `ADDRESSES[r, m + 1 + j]`
 (weight 0 before window 0), the window's own slots taking the second series. The gates get the
 position bias in float32; the pooled row is rounded to the projections' dtype, normalised with
 the compressor's norm and rotated on its trailing pairs at position w m (cos and sin rounded to
 that dtype, as `rope_tail`). Writes, as `_compress`: a closing row its entry at `ENTRY_ROW[r]`
 and (CSA) the window's first series to the prev pages, after every read of them (a barrier: the
 rings alias window w - 1's rows); any other real row its projections to the open pages at
-`OWN_ROW[r]`. Pad rows write nothing. Loop bounds are constexpr (for Triton 3.6's interpreter).
+`ADDRESSES[r, m]`. Pad rows write nothing. Loop bounds are constexpr (for Triton 3.6's interpreter).
 """
 
 from __future__ import annotations
@@ -51,14 +51,12 @@ def _compress_kernel(
     GATE,  # [rows, width]
     OPEN_KV,  # [flat rows, width]: the open pages
     OPEN_GATE,  # [flat rows, width]
-    WINDOW_ROWS,  # [rows, M] int64: flat rows of the window's positions (open_* and prev_*)
+    ADDRESSES,  # [rows, M + 1 (+ M)] int64: open_* and prev_* rows of the window, p, (w - 1)
     PREV_KV,  # [flat rows, DIM] (OVERLAP)
     PREV_GATE,  # [flat rows, DIM] float32 (OVERLAP)
-    PREVIOUS_ROWS,  # [rows, M] int64: flat rows of window w - 1's positions (OVERLAP)
     BIAS,  # [M, width] float32
     NORM_WEIGHT,  # [DIM] float32
     INV_FREQ,  # [ROPE / 2] float32
-    OWN_ROW,  # [rows] int64: the open pages' row of p
     ENTRIES,  # [flat rows, DIM]: the entries page
     ENTRY_ROW,  # [rows] int64: the entries page's row of the entry p closes
     NEW,  # [rows, DIM]: the pooled entry (kept where p closes its window)
@@ -73,6 +71,7 @@ def _compress_kernel(
     SECOND: tl.constexpr,  # the first column of the window's own slots: DIM (OVERLAP) or 0
     ROPE: tl.constexpr,
     OVERLAP: tl.constexpr,
+    ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 2 m + 1
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -83,10 +82,11 @@ def _compress_kernel(
     j = tl.arange(0, M_PAD)
     live = j < M
     own = w * M + j >= p
-    wr = tl.load(WINDOW_ROWS + r * M + j, mask=live, other=0)
+    at = ADDRESSES + r * ADDRESS_WIDTH
+    wr = tl.load(at + j, mask=live, other=0)
     pr = wr
     if OVERLAP:
-        pr = tl.load(PREVIOUS_ROWS + r * M + j, mask=live & (w > 0), other=0)
+        pr = tl.load(at + M + 1 + j, mask=live & (w > 0), other=0)
     square_sum = 0.0
     for c in range(0, DIM, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -153,7 +153,7 @@ def _compress_kernel(
         tl.store(NEW + r * DIM + even + 1, out_odd, mask=inside)
         tl.store(ENTRIES + entry * DIM + even, out_even, mask=inside & closes)
         tl.store(ENTRIES + entry * DIM + even + 1, out_odd, mask=inside & closes)
-    opened = tl.load(OWN_ROW + r)
+    opened = tl.load(at + M)
     for c in range(0, WIDTH, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         keep = (cols < WIDTH) & real & ~closes
@@ -180,7 +180,8 @@ def compress_decode(
     kv: torch.Tensor,
     gate: torch.Tensor,
     pages: dict[str, torch.Tensor],
-    rows: dict[str, torch.Tensor],
+    addresses: torch.Tensor,
+    entry_rows: torch.Tensor,
     position_bias: torch.Tensor,
     norm: tuple[torch.Tensor, float],
     rope: tuple[torch.Tensor, float],
@@ -191,30 +192,28 @@ def compress_decode(
 ) -> torch.Tensor:
     """kv, gate [rows, width] -> the pooled entries [rows, dim] (kept where a row closes its
     window), the pages written. pages: the flat `open_kv`, `open_gate`, `entries` (and CSA's
-    `prev_kv`, `prev_gate`); rows: `window` [rows, m], `own` [rows], `entry` [rows] (and CSA's
-    `previous` [rows, m]); norm: (weight, eps); rope: (inv_freq, scaling)."""
+    `prev_kv`, `prev_gate`); addresses [rows, m + 1 (CSA: + m)]: the open and prev pages' rows of
+    the window's positions, of p (and of window w - 1's positions); entry_rows [rows]: the
+    entries page's row of the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling)."""
     count = kv.shape[0]
     new = torch.empty(count, dim, dtype=kv.dtype, device=kv.device)
     if count == 0:
         return new
     overlap = "prev_kv" in pages
-    prev = (kv, kv, kv)  # placeholders, never read without OVERLAP
-    if overlap:
-        prev = (pages["prev_kv"], pages["prev_gate"], rows["previous"].contiguous())
+    prev = (pages["prev_kv"], pages["prev_gate"]) if overlap else (kv, kv)  # kv: never read
     inv_freq, scaling = rope
     _compress_kernel[(count,)](
         kv,
         gate,
         pages["open_kv"],
         pages["open_gate"],
-        rows["window"].contiguous(),
+        addresses.contiguous(),
         *prev,
         position_bias,
         norm[0],
         inv_freq,
-        rows["own"].contiguous(),
         pages["entries"],
-        rows["entry"].contiguous(),
+        entry_rows.contiguous(),
         new,
         positions,
         real,
@@ -227,6 +226,7 @@ def compress_decode(
         SECOND=dim if overlap else 0,
         ROPE=2 * inv_freq.shape[0],
         OVERLAP=overlap,
+        ADDRESS_WIDTH=addresses.shape[1],
         BLOCK=min(BLOCK_COLUMNS, triton.next_power_of_2(dim)),
         # HCA's 128 slots make [128, 64] tiles of kv, gate and weights (chosen, not measured).
         num_warps=8 if rate >= 32 else 4,

@@ -106,9 +106,7 @@ def step_attention(
     out = _attend(attn, pages, q, kv, rows, window_rows, selected)
     # After every read of the ring: row p's slot may still hold a position the window needs.
     last = real & (p >= rows.end - (attn.window - 1))
-    pages.store(
-        "window", pages.batch_rows("window", rows.tables, p[:, None]), kv[:, None], last[:, None]
-    )
+    pages.store("window", window_rows[:, :1], kv[:, None], last[:, None])  # back[:, 0] is p
     y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
 
@@ -288,19 +286,18 @@ def _compress_decode(
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
     flat = {name: pages.flat[prefix + name] for name in names}
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
-    addresses = {
-        "window": pages.batch_rows(f"{prefix}open_kv", tables, slots),
-        "own": pages.batch_rows(f"{prefix}open_kv", tables, p[:, None])[:, 0],
-        "entry": pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0],
-    }
-    if comp.overlap:
-        addresses["previous"] = pages.batch_rows(f"{prefix}prev_kv", tables, slots - m)
+    # The open and prev pages share their rows (`_compress`'s window serves both): one address
+    # computation for the window, p and (CSA) window w - 1.
+    wanted = (slots, p[:, None]) + ((slots - m,) if comp.overlap else ())
+    addresses = pages.batch_rows(f"{prefix}open_kv", tables, torch.cat(wanted, dim=1))
+    entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)
     return ops.v4_compress_decode(
         kv,
         gate,
         flat,
         addresses,
+        entry_rows,
         comp.position_bias,
         norm,
         (rope.inv_freq, rope.scaling),
