@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,6 @@ import torch
 from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
-from afdserve.kernels.triton import mhc as triton_mhc
-from afdserve.kernels.triton import v4_attention as triton_v4_attention
-from afdserve.kernels.triton import v4_compress as triton_v4_compress
-from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
-from afdserve.kernels.triton import v4_norm_rope as triton_v4_norm_rope
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.attention import rope_tail
@@ -62,6 +58,11 @@ FLASH_ATTENTION = dict(
 )
 
 
+def triton_module(name: str):
+    """A module of kernels/triton/, imported inside the tests (Triton is a GPU-only install)."""
+    return importlib.import_module(f"afdserve.kernels.triton.{name}")
+
+
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
@@ -90,6 +91,7 @@ def mhc_inputs(rows, n, hidden, dtype, update, seed):
 @pytest.mark.parametrize("update", [False, True])
 @torch.inference_mode()
 def test_mhc_site_equals_the_torch_path(rows, n, hidden, dtype, update):
+    triton_mhc = triton_module("mhc")
     hc, weight, h, step = mhc_inputs(rows, n, hidden, dtype, update, rows + n)
     eps = (hc.hc_eps, hc.norm_eps, 1e-6)
     got = ops.hyper_connection(h, step, hc.fn, hc.base, hc.scale, weight, hc.iters, eps)
@@ -161,6 +163,7 @@ def step_rows(chunks, width, pad, gen) -> batched.StepRows:
 )  # fmt: skip
 @torch.inference_mode()
 def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, chunks, pad):
+    triton_v4_attention = triton_module("v4_attention")
     model = attention_models[shape]
     gen = torch.Generator().manual_seed(len(chunks))
     fill = torch.Generator(device="cuda").manual_seed(len(chunks))
@@ -275,6 +278,7 @@ def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
 def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunks, pad):
     """The CSA indexer's scores of every addressable entry (the same ones -inf, the others
     close; float32: the same top-k), eagerly and replayed from a graph."""
+    triton_v4_indexer = triton_module("v4_indexer")
     model = attention_models[shape]
     indexer = model.model.layers[1].self_attn.compressor.indexer
     gen = torch.Generator().manual_seed(len(chunks))
@@ -329,6 +333,7 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
 def test_norm_rope_equals_the_torch_forms(use, heads, dim, rows, dtype):
     """Each use of V4's per-head norm and rotary at V4-Flash's shapes (64 rotated dims) and the
     tiny one's, eagerly and replayed from a graph."""
+    triton_v4_norm_rope = triton_module("v4_norm_rope")
     gen = torch.Generator().manual_seed(rows + dim)
     x = (torch.randn(rows, heads, dim, generator=gen) * 3).to(dtype).cuda()
     weight = (torch.rand(dim, generator=gen) + 0.5).cuda()
@@ -384,6 +389,12 @@ def engine_steps(model, device: str) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch):
+    triton_mhc, triton_v4_attention = triton_module("mhc"), triton_module("v4_attention")
+    triton_v4_compress, triton_v4_indexer = (
+        triton_module("v4_compress"),
+        triton_module("v4_indexer"),
+    )
+    triton_v4_norm_rope = triton_module("v4_norm_rope")
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
     cpu = load_model(path, ModelParts.colocated(), "float32")[0]
     cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
