@@ -155,6 +155,142 @@ def paged_attention(
     return reference.paged_attention(*args, sinks, window)
 
 
+def hyper_connection(
+    h: torch.Tensor,
+    update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    iters: int,
+    eps: tuple[float, float, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V4's mHC site (update (y, post, comb): the streams' update after the previous
+    block first; eps: mHC's, its norm's, the block norm's) as two fused launches on CUDA ->
+    (streams, normalised collapse, post, comb), or None where the fast path does not apply and
+    the caller keeps its torch form (model/families/deepseek_v4/mhc.py, the reference)."""
+    if not _triton_ready(h):
+        return None
+    from afdserve.kernels.triton import mhc as triton_mhc
+
+    y, post, comb = update if update is not None else (None, None, None)
+    if not triton_mhc.supports(h, y, post, comb, fn):
+        return None
+    return triton_mhc.hyper_connection(h, y, post, comb, fn, base, scale, norm_weight, iters, *eps)
+
+
+def v4_sparse_attention(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    window: tuple[torch.Tensor, torch.Tensor],
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    rate: int,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
+    the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
+    each row sees) -> [rows, heads, dim], or None where the fast path does not apply and the
+    caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
+    window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
+    rows: (positions, chunk starts, real)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import v4_attention as triton_v4_attention
+
+    if not triton_v4_attention.supports(q, own, window[0]):
+        return None
+    if entries is not None and not triton_v4_attention.supports(q, entries[0], entries[1]):
+        return None
+    return triton_v4_attention.sparse_attention(q, own, *window, entries, rate, *rows, sinks, scale)
+
+
+def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_dim: int) -> bool:
+    """Whether `v4_compress_decode` runs for these projections and pages."""
+    if not _triton_ready(kv):
+        return False
+    from afdserve.kernels.triton import v4_compress as triton_v4_compress
+
+    return triton_v4_compress.supports(kv, open_kv, dim, rope_dim)
+
+
+def v4_compress_decode(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    pages: dict[str, torch.Tensor],
+    addresses: torch.Tensor,
+    entry_rows: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm: tuple[torch.Tensor, float],
+    rope: tuple[torch.Tensor, float],
+    positions: torch.Tensor,
+    real: torch.Tensor,
+    rate: int,
+    dim: int,
+) -> torch.Tensor:
+    """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
+    `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
+    the pages written; rope: (inv_freq, scaling) of the entries' rotary. The torch form is
+    model/families/deepseek_v4/batched.py's `_compress`."""
+    from afdserve.kernels.triton import v4_compress as triton_v4_compress
+
+    return triton_v4_compress.compress_decode(
+        kv,
+        gate,
+        pages,
+        addresses,
+        entry_rows,
+        position_bias,
+        norm,
+        rope,
+        positions,
+        real,
+        rate,
+        dim,
+    )
+
+
+def v4_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    entry_rows: torch.Tensor,
+    rate: int,
+    positions: torch.Tensor,
+    start: torch.Tensor,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's lightning indexer scores of a ubatch [rows, count] float32, its keys read
+    from the page in one launch on CUDA (kernels/triton/v4_indexer.py says which), or None where
+    the fast path does not apply and the caller keeps its torch form (batched.py's)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
+
+    if not triton_v4_indexer.supports(q, new, page):
+        return None
+    return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
+
+
+def v4_norm_rope(
+    x: torch.Tensor,
+    norm: tuple[torch.Tensor | None, float] | None,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    negate: bool = False,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's per-head RMS norm and partial interleaved rotary of x [rows, heads, dim] in
+    one launch on CUDA (kernels/triton/v4_norm_rope.py), or None where the fast path does not
+    apply and the caller keeps its torch form (model/families/deepseek_v4/attention.py's)."""
+    if not _triton_ready(x):
+        return None
+    from afdserve.kernels.triton import v4_norm_rope as triton_v4_norm_rope
+
+    if not triton_v4_norm_rope.supports(x):
+        return None
+    return triton_v4_norm_rope.norm_rope(x, norm, cos_sin, negate)
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

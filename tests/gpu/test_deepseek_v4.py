@@ -1,9 +1,9 @@
-"""DeepSeek-V4 on one GPU (plain torch: its paged attention and the clamped experts have no
-kernels yet): the colocated engine and in-process 1A1F (the attention half keeping the mHC
-streams, the FFN half behind an InProcessConnector) give the same greedy tokens, float32 ones
-equal to the CPU engine's, over a batch with chunked prefill beside decodes; full_decode_only
-captures the batched decode path and gives graph_mode none's tokens; `full` (prefill steps in
-graphs) is refused by name."""
+"""DeepSeek-V4 on one GPU (its fused mHC, attention, indexer and decode compressor kernels, each
+held to the torch path in tests/gpu/test_v4_fused*.py; the clamped bf16 experts in torch): the
+colocated engine and in-process 1A1F (the attention half keeping the mHC streams, the FFN half
+behind an InProcessConnector) give the same greedy tokens, float32 ones equal to the CPU engine's,
+over a batch with chunked prefill beside decodes; full_decode_only captures the batched decode
+path and gives graph_mode none's tokens; `full` (prefill steps in graphs) is refused by name."""
 
 from __future__ import annotations
 

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm
+from afdserve.model.families.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm, v4_rms_norm
 from afdserve.model.layers.fp8 import linear_weight
 
 # Keys as the cache gives them back (an FP8 cache's round trip, cache.LayerPages.as_stored): applied
@@ -85,6 +86,27 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    norm: tuple[torch.Tensor | None, float] | None,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    negate: bool = False,
+) -> torch.Tensor:
+    """x [rows, heads, dim] normalised per head (norm: (None, eps) unweighted, (weight, eps) as
+    V4RMSNorm) and rotated on its trailing pairs (`rope_tail`; `negate`: back), each optional:
+    one launch on CUDA (ops.v4_norm_rope), these torch forms elsewhere."""
+    fused = ops.v4_norm_rope(x, norm, cos_sin, negate)
+    if fused is not None:
+        return fused
+    if norm is not None:
+        weight, eps = norm
+        x = unweighted_rms_norm(x, eps) if weight is None else v4_rms_norm(x, weight, eps)
+    if cos_sin is not None:
+        cos, sin = cos_sin
+        x = rope_tail(x, cos, -sin if negate else sin)
+    return x
 
 
 def visible(positions: torch.Tensor, entries: int, rate: int) -> torch.Tensor:
@@ -221,12 +243,22 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """score [rows, entries] of keys [entries, dim] (every row the same) or [rows, entries,
         dim] (each row its own), unmasked."""
+        return self.score(*self.queries(x, q_residual, positions, rope), keys)
+
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: RopeTable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the rotated query heads q [rows, heads, dim], their weights w [rows, heads] float32,
+        the head scale folded in)."""
         rows = x.shape[0]
         q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = rope_tail(q, *rope.at(positions))
+        q = norm_rope(q, None, rope.at(positions))
+        return q, self.weights_proj(x).float() * self.heads**-0.5
+
+    def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h relu(q_h . k) / sqrt(dim) for keys as `score_keys` takes them."""
         spec = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
         scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.dim**-0.5
-        weights = self.weights_proj(x).float() * self.heads**-0.5
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
     def ranked(self, scores: torch.Tensor) -> torch.Tensor:
@@ -332,16 +364,16 @@ class V4Attention(nn.Module):
         """x [rows, hidden] at the rows' rotary cos_sin -> (the q low-rank residual the indexer
         reads, q [rows, heads, dim], kv [rows, dim]: K and V), both rotated."""
         rows = x.shape[0]
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(
-            self.q_b_proj(q_residual).view(rows, self.heads, self.dim), self.eps
-        )
-        q = rope_tail(q, *cos_sin)
-        return q_residual, q, rope_tail(self.kv_norm(self.kv_proj(x)), *cos_sin)
+        q_a_norm = (self.q_a_norm.weight, self.q_a_norm.eps)
+        q_residual = norm_rope(self.q_a_proj(x)[:, None], q_a_norm, None)[:, 0]
+        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
+        q = norm_rope(q, (None, self.eps), cos_sin)
+        kv_norm = (self.kv_norm.weight, self.kv_norm.eps)
+        return q_residual, q, norm_rope(self.kv_proj(x)[:, None], kv_norm, cos_sin)[:, 0]
 
     def finish(self, out: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention output [rows, heads, dim] -> [rows, hidden]."""
-        out = rope_tail(out, cos_sin[0], -cos_sin[1])  # V carried the keys' rotation: undo it
+        out = norm_rope(out, None, cos_sin, negate=True)  # V carried the keys' rotation: undo it
         return self._output(out)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

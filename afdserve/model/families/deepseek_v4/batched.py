@@ -11,8 +11,11 @@ end state too), after every read of that page; a sequence writes only positions 
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
-NOTE: each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap
-for decode and short chunks; a long prefill of a long context wants them per segment.
+On CUDA, over pages in the model dtype, the attention itself (window, selected entries, sinks)
+is one launch reading the pages (`_attend`, ops.v4_sparse_attention), and so are the indexer's
+scores and a decode ubatch's compressor update; FP8 pages take the torch form. NOTE: elsewhere
+each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap for
+decode and short chunks; a long prefill of a long context wants them per segment.
 """
 
 from __future__ import annotations
@@ -22,8 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
-from afdserve.model.families.deepseek_v4.attention import Compressor, RopeTable, V4Attention
+from afdserve.model.families.deepseek_v4.attention import (
+    Compressor,
+    Indexer,
+    RopeTable,
+    V4Attention,
+)
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 
 
@@ -36,6 +45,7 @@ class StepRows:
     real: torch.Tensor  # [rows] bool: in a segment of context > 0
     start: torch.Tensor  # [rows] int64: the first position of the row's chunk
     end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
+    decode: bool = False  # every segment one row (known on the host: what a graph captures)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StepRows | None:
@@ -57,6 +67,7 @@ class StepRows:
             context > 0,
             context - count,
             context,
+            batched.max_query_len <= 1,
         )
 
     def chunk_or(
@@ -97,19 +108,62 @@ def step_attention(
     q_residual, q, kv = attn.project(x, cos_sin)
     kv = pages.as_stored(kv)
     back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    cached = pages.take("window", pages.batch_rows("window", rows.tables, back), kv.dtype)
-    keys = rows.chunk_or(kv, back, cached)
-    allowed = (back >= 0) & real[:, None]
-    last = real & (p >= _piece_end(pages, rows) - (attn.window - 1))
-    pages.store(
-        "window", pages.batch_rows("window", rows.tables, p[:, None]), kv[:, None], last[:, None]
-    )
+    window_rows = pages.batch_rows("window", rows.tables, back)
+    selected = None
     if attn.compressor is not None:
-        entries, seen = _compressed(attn, pages, x, q_residual, rows, compress_rope)
-        keys = torch.cat((keys, entries), dim=1)
-        allowed = torch.cat((allowed, seen), dim=1)
-    y = attn.finish(attn.attend_batched(q, keys, allowed), cos_sin)
+        selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
+    out = _attend(attn, pages, q, kv, rows, window_rows, selected)
+    # After every read of the ring: row p's slot may still hold a position the window needs.
+    last = real & (p >= _piece_end(pages, rows) - (attn.window - 1))
+    pages.store("window", window_rows[:, :1], kv[:, None], last[:, None])  # back[:, 0] is p
+    y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
+
+
+def _attend(
+    attn: V4Attention,
+    pages: LayerPages,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: StepRows,
+    window_rows: torch.Tensor,
+    selected: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """q [rows, heads, dim] over each row's window (positions p - window + 1 .. p, masked where
+    negative; the chunk's own `kv` rows, the page's `window_rows` before the chunk) and its
+    `selected` compressed entries ((indices [rows, n], the chunk's pooled `new` [rows, dim]),
+    masked unless closed at or before p) -> [rows, heads, dim]: one fused launch on CUDA
+    (ops.v4_sparse_attention), the torch form below elsewhere."""
+    p, comp = rows.positions, attn.compressor
+    entries = None
+    if selected is not None:
+        read, new = selected
+        entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
+        entries = (new, pages.flat["entries"], entry_rows, read)
+    fused = (
+        None
+        if pages.fp8
+        else ops.v4_sparse_attention(
+            q,
+            kv,
+            (pages.flat["window"], window_rows),
+            entries,
+            comp.rate if comp is not None else 0,
+            (p, rows.start, rows.real),
+            attn.sinks,
+            attn.scale,
+        )
+    )
+    if fused is not None:
+        return fused
+    back = p[:, None] - torch.arange(attn.window, device=p.device)
+    keys = rows.chunk_or(kv, back, pages.take("window", window_rows, kv.dtype))
+    allowed = (back >= 0) & rows.real[:, None]
+    if entries is not None:
+        stored = pages.take("entries", entry_rows, new.dtype)
+        keys = torch.cat((keys, rows.chunk_or(new, (read + 1) * comp.rate - 1, stored)), dim=1)
+        allowed = torch.cat((allowed, read < ((p + 1) // comp.rate)[:, None]), dim=1)
+    return attn.attend_batched(q, keys, allowed)
 
 
 def _compressed(
@@ -120,26 +174,22 @@ def _compressed(
     rows: StepRows,
     rope: RopeTable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed keys [rows, n, head_dim] each row attends to and their mask [rows, n]: HCA
-    every entry the table can address (n = ceil(W B / m)), CSA the indexer's top-k of them.
-    Entries at or past the (p + 1) // m closed ones are masked. CSA: the indexer scores every
-    padded entry, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
-    keeps the first index_topk: visible entries come first, so a top-k beyond the visible count
-    keeps all of them and masks the rest, as the per-sequence path."""
+    """The compressed entries each row attends to, (indices [rows, n], the entry each row pooled
+    [rows, dim], which `_attend` reads for entries closed inside the chunk): HCA every entry the
+    table can address (n = ceil(W B / m)), CSA the indexer's top-k of them. Entries at or past
+    the (p + 1) // m closed ones are masked there. CSA: the indexer scores every padded entry,
+    invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort) keeps the
+    first index_topk: visible entries come first, so a top-k beyond the visible count keeps all
+    of them and masks the rest, as the per-sequence path."""
     comp = attn.compressor
     count = -(-rows.tables.shape[1] * pages.geometry.block_size // comp.rate)
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
-    closed = ((rows.positions + 1) // comp.rate)[:, None]
     if comp.indexer is None:
-        new = _compress(comp, pages, "", x, rows, rope)
-        return _entries_at(pages, "", rows, new, every), every < closed
+        return every, _compress(comp, pages, "", x, rows, rope)
     indexer = comp.indexer
     index_new = _compress(indexer, pages, "index_", x, rows, rope)
-    index_keys = _entries_at(pages, "index_", rows, index_new, every)
-    scores = indexer.score_keys(x, q_residual, rows.positions, rope, index_keys)
-    top = indexer.ranked(scores.masked_fill(every >= closed, float("-inf")))
-    new = _compress(comp, pages, "", x, rows, rope)
-    return _entries_at(pages, "", rows, new, top), top < closed
+    top = indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, index_new))
+    return top, _compress(comp, pages, "", x, rows, rope)
 
 
 def _piece_end(pages: LayerPages, rows: StepRows) -> torch.Tensor:
@@ -149,15 +199,34 @@ def _piece_end(pages: LayerPages, rows: StepRows) -> torch.Tensor:
     return rows.end
 
 
-def _entries_at(
-    pages: LayerPages, prefix: str, rows: StepRows, new: torch.Tensor, read: torch.Tensor
+def _index_scores(
+    indexer: Indexer,
+    pages: LayerPages,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+    new: torch.Tensor,
 ) -> torch.Tensor:
-    """Entries `read` [rows, n] of one compressor -> [rows, n, dim]: an entry closed inside the
-    chunk is the `new` [rows, dim] of the row that closed it (at position (w + 1) m - 1), one
-    closed before it comes from the pages (which this chunk writes only past its start)."""
-    name = f"{prefix}entries"
-    stored = pages.take(name, pages.batch_entry_rows(name, rows.tables, read), new.dtype)
-    return rows.chunk_or(new, (read + 1) * pages.geometry.rate - 1, stored)
+    """The indexer's score [rows, n] of every entry the table can address (n = ceil(W B / m)),
+    -inf where not closed at or before the row: one launch on CUDA (ops.v4_index_scores), the
+    gathered keys and `Indexer.score` elsewhere. `new` [rows, dim]: the entry each row pooled."""
+    m, p = indexer.rate, rows.positions
+    count = -(-rows.tables.shape[1] * pages.geometry.block_size // m)
+    every = torch.arange(count, device=x.device).expand(x.shape[0], count)
+    q, weights = indexer.queries(x, q_residual, p, rope)
+    entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
+    page = pages.flat["index_entries"]
+    fused = None
+    if not pages.fp8:  # the fused kernels read pages in the model dtype
+        fused = ops.v4_index_scores(q, weights, new, page, entry_rows, m, p, rows.start)
+    if fused is not None:
+        return fused
+    keys = rows.chunk_or(
+        new, (every + 1) * m - 1, pages.take("index_entries", entry_rows, new.dtype)
+    )
+    scores = indexer.score(q, weights, keys)
+    return scores.masked_fill(every >= ((p + 1) // m)[:, None], float("-inf"))
 
 
 def _compress(
@@ -177,6 +246,13 @@ def _compress(
     by the row closing each piece's last window."""
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
+    rope_dim = 2 * rope.inv_freq.shape[0]
+    if (
+        rows.decode
+        and not pages.fp8
+        and ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
+    ):
+        return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
     w = p // m
     closes = rows.real & ((p + 1) % m == 0)
     slots = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
@@ -218,3 +294,41 @@ def _compress(
         closes[:, None],
     )
     return new
+
+
+def _compress_decode(
+    comp: Compressor,
+    pages: LayerPages,
+    prefix: str,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+) -> torch.Tensor:
+    """`_compress` of a decode ubatch (each row alone in its chunk) as one launch
+    (ops.v4_compress_decode) over the page rows LayerPages addresses -> [rows, dim]."""
+    m, p, tables = comp.rate, rows.positions, rows.tables
+    slots = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
+    names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
+    flat = {name: pages.flat[prefix + name] for name in names}
+    entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
+    # The open and prev pages share their rows (`_compress`'s window serves both): one address
+    # computation for the window, p and (CSA) window w - 1.
+    wanted = (slots, p[:, None]) + ((slots - m,) if comp.overlap else ())
+    addresses = pages.batch_rows(f"{prefix}open_kv", tables, torch.cat(wanted, dim=1))
+    entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
+    norm = (comp.kv_norm.weight, comp.kv_norm.eps)
+    return ops.v4_compress_decode(
+        kv,
+        gate,
+        flat,
+        addresses,
+        entry_rows,
+        comp.position_bias,
+        norm,
+        (rope.inv_freq, rope.scaling),
+        p,
+        rows.real,
+        m,
+        comp.dim,
+    )

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve.kernels import ops
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x), the statistics in float32, no weight."""
@@ -80,6 +82,26 @@ def expand(
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), h
     )
+
+
+StreamUpdate = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # y, post, comb
+
+
+def connect(
+    hc: HyperConnection, norm: V4RMSNorm, h: torch.Tensor, update: StreamUpdate | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site: the streams h [rows, n, hidden] updated by the previous block's output
+    (`update`: y and that site's post, comb; None at layer 0), then `hc`'s mappings and `norm` of
+    its collapse -> (streams, norm(collapsed) [rows, hidden], post, comb). Two fused launches on
+    CUDA (ops.hyper_connection), about sixty small ones in the torch form here."""
+    eps = (hc.hc_eps, hc.norm_eps, norm.eps)
+    fused = ops.hyper_connection(h, update, hc.fn, hc.base, hc.scale, norm.weight, hc.iters, eps)
+    if fused is not None:
+        return fused
+    if update is not None:
+        h = expand(h, *update)
+    collapsed, post, comb = hc(h)
+    return h, norm(collapsed), post, comb
 
 
 class HyperHead(nn.Module):

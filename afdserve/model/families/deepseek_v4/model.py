@@ -27,7 +27,13 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
-from afdserve.model.families.deepseek_v4.mhc import HyperConnection, HyperHead, V4RMSNorm, expand
+from afdserve.model.families.deepseek_v4.mhc import (
+    HyperConnection,
+    HyperHead,
+    V4RMSNorm,
+    connect,
+    expand,
+)
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
 from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
 from afdserve.model.parts import ModelParts
@@ -143,16 +149,15 @@ class V4CausalLM(nn.Module):
         needs when the FFN output is back). With `cache`, the rows follow what it holds and
         this layer's entry is advanced past them."""
         block = self.model.layers[layer]
-        collapsed, post, comb = block.attn_hc(h)
+        h, x, post, comb = connect(block.attn_hc, block.input_layernorm, h, None)
         attn = block.self_attn
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
         state = None if cache is None else cache.layers[layer]
-        y, state = attn(block.input_layernorm(collapsed), positions, own, ropes["compress"], state)
+        y, state = attn(x, positions, own, ropes["compress"], state)
         if cache is not None:
             cache.layers[layer] = state
-        h = expand(h, y, post, comb)
-        collapsed, post, comb = block.ffn_hc(h)
-        return block.post_attention_layernorm(collapsed), (h, post, comb)
+        h, x, post, comb = connect(block.ffn_hc, block.post_attention_layernorm, h, (y, post, comb))
+        return x, (h, post, comb)
 
     @staticmethod
     def expand_ffn(state: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
@@ -199,10 +204,11 @@ class V4CausalLM(nn.Module):
         the ubatch runs at once (batched.py; a decode ubatch is the form a CUDA graph captures),
         without it one at a time (`_per_sequence`, the oracle the tests hold it to). -> (x
         [rows, hidden], what crosses to the FFN; the state kept here)."""
-        h = residual if ffn_out is None else self.expand_ffn(residual, ffn_out)
+        h, update = residual, None
+        if ffn_out is not None:  # the previous layer's streams, post and comb
+            h, update = residual[0], (ffn_out, residual[1], residual[2])
         block = self.model.layers[layer]
-        collapsed, post, comb = block.attn_hc(h)
-        x = block.input_layernorm(collapsed)
+        h, x, post, comb = connect(block.attn_hc, block.input_layernorm, h, update)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
         rows = StepRows.of(meta)
@@ -210,9 +216,8 @@ class V4CausalLM(nn.Module):
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
         else:
             y = step_attention(attn, cache, x, rows, own, ropes["compress"])
-        h = expand(h, y, post, comb)
-        collapsed, post, comb = block.ffn_hc(h)
-        return block.post_attention_layernorm(collapsed), (h, post, comb)
+        h, x, post, comb = connect(block.ffn_hc, block.post_attention_layernorm, h, (y, post, comb))
+        return x, (h, post, comb)
 
     @staticmethod
     def _per_sequence(

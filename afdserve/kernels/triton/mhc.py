@@ -1,0 +1,271 @@
+"""DeepSeek-V4's manifold-constrained hyper-connections (mHC, model/families/deepseek_v4/mhc.py)
+at one site in two launches instead of about sixty: the streams' update after a block, the site's
+mappings with their Sinkhorn iterations, the collapse into one row and the norm after it.
+
+`_mix_kernel`, one program per (block of rows, chunk of hidden): h' = post * y + comb^T h for its
+columns (skipped at layer 0, where there is no block output yet), stored; then the chunk's share
+of h''s sum of squares and of the (2 + n) n dot products of h' with the mapping weight `fn`. Each
+program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidden floats: 1.5 MB
+on V4-Flash) is read from memory once however many rows there are.
+`_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
+the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
+sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
+
+Numerics follow the torch path: post and comb rounded to the streams' dtype before the update and
+each product and sum rounded as torch's; the mappings in float32; the norm's statistics of the
+rounded collapse. The torch path normalises h' before the dot products, this one scales the dots
+(the same value up to float32 rounding). Loops have constexpr bounds (Triton 3.6's interpreter
+runs no other).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements of `fn` one program holds in registers, and rows it takes (chosen so a program's tile
+# stays near 32 float32 registers a thread at eight warps; not measured).
+FN_TILE = 8192
+MAX_ROWS_PER_PROGRAM = 8
+COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
+
+
+@triton.jit
+def _mix_kernel(
+    H,  # [rows, n, hidden]: the streams before the update
+    Y,  # [rows, hidden]: the block's output (EXPAND only)
+    POST,  # [rows, n] float32: the previous site's post (EXPAND only)
+    COMB,  # [rows, n, n] float32: the previous site's comb (EXPAND only)
+    H_OUT,  # [rows, n, hidden]: the streams after it (EXPAND only)
+    FN,  # [mixes, n * hidden]
+    PARTIAL,  # [rows, CHUNKS, MIX_PAD] float32: dots, then the sum of squares at `mixes`
+    rows,
+    n,
+    hidden,
+    mixes,
+    EXPAND: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_PAD: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+):
+    first_row, chunk = tl.program_id(0) * ROWS, tl.program_id(1)
+    stream = tl.arange(0, N_PAD)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mix = tl.arange(0, MIX_PAD)
+    tile = (stream[:, None] < n) & (cols[None, :] < hidden)  # [N_PAD, BLOCK]
+    fn = tl.load(
+        FN + mix[:, None, None] * n * hidden + (stream[:, None] * hidden + cols[None, :])[None],
+        mask=(mix[:, None, None] < mixes) & tile[None],
+        other=0.0,
+    ).to(tl.float32)  # [MIX_PAD, N_PAD, BLOCK]
+    offsets = stream[:, None] * hidden + cols[None, :]
+    for i in range(ROWS):
+        row = first_row + i
+        here = tile & (row < rows)
+        h = tl.load(H + row * n * hidden + offsets, mask=here, other=0.0)
+        if EXPAND:
+            dtype = H.dtype.element_ty
+            pair = (stream[:, None] < n) & (stream[None, :] < n) & (row < rows)
+            # comb^T h: out[k] = sum_j comb[j, k] h[j], comb rounded to the streams' dtype first.
+            comb = tl.load(
+                COMB + row * n * n + stream[:, None] * n + stream[None, :], mask=pair, other=0.0
+            )
+            comb = comb.to(dtype).to(tl.float32)
+            mixed = tl.sum(comb[:, :, None] * h.to(tl.float32)[:, None, :], axis=0).to(dtype)
+            post = tl.load(POST + row * n + stream, mask=(stream < n) & (row < rows), other=0.0)
+            y = tl.load(Y + row * hidden + cols, mask=(cols < hidden) & (row < rows), other=0.0)
+            spread = (post.to(dtype).to(tl.float32)[:, None] * y.to(tl.float32)[None, :]).to(dtype)
+            h = (spread.to(tl.float32) + mixed.to(tl.float32)).to(dtype)
+            tl.store(H_OUT + row * n * hidden + offsets, h, mask=here)
+        h = h.to(tl.float32)
+        dots = tl.sum(tl.sum(fn * h[None], axis=2), axis=1)  # [MIX_PAD]
+        squares = tl.sum(tl.sum(h * h, axis=1), axis=0)
+        sums = tl.where(mix == mixes, squares, dots)
+        tl.store(PARTIAL + (row * CHUNKS + chunk) * MIX_PAD + mix, sums, mask=row < rows)
+
+
+@triton.jit
+def _collapse_kernel(
+    H,  # [rows, n, hidden]: the streams (after the update)
+    PARTIAL,  # [rows, PARTS, MIX_PAD] float32
+    BASE,  # [mixes] float32
+    SCALE,  # [3] float32: pre's, post's, comb's
+    WEIGHT,  # [hidden]: the norm's weight
+    X,  # [rows, hidden]: the normalised collapse
+    POST_OUT,  # [rows, n] float32
+    COMB_OUT,  # [rows, n, n] float32
+    n,
+    hidden,
+    mixes,
+    hc_eps,
+    hc_norm_eps,
+    norm_eps,
+    ITERS: tl.constexpr,
+    PARTS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_PAD: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    j = tl.arange(0, N_PAD)
+    live = j < n
+    pair = live[:, None] & live[None, :]
+    pair_at = 2 * n + j[:, None] * n + j[None, :]
+    partial = PARTIAL + row * PARTS * MIX_PAD
+    pre = tl.zeros([N_PAD], dtype=tl.float32)
+    post = tl.zeros([N_PAD], dtype=tl.float32)
+    comb = tl.zeros([N_PAD, N_PAD], dtype=tl.float32)
+    squares = tl.load(partial + mixes)
+    pre += tl.load(partial + j, mask=live, other=0.0)
+    post += tl.load(partial + n + j, mask=live, other=0.0)
+    comb += tl.load(partial + pair_at, mask=pair, other=0.0)
+    for c in range(1, PARTS):
+        at = partial + c * MIX_PAD
+        squares += tl.load(at + mixes)
+        pre += tl.load(at + j, mask=live, other=0.0)
+        post += tl.load(at + n + j, mask=live, other=0.0)
+        comb += tl.load(at + pair_at, mask=pair, other=0.0)
+    inv = 1.0 / tl.sqrt(squares / (n * hidden) + hc_norm_eps)
+    pre = tl.sigmoid(pre * inv * tl.load(SCALE) + tl.load(BASE + j, mask=live, other=0.0)) + hc_eps
+    post = 2.0 * tl.sigmoid(
+        post * inv * tl.load(SCALE + 1) + tl.load(BASE + n + j, mask=live, other=0.0)
+    )
+    logits = comb * inv * tl.load(SCALE + 2) + tl.load(BASE + pair_at, mask=pair, other=0.0)
+    # Padded columns take no mass; padded rows (all masked later) stay finite.
+    logits = tl.where(pair, logits, tl.where(live[:, None], float("-inf"), 0.0))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(pair, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+    # Sinkhorn-Knopp as the torch path: columns, then (ITERS - 1) rounds of rows and columns.
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(POST_OUT + row * n + j, post, mask=live)
+    tl.store(COMB_OUT + row * n * n + j[:, None] * n + j[None, :], comb, mask=pair)
+
+    # The collapse, rounded to the streams' dtype, stored; its statistics; then the norm in place.
+    dtype = H.dtype.element_ty
+    square_sum = 0.0
+    for c in range(0, CHUNKS * BLOCK, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        tile = live[:, None] & (cols[None, :] < hidden)
+        h = tl.load(
+            H + row * n * hidden + j[:, None] * hidden + cols[None, :], mask=tile, other=0.0
+        )
+        collapsed = tl.sum(pre[:, None] * h.to(tl.float32), axis=0).to(dtype).to(tl.float32)
+        square_sum += tl.sum(collapsed * collapsed, axis=0)
+        tl.store(X + row * hidden + cols, collapsed.to(X.dtype.element_ty), mask=cols < hidden)
+    tl.debug_barrier()
+    inv_rms = 1.0 / tl.sqrt(square_sum / hidden + norm_eps)
+    for c in range(0, CHUNKS * BLOCK, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        x = tl.load(X + row * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        w = tl.load(WEIGHT + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        tl.store(
+            X + row * hidden + cols, (w * (x * inv_rms)).to(X.dtype.element_ty), mask=cols < hidden
+        )
+
+
+def supports(
+    h: torch.Tensor,
+    y: torch.Tensor | None,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+) -> bool:
+    """Contiguous streams of a float dtype, the block output in their dtype, float32 mappings."""
+    if h.dim() != 3 or h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    rows, n, hidden = h.shape
+    if not (h.is_contiguous() and fn.is_contiguous() and fn.shape == ((2 + n) * n, n * hidden)):
+        return False
+    if y is None:
+        return True
+    return (
+        y.dtype == h.dtype
+        and y.shape == (rows, hidden)
+        and y.is_contiguous()
+        and post.dtype == comb.dtype == torch.float32
+        and post.is_contiguous()
+        and comb.is_contiguous()
+    )
+
+
+def hyper_connection(
+    h: torch.Tensor,
+    y: torch.Tensor | None,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    hc_norm_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site: h [rows, n, hidden] contiguous (and, given y [rows, hidden], the previous
+    site's post [rows, n], comb [rows, n, n] float32: the update first) -> (the streams, the
+    normalised collapse [rows, hidden] in h's dtype, post, comb)."""
+    rows, n, hidden = h.shape
+    mixes = (2 + n) * n
+    n_pad, mix_pad = triton.next_power_of_2(n), triton.next_power_of_2(mixes + 1)
+    block = max(16, min(triton.next_power_of_2(hidden), FN_TILE // (mix_pad * n_pad)))
+    chunks = triton.cdiv(hidden, block)
+    per_program = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+    expand = y is not None
+    out = torch.empty_like(h) if expand else h
+    x = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
+    post_out = torch.empty(rows, n, dtype=torch.float32, device=h.device)
+    comb_out = torch.empty(rows, n, n, dtype=torch.float32, device=h.device)
+    if rows == 0:
+        return out, x, post_out, comb_out
+    partial = torch.empty(rows, chunks, mix_pad, dtype=torch.float32, device=h.device)
+    ready = (y, post, comb) if expand else (h, h, h)  # placeholders, never read
+    _mix_kernel[(triton.cdiv(rows, per_program), chunks)](
+        h,
+        *ready,
+        out,
+        fn,
+        partial,
+        rows,
+        n,
+        hidden,
+        mixes,
+        EXPAND=expand,
+        ROWS=per_program,
+        CHUNKS=chunks,
+        BLOCK=block,
+        N_PAD=n_pad,
+        MIX_PAD=mix_pad,
+        num_warps=8,  # the FN_TILE tile and its product with the streams (chosen, not measured)
+    )
+    collapse_block = min(triton.next_power_of_2(hidden), COLLAPSE_BLOCK)
+    _collapse_kernel[(rows,)](
+        out,
+        partial,
+        base,
+        scale,
+        norm_weight,
+        x,
+        post_out,
+        comb_out,
+        n,
+        hidden,
+        mixes,
+        hc_eps,
+        hc_norm_eps,
+        norm_eps,
+        ITERS=iters,
+        PARTS=chunks,
+        CHUNKS=triton.cdiv(hidden, collapse_block),
+        BLOCK=collapse_block,
+        N_PAD=n_pad,
+        MIX_PAD=mix_pad,
+    )
+    return out, x, post_out, comb_out

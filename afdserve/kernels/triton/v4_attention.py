@@ -1,0 +1,205 @@
+"""DeepSeek-V4's attention of a ubatch (model/families/deepseek_v4/batched.py) in one launch: each
+row's sliding window plus the compressed entries it selected, with one sink logit per head, read
+straight from the pages (no gathered key tensor, no concatenation, no mask tensor).
+
+V4's attention is MQA with K = V: one `dim`-wide row per key serves every head. So a program takes
+one row and a block of heads, and each key tile it loads feeds both dots of all those heads (as
+FlashMLA's sparse decode reads each selected key once for a head group). The keys of a row:
+- window key i (0 <= i < WINDOW) is position p - i: from the chunk's own rows `OWN` when at or past
+  the chunk's start, else from the window page at the flat row `WINDOW_ROWS[r, i]`; visible where
+  the position is not negative;
+- entry e (0 <= e < ENTRIES) is compressed entry `READ[r, e]`, closed at position (w + 1) m - 1:
+  from the chunk's `NEW` rows when that is at or past the chunk's start, else from the entries page
+  at `ENTRY_ROWS[r, e]`; visible where it closed at or before p (w < (p + 1) // m).
+That is `StepRows.chunk_or`'s rule, with the addresses `LayerPages` gives (cache.py keeps the
+layout). Softmax online in float32 from the sink (m = sink, l = 1), so a row with every key masked
+gives zero, as the torch path. Loop bounds are constexpr (Triton 3.6's interpreter runs no other).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Heads a program takes and keys per tile (not measured; the head block is tl.dot's minimum M, the
+# tile keeps a head_dim 512 key tile at 16 KB of bf16).
+BLOCK_HEADS = 16
+BLOCK_KEYS = 32
+
+
+@triton.jit
+def _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One tile of keys k [BLOCK_KEYS, D] into the running max, sum and output of q's heads."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_HEADS, BLOCK_KEYS]
+    s = tl.where(visible[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    Q,  # [rows, heads, dim]
+    OWN,  # [rows, dim]: the chunk's own rotated KV
+    WINDOW_PAGE,  # [flat rows, dim]
+    WINDOW_ROWS,  # [rows, WINDOW] int64
+    NEW,  # [rows, dim]: the entry each chunk row pooled (ENTRIES > 0)
+    ENTRY_PAGE,  # [flat rows, dim]
+    ENTRY_ROWS,  # [rows, ENTRIES] int64
+    READ,  # [rows, ENTRIES] int64: the entry indices
+    POSITIONS,  # [rows] int64
+    START,  # [rows] int64: the chunk's first position
+    REAL,  # [rows] bool
+    SINKS,  # [heads] float32
+    OUT,  # [rows, heads, dim]
+    rows,
+    heads,
+    dim,
+    scale,
+    WINDOW: tl.constexpr,
+    ENTRIES: tl.constexpr,
+    RATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r, head_block = tl.program_id(0), tl.program_id(1)
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    live_d = d < dim
+    q = tl.load(
+        Q + (r * heads + h[:, None]) * dim + d[None, :],
+        mask=(h[:, None] < heads) & live_d[None, :],
+        other=0.0,
+    )
+    p = tl.load(POSITIONS + r)
+    start = tl.load(START + r)
+    real = tl.load(REAL + r).to(tl.int1)
+    m_i = tl.load(SINKS + h, mask=h < heads, other=0.0).to(tl.float32)
+    l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for t in range(0, WINDOW, BLOCK_N):
+        i = t + n
+        pos = p - i
+        visible = (i < WINDOW) & (pos >= 0) & real
+        own = pos >= start
+        own_row = tl.minimum(tl.maximum(r - i, 0), rows - 1)
+        paged = tl.load(WINDOW_ROWS + r * WINDOW + i, mask=visible & ~own, other=0)
+        k_own = tl.load(
+            OWN + own_row[:, None] * dim + d[None, :],
+            mask=(visible & own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k_paged = tl.load(
+            WINDOW_PAGE + paged[:, None] * dim + d[None, :],
+            mask=(visible & ~own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
+        m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
+    closed = (p + 1) // RATE
+    for t in range(0, ENTRIES, BLOCK_N):
+        e = t + n
+        read = tl.load(READ + r * ENTRIES + e, mask=e < ENTRIES, other=0)
+        visible = (e < ENTRIES) & (read < closed) & real
+        at = (read + 1) * RATE - 1  # the position that closed the entry
+        own = at >= start
+        own_row = tl.minimum(tl.maximum(r - (p - at), 0), rows - 1)
+        paged = tl.load(ENTRY_ROWS + r * ENTRIES + e, mask=visible & ~own, other=0)
+        k_own = tl.load(
+            NEW + own_row[:, None] * dim + d[None, :],
+            mask=(visible & own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k_paged = tl.load(
+            ENTRY_PAGE + paged[:, None] * dim + d[None, :],
+            mask=(visible & ~own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
+        m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(
+        OUT + (r * heads + h[:, None]) * dim + d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=(h[:, None] < heads) & live_d[None, :],
+    )
+
+
+def supports(q: torch.Tensor, own: torch.Tensor, window_page: torch.Tensor) -> bool:
+    """q [rows, heads, dim], own [rows, dim], the pages, all of one float dtype, contiguous."""
+    return (
+        q.dim() == 3
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.dtype == own.dtype == window_page.dtype
+        and q.is_contiguous()
+        and own.is_contiguous()
+        and window_page.is_contiguous()
+        and q.shape[-1] <= 1024
+    )
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    window_page: torch.Tensor,
+    window_rows: torch.Tensor,
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    rate: int,
+    positions: torch.Tensor,
+    start: torch.Tensor,
+    real: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, its flat
+    rows [rows, n], the entry indices [rows, n]) or None (a sliding layer). See the module
+    docstring for what each row sees."""
+    rows, heads, dim = q.shape
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    window = window_rows.shape[1]
+    if entries is None:
+        new, entry_page, entry_rows, read = own, window_page, window_rows, window_rows
+        count = 0
+    else:
+        new, entry_page, entry_rows, read = entries
+        count = read.shape[1]
+    block_h = BLOCK_HEADS
+    _sparse_attention_kernel[(rows, triton.cdiv(heads, block_h))](
+        q,
+        own,
+        window_page,
+        window_rows.contiguous(),
+        new.contiguous(),
+        entry_page,
+        entry_rows.contiguous(),
+        read.contiguous(),
+        positions,
+        start,
+        real,
+        sinks,
+        out,
+        rows,
+        heads,
+        dim,
+        scale,
+        WINDOW=window,
+        ENTRIES=count,
+        RATE=max(rate, 1),
+        BLOCK_H=block_h,
+        BLOCK_N=BLOCK_KEYS,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # A head_dim of 512 keeps a [16, 512] float32 output and a [32, 512] key tile live: eight
+        # warps hold them without spilling (chosen, not measured).
+        num_warps=8 if dim > 128 else 4,
+    )
+    return out

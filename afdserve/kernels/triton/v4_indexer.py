@@ -1,0 +1,131 @@
+"""DeepSeek-V4's lightning indexer scores of a ubatch (model/families/deepseek_v4/batched.py's
+`_compressed`) in one launch: every entry the block table addresses, read from the indexer's
+entries page (no gathered key tensor), scored for every row's query heads.
+
+score(r, e) = sum_h w_h(r) relu(q_h(r) . k_e) / sqrt(dim), -inf where entry e has not closed at or
+before the row's position p (e >= (p + 1) // m). Key e is the chunk's own pooled row `NEW` when it
+closed at or past the chunk's start ((e + 1) m - 1 >= start), else the page row `ENTRY_ROWS[r,
+e]`: `StepRows.chunk_or`'s rule, with the addresses `LayerPages` gives. One program per (row, block
+of entries): the row's heads ride one dot against the block's keys. The dots multiply the keys'
+dtype exactly and sum in float32, as the torch path's float32 einsum of the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ENTRIES = 64  # entries a program scores (not measured)
+
+
+@triton.jit
+def _index_scores_kernel(
+    Q,  # [rows, heads, DIM]: the rotated index queries
+    WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
+    NEW,  # [rows, DIM]: the entry each chunk row pooled
+    PAGE,  # [flat rows, DIM]: the indexer's entries page
+    ENTRY_ROWS,  # [rows, count] int64
+    POSITIONS,  # [rows] int64
+    START,  # [rows] int64
+    SCORES,  # [rows, count] float32
+    rows,
+    heads,
+    count,
+    scale,
+    RATE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r, block = tl.program_id(0), tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+    live_d = d < DIM
+    q = tl.load(
+        Q + (r * heads + h[:, None]) * DIM + d[None, :],
+        mask=(h[:, None] < heads) & live_d[None, :],
+        other=0.0,
+    )
+    w = tl.load(WEIGHTS + r * heads + h, mask=h < heads, other=0.0)
+    p = tl.load(POSITIONS + r)
+    start = tl.load(START + r)
+    inside = e < count
+    visible = inside & (e < (p + 1) // RATE)
+    at = (e + 1) * RATE - 1  # the position that closed entry e
+    own = at >= start
+    own_row = tl.minimum(tl.maximum(r - (p - at), 0), rows - 1)
+    paged = tl.load(ENTRY_ROWS + r * count + e, mask=inside & ~own, other=0)
+    k_own = tl.load(
+        NEW + own_row[:, None] * DIM + d[None, :],
+        mask=(inside & own)[:, None] & live_d[None, :],
+        other=0.0,
+    )
+    k_paged = tl.load(
+        PAGE + paged[:, None] * DIM + d[None, :],
+        mask=(inside & ~own)[:, None] & live_d[None, :],
+        other=0.0,
+    )
+    k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
+    dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_E]
+    scores = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
+    scores = tl.where(visible, scores, float("-inf"))
+    tl.store(SCORES + r * count + e, scores, mask=inside)
+
+
+def supports(q: torch.Tensor, new: torch.Tensor, page: torch.Tensor) -> bool:
+    """q [rows, heads, dim], new [rows, dim] and the page of one float dtype, contiguous."""
+    return (
+        q.dim() == 3
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.dtype == new.dtype == page.dtype
+        and q.is_contiguous()
+        and new.is_contiguous()
+        and page.is_contiguous()
+        and q.shape[1] <= 128
+        and q.shape[2] <= 512
+    )
+
+
+def index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    entry_rows: torch.Tensor,
+    rate: int,
+    positions: torch.Tensor,
+    start: torch.Tensor,
+) -> torch.Tensor:
+    """-> scores [rows, count] float32 of every entry `entry_rows` [rows, count] addresses (the
+    module docstring says which key each is and which are -inf)."""
+    rows, heads, dim = q.shape
+    count = entry_rows.shape[1]
+    scores = torch.empty(rows, count, dtype=torch.float32, device=q.device)
+    if rows == 0 or count == 0:
+        return scores
+    _index_scores_kernel[(rows, triton.cdiv(count, BLOCK_ENTRIES))](
+        q,
+        weights.float().contiguous(),
+        new,
+        page,
+        entry_rows.contiguous(),
+        positions,
+        start,
+        scores,
+        rows,
+        heads,
+        count,
+        dim**-0.5,
+        RATE=rate,
+        DIM=dim,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_E=BLOCK_ENTRIES,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if heads * dim > 4096 else 4,  # 64 heads of 128: a 32 KB q tile (not measured)
+    )
+    return scores
