@@ -33,6 +33,7 @@ LAYERS = {  # module prefix -> layer; a module may import only its own layer and
     # Leaf fixtures a family's own tiny builder (parts.Family.make_tiny) writes with.
     "afdserve.model.fixtures.byte_tokenizer": 2.0,
     "afdserve.model.fixtures.fp8_checkpoint": 2.1,
+    "afdserve.model.fixtures.seeded": 2.0,
     "afdserve.model.checkpoint": 2.4,  # reading a model dir: hub, preflight, loader
     "afdserve.model.presets": 2.5,
     "afdserve.engine": 3,

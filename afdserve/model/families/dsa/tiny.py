@@ -18,7 +18,6 @@ import torch
 from transformers import (
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
-    GenerationConfig,
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
     PreTrainedModel,
@@ -32,6 +31,7 @@ from afdserve.model.fixtures.byte_tokenizer import (
     build_byte_tokenizer,
 )
 from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
+from afdserve.model.fixtures.seeded import empty_out_dir, seeded_model
 
 TINY = {
     "vocab_size": VOCAB_SIZE,
@@ -69,7 +69,6 @@ BUILDS = {
         {"n_group": 1, "topk_group": 1, "indexer_types": ["full", "shared", "full", "shared"]},
     ),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # As model/fixtures/tiny.py (whose docstring says why): unit-scale activations, logits spread by
 # units, a selection bias that flips some expert choices.
 LM_HEAD_GAIN, ROUTER_GAIN, NORM_JITTER, SCORE_BIAS_STD = 3.0, 2.0, 0.1, 0.05
@@ -81,19 +80,9 @@ def build_tiny_dsa(
     """The in-memory transformers model (eager attention), deterministic in its arguments."""
     if model_type not in BUILDS:
         raise ValueError(f"model_type={model_type!r}: one of {tuple(BUILDS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {tuple(DTYPES)}")
     config_class, model_class, own = BUILDS[model_type]
     config = config_class(**{**TINY, **own, **overrides})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    _init_weights(model, torch.Generator().manual_seed(2 * seed))
-    model.to(DTYPES[dtype])
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
-    )
-    return model
+    return seeded_model(model_class, config, seed, dtype, _init_weights)
 
 
 def make_tiny_dsa(
@@ -109,9 +98,7 @@ def make_tiny_dsa(
         raise ValueError(f"hash_layers={hash_layers}: {model_type} has no hash-routed layers")
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: None, 'fp8'")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
+    out_dir = empty_out_dir(out_dir)
     build_tiny_dsa(model_type, seed, dtype).save_pretrained(out_dir, safe_serialization=True)
     if quantization == "fp8":
         quantize_checkpoint(out_dir)

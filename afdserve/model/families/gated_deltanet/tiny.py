@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    GenerationConfig,
     PreTrainedModel,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
@@ -25,8 +24,9 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-# model/fixtures/byte_tokenizer.py's 256 bytes and 4 specials (bos 256, eos 257, pad 258).
-VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID = 260, 256, 257, 258
+from afdserve.model.fixtures.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from afdserve.model.fixtures.seeded import empty_out_dir, seeded_model
+
 LINEAR, FULL = "linear_attention", "full_attention"
 TEXT = {
     "vocab_size": VOCAB_SIZE,
@@ -68,7 +68,6 @@ VISION = {
     "out_hidden_size": 32,
     "num_position_embeddings": 16,
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LM_HEAD_GAIN, ROUTER_GAIN, JITTER = 3.0, 2.0, 0.1
 
 
@@ -84,15 +83,7 @@ def build_tiny(model_type: str, seed: int = 0, dtype: str = "float32") -> PreTra
         model_class = Qwen3_5MoeForConditionalGeneration
     else:
         raise ValueError(f"model_type={model_type!r}: one of qwen3_next, qwen3_5_moe(_text)")
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    _init_weights(model, torch.Generator().manual_seed(2 * seed))
-    model.to(DTYPES[dtype])
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
-    )
-    return model
+    return seeded_model(model_class, config, seed, dtype, _init_weights)
 
 
 def make_tiny(
@@ -109,9 +100,7 @@ def make_tiny(
             f"hash_layers={hash_layers}, quantization={quantization!r}: {model_type} has "
             "neither (allowed: 0 and None)"
         )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
+    out_dir = empty_out_dir(out_dir)
     build_tiny(model_type, seed, dtype).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from afdserve.kernels.ops import quantize_fp4
+from afdserve.model.fixtures.seeded import DTYPES, empty_out_dir
 
 # The byte tokenizer's ids (model/fixtures/byte_tokenizer.py, which tiny.py writes beside this
 # checkpoint; the families may not import fixtures): 256 bytes, then bos, eos, pad, turn start.
 VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID = 260, 256, 257, 258
 WEIGHTS_FILE = "model.safetensors"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 TINY_GPT_OSS = {
     "vocab_size": VOCAB_SIZE,
@@ -106,9 +106,7 @@ def make_tiny_gpt_oss(
         raise ValueError(f"hash_layers={hash_layers} for gpt_oss (it has none); allowed: 0")
     if quantization not in (None, "mxfp4"):
         raise ValueError(f"quantization={quantization!r} for gpt_oss: allowed None, 'mxfp4'")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
+    out_dir = empty_out_dir(out_dir)
     build_tiny_gpt_oss(seed, dtype).save_pretrained(out_dir, safe_serialization=True)
     if quantization == "mxfp4":
         write_mxfp4(out_dir)

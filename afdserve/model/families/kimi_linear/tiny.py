@@ -14,9 +14,10 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, KimiLinearConfig, KimiLinearForCausalLM
+from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-from afdserve.model.families.gated_deltanet.tiny import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from afdserve.model.fixtures.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from afdserve.model.fixtures.seeded import empty_out_dir, seeded_model
 
 TINY_KIMI = {
     "vocab_size": VOCAB_SIZE,
@@ -48,21 +49,12 @@ TINY_KIMI = {
     "eos_token_id": EOS_ID,
     "pad_token_id": PAD_ID,
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LM_HEAD_GAIN, ROUTER_GAIN, JITTER, SCORE_BIAS_STD = 3.0, 2.0, 0.1, 0.05
 
 
 def build_tiny_kimi(seed: int = 0, dtype: str = "float32") -> KimiLinearForCausalLM:
     config = KimiLinearConfig(**TINY_KIMI)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(config).eval()
-    _init_weights(model, torch.Generator().manual_seed(2 * seed))
-    model.to(DTYPES[dtype])
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
-    )
-    return model
+    return seeded_model(KimiLinearForCausalLM, config, seed, dtype, _init_weights)
 
 
 def make_tiny(
@@ -79,9 +71,7 @@ def make_tiny(
             f"hash_layers={hash_layers}, quantization={quantization!r}: {model_type} has "
             "neither (allowed: 0 and None)"
         )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
+    out_dir = empty_out_dir(out_dir)
     build_tiny_kimi(seed, dtype).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

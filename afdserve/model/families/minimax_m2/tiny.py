@@ -25,8 +25,8 @@ from afdserve.model.fixtures.byte_tokenizer import (
     build_byte_tokenizer,
 )
 from afdserve.model.fixtures.fp8_checkpoint import quantize_checkpoint
+from afdserve.model.fixtures.seeded import DTYPES, empty_out_dir
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -101,9 +101,7 @@ def make_tiny_minimax_m2(
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {tuple(DTYPES)}")
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: None, 'fp8'")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir={str(out_dir)!r} is not empty; give a new or empty folder")
+    out_dir = empty_out_dir(out_dir)
     config = tiny_config(**overrides)
     torch.manual_seed(seed)
     model = MiniMaxM2ForCausalLM(config).eval()
