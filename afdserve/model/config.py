@@ -14,6 +14,24 @@ LAYER_TYPES = ("dense", "moe", "hash_moe")
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
+def common_fields(raw: dict[str, Any], rms_norm_eps: float, max_positions: int) -> dict[str, Any]:
+    """The ModelConfig fields every family reads alike from config.json; the defaults where a key
+    is absent are the family's transformers config's."""
+    eos = raw.get("eos_token_id")
+    return {
+        "vocab_size": int(raw["vocab_size"]),
+        "hidden_size": int(raw["hidden_size"]),
+        "num_layers": int(raw["num_hidden_layers"]),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", rms_norm_eps)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", max_positions)),
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_ids": tuple(eos)
+        if isinstance(eos, list)
+        else (() if eos is None else (int(eos),)),
+    }
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import ModelConfig, common_fields
 from afdserve.model.quantization import parse_quantization_config
 
 MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral")
@@ -103,8 +103,6 @@ def parse_decoder_config(raw: dict[str, Any], family: str) -> ModelConfig:
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
     rope_theta, rope_params = _rope(raw)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     mla = family in ("deepseek_v2", "deepseek_v3")
     if mla:
         nope, rope_dim = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
@@ -128,14 +126,7 @@ def parse_decoder_config(raw: dict[str, Any], family: str) -> ModelConfig:
     inv_freq, rope_scaling = _rope_frequencies(raw, rope_theta, rope_params, rope_dim or head_dim)
     return ModelConfig(
         family=family,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        **common_fields(raw, 1e-6, 4096),
         attention="mla" if mla else "gqa",
         num_heads=heads,
         num_kv_heads=heads if mla else int(raw.get("num_key_value_heads") or heads),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import ModelConfig, common_fields
 from afdserve.model.quantization import parse_quantization_config
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -150,8 +150,6 @@ def parse_gdn_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or hidden // heads)
     inv_freq, rotary_dim = _rope(text, head_dim)
-    eos = text.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     gdn = GDNConfig(
         attention_types=_attention_types(text, layers),
         packed_projections=model_type == "qwen3_next",
@@ -166,14 +164,7 @@ def parse_gdn_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
     )
     return ModelConfig(
         family=model_type,
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=layers,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        bos_token_id=text.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        **common_fields(text, 1e-6, 32768),
         attention="gqa",
         num_heads=heads,
         num_kv_heads=int(text.get("num_key_value_heads") or heads),

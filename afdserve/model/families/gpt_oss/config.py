@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import ModelConfig, common_fields
 from afdserve.model.families.decoder.config import _rope, _rope_frequencies
 from afdserve.model.quantization import parse_quantization_config
 
@@ -149,20 +149,11 @@ def parse_gpt_oss_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
     # transformers' config (which computes the rope) wants a layer type per layer, no more.
     as_parsed = {**raw, "layer_types": list(kinds)}
     inv_freq, rope_scaling = _rope_frequencies(as_parsed, rope_theta, rope_params, head_dim)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     experts = int(raw.get("num_local_experts") or raw.get("num_experts"))
     inter = int(raw["intermediate_size"])
     return ModelConfig(
         family="gpt_oss",
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=layers,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        **common_fields(raw, 1e-5, 131072),
         attention="gqa",
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import ModelConfig, common_fields
 from afdserve.model.families.decoder.config import _rope, _rope_frequencies
 from afdserve.model.quantization import parse_quantization_config
 
@@ -167,20 +167,11 @@ def parse_minimax_m2_config(raw: dict[str, Any], model_type: str = FAMILY) -> Mo
     theta, params = _rope(raw)
     rotary_dim = _rotary_dim(raw, head_dim)
     inv_freq, rope_scaling = _rope_frequencies(raw, theta, params, rotary_dim)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     experts = raw.get("num_local_experts", raw.get("num_experts"))
     mtp = int(raw.get("num_mtp_modules") or 0) if raw.get("use_mtp", True) else 0
     return ModelConfig(
         family=FAMILY,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=layers,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        **common_fields(raw, 1e-6, 4096),
         attention="gqa",
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
