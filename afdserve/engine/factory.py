@@ -124,16 +124,15 @@ def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
 
 
 def speculative_for(config: EngineConfig, model_config: ModelConfig) -> SpeculativeConfig | None:
-    """The speculative config, refused for a cache whose slots are not addressed by position
-    alone: rolling rejected drafts back leaves their KV behind to be overwritten, which only a
-    cache that could also reuse blocks by prefix tolerates (a ring or a compressor would have
-    consumed them)."""
+    """The speculative config, refused for a cache that cannot leave rejected drafts' rows
+    behind to be overwritten (`CacheSpec.rollback_refusal`: a ring or a recurrent state would
+    have consumed them)."""
     speculative = config.speculative_config
-    why = cache_layout(model_config).prefix_reuse_refusal(config.block_size)
+    why = cache_layout(model_config).rollback_refusal
     if speculative is not None and why is not None:
         raise ValueError(
             f"EngineConfig.speculative_config is not supported for {model_config.family}: "
-            f"rejected drafts' KV must be overwritable in place, and its cache cannot ({why})"
+            f"rejected drafts' rows must be overwritable in place, and its cache cannot ({why})"
         )
     return speculative
 

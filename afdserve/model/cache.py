@@ -40,6 +40,9 @@ class CacheSpec(ABC):
     # Whether the layers read the batched segment tensors on every device (the CPU reference
     # otherwise loops over segments).
     batched_segments: bool = False
+    # Why rows a step wrote past what a sequence keeps (a speculative step's rejected drafts)
+    # cannot be left to be overwritten (None: a position's state sits at that position alone).
+    rollback_refusal: str | None = None
 
     @abstractmethod
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -73,6 +76,11 @@ class SequenceSlots(CacheSpec):
     slot with its first blocks and takes it back with them; a layer starts from an empty state
     wherever a segment starts at position 0, so a slot needs no zeroing when it changes hands
     (and a sequence preempted by recompute starts afresh)."""
+
+    rollback_refusal = (
+        "a recurrent state folds in every row it is fed, so rejected drafts cannot be taken "
+        "back out of it"
+    )
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 0
@@ -149,6 +157,10 @@ class CacheLayout:
     @property
     def fp8_refusal(self) -> str | None:
         return self._first(s.fp8_refusal for s in self.specs)
+
+    @property
+    def rollback_refusal(self) -> str | None:
+        return self._first(s.rollback_refusal for s in self.specs)
 
     def eager_by_default(self, max_model_len: int) -> str | None:
         """Why graph_mode "auto" stays "none" on CUDA for this model at this max_model_len."""

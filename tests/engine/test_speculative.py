@@ -366,14 +366,29 @@ def test_a_decode_step_with_drafts_plans_a_graph() -> None:
     assert (mine.mode, mine.padded_rows) == ("capture", 8)
 
 
-def test_deepseek_v4_refuses_speculation_by_name(tmp_path) -> None:
-    """Its windows and compressors consume every row a step writes: rejected drafts cannot be
-    left behind to be overwritten."""
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_deepseek_v4_refuses_speculation_by_name(tmp_path, block_size) -> None:
+    """Its window rings keep a position's row only until a later write replaces it: a rejected
+    draft's row would overwrite one the window still reads, at every block size."""
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     with pytest.raises(ValueError, match="speculative_config is not supported for deepseek_v4"):
-        LLM(model, speculative_config=NGRAM)
+        LLM(model, speculative_config=NGRAM, block_size=block_size)
+
+
+def test_the_refusal_is_needed_for_deepseek_v4(tmp_path, monkeypatch) -> None:
+    """With the refusal lifted, rolled-back drafts change V4's tokens: the refusal guards a
+    real difference, not a guess."""
+    from afdserve.model.families.deepseek_v4.cache import V4Pages
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+
+    monkeypatch.setattr(V4Pages, "rollback_refusal", None)
+    model = str(make_tiny_v4(tmp_path / "v4"))
+    common = dict(max_num_batched_tokens=24, block_size=4, kv_cache_blocks=48)
+    want, _, _, _ = _run(model, None, GREEDY, rounds=1, **common)
+    got, _, _, _ = _run(model, NGRAM, GREEDY, rounds=1, **common)
+    assert got != want
 
 
 def test_config_file_mapping_reaches_the_flag(tmp_path) -> None:
@@ -403,3 +418,12 @@ def test_stop_strings_end_the_output_at_the_same_token() -> None:
         results.append([(o.text, o.token_ids, len(o.logprobs), o.finish_reason) for o in outs])
     assert results[0] == results[1]
     assert all(reason == "stop" for *_, reason in results[0])
+
+
+def test_linear_attention_refuses_speculation_by_name(tmp_path) -> None:
+    """A recurrent state folds in every row: rejected drafts cannot be taken back out."""
+    from afdserve.model.fixtures.tiny import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "next", "qwen3_next"))
+    with pytest.raises(ValueError, match="recurrent state folds in every row"):
+        LLM(model, speculative_config=NGRAM)

@@ -136,6 +136,13 @@ GRAPH_CONTEXT_LIMIT = (
 )
 
 
+# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py).
+ROLLBACK_REFUSAL = (
+    "its window rings and compressor rows hold a position's row only until a later position's "
+    "write replaces it, so a rejected draft's row overwrites one the window still reads"
+)
+
+
 @dataclass(frozen=True)
 class V4Pages(CacheSpec):
     """The layers of one attention type, each a `LayerPages` over the engine's blocks."""
@@ -145,6 +152,7 @@ class V4Pages(CacheSpec):
     config: ModelConfig
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     graph_context_limit = GRAPH_CONTEXT_LIMIT
+    rollback_refusal = ROLLBACK_REFUSAL
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
     # runs what a graph captures.
     batched_segments = True

@@ -91,6 +91,10 @@ class GptOssMoE(nn.Module):
         self.experts = GptOssExperts(config, held)
         self.shared_experts = None  # none in gpt-oss (an expert-parallel group asks, as MoEBlock)
 
+    def shared(self, x: torch.Tensor) -> None:
+        """What shared experts add (MoEBlock.shared, which an expert-parallel group calls): none."""
+        return None
+
     def forward(
         self, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
     ) -> torch.Tensor:
