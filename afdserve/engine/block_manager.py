@@ -12,11 +12,9 @@ reused before any cached block is evicted. Only full blocks are shared, and a sh
 never written again: a sequence writes only the positions it computes, which lie past its cached
 prefix.
 
-State slots (model/cache.py's `SequenceSlots`): where the cache keeps a fixed-size state per
-sequence, a sequence takes a slot with its first blocks and gives it back with them (finished,
-aborted or preempted). There are as many slots as the scheduler runs sequences, so admission never
-waits for one; a new holder needs no zeroed slot, as its layers start from an empty state at
-position 0.
+State slots (model/cache.py's `SequenceSlots`): a sequence takes one with its first blocks and
+gives it back with them; there are max_num_seqs of them, and none needs zeroing (a layer starts
+from an empty state at position 0).
 """
 
 from __future__ import annotations

@@ -11,11 +11,9 @@ end state too), after every read of that page; a sequence writes only positions 
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
-On CUDA, over pages in the model dtype, the attention itself (window, selected entries, sinks)
-is one launch reading the pages (`_attend`, ops.v4_sparse_attention), and so are the indexer's
-scores and a decode ubatch's compressor update; FP8 pages take the torch form. NOTE: elsewhere
-each row gathers its own compressed keys, [rows, ceil(W B / m), dim] per compressor: cheap for
-decode and short chunks; a long prefill of a long context wants them per segment.
+On CUDA (pages in the model dtype) the attention, the indexer's scores and a decode ubatch's
+compressor update are fused launches (ops.v4_*). NOTE: each row gathers its compressed keys out
+to the table width W: cheap for decode and short chunks, not for a long prefill.
 """
 
 from __future__ import annotations
