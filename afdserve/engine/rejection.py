@@ -37,19 +37,18 @@ def verify(
     processed = process_logits(logits.float(), row_seqs)  # [rows, vocab]
     argmax = processed.argmax(dim=-1).tolist()
     sampled_rows = [row for row, seq in enumerate(row_seqs) if not seq.params.greedy]
-    probs = sorted_ids = None
-    if sampled_rows:
+    sampled = [(seq, d) for seq, d in zip(seqs, drafts, strict=True) if not seq.params.greedy]
+    picked = iter(())
+    if sampled:
         index = torch.tensor(sampled_rows, device=logits.device)
         probs, sorted_ids = filtered_probs(processed[index], [row_seqs[r] for r in sampled_rows])
-        place = {row: i for i, row in enumerate(sampled_rows)}
+        picked = iter(_sampled(sampled, probs, sorted_ids))
     results, start = [], 0
     for seq, draft in zip(seqs, drafts, strict=True):
         if seq.params.greedy:
             results.append(_greedy(argmax[start : start + len(draft) + 1], draft))
         else:
-            first = place[start]
-            rows = slice(first, first + len(draft) + 1)
-            results.append(_sampled(seq, draft, probs[rows], sorted_ids[rows]))
+            results.append(next(picked))
         start += len(draft) + 1
     return results
 
@@ -65,27 +64,44 @@ def _greedy(targets: list[int], draft: tuple[int, ...]) -> list[int]:
 
 
 def _sampled(
-    seq: Sequence, draft: tuple[int, ...], probs: torch.Tensor, sorted_ids: torch.Tensor
-) -> list[int]:
-    """probs, sorted_ids: [k + 1, vocab], each row's filtered distribution (sampler's order)."""
-    tokens = []
-    for j, proposed in enumerate(draft):
-        u = draw_uniform(seq)
-        row = probs[j].double()
-        column = (sorted_ids[j] == proposed).nonzero()
-        total = row.sum()
-        p_draft = (row[column[0, 0]] / total).item() if column.numel() and total > 0 else 0.0
-        if u.item() < p_draft:
-            tokens.append(proposed)
-            continue
-        residual = probs[j].clone()
-        if column.numel():
-            residual[column[0, 0]] = 0.0
-        if not (residual > 0).any():  # all mass on the draft: rejection has probability 0
-            residual = probs[j]
-        rest = ((u - p_draft) / (1.0 - p_draft)).clamp(0.0, 1.0 - 1e-16)
-        tokens.append(int(pick(residual[None], sorted_ids[j][None], rest[None].to(row.device))))
-        return tokens
-    u = draw_uniform(seq).to(probs.device)
-    tokens.append(int(pick(probs[-1:], sorted_ids[-1:], u[None])))
+    sampled: list[tuple[Sequence, tuple[int, ...]]], probs: torch.Tensor, sorted_ids: torch.Tensor
+) -> list[list[int]]:
+    """Each sampled sequence's tokens. probs, sorted_ids: [sum(k + 1), vocab], every row's
+    filtered distribution (sampler's order), the sequences' rows in turn. Two host syncs for the
+    whole batch: each draft's probability, then one draw per sequence (the residual of its first
+    rejected row, or its bonus row), so no sync per draft."""
+    proposed = [t for _, draft in sampled for t in (*draft, -1)]  # -1: a bonus row has no draft
+    hit = sorted_ids == torch.tensor(proposed, device=probs.device)[:, None]  # [rows, vocab]
+    mass = probs.double()
+    total = mass.sum(dim=-1)
+    p_draft = torch.where(total > 0, (mass * hit).sum(dim=-1) / total, 0.0).tolist()
+    tokens: list[list[int]] = []
+    rows, uniforms, rejected, start = [], [], [], 0
+    for seq, draft in sampled:
+        accepted: list[int] = []
+        for j, token in enumerate(draft):
+            u, p = draw_uniform(seq).item(), p_draft[start + j]
+            if u < p:
+                accepted.append(token)
+                continue
+            # Rejected: (u - p) / (1 - p) is again uniform, and draws from p without the draft.
+            rows.append(start + j)
+            uniforms.append(min(max((u - p) / (1.0 - p), 0.0), 1.0 - 1e-16))
+            rejected.append(True)
+            break
+        else:
+            rows.append(start + len(draft))
+            uniforms.append(draw_uniform(seq).item())
+            rejected.append(False)
+        tokens.append(accepted)
+        start += len(draft) + 1
+    index = torch.tensor(rows, device=probs.device)
+    chosen = probs[index]
+    drop = hit[index] & torch.tensor(rejected, device=probs.device)[:, None]
+    residual = chosen.masked_fill(drop, 0.0)
+    # All mass on the draft: rejection had probability 0 (reached only by rounding).
+    residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, chosen)
+    uniform = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
+    for accepted, token in zip(tokens, pick(residual, sorted_ids[index], uniform).tolist()):
+        accepted.append(token)
     return tokens
