@@ -58,8 +58,8 @@ SCALE_BLOCK = 128
 # sm_90+: 0 off; 1 each launch may be placed before the one ahead of it ends and waits for it
 # at its start (tl.extra.cuda.gdc_wait, before any load: a launch that read earlier outputs
 # before it, or ended without it, would break the chain's order); 2 also lets the next launch
-# be placed once every gate/up or down program is past its K loop. 2 was 1-3% faster a layer,
-# outputs bit for bit the same (docs/benchmarks.md, "Kernel constants").
+# be placed once every gate/up or down program is past its K loop. 2 measured fastest, outputs
+# bit for bit the same (docs/benchmarks.md, "Kernel constants").
 GDC = 2
 
 

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from afdserve.model.fixtures.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from afdserve.model.fixtures.seeded import empty_out_dir, seeded_model
+from afdserve.model.fixtures.seeded import save_plain, seeded_model
 
 LINEAR, FULL = "linear_attention", "full_attention"
 TEXT = {
@@ -95,14 +95,9 @@ def make_tiny(
     quantization: str | None = None,
 ) -> Path:
     """Family.make_tiny: config.json, generation_config.json and model.safetensors."""
-    if hash_layers or quantization is not None:
-        raise ValueError(
-            f"hash_layers={hash_layers}, quantization={quantization!r}: {model_type} has "
-            "neither (allowed: 0 and None)"
-        )
-    out_dir = empty_out_dir(out_dir)
-    build_tiny(model_type, seed, dtype).save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return save_plain(
+        out_dir, model_type, hash_layers, quantization, lambda: build_tiny(model_type, seed, dtype)
+    )
 
 
 @torch.no_grad()
