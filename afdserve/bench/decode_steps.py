@@ -259,7 +259,14 @@ class DecodeSteps:
         """One step through the attention driver; `eager` runs one outside it, without graphs
         and unrecorded (so it marks no graph as captured)."""
         if not eager:
-            return self.driver.step().outputs
+            outputs = self.driver.step().outputs
+            graphs = self.driver.forward.graphs
+            if graphs is not None and graphs.eager_keys:  # a figure of graphs, or none at all
+                raise RuntimeError(
+                    f"bench: capturing the graph of {sorted(graphs.eager_keys)} failed (the "
+                    "warning above says why), so the step would be timed eagerly"
+                )
+            return outputs
         recorder = self.driver.recorder
         plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
         return self.execute(None, plan, self.eager, recorder.step)

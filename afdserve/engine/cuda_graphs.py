@@ -14,6 +14,11 @@ Whether a step captures, replays or runs eagerly is read from the plan, never de
 
 from __future__ import annotations
 
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
@@ -21,6 +26,8 @@ from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import cache_layout
+
+log = logging.getLogger(__name__)
 
 
 class GraphCaptureError(RuntimeError):
@@ -35,6 +42,40 @@ class GraphKeyError(GraphCaptureError):
 def check_replayable(rank: int, mode: str, key, graphs: dict) -> None:
     if mode == "replay" and key not in graphs:
         raise GraphKeyError(f"rank {rank}: the plan replays {key}, which it never captured")
+
+
+def capture_graph(
+    run: Callable[[], Any], pool, what: str
+) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+    """Captures `run` (already warmed up) into a graph: (graph, what it returned), or None where
+    two captures failed, the reason logged, so that the caller runs the key eagerly: a server's
+    warm-up must not die of a capture. CUDA reports a failure inside a capture only as "failed
+    due to a previous error during capture"; the causes that come and go between runs are a
+    Python finalizer freeing memory mid-capture and the allocator returning cached blocks
+    (a device sync) under memory pressure, so the garbage collector is run first and held off
+    while capturing, and a failed capture is retried once after a sync."""
+    reasons = []
+    for _ in range(2):
+        gc.collect()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        gc.disable()
+        try:
+            # thread_local: a process group's watchdog thread polls events during the capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = run()
+            return graph, out
+        except RuntimeError as e:
+            free, total = (n / 2**30 for n in torch.cuda.mem_get_info())
+            reasons.append(f"{e} (device memory free: {free:.1f} of {total:.1f} GiB)")
+        finally:
+            gc.enable()
+    log.warning(
+        "capturing the CUDA graph of %s failed twice, so that key runs eagerly: %s",
+        what,
+        " / then: ".join(reasons),
+    )
+    return None
 
 
 def check_capturable(config: ModelConfig, device: str, graph_mode: str) -> None:
@@ -129,6 +170,7 @@ class CudaGraphRunner:
         self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
         self.ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
 
     def _static_inputs(self, plan: AttentionRankPlan) -> StepInputs:
@@ -202,6 +244,8 @@ class CudaGraphRunner:
                 f"{len(self.ubatches)}"
             )
         key = plan.key
+        if key in self.eager_keys:
+            return self.runner.forward(inputs, plan, boundary)
         check_replayable(plan.rank, plan.mode, key, self.graphs)
         if plan.mode == "capture":
             # A capture executes the forward twice (its warm run, then the replay), so it runs
@@ -210,33 +254,32 @@ class CudaGraphRunner:
             # prev rows overwrite rows the same step reads). The graph reads the buffers by
             # address, never their contents on the host, so what it holds is the same.
             self._load_blank(plan)
-            self._capture(key, plan, boundary)
+            if not self._capture(key, plan, boundary):
+                # The warm run has run over blank buffers: the step itself runs now, eagerly
+                # (a peer rank sees the same sends and receives as from a replay).
+                self.eager_keys.add(key)
+                return self.runner.forward(inputs, plan, boundary)
         self._load(inputs, plan)
         graph, out = self.graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
-        rows = plan.padded_rows
+    def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> bool:
         static = self._static_inputs(plan)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm the kernels' autotuning and caches first
             self.runner.forward(static, plan, boundary)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: a process group's watchdog thread polls events during the capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self.runner.forward(static, plan, boundary)
-        except RuntimeError as e:
-            raise GraphCaptureError(
-                f"capturing the graph for {rows} rows failed ({e}); the forward must not sync "
-                "with the host (bfloat16 weights use the grouped-GEMM MoE path)"
-            ) from e
+        what = f"rank {plan.rank}'s {key} ({plan.padded_rows} rows)"
+        step = lambda: self.runner.forward(static, plan, boundary)  # noqa: E731
+        captured = capture_graph(step, self.pool, what)
+        if captured is None:
+            return False
         if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[key] = (graph, out)
+            self.pool = captured[0].pool()
+        self.graphs[key] = captured
+        return True
 
 
 class PlannedForward:

@@ -87,6 +87,7 @@ def test_graph_tokens_equal_eager(bf16_model, bf16_mla_model, topology, family):
             assert graphs.engine.core_client.driver.forward.graphs is not None
             got = [o.token_ids for o in graphs.generate(prompts, params)]
             modes = {r["mode"] for r in graphs.step_log()}
+            assert not graphs.engine.core_client.driver.forward.graphs.eager_keys
         gaps = _check(eager, prompts, got, want)
     assert "replay" in modes and "capture" in modes
     print(f"{topology} {family}: {len(gaps)} near-tie divergences, gaps {gaps}")
@@ -192,3 +193,31 @@ def test_cuda_float32_matches_cpu(tmp_path, family):
         ) as gpu:
             got = [o.token_ids for o in gpu.generate(prompts, params)]
         assert got == want, topology
+
+
+def test_failed_capture_runs_the_key_eagerly(bf16_model, caplog):
+    """A capture that fails (here: a host sync inside the forward, which CUDA forbids while
+    capturing) is retried once, then its key runs eagerly with the reason logged: the tokens
+    are the eager engine's and the engine goes on serving."""
+    prompts = _prompts(4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256)
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with LLM(
+            str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common
+        ) as llm:
+            graphs = llm.engine.core_client.driver.forward.graphs
+            forward = graphs.runner.forward
+
+            def syncing_forward(*args, **kwargs):
+                if torch.cuda.is_current_stream_capturing():
+                    torch.cuda.synchronize()  # not allowed under capture: the capture fails
+                return forward(*args, **kwargs)
+
+            graphs.runner.forward = syncing_forward
+            with caplog.at_level("WARNING", logger="afdserve.engine.cuda_graphs"):
+                got = [o.token_ids for o in llm.generate(prompts, params)]
+            assert graphs.eager_keys and not graphs.graphs
+            assert "failed twice, so that key runs eagerly" in caplog.text
+        _check(eager, prompts, got, want)

@@ -26,7 +26,7 @@ from afdserve.afd.dataplane.payload import (
     routed_layers,
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
-from afdserve.engine.cuda_graphs import GraphCaptureError, check_replayable
+from afdserve.engine.cuda_graphs import capture_graph, check_replayable
 from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.parts import CausalLM
@@ -278,31 +278,32 @@ class FFNStepRunner:
     def __init__(self, exchange: FFNExchange, use_graphs: bool) -> None:
         self.exchange, self.use_graphs = exchange, use_graphs
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
 
     def run(self, plan: FFNRankPlan, step: int) -> None:
         if plan.mode == "idle":
             return
         self.exchange.step.set(step)
-        if plan.mode == "eager" or not self.use_graphs:
+        if plan.mode == "eager" or not self.use_graphs or plan.key in self.eager_keys:
             self.exchange.run(plan, step)
             return
         check_replayable(plan.rank, plan.mode, plan.key, self.graphs)
-        if plan.mode == "capture":
-            self._capture(plan, step)
+        if plan.mode == "capture" and not self._capture(plan, step):
+            # The warm run has exchanged once; the step's own exchange runs now, eagerly, as
+            # the replay would have (the attention side sees the same sends and receives).
+            self.eager_keys.add(plan.key)
+            self.exchange.run(plan, step)
+            return
         self.graphs[plan.key].replay()
 
-    def _capture(self, plan: FFNRankPlan, step: int) -> None:
+    def _capture(self, plan: FFNRankPlan, step: int) -> bool:
         self.exchange.run(plan, step)  # warm-up; the attention side warms up alike
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: the process group's watchdog thread polls events during capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.exchange.run(plan, step)
-        except RuntimeError as e:
-            message = f"FFN rank {plan.rank}: capturing {plan.key} failed: {e}"
-            raise GraphCaptureError(message) from e
+        what = f"FFN rank {plan.rank}'s {plan.key}"
+        captured = capture_graph(lambda: self.exchange.run(plan, step), self.pool, what)
+        if captured is None:
+            return False
         if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[plan.key] = graph
+            self.pool = captured[0].pool()
+        self.graphs[plan.key] = captured[0]
+        return True
