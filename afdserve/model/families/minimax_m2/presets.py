@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-# https://huggingface.co/MiniMaxAI/MiniMax-M2/blob/main/config.json
+# https://huggingface.co/MiniMaxAI/MiniMax-M2/blob/main/config.json, checked against public
+# reprints of it: an Ascend quantisation guide's copy with only quantization_config removed, and
+# the same quantization_config in two inference engines' "official config" test fixtures. The
+# file names no eos_token_id (MiniMax's end token, 200020, is in generation_config.json only), so
+# neither does the preset. Left out as metadata: auto_map, transformers_version, use_cache.
 MINIMAX_M2: dict[str, Any] = {
     "architectures": ["MiniMaxM2ForCausalLM"],
     "model_type": "minimax_m2",
     "attn_type_list": [1] * 62,
-    "eos_token_id": 200020,
     "head_dim": 128,
     "hidden_act": "silu",
     "hidden_size": 3072,
@@ -48,7 +51,9 @@ MINIMAX_M2: dict[str, Any] = {
 }
 
 # https://huggingface.co/MiniMaxAI/MiniMax-M2.5/blob/main/config.json: the same architecture and
-# the same fields; M2.5 differs from M2 in its weights.
+# the same fields; M2.5 differs from M2 in its weights. No verbatim copy was found; public tables
+# of it (kvcache-ai/kvcache-blog: 62 layers, 48/8 heads of 128, rotary_dim 64, 3 MTP modules,
+# 196608 positions) agree. (M2.7's differs: max_position_embeddings 204800.)
 MINIMAX_M2_5: dict[str, Any] = dict(MINIMAX_M2)
 
 PRESETS = {"minimax-m2": MINIMAX_M2, "minimax-m2.5": MINIMAX_M2_5}
