@@ -14,6 +14,47 @@ LAYER_TYPES = ("dense", "moe", "hash_moe")
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
+# What every config.json may carry that changes nothing at inference: metadata, the generic
+# fields transformers writes for every model, and training-only settings.
+METADATA_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "auto_map",
+        "dtype",
+        "torch_dtype",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "pretraining_tp",
+        "pad_token_id",  # the tokenizer's; the engine pads with its own id
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+    }
+)
+
+
+def refuse_unknown_fields(raw: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """A ValueError naming the fields of `raw` that are neither `known` to the family's parser
+    nor metadata: a field nobody reads could change the model (a checkpoint's new option), so it
+    is refused by name rather than ignored."""
+    unknown = sorted(k for k in raw if k not in known and k not in METADATA_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"{where}: field(s) {unknown} not supported (afdserve reads {sorted(known)})"
+        )
+
+
 def common_fields(raw: dict[str, Any], rms_norm_eps: float, max_positions: int) -> dict[str, Any]:
     """The ModelConfig fields every family reads alike from config.json; the defaults where a key
     is absent are the family's transformers config's."""

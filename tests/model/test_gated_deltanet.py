@@ -138,6 +138,8 @@ def test_tiny_vocabulary_is_the_byte_tokenizers() -> None:
         ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "sliding_attention"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization"),
+        ({"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype"),
+        ({"linear_gate_mode": "sigmoid"}, r"\['linear_gate_mode'\] not supported"),
     ],
 )
 def test_config_fields_refused_by_name(tiny, change: dict, match: str) -> None:
@@ -182,6 +184,17 @@ def test_kimi_config_reads_both_spellings_and_the_cache_holds_its_latent(tiny) -
     assert kinds["KDA"].bytes_per_slot(torch.float32) == 4 * (3 * 16 * 3 + 2 * 8 * 8)
     with pytest.raises(ValueError, match="mlp_layer_types"):
         parse_model_config({**raw, "mlp_layer_types": ["dense", "moe", "sparse", "sparse"]})
+    refused = [
+        ({"mla_use_nope": False}, "mla_use_nope"),
+        ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+        ({"kda_gate_rank": 4}, r"\['kda_gate_rank'\] not supported"),
+        ({"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3]}}, "exactly one"),
+    ]
+    for change, match in refused:
+        with pytest.raises(ValueError, match=match):
+            parse_model_config({**public, **change})
+    # Without grouped top-k the router picks over all experts, whatever num_expert_group says.
+    assert parse_model_config({**raw, "use_grouped_topk": False}).n_group == 1
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from afdserve.model.config import ModelConfig, common_fields
+from afdserve.model.config import ModelConfig, common_fields, refuse_unknown_fields
 from afdserve.model.quantization import parse_quantization_config
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -32,6 +32,25 @@ TRAINING_ONLY = (
     "pad_token_id",
     "mtp_num_hidden_layers",  # the multi-token-prediction head: its `mtp.*` tensors are skipped
     "mtp_use_dedicated_embeddings",
+)
+# The text model's fields parse_gdn_config reads (the values it cannot honour are refused in
+# _refuse and _rope).
+HONOURED = frozenset(
+    {
+        *("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "eos_token_id"),
+        *("tie_word_embeddings", "max_position_embeddings", "bos_token_id", "hidden_act"),
+        *("use_sliding_window", "attn_output_gate", "num_experts", "num_experts_per_tok"),
+        *("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"),
+        *("layer_types", "full_attention_interval", "decoder_sparse_step", "mlp_only_layers"),
+        *("num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
+        *("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim"),
+        *("linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size"),
+        *("intermediate_size", "moe_intermediate_size", "norm_topk_prob", "quantization_config"),
+        # The recurrent state's dtype: afdserve keeps it float32 (checked in _refuse).
+        "mamba_ssm_dtype",
+        # Read only with use_sliding_window, which is refused.
+        *("sliding_window", "max_window_layers"),
+    }
 )
 # The image-text checkpoint's own keys: text-only serving reads none of them.
 VISION_ONLY = (
@@ -90,6 +109,8 @@ def _text_config(raw: dict[str, Any], model_type: str) -> tuple[dict[str, Any], 
     """The text model's fields, and the checkpoint's name of its `model.`."""
     if model_type != "qwen3_5_moe":
         return raw, "model."
+    outer = {"text_config", "tie_word_embeddings", "eos_token_id", "bos_token_id", *VISION_ONLY}
+    refuse_unknown_fields(raw, frozenset(outer), "qwen3_5_moe config")
     if not isinstance(raw.get("text_config"), dict):
         raise ValueError("qwen3_5_moe config.json: text_config is missing (the text model's)")
     text = dict(raw["text_config"])
@@ -100,6 +121,12 @@ def _text_config(raw: dict[str, Any], model_type: str) -> tuple[dict[str, Any], 
 
 
 def _refuse(raw: dict[str, Any]) -> None:
+    refuse_unknown_fields(raw, HONOURED | set(TRAINING_ONLY), "Gated DeltaNet text config")
+    if raw.get("mamba_ssm_dtype", "float32") != "float32":
+        raise ValueError(
+            f"mamba_ssm_dtype={raw['mamba_ssm_dtype']!r}: only 'float32' (the recurrent state "
+            "is kept in float32)"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={raw['hidden_act']!r}: only 'silu' is supported")
     if raw.get("use_sliding_window"):

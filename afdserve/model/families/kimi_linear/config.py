@@ -9,10 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import ModelConfig, refuse_unknown_fields
 from afdserve.model.quantization import parse_quantization_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# The fields parse_kimi_config reads, in both spellings; values it cannot honour are refused in
+# _refuse.
+HONOURED = frozenset(
+    {
+        *("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "eos_token_id"),
+        *("tie_word_embeddings", "max_position_embeddings", "model_max_length", "bos_token_id"),
+        *("hidden_act", "quantization_config", "num_attention_heads", "attention_bias"),
+        *("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank"),
+        *("layer_types", "linear_attn_config", "linear_num_heads", "linear_head_dim"),
+        *("linear_conv_kernel_dim", "mlp_layer_types", "first_k_dense_replace"),
+        *("intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts"),
+        *("num_experts_per_token", "num_experts_per_tok", "num_shared_experts"),
+        *("n_shared_experts", "num_expert_group", "n_group", "topk_group", "moe_renormalize"),
+        *("norm_topk_prob", "routed_scaling_factor", "use_grouped_topk", "moe_layer_freq"),
+        *("moe_router_activation_func", "mla_use_nope"),
+        # NoPE MLA reads no rotary settings; MLA's heads are its own (qk_*_head_dim, heads).
+        *("rope_theta", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim"),
+        "num_key_value_heads",
+        # The multi-token-prediction layers: none built, their tensors skipped at load.
+        "num_nextn_predict_layers",
+    }
+)
+LINEAR_ATTN_FIELDS = frozenset(
+    {"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size"}
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,14 @@ def _layer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
     linear = raw.get("linear_attn_config") or {}
     if declared is None and "full_attn_layers" in linear:
         full = {i - 1 for i in linear["full_attn_layers"]}  # 1-indexed in the checkpoint
+        kda = {i - 1 for i in linear.get("kda_layers", ())} or set(range(layers)) - full
+        # Only the first `layers` count (a bench keeps a published model's first layers).
+        either = set(range(layers)) - (full ^ kda)
+        if either:
+            raise ValueError(
+                f"linear_attn_config: layers {sorted(i + 1 for i in either)} (1-indexed) must be "
+                "in exactly one of full_attn_layers and kda_layers"
+            )
         return tuple(FULL if i in full else LINEAR for i in range(layers))
     if declared is None:
         return tuple(FULL if i and i % 4 == 0 else LINEAR for i in range(layers))
@@ -66,11 +99,29 @@ def _mlp_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
     return tuple(kinds[k] for k in declared[:layers])
 
 
-def parse_kimi_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
+def _refuse(raw: dict[str, Any]) -> None:
+    refuse_unknown_fields(raw, HONOURED, "kimi_linear config")
+    refuse_unknown_fields(
+        raw.get("linear_attn_config") or {}, LINEAR_ATTN_FIELDS, "linear_attn_config"
+    )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={raw['hidden_act']!r}: only 'silu' is supported")
     if parse_quantization_config(raw) is not None:
         raise ValueError("quantization_config is not supported for kimi_linear yet")
+    if raw.get("mla_use_nope", True) is not True:
+        raise ValueError("mla_use_nope=False is not supported: only true (MLA without rotary)")
+    if raw.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ValueError(
+            f"moe_router_activation_func={raw['moe_router_activation_func']!r}: only 'sigmoid'"
+        )
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={raw['moe_layer_freq']!r}: only 1 (every layer MoE)")
+
+
+def parse_kimi_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
+    _refuse(raw)
+    # Without grouped top-k the router picks over all experts: one group.
+    grouped = raw.get("use_grouped_topk", True)
     layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
     nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
@@ -122,8 +173,8 @@ def parse_kimi_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
         n_shared_experts=int(_pick(raw, "num_shared_experts", "n_shared_experts", default=0)),
         scoring="sigmoid",
         topk_method="noaux_tc",
-        n_group=int(_pick(raw, "num_expert_group", "n_group", default=1)),
-        topk_group=int(_pick(raw, "topk_group", default=1)),
+        n_group=int(_pick(raw, "num_expert_group", "n_group", default=1)) if grouped else 1,
+        topk_group=int(_pick(raw, "topk_group", default=1)) if grouped else 1,
         norm_topk_prob=bool(_pick(raw, "moe_renormalize", "norm_topk_prob", default=True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         hidden_act="silu",
