@@ -156,3 +156,34 @@ def test_rejected_drafts_keep_the_tokens(model_dir) -> None:
     assert got == want
     spec = stats.spec_decode[0]
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+def test_gpt_oss_capacity_at_long_context_nearly_doubles() -> None:
+    """gpt-oss-120b on an H200's memory: the sliding half of the layers no longer holds every
+    position, so the main pool (engine sizing, `split_budget` at `bench capacity`'s limits)
+    and the planner's batch (`max_batch`) hold about twice the sequences counted with every
+    layer's pages per position (the sizing before the window pool)."""
+    from afdserve.engine.factory import split_budget
+    from afdserve.model.families import cache_layout
+    from afdserve.model.presets import preset_config
+    from afdserve.planner.memory import max_batch, model_bytes
+
+    config, h200 = preset_config("gpt-oss-120b"), 150109880320
+    layout, sizes, dtype = cache_layout(config), model_bytes(config), torch.bfloat16
+    every_layer = layout.bytes_per_block(16, dtype)
+    windowed = layout.bytes_per_window_block(16, dtype)
+    assert 2 * windowed == every_layer and sizes.kv_per_token == windowed // 16
+    bound = window_pool_bound(layout.window, 16, 1024, 16384)
+    for context in (32768, 131072):
+        per_sequence = context // 16
+        for weights in (sizes.colocated, sizes.attention):
+            budget = int(h200 * 0.9 - weights)
+            before = budget // every_layer // per_sequence
+            pools = split_budget(budget, every_layer - windowed, windowed, bound)
+            assert pools.window_blocks == bound
+            assert 1.7 * before <= pools.blocks // per_sequence <= 2 * before + 1
+            was = max_batch(h200, 0.9, weights, every_layer // 16, context)
+            now = max_batch(
+                h200, 0.9, weights, sizes.kv_per_token, context, sizes.state_per_sequence
+            )
+            assert 1.9 * was <= now <= 2 * was + 1
