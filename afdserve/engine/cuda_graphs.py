@@ -5,7 +5,8 @@ One graph per attention key from the StepPlan covers the whole forward: embeddin
 attention half and the FFN boundary (the FFN half of in-process AFD, or the sends and receives of
 an attention rank, whose FFN rank replays its own graph of the same step).
 Logits and sampling stay outside. Static buffers are sized to the largest capture size; a replay
-copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers. Pad rows
+copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers (and,
+where the cache has a windowed pool, the windowed layers' slots and tables into theirs). Pad rows
 write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
 zero and dropped.
 
