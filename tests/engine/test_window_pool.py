@@ -139,6 +139,9 @@ def test_tokens_match_transformers_with_preemption_and_prefix_hits(model_dir) ->
     assert (manager.num_free_blocks, manager.num_free_window_blocks) == (20, 10)
 
 
+# tests/afd/test_gpt_oss_afd.py's 2A1F cell (a 70-token prompt, blocks of 16) frees window
+# blocks on every CI run; this cell's window pool is smaller than one sequence.
+@pytest.mark.slow
 def test_2a1f_matches_transformers(model_dir) -> None:
     with LLM(str(model_dir), topology="2A1F", dtype="float32", kv_cache_blocks=20, **LIMITS) as llm:
         got = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
