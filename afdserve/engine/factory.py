@@ -68,7 +68,12 @@ def blocks_in_budget(free: int, total: int, utilization: float, per_block: int) 
     """KV blocks in the device memory still free once the rank's weights are loaded, less the
     share `1 - utilization` of the device held back (activations, graphs, other processes). A
     rank that holds fewer weights (an attention rank holds no experts) gets more blocks."""
-    return int((free - total * (1 - utilization)) // per_block)
+    return cache_budget(free, total, utilization) // per_block
+
+
+def cache_budget(free: int, total: int, utilization: float) -> int:
+    """Bytes of the device's free memory the cache may take (`blocks_in_budget`)."""
+    return int(free - total * (1 - utilization))
 
 
 @dataclass(frozen=True)
@@ -123,10 +128,13 @@ def cache_blocks_for(
         free, total = torch.cuda.mem_get_info(device)
         # Memory this process's allocator holds but does not use is free for the cache too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget += int(free - total * (1 - config.gpu_memory_utilization))
+        budget += cache_budget(free, total, config.gpu_memory_utilization)
     else:
         budget += CPU_CACHE_BUDGET
         want = config.max_num_seqs * needed_one
+    if per_block == 0:  # every layer windowed: the main table only counts positions
+        window = min(bound, max(0, budget) // per_window)
+        return CacheBlocks(config.max_num_seqs * needed_one, window)
     split = split_budget(max(0, budget), per_block, per_window, bound, want)
     if split.blocks < needed_one:
         raise ValueError(
