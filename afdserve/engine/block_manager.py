@@ -178,10 +178,22 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
-        hit = len(blocks)
-        while hit and None in self._window_hit(seq, hit):
+        return blocks[: self._window_cached(hashes[: len(blocks)])]
+
+    def _window_cached(self, hashes: list[bytes]) -> int:
+        """The longest prefix of these full blocks (cached in the main pool) whose window
+        blocks a query at its end reads are cached too (without a window pool: all of them)."""
+        if self._window_pool is None:
+            return len(hashes)
+        # runs[h]: how many window blocks are cached in a row up to block h - 1.
+        run, runs = 0, [0]
+        for digest in hashes:
+            run = run + 1 if self._window_pool.cached(digest) is not None else 0
+            runs.append(run)
+        hit = len(hashes)
+        while hit and runs[hit] < hit - self._behind(hit * self._block_size):
             hit -= 1
-        return blocks[:hit]
+        return hit
 
     def _window_hit(self, seq: Sequence, hit: int) -> list[int | None]:
         """The window pool's cached blocks (None: not cached) a prefix of `hit` full blocks
