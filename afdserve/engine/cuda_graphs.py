@@ -5,7 +5,8 @@ One graph per attention key from the StepPlan covers the whole forward: embeddin
 attention half and the FFN boundary (the FFN half of in-process AFD, or the sends and receives of
 an attention rank, whose FFN rank replays its own graph of the same step).
 Logits and sampling stay outside. Static buffers are sized to the largest capture size; a replay
-copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers. Pad rows
+copies the step's inputs into them, each ubatch's segments into that ubatch's own buffers (and,
+where the cache has a windowed pool, the windowed layers' slots and tables into theirs). Pad rows
 write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
 zero and dropped.
 
@@ -169,6 +170,12 @@ class CudaGraphRunner:
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
         self.ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
+        # The windowed layers' view (their own pool's slots and tables), where the cache has one.
+        self.window_slots: torch.Tensor | None = None
+        self.window_ubatches: list[UbatchBuffers] = []
+        if runner.kv_cache.window_layers:
+            self.window_slots = torch.full_like(self.slots, -1)
+            self.window_ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
@@ -176,17 +183,27 @@ class CudaGraphRunner:
     def _static_inputs(self, plan: AttentionRankPlan) -> StepInputs:
         rows = plan.padded_rows
         metas = []
-        for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
+        for u, (buffers, (lo, hi)) in enumerate(
+            zip(self.ubatches, plan.ubatch_bounds, strict=True)
+        ):
             n = hi - lo
             query = n if self.allow_prefill else min(n, self.decode_query_len)
+            window = None
+            if self.window_slots is not None:
+                batched = self.window_ubatches[u].batched(n, query, self.max_model_len)
+                slots = self.window_slots[lo:hi]
+                window = AttentionMetadata(self.positions[lo:hi], slots, (), batched)
             batched = buffers.batched(n, query, self.max_model_len)
-            metas.append(AttentionMetadata(self.positions[lo:hi], self.slots[lo:hi], (), batched))
+            slots = self.slots[lo:hi]
+            metas.append(AttentionMetadata(self.positions[lo:hi], slots, (), batched, window))
         # The whole batch's view (positions feed the rotary tables of every ubatch).
+        one = len(metas) == 1
         whole = AttentionMetadata(
             self.positions[:rows],
             self.slots[:rows],
             (),
-            metas[0].batched if len(metas) == 1 else None,
+            metas[0].batched if one else None,
+            metas[0].window if one else None,
         )
         return StepInputs(
             self.input_ids[:rows],
@@ -217,8 +234,13 @@ class CudaGraphRunner:
         self.slots[:rows].copy_(inputs.meta.slot_mapping)
         # one ubatch: rows(0, rows) is the step's own metadata, no new segment tensors
         per_ubatch = zip(self.ubatches, plan.ubatch_bounds, plan.ubatch_real_rows, strict=True)
-        for buffers, (lo, hi), real in per_ubatch:
-            buffers.load(inputs.meta.rows(lo, hi).batched, hi - lo, real)
+        for u, (buffers, (lo, hi), real) in enumerate(per_ubatch):
+            meta = inputs.meta.rows(lo, hi)
+            buffers.load(meta.batched, hi - lo, real)
+            if self.window_slots is not None:
+                self.window_ubatches[u].load(meta.window.batched, hi - lo, real)
+        if self.window_slots is not None:
+            self.window_slots[:rows].copy_(inputs.meta.window.slot_mapping)
 
     def _load_blank(self, plan: AttentionRankPlan) -> None:
         """Pad rows only: token 0, route id -1, position 0, no KV slot, no segment."""
@@ -229,6 +251,10 @@ class CudaGraphRunner:
         self.slots[:rows].fill_(-1)
         for buffers, (lo, hi) in zip(self.ubatches, plan.ubatch_bounds, strict=True):
             buffers.load(None, hi - lo, 0)
+        if self.window_slots is not None:
+            self.window_slots[:rows].fill_(-1)
+            for buffers, (lo, hi) in zip(self.window_ubatches, plan.ubatch_bounds, strict=True):
+                buffers.load(None, hi - lo, 0)
 
     def forward(
         self, inputs: StepInputs, plan: AttentionRankPlan, boundary: FFNBoundary

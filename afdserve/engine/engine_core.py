@@ -69,6 +69,8 @@ class EngineCore:
             prefix_caching,
             kv_cache.layout.blocks_for,
             kv_cache.num_slots,
+            kv_cache.layout.window if kv_cache.num_window_blocks is not None else None,
+            kv_cache.num_window_blocks or 0,
         )
         self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)

@@ -16,6 +16,7 @@ from afdserve.engine.kv_cache import (
     check_fp8_kv,
     make_kv_cache,
     slots_for,
+    window_pool_bound,
 )
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
@@ -67,7 +68,21 @@ def blocks_in_budget(free: int, total: int, utilization: float, per_block: int) 
     """KV blocks in the device memory still free once the rank's weights are loaded, less the
     share `1 - utilization` of the device held back (activations, graphs, other processes). A
     rank that holds fewer weights (an attention rank holds no experts) gets more blocks."""
-    return int((free - total * (1 - utilization)) // per_block)
+    return cache_budget(free, total, utilization) // per_block
+
+
+def cache_budget(free: int, total: int, utilization: float) -> int:
+    """Bytes of the device's free memory the cache may take (`blocks_in_budget`)."""
+    return int(free - total * (1 - utilization))
+
+
+@dataclass(frozen=True)
+class CacheBlocks:
+    """The cache's pools: `blocks` for every layer's table, `window_blocks` for the windowed
+    layers' own (None: the layout has none)."""
+
+    blocks: int
+    window_blocks: int | None = None
 
 
 def kv_blocks_for(
@@ -77,32 +92,72 @@ def kv_blocks_for(
     max_model_len: int,
     device: torch.device,
 ) -> int:
-    """Blocks of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
+    """Blocks of the cache for `dtype` (`cache_blocks_for`'s main pool)."""
+    return cache_blocks_for(config, model_config, dtype, max_model_len, device).blocks
+
+
+def cache_blocks_for(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> CacheBlocks:
+    """The pools of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
     block's bytes, so twice the blocks in the same budget). The state slots of a layout that
-    keeps a state per sequence (max_num_seqs of them) come out of the budget first."""
-    per_block = bytes_per_block(model_config, config.block_size, dtype)
-    needed_one = -(-max_model_len // config.block_size)
+    keeps a state per sequence (max_num_seqs of them) come out of the budget first, then the
+    windowed layers' pool at its bound (`window_pool_bound`: it never needs more), and the
+    rest goes to the main pool."""
+    layout = cache_layout(model_config)
+    bs = config.block_size
+    per_window = layout.bytes_per_window_block(bs, dtype)
+    per_block = bytes_per_block(model_config, bs, dtype) - per_window
+    needed_one = -(-max_model_len // bs)
+    bound = None
+    if layout.window is not None:
+        limits = (config.max_num_seqs, config.max_num_batched_tokens)
+        bound = window_pool_bound(layout.window, bs, *limits)
     if config.kv_cache_blocks is not None:
-        return config.kv_cache_blocks
+        blocks = config.kv_cache_blocks
+        # Past blocks + 1 the window's pool is never short before the main one is.
+        return CacheBlocks(blocks, None if bound is None else min(bound, blocks + 1))
     slots = slots_for(model_config, config.max_num_seqs, dtype)
-    slot_bytes = slots * cache_layout(model_config).bytes_per_slot(dtype)
+    budget = -slots * layout.bytes_per_slot(dtype)
+    want = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Memory this process's allocator holds but does not use is free for the cache too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        blocks = blocks_in_budget(
-            free - slot_bytes, total, config.gpu_memory_utilization, per_block
-        )
+        budget += cache_budget(free, total, config.gpu_memory_utilization)
     else:
+        budget += CPU_CACHE_BUDGET
         want = config.max_num_seqs * needed_one
-        blocks = min(want, max(0, CPU_CACHE_BUDGET - slot_bytes) // per_block)
-    if blocks < needed_one:
+    if per_block == 0:  # every layer windowed: the main table only counts positions
+        window = min(bound, max(0, budget) // per_window)
+        return CacheBlocks(config.max_num_seqs * needed_one, window)
+    split = split_budget(max(0, budget), per_block, per_window, bound, want)
+    if split.blocks < needed_one:
         raise ValueError(
-            f"KV cache: room for {blocks} blocks of {config.block_size} tokens, but one "
-            f"sequence of "
+            f"KV cache: room for {split.blocks} blocks of {bs} tokens, but one sequence of "
             f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free memory"
         )
-    return blocks
+    return split
+
+
+def split_budget(
+    budget: int, per_block: int, per_window: int, bound: int | None, want: int | None = None
+) -> CacheBlocks:
+    """`budget` bytes as blocks of `per_block` bytes (at most `want`), after a windowed pool of
+    `per_window` bytes a block at `bound` blocks; where the bound would not leave the main pool
+    as many, both pools get equal counts (each window table is no longer than its sequence's
+    main table, so the window's pool then never runs short first)."""
+    if bound is None:
+        blocks = budget // per_block
+        return CacheBlocks(blocks if want is None else min(blocks, want))
+    even = budget // (per_block + per_window)
+    window = min(bound, even + 1, bound if want is None else want + 1)
+    blocks = (budget - window * per_window) // per_block
+    return CacheBlocks(blocks if want is None else min(blocks, want), window)
 
 
 def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
@@ -156,12 +211,17 @@ def create_engine_core(
         check_fp8_kv(model.config, device, report.unexpected)
     prefix_caching = prefix_caching_for(config, model.config)
     max_len = max_model_len_for(config, model.config)
-    blocks = kv_blocks_for(config, model.config, dtype, max_len, device)
+    pools = cache_blocks_for(config, model.config, dtype, max_len, device)
+    blocks = pools.blocks
     slots = slots_for(model.config, config.max_num_seqs, dtype)
-    cache = make_kv_cache(model.config, blocks, config.block_size, dtype, device, slots)
+    cache = make_kv_cache(
+        model.config, blocks, config.block_size, dtype, device, slots, pools.window_blocks
+    )
+    window = "" if pools.window_blocks is None else f" (+ {pools.window_blocks} window blocks)"
     log.info(
-        "KV cache: %d blocks of %d tokens, %s, %d bytes%s",
+        "KV cache: %d blocks%s of %d tokens, %s, %d bytes%s",
         blocks,
+        window,
         config.block_size,
         str(dtype).removeprefix("torch."),
         cache.bytes,

@@ -70,10 +70,26 @@ def make_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     num_slots: int = 0,
+    num_window_blocks: int | None = None,
 ) -> PagedCache:
-    """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says, and
-    `num_slots` sequence slots where the layout keeps a state per sequence."""
-    return cache_layout(config).allocate(num_blocks, block_size, dtype, device, num_slots)
+    """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says,
+    `num_slots` sequence slots where the layout keeps a state per sequence, and the windowed
+    layers' own pool of `num_window_blocks` (None: they share `num_blocks`)."""
+    layout = cache_layout(config)
+    return layout.allocate(num_blocks, block_size, dtype, device, num_slots, num_window_blocks)
+
+
+def window_pool_bound(
+    window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """The most blocks the windowed layers' pool can hold at once, its null block included. A
+    sequence whose step writes n positions from c holds the blocks of [c - window + 1, c + n):
+    at most ceil((window - 1) / B) + ceil(n / B) + 1 <= ceil((window - 1) / B) + n / B + 2, and
+    a step writes at most max_num_batched_tokens positions over at most max_num_seqs
+    sequences. (Blocks a rejected draft left past a sequence's end may exceed it; the scheduler
+    then preempts as for the other pool.)"""
+    past = -(-(window - 1) // block_size)
+    return 1 + max_num_seqs * (past + 2) + -(-max_num_batched_tokens // block_size)
 
 
 def slots_for(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:

@@ -135,31 +135,19 @@ class ModelRunner:
         if padded_rows < real:
             raise ValueError(f"padded_rows={padded_rows} < real rows {real}")
         pad = padded_rows - real
-        dev = self.device
-        width = max((len(t) for t in tables), default=0)
-        table_tensor = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
-        ).to(dev)
         # One host-to-device copy for every per-row input; pad rows: id 0 to embed, -1 to route.
         host = torch.tensor(
             [ids + [0] * pad, ids + [-1] * pad, positions + [0] * pad, row_seq + [0] * pad],
             dtype=torch.int64,
         )
+        dev = self.device
         input_ids, route_ids, position_tensor, seq_of_row = host.to(dev).unbind(0)
-        bs = self.block_size
-        slots = table_tensor[seq_of_row, position_tensor // bs] * bs + position_tensor % bs
-        slots[real:] = -1  # pad rows write no KV
+        rows = (position_tensor, seq_of_row, real, spans)
         state = [-1 if e.seq.state_slot is None else e.seq.state_slot for e in out.scheduled]
-        segments = tuple(
-            Segment(r0, r1, table_tensor[index], context, state[index])
-            for r0, r1, index, context in spans
-        )
-        meta = AttentionMetadata(
-            positions=position_tensor,
-            slot_mapping=slots,
-            segments=segments,
-            batched=batch_segments(segments, dev) if self.batched_metadata else None,
-        )
+        window = None
+        if self.kv_cache.window_layers:
+            window = self._metadata([e.seq.window_table for e in out.scheduled], *rows, state)
+        meta = self._metadata(tables, *rows, state, window)
         return StepInputs(
             input_ids,
             route_ids,
@@ -170,6 +158,32 @@ class ModelRunner:
             prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64).to(dev),
             prompt_spans=tuple(prompt_spans),
         )
+
+    def _metadata(
+        self,
+        tables: list[list[int]],
+        positions: torch.Tensor,
+        seq_of_row: torch.Tensor,
+        real: int,
+        spans: list[tuple[int, int, int, int]],
+        state: list[int],
+        window: AttentionMetadata | None = None,
+    ) -> AttentionMetadata:
+        """The rows' view through one kind of block table (the main one, or the windowed
+        layers'): their KV slots and segments."""
+        dev, bs = self.device, self.block_size
+        width = max((len(t) for t in tables), default=0)
+        table_tensor = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
+        ).to(dev)
+        slots = table_tensor[seq_of_row, positions // bs] * bs + positions % bs
+        slots[real:] = -1  # pad rows write no KV
+        segments = tuple(
+            Segment(r0, r1, table_tensor[index], context, state[index])
+            for r0, r1, index, context in spans
+        )
+        batched = batch_segments(segments, dev) if self.batched_metadata else None
+        return AttentionMetadata(positions, slots, segments, batched, window)
 
     @torch.inference_mode()
     def forward(
@@ -191,11 +205,14 @@ class ModelRunner:
         ids = [inputs.route_ids[lo:hi] for lo, hi in bounds]
         trig = [(cos[lo:hi], sin[lo:hi]) for lo, hi in bounds]
         pending: list[PendingFFN | None] = [None] * len(bounds)
+        # The windowed layers read their own pool through the window tables' view.
+        window_metas = [meta.window or meta for meta in metas]
         for layer in range(model.config.num_layers):
             cache = self.kv_cache.layers[layer]
+            views = window_metas if layer in self.kv_cache.window_layers else metas
             for u in range(len(bounds)):
                 ffn_out = pending[u].wait() if pending[u] is not None else None
-                x, hs[u] = model.attention_half(layer, hs[u], ffn_out, metas[u], cache, trig[u])
+                x, hs[u] = model.attention_half(layer, hs[u], ffn_out, views[u], cache, trig[u])
                 routing = model.route_on_attention(layer, x, ids[u], boundary.a2e.roundtrip)
                 pending[u] = boundary.post(layer, u, x, ids[u], routing)
         for u in range(len(bounds)):

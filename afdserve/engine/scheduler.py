@@ -204,12 +204,9 @@ class Scheduler:
                 if not self.config.chunked_prefill:
                     break
                 num_new = budget
-            total = bm.blocks_for(num_cached + num_new)
-            if total > bm.num_blocks:
+            if bm.blocks_for(num_cached + num_new) > bm.num_blocks:
                 raise self._too_small(seq, num_cached + num_new)
-            # Cached blocks nobody references sit in the free queue: taking them costs free
-            # blocks too.
-            if not bm.can_allocate(total - len(cached) + bm.unreferenced(cached)):
+            if not bm.can_admit(seq, cached, num_cached + num_new):
                 break
             self.waiting.popleft()
             if bm.prefix_caching:
@@ -276,8 +273,7 @@ class Scheduler:
             return ()
         limit = min(budget - 1, self.config.max_model_len - seq.num_tokens - 1)
         drafts = self.drafter.propose(seq, limit)
-        bm = self.block_manager
-        if drafts and not bm.can_allocate(bm.blocks_needed(seq, seq.num_tokens + len(drafts))):
+        if drafts and not self.block_manager.can_grow(seq, seq.num_tokens + len(drafts)):
             return ()
         return drafts
 
@@ -304,8 +300,7 @@ class Scheduler:
         `num_computed_tokens = 0` and returns to the front of the waiting queue, keeping its
         generated tokens, which are recomputed like prompt tokens. Sampling is therefore
         unaffected: each token is still sampled exactly once, from the same prefix."""
-        needed = self.block_manager.blocks_needed(seq, seq.num_computed_tokens + num_new)
-        while not self.block_manager.can_allocate(needed):
+        while not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new):
             if self.running[-1] is seq and len(self.running) == 1:
                 raise self._too_small(seq, num_new)
             victim = self.running.pop()

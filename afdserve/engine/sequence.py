@@ -41,6 +41,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # The windowed layers' table (engine/block_manager.py): same indices, its own pool; the
+        # entries before `window_first` are released behind the window (the null block).
+        self.window_table: list[int] = []
+        self.window_first = 0
         # The slot of the cache's per-sequence state while it runs (engine/block_manager.py);
         # None without one.
         self.state_slot: int | None = None

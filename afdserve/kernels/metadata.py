@@ -72,6 +72,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [rows] int64, -1 for pad rows
     segments: tuple[Segment, ...]
     batched: BatchedSegments | None = None
+    # The same rows as the windowed layers see them: their own pool's slots and block tables
+    # (model/cache.py's `CacheSpec.window`); None where they share this view's.
+    window: AttentionMetadata | None = None
 
     @property
     def num_rows(self) -> int:
@@ -82,6 +85,7 @@ class AttentionMetadata:
         its part; its earlier rows' KV is written by the earlier ubatch before this one runs."""
         if start == 0 and end == self.num_rows:
             return self
+        window = None if self.window is None else self.window.rows(start, end)
         segments = []
         for seg in self.segments:
             lo, hi = max(seg.row_start, start), min(seg.row_end, end)
@@ -96,7 +100,7 @@ class AttentionMetadata:
         if self.batched is not None:
             batched = batch_segments(segments, self.positions.device)
         return AttentionMetadata(
-            self.positions[start:end], self.slot_mapping[start:end], segments, batched
+            self.positions[start:end], self.slot_mapping[start:end], segments, batched, window
         )
 
 

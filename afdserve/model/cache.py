@@ -1,8 +1,10 @@
 """The cache interface between a model family and the engine: the state a family's layers keep
 per sequence, in pages of the engine's blocks or in one fixed-size slot per sequence.
 
-The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)) and,
-where a layout holds `SequenceSlots` specs, one state slot. Each group of layers describes its
+The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)),
+where a layout holds windowed specs (`CacheSpec.window`) a second table over those layers' own
+pool, whose blocks behind the window it frees, and where it holds `SequenceSlots` specs one
+state slot. Each group of layers describes its
 state with a `CacheSpec`; a model's specs form its `CacheLayout`, which the block manager, the
 memory budget, prefix caching, the FP8 check, the CUDA-graph policy and the model runner read.
 None of them asks which family it runs (vLLM v1's `KVCacheSpec` per layer group is the model of
@@ -43,6 +45,11 @@ class CacheSpec(ABC):
     # Why rows a step wrote past what a sequence keeps (a speculative step's rejected drafts)
     # cannot be left to be overwritten (None: a position's state sits at that position alone).
     rollback_refusal: str | None = None
+    # A sliding window's width: a query at p reads only positions p - window < j <= p, so the
+    # engine keeps these layers' pages in a pool of their own, through a second block table
+    # per sequence whose blocks it frees once they fall out of the window (None: every page
+    # of the sequence stays read).
+    window: int | None = None
 
     @abstractmethod
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -138,7 +145,19 @@ class CacheLayout:
             raise ValueError(f"cache specs cover layers {covered}, not 0..{self.num_layers - 1}")
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes every layer holds per block (the windowed groups' pages included)."""
         return sum(len(s.layers) * s.bytes_per_block(block_size, dtype) for s in self.specs)
+
+    @property
+    def window(self) -> int | None:
+        """The widest window of the windowed groups, which share one pool of pages and one
+        second block table per sequence (None: the layout has no windowed group)."""
+        return max((s.window for s in self.specs if s.window is not None), default=None)
+
+    def bytes_per_window_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes the windowed groups' layers hold per block of their own pool."""
+        specs = (s for s in self.specs if s.window is not None)
+        return sum(len(s.layers) * s.bytes_per_block(block_size, dtype) for s in specs)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Bytes every layer holds per sequence slot (0: the layout needs no slots)."""
@@ -206,21 +225,28 @@ class CacheLayout:
         dtype: torch.dtype,
         device: torch.device | str,
         num_slots: int = 0,
+        num_window_blocks: int | None = None,
     ) -> PagedCache:
         """`num_slots`: sequence slots of the `SequenceSlots` specs (the engine's max_num_seqs);
-        required where the layout has such specs."""
+        required where the layout has such specs. `num_window_blocks`: the windowed groups'
+        own pool, which the engine addresses through a second block table (None: they hold
+        `num_blocks` pages addressed by the one table, as a bench's fixed tables do)."""
         if num_slots < 1 and self.bytes_per_slot(dtype):
             raise ValueError(f"num_slots={num_slots}: this cache layout needs >= 1 state slot")
         layers: list[Any] = [None] * self.num_layers
         for spec in self.specs:
             if isinstance(spec, SequenceSlots):
                 caches = spec.allocate_slots(num_slots, dtype, device)
+            elif num_window_blocks is not None and spec.window is not None:
+                caches = spec.allocate(num_window_blocks, block_size, dtype, device)
             else:
                 caches = spec.allocate(num_blocks, block_size, dtype, device)
             for i, cache in zip(spec.layers, caches, strict=True):
                 layers[i] = cache
         slots = num_slots if self.bytes_per_slot(dtype) else 0
-        return PagedCache(self, layers, num_blocks, block_size, dtype, slots)
+        if self.window is None:
+            num_window_blocks = None
+        return PagedCache(self, layers, num_blocks, block_size, dtype, slots, num_window_blocks)
 
 
 class PagedCache:
@@ -234,13 +260,24 @@ class PagedCache:
         block_size: int,
         dtype: torch.dtype,
         num_slots: int = 0,
+        num_window_blocks: int | None = None,
     ) -> None:
         self.layout, self.layers = layout, layers
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.num_slots = num_slots  # sequence slots (0: the layout keeps no state per sequence)
+        # The windowed groups' own pool (None: they share the blocks and the one table).
+        self.num_window_blocks = num_window_blocks
+        # The layers a sequence's window table addresses.
+        windowed = (i for s in layout.specs if s.window is not None for i in s.layers)
+        self.window_layers = frozenset(windowed if num_window_blocks is not None else ())
+        per_block = layout.bytes_per_block(block_size, dtype)
+        window_bytes = 0
+        if num_window_blocks is not None:
+            per_window = layout.bytes_per_window_block(block_size, dtype)
+            per_block -= per_window
+            window_bytes = per_window * num_window_blocks
         self.bytes = (
-            layout.bytes_per_block(block_size, dtype) * num_blocks
-            + layout.bytes_per_slot(dtype) * num_slots
+            per_block * num_blocks + window_bytes + layout.bytes_per_slot(dtype) * num_slots
         )
         self.summary = layout.describe(block_size, dtype)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afdserve.engine.kv_cache import bytes_per_block
+from afdserve.engine.kv_cache import bytes_per_block, window_pool_bound
 from afdserve.model.checkpoint.loader import TORCH_DTYPES, _default_dtype
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import cache_layout, model_class
@@ -17,6 +17,7 @@ from afdserve.model.parts import ModelParts
 # Memory a rank uses besides weights and KV (activations, graph pools, the allocator's slack):
 # 0.7-1.0 GB on the H200 in `afdserve bench capacity` (docs/benchmarks.md, 2026-11-30).
 RESERVE_BYTES = 1 << 30
+BLOCK_SIZE = 16  # the engine's default block size, which a windowed group's pages round to
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class ModelBytes:
     attention: int  # an attention rank's half (embedding, attention, norms, lm_head)
     ffn: int  # an FFN rank's half with every routed expert
     routed_experts: int  # of `ffn`, the routed experts' part (sharded by expert parallelism)
-    kv_per_token: int
-    # A linear-attention layer's fixed state per sequence (model/cache.py's SequenceSlots).
+    kv_per_token: int  # of the layers that keep every position (not the windowed groups)
+    # A sequence's fixed state, whatever its length: a linear-attention layer's slot
+    # (model/cache.py's SequenceSlots) and a windowed group's pages of one window and step.
     state_per_sequence: int = 0
 
     def ffn_shard(self, shards: int) -> float:
@@ -56,8 +58,15 @@ def model_bytes(
     attention, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
     ffn, _ = _half_bytes(config, ModelParts(False, True), torch_dtype)
     kv = getattr(torch, kv_dtype) if kv_dtype else torch_dtype
-    state = cache_layout(config).bytes_per_slot(kv)
-    return ModelBytes(colocated, attention, ffn, experts, bytes_per_block(config, 1, kv), state)
+    layout = cache_layout(config)
+    state = layout.bytes_per_slot(kv)
+    per_token = bytes_per_block(config, 1, kv) - layout.bytes_per_window_block(1, kv)
+    if layout.window is not None:
+        # A sequence's share of the window pool's bound (kv_cache.window_pool_bound) at one
+        # sequence and one block a step: its past window and the blocks its step writes.
+        blocks = window_pool_bound(layout.window, BLOCK_SIZE, 1, BLOCK_SIZE) - 1
+        state += blocks * layout.bytes_per_window_block(BLOCK_SIZE, kv)
+    return ModelBytes(colocated, attention, ffn, experts, per_token, state)
 
 
 def max_batch(

@@ -152,3 +152,28 @@ def test_full_decode_only_graphs_give_the_eager_tokens(tiny_dirs, quant) -> None
         with LLM(str(tiny_dirs[quant]), dtype="bfloat16", device="cuda", graph_mode=mode) as llm:
             tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["full_decode_only"] == tokens["none"]
+
+
+@pytest.mark.parametrize("mode, ubatches", [("full_decode_only", 1), ("full", 2)])
+def test_graphs_read_the_window_pool(tiny_dirs, mode, ubatches) -> None:
+    """The sliding layers' own pool, smaller than the longest sequence, through the graphs'
+    second table and slot buffers (cuda_graphs.py), in one and two ubatches: the eager
+    tokens, and every window block back in the pool at the end."""
+    prompts = [[(5 * i + 1) % 250 for i in range(n)] for n in (3, 45, 130, 61)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    limits = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_blocks=48)
+    tokens = {}
+    for graph_mode in ("none", mode):
+        with LLM(
+            str(tiny_dirs[None]),
+            dtype="bfloat16",
+            device="cuda",
+            graph_mode=graph_mode,
+            ubatches=ubatches,
+            **limits,
+        ) as llm:
+            tokens[graph_mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            manager = llm.engine.core_client.core.block_manager
+            # 1 + 4 x (1 + 2) + 4 blocks: fewer than the 170-token sequence's 11.
+            assert manager.num_free_window_blocks == 16
+    assert tokens[mode] == tokens["none"]

@@ -1,11 +1,11 @@
 """gpt-oss's per-sequence state: keys and values per KV head in every layer, as the decoder
 families' `PagedKV`; the sliding-window layers as a group of their own kind ("sliding").
 
-A sliding layer reads only its window (the last `window` positions) of the engine's pages, but
-holds every page the sequence's block table names: the engine gives a sequence one block table
-shared by all layers (model/cache.py), so freeing the pages that fall out of a window would need
-a table per group of layers or a ring per sequence. Until then a sliding layer costs as much
-cache as a full one; its spec says which layers could give pages back.
+A sliding layer reads only its window (the last `window` positions), so its spec declares the
+window (`CacheSpec.window`): the engine keeps those layers' pages in a pool of their own,
+addressed through a second block table per sequence, and frees the blocks that fall behind the
+window as the sequence advances (engine/block_manager.py). At long context the sliding half of
+the layers then costs a few blocks per sequence instead of the whole context.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class SlidingKV(PagedKV):
     """`PagedKV` of sliding-window layers: a query at p reads positions p - window < j <= p."""
 
     kind: str = "sliding"
-    window: int = 0
+    window: int | None = None
 
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
