@@ -27,15 +27,15 @@ def _conv_kernel(
 ):
     span, cblock = tl.program_id(0), tl.program_id(1)
     width = TAPS - 1
-    r0 = tl.load(SPANS + span * 4).to(tl.int64)
-    r1 = tl.load(SPANS + span * 4 + 1).to(tl.int64)
+    r0 = tl.load(SPANS + span * 4)
+    r1 = tl.load(SPANS + span * 4 + 1)
     slot = tl.load(SPANS + span * 4 + 2).to(tl.int64)
     keep = tl.load(SPANS + span * 4 + 3) == 0  # not fresh: the window holds earlier inputs
     rc = cblock * BC + tl.arange(0, BC)
     mc = rc < channels
     window = WIN + slot * channels * width
     for b0 in range(r0, r1, BR):
-        rows = b0 + tl.arange(0, BR)
+        rows = (b0 + tl.arange(0, BR)).to(tl.int64)
         live = rows < r1
         acc = tl.zeros((BR, BC), dtype=tl.float32)
         for t in tl.static_range(TAPS):
@@ -59,7 +59,7 @@ def _conv_kernel(
         )
     # The window after the span: its last K - 1 inputs, the old window's where the span is shorter.
     jw = tl.arange(0, BW)
-    src = r1 - width + jw
+    src = (r1 - width + jw).to(tl.int64)
     in_x = (src >= r0) & (jw < width)
     in_window = (src < r0) & (jw < width) & keep
     x = tl.load(X + src[None, :] * stride_x + rc[:, None], mask=mc[:, None] & in_x[None, :])
