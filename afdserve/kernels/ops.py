@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.reference import delta_chunked as reference_delta_chunked
 from afdserve.kernels.reference import delta_rule as reference_delta_rule
 from afdserve.kernels.reference import fp4, fp8
 from afdserve.kernels.reference import layers as reference
@@ -534,3 +535,37 @@ def delta_rule_step(
 
         return triton_delta_rule.step_slots(q, k, v, g, beta, states, slots, fresh)
     return reference_delta_rule.step_slots(q, k, v, g, beta, states, slots, fresh)
+
+
+def causal_conv_spans(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, spans: torch.Tensor
+) -> torch.Tensor:
+    """The delta-rule layers' short causal convolution and SiLU over spans of rows, each after its
+    slot's window, the windows updated in place (kernels/reference/delta_chunked.py's
+    `conv_spans`). On CUDA one Triton launch, no host sync."""
+    if _triton_ready(x) and windows.is_contiguous():
+        from afdserve.kernels.triton import short_conv as triton_short_conv
+
+        return triton_short_conv.conv_spans(x, weight, windows, spans)
+    return reference_delta_chunked.conv_spans(x, weight, windows, spans)
+
+
+def delta_rule_spans(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    spans: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The gated delta rule's chunked form over spans of rows, each from its slot's state, the
+    states updated in place, outputs into `out` (kernels/reference/delta_chunked.py's
+    `chunked_spans`). On CUDA one Triton launch, no host sync."""
+    if _triton_ready(v) and states.is_contiguous() and out.is_contiguous():
+        from afdserve.kernels.triton import delta_chunked as triton_delta_chunked
+
+        triton_delta_chunked.chunked_spans(q, k, v, g, beta, states, spans, out)
+        return
+    reference_delta_chunked.chunked_spans(q, k, v, g, beta, states, spans, out)

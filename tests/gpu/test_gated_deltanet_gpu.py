@@ -1,9 +1,10 @@
-"""Qwen3-Next, Qwen3.5-MoE and Kimi-Linear on one GPU (the delta rule in torch; attention,
-rotary and the experts on their Triton paths): float32 greedy tokens equal the CPU engine's
-(which tests/model/test_gated_deltanet.py holds equal to transformers), colocated and in-process
-1A1F alike, over a batch with chunked prefill beside decodes; full_decode_only captures the
-batched decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens;
-`full` is refused by name; `auto` captures decode steps."""
+"""Qwen3-Next, Qwen3.5-MoE and Kimi-Linear on one GPU (the delta rule's prefill, its decode step
+and the short convolution on their Triton paths, as attention, rotary and the experts): float32
+greedy tokens equal the CPU engine's (which tests/model/test_gated_deltanet.py holds equal to
+transformers), colocated and in-process 1A1F alike, over a batch with chunked prefill beside
+decodes, and with prefill chunks of several kernel chunks; full_decode_only captures the batched
+decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens; `full` is
+refused by name; `auto` captures decode steps. The kernels against the torch ones at real sizes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
+from afdserve.kernels.reference import delta_chunked as reference_chunked
 from afdserve.kernels.reference import delta_rule as reference
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.test_graphs import _check
@@ -56,6 +58,26 @@ def test_cuda_equals_cpu_colocated_and_in_process(gdn_dirs, model_type, ubatches
         model, "float32", "cuda", topology="1A1F", connector="inprocess", ubatches=ubatches
     )
     assert split == colocated == tokens(model, "float32", "cpu")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "kimi_linear"])
+def test_long_prefill_chunks_equal_cpu(gdn_dirs, model_type):
+    """Prefill chunks of up to 96 rows: several of the Triton kernel's 32-row chunks per span."""
+    model = gdn_dirs[(model_type, "float32")]
+    prompts = [[(11 * i + 5) % 250 for i in range(150)], list(range(40, 110)), [3, 1, 4]]
+
+    def run(device: str) -> list[list[int]]:
+        with LLM(
+            str(model),
+            dtype="float32",
+            device=device,
+            max_num_batched_tokens=96,
+            graph_mode="none",
+            use_tqdm_on_load=False,
+        ) as llm:
+            return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    assert run("cuda") == run("cpu")
 
 
 @pytest.mark.parametrize(
@@ -129,3 +151,46 @@ def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
     got = ops.delta_rule_step(q, k, v, g, beta, got_states, slots, fresh)
     torch.testing.assert_close(got[real], want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_states[:b], want_states[:b], atol=1e-4, rtol=1e-4)
+
+
+def _spans(lengths: list[int], device: str) -> tuple[torch.Tensor, int]:
+    """Spans of the given lengths with a one-row gap (another segment's row) before each, in
+    slots 0, 1, ..., every other one fresh -> (spans [n, 4] int32, rows)."""
+    spans, row = [], 0
+    for i, n in enumerate(lengths):
+        spans.append((row + 1, row + 1 + n, i, i % 2))
+        row += 1 + n
+    return torch.tensor(spans, dtype=torch.int32, device=device), row + 1
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_prefill_kernels_equal_the_reference_at_real_sizes(per_channel):
+    """Qwen3-Next's linear-layer shape (16 key heads, 32 value heads, 128 x 128; Kimi: 32 and
+    per-channel decays, some steep), bfloat16 rows as the model feeds them, spans of 1, C - 1, C,
+    C + 1 and many chunks: the Triton convolution and chunked delta rule against the torch ones."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hk, hv, d = (32, 32, 128) if per_channel else (16, 32, 128)
+    spans, rows = _spans([1, 31, 32, 33, 200, 700], "cuda")
+    slots = spans.shape[0] + 1
+    conv_dim = 2 * hk * d + hv * d
+    qkv = torch.randn(rows, conv_dim, device="cuda", generator=gen).bfloat16()
+    weight = (0.5 * torch.randn(conv_dim, 4, device="cuda", generator=gen)).bfloat16()
+    windows = torch.randn(slots, conv_dim, 3, device="cuda", generator=gen).bfloat16()
+    want_w, got_w = windows.clone(), windows.clone()
+    want = reference_chunked.conv_spans(qkv, weight, want_w, spans)
+    got = ops.causal_conv_spans(qkv, weight, got_w, spans)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_w, want_w, atol=0, rtol=0)
+    q, k, v = want.split([hk * d, hk * d, hv * d], dim=-1)
+    q, k, v = q.view(rows, hk, d), k.view(rows, hk, d), v.view(rows, hv, d)
+    shape = (rows, hv, d) if per_channel else (rows, hv)
+    g = -torch.rand(shape, device="cuda", generator=gen) * (4.0 if per_channel else 1.0)
+    beta = torch.rand(rows, hv, device="cuda", generator=gen)
+    states = 0.1 * torch.randn(slots, hv, d, d, device="cuda", generator=gen)
+    want_s, got_s = states.clone(), states.clone()
+    want_o = torch.zeros(rows, hv, d, device="cuda")
+    got_o = torch.zeros(rows, hv, d, device="cuda")
+    reference_chunked.chunked_spans(q, k, v, g, beta, want_s, spans, want_o)
+    ops.delta_rule_spans(q, k, v, g, beta, got_s, spans, got_o)
+    torch.testing.assert_close(got_o, want_o, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_s, want_s, atol=2e-3, rtol=2e-3)

@@ -19,10 +19,10 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
+from afdserve.kernels.reference import delta_chunked
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config, parse_model_config
 from afdserve.model.families.gated_deltanet import config as gdn_config
-from afdserve.model.families.gated_deltanet import delta_rule
 from afdserve.model.families.gated_deltanet import tiny as gdn_tiny
 from afdserve.model.fixtures import byte_tokenizer
 from afdserve.model.fixtures.tiny import make_tiny_model
@@ -55,13 +55,13 @@ def test_chunked_and_recurrent_forms_equal_transformers_reference() -> None:
         q[None], k[None], v[None], g[None], beta[None], output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    out, state = delta_rule.chunked(q, k, v, g, beta, None)
+    out, state = delta_chunked.chunked(q, k, v, g, beta, None)
     torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(state, ref_state[0], atol=1e-5, rtol=0)
     # The same tokens as two chunked pieces (odd chunk sizes) and one recurrent step.
-    o1, s1 = delta_rule.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
+    o1, s1 = delta_chunked.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
     part = slice(70, n - 1)
-    o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
+    o2, s2 = delta_chunked.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
     last = slice(n - 1, n)
     o3, s3 = ops.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
     torch.testing.assert_close(torch.cat([o1, o2, o3]), ref[0], atol=1e-5, rtol=0)
@@ -77,9 +77,9 @@ def test_per_channel_decay_equals_kimi_reference() -> None:
         q[None], k[None], v[None], g=g[None], beta=beta[None], output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    o1, s1 = delta_rule.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
+    o1, s1 = delta_chunked.chunked(q[:70], k[:70], v[:70], g[:70], beta[:70], None, chunk=16)
     part = slice(70, n - 1)
-    o2, s2 = delta_rule.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
+    o2, s2 = delta_chunked.chunked(q[part], k[part], v[part], g[part], beta[part], s1, chunk=7)
     last = slice(n - 1, n)
     o3, s3 = ops.recurrent_step(q[last], k[last], v[last], g[last], beta[last], s2[None])
     torch.testing.assert_close(torch.cat([o1, o2, o3]), ref[0], atol=1e-5, rtol=0)

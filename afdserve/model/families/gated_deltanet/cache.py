@@ -22,8 +22,9 @@ PREFIX_REUSE_REFUSAL = (
 )
 FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
 FULL_GRAPH_REFUSAL = (
-    "its linear-attention layers run prefill chunks through the torch delta rule, which loops "
-    "over segments on the host; use graph_mode='full_decode_only' or 'none'"
+    "its linear-attention layers pick on the host which segments step the recurrence once and "
+    "which run the chunked kernels (from spans built of the host segments, which a captured graph "
+    "does not have); use graph_mode='full_decode_only' or 'none'"
 )
 
 

@@ -16,7 +16,6 @@ from torch import nn
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, Segment
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.gated_deltanet import delta_rule
 from afdserve.model.families.gated_deltanet.cache import LinearState
 
 
@@ -60,22 +59,23 @@ class DeltaRuleLayer(nn.Module):
         steps, stepped = _recurrence_steps(meta)
         if steps is not None:
             self._step(*steps, qkv, g, beta, state, core)
-        for seg in meta.segments:
-            if not stepped(seg):
-                self._prefill(seg, qkv, g, beta, state, core)
+        chunked = [seg for seg in meta.segments if not stepped(seg)]
+        if chunked:
+            self._prefill(chunked, qkv, g, beta, state, core)
         return self._output(core, gate)
 
-    def _prefill(self, seg: Segment, qkv, g, beta, state: LinearState, core) -> None:
-        """A segment of several rows: the chunked form, from its slot's state."""
-        r0, r1, slot = seg.row_start, seg.row_end, seg.state_slot
-        fresh = seg.context_len == seg.num_rows  # starts at position 0
-        window = None if fresh else state.conv[slot]
-        mixed, state.conv[slot] = delta_rule.causal_conv(qkv[r0:r1], window, self.conv_weight())
+    def _prefill(self, segments: list[Segment], qkv, g, beta, state: LinearState, core) -> None:
+        """Segments that do not step the recurrence once: together, the chunked form, each from
+        its slot's state (one launch each for the convolution and the delta rule on CUDA)."""
+        spans = [
+            # A segment that starts at position 0 starts from an empty window and state.
+            (s.row_start, s.row_end, s.state_slot, int(s.context_len == s.num_rows))
+            for s in segments
+        ]
+        spans = torch.tensor(spans, dtype=torch.int32).to(qkv.device)  # [n, 4]
+        mixed = ops.causal_conv_spans(qkv, self.conv_weight(), state.conv, spans)
         q, k, v = self._split(mixed)
-        out, state.delta[slot] = delta_rule.chunked(
-            q, k, v, g[r0:r1], beta[r0:r1], None if fresh else state.delta[slot]
-        )
-        core[r0:r1] = out.to(core.dtype)
+        ops.delta_rule_spans(q, k, v, g, beta, state.delta, spans, core)
 
     def _step(self, rows, slots, fresh, qkv, g, beta, state: LinearState, core) -> None:
         """One row of each of b sequences: rows, slots [b] (slot -1: a pad segment, sent to the

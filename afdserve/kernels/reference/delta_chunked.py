@@ -1,5 +1,5 @@
-"""The gated delta rule's chunked form and its short convolution in plain torch: the prefill path
-on every device (one decode step is `ops.delta_rule_step`, a Triton launch on CUDA).
+"""The gated delta rule's chunked form and its short convolution in plain torch: the CPU prefill
+path and the oracle of kernels/triton/delta_chunked.py (a decode step is delta_rule.py's).
 
 Per value head, with q and k L2-normalised and q scaled by 1/sqrt(dk), a state S [dk, dv] moves
 token by token: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from afdserve.kernels import ops
+from afdserve.kernels.reference.delta_rule import l2_normalize
 
 CHUNK = 64
 
@@ -29,7 +29,7 @@ def _prepare(q, k, v, g, beta, heads: int):
     if q.shape[1] != heads:
         q = q.repeat_interleave(heads // q.shape[1], dim=1)
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    q, k = ops.l2_normalize(q.float()), ops.l2_normalize(k.float())
+    q, k = l2_normalize(q.float()), l2_normalize(k.float())
     q = q * q.shape[-1] ** -0.5
     return (
         q.transpose(0, 1),
@@ -132,3 +132,38 @@ def causal_conv(
     seq = torch.cat((window.to(x.dtype), x.T), dim=-1)  # [channels, K - 1 + n]
     out = F.conv1d(seq[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]
     return F.silu(out).T, seq[:, seq.shape[1] - width :]
+
+
+def conv_spans(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, spans: torch.Tensor
+) -> torch.Tensor:
+    """`causal_conv` of each span's rows: x [rows, channels], weight [channels, K], windows
+    [slots, channels, K - 1] (each span's slot read, then written in place), spans [n, 4] int
+    (row_start, row_end, state_slot, fresh: the span starts at position 0, an empty window).
+    Returns out [rows, channels]; rows outside every span are zero."""
+    out = torch.zeros_like(x)
+    for r0, r1, slot, fresh in spans.tolist():
+        window = None if fresh else windows[slot]
+        out[r0:r1], windows[slot] = causal_conv(x[r0:r1], window, weight)
+    return out
+
+
+def chunked_spans(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    spans: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """`chunked` over each span's rows (spans as in `conv_spans`) from its slot of states
+    [slots, hv, dk, dv] float32 (empty where fresh), the final state written back in place, the
+    output into out [rows, hv, dv] (rows outside every span untouched)."""
+    for r0, r1, slot, fresh in spans.tolist():
+        rows = slice(r0, r1)
+        got, states[slot] = chunked(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], None if fresh else states[slot]
+        )
+        out[rows] = got.to(out.dtype)

@@ -1,0 +1,70 @@
+"""The Triton prefill kernels of the delta-rule layers (kernels/triton/delta_chunked.py and
+short_conv.py) under Triton's interpreter against the torch reference
+(kernels/reference/delta_chunked.py), float32: spans of 1, C - 1, C, C + 1 and several chunks
+of C rows, fresh and from a non-zero state or window, with rows of other segments between them
+left untouched, as is every other slot; a decay per head (grouped key heads, q, k and v as views
+of one convolved row, value dims past one block) and per key channel (Kimi)."""
+
+from __future__ import annotations
+
+from tests.kernels.interpret import run_interpreted
+
+CASES = r"""
+import torch
+from afdserve.kernels.reference import delta_chunked as ref
+from afdserve.kernels.triton import delta_chunked as tri
+from afdserve.kernels.triton import short_conv
+
+C = 16
+gen = torch.Generator().manual_seed(0)
+# (rows, slot, fresh); a one-row gap (another segment's row) before each span.
+LENGTHS = [(1, 0, 0), (C - 1, 2, 0), (C, 3, 1), (C + 1, 4, 0), (2 * C + 3, 5, 0), (2, 1, 0)]
+spans, row = [], 0
+for n, slot, fresh in LENGTHS:
+    spans.append((row + 1, row + 1 + n, slot, fresh))
+    row += 1 + n
+rows, slots = row + 1, 7
+spans = torch.tensor(spans, dtype=torch.int32)
+span_rows = torch.zeros(rows, dtype=torch.bool)
+for r0, r1, _, _ in spans.tolist():
+    span_rows[r0:r1] = True
+touched = sorted({s for _, _, s, _ in spans.tolist()})
+untouched = [s for s in range(slots) if s not in touched]
+
+# The short convolution: 20 channels (past one block of 16), 4 taps, spans shorter than the window.
+channels, taps = 20, 4
+x = torch.randn(rows, channels, generator=gen)
+weight = torch.randn(channels, taps, generator=gen)
+windows = torch.randn(slots, channels, taps - 1, generator=gen)
+want_w, got_w = windows.clone(), windows.clone()
+want = ref.conv_spans(x, weight, want_w, spans)
+got = short_conv.conv_spans(x, weight, got_w, spans)
+torch.testing.assert_close(got[span_rows], want[span_rows], atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+torch.testing.assert_close(got_w[untouched], windows[untouched], atol=0, rtol=0)
+
+SHAPES = [(1, 2, 8, 40, False), (2, 2, 16, 8, True)]
+for hk, hv, dk, dv, per_channel in SHAPES:
+    mixed = torch.randn(rows, 2 * hk * dk + hv * dv, generator=gen)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(rows, hk, dk), k.view(rows, hk, dk), v.view(rows, hv, dv)
+    shape = (rows, hv, dk) if per_channel else (rows, hv)
+    g, beta = -torch.rand(shape, generator=gen), torch.rand(rows, hv, generator=gen)
+    states = torch.randn(slots, hv, dk, dv, generator=gen) * 0.5
+    want_s, got_s = states.clone(), states.clone()
+    want_o = torch.full((rows, hv, dv), 7.0)
+    got_o = want_o.clone()
+    ref.chunked_spans(q, k, v, g, beta, want_s, spans, want_o)
+    tri.chunked_spans(q, k, v, g, beta, got_s, spans, got_o, chunk=C)
+    torch.testing.assert_close(got_o, want_o, atol=2e-5, rtol=1e-5)
+    assert (got_o[~span_rows] == 7.0).all()
+    torch.testing.assert_close(got_s, want_s, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got_s[untouched], states[untouched], atol=0, rtol=0)
+print("ok")
+"""
+
+
+def test_prefill_kernels_equal_the_reference() -> None:
+    done = run_interpreted(CASES, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
