@@ -22,6 +22,7 @@ from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.logprobs import entries, prompt_entries
 from afdserve.engine.model_runner import ModelRunner, StepInputs
+from afdserve.engine.mtp import MTPProposer
 from afdserve.engine.rejection import verify
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampler import sample
@@ -57,7 +58,9 @@ class EngineCore:
         device: torch.device,
         prefix_caching: bool = False,
         speculative: SpeculativeConfig | None = None,
+        draft: object | None = None,
     ) -> None:
+        """`draft`: the MTP layer (model/checkpoint/draft.py) where `speculative` is mtp."""
         # The tokenizer only gives the eos token when the config names none: text is the
         # frontend's (frontend/output_processor.py).
         self.model, self.device = model, device
@@ -73,6 +76,10 @@ class EngineCore:
         self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)
         self.runner = ModelRunner(model, kv_cache, device)
+        self.mtp = None
+        if speculative is not None and speculative.is_mtp:
+            k = speculative.num_speculative_tokens
+            self.mtp = MTPProposer(draft, model, kv_cache, device, k)
         self.max_model_len = scheduler_config.max_model_len
         self.requests: dict[str, _Tracked] = {}
         eos = self.config.eos_token_ids
@@ -149,14 +156,17 @@ class EngineCore:
         if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
+        starts = [entry.seq.num_computed_tokens for entry in out.scheduled]
         hidden = forward(inputs, plan, step)
         if inputs.prompt_spans:
             self._prompt_logprobs(hidden, inputs)
         if not inputs.sample_seqs:
             self.scheduler.update(out, [None] * len(out.scheduled))
-            return self._collect(out)
-        logits = self.runner.logits(hidden, inputs)
-        self.scheduler.update(out, self._sample(out, logits))
+        else:
+            logits = self.runner.logits(hidden, inputs)
+            self.scheduler.update(out, self._sample(out, logits))
+        if self.mtp is not None:  # the MTP's rows need the tokens the step kept
+            self.mtp.propose(out, starts, hidden)
         return self._collect(out)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int | list[int] | None]:

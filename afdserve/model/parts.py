@@ -87,3 +87,8 @@ class Family:
     # (out_dir, model_type, hash_layers, seed, dtype, quantization) -> out_dir. None: the
     # decoder families' builder in tiny.py.
     make_tiny: Callable[..., Path] | None = None
+    # Builds (on meta) the MTP draft of a loaded main model: (main, config.json dict, the
+    # checkpoint's tensor names or None for dummy weights) -> a module with the draft's calls
+    # (model/checkpoint/draft.py); raises ValueError saying why the checkpoint gives none. None:
+    # the family builds no MTP layers.
+    mtp_draft: Callable[..., Any] | None = None
