@@ -192,7 +192,7 @@ def test_refusals_by_name(tmp_path, mtp_model) -> None:
         LLM(qwen, speculative_config=spec)
     with pytest.raises(ValueError, match="not supported under AFD yet: the MTP layer's MoE"):
         LLM(mtp_model, speculative_config=spec, topology="1A1F", connector="inprocess")
-    with pytest.raises(ValueError, match="mtp_layers=1 with family='qwen3_moe'"):
+    with pytest.raises(ValueError, match="mtp_layers=1 with family='qwen3_moe': allowed 0"):
         make_tiny_model(tmp_path / "q2", "qwen3_moe", mtp_layers=1)
 
 
@@ -241,3 +241,13 @@ def test_constructed_drafts_are_all_accepted(mtp_model, tmp_path, k) -> None:
     assert got == want
     assert stats.num_draft_tokens > len(PROMPTS) * GREEDY.max_tokens // (k + 1) // 2
     assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_fp8_checkpoint_drafts_losslessly(tmp_path) -> None:
+    """The public FP8 layout: the MTP decoder layer's linear weights block-scaled FP8, eh_proj
+    and shared_head in the model dtype; the layer loads and the tokens stay the same."""
+    model = str(make_tiny_model(tmp_path / "fp8", "deepseek_v3", quantization="fp8", mtp_layers=1))
+    common = dict(block_size=4, kv_cache_blocks=64)
+    want, _, _, _ = _run(model, None, **common)
+    got, _, drafts, stats = _run(model, {"method": "mtp", "num_speculative_tokens": 1}, **common)
+    assert got == want and stats.num_draft_tokens == len(drafts) > 0
