@@ -219,12 +219,12 @@ def _predictable(mtp_model: str, folder: Path) -> str:
     for name, t in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name] = torch.zeros_like(t)
-    hidden = weights["model.norm.weight"].shape[0]
+    hidden, dtype = weights["model.norm.weight"].shape[0], weights["model.norm.weight"].dtype
     layer = f"model.layers.{N}."
-    eh = torch.zeros(hidden, 2 * hidden)
-    eh[:, :hidden] = torch.eye(hidden)
+    eh = torch.zeros(hidden, 2 * hidden, dtype=dtype)
+    eh[:, :hidden] = torch.eye(hidden, dtype=dtype)
     weights[layer + "eh_proj.weight"] = eh
-    weights[layer + "enorm.weight"] = torch.ones(hidden)
+    weights[layer + "enorm.weight"] = torch.ones(hidden, dtype=dtype)
     weights[layer + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
     weights[layer + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
