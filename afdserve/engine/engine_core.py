@@ -156,7 +156,8 @@ class EngineCore:
         if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
-        starts = [entry.seq.num_computed_tokens for entry in out.scheduled]
+        mtp = self.mtp
+        starts = [entry.seq.num_computed_tokens for entry in out.scheduled] if mtp else []
         hidden = forward(inputs, plan, step)
         if inputs.prompt_spans:
             self._prompt_logprobs(hidden, inputs)
@@ -165,8 +166,8 @@ class EngineCore:
         else:
             logits = self.runner.logits(hidden, inputs)
             self.scheduler.update(out, self._sample(out, logits))
-        if self.mtp is not None:  # the MTP's rows need the tokens the step kept
-            self.mtp.propose(out, starts, hidden)
+        if mtp is not None:  # the MTP's rows need the tokens the step kept
+            mtp.propose(out, starts, hidden)
         return self._collect(out)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int | list[int] | None]:
