@@ -27,6 +27,7 @@ from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.cache import CacheLayout, PagedKV
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.decoder.model import (
+    MTP_FAMILIES,
     DecoderLayer,
     MoECausalLM,
     uninitialized_embedding,
@@ -34,8 +35,6 @@ from afdserve.model.families.decoder.model import (
 from afdserve.model.layers.common import RMSNorm
 from afdserve.model.layers.fp8 import convert_to_fp8
 from afdserve.model.parts import ModelParts
-
-MTP_FAMILIES = ("deepseek_v3",)
 
 
 class Projection(nn.Module):
