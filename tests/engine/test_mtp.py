@@ -251,3 +251,18 @@ def test_fp8_checkpoint_drafts_losslessly(tmp_path) -> None:
     want, _, _, _ = _run(model, None, **common)
     got, _, drafts, stats = _run(model, {"method": "mtp", "num_speculative_tokens": 1}, **common)
     assert got == want and stats.num_draft_tokens == len(drafts) > 0
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_draft_alone(mtp_model) -> None:
+    """2A0F: two colocated replicas in their own processes, each with its MTP layer and KV."""
+    common = dict(block_size=4, kv_cache_blocks=64)
+    want, _, _, _ = _run(mtp_model, None, **common)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(
+        mtp_model, dtype="float32", data_parallel_size=2, speculative_config=spec, **common
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats().spec_decode
+    assert got == want
+    assert sorted(stats) == [0, 1] and all(s.num_drafts > 0 for s in stats.values())
