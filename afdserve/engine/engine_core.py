@@ -33,7 +33,7 @@ from afdserve.engine.speculative import Drafter
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.cache import PagedCache
 from afdserve.model.config import ModelConfig
-from afdserve.model.parts import CausalLM
+from afdserve.model.parts import CausalLM, MTPDraft
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineCore:
         device: torch.device,
         prefix_caching: bool = False,
         speculative: SpeculativeConfig | None = None,
-        draft: object | None = None,
+        draft: MTPDraft | None = None,
     ) -> None:
         """`draft`: the MTP layer (model/checkpoint/draft.py) where `speculative` is mtp."""
         # The tokenizer only gives the eos token when the config names none: text is the

@@ -17,18 +17,21 @@ any query reads them, as the main cache's rejected drafts are.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.model.cache import PagedCache
+from afdserve.model.parts import CausalLM, MTPDraft
 
 
 class MTPProposer:
-    def __init__(self, draft: Any, main: Any, kv_cache: PagedCache, device: torch.device, k: int):
+    """Runs `draft` after each step; its KV mirrors the main cache's blocks one for one."""
+
+    def __init__(
+        self, draft: MTPDraft, main: CausalLM, kv_cache: PagedCache, device: torch.device, k: int
+    ) -> None:
         self.draft, self.main, self.device, self.k = draft, main, device, k
         self.block_size = kv_cache.block_size
         layout = draft.cache_layout()

@@ -110,7 +110,7 @@ class Drafter:
         )
         if k < 1 or why_not_speculating(seq) is not None:
             return ()
-        if self.config.method != "ngram":  # the MTP's, proposed after the last step
+        if self.config.is_mtp:  # the MTP's, proposed after the last step (engine/mtp.py)
             proposed = seq.mtp_drafts
             if proposed is None or proposed[0] != seq.num_computed_tokens:
                 return ()

@@ -5,7 +5,6 @@ model, or draws it from the seed for dummy weights."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,7 +19,7 @@ from afdserve.model.checkpoint.loader import (
 )
 from afdserve.model.config import read_hf_config
 from afdserve.model.families import family_of
-from afdserve.model.parts import CausalLM
+from afdserve.model.parts import CausalLM, MTPDraft
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:
@@ -54,7 +53,7 @@ def load_draft(
     seed: int,
     device: torch.device | str,
     progress: bool | None = None,
-) -> Any:
+) -> MTPDraft:
     """The MTP draft of `main` on `device`: its layer read from the checkpoint, or drawn from
     `seed` where load_format is "dummy" (the tensors' names seed them, as the main model's)."""
     why = mtp_refusal(model_dir, main.config.family)
