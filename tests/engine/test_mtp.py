@@ -173,6 +173,20 @@ def test_prefix_caching_keeps_tokens(mtp_model) -> None:
     assert got == want and hits > 0
 
 
+def test_cli_writes_the_layer(tmp_path) -> None:
+    from afdserve.cli import main
+
+    assert (
+        main(
+            ["make-tiny-model", str(tmp_path / "m"), "--family", "deepseek_v3", "--mtp-layers", "1"]
+        )
+        == 0
+    )
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    names = load_file(tmp_path / "m" / "model.safetensors")
+    assert raw["num_nextn_predict_layers"] == 1 and f"model.layers.{N}.eh_proj.weight" in names
+
+
 def test_config_takes_both_spellings() -> None:
     for method in ("mtp", "deepseek_mtp"):
         config = EngineConfig(
