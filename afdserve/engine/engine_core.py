@@ -156,18 +156,18 @@ class EngineCore:
         if plan.padded_rows == 0 and not any(plan.tile_rows):
             return []
         inputs = self.runner.prepare(out, plan.padded_rows)
-        mtp = self.mtp
-        starts = [entry.seq.num_computed_tokens for entry in out.scheduled] if mtp else []
         hidden = forward(inputs, plan, step)
         if inputs.prompt_spans:
             self._prompt_logprobs(hidden, inputs)
-        if not inputs.sample_seqs:
-            self.scheduler.update(out, [None] * len(out.scheduled))
-        else:
-            logits = self.runner.logits(hidden, inputs)
-            self.scheduler.update(out, self._sample(out, logits))
-        if mtp is not None:  # the MTP's rows need the tokens the step kept
-            mtp.propose(out, starts, hidden)
+        sampled: list[int | list[int] | None] = [None] * len(out.scheduled)
+        if inputs.sample_seqs:
+            sampled = self._sample(out, self.runner.logits(hidden, inputs))
+        # The MTP's rows need the tokens the step kept, and the blocks a finishing sequence
+        # still holds until `update` retires it; its drafts need the sequences after `update`.
+        written = self.mtp.write(out, sampled, hidden) if self.mtp is not None else None
+        self.scheduler.update(out, sampled)
+        if written is not None:
+            self.mtp.propose(written)
         return self._collect(out)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int | list[int] | None]:

@@ -1,21 +1,22 @@
 """MTP drafts (speculative decoding's `mtp` method): the checkpoint's next-token-prediction
-layer run after each step on the attention rank, over the rows the step kept.
+layer, run on the attention rank after each step's verification over the rows the step kept.
 
-The MTP layer's entry at position p reads the main model's hidden state at p and the token at
-p + 1, so it can only be written once that token is known: right after the step's verification.
-Each step therefore runs the layer over every row it kept (a prefill chunk's rows, a decode's
-verified rows: its accepted drafts and the row before the bonus token), writing the layer's own
-KV (a cache group of its own over the same block table) at exactly the positions the main cache
-now holds. The hidden states never outlive the step: what a sequence keeps between steps is the
-MTP's KV and its next drafts (`Sequence.mtp_drafts`), which `Drafter.propose` hands the
-scheduler. A draft is the argmax of the layer's logits at the last kept row; drafts 2..k chain
-the layer on its own output at the positions after it, within the blocks the sequence already
-holds (a chain that would need a new block stops there: drafts never take blocks). Their KV
-rows are written past what the sequence keeps and overwritten by the next step's pass before
-any query reads them, as the main cache's rejected drafts are.
+Its entry at position p reads the main hidden state at p and the token at p + 1, so it is
+written once that token is known: after sampling and before `Scheduler.update` (a sequence the
+step finishes still holds its blocks then, whose MTP rows a prefix-cache hit may reuse). The
+rows are a prefill chunk's, or a decode's verified ones (its accepted drafts and the row before
+the bonus token); their KV, a cache group of its own over the same block table, then holds the
+positions the main cache holds. Hidden states never outlive the step: a sequence keeps the MTP's
+KV and its next drafts (`Sequence.mtp_drafts`), which `Drafter.propose` hands the scheduler.
+A draft is the argmax at the last kept row; drafts 2..k chain the layer on its own output at the
+next positions, within blocks the sequence holds (drafts never take blocks). Those KV rows lie
+past what the sequence keeps and are rewritten by the next step's pass before any query reads
+them, as the main cache's rejected drafts are.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,15 @@ from afdserve.engine.sequence import Sequence
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.model.cache import PagedCache
 from afdserve.model.parts import CausalLM, MTPDraft
+
+
+@dataclass
+class Written:
+    """One step's MTP rows: each sequence's span of them and the layer's output g [rows,
+    hidden] (None without rows)."""
+
+    spans: list[tuple[Sequence, int, int]]
+    g: torch.Tensor | None
 
 
 class MTPProposer:
@@ -41,35 +51,46 @@ class MTPProposer:
         self.batched = device.type == "cuda" or layout.batched_segments
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor) -> None:
-        """After `Scheduler.update`: `starts`, each scheduled sequence's num_computed_tokens
-        before the step; `hidden` [rows, hidden], the step's main hidden rows (as the layer
-        loop returns them). Sets each decoding sequence's drafts for the next step."""
+    def write(
+        self, out: SchedulerOutput, sampled: list[int | list[int] | None], hidden: torch.Tensor
+    ) -> Written:
+        """Before `Scheduler.update`: the layer over every row the step keeps, given each
+        sequence's sampled tokens (`sampled`, as `update` takes them) and `hidden` [rows,
+        hidden], the step's main hidden rows (as the layer loop returns them)."""
         rows: list[int] = []
         spans: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows kept)
+        next_ids: list[int] = []
         row = 0
-        for entry, start in zip(out.scheduled, starts, strict=True):
-            seq = entry.seq
+        for entry, tokens in zip(out.scheduled, sampled, strict=True):
+            seq, start = entry.seq, entry.seq.num_computed_tokens
             seq.mtp_drafts = None
-            kept = seq.num_computed_tokens - start
-            if not seq.is_finished and kept > 0:  # a finished sequence's blocks are free
+            new = [tokens] if isinstance(tokens, int) else tokens or []
+            # Rejected drafts' rows are not kept: the accepted ones and the bonus token's are.
+            kept = entry.num_new_tokens - len(entry.draft_ids) + max(len(new) - 1, 0)
+            if not seq.is_finished:  # an aborted sequence's blocks are already free
+                known = seq.token_ids[start + 1 : start + kept + 1]
+                next_ids += known + new[: kept - len(known)]
                 rows.extend(range(row, row + kept))
                 spans.append((seq, start, kept))
             row += entry.num_new_tokens
         if not spans:
-            return
-        next_ids = [t for seq, at, kept in spans for t in seq.token_ids[at + 1 : at + kept + 1]]
+            return Written([], None)
         ids = torch.tensor(next_ids, dtype=torch.int64).to(self.device)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        g = self._layer(self.draft.first_input(hidden[index], ids), ids, spans)
+        return Written(spans, self._layer(self.draft.first_input(hidden[index], ids), ids, spans))
+
+    @torch.inference_mode()
+    def propose(self, written: Written) -> None:
+        """After `Scheduler.update`: each sequence that decodes next step (one token behind)
+        gets its drafts, from the last row `write` kept for it."""
         ends, decoding, at = [], [], 0
-        for seq, _, kept in spans:
+        for seq, _, kept in written.spans:
             at += kept
-            if seq.num_uncomputed_tokens == 1:  # it decodes next step: it may take drafts
+            if not seq.is_finished and seq.num_uncomputed_tokens == 1:
                 ends.append(at - 1)
                 decoding.append(seq)
         if decoding:
-            self._drafts(decoding, g[torch.tensor(ends, device=self.device)])
+            self._drafts(decoding, written.g[torch.tensor(ends, device=self.device)])
 
     def _drafts(self, seqs: list[Sequence], g: torch.Tensor) -> None:
         """Draft 1 from each sequence's last kept row g [n, hidden]; drafts 2..k chained."""
