@@ -164,6 +164,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         expert_dtype=args.expert_dtype,
+        mtp_layers=args.mtp_layers,
     )
     print(path)
     return 0
@@ -278,6 +279,14 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         help="deepseek_v4 with --quantization fp8: its routed experts in FP8, or "
         "in FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 inputs) as "
         "DeepSeek-V4-Flash ships them (default: fp8)",
+    )
+    tiny.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="deepseek_v3: its next-token-prediction layer too (num_nextn_predict_layers), "
+        'the draft of --speculative-config \'{"method": "mtp", ...}\' (default: 0)',
     )
     tiny.set_defaults(func=cmd_make_tiny)
 

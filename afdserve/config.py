@@ -51,23 +51,20 @@ def _positive_int(owner: str, name: str, value: object) -> None:
     _require(ok, owner, name, value, "an integer >= 1")
 
 
-# Speculative decoding (vLLM's --speculative-config): the methods run, and those refused for now.
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_NOT_YET = {
-    "mtp": "drafts from the checkpoint's next-token-prediction layers are not loaded yet "
-    "(afdserve skips num_nextn_predict_layers)",
-    "deepseek_mtp": "vLLM's other name of mtp, not yet run: the checkpoint's "
-    "next-token-prediction layers are not loaded yet",
-}
+# Speculative decoding (vLLM's --speculative-config): the methods run. `deepseek_mtp` is vLLM's
+# other spelling of `mtp` (the checkpoint's next-token-prediction layers draft).
+SPECULATIVE_METHODS = ("ngram", "mtp", "deepseek_mtp")
+MTP_METHODS = ("mtp", "deepseek_mtp")
+# Why MTP runs colocated only: the MTP layer's MoE runs on the attention rank beside its main
+# layers' FFN; no hand-over of its rows to FFN ranks (an extra layer of the plan) is built yet.
+MTP_AFD_REFUSAL = (
+    "the MTP layer's MoE runs where colocated main layers run their FFN, and no hand-over of "
+    "its rows to FFN ranks is built yet; use a colocated topology ('colocated' or '<N>A0F')"
+)
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 def _check_method(method: object) -> None:
-    if isinstance(method, str) and method in SPECULATIVE_NOT_YET:
-        raise ValueError(
-            f"SpeculativeConfig.method={method!r} is not yet supported: "
-            f"{SPECULATIVE_NOT_YET[method]}; the methods run are {SPECULATIVE_METHODS}"
-        )
     _require(
         method in SPECULATIVE_METHODS,
         "SpeculativeConfig",
@@ -79,10 +76,11 @@ def _check_method(method: object) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, the n-gram method: each decoding sequence's longest suffix
-    n-gram (prompt_lookup_min <= n <= prompt_lookup_max) found earlier in its own tokens
-    proposes the up to num_speculative_tokens tokens that followed it. Only one of the lookup
-    bounds given: the other takes its value; neither: both 5 (vLLM's defaults)."""
+    """vLLM's speculative_config. `ngram`: each decoding sequence's longest suffix n-gram
+    (prompt_lookup_min <= n <= prompt_lookup_max) found earlier in its own tokens proposes the
+    up to num_speculative_tokens tokens that followed it. Only one of the lookup bounds given:
+    the other takes its value; neither: both 5 (vLLM's defaults). `mtp` (`deepseek_mtp`): the
+    checkpoint's next-token-prediction layer drafts (engine/mtp.py); the bounds are unused."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 1
@@ -102,6 +100,10 @@ class SpeculativeConfig:
         _require(low <= high, owner, "prompt_lookup_min", low, f"at most prompt_lookup_max={high}")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method in MTP_METHODS
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:

@@ -12,7 +12,13 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
-from afdserve.config import EngineConfig, EngineConfigs, engine_configs
+from afdserve.config import (
+    MTP_AFD_REFUSAL,
+    EngineConfig,
+    EngineConfigs,
+    SpeculativeConfig,
+    engine_configs,
+)
 from afdserve.engine.cuda_graphs import auto_graph_mode, check_capturable
 from afdserve.engine.device import resolve_device, with_batch_limits
 from afdserve.engine.factory import max_model_len_for, prefix_caching_for
@@ -67,7 +73,16 @@ def resolve_engine(
         afd.check_device(engine.device)
         graph = graph.resolved(engine.device)
         check_replicas(afd.parsed_topology, engine.device)
+    check_mtp_topology(engine.speculative_config, afd.parsed_topology)
     return EngineConfigs(with_batch_limits(engine, usage), afd, graph)
+
+
+def check_mtp_topology(speculative: SpeculativeConfig | None, topology: Topology) -> None:
+    if speculative is not None and speculative.is_mtp and not topology.colocated:
+        raise ValueError(
+            f"speculative_config method={speculative.method!r} with topology "
+            f"{topology}: not supported under AFD yet: {MTP_AFD_REFUSAL}"
+        )
 
 
 def check_replicas(topology: Topology, device: str) -> None:

@@ -22,6 +22,7 @@ from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.logprobs import entries, prompt_entries
 from afdserve.engine.model_runner import ModelRunner, StepInputs
+from afdserve.engine.mtp import MTPProposer
 from afdserve.engine.rejection import verify
 from afdserve.engine.requests import RequestError, RequestLimits, TokenDelta, check_request
 from afdserve.engine.sampler import sample
@@ -32,7 +33,7 @@ from afdserve.engine.speculative import Drafter
 from afdserve.layout.plan import AttentionRankPlan, RankStep
 from afdserve.model.cache import PagedCache
 from afdserve.model.config import ModelConfig
-from afdserve.model.parts import CausalLM
+from afdserve.model.parts import CausalLM, MTPDraft
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ class EngineCore:
         device: torch.device,
         prefix_caching: bool = False,
         speculative: SpeculativeConfig | None = None,
+        draft: MTPDraft | None = None,
     ) -> None:
+        """`draft`: the MTP layer (model/checkpoint/draft.py) where `speculative` is mtp."""
         # The tokenizer only gives the eos token when the config names none: text is the
         # frontend's (frontend/output_processor.py).
         self.model, self.device = model, device
@@ -75,6 +78,10 @@ class EngineCore:
         self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)
         self.runner = ModelRunner(model, kv_cache, device)
+        self.mtp = None
+        if speculative is not None and speculative.is_mtp:
+            k = speculative.num_speculative_tokens
+            self.mtp = MTPProposer(draft, model, kv_cache, device, k)
         self.max_model_len = scheduler_config.max_model_len
         self.requests: dict[str, _Tracked] = {}
         eos = self.config.eos_token_ids
@@ -154,11 +161,15 @@ class EngineCore:
         hidden = forward(inputs, plan, step)
         if inputs.prompt_spans:
             self._prompt_logprobs(hidden, inputs)
-        if not inputs.sample_seqs:
-            self.scheduler.update(out, [None] * len(out.scheduled))
-            return self._collect(out)
-        logits = self.runner.logits(hidden, inputs)
-        self.scheduler.update(out, self._sample(out, logits))
+        sampled: list[int | list[int] | None] = [None] * len(out.scheduled)
+        if inputs.sample_seqs:
+            sampled = self._sample(out, self.runner.logits(hidden, inputs))
+        # The MTP's rows need the tokens the step kept, and the blocks a finishing sequence
+        # still holds until `update` retires it; its drafts need the sequences after `update`.
+        written = self.mtp.write(out, sampled, hidden) if self.mtp is not None else None
+        self.scheduler.update(out, sampled)
+        if written is not None:
+            self.mtp.propose(written)
         return self._collect(out)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int | list[int] | None]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afdserve.config import EngineConfig, SpeculativeConfig
+from afdserve.config import MTP_AFD_REFUSAL, EngineConfig, SpeculativeConfig
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import (
@@ -20,6 +20,7 @@ from afdserve.engine.kv_cache import (
 )
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.model.checkpoint.draft import load_draft, mtp_refusal
 from afdserve.model.checkpoint.loader import LoadReport, load_model
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import cache_layout
@@ -91,9 +92,13 @@ def kv_blocks_for(
     dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Blocks of the cache for `dtype` (`cache_blocks_for`'s main pool)."""
-    return cache_blocks_for(config, model_config, dtype, max_model_len, device).blocks
+    pools = cache_blocks_for(
+        config, model_config, dtype, max_model_len, device, extra_bytes_per_block
+    )
+    return pools.blocks
 
 
 def cache_blocks_for(
@@ -102,16 +107,18 @@ def cache_blocks_for(
     dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
+    extra_bytes_per_block: int = 0,
 ) -> CacheBlocks:
     """The pools of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
     block's bytes, so twice the blocks in the same budget). The state slots of a layout that
     keeps a state per sequence (max_num_seqs of them) come out of the budget first, then the
     windowed layers' pool at its bound (`window_pool_bound`: it never needs more), and the
-    rest goes to the main pool."""
+    rest goes to the main pool. `extra_bytes_per_block`: pages beside the model's over the same
+    blocks (an MTP layer's)."""
     layout = cache_layout(model_config)
     bs = config.block_size
     per_window = layout.bytes_per_window_block(bs, dtype)
-    per_block = bytes_per_block(model_config, bs, dtype) - per_window
+    per_block = bytes_per_block(model_config, bs, dtype) - per_window + extra_bytes_per_block
     needed_one = -(-max_model_len // bs)
     bound = None
     if layout.window is not None:
@@ -192,6 +199,28 @@ def speculative_for(config: EngineConfig, model_config: ModelConfig) -> Speculat
     return speculative
 
 
+def load_mtp_draft(
+    config: EngineConfig, parts: ModelParts, model: CausalLM, device: torch.device, rank: int
+):
+    """The checkpoint's MTP layer, refused by name where there is none or where the rank holds
+    no FFN half (`MTP_AFD_REFUSAL`)."""
+    method = config.speculative_config.method
+    if not parts.ffn:
+        raise ValueError(
+            f"EngineConfig.speculative_config method={method!r} is not supported under AFD "
+            f"yet: {MTP_AFD_REFUSAL}"
+        )
+    why = mtp_refusal(config.model, model.config.family)
+    if why is not None:
+        raise ValueError(
+            f"EngineConfig.speculative_config method={method!r} is not supported for "
+            f"{config.model}: {why}"
+        )
+    return load_draft(
+        config.model, model, config.load_format, config.seed, device, load_progress(config, rank)
+    )
+
+
 def load_progress(config: EngineConfig, rank: int) -> bool | None:
     """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
     as in vLLM, because bars from several processes on one terminal overwrite each other."""
@@ -211,7 +240,12 @@ def create_engine_core(
         check_fp8_kv(model.config, device, report.unexpected)
     prefix_caching = prefix_caching_for(config, model.config)
     max_len = max_model_len_for(config, model.config)
-    pools = cache_blocks_for(config, model.config, dtype, max_len, device)
+    speculative = speculative_for(config, model.config)
+    draft, draft_bytes = None, 0
+    if speculative is not None and speculative.is_mtp:  # its weights and KV before the cache's
+        draft = load_mtp_draft(config, parts, model, device, rank)
+        draft_bytes = draft.cache_layout().bytes_per_block(config.block_size, dtype)
+    pools = cache_blocks_for(config, model.config, dtype, max_len, device, draft_bytes)
     blocks = pools.blocks
     slots = slots_for(model.config, config.max_num_seqs, dtype)
     cache = make_kv_cache(
@@ -239,9 +273,8 @@ def create_engine_core(
         if model.config.eos_token_ids
         else load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     )
-    speculative = speculative_for(config, model.config)
     engine = EngineCore(
-        model, tokenizer, cache, scheduler_config, device, prefix_caching, speculative
+        model, tokenizer, cache, scheduler_config, device, prefix_caching, speculative, draft
     )
     # Requests without a seed draw from torch's default generator: seeding it here makes two runs
     # with the same EngineConfig.seed sample alike; data-parallel ranks get distinct streams.

@@ -76,6 +76,8 @@ class Sequence:
         )
         self.grammar = None  # a structured.GrammarState for a constrained sequence
         self.draft_lookup = None  # speculative.TokenArray: token_ids for the n-gram lookup
+        # MTP (engine/mtp.py): (the position they follow, the drafts) proposed after a step.
+        self.mtp_drafts: tuple[int, tuple[int, ...]] | None = None
         if params.structured_outputs is not None:
             self.grammar = _grammar_state(request_id, params)
 

@@ -1,5 +1,5 @@
-"""Speculative decoding's drafts: n-gram prompt lookup (CPU, no model), which requests may take
-them, and the acceptance counters vLLM's metrics report.
+"""Speculative decoding's drafts: n-gram prompt lookup (CPU, no model) or the MTP's
+(engine/mtp.py), which requests may take them, and the acceptance counters vLLM's metrics report.
 
 A decoding sequence given k drafts is scheduled with 1 + k new tokens (its last token and the
 drafts): the step computes their KV and logits like any rows, the sampler verifies the drafts
@@ -110,6 +110,11 @@ class Drafter:
         )
         if k < 1 or why_not_speculating(seq) is not None:
             return ()
+        if self.config.is_mtp:  # the MTP's, proposed after the last step (engine/mtp.py)
+            proposed = seq.mtp_drafts
+            if proposed is None or proposed[0] != seq.num_computed_tokens:
+                return ()
+            return proposed[1][:k]
         if seq.draft_lookup is None:
             seq.draft_lookup = TokenArray()
         tokens = seq.draft_lookup.sync(seq.token_ids)

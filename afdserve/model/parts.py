@@ -72,6 +72,29 @@ class CausalLM(Protocol):
     def expected_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
+class MTPDraft(Protocol):
+    """A checkpoint's next-token-prediction layer beside its main model (speculative decoding's
+    `mtp` method; engine/mtp.py drives it): h' from a main hidden row (or its own previous
+    output) and the next token, its decoder layer over its own KV, logits from its head."""
+
+    def cache_layout(self) -> CacheLayout: ...
+
+    def first_input(self, main_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def chain_input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: Any,
+        cos_sin: Any,
+        token_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model family gives the rest of afdserve (model/families/ registers each)."""
@@ -87,3 +110,8 @@ class Family:
     # (out_dir, model_type, hash_layers, seed, dtype, quantization) -> out_dir. None: the
     # decoder families' builder in tiny.py.
     make_tiny: Callable[..., Path] | None = None
+    # Builds (on meta) the MTP draft of a loaded main model: (main, config.json dict, the
+    # checkpoint's tensor names or None for dummy weights) -> a module with the draft's calls
+    # (an `MTPDraft`, model/checkpoint/draft.py); raises ValueError saying why the checkpoint
+    # gives none. None: the family builds no MTP layers.
+    mtp_draft: Callable[..., MTPDraft] | None = None

@@ -113,6 +113,19 @@ def build_model(
     """An uninitialised half on `device` (no host copy, no random init)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
+    model = materialize(model, device)
+    if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
+        inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
+        model.rotary.inv_freq = inv
+        for module in model.modules():
+            if isinstance(module, GQAAttention):
+                module.pack_qkv()
+    return model.eval()
+
+
+def materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Storage on `device` for a module built on meta, with the dtypes and indexes its parts
+    keep (an MTP draft goes through here too: model/checkpoint/draft.py)."""
     # Module.to_empty's empty_like of a meta tensor goes through torch._refs, whose first use
     # imports it (about two seconds of every rank's start); torch.empty of the shape does not.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -124,13 +137,7 @@ def build_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
-    if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
-        inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
-        model.rotary.inv_freq = inv
-        for module in model.modules():
-            if isinstance(module, GQAAttention):
-                module.pack_qkv()
-    return model.eval()
+    return model
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:

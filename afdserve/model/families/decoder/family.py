@@ -11,6 +11,7 @@ from afdserve.model.families.decoder.config import (
     parse_decoder_config,
 )
 from afdserve.model.families.decoder.model import MoECausalLM
+from afdserve.model.families.decoder.mtp import build_mtp
 from afdserve.model.parts import Family
 
 
@@ -23,4 +24,11 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
     return CacheLayout((spec,), config.num_layers)
 
 
-FAMILY = Family(MODEL_TYPES, ARCHITECTURES, parse_decoder_config, MoECausalLM, cache_layout)
+FAMILY = Family(
+    MODEL_TYPES,
+    ARCHITECTURES,
+    parse_decoder_config,
+    MoECausalLM,
+    cache_layout,
+    mtp_draft=build_mtp,
+)

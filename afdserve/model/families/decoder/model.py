@@ -11,6 +11,7 @@ builds only its half and loads exactly the tensors that half names.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import torch
@@ -181,3 +182,17 @@ class MoECausalLM(nn.Module):
     def expected_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer this half needs from the checkpoint."""
         return dict(self.state_dict(keep_vars=True))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """None for a next-token-prediction layer's tensor (`model.layers.{N}.` and past, N =
+        num_layers) of a family whose MTP draft loads them (model/checkpoint/draft.py); other
+        families' stay reported as unexpected."""
+        if self.config.family not in MTP_FAMILIES:
+            return name
+        match = _LAYER.match(name)
+        return None if match and int(match[1]) >= self.config.num_layers else name
+
+
+# The families whose next-token-prediction layer afdserve builds as a draft (mtp.py).
+MTP_FAMILIES = ("deepseek_v3",)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")

@@ -1,0 +1,146 @@
+"""MTP drafts (speculative decoding's `mtp` method): the checkpoint's next-token-prediction
+layer, run on the attention rank after each step's verification over the rows the step kept.
+
+Its entry at position p reads the main hidden state at p and the token at p + 1, so it is
+written once that token is known: after sampling and before `Scheduler.update` (a sequence the
+step finishes still holds its blocks then, whose MTP rows a prefix-cache hit may reuse). The
+rows are a prefill chunk's, or a decode's verified ones (its accepted drafts and the row before
+the bonus token); their KV, a cache group of its own over the same block table, then holds the
+positions the main cache holds. Hidden states never outlive the step: a sequence keeps the MTP's
+KV and its next drafts (`Sequence.mtp_drafts`), which `Drafter.propose` hands the scheduler.
+A draft is the argmax at the last kept row; drafts 2..k chain the layer on its own output at the
+next positions, within blocks the sequence holds (drafts never take blocks). Those KV rows lie
+past what the sequence keeps and are rewritten by the next step's pass before any query reads
+them, as the main cache's rejected drafts are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.engine.scheduler import SchedulerOutput
+from afdserve.engine.sequence import Sequence
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.model.cache import PagedCache
+from afdserve.model.parts import CausalLM, MTPDraft
+
+
+@dataclass
+class Written:
+    """One step's MTP rows: each sequence's span of them and the layer's output g [rows,
+    hidden] (None without rows)."""
+
+    spans: list[tuple[Sequence, int, int]]
+    g: torch.Tensor | None
+
+
+class MTPProposer:
+    """Runs `draft` after each step; its KV mirrors the main cache's blocks one for one."""
+
+    def __init__(
+        self, draft: MTPDraft, main: CausalLM, kv_cache: PagedCache, device: torch.device, k: int
+    ) -> None:
+        self.draft, self.main, self.device, self.k = draft, main, device, k
+        self.block_size = kv_cache.block_size
+        layout = draft.cache_layout()
+        self.cache: PagedCache = layout.allocate(
+            kv_cache.num_blocks, kv_cache.block_size, kv_cache.dtype, device
+        )
+        self.batched = device.type == "cuda" or layout.batched_segments
+
+    @torch.inference_mode()
+    def write(
+        self, out: SchedulerOutput, sampled: list[int | list[int] | None], hidden: torch.Tensor
+    ) -> Written:
+        """Before `Scheduler.update`: the layer over every row the step keeps, given each
+        sequence's sampled tokens (`sampled`, as `update` takes them) and `hidden` [rows,
+        hidden], the step's main hidden rows (as the layer loop returns them)."""
+        rows: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows kept)
+        next_ids: list[int] = []
+        row = 0
+        for entry, tokens in zip(out.scheduled, sampled, strict=True):
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            seq.mtp_drafts = None
+            new = [tokens] if isinstance(tokens, int) else tokens or []
+            # Rejected drafts' rows are not kept: the accepted ones and the bonus token's are.
+            kept = entry.num_new_tokens - len(entry.draft_ids) + max(len(new) - 1, 0)
+            if not seq.is_finished:  # an aborted sequence's blocks are already free
+                known = seq.token_ids[start + 1 : start + kept + 1]
+                next_ids += known + new[: kept - len(known)]
+                rows.extend(range(row, row + kept))
+                spans.append((seq, start, kept))
+            row += entry.num_new_tokens
+        if not spans:
+            return Written([], None)
+        ids = torch.tensor(next_ids, dtype=torch.int64).to(self.device)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        return Written(spans, self._layer(self.draft.first_input(hidden[index], ids), ids, spans))
+
+    @torch.inference_mode()
+    def propose(self, written: Written) -> None:
+        """After `Scheduler.update`: each sequence that decodes next step (one token behind)
+        gets its drafts, from the last row `write` kept for it."""
+        ends, decoding, at = [], [], 0
+        for seq, _, kept in written.spans:
+            at += kept
+            if not seq.is_finished and seq.num_uncomputed_tokens == 1:
+                ends.append(at - 1)
+                decoding.append(seq)
+        if decoding:
+            self._drafts(decoding, written.g[torch.tensor(ends, device=self.device)])
+
+    def _drafts(self, seqs: list[Sequence], g: torch.Tensor) -> None:
+        """Draft 1 from each sequence's last kept row g [n, hidden]; drafts 2..k chained."""
+        drafts = [[t] for t in self.draft.logits(g).argmax(dim=-1).tolist()]
+        live = list(range(len(seqs)))  # the sequences g's rows belong to, in order
+        for j in range(1, self.k):
+            # Draft j + 1 is the layer's prediction at position q + j - 1 (q: the first
+            # uncomputed position), whose KV row needs a slot in a block already held.
+            keep = [
+                n
+                for n, i in enumerate(live)
+                if seqs[i].num_computed_tokens + j - 1 < len(seqs[i].block_table) * self.block_size
+            ]
+            if not keep:
+                break
+            live = [live[n] for n in keep]
+            g = g[torch.tensor(keep, device=self.device)]
+            ids = torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64).to(self.device)
+            spans = [(seqs[i], seqs[i].num_computed_tokens + j - 1, 1) for i in live]
+            g = self._layer(self.draft.chain_input(g, ids), ids, spans)
+            for i, token in zip(live, self.draft.logits(g).argmax(dim=-1).tolist(), strict=True):
+                drafts[i].append(token)
+        for seq, tokens in zip(seqs, drafts, strict=True):
+            seq.mtp_drafts = (seq.num_computed_tokens, tuple(tokens))
+
+    def _layer(
+        self, h: torch.Tensor, ids: torch.Tensor, spans: list[tuple[Sequence, int, int]]
+    ) -> torch.Tensor:
+        """The MTP decoder layer over rows `h` [rows, hidden]: each span's rows at positions
+        [first, first + kept) of its sequence, writing their KV into the MTP cache."""
+        positions, slots, segments = [], [], []
+        tables = [seq.block_table for seq, _, _ in spans]
+        width = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        table_tensor = table_tensor.to(self.device)
+        bs = self.block_size
+        for index, (seq, first, kept) in enumerate(spans):
+            row = len(positions)
+            span = range(first, first + kept)
+            positions.extend(span)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
+            segments.append(Segment(row, row + kept, table_tensor[index], first + kept))
+        host = torch.tensor([positions, slots], dtype=torch.int64)
+        position_tensor, slot_tensor = host.to(self.device).unbind(0)
+        segments = tuple(segments)
+        meta = AttentionMetadata(
+            positions=position_tensor,
+            slot_mapping=slot_tensor,
+            segments=segments,
+            batched=batch_segments(segments, self.device) if self.batched else None,
+        )
+        cos_sin = self.main.cos_sin(position_tensor)
+        return self.draft(h, meta, self.cache.layers[0], cos_sin, ids)
