@@ -14,6 +14,8 @@ variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
@@ -108,6 +110,7 @@ with tempfile.TemporaryDirectory() as root:
 """
 
 
+@pytest.mark.slow  # two minutes of interpreted launches
 def test_dsa_model_through_the_kernels_under_the_interpreter() -> None:
     """The tiny DeepSeek-V3.2 and GLM-5 (top-4 selection, GLM-5's shared layers reusing it)
     with their DSA layers on the kernels, prefill in three chunks beside pad rows: the logits of
