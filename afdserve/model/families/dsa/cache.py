@@ -28,11 +28,12 @@ EAGER_BY_DEFAULT = (
     "indexer keys (the graph's block-table width); ask for graph_mode='full_decode_only' with a "
     "max_model_len that keeps that small"
 )
-# Why "full" is refused: its graphs would run prefill chunks through the batched selection, which
-# gathers every row's keys (rows x context x index_head_dim), and no GPU test has checked it.
+# Why "full" is refused: its graphs would capture prefill chunks too. The Triton kernels take
+# prefill rows as they take decode rows, but no GPU test has checked captured prefill yet (and
+# without Triton the torch path's batched selection would gather every row's keys).
 FULL_GRAPH_REFUSAL = (
-    "DSA captures decode steps only (a prefill chunk's selection gathers each row's indexer keys "
-    "and runs per sequence when eager); use graph_mode='full_decode_only'"
+    "DSA captures decode steps only (captured prefill chunks are not checked on a GPU yet); use "
+    "graph_mode='full_decode_only'"
 )
 
 
