@@ -147,7 +147,8 @@ def test_selection_kernels_at_real_widths(preset, keys):
 @pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
 @torch.inference_mode()
 def test_sparse_mla_kernel_at_real_widths(cache):
-    """128 heads (four head blocks) over latent 512 + rope 64, 2048 selected rows a row."""
+    """128 heads (four head blocks, eight over FP8) over latent 512 + rope 64, 2048 selected
+    rows a row."""
     attn = dsa_layer("cuda", num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
     dtype = FP8 if cache == "fp8" else torch.bfloat16
     # bf16: the torch path rounds its scores and probabilities to bf16, the kernel keeps float32.

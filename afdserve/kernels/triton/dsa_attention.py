@@ -7,10 +7,10 @@ its query the latent-space one, and the values are the rows' latent part. So, as
 decode, a program takes one row and a block of heads and each tile of selected rows it loads feeds
 both dots of all those heads. The score splits into its latent and rope parts (two dots, so
 neither width need be a power of two as a whole: 512 + 64 in the real models). Softmax online in
-float32; a tile of no selected row (-1) is skipped, and a row that selected nothing (a pad row)
-gives zeros, as the torch path. Prefill rows are rows like any other: each has its own selection.
-An FP8 cache's rows are widened to the query's dtype times the per-tensor scale, as
-`dequantize_kv` does.
+float32; each row's loop ends at its last selected slot, -1s before it masked, and a row that
+selected nothing (a pad row) gives zeros, as the torch path. Prefill rows are rows like any
+other: each has its own selection. An FP8 cache's rows are widened to the query's dtype times
+the per-tensor scale, as `dequantize_kv` does.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def _sparse_mla_kernel(
     Q,  # [rows, heads, LATENT + ROPE]: the absorbed queries
     CACHE,  # [slots, LATENT + ROPE]: the latent pages, flat
     SELECTED,  # [rows, TOPK] int64 cache slots, -1 for none
+    SCAN,  # [rows] int64: how many leading entries hold every selected slot
     OUT,  # [rows, heads, LATENT]
     heads,
     scale,
@@ -60,32 +61,31 @@ def _sparse_mla_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for t in range(0, TOPK, BLOCK_N):
+    for t in range(0, tl.load(SCAN + r), BLOCK_N):
         slot = tl.load(SELECTED + r * TOPK + t + n, mask=t + n < TOPK, other=-1)
         valid = slot >= 0
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            rows = CACHE + tl.where(valid, slot, 0)[:, None] * width
-            k_lat = tl.load(
-                rows + lat[None, :], mask=valid[:, None] & (lat < LATENT)[None, :], other=0.0
-            )
-            k_rot = tl.load(
-                rows + LATENT + rot[None, :],
-                mask=valid[:, None] & (rot < ROPE)[None, :],
-                other=0.0,
-            )
-            if FP8:
-                k_lat = (k_lat.to(tl.float32) * k_scale).to(q_lat.dtype)
-                k_rot = (k_rot.to(tl.float32) * k_scale).to(q_lat.dtype)
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-            s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        rows = CACHE + tl.where(valid, slot, 0)[:, None] * width
+        k_lat = tl.load(
+            rows + lat[None, :], mask=valid[:, None] & (lat < LATENT)[None, :], other=0.0
+        )
+        k_rot = tl.load(
+            rows + LATENT + rot[None, :],
+            mask=valid[:, None] & (rot < ROPE)[None, :],
+            other=0.0,
+        )
+        if FP8:
+            k_lat = (k_lat.to(tl.float32) * k_scale).to(q_lat.dtype)
+            k_rot = (k_rot.to(tl.float32) * k_scale).to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     tl.store(
         OUT + (r * heads + h[:, None]) * LATENT + lat[None, :],
@@ -125,13 +125,22 @@ def sparse_mla(
     out = torch.empty(rows, heads, latent, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out
-    # 32 heads keep a [32, 512] float32 output, a [32, 576] query and a [32, 576] row tile live
-    # in eight warps (FlashMLA takes 64 over two warpgroups; chosen, not measured).
-    block_h = 16 if heads <= 16 else 32
+    # 32 heads keep a [32, 512] float32 output, a [32, 576] query and the pipelined row tiles
+    # in eight warps without spilling (FlashMLA takes 64 over two warpgroups); an FP8 cache's
+    # widened tiles spill there, so 16 (tests/kernels/test_dsa_compile.py; not measured).
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    block_h = 16 if heads <= 16 or fp8 else 32
+    selected = selected.long().contiguous()
+    # Each row's loop ends past its last selected slot (the selections put their -1 last, so
+    # a short context's row reads only its tiles), a bound rather than a branch, so the
+    # gathered loads pipeline.
+    place = torch.arange(1, topk + 1, device=selected.device)
+    scan = torch.where(selected >= 0, place, 0).amax(1) if topk else selected.new_zeros(rows)
     _sparse_mla_kernel[(rows, triton.cdiv(heads, block_h))](
         q,
         cache,
-        selected.long().contiguous(),
+        selected,
+        scan,
         out,
         heads,
         scale,
@@ -139,7 +148,7 @@ def sparse_mla(
         LATENT=latent,
         ROPE=dim - latent,
         TOPK=topk,
-        FP8=cache.dtype == torch.float8_e4m3fn,
+        FP8=fp8,
         BLOCK_H=block_h,
         BLOCK_N=BLOCK_ROWS,
         BLOCK_L=max(16, triton.next_power_of_2(latent)),

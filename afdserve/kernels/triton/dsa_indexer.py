@@ -3,10 +3,11 @@ every row's scores over its sequence's paged indexer keys, then its `topk` best 
 
 Scores: score(r, t) = sum_h w_h(r) relu(q_h(r) . k_t * scale) for t <= the row's position p,
 read straight from the pages through the row's block table (no gathered key tensor). One program
-per (row, split); split s scores the key blocks s, s + SPLITS, ... that reach no further than p,
-so a captured decode whose tables span max_model_len skips what no row sees. An FP8 cache's keys
-are widened to the query's dtype (e4m3 is exact in bf16) and its per-tensor scale folded into
-`scale` (relu commutes with a positive factor). The dots multiply the dtype's values exactly and
+per (row, split); split s scores the key blocks s, s + SPLITS, ... up to p (every loop runs to
+its row's position, a bound rather than a branch, so loads pipeline), so a captured decode
+whose tables span max_model_len reads no more. An FP8 cache's keys are widened to the query's
+dtype (e4m3 is exact in bf16) and its per-tensor scale folded into `scale` (relu commutes with
+a positive factor). The dots multiply the dtype's values exactly and
 sum in float32, as the torch path's float32 einsum of the same values.
 
 Top-k: one program per row finds the k-th largest score by radix select (four passes of 8 bits
@@ -41,7 +42,6 @@ def _scores_kernel(
     SCORES,  # [rows, width * BLOCK] float32, written up to each row's position
     heads,
     width,
-    steps,
     scale,
     DIM: tl.constexpr,
     BLOCK: tl.constexpr,  # the cache's block size
@@ -64,21 +64,22 @@ def _scores_kernel(
     p = tl.load(POSITIONS + r)
     last = tl.where(tl.load(REAL + r).to(tl.int1), p, -1)
     span = width * BLOCK
+    # This split's key blocks up to the row's position: a loop bound, not a branch in the
+    # loop, so the key loads pipeline.
+    steps = ((last + BLOCK_T) // BLOCK_T - split + SPLITS - 1) // SPLITS
     for i in range(0, steps):
-        t0 = (split + i * SPLITS) * BLOCK_T
-        if t0 <= last:
-            t = t0 + tl.arange(0, BLOCK_T)
-            inside = t < span
-            block = tl.load(TABLES + r * width + t // BLOCK, mask=inside, other=0)
-            slot = block * BLOCK + t % BLOCK
-            k = tl.load(
-                KEYS + slot[:, None] * DIM + d[None, :],
-                mask=inside[:, None] & live_d[None, :],
-                other=0.0,
-            ).to(q.dtype)
-            dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T]
-            scores = tl.sum(tl.maximum(dots * scale, 0.0) * w[:, None], axis=0)
-            tl.store(SCORES + r * span + t, scores, mask=inside & (t <= last))
+        t = (split + i * SPLITS) * BLOCK_T + tl.arange(0, BLOCK_T)
+        seen = t <= last
+        block = tl.load(TABLES + r * width + t // BLOCK, mask=seen, other=0)
+        slot = block * BLOCK + t % BLOCK
+        k = tl.load(
+            KEYS + slot[:, None] * DIM + d[None, :],
+            mask=seen[:, None] & live_d[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T]
+        scores = tl.sum(tl.maximum(dots * scale, 0.0) * w[:, None], axis=0)
+        tl.store(SCORES + r * span + t, scores, mask=seen)
 
 
 @triton.jit
@@ -97,7 +98,6 @@ def _top_kernel(
     REAL,  # [rows] bool
     OUT,  # [rows, TOPK] int64: the kept cache slots, -1 after them
     width,
-    steps,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,  # the cache's block size
     BLOCK_S: tl.constexpr,
@@ -112,17 +112,16 @@ def _top_kernel(
     threshold = tl.zeros((), dtype=tl.int64)
     known = tl.zeros((), dtype=tl.int64)  # the bits of the threshold found so far
     remaining = tl.full((), TOPK, dtype=tl.int64)  # how many of those matching them to keep
+    steps = (last + BLOCK_S) // BLOCK_S  # score blocks up to the row's position
     for digit in tl.static_range(4):
         shift = 24 - 8 * digit
         hist = tl.zeros([256], dtype=tl.int32)
         for i in range(0, steps):
-            t0 = i * BLOCK_S
-            if t0 <= last:
-                t = t0 + tl.arange(0, BLOCK_S)
-                valid = t <= last
-                key = _order_key(tl.load(SCORES + r * span + t, mask=valid, other=0.0))
-                match = valid & ((key & known) == threshold)
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            t = i * BLOCK_S + tl.arange(0, BLOCK_S)
+            valid = t <= last
+            key = _order_key(tl.load(SCORES + r * span + t, mask=valid, other=0.0))
+            match = valid & ((key & known) == threshold)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
         hist = hist.to(tl.int64)
         at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
         chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1))
@@ -132,19 +131,17 @@ def _top_kernel(
     kept = tl.zeros((), dtype=tl.int64)
     equal_seen = tl.zeros((), dtype=tl.int64)
     for i in range(0, steps):
-        t0 = i * BLOCK_S
-        if t0 <= last:
-            t = t0 + tl.arange(0, BLOCK_S)
-            valid = t <= last
-            key = _order_key(tl.load(SCORES + r * span + t, mask=valid, other=0.0))
-            equal = valid & (key == threshold)
-            equal_rank = equal_seen + tl.cumsum(equal.to(tl.int64), 0) - 1
-            keep = valid & (take_all | (key > threshold) | (equal & (equal_rank < remaining)))
-            at = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
-            block = tl.load(TABLES + r * width + t // BLOCK, mask=keep, other=0)
-            tl.store(OUT + r * TOPK + at, block * BLOCK + t % BLOCK, mask=keep)
-            kept += tl.sum(keep.to(tl.int64))
-            equal_seen += tl.sum(equal.to(tl.int64))
+        t = i * BLOCK_S + tl.arange(0, BLOCK_S)
+        valid = t <= last
+        key = _order_key(tl.load(SCORES + r * span + t, mask=valid, other=0.0))
+        equal = valid & (key == threshold)
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int64), 0) - 1
+        keep = valid & (take_all | (key > threshold) | (equal & (equal_rank < remaining)))
+        at = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
+        block = tl.load(TABLES + r * width + t // BLOCK, mask=keep, other=0)
+        tl.store(OUT + r * TOPK + at, block * BLOCK + t % BLOCK, mask=keep)
+        kept += tl.sum(keep.to(tl.int64))
+        equal_seen += tl.sum(equal.to(tl.int64))
     for j in range(0, TOPK, BLOCK_O):
         o = j + tl.arange(0, BLOCK_O)
         tl.store(
@@ -192,7 +189,6 @@ def select(
     real, weights = real.contiguous(), weights.float().contiguous()
     chunk = max(1, SCORE_ELEMENTS // span)
     scores = torch.empty(min(rows, chunk), span, dtype=torch.float32, device=q.device)
-    key_steps = triton.cdiv(triton.cdiv(span, BLOCK_KEYS), SPLITS)
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
         _scores_kernel[(hi - lo, SPLITS)](
@@ -205,7 +201,6 @@ def select(
             scores,
             heads,
             width,
-            key_steps,
             scale,
             DIM=dim,
             BLOCK=block,
@@ -223,7 +218,6 @@ def select(
             real[lo:hi],
             out[lo:hi],
             width,
-            triton.cdiv(span, BLOCK_SCORES),
             TOPK=topk,
             BLOCK=block,
             BLOCK_S=BLOCK_SCORES,
