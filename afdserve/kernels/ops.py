@@ -207,6 +207,59 @@ def v4_sparse_attention(
     return triton_v4_attention.sparse_attention(q, own, *window, entries, rate, *rows, sinks, scale)
 
 
+def triton_available() -> bool:
+    """Whether the Triton fast paths can load here (a cache spec's graph policy asks, before any
+    tensor exists: model/families/dsa/cache.py)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dsa_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """DSA's lightning indexer on CUDA (kernels/triton/dsa_indexer.py): each row's scores over
+    its sequence's paged keys [blocks, B, 1, dim] (model dtype or FP8, `scale` times the FP8
+    cache's), then its `topk` best, ties to the earlier position -> cache slots [rows, topk],
+    in position order, -1 after; rows: (block tables [rows, W], positions, real). None where the
+    fast path does not apply and the caller keeps its torch form (model/families/dsa/indexer.py)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import dsa_indexer as triton_dsa_indexer
+
+    if not triton_dsa_indexer.supports(q, keys):
+        return None
+    return triton_dsa_indexer.select(q, weights, keys, *rows, topk, scale)
+
+
+def dsa_sparse_mla(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    selected: torch.Tensor,
+    latent: int,
+    scale: float,
+    k_scale: float,
+) -> torch.Tensor | None:
+    """DSA's absorbed MLA over each row's selected slots on CUDA (kernels/triton/
+    dsa_attention.py): q [rows, heads, latent + rope] over the latent pages -> [rows, heads,
+    latent], zeros for a row of none; None where the fast path does not apply and the caller
+    keeps its torch form (model/families/dsa/attention.py)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import dsa_attention as triton_dsa_attention
+
+    if not triton_dsa_attention.supports(q, cache):
+        return None
+    return triton_dsa_attention.sparse_mla(q, cache, selected, latent, scale, k_scale)
+
+
 def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_dim: int) -> bool:
     """Whether `v4_compress_decode` runs for these projections and pages."""
     if not _triton_ready(kv):

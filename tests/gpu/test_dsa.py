@@ -1,20 +1,26 @@
-"""DeepSeek-V3.2 and GLM-5 (DSA) on one GPU. The DSA layers run in plain torch on CUDA (the
-indexer's scores, a stable sort for the top-k, a fixed-width gather of the selected latents; no
-Triton kernel of their own yet), the rest on the kernels every family uses. Decode steps select
-through the batched path (every row at once from the device segments), prefill chunks per
-sequence. float32 tokens equal the CPU engine's (which tests/model/test_dsa.py holds to
-transformers), colocated and in-process 1A1F alike; full_decode_only captures the batched decode
-and gives graph_mode none's tokens; `full` is refused by name and `auto` stays eager."""
+"""DeepSeek-V3.2 and GLM-5 (DSA) on one GPU. On CUDA the DSA layers run their own Triton kernels
+(kernels/triton/dsa_indexer.py: the indexer's scores over the paged keys and the top-k;
+dsa_attention.py: MLA over the selected latent rows), the rest on the kernels every family uses.
+The kernels at the real models' widths (64 or 32 indexer heads of 128, index_topk 2048, 128
+heads over latent 512 + rope 64, contexts past 2048, bf16 and FP8) against the torch path on the
+same GPU (tests/kernels/dsa_cases.py); the model with the kernels against the model with the torch
+path (float32: the same tokens; bf16 and an FP8 cache: up to a near-tie); float32 tokens equal
+the CPU engine's (which tests/model/test_dsa.py holds to transformers), colocated and in-process
+1A1F alike; full_decode_only captures the decode (kernels inside the graph) and gives graph_mode
+none's tokens; `full` is refused by name and `auto` captures decode where Triton loads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.kernels import ops
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.test_graphs import _check
+from tests.kernels.dsa_cases import FP8, check_attention, check_selection, dsa_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -91,15 +97,67 @@ def test_full_decode_only_graphs_give_the_eager_tokens(dsa_dirs, family, dtype):
             _check(eager, PROMPTS, got, want)
 
 
-def test_fp8_cache_runs_on_cuda(dsa_dirs):
-    """Latents and indexer keys as float8_e4m3fn through the Triton KV write."""
-    got = tokens(dsa_dirs[("glm_moe_dsa", "bfloat16")], "bfloat16", "cuda", kv_cache_dtype="fp8")
-    assert [len(t) for t in got] == [GREEDY.max_tokens] * len(PROMPTS)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "dtype, cache", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
+)
+def test_kernels_give_the_torch_paths_tokens(dsa_dirs, family, dtype, cache, monkeypatch):
+    """The model with the DSA kernels against the model with the torch path on the same GPU
+    (the kernels switched off in-process), eager and with prefill chunks: float32 equal, bf16
+    and an FP8 cache (latents and indexer keys float8_e4m3fn) equal up to a near-tie."""
+    model = dsa_dirs[(family, dtype)]
+    got = tokens(model, dtype, "cuda", kv_cache_dtype=cache)
+    monkeypatch.setattr(ops, "dsa_select", lambda *args: None)
+    monkeypatch.setattr(ops, "dsa_sparse_mla", lambda *args: None)
+    want = tokens(model, dtype, "cuda", kv_cache_dtype=cache)
+    if dtype == "float32":
+        assert got == want
+        return
+    with LLM(
+        str(model), dtype=dtype, device="cuda", kv_cache_dtype=cache, graph_mode="none"
+    ) as torch_path:
+        _check(torch_path, PROMPTS, got, want)
 
 
-def test_full_graph_mode_is_refused_and_auto_stays_eager(dsa_dirs):
+# Decode rows around index_topk and far past it, a prefill chunk begun mid-sequence, pad rows.
+REAL_STEP = [(1, 1), (2047, 1), (2048, 1), (2049, 1), (5000, 1), (33000, 1), (3000, 300)]
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3.2", "glm-5"])
+@pytest.mark.parametrize("keys", ["bfloat16", "fp8"])
+@torch.inference_mode()
+def test_selection_kernels_at_real_widths(preset, keys):
+    heads = 64 if preset == "deepseek-v3.2" else 32
+    attn = dsa_layer(
+        "cuda", index_n_heads=heads, index_head_dim=128, index_topk=2048, num_attention_heads=16
+    )
+    dtype = FP8 if keys == "fp8" else torch.bfloat16
+    for seed, block_size in ((1, 64), (2, 16)):
+        check_selection(
+            attn, REAL_STEP, 5, dtype, block_size, seed, ops.dsa_select, "cuda", torch.bfloat16
+        )
+    # Under negative head weights the zero keys tie exactly at the top: past 2048 of them (one
+    # slot in about nine), the earliest 2048 are the torch path's set.
+    long_rows = [(33000, 1), (40000, 1)]
+    check_selection(
+        attn, long_rows, 1, dtype, 64, 3, ops.dsa_select, "cuda", torch.bfloat16, negative=True
+    )
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
+@torch.inference_mode()
+def test_sparse_mla_kernel_at_real_widths(cache):
+    """128 heads (four head blocks, eight over FP8) over latent 512 + rope 64, 2048 selected
+    rows a row."""
+    attn = dsa_layer("cuda", num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
+    dtype = FP8 if cache == "fp8" else torch.bfloat16
+    # bf16: the torch path rounds its scores and probabilities to bf16, the kernel keeps float32.
+    check_attention(attn, 9, 256, 64, dtype, 4, ops.dsa_sparse_mla, "cuda", torch.bfloat16, 2e-2)
+
+
+def test_full_graph_mode_is_refused_and_auto_captures_decode(dsa_dirs):
     model = dsa_dirs[("deepseek_v32", "bfloat16")]
     with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family"):
         LLM(str(model), device="cuda", graph_mode="full")
     with LLM(str(model), device="cuda") as llm:
-        assert llm.graph_config.mode == "none"
+        assert llm.graph_config.mode == "full_decode_only"

@@ -6,6 +6,9 @@ latents and indexer keys into the layer's pages, selects each row's `index_topk`
 the selection an earlier layer made: GLM-5's shared layers), and attends in the latent space
 (kv_b_proj's key part folded into the query, its value part applied after) over exactly those
 slots: a fixed-width gather `[rows, index_topk, latent]`, the same shapes in prefill and decode.
+On CUDA both the selection and the attention run in Triton kernels over the pages
+(kernels/triton/dsa_indexer.py, dsa_attention.py), every row at once from the device segments,
+prefill rows alike; the torch forms here stay the CPU path and their reference.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.dsa.indexer import (
     Indexer,
     select_batched,
+    select_fast,
     select_per_segment,
     take,
 )
@@ -71,10 +75,14 @@ class DSAAttention(MLAAttention):
         keys_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Per sequence from the host segments where a step has them and runs prefill rows
-        (each sequence's keys gathered once), else every row at once from the device segments
-        (decode, and the steps a CUDA graph captures, whose host segments are empty)."""
+        """On CUDA the Triton kernels (`select_fast`). Otherwise per sequence from the host
+        segments where a step has them and runs prefill rows (each sequence's keys gathered
+        once), else every row at once from the device segments (decode, and the steps a CUDA
+        graph captures, whose host segments are empty)."""
         q, w = self.indexer.queries(x, q_latent, cos, sin)
+        fast = select_fast(self.indexer, q, w, keys_cache, meta)
+        if fast is not None:
+            return fast
         batched = meta.batched is not None and (
             not meta.segments or meta.batched.max_query_len <= 1
         )
@@ -90,9 +98,21 @@ class DSAAttention(MLAAttention):
         selected: torch.Tensor,
     ) -> torch.Tensor:
         """Absorbed MLA (`MLAAttention.absorb`) over each row's selected slots: keys and values
-        are the cached latents themselves. -> [rows, heads, v_dim]; rows
-        with nothing selected (pad rows) give zeros."""
+        are the cached latents themselves, read by slot in one Triton launch on CUDA.
+        -> [rows, heads, v_dim]; rows with nothing selected (pad rows) give zeros."""
         q, w_uv = self.absorb(q_nope, q_pe)  # [rows, H, L + R], [H, v, L]
+        out = ops.dsa_sparse_mla(
+            q, latent_cache, selected, self.kv_lora_rank, self.scale, self.k_scale
+        )
+        if out is None:
+            out = self._attend_reference(q, latent_cache, selected)
+        return torch.einsum("rhl,hvl->rhv", out, w_uv)
+
+    def _attend_reference(
+        self, q: torch.Tensor, latent_cache: torch.Tensor, selected: torch.Tensor
+    ) -> torch.Tensor:
+        """The torch form (CPU), in row chunks of ATTEND_ROWS: a fixed-width gather of the
+        selected latents -> the output's latent part [rows, heads, kv_lora_rank]."""
         flat = latent_cache.view(-1, latent_cache.shape[-1])
         out = q.new_zeros(q.shape[0], self.heads, self.kv_lora_rank)
         for lo in range(0, q.shape[0], ATTEND_ROWS):
@@ -106,4 +126,4 @@ class DSAAttention(MLAAttention):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             probs = probs.masked_fill(~valid, 0.0)  # a row with nothing valid: NaN -> 0
             out[lo:hi] = torch.einsum("rhk,rkl->rhl", probs, kv[..., : self.kv_lora_rank])
-        return torch.einsum("rhl,hvl->rhv", out, w_uv)
+        return out

@@ -15,21 +15,25 @@ from typing import Any
 
 import torch
 
+from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 
-# Why "auto" keeps DSA eager on CUDA: a captured decode scores every row against the indexer keys
-# of max_model_len positions (the graph's block-table width), rows x positions x index_head_dim.
+# Why "auto" keeps DSA eager on CUDA without Triton: the torch path's captured decode scores
+# every row against the indexer keys of max_model_len positions (the graph's block-table width),
+# rows x positions x index_head_dim. The Triton kernels score and rank each row only up to its
+# own position (blocks past it are skipped inside the graph), so with them "auto" captures.
 EAGER_BY_DEFAULT = (
-    "a captured DSA decode scores each row over max_model_len positions of indexer keys (the "
-    "graph's block-table width); ask for graph_mode='full_decode_only' with a max_model_len "
-    "that keeps that small"
+    "without Triton a captured DSA decode scores each row over max_model_len positions of "
+    "indexer keys (the graph's block-table width); ask for graph_mode='full_decode_only' with a "
+    "max_model_len that keeps that small"
 )
-# Why "full" is refused: its graphs would run prefill chunks through the batched selection, which
-# gathers every row's keys (rows x context x index_head_dim), and no GPU test has checked it.
+# Why "full" is refused: its graphs would capture prefill chunks too. The Triton kernels take
+# prefill rows as they take decode rows, but no GPU test has checked captured prefill yet (and
+# without Triton the torch path's batched selection would gather every row's keys).
 FULL_GRAPH_REFUSAL = (
-    "DSA captures decode steps only (a prefill chunk's selection gathers each row's indexer keys "
-    "and runs per sequence when eager); use graph_mode='full_decode_only'"
+    "DSA captures decode steps only (captured prefill chunks are not checked on a GPU yet); use "
+    "graph_mode='full_decode_only'"
 )
 
 
@@ -59,12 +63,13 @@ class DSAPages(CacheSpec):
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
     """Layers that run their indexer in one group (latent and keys), GLM-5's shared ones in
-    another (latent only)."""
+    another (latent only). `auto` captures decode where the Triton kernels can load."""
     dsa = config.family_config
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     full = tuple(i for i in range(config.num_layers) if dsa.has_indexer(i))
     shared = tuple(i for i in range(config.num_layers) if not dsa.has_indexer(i))
-    specs = [DSAPages(full, latent, dsa.index_head_dim)]
+    eager = None if ops.triton_available() else EAGER_BY_DEFAULT
+    specs = [DSAPages(full, latent, dsa.index_head_dim, eager_by_default=eager)]
     if shared:
-        specs.append(DSAPages(shared, latent, 0, kind="MLA"))
+        specs.append(DSAPages(shared, latent, 0, kind="MLA", eager_by_default=eager))
     return CacheLayout(tuple(specs), config.num_layers)

@@ -66,13 +66,15 @@ class Indexer(nn.Module):
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q [rows, heads, dim] float32, w [rows, heads] float32)."""
+        """-> (q [rows, heads, dim] in the model's dtype, w [rows, heads] float32). Scores are
+        float32 dots of q's values (the Triton path multiplies them exactly in their dtype)."""
         q = self.wq_b(q_latent).view(-1, self.heads, self.dim)
         weights = self.weights_proj(x) * self.heads**-0.5
-        return self._rotate(q, cos, sin).float(), weights
+        return self._rotate(q, cos, sin), weights
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [rows, H, D], w [rows, H], keys [rows or 1, T, D] -> [rows, T] float32."""
+        q = q.float()
         logits = torch.einsum("rhd,rtd->rht", q, keys.float().expand(q.shape[0], -1, -1))
         return torch.einsum("rh,rht->rt", w, F.relu(logits * self.scale))
 
@@ -104,6 +106,26 @@ def _slots(positions: torch.Tensor, tables: torch.Tensor, block_size: int) -> to
     """positions [rows, K] (-1: none), tables [rows, W] -> cache slots [rows, K] (-1: none)."""
     block = tables.gather(1, (positions.clamp(min=0) // block_size).clamp(max=tables.shape[1] - 1))
     return torch.where(positions >= 0, block * block_size + positions % block_size, -1)
+
+
+def select_fast(
+    indexer: Indexer,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor | None:
+    """Every row at once from the device segments in the Triton kernels (`ops.dsa_select`: no
+    host sync, graph capturable, prefill rows alike; kept slots in position order, the set the
+    stable sort keeps), or None where they do not run (CPU: the references below; the CPU
+    metadata carries device segments only where a test asks for them)."""
+    if meta.batched is None:
+        return None
+    rows = StepRows.of(meta)
+    # The keys are written at scale 1.0 (an FP8 cache's per-tensor scale, as the latent's).
+    return ops.dsa_select(
+        q, w, keys_cache, (rows.tables, rows.positions, rows.real), indexer.topk, indexer.scale
+    )
 
 
 def select_per_segment(

@@ -1,0 +1,120 @@
+"""DSA's Triton kernels (kernels/triton/dsa_indexer.py, dsa_attention.py) under Triton's
+interpreter (TRITON_INTERPRET=1, numpy) on CPU, against the torch path they replace on CUDA
+(tests/kernels/dsa_cases.py: `select_per_segment`, `DSAAttention._attend_reference`), on real
+DSA layers of small configs over paged caches whose block tables are shuffled.
+
+Selection: decode rows of several lengths (shorter than, equal to and past index_topk), a
+prefill chunk begun mid-sequence, pad rows; zero keys, which tie exactly at the top under negative
+head weights (the earliest must win: the torch path's set), and repeated keys (equal up to
+summation order); keys in float32, float16 and FP8; the kernels' steps shrunk so scoring and
+ranking loop over many blocks. Attention: selections with -1 anywhere and a row of none,
+float32, float16 and an FP8 cache, the tiny shapes (4 heads, latent 32 + rope 8, padded) and
+the real widths (latent 512 + rope 64, 20 heads: two head blocks). In a subprocess because the
+variable must be set before any @triton.jit function is defined."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.interpret import run_interpreted
+
+INTERPRETED_CASES = """
+import torch
+
+from afdserve.kernels.triton import dsa_attention, dsa_indexer
+from tests.kernels.dsa_cases import FP8, check_attention, check_selection, dsa_layer
+
+
+def select(q, w, keys, rows, topk, scale):
+    return dsa_indexer.select(q, w, keys, *rows, topk, scale)
+
+
+def selection(*args, **kwargs):
+    print("select", check_selection(*args, select=select, **kwargs), "ok")
+
+
+def attention(*args):
+    print("attend", check_attention(*args, attend=dsa_attention.sparse_mla), "ok")
+
+
+torch.set_grad_enabled(False)
+tiny = dsa_layer(num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, index_topk=4,
+                 index_n_heads=16, index_head_dim=16)
+wide = dsa_layer(num_attention_heads=20, kv_lora_rank=512, qk_rope_head_dim=64, index_topk=40,
+                 index_n_heads=20, index_head_dim=80)
+decode = [(1, 1), (3, 1), (4, 1), (5, 1), (9, 1), (37, 1), (300, 1)]
+mixed = [(12, 5), (2, 1), (70, 9), (41, 1)]
+for attn in (tiny, wide):
+    selection(attn, [(8, 1)], 0, torch.float32, 4, 1)  # batch 1
+    selection(attn, decode, 3, torch.float32, 4, 2)
+    selection(attn, mixed, 1, torch.float32, 8, 3)
+    selection(attn, mixed, 0, torch.float32, 16, 4, negative=True)
+    selection(attn, decode, 2, torch.float16, 16, 5)
+    selection(attn, mixed, 1, FP8, 4, 6)
+# Small steps: many key blocks per scoring program, many score blocks per top-k pass (the kept
+# and tied counts carried across them), one row per scores chunk.
+dsa_indexer.BLOCK_KEYS, dsa_indexer.SPLITS, dsa_indexer.BLOCK_SCORES = 16, 2, 32
+dsa_indexer.SCORE_ELEMENTS = 1
+selection(tiny, decode, 2, torch.float32, 4, 9)
+selection(wide, mixed, 0, torch.float32, 8, 10, negative=True)
+for dtype in (torch.float32, torch.float16, FP8):
+    attention(tiny, 6, 5, 4, dtype, 7)
+    attention(wide, 3, 4, 16, dtype, 8)
+"""
+
+
+def test_dsa_kernels_under_the_interpreter() -> None:
+    run = run_interpreted(INTERPRETED_CASES, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok") == 20, run.stdout
+
+
+MODEL_CASES = """
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from afdserve.kernels import ops
+from afdserve.kernels.triton import dsa_attention, dsa_indexer
+from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.dsa.cache import DSAPages
+from afdserve.model.fixtures.tiny import make_tiny_model
+from afdserve.model.parts import ModelParts
+from tests.model.test_parity import PROMPTS, afdserve_prefill_logits, hf_logits, relative_close
+
+
+def select(q, w, keys, rows, topk, scale):
+    return dsa_indexer.select(q, w, keys, *rows, topk, scale)
+
+
+torch.set_grad_enabled(False)
+DSAPages.batched_segments = True  # the CPU steps carry device segments, as every CUDA step
+dsa_indexer.SPLITS = 2  # the interpreter runs every program, those with nothing to score too
+torch_path = (ops.dsa_select, ops.dsa_sparse_mla)
+with tempfile.TemporaryDirectory() as root:
+    for family in ("deepseek_v32", "glm_moe_dsa"):
+        path = make_tiny_model(Path(root) / family, family, seed=0)
+        model = load_model(path, ModelParts.colocated(), "float32")[0]
+        want = afdserve_prefill_logits(model, PROMPTS, chunks=3, pad_rows=2)
+        ops.dsa_select, ops.dsa_sparse_mla = select, dsa_attention.sparse_mla
+        got = afdserve_prefill_logits(model, PROMPTS, chunks=3, pad_rows=2)
+        ops.dsa_select, ops.dsa_sparse_mla = torch_path
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+        for prompt, g, w in zip(PROMPTS, got, want, strict=True):
+            assert (g - w).abs().max() < 1e-4, (family, prompt, float((g - w).abs().max()))
+            relative_close(g, hf_logits(hf, prompt))
+        print(family, "ok")
+"""
+
+
+@pytest.mark.slow  # two minutes of interpreted launches
+def test_dsa_model_through_the_kernels_under_the_interpreter() -> None:
+    """The tiny DeepSeek-V3.2 and GLM-5 (top-4 selection, GLM-5's shared layers reusing it)
+    with their DSA layers on the kernels, prefill in three chunks beside pad rows: the logits of
+    the torch path and transformers' at every position."""
+    run = run_interpreted(MODEL_CASES, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok") == 2, run.stdout
