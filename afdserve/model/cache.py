@@ -52,7 +52,13 @@ class CacheSpec(ABC):
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> list[Any]:
-        """One layer cache per layer of the group, over `num_blocks` blocks."""
+        """One layer cache per layer of the group, over `num_blocks` blocks (and, where
+        `bytes_per_slot` is not 0, a `num_slots` keyword: the sequence slots beside them)."""
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one layer of the group holds per sequence slot beside its pages: state of a
+        fixed size per sequence (DeepSeek-V4's open compressor rows). 0: none."""
+        return 0
 
     @staticmethod
     def tensors(layer_cache: Any) -> Iterator[torch.Tensor]:
@@ -142,8 +148,7 @@ class CacheLayout:
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Bytes every layer holds per sequence slot (0: the layout needs no slots)."""
-        slotted = (s for s in self.specs if isinstance(s, SequenceSlots))
-        return sum(len(s.layers) * s.bytes_per_slot(dtype) for s in slotted)
+        return sum(len(s.layers) * s.bytes_per_slot(dtype) for s in self.specs)
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
@@ -195,7 +200,7 @@ class CacheLayout:
         slots = [
             f"{len(s.layers)} {s.kind} x {s.bytes_per_slot(dtype)} B"
             for s in self.specs
-            if isinstance(s, SequenceSlots)
+            if s.bytes_per_slot(dtype)
         ]
         return line + ("; per sequence: " + ", ".join(slots) if slots else "")
 
@@ -215,6 +220,8 @@ class CacheLayout:
         for spec in self.specs:
             if isinstance(spec, SequenceSlots):
                 caches = spec.allocate_slots(num_slots, dtype, device)
+            elif spec.bytes_per_slot(dtype):  # pages and a slot per sequence beside them
+                caches = spec.allocate(num_blocks, block_size, dtype, device, num_slots=num_slots)
             else:
                 caches = spec.allocate(num_blocks, block_size, dtype, device)
             for i, cache in zip(spec.layers, caches, strict=True):

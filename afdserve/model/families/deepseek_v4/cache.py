@@ -1,16 +1,20 @@
-"""DeepSeek-V4's paged KV cache: every layer's state in pages of the engine's blocks.
+"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, and the
+compressors' open rows in one slot per sequence.
 
 The engine gives each sequence one block table, as for every family (block b of the table covers
-positions [b B, (b + 1) B), B = block_size). A V4 layer keeps, per physical block, pages of its
-own geometry (`LayerGeometry` lists them), each page a ring addressed by position. So any chunking
-works (a chunk reads the state its start needs from the pages and writes what its end leaves),
-and preemption by recompute rewrites the pages from position 0. A chunk also writes the state
-each block it completes leaves at its end (boundary writes), so a full block resumes a chunk
-starting there: prefix caching reuses it where B is a multiple of every compress rate.
+positions [b B, (b + 1) B), B = block_size), and one state slot. A V4 layer keeps, per physical
+block, pages of its own geometry (`LayerGeometry` lists them), each page addressed by position;
+what does not grow with the context, the rows of the window its compressor has not pooled yet,
+sits in the sequence's slot (a ring of m rows). So any chunking works (a chunk reads the state
+its start needs and writes what its end leaves), and preemption by recompute rewrites it from
+position 0. A chunk also writes the state each block it completes leaves at its end (boundary
+writes), so a full block resumes a chunk starting there: prefix caching reuses it where B is a
+multiple of every compress rate, where a block boundary leaves no open row (the slot holds
+nothing a resumed chunk reads).
 
-`read` turns the pages into the per-sequence `LayerState` that `V4Attention` consumes, and `write`
-stores the state after a chunk back: the attention itself is the one the model tests hold equal to
-transformers' full forward. An FP8 cache stores the KV pages as float8_e4m3fn (`LayerPages`).
+`read` turns pages and slot into the per-sequence `LayerState` that `V4Attention` consumes, and
+`write` stores the state after a chunk back: the attention itself is the one the model tests hold
+equal to transformers' full forward. An FP8 cache stores the KV pages as float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ class LayerGeometry:
     - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
       in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
       block, the only part that grows with the context.
-    - `open_kv`, `open_gate` [min(B, m), width]: the kv / gate projections of the window still
-      open (the compressor's tokens not yet pooled), at row p % min(B, m) of position p's block.
     - `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first
       series (its gate with the position bias added, float32 as computed), which the next entry
-      overlaps.
-    - `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
+      overlaps; at rows of the window's block, so a block boundary keeps the one it needs.
+    - `index_*`: the same for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
+    `open` lists the slot's rings, name -> (m, width, "state"): `open_kv`, `open_gate` (and
+    `index_open_*`), the kv / gate projections of the window still open (the compressor's tokens
+    not yet pooled), position p at row p % m of the sequence's slot: fixed in size, so kept per
+    sequence rather than per block (HCA's 128 rows would outweigh its block's entries).
     Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
-    pages (the compressor's open rows and first series) the model's; "float32" stays (`stored`
+    rows (the compressor's open rows and first series) the model's; "float32" stays (`stored`
     says how an FP8 cache holds each)."""
 
     kind: str
@@ -58,25 +64,35 @@ class LayerGeometry:
     rate: int  # 0: sliding layer, no compressor
     pages: tuple[tuple[str, int, int, str], ...]
     rope: int  # the trailing rotated channels of every key and entry
+    open: tuple[tuple[str, int, int, str], ...] = ()
 
     @classmethod
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
         v4, dim = config.family_config, config.head_dim
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
         pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
+        open_rows: list[tuple[str, int, int, str]] = []
         if rate:
             csa = kind == "compressed_sparse_attention"
             compressors = [("", dim)] + ([("index_", v4.index_head_dim)] if csa else [])
-            slots, open_rows = -(-block_size // rate), min(block_size, rate)
+            slots, prev_rows = -(-block_size // rate), min(block_size, rate)
             for prefix, width in compressors:
                 pages.append((f"{prefix}entries", slots, width, "kv"))
                 projected = 2 * width if csa else width
-                pages.append((f"{prefix}open_kv", open_rows, projected, "state"))
-                pages.append((f"{prefix}open_gate", open_rows, projected, "state"))
+                open_rows.append((f"{prefix}open_kv", rate, projected, "state"))
+                open_rows.append((f"{prefix}open_gate", rate, projected, "state"))
                 if csa:
-                    pages.append((f"{prefix}prev_kv", open_rows, width, "state"))
-                    pages.append((f"{prefix}prev_gate", open_rows, width, "float32"))
-        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages), config.qk_rope_head_dim)
+                    pages.append((f"{prefix}prev_kv", prev_rows, width, "state"))
+                    pages.append((f"{prefix}prev_gate", prev_rows, width, "float32"))
+        return cls(
+            kind,
+            block_size,
+            v4.sliding_window,
+            rate,
+            tuple(pages),
+            config.qk_rope_head_dim,
+            tuple(open_rows),
+        )
 
     @property
     def resumable(self) -> bool:
@@ -94,8 +110,11 @@ class LayerGeometry:
         bounds = [start, *cuts, end]
         return list(zip(bounds[:-1], bounds[1:]))
 
-    def stored(self, cache_dtype: torch.dtype) -> list[tuple[str, int, int, torch.dtype]]:
-        """The tensors a cache of `cache_dtype` holds per block: (name, rows, width, dtype).
+    def stored(
+        self, cache_dtype: torch.dtype, slot: bool = False
+    ) -> list[tuple[str, int, int, torch.dtype]]:
+        """The tensors a cache of `cache_dtype` holds per block (`slot`: per sequence slot):
+        (name, rows, width, dtype).
         An FP8 cache splits each "kv" page: its unrotated channels e4m3, the rotated ones
         (`{name}_rope`) bf16, as DeepSeek's FP8 MLA cache keeps its rope part (on tiny V4s,
         mean |d logprob| 0.18 against 0.28 all in e4m3: tools/kv_fp8_quality.py). It keeps
@@ -104,7 +123,7 @@ class LayerGeometry:
         before the entry is quantized once. prev_gate stays float32, as computed."""
         fp8 = cache_dtype == ops.FP8_DTYPE
         out = []
-        for name, rows, width, storage in self.pages:
+        for name, rows, width, storage in self.open if slot else self.pages:
             if storage == "float32":
                 out.append((name, rows, width, torch.float32))
             elif not fp8:
@@ -118,6 +137,9 @@ class LayerGeometry:
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype, True))
 
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
@@ -170,8 +192,8 @@ class V4Pages(CacheSpec):
         lcm = math.lcm(*(rate for rate in rates.values() if rate))
         return (
             f"block_size={block_size} is not a multiple of every compress rate ({named}), so a "
-            "block would end inside a compressor window, whose state lives in the block the "
-            f"window starts in; use a block_size that is a multiple of {lcm}"
+            "block would end inside a compressor window, whose open rows live in the "
+            f"sequence's state slot, not in the block; use a block_size that is a multiple of {lcm}"
         )
 
     def geometry(self, block_size: int) -> LayerGeometry:
@@ -180,13 +202,23 @@ class V4Pages(CacheSpec):
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return self.geometry(block_size).bytes_per_block(dtype)
 
-    def allocate(self, num_blocks, block_size, dtype, device) -> list[LayerPages]:
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        # The open rings do not depend on the block size.
+        return self.geometry(1).bytes_per_slot(dtype)
+
+    def allocate(self, num_blocks, block_size, dtype, device, num_slots: int = 0):
+        if num_slots < 1 and self.bytes_per_slot(dtype):
+            raise ValueError(
+                f"num_slots={num_slots}: {self.kind} layers keep their open compressor rows in "
+                "a slot per sequence; give >= 1"
+            )
         geometry = self.geometry(block_size)
-        return [LayerPages(geometry, num_blocks, dtype, device) for _ in self.layers]
+        return [LayerPages(geometry, num_blocks, dtype, device, num_slots) for _ in self.layers]
 
     @staticmethod
     def tensors(layer_cache: LayerPages):
         yield from layer_cache.pages.values()
+        yield from layer_cache.slots.values()
 
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
@@ -200,7 +232,8 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 
 class LayerPages:
-    """One layer's pages over every block of the cache. An FP8 cache (kv_cache_dtype="fp8") holds
+    """One layer's pages over every block of the cache, and its open rows over every sequence
+    slot (`slots`: [num_slots, m, width] per ring). An FP8 cache (kv_cache_dtype="fp8") holds
     the unrotated channels of its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other
     families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
     (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
@@ -214,6 +247,7 @@ class LayerPages:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_slots: int = 0,
     ) -> None:
         self.geometry = geometry
         self.scale = 1.0
@@ -231,10 +265,21 @@ class LayerPages:
             name: self.flat[name][:-1].view(num_blocks, rows, width)
             for name, rows, width, _ in stored
         }
+        # The open rings as the pages: flat [num_slots * m + 1, width], the last row the scratch.
+        rings = geometry.stored(dtype, slot=True)
+        for name, rows, width, ring_dtype in rings:
+            self.flat[name] = torch.zeros(
+                num_slots * rows + 1, width, device=device, dtype=ring_dtype
+            )
+        self.slots = {
+            name: self.flat[name][:-1].view(num_slots, rows, width)
+            for name, rows, width, _ in rings
+        }
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pages.values())
+        held = (*self.pages.values(), *self.slots.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
     def as_stored(self, values: torch.Tensor) -> torch.Tensor:
         """Keys or entries [..., width] as a "kv" page gives them back (FP8: the round trip of
@@ -293,6 +338,15 @@ class LayerPages:
         block = self._block(table, positions // self.geometry.block_size)
         return block * rows + positions % rows
 
+    def _open_rows(self, slot: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of the open rings for `positions` of the sequence in `slot` (one sequence:
+        an int; a batch: [rows], positions [rows, n]). Slot -1 (a pad row) reads slot 0's rows
+        (always masked) and writes nowhere (`store` sends them to the scratch row)."""
+        m = self.geometry.rate
+        if isinstance(slot, torch.Tensor):
+            slot = slot.clamp(min=0)[:, None]
+        return slot * m + positions % m
+
     def _entry_rows(self, name: str, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         bs, m, slots = self.geometry.block_size, self.geometry.rate, self.pages[name].shape[1]
         block = entries * m // bs
@@ -305,6 +359,10 @@ class LayerPages:
         clamped read is always masked, a clamped write never kept)."""
         span = tables.shape[1] * self.geometry.block_size
         return self._rows_of(name, tables, positions.clamp(0, span - 1))
+
+    def batch_open_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of the open rings: slots [rows] (-1: a pad row), positions [rows, n]."""
+        return self._open_rows(slots, positions)
 
     def batch_entry_rows(
         self, name: str, tables: torch.Tensor, entries: torch.Tensor
@@ -329,10 +387,11 @@ class LayerPages:
 
     # ----- the per-sequence state -----
     def read(
-        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None
+        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None, slot: int = -1
     ) -> LayerState | None:
         """The state a chunk starting at position `start` needs (None at position 0), in the
-        reader's `dtype` (`_load`; the first series' gates stay float32)."""
+        reader's `dtype` (`_load`; the first series' gates stay float32); `slot`: the
+        sequence's, needed only where `start` is inside a compressor window."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
@@ -341,13 +400,26 @@ class LayerPages:
             self._load("window", self._rows_of("window", table, window), dtype), window
         )
         if g.rate:
-            state.compressor = self._read_compressor("", table, start, dtype)
+            state.compressor = self._read_compressor("", table, start, dtype, slot)
             if g.kind == "compressed_sparse_attention":
-                state.indexer = self._read_compressor("index_", table, start, dtype)
+                state.indexer = self._read_compressor("index_", table, start, dtype, slot)
         return state
 
+    def _slot_for(self, slot: int, pending: torch.Tensor) -> int:
+        if slot < 0 and pending.numel():
+            raise ValueError(
+                f"positions {pending[0]}..{pending[-1]} are in an open compressor window, "
+                "whose rows sit in the sequence's state slot: give its slot (Segment.state_slot)"
+            )
+        return slot
+
     def _read_compressor(
-        self, prefix: str, table: torch.Tensor, start: int, dtype: torch.dtype | None
+        self,
+        prefix: str,
+        table: torch.Tensor,
+        start: int,
+        dtype: torch.dtype | None,
+        slot: int,
     ) -> CompressorState:
         m, dev = self.geometry.rate, table.device
         closed = start // m
@@ -357,10 +429,11 @@ class LayerPages:
         def get(name: str, rows: torch.Tensor) -> torch.Tensor:
             return self._load(f"{prefix}{name}", rows, dtype)
 
+        open_rows = self._open_rows(self._slot_for(slot, pending), pending)
         state = CompressorState(
             get("entries", self._entry_rows(f"{prefix}entries", table, entries)),
-            get("open_kv", self._rows_of(f"{prefix}open_kv", table, pending)),
-            get("open_gate", self._rows_of(f"{prefix}open_gate", table, pending)),
+            get("open_kv", open_rows),
+            get("open_gate", open_rows),
         )
         if f"{prefix}prev_kv" in self.pages and closed > 0:
             prev = self._rows_of(
@@ -369,23 +442,32 @@ class LayerPages:
             state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
-    def write(self, table: torch.Tensor, start: int, end: int, after: LayerState) -> None:
+    def write(
+        self, table: torch.Tensor, start: int, end: int, after: LayerState, slot: int = -1
+    ) -> None:
         """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
         its windows closed, the open window's rows and (CSA) the last closed window's first
         series. Only rows a later chunk reads are written, so no two share a page row. Fed a
-        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state."""
+        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state; the
+        open rows go to the sequence's `slot` (needed where `end` is inside a window)."""
         new = after.window_pos >= start
         self._save(
             "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
         )
         if self.geometry.rate:
-            self._write_compressor("", table, start, end, after.compressor)
+            self._write_compressor("", table, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":
-                self._write_compressor("index_", table, start, end, after.indexer)
+                self._write_compressor("index_", table, (start, end), after.indexer, slot)
 
     def _write_compressor(
-        self, prefix: str, table: torch.Tensor, start: int, end: int, state: CompressorState
+        self,
+        prefix: str,
+        table: torch.Tensor,
+        span: tuple[int, int],
+        state: CompressorState,
+        slot: int,
     ) -> None:
+        start, end = span
         m, dev = self.geometry.rate, table.device
         before, closed = start // m, end // m
         if closed > before:
@@ -402,6 +484,6 @@ class LayerPages:
                 self._save(f"{prefix}prev_kv", prev, state.prev_kv)
                 self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)
-        rows = self._rows_of(f"{prefix}open_kv", table, pending)
+        rows = self._open_rows(self._slot_for(slot, pending), pending)
         self._save(f"{prefix}open_kv", rows, state.pending_kv)
         self._save(f"{prefix}open_gate", rows, state.pending_gate)
