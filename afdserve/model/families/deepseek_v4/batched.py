@@ -279,7 +279,7 @@ def _compress(
         pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", open_earlier))
         pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", open_earlier))
         pending_gate = pending_gate + comp.position_bias
-        previous = pages.batch_rows(f"{prefix}prev_kv", tables, earlier)
+        previous = pages.batch_prev_rows(tables, state_slots, earlier)
         paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
         first_kv = torch.where(
             paged, pages.take(f"{prefix}prev_kv", previous, kv.dtype), pending[..., :d]
@@ -290,8 +290,10 @@ def _compress(
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, first_kv, 0.0)
         first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
-        last = (closes & ((p + 1) // m == _piece_end(pages, rows) // m))[:, None].expand(-1, m)
-        own_prev = pages.batch_rows(f"{prefix}prev_kv", tables, members)
+        # Kept: a window ending a block (in its pages), and the chunk's last (in the slot).
+        kept = pages.keeps_prev_in_page(p + 1) | ((p + 1) // m == end // m)
+        last = (closes & kept)[:, None].expand(-1, m)
+        own_prev = pages.batch_prev_rows(tables, state_slots, members)
         pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
@@ -326,13 +328,13 @@ def _compress_decode(
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
     flat = {name: pages.flat[prefix + name] for name in names}
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
-    # The open rings' rows of the window and of p (in the row's slot), then (CSA) the prev
-    # pages' rows of window w - 1 (read) and of window w (written where p closes it).
+    # The open rings' rows of the window and of p (in the row's slot), then (CSA) the first
+    # series' rows of window w - 1 (read) and of window w (written where p closes it).
     open_rows = torch.cat((members, p[:, None]), dim=1)
     wanted = [pages.batch_open_rows(rows.state_slots(), open_rows)]
     if comp.overlap:
         prev = torch.cat((members - m, members), dim=1)
-        wanted.append(pages.batch_rows(f"{prefix}prev_kv", tables, prev))
+        wanted.append(pages.batch_prev_rows(tables, rows.state_slots(), prev))
     addresses = torch.cat(wanted, dim=1)
     entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)

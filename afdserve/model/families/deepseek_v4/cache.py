@@ -45,15 +45,18 @@ class LayerGeometry:
     - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
       in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
       block, the only part that grows with the context.
-    - `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first
-      series (its gate with the position bias added, float32 as computed), which the next entry
-      overlaps; at rows of the window's block, so a block boundary keeps the one it needs.
+    - `prev_kv`, `prev_gate` (CSA only, where B is a multiple of every compress rate, so that
+      prefix caching resumes at block boundaries) [m, head_dim]: the first series of the window
+      ending at the block's end (its gate with the position bias added, float32 as computed),
+      which the next window's entry overlaps: what a chunk resuming there reads.
     - `index_*`: the same for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
-    `open` lists the slot's rings, name -> (m, width, "state"): `open_kv`, `open_gate` (and
+    `open` lists the slot's rings, name -> (m, width, storage): `open_kv`, `open_gate` (and
     `index_open_*`), the kv / gate projections of the window still open (the compressor's tokens
     not yet pooled), position p at row p % m of the sequence's slot: fixed in size, so kept per
-    sequence rather than per block (HCA's 128 rows would outweigh its block's entries).
+    sequence rather than per block (HCA's 128 rows would outweigh its block's entries); and
+    CSA's `prev_*` rings: the first series of the last window a chunk closed inside a block
+    (every window's at other block sizes, `prev_in_slot`).
     Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
     rows (the compressor's open rows and first series) the model's; "float32" stays (`stored`
     says how an FP8 cache holds each)."""
@@ -65,6 +68,7 @@ class LayerGeometry:
     pages: tuple[tuple[str, int, int, str], ...]
     rope: int  # the trailing rotated channels of every key and entry
     open: tuple[tuple[str, int, int, str], ...] = ()
+    prev_in_slot: bool = False  # CSA's first series in the slot, not the pages
 
     @classmethod
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
@@ -72,18 +76,23 @@ class LayerGeometry:
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
         pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
         open_rows: list[tuple[str, int, int, str]] = []
+        rates = (v4.compress_rate(i) for i in range(len(v4.attention_types)))
+        prev_in_slot = block_size % math.lcm(*(r for r in rates if r)) != 0
         if rate:
             csa = kind == "compressed_sparse_attention"
             compressors = [("", dim)] + ([("index_", v4.index_head_dim)] if csa else [])
-            slots, prev_rows = -(-block_size // rate), min(block_size, rate)
+            slots = -(-block_size // rate)
             for prefix, width in compressors:
                 pages.append((f"{prefix}entries", slots, width, "kv"))
                 projected = 2 * width if csa else width
                 open_rows.append((f"{prefix}open_kv", rate, projected, "state"))
                 open_rows.append((f"{prefix}open_gate", rate, projected, "state"))
                 if csa:
-                    pages.append((f"{prefix}prev_kv", prev_rows, width, "state"))
-                    pages.append((f"{prefix}prev_gate", prev_rows, width, "float32"))
+                    open_rows.append((f"{prefix}prev_kv", rate, width, "state"))
+                    open_rows.append((f"{prefix}prev_gate", rate, width, "float32"))
+                    if not prev_in_slot:
+                        pages.append((f"{prefix}prev_kv", rate, width, "state"))
+                        pages.append((f"{prefix}prev_gate", rate, width, "float32"))
         return cls(
             kind,
             block_size,
@@ -92,6 +101,7 @@ class LayerGeometry:
             tuple(pages),
             config.qk_rope_head_dim,
             tuple(open_rows),
+            prev_in_slot,
         )
 
     @property
@@ -252,29 +262,28 @@ class LayerPages:
         self.geometry = geometry
         self.scale = 1.0
         self.fp8 = dtype == ops.FP8_DTYPE
-        # Each page is [num_blocks, rows, width] over a flat buffer one row longer: that last row
-        # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
-        # so they never land in a real sequence's pages. It belongs to no block and is never read
-        # as state; `bytes` counts the pages only.
-        stored = geometry.stored(dtype)
-        self.flat = {
-            name: torch.zeros(num_blocks * rows + 1, width, device=device, dtype=page_dtype)
-            for name, rows, width, page_dtype in stored
-        }
-        self.pages = {
-            name: self.flat[name][:-1].view(num_blocks, rows, width)
-            for name, rows, width, _ in stored
-        }
-        # The open rings as the pages: flat [num_slots * m + 1, width], the last row the scratch.
-        rings = geometry.stored(dtype, slot=True)
-        for name, rows, width, ring_dtype in rings:
-            self.flat[name] = torch.zeros(
-                num_slots * rows + 1, width, device=device, dtype=ring_dtype
+        # Each page is [num_blocks, rows, width] and each ring [num_slots, m, width] over a flat
+        # buffer one row longer: that last row (`scratch`) is where the batched path (batched.py)
+        # sends the writes of pad rows, so they never land in a real sequence's state. It
+        # belongs to no block or slot and is never read as state; `bytes` counts pages and
+        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first.
+        pages = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype)}
+        rings = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype, True)}
+        self.flat, self.pages, self.slots = {}, {}, {}
+        self.ring_base: dict[str, int] = {}  # the flat row of each ring's slot 0
+        for name in (*pages, *(name for name in rings if name not in pages)):
+            page_rows, width, page_dtype = pages[name] if name in pages else (0, *rings[name][1:])
+            ring_rows = rings[name][0] if name in rings else 0
+            base = num_blocks * page_rows
+            flat = torch.zeros(
+                base + num_slots * ring_rows + 1, width, device=device, dtype=page_dtype
             )
-        self.slots = {
-            name: self.flat[name][:-1].view(num_slots, rows, width)
-            for name, rows, width, _ in rings
-        }
+            self.flat[name] = flat
+            if name in pages:
+                self.pages[name] = flat[:base].view(num_blocks, page_rows, width)
+            if name in rings:
+                self.ring_base[name] = base
+                self.slots[name] = flat[base:-1].view(num_slots, ring_rows, width)
 
     @property
     def bytes(self) -> int:
@@ -338,14 +347,40 @@ class LayerPages:
         block = self._block(table, positions // self.geometry.block_size)
         return block * rows + positions % rows
 
-    def _open_rows(self, slot: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
-        """Flat rows of the open rings for `positions` of the sequence in `slot` (one sequence:
-        an int; a batch: [rows], positions [rows, n]). Slot -1 (a pad row) reads slot 0's rows
-        (always masked) and writes nowhere (`store` sends them to the scratch row)."""
+    def _open_rows(
+        self, slot: torch.Tensor | int, positions: torch.Tensor, name: str = "open_kv"
+    ) -> torch.Tensor:
+        """Flat rows of ring `name` (the open rows: every compressor's alike) for `positions` of
+        the sequence in `slot` (one sequence: an int; a batch: [rows], positions [rows, n]).
+        Slot -1 (a pad row) reads slot 0's rows (always masked) and writes nowhere (`store`
+        sends them to the scratch row)."""
         m = self.geometry.rate
         if isinstance(slot, torch.Tensor):
             slot = slot.clamp(min=0)[:, None]
-        return slot * m + positions % m
+        return self.ring_base[name] + slot * m + positions % m
+
+    def _in_page(self, positions: torch.Tensor) -> torch.Tensor | bool:
+        """Whether the window of `positions` ends at a block end where B resumes prefixes: its
+        first series is then kept in the pages (a block's end state), else in the slot."""
+        g = self.geometry
+        if g.prev_in_slot:
+            return False
+        return (positions // g.rate + 1) * g.rate % g.block_size == 0
+
+    def _prev_rows(
+        self, table: torch.Tensor, slot: torch.Tensor | int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Flat rows of CSA's first series (`prev_*`, every compressor's alike) for positions of
+        one window each: in the window's block where it ends a block (`_in_page`), in the
+        sequence's slot otherwise. Only the last window a chunk closes goes to the slot, so
+        its ring holds the one the next chunk reads."""
+        ring = self._open_rows(slot, positions, "prev_kv")
+        in_page = self._in_page(positions)
+        if in_page is False:
+            return ring
+        if table.dim() == 2:  # a ubatch: clamped as batch_rows
+            positions = positions.clamp(0, table.shape[1] * self.geometry.block_size - 1)
+        return torch.where(in_page, self._rows_of("prev_kv", table, positions), ring)
 
     def _entry_rows(self, name: str, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         bs, m, slots = self.geometry.block_size, self.geometry.rate, self.pages[name].shape[1]
@@ -363,6 +398,16 @@ class LayerPages:
     def batch_open_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of the open rings: slots [rows] (-1: a pad row), positions [rows, n]."""
         return self._open_rows(slots, positions)
+
+    def batch_prev_rows(
+        self, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n]."""
+        return self._prev_rows(tables, slots, positions)
+
+    def keeps_prev_in_page(self, window_end: torch.Tensor) -> torch.Tensor | bool:
+        """[rows] whether a window ending at `window_end` keeps its first series in the pages."""
+        return self._in_page(window_end - 1)
 
     def batch_entry_rows(
         self, name: str, tables: torch.Tensor, entries: torch.Tensor
@@ -408,10 +453,19 @@ class LayerPages:
     def _slot_for(self, slot: int, pending: torch.Tensor) -> int:
         if slot < 0 and pending.numel():
             raise ValueError(
-                f"positions {pending[0]}..{pending[-1]} are in an open compressor window, "
-                "whose rows sit in the sequence's state slot: give its slot (Segment.state_slot)"
+                f"the compressor state of positions {pending[0]}..{pending[-1]} sits in the "
+                "sequence's state slot: give its slot (Segment.state_slot)"
             )
         return slot
+
+    def _prev_span(self, table: torch.Tensor, slot: int, window: int) -> torch.Tensor:
+        """The flat rows of window `window`'s first series (one sequence)."""
+        m = self.geometry.rate
+        positions = self._span(window * m, (window + 1) * m, table.device)
+        in_page = self._in_page(positions[-1:])
+        if in_page is False or not bool(in_page):
+            self._slot_for(slot, positions)
+        return self._prev_rows(table, slot, positions)
 
     def _read_compressor(
         self,
@@ -435,10 +489,8 @@ class LayerPages:
             get("open_kv", open_rows),
             get("open_gate", open_rows),
         )
-        if f"{prefix}prev_kv" in self.pages and closed > 0:
-            prev = self._rows_of(
-                f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
-            )
+        if f"{prefix}prev_kv" in self.flat and closed > 0:
+            prev = self._prev_span(table, slot, closed - 1)
             state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
@@ -478,9 +530,7 @@ class LayerPages:
                 state.entries[before:closed],
             )
             if state.prev_kv is not None:
-                prev = self._rows_of(
-                    f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
-                )
+                prev = self._prev_span(table, slot, closed - 1)
                 self._save(f"{prefix}prev_kv", prev, state.prev_kv)
                 self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)
