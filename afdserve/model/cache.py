@@ -7,8 +7,9 @@ state with a `CacheSpec`; a model's specs form its `CacheLayout`, which the bloc
 memory budget, prefix caching, the FP8 check, the CUDA-graph policy and the model runner read.
 None of them asks which family it runs (vLLM v1's `KVCacheSpec` per layer group is the model of
 this seam). `PagedKV` is the plain paged cache of GQA keys and values or MLA's latent;
-DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py; a linear-attention layer's
-recurrent state is a `SequenceSlots` spec (model/families/gated_deltanet/cache.py).
+DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py (with a slot per sequence beside
+them: `CacheSpec.bytes_per_slot`); a linear-attention layer's recurrent state is a
+`SequenceSlots` spec (model/families/gated_deltanet/cache.py).
 """
 
 from __future__ import annotations
