@@ -16,6 +16,7 @@ import torch
 
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import cache_layout
+from afdserve.model.families.deepseek_v4.config import V4Config
 from afdserve.model.families.dsa.config import DSAConfig
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
 from afdserve.model.layers.moe import Experts
@@ -161,9 +162,10 @@ def timed_kv_bytes(model: CausalLM, batch: int, positions: range, itemsize: int)
     c = model.config
     mean_context = sum(p + 1 for p in positions) / len(positions)
     layout, dtype = cache_layout(c), ITEMSIZE_DTYPES[itemsize]
-    if layout.bytes_per_slot(dtype):
+    v4 = isinstance(c.family_config, V4Config)
+    if layout.bytes_per_slot(dtype) and not v4:
         # Linear attention: its state slot read and written whole each step, beside the paged
-        # layers' context.
+        # layers' context (V4's open rows in its slots are counted by v4_layer_kv_bytes).
         paged = mean_context * layout.bytes_per_block(1, dtype)
         return int(batch * (paged + 2 * layout.bytes_per_slot(dtype)))
     dsa = isinstance(c.family_config, DSAConfig)

@@ -5,7 +5,9 @@ The numbers are what the engines really allocated: each topology starts through 
 real weights, as asked), and every attention rank reports its cache (blocks and bytes) in its
 ready message. An attention rank holds no experts, so on a GPU it has far more room for cache.
 With `--measure`, the decode bench (afdserve/bench/decode.py, and bench/decode_p2p.py for 1A1F
-across two GPUs) times decode steps at that batch and context.
+across two GPUs) times decode steps at that batch and context. With `--cache-gib`, no engine
+starts: the blocks a cache of that size holds come from the model's cache layout by the engine's
+own arithmetic (`blocks_by_bytes`), which runs on any machine for any preset.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ from afdserve.bench.flags import (
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from afdserve.config_args import build, option
+from afdserve.engine.factory import blocks_in_budget
+from afdserve.engine.kv_cache import slots_for
+from afdserve.kernels import ops
 from afdserve.llm import LLM
+from afdserve.model.config import ModelConfig
+from afdserve.model.families import cache_layout, load_model_config
 
 TOPOLOGIES = ("colocated", "1A1F")
+BY_BYTES = "by bytes"  # the topology of a --cache-gib row: no engine started
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,11 @@ class CapacityBench:
     quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
     steps: int = option(20, help="timed steps with --measure")
     seed: int = 0
+    cache_gib: float | None = option(
+        None,
+        help="no engine: the sequences a KV cache of this many GiB holds, from the model's "
+        "cache layout (the state slots of max_num_seqs first, as the engine budgets them)",
+    )
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
@@ -87,6 +100,8 @@ class CapacityBench:
             raise bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"None or one of {QUANTIZATIONS}")
+        if self.cache_gib is not None and (self.cache_gib <= 0 or self.measure):
+            raise bad("cache_gib", "None, or a size in GiB > 0 without --measure")
         if self.measure and "1A1F" in self.topologies and self.device != "cuda":
             raise bad("device", "'cuda' to --measure 1A1F (its decode bench runs on two GPUs)")
 
@@ -132,7 +147,9 @@ class Capacity:
             if self.decode_tokens_per_s is None
             else f", decode {self.decode_tokens_per_s:.1f} tokens/s at that batch"
         )
-        who = "engine" if self.topology == "colocated" else f"attention rank {self.rank}"
+        who = {"colocated": "engine", BY_BYTES: "cache"}.get(
+            self.topology, f"attention rank {self.rank}"
+        )
         return (
             f"{self.topology} {who}: parameters {self.parameter_bytes / 1e9:.3g} GB, "
             f"KV cache {self.cache_bytes / 1e9:.3g} GB = {self.capacity_tokens} tokens = "
@@ -205,9 +222,48 @@ def measure_decode(spec: CapacityBench, capacity: Capacity) -> float:
     return results[0].tokens_per_s
 
 
+def blocks_by_bytes(
+    config: ModelConfig, budget: int, block_size: int, dtype: torch.dtype, max_num_seqs: int
+) -> int:
+    """Blocks a cache of `budget` bytes holds, as engine/factory.py's kv_blocks_for counts them
+    on a GPU: the state slots of max_num_seqs sequences first (where the layout keeps any),
+    then whole blocks."""
+    layout = cache_layout(config)
+    slots = slots_for(config, max_num_seqs, dtype) * layout.bytes_per_slot(dtype)
+    return max(
+        0, blocks_in_budget(budget - slots, budget, 1.0, layout.bytes_per_block(block_size, dtype))
+    )
+
+
+def sequences_by_bytes(
+    config: ModelConfig,
+    budget: int,
+    context_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+) -> int:
+    """Sequences of context_len tokens that fit in a cache of `budget` bytes."""
+    blocks = blocks_by_bytes(config, budget, block_size, dtype, max_num_seqs)
+    return blocks // -(-context_len // block_size)
+
+
+def capacity_by_bytes(spec: CapacityBench) -> Capacity:
+    """--cache-gib: the cache's blocks in the model's cache dtype, no engine started."""
+    config = load_model_config(spec.model_dir)
+    fp8 = spec.kv_cache_dtype != "auto"
+    dtype = ops.FP8_DTYPE if fp8 else getattr(torch, spec.dtype)
+    budget = int(spec.cache_gib * 2**30)
+    blocks = blocks_by_bytes(config, budget, spec.block_size, dtype, spec.max_num_seqs)
+    limit = min(spec.max_num_seqs, spec.max_num_batched_tokens)
+    return Capacity(BY_BYTES, 0, blocks, spec.block_size, budget, 0, spec.context_len, limit)
+
+
 def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
     """1A1F first: a colocated engine (and its decode bench) runs in this process, and the CUDA
     context and cache it leaves here would take memory from rank 0 of a later 1A1F world."""
+    if spec.cache_gib is not None:
+        return [capacity_by_bytes(spec)]
     found: list[Capacity] = []
     for topology in sorted(spec.topologies, key=lambda t: t == "colocated"):
         with open_llm(spec, topology) as llm:
@@ -248,6 +304,7 @@ def add_capacity_parser(kinds: argparse._SubParsersAction) -> None:
             "graph_mode",
             "steps",
             "seed",
+            "cache_gib",
         ),
     )
     add_json_flag(p)

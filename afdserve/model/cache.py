@@ -9,8 +9,9 @@ state with a `CacheSpec`; a model's specs form its `CacheLayout`, which the bloc
 memory budget, prefix caching, the FP8 check, the CUDA-graph policy and the model runner read.
 None of them asks which family it runs (vLLM v1's `KVCacheSpec` per layer group is the model of
 this seam). `PagedKV` is the plain paged cache of GQA keys and values or MLA's latent;
-DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py; a linear-attention layer's
-recurrent state is a `SequenceSlots` spec (model/families/gated_deltanet/cache.py).
+DeepSeek-V4's pages are in model/families/deepseek_v4/cache.py (with a slot per sequence beside
+them: `CacheSpec.bytes_per_slot`); a linear-attention layer's recurrent state is a
+`SequenceSlots` spec (model/families/gated_deltanet/cache.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ class CacheSpec(ABC):
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> list[Any]:
-        """One layer cache per layer of the group, over `num_blocks` blocks."""
+        """One layer cache per layer of the group, over `num_blocks` blocks (and, where
+        `bytes_per_slot` is not 0, a `num_slots` keyword: the sequence slots beside them)."""
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one layer of the group holds per sequence slot beside its pages: state of a
+        fixed size per sequence (DeepSeek-V4's open compressor rows). 0: none."""
+        return 0
 
     @staticmethod
     def tensors(layer_cache: Any) -> Iterator[torch.Tensor]:
@@ -161,8 +168,7 @@ class CacheLayout:
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Bytes every layer holds per sequence slot (0: the layout needs no slots)."""
-        slotted = (s for s in self.specs if isinstance(s, SequenceSlots))
-        return sum(len(s.layers) * s.bytes_per_slot(dtype) for s in slotted)
+        return sum(len(s.layers) * s.bytes_per_slot(dtype) for s in self.specs)
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
@@ -214,7 +220,7 @@ class CacheLayout:
         slots = [
             f"{len(s.layers)} {s.kind} x {s.bytes_per_slot(dtype)} B"
             for s in self.specs
-            if isinstance(s, SequenceSlots)
+            if s.bytes_per_slot(dtype)
         ]
         return line + ("; per sequence: " + ", ".join(slots) if slots else "")
 
@@ -239,6 +245,8 @@ class CacheLayout:
                 caches = spec.allocate_slots(num_slots, dtype, device)
             elif num_window_blocks is not None and spec.window is not None:
                 caches = spec.allocate(num_window_blocks, block_size, dtype, device)
+            elif spec.bytes_per_slot(dtype):  # pages and a slot per sequence beside them
+                caches = spec.allocate(num_blocks, block_size, dtype, device, num_slots=num_slots)
             else:
                 caches = spec.allocate(num_blocks, block_size, dtype, device)
             for i, cache in zip(spec.layers, caches, strict=True):

@@ -146,3 +146,26 @@ def test_capacity_refuses_an_unknown_kv_cache_dtype(tmp_path):
     model = write_preset_config("tiny", tmp_path / "tiny")
     with pytest.raises(ValueError, match="bench.kv_cache_dtype"):
         _spec(model, kv_cache_dtype="int4")
+
+
+def test_cache_gib_counts_sequences_by_bytes_without_an_engine(tmp_path):
+    """--cache-gib: the blocks a cache of that size holds by the engine's arithmetic, for a
+    preset too large to start here. deepseek-v4-flash keeps the compressors' open rows in a
+    slot per sequence: max_num_seqs slots (6.0 MB each, counted by hand in
+    tests/model/test_deepseek_v4_pages.py) come out of the budget before the blocks, and the
+    FP8 cache holds more than 1.7x the bf16 cache's sequences of 65536 tokens."""
+    out = tmp_path / "capacity.json"
+    flags = ["--preset", "deepseek-v4-flash", "--load-format", "dummy", "--context-len", "65536"]
+    flags += ["--block-size", "128", "--max-num-seqs", "64", "--cache-gib", "100"]
+    found = {}
+    for kv in ("auto", "fp8"):
+        assert main(["bench", "capacity", *flags, "--kv-cache-dtype", kv, "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())["results"]
+        found[kv] = row
+    budget, per_slot = 100 * 2**30, 5995520
+    bf16 = blocks_in_budget(budget - 64 * per_slot, budget, 1.0, 6795264)
+    assert found["auto"]["num_blocks"] == bf16 and found["auto"]["topology"] == "by bytes"
+    assert found["auto"]["sequences_that_fit"] == bf16 // 512
+    assert found["fp8"]["sequences_that_fit"] / found["auto"]["sequences_that_fit"] > 1.7
+    with pytest.raises(ValueError, match="bench.cache_gib"):
+        _spec(tmp_path, cache_gib=-1.0)

@@ -97,11 +97,11 @@ def test_kv_bytes_are_what_the_cache_hands_the_attention(v4_dir: Path) -> None:
     """At every position up to a few windows, the bytes of the state `LayerPages.read` returns
     are the count, except CSA's entries: the attention keeps only the indexer's top-k of them."""
     c = load_model_config(v4_dir)
-    cache = make_kv_cache(c, 8, BLOCK, torch.bfloat16, "cpu")
+    cache = make_kv_cache(c, 8, BLOCK, torch.bfloat16, "cpu", num_slots=1)
     table = torch.arange(8)
     for position in range(1, 8 * BLOCK):
         for layer, pages in enumerate(cache.layers):
-            state = pages.read(table, position)
+            state = pages.read(table, position, slot=0)
             parts = [state.window_kv]
             for comp in (state.compressor, state.indexer):
                 if comp is not None:
@@ -140,11 +140,11 @@ def test_in_process_decodes_the_colocated_tokens_over_a_full_cache(v4_dir: Path)
         assert isinstance(steps.driver.forward.boundary, boundary)
         # Device segments on CPU too: the decode steps take the batched path a graph captures.
         assert steps._inputs().meta.batched is not None
-        pages = [t for layer in steps.kv.layers for t in layer.pages.values()]
-        assert all(bool((t != 0).all()) for t in pages)  # every page holds random state
+        held = [(*layer.pages.values(), *layer.slots.values()) for layer in steps.kv.layers]
+        assert all(bool((t != 0).all()) for ts in held for t in ts)  # all random state
         assert steps.kv.layers[1].pages["index_prev_gate"].dtype == torch.float32
         # The first step (position CONTEXT) reads a full window and every closed entry.
-        state = steps.kv.layers[2].read(steps.tables[0], CONTEXT)
+        state = steps.kv.layers[2].read(steps.tables[0], CONTEXT, slot=0)
         assert state.window_kv.shape[0] == 3 and state.compressor.entries.shape[0] == CONTEXT // 4
         got[topology] = tokens(steps)
     assert got["in-process"] == got["colocated"]

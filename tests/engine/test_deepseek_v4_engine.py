@@ -129,35 +129,49 @@ def test_preemption_by_recompute_keeps_the_tokens(shape, one_shot) -> None:
 
 
 def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
-    """The start-up numbers (bytes per block, how many blocks fit, the per-type breakdown) are
-    the bytes the pages really allocate."""
+    """The start-up numbers (bytes per block and per sequence slot, how many blocks fit, the
+    per-type breakdown) are the bytes the pages and the slots' open rings really allocate."""
     _, path, block_size = shape
     config = load_model_config(path)
-    cache = make_kv_cache(config, 3, block_size, torch.float32, "cpu")
+    layout, f32 = cache_layout(config), torch.float32
+    cache = make_kv_cache(config, 3, block_size, f32, "cpu", num_slots=2)
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.pages.values())
-    assert cache.bytes == held == 3 * bytes_per_block(config, block_size, torch.float32)
-    for spec in cache_layout(config).specs:  # one spec per attention type
-        per_block = spec.bytes_per_block(block_size, torch.float32)
+    assert held == 3 * bytes_per_block(config, block_size, f32)
+    rings = sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in layer.slots.values()
+    )
+    assert rings == 2 * layout.bytes_per_slot(f32) > 0
+    assert cache.bytes == held + rings
+    for spec in layout.specs:  # one spec per attention type
+        per_block = spec.bytes_per_block(block_size, f32)
         layers = [pages for pages in cache.layers if pages.geometry.kind == spec.attention_type]
         assert [cache.layers.index(pages) for pages in layers] == list(spec.layers)
-        assert all(pages.bytes == 3 * per_block for pages in layers)
-    # A sliding layer's pages are its window alone; a compressed layer's grow by its entries.
+        assert all(pages.bytes == 3 * per_block + 2 * spec.bytes_per_slot(f32) for pages in layers)
+    # A sliding layer's pages are its window alone; a compressed layer's grow by its entries,
+    # and its open rows (m of them) sit in the slots, whatever the block size.
     kinds = {pages.geometry.kind: pages for pages in cache.layers}
     if SLIDING in kinds:
-        assert list(kinds[SLIDING].pages) == ["window"]
+        assert list(kinds[SLIDING].pages) == ["window"] and not kinds[SLIDING].slots
     for kind, rate in ((CSA, config.family_config.csa_rate), (HCA, config.family_config.hca_rate)):
         if kind in kinds:
             assert kinds[kind].pages["entries"].shape[1] == -(-block_size // rate)
+            assert kinds[kind].slots["open_kv"].shape[:2] == (2, rate)
+            assert "open_kv" not in kinds[kind].pages
     with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
-        llm = LLM(str(path), dtype="float32", block_size=block_size, kv_cache_blocks=5)
+        llm = LLM(
+            str(path), dtype="float32", block_size=block_size, kv_cache_blocks=5, max_num_seqs=3
+        )
     (ready,) = llm.engine.core_client.ready.values()
-    assert ready.memory.cache_bytes == 5 * bytes_per_block(config, block_size, torch.float32)
+    slot_bytes = 3 * layout.bytes_per_slot(f32)
+    assert ready.memory.cache_bytes == 5 * bytes_per_block(config, block_size, f32) + slot_bytes
     assert ready.memory.cache_blocks == 5
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
-    for spec in cache_layout(config).specs:
+    for spec in layout.specs:
         short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[spec.attention_type]
-        per_block = spec.bytes_per_block(block_size, torch.float32)
+        per_block = spec.bytes_per_block(block_size, f32)
         assert f"{len(spec.layers)} {short} x {per_block} B" in line
+        if spec.bytes_per_slot(f32):
+            assert f"{len(spec.layers)} {short} x {spec.bytes_per_slot(f32)} B" in line
 
 
 def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(

@@ -135,8 +135,8 @@ def test_block_sizes_inside_a_compressor_window_are_refused(tmp_path) -> None:
     why = layout.prefix_reuse_refusal(6)
     assert why == (
         "block_size=6 is not a multiple of every compress rate (CSA 2, HCA 4), so a block "
-        "would end inside a compressor window, whose state lives in the block the window "
-        "starts in; use a block_size that is a multiple of 4"
+        "would end inside a compressor window, whose open rows live in the sequence's state "
+        "slot, not in the block; use a block_size that is a multiple of 4"
     )
     with pytest.raises(ValueError, match=r"enable_prefix_caching=True .* block_size=6 is not"):
         LLM(str(path), block_size=6, enable_prefix_caching=True)

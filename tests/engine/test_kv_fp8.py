@@ -31,7 +31,7 @@ from afdserve.frontend.client import EngineClient
 from afdserve.frontend.single_process import SingleProcessClient
 from afdserve.kernels.metadata import AttentionMetadata, QKVLayout, Segment
 from afdserve.kernels.reference import layers as reference
-from afdserve.model.families import load_model_config
+from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -238,14 +238,17 @@ def test_fp8_engine_cache_is_fp8_at_half_the_bytes(tiny_models):
 def test_deepseek_v4_engine_cache_stores_its_kv_pages_in_fp8(tmp_path):
     """V4's pages (model/families/deepseek_v4/cache.py): window rows and compressed entries
     (the indexer's keys too) e4m3 but for their rotated channels (bf16), the compressor's state
-    bf16, its biased gates float32; the cache is the bytes its geometry says."""
+    bf16 (its open rows in the sequence slots too), its biased gates float32; the cache is the
+    bytes its geometry says."""
     v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
     caches = {}
     for kv in ("auto", "fp8"):
         core_client, _ = _engine(v4, dtype="bfloat16", kv_cache_blocks=8, kv_cache_dtype=kv)
         caches[kv] = core_client.core.kv_cache
     config = load_model_config(v4)
-    assert caches["fp8"].bytes == 8 * bytes_per_block(config, 16, FP8) < caches["auto"].bytes
+    fp8 = caches["fp8"]
+    slots = fp8.num_slots * cache_layout(config).bytes_per_slot(FP8)
+    assert fp8.bytes == 8 * bytes_per_block(config, 16, FP8) + slots < caches["auto"].bytes
     csa = caches["fp8"].layers[
         config.family_config.attention_types.index("compressed_sparse_attention")
     ]
@@ -254,6 +257,9 @@ def test_deepseek_v4_engine_cache_stores_its_kv_pages_in_fp8(tmp_path):
     assert dtypes["prev_gate"] == torch.float32
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith(("_rope", "_kv")))
     assert csa.pages["window_rope"].shape[-1] == config.qk_rope_head_dim
+    rings = {name: ring.dtype for name, ring in csa.slots.items()}
+    assert rings.pop("prev_gate") == rings.pop("index_prev_gate") == torch.float32
+    assert set(rings.values()) == {torch.bfloat16}
 
 
 def test_kv_cache_dtype_is_a_flag_and_a_keyword():

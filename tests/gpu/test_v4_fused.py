@@ -128,8 +128,9 @@ def attention_models(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def step_rows(chunks, width, pad, gen) -> batched.StepRows:
-    """(start, rows) per sequence -> StepRows on CUDA, `pad` pad rows appended."""
-    positions, tables, real, start, end = [], [], [], [], []
+    """(start, rows) per sequence -> StepRows on CUDA, `pad` pad rows appended; sequence i in
+    state slot i (pad rows -1)."""
+    positions, tables, real, start, end, slots = [], [], [], [], [], []
     perm = torch.randperm(len(chunks) * width + 2, generator=gen)
     for i, (first, count) in enumerate(chunks):
         for q in range(first, first + count):
@@ -138,14 +139,17 @@ def step_rows(chunks, width, pad, gen) -> batched.StepRows:
             real.append(True)
             start.append(first)
             end.append(first + count)
+            slots.append(i)
     for _ in range(pad):
         positions.append(0)
         tables.append(perm[:width])
         real.append(False)
         start.append(0)
         end.append(0)
+        slots.append(-1)
     values = (positions, torch.stack(tables), real, start, end)
-    return batched.StepRows(*(torch.as_tensor(v).cuda() for v in values))
+    cuda = [torch.as_tensor(v).cuda() for v in values]
+    return batched.StepRows(*cuda, slots=torch.as_tensor(slots).cuda())
 
 
 @pytest.mark.parametrize("shape", ["tiny", "flash"])
@@ -164,7 +168,9 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
     block_size = 64
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
-    cache = make_kv_cache(model.config, len(chunks) * width + 2, block_size, dtype, "cuda")
+    cache = make_kv_cache(
+        model.config, len(chunks) * width + 2, block_size, dtype, "cuda", num_slots=len(chunks)
+    )
     for layer in range(3):  # sliding, CSA, HCA
         attn, pages = model.model.layers[layer].self_attn, cache.layers[layer]
         for name in ("window", "entries"):
@@ -220,7 +226,8 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
 def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
     """Each compressor (CSA's, its indexer's, HCA's) over a decode ubatch of `count` rows at
     positions that open, continue and close windows, two pad rows: the entries of the closing
-    rows and every page after the step (but the scratch row) as `_compress`'s torch form."""
+    rows and every page after the step (the open rows in the slots too; but the scratch rows) as
+    `_compress`'s torch form."""
     overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
     path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
     model = load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
@@ -235,9 +242,10 @@ def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
         comp = model.model.layers[layer].self_attn.compressor
         comp = comp.indexer if prefix else comp
         blocks = count * width + 2
-        torch_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
-        fused_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
-        graph_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cuda").layers[layer]
+        made = [
+            make_kv_cache(model.config, blocks, block_size, dtype, "cuda", count) for _ in range(3)
+        ]  # a state slot per row
+        torch_pages, fused_pages, graph_pages = (cache.layers[layer] for cache in made)
         for name, flat in torch_pages.flat.items():
             flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
             fused_pages.flat[name].copy_(flat)
@@ -280,7 +288,9 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
     block_size = 64
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
-    cache = make_kv_cache(model.config, len(chunks) * width + 2, block_size, dtype, "cuda")
+    cache = make_kv_cache(
+        model.config, len(chunks) * width + 2, block_size, dtype, "cuda", num_slots=len(chunks)
+    )
     pages = cache.layers[1]
     page = pages.flat["index_entries"]
     page.copy_(torch.randn(page.shape, generator=fill, device="cuda"))

@@ -28,10 +28,10 @@ def engine_steps(model, device: str) -> list[torch.Tensor]:
     block_size, lengths = 4, (1, 5, 9, 14)
     gen = torch.Generator().manual_seed(4)
     tables = torch.randperm(4 * 8, generator=gen).view(4, 8).to(device)
-    cache = make_kv_cache(model.config, 4 * 8, block_size, torch.float32, device)
+    cache = make_kv_cache(model.config, 4 * 8, block_size, torch.float32, device, num_slots=4)
     logits, row, segments = [], 0, []
     for i, n in enumerate(lengths):
-        segments.append(Segment(row, row + n, tables[i], n))
+        segments.append(Segment(row, row + n, tables[i], n, i))  # sequence i in slot i
         row += n
     positions = torch.cat([torch.arange(n) for n in lengths])
     ids = torch.randint(0, 256, (row,), generator=gen)
@@ -44,7 +44,7 @@ def engine_steps(model, device: str) -> list[torch.Tensor]:
         )
         logits.append(forward(model, cache, ids.to(device), meta).cpu())
         context = [n + step + 1 for n in lengths]
-        segments = [Segment(i, i + 1, tables[i], c + 1) for i, c in enumerate(context)]
+        segments = [Segment(i, i + 1, tables[i], c + 1, i) for i, c in enumerate(context)]
         positions = torch.tensor(context + [0, 0])
         ids = torch.randint(0, 256, (6,), generator=gen)
     return logits
@@ -108,17 +108,17 @@ def test_tiny_v4_decode_step_replays_from_a_graph(tmp_path):
     model = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
     gen = torch.Generator().manual_seed(5)
     tables = torch.randperm(4 * 8, generator=gen).view(4, 8).cuda()
-    cache = make_kv_cache(model.config, 4 * 8, 4, torch.float32, "cuda")
+    cache = make_kv_cache(model.config, 4 * 8, 4, torch.float32, "cuda", num_slots=4)
     lengths = (3, 6, 11, 17)
     for i, n in enumerate(lengths):  # each prompt alone
         meta = AttentionMetadata(
             torch.arange(n).cuda(),
             torch.zeros(n, dtype=torch.int64).cuda(),
-            (Segment(0, n, tables[i], n),),
-            batch_segments((Segment(0, n, tables[i], n),), torch.device("cuda")),
+            (Segment(0, n, tables[i], n, i),),
+            batch_segments((Segment(0, n, tables[i], n, i),), torch.device("cuda")),
         )
         forward(model, cache, torch.randint(0, 256, (n,), generator=gen).cuda(), meta)
-    segments = tuple(Segment(i, i + 1, tables[i], n + 1) for i, n in enumerate(lengths))
+    segments = tuple(Segment(i, i + 1, tables[i], n + 1, i) for i, n in enumerate(lengths))
     meta = AttentionMetadata(
         torch.tensor(lengths + (0,)).cuda(),
         torch.zeros(5, dtype=torch.int64).cuda(),

@@ -59,7 +59,7 @@ def case(model, layer, chunks, pad, dtype, block_size, seed):
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, block_size, pad, gen)
     blocks = len(chunks) * width + 2
-    cache = make_kv_cache(model.config, blocks, block_size, dtype, "cpu")
+    cache = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", num_slots=1)
     pages = cache.layers[layer]
     for flat in pages.flat.values():
         flat.copy_(torch.randn(flat.shape, generator=gen))

@@ -1,12 +1,13 @@
 """DeepSeek-V4's fused compressor update of a decode ubatch (kernels/triton/v4_compress.py) under
 Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on
 CUDA (`batched._compress`, from the same projections) over real `LayerPages` filled with random
-rows: the entries of the rows that close a window, and every page after the step (open rows, CSA's
-prev rows, entries; all but the scratch row). CSA's compressor, its indexer's and HCA's; rates 2,
-4 and 8 (a block of 4 under a rate of 8: windows across blocks); one row (batch 1) opening or
-closing a window; rows at the first window (no previous series) and later ones with pad rows
-(which must write nothing). float32 and float16 (the interpreter computes bf16 wrongly). In a
-subprocess because the variable must be set before any @triton.jit function is defined."""
+rows: the entries of the rows that close a window, and every page after the step (the open rows
+in each sequence's slot, CSA's prev rows, entries; all but the scratch row). CSA's compressor,
+its indexer's and HCA's; rates 2, 4 and 8 (a block of 4 under a rate of 8: windows across
+blocks); one row (batch 1) opening or closing a window; rows at the first window (no previous
+series) and later ones with pad rows (which must write nothing). float32 and float16 (the
+interpreter computes bf16 wrongly). In a subprocess because the variable must be set before any
+@triton.jit function is defined."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def decode_rows(positions, width, pad, gen):
     tables = [perm[i * width:(i + 1) * width] for i in range(count)] + [perm[:width]] * pad
     p = torch.tensor(list(positions) + [0] * pad)
     real = torch.tensor([True] * count + [False] * pad)
-    return batched.StepRows(p, torch.stack(tables), real, p.clone(), p + 1, True)
+    # Each sequence its own state slot, in reverse (not the row order); pad rows -1.
+    slots = torch.tensor(list(range(count - 1, -1, -1)) + [-1] * pad)
+    return batched.StepRows(p, torch.stack(tables), real, p.clone(), p + 1, True, slots)
 
 
 def case(models, layer, prefix, positions, pad, dtype, block_size, seed):
@@ -53,8 +56,9 @@ def case(models, layer, prefix, positions, pad, dtype, block_size, seed):
     width = -(-(max(positions) + 1) // block_size) + 1
     rows = decode_rows(positions, width, pad, gen)
     blocks = len(positions) * width + 2
-    torch_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu").layers[layer]
-    fused_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu").layers[layer]
+    slots = len(positions)
+    torch_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", slots).layers[layer]
+    fused_pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", slots).layers[layer]
     for name, flat in torch_pages.flat.items():
         flat.copy_(torch.randn(flat.shape, generator=gen))
         fused_pages.flat[name].copy_(flat)

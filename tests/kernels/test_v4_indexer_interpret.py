@@ -59,7 +59,7 @@ def case(models, chunks, pad, dtype, block_size, seed):
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
     blocks = len(chunks) * width + 2
-    pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu").layers[1]
+    pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", num_slots=1).layers[1]
     for flat in pages.flat.values():
         flat.copy_(torch.randn(flat.shape, generator=gen))
     n = rows.positions.shape[0]

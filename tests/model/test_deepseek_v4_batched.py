@@ -74,6 +74,19 @@ def forward(
     return model.logits(model.add_ffn_output(residual, ffn_out))
 
 
+def slot_of(table: torch.Tensor) -> int:
+    """A test sequence's state slot (where its open compressor rows sit): its first block's
+    number, distinct per sequence, so a cache of as many slots as blocks (`v4_cache`) holds
+    every sequence's."""
+    return int(table[0])
+
+
+def v4_cache(
+    model: V4CausalLM, blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> PagedCache:
+    return make_kv_cache(model.config, blocks, block_size, dtype, "cpu", num_slots=blocks)
+
+
 def tables_for(lengths: tuple[int, ...], block_size: int, width: int) -> torch.Tensor:
     """Distinct blocks for every sequence, scattered over the cache (not in table order)."""
     count = len(lengths) * width
@@ -88,7 +101,9 @@ def prefill(
         if len(prompt):
             n = len(prompt)
             meta = AttentionMetadata(
-                torch.arange(n), torch.zeros(n, dtype=torch.int64), (Segment(0, n, table, n),)
+                torch.arange(n),
+                torch.zeros(n, dtype=torch.int64),
+                (Segment(0, n, table, n, slot_of(table)),),
             )
             forward(model, cache, prompt, meta)
 
@@ -98,7 +113,10 @@ def decode_meta(
 ) -> AttentionMetadata:
     """One decode row per sequence and `pad` pad rows after them (id 0, position 0, no segment),
     as ModelRunner.prepare lays a padded step out; with or without its device segments."""
-    segments = tuple(Segment(i, i + 1, tables[i], int(p) + 1) for i, p in enumerate(positions))
+    segments = tuple(
+        Segment(i, i + 1, tables[i], int(p) + 1, slot_of(tables[i]))
+        for i, p in enumerate(positions)
+    )
     rows = len(segments) + pad
     full = torch.cat((positions, torch.zeros(pad, dtype=torch.int64)))
     batched_meta = batch_segments(segments, torch.device("cpu")) if device_meta else None
@@ -107,10 +125,10 @@ def decode_meta(
 
 def pages_close(got: PagedCache, want: PagedCache) -> None:
     for layer, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
-        for name in w.pages:
+        for name in (*w.pages, *w.slots):  # the pages and the slots' open rings
             torch.testing.assert_close(
-                g.pages[name],
-                w.pages[name],
+                g.flat[name][:-1],
+                w.flat[name][:-1],
                 atol=1e-5,
                 rtol=1e-5,
                 msg=lambda m, n=name, i=layer: f"layer {i} {n}: {m}",
@@ -127,9 +145,9 @@ def setup(model: V4CausalLM, block_size: int):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in LENGTHS]
     blocks = int(tables.max()) + 1
-    reference = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    reference = v4_cache(model, blocks, block_size)
     prefill(model, reference, prompts, tables)
-    twin = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    twin = v4_cache(model, blocks, block_size)
     for a, b in zip(twin.layers, reference.layers, strict=True):
         for name in a.flat:
             a.flat[name].copy_(b.flat[name])
@@ -203,7 +221,9 @@ def test_graph_buffers_pad_segments_write_no_real_page(
     width = tables.shape[1] + 3
     buffers = UbatchBuffers(size, width, torch.device("cpu"))
     wide = torch.cat((tables, tables.roll(1, 0)[:, :3]), dim=1)
-    stale = tuple(Segment(i, i + 1, wide[i % real], 8) for i in range(size))
+    stale = tuple(
+        Segment(i, i + 1, wide[i % real], 8, slot_of(wide[i % real])) for i in range(size)
+    )
     buffers.load(batch_segments(stale, torch.device("cpu")), size, size)
     positions = torch.tensor(LENGTHS)
     for _ in range(3):
@@ -243,7 +263,7 @@ def step_meta(
     segments or not (a graph's static layout has none)."""
     segments, positions, row = [], [], 0
     for table, start, n in chunks:
-        segments.append(Segment(row, row + n, table, start + n))
+        segments.append(Segment(row, row + n, table, start + n, slot_of(table)))
         positions.append(torch.arange(start, start + n))
         row += n
     positions.append(torch.zeros(pad, dtype=torch.int64))
@@ -273,8 +293,8 @@ def test_batched_chunks_equal_the_per_sequence_path(
     total = max(lengths) * steps
     tables = tables_for((0,) * sequences, block_size, -(-total // block_size))
     blocks = int(tables.max()) + 1
-    reference = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
-    twin = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    reference = v4_cache(model, blocks, block_size)
+    twin = v4_cache(model, blocks, block_size)
     calls = []
     monkeypatch.setattr(batched, "_compressed", _counting(batched._compressed, calls))
     gen = torch.Generator().manual_seed(3)
@@ -307,8 +327,8 @@ def test_pad_rows_give_zero_attention_and_write_no_real_page(
     model = models["tiny"]
     tables = tables_for((0, 0), 4, 4)
     blocks = int(tables.max()) + 1
-    padded_cache = make_kv_cache(model.config, blocks, 4, torch.float32, "cpu")
-    alone = make_kv_cache(model.config, blocks, 4, torch.float32, "cpu")
+    padded_cache = v4_cache(model, blocks, 4)
+    alone = v4_cache(model, blocks, 4)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (9,), generator=gen)
     forward(model, alone, ids, step_meta([(tables[0], 0, 9)], 0, True, True))

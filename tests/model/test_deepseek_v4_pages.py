@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afdserve.engine.kv_cache import bytes_per_block, make_kv_cache
+from afdserve.bench.capacity import sequences_by_bytes
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
@@ -18,7 +18,7 @@ from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from afdserve.model.presets import preset_config
-from tests.model.test_deepseek_v4_batched import forward, step_meta, tables_for
+from tests.model.test_deepseek_v4_batched import forward, step_meta, tables_for, v4_cache
 
 FP8 = torch.float8_e4m3fn
 CSA, HCA, SLIDING = (
@@ -56,11 +56,12 @@ def states_close(got: LayerState, want: LayerState) -> None:
 @torch.inference_mode()
 def test_every_full_block_holds_its_end_state(model, block_size, device_meta) -> None:
     """A prefill of 27 rows in chunks of 11, 3 and 13 (ending mid-block, mid-window): the state
-    read at each block end equals the one a prefill of exactly that many rows leaves."""
+    read at each block end equals the one a prefill of exactly that many rows leaves, read
+    without the sequence's slot (a block boundary leaves no open compressor row)."""
     length, table = 27, tables_for((0,), block_size, -(-27 // block_size))[0]
     blocks = int(table.max()) + 1
     ids = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(4))
-    cache = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+    cache = v4_cache(model, blocks, block_size)
     start = 0
     for n in (11, 3, 13):
         forward(
@@ -71,7 +72,7 @@ def test_every_full_block_holds_its_end_state(model, block_size, device_meta) ->
         )
         start += n
     for boundary in range(block_size, length, block_size):
-        alone = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu")
+        alone = v4_cache(model, blocks, block_size)
         forward(model, alone, ids[:boundary], step_meta([(table, 0, boundary)], 0, True, True))
         for got, want in zip(cache.layers, alone.layers, strict=True):
             states_close(
@@ -87,8 +88,9 @@ def test_fp8_pages_batched_equals_per_sequence(model, block_size) -> None:
     sequences, lengths = 4, [5, 1, 9, 3, 2, 7]
     tables = tables_for((0,) * sequences, block_size, -(-4 * max(lengths) // block_size))
     blocks = int(tables.max()) + 1
-    caches = [make_kv_cache(model.config, blocks, block_size, FP8, "cpu") for _ in range(2)]
-    dtypes = {name: t.dtype for name, t in caches[0].layers[1].pages.items()}
+    caches = [v4_cache(model, blocks, block_size, FP8) for _ in range(2)]
+    held = caches[0].layers[1]
+    dtypes = {name: t.dtype for name, t in (*held.pages.items(), *held.slots.items())}
     assert dtypes["window"] == dtypes["entries"] == dtypes["index_entries"] == FP8
     assert dtypes["window_rope"] == dtypes["entries_rope"] == dtypes["index_entries_rope"]
     assert dtypes["open_kv"] == dtypes["prev_kv"] == dtypes["window_rope"] == torch.bfloat16
@@ -118,21 +120,57 @@ def test_fp8_pages_batched_equals_per_sequence(model, block_size) -> None:
 
 def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
     """Per layer and block: the KV pages' unrotated channels at one byte an element, their
-    rotated ones and the compressor's state at bf16's two, its biased gates at four; for
-    deepseek-v4-flash at block_size 128 (CSA rate 4, HCA 128) the FP8 cache holds the bf16
-    cache's blocks times the printed ratio (1.29: HCA's open rows stay bf16)."""
+    rotated ones and the compressor's first series at bf16's two, its biased gates at four; per
+    sequence slot the open rows at bf16's two."""
     config = load_model_config(make_tiny_v4(tmp_path / "v4"))
     rope = config.qk_rope_head_dim
+    size = {"state": 2, "float32": 4}
     for spec in cache_layout(config).specs:
         geometry = spec.geometry(8)
-        size = {"state": 2, "float32": 4}
         want = sum(
             rows * (width + rope if kind == "kv" else width * size[kind])
             for _, rows, width, kind in geometry.pages
         )
         assert spec.bytes_per_block(8, FP8) == want
+        ring = sum(rows * width * size[kind] for _, rows, width, kind in geometry.open)
+        assert spec.bytes_per_slot(FP8) == ring and (ring > 0) == (geometry.rate > 0)
+
+
+def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
+    """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (127
+    of them), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of the CSA
+    window ending the block (4 rows: what a prefix hit there reads); at 16 (no prefix caching:
+    not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA entry slot. A
+    sequence slot holds the open rows (kv and gate, m rows; CSA's two series) and CSA's last
+    first series. FP8 holds 1.70x the bf16 cache's blocks at 128 (1.29x while the open rows were
+    per block) and 1.76x at 16 (1.19x); at context 65536 in one budget, with the slots of the
+    scheduler's sequences taken first (engine/factory.py), 1.72x the sequences at 128."""
     flash = preset_config("deepseek-v4-flash")
-    bf16, fp8 = (bytes_per_block(flash, 128, dtype) for dtype in (torch.bfloat16, FP8))
-    print(f"deepseek-v4-flash, block 128: bf16 {bf16} B, fp8 {fp8} B, x{bf16 / fp8:.2f}")
-    kinds = {spec.kind: spec.bytes_per_block(128, FP8) for spec in cache_layout(flash).specs}
-    assert bf16 / fp8 > 1.25 and set(kinds) <= {"sliding", "CSA", "HCA"}
+    v4, layout = flash.family_config, cache_layout(flash)
+    d, rope, di = flash.head_dim, flash.qk_rope_head_dim, v4.index_head_dim
+    assert (d, rope, di, v4.sliding_window, v4.csa_rate, v4.hca_rate) == (512, 64, 128, 128, 4, 128)
+    count = {t: v4.attention_types.count(t) for t in (SLIDING, CSA, HCA)}
+    assert count == {SLIDING: 2, CSA: 21, HCA: 20}
+
+    def key(width: int, fp8: bool) -> int:  # a window row or an entry
+        return (width - rope) + 2 * rope if fp8 else 2 * width
+
+    prev = 4 * (d + di) * (2 + 4)  # CSA's and its indexer's first series: kv bf16, gates float32
+    blocks = {}
+    for block_size, window, entries, prev_rows in ((128, 127, 32, prev), (16, 16, 4, 0)):
+        for fp8, dtype in ((False, torch.bfloat16), (True, FP8)):
+            csa = entries * (key(d, fp8) + key(di, fp8)) + prev_rows
+            want = 43 * window * key(d, fp8) + 21 * csa + 20 * key(d, fp8)
+            blocks[block_size, dtype] = layout.bytes_per_block(block_size, dtype)
+            assert blocks[block_size, dtype] == want, (block_size, dtype)
+            opened = 20 * 2 * 128 * d * 2 + 21 * 2 * 4 * 2 * (d + di) * 2
+            assert layout.bytes_per_slot(dtype) == opened + 21 * prev
+    ratios = [round(blocks[b, torch.bfloat16] / blocks[b, FP8], 2) for b in (128, 16)]
+    assert ratios == [1.70, 1.76]
+    budget, seqs = 120 * 2**30, 256
+    fit = {
+        dtype: sequences_by_bytes(flash, budget, 65536, 128, dtype, seqs)
+        for dtype in (torch.bfloat16, FP8)
+    }
+    print(f"deepseek-v4-flash, 120 GiB at 65536: {fit}")
+    assert fit[FP8] / fit[torch.bfloat16] > 1.7

@@ -3,17 +3,19 @@
 from the pages, the softmax-gated pooling, the entry's norm and rotary, and every page write.
 
 One program per row at position p, window w = p // m. Slot j of the window is position w m + j:
-p's own projections `KV`, `GATE` for j = p - w m, the open page rows `ADDRESSES[r, j]` before
-it (later slots are read from the row itself and never kept: only a row that closes its window,
-p = (w + 1) m - 1, has no later slot, and only its entry is stored or read). CSA (`OVERLAP`): m
-more slots before them, window w - 1's first series from the prev pages at `ADDRESSES[r, m + 1 + j]`
-(weight 0 before window 0), the window's own slots taking the second series. The gates get the
+p's own projections `KV`, `GATE` for j = p - w m, the open rows `ADDRESSES[r, j]` (the ring in
+the row's sequence slot) before it (later slots are read from the row itself and never kept:
+only a row that closes its window, p = (w + 1) m - 1, has no later slot, and only its entry is
+stored or read). CSA (`OVERLAP`): m more slots before them, window w - 1's first series from the
+prev pages at `ADDRESSES[r, m + 1 + j]` (weight 0 before window 0), the window's own slots taking
+the second series. The gates get the
 position bias in float32; the pooled row is rounded to the projections' dtype, normalised with
 the compressor's norm and rotated on its trailing pairs at position w m (cos and sin rounded to
 that dtype, as `rope_tail`). Writes, as `_compress`: a closing row its entry at `ENTRY_ROW[r]`
-and (CSA) the window's first series to the prev pages, after every read of them (a barrier: the
-rings alias window w - 1's rows); any other real row its projections to the open pages at
-`ADDRESSES[r, m]`. Pad rows write nothing. Loop bounds are constexpr (for Triton 3.6's interpreter).
+and (CSA) the window's first series to the prev pages at `ADDRESSES[r, 2 m + 1 + j]`, after every
+read of them (a barrier: the prev rows alias window w - 1's); any other real row its projections
+to the open ring at `ADDRESSES[r, m]`. Pad rows write nothing. Loop bounds are constexpr (for
+Triton 3.6's interpreter).
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _window_slots(KV, GATE, OPEN_KV, OPEN_GATE, BIAS, r, wr, own, j, cols, live,
 def _compress_kernel(
     KV,  # [rows, width]: the rows' kv projections
     GATE,  # [rows, width]
-    OPEN_KV,  # [flat rows, width]: the open pages
+    OPEN_KV,  # [flat rows, width]: the open rings of every sequence slot
     OPEN_GATE,  # [flat rows, width]
-    ADDRESSES,  # [rows, M + 1 (+ M)] int64: open_* and prev_* rows of the window, p, (w - 1)
+    ADDRESSES,  # [rows, M + 1 (+ 2 M)] int64: open rows of the window and p, (prev of w - 1, w)
     PREV_KV,  # [flat rows, DIM] (OVERLAP)
     PREV_GATE,  # [flat rows, DIM] float32 (OVERLAP)
     BIAS,  # [M, width] float32
@@ -71,7 +73,7 @@ def _compress_kernel(
     SECOND: tl.constexpr,  # the first column of the window's own slots: DIM (OVERLAP) or 0
     ROPE: tl.constexpr,
     OVERLAP: tl.constexpr,
-    ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 2 m + 1
+    ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 3 m + 1
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -85,8 +87,10 @@ def _compress_kernel(
     at = ADDRESSES + r * ADDRESS_WIDTH
     wr = tl.load(at + j, mask=live, other=0)
     pr = wr
+    pw = wr
     if OVERLAP:
         pr = tl.load(at + M + 1 + j, mask=live & (w > 0), other=0)
+        pw = tl.load(at + 2 * M + 1 + j, mask=live, other=0)
     square_sum = 0.0
     for c in range(0, DIM, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -127,8 +131,8 @@ def _compress_kernel(
                 KV, GATE, OPEN_KV, OPEN_GATE, BIAS, r, wr, own, j, cols, live, WIDTH
             )
             keep = closes & live[:, None] & (cols[None, :] < DIM)
-            tl.store(PREV_KV + wr[:, None] * DIM + cols[None, :], kv, mask=keep)
-            tl.store(PREV_GATE + wr[:, None] * DIM + cols[None, :], gate, mask=keep)
+            tl.store(PREV_KV + pw[:, None] * DIM + cols[None, :], kv, mask=keep)
+            tl.store(PREV_GATE + pw[:, None] * DIM + cols[None, :], gate, mask=keep)
     inv = 1.0 / tl.sqrt(square_sum / DIM + norm_eps)
     start = (w * M).to(tl.float32)
     entry = tl.load(ENTRY_ROW + r)
@@ -191,9 +195,10 @@ def compress_decode(
     dim: int,
 ) -> torch.Tensor:
     """kv, gate [rows, width] -> the pooled entries [rows, dim] (kept where a row closes its
-    window), the pages written. pages: the flat `open_kv`, `open_gate`, `entries` (and CSA's
-    `prev_kv`, `prev_gate`); addresses [rows, m + 1 (CSA: + m)]: the open and prev pages' rows of
-    the window's positions, of p (and of window w - 1's positions); entry_rows [rows]: the
+    window), the pages written. pages: the flat `open_kv`, `open_gate` (rings), `entries` (and
+    CSA's `prev_kv`, `prev_gate`); addresses [rows, m + 1 (CSA: + 2 m)]: the open rings' rows of
+    the window's positions and of p (and the prev pages' rows of windows w - 1 and w, in the
+    row's block table); entry_rows [rows]: the
     entries page's row of the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling)."""
     count = kv.shape[0]
     new = torch.empty(count, dim, dtype=kv.dtype, device=kv.device)

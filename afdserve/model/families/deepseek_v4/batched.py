@@ -44,6 +44,8 @@ class StepRows:
     start: torch.Tensor  # [rows] int64: the first position of the row's chunk
     end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
     decode: bool = False  # every segment one row (known on the host: what a graph captures)
+    # [rows] int64: the segment's state slot, where its open compressor rows sit (-1: pad rows).
+    slots: torch.Tensor | None = None
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StepRows | None:
@@ -59,6 +61,9 @@ class StepRows:
         context = F.pad(batched.context_lens.long(), (0, 1))[segment]
         count = F.pad(query_start[1:] - query_start[:-1], (0, 1))[segment]
         tables = F.pad(batched.block_tables.long(), (0, 0, 0, 1))[segment]
+        slots = batched.state_slots
+        if slots is None and batched.context_lens.numel() == 0:  # pad rows only
+            slots = batched.context_lens
         return cls(
             meta.positions.long(),
             tables,
@@ -66,7 +71,14 @@ class StepRows:
             context - count,
             context,
             batched.max_query_len <= 1,
+            None if slots is None else F.pad(slots.long(), (0, 1), value=-1)[segment],
         )
+
+    def state_slots(self) -> torch.Tensor:
+        """[rows] the state slots, which a compressed layer's open rows need."""
+        if self.slots is None:
+            raise ValueError("StepRows.slots is None: compressed layers keep open rows in slots")
+        return self.slots
 
     def chunk_or(
         self, values: torch.Tensor, positions: torch.Tensor, cached: torch.Tensor
@@ -251,20 +263,23 @@ def _compress(
         and ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
     ):
         return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
-    w = p // m
+    w, state_slots = p // m, rows.state_slots()
     closes = rows.real & ((p + 1) % m == 0)
-    slots = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
-    window = pages.batch_rows(f"{prefix}open_kv", tables, slots)  # open_* and prev_*: alike
-    win_kv = rows.chunk_or(kv, slots, pages.take(f"{prefix}open_kv", window))
-    win_gate = rows.chunk_or(gate, slots, pages.take(f"{prefix}open_gate", window))
+    members = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
+    window = pages.batch_open_rows(state_slots, members)
+    win_kv = rows.chunk_or(kv, members, pages.take(f"{prefix}open_kv", window))
+    win_gate = rows.chunk_or(gate, members, pages.take(f"{prefix}open_gate", window))
     win_gate = win_gate + comp.position_bias
     if comp.overlap:
         d = comp.dim
-        earlier = slots - m
-        previous = pages.batch_rows(f"{prefix}prev_kv", tables, earlier)
-        pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", previous))
-        pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", previous))
+        earlier = members - m
+        # Window w - 1's rows: still open in the slot where it holds the chunk's start, its
+        # first series in the prev pages where it closed before the chunk.
+        open_earlier = pages.batch_open_rows(state_slots, earlier)
+        pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", open_earlier))
+        pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", open_earlier))
         pending_gate = pending_gate + comp.position_bias
+        previous = pages.batch_prev_rows(tables, state_slots, earlier)
         paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
         first_kv = torch.where(
             paged, pages.take(f"{prefix}prev_kv", previous, kv.dtype), pending[..., :d]
@@ -275,12 +290,15 @@ def _compress(
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, first_kv, 0.0)
         first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
-        last = (closes & ((p + 1) // m == _piece_end(pages, rows) // m))[:, None].expand(-1, m)
-        pages.store(f"{prefix}prev_kv", window, win_kv[..., :d], last)
-        pages.store(f"{prefix}prev_gate", window, win_gate[..., :d], last)
+        # Kept: a window ending a block (in its pages), and the chunk's last (in the slot).
+        kept = pages.keeps_prev_in_page(p + 1) | ((p + 1) // m == end // m)
+        last = (closes & kept)[:, None].expand(-1, m)
+        own_prev = pages.batch_prev_rows(tables, state_slots, members)
+        pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
+        pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
     still_open = (rows.real & (p >= end // m * m))[:, None]
-    own = pages.batch_rows(f"{prefix}open_kv", tables, p[:, None])
+    own = pages.batch_open_rows(state_slots, p[:, None])
     pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
     pages.store(f"{prefix}open_gate", own, gate[:, None], still_open)
     new = pages.as_stored(comp.pool(win_kv, win_gate, w * m, rope))  # [rows, dim]
@@ -306,14 +324,18 @@ def _compress_decode(
     """`_compress` of a decode ubatch (each row alone in its chunk) as one launch
     (ops.v4_compress_decode) over the page rows LayerPages addresses -> [rows, dim]."""
     m, p, tables = comp.rate, rows.positions, rows.tables
-    slots = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
+    members = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
     flat = {name: pages.flat[prefix + name] for name in names}
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
-    # The open and prev pages share their rows (`_compress`'s window serves both): one address
-    # computation for the window, p and (CSA) window w - 1.
-    wanted = (slots, p[:, None]) + ((slots - m,) if comp.overlap else ())
-    addresses = pages.batch_rows(f"{prefix}open_kv", tables, torch.cat(wanted, dim=1))
+    # The open rings' rows of the window and of p (in the row's slot), then (CSA) the first
+    # series' rows of window w - 1 (read) and of window w (written where p closes it).
+    open_rows = torch.cat((members, p[:, None]), dim=1)
+    wanted = [pages.batch_open_rows(rows.state_slots(), open_rows)]
+    if comp.overlap:
+        prev = torch.cat((members - m, members), dim=1)
+        wanted.append(pages.batch_prev_rows(tables, rows.state_slots(), prev))
+    addresses = torch.cat(wanted, dim=1)
     entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)
     return ops.v4_compress_decode(

@@ -1,16 +1,20 @@
-"""DeepSeek-V4's paged KV cache: every layer's state in pages of the engine's blocks.
+"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, and the
+compressors' open rows in one slot per sequence.
 
 The engine gives each sequence one block table, as for every family (block b of the table covers
-positions [b B, (b + 1) B), B = block_size). A V4 layer keeps, per physical block, pages of its
-own geometry (`LayerGeometry` lists them), each page a ring addressed by position. So any chunking
-works (a chunk reads the state its start needs from the pages and writes what its end leaves),
-and preemption by recompute rewrites the pages from position 0. A chunk also writes the state
-each block it completes leaves at its end (boundary writes), so a full block resumes a chunk
-starting there: prefix caching reuses it where B is a multiple of every compress rate.
+positions [b B, (b + 1) B), B = block_size), and one state slot. A V4 layer keeps, per physical
+block, pages of its own geometry (`LayerGeometry` lists them), each page addressed by position;
+what does not grow with the context, the rows of the window its compressor has not pooled yet,
+sits in the sequence's slot (a ring of m rows). So any chunking works (a chunk reads the state
+its start needs and writes what its end leaves), and preemption by recompute rewrites it from
+position 0. A chunk also writes the state each block it completes leaves at its end (boundary
+writes), so a full block resumes a chunk starting there: prefix caching reuses it where B is a
+multiple of every compress rate, where a block boundary leaves no open row (the slot holds
+nothing a resumed chunk reads).
 
-`read` turns the pages into the per-sequence `LayerState` that `V4Attention` consumes, and `write`
-stores the state after a chunk back: the attention itself is the one the model tests hold equal to
-transformers' full forward. An FP8 cache stores the KV pages as float8_e4m3fn (`LayerPages`).
+`read` turns pages and slot into the per-sequence `LayerState` that `V4Attention` consumes, and
+`write` stores the state after a chunk back: the attention itself is the one the model tests hold
+equal to transformers' full forward. An FP8 cache stores the KV pages as float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -24,100 +28,13 @@ from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
+from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
 
 _SHORT = {
     "sliding_attention": "sliding",
     "compressed_sparse_attention": "CSA",
     "heavily_compressed_attention": "HCA",
 }
-
-
-@dataclass(frozen=True)
-class LayerGeometry:
-    """One layer's pages per block: name -> (rows, width, storage), for rate m and B = block_size:
-    - `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
-      table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
-      fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
-    - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
-      in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
-      block, the only part that grows with the context.
-    - `open_kv`, `open_gate` [min(B, m), width]: the kv / gate projections of the window still
-      open (the compressor's tokens not yet pooled), at row p % min(B, m) of position p's block.
-    - `prev_kv`, `prev_gate` (CSA only) [min(B, m), head_dim]: the last closed window's first
-      series (its gate with the position bias added, float32 as computed), which the next entry
-      overlaps.
-    - `index_*`: the same four for a CSA layer's lightning indexer at `index_head_dim` (its keys
-      are `index_entries`).
-    Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
-    pages (the compressor's open rows and first series) the model's; "float32" stays (`stored`
-    says how an FP8 cache holds each)."""
-
-    kind: str
-    block_size: int
-    window: int
-    rate: int  # 0: sliding layer, no compressor
-    pages: tuple[tuple[str, int, int, str], ...]
-    rope: int  # the trailing rotated channels of every key and entry
-
-    @classmethod
-    def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
-        v4, dim = config.family_config, config.head_dim
-        kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
-        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
-        if rate:
-            csa = kind == "compressed_sparse_attention"
-            compressors = [("", dim)] + ([("index_", v4.index_head_dim)] if csa else [])
-            slots, open_rows = -(-block_size // rate), min(block_size, rate)
-            for prefix, width in compressors:
-                pages.append((f"{prefix}entries", slots, width, "kv"))
-                projected = 2 * width if csa else width
-                pages.append((f"{prefix}open_kv", open_rows, projected, "state"))
-                pages.append((f"{prefix}open_gate", open_rows, projected, "state"))
-                if csa:
-                    pages.append((f"{prefix}prev_kv", open_rows, width, "state"))
-                    pages.append((f"{prefix}prev_gate", open_rows, width, "float32"))
-        return cls(kind, block_size, v4.sliding_window, rate, tuple(pages), config.qk_rope_head_dim)
-
-    @property
-    def resumable(self) -> bool:
-        """Whether every block boundary is one of the compressor's window boundaries: then the
-        state at a block's end lies in that block and the ones before it (a window's entry and
-        first series sit in the block it starts in), so a chunk completing the block can leave
-        it there and a reused block is never written again."""
-        return self.rate == 0 or self.block_size % self.rate == 0
-
-    def pieces(self, start: int, end: int) -> list[tuple[int, int]]:
-        """[start, end) cut at the block boundaries inside it, when the boundaries resume."""
-        if not self.resumable:
-            return [(start, end)]
-        cuts = range((start // self.block_size + 1) * self.block_size, end, self.block_size)
-        bounds = [start, *cuts, end]
-        return list(zip(bounds[:-1], bounds[1:]))
-
-    def stored(self, cache_dtype: torch.dtype) -> list[tuple[str, int, int, torch.dtype]]:
-        """The tensors a cache of `cache_dtype` holds per block: (name, rows, width, dtype).
-        An FP8 cache splits each "kv" page: its unrotated channels e4m3, the rotated ones
-        (`{name}_rope`) bf16, as DeepSeek's FP8 MLA cache keeps its rope part (on tiny V4s,
-        mean |d logprob| 0.18 against 0.28 all in e4m3: tools/kv_fp8_quality.py). It keeps
-        the compressor's state bf16 (V4's dtype wherever e4m3 runs): the gates are softmax
-        logits, which e4m3 would reweight by up to e^(|g| / 16), and the rows are pooled
-        before the entry is quantized once. prev_gate stays float32, as computed."""
-        fp8 = cache_dtype == ops.FP8_DTYPE
-        out = []
-        for name, rows, width, storage in self.pages:
-            if storage == "float32":
-                out.append((name, rows, width, torch.float32))
-            elif not fp8:
-                out.append((name, rows, width, cache_dtype))
-            elif storage == "state":
-                out.append((name, rows, width, torch.bfloat16))
-            else:
-                out.append((name, rows, width - self.rope, cache_dtype))
-                out.append((f"{name}_rope", rows, self.rope, torch.bfloat16))
-        return out
-
-    def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
 
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
@@ -170,8 +87,8 @@ class V4Pages(CacheSpec):
         lcm = math.lcm(*(rate for rate in rates.values() if rate))
         return (
             f"block_size={block_size} is not a multiple of every compress rate ({named}), so a "
-            "block would end inside a compressor window, whose state lives in the block the "
-            f"window starts in; use a block_size that is a multiple of {lcm}"
+            "block would end inside a compressor window, whose open rows live in the "
+            f"sequence's state slot, not in the block; use a block_size that is a multiple of {lcm}"
         )
 
     def geometry(self, block_size: int) -> LayerGeometry:
@@ -180,13 +97,23 @@ class V4Pages(CacheSpec):
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return self.geometry(block_size).bytes_per_block(dtype)
 
-    def allocate(self, num_blocks, block_size, dtype, device) -> list[LayerPages]:
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        # The open rings do not depend on the block size.
+        return self.geometry(1).bytes_per_slot(dtype)
+
+    def allocate(self, num_blocks, block_size, dtype, device, num_slots: int = 0):
+        if num_slots < 1 and self.bytes_per_slot(dtype):
+            raise ValueError(
+                f"num_slots={num_slots}: {self.kind} layers keep their open compressor rows in "
+                "a slot per sequence; give >= 1"
+            )
         geometry = self.geometry(block_size)
-        return [LayerPages(geometry, num_blocks, dtype, device) for _ in self.layers]
+        return [LayerPages(geometry, num_blocks, dtype, device, num_slots) for _ in self.layers]
 
     @staticmethod
     def tensors(layer_cache: LayerPages):
         yield from layer_cache.pages.values()
+        yield from layer_cache.slots.values()
 
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
@@ -200,7 +127,8 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 
 class LayerPages:
-    """One layer's pages over every block of the cache. An FP8 cache (kv_cache_dtype="fp8") holds
+    """One layer's pages over every block of the cache, and its open rows over every sequence
+    slot (`slots`: [num_slots, m, width] per ring). An FP8 cache (kv_cache_dtype="fp8") holds
     the unrotated channels of its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other
     families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
     (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
@@ -214,27 +142,38 @@ class LayerPages:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_slots: int = 0,
     ) -> None:
         self.geometry = geometry
         self.scale = 1.0
         self.fp8 = dtype == ops.FP8_DTYPE
-        # Each page is [num_blocks, rows, width] over a flat buffer one row longer: that last row
-        # (`scratch`) is where the batched decode path (batched.py) sends the writes of pad rows,
-        # so they never land in a real sequence's pages. It belongs to no block and is never read
-        # as state; `bytes` counts the pages only.
-        stored = geometry.stored(dtype)
-        self.flat = {
-            name: torch.zeros(num_blocks * rows + 1, width, device=device, dtype=page_dtype)
-            for name, rows, width, page_dtype in stored
-        }
-        self.pages = {
-            name: self.flat[name][:-1].view(num_blocks, rows, width)
-            for name, rows, width, _ in stored
-        }
+        # Each page is [num_blocks, rows, width] and each ring [num_slots, m, width] over a flat
+        # buffer one row longer: that last row (`scratch`) is where the batched path (batched.py)
+        # sends the writes of pad rows, so they never land in a real sequence's state. It
+        # belongs to no block or slot and is never read as state; `bytes` counts pages and
+        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first.
+        pages = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype)}
+        rings = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype, True)}
+        self.flat, self.pages, self.slots = {}, {}, {}
+        self.ring_base: dict[str, int] = {}  # the flat row of each ring's slot 0
+        for name in (*pages, *(name for name in rings if name not in pages)):
+            page_rows, width, page_dtype = pages[name] if name in pages else (0, *rings[name][1:])
+            ring_rows = rings[name][0] if name in rings else 0
+            base = num_blocks * page_rows
+            flat = torch.zeros(
+                base + num_slots * ring_rows + 1, width, device=device, dtype=page_dtype
+            )
+            self.flat[name] = flat
+            if name in pages:
+                self.pages[name] = flat[:base].view(num_blocks, page_rows, width)
+            if name in rings:
+                self.ring_base[name] = base
+                self.slots[name] = flat[base:-1].view(num_slots, ring_rows, width)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pages.values())
+        held = (*self.pages.values(), *self.slots.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
     def as_stored(self, values: torch.Tensor) -> torch.Tensor:
         """Keys or entries [..., width] as a "kv" page gives them back (FP8: the round trip of
@@ -293,6 +232,41 @@ class LayerPages:
         block = self._block(table, positions // self.geometry.block_size)
         return block * rows + positions % rows
 
+    def _open_rows(
+        self, slot: torch.Tensor | int, positions: torch.Tensor, name: str = "open_kv"
+    ) -> torch.Tensor:
+        """Flat rows of ring `name` (the open rows: every compressor's alike) for `positions` of
+        the sequence in `slot` (one sequence: an int; a batch: [rows], positions [rows, n]).
+        Slot -1 (a pad row) reads slot 0's rows (always masked) and writes nowhere (`store`
+        sends them to the scratch row)."""
+        m = self.geometry.rate
+        if isinstance(slot, torch.Tensor):
+            slot = slot.clamp(min=0)[:, None]
+        return self.ring_base[name] + slot * m + positions % m
+
+    def _in_page(self, positions: torch.Tensor) -> torch.Tensor | bool:
+        """Whether the window of `positions` ends at a block end where B resumes prefixes: its
+        first series is then kept in the pages (a block's end state), else in the slot."""
+        g = self.geometry
+        if g.prev_in_slot:
+            return False
+        return (positions // g.rate + 1) * g.rate % g.block_size == 0
+
+    def _prev_rows(
+        self, table: torch.Tensor, slot: torch.Tensor | int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Flat rows of CSA's first series (`prev_*`, every compressor's alike) for positions of
+        one window each: in the window's block where it ends a block (`_in_page`), in the
+        sequence's slot otherwise. Only the last window a chunk closes goes to the slot, so
+        its ring holds the one the next chunk reads."""
+        ring = self._open_rows(slot, positions, "prev_kv")
+        in_page = self._in_page(positions)
+        if in_page is False:
+            return ring
+        if table.dim() == 2:  # a ubatch: clamped as batch_rows
+            positions = positions.clamp(0, table.shape[1] * self.geometry.block_size - 1)
+        return torch.where(in_page, self._rows_of("prev_kv", table, positions), ring)
+
     def _entry_rows(self, name: str, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         bs, m, slots = self.geometry.block_size, self.geometry.rate, self.pages[name].shape[1]
         block = entries * m // bs
@@ -305,6 +279,20 @@ class LayerPages:
         clamped read is always masked, a clamped write never kept)."""
         span = tables.shape[1] * self.geometry.block_size
         return self._rows_of(name, tables, positions.clamp(0, span - 1))
+
+    def batch_open_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of the open rings: slots [rows] (-1: a pad row), positions [rows, n]."""
+        return self._open_rows(slots, positions)
+
+    def batch_prev_rows(
+        self, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n]."""
+        return self._prev_rows(tables, slots, positions)
+
+    def keeps_prev_in_page(self, window_end: torch.Tensor) -> torch.Tensor | bool:
+        """[rows] whether a window ending at `window_end` keeps its first series in the pages."""
+        return self._in_page(window_end - 1)
 
     def batch_entry_rows(
         self, name: str, tables: torch.Tensor, entries: torch.Tensor
@@ -329,10 +317,11 @@ class LayerPages:
 
     # ----- the per-sequence state -----
     def read(
-        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None
+        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None, slot: int = -1
     ) -> LayerState | None:
         """The state a chunk starting at position `start` needs (None at position 0), in the
-        reader's `dtype` (`_load`; the first series' gates stay float32)."""
+        reader's `dtype` (`_load`; the first series' gates stay float32); `slot`: the
+        sequence's, needed only where `start` is inside a compressor window."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
@@ -341,13 +330,35 @@ class LayerPages:
             self._load("window", self._rows_of("window", table, window), dtype), window
         )
         if g.rate:
-            state.compressor = self._read_compressor("", table, start, dtype)
+            state.compressor = self._read_compressor("", table, start, dtype, slot)
             if g.kind == "compressed_sparse_attention":
-                state.indexer = self._read_compressor("index_", table, start, dtype)
+                state.indexer = self._read_compressor("index_", table, start, dtype, slot)
         return state
 
+    def _slot_for(self, slot: int, pending: torch.Tensor) -> int:
+        if slot < 0 and pending.numel():
+            raise ValueError(
+                f"the compressor state of positions {pending[0]}..{pending[-1]} sits in the "
+                "sequence's state slot: give its slot (Segment.state_slot)"
+            )
+        return slot
+
+    def _prev_span(self, table: torch.Tensor, slot: int, window: int) -> torch.Tensor:
+        """The flat rows of window `window`'s first series (one sequence)."""
+        m = self.geometry.rate
+        positions = self._span(window * m, (window + 1) * m, table.device)
+        in_page = self._in_page(positions[-1:])
+        if in_page is False or not bool(in_page):
+            self._slot_for(slot, positions)
+        return self._prev_rows(table, slot, positions)
+
     def _read_compressor(
-        self, prefix: str, table: torch.Tensor, start: int, dtype: torch.dtype | None
+        self,
+        prefix: str,
+        table: torch.Tensor,
+        start: int,
+        dtype: torch.dtype | None,
+        slot: int,
     ) -> CompressorState:
         m, dev = self.geometry.rate, table.device
         closed = start // m
@@ -357,35 +368,43 @@ class LayerPages:
         def get(name: str, rows: torch.Tensor) -> torch.Tensor:
             return self._load(f"{prefix}{name}", rows, dtype)
 
+        open_rows = self._open_rows(self._slot_for(slot, pending), pending)
         state = CompressorState(
             get("entries", self._entry_rows(f"{prefix}entries", table, entries)),
-            get("open_kv", self._rows_of(f"{prefix}open_kv", table, pending)),
-            get("open_gate", self._rows_of(f"{prefix}open_gate", table, pending)),
+            get("open_kv", open_rows),
+            get("open_gate", open_rows),
         )
-        if f"{prefix}prev_kv" in self.pages and closed > 0:
-            prev = self._rows_of(
-                f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
-            )
+        if f"{prefix}prev_kv" in self.flat and closed > 0:
+            prev = self._prev_span(table, slot, closed - 1)
             state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
-    def write(self, table: torch.Tensor, start: int, end: int, after: LayerState) -> None:
+    def write(
+        self, table: torch.Tensor, start: int, end: int, after: LayerState, slot: int = -1
+    ) -> None:
         """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
         its windows closed, the open window's rows and (CSA) the last closed window's first
         series. Only rows a later chunk reads are written, so no two share a page row. Fed a
-        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state."""
+        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state; the
+        open rows go to the sequence's `slot` (needed where `end` is inside a window)."""
         new = after.window_pos >= start
         self._save(
             "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
         )
         if self.geometry.rate:
-            self._write_compressor("", table, start, end, after.compressor)
+            self._write_compressor("", table, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":
-                self._write_compressor("index_", table, start, end, after.indexer)
+                self._write_compressor("index_", table, (start, end), after.indexer, slot)
 
     def _write_compressor(
-        self, prefix: str, table: torch.Tensor, start: int, end: int, state: CompressorState
+        self,
+        prefix: str,
+        table: torch.Tensor,
+        span: tuple[int, int],
+        state: CompressorState,
+        slot: int,
     ) -> None:
+        start, end = span
         m, dev = self.geometry.rate, table.device
         before, closed = start // m, end // m
         if closed > before:
@@ -396,12 +415,10 @@ class LayerPages:
                 state.entries[before:closed],
             )
             if state.prev_kv is not None:
-                prev = self._rows_of(
-                    f"{prefix}prev_kv", table, self._span((closed - 1) * m, closed * m, dev)
-                )
+                prev = self._prev_span(table, slot, closed - 1)
                 self._save(f"{prefix}prev_kv", prev, state.prev_kv)
                 self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)
-        rows = self._rows_of(f"{prefix}open_kv", table, pending)
+        rows = self._open_rows(self._slot_for(slot, pending), pending)
         self._save(f"{prefix}open_kv", rows, state.pending_kv)
         self._save(f"{prefix}open_gate", rows, state.pending_gate)

@@ -235,13 +235,13 @@ class V4CausalLM(nn.Module):
         y = torch.zeros_like(x)
         for seg in meta.segments:
             start = seg.context_len - seg.num_rows
-            state = cache.read(seg.block_table, start, x.dtype)
+            state = cache.read(seg.block_table, start, x.dtype, seg.state_slot)
             for lo, hi in cache.geometry.pieces(start, seg.context_len):
                 rows = slice(seg.row_start + lo - start, seg.row_start + hi - start)
                 out, state = attn(
                     x[rows], meta.positions[rows], own, compress, state, cache.as_stored
                 )
-                cache.write(seg.block_table, lo, hi, state)
+                cache.write(seg.block_table, lo, hi, state, seg.state_slot)
                 y[rows] = out
         return y
 
