@@ -41,7 +41,7 @@ from afdserve.config import A2E_DTYPES, DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, Q
 from afdserve.config_args import build, option
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
 from afdserve.model.families import cache_layout, parse_model_config
-from afdserve.model.presets import hf_config_of, parse_preset
+from afdserve.model.presets import PRESETS, hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -194,6 +194,9 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
             f"bench.num_speculative_tokens={spec.num_speculative_tokens}: {config.family} takes "
             f"no speculative decoding (rejected drafts' rows must be overwritable: {why})"
         )
+    # An MTP layer's share of a step is one layer of the whole model's: NAME:LAYERS times the
+    # first layers of a model that has the published count.
+    layers = PRESETS[parse_preset(spec.preset)[0]] if spec.preset else raw
     dev = torch.device(spec.device)
     copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
     attn, ffn = build_halves(spec, raw)
@@ -208,7 +211,7 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
                 spec.num_speculative_tokens,
                 plain[-1].step_ms,
                 step.step_ms,
-                config.num_layers,
+                int(layers["num_hidden_layers"]),
             )
         )
     return plain, verify

@@ -79,7 +79,9 @@ class VerifyResult:
     k: int
     plain_ms: float
     verify_ms: float
-    num_layers: int  # of the target model: an MTP draft layer costs about 1 / num_layers a step
+    # Of the whole target model (a preset's published count, whatever layers were timed): an MTP
+    # draft layer costs about 1 / num_layers of a step.
+    num_layers: int
 
     @property
     def cost(self) -> float:
@@ -120,6 +122,7 @@ def format_verify_table(results: list[VerifyResult]) -> str:
         lines.append(
             "x@a: speedup at acceptance rate a = (1 - a^(k+1)) / (1 - a) tokens a step over "
             "verify/plain, the draft's cost left out; +MTP: with k MTP layers at "
-            f"1/{results[0].num_layers} of a plain step each added to the step"
+            f"1/{results[0].num_layers} of a plain step each added to the step (the whole "
+            "model's layers)"
         )
     return "\n".join(lines)
