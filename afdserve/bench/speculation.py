@@ -12,6 +12,7 @@ draft is one decoder layer a draft token, about 1 / num_layers of a step each.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 
 from afdserve.frontend.core_client import EngineStats
 
@@ -26,17 +27,22 @@ class SpecCounts:
     num_drafts: int  # sequences verified with at least one draft
     num_draft_tokens: int
     num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # [k]: drafts whose i-th token was accepted
 
     @classmethod
     def of(cls, stats: EngineStats) -> SpecCounts:
         accepted, drafted, drafts = stats.spec_totals
-        return cls(drafts, drafted, accepted)
+        ranks = [s.accepted_per_pos for s in stats.spec_decode.values()]
+        return cls(drafts, drafted, accepted, tuple(map(sum, zip(*ranks, strict=True))))
 
     def since(self, before: SpecCounts) -> SpecCounts:
+        # A count no rank had reported yet is 0 (zip_longest's fill).
+        per_pos = zip_longest(self.accepted_per_pos, before.accepted_per_pos, fillvalue=0)
         return SpecCounts(
             self.num_drafts - before.num_drafts,
             self.num_draft_tokens - before.num_draft_tokens,
             self.num_accepted_tokens - before.num_accepted_tokens,
+            tuple(a - b for a, b in per_pos),
         )
 
     @property
@@ -61,7 +67,8 @@ class SpecCounts:
         shown = "-" if rate is None else f"{rate:.1%}"
         return (
             f"acceptance {shown} ({self.num_accepted_tokens} of {self.num_draft_tokens} draft "
-            f"tokens in {self.num_drafts} drafts)"
+            f"tokens in {self.num_drafts} drafts; accepted per position "
+            f"{list(self.accepted_per_pos)})"
         )
 
 

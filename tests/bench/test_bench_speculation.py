@@ -46,6 +46,9 @@ def test_generate_bench_ngram_accepts_drafts_and_keeps_the_greedy_tokens(tmp_pat
     assert spec["num_accepted_tokens"] > 0  # the tiny model's greedy text repeats itself
     assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= 3 * spec["num_drafts"]
     assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    per_pos = spec["accepted_per_pos"]  # a draft's i-th token is accepted after its earlier ones
+    assert len(per_pos) == 3 and sum(per_pos) == spec["num_accepted_tokens"]
+    assert spec["num_drafts"] >= per_pos[0] >= per_pos[1] >= per_pos[2]
     assert speculating["greedy_equal_requests"] == 3  # lossless: the tokens of no speculation
     assert baseline["spec"] is None and baseline["speculation"].startswith("no speculation")
     assert speculating["speedup"] == pytest.approx(
