@@ -8,6 +8,10 @@ layer, and every sequence's cached K/V (DeepSeek-V4: what its attention reads of
 per layer type). Writes (one token of KV, activations) are left out.
 With `--quantization fp8` the FP8 weights count one byte per element plus their float32 block
 scales, and with `--kv-cache-dtype fp8` the cache one byte per element (bench/bytes.py).
+
+`--num-speculative-tokens k` also times, at each batch, the verification step of speculative
+decoding (1 + k rows a sequence, bench/decode_steps.py) beside the plain step, and gives the
+speedup those step times make at a few acceptance rates (bench/speculation.py).
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from afdserve.bench.flags import (
 )
 from afdserve.bench.hf import hf_sharing_weights, hf_tokens_per_s
 from afdserve.bench.report import invalid
+from afdserve.bench.speculation import VerifyResult, format_verify_table
 from afdserve.config import A2E_DTYPES, DEVICES, GRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 from afdserve.config_args import build, option
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
-from afdserve.model.presets import hf_config_of, parse_preset
+from afdserve.model.families import cache_layout, parse_model_config
+from afdserve.model.presets import PRESETS, hf_config_of, parse_preset
 
 # "1A1F": one process per rank, attention on GPU 0 and FFN on GPU 1 over NCCL (bench/decode_p2p.py).
 TOPOLOGIES = ("colocated", "in-process", "1A1F")
@@ -67,6 +73,12 @@ class DecodeBench:
     a2e_dtype: str = "auto"  # "fp8": the rows handed to the FFN half quantized (AFDConfig's option)
     # -dp N: N colocated replicas timed at once, one process and GPU each (bench/decode_dp.py).
     data_parallel_size: int = 1
+    num_speculative_tokens: int = option(
+        0,
+        help="k > 0: also time verification steps of speculative decoding (1 + k rows a "
+        "sequence) against the plain step at each batch, and the speedup at acceptance rates "
+        "0.6 and 0.8 (colocated or in-process)",
+    )
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
@@ -124,6 +136,13 @@ class DecodeBench:
                 "compare_hf",
                 "off with --data-parallel-size above 1 (time transformers against one replica)",
             )
+        k = self.num_speculative_tokens
+        if k < 0 or (k and (self.topology == "1A1F" or replicas > 1 or self.compare_hf)):
+            raise bad(
+                "num_speculative_tokens",
+                "an integer >= 0; above 0 only with --topology colocated or in-process, one "
+                "replica and no --compare-hf",
+            )
         if self.compare_hf and (self.quantization or self.kv_cache_dtype != "auto"):
             raise bad(
                 "compare_hf",
@@ -164,6 +183,40 @@ def run_decode_bench(spec: DecodeBench) -> tuple[list[DecodeResult], dict[int, f
     return results, hf
 
 
+def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[VerifyResult]]:
+    """At each batch, plain decode steps and verification steps of 1 + k rows a sequence, both
+    under the spec's graph mode (bench_batch's median of `spec.steps`)."""
+    raw = hf_config_of(spec.preset, spec.model_dir)
+    config = parse_model_config(raw)
+    why = cache_layout(config).rollback_refusal
+    if why is not None:
+        raise ValueError(
+            f"bench.num_speculative_tokens={spec.num_speculative_tokens}: {config.family} takes "
+            f"no speculative decoding (rejected drafts' rows must be overwritable: {why})"
+        )
+    # An MTP layer's share of a step is one layer of the whole model's: NAME:LAYERS times the
+    # first layers of a model that has the published count.
+    layers = PRESETS[parse_preset(spec.preset)[0]] if spec.preset else raw
+    dev = torch.device(spec.device)
+    copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    attn, ffn = build_halves(spec, raw)
+    plain, verify = [], []
+    query_len = 1 + spec.num_speculative_tokens
+    for batch in spec.batch_sizes:
+        plain.append(bench_batch(attn, ffn, spec, batch, copy_gbps))
+        step = bench_batch(attn, ffn, spec, batch, copy_gbps, query_len=query_len)
+        verify.append(
+            VerifyResult(
+                batch,
+                spec.num_speculative_tokens,
+                plain[-1].step_ms,
+                step.step_ms,
+                int(layers["num_hidden_layers"]),
+            )
+        )
+    return plain, verify
+
+
 def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("decode", help="time decode steps at a fixed batch and context length")
     add_bench_flags(
@@ -187,6 +240,7 @@ def add_decode_parser(kinds: argparse._SubParsersAction) -> None:
             "quantization",
             "kv_cache_dtype",
             "a2e_dtype",
+            "num_speculative_tokens",
             "compare_hf",
             "seed",
         ),
@@ -198,7 +252,10 @@ def main_decode(args: argparse.Namespace) -> int:
     spec = build(DecodeBench, args)
     replicas = spec.data_parallel_size
     dp: list[DataParallelResult] = []
-    if replicas > 1:
+    verify: list[VerifyResult] = []
+    if spec.num_speculative_tokens:
+        results, verify, hf = *run_verify_bench(spec), None
+    elif replicas > 1:
         dp = run_dp_decode_bench(spec, replicas)
         results, hf = [row.replicas[0] for row in dp], None
     else:
@@ -217,4 +274,10 @@ def main_decode(args: argparse.Namespace) -> int:
         + (f", device copy bandwidth {copy:.0f} GB/s" if copy else "")
     )
     print(format_dp_table(dp, spec.device) if dp else format_table(results, hf))
+    if verify:
+        print(
+            f"verification steps of {1 + spec.num_speculative_tokens} rows a sequence against "
+            "the plain steps above, same batch and graph mode:"
+        )
+        print(format_verify_table(verify))
     return 0

@@ -142,7 +142,12 @@ class DecodeSteps:
     Steps run the engine's own path, assembled by ranks/build.py: a one-rank StepPlan decides
     capture / replay / eager, and graph steps go through the engine's `CudaGraphRunner` (its input
     copies included in the timing); in-process 1A1F hands tiles to the FFN half through the
-    `InProcessConnector`, and `boundary` puts another in their place (1A1F across GPUs)."""
+    `InProcessConnector`, and `boundary` puts another in their place (1A1F across GPUs).
+
+    `query_len` above 1 makes each step a speculative verification step: every sequence
+    computes that many rows (its last token and query_len - 1 drafts) and every row's logits are
+    taken, as the engine's verification does; the sequences then advance by one position (all
+    drafts rejected, as random weights make them), so the context grows as in plain decode."""
 
     def __init__(
         self,
@@ -151,11 +156,14 @@ class DecodeSteps:
         spec: DecodeSpec,
         batch: int,
         boundary: FFNBoundary | None = None,
+        query_len: int = 1,
     ) -> None:
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
+        self.query_len, self.rows = query_len, batch * query_len
         self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
-        bs, last = spec.block_size, spec.context_len + WARMUP_STEPS + spec.steps
+        bs = spec.block_size
+        last = spec.context_len + WARMUP_STEPS + spec.steps + query_len - 1
         self.width = math.ceil(last / bs)
         kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
         if kv_dtype != TORCH_DTYPES[spec.dtype]:
@@ -173,11 +181,16 @@ class DecodeSteps:
         self.tables = torch.arange(batch * self.width, device=dev, dtype=torch.int32).view(
             batch, self.width
         )
-        self.input_ids = torch.randint(0, config.vocab_size, (batch,), device=dev, generator=gen)
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        rows = self.rows
+        self.input_ids = torch.randint(0, config.vocab_size, (rows,), device=dev, generator=gen)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.context_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=dev) * query_len
+        # Each row's sequence and its offset from the sequence's first row of the step.
+        self.row_seq = torch.arange(batch, device=dev).repeat_interleave(query_len)
+        self.row_offset = torch.arange(query_len, device=dev).repeat(batch)
+        self.sample_rows = torch.arange(rows, device=dev)  # every row's logits: its own token
         self.state_slots = torch.arange(batch, dtype=torch.int32, device=dev)
         self.runner = ModelRunner(model, self.kv, dev)
         topology = Topology(1, 0 if spec.topology == "colocated" else 1)
@@ -185,7 +198,9 @@ class DecodeSteps:
             boundary = attention_boundary(
                 model, topology, 0, False, ffn_model=ffn, a2e_dtype=spec.a2e_dtype
             )
-        graphs = StepGraphs(spec.graph_mode, (batch,), spec.ubatches)  # the batch's one graph
+        # The step's rows are the one graph size; verification steps launch their attention
+        # for query_len rows a sequence, as the engine's decode graphs with drafts do.
+        graphs = StepGraphs(spec.graph_mode, (rows,), spec.ubatches, query_len)
         self.eager = PlannedForward(self.runner, boundary)
         self.driver = attention_driver(
             self,
@@ -202,33 +217,33 @@ class DecodeSteps:
         self.step_index = 0
 
     def _inputs(self) -> StepInputs:
-        context = self.spec.context_len + self.step_index + 1
+        q = self.query_len
+        context = self.spec.context_len + self.step_index + q
         segments = tuple(
-            Segment(i, i + 1, self.tables[i], context, i if self.kv.num_slots else -1)
+            Segment(i * q, (i + 1) * q, self.tables[i], context, i if self.kv.num_slots else -1)
             for i in range(self.batch)
         )
         batched = None
         if self.runner.batched_metadata:  # as ModelRunner.prepare gives it (DeepSeek-V4: always)
             slots = self.state_slots if self.kv.num_slots else -torch.ones_like(self.state_slots)
             batched = BatchedSegments(
-                self.query_start, self.context_lens, self.tables, 1, context, slots
+                self.query_start, self.context_lens, self.tables, q, context, slots
             )
         meta = AttentionMetadata(self.positions, self.slots, segments, batched)
-        sample_rows = self.query_start[:-1].long()
-        return StepInputs(self.input_ids, self.input_ids, meta, sample_rows, [], self.batch)
+        return StepInputs(self.input_ids, self.input_ids, meta, self.sample_rows, [], self.rows)
 
     def _advance(self) -> None:
         """Point the step's tensors at the next position (device-side writes only)."""
         position = self.spec.context_len + self.step_index
         bs = self.spec.block_size
-        self.positions.fill_(position)
-        base = self.tables[:, position // bs].long() * bs
-        self.slots.copy_(base + position % bs)
-        self.context_lens.fill_(position + 1)
+        torch.add(self.row_offset, position, out=self.positions)
+        blocks = self.tables[self.row_seq, self.positions // bs].long()
+        self.slots.copy_(blocks * bs + self.positions % bs)
+        self.context_lens.fill_(position + self.query_len)
 
     # ----- the attention driver's work source: one fixed decode batch -----
     def schedule(self) -> tuple[None, RankStep]:
-        return None, RankStep(self.batch, self.batch, True)
+        return None, RankStep(self.rows, self.batch, True)
 
     def idle_work(self) -> None:
         return None
@@ -305,11 +320,13 @@ def bench_batch(
     batch: int,
     copy_gbps: float | None,
     ready: Callable[[], None] | None = None,
+    query_len: int = 1,
 ) -> DecodeResult:
     """Warm up, then time `spec.steps` decode steps of a batch of `batch` (their median).
     `ready` runs between the two: -dp's replicas wait there for each other, so that their timed
-    steps run at the same time (bench/decode_dp.py)."""
-    steps = DecodeSteps(attn, ffn, spec, batch)
+    steps run at the same time (bench/decode_dp.py). `query_len` > 1: verification steps of
+    that many rows a sequence (DecodeSteps)."""
+    steps = DecodeSteps(attn, ffn, spec, batch, query_len=query_len)
     hit = touched_experts(steps, ffn)
     for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
         steps.step()

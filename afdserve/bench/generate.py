@@ -1,7 +1,12 @@
 """`afdserve bench generate`: end-to-end offline throughput through `LLM.generate`, the path a user
 takes: scheduler, chunked prefill, decode, sampling, detokenization and (1A1F) one process per
-rank. Each batch is `batch` requests of `input_len` random prompt token ids that each generate
-exactly `output_len` tokens (greedy, ignore_eos), once to warm up and once timed.
+rank. Each batch is `batch` requests of `input_len` prompt token ids (bench/workloads.py: random,
+or repetitive text) that each generate exactly `output_len` tokens (greedy, ignore_eos), once to
+warm up and once timed.
+
+With --speculative-config each run also reports the engine's acceptance counters over the timed
+run; --compare-no-speculation then runs the same prompts on an engine without it, and reports the
+speedup in output tokens/s and how many requests' greedy tokens came out the same.
 
 Every engine flag `serve` takes is taken here, with the same defaults (graph mode auto included),
 so the figures compare with the server's. Prefill is reported in tokens/s and, on CUDA, as a
@@ -11,6 +16,7 @@ share of the device's measured bf16 matmul rate by the model's active FLOPs (ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,6 +33,8 @@ from afdserve.bench.flags import (
 )
 from afdserve.bench.flops import active_parameters, measure_matmul_tflops
 from afdserve.bench.report import invalid, model_dir_for, report
+from afdserve.bench.speculation import SpecCounts
+from afdserve.bench.workloads import WORKLOADS, workload_prompts
 from afdserve.config import ENGINE_CONFIGS, engine_configs
 from afdserve.config_args import add_dataclass_arguments, build, option, values_of
 from afdserve.engine.sampling_params import SamplingParams
@@ -45,6 +53,18 @@ class GenerateBench:
     )
     input_len: int = option(512, help="prompt tokens per request")
     output_len: int = option(256, help="generated tokens per request")
+    workload: str = option(
+        "random",
+        choices=WORKLOADS,
+        help="the prompts: random token ids, or 'repetitive' code-edit-like prompts (a random "
+        "snippet, then copies of it with a few tokens edited) on which n-gram speculation finds "
+        "drafts",
+    )
+    compare_no_speculation: bool = option(
+        False,
+        help="with --speculative-config: also run the same prompts without speculation, and "
+        "report the speedup and whether the greedy tokens are the same",
+    )
     # Every other engine option, as `LLM` keywords: the flags and defaults `serve` has, so the
     # figures compare with the server's. max_model_len is input_len + output_len.
     engine: dict[str, Any] = field(default_factory=dict)
@@ -60,6 +80,10 @@ class GenerateBench:
         for name in ("input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
+        if self.workload not in WORKLOADS:
+            raise bad("workload", f"one of {WORKLOADS}")
+        if self.compare_no_speculation and self.engine.get("speculative_config") is None:
+            raise bad("compare_no_speculation", "off unless --speculative-config is given")
         # The engine's own checks, with its messages, before any process starts.
         engine_configs({**self.llm_kwargs(), "model": self.model_dir}, owner="bench generate")
 
@@ -79,6 +103,17 @@ class GenerateResult:
     prefill_s: float  # from the first arrival to the last request's first token
     active_parameters: int  # per token, 2 FLOPs each (bench/flops.py)
     peak_tflops: float | None  # the device's measured bf16 matmul rate (CUDA only)
+    speculation: str = "none"  # the method and its k, as the engine ran it
+    spec: SpecCounts | None = None  # the acceptance counters over the timed run
+    # --compare-no-speculation: the same prompts' output tokens/s without speculation, and the
+    # requests whose greedy tokens came out the same as there.
+    baseline_output_tokens_per_s: float | None = None
+    greedy_equal_requests: int | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        base = self.baseline_output_tokens_per_s
+        return None if base is None else self.output_tokens_per_s / base
 
     @property
     def total_tokens_per_s(self) -> float:
@@ -110,6 +145,8 @@ class GenerateResult:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "prefill_tflops": self.prefill_tflops,
             "prefill_share_of_peak": self.prefill_share_of_peak,
+            "spec": None if self.spec is None else self.spec.as_dict(),
+            "speedup": self.speedup,
         }
 
     def line(self) -> str:
@@ -121,18 +158,27 @@ class GenerateResult:
             f"{self.output_tokens_per_s:10.1f} output tokens/s, "
             f"prefill of all {self.prefill_s:6.2f} s, "
             f"{self.prefill_tokens_per_s:9.1f} prefill tokens/s = "
-            f"{self.prefill_tflops:6.1f} TFLOP/s{peak}"
+            f"{self.prefill_tflops:6.1f} TFLOP/s{peak}{self._speculation_text()}"
         )
 
+    def _speculation_text(self) -> str:
+        if self.spec is None:
+            return "" if self.speculation == "none" else f", {self.speculation}"
+        text = f", {self.speculation}: {self.spec.text()}"
+        if self.speedup is not None:
+            text += (
+                f", {self.speedup:.2f}x the output tokens/s of no speculation "
+                f"({self.baseline_output_tokens_per_s:.1f}), greedy tokens the same in "
+                f"{self.greedy_equal_requests} of {self.batch} requests"
+            )
+        return text
 
-def open_llm(spec: GenerateBench) -> LLM:
-    return LLM(spec.model_dir, **spec.llm_kwargs())
 
-
-def random_prompts(
-    vocab_size: int, batch: int, input_len: int, gen: torch.Generator
-) -> list[list[int]]:
-    return torch.randint(0, vocab_size, (batch, input_len), generator=gen).tolist()
+def open_llm(spec: GenerateBench, speculate: bool = True) -> LLM:
+    kwargs = spec.llm_kwargs()
+    if not speculate:
+        kwargs["speculative_config"] = None
+    return LLM(spec.model_dir, **kwargs)
 
 
 def check_lengths(outputs: Sequence[RequestOutput], want: int) -> None:
@@ -146,30 +192,56 @@ def check_lengths(outputs: Sequence[RequestOutput], want: int) -> None:
             )
 
 
+def speculation_of(llm: LLM) -> str:
+    config = llm.engine_config.speculative_config
+    if config is None:
+        return "none"
+    return f"{config.method} k={config.num_speculative_tokens}"
+
+
+# What --compare-no-speculation's rows without speculation say they are.
+BASELINE = "no speculation (the baseline)"
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    result: GenerateResult
+    tokens: list[list[int]]  # each request's generated token ids, in prompt order
+
+
 def run_batch(
-    llm: LLM, spec: GenerateBench, batch: int, gen: torch.Generator, flops: tuple[int, float | None]
-) -> GenerateResult:
+    llm: LLM, spec: GenerateBench, batch: int, flops: tuple[int, float | None]
+) -> BatchRun:
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
-    vocab = llm.engine.vocab_size
+    seed = spec.engine.get("seed", 0)
+    warm_prompts, prompts = workload_prompts(
+        spec.workload, llm.engine.vocab_size, batch, spec.input_len, seed
+    )
     # The warm-up has the timed run's shapes, so every kernel the timed run needs is compiled
     # (and tuned) before the clock starts.
-    warm = llm.generate(random_prompts(vocab, batch, spec.input_len, gen), params, use_tqdm=False)
+    warm = llm.generate(warm_prompts, params, use_tqdm=False)
     check_lengths(warm, spec.output_len)
-    prompts = random_prompts(vocab, batch, spec.input_len, gen)
+    speculation = speculation_of(llm)
+    before = SpecCounts.of(llm.engine.stats()) if speculation != "none" else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     check_lengths(outputs, spec.output_len)
+    counts = None
+    if before is not None:
+        counts = SpecCounts.of(llm.engine.stats()).since(before)
     # Both times come from the attention rank's monotonic clock.
     prefill = max(o.first_token_time for o in outputs) - min(o.arrival_time for o in outputs)
     inputs, generated = batch * spec.input_len, batch * spec.output_len
-    return GenerateResult(batch, inputs, generated, wall, prefill, *flops)
+    result = GenerateResult(
+        batch, inputs, generated, wall, prefill, *flops, speculation=speculation, spec=counts
+    )
+    return BatchRun(result, [list(o.outputs[0].token_ids) for o in outputs])
 
 
-def run_generate_bench(spec: GenerateBench) -> tuple[list[GenerateResult], str]:
-    """The timed runs, and the engine as it ran them (what "auto" became) for the header."""
-    gen = torch.Generator().manual_seed(spec.engine.get("seed", 0))
-    with open_llm(spec) as llm:
+def run_engine(spec: GenerateBench, speculate: bool) -> tuple[list[BatchRun], str]:
+    """Every batch on one engine, and the engine as it ran them (what "auto" became)."""
+    with open_llm(spec, speculate) as llm:
         engine, graph = llm.engine_config, llm.graph_config
         device = torch.device(engine.device)
         peak = measure_matmul_tflops(device) if device.type == "cuda" else None
@@ -177,9 +249,33 @@ def run_generate_bench(spec: GenerateBench) -> tuple[list[GenerateResult], str]:
         ran = (
             f"{llm.afd_config.topology}, {engine.dtype}, graph_mode={graph.mode}, "
             f"max_num_seqs={engine.max_num_seqs}, "
-            f"max_num_batched_tokens={engine.max_num_batched_tokens}"
+            f"max_num_batched_tokens={engine.max_num_batched_tokens}, "
+            f"speculation {speculation_of(llm)}"
         )
-        return [run_batch(llm, spec, batch, gen, flops) for batch in spec.batch_sizes], ran
+        return [run_batch(llm, spec, batch, flops) for batch in spec.batch_sizes], ran
+
+
+def compared(run: BatchRun, baseline: BatchRun) -> GenerateResult:
+    """`run`'s result with the baseline's (no speculation, same prompts) figures beside it."""
+    same = sum(a == b for a, b in zip(run.tokens, baseline.tokens, strict=True))
+    return dataclasses.replace(
+        run.result,
+        baseline_output_tokens_per_s=baseline.result.output_tokens_per_s,
+        greedy_equal_requests=same,
+    )
+
+
+def run_generate_bench(spec: GenerateBench) -> tuple[list[GenerateResult], str]:
+    """The timed runs (with --compare-no-speculation, each speculating run followed by the
+    baseline's rows), and the engine as it ran them for the header."""
+    runs, ran = run_engine(spec, speculate=True)
+    if not spec.compare_no_speculation:
+        return [r.result for r in runs], ran
+    # One engine after the other: both at once would share the device's memory.
+    baselines, _ = run_engine(spec, speculate=False)
+    results = [compared(r, b) for r, b in zip(runs, baselines, strict=True)]
+    baseline = [dataclasses.replace(b.result, speculation=BASELINE) for b in baselines]
+    return results + baseline, ran
 
 
 def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
@@ -189,7 +285,17 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
         "serve takes and its defaults",
     )
     add_bench_flags(
-        p, GenerateBench, ("model_dir", "preset", "batch_sizes", "input_len", "output_len")
+        p,
+        GenerateBench,
+        (
+            "model_dir",
+            "preset",
+            "batch_sizes",
+            "input_len",
+            "output_len",
+            "workload",
+            "compare_no_speculation",
+        ),
     )
     for cls in ENGINE_CONFIGS:
         add_dataclass_arguments(p, cls, skip=("model", "max_model_len"))
@@ -207,7 +313,7 @@ def main_generate(args: argparse.Namespace) -> int:
     name = args.preset or args.model_dir
     header = (
         f"generate bench: {name} ({load_format} weights), {ran}, "
-        f"input {spec.input_len}, output {spec.output_len}"
+        f"input {spec.input_len}, output {spec.output_len}, {spec.workload} prompts"
     )
     report("generate", name, spec, header, results, args.json)
     return 0
