@@ -161,9 +161,11 @@ class MTPProposer:
         boundary.begin_step(plan, written.step)
         if not spans:
             if plan.mode != "idle" and any(plan.tile_rows):
+                # One pad row (zeros, token id -1), as the main step's pad rows travel: no
+                # kernel meets an empty batch, and the FFN ranks see a pad row like any other.
                 hidden = self.draft.config.hidden_size
-                x = torch.zeros(0, hidden, dtype=self.draft.dtype, device=self.device)
-                ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+                x = torch.zeros(1, hidden, dtype=self.draft.dtype, device=self.device)
+                ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
                 routing = self.draft.route_on_attention(layer, x, ids, boundary.a2e.roundtrip)
                 boundary.post(layer, 0, x, ids, routing).wait()
             return None
