@@ -130,3 +130,17 @@ def test_chunked_prefill_beside_drafts(mtp_model) -> None:
         mtp_model, prompts, topology="3A2F", max_num_batched_tokens=16, speculative_config=mtp(2)
     )
     assert got == want and drafted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", [False, True], ids=["gate-ffn", "gate-attention"])
+def test_hash_routed_main_layers(tmp_path, gate) -> None:
+    """A checkpoint whose first MoE layer routes by token id: the main layers' ids travel as
+    before and the MTP layer (a plain MoE layer) routes on its rows, the gate on either side."""
+    model = make_tiny_model(tmp_path / "hash", "deepseek_v3", hash_layers=1, seed=4, mtp_layers=1)
+    prompts = mixed_prompts()
+    want = colocated_tokens(model, prompts)
+    got, drafted, _ = generate(
+        model, prompts, topology="2A1F", gate_on_attention=gate, speculative_config=mtp(2)
+    )
+    assert got == want and drafted > 0
