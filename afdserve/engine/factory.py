@@ -216,6 +216,17 @@ def load_mtp_draft(
     )
 
 
+def load_ffn_draft(
+    engine: EngineConfig, model: CausalLM, device: torch.device, rank: int
+) -> CausalLM | None:
+    """The MTP layer's FFN half (its router, experts and shared experts, the shard `model`
+    holds), where speculation's method is mtp: the plan's draft passes run it as layer N."""
+    speculative = engine.speculative_config
+    if speculative is None or not speculative.is_mtp:
+        return None
+    return load_mtp_draft(engine, model.parts, model, device, rank)
+
+
 def load_progress(config: EngineConfig, rank: int) -> bool | None:
     """Whether rank `rank` draws the weight-loading bar: only rank 0 (and only on a terminal),
     as in vLLM, because bars from several processes on one terminal overwrite each other."""

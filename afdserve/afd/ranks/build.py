@@ -25,7 +25,7 @@ from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.ffn_driver import FFNDriver
-from afdserve.config import MTP_IPC_REFUSAL, EngineConfig
+from afdserve.config import MTP_IPC_REFUSAL
 from afdserve.engine.control_round import Control
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
@@ -34,8 +34,8 @@ from afdserve.engine.factory import (
     MemoryReport,
     create_engine_core,
     half_parts,
+    load_ffn_draft,
     load_half,
-    load_mtp_draft,
     parameter_bytes,
 )
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner
@@ -422,14 +422,3 @@ def build_ffn_rank(
     memory = MemoryReport("ffn", rank, weights, 0, len(model.expected_tensors()), experts=held)
     ready = (_ready(rank, "ffn", memory, model, None),)
     return BuiltRank(driver, None, wire, ready, half=model, draft=draft)
-
-
-def load_ffn_draft(
-    engine: EngineConfig, model: CausalLM, device: torch.device, rank: int
-) -> CausalLM | None:
-    """The MTP layer's FFN half (its router, experts and shared experts, the shard `model`
-    holds), where speculation's method is mtp: the plan's draft passes run it as layer N."""
-    speculative = engine.speculative_config
-    if speculative is None or not speculative.is_mtp:
-        return None
-    return load_mtp_draft(engine, model.parts, model, device, rank)
