@@ -1,10 +1,10 @@
 """The step plan: the one place that decides every rank's layout for one step.
 
 Every rank all-gathers the attention ranks' `RankStep` reports and calls
-`plan_step(reports, topology, graph_table, ubatches)`. The function is pure (no torch, no I/O, no
-clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else in afdserve derives a
-row count, a peer set, a tile size, a graph key or a run mode: two places that derive one can
-disagree.
+`plan_step(reports, topology, graph_table, ubatches, draft_passes)`. The function is pure (no
+torch, no I/O, no clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else
+in afdserve derives a row count, a peer set, a tile size, a graph key or a run mode: two places
+that derive one can disagree.
 
 A *group* is an FFN rank together with its peers (attention ranks r with r mod F == f); colocated
 (F == 0), every attention rank is a group of its own, with no FFN rank and no tiles. With m
