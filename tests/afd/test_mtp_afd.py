@@ -47,11 +47,16 @@ def expert_drafts(mtp_model, tmp_path_factory) -> str:
     return model
 
 
-def generate(model, prompts, **kwargs):
-    """Greedy tokens and the attention ranks' speculation counters, summed."""
+def generate(model, prompts, modes: set[str] | None = None, **kwargs):
+    """Greedy tokens and the attention ranks' speculation counters, summed; `modes`, when
+    given, collects the run modes of the step log."""
+    if modes is not None:
+        kwargs["log_step_plan"] = True
     with LLM(str(model), dtype="float32", **kwargs) as llm:
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         ranks = llm.engine.stats().spec_decode
+    if modes is not None:
+        modes.update(r["mode"] for r in llm.step_log())
     drafted = sum(s.num_draft_tokens for s in ranks.values())
     accepted = sum(s.num_accepted_tokens for s in ranks.values())
     return tokens, drafted, accepted
@@ -71,7 +76,13 @@ def ffn_layer_rows(log_dir: Path, layer: int) -> int:
 CELLS = [
     pytest.param("2A1F", 1, {}, id="2A1F-k1"),
     pytest.param("3A2F", 1, {}, id="3A2F-k1", marks=pytest.mark.slow),
-    pytest.param("2A1F", 2, {"ubatches": 2}, id="2A1F-ub2-k2", marks=pytest.mark.slow),
+    pytest.param(
+        "2A1F",
+        2,
+        {"ubatches": 2, "graph_mode": "full_decode_only", "cuda_graph_sizes": [1, 2, 4, 8]},
+        id="2A1F-ub2-graphs-k2",
+        marks=pytest.mark.slow,
+    ),
     pytest.param("1A2F", 2, {"ffn_expert_parallel": True}, id="1A2F-ep-k2", marks=pytest.mark.slow),
     pytest.param(
         "2A2F",
@@ -92,10 +103,11 @@ def test_mtp_afd_matches_colocated(expert_drafts, tmp_path, topology, k, kwargs)
     prompts = mixed_prompts()
     want = colocated_tokens(expert_drafts, prompts)
     _, drafted, accepted = generate(expert_drafts, prompts, speculative_config=mtp(k))
-    logs = tmp_path
+    logs, modes = tmp_path, set()
     got = generate(
         expert_drafts,
         prompts,
+        modes,
         topology=topology,
         speculative_config=mtp(k),
         log_data_plane=str(logs),
@@ -104,6 +116,9 @@ def test_mtp_afd_matches_colocated(expert_drafts, tmp_path, topology, k, kwargs)
     assert got == (want, drafted, accepted)
     assert 0 < accepted < drafted
     assert ffn_layer_rows(logs, N) > 0
+    # With graphs the main step captures and replays (eagerly on CPU, in the graphs' layout)
+    # while the draft passes after it run eagerly.
+    assert ("replay" in modes) == ("graph_mode" in kwargs)
     if kwargs.get("connector") != "inprocess":
         assert mirror_errors(read_wire_log(str(p) for p in logs.glob("rank*.jsonl"))) == []
 
