@@ -55,11 +55,11 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 # other spelling of `mtp` (the checkpoint's next-token-prediction layers draft).
 SPECULATIVE_METHODS = ("ngram", "mtp", "deepseek_mtp")
 MTP_METHODS = ("mtp", "deepseek_mtp")
-# Why MTP runs colocated only: the MTP layer's MoE runs on the attention rank beside its main
-# layers' FFN; no hand-over of its rows to FFN ranks (an extra layer of the plan) is built yet.
-MTP_AFD_REFUSAL = (
-    "the MTP layer's MoE runs where colocated main layers run their FFN, and no hand-over of "
-    "its rows to FFN ranks is built yet; use a colocated topology ('colocated' or '<N>A0F')"
+# Why connector "ipc" does not carry MTP drafts: its symmetric inboxes alternate per layer and
+# ubatch of the main step, and the draft passes after it (layer N) are not built or tested there
+# (CUDA only); "p2p" and "inprocess" carry them.
+MTP_IPC_REFUSAL = (
+    "connector='ipc' does not carry the MTP layer's draft passes yet; use connector='p2p'"
 )
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.config import (
-    MTP_AFD_REFUSAL,
+    MTP_IPC_REFUSAL,
     EngineConfig,
     EngineConfigs,
     SpeculativeConfig,
@@ -73,15 +73,17 @@ def resolve_engine(
         afd.check_device(engine.device)
         graph = graph.resolved(engine.device)
         check_replicas(afd.parsed_topology, engine.device)
-    check_mtp_topology(engine.speculative_config, afd.parsed_topology)
+    check_mtp_connector(engine.speculative_config, afd.connector)
     return EngineConfigs(with_batch_limits(engine, usage), afd, graph)
 
 
-def check_mtp_topology(speculative: SpeculativeConfig | None, topology: Topology) -> None:
-    if speculative is not None and speculative.is_mtp and not topology.colocated:
+def check_mtp_connector(speculative: SpeculativeConfig | None, connector: str) -> None:
+    """MTP drafts run on every topology, over every connector but "ipc" (`MTP_IPC_REFUSAL`);
+    checked as given and again once "auto" is resolved."""
+    if speculative is not None and speculative.is_mtp and connector == "ipc":
         raise ValueError(
-            f"speculative_config method={speculative.method!r} with topology "
-            f"{topology}: not supported under AFD yet: {MTP_AFD_REFUSAL}"
+            f"speculative_config method={speculative.method!r} with connector "
+            f"{connector!r}: not supported yet: {MTP_IPC_REFUSAL}"
         )
 
 
@@ -158,6 +160,7 @@ class LLM:
             )
         device = self.engine_config.device
         self.afd_config = afd.resolve_connector(device, _cuda_devices(device), spawned=spawned)
+        check_mtp_connector(self.engine_config.speculative_config, self.afd_config.connector)
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)

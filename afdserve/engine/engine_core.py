@@ -166,7 +166,9 @@ class EngineCore:
             sampled = self._sample(out, self.runner.logits(hidden, inputs))
         # The MTP's rows need the tokens the step kept, and the blocks a finishing sequence
         # still holds until `update` retires it; its drafts need the sequences after `update`.
-        written = self.mtp.write(out, sampled, hidden) if self.mtp is not None else None
+        written = None
+        if self.mtp is not None:
+            written = self.mtp.write(out, sampled, hidden, plan, forward.boundary, step)
         self.scheduler.update(out, sampled)
         if written is not None:
             self.mtp.propose(written)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afdserve.config import MTP_AFD_REFUSAL, EngineConfig, SpeculativeConfig
+from afdserve.config import EngineConfig, SpeculativeConfig
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import (
@@ -202,14 +202,9 @@ def speculative_for(config: EngineConfig, model_config: ModelConfig) -> Speculat
 def load_mtp_draft(
     config: EngineConfig, parts: ModelParts, model: CausalLM, device: torch.device, rank: int
 ):
-    """The checkpoint's MTP layer, refused by name where there is none or where the rank holds
-    no FFN half (`MTP_AFD_REFUSAL`)."""
+    """The checkpoint's MTP layer, the halves `model` holds (`parts`: an attention rank's
+    attention half, an FFN rank's MoE), refused by name where the checkpoint has none."""
     method = config.speculative_config.method
-    if not parts.ffn:
-        raise ValueError(
-            f"EngineConfig.speculative_config method={method!r} is not supported under AFD "
-            f"yet: {MTP_AFD_REFUSAL}"
-        )
     why = mtp_refusal(config.model, model.config.family)
     if why is not None:
         raise ValueError(
@@ -219,6 +214,17 @@ def load_mtp_draft(
     return load_draft(
         config.model, model, config.load_format, config.seed, device, load_progress(config, rank)
     )
+
+
+def load_ffn_draft(
+    engine: EngineConfig, model: CausalLM, device: torch.device, rank: int
+) -> CausalLM | None:
+    """The MTP layer's FFN half (its router, experts and shared experts, the shard `model`
+    holds), where speculation's method is mtp: the plan's draft passes run it as layer N."""
+    speculative = engine.speculative_config
+    if speculative is None or not speculative.is_mtp:
+        return None
+    return load_mtp_draft(engine, model.parts, model, device, rank)
 
 
 def load_progress(config: EngineConfig, rank: int) -> bool | None:

@@ -20,45 +20,78 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.engine.model_runner import FFNBoundary, LocalFFN
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.cache import PagedCache
 from afdserve.model.parts import CausalLM, MTPDraft
+
+Spans = list[tuple[Sequence, int, int]]  # (sequence, first position, rows)
 
 
 @dataclass
 class Written:
     """One step's MTP rows: each sequence's span of them and the layer's output g [rows,
-    hidden] (None without rows)."""
+    hidden] (None without rows); the step's draft passes and the boundary they cross."""
 
-    spans: list[tuple[Sequence, int, int]]
+    spans: Spans
     g: torch.Tensor | None
+    passes: tuple[AttentionRankPlan, ...]
+    boundary: FFNBoundary
+    step: int
 
 
 class MTPProposer:
-    """Runs `draft` after each step; its KV mirrors the main cache's blocks one for one."""
+    """Runs `draft` after each step; its KV mirrors the main cache's blocks one for one. Each
+    pass of the layer is a planned step of one ubatch (`AttentionRankPlan.drafts`, rule 9 of
+    layout/plan.py): under AFD its MoE rows cross the rank's boundary to the FFN ranks as layer
+    N's, padded to the plan's tile, and a pass without real rows still sends its pad tile."""
 
     def __init__(
         self, draft: MTPDraft, main: CausalLM, kv_cache: PagedCache, device: torch.device, k: int
     ) -> None:
         self.draft, self.main, self.device, self.k = draft, main, device, k
+        self.index = draft.config.num_layers - 1  # N, the layer's index on both roles
         self.block_size = kv_cache.block_size
         layout = draft.cache_layout()
         self.cache: PagedCache = layout.allocate(
             kv_cache.num_blocks, kv_cache.block_size, kv_cache.dtype, device
         )
         self.batched = device.type == "cuda" or layout.batched_segments
+        self.local: LocalFFN | None = None
+
+    def boundary(self, main: FFNBoundary) -> FFNBoundary:
+        """Where the layer's MoE runs: the draft's own FFN half where the rank holds one
+        (colocated, in the main boundary's format), else the main layers' boundary."""
+        if not self.draft.parts.ffn:
+            return main
+        if self.local is None:
+            self.local = LocalFFN(self.draft, main.a2e)
+        return self.local
 
     @torch.inference_mode()
     def write(
-        self, out: SchedulerOutput, sampled: list[int | list[int] | None], hidden: torch.Tensor
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | list[int] | None],
+        hidden: torch.Tensor,
+        plan: AttentionRankPlan,
+        boundary: FFNBoundary,
+        step: int,
     ) -> Written:
         """Before `Scheduler.update`: the layer over every row the step keeps, given each
         sequence's sampled tokens (`sampled`, as `update` takes them) and `hidden` [rows,
-        hidden], the step's main hidden rows (as the layer loop returns them)."""
+        hidden], the step's main hidden rows (as the layer loop returns them); `plan`: the
+        step's rank plan, whose `drafts` size the passes."""
+        if len(plan.drafts) != self.k:
+            raise ValueError(
+                f"attention rank {plan.rank}: the plan carries {len(plan.drafts)} draft passes, "
+                f"MTP with num_speculative_tokens={self.k} runs {self.k}"
+            )
+        written = Written([], None, plan.drafts, self.boundary(boundary), step)
         rows: list[int] = []
-        spans: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows kept)
         next_ids: list[int] = []
         row = 0
         for entry, tokens in zip(out.scheduled, sampled, strict=True):
@@ -71,30 +104,30 @@ class MTPProposer:
                 known = seq.token_ids[start + 1 : start + kept + 1]
                 next_ids += known + new[: kept - len(known)]
                 rows.extend(range(row, row + kept))
-                spans.append((seq, start, kept))
+                written.spans.append((seq, start, kept))
             row += entry.num_new_tokens
-        if not spans:
-            return Written([], None)
         ids = torch.tensor(next_ids, dtype=torch.int64).to(self.device)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        return Written(spans, self._layer(self.draft.first_input(hidden[index], ids), ids, spans))
+        first = lambda positions: self.draft.first_input(hidden[index], ids, positions)  # noqa: E731
+        written.g = self._pass(written, 0, first, ids, written.spans)
+        return written
 
     @torch.inference_mode()
     def propose(self, written: Written) -> None:
         """After `Scheduler.update`: each sequence that decodes next step (one token behind)
-        gets its drafts, from the last row `write` kept for it."""
+        gets its drafts, from the last row `write` kept for it; every planned pass runs."""
         ends, decoding, at = [], [], 0
         for seq, _, kept in written.spans:
             at += kept
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
                 ends.append(at - 1)
                 decoding.append(seq)
-        if decoding:
-            self._drafts(decoding, written.g[torch.tensor(ends, device=self.device)])
+        g = written.g[torch.tensor(ends, device=self.device)] if decoding else None
+        self._drafts(decoding, g, written)
 
-    def _drafts(self, seqs: list[Sequence], g: torch.Tensor) -> None:
+    def _drafts(self, seqs: list[Sequence], g: torch.Tensor | None, written: Written) -> None:
         """Draft 1 from each sequence's last kept row g [n, hidden]; drafts 2..k chained."""
-        drafts = [[t] for t in self.draft.logits(g).argmax(dim=-1).tolist()]
+        drafts = [[t] for t in self.draft.logits(g).argmax(dim=-1).tolist()] if seqs else []
         live = list(range(len(seqs)))  # the sequences g's rows belong to, in order
         for j in range(1, self.k):
             # Draft j + 1 is the layer's prediction at position q + j - 1 (q: the first
@@ -104,23 +137,48 @@ class MTPProposer:
                 for n, i in enumerate(live)
                 if seqs[i].num_computed_tokens + j - 1 < len(seqs[i].block_table) * self.block_size
             ]
-            if not keep:
-                break
             live = [live[n] for n in keep]
-            g = g[torch.tensor(keep, device=self.device)]
+            if live:
+                g = g[torch.tensor(keep, device=self.device)]
             ids = torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64).to(self.device)
             spans = [(seqs[i], seqs[i].num_computed_tokens + j - 1, 1) for i in live]
-            g = self._layer(self.draft.chain_input(g, ids), ids, spans)
-            for i, token in zip(live, self.draft.logits(g).argmax(dim=-1).tolist(), strict=True):
-                drafts[i].append(token)
+            chain = lambda positions, g=g, ids=ids: self.draft.chain_input(g, ids, positions)  # noqa: E731
+            g = self._pass(written, j, chain, ids, spans)
+            if g is not None:
+                tokens = self.draft.logits(g).argmax(dim=-1).tolist()
+                for i, token in zip(live, tokens, strict=True):
+                    drafts[i].append(token)
         for seq, tokens in zip(seqs, drafts, strict=True):
             seq.mtp_drafts = (seq.num_computed_tokens, tuple(tokens))
 
-    def _layer(
-        self, h: torch.Tensor, ids: torch.Tensor, spans: list[tuple[Sequence, int, int]]
-    ) -> torch.Tensor:
-        """The MTP decoder layer over rows `h` [rows, hidden]: each span's rows at positions
-        [first, first + kept) of its sequence, writing their KV into the MTP cache."""
+    def _pass(
+        self, written: Written, j: int, make_h, ids: torch.Tensor, spans: Spans
+    ) -> torch.Tensor | None:
+        """Draft pass j under its plan: the layer over `spans`' rows, h' = make_h(positions)
+        [rows, hidden], ids [rows] the tokens that travel with them; its output g, or None
+        without rows (a pad tile still travels where the plan gives one)."""
+        plan, boundary, layer = written.passes[j], written.boundary, self.index
+        boundary.begin_step(plan, written.step)
+        if not spans:
+            if plan.mode != "idle" and any(plan.tile_rows):
+                # One pad row (zeros, token id -1), as the main step's pad rows travel: no
+                # kernel meets an empty batch, and the FFN ranks see a pad row like any other.
+                hidden = self.draft.config.hidden_size
+                x = torch.zeros(1, hidden, dtype=self.draft.dtype, device=self.device)
+                ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+                routing = self.draft.route_on_attention(layer, x, ids, boundary.a2e.roundtrip)
+                boundary.post(layer, 0, x, ids, routing).wait()
+            return None
+        meta = self._metadata(spans)
+        h = make_h(meta.positions)
+        cos_sin = self.main.cos_sin(meta.positions)
+        x, h = self.draft.attention_half(h, meta, self.cache.layers[0], cos_sin)
+        routing = self.draft.route_on_attention(layer, x, ids, boundary.a2e.roundtrip)
+        return self.draft.add_ffn_output(h, boundary.post(layer, 0, x, ids, routing).wait())
+
+    def _metadata(self, spans: Spans) -> AttentionMetadata:
+        """Each span's rows at positions [first, first + rows) of its sequence, writing their
+        KV into the MTP cache."""
         positions, slots, segments = [], [], []
         tables = [seq.block_table for seq, _, _ in spans]
         width = max(len(t) for t in tables)
@@ -136,11 +194,9 @@ class MTPProposer:
         host = torch.tensor([positions, slots], dtype=torch.int64)
         position_tensor, slot_tensor = host.to(self.device).unbind(0)
         segments = tuple(segments)
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             positions=position_tensor,
             slot_mapping=slot_tensor,
             segments=segments,
             batched=batch_segments(segments, self.device) if self.batched else None,
         )
-        cos_sin = self.main.cos_sin(position_tensor)
-        return self.draft(h, meta, self.cache.layers[0], cos_sin, ids)

@@ -29,8 +29,9 @@ class StepRecorder:
         log_path: str | None = None,
         keep_records: bool = False,
         ubatches: int = 1,
+        draft_passes: int = 0,
     ) -> None:
-        self.rank, self.ubatches = rank, ubatches
+        self.rank, self.ubatches, self.draft_passes = rank, ubatches, draft_passes
         self.table = GraphTable(mode=graph_mode, sizes=tuple(sizes))
         self.step = 0
         self.keep_records = keep_records or log_path is not None
@@ -39,7 +40,7 @@ class StepRecorder:
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115
 
     def plan(self, reports, topology: Topology) -> StepPlan:
-        return plan_step(reports, topology, self.table, self.ubatches)
+        return plan_step(reports, topology, self.table, self.ubatches, self.draft_passes)
 
     def record(self, plan: StepPlan, ranks: tuple[int, ...] | None = None) -> None:
         """Log this rank's line (or the given ranks' lines) and mark new captures on every rank.

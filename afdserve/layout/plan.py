@@ -1,10 +1,10 @@
 """The step plan: the one place that decides every rank's layout for one step.
 
 Every rank all-gathers the attention ranks' `RankStep` reports and calls
-`plan_step(reports, topology, graph_table, ubatches)`. The function is pure (no torch, no I/O, no
-clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else in afdserve derives a
-row count, a peer set, a tile size, a graph key or a run mode: two places that derive one can
-disagree.
+`plan_step(reports, topology, graph_table, ubatches, draft_passes)`. The function is pure (no
+torch, no I/O, no clock), so equal inputs give an equal `StepPlan` on every rank. Nothing else
+in afdserve derives a row count, a peer set, a tile size, a graph key or a run mode: two places
+that derive one can disagree.
 
 A *group* is an FFN rank together with its peers (attention ranks r with r mod F == f); colocated
 (F == 0), every attention rank is a group of its own, with no FFN rank and no tiles. With m
@@ -14,6 +14,7 @@ are in the comment block "the rules of plan_step" below.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from afdserve.layout.step import (
@@ -108,6 +109,17 @@ def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep
 #    to no expert), so the exchange holds every row of the group by construction and drops none;
 # 8. the FFN key also spells out group_rows: ("ffn", rank, peers' ubatch_rows, tile_rows,
 #    group_rows).
+#
+# Draft passes (`draft_passes` = k, speculative decoding's MTP method): after the main layers
+# each attention rank runs the draft layer k times, over rows that depend on the tokens the step
+# samples, so their count is known only after the control round. The plan gives each pass the
+# rows that bound it instead:
+# 9. pass 0 covers the rows the step keeps (at most the report's num_tokens), pass j >= 1 one
+#    chained draft a request (at most its num_reqs). Each pass is planned by rules 1-8 as a step
+#    of its own over those reports, in one ubatch and without graphs (mode "eager", or "idle"
+#    with the group), and rides in every rank plan's `drafts`. A rank fills a pass's front rows
+#    with its real ones and pads the rest, as in any step; the FFN ranks run the draft layer
+#    over each pass like any layer, from their plan alone.
 
 
 def _real_per_ubatch(real: int, ubatch_rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -273,13 +285,50 @@ def _mode(size: int | None, keys: dict[int, GraphKey], table: GraphTable) -> Run
     return "capture"
 
 
+def _draft_reports(reports: tuple[RankStep, ...], draft: int) -> tuple[RankStep, ...]:
+    """Rule 9: the reports that bound draft pass `draft` (0: the kept rows; then one row a
+    request)."""
+    return tuple(
+        RankStep(report.num_tokens if draft == 0 else report.num_reqs, report.num_reqs, False)
+        for report in reports
+    )
+
+
 def plan_step(
     reports: Sequence[RankStep],
     topology: Topology,
     graph_table: GraphTable,
     ubatches: int = 1,
+    draft_passes: int = 0,
 ) -> StepPlan:
-    """Plan one step for every rank, by the rules in the comment block above."""
+    """Plan one step for every rank, by the rules in the comment block above; with
+    `draft_passes` each rank plan carries them (rule 9)."""
+    _check_int("draft_passes", draft_passes, 0)
+    plan = _plan_main(reports, topology, graph_table, ubatches)
+    if not draft_passes:
+        return plan
+    eager = GraphTable()
+    passes = [
+        _plan_main(_draft_reports(tuple(reports), j), topology, eager, 1)
+        for j in range(draft_passes)
+    ]
+    attention = tuple(
+        dataclasses.replace(mine, drafts=tuple(p.attention[i] for p in passes))
+        for i, mine in enumerate(plan.attention)
+    )
+    ffn = tuple(
+        dataclasses.replace(mine, drafts=tuple(p.ffn[i] for p in passes))
+        for i, mine in enumerate(plan.ffn)
+    )
+    return StepPlan(ubatches=plan.ubatches, attention=attention, ffn=ffn)
+
+
+def _plan_main(
+    reports: Sequence[RankStep],
+    topology: Topology,
+    graph_table: GraphTable,
+    ubatches: int,
+) -> StepPlan:
     reports = tuple(reports)
     if len(reports) != topology.attention_ranks:
         raise ValueError(

@@ -107,6 +107,9 @@ class AttentionRankPlan:
     # This rank's place among its FFN rank's peers (FFNRankPlan.peers): its tiles sit at that
     # position in the FFN rank's receive buffer. 0 when colocated.
     peer_index: int = 0
+    # The draft passes after the main layers (MTP: the draft layer over the step's kept rows,
+    # then each chained draft), one ubatch each, in order (plan.py, rule 9).
+    drafts: tuple[AttentionRankPlan, ...] = ()
 
     def __post_init__(self) -> None:
         # Only plan_step builds these; the checks make a planner bug fail where it happens.
@@ -153,6 +156,7 @@ class FFNRankPlan:
     # rows, then pad rows (zero hidden states, no expert) up to the group's largest receive.
     group: tuple[int, ...] = ()
     group_rows: tuple[int, ...] = ()
+    drafts: tuple[FFNRankPlan, ...] = ()  # the draft passes (plan.py, rule 9)
 
     def __post_init__(self) -> None:
         if list(self.peers) != sorted(set(self.peers)) or not (self.peers or self.group):
@@ -208,6 +212,7 @@ def _record(
         "peers": peers,
         "mode": plan.mode,
         "key": _jsonable(plan.key),
+        **({"draft_tiles": [list(d.tile_rows) for d in plan.drafts]} if plan.drafts else {}),
     }
 
 

@@ -75,24 +75,45 @@ class CausalLM(Protocol):
 class MTPDraft(Protocol):
     """A checkpoint's next-token-prediction layer beside its main model (speculative decoding's
     `mtp` method; engine/mtp.py drives it): h' from a main hidden row (or its own previous
-    output) and the next token, its decoder layer over its own KV, logits from its head."""
+    output), the next token and the row's position; its decoder layer over its own KV as two
+    halves split at the FFN boundary like a main layer's (`config.num_layers - 1` = N is the
+    layer's index, the FFN half runs where the main layers' do); logits from its head."""
+
+    config: ModelConfig
+    parts: ModelParts
+    dtype: torch.dtype
 
     def cache_layout(self) -> CacheLayout: ...
 
-    def first_input(self, main_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def chain_input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: Any,
-        cos_sin: Any,
-        token_ids: torch.Tensor,
+    def first_input(
+        self, main_hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor: ...
 
+    def chain_input(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def attention_half(
+        self, h: torch.Tensor, meta: AttentionMetadata, cache: Any, cos_sin: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def route_on_attention(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        ffn_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Any: ...
+
+    def ffn_half(
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, routing: Any = None
+    ) -> torch.Tensor: ...
+
+    def add_ffn_output(self, h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor: ...
+
     def logits(self, g: torch.Tensor) -> torch.Tensor: ...
+
+    def expected_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

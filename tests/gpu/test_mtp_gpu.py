@@ -7,6 +7,7 @@ whose drafts provably equal the main model's tokens (tests/engine/test_mtp.py) a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.model.fixtures.tiny import make_tiny_model
@@ -76,5 +77,61 @@ def test_constructed_mtp_drafts_are_accepted_under_graphs(bf16_mtp_model, tmp_pa
         graph_mode="full_decode_only",
         cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
     )
+    assert got == want
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_inprocess_1a1f_graphs_equal_eager(bf16_mtp_model, k):
+    """1A1F in one process: the main step replays its graphs on both halves, the MTP layer's
+    draft passes cross the in-process boundary as layer N, eagerly."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _prompts()
+    with LLM(str(bf16_mtp_model), graph_mode="none", **COMMON) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        got, stats, modes = _generate(
+            bf16_mtp_model,
+            prompts,
+            params,
+            {"method": "mtp", "num_speculative_tokens": k},
+            topology="1A1F",
+            connector="inprocess",
+            graph_mode="full_decode_only",
+            cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
+            log_step_plan=True,
+        )
+        gaps = _check(eager, prompts, got, want)
+    assert stats.num_drafts > 0
+    assert "replay" in modes
+    print(f"1A1F inprocess k={k}: {len(gaps)} near-tie divergences, {stats}")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["1A1F", "1A2F-ep"])
+def test_mtp_p2p_across_gpus_matches_colocated(tmp_path, expert_parallel):
+    """Ranks on their own GPUs over NCCL, float32, graphs on the main step: colocated's tokens
+    without speculation, and the provably-accepting checkpoint's drafts accepted."""
+    gpus = 3 if expert_parallel else 2
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs (one rank per GPU)")
+    model = make_tiny_model(tmp_path / "m", "deepseek_v3", seed=5, mtp_layers=1)
+    model = _predictable(model, tmp_path / "predictable")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _prompts()
+    common = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256)
+    with LLM(str(model), graph_mode="none", **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+    topology = "1A2F" if expert_parallel else "1A1F"
+    with LLM(
+        str(model),
+        topology=topology,
+        connector="p2p",
+        ffn_expert_parallel=expert_parallel,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        graph_mode="full_decode_only",
+        cuda_graph_sizes=[1, 2, 4, 8],
+        **common,
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats().spec_decode[0]
     assert got == want
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0

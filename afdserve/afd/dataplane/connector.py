@@ -192,11 +192,14 @@ class InProcessConnector:
         gate_on_attention: bool,
         wire: Wire | None = None,
         a2e: A2EFormat | None = None,
+        ffn_draft=None,
     ) -> None:
         self.ffn_model, self.wire = ffn_model, wire  # the wire only logs: nothing travels
+        self.ffn_draft = ffn_draft  # the MTP layer's FFN half (layer N), with MTP drafts
         self.a2e = a2e or A2EFormat("auto", ffn_model.dtype)
         self.vocab = ffn_model.config.vocab_size
-        self.routed = routed_layers(ffn_model.config, gate_on_attention)
+        config = (ffn_draft or ffn_model).config  # a draft's: the main layers, then layer N
+        self.routed = routed_layers(config, gate_on_attention)
         self.plan: AttentionRankPlan | None = None
         self.step_number = 0
 
@@ -223,7 +226,8 @@ class InProcessConnector:
                 routing = tuple(
                     torch.cat((t, t.new_zeros(tile - rows, t.shape[1]))) for t in routing
                 )
-        if layer == 0:  # the same ids travel in every layer: one check per ubatch and step
+        main = layer < self.ffn_model.config.num_layers
+        if layer == 0 or not main:  # the same ids in every main layer: one check per ubatch
             check_token_ids(route_ids, self.vocab, f"FFN half in process, ubatch {ubatch}")
         if self.wire is not None and self.wire.logging and not x.is_cuda:
             # What the FFN half ran, in the FFN rank's receive-log format.
@@ -237,5 +241,5 @@ class InProcessConnector:
                 real_rows=int((route_ids != -1).sum()),
             )
         x = self.a2e.ffn_rows(x, route_ids)  # the rows as an FFN rank would decode them
-        y = self.ffn_model.ffn_half(layer, x, route_ids, routing)
+        y = (self.ffn_model if main else self.ffn_draft).ffn_half(layer, x, route_ids, routing)
         return Ready(y[:rows])

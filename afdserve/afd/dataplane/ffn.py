@@ -154,13 +154,20 @@ class FFNExchange:
         expert: ExpertGroup | None = None,
         transport=None,
         a2e: A2EFormat | None = None,
+        draft: CausalLM | None = None,
     ) -> None:
         self.model, self.rank, self.device, self.wire = model, rank, device, wire
         self.expert = expert  # this rank's expert-parallel group, if it is in one
+        # The MTP layer's FFN half (its layer N = the main layers' count), which the plan's
+        # draft passes run like any layer; its expert group shards it like the main layers'.
+        self.draft, self.draft_expert = draft, None
+        if draft is not None and expert is not None:
+            self.draft_expert = ExpertGroup(draft, expert.group, expert.process_group, wire)
         config = model.config
         self.vocab, self.top_k, self.hidden = config.vocab_size, config.top_k, config.hidden_size
         self.dtype = model.dtype  # the activations' (FP8 weights are float8)
-        self.routed = routed_layers(config, gate_on_attention)
+        # The draft's config is the main one with layer N appended: one answer for every layer.
+        self.routed = routed_layers(draft.config if draft else config, gate_on_attention)
         self.step = StepCounter(device)
         self.a2e = a2e or A2EFormat("auto", self.dtype)
         # WireTransport, or afd/dataplane/ipc.py's IPCTransport: both receive views and reply alike.
@@ -168,17 +175,27 @@ class FFNExchange:
             wire, device, self.dtype, self.hidden, self.top_k, self.a2e
         )
 
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """The layer a draft pass runs: N, after the main layers."""
+        return (self.model.config.num_layers,)
+
     @torch.inference_mode()
-    def run(self, plan: FFNRankPlan, step: int) -> None:
-        """One step, eagerly (or under capture: then the graph holds exactly this). The caller
-        sets `self.step` first: a graph must read it, not hold it as a constant."""
+    def run(self, plan: FFNRankPlan, step: int, layers: tuple[int, ...] | None = None) -> None:
+        """One step over the main layers (or a draft pass over `layers`), eagerly (or under
+        capture: then the graph holds exactly this). The caller sets `self.step` first: a graph
+        must read it, not hold it as a constant."""
         if plan.group and self.expert is None:
             raise LayoutError(
                 f"FFN rank {self.rank}: the plan puts it in the expert-parallel "
                 f"group {plan.group}, but it was built without one"
             )
+        if layers is not None and self.draft is None:
+            raise LayoutError(
+                f"FFN rank {self.rank}: the plan gives it a draft pass, but it holds no MTP layer"
+            )
         sends: list = []
-        for layer in range(self.model.config.num_layers):
+        for layer in range(self.model.config.num_layers) if layers is None else layers:
             # In an expert-parallel group a rank whose peers sent nothing still serves its experts.
             for ubatch, rows in enumerate(plan.exchange_rows):
                 if rows:
@@ -204,10 +221,12 @@ class FFNExchange:
             topk_w = torch.empty(0, self.top_k, dtype=torch.float32, device=self.device)
         token_ids = ids[:, HEADER:].reshape(-1).long()
         routing = (topk_ids.long(), topk_w) if routed else None
+        main = layer < self.model.config.num_layers
         if plan.group:
-            y = self.expert.ffn(layer, hidden, token_ids, routing, plan.group_rows[ubatch], where)
+            expert = self.expert if main else self.draft_expert
+            y = expert.ffn(layer, hidden, token_ids, routing, plan.group_rows[ubatch], where)
         else:
-            y = self.model.ffn_half(layer, hidden, token_ids, routing)
+            y = (self.model if main else self.draft).ffn_half(layer, hidden, token_ids, routing)
         y = y.to(self.dtype).contiguous()
         if not rows:
             return []
@@ -285,6 +304,13 @@ class FFNStepRunner:
         if plan.mode == "idle":
             return
         self.exchange.step.set(step)
+        self._main(plan, step)
+        # The draft passes follow the main step eagerly, as the attention side runs them.
+        for draft in plan.drafts:
+            if draft.mode != "idle":
+                self.exchange.run(draft, step, self.exchange.draft_layers)
+
+    def _main(self, plan: FFNRankPlan, step: int) -> None:
         if plan.mode == "eager" or not self.use_graphs or plan.key in self.eager_keys:
             self.exchange.run(plan, step)
             return

@@ -25,6 +25,7 @@ from afdserve.afd.dataplane.ffn import FFNExchange, FFNStepRunner
 from afdserve.afd.dataplane.wire import Wire
 from afdserve.afd.ranks.messages import RankReady, WorkerSpec
 from afdserve.afd.step.ffn_driver import FFNDriver
+from afdserve.config import MTP_IPC_REFUSAL
 from afdserve.engine.control_round import Control
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
@@ -33,6 +34,7 @@ from afdserve.engine.factory import (
     MemoryReport,
     create_engine_core,
     half_parts,
+    load_ffn_draft,
     load_half,
     parameter_bytes,
 )
@@ -62,6 +64,7 @@ class StepGraphs:
     sizes: tuple[int, ...] = ()
     ubatches: int = 1
     decode_query_len: int = 1  # rows a request in a decode step: 1 + its drafts at most
+    draft_passes: int = 0  # MTP: the draft layer's passes after each step (layout/plan.py)
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> StepGraphs:
@@ -70,12 +73,15 @@ class StepGraphs:
         sizes = graphs.capture_sizes(spec.engine.max_num_seqs)
         speculative = spec.engine.speculative_config
         drafts = speculative.num_speculative_tokens if speculative is not None else 0
-        return cls(graphs.mode, sizes, spec.afd.ubatches, 1 + drafts)
+        passes = drafts if speculative is not None and speculative.is_mtp else 0
+        return cls(graphs.mode, sizes, spec.afd.ubatches, 1 + drafts, passes)
 
     def recorder(
         self, rank: int, log_path: str | None = None, keep_records: bool = False
     ) -> StepRecorder:
-        return StepRecorder(rank, self.mode, self.sizes, log_path, keep_records, self.ubatches)
+        return StepRecorder(
+            rank, self.mode, self.sizes, log_path, keep_records, self.ubatches, self.draft_passes
+        )
 
     def captured_on(self, device: torch.device) -> bool:
         """Whether capture and replay steps really run CUDA graphs on `device`: elsewhere they
@@ -100,26 +106,31 @@ def attention_boundary(
     ffn_model: CausalLM | None = None,
     inboxes: Inboxes | None = None,
     a2e_dtype: str = "auto",
+    config: ModelConfig | None = None,
+    ffn_draft: CausalLM | None = None,
 ) -> FFNBoundary:
     """Where an attention rank's layers hand their rows to the FFN half: the FFN half of a
     colocated model (`ffn_model`, or `model` itself when it holds both halves), the FFN half in
     this process (`ffn_model`, 1A1F on one device; `wire` only logs), the FFN rank's symmetric
     inbox (`inboxes`, connector "ipc"), or point-to-point batches over `wire`; every one hands
-    the rows over in `a2e_dtype`'s format (kernels/a2e.py)."""
+    the rows over in `a2e_dtype`'s format (kernels/a2e.py). `config`: the layers that cross
+    it when more than the model's (an MTP draft's config: the main layers, then layer N);
+    `ffn_draft`: the MTP layer's FFN half beside `ffn_model` in this process."""
     a2e = A2EFormat(a2e_dtype, model.dtype)
+    config = config or model.config
     if topology.colocated:
         return LocalFFN(ffn_model if ffn_model is not None else model, a2e)
     if ffn_model is not None:
-        return InProcessConnector(ffn_model, gate_on_attention, wire, a2e)
+        return InProcessConnector(ffn_model, gate_on_attention, wire, a2e, ffn_draft)
     if inboxes is not None:
         _check_ipc_format(a2e)
         from afdserve.afd.dataplane.ipc import IPCAttentionConnector
 
-        return IPCAttentionConnector(model.config, inboxes, rank, gate_on_attention)
+        return IPCAttentionConnector(config, inboxes, rank, gate_on_attention)
     param = next(model.parameters())
     # A wire without a log path sends plainly; the workers pass one that logs when asked.
     return AttentionConnector(
-        model.config,
+        config,
         model.dtype,
         param.device,
         gate_on_attention,
@@ -216,11 +227,12 @@ def ffn_driver(
     expert: ExpertGroup | None = None,
     inboxes: Inboxes | None = None,
     a2e_dtype: str = "auto",
+    draft: CausalLM | None = None,
 ) -> FFNDriver:
     """An FFN rank's step loop: its half receives every peer's tile (over `wire`, or from its
     symmetric inbox with `inboxes`) in `a2e_dtype`'s format, runs, and replies, as one CUDA
     graph per plan key when `graphs` captures on `device`; `expert`: its expert-parallel group,
-    if any."""
+    if any; `draft`: the MTP layer's FFN half, which the plan's draft passes run."""
     transport = None
     a2e = A2EFormat(a2e_dtype, model.dtype)
     if inboxes is not None:
@@ -228,7 +240,9 @@ def ffn_driver(
         from afdserve.afd.dataplane.ipc import IPCTransport
 
         transport = IPCTransport(inboxes, rank)
-    exchange = FFNExchange(model, rank, gate_on_attention, device, wire, expert, transport, a2e)
+    exchange = FFNExchange(
+        model, rank, gate_on_attention, device, wire, expert, transport, a2e, draft
+    )
     runner = FFNStepRunner(exchange, graphs.captured_on(device))
     return FFNDriver(runner, recorder, control, topology, rank)
 
@@ -241,6 +255,7 @@ class BuiltRank:
     ready: tuple[RankReady, ...]  # one per rank this process holds (two for in-process 1A1F)
     boundary: FFNBoundary | None = None  # attention ranks: where rows cross to the FFN half
     half: CausalLM | None = None  # the weights this rank holds (an FFN rank's model)
+    draft: CausalLM | None = None  # an FFN rank's MTP layer (its FFN half), with MTP drafts
 
     def drop_requests(self) -> int:
         """Forget every request (its KV blocks go back to the free list; blocks a prefix cache
@@ -295,7 +310,7 @@ def build_attention_rank(
     is built anew against `control` and the new process groups."""
     topology, gate = spec.topology, spec.afd.gate_on_attention
     role = "colocated" if topology.colocated else "attention"
-    ffn_model = None
+    ffn_model = ffn_draft = None
     if kept is not None:
         if in_process:
             raise ValueError("an in-process 1A1F rank has no world to rejoin")
@@ -306,6 +321,7 @@ def build_attention_rank(
             # Loaded before the attention half: the KV cache is sized from the memory still
             # free, and it must leave the experts their room.
             ffn_model, _ = load_half(spec.engine, half_parts("ffn", gate), device, rank)
+            ffn_draft = load_ffn_draft(spec.engine, ffn_model, device, rank)
         core, _, memory = create_engine_core(spec.engine, half_parts(role, gate), rank, device)
     ready = [
         _ready(
@@ -322,8 +338,21 @@ def build_attention_rank(
     elif not topology.colocated:
         wire = _wire(spec, rank)
         inboxes = _inboxes(spec, device, core.model.dtype, core.config)
+        if inboxes is not None and core.mtp is not None:
+            raise ValueError(f"MTP drafts on attention rank {rank}: {MTP_IPC_REFUSAL}")
+    # An MTP draft's layer N crosses the boundary too: its config names every layer that does.
+    layers = core.mtp.draft.config if core.mtp is not None else None
     boundary = attention_boundary(
-        core.model, topology, rank, gate, wire, ffn_model, inboxes, spec.afd.a2e_dtype
+        core.model,
+        topology,
+        rank,
+        gate,
+        wire,
+        ffn_model,
+        inboxes,
+        spec.afd.a2e_dtype,
+        layers,
+        ffn_draft,
     )
     graphs = StepGraphs.of(spec)
     log_ranks = tuple(range(topology.world_size)) if in_process else None
@@ -364,9 +393,10 @@ def build_ffn_rank(
         held = placement[topology.ffn_index(rank)]
         parts = dataclasses.replace(parts, experts=held)
     if kept is not None and kept.half is not None:
-        model = kept.half
+        model, draft = kept.half, kept.draft
     else:
         model, _ = load_half(spec.engine, parts, device, rank)
+        draft = load_ffn_draft(spec.engine, model, device, rank)
     wire = _wire(spec, rank)
     expert = None
     if topology.expert_parallel:
@@ -386,8 +416,9 @@ def build_ffn_rank(
         expert=expert,
         inboxes=inboxes,
         a2e_dtype=spec.afd.a2e_dtype,
+        draft=draft,
     )
-    memory = MemoryReport(
-        "ffn", rank, parameter_bytes(model), 0, len(model.expected_tensors()), experts=held
-    )
-    return BuiltRank(driver, None, wire, (_ready(rank, "ffn", memory, model, None),), half=model)
+    weights = parameter_bytes(model) + (parameter_bytes(draft) if draft is not None else 0)
+    memory = MemoryReport("ffn", rank, weights, 0, len(model.expected_tensors()), experts=held)
+    ready = (_ready(rank, "ffn", memory, model, None),)
+    return BuiltRank(driver, None, wire, ready, half=model, draft=draft)

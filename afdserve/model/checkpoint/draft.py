@@ -18,8 +18,8 @@ from afdserve.model.checkpoint.loader import (
     materialize,
 )
 from afdserve.model.config import read_hf_config
-from afdserve.model.families import family_of
-from afdserve.model.parts import CausalLM, MTPDraft
+from afdserve.model.families import family_of, model_class
+from afdserve.model.parts import CausalLM, ModelParts, MTPDraft
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:
@@ -61,12 +61,21 @@ def load_draft(
         raise ValueError(why)
     raw = read_hf_config(model_dir)
     names = None if load_format == "dummy" else checkpoint_names(model_dir)
+    build = family_of(main.config.family).mtp_draft
     with _default_dtype(main.dtype), torch.device("meta"):
-        draft = family_of(main.config.family).mtp_draft(main, raw, names)
+        draft = build(main, raw, names)
     draft = materialize(draft, device).eval()
     if names is None:
         init_random_weights(draft, seed)
     else:
-        # The main model's tensors are another part's, not unexpected.
-        load_weights(draft, model_dir, all_tensor_names(main.config), progress)
+        # The main model's tensors, and the other half's of the layer, are another part's.
+        known = all_tensor_names(main.config) | _whole_draft_names(main, raw, names, build)
+        load_weights(draft, model_dir, known, progress)
     return draft
+
+
+def _whole_draft_names(main: CausalLM, raw: dict, names: set[str] | None, build) -> set[str]:
+    """Every tensor name of the layer with both halves (an attention or FFN rank loads one)."""
+    with torch.device("meta"):
+        whole = model_class(main.config)(main.config, ModelParts.colocated())
+        return set(build(whole, raw, names).state_dict())

@@ -6,6 +6,7 @@ t_{p+1} that follows it:
 
     h' = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])          (the embedding's half first)
     g  = decoder layer N at h' (MLA over the MTP's own KV, then its MoE), position p
+    (the embedding's half is zeros at position 0, as in vLLM's DeepSeek MTP layer)
     logits = shared_head.head(shared_head.norm(g))              (main lm_head without a head)
 
 predicts t_{p+2}. A chain of k drafts feeds g back in as the next h_p (vLLM reuses its one MTP
@@ -34,6 +35,7 @@ from afdserve.model.families.decoder.model import (
 )
 from afdserve.model.layers.common import RMSNorm
 from afdserve.model.layers.fp8 import convert_to_fp8
+from afdserve.model.layers.moe import Routing
 from afdserve.model.parts import ModelParts
 
 
@@ -58,12 +60,16 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """A full decoder layer plus the MTP's input projection and output head."""
+    """A full decoder layer plus the MTP's input projection and output head. The projection,
+    the head and the layer's own embedding sit with the attention half (the attention ranks
+    under AFD); an FFN half holds the layer's MoE only."""
 
     def __init__(
         self, config: ModelConfig, layer: int, parts: ModelParts, own_embed: bool, own_head: bool
     ) -> None:
         super().__init__(config, layer, parts)
+        if not parts.attention:
+            return
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -71,6 +77,14 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(config, own_head)
         if own_embed:
             self.embed_tokens = uninitialized_embedding(config.vocab_size, hidden)
+
+
+class LayerAt(nn.ModuleDict):
+    """The draft's one layer under its checkpoint index (`model.layers.{N}`), read by that
+    index as a number too, as a model's layer list is (the FFN side's expert group does)."""
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return super().__getitem__(str(key))
 
 
 def draft_config(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
@@ -96,8 +110,10 @@ def mtp_layers_refusal(config: ModelConfig) -> str | None:
 
 
 class DeepSeekMTP(nn.Module):
-    """The MTP layer of a loaded main model (colocated: both halves of the layer). Its tensors
-    carry the checkpoint's names (`model.layers.{N}.*`), so the loader fills it like a model."""
+    """The MTP layer of a loaded main model, the halves its main model holds (colocated: both;
+    under AFD the attention ranks hold the attention half, the FFN ranks the MoE, which they
+    run like any layer's: `ffn_half(N, ...)`). Its tensors carry the checkpoint's names
+    (`model.layers.{N}.*`), so the loader fills it like a model."""
 
     def __init__(
         self, main: MoECausalLM, raw: dict[str, Any], own_embed: bool, own_head: bool
@@ -112,14 +128,14 @@ class DeepSeekMTP(nn.Module):
         self.__dict__["main"] = main
         self.model = nn.Module()
         layer = MTPLayer(self.config, self.index, self.parts, own_embed, own_head)
-        self.model.layers = nn.ModuleDict({str(self.index): layer})
+        self.model.layers = LayerAt({str(self.index): layer})
         config = self.config
         if config.quantization is not None:
             convert_to_fp8(self, config.family, config.num_experts, config.quantization)
 
     @property
     def layer(self) -> MTPLayer:
-        return self.model.layers[str(self.index)]
+        return self.model.layers[self.index]
 
     def cache_layout(self) -> CacheLayout:
         """The MTP layer's own KV, a cache group of one layer over the main blocks."""
@@ -128,34 +144,57 @@ class DeepSeekMTP(nn.Module):
         spec = PagedKV((0,), config.num_cache_heads, config.kv_cache_dim, tensors, kind="MTP")
         return CacheLayout((spec,), 1)
 
-    def first_input(self, main_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """h' from the main model's residual rows (what its layer loop returns) [rows, hidden]
-        and the token after each row's [rows]."""
-        return self.chain_input(self.main.model.norm(main_hidden), next_ids)
+    def first_input(
+        self, main_hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """h' from the main model's residual rows (what its layer loop returns) [rows, hidden],
+        the token after each row's [rows] and each row's position [rows]."""
+        return self.chain_input(self.main.model.norm(main_hidden), next_ids, positions)
 
-    def chain_input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """h' from a hidden state already normed as h_p is (or a previous MTP output)."""
+    def chain_input(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """h' from a hidden state already normed as h_p is (or a previous MTP output). The
+        embedding half of a row at position 0 is zeros, as vLLM's DeepSeek MTP layer masks it
+        (a sequence's first row has no earlier token to pair the next one with)."""
         layer = self.layer
         embed = getattr(layer, "embed_tokens", None)
         embed = self.main.model.embed_tokens if embed is None else embed
-        both = torch.cat([layer.enorm(embed(next_ids)), layer.hnorm(hidden)], dim=-1)
+        e = embed(next_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        both = torch.cat([layer.enorm(e), layer.hnorm(hidden)], dim=-1)
         return layer.eh_proj(both)
 
-    def forward(
+    def attention_half(
         self,
         h: torch.Tensor,
         meta: AttentionMetadata,
         cache: Any,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        token_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """The decoder layer at h' [rows, hidden] -> its output g (before shared_head.norm)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h' [rows, hidden] -> (x the MoE's normalised input, the residual after attention)."""
         layer = self.layer
         x = layer.input_layernorm(h)
         attn = layer.self_attn(x, meta, self.main.rotary, cache, cos_sin)
         norm = layer.post_attention_layernorm
-        x, h = ops.add_rms_norm(h, attn, norm.weight, norm.eps)
-        return h + layer.mlp(x, token_ids, None)
+        return ops.add_rms_norm(h, attn, norm.weight, norm.eps)
+
+    def route_on_attention(
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, ffn_view=None
+    ) -> Routing | None:
+        """The top-k routing that travels with x where the gate sits on the attention side."""
+        if not self.parts.gate_on_attention or self.config.layer_types[layer] == "dense":
+            return None
+        return self.layer.mlp.gate(ffn_view(x) if ffn_view else x, token_ids)
+
+    def ffn_half(
+        self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        """The layer's MoE (or dense MLP) over x: `layer` is N, as the FFN side names it."""
+        return self.model.layers[layer].mlp(x, token_ids, routing)
+
+    def add_ffn_output(self, h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor:
+        """g, the layer's output (before shared_head.norm)."""
+        return h + ffn_out
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         head = self.layer.shared_head
