@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from afdserve.model.config import ModelConfig
+from afdserve.model.config import METADATA_FIELDS, ModelConfig
 from afdserve.model.families.decoder.config import parse_decoder_config
 
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -105,33 +105,7 @@ HONOURED = frozenset(
     }
 )
 # Keys that change nothing at inference: metadata, training, and parallel layouts of other engines.
-IGNORED = frozenset(
-    {
-        "architectures",
-        "model_type",
-        "transformers_version",
-        "_name_or_path",
-        "auto_map",
-        "initializer_range",
-        "use_cache",
-        "attention_dropout",
-        "output_router_logits",
-        "router_aux_loss_coef",
-        "aux_loss_alpha",
-        "seq_aux",
-        "ep_size",
-        "pretraining_tp",
-        "pad_token_id",  # the tokenizer's; the engine pads with its own id
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "id2label",
-        "label2id",
-        "problem_type",
-    }
-)
+IGNORED = METADATA_FIELDS | {"aux_loss_alpha", "seq_aux", "ep_size"}
 
 
 @dataclass(frozen=True)
