@@ -33,6 +33,7 @@ CONTROL_PLANES = ("auto", "gloo", "shm")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
 ROUTING_POLICIES = ("prefix", "least-tokens")  # frontend/routing.py
+ENGINE_PROCESS = ("auto", "on", "off")  # AFDConfig.own_engine_process
 
 
 def _one_one():
@@ -549,6 +550,16 @@ class AFDConfig:
         "round trip at the FFN boundary, so every topology gives the same tokens",
         shown="auto, the model dtype",
     )
+    engine_process: str = option(
+        "auto",
+        choices=ENGINE_PROCESS,
+        help="where a colocated engine (one attention rank, no FFN rank) steps: on, in a "
+        "process of its own, so that the frontend's per-request work (HTTP, tokenizing, "
+        "detokenizing, streaming) never holds the interpreter lock its step needs (vLLM's "
+        "engine core process); off, in the caller's process; auto: on for serve on CUDA, off "
+        "offline and on CPU (where both processes share the host's few cores). AFD ranks "
+        "always have processes of their own, in-process 1A1F excepted",
+    )
     routing_policy: str = option(
         "prefix",
         choices=ROUTING_POLICIES,
@@ -722,6 +733,12 @@ class AFDConfig:
         else:
             chosen = "p2p"
         return dataclasses.replace(self, connector=chosen)
+
+    def own_engine_process(self, device: str, usage_context: str) -> bool:
+        """Whether a colocated engine of one rank steps in a rank process of its own."""
+        if self.engine_process == "auto":
+            return usage_context == "server" and device.startswith("cuda")
+        return self.engine_process == "on"
 
     def in_process(self, device: str) -> bool:
         if self.connector == "auto":

@@ -188,6 +188,7 @@ class LLM:
         self._step_log = StepLogFile(self.afd_config.log_step_plan)
         self._log_path = self._step_log.path
         self._frontend_address = _parse_address(frontend_address)
+        self._usage_context = usage_context
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(tokenizer or model, self.engine_config.trust_remote_code)
         self.engine: EngineClient = self._start()
@@ -197,7 +198,12 @@ class LLM:
 
     def _start_core(self) -> EngineCoreClient:
         spec = WorkerSpec(self.engine_config, self.afd_config, self.graph_config, self._log_path)
-        if self.topology.colocated or self.afd_config.in_process(self.engine_config.device):
+        device = self.engine_config.device
+        # A colocated engine of its own process is a world of one rank that this process spawns.
+        own = self._frontend_address is None and self.afd_config.own_engine_process(
+            device, self._usage_context
+        )
+        if self.afd_config.in_process(device) or (self.topology.colocated and not own):
             if self.topology.attention_ranks == 1:
                 client: EngineCoreClient = SingleProcessClient(spec)
                 self._describe(client.ready)

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 # A request weighs its prompt plus its token budget, capped: one request with a huge max_tokens
 # must not send every other request to the other attention ranks.
 ROUTING_MAX_NEW_TOKENS = 1024
+# How long step() waits for a rank's outputs when none are in: short, so that the thread that
+# steps (the server's engine loop) takes new requests and aborts within it while ranks compute.
+OUTPUT_WAIT_S = 0.005
 
 
 def device_kind(spec: WorkerSpec) -> str:
@@ -148,7 +151,7 @@ class ProcessClient(EngineCoreClient):
             raise WorkerError("a rank failed: the world is being rebuilt")
         results, self._carried = self._carried, []
         rejected: RequestError | None = None
-        for msg in self.world.messages(0.0 if results else 0.05):
+        for msg in self.world.messages(0.0 if results else OUTPUT_WAIT_S):
             if isinstance(msg, Outputs):
                 self.rank_stats[msg.rank] = msg.stats
                 self.iteration_tokens.update(msg.stats.step_tokens)

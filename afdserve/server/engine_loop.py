@@ -64,17 +64,46 @@ class Resumed:
 Deliver = Callable[[SequenceOutput | EngineFailure | Resumed], None]
 
 
+class AsyncioDeliver:
+    """A Deliver that puts `(tag, item)` on an asyncio queue from any thread. Make it inside
+    the event loop. `deliver_all` hands a step's items for one loop over in one call."""
+
+    def __init__(self, q: asyncio.Queue, tag: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue, self.tag = q, tag
+
+    def __call__(self, item: SequenceOutput | EngineFailure | Resumed) -> None:
+        _call_in(self.loop, _put_all, [(self.queue, (self.tag, item))])
+
+
 def asyncio_deliver(q: asyncio.Queue, tag: int) -> Deliver:
-    """A Deliver that puts `(tag, item)` on `q` from any thread. Call it inside the event loop."""
-    loop = asyncio.get_running_loop()
+    return AsyncioDeliver(q, tag)
 
-    def deliver(item: SequenceOutput | EngineFailure | Resumed) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, (tag, item))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
-    return deliver
+def deliver_all(items: list[tuple[Deliver, SequenceOutput]]) -> None:
+    """Deliver a step's outputs in order: one wake-up per event loop for all of its requests
+    rather than one per request, which keeps the engine thread's share of a step (and of the
+    interpreter lock) small at hundreds of streams."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+    for deliver, item in items:
+        if isinstance(deliver, AsyncioDeliver):
+            by_loop.setdefault(deliver.loop, []).append((deliver.queue, (deliver.tag, item)))
+        else:
+            deliver(item)
+    for loop, puts in by_loop.items():
+        _call_in(loop, _put_all, puts)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for q, entry in puts:
+        q.put_nowait(entry)
 
 
 @dataclass(frozen=True)
@@ -283,13 +312,15 @@ class EngineLoop:
             else:
                 log.warning("engine refused a request: %s", e)
             return
+        deliveries = []
         for out in outputs:
             flight = self._flights.get(out.request_id)
             if flight is None:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._flights[out.request_id]
-            flight.deliver(out)
+            deliveries.append((flight.deliver, out))
+        deliver_all(deliveries)
         self._stats = self.client.stats()
 
     # ----- an outage (Recovery.resume) -----

@@ -472,3 +472,33 @@ def test_add_and_update_validation() -> None:
 def test_config_validation(kwargs: dict, field_name: str) -> None:
     with pytest.raises(ValueError, match=f"SchedulerConfig.{field_name}="):
         SchedulerConfig(**kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    st.integers(4, 32),
+    st.integers(1, 8),
+    st.integers(1, 6),
+)
+def test_budget_filled_with_prefill_chunks_beside_decodes(
+    prompt_lens: list[int], budget: int, max_num_seqs: int, max_tokens: int
+) -> None:
+    """Hundreds of requests at once, as a server at saturation sees them: a step leaves token
+    budget unused only when nothing could take it (no waiting prompt, or max_num_seqs
+    running), and a step that decodes also carries the prefill chunks that fit beside it."""
+    sched = make_scheduler(budget=budget, num_blocks=1000, max_num_seqs=max_num_seqs)
+    for i, n in enumerate(prompt_lens):
+        sched.add(make_seq(f"r{i}", n, max_tokens=max_tokens, ignore_eos=True))
+    while sched.has_unfinished:
+        before = {seq.request_id for seq in sched.running}
+        out = sched.schedule()
+        assert out.num_tokens <= budget
+        if sched.waiting and len(sched.running) < max_num_seqs:
+            assert out.num_tokens == budget, f"budget {budget} left unused: {layout(out)}"
+        decodes = any(e.seq.request_id in before for e in out.scheduled)
+        if decodes and len(before) < max_num_seqs and sched.waiting:
+            assert any(e.seq.request_id not in before for e in out.scheduled) or (
+                out.num_tokens == budget
+            ), f"decodes ran alone while prompts waited: {layout(out)}"
+        sched.update(out, sample_all(out))

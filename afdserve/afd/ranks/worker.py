@@ -37,6 +37,7 @@ from afdserve.afd.ranks.messages import (
     Shutdown,
     WorkerSpec,
 )
+from afdserve.afd.ranks.sender import OutputSender
 from afdserve.afd.step.control import open_control_plane
 from afdserve.engine.device import resolve_device
 from afdserve.engine.log_format import LOG_FORMAT_ENV, JsonLines
@@ -301,6 +302,18 @@ def boundary_bytes(built: BuiltRank) -> tuple[int, int]:
 
 
 def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
+    """Step until shutdown. Each step's outputs leave from the sender's thread (sender.py), so
+    their encoding overlaps the next step; all of them are sent before this returns or raises
+    (and so before a `Parted` or `RankFailed`)."""
+    sender = OutputSender(conn)
+    try:
+        _step_until_shutdown(built, rank, conn, sender)
+    finally:
+        sender.close()
+    sender.check()
+
+
+def _step_until_shutdown(built: BuiltRank, rank: int, conn: Channel, sender: OutputSender) -> None:
     idle_sleep = IDLE_SLEEP_S[0]
     last_sent = time.monotonic()
     while True:
@@ -308,7 +321,7 @@ def serve_attention(built: BuiltRank, rank: int, conn: Channel) -> None:
         if result.shutdown:
             return
         if result.outputs or time.monotonic() - last_sent > HEARTBEAT_S:
-            conn.send(Outputs(rank, tuple(result.outputs), _stats(built)))
+            sender.send(Outputs(rank, tuple(result.outputs), _stats(built)))
             last_sent = time.monotonic()
         if result.has_work:
             idle_sleep = IDLE_SLEEP_S[0]
