@@ -341,7 +341,10 @@ def run_server(llm_factory: Callable[[], LLM], options: ServeOptions) -> int:
         for path in remove_own_files():
             log.warning("removed %s, left by an interrupted start", path)
         sock.close()
+        # A caller's own handlers come back; the default ones do not, as the process exits
+        # next with `code`, and a SIGTERM landing in between would turn that into -15.
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if handler not in (signal.SIG_DFL, signal.default_int_handler):
+                signal.signal(sig, handler)
         progress("stopped")
     return code
