@@ -377,10 +377,11 @@ def test_deepseek_v4_refuses_speculation_by_name(tmp_path, block_size) -> None:
 def test_the_refusal_is_needed_for_deepseek_v4(tmp_path, monkeypatch) -> None:
     """With the refusal lifted, rolled-back drafts change V4's tokens: the refusal guards a
     real difference, not a guess."""
-    from afdserve.model.families.deepseek_v4.cache import V4Pages
+    from afdserve.model.families.deepseek_v4.cache import V4Pages, V4Window
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     monkeypatch.setattr(V4Pages, "rollback_refusal", None)
+    monkeypatch.setattr(V4Window, "rollback_refusal", None)
     model = str(make_tiny_v4(tmp_path / "v4"))
     common = dict(max_num_batched_tokens=24, block_size=4, kv_cache_blocks=48)
     want, _, _, _ = _run(model, None, GREEDY, rounds=1, **common)

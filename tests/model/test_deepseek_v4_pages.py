@@ -14,6 +14,7 @@ from afdserve.bench.capacity import sequences_by_bytes
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
+from afdserve.model.families.deepseek_v4.cache import V4Window
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
@@ -125,11 +126,18 @@ def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
     config = load_model_config(make_tiny_v4(tmp_path / "v4"))
     rope = config.qk_rope_head_dim
     size = {"state": 2, "float32": 4}
-    for spec in cache_layout(config).specs:
+    *pages, window = cache_layout(config).specs
+    # The window's rows, every layer's, in the window pool: a key each.
+    assert isinstance(window, V4Window) and window.layers == tuple(range(config.num_layers))
+    rows = 8  # a row per position
+    assert window.bytes_per_block(8, FP8) == rows * (config.head_dim + rope)
+    assert window.window == config.family_config.sliding_window
+    for spec in pages:
         geometry = spec.geometry(8)
         want = sum(
             rows * (width + rope if kind == "kv" else width * size[kind])
-            for _, rows, width, kind in geometry.pages
+            for name, rows, width, kind in geometry.pages
+            if name != "window"
         )
         assert spec.bytes_per_block(8, FP8) == want
         ring = sum(rows * width * size[kind] for _, rows, width, kind in geometry.open)
@@ -137,14 +145,17 @@ def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
 
 
 def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
-    """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (127
-    of them), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of the CSA
+    """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (a
+    row per position, in the window pool's block since the window pool), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of the CSA
     window ending the block (4 rows: what a prefix hit there reads); at 16 (no prefix caching:
     not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA entry slot. A
     sequence slot holds the open rows (kv and gate, m rows; CSA's two series) and CSA's last
     first series. FP8 holds 1.70x the bf16 cache's blocks at 128 (1.29x while the open rows were
     per block) and 1.76x at 16 (1.19x); at context 65536 in one budget, with the slots of the
-    scheduler's sequences taken first (engine/factory.py), 1.72x the sequences at 128."""
+    scheduler's sequences taken first (engine/factory.py), 1.72x the sequences at 128 while
+    every block kept its window rows; now the window's rows sit in the window pool (blocks
+    behind the window freed), 198 bf16 and 285 FP8 sequences (were 36 and 62): 1.44x, the
+    main blocks' CSA first series (bf16 rows, float32 gates) not halving."""
     flash = preset_config("deepseek-v4-flash")
     v4, layout = flash.family_config, cache_layout(flash)
     d, rope, di = flash.head_dim, flash.qk_rope_head_dim, v4.index_head_dim
@@ -157,7 +168,7 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
 
     prev = 4 * (d + di) * (2 + 4)  # CSA's and its indexer's first series: kv bf16, gates float32
     blocks = {}
-    for block_size, window, entries, prev_rows in ((128, 127, 32, prev), (16, 16, 4, 0)):
+    for block_size, window, entries, prev_rows in ((128, 128, 32, prev), (16, 16, 4, 0)):
         for fp8, dtype in ((False, torch.bfloat16), (True, FP8)):
             csa = entries * (key(d, fp8) + key(di, fp8)) + prev_rows
             want = 43 * window * key(d, fp8) + 21 * csa + 20 * key(d, fp8)
@@ -165,6 +176,8 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
             assert blocks[block_size, dtype] == want, (block_size, dtype)
             opened = 20 * 2 * 128 * d * 2 + 21 * 2 * 4 * 2 * (d + di) * 2
             assert layout.bytes_per_slot(dtype) == opened + 21 * prev
+            # The window's rows sit in the window pool's blocks, the rest in the main ones.
+            assert layout.bytes_per_window_block(block_size, dtype) == 43 * window * key(d, fp8)
     ratios = [round(blocks[b, torch.bfloat16] / blocks[b, FP8], 2) for b in (128, 16)]
     assert ratios == [1.70, 1.76]
     budget, seqs = 120 * 2**30, 256
@@ -173,4 +186,11 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
         for dtype in (torch.bfloat16, FP8)
     }
     print(f"deepseek-v4-flash, 120 GiB at 65536: {fit}")
-    assert fit[FP8] / fit[torch.bfloat16] > 1.7
+    # By hand: the slots first, then the window pool at its bound (1 null block, 256 sequences
+    # x (1 block of past window + 2), 16384 / 128 a step's), then the main blocks, 512 a sequence.
+    for fp8, dtype in ((False, torch.bfloat16), (True, FP8)):
+        main = 21 * (32 * (key(d, fp8) + key(di, fp8)) + prev) + 20 * key(d, fp8)
+        pool = (1 + 256 * 3 + 128) * 43 * 128 * key(d, fp8)
+        assert fit[dtype] == (budget - seqs * layout.bytes_per_slot(dtype) - pool) // main // 512
+    # Before the window pool (every block its 127 window rows): 36 and 62 sequences.
+    assert (fit[torch.bfloat16], fit[FP8]) == (198, 285)

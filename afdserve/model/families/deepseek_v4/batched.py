@@ -46,10 +46,16 @@ class StepRows:
     decode: bool = False  # every segment one row (known on the host: what a graph captures)
     # [rows] int64: the segment's state slot, where its open compressor rows sit (-1: pad rows).
     slots: torch.Tensor | None = None
+    # [rows, W] int64: the segment's window table, which addresses the window's rows (None:
+    # `tables` does).
+    window_tables: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, meta: AttentionMetadata) -> StepRows | None:
-        """The rows of `meta`, or None when it carries no device segments (`batched`)."""
+    def of(
+        cls, meta: AttentionMetadata, window: AttentionMetadata | None = None
+    ) -> StepRows | None:
+        """The rows of `meta`, or None when it carries no device segments (`batched`);
+        `window`: the same rows through the window pool's tables (None: `meta`'s)."""
         batched = meta.batched
         if batched is None:
             return None
@@ -64,6 +70,9 @@ class StepRows:
         slots = batched.state_slots
         if slots is None and batched.context_lens.numel() == 0:  # pad rows only
             slots = batched.context_lens
+        window_tables = None
+        if window is not None and window is not meta:
+            window_tables = F.pad(window.batched.block_tables.long(), (0, 0, 0, 1))[segment]
         return cls(
             meta.positions.long(),
             tables,
@@ -72,7 +81,13 @@ class StepRows:
             context,
             batched.max_query_len <= 1,
             None if slots is None else F.pad(slots.long(), (0, 1), value=-1)[segment],
+            window_tables,
         )
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """[rows, W] the tables that address each row's window rows."""
+        return self.tables if self.window_tables is None else self.window_tables
 
     def state_slots(self) -> torch.Tensor:
         """[rows] the state slots, which a compressed layer's open rows need."""
@@ -118,7 +133,7 @@ def step_attention(
     q_residual, q, kv = attn.project(x, cos_sin)
     kv = pages.as_stored(kv)
     back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    window_rows = pages.batch_rows("window", rows.tables, back)
+    window_rows = pages.batch_rows("window", rows.windows, back)
     selected = None
     if attn.compressor is not None:
         selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)

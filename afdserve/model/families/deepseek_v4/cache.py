@@ -28,7 +28,7 @@ from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
-from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
+from afdserve.model.families.deepseek_v4.geometry import WINDOW_PAGES, LayerGeometry
 
 _SHORT = {
     "sliding_attention": "sliding",
@@ -95,7 +95,7 @@ class V4Pages(CacheSpec):
         return LayerGeometry.of(self.config, self.layers[0], block_size)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return self.geometry(block_size).bytes_per_block(dtype)
+        return self.geometry(block_size).bytes_per_block(dtype, window=False)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         # The open rings do not depend on the block size.
@@ -108,7 +108,13 @@ class V4Pages(CacheSpec):
                 "a slot per sequence; give >= 1"
             )
         geometry = self.geometry(block_size)
-        return [LayerPages(geometry, num_blocks, dtype, device, num_slots) for _ in self.layers]
+        return [
+            LayerPages(geometry, num_blocks, dtype, device, num_slots, window=False)
+            for _ in self.layers
+        ]
+
+    def join(self, layer_cache: LayerPages, window_cache: LayerPages) -> LayerPages:
+        return layer_cache.join(window_cache)
 
     @staticmethod
     def tensors(layer_cache: LayerPages):
@@ -116,14 +122,36 @@ class V4Pages(CacheSpec):
         yield from layer_cache.slots.values()
 
 
+@dataclass(frozen=True)
+class V4Window(CacheSpec):
+    """Every layer's sliding-window rows (`LayerGeometry`'s `window` pages), in the engine's
+    window pool: a query at p reads p - window < j <= p, so the blocks behind it are freed.
+    Each layer's `V4Pages` joins them to its other pages (`LayerPages.join`)."""
+
+    layers: tuple[int, ...]
+    config: ModelConfig
+    window: int | None = None
+    kind: str = "window"
+    rollback_refusal = ROLLBACK_REFUSAL
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return LayerGeometry.of(self.config, 0, block_size).bytes_per_block(dtype, window=True)
+
+    def allocate(self, num_blocks, block_size, dtype, device):
+        geometry = LayerGeometry.of(self.config, 0, block_size)
+        return [LayerPages(geometry, num_blocks, dtype, device, window=True) for _ in self.layers]
+
+
 def cache_layout(config: ModelConfig) -> CacheLayout:
-    """One spec per attention type, in the order the types first appear."""
+    """One spec per attention type, in the order the types first appear, and the window's."""
     types = config.family_config.attention_types
     groups: dict[str, list[int]] = {}
     for i, kind in enumerate(types):
         groups.setdefault(kind, []).append(i)
     specs = tuple(V4Pages(kind, tuple(layers), config) for kind, layers in groups.items())
-    return CacheLayout(specs, config.num_layers)
+    every = tuple(range(config.num_layers))
+    window = V4Window(every, config, config.family_config.sliding_window)
+    return CacheLayout((*specs, window), config.num_layers)
 
 
 class LayerPages:
@@ -143,7 +171,10 @@ class LayerPages:
         dtype: torch.dtype,
         device: torch.device | str,
         num_slots: int = 0,
+        window: bool | None = None,
     ) -> None:
+        """`window`: the window's pages alone (True: the window pool's part), the others
+        (False: the main pages' and the slot's, `join` adds the window's), or all (None)."""
         self.geometry = geometry
         self.scale = 1.0
         self.fp8 = dtype == ops.FP8_DTYPE
@@ -152,8 +183,13 @@ class LayerPages:
         # sends the writes of pad rows, so they never land in a real sequence's state. It
         # belongs to no block or slot and is never read as state; `bytes` counts pages and
         # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first.
-        pages = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype)}
-        rings = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype, True)}
+        pages = {
+            name: (rows, width, d)
+            for name, rows, width, d in geometry.stored(dtype)
+            if window is None or (name in WINDOW_PAGES) == window
+        }
+        stored = geometry.stored(dtype, True) if not window else []
+        rings = {name: (rows, width, d) for name, rows, width, d in stored}
         self.flat, self.pages, self.slots = {}, {}, {}
         self.ring_base: dict[str, int] = {}  # the flat row of each ring's slot 0
         for name in (*pages, *(name for name in rings if name not in pages)):
@@ -169,6 +205,12 @@ class LayerPages:
             if name in rings:
                 self.ring_base[name] = base
                 self.slots[name] = flat[base:-1].view(num_slots, ring_rows, width)
+
+    def join(self, window: LayerPages) -> LayerPages:
+        """These pages with `window`'s (the window pool's part of the same layer)."""
+        self.flat.update(window.flat)
+        self.pages.update(window.pages)
+        return self
 
     @property
     def bytes(self) -> int:
@@ -317,18 +359,23 @@ class LayerPages:
 
     # ----- the per-sequence state -----
     def read(
-        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None, slot: int = -1
+        self,
+        table: torch.Tensor,
+        start: int,
+        dtype: torch.dtype | None = None,
+        slot: int = -1,
+        window_table: torch.Tensor | None = None,
     ) -> LayerState | None:
         """The state a chunk starting at position `start` needs (None at position 0), in the
         reader's `dtype` (`_load`; the first series' gates stay float32); `slot`: the
-        sequence's, needed only where `start` is inside a compressor window."""
+        sequence's, needed only where `start` is inside a compressor window; `window_table`:
+        the sequence's window table, which addresses the window's rows (None: `table`)."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
         window = self._span(start - (g.window - 1), start, dev)
-        state = LayerState(
-            self._load("window", self._rows_of("window", table, window), dtype), window
-        )
+        rows = self._rows_of("window", table if window_table is None else window_table, window)
+        state = LayerState(self._load("window", rows, dtype), window)
         if g.rate:
             state.compressor = self._read_compressor("", table, start, dtype, slot)
             if g.kind == "compressed_sparse_attention":
@@ -380,17 +427,24 @@ class LayerPages:
         return state
 
     def write(
-        self, table: torch.Tensor, start: int, end: int, after: LayerState, slot: int = -1
+        self,
+        table: torch.Tensor,
+        start: int,
+        end: int,
+        after: LayerState,
+        slot: int = -1,
+        window_table: torch.Tensor | None = None,
     ) -> None:
-        """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
-        its windows closed, the open window's rows and (CSA) the last closed window's first
-        series. Only rows a later chunk reads are written, so no two share a page row. Fed a
-        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state; the
-        open rows go to the sequence's `slot` (needed where `end` is inside a window)."""
+        """Store what a chunk of positions [start, end) leaves: its own window rows (through
+        `window_table`, as `read`), the entries its windows closed, the open window's rows and
+        (CSA) the last closed window's first series. Only rows a later chunk reads are written,
+        so no two share a page row. Fed a chunk block by block (`LayerGeometry.pieces`), it
+        leaves every block's end state; the open rows go to the sequence's `slot` (needed
+        where `end` is inside a window)."""
         new = after.window_pos >= start
-        self._save(
-            "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
-        )
+        windows = table if window_table is None else window_table
+        rows = self._rows_of("window", windows, after.window_pos[new])
+        self._save("window", rows, after.window_kv[new])
         if self.geometry.rate:
             self._write_compressor("", table, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":

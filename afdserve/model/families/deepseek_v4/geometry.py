@@ -12,13 +12,19 @@ import torch
 from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
 
+# The sliding window's pages: kept in the engine's window pool (cache.V4Window), the others in
+# the main pages.
+WINDOW_PAGES = ("window", "window_rope")
+
 
 @dataclass(frozen=True)
 class LayerGeometry:
     """One layer's pages per block: name -> (rows, width, storage), for rate m and B = block_size:
-    - `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
-      table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
-      fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
+    - `window` [B, head_dim]: the rotated KV of position p sits in block table[p // B] at row
+      p % B, through the sequence's window table: its pages are in the engine's window pool,
+      which frees the blocks behind the window, so a row per position costs a few blocks per
+      sequence (it was a ring of window - 1 rows per block while every block kept it), and no
+      write ever lands on another position's row.
     - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
       in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
       block, the only part that grows with the context.
@@ -51,7 +57,7 @@ class LayerGeometry:
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
         v4, dim = config.family_config, config.head_dim
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
-        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
+        pages = [("window", block_size, dim, "kv")]
         open_rows: list[tuple[str, int, int, str]] = []
         rates = (v4.compress_rate(i) for i in range(len(v4.attention_types)))
         prev_in_slot = block_size % math.lcm(*(r for r in rates if r)) != 0
@@ -122,8 +128,14 @@ class LayerGeometry:
                 out.append((f"{name}_rope", rows, self.rope, torch.bfloat16))
         return out
 
-    def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
+    def bytes_per_block(self, dtype: torch.dtype, window: bool | None = None) -> int:
+        """Bytes of the pages per block: the window's alone (`window` True), the others
+        (False), or all of them (None)."""
+        return sum(
+            rows * width * d.itemsize
+            for name, rows, width, d in self.stored(dtype)
+            if window is None or (name in WINDOW_PAGES) == window
+        )
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype, True))

@@ -211,7 +211,7 @@ class V4CausalLM(nn.Module):
         h, x, post, comb = connect(block.attn_hc, block.input_layernorm, h, update)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
-        rows = StepRows.of(meta)
+        rows = StepRows.of(meta, meta.window or meta)
         if rows is None:
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
         else:
@@ -233,15 +233,16 @@ class V4CausalLM(nn.Module):
         resume (`LayerGeometry.pieces`: each block's end state written); the oracle of
         batched.py."""
         y = torch.zeros_like(x)
-        for seg in meta.segments:
-            start = seg.context_len - seg.num_rows
-            state = cache.read(seg.block_table, start, x.dtype, seg.state_slot)
+        windows = (meta.window or meta).segments  # the window's rows: its pool's table
+        for seg, window in zip(meta.segments, windows, strict=True):
+            start, table, slot = seg.context_len - seg.num_rows, seg.block_table, seg.state_slot
+            state = cache.read(table, start, x.dtype, slot, window.block_table)
             for lo, hi in cache.geometry.pieces(start, seg.context_len):
                 rows = slice(seg.row_start + lo - start, seg.row_start + hi - start)
                 out, state = attn(
                     x[rows], meta.positions[rows], own, compress, state, cache.as_stored
                 )
-                cache.write(seg.block_table, lo, hi, state, seg.state_slot)
+                cache.write(table, lo, hi, state, slot, window.block_table)
                 y[rows] = out
         return y
 
