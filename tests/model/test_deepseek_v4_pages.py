@@ -146,16 +146,15 @@ def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
 
 def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
     """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (a
-    row per position, in the window pool's block since the window pool), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of the CSA
-    window ending the block (4 rows: what a prefix hit there reads); at 16 (no prefix caching:
-    not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA entry slot. A
-    sequence slot holds the open rows (kv and gate, m rows; CSA's two series) and CSA's last
-    first series. FP8 holds 1.70x the bf16 cache's blocks at 128 (1.29x while the open rows were
-    per block) and 1.76x at 16 (1.19x); at context 65536 in one budget, with the slots of the
-    scheduler's sequences taken first (engine/factory.py), 1.72x the sequences at 128 while
-    every block kept its window rows; now the window's rows sit in the window pool (blocks
-    behind the window freed), 198 bf16 and 285 FP8 sequences (were 36 and 62): 1.44x, the
-    main blocks' CSA first series (bf16 rows, float32 gates) not halving."""
+    row per position, in the window pool's block), the entries (CSA 32 and its indexer's 32,
+    HCA 1) and the first series of the CSA window ending the block (4 rows: what a prefix hit
+    there reads); at 16 (no prefix caching: not a multiple of HCA's 128) 16 window rows, 4 + 4
+    CSA entries, 1 HCA entry slot. A sequence slot holds the open rows (kv and gate, m rows;
+    CSA's two series) and CSA's last first series. FP8 holds 1.70x the bf16 cache's blocks at
+    128 and 1.76x at 16. At context 65536 in 120 GiB, the slots of the scheduler's sequences
+    taken first, then the window pool at its bound (engine/factory.py): 198 bf16 and 285 FP8
+    sequences (36 and 62 while every block kept its window rows), 1.44x: the main blocks' CSA
+    first series (bf16 rows, float32 gates) do not halve."""
     flash = preset_config("deepseek-v4-flash")
     v4, layout = flash.family_config, cache_layout(flash)
     d, rope, di = flash.head_dim, flash.qk_rope_head_dim, v4.index_head_dim
