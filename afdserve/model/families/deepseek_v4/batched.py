@@ -7,7 +7,8 @@ sync: shapes follow the row count and the block-table width W, never a sequence'
 reads position q from its own chunk when q >= start (`StepRows.chunk_or`), else from the pages
 (`LayerPages.read`'s contract). Each page row is written by the one row whose value
 `LayerPages.write` would leave there (block by block where blocks resume: each completed block's
-end state too), after every read of that page; a sequence writes only positions of its own chunk
+end state too; every row its own window row, through the window tables), after every read of
+that page; a sequence writes only positions of its own chunk
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
@@ -108,10 +109,6 @@ class StepRows:
         own = (positions >= self.start[:, None])[..., None]
         return torch.where(own, values[source], cached.to(values.dtype))
 
-    def block_end(self, block_size: int) -> torch.Tensor:
-        """[rows] the end of each row's piece: its block's end, or its chunk's if sooner."""
-        return torch.minimum((self.positions // block_size + 1) * block_size, self.end)
-
 
 def step_attention(
     attn: V4Attention,
@@ -124,8 +121,8 @@ def step_attention(
     """One layer's attention of a ubatch: x [rows, hidden] -> [rows, hidden], as
     `V4Attention.forward` gives each chunk over `pages.read`'s state, with what `pages.write`
     would store written to the pages. The window of the row at p: positions p - window + 1 ..
-    p, masked where negative; the last window - 1 positions of each piece (`LayerGeometry.pieces`:
-    the chunk, cut at block ends where blocks resume) go to the ring."""
+    p, masked where negative; every row's own goes to its position's row of the window pages
+    (so a row past what the sequence keeps, a rejected draft's, overwrites no other)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     p, real = rows.positions, rows.real
@@ -138,9 +135,8 @@ def step_attention(
     if attn.compressor is not None:
         selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
     out = _attend(attn, pages, q, kv, rows, window_rows, selected)
-    # After every read of the ring: row p's slot may still hold a position the window needs.
-    last = real & (p >= _piece_end(pages, rows) - (attn.window - 1))
-    pages.store("window", window_rows[:, :1], kv[:, None], last[:, None])  # back[:, 0] is p
+    # After every read of the window (fused kernels read the pages while rows are written).
+    pages.store("window", window_rows[:, :1], kv[:, None], real[:, None])  # back[:, 0] is p
     y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
 
@@ -215,13 +211,6 @@ def _compressed(
     index_new = _compress(indexer, pages, "index_", x, rows, rope)
     top = indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, index_new))
     return top, _compress(comp, pages, "", x, rows, rope)
-
-
-def _piece_end(pages: LayerPages, rows: StepRows) -> torch.Tensor:
-    """[rows] where the piece holding each row ends (the pages' writes leave that end's state)."""
-    if pages.geometry.resumable:
-        return rows.block_end(pages.geometry.block_size)
-    return rows.end
 
 
 def _index_scores(

@@ -1,8 +1,10 @@
-"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, and the
-compressors' open rows in one slot per sequence.
+"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, its sliding
+window's rows in the engine's window pool, and the compressors' open rows in one slot per
+sequence.
 
 The engine gives each sequence one block table, as for every family (block b of the table covers
-positions [b B, (b + 1) B), B = block_size), and one state slot. A V4 layer keeps, per physical
+positions [b B, (b + 1) B), B = block_size), a window table over the window pool (`V4Window`:
+its blocks behind the window are freed) and one state slot. A V4 layer keeps, per physical
 block, pages of its own geometry (`LayerGeometry` lists them), each page addressed by position;
 what does not grow with the context, the rows of the window its compressor has not pooled yet,
 sits in the sequence's slot (a ring of m rows). So any chunking works (a chunk reads the state
@@ -53,10 +55,15 @@ GRAPH_CONTEXT_LIMIT = (
 )
 
 
-# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py).
+# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py). The window's
+# rows sit at their own positions, so its pages (and a sliding layer's) take rollback.
 ROLLBACK_REFUSAL = (
-    "its window rings and compressor rows hold a position's row only until a later position's "
-    "write replaces it, so a rejected draft's row overwrites one the window still reads"
+    "a compressed layer keeps the open compressor window's rows in a ring of compress_rate rows "
+    "per sequence slot, filled only with the rows of the window open at the chunk's end, and "
+    "CSA's last closed first series in one slot row set: a draft that closes a window starts "
+    "the ring over with the next window's rows and writes its own first series, so once it is "
+    "rejected the window still open at the accepted position has lost its rows and the first "
+    "series its entry pools is the draft's"
 )
 
 
@@ -69,7 +76,6 @@ class V4Pages(CacheSpec):
     config: ModelConfig
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     graph_context_limit = GRAPH_CONTEXT_LIMIT
-    rollback_refusal = ROLLBACK_REFUSAL
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
     # runs what a graph captures.
     batched_segments = True
@@ -77,6 +83,11 @@ class V4Pages(CacheSpec):
     @property
     def kind(self) -> str:
         return _SHORT[self.attention_type]
+
+    @property
+    def rollback_refusal(self) -> str | None:
+        """A sliding layer's state is its window pages alone (a row per position, V4Window)."""
+        return None if self.attention_type == "sliding_attention" else ROLLBACK_REFUSAL
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         if self.geometry(block_size).resumable:
@@ -132,7 +143,6 @@ class V4Window(CacheSpec):
     config: ModelConfig
     window: int | None = None
     kind: str = "window"
-    rollback_refusal = ROLLBACK_REFUSAL
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return LayerGeometry.of(self.config, 0, block_size).bytes_per_block(dtype, window=True)
@@ -435,20 +445,22 @@ class LayerPages:
         slot: int = -1,
         window_table: torch.Tensor | None = None,
     ) -> None:
-        """Store what a chunk of positions [start, end) leaves: its own window rows (through
-        `window_table`, as `read`), the entries its windows closed, the open window's rows and
-        (CSA) the last closed window's first series. Only rows a later chunk reads are written,
-        so no two share a page row. Fed a chunk block by block (`LayerGeometry.pieces`), it
-        leaves every block's end state; the open rows go to the sequence's `slot` (needed
-        where `end` is inside a window)."""
-        new = after.window_pos >= start
-        windows = table if window_table is None else window_table
-        rows = self._rows_of("window", windows, after.window_pos[new])
-        self._save("window", rows, after.window_kv[new])
+        """Store what a chunk of positions [start, end) leaves: the window rows `after` holds
+        (`write_window`, through `window_table` as `read`), the entries its windows closed, the
+        open window's rows and (CSA) the last closed window's first series. Fed a chunk block
+        by block (`LayerGeometry.pieces`), it leaves every block's end state; the open rows go
+        to the sequence's `slot` (needed where `end` is inside a window)."""
+        self.write_window(table if window_table is None else window_table, start, after)
         if self.geometry.rate:
             self._write_compressor("", table, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":
                 self._write_compressor("index_", table, (start, end), after.indexer, slot)
+
+    def write_window(self, window_table: torch.Tensor, start: int, after: LayerState) -> None:
+        """The window rows of positions >= `start` that `after` holds, at their own rows."""
+        new = after.window_pos >= start
+        rows = self._rows_of("window", window_table, after.window_pos[new])
+        self._save("window", rows, after.window_kv[new])
 
     def _write_compressor(
         self,

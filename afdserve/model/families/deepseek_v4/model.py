@@ -27,6 +27,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
+from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
 from afdserve.model.families.deepseek_v4.mhc import (
     HyperConnection,
     HyperHead,
@@ -40,6 +41,14 @@ from afdserve.model.parts import ModelParts
 
 FFNHalf = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 StreamState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, post, comb
+
+
+def window_cuts(geometry: LayerGeometry, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into runs of at most window - 1 rows: the state after a run holds its last
+    window - 1 rows, so writing each run's leaves every row in the window pages (as the batched
+    path writes them: a row per position, whatever the chunk's length)."""
+    step = max(1, geometry.window - 1)
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 @dataclass
@@ -238,12 +247,14 @@ class V4CausalLM(nn.Module):
             start, table, slot = seg.context_len - seg.num_rows, seg.block_table, seg.state_slot
             state = cache.read(table, start, x.dtype, slot, window.block_table)
             for lo, hi in cache.geometry.pieces(start, seg.context_len):
-                rows = slice(seg.row_start + lo - start, seg.row_start + hi - start)
-                out, state = attn(
-                    x[rows], meta.positions[rows], own, compress, state, cache.as_stored
-                )
+                for a, b in window_cuts(cache.geometry, lo, hi):
+                    rows = slice(seg.row_start + a - start, seg.row_start + b - start)
+                    out, state = attn(
+                        x[rows], meta.positions[rows], own, compress, state, cache.as_stored
+                    )
+                    cache.write_window(window.block_table, a, state)
+                    y[rows] = out
                 cache.write(table, lo, hi, state, slot, window.block_table)
-                y[rows] = out
         return y
 
     def add_ffn_output(self, residual: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
