@@ -143,11 +143,12 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     )
     assert rings == 2 * layout.bytes_per_slot(f32) > 0
     assert cache.bytes == held + rings
-    *types, window = layout.specs  # one spec per attention type, and every layer's window
-    assert isinstance(window, V4Window) and window.layers == tuple(range(config.num_layers))
-    per_window = window.bytes_per_block(block_size, f32)
-    for spec in types:
-        per_block = spec.bytes_per_block(block_size, f32) + per_window
+    # Per attention type its pages, then (after them all) its window-pool pages.
+    windows = [spec for spec in layout.specs if isinstance(spec, V4Window)]
+    types = [spec for spec in layout.specs if spec not in windows]
+    assert [w.attention_type for w in windows] == [t.attention_type for t in types]
+    for spec, window in zip(types, windows, strict=True):
+        per_block = spec.bytes_per_block(block_size, f32) + window.bytes_per_block(block_size, f32)
         layers = [pages for pages in cache.layers if pages.geometry.kind == spec.attention_type]
         assert [cache.layers.index(pages) for pages in layers] == list(spec.layers)
         assert all(pages.bytes == 3 * per_block + 2 * spec.bytes_per_slot(f32) for pages in layers)
@@ -173,7 +174,9 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     assert ready.memory.cache_bytes == want
     assert ready.memory.cache_blocks == 5
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
-    assert f"{config.num_layers} window x {per_window} B" in line
+    for window in windows:
+        per_window = window.bytes_per_block(block_size, f32)
+        assert f"{len(window.layers)} {window.kind} x {per_window} B" in line
     for spec in types:
         short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[spec.attention_type]
         per_block = spec.bytes_per_block(block_size, f32)

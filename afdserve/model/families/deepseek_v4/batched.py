@@ -283,7 +283,7 @@ def _compress(
         pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", open_earlier))
         pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", open_earlier))
         pending_gate = pending_gate + comp.position_bias
-        previous = pages.batch_prev_rows(tables, state_slots, earlier)
+        previous = pages.batch_prev_rows((tables, rows.windows), state_slots, earlier)
         paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
         first_kv = torch.where(
             paged, pages.take(f"{prefix}prev_kv", previous, kv.dtype), pending[..., :d]
@@ -297,7 +297,7 @@ def _compress(
         # Kept: a window ending a block (in its pages), and the chunk's last (in the slot).
         kept = pages.keeps_prev_in_page(p + 1) | ((p + 1) // m == end // m)
         last = (closes & kept)[:, None].expand(-1, m)
-        own_prev = pages.batch_prev_rows(tables, state_slots, members)
+        own_prev = pages.batch_prev_rows((tables, rows.windows), state_slots, members)
         pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
@@ -338,7 +338,7 @@ def _compress_decode(
     wanted = [pages.batch_open_rows(rows.state_slots(), open_rows)]
     if comp.overlap:
         prev = torch.cat((members - m, members), dim=1)
-        wanted.append(pages.batch_prev_rows(tables, rows.state_slots(), prev))
+        wanted.append(pages.batch_prev_rows((tables, rows.windows), rows.state_slots(), prev))
     addresses = torch.cat(wanted, dim=1)
     entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)

@@ -30,7 +30,7 @@ from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
-from afdserve.model.families.deepseek_v4.geometry import WINDOW_PAGES, LayerGeometry
+from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
 
 _SHORT = {
     "sliding_attention": "sliding",
@@ -135,33 +135,43 @@ class V4Pages(CacheSpec):
 
 @dataclass(frozen=True)
 class V4Window(CacheSpec):
-    """Every layer's sliding-window rows (`LayerGeometry`'s `window` pages), in the engine's
-    window pool: a query at p reads p - window < j <= p, so the blocks behind it are freed.
-    Each layer's `V4Pages` joins them to its other pages (`LayerPages.join`)."""
+    """The window-pool pages of the layers of one attention type (`LayerGeometry`'s
+    `pooled` ones: the sliding window's rows, and a CSA layer's first series of the window
+    ending each block): a query at p reads p - window < j <= p and a chunk resuming at p the
+    series of the window ending there, so the blocks behind the window are freed. Each
+    layer's `V4Pages` joins them to its other pages (`LayerPages.join`)."""
 
+    attention_type: str
     layers: tuple[int, ...]
     config: ModelConfig
     window: int | None = None
-    kind: str = "window"
+
+    @property
+    def kind(self) -> str:
+        return f"{_SHORT[self.attention_type]} window"
+
+    def geometry(self, block_size: int) -> LayerGeometry:
+        return LayerGeometry.of(self.config, self.layers[0], block_size)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return LayerGeometry.of(self.config, 0, block_size).bytes_per_block(dtype, window=True)
+        return self.geometry(block_size).bytes_per_block(dtype, window=True)
 
     def allocate(self, num_blocks, block_size, dtype, device):
-        geometry = LayerGeometry.of(self.config, 0, block_size)
+        geometry = self.geometry(block_size)
         return [LayerPages(geometry, num_blocks, dtype, device, window=True) for _ in self.layers]
 
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
-    """One spec per attention type, in the order the types first appear, and the window's."""
+    """Per attention type, in the order the types first appear, its pages and (after them all)
+    its window-pool pages."""
     types = config.family_config.attention_types
     groups: dict[str, list[int]] = {}
     for i, kind in enumerate(types):
         groups.setdefault(kind, []).append(i)
-    specs = tuple(V4Pages(kind, tuple(layers), config) for kind, layers in groups.items())
-    every = tuple(range(config.num_layers))
-    window = V4Window(every, config, config.family_config.sliding_window)
-    return CacheLayout((*specs, window), config.num_layers)
+    window = config.family_config.sliding_window
+    pages = [V4Pages(kind, tuple(layers), config) for kind, layers in groups.items()]
+    windows = [V4Window(kind, tuple(layers), config, window) for kind, layers in groups.items()]
+    return CacheLayout((*pages, *windows), config.num_layers)
 
 
 class LayerPages:
@@ -192,11 +202,12 @@ class LayerPages:
         # buffer one row longer: that last row (`scratch`) is where the batched path (batched.py)
         # sends the writes of pad rows, so they never land in a real sequence's state. It
         # belongs to no block or slot and is never read as state; `bytes` counts pages and
-        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first.
+        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first
+        # (the window pool's, `join`).
         pages = {
             name: (rows, width, d)
             for name, rows, width, d in geometry.stored(dtype)
-            if window is None or (name in WINDOW_PAGES) == window
+            if window is None or geometry.pooled(name) == window
         }
         stored = geometry.stored(dtype, True) if not window else []
         rings = {name: (rows, width, d) for name, rows, width, d in stored}
@@ -217,9 +228,21 @@ class LayerPages:
                 self.slots[name] = flat[base:-1].view(num_slots, ring_rows, width)
 
     def join(self, window: LayerPages) -> LayerPages:
-        """These pages with `window`'s (the window pool's part of the same layer)."""
-        self.flat.update(window.flat)
-        self.pages.update(window.pages)
+        """These pages with `window`'s (the window pool's part of the same layer). CSA's first
+        series keep one flat buffer, the window pool's pages then the slots' rings (the fused
+        decode compressor addresses both in one tensor): joined into a new one."""
+        for name, flat in window.flat.items():
+            if name in self.slots:
+                pages, rings = window.pages[name], self.slots[name]
+                base = pages.shape[0] * pages.shape[1]
+                flat = torch.cat((flat[:-1], self.flat[name]))  # ours ends with the scratch row
+                self.slots[name] = flat[base:-1].view(rings.shape)
+                self.ring_base[name] = base
+            self.flat[name] = flat
+            if name in window.pages:
+                self.pages[name] = flat[: window.pages[name].numel() // flat.shape[-1]].view(
+                    window.pages[name].shape
+                )
         return self
 
     @property
@@ -305,12 +328,18 @@ class LayerPages:
         return (positions // g.rate + 1) * g.rate % g.block_size == 0
 
     def _prev_rows(
-        self, table: torch.Tensor, slot: torch.Tensor | int, positions: torch.Tensor
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        slot: torch.Tensor | int,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
         """Flat rows of CSA's first series (`prev_*`, every compressor's alike) for positions of
-        one window each: in the window's block where it ends a block (`_in_page`), in the
-        sequence's slot otherwise. Only the last window a chunk closes goes to the slot, so
-        its ring holds the one the next chunk reads."""
+        one window each: in the window's block where it ends a block (`_in_page`; a block of
+        the window pool, `table` the window table: a prefix hit there needs that block
+        cached), in the sequence's slot otherwise. Only the last window a chunk closes goes to
+        the slot, so its ring holds the one the next chunk reads. `tables`: the main and the
+        window tables (the pages' pool's addresses them: `LayerGeometry.pooled`)."""
+        table = tables[1] if self.geometry.pooled("prev_kv") else tables[0]
         ring = self._open_rows(slot, positions, "prev_kv")
         in_page = self._in_page(positions)
         if in_page is False:
@@ -337,9 +366,13 @@ class LayerPages:
         return self._open_rows(slots, positions)
 
     def batch_prev_rows(
-        self, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n]."""
+        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n];
+        `tables`: the main and the window tables [rows, W]."""
         return self._prev_rows(tables, slots, positions)
 
     def keeps_prev_in_page(self, window_end: torch.Tensor) -> torch.Tensor | bool:
@@ -384,12 +417,14 @@ class LayerPages:
             return None
         g, dev = self.geometry, table.device
         window = self._span(start - (g.window - 1), start, dev)
-        rows = self._rows_of("window", table if window_table is None else window_table, window)
-        state = LayerState(self._load("window", rows, dtype), window)
+        tables = (table, table if window_table is None else window_table)
+        state = LayerState(
+            self._load("window", self._rows_of("window", tables[1], window), dtype), window
+        )
         if g.rate:
-            state.compressor = self._read_compressor("", table, start, dtype, slot)
+            state.compressor = self._read_compressor("", tables, start, dtype, slot)
             if g.kind == "compressed_sparse_attention":
-                state.indexer = self._read_compressor("index_", table, start, dtype, slot)
+                state.indexer = self._read_compressor("index_", tables, start, dtype, slot)
         return state
 
     def _slot_for(self, slot: int, pending: torch.Tensor) -> int:
@@ -400,24 +435,28 @@ class LayerPages:
             )
         return slot
 
-    def _prev_span(self, table: torch.Tensor, slot: int, window: int) -> torch.Tensor:
-        """The flat rows of window `window`'s first series (one sequence)."""
+    def _prev_span(
+        self, tables: tuple[torch.Tensor, torch.Tensor], slot: int, window: int
+    ) -> torch.Tensor:
+        """The flat rows of window `window`'s first series (one sequence; `tables`: its main
+        and window tables)."""
         m = self.geometry.rate
-        positions = self._span(window * m, (window + 1) * m, table.device)
+        positions = self._span(window * m, (window + 1) * m, tables[0].device)
         in_page = self._in_page(positions[-1:])
         if in_page is False or not bool(in_page):
             self._slot_for(slot, positions)
-        return self._prev_rows(table, slot, positions)
+        return self._prev_rows(tables, slot, positions)
 
     def _read_compressor(
         self,
         prefix: str,
-        table: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         start: int,
         dtype: torch.dtype | None,
         slot: int,
     ) -> CompressorState:
-        m, dev = self.geometry.rate, table.device
+        """`tables`: the main table (entries) and the window table (first series)."""
+        table, m, dev = tables[0], self.geometry.rate, tables[0].device
         closed = start // m
         entries = torch.arange(closed, device=dev)
         pending = self._span(closed * m, start, dev)
@@ -432,7 +471,7 @@ class LayerPages:
             get("open_gate", open_rows),
         )
         if f"{prefix}prev_kv" in self.flat and closed > 0:
-            prev = self._prev_span(table, slot, closed - 1)
+            prev = self._prev_span(tables, slot, closed - 1)
             state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
@@ -450,11 +489,12 @@ class LayerPages:
         open window's rows and (CSA) the last closed window's first series. Fed a chunk block
         by block (`LayerGeometry.pieces`), it leaves every block's end state; the open rows go
         to the sequence's `slot` (needed where `end` is inside a window)."""
-        self.write_window(table if window_table is None else window_table, start, after)
+        tables = (table, table if window_table is None else window_table)
+        self.write_window(tables[1], start, after)
         if self.geometry.rate:
-            self._write_compressor("", table, (start, end), after.compressor, slot)
+            self._write_compressor("", tables, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":
-                self._write_compressor("index_", table, (start, end), after.indexer, slot)
+                self._write_compressor("index_", tables, (start, end), after.indexer, slot)
 
     def write_window(self, window_table: torch.Tensor, start: int, after: LayerState) -> None:
         """The window rows of positions >= `start` that `after` holds, at their own rows."""
@@ -465,13 +505,14 @@ class LayerPages:
     def _write_compressor(
         self,
         prefix: str,
-        table: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         span: tuple[int, int],
         state: CompressorState,
         slot: int,
     ) -> None:
+        """`tables`: the main table (entries) and the window table (first series)."""
         start, end = span
-        m, dev = self.geometry.rate, table.device
+        table, m, dev = tables[0], self.geometry.rate, tables[0].device
         before, closed = start // m, end // m
         if closed > before:
             entries = torch.arange(before, closed, device=dev)
@@ -481,7 +522,7 @@ class LayerPages:
                 state.entries[before:closed],
             )
             if state.prev_kv is not None:
-                prev = self._prev_span(table, slot, closed - 1)
+                prev = self._prev_span(tables, slot, closed - 1)
                 self._save(f"{prefix}prev_kv", prev, state.prev_kv)
                 self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)

@@ -12,10 +12,6 @@ import torch
 from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
 
-# The sliding window's pages: kept in the engine's window pool (cache.V4Window), the others in
-# the main pages.
-WINDOW_PAGES = ("window", "window_rope")
-
 
 @dataclass(frozen=True)
 class LayerGeometry:
@@ -87,6 +83,17 @@ class LayerGeometry:
             prev_in_slot,
         )
 
+    def pooled(self, name: str) -> bool:
+        """Whether page `name` sits in the engine's window pool (cache.V4Window), whose blocks
+        behind the window are freed: the window's rows, and CSA's first series of the window
+        ending a block (what a chunk resuming there reads, in a block a prefix hit there needs
+        cached for the window's rows anyway), where the window reaches back past a compressor
+        window (window > m: a chunk reads that series only while it is in its last m
+        positions, so never from a freed block)."""
+        if name.startswith("window"):
+            return True
+        return name.endswith(("prev_kv", "prev_gate")) and self.window > self.rate
+
     @property
     def resumable(self) -> bool:
         """Whether every block boundary is one of the compressor's window boundaries: then the
@@ -134,7 +141,7 @@ class LayerGeometry:
         return sum(
             rows * width * d.itemsize
             for name, rows, width, d in self.stored(dtype)
-            if window is None or (name in WINDOW_PAGES) == window
+            if window is None or self.pooled(name) == window
         )
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
