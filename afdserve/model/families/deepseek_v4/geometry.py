@@ -27,7 +27,8 @@ class LayerGeometry:
     - `prev_kv`, `prev_gate` (CSA only, where B is a multiple of every compress rate, so that
       prefix caching resumes at block boundaries) [m, head_dim]: the first series of the window
       ending at the block's end (its gate with the position bias added, float32 as computed),
-      which the next window's entry overlaps: what a chunk resuming there reads.
+      which the next window's entry overlaps: what a chunk resuming there reads; in the window
+      pool beside the window's rows where the window is wider than m (`pooled`).
     - `index_*`: the same for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
     `open` lists the slot's rings, name -> (m, width, storage): `open_kv`, `open_gate` (and
