@@ -31,8 +31,8 @@ from afdserve.bench.flags import (
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from afdserve.config_args import build, option
-from afdserve.engine.factory import blocks_in_budget
-from afdserve.engine.kv_cache import slots_for
+from afdserve.engine.factory import blocks_in_budget, split_budget
+from afdserve.engine.kv_cache import slots_for, window_pool_bound
 from afdserve.kernels import ops
 from afdserve.llm import LLM
 from afdserve.model.config import ModelConfig
@@ -223,16 +223,24 @@ def measure_decode(spec: CapacityBench, capacity: Capacity) -> float:
 
 
 def blocks_by_bytes(
-    config: ModelConfig, budget: int, block_size: int, dtype: torch.dtype, max_num_seqs: int
+    config: ModelConfig,
+    budget: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 16384,
 ) -> int:
-    """Blocks a cache of `budget` bytes holds, as engine/factory.py's kv_blocks_for counts them
-    on a GPU: the state slots of max_num_seqs sequences first (where the layout keeps any),
-    then whole blocks."""
+    """Blocks a cache of `budget` bytes holds, as engine/factory.py's cache_blocks_for counts
+    them on a GPU: the state slots of max_num_seqs sequences first (where the layout keeps
+    any), then the windowed layers' pool at its bound (where it has one), then whole blocks."""
     layout = cache_layout(config)
     slots = slots_for(config, max_num_seqs, dtype) * layout.bytes_per_slot(dtype)
-    return max(
-        0, blocks_in_budget(budget - slots, budget, 1.0, layout.bytes_per_block(block_size, dtype))
-    )
+    per_window = layout.bytes_per_window_block(block_size, dtype)
+    per_block = layout.bytes_per_block(block_size, dtype) - per_window
+    if layout.window is None:
+        return max(0, blocks_in_budget(budget - slots, budget, 1.0, per_block))
+    bound = window_pool_bound(layout.window, block_size, max_num_seqs, max_num_batched_tokens)
+    return split_budget(max(0, budget - slots), per_block, per_window, bound).blocks
 
 
 def sequences_by_bytes(
@@ -242,9 +250,11 @@ def sequences_by_bytes(
     block_size: int,
     dtype: torch.dtype,
     max_num_seqs: int,
+    max_num_batched_tokens: int = 16384,
 ) -> int:
     """Sequences of context_len tokens that fit in a cache of `budget` bytes."""
-    blocks = blocks_by_bytes(config, budget, block_size, dtype, max_num_seqs)
+    limits = (max_num_seqs, max_num_batched_tokens)
+    blocks = blocks_by_bytes(config, budget, block_size, dtype, *limits)
     return blocks // -(-context_len // block_size)
 
 
@@ -254,7 +264,8 @@ def capacity_by_bytes(spec: CapacityBench) -> Capacity:
     fp8 = spec.kv_cache_dtype != "auto"
     dtype = ops.FP8_DTYPE if fp8 else getattr(torch, spec.dtype)
     budget = int(spec.cache_gib * 2**30)
-    blocks = blocks_by_bytes(config, budget, spec.block_size, dtype, spec.max_num_seqs)
+    limits = (spec.max_num_seqs, spec.max_num_batched_tokens)
+    blocks = blocks_by_bytes(config, budget, spec.block_size, dtype, *limits)
     limit = min(spec.max_num_seqs, spec.max_num_batched_tokens)
     return Capacity(BY_BYTES, 0, blocks, spec.block_size, budget, 0, spec.context_len, limit)
 

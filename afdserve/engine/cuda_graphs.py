@@ -173,7 +173,7 @@ class CudaGraphRunner:
         # The windowed layers' view (their own pool's slots and tables), where the cache has one.
         self.window_slots: torch.Tensor | None = None
         self.window_ubatches: list[UbatchBuffers] = []
-        if runner.kv_cache.window_layers:
+        if runner.kv_cache.has_window_pool:
             self.window_slots = torch.full_like(self.slots, -1)
             self.window_ubatches = [UbatchBuffers(max_rows, width, dev) for _ in range(ubatches)]
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

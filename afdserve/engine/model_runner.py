@@ -145,7 +145,7 @@ class ModelRunner:
         rows = (position_tensor, seq_of_row, real, spans)
         state = [-1 if e.seq.state_slot is None else e.seq.state_slot for e in out.scheduled]
         window = None
-        if self.kv_cache.window_layers:
+        if self.kv_cache.has_window_pool:
             window = self._metadata([e.seq.window_table for e in out.scheduled], *rows, state)
         meta = self._metadata(tables, *rows, state, window)
         return StepInputs(

@@ -3,7 +3,8 @@ per sequence, in pages of the engine's blocks or in one fixed-size slot per sequ
 
 The engine gives every sequence one block table (block b covers positions [b B, (b + 1) B)),
 where a layout holds windowed specs (`CacheSpec.window`) a second table over those layers' own
-pool, whose blocks behind the window it frees, and where it holds `SequenceSlots` specs one
+pool, whose blocks behind the window it frees (a layer may keep part of its state there and
+part in the main pages: `CacheSpec.join`), and where it holds `SequenceSlots` specs one
 state slot. Each group of layers describes its
 state with a `CacheSpec`; a model's specs form its `CacheLayout`, which the block manager, the
 memory budget, prefix caching, the FP8 check, the CUDA-graph policy and the model runner read.
@@ -49,7 +50,8 @@ class CacheSpec(ABC):
     # A sliding window's width: a query at p reads only positions p - window < j <= p, so the
     # engine keeps these layers' pages in a pool of their own, through a second block table
     # per sequence whose blocks it frees once they fall out of the window (None: every page
-    # of the sequence stays read).
+    # of the sequence stays read). A windowed spec may cover layers that another, unwindowed
+    # spec covers too: those layers keep part of their state in each pool (`join`).
     window: int | None = None
 
     @abstractmethod
@@ -75,6 +77,12 @@ class CacheSpec(ABC):
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
+
+    def join(self, layer_cache: Any, window_cache: Any) -> Any:
+        """One layer's cache from this spec's part and a windowed spec's (`window_cache`, in
+        the window pool) where both cover the layer: the layer then reads the main view, whose
+        `AttentionMetadata.window` addresses the windowed part."""
+        raise TypeError(f"{type(self).__name__} keeps no part of a layer in a windowed pool")
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         """Why a full block's pages cannot be reused by its prefix hash at this block size
@@ -147,9 +155,17 @@ class CacheLayout:
     num_layers: int
 
     def __post_init__(self) -> None:
-        covered = sorted(i for spec in self.specs for i in spec.layers)
-        if covered != list(range(self.num_layers)):
-            raise ValueError(f"cache specs cover layers {covered}, not 0..{self.num_layers - 1}")
+        every = list(range(self.num_layers))
+        for windowed in (False, True):
+            part = sorted(
+                i for s in self.specs if (s.window is not None) == windowed for i in s.layers
+            )
+            if len(set(part)) != len(part) or not set(part) <= set(every):
+                which = "windowed" if windowed else "unwindowed"
+                raise ValueError(f"{which} cache specs cover layers {part}: each at most once")
+        covered = {i for spec in self.specs for i in spec.layers}
+        if sorted(covered) != every:
+            raise ValueError(f"cache specs cover layers {sorted(covered)}, not 0..{len(every) - 1}")
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes every layer holds per block (the windowed groups' pages included)."""
@@ -240,6 +256,7 @@ class CacheLayout:
         if num_slots < 1 and self.bytes_per_slot(dtype):
             raise ValueError(f"num_slots={num_slots}: this cache layout needs >= 1 state slot")
         layers: list[Any] = [None] * self.num_layers
+        windowed: dict[int, Any] = {}
         for spec in self.specs:
             if isinstance(spec, SequenceSlots):
                 caches = spec.allocate_slots(num_slots, dtype, device)
@@ -250,7 +267,16 @@ class CacheLayout:
             else:
                 caches = spec.allocate(num_blocks, block_size, dtype, device)
             for i, cache in zip(spec.layers, caches, strict=True):
-                layers[i] = cache
+                if spec.window is not None:
+                    windowed[i] = cache
+                else:
+                    layers[i] = cache
+        for spec in self.specs:
+            for i in spec.layers if spec.window is None else ():
+                if i in windowed:
+                    layers[i] = spec.join(layers[i], windowed.pop(i))
+        for i, cache in windowed.items():  # layers whose state is all windowed
+            layers[i] = cache
         slots = num_slots if self.bytes_per_slot(dtype) else 0
         if self.window is None:
             num_window_blocks = None
@@ -275,9 +301,13 @@ class PagedCache:
         self.num_slots = num_slots  # sequence slots (0: the layout keeps no state per sequence)
         # The windowed groups' own pool (None: they share the blocks and the one table).
         self.num_window_blocks = num_window_blocks
-        # The layers a sequence's window table addresses.
-        windowed = (i for s in layout.specs if s.window is not None for i in s.layers)
-        self.window_layers = frozenset(windowed if num_window_blocks is not None else ())
+        # Whether each sequence has a window table (`AttentionMetadata.window`), and the layers
+        # that read through it alone (a layer also in an unwindowed spec reads the main view,
+        # beside which the window's rides).
+        self.has_window_pool = num_window_blocks is not None
+        windowed = {i for s in layout.specs if s.window is not None for i in s.layers}
+        paged = {i for s in layout.specs if s.window is None for i in s.layers}
+        self.window_layers = frozenset(windowed - paged if self.has_window_pool else ())
         per_block = layout.bytes_per_block(block_size, dtype)
         window_bytes = 0
         if num_window_blocks is not None:
@@ -291,5 +321,7 @@ class PagedCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache, layer by layer."""
-        spec_of = {i: spec for spec in self.layout.specs for i in spec.layers}
+        # A layer in two specs: its unwindowed spec's (the joined cache's) tensors.
+        order = sorted(self.layout.specs, key=lambda s: s.window is None)
+        spec_of = {i: spec for spec in order for i in spec.layers}
         return [t for i, cache in enumerate(self.layers) for t in spec_of[i].tensors(cache)]

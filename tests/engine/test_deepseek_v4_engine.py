@@ -23,6 +23,7 @@ from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
+from afdserve.model.families.deepseek_v4.cache import V4Window
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from tests.engine.test_llm import run
@@ -142,8 +143,12 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
     )
     assert rings == 2 * layout.bytes_per_slot(f32) > 0
     assert cache.bytes == held + rings
-    for spec in layout.specs:  # one spec per attention type
-        per_block = spec.bytes_per_block(block_size, f32)
+    # Per attention type its pages, then (after them all) its window-pool pages.
+    windows = [spec for spec in layout.specs if isinstance(spec, V4Window)]
+    types = [spec for spec in layout.specs if spec not in windows]
+    assert [w.attention_type for w in windows] == [t.attention_type for t in types]
+    for spec, window in zip(types, windows, strict=True):
+        per_block = spec.bytes_per_block(block_size, f32) + window.bytes_per_block(block_size, f32)
         layers = [pages for pages in cache.layers if pages.geometry.kind == spec.attention_type]
         assert [cache.layers.index(pages) for pages in layers] == list(spec.layers)
         assert all(pages.bytes == 3 * per_block + 2 * spec.bytes_per_slot(f32) for pages in layers)
@@ -163,10 +168,16 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
         )
     (ready,) = llm.engine.core_client.ready.values()
     slot_bytes = 3 * layout.bytes_per_slot(f32)
-    assert ready.memory.cache_bytes == 5 * bytes_per_block(config, block_size, f32) + slot_bytes
+    # The window's pages in a pool of their own: at most one block more than the main pool.
+    main = bytes_per_block(config, block_size, f32) - layout.bytes_per_window_block(block_size, f32)
+    want = 5 * main + 6 * layout.bytes_per_window_block(block_size, f32) + slot_bytes
+    assert ready.memory.cache_bytes == want
     assert ready.memory.cache_blocks == 5
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
-    for spec in layout.specs:
+    for window in windows:
+        per_window = window.bytes_per_block(block_size, f32)
+        assert f"{len(window.layers)} {window.kind} x {per_window} B" in line
+    for spec in types:
         short = {CSA: "CSA", HCA: "HCA", SLIDING: "sliding"}[spec.attention_type]
         per_block = spec.bytes_per_block(block_size, f32)
         assert f"{len(spec.layers)} {short} x {per_block} B" in line

@@ -26,7 +26,7 @@ CSA, HCA, SLIDING = (
 )
 # name -> (make_tiny_v4 overrides, block_size). "w4": window 4 (3 ring rows per block, fewer than
 # its 4 positions), CSA rate 2, HCA rate 4. "w10": a window of 10 read back over three blocks of
-# 4, rates 4 and 8 over blocks of 8.
+# 4, rates 4 and 8 over blocks of 8; "w3": window 3 and CSA rate 3 over blocks of 6.
 SHAPES = {
     "w4-r2r4-b4": ({}, 4),
     "w10-r4r8-b8": (
@@ -37,6 +37,12 @@ SHAPES = {
             layer_types=[HCA, CSA, SLIDING, CSA],
         ),
         8,
+    ),
+    # A window no wider than CSA's: its first series stay in the main pages, not the window pool
+    # (`LayerGeometry.pooled`), whose blocks a chunk may need after the pool freed them.
+    "w3-r3r6-b6": (
+        dict(sliding_window=3, index_topk=3, compress_rates={CSA: 3, HCA: 6}),
+        6,
     ),
 }
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -247,8 +247,12 @@ def test_deepseek_v4_engine_cache_stores_its_kv_pages_in_fp8(tmp_path):
         caches[kv] = core_client.core.kv_cache
     config = load_model_config(v4)
     fp8 = caches["fp8"]
-    slots = fp8.num_slots * cache_layout(config).bytes_per_slot(FP8)
-    assert fp8.bytes == 8 * bytes_per_block(config, 16, FP8) + slots < caches["auto"].bytes
+    layout = cache_layout(config)
+    slots = fp8.num_slots * layout.bytes_per_slot(FP8)
+    # The window's rows in their own pool (fp8.num_window_blocks blocks), the rest in 8.
+    window = layout.bytes_per_window_block(16, FP8)
+    pages = 8 * (bytes_per_block(config, 16, FP8) - window) + fp8.num_window_blocks * window
+    assert fp8.bytes == pages + slots < caches["auto"].bytes
     csa = caches["fp8"].layers[
         config.family_config.attention_types.index("compressed_sparse_attention")
     ]

@@ -377,10 +377,11 @@ def test_deepseek_v4_refuses_speculation_by_name(tmp_path, block_size) -> None:
 def test_the_refusal_is_needed_for_deepseek_v4(tmp_path, monkeypatch) -> None:
     """With the refusal lifted, rolled-back drafts change V4's tokens: the refusal guards a
     real difference, not a guess."""
-    from afdserve.model.families.deepseek_v4.cache import V4Pages
+    from afdserve.model.families.deepseek_v4.cache import V4Pages, V4Window
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     monkeypatch.setattr(V4Pages, "rollback_refusal", None)
+    monkeypatch.setattr(V4Window, "rollback_refusal", None)
     model = str(make_tiny_v4(tmp_path / "v4"))
     common = dict(max_num_batched_tokens=24, block_size=4, kv_cache_blocks=48)
     want, _, _, _ = _run(model, None, GREEDY, rounds=1, **common)
@@ -424,3 +425,22 @@ def test_linear_attention_refuses_speculation_by_name(tmp_path) -> None:
     model = str(make_tiny_model(tmp_path / "next", "qwen3_next"))
     with pytest.raises(ValueError, match="recurrent state folds in every row"):
         LLM(model, speculative_config=NGRAM)
+
+
+def test_deepseek_v4_sliding_layers_take_rejected_drafts(tmp_path) -> None:
+    """The window's rows sit at their own positions in the window pool (every row written), so a
+    V4 of sliding layers alone speculates: n-gram drafts, accepted and rejected, beside chunked
+    prefill, preemption and prefix caching, leave the greedy tokens unchanged."""
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+
+    sliding = ["sliding_attention"] * 4
+    model = str(make_tiny_v4(tmp_path / "v4", layer_types=sliding))
+    common = dict(
+        max_num_batched_tokens=24, block_size=4, kv_cache_blocks=32, enable_prefix_caching=True
+    )
+    want, _, _, _ = _run(model, None, GREEDY, **common)
+    got, stats, preemptions, _ = _run(model, NGRAM, GREEDY, **common)
+    assert got == want
+    spec = stats.spec_decode[0]
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert preemptions > 0

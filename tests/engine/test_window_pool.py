@@ -196,3 +196,21 @@ def test_gpt_oss_capacity_at_long_context_nearly_doubles() -> None:
                 h200, 0.9, weights, sizes.kv_per_token, context, sizes.state_per_sequence
             )
             assert 1.9 * was <= now <= 2 * was + 1
+
+
+def test_a_layer_sits_in_at_most_one_spec_of_each_kind() -> None:
+    """A layer may keep part of its state in the window pool and part in the main pages (one
+    windowed and one unwindowed spec, joined by the unwindowed one), never in two of a kind;
+    a spec that cannot join says so by name."""
+    from afdserve.model.cache import CacheLayout, PagedKV
+    from afdserve.model.families.gpt_oss.cache import SlidingKV
+
+    with pytest.raises(ValueError, match=r"unwindowed cache specs cover layers \[0, 0, 1\]"):
+        CacheLayout((PagedKV((0, 1), 1, 4), PagedKV((0,), 1, 4)), 2)
+    with pytest.raises(ValueError, match=r"windowed cache specs cover layers \[0, 0, 1\]"):
+        CacheLayout((SlidingKV((0,), 1, 4, window=2), SlidingKV((0, 1), 1, 4, window=2)), 2)
+    with pytest.raises(ValueError, match="cover layers"):
+        CacheLayout((PagedKV((0,), 1, 4), SlidingKV((0,), 1, 4, window=2)), 2)
+    both = CacheLayout((PagedKV((0, 1), 1, 4), SlidingKV((1,), 1, 4, window=2)), 2)
+    with pytest.raises(TypeError, match="PagedKV keeps no part of a layer in a windowed pool"):
+        both.allocate(2, 4, torch.float32, "cpu", num_window_blocks=3)

@@ -14,6 +14,7 @@ from afdserve.bench.capacity import sequences_by_bytes
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
+from afdserve.model.families.deepseek_v4.cache import V4Window
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
@@ -125,26 +126,36 @@ def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
     config = load_model_config(make_tiny_v4(tmp_path / "v4"))
     rope = config.qk_rope_head_dim
     size = {"state": 2, "float32": 4}
-    for spec in cache_layout(config).specs:
+    specs = cache_layout(config).specs
+    windows = [spec for spec in specs if isinstance(spec, V4Window)]
+    # Per attention type its pages and its window-pool pages, over the same layers.
+    assert [w.layers for w in windows] == [s.layers for s in specs if s not in windows]
+    assert {w.window for w in windows} == {config.family_config.sliding_window}
+    for spec in specs:
         geometry = spec.geometry(8)
+        assert geometry.pages[0] == ("window", 8, config.head_dim, "kv")  # a row per position
         want = sum(
             rows * (width + rope if kind == "kv" else width * size[kind])
-            for _, rows, width, kind in geometry.pages
+            for name, rows, width, kind in geometry.pages
+            if geometry.pooled(name) == (spec in windows)
         )
         assert spec.bytes_per_block(8, FP8) == want
         ring = sum(rows * width * size[kind] for _, rows, width, kind in geometry.open)
-        assert spec.bytes_per_slot(FP8) == ring and (ring > 0) == (geometry.rate > 0)
+        assert spec.bytes_per_slot(FP8) == (0 if spec in windows else ring)
+        assert (ring > 0) == (geometry.rate > 0)
 
 
 def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
-    """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (127
-    of them), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of the CSA
-    window ending the block (4 rows: what a prefix hit there reads); at 16 (no prefix caching:
-    not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA entry slot. A
+    """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (a
+    row per position), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series
+    of the CSA window ending the block (4 rows: what a prefix hit there reads); at 16 (no
+    prefix caching: not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA
+    entry slot. The window's rows and the first series sit in the window pool's blocks. A
     sequence slot holds the open rows (kv and gate, m rows; CSA's two series) and CSA's last
-    first series. FP8 holds 1.70x the bf16 cache's blocks at 128 (1.29x while the open rows were
-    per block) and 1.76x at 16 (1.19x); at context 65536 in one budget, with the slots of the
-    scheduler's sequences taken first (engine/factory.py), 1.72x the sequences at 128."""
+    first series. FP8 holds 1.70x the bf16 cache's bytes a block at 128 and 1.76x at 16. At
+    context 65536 in 120 GiB, the slots of the scheduler's sequences taken first, then the
+    window pool at its bound (engine/factory.py): 270 bf16 and 459 FP8 sequences (36 and 62
+    while every block kept its window rows and first series), 1.70x."""
     flash = preset_config("deepseek-v4-flash")
     v4, layout = flash.family_config, cache_layout(flash)
     d, rope, di = flash.head_dim, flash.qk_rope_head_dim, v4.index_head_dim
@@ -157,7 +168,7 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
 
     prev = 4 * (d + di) * (2 + 4)  # CSA's and its indexer's first series: kv bf16, gates float32
     blocks = {}
-    for block_size, window, entries, prev_rows in ((128, 127, 32, prev), (16, 16, 4, 0)):
+    for block_size, window, entries, prev_rows in ((128, 128, 32, prev), (16, 16, 4, 0)):
         for fp8, dtype in ((False, torch.bfloat16), (True, FP8)):
             csa = entries * (key(d, fp8) + key(di, fp8)) + prev_rows
             want = 43 * window * key(d, fp8) + 21 * csa + 20 * key(d, fp8)
@@ -165,6 +176,10 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
             assert blocks[block_size, dtype] == want, (block_size, dtype)
             opened = 20 * 2 * 128 * d * 2 + 21 * 2 * 4 * 2 * (d + di) * 2
             assert layout.bytes_per_slot(dtype) == opened + 21 * prev
+            # The window's rows and the first series sit in the window pool's blocks, the
+            # entries in the main ones.
+            pooled = 43 * window * key(d, fp8) + 21 * prev_rows
+            assert layout.bytes_per_window_block(block_size, dtype) == pooled
     ratios = [round(blocks[b, torch.bfloat16] / blocks[b, FP8], 2) for b in (128, 16)]
     assert ratios == [1.70, 1.76]
     budget, seqs = 120 * 2**30, 256
@@ -173,4 +188,11 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
         for dtype in (torch.bfloat16, FP8)
     }
     print(f"deepseek-v4-flash, 120 GiB at 65536: {fit}")
-    assert fit[FP8] / fit[torch.bfloat16] > 1.7
+    # By hand: the slots first, then the window pool at its bound (1 null block, 256 sequences
+    # x (1 block of past window + 2), 16384 / 128 a step's), then the main blocks, 512 a sequence.
+    for fp8, dtype in ((False, torch.bfloat16), (True, FP8)):
+        main = 21 * 32 * (key(d, fp8) + key(di, fp8)) + 20 * key(d, fp8)
+        pool = (1 + 256 * 3 + 128) * (43 * 128 * key(d, fp8) + 21 * prev)
+        assert fit[dtype] == (budget - seqs * layout.bytes_per_slot(dtype) - pool) // main // 512
+    # Before the window pool (every block its 127 window rows and first series): 36 and 62.
+    assert (fit[torch.bfloat16], fit[FP8]) == (270, 459)

@@ -7,7 +7,8 @@ sync: shapes follow the row count and the block-table width W, never a sequence'
 reads position q from its own chunk when q >= start (`StepRows.chunk_or`), else from the pages
 (`LayerPages.read`'s contract). Each page row is written by the one row whose value
 `LayerPages.write` would leave there (block by block where blocks resume: each completed block's
-end state too), after every read of that page; a sequence writes only positions of its own chunk
+end state too; every row its own window row, through the window tables), after every read of
+that page; a sequence writes only positions of its own chunk
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
@@ -46,10 +47,16 @@ class StepRows:
     decode: bool = False  # every segment one row (known on the host: what a graph captures)
     # [rows] int64: the segment's state slot, where its open compressor rows sit (-1: pad rows).
     slots: torch.Tensor | None = None
+    # [rows, W] int64: the segment's window table, which addresses the window's rows (None:
+    # `tables` does).
+    window_tables: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, meta: AttentionMetadata) -> StepRows | None:
-        """The rows of `meta`, or None when it carries no device segments (`batched`)."""
+    def of(
+        cls, meta: AttentionMetadata, window: AttentionMetadata | None = None
+    ) -> StepRows | None:
+        """The rows of `meta`, or None when it carries no device segments (`batched`);
+        `window`: the same rows through the window pool's tables (None: `meta`'s)."""
         batched = meta.batched
         if batched is None:
             return None
@@ -64,6 +71,9 @@ class StepRows:
         slots = batched.state_slots
         if slots is None and batched.context_lens.numel() == 0:  # pad rows only
             slots = batched.context_lens
+        window_tables = None
+        if window is not None and window is not meta:
+            window_tables = F.pad(window.batched.block_tables.long(), (0, 0, 0, 1))[segment]
         return cls(
             meta.positions.long(),
             tables,
@@ -72,7 +82,13 @@ class StepRows:
             context,
             batched.max_query_len <= 1,
             None if slots is None else F.pad(slots.long(), (0, 1), value=-1)[segment],
+            window_tables,
         )
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """[rows, W] the tables that address each row's window rows."""
+        return self.tables if self.window_tables is None else self.window_tables
 
     def state_slots(self) -> torch.Tensor:
         """[rows] the state slots, which a compressed layer's open rows need."""
@@ -93,10 +109,6 @@ class StepRows:
         own = (positions >= self.start[:, None])[..., None]
         return torch.where(own, values[source], cached.to(values.dtype))
 
-    def block_end(self, block_size: int) -> torch.Tensor:
-        """[rows] the end of each row's piece: its block's end, or its chunk's if sooner."""
-        return torch.minimum((self.positions // block_size + 1) * block_size, self.end)
-
 
 def step_attention(
     attn: V4Attention,
@@ -109,8 +121,8 @@ def step_attention(
     """One layer's attention of a ubatch: x [rows, hidden] -> [rows, hidden], as
     `V4Attention.forward` gives each chunk over `pages.read`'s state, with what `pages.write`
     would store written to the pages. The window of the row at p: positions p - window + 1 ..
-    p, masked where negative; the last window - 1 positions of each piece (`LayerGeometry.pieces`:
-    the chunk, cut at block ends where blocks resume) go to the ring."""
+    p, masked where negative; every row's own goes to its position's row of the window pages
+    (so a row past what the sequence keeps, a rejected draft's, overwrites no other)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     p, real = rows.positions, rows.real
@@ -118,14 +130,13 @@ def step_attention(
     q_residual, q, kv = attn.project(x, cos_sin)
     kv = pages.as_stored(kv)
     back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    window_rows = pages.batch_rows("window", rows.tables, back)
+    window_rows = pages.batch_rows("window", rows.windows, back)
     selected = None
     if attn.compressor is not None:
         selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
     out = _attend(attn, pages, q, kv, rows, window_rows, selected)
-    # After every read of the ring: row p's slot may still hold a position the window needs.
-    last = real & (p >= _piece_end(pages, rows) - (attn.window - 1))
-    pages.store("window", window_rows[:, :1], kv[:, None], last[:, None])  # back[:, 0] is p
+    # After every read of the window (fused kernels read the pages while rows are written).
+    pages.store("window", window_rows[:, :1], kv[:, None], real[:, None])  # back[:, 0] is p
     y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, torch.zeros_like(y))
 
@@ -202,13 +213,6 @@ def _compressed(
     return top, _compress(comp, pages, "", x, rows, rope)
 
 
-def _piece_end(pages: LayerPages, rows: StepRows) -> torch.Tensor:
-    """[rows] where the piece holding each row ends (the pages' writes leave that end's state)."""
-    if pages.geometry.resumable:
-        return rows.block_end(pages.geometry.block_size)
-    return rows.end
-
-
 def _index_scores(
     indexer: Indexer,
     pages: LayerPages,
@@ -279,7 +283,7 @@ def _compress(
         pending = rows.chunk_or(kv, earlier, pages.take(f"{prefix}open_kv", open_earlier))
         pending_gate = rows.chunk_or(gate, earlier, pages.take(f"{prefix}open_gate", open_earlier))
         pending_gate = pending_gate + comp.position_bias
-        previous = pages.batch_prev_rows(tables, state_slots, earlier)
+        previous = pages.batch_prev_rows((tables, rows.windows), state_slots, earlier)
         paged = (w * m <= rows.start)[:, None, None]  # window w - 1 closed before the chunk
         first_kv = torch.where(
             paged, pages.take(f"{prefix}prev_kv", previous, kv.dtype), pending[..., :d]
@@ -293,7 +297,7 @@ def _compress(
         # Kept: a window ending a block (in its pages), and the chunk's last (in the slot).
         kept = pages.keeps_prev_in_page(p + 1) | ((p + 1) // m == end // m)
         last = (closes & kept)[:, None].expand(-1, m)
-        own_prev = pages.batch_prev_rows(tables, state_slots, members)
+        own_prev = pages.batch_prev_rows((tables, rows.windows), state_slots, members)
         pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
@@ -334,7 +338,7 @@ def _compress_decode(
     wanted = [pages.batch_open_rows(rows.state_slots(), open_rows)]
     if comp.overlap:
         prev = torch.cat((members - m, members), dim=1)
-        wanted.append(pages.batch_prev_rows(tables, rows.state_slots(), prev))
+        wanted.append(pages.batch_prev_rows((tables, rows.windows), rows.state_slots(), prev))
     addresses = torch.cat(wanted, dim=1)
     entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)

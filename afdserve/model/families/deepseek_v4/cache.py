@@ -1,8 +1,10 @@
-"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, and the
-compressors' open rows in one slot per sequence.
+"""DeepSeek-V4's KV cache: every layer's state in pages of the engine's blocks, its sliding
+window's rows in the engine's window pool, and the compressors' open rows in one slot per
+sequence.
 
 The engine gives each sequence one block table, as for every family (block b of the table covers
-positions [b B, (b + 1) B), B = block_size), and one state slot. A V4 layer keeps, per physical
+positions [b B, (b + 1) B), B = block_size), a window table over the window pool (`V4Window`:
+its blocks behind the window are freed) and one state slot. A V4 layer keeps, per physical
 block, pages of its own geometry (`LayerGeometry` lists them), each page addressed by position;
 what does not grow with the context, the rows of the window its compressor has not pooled yet,
 sits in the sequence's slot (a ring of m rows). So any chunking works (a chunk reads the state
@@ -53,10 +55,15 @@ GRAPH_CONTEXT_LIMIT = (
 )
 
 
-# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py).
+# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py). The window's
+# rows sit at their own positions, so its pages (and a sliding layer's) take rollback.
 ROLLBACK_REFUSAL = (
-    "its window rings and compressor rows hold a position's row only until a later position's "
-    "write replaces it, so a rejected draft's row overwrites one the window still reads"
+    "a compressed layer keeps the open compressor window's rows in a ring of compress_rate rows "
+    "per sequence slot, filled only with the rows of the window open at the chunk's end, and "
+    "CSA's last closed first series in one slot row set: a draft that closes a window starts "
+    "the ring over with the next window's rows and writes its own first series, so once it is "
+    "rejected the window still open at the accepted position has lost its rows and the first "
+    "series its entry pools is the draft's"
 )
 
 
@@ -69,7 +76,6 @@ class V4Pages(CacheSpec):
     config: ModelConfig
     graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     graph_context_limit = GRAPH_CONTEXT_LIMIT
-    rollback_refusal = ROLLBACK_REFUSAL
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
     # runs what a graph captures.
     batched_segments = True
@@ -77,6 +83,11 @@ class V4Pages(CacheSpec):
     @property
     def kind(self) -> str:
         return _SHORT[self.attention_type]
+
+    @property
+    def rollback_refusal(self) -> str | None:
+        """A sliding layer's state is its window pages alone (a row per position, V4Window)."""
+        return None if self.attention_type == "sliding_attention" else ROLLBACK_REFUSAL
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         if self.geometry(block_size).resumable:
@@ -95,7 +106,7 @@ class V4Pages(CacheSpec):
         return LayerGeometry.of(self.config, self.layers[0], block_size)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return self.geometry(block_size).bytes_per_block(dtype)
+        return self.geometry(block_size).bytes_per_block(dtype, window=False)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         # The open rings do not depend on the block size.
@@ -108,7 +119,13 @@ class V4Pages(CacheSpec):
                 "a slot per sequence; give >= 1"
             )
         geometry = self.geometry(block_size)
-        return [LayerPages(geometry, num_blocks, dtype, device, num_slots) for _ in self.layers]
+        return [
+            LayerPages(geometry, num_blocks, dtype, device, num_slots, window=False)
+            for _ in self.layers
+        ]
+
+    def join(self, layer_cache: LayerPages, window_cache: LayerPages) -> LayerPages:
+        return layer_cache.join(window_cache)
 
     @staticmethod
     def tensors(layer_cache: LayerPages):
@@ -116,14 +133,45 @@ class V4Pages(CacheSpec):
         yield from layer_cache.slots.values()
 
 
+@dataclass(frozen=True)
+class V4Window(CacheSpec):
+    """The window-pool pages of the layers of one attention type (`LayerGeometry`'s
+    `pooled` ones: the sliding window's rows, and a CSA layer's first series of the window
+    ending each block): a query at p reads p - window < j <= p and a chunk resuming at p the
+    series of the window ending there, so the blocks behind the window are freed. Each
+    layer's `V4Pages` joins them to its other pages (`LayerPages.join`)."""
+
+    attention_type: str
+    layers: tuple[int, ...]
+    config: ModelConfig
+    window: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return f"{_SHORT[self.attention_type]} window"
+
+    def geometry(self, block_size: int) -> LayerGeometry:
+        return LayerGeometry.of(self.config, self.layers[0], block_size)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return self.geometry(block_size).bytes_per_block(dtype, window=True)
+
+    def allocate(self, num_blocks, block_size, dtype, device):
+        geometry = self.geometry(block_size)
+        return [LayerPages(geometry, num_blocks, dtype, device, window=True) for _ in self.layers]
+
+
 def cache_layout(config: ModelConfig) -> CacheLayout:
-    """One spec per attention type, in the order the types first appear."""
+    """Per attention type, in the order the types first appear, its pages and (after them all)
+    its window-pool pages."""
     types = config.family_config.attention_types
     groups: dict[str, list[int]] = {}
     for i, kind in enumerate(types):
         groups.setdefault(kind, []).append(i)
-    specs = tuple(V4Pages(kind, tuple(layers), config) for kind, layers in groups.items())
-    return CacheLayout(specs, config.num_layers)
+    window = config.family_config.sliding_window
+    pages = [V4Pages(kind, tuple(layers), config) for kind, layers in groups.items()]
+    windows = [V4Window(kind, tuple(layers), config, window) for kind, layers in groups.items()]
+    return CacheLayout((*pages, *windows), config.num_layers)
 
 
 class LayerPages:
@@ -143,7 +191,10 @@ class LayerPages:
         dtype: torch.dtype,
         device: torch.device | str,
         num_slots: int = 0,
+        window: bool | None = None,
     ) -> None:
+        """`window`: the window's pages alone (True: the window pool's part), the others
+        (False: the main pages' and the slot's, `join` adds the window's), or all (None)."""
         self.geometry = geometry
         self.scale = 1.0
         self.fp8 = dtype == ops.FP8_DTYPE
@@ -151,9 +202,15 @@ class LayerPages:
         # buffer one row longer: that last row (`scratch`) is where the batched path (batched.py)
         # sends the writes of pad rows, so they never land in a real sequence's state. It
         # belongs to no block or slot and is never read as state; `bytes` counts pages and
-        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first.
-        pages = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype)}
-        rings = {name: (rows, width, d) for name, rows, width, d in geometry.stored(dtype, True)}
+        # rings only. CSA's first series may have both (`_prev_rows`): one buffer, pages first
+        # (the window pool's, `join`).
+        pages = {
+            name: (rows, width, d)
+            for name, rows, width, d in geometry.stored(dtype)
+            if window is None or geometry.pooled(name) == window
+        }
+        stored = geometry.stored(dtype, True) if not window else []
+        rings = {name: (rows, width, d) for name, rows, width, d in stored}
         self.flat, self.pages, self.slots = {}, {}, {}
         self.ring_base: dict[str, int] = {}  # the flat row of each ring's slot 0
         for name in (*pages, *(name for name in rings if name not in pages)):
@@ -169,6 +226,24 @@ class LayerPages:
             if name in rings:
                 self.ring_base[name] = base
                 self.slots[name] = flat[base:-1].view(num_slots, ring_rows, width)
+
+    def join(self, window: LayerPages) -> LayerPages:
+        """These pages with `window`'s (the window pool's part of the same layer). CSA's first
+        series keep one flat buffer, the window pool's pages then the slots' rings (the fused
+        decode compressor addresses both in one tensor): joined into a new one."""
+        for name, flat in window.flat.items():
+            if name in self.slots:
+                pages, rings = window.pages[name], self.slots[name]
+                base = pages.shape[0] * pages.shape[1]
+                flat = torch.cat((flat[:-1], self.flat[name]))  # ours ends with the scratch row
+                self.slots[name] = flat[base:-1].view(rings.shape)
+                self.ring_base[name] = base
+            self.flat[name] = flat
+            if name in window.pages:
+                self.pages[name] = flat[: window.pages[name].numel() // flat.shape[-1]].view(
+                    window.pages[name].shape
+                )
+        return self
 
     @property
     def bytes(self) -> int:
@@ -253,12 +328,18 @@ class LayerPages:
         return (positions // g.rate + 1) * g.rate % g.block_size == 0
 
     def _prev_rows(
-        self, table: torch.Tensor, slot: torch.Tensor | int, positions: torch.Tensor
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        slot: torch.Tensor | int,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
         """Flat rows of CSA's first series (`prev_*`, every compressor's alike) for positions of
-        one window each: in the window's block where it ends a block (`_in_page`), in the
-        sequence's slot otherwise. Only the last window a chunk closes goes to the slot, so
-        its ring holds the one the next chunk reads."""
+        one window each: in the window's block where it ends a block (`_in_page`; a block of
+        the window pool, `table` the window table: a prefix hit there needs that block
+        cached), in the sequence's slot otherwise. Only the last window a chunk closes goes to
+        the slot, so its ring holds the one the next chunk reads. `tables`: the main and the
+        window tables (the pages' pool's addresses them: `LayerGeometry.pooled`)."""
+        table = tables[1] if self.geometry.pooled("prev_kv") else tables[0]
         ring = self._open_rows(slot, positions, "prev_kv")
         in_page = self._in_page(positions)
         if in_page is False:
@@ -285,9 +366,13 @@ class LayerPages:
         return self._open_rows(slots, positions)
 
     def batch_prev_rows(
-        self, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n]."""
+        """Flat rows of CSA's first series (`_prev_rows`) of each row's windows [rows, n];
+        `tables`: the main and the window tables [rows, W]."""
         return self._prev_rows(tables, slots, positions)
 
     def keeps_prev_in_page(self, window_end: torch.Tensor) -> torch.Tensor | bool:
@@ -317,22 +402,29 @@ class LayerPages:
 
     # ----- the per-sequence state -----
     def read(
-        self, table: torch.Tensor, start: int, dtype: torch.dtype | None = None, slot: int = -1
+        self,
+        table: torch.Tensor,
+        start: int,
+        dtype: torch.dtype | None = None,
+        slot: int = -1,
+        window_table: torch.Tensor | None = None,
     ) -> LayerState | None:
         """The state a chunk starting at position `start` needs (None at position 0), in the
         reader's `dtype` (`_load`; the first series' gates stay float32); `slot`: the
-        sequence's, needed only where `start` is inside a compressor window."""
+        sequence's, needed only where `start` is inside a compressor window; `window_table`:
+        the sequence's window table, which addresses the window's rows (None: `table`)."""
         if start == 0:
             return None
         g, dev = self.geometry, table.device
         window = self._span(start - (g.window - 1), start, dev)
+        tables = (table, table if window_table is None else window_table)
         state = LayerState(
-            self._load("window", self._rows_of("window", table, window), dtype), window
+            self._load("window", self._rows_of("window", tables[1], window), dtype), window
         )
         if g.rate:
-            state.compressor = self._read_compressor("", table, start, dtype, slot)
+            state.compressor = self._read_compressor("", tables, start, dtype, slot)
             if g.kind == "compressed_sparse_attention":
-                state.indexer = self._read_compressor("index_", table, start, dtype, slot)
+                state.indexer = self._read_compressor("index_", tables, start, dtype, slot)
         return state
 
     def _slot_for(self, slot: int, pending: torch.Tensor) -> int:
@@ -343,24 +435,28 @@ class LayerPages:
             )
         return slot
 
-    def _prev_span(self, table: torch.Tensor, slot: int, window: int) -> torch.Tensor:
-        """The flat rows of window `window`'s first series (one sequence)."""
+    def _prev_span(
+        self, tables: tuple[torch.Tensor, torch.Tensor], slot: int, window: int
+    ) -> torch.Tensor:
+        """The flat rows of window `window`'s first series (one sequence; `tables`: its main
+        and window tables)."""
         m = self.geometry.rate
-        positions = self._span(window * m, (window + 1) * m, table.device)
+        positions = self._span(window * m, (window + 1) * m, tables[0].device)
         in_page = self._in_page(positions[-1:])
         if in_page is False or not bool(in_page):
             self._slot_for(slot, positions)
-        return self._prev_rows(table, slot, positions)
+        return self._prev_rows(tables, slot, positions)
 
     def _read_compressor(
         self,
         prefix: str,
-        table: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         start: int,
         dtype: torch.dtype | None,
         slot: int,
     ) -> CompressorState:
-        m, dev = self.geometry.rate, table.device
+        """`tables`: the main table (entries) and the window table (first series)."""
+        table, m, dev = tables[0], self.geometry.rate, tables[0].device
         closed = start // m
         entries = torch.arange(closed, device=dev)
         pending = self._span(closed * m, start, dev)
@@ -375,37 +471,48 @@ class LayerPages:
             get("open_gate", open_rows),
         )
         if f"{prefix}prev_kv" in self.flat and closed > 0:
-            prev = self._prev_span(table, slot, closed - 1)
+            prev = self._prev_span(tables, slot, closed - 1)
             state.prev_kv, state.prev_gate = get("prev_kv", prev), get("prev_gate", prev)
         return state
 
     def write(
-        self, table: torch.Tensor, start: int, end: int, after: LayerState, slot: int = -1
+        self,
+        table: torch.Tensor,
+        start: int,
+        end: int,
+        after: LayerState,
+        slot: int = -1,
+        window_table: torch.Tensor | None = None,
     ) -> None:
-        """Store what a chunk of positions [start, end) leaves: its own window rows, the entries
-        its windows closed, the open window's rows and (CSA) the last closed window's first
-        series. Only rows a later chunk reads are written, so no two share a page row. Fed a
-        chunk block by block (`LayerGeometry.pieces`), it leaves every block's end state; the
-        open rows go to the sequence's `slot` (needed where `end` is inside a window)."""
-        new = after.window_pos >= start
-        self._save(
-            "window", self._rows_of("window", table, after.window_pos[new]), after.window_kv[new]
-        )
+        """Store what a chunk of positions [start, end) leaves: the window rows `after` holds
+        (`write_window`, through `window_table` as `read`), the entries its windows closed, the
+        open window's rows and (CSA) the last closed window's first series. Fed a chunk block
+        by block (`LayerGeometry.pieces`), it leaves every block's end state; the open rows go
+        to the sequence's `slot` (needed where `end` is inside a window)."""
+        tables = (table, table if window_table is None else window_table)
+        self.write_window(tables[1], start, after)
         if self.geometry.rate:
-            self._write_compressor("", table, (start, end), after.compressor, slot)
+            self._write_compressor("", tables, (start, end), after.compressor, slot)
             if self.geometry.kind == "compressed_sparse_attention":
-                self._write_compressor("index_", table, (start, end), after.indexer, slot)
+                self._write_compressor("index_", tables, (start, end), after.indexer, slot)
+
+    def write_window(self, window_table: torch.Tensor, start: int, after: LayerState) -> None:
+        """The window rows of positions >= `start` that `after` holds, at their own rows."""
+        new = after.window_pos >= start
+        rows = self._rows_of("window", window_table, after.window_pos[new])
+        self._save("window", rows, after.window_kv[new])
 
     def _write_compressor(
         self,
         prefix: str,
-        table: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         span: tuple[int, int],
         state: CompressorState,
         slot: int,
     ) -> None:
+        """`tables`: the main table (entries) and the window table (first series)."""
         start, end = span
-        m, dev = self.geometry.rate, table.device
+        table, m, dev = tables[0], self.geometry.rate, tables[0].device
         before, closed = start // m, end // m
         if closed > before:
             entries = torch.arange(before, closed, device=dev)
@@ -415,7 +522,7 @@ class LayerPages:
                 state.entries[before:closed],
             )
             if state.prev_kv is not None:
-                prev = self._prev_span(table, slot, closed - 1)
+                prev = self._prev_span(tables, slot, closed - 1)
                 self._save(f"{prefix}prev_kv", prev, state.prev_kv)
                 self._save(f"{prefix}prev_gate", prev, state.prev_gate)
         pending = self._span(closed * m, end, dev)

@@ -16,16 +16,19 @@ from afdserve.model.config import ModelConfig
 @dataclass(frozen=True)
 class LayerGeometry:
     """One layer's pages per block: name -> (rows, width, storage), for rate m and B = block_size:
-    - `window` [rows = min(B, window - 1), head_dim]: the rotated KV of position p sits in block
-      table[p // B] at row p % rows. A query needs the last window - 1 positions before its chunk,
-      fewer than `rows` apart when they share a block, so no needed row is ever overwritten.
+    - `window` [B, head_dim]: the rotated KV of position p sits in block table[p // B] at row
+      p % B, through the sequence's window table: its pages are in the engine's window pool,
+      which frees the blocks behind the window, so a row per position costs a few blocks per
+      sequence (it was a ring of window - 1 rows per block while every block kept it), and no
+      write ever lands on another position's row.
     - `entries` [ceil(B / m), head_dim] (compressed layers): entry w (tokens [w m, (w+1) m)) sits
       in the block of position w m, at slot w - ceil(b B / m): block_size / rate entries per
       block, the only part that grows with the context.
     - `prev_kv`, `prev_gate` (CSA only, where B is a multiple of every compress rate, so that
       prefix caching resumes at block boundaries) [m, head_dim]: the first series of the window
       ending at the block's end (its gate with the position bias added, float32 as computed),
-      which the next window's entry overlaps: what a chunk resuming there reads.
+      which the next window's entry overlaps: what a chunk resuming there reads; in the window
+      pool beside the window's rows where the window is wider than m (`pooled`).
     - `index_*`: the same for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
     `open` lists the slot's rings, name -> (m, width, storage): `open_kv`, `open_gate` (and
@@ -51,7 +54,7 @@ class LayerGeometry:
     def of(cls, config: ModelConfig, layer: int, block_size: int) -> LayerGeometry:
         v4, dim = config.family_config, config.head_dim
         kind, rate = v4.attention_types[layer], v4.compress_rate(layer)
-        pages = [("window", max(1, min(block_size, v4.sliding_window - 1)), dim, "kv")]
+        pages = [("window", block_size, dim, "kv")]
         open_rows: list[tuple[str, int, int, str]] = []
         rates = (v4.compress_rate(i) for i in range(len(v4.attention_types)))
         prev_in_slot = block_size % math.lcm(*(r for r in rates if r)) != 0
@@ -80,6 +83,17 @@ class LayerGeometry:
             tuple(open_rows),
             prev_in_slot,
         )
+
+    def pooled(self, name: str) -> bool:
+        """Whether page `name` sits in the engine's window pool (cache.V4Window), whose blocks
+        behind the window are freed: the window's rows, and CSA's first series of the window
+        ending a block (what a chunk resuming there reads, in a block a prefix hit there needs
+        cached for the window's rows anyway), where the window reaches back past a compressor
+        window (window > m: a chunk reads that series only while it is in its last m
+        positions, so never from a freed block)."""
+        if name.startswith("window"):
+            return True
+        return name.endswith(("prev_kv", "prev_gate")) and self.window > self.rate
 
     @property
     def resumable(self) -> bool:
@@ -122,8 +136,14 @@ class LayerGeometry:
                 out.append((f"{name}_rope", rows, self.rope, torch.bfloat16))
         return out
 
-    def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype))
+    def bytes_per_block(self, dtype: torch.dtype, window: bool | None = None) -> int:
+        """Bytes of the pages per block: the window's alone (`window` True), the others
+        (False), or all of them (None)."""
+        return sum(
+            rows * width * d.itemsize
+            for name, rows, width, d in self.stored(dtype)
+            if window is None or self.pooled(name) == window
+        )
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         return sum(rows * width * d.itemsize for _, rows, width, d in self.stored(dtype, True))

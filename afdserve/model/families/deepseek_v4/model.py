@@ -27,6 +27,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
 from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
+from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
 from afdserve.model.families.deepseek_v4.mhc import (
     HyperConnection,
     HyperHead,
@@ -40,6 +41,14 @@ from afdserve.model.parts import ModelParts
 
 FFNHalf = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 StreamState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h, post, comb
+
+
+def window_cuts(geometry: LayerGeometry, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into runs of at most window - 1 rows: the state after a run holds its last
+    window - 1 rows, so writing each run's leaves every row in the window pages (as the batched
+    path writes them: a row per position, whatever the chunk's length)."""
+    step = max(1, geometry.window - 1)
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 @dataclass
@@ -211,7 +220,7 @@ class V4CausalLM(nn.Module):
         h, x, post, comb = connect(block.attn_hc, block.input_layernorm, h, update)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
-        rows = StepRows.of(meta)
+        rows = StepRows.of(meta, meta.window or meta)
         if rows is None:
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
         else:
@@ -233,16 +242,19 @@ class V4CausalLM(nn.Module):
         resume (`LayerGeometry.pieces`: each block's end state written); the oracle of
         batched.py."""
         y = torch.zeros_like(x)
-        for seg in meta.segments:
-            start = seg.context_len - seg.num_rows
-            state = cache.read(seg.block_table, start, x.dtype, seg.state_slot)
+        windows = (meta.window or meta).segments  # the window's rows: its pool's table
+        for seg, window in zip(meta.segments, windows, strict=True):
+            start, table, slot = seg.context_len - seg.num_rows, seg.block_table, seg.state_slot
+            state = cache.read(table, start, x.dtype, slot, window.block_table)
             for lo, hi in cache.geometry.pieces(start, seg.context_len):
-                rows = slice(seg.row_start + lo - start, seg.row_start + hi - start)
-                out, state = attn(
-                    x[rows], meta.positions[rows], own, compress, state, cache.as_stored
-                )
-                cache.write(seg.block_table, lo, hi, state, seg.state_slot)
-                y[rows] = out
+                for a, b in window_cuts(cache.geometry, lo, hi):
+                    rows = slice(seg.row_start + a - start, seg.row_start + b - start)
+                    out, state = attn(
+                        x[rows], meta.positions[rows], own, compress, state, cache.as_stored
+                    )
+                    cache.write_window(window.block_table, a, state)
+                    y[rows] = out
+                cache.write(table, lo, hi, state, slot, window.block_table)
         return y
 
     def add_ffn_output(self, residual: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
