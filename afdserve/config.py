@@ -715,20 +715,22 @@ class AFDConfig:
                 f"memory), got device={device!r}; use connector='p2p' on CPU"
             )
 
-    def resolve_connector(self, device: str, gpus: int, spawned: bool) -> AFDConfig:
+    def resolve_connector(
+        self, device: str, gpus: int, spawned: bool, mtp: bool = False
+    ) -> AFDConfig:
         """This config with "auto" replaced by the connector it stands for: "ipc" when the built-in
         launcher spawns every rank on a GPU of its own (one host; measured fastest, see
         afd/dataplane/ipc.py); "inprocess" for 1A1F on CUDA with fewer GPUs than ranks; "p2p"
-        otherwise (CPU, ranks started elsewhere, and expert-parallel groups and fp8 A2E rows,
-        not yet run over ipc)."""
+        otherwise (CPU, ranks started elsewhere, and expert-parallel groups, fp8 A2E rows and
+        MTP drafts (`mtp`), not yet run over ipc)."""
         topology = self.parsed_topology
         if self.connector != "auto" or topology.colocated:
             return self
         cuda = device.startswith("cuda")
-        ipc_ok = not topology.expert_parallel and self.a2e_dtype != "fp8"
+        ipc_ok = not topology.expert_parallel and self.a2e_dtype != "fp8" and not mtp
         if cuda and spawned and gpus >= topology.world_size and ipc_ok:
             chosen = "ipc"
-        elif cuda and spawned and topology == _one_one():
+        elif cuda and spawned and topology == _one_one() and gpus < topology.world_size:
             chosen = "inprocess"
         else:
             chosen = "p2p"

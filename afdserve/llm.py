@@ -159,8 +159,10 @@ class LLM:
                 self._generation_defaults,
             )
         device = self.engine_config.device
-        self.afd_config = afd.resolve_connector(device, _cuda_devices(device), spawned=spawned)
-        check_mtp_connector(self.engine_config.speculative_config, self.afd_config.connector)
+        speculative = self.engine_config.speculative_config
+        mtp = speculative is not None and speculative.is_mtp
+        self.afd_config = afd.resolve_connector(device, _cuda_devices(device), spawned, mtp)
+        check_mtp_connector(speculative, self.afd_config.connector)
         self.topology = self.afd_config.parsed_topology
         # A quantization_config afdserve cannot honour: one line here, before any rank starts.
         check_quantization(model, self.engine_config.quantization)

@@ -156,6 +156,9 @@ def test_auto_connector_resolves_by_where_ranks_run(topology, device, gpus, spaw
         .connector
         == "p2p"
     )  # an explicit choice is kept
+    # MTP's draft passes are not carried over ipc: auto picks p2p for them where it would.
+    mtp = AFDConfig(topology=topology).resolve_connector(device, gpus, spawned, mtp=True)
+    assert mtp.connector == ("p2p" if chosen == "ipc" else chosen)
 
 
 def test_ipc_needs_cuda_and_an_afd_topology():
