@@ -46,8 +46,11 @@ WATCH_INTERVAL_S = 0.2  # how often the main thread looks at the engine and the 
 
 
 def progress(message: str) -> None:
-    """A start-up or shutdown line, whatever the log level (in the log's format)."""
-    print(progress_line(message), file=sys.stderr, flush=True)
+    """A start-up or shutdown line, whatever the log level (in the log's format). One write of
+    the line and its newline (print makes two), so a log record another thread writes at the
+    same moment cannot land between them and join two JSON records on one line."""
+    sys.stderr.write(progress_line(message) + "\n")
+    sys.stderr.flush()
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
