@@ -184,18 +184,20 @@ def v4_sparse_attention(
     q: torch.Tensor,
     own: torch.Tensor,
     window: tuple[torch.Tensor, torch.Tensor],
-    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
     rate: int,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     sinks: torch.Tensor,
     scale: float,
+    every: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
     the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
     each row sees) -> [rows, heads, dim], or None where the fast path does not apply and the
     caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
     window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
-    rows: (positions, chunk starts, real)."""
+    rows: (positions, chunk starts, real); every: (block size, entry rows per block) where
+    `entries` is (new, page, block tables, None): every closed entry of each row (HCA)."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_attention as triton_v4_attention
@@ -204,7 +206,9 @@ def v4_sparse_attention(
         return None
     if entries is not None and not triton_v4_attention.supports(q, entries[0], entries[1]):
         return None
-    return triton_v4_attention.sparse_attention(q, own, *window, entries, rate, *rows, sinks, scale)
+    return triton_v4_attention.sparse_attention(
+        q, own, *window, entries, rate, *rows, sinks, scale, every
+    )
 
 
 def triton_available() -> bool:
@@ -325,6 +329,31 @@ def v4_index_scores(
     if not triton_v4_indexer.supports(q, new, page):
         return None
     return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
+
+
+def v4_index_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    tables: tuple[torch.Tensor, int, int],
+    rate: int,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk: int,
+) -> torch.Tensor | None:
+    """DeepSeek-V4's lightning indexer top-k of a ubatch on CUDA (kernels/triton/
+    v4_index_select.py): each row's kept entries [rows, topk] int64 (index order, then an index
+    no row sees), scored only up to the row's position, no [rows, entries] tensor beyond a
+    bounded scratch; tables: (block tables [rows, W], block size, entry rows per block); rows:
+    (positions, chunk starts, real). None where the fast path does not apply and the caller
+    keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
+    if not _triton_ready(q):
+        return None
+    from afdserve.kernels.triton import v4_index_select as triton_v4_index_select
+
+    if not triton_v4_index_select.supports(q, new, page, topk):
+        return None
+    return triton_v4_index_select.index_select(q, weights, new, page, tables, rate, rows, topk)
 
 
 def v4_norm_rope(

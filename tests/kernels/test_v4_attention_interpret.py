@@ -1,13 +1,14 @@
 """DeepSeek-V4's fused attention of a ubatch (kernels/triton/v4_attention.py) under Triton's
 interpreter (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on CUDA
 (`batched._attend`'s own form: gathered window and entries, `chunk_or`, `attend_batched`), over
-a real `LayerPages` filled with random rows: sliding, CSA (random top-k) and HCA (every entry)
-layers; one decode row (batch 1, the first token); decode rows at positions before, across and
-past the window and the rates, with pad rows (which must give zero); prefill chunks beside
-decodes (keys and entries from the chunk's own rows and from the pages). The tiny V4 shapes and
-a wide one (20 heads: two head blocks, one partly masked; head_dim 80: padded; a window and a
-top-k over one key tile). float32 and float16 (the interpreter computes bf16 wrongly). In a
-subprocess because the variable must be set before any @triton.jit function is defined."""
+a real `LayerPages` filled with random rows: sliding, CSA (random top-k) and HCA (every entry:
+as indices, and as the kernel's own walk through the tables up to each row's last) layers; one
+decode row (batch 1, the first token); decode rows at positions before, across and past the
+window and the rates, with pad rows (which must give zero); prefill chunks beside decodes (keys
+and entries from the chunk's own rows and from the pages). The tiny V4 shapes and a wide one (20
+heads: two head blocks, one partly masked; head_dim 80: padded; a window and a top-k over one
+key tile). float32 and float16 (the interpreter computes bf16 wrongly). In a subprocess because
+the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
 
@@ -92,6 +93,17 @@ def case(model, layer, chunks, pad, dtype, block_size, seed):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert err < tol, (label, err)
     print("attention", label, round(err, 8), "ok")
+    if attn.kind == HCA:  # every closed entry, addressed through the tables in the kernel
+        every = (block_size, pages.pages["entries"].shape[1])
+        got = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows,
+                                         (new, pages.flat["entries"], rows.tables, None), rate,
+                                         rows.positions, rows.start, rows.real, attn.sinks,
+                                         attn.scale, every)
+        assert torch.equal(got[~real], torch.zeros_like(got[~real])), label
+        err = float((got[real].double() - want[real].double()).norm()
+                    / want[real].double().norm())
+        assert err < tol, ("every", label, err)
+        print("every", label, round(err, 8), "ok")
 
 
 torch.set_grad_enabled(False)
@@ -112,4 +124,4 @@ with tempfile.TemporaryDirectory() as root:
 def test_fused_v4_attention_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 18, run.stdout
+    assert run.stdout.count(" ok") == 24, run.stdout

@@ -10,10 +10,13 @@ FlashMLA's sparse decode reads each selected key once for a head group). The key
   the position is not negative;
 - entry e (0 <= e < ENTRIES) is compressed entry `READ[r, e]`, closed at position (w + 1) m - 1:
   from the chunk's `NEW` rows when that is at or past the chunk's start, else from the entries page
-  at `ENTRY_ROWS[r, e]`; visible where it closed at or before p (w < (p + 1) // m).
+  at `ENTRY_ROWS[r, e]`; visible where it closed at or before p (w < (p + 1) // m);
+- or, `EVERY` (HCA), entry e for every e < (p + 1) // m, its page row found through the row's
+  block table in the kernel: the loop stops at the row's own last entry, so a prefill row reads
+  its causal extent and a captured step whose tables span max_model_len reads no further.
 That is `StepRows.chunk_or`'s rule, with the addresses `LayerPages` gives (cache.py keeps the
 layout). Softmax online in float32 from the sink (m = sink, l = 1), so a row with every key masked
-gives zero, as the torch path. Loop bounds are constexpr (Triton 3.6's interpreter runs no other).
+gives zero, as the torch path. The window's and READ's loop bounds are constexpr.
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ def _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _entry_keys(NEW, ENTRY_PAGE, read, paged, visible, own, r, p, rows, dim, d, RATE: tl.constexpr):
+    """The keys [BLOCK_KEYS, D] of entries `read`: the chunk's own pooled rows where `own`
+    (closed at or past the chunk's start), else the entries page's flat rows `paged`."""
+    live_d = d < dim
+    own_row = tl.minimum(tl.maximum(r - (p - ((read + 1) * RATE - 1)), 0), rows - 1)
+    k_own = tl.load(
+        NEW + own_row[:, None] * dim + d[None, :],
+        mask=(visible & own)[:, None] & live_d[None, :],
+        other=0.0,
+    )
+    k_paged = tl.load(
+        ENTRY_PAGE + paged[:, None] * dim + d[None, :],
+        mask=(visible & ~own)[:, None] & live_d[None, :],
+        other=0.0,
+    )
+    return tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
+
+
+@triton.jit
 def _sparse_attention_kernel(
     Q,  # [rows, heads, dim]
     OWN,  # [rows, dim]: the chunk's own rotated KV
@@ -51,6 +73,7 @@ def _sparse_attention_kernel(
     ENTRY_PAGE,  # [flat rows, dim]
     ENTRY_ROWS,  # [rows, ENTRIES] int64
     READ,  # [rows, ENTRIES] int64: the entry indices
+    TABLES,  # [rows, width] int64: each row's block table (EVERY)
     POSITIONS,  # [rows] int64
     START,  # [rows] int64: the chunk's first position
     REAL,  # [rows] bool
@@ -60,9 +83,13 @@ def _sparse_attention_kernel(
     heads,
     dim,
     scale,
+    width,
     WINDOW: tl.constexpr,
     ENTRIES: tl.constexpr,
     RATE: tl.constexpr,
+    EVERY: tl.constexpr,  # every closed entry, addressed through TABLES (not READ)
+    BLOCK_SIZE: tl.constexpr,  # the cache's block size (EVERY)
+    SLOTS: tl.constexpr,  # entry rows per block of the entries page (EVERY)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -104,26 +131,29 @@ def _sparse_attention_kernel(
         k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
         m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     closed = (p + 1) // RATE
-    for t in range(0, ENTRIES, BLOCK_N):
-        e = t + n
-        read = tl.load(READ + r * ENTRIES + e, mask=e < ENTRIES, other=0)
-        visible = (e < ENTRIES) & (read < closed) & real
-        at = (read + 1) * RATE - 1  # the position that closed the entry
-        own = at >= start
-        own_row = tl.minimum(tl.maximum(r - (p - at), 0), rows - 1)
-        paged = tl.load(ENTRY_ROWS + r * ENTRIES + e, mask=visible & ~own, other=0)
-        k_own = tl.load(
-            NEW + own_row[:, None] * dim + d[None, :],
-            mask=(visible & own)[:, None] & live_d[None, :],
-            other=0.0,
-        )
-        k_paged = tl.load(
-            ENTRY_PAGE + paged[:, None] * dim + d[None, :],
-            mask=(visible & ~own)[:, None] & live_d[None, :],
-            other=0.0,
-        )
-        k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
-        m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
+    if EVERY:
+        # Every closed entry (HCA): entry e sits in block e m // B of the row's table, at slot
+        # e - ceil(b B / m) (cache.LayerPages._entry_rows); the loop stops at the row's last.
+        steps = (tl.where(real, closed, 0) + BLOCK_N - 1) // BLOCK_N
+        for i in range(0, steps):
+            e = i * BLOCK_N + n
+            visible = e < closed
+            own = (e + 1) * RATE - 1 >= start
+            block = e * RATE // BLOCK_SIZE
+            first = (block * BLOCK_SIZE + RATE - 1) // RATE
+            page_block = tl.load(TABLES + r * width + block, mask=visible & ~own, other=0)
+            paged = page_block * SLOTS + e - first
+            k = _entry_keys(NEW, ENTRY_PAGE, e, paged, visible, own, r, p, rows, dim, d, RATE)
+            m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
+    else:
+        for t in range(0, ENTRIES, BLOCK_N):
+            e = t + n
+            read = tl.load(READ + r * ENTRIES + e, mask=e < ENTRIES, other=0)
+            visible = (e < ENTRIES) & (read < closed) & real
+            own = (read + 1) * RATE - 1 >= start  # the position that closed the entry
+            paged = tl.load(ENTRY_ROWS + r * ENTRIES + e, mask=visible & ~own, other=0)
+            k = _entry_keys(NEW, ENTRY_PAGE, read, paged, visible, own, r, p, rows, dim, d, RATE)
+            m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     out = acc / l_i[:, None]
     tl.store(
         OUT + (r * heads + h[:, None]) * dim + d[None, :],
@@ -150,25 +180,34 @@ def sparse_attention(
     own: torch.Tensor,
     window_page: torch.Tensor,
     window_rows: torch.Tensor,
-    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
     rate: int,
     positions: torch.Tensor,
     start: torch.Tensor,
     real: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
+    every: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, its flat
-    rows [rows, n], the entry indices [rows, n]) or None (a sliding layer). See the module
-    docstring for what each row sees."""
+    rows [rows, n], the entry indices [rows, n]) or None (a sliding layer); with `every` (the
+    cache's block size, entry rows per block): (new, page, the rows' block tables [rows, W],
+    None), every closed entry of each row, read up to the row's last (HCA: no [rows, entries]
+    index tensor, no loop past the row's position). See the module docstring for what each row
+    sees."""
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
         return out
     window = window_rows.shape[1]
+    tables, block_size, slots = window_rows, 1, 1
     if entries is None:
         new, entry_page, entry_rows, read = own, window_page, window_rows, window_rows
         count = 0
+    elif every is not None:
+        new, entry_page, tables, _ = entries
+        entry_rows, read, count = window_rows, window_rows, 0
+        block_size, slots = every
     else:
         new, entry_page, entry_rows, read = entries
         count = read.shape[1]
@@ -182,6 +221,7 @@ def sparse_attention(
         entry_page,
         entry_rows.contiguous(),
         read.contiguous(),
+        tables.contiguous(),
         positions,
         start,
         real,
@@ -191,9 +231,13 @@ def sparse_attention(
         heads,
         dim,
         scale,
+        tables.shape[1],
         WINDOW=window,
         ENTRIES=count,
         RATE=max(rate, 1),
+        EVERY=every is not None and entries is not None,
+        BLOCK_SIZE=block_size,
+        SLOTS=slots,
         BLOCK_H=block_h,
         BLOCK_N=BLOCK_KEYS,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),

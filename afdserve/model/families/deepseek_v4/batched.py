@@ -13,8 +13,11 @@ and the entries and series of windows starting in it, so blocks shared by prefix
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
 On CUDA (pages in the model dtype) the attention, the indexer's scores and a decode ubatch's
-compressor update are fused launches (ops.v4_*). NOTE: each row gathers its compressed keys out
-to the table width W: cheap for decode and short chunks, not for a long prefill.
+compressor update are fused launches (ops.v4_*). There no tensor grows as rows x context: HCA's
+attention reads each row's closed entries through its table up to its own position, and CSA's
+indexer scores each row only that far, in row chunks of bounded scratch; so a step of prefill
+chunks beside decodes, shapes fixed by the row count and W, is what `full` graphs capture. The
+torch form (the CPU reference) gathers every entry the table addresses, per row.
 """
 
 from __future__ import annotations
@@ -148,19 +151,25 @@ def _attend(
     kv: torch.Tensor,
     rows: StepRows,
     window_rows: torch.Tensor,
-    selected: tuple[torch.Tensor, torch.Tensor] | None,
+    selected: tuple[torch.Tensor | None, torch.Tensor] | None,
 ) -> torch.Tensor:
     """q [rows, heads, dim] over each row's window (positions p - window + 1 .. p, masked where
     negative; the chunk's own `kv` rows, the page's `window_rows` before the chunk) and its
-    `selected` compressed entries ((indices [rows, n], the chunk's pooled `new` [rows, dim]),
-    masked unless closed at or before p) -> [rows, heads, dim]: one fused launch on CUDA
-    (ops.v4_sparse_attention), the torch form below elsewhere."""
+    `selected` compressed entries ((indices [rows, n] or None: every entry, the chunk's pooled
+    `new` [rows, dim]), masked unless closed at or before p) -> [rows, heads, dim]: one fused
+    launch on CUDA (ops.v4_sparse_attention, which reads every closed entry through the tables
+    up to the row's last), the torch form below elsewhere (every entry the tables address,
+    gathered per row)."""
     p, comp = rows.positions, attn.compressor
-    entries = None
+    entries, every = None, None
     if selected is not None:
         read, new = selected
-        entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
-        entries = (new, pages.flat["entries"], entry_rows, read)
+        if read is None:
+            geometry = pages.geometry
+            every = (geometry.block_size, pages.pages["entries"].shape[1])
+            entries = (new, pages.flat["entries"], rows.tables, None)
+        else:
+            entries = (new, pages.flat["entries"], _entry_rows(pages, rows, read), read)
     fused = (
         None
         if pages.fp8
@@ -173,6 +182,7 @@ def _attend(
             (p, rows.start, rows.real),
             attn.sinks,
             attn.scale,
+            every,
         )
     )
     if fused is not None:
@@ -180,11 +190,23 @@ def _attend(
     back = p[:, None] - torch.arange(attn.window, device=p.device)
     keys = rows.chunk_or(kv, back, pages.take("window", window_rows, kv.dtype))
     allowed = (back >= 0) & rows.real[:, None]
-    if entries is not None:
-        stored = pages.take("entries", entry_rows, new.dtype)
+    if selected is not None:
+        read, new = selected
+        read = _every_entry(pages, rows, comp.rate) if read is None else read
+        stored = pages.take("entries", _entry_rows(pages, rows, read), new.dtype)
         keys = torch.cat((keys, rows.chunk_or(new, (read + 1) * comp.rate - 1, stored)), dim=1)
         allowed = torch.cat((allowed, read < ((p + 1) // comp.rate)[:, None]), dim=1)
     return attn.attend_batched(q, keys, allowed)
+
+
+def _every_entry(pages: LayerPages, rows: StepRows, rate: int) -> torch.Tensor:
+    """[rows, n] every entry the tables can address (n = ceil(W B / m)), a broadcast view."""
+    count = -(-rows.tables.shape[1] * pages.geometry.block_size // rate)
+    return torch.arange(count, device=rows.tables.device).expand(rows.tables.shape[0], count)
+
+
+def _entry_rows(pages: LayerPages, rows: StepRows, read: torch.Tensor) -> torch.Tensor:
+    return pages.batch_entry_rows("entries", rows.tables, read)
 
 
 def _compressed(
@@ -194,23 +216,50 @@ def _compressed(
     q_residual: torch.Tensor,
     rows: StepRows,
     rope: RopeTable,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed entries each row attends to, (indices [rows, n], the entry each row pooled
-    [rows, dim], which `_attend` reads for entries closed inside the chunk): HCA every entry the
-    table can address (n = ceil(W B / m)), CSA the indexer's top-k of them. Entries at or past
-    the (p + 1) // m closed ones are masked there. CSA: the indexer scores every padded entry,
-    invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort) keeps the
-    first index_topk: visible entries come first, so a top-k beyond the visible count keeps all
-    of them and masks the rest, as the per-sequence path."""
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The compressed entries each row attends to, (indices [rows, n] or None, the entry each
+    row pooled [rows, dim], which `_attend` reads for entries closed inside the chunk): HCA
+    None, every entry closed at or before the row; CSA the indexer's top-k (`_index_top`).
+    Entries at or past the (p + 1) // m closed ones are masked there."""
     comp = attn.compressor
-    count = -(-rows.tables.shape[1] * pages.geometry.block_size // comp.rate)
-    every = torch.arange(count, device=x.device).expand(x.shape[0], count)
     if comp.indexer is None:
-        return every, _compress(comp, pages, "", x, rows, rope)
+        return None, _compress(comp, pages, "", x, rows, rope)
     indexer = comp.indexer
     index_new = _compress(indexer, pages, "index_", x, rows, rope)
-    top = indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, index_new))
+    top = _index_top(indexer, pages, x, q_residual, rows, rope, index_new)
     return top, _compress(comp, pages, "", x, rows, rope)
+
+
+def _index_top(
+    indexer: Indexer,
+    pages: LayerPages,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    rows: StepRows,
+    rope: RopeTable,
+    new: torch.Tensor,
+) -> torch.Tensor:
+    """The indexer's choice [rows, n]: on CUDA its top index_topk entries among those closed at
+    or before the row, scored only that far (ops.v4_index_select: no [rows, entries] tensor
+    beyond a bounded scratch, the rest an index no row sees); elsewhere every padded entry
+    scored, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
+    keeps the first index_topk: visible entries come first, so a top-k beyond the visible
+    count keeps all of them and masks the rest, as the per-sequence path."""
+    queries = indexer.queries(x, q_residual, rows.positions, rope)
+    if not pages.fp8:  # the fused kernels read pages in the model dtype
+        geometry, page = pages.geometry, pages.pages["index_entries"]
+        top = ops.v4_index_select(
+            *queries,
+            new,
+            pages.flat["index_entries"],
+            (rows.tables, geometry.block_size, page.shape[1]),
+            indexer.rate,
+            (rows.positions, rows.start, rows.real),
+            indexer.topk,
+        )
+        if top is not None:
+            return top
+    return indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, new, queries))
 
 
 def _index_scores(
@@ -221,14 +270,16 @@ def _index_scores(
     rows: StepRows,
     rope: RopeTable,
     new: torch.Tensor,
+    queries: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The indexer's score [rows, n] of every entry the table can address (n = ceil(W B / m)),
     -inf where not closed at or before the row: one launch on CUDA (ops.v4_index_scores), the
-    gathered keys and `Indexer.score` elsewhere. `new` [rows, dim]: the entry each row pooled."""
+    gathered keys and `Indexer.score` elsewhere. `new` [rows, dim]: the entry each row pooled;
+    `queries`: `Indexer.queries` of the rows, where already made."""
     m, p = indexer.rate, rows.positions
     count = -(-rows.tables.shape[1] * pages.geometry.block_size // m)
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
-    q, weights = indexer.queries(x, q_residual, p, rope)
+    q, weights = queries or indexer.queries(x, q_residual, p, rope)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     page = pages.flat["index_entries"]
     fused = None

@@ -1,0 +1,242 @@
+"""DeepSeek-V4's lightning indexer selection of a ubatch (model/families/deepseek_v4/batched.py's
+`_index_top`) in two launches per block of rows: every row's scores over the entries closed at or
+before it, then its `topk` best entries. Nothing the size of rows x max_model_len is allocated:
+the scores of a long step are taken in row chunks of at most SCORE_ELEMENTS, and each row reads
+only its causal extent, so a captured step whose tables span max_model_len reads no further.
+
+Scores: score(r, e) = sum_h w_h(r) relu(q_h(r) . k_e) / sqrt(dim) for e < (p + 1) // m. Key e
+is the chunk's own pooled row `NEW` when it closed at or past the chunk's start ((e + 1) m - 1
+>= start), else the indexer's entries page row of entry e, found through the row's block table
+(block e m // B, slot e - ceil(b B / m): cache.LayerPages._entry_rows). One program per (row,
+split); split s scores the entry blocks s, s + SPLITS, ... (a loop bound, not a branch).
+
+Top-k: one program per row finds the k-th largest score by radix select (dsa_indexer.py's, over
+the scores as order-preserving integers) and keeps every entry above it and the earliest of those
+equal to it: the set the torch path's stable descending sort keeps (`Indexer.ranked`), ties
+included. Kept entries come in index order, then `fill` (an index no row sees: never visible).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afdserve.kernels.triton.dsa_indexer import _order_key
+
+BLOCK_ENTRIES = 64  # entries a score step reads (not measured)
+SPLITS = 16  # programs per row scoring entries (not measured)
+BLOCK_SCORES = 1024  # scores a top-k step reads
+# Scratch scores held at once, [rows, entries] float32 (256 MiB): a long prefill is selected in
+# row chunks of this many elements.
+SCORE_ELEMENTS = 1 << 26
+
+
+@triton.jit
+def _scores_kernel(
+    Q,  # [rows, heads, DIM]: the rotated index queries
+    WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
+    NEW,  # [rows, DIM]: the entry each chunk row pooled
+    PAGE,  # [flat rows, DIM]: the indexer's entries page
+    TABLES,  # [rows, width] int64
+    POSITIONS,  # [rows] int64
+    START,  # [rows] int64
+    REAL,  # [rows] bool
+    SCORES,  # [chunk rows, count] float32, written up to each row's last closed entry
+    row0,  # the chunk's first row
+    rows,
+    heads,
+    width,
+    count,
+    scale,
+    RATE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's block size
+    SLOTS: tl.constexpr,  # entry rows per block of the page
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    local, split = tl.program_id(0), tl.program_id(1)
+    r = row0 + local
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    live_d = d < DIM
+    q = tl.load(
+        Q + (r * heads + h[:, None]) * DIM + d[None, :],
+        mask=(h[:, None] < heads) & live_d[None, :],
+        other=0.0,
+    )
+    w = tl.load(WEIGHTS + r * heads + h, mask=h < heads, other=0.0)
+    p = tl.load(POSITIONS + r)
+    start = tl.load(START + r)
+    closed = tl.where(tl.load(REAL + r).to(tl.int1), (p + 1) // RATE, 0)
+    steps = ((closed + BLOCK_E - 1) // BLOCK_E - split + SPLITS - 1) // SPLITS
+    for i in range(0, steps):
+        e = (split + i * SPLITS) * BLOCK_E + tl.arange(0, BLOCK_E)
+        seen = e < closed
+        at = (e + 1) * RATE - 1  # the position that closed entry e
+        own = at >= start
+        own_row = tl.minimum(tl.maximum(r - (p - at), 0), rows - 1)
+        block = e * RATE // BLOCK_SIZE
+        page_block = tl.load(TABLES + r * width + block, mask=seen & ~own, other=0)
+        paged = page_block * SLOTS + e - (block * BLOCK_SIZE + RATE - 1) // RATE
+        k_own = tl.load(
+            NEW + own_row[:, None] * DIM + d[None, :],
+            mask=(seen & own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k_paged = tl.load(
+            PAGE + paged[:, None] * DIM + d[None, :],
+            mask=(seen & ~own)[:, None] & live_d[None, :],
+            other=0.0,
+        )
+        k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
+        dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_E]
+        scores = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
+        tl.store(SCORES + local * count + e, scores, mask=seen)
+
+
+@triton.jit
+def _top_kernel(
+    SCORES,  # [chunk rows, count] float32
+    POSITIONS,  # [rows] int64
+    REAL,  # [rows] bool
+    OUT,  # [rows, TOPK] int64: the kept entries, `fill` after them
+    row0,
+    count,
+    fill,
+    RATE: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+):
+    local = tl.program_id(0)
+    r = row0 + local
+    p = tl.load(POSITIONS + r)
+    closed = tl.where(tl.load(REAL + r).to(tl.int1), (p + 1) // RATE, 0)
+    take_all = closed <= TOPK  # no more visible entries than kept ones
+    bins = tl.arange(0, 256)
+    threshold = tl.zeros((), dtype=tl.int64)
+    known = tl.zeros((), dtype=tl.int64)  # the bits of the threshold found so far
+    remaining = tl.full((), TOPK, dtype=tl.int64)  # how many of those matching them to keep
+    steps = (closed + BLOCK_S - 1) // BLOCK_S
+    for digit in tl.static_range(4):
+        shift = 24 - 8 * digit
+        hist = tl.zeros([256], dtype=tl.int32)
+        for i in range(0, steps):
+            e = i * BLOCK_S + tl.arange(0, BLOCK_S)
+            valid = e < closed
+            key = _order_key(tl.load(SCORES + local * count + e, mask=valid, other=0.0))
+            match = valid & ((key & known) == threshold)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        hist = hist.to(tl.int64)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1))
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0))
+        threshold |= chosen.to(tl.int64) << shift
+        known |= 255 << shift
+    kept = tl.zeros((), dtype=tl.int64)
+    equal_seen = tl.zeros((), dtype=tl.int64)
+    for i in range(0, steps):
+        e = i * BLOCK_S + tl.arange(0, BLOCK_S)
+        valid = e < closed
+        key = _order_key(tl.load(SCORES + local * count + e, mask=valid, other=0.0))
+        equal = valid & (key == threshold)
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int64), 0) - 1
+        keep = valid & (take_all | (key > threshold) | (equal & (equal_rank < remaining)))
+        at = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
+        tl.store(OUT + r * TOPK + at, e.to(tl.int64), mask=keep)
+        kept += tl.sum(keep.to(tl.int64))
+        equal_seen += tl.sum(equal.to(tl.int64))
+    for j in range(0, TOPK, BLOCK_O):
+        o = j + tl.arange(0, BLOCK_O)
+        filler = tl.full([BLOCK_O], 0, tl.int64) + fill
+        tl.store(OUT + r * TOPK + o, filler, mask=(o >= kept) & (o < TOPK))
+
+
+def supports(q: torch.Tensor, new: torch.Tensor, page: torch.Tensor, topk: int) -> bool:
+    """q [rows, heads, dim], new [rows, dim] and the page of one float dtype, contiguous."""
+    return (
+        q.dim() == 3
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.dtype == new.dtype == page.dtype
+        and q.is_contiguous()
+        and new.is_contiguous()
+        and page.is_contiguous()
+        and q.shape[1] <= 128
+        and q.shape[2] <= 512
+        and 1 <= topk <= 8192
+    )
+
+
+def index_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    tables: tuple[torch.Tensor, int, int],
+    rate: int,
+    rows_at: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk: int,
+) -> torch.Tensor:
+    """-> [rows, topk] int64: each row's kept entries in index order, then ceil(W B / m) (no
+    row's: never visible). tables: (the rows' block tables [rows, W], the cache's block size,
+    entry rows per block of `page`); rows_at: (positions, chunk starts, real)."""
+    rows, heads, dim = q.shape
+    table, block_size, slots = tables
+    positions, start, real = (t.contiguous() for t in rows_at)
+    width = table.shape[1]
+    count = -(-width * block_size // rate)  # every entry the tables address
+    out = torch.empty(rows, topk, dtype=torch.int64, device=q.device)
+    if rows == 0:
+        return out
+    table, weights = table.long().contiguous(), weights.float().contiguous()
+    chunk = max(1, SCORE_ELEMENTS // max(count, 1))
+    scores = torch.empty(min(rows, chunk), max(count, 1), dtype=torch.float32, device=q.device)
+    for lo in range(0, rows, chunk):
+        n = min(lo + chunk, rows) - lo
+        _scores_kernel[(n, SPLITS)](
+            q,
+            weights,
+            new,
+            page,
+            table,
+            positions,
+            start,
+            real,
+            scores,
+            lo,
+            rows,
+            heads,
+            width,
+            count,
+            dim**-0.5,
+            RATE=rate,
+            BLOCK_SIZE=block_size,
+            SLOTS=slots,
+            DIM=dim,
+            BLOCK_H=max(16, triton.next_power_of_2(heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            BLOCK_E=BLOCK_ENTRIES,
+            SPLITS=SPLITS,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=8 if heads * dim > 4096 else 4,  # 64 heads of 128: a 16 KB q tile
+        )
+        _top_kernel[(n,)](
+            scores,
+            positions,
+            real,
+            out,
+            lo,
+            count,
+            count,
+            RATE=rate,
+            TOPK=topk,
+            BLOCK_S=BLOCK_SCORES,
+            BLOCK_O=min(1024, triton.next_power_of_2(topk)),
+            num_warps=8,
+        )
+    return out
