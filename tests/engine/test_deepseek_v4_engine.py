@@ -19,6 +19,7 @@ from transformers import DeepseekV4ForCausalLM
 from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import check_capturable
 from afdserve.engine.kv_cache import bytes_per_block, make_kv_cache
+from afdserve.kernels import ops
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4 import batched
@@ -217,17 +218,21 @@ def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
     assert not ran
 
 
-def test_cuda_graph_modes_v4_cannot_capture_are_refused_by_name_on_cuda(shape) -> None:
-    """full_decode_only captures V4's batched decode path; `full` would capture its mixed
-    steps, not yet captured and checked on a GPU: refused by name on CUDA before any rank
-    starts. On CPU every graph mode runs eagerly with the graph layout, as for every family
-    (tests/afd/test_deepseek_v4_afd.py)."""
+def test_full_graphs_are_refused_by_name_on_cuda_only_without_triton(
+    shape, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`full` captures V4's mixed steps where the fused kernels read each row's compressed
+    entries up to its position (tests/gpu/test_deepseek_v4.py); without Triton the torch form
+    would gather every row's out to max_model_len, so CUDA refuses it by name, before any rank
+    starts. full_decode_only is always allowed; on CPU every graph mode runs eagerly with the
+    graph layout, as for every family (tests/afd/test_deepseek_v4_afd.py)."""
     _, path, _ = shape
     config = load_model_config(path)
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
     with pytest.raises(
         ValueError,
-        match=r"graph_mode='full' is not supported for family "
-        r"'deepseek_v4' on CUDA yet",
+        match=r"graph_mode='full' is not supported for family 'deepseek_v4' on CUDA yet: "
+        r"without Triton",
     ) as err:
         check_capturable(config, "cuda:0", "full")
     assert "\n" not in str(err.value)
@@ -235,6 +240,6 @@ def test_cuda_graph_modes_v4_cannot_capture_are_refused_by_name_on_cuda(shape) -
         check_capturable(config, "cpu", mode)
     for mode in ("none", "full_decode_only"):
         check_capturable(config, "cuda", mode)
-    if torch.cuda.is_available():  # a CPU-only torch refuses device="cuda" before this check
-        with pytest.raises(ValueError, match="graph_mode='full'"):
-            LLM(str(path), dtype="float32", device="cuda", graph_mode="full")
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    for mode in ("none", "full_decode_only", "full"):
+        check_capturable(config, "cuda:0", mode)

@@ -3,7 +3,7 @@ held to the torch path in tests/gpu/test_v4_fused*.py; the clamped bf16 experts 
 colocated engine and in-process 1A1F (the attention half keeping the mHC streams, the FFN half
 behind an InProcessConnector) give the same greedy tokens, float32 ones equal to the CPU engine's,
 over a batch with chunked prefill beside decodes; full_decode_only captures the batched decode
-path and gives graph_mode none's tokens; `full` (prefill steps in graphs) is refused by name."""
+path and gives graph_mode none's tokens, and so does `full`, which captures the mixed steps."""
 
 from __future__ import annotations
 
@@ -99,13 +99,43 @@ def test_full_decode_only_graphs_give_the_eager_tokens(v4_dirs, dtype, topology,
             _check(eager, PROMPTS, got, want)
 
 
-def test_full_graph_mode_is_refused_for_v4_on_cuda(v4_dirs):
-    with pytest.raises(
-        ValueError,
-        match=r"graph_mode='full' is not supported for "
-        r"family 'deepseek_v4' on CUDA",
-    ):
-        LLM(str(v4_dirs["bfloat16"]), device="cuda", graph_mode="full")
+@pytest.mark.parametrize(
+    ("dtype", "topology", "ubatches"),
+    [("float32", "colocated", 1), ("float32", "1A1F", 2), ("bfloat16", "colocated", 1)],
+)
+def test_full_graphs_of_mixed_steps_give_the_eager_tokens(v4_dirs, dtype, topology, ubatches):
+    """`full` captures V4's mixed steps too (batched.py from the graph's static buffers, the
+    fused kernels reading each row's entries up to its position): with 16 tokens a step every
+    step, prefill chunks beside decodes included, replays a graph of at most 16 rows; the
+    tokens are graph_mode none's (float32: equal; bf16: equal up to a near-tie)."""
+    model = v4_dirs[dtype]
+    want = tokens(model, dtype, "cuda")
+    split = {}
+    if topology == "1A1F":
+        split = dict(topology=topology, connector="inprocess", ubatches=ubatches)
+    with LLM(
+        str(model),
+        dtype=dtype,
+        device="cuda",
+        max_num_batched_tokens=16,
+        graph_mode="full",
+        cuda_graph_sizes=[1, 2, 4, 8, 16],
+        log_step_plan=True,
+        use_tqdm_on_load=False,
+        **split,
+    ) as llm:
+        assert llm.engine.core_client.driver.forward.graphs is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        records = [r for r in llm.step_log() if r["role"] == "attention"]
+    assert {r["mode"] for r in records} == {"capture", "replay"}
+    # More rows than sequences: a prefill chunk in the replayed step.
+    assert any(r["mode"] == "replay" and r["real_rows"] > len(PROMPTS) for r in records)
+    assert any(r["mode"] == "replay" and r["padded_rows"] > r["real_rows"] for r in records)
+    if dtype == "float32":
+        assert got == want
+    else:
+        with LLM(str(model), dtype=dtype, device="cuda", graph_mode="none") as eager:
+            _check(eager, PROMPTS, got, want)
 
 
 def test_graph_mode_auto_stays_eager_for_v4(v4_dirs):

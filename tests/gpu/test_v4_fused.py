@@ -1,8 +1,9 @@
 """DeepSeek-V4's fused CUDA paths (kernels/triton/: mhc.py, v4_attention.py, v4_compress.py,
-v4_indexer.py, v4_norm_rope.py) against the torch path they replace: each kernel on CUDA at the
-tiny shapes and at V4-Flash's (hc_mult 4, hidden 4096; 64 heads of 512, window 128, CSA rate 4
-with top-512 and an indexer of 64 heads of 128, HCA rate 128), rows 1, odd and 64, float32 and
-bf16, eagerly and replayed from a CUDA graph (the model's logits: test_v4_fused_model.py)."""
+v4_indexer.py, v4_index_select.py, v4_norm_rope.py) against the torch path they replace: each
+kernel on CUDA at the tiny shapes and at V4-Flash's (hc_mult 4, hidden 4096; 64 heads of 512,
+window 128, CSA rate 4 with top-512 and an indexer of 64 heads of 128, HCA rate 128), rows 1,
+odd and 64, float32 and bf16, eagerly and replayed from a CUDA graph (the model's logits:
+test_v4_fused_model.py)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,14 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
         assert got.dtype == dtype and bool(torch.isfinite(got).all())
         assert bool((got[~real] == 0).all())
         assert relative(got[real], want[real]) < TOL[dtype], (attn.kind, relative(got, want))
+        if attn.kind == HCA:  # every closed entry, walked through the tables in the kernel
+            slots = pages.pages["entries"].shape[1]
+            walked = (new, pages.flat["entries"], rows.tables, None)
+            every = triton_v4_attention.sparse_attention(
+                *call[:4], walked, *call[5:], (block_size, slots)
+            )
+            assert bool((every[~real] == 0).all())
+            assert relative(every[real], want[real]) < TOL[dtype], relative(every, want)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = triton_v4_attention.sparse_attention(*call)
@@ -324,6 +333,78 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
     q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
     graph.replay()
     assert torch.equal(captured, triton_v4_indexer.index_scores(*call))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(8000, 1)], 0), ([(0, 1), (3, 1), (130, 1), (511, 1), (4095, 1), (8191, 1)], 1),
+     ([(0, 40), (300, 1), (200, 150), (5000, 300)], 2)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_index_select_keeps_the_torch_top_k(attention_models, shape, dtype, chunks, pad):
+    """The CSA indexer's top-k (v4_index_select.py: scored up to each row's position, radix
+    select) against `Indexer.ranked` over the torch scores: float32 the same entries, bf16 the
+    same count of visible entries whose scores reach the torch k-th best (up to rounding);
+    the scores in row chunks of a small scratch give the same; replayed from a graph."""
+    triton_select = triton_module("v4_index_select")
+    model = attention_models[shape]
+    indexer = model.model.layers[1].self_attn.compressor.indexer
+    gen = torch.Generator().manual_seed(len(chunks))
+    fill = torch.Generator(device="cuda").manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    cache = make_kv_cache(
+        model.config, len(chunks) * width + 2, block_size, dtype, "cuda", num_slots=len(chunks)
+    )
+    pages = cache.layers[1]
+    page = pages.flat["index_entries"]
+    page.copy_(torch.randn(page.shape, generator=fill, device="cuda"))
+    n = rows.positions.shape[0]
+    x = torch.randn(n, model.config.hidden_size, generator=gen).to(dtype).cuda()
+    q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).to(dtype).cuda()
+    new = torch.randn(n, indexer.dim, generator=gen).to(dtype).cuda()
+    rope = model.ropes("cuda")["compress"]
+    q, weights = indexer.queries(x.float(), q_residual.float(), rows.positions, rope)
+    q = q.to(dtype)
+    count = -(-width * block_size // indexer.rate)
+    every = torch.arange(count, device="cuda").expand(n, count)
+    entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
+    keys = rows.chunk_or(
+        new, (every + 1) * indexer.rate - 1, pages.take("index_entries", entry_rows)
+    )
+    closed = torch.where(rows.real, (rows.positions + 1) // indexer.rate, 0)
+    scores = indexer.score(q, weights, keys).masked_fill(every >= closed[:, None], float("-inf"))
+    tables = (rows.tables, block_size, pages.pages["index_entries"].shape[1])
+    call = (q, weights, new, page, tables, indexer.rate)
+    call += ((rows.positions, rows.start, rows.real), indexer.topk)
+    got = triton_select.index_select(*call)
+    visible = got < closed[:, None]
+    assert torch.equal(visible.sum(1), closed.clamp(max=indexer.topk))
+    assert bool((got[~visible] == count).all())
+    if dtype == torch.float32:
+        want = indexer.ranked(scores)
+        want = torch.where(want < closed[:, None], want, count).sort(dim=1).values
+        assert torch.equal(got[:, : want.shape[1]], want)
+    else:
+        kth = scores.sort(dim=1, descending=True).values[:, : indexer.topk].amin(1)
+        kept = scores.gather(1, got.clamp(max=count - 1)).masked_fill(~visible, float("inf"))
+        low = kept.amin(1)
+        slack = 1e-2 * scores.masked_fill(~torch.isfinite(scores), 0).abs().amax(1)
+        assert bool((low >= kth - slack).all())
+    old = triton_select.SCORE_ELEMENTS
+    triton_select.SCORE_ELEMENTS = 3 * count  # three rows of scores at a time
+    try:
+        assert torch.equal(triton_select.index_select(*call), got)
+    finally:
+        triton_select.SCORE_ELEMENTS = old
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_select.index_select(*call)
+    graph.replay()
+    assert torch.equal(captured, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -53,9 +53,9 @@ def engine_steps(model, device: str) -> list[torch.Tensor]:
 @torch.inference_mode()
 def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch):
     triton_mhc, triton_v4_attention = triton_module("mhc"), triton_module("v4_attention")
-    triton_v4_compress, triton_v4_indexer = (
+    triton_v4_compress, triton_v4_select = (
         triton_module("v4_compress"),
-        triton_module("v4_indexer"),
+        triton_module("v4_index_select"),
     )
     triton_v4_norm_rope = triton_module("v4_norm_rope")
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
@@ -82,7 +82,7 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
         counted("compress", triton_v4_compress.compress_decode),
     )
     monkeypatch.setattr(
-        triton_v4_indexer, "index_scores", counted("index", triton_v4_indexer.index_scores)
+        triton_v4_select, "index_select", counted("index", triton_v4_select.index_select)
     )
     monkeypatch.setattr(
         triton_v4_norm_rope, "norm_rope", counted("norm_rope", triton_v4_norm_rope.norm_rope)

@@ -342,3 +342,59 @@ def test_pad_rows_give_zero_attention_and_write_no_real_page(
         own = ropes["main"] if attn.kind == SLIDING else ropes["compress"]
         y = batched.step_attention(attn, pages, x, rows, own, ropes["compress"])
         assert bool((y[9:] == 0).all()) and bool(y[:9].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize("shape", ["tiny", "r3r6"])
+@torch.inference_mode()
+def test_full_graph_layout_mixed_steps_equal_the_per_sequence_path(
+    models: dict[str, V4CausalLM], shape: str, block_size: int
+) -> None:
+    """What a `full` graph replays (cuda_graphs.UbatchBuffers on CPU): prefill chunks beside
+    decodes, then a step of decodes alone, from the static buffers only: no host segments,
+    tables as wide as max_model_len whose columns past each sequence's blocks (and whose pad
+    segments) keep an earlier, larger step's blocks, pad rows at positions that close every
+    window, and a query length of the whole capture size (so decode-only steps run the mixed
+    path too). Logits, tokens and pages are the per-sequence path's."""
+    model = models[shape]
+    lengths = chunk_lengths(model)
+    sequences, steps = 5, 4
+    span = -(-max(lengths) * steps // block_size)
+    tables = tables_for((0,) * sequences, block_size, span)
+    blocks = int(tables.max()) + 1
+    reference, twin = v4_cache(model, blocks, block_size), v4_cache(model, blocks, block_size)
+    size, width = sequences * max(lengths) + 3, span + 3  # capture size, max_model_len's
+    buffers = UbatchBuffers(size, width, torch.device("cpu"))
+    wide = torch.cat((tables, tables.roll(1, 0)[:, :3]), dim=1)
+    stale = tuple(
+        Segment(i, i + 1, wide[i % sequences], 9, int(wide[i % sequences][0])) for i in range(size)
+    )
+    buffers.load(batch_segments(stale, torch.device("cpu")), size, size)
+    gen = torch.Generator().manual_seed(5)
+    done = [0] * sequences
+    for step in range(steps + 1):
+        decode_only = step == steps
+        chunks = [
+            (tables[i], done[i], 1 if decode_only else lengths[(2 * i + step) % len(lengths)])
+            for i in range(sequences if step else 2)
+        ]
+        real = sum(n for _, _, n in chunks)
+        ids = torch.randint(0, 256, (real,), generator=gen)
+        want = forward(model, reference, ids, step_meta(chunks, 0, False, True))
+        buffers.load(step_meta(chunks, 0, True, False).batched, size, real)
+        pad_positions = torch.full((size - real,), 7)  # closes every window of rates 2, 4, 8
+        graph_meta = AttentionMetadata(
+            torch.cat((step_meta(chunks, 0, False, True).positions, pad_positions)),
+            torch.full((size,), -1),
+            (),
+            buffers.batched(size, size, width * block_size),
+        )
+        assert not batched.StepRows.of(graph_meta).decode
+        step_ids = torch.cat((ids, torch.zeros(size - real, dtype=torch.int64)))
+        got = forward(model, twin, step_ids, graph_meta)
+        close(got[:real], want[:real])
+        assert got[:real].argmax(-1).tolist() == want.argmax(-1).tolist()
+        assert bool(torch.isfinite(got).all())
+        pages_close(twin, reference)
+        for i, (_, start, n) in enumerate(chunks):
+            done[i] = start + n

@@ -40,18 +40,23 @@ _SHORT = {
 
 
 # Why V4's pages refuse what a plain paged cache allows (model/cache.py reads these).
+# `full` captures prefill chunks beside decodes (batched.py's step, from the graph's static
+# buffers): with Triton each row reads its compressed entries only up to its own position
+# (kernels/triton/v4_attention.py's EVERY, v4_index_select.py); without it the torch form
+# gathers every row's entries out to max_model_len, rows x context in one captured step.
 FULL_GRAPH_REFUSAL = (
-    "its prefill and mixed steps run batched but have not been captured and checked in a CUDA "
-    "graph yet (each row gathers its compressed keys, which grows with rows x context); use "
+    "without Triton its captured prefill and mixed steps would gather every row's compressed "
+    "keys out to max_model_len (rows x context); install Triton, or use "
     "graph_mode='full_decode_only' or 'none'"
 )
 # Graphs by default up to the longest context measured to win (docs/benchmarks.md, "DeepSeek-V4
-# served"): a captured decode step reads every row's compressed entries out to max_model_len.
+# served"), measured when a captured decode step read every row's compressed entries out to
+# max_model_len; it now reads them up to each row's position (a scratch of the indexer's
+# scores still spans max_model_len), so the limit is a measured floor, not a bound.
 GRAPH_CONTEXT_LIMIT = (
     65536,
-    "DeepSeek-V4's decode graphs read every row's compressed entries out to max_model_len "
-    "(their time and scratch memory grow with it), measured to beat eager steps up to 65536; "
-    "pass graph_mode='full_decode_only' for them at longer contexts",
+    "DeepSeek-V4's graphs were measured to beat eager steps up to max_model_len 65536 "
+    "(docs/benchmarks.md); pass graph_mode='full_decode_only' for them at longer contexts",
 )
 
 
@@ -74,7 +79,6 @@ class V4Pages(CacheSpec):
     attention_type: str
     layers: tuple[int, ...]
     config: ModelConfig
-    graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
     graph_context_limit = GRAPH_CONTEXT_LIMIT
     # Decode ubatches run batched from device segments on every device (batched.py), so CPU
     # runs what a graph captures.
@@ -83,6 +87,11 @@ class V4Pages(CacheSpec):
     @property
     def kind(self) -> str:
         return _SHORT[self.attention_type]
+
+    @property
+    def graph_refusals(self) -> tuple[tuple[str, str], ...]:
+        """`full` where the fused kernels run (FULL_GRAPH_REFUSAL says why not elsewhere)."""
+        return () if ops.triton_available() else (("full", FULL_GRAPH_REFUSAL),)
 
     @property
     def rollback_refusal(self) -> str | None:
