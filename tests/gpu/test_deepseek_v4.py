@@ -138,9 +138,9 @@ def test_full_graphs_of_mixed_steps_give_the_eager_tokens(v4_dirs, dtype, topolo
             _check(eager, PROMPTS, got, want)
 
 
-def test_graph_mode_auto_stays_eager_for_v4(v4_dirs):
-    """auto captures nothing for V4 (its graphs pad every row to max_model_len's entries):
-    graphs are asked for by name."""
+def test_graph_mode_auto_captures_v4_decode(v4_dirs):
+    """auto captures V4's decode up to max_model_len 65536 (cache.GRAPH_CONTEXT_LIMIT; the tiny
+    model's is 512), as for every family: full_decode_only."""
     with LLM(str(v4_dirs["float32"]), dtype="float32", device="cuda") as llm:
-        assert llm.graph_config.mode == "none"
-        assert llm.engine.core_client.driver.forward.graphs is None
+        assert llm.graph_config.mode == "full_decode_only"
+        assert llm.engine.core_client.driver.forward.graphs is not None
