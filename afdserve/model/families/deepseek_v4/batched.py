@@ -11,7 +11,7 @@ end state too; every row its own window row, through the window tables), after e
 that page; a sequence writes only positions of its own chunk
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
-pages' scratch row and give zero. A decode ubatch is the case CUDA graphs capture.
+pages' scratch row and give zero. full_decode_only graphs capture decode ubatches, `full` any.
 On CUDA (pages in the model dtype) the attention, the indexer's scores and a decode ubatch's
 compressor update are fused launches (ops.v4_*). There no tensor grows as rows x context: HCA's
 attention reads each row's closed entries through its table up to its own position, and CSA's
