@@ -127,7 +127,8 @@ def test_full_graphs_of_mixed_steps_give_the_eager_tokens(v4_dirs, dtype, topolo
         assert llm.engine.core_client.driver.forward.graphs is not None
         got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         records = [r for r in llm.step_log() if r["role"] == "attention"]
-    assert {r["mode"] for r in records} == {"capture", "replay"}
+    modes = {r["mode"] for r in records}
+    assert {"capture", "replay"} <= modes and "eager" not in modes, modes
     # More rows than sequences: a prefill chunk in the replayed step.
     assert any(r["mode"] == "replay" and r["real_rows"] > len(PROMPTS) for r in records)
     assert any(r["mode"] == "replay" and r["padded_rows"] > r["real_rows"] for r in records)
