@@ -254,7 +254,7 @@ def test_graph_buffers_run_a_mixed_step_as_its_segments_alone(tiny, model_type: 
     layer, spec = _delta_layer(model)
     gen = torch.Generator().manual_seed(0)
     state = spec.allocate_slots(5, torch.float32, "cpu")[0]
-    state.conv_all.normal_(generator=gen), state.delta_all.normal_(generator=gen)
+    state.conv.normal_(generator=gen), state.delta_all.normal_(generator=gen)
     x = torch.randn(8, model.config.hidden_size, generator=gen)
     table = torch.zeros(2, dtype=torch.int32)
     positions = torch.zeros(8, dtype=torch.int64)

@@ -27,26 +27,18 @@ FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
 
 @dataclass
 class LinearState:
-    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv],
-    views of buffers one slot longer (`conv_all`, `delta_all`): that last slot (`scratch`) is
-    where the torch decode step sends the writes of entries that do not step (slot -1), so they
-    never land in a sequence's state (the kernels skip them). It is never read as state; the
-    cache's bytes count the slots only."""
+    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], and `delta` [slots, hv, dk,
+    dv], a view of a buffer one slot longer (`delta_all`): that last slot, the scratch, is where
+    the torch decode step (kernels/reference/delta_rule.py) sends the writes of entries of slot
+    -1 (segments that do not step, pad segments), so they never land in a sequence's state (the
+    kernels skip them). It is never read as state; the cache's bytes count the slots only."""
 
-    conv_all: torch.Tensor
+    conv: torch.Tensor
     delta_all: torch.Tensor
-
-    @property
-    def conv(self) -> torch.Tensor:
-        return self.conv_all[:-1]
 
     @property
     def delta(self) -> torch.Tensor:
         return self.delta_all[:-1]
-
-    @property
-    def scratch(self) -> int:
-        return self.conv_all.shape[0] - 1
 
 
 @dataclass(frozen=True)
@@ -82,7 +74,7 @@ class DeltaNetState(SequenceSlots):
         conv, delta = self._shapes()
         return [
             LinearState(
-                torch.zeros(num_slots + 1, *conv, dtype=dtype, device=device),
+                torch.zeros(num_slots, *conv, dtype=dtype, device=device),
                 torch.zeros(num_slots + 1, *delta, dtype=torch.float32, device=device),
             )
             for _ in self.layers

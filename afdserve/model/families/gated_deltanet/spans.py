@@ -28,10 +28,10 @@ class DeltaSpans:
     conv: torch.Tensor  # [n, 4] every segment with rows
     chunked: torch.Tensor  # [n, 4] the segments of more than one row
     step_src: torch.Tensor  # [n] int64: a one-row segment's row (others: a valid row to read)
-    step_dst: torch.Tensor  # [n] int64: where its output goes (others: `rows`, a sink row)
+    # [n] int64: where its output goes (others: the ubatch's row count, the layer's sink row)
+    step_dst: torch.Tensor
     step_slots: torch.Tensor  # [n] int64: a one-row segment's slot, -1 for the others
     step_fresh: torch.Tensor  # [n] bool
-    rows: int  # the ubatch's rows
     # Every segment has at most one row (known on the host: a decode step, or a decode graph),
     # so the chunked launch is left out.
     decode: bool
@@ -65,7 +65,6 @@ class DeltaSpans:
             step_dst=torch.where(one, r0, rows),
             step_slots=torch.where(one, slots, pad),
             step_fresh=fresh,
-            rows=rows,
             decode=batched.max_query_len <= 1,
         )
 
