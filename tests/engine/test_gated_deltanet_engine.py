@@ -16,6 +16,8 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.cuda_graphs import CudaGraphRunner
+from afdserve.engine.model_runner import ModelRunner
+from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.engine.test_llm import run
 
@@ -165,3 +167,30 @@ def test_full_graph_buffers_keep_the_tokens(model, one_shot, split: dict) -> Non
     assert mixed, replays
     mixes = {key: {rows for k, rows in replays if k == key} for key in mixed}
     assert any(len(seen) > 1 for seen in mixes.values()), replays
+
+
+def test_spans_are_built_once_per_ubatch(model, one_shot, monkeypatch) -> None:
+    """The span tables are step metadata: built once per ubatch of each forward (two ubatches
+    here), never per linear layer."""
+    calls = {"forward": 0, "spans": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(ModelRunner, "forward", counting("forward", ModelRunner.forward))
+    monkeypatch.setattr(DeltaSpans, "of", classmethod(counting("spans", DeltaSpans.of.__func__)))
+    with LLM(
+        str(model),
+        topology="1A1F",
+        connector="inprocess",
+        dtype="float32",
+        block_size=BLOCK,
+        ubatches=2,
+        max_num_batched_tokens=9,
+    ) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
+    assert calls["forward"] > 0 and calls["spans"] == 2 * calls["forward"], calls
