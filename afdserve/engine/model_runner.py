@@ -201,6 +201,8 @@ class ModelRunner:
         h = model.embed(inputs.input_ids)
         cos, sin = model.cos_sin(inputs.meta.positions)
         metas = inputs.ubatch_metas or [inputs.meta.rows(lo, hi) for lo, hi in bounds]
+        # Once per ubatch, shared by its layers (inside a graph's capture where there is one).
+        metas = [self.kv_cache.layout.with_step_metadata(meta) for meta in metas]
         hs = [h[lo:hi] for lo, hi in bounds]
         ids = [inputs.route_ids[lo:hi] for lo, hi in bounds]
         trig = [(cos[lo:hi], sin[lo:hi]) for lo, hi in bounds]

@@ -5,6 +5,7 @@ the step's `AttentionMetadata`, and how GQA's packed projection splits (`QKVLayo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +76,9 @@ class AttentionMetadata:
     # The same rows as the windowed layers see them: their own pool's slots and block tables
     # (model/cache.py's `CacheSpec.window`); None where they share this view's.
     window: AttentionMetadata | None = None
+    # What the cache's specs build of this ubatch for their layers, once per ubatch from
+    # `batched` (model/cache.py's `CacheSpec.step_metadata`): each layer picks its own by type.
+    step: tuple[Any, ...] = ()
 
     @property
     def num_rows(self) -> int:

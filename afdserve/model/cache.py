@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from afdserve.kernels.metadata import AttentionMetadata
 
 GRAPH_MODES = ("none", "full_decode_only", "full")
 
@@ -88,6 +90,13 @@ class CacheSpec(ABC):
         """Why a full block's pages cannot be reused by its prefix hash at this block size
         (None: they can: once full, a block's pages depend on the tokens up to its end and on
         nothing else, and nothing writes them again)."""
+        return None
+
+    def step_metadata(self, meta: AttentionMetadata) -> Any:
+        """What the group's layers read of one ubatch beyond `meta`, built once per ubatch
+        and shared by every layer of the group (None: nothing). Device ops on `meta.batched`
+        only, no host sync, shapes from the segment tensors' sizes: under CUDA graphs it is
+        captured with the layers and rebuilt by every replay from the refilled buffers."""
         return None
 
 
@@ -217,6 +226,11 @@ class CacheLayout:
     @property
     def batched_segments(self) -> bool:
         return any(s.batched_segments for s in self.specs)
+
+    def with_step_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """`meta` with what each spec builds of the ubatch for its layers (`step`)."""
+        built = tuple(x for s in self.specs if (x := s.step_metadata(meta)) is not None)
+        return replace(meta, step=built) if built else meta
 
     def graph_refusal(self, graph_mode: str) -> str | None:
         return self._first(

@@ -3,16 +3,21 @@ chunked prefill (chunks of a few tokens, so the state and the convolution window
 boundaries), preemption by recompute (a slot changes hands and a victim restarts from position
 0), the decode-graph layout and two ubatches (a sequence's rows split between them) all give the
 one-shot greedy tokens, which tests/model/test_gated_deltanet.py holds equal to transformers;
-every slot and block is free at the end."""
+every slot and block is free at the end. So do full graphs' static buffers on CPU (mixed steps
+replayed from capacity-sized segment tensors, no host segments)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.cuda_graphs import CudaGraphRunner
+from afdserve.engine.model_runner import ModelRunner
+from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.engine.test_llm import run
 
@@ -91,3 +96,101 @@ def test_two_ubatches_split_sequences_and_keep_the_tokens(model, one_shot) -> No
         max_num_batched_tokens=9,
     ) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
+
+
+class _Replay:
+    def __init__(self, run, out: torch.Tensor) -> None:
+        self.run, self.out = run, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.run())
+
+
+class GraphBuffersOnCPU(CudaGraphRunner):
+    """What a full graph runs, on CPU: the first step of a key (the engine's warm-up captured
+    before this runner was put in) makes its "graph", whose replay runs the forward over the
+    static inputs the buffers hold after `_load`: as many segments as rows, the ones past the
+    step's of slot -1. The full-attention layers' CPU reference loops over host segments, so
+    a replay hands them the step's; the delta-rule layers read the device spans alone.
+    Records each replay's key and its segments' row counts."""
+
+    replays: list
+
+    def forward(self, inputs, plan, boundary) -> torch.Tensor:
+        if plan.mode in ("capture", "replay") and plan.key not in self.graphs:
+            config, dtype = self.runner.model.config, self.runner.model.dtype
+            out = torch.empty(plan.padded_rows, config.hidden_size, dtype=dtype)
+            self.graphs[plan.key] = (_Replay(lambda: self._run(plan, boundary), out), out)
+        self.step = inputs
+        return super().forward(inputs, plan, boundary)
+
+    def _run(self, plan, boundary) -> torch.Tensor:
+        static, meta = self._static_inputs(plan), self.step.meta
+        host = [meta.rows(lo, hi).segments for lo, hi in plan.ubatch_bounds]
+        metas = [replace(m, segments=s) for m, s in zip(static.ubatch_metas, host, strict=True)]
+        whole = replace(static.meta, segments=meta.segments)
+        static = replace(static, meta=whole, ubatch_metas=tuple(metas))
+        return self.runner.forward(static, plan, boundary)
+
+    def _capture(self, key, plan, boundary) -> bool:
+        return True
+
+    def _load(self, inputs, plan) -> None:
+        self.replays.append((plan.key, tuple(seg.num_rows for seg in inputs.meta.segments)))
+        super()._load(inputs, plan)
+
+
+@pytest.mark.parametrize("split", [{}, {"topology": "1A1F", "connector": "inprocess"}])
+def test_full_graph_buffers_keep_the_tokens(model, one_shot, split: dict) -> None:
+    """graph_mode full: every step (prefill chunks beside decode rows) replayed from the static
+    buffers; graphs of one key replay different mixes of prefill and decode rows."""
+    ubatches = 2 if split else 1
+    with LLM(
+        str(model),
+        dtype="float32",
+        block_size=BLOCK,
+        graph_mode="full",
+        cuda_graph_sizes=[4, 8, 12],
+        max_num_batched_tokens=11,
+        ubatches=ubatches,
+        **split,
+    ) as llm:
+        forward = llm.engine.core_client.driver.forward
+        assert forward.graphs is None  # CPU: the graph steps would run eagerly
+        forward.graphs = GraphBuffersOnCPU(
+            forward.runner, 12, llm.engine.max_model_len, allow_prefill=True, ubatches=ubatches
+        )
+        forward.graphs.replays = []
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
+        replays = forward.graphs.replays
+    mixed = [key for key, rows in replays if 1 in rows and max(rows) > 1]
+    assert mixed, replays
+    mixes = {key: {rows for k, rows in replays if k == key} for key in mixed}
+    assert any(len(seen) > 1 for seen in mixes.values()), replays
+
+
+def test_spans_are_built_once_per_ubatch(model, one_shot, monkeypatch) -> None:
+    """The span tables are step metadata: built once per ubatch of each forward (two ubatches
+    here), never per linear layer."""
+    calls = {"forward": 0, "spans": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(ModelRunner, "forward", counting("forward", ModelRunner.forward))
+    monkeypatch.setattr(DeltaSpans, "of", classmethod(counting("spans", DeltaSpans.of.__func__)))
+    with LLM(
+        str(model),
+        topology="1A1F",
+        connector="inprocess",
+        dtype="float32",
+        block_size=BLOCK,
+        ubatches=2,
+        max_num_batched_tokens=9,
+    ) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
+    assert calls["forward"] > 0 and calls["spans"] == 2 * calls["forward"], calls

@@ -3,8 +3,9 @@ and the short convolution on their Triton paths, as attention, rotary and the ex
 greedy tokens equal the CPU engine's (which tests/model/test_gated_deltanet.py holds equal to
 transformers), colocated and in-process 1A1F alike, over a batch with chunked prefill beside
 decodes, and with prefill chunks of several kernel chunks; full_decode_only captures the batched
-decode step (pad segments writing the scratch slot) and gives graph_mode none's tokens; `full` is
-refused by name; `auto` captures decode steps. The kernels against the torch ones at real sizes."""
+decode step (pad segments skipped) and gives graph_mode none's tokens, as `full` does for mixed
+steps; `auto` captures decode steps. The kernels against the torch ones at real sizes, pad
+entries (slot -1) among the spans."""
 
 from __future__ import annotations
 
@@ -118,9 +119,53 @@ def test_full_decode_only_graphs_give_the_eager_tokens(gdn_dirs, model_type, dty
             _check(eager, PROMPTS, got, want)
 
 
-def test_full_graph_mode_is_refused_on_cuda(gdn_dirs):
-    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family"):
-        LLM(str(gdn_dirs[("qwen3_next", "bfloat16")]), device="cuda", graph_mode="full")
+@pytest.mark.parametrize(
+    ("model_type", "dtype", "topology", "ubatches"),
+    [
+        ("qwen3_next", "float32", "colocated", 1),
+        ("qwen3_5_moe", "float32", "1A1F", 1),
+        ("qwen3_next", "float32", "1A1F", 2),
+        ("kimi_linear", "float32", "colocated", 1),
+        ("kimi_linear", "float32", "1A1F", 2),
+        ("qwen3_next", "bfloat16", "colocated", 1),
+        ("kimi_linear", "bfloat16", "1A1F", 1),
+    ],
+)
+def test_full_graphs_replay_mixed_steps_with_the_eager_tokens(
+    gdn_dirs, model_type, dtype, topology, ubatches
+):
+    """graph_mode full: steps with prefill chunks beside decode rows replay graphs captured
+    over blank buffers (every segment a pad), the delta-rule layers running from the step's
+    device spans (pad entries skipped by the kernels); the tokens are graph_mode none's."""
+    model = gdn_dirs[(model_type, dtype)]
+    split = {} if topology == "colocated" else dict(topology=topology, connector="inprocess")
+    want = tokens(model, dtype, "cuda", ubatches=ubatches, **split)
+    with LLM(
+        str(model),
+        dtype=dtype,
+        device="cuda",
+        max_num_batched_tokens=16,
+        graph_mode="full",
+        cuda_graph_sizes=[1, 2, 4, 8, 16],
+        log_step_plan=True,
+        use_tqdm_on_load=False,
+        ubatches=ubatches,
+        **split,
+    ) as llm:
+        graphs = llm.engine.core_client.driver.forward.graphs
+        assert graphs is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert not graphs.eager_keys  # every capture succeeded
+        records = [r for r in llm.step_log() if r["role"] == "attention"]
+    replays = [r for r in records if r["mode"] == "replay"]
+    # 5 prompts decode at most 5 rows: more means a prefill chunk (beside decodes, or alone).
+    assert any(r["real_rows"] > len(PROMPTS) for r in replays), records[:8]
+    assert any(r["padded_rows"] > r["real_rows"] for r in replays)
+    if dtype == "float32":
+        assert got == want
+    else:
+        with LLM(str(model), dtype=dtype, device="cuda", graph_mode="none") as eager:
+            _check(eager, PROMPTS, got, want)
 
 
 def test_auto_captures_decode_steps(gdn_dirs):
@@ -131,7 +176,8 @@ def test_auto_captures_decode_steps(gdn_dirs):
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
     """Qwen3-Next's linear-layer shape (16 key heads, 32 value heads, 128 x 128) and Kimi's
-    per-channel decay: the Triton step against the torch one, pad rows in the scratch slot."""
+    per-channel decay: the Triton step against the torch one, pad rows in the scratch slot
+    and of the pad marker (slot -1: skipped, output zero)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hk, hv, d = 64, 16, 32, 128
     q, k = (torch.randn(b, hk, d, device="cuda", generator=gen) for _ in range(2))
@@ -141,7 +187,8 @@ def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
     beta = torch.rand(b, hv, device="cuda", generator=gen)
     states = torch.randn(b + 1, hv, d, d, device="cuda", generator=gen)
     slots = torch.randperm(b, device="cuda", generator=gen)
-    slots[-4:] = b  # pad rows
+    slots[-4:-2] = b  # pad rows in the scratch slot
+    slots[-2:] = -1  # pad entries of a table sized by capacity
     fresh = torch.rand(b, device="cuda", generator=gen) < 0.2
     want_states, got_states = states.clone(), states.clone()
     real = slice(0, b - 4)
@@ -151,15 +198,18 @@ def test_decode_step_kernel_equals_the_reference_at_real_sizes(per_channel):
     got = ops.delta_rule_step(q, k, v, g, beta, got_states, slots, fresh)
     torch.testing.assert_close(got[real], want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_states[:b], want_states[:b], atol=1e-4, rtol=1e-4)
+    assert not got[-2:].any()
 
 
 def _spans(lengths: list[int], device: str) -> tuple[torch.Tensor, int]:
     """Spans of the given lengths with a one-row gap (another segment's row) before each, in
-    slots 0, 1, ..., every other one fresh -> (spans [n, 4] int32, rows)."""
+    slots 0, 1, ..., every other one fresh, then pad entries (slot -1, skipped): over a gap
+    row, over a span's rows, and past the last -> (spans [n, 4] int32, rows)."""
     spans, row = [], 0
     for i, n in enumerate(lengths):
         spans.append((row + 1, row + 1 + n, i, i % 2))
         row += 1 + n
+    spans += [(0, 1, -1, 0), (spans[-1][0], spans[-1][1], -1, 1), (row + 1, row + 1, -1, 0)]
     return torch.tensor(spans, dtype=torch.int32, device=device), row + 1
 
 

@@ -2,8 +2,9 @@
 short_conv.py) under Triton's interpreter against the torch reference
 (kernels/reference/delta_chunked.py), float32: spans of 1, C - 1, C, C + 1 and several chunks
 of C rows, fresh and from a non-zero state or window, with rows of other segments between them
-left untouched, as is every other slot; a decay per head (grouped key heads, q, k and v as views
-of one convolved row, value dims past one block) and per key channel (Kimi)."""
+left untouched, as is every other slot, and pad entries (slot -1) skipped; a decay per head
+(grouped key heads, q, k and v as views of one convolved row, value dims past one block) and
+per key channel (Kimi)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,14 @@ for n, slot, fresh in LENGTHS:
     spans.append((row + 1, row + 1 + n, slot, fresh))
     row += 1 + n
 rows, slots = row + 1, 7
+# Pad entries (slot -1), as a table sized by capacity holds: over a gap row, and over a span's
+# rows (a segment the other delta-rule launch runs): both skipped.
+spans += [(0, 1, -1, 0), (spans[1][0], spans[1][1], -1, 1), (rows, rows, -1, 0)]
 spans = torch.tensor(spans, dtype=torch.int32)
 span_rows = torch.zeros(rows, dtype=torch.bool)
-for r0, r1, _, _ in spans.tolist():
-    span_rows[r0:r1] = True
-touched = sorted({s for _, _, s, _ in spans.tolist()})
+for r0, r1, slot, _ in spans.tolist():
+    span_rows[r0:r1] |= slot >= 0
+touched = sorted({s for _, _, s, _ in spans.tolist() if s >= 0})
 untouched = [s for s in range(slots) if s not in touched]
 
 # The short convolution: 20 channels (past one block of 16), 4 taps, spans shorter than the window.
@@ -40,6 +44,7 @@ want_w, got_w = windows.clone(), windows.clone()
 want = ref.conv_spans(x, weight, want_w, spans)
 got = short_conv.conv_spans(x, weight, got_w, spans)
 torch.testing.assert_close(got[span_rows], want[span_rows], atol=1e-5, rtol=1e-5)
+assert (got[~span_rows] == 0).all() and (want[~span_rows] == 0).all()
 torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
 torch.testing.assert_close(got_w[untouched], windows[untouched], atol=0, rtol=0)
 

@@ -1,7 +1,7 @@
 """The Triton decode step of the gated delta rule (kernels/triton/delta_rule.py) under Triton's
 interpreter against the torch reference (kernels/reference/delta_rule.py): a decay per head and
 per key channel, grouped key heads, value dims past one block, fresh rows, pad rows sent to a
-scratch slot, every other slot untouched."""
+scratch slot or of the pad marker (slot -1, skipped), every other slot untouched."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from afdserve.kernels.triton import delta_rule as tri
 gen = torch.Generator().manual_seed(0)
 SHAPES = [(2, 4, 8, 8, False), (2, 2, 16, 40, True), (1, 3, 8, 24, False)]
 for hk, hv, dk, dv, per_channel in SHAPES:
-    b, slots_total = 4, 6
+    b, slots_total = 5, 6
     q, k = torch.randn(b, hk, dk, generator=gen), torch.randn(b, hk, dk, generator=gen)
     v = torch.randn(b, hv, dv, generator=gen)
     shape = (b, hv, dk) if per_channel else (b, hv)
     g, beta = -torch.rand(shape, generator=gen), torch.rand(b, hv, generator=gen)
     states = torch.randn(slots_total, hv, dk, dv, generator=gen)
-    slots = torch.tensor([3, 0, 5, 5])  # the last two: pad rows in the scratch slot
-    fresh = torch.tensor([False, True, False, False])
+    # Then pad rows in the scratch slot, and one of the pad marker (slot -1): skipped.
+    slots = torch.tensor([3, 0, 5, 5, -1])
+    fresh = torch.tensor([False, True, False, False, False])
     want_states, got_states = states.clone(), states.clone()
     real = slice(0, 2)
     want = ref.step_slots(
@@ -31,6 +32,13 @@ for hk, hv, dk, dv, per_channel in SHAPES:
     got = tri.step_slots(q, k, v, g, beta, got_states, slots, fresh)
     torch.testing.assert_close(got[:2], want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_states[:5], want_states[:5], atol=1e-5, rtol=1e-5)
+    assert (got[4] == 0).all()
+    # The torch step sends slot -1 to states[-1] (the scratch row), its output zero too.
+    ref_states = states.clone()
+    ref_all = ref.step_slots(q, k, v, g, beta, ref_states, slots, fresh)
+    torch.testing.assert_close(got[:2], ref_all[:2], atol=1e-5, rtol=1e-5)
+    assert (ref_all[4] == 0).all()
+    torch.testing.assert_close(ref_states[:5], want_states[:5], atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -18,12 +18,17 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.cuda_graphs import UbatchBuffers
 from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference import delta_chunked
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families import cache_layout, load_model_config, parse_model_config
 from afdserve.model.families.gated_deltanet import config as gdn_config
 from afdserve.model.families.gated_deltanet import tiny as gdn_tiny
+from afdserve.model.families.gated_deltanet.cache import DeltaNetState
+from afdserve.model.families.gated_deltanet.deltanet import DeltaRuleLayer
+from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 from afdserve.model.fixtures import byte_tokenizer
 from afdserve.model.fixtures.tiny import make_tiny_model
 from afdserve.model.parts import ModelParts
@@ -164,8 +169,8 @@ def test_cache_layout_refuses_what_the_state_cannot_do(tiny) -> None:
     layout = cache_layout(load_model_config(tiny["qwen3_next"]))
     assert "recurrent state" in layout.prefix_reuse_refusal(16)
     assert layout.fp8_refusal and layout.batched_segments
-    # Decode steps are capturable (deltanet.py's batched step); prefill chunks are not.
-    assert layout.graph_refusal("full") and layout.graph_refusal("full_decode_only") is None
+    # Every step runs from the device spans (spans.py), so both graph modes capture it.
+    assert layout.graph_refusal("full") is None and layout.graph_refusal("full_decode_only") is None
     with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported"):
         LLM(str(tiny["qwen3_next"]), dtype="float32", enable_prefix_caching=True)
 
@@ -227,26 +232,55 @@ def test_one_token_prompts_start_the_batched_step_from_an_empty_state(tiny) -> N
                 assert got == logits.argmax(dim=-1).tolist()
 
 
+# (row_start, row_end, context, slot): a chunk resuming its state, a decode row, a chunk and a
+# one-row prompt from position 0; row 7 a pad row. Slot 4 is no segment's.
+MIXED = ((0, 3, 5, 2), (3, 4, 9, 0), (4, 6, 2, 3), (6, 7, 1, 1))
+
+
+def _delta_layer(model) -> tuple[DeltaRuleLayer, DeltaNetState]:
+    spec = next(s for s in cache_layout(model.config).specs if isinstance(s, DeltaNetState))
+    block = model.model.layers[spec.layers[0]]
+    return getattr(block, "linear_attn", None) or block.self_attn, spec
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "kimi_linear"])
 @torch.inference_mode()
-def test_pad_segments_write_only_the_scratch_slot(tiny) -> None:
-    """A captured decode step's pad segments (slot -1) leave every sequence's state alone."""
-    model, _ = load_model(tiny["qwen3_next"], ModelParts.colocated(), "float32")
-    layer = model.model.layers[0].linear_attn
-    state = cache_layout(model.config).specs[1].allocate_slots(3, torch.float32, "cpu")[0]
+def test_graph_buffers_run_a_mixed_step_as_its_segments_alone(tiny, model_type: str) -> None:
+    """A mixed step as a full graph reads it (UbatchBuffers on CPU: no host segments, as many
+    segments as rows, the ones past the step's of slot -1, after a larger step's were loaded)
+    through the layout's per-ubatch spans: each segment's output and state are what it gets
+    run alone from its host segment; the pad row gives zero, no other slot changes."""
+    model, _ = load_model(tiny[model_type], ModelParts.colocated(), "float32")
+    layer, spec = _delta_layer(model)
     gen = torch.Generator().manual_seed(0)
-    state.conv_all.normal_(generator=gen), state.delta_all.normal_(generator=gen)
-    qkv = torch.randn(4, state.conv.shape[1], generator=gen)
-    g, beta = -torch.rand(4, layer.hv, generator=gen), torch.rand(4, layer.hv, generator=gen)
+    state = spec.allocate_slots(5, torch.float32, "cpu")[0]
+    state.conv.normal_(generator=gen), state.delta_all.normal_(generator=gen)
+    x = torch.randn(8, model.config.hidden_size, generator=gen)
+    table = torch.zeros(2, dtype=torch.int32)
+    positions = torch.zeros(8, dtype=torch.int64)
     alone, padded = copy.deepcopy(state), copy.deepcopy(state)
-    out_alone, out_padded = torch.zeros(4, layer.hv, layer.dv), torch.zeros(4, layer.hv, layer.dv)
-    no = torch.tensor([False])
-    layer._step(torch.tensor([1]), torch.tensor([2]), no, qkv, g, beta, alone, out_alone)
-    rows, slots = torch.tensor([1, 3, 3]), torch.tensor([2, -1, -1])
-    layer._step(rows, slots, no.repeat(3), qkv, g, beta, padded, out_padded)
-    torch.testing.assert_close(out_padded[1], out_alone[1], atol=0, rtol=0)
-    torch.testing.assert_close(padded.conv, alone.conv, atol=0, rtol=0)
-    torch.testing.assert_close(padded.delta, alone.delta, atol=0, rtol=0)
-    assert not torch.equal(padded.delta_all[-1], state.delta_all[-1])  # the scratch took them
+    want = torch.zeros(8, model.config.hidden_size)
+    segments = []
+    for r0, r1, context, slot in MIXED:
+        positions[r0:r1] = torch.arange(context - (r1 - r0), context)
+        segments.append(Segment(r0, r1, table, context, slot))
+        alone_seg = Segment(0, r1 - r0, table, context, slot)
+        one = AttentionMetadata(positions[r0:r1], positions[r0:r1], (alone_seg,))
+        want[r0:r1] = DeltaRuleLayer.forward(layer, x[r0:r1], one, alone)
+    buffers = UbatchBuffers(8, 2, torch.device("cpu"))
+    larger = tuple(Segment(i, i + 1, table, 3, i % 5) for i in range(8))
+    buffers.load(batch_segments(larger, torch.device("cpu")), 8, 8)
+    buffers.load(batch_segments(tuple(segments), torch.device("cpu")), 8, 7)
+    graph = AttentionMetadata(positions, positions, (), buffers.batched(8, 8, 8))
+    graph = cache_layout(model.config).with_step_metadata(graph)
+    assert any(isinstance(s, DeltaSpans) for s in graph.step)
+    got = DeltaRuleLayer.forward(layer, x, graph, padded)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not got[7].any()
+    torch.testing.assert_close(padded.conv, alone.conv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(padded.delta, alone.delta, atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded.delta[4], state.delta[4])
+    assert torch.equal(padded.conv[4], state.conv[4])
 
 
 def test_training_only_and_vision_fields_change_nothing(tiny) -> None:

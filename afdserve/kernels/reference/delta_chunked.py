@@ -139,10 +139,13 @@ def conv_spans(
 ) -> torch.Tensor:
     """`causal_conv` of each span's rows: x [rows, channels], weight [channels, K], windows
     [slots, channels, K - 1] (each span's slot read, then written in place), spans [n, 4] int
-    (row_start, row_end, state_slot, fresh: the span starts at position 0, an empty window).
+    (row_start, row_end, state_slot, fresh: the span starts at position 0, an empty window; a
+    span of slot -1 is skipped, the pad marker of tables sized by capacity).
     Returns out [rows, channels]; rows outside every span are zero."""
     out = torch.zeros_like(x)
     for r0, r1, slot, fresh in spans.tolist():
+        if slot < 0:
+            continue
         window = None if fresh else windows[slot]
         out[r0:r1], windows[slot] = causal_conv(x[r0:r1], window, weight)
     return out
@@ -160,8 +163,10 @@ def chunked_spans(
 ) -> None:
     """`chunked` over each span's rows (spans as in `conv_spans`) from its slot of states
     [slots, hv, dk, dv] float32 (empty where fresh), the final state written back in place, the
-    output into out [rows, hv, dv] (rows outside every span untouched)."""
+    output into out [rows, hv, dv] (rows outside every span untouched, slot -1 skipped)."""
     for r0, r1, slot, fresh in spans.tolist():
+        if slot < 0:
+            continue
         rows = slice(r0, r1)
         got, states[slot] = chunked(
             q[rows], k[rows], v[rows], g[rows], beta[rows], None if fresh else states[slot]

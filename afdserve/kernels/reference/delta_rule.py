@@ -51,8 +51,9 @@ def step_slots(
     fresh: torch.Tensor,
 ) -> torch.Tensor:
     """`recurrent_step` from `states[slots]` [slots, hv, dk, dv] float32 (an empty state where
-    `fresh` [b]), written back in place; slots [b] must be valid rows (the caller maps pad
-    segments to a scratch row). Returns out [b, hv, dv] float32."""
+    `fresh` [b]), written back in place. Slot -1 is the pad marker, its output zero: the Triton
+    kernel skips it; here it reads and writes `states[-1]`, which must be the caller's scratch
+    row (no host sync, so a graph captures it). Returns out [b, hv, dv] float32."""
     state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
     out, states[slots] = recurrent_step(q, k, v, g, beta, state)
-    return out
+    return torch.where((slots < 0)[:, None, None], 0.0, out)

@@ -10,7 +10,8 @@ W = T (beta e^G K), U = T (beta V) - W S, O = (e^G Q) S + (Q K^T * decay) U, and
 S <- e^(G_last) S + (e^(G_last - G) K)^T U. With a decay per key channel (Kimi) the pairwise
 decays differ per channel, so A and the scores are summed channel by channel, each pair's
 e^(G_i - G_j) taken directly (never as e^G_i e^-G_j, which overflows over a long chunk).
-No host sync: the spans are read on the device.
+No host sync: the spans are read on the device, a span of slot -1 (the pad marker of a table
+sized by capacity, as a CUDA graph's) skipped.
 """
 
 from __future__ import annotations
@@ -74,16 +75,17 @@ def _chunks_kernel(
     span, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kh = head // group
     r0 = tl.load(SPANS + span * 4)
-    r1 = tl.load(SPANS + span * 4 + 1)
     slot = tl.load(SPANS + span * 4 + 2).to(tl.int64)
+    active = slot >= 0  # slot -1: the pad marker, a span of no rows, no state read or written
+    r1 = tl.where(active, tl.load(SPANS + span * 4 + 1), r0)
     fresh = tl.load(SPANS + span * 4 + 3)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
     rv = vblock * BV + tl.arange(0, BV)
     mk, mv = rk < dk, rv < dv
-    base = S + (slot * hv + head) * dk * dv
+    base = S + (tl.maximum(slot, 0) * hv + head) * dk * dv
     tile = rk[:, None] * dv + rv[None, :]
-    s_mask = mk[:, None] & mv[None, :]
+    s_mask = mk[:, None] & mv[None, :] & active
     s = tl.load(base + tile, mask=s_mask, other=0.0)  # [BK, BV]
     s = tl.where(fresh != 0, 0.0, s)
     lower = rc[:, None] > rc[None, :]

@@ -34,7 +34,9 @@ def _step_kernel(
     kh = head // group
     rk = tl.arange(0, BK)
     rv = vblock * BV + tl.arange(0, BV)
-    mk, mv = rk < dk, rv < dv
+    slot = tl.load(SLOTS + seq).to(tl.int64)
+    live = slot >= 0  # slot -1: the pad marker, nothing read but its slot, output zero
+    mk, mv = (rk < dk) & live, (rv < dv) & live
     q = tl.load(Q + (seq * (hv // group) + kh) * dk + rk, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(K + (seq * (hv // group) + kh) * dk + rk, mask=mk, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
@@ -46,8 +48,7 @@ def _step_kernel(
         decay = tl.exp(g)[:, None]
     else:
         decay = tl.exp(tl.load(G + seq * hv + head).to(tl.float32))
-    slot = tl.load(SLOTS + seq).to(tl.int64)
-    base = S + (slot * hv + head) * dk * dv
+    base = S + (tl.maximum(slot, 0) * hv + head) * dk * dv
     tile = rk[:, None] * dv + rv[None, :]
     mask = mk[:, None] & mv[None, :]
     s = tl.load(base + tile, mask=mask, other=0.0)
@@ -56,7 +57,8 @@ def _step_kernel(
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * u[None, :]
     tl.store(base + tile, s, mask=mask)
-    tl.store(OUT + (seq * hv + head) * dv + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
+    o = tl.where(live, tl.sum(s * q[:, None], axis=0), 0.0)
+    tl.store(OUT + (seq * hv + head) * dv + rv, o, mask=rv < dv)
 
 
 def step_slots(
@@ -69,7 +71,9 @@ def step_slots(
     slots: torch.Tensor,
     fresh: torch.Tensor,
 ) -> torch.Tensor:
-    """As reference.delta_rule.step_slots (its docstring has the shapes)."""
+    """As reference.delta_rule.step_slots (its docstring has the shapes); an entry of slot -1
+    is skipped (the grid is sized by the entries' capacity: a graph's pad entries cost a
+    program that reads its slot and stores zeros)."""
     b, hv, dv = v.shape
     dk = k.shape[-1]
     out = torch.empty(b, hv, dv, dtype=torch.float32, device=v.device)

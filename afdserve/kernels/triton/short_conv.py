@@ -1,7 +1,8 @@
 """The delta-rule layers' short depthwise causal convolution (SiLU after it) over varlen spans as
 one Triton launch: each span's rows after its slot's window of the K - 1 inputs before them,
 the window after them written back. Same math as kernels/reference/delta_chunked.py's
-`conv_spans`; sums in float32. No host sync: the spans are read on the device.
+`conv_spans`; sums in float32. No host sync: the spans are read on the device, a span of slot
+-1 (the pad marker of a table sized by capacity, as a CUDA graph's) skipped.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ def _conv_kernel(
     span, cblock = tl.program_id(0), tl.program_id(1)
     width = TAPS - 1
     r0 = tl.load(SPANS + span * 4)
-    r1 = tl.load(SPANS + span * 4 + 1)
     slot = tl.load(SPANS + span * 4 + 2).to(tl.int64)
-    keep = tl.load(SPANS + span * 4 + 3) == 0  # not fresh: the window holds earlier inputs
+    active = slot >= 0  # slot -1: the pad marker, a span of no rows, no window read or written
+    r1 = tl.where(active, tl.load(SPANS + span * 4 + 1), r0)
+    slot = tl.maximum(slot, 0)
+    # not fresh: the window holds earlier inputs
+    keep = (tl.load(SPANS + span * 4 + 3) == 0) & active
     rc = cblock * BC + tl.arange(0, BC)
-    mc = rc < channels
+    mc = (rc < channels) & active
     window = WIN + slot * channels * width
     for b0 in range(r0, r1, BR):
         rows = (b0 + tl.arange(0, BR)).to(tl.int64)

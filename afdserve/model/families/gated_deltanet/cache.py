@@ -12,43 +12,33 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.cache import CacheLayout, PagedKV, SequenceSlots
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.gated_deltanet.config import FULL, LINEAR, GDNConfig
+from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 
 PREFIX_REUSE_REFUSAL = (
     "a linear-attention layer keeps one recurrent state per sequence, not per block, so a cached "
     "block holds no state to resume from (snapshots at block boundaries are not implemented)"
 )
 FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
-FULL_GRAPH_REFUSAL = (
-    "its linear-attention layers pick on the host which segments step the recurrence once and "
-    "which run the chunked kernels (from spans built of the host segments, which a captured graph "
-    "does not have); use graph_mode='full_decode_only' or 'none'"
-)
 
 
 @dataclass
 class LinearState:
-    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], `delta` [slots, hv, dk, dv],
-    views of buffers one slot longer (`conv_all`, `delta_all`): that last slot (`scratch`) is
-    where a batched decode step sends the writes of pad segments (slot -1), so they never land
-    in a sequence's state. It is never read as state; the cache's bytes count the slots only."""
+    """One linear layer's slots: `conv` [slots, conv_dim, K - 1], and `delta` [slots, hv, dk,
+    dv], a view of a buffer one slot longer (`delta_all`): that last slot, the scratch, is where
+    the torch decode step (kernels/reference/delta_rule.py) sends the writes of entries of slot
+    -1 (segments that do not step, pad segments), so they never land in a sequence's state (the
+    kernels skip them). It is never read as state; the cache's bytes count the slots only."""
 
-    conv_all: torch.Tensor
+    conv: torch.Tensor
     delta_all: torch.Tensor
-
-    @property
-    def conv(self) -> torch.Tensor:
-        return self.conv_all[:-1]
 
     @property
     def delta(self) -> torch.Tensor:
         return self.delta_all[:-1]
-
-    @property
-    def scratch(self) -> int:
-        return self.conv_all.shape[0] - 1
 
 
 @dataclass(frozen=True)
@@ -63,9 +53,8 @@ class DeltaNetState(SequenceSlots):
     value_head_dim: int
     kind: str = "GDN"
     fp8_refusal = FP8_REFUSAL
-    graph_refusals = (("full", FULL_GRAPH_REFUSAL),)
-    # Decode steps run batched from the device segments on every device (deltanet.py), so the
-    # CPU runs what a decode graph captures.
+    # The layers run from the device segments on every device (spans.py), so the CPU runs what
+    # a graph captures.
     batched_segments = True
 
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -85,7 +74,7 @@ class DeltaNetState(SequenceSlots):
         conv, delta = self._shapes()
         return [
             LinearState(
-                torch.zeros(num_slots + 1, *conv, dtype=dtype, device=device),
+                torch.zeros(num_slots, *conv, dtype=dtype, device=device),
                 torch.zeros(num_slots + 1, *delta, dtype=torch.float32, device=device),
             )
             for _ in self.layers
@@ -97,6 +86,9 @@ class DeltaNetState(SequenceSlots):
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         return PREFIX_REUSE_REFUSAL
+
+    def step_metadata(self, meta: AttentionMetadata) -> DeltaSpans:
+        return DeltaSpans.of(meta)
 
 
 def cache_layout(config: ModelConfig) -> CacheLayout:

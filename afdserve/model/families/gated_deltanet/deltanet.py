@@ -3,8 +3,9 @@
 
 Each segment reads and writes `state[seg.state_slot]`; a segment that starts at position 0
 starts from an empty state, whatever the slot held before (a finished sequence's, or this one's
-before a preemption). Chunked prefill carries the state from chunk to chunk; decode rows (one
-row, after position 0) of every sequence step the recurrence together, gathered by slot.
+before a preemption). Chunked prefill carries the state from chunk to chunk; one-row segments
+(decode rows) of every sequence step the recurrence together, gathered by slot. Which segment
+runs which form is read from the ubatch's device spans (spans.py), never on the host.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.metadata import AttentionMetadata, Segment
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.gated_deltanet.cache import LinearState
+from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,43 +56,26 @@ class DeltaRuleLayer(nn.Module):
         return self.conv1d.weight[:, 0]
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
+        """Every segment's convolution in one launch, then its delta rule: a one-row segment
+        steps the recurrence, a longer one runs the chunked form, each launch over every
+        segment, skipping the other's (spans.py). No host sync, no shape read from the
+        segments' contents: a graph of a mixed step captures it."""
         qkv, gate, g, beta = self._inputs(x)
-        core = x.new_zeros(x.shape[0], self.hv, self.dv)  # pad rows stay zero
-        steps, stepped = _recurrence_steps(meta)
-        if steps is not None:
-            self._step(*steps, qkv, g, beta, state, core)
-        chunked = [seg for seg in meta.segments if not stepped(seg)]
-        if chunked:
-            self._prefill(chunked, qkv, g, beta, state, core)
-        return self._output(core, gate)
-
-    def _prefill(self, segments: list[Segment], qkv, g, beta, state: LinearState, core) -> None:
-        """Segments that do not step the recurrence once: together, the chunked form, each from
-        its slot's state (one launch each for the convolution and the delta rule on CUDA)."""
-        spans = [
-            # A segment that starts at position 0 starts from an empty window and state.
-            (s.row_start, s.row_end, s.state_slot, int(s.context_len == s.num_rows))
-            for s in segments
-        ]
-        spans = torch.tensor(spans, dtype=torch.int32).to(qkv.device)  # [n, 4]
-        mixed = ops.causal_conv_spans(qkv, self.conv_weight(), state.conv, spans)
+        spans = DeltaSpans.find(meta)
+        rows = x.shape[0]
+        # Pad rows stay zero; the last row is the sink of step entries that do not step.
+        core = x.new_zeros(rows + 1, self.hv, self.dv)
+        mixed = ops.causal_conv_spans(qkv, self.conv_weight(), state.conv, spans.conv)
         q, k, v = self._split(mixed)
-        ops.delta_rule_spans(q, k, v, g, beta, state.delta, spans, core)
-
-    def _step(self, rows, slots, fresh, qkv, g, beta, state: LinearState, core) -> None:
-        """One row of each of b sequences: rows, slots [b] (slot -1: a pad segment, sent to the
-        scratch slot), fresh [b] (the row is position 0: an empty state). No host sync, so a
-        decode graph captures it."""
-        slots = torch.where(slots < 0, state.scratch, slots)
-        weight = self.conv_weight().to(qkv.dtype)  # [conv_dim, K]
-        window = state.conv_all[slots].to(qkv.dtype)  # [b, conv_dim, K - 1]
-        window = torch.where(fresh[:, None, None], 0.0, window)
-        seq = torch.cat((window, qkv[rows][..., None]), dim=-1)
-        state.conv_all[slots] = seq[..., 1:].to(state.conv_all.dtype)
-        mixed = F.silu((seq * weight).sum(-1))  # [b, conv_dim]
-        q, k, v = self._split(mixed)
-        out = ops.delta_rule_step(q, k, v, g[rows], beta[rows], state.delta_all, slots, fresh)
-        core[rows] = out.to(core.dtype)
+        if not spans.decode:
+            ops.delta_rule_spans(q, k, v, g, beta, state.delta, spans.chunked, core[:rows])
+        if rows:
+            src = spans.step_src
+            q, k, v, g, beta = (t[src] for t in (q, k, v, g, beta))
+            slots, fresh = spans.step_slots, spans.step_fresh
+            out = ops.delta_rule_step(q, k, v, g, beta, state.delta_all, slots, fresh)
+            core[spans.step_dst] = out.to(core.dtype)
+        return self._output(core[:rows], gate)
 
 
 class GatedDeltaNet(DeltaRuleLayer):
@@ -153,29 +138,3 @@ class GatedDeltaNet(DeltaRuleLayer):
     def _output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         out = self.norm(core.reshape(-1, self.dv), gate.reshape(-1, self.dv))
         return self.out_proj(out.view(core.shape[0], self.value_dim))
-
-
-def _recurrence_steps(meta: AttentionMetadata):
-    """(rows, slots, fresh) of the segments that step the recurrence once, or None, and which
-    host segments they cover. A step whose segments are all one row (a decode step, captured or
-    not) reads the device segments; otherwise the one-row segments past position 0 go together
-    and the others run chunked."""
-    batched = meta.batched
-    if batched is not None and batched.state_slots is None:  # no segment at all (pad rows only)
-        return None, lambda seg: False
-    if batched is not None and all(seg.num_rows == 1 for seg in meta.segments):
-        # Under a captured decode graph there are no host segments: every segment is one row.
-        steps = (
-            batched.query_start[:-1].long(),
-            batched.state_slots.long(),
-            batched.context_lens == 1,
-        )
-        return steps, lambda seg: True
-    one = [s for s in meta.segments if s.num_rows == 1 and s.context_len > 1]
-    if not one:
-        return None, lambda seg: False
-    dev = meta.positions.device
-    rows = torch.tensor([s.row_start for s in one], device=dev)
-    slots = torch.tensor([s.state_slot for s in one], device=dev)
-    fresh = torch.zeros(len(one), dtype=torch.bool, device=dev)
-    return (rows, slots, fresh), lambda seg: seg.num_rows == 1 and seg.context_len > 1
