@@ -106,3 +106,11 @@ def test_a_preset_cut_to_its_first_layers_keeps_their_schedules():
 def test_training_only_fields_are_ignored():
     raw = {**DEEPSEEK_V32, "aux_loss_alpha": 0.001, "seq_aux": True, "router_aux_loss_coef": 0.1}
     assert parse_model_config(raw) == parse_model_config(DEEPSEEK_V32)
+
+
+@pytest.mark.parametrize("kind", ["indexed_attention", "deepseek_sparse_attention"])
+def test_both_transformers_spellings_of_an_indexed_layer_parse_alike(kind):
+    """transformers 5.25 writes "indexed_attention", 5.17 "deepseek_sparse_attention": the same
+    layer (every layer carries the indexer)."""
+    raw = {**DEEPSEEK_V32, "layer_types": [kind] * 61}
+    assert parse_model_config(raw) == parse_model_config(DEEPSEEK_V32)

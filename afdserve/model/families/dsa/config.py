@@ -170,8 +170,15 @@ def _check_values(raw: dict[str, Any], model_type: str) -> None:
     if raw.get("qk_head_dim", qk) != qk:
         raise _refuse(model_type, f"qk_head_dim={raw['qk_head_dim']} must be {qk}")
     layers = raw.get("layer_types")
-    if layers is not None and any(kind != "indexed_attention" for kind in layers):
-        raise _refuse(model_type, f"layer_types={layers!r}: only 'indexed_attention' layers")
+    if layers is not None and any(kind not in INDEXED_LAYER_TYPES for kind in layers):
+        raise _refuse(
+            model_type, f"layer_types={layers!r}: only {' or '.join(INDEXED_LAYER_TYPES)} layers"
+        )
+
+
+# transformers' spellings of a layer with the indexer: "indexed_attention" from 5.25, and
+# "deepseek_sparse_attention" in the 5.17 that writes the configs of the GPU machine's tests.
+INDEXED_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 
 
 def _mlp_layer_types(raw: dict[str, Any], model_type: str, n: int) -> list[str] | None:
