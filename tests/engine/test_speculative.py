@@ -363,18 +363,20 @@ def test_a_decode_step_with_drafts_plans_a_graph() -> None:
     assert (mine.mode, mine.padded_rows) == ("capture", 8)
 
 
-@pytest.mark.parametrize("block_size", [4, 6])
-def test_deepseek_v4_compressed_layers_take_rejected_drafts(tmp_path, block_size) -> None:
+@pytest.mark.parametrize(("block_size", "kv"), [(4, "auto"), (6, "auto"), (4, "fp8")])
+def test_deepseek_v4_compressed_layers_take_rejected_drafts(tmp_path, block_size, kv) -> None:
     """Every attention type (compress rates 2 and 4, window 4): n-gram drafts of 3 close
     compressor windows and are accepted and rejected, beside chunked prefill and preemption;
     the greedy tokens are those without speculation. Block 4 resumes prefixes (CSA's first
     series at block ends in the pages, prefix caching on); block 6 keeps every first series
-    in the slot's ring."""
+    in the slot's ring. The FP8 cache: its own tokens without speculation."""
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     blocks = 192 // block_size
-    common = dict(max_num_batched_tokens=24, block_size=block_size, kv_cache_blocks=blocks)
+    common = dict(
+        max_num_batched_tokens=24, block_size=block_size, kv_cache_blocks=blocks, kv_cache_dtype=kv
+    )
     want, _, _, _ = _run(model, None, GREEDY, **common)
     got, stats, preemptions, _ = _run(model, NGRAM, GREEDY, **common)
     assert got == want
