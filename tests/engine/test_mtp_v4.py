@@ -144,18 +144,24 @@ def _run(model: str, speculative: dict | None, **kwargs):
     return tokens, stats, preemptions
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_greedy_tokens_unchanged(v4_mtp, k) -> None:
+@pytest.mark.parametrize(("k", "kv"), [(1, "auto"), (2, "auto"), (2, "fp8")])
+def test_greedy_tokens_unchanged(v4_mtp, k, kv) -> None:
     """Random MTP weights: its drafts are rejected, rolled back through every compressed
-    layer; chunked prefill (a budget of 16), preemption (block 4) and prefix caching beside."""
+    layer; chunked prefill (a budget of 16), preemption (block 4) and prefix caching beside.
+    The FP8 cache (the MTP layer's window rows too): its own tokens without speculation."""
     common = dict(
-        max_num_batched_tokens=16, block_size=4, kv_cache_blocks=40, enable_prefix_caching=True
+        max_num_batched_tokens=16,
+        block_size=4,
+        kv_cache_blocks=40,
+        enable_prefix_caching=True,
+        kv_cache_dtype=kv,
     )
     want, _, _ = _run(v4_mtp, None, **common)
     spec = {"method": "mtp", "num_speculative_tokens": k}
     got, stats, preemptions = _run(v4_mtp, spec, **common)
     assert got == want
-    assert stats.spec_decode[0].num_draft_tokens > 0
+    spec = stats.spec_decode[0]
+    assert spec.num_accepted_tokens < spec.num_draft_tokens  # rejected drafts rolled back
     assert preemptions > 0 and sum(stats.prefix_cache_hits.values()) > 0
 
 
