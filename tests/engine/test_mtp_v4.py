@@ -206,7 +206,9 @@ def test_refusals_by_name(tmp_path) -> None:
 
     flash_like = {"num_hidden_layers": 2, "compress_ratios": [0, 4, 0]}
     assert mtp_attention_type(flash_like) == "sliding_attention"
+    # A preset's first layers: the list stays whole, the MTP layer's entry last.
+    assert mtp_attention_type({**flash_like, "num_hidden_layers": 1}) == "sliding_attention"
     with pytest.raises(ValueError, match="MTP layer of attention type 'compressed_sparse"):
-        mtp_attention_type({**flash_like, "compress_ratios": [0, 4, 4]})
+        mtp_attention_type({**flash_like, "compress_ratios": [0, 0, 4]})
     with pytest.raises(ValueError, match="mtp_layers=1 with a quantized deepseek_v4"):
         make_tiny_model(tmp_path / "q", "deepseek_v4", quantization="fp8", mtp_layers=1)

@@ -43,14 +43,16 @@ _HC_HEAD["hc_head_scale"] = "hc_head.scale"
 
 
 def mtp_attention_type(raw: dict[str, Any]) -> str:
-    """The MTP layer's attention type: entry N of compress_ratios or layer_types where the
-    config lists one past the main layers (Flash's compress_ratios has 44 for 43), else
+    """The MTP layer's attention type: where compress_ratios or layer_types lists the MTP
+    layers after the main ones (Flash's compress_ratios has 44 entries for 43 layers and one
+    MTP layer; a preset's first N layers keep the list whole), the first of those, else
     sliding."""
     n = int(raw.get("num_hidden_layers", 43))
+    extra = int(raw.get("num_nextn_predict_layers") or 1)
     types = raw.get("layer_types")
     if types is None and raw.get("compress_ratios") is not None:
         types = [_RATIO_TO_TYPE.get(r, str(r)) for r in raw["compress_ratios"]]
-    kind = types[n] if types is not None and len(types) > n else SLIDING
+    kind = types[len(types) - extra] if types is not None and len(types) >= n + extra else SLIDING
     if kind != SLIDING:
         raise ValueError(
             f"deepseek_v4 MTP layer of attention type {kind!r} is not supported: its compressor "
