@@ -285,7 +285,8 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         choices=(0, 1),
-        help="deepseek_v3: its next-token-prediction layer too (num_nextn_predict_layers), "
+        help="deepseek_v3, deepseek_v4: its next-token-prediction layer too "
+        "(num_nextn_predict_layers), "
         'the draft of --speculative-config \'{"method": "mtp", ...}\' (default: 0)',
     )
     tiny.set_defaults(func=cmd_make_tiny)

@@ -188,7 +188,8 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
     under the spec's graph mode (bench_batch's median of `spec.steps`)."""
     raw = hf_config_of(spec.preset, spec.model_dir)
     config = parse_model_config(raw)
-    why = cache_layout(config).rollback_refusal
+    layout = cache_layout(config)
+    why = layout.rollback_refusal or layout.draft_refusal(spec.num_speculative_tokens)
     if why is not None:
         raise ValueError(
             f"bench.num_speculative_tokens={spec.num_speculative_tokens}: {config.family} takes "

@@ -190,12 +190,18 @@ def speculative_for(config: EngineConfig, model_config: ModelConfig) -> Speculat
     behind to be overwritten (`CacheSpec.rollback_refusal`: a ring or a recurrent state would
     have consumed them)."""
     speculative = config.speculative_config
-    why = cache_layout(model_config).rollback_refusal
-    if speculative is not None and why is not None:
+    if speculative is None:
+        return None
+    layout = cache_layout(model_config)
+    why = layout.rollback_refusal
+    if why is not None:
         raise ValueError(
             f"EngineConfig.speculative_config is not supported for {model_config.family}: "
             f"rejected drafts' rows must be overwritable in place, and its cache cannot ({why})"
         )
+    why = layout.draft_refusal(speculative.num_speculative_tokens)
+    if why is not None:
+        raise ValueError(f"EngineConfig.speculative_config for {model_config.family}: {why}")
     return speculative
 
 

@@ -49,6 +49,9 @@ class CacheSpec(ABC):
     # Why rows a step wrote past what a sequence keeps (a speculative step's rejected drafts)
     # cannot be left to be overwritten (None: a position's state sits at that position alone).
     rollback_refusal: str | None = None
+    # (the most draft rows a step may write past what a sequence keeps and take back, why): for
+    # a cache that keeps recent rows in a fixed-size ring (None: any number).
+    draft_limit: tuple[int, str] | None = None
     # A sliding window's width: a query at p reads only positions p - window < j <= p, so the
     # engine keeps these layers' pages in a pool of their own, through a second block table
     # per sequence whose blocks it frees once they fall out of the window (None: every page
@@ -211,6 +214,16 @@ class CacheLayout:
     @property
     def rollback_refusal(self) -> str | None:
         return self._first(s.rollback_refusal for s in self.specs)
+
+    def draft_refusal(self, num_draft_tokens: int) -> str | None:
+        """Why a step cannot take `num_draft_tokens` drafts back (None: it can)."""
+        return self._first(
+            f"num_speculative_tokens={num_draft_tokens} > {limit}: {why}"
+            for s in self.specs
+            if s.draft_limit is not None
+            for limit, why in (s.draft_limit,)
+            if num_draft_tokens > limit
+        )
 
     def eager_by_default(self, max_model_len: int) -> str | None:
         """Why graph_mode "auto" stays "none" on CUDA for this model at this max_model_len."""

@@ -159,3 +159,46 @@ def test_hash_routed_main_layers(tmp_path, gate) -> None:
         model, prompts, topology="2A1F", gate_on_attention=gate, speculative_config=mtp(2)
     )
     assert got == want and drafted > 0
+
+
+@pytest.fixture(scope="module")
+def v4_expert_drafts(tmp_path_factory) -> str:
+    """DeepSeek-V4's provably-accepting checkpoint (tests/engine/test_mtp_v4.py) with the MTP
+    layer's expert down projections restored at 0.5 of their size: its drafts hang on the
+    layer's MoE, some accepted and some not."""
+    from tests.engine.test_mtp_v4 import _predictable as v4_predictable
+
+    root = tmp_path_factory.mktemp("v4-expert-drafts")
+    model = make_tiny_model(root / "v4", "deepseek_v4", seed=2, mtp_layers=1)
+    folder = root / "m"
+    v4_predictable(str(model), folder)
+    original = load_file(Path(model) / "model.safetensors")
+    weights = load_file(folder / "model.safetensors")
+    for name in weights:
+        if name.startswith("mtp.0.ffn.") and name.endswith("w2.weight"):
+            weights[name] = original[name] * 0.5
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "k", [pytest.param(2, id="k2"), pytest.param(1, id="k1", marks=pytest.mark.slow)]
+)
+def test_v4_mtp_under_afd_matches_colocated(v4_expert_drafts, k) -> None:
+    """DeepSeek-V4's MTP layer under 2A1F: colocated's tokens without speculation, and as many
+    drafts accepted as colocated MTP accepts (its MoE ran on the FFN rank as colocated)."""
+    prompts = mixed_prompts()
+    want = colocated_tokens(v4_expert_drafts, prompts)
+    local, drafted_local, accepted_local = generate(
+        v4_expert_drafts, prompts, max_num_batched_tokens=16, speculative_config=mtp(k)
+    )
+    got, drafted, accepted = generate(
+        v4_expert_drafts,
+        prompts,
+        topology="2A1F",
+        max_num_batched_tokens=16,
+        speculative_config=mtp(k),
+    )
+    assert got == local == want
+    assert 0 < accepted < drafted
+    assert accepted == accepted_local

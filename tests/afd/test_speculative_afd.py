@@ -50,3 +50,27 @@ def test_speculative_afd_matches_colocated(afd_models, topology, family, kwargs)
     assert sorted(ranks) == list(range(llm.topology.attention_ranks))
     assert sum(s.num_accepted_tokens for s in ranks.values()) > 0
     assert all(s.num_accepted_tokens <= s.num_draft_tokens for s in ranks.values())
+
+
+def test_deepseek_v4_speculates_under_afd(tmp_path) -> None:
+    """DeepSeek-V4's compressed layers (CSA rate 2, HCA rate 4) under 2A1F: drafts that close
+    compressor windows, accepted and rejected, leave colocated's greedy tokens unchanged. Each
+    prompt is x, its greedy continuation y, then x again: the lookup drafts y's tokens."""
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+
+    model = make_tiny_v4(tmp_path / "v4", seed=3)
+    base = mixed_prompts()[1:]
+    echoes = [x + list(y) + x for x, y in zip(base, colocated_tokens(model, base), strict=True)]
+    want = colocated_tokens(model, echoes)
+    with LLM(
+        str(model),
+        topology="2A1F",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        speculative_config=NGRAM,
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(echoes, GREEDY)]
+        ranks = llm.engine.stats().spec_decode
+    assert got == want
+    accepted = sum(s.num_accepted_tokens for s in ranks.values())
+    assert 0 < accepted < sum(s.num_draft_tokens for s in ranks.values())

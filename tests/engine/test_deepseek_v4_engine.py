@@ -25,6 +25,7 @@ from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
 from afdserve.model.families.deepseek_v4.cache import V4Window
+from afdserve.model.families.deepseek_v4.geometry import MAX_DRAFT_ROWS
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from tests.engine.test_llm import run
@@ -154,14 +155,16 @@ def test_cache_bytes_are_its_pages_per_layer_type(shape, caplog) -> None:
         assert [cache.layers.index(pages) for pages in layers] == list(spec.layers)
         assert all(pages.bytes == 3 * per_block + 2 * spec.bytes_per_slot(f32) for pages in layers)
     # A sliding layer's pages are its window alone; a compressed layer's grow by its entries,
-    # and its open rows (m of them) sit in the slots, whatever the block size.
+    # and its open rows sit in the slots (rings of m + 16 rows, CSA 2 m + 16: room for drafts),
+    # whatever the block size.
     kinds = {pages.geometry.kind: pages for pages in cache.layers}
     if SLIDING in kinds:
         assert list(kinds[SLIDING].pages) == ["window"] and not kinds[SLIDING].slots
     for kind, rate in ((CSA, config.family_config.csa_rate), (HCA, config.family_config.hca_rate)):
         if kind in kinds:
             assert kinds[kind].pages["entries"].shape[1] == -(-block_size // rate)
-            assert kinds[kind].slots["open_kv"].shape[:2] == (2, rate)
+            ring = (2 * rate if kind == CSA else rate) + MAX_DRAFT_ROWS
+            assert kinds[kind].slots["open_kv"].shape[:2] == (2, ring)
             assert "open_kv" not in kinds[kind].pages
     with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
         llm = LLM(

@@ -218,12 +218,14 @@ def test_refusals_by_name(tmp_path, mtp_model) -> None:
         make_tiny_model(tmp_path / "q2", "qwen3_moe", mtp_layers=1)
 
 
-def test_deepseek_v4_refuses_mtp_by_its_cache(tmp_path) -> None:
+def test_deepseek_v4_without_mtp_layers_refuses_mtp_by_name(tmp_path) -> None:
+    """V4 builds its MTP layer (tests/engine/test_mtp_v4.py); a checkpoint without one is
+    refused by name."""
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    with pytest.raises(ValueError, match="speculative_config is not supported for deepseek_v4"):
+    with pytest.raises(ValueError, match="no next-token-prediction layers"):
         LLM(model, speculative_config=spec)
 
 

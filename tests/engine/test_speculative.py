@@ -363,30 +363,37 @@ def test_a_decode_step_with_drafts_plans_a_graph() -> None:
     assert (mine.mode, mine.padded_rows) == ("capture", 8)
 
 
-@pytest.mark.parametrize("block_size", [4, 6])
-def test_deepseek_v4_refuses_speculation_by_name(tmp_path, block_size) -> None:
-    """Its window rings keep a position's row only until a later write replaces it: a rejected
-    draft's row would overwrite one the window still reads, at every block size."""
+@pytest.mark.parametrize(("block_size", "kv"), [(4, "auto"), (6, "auto"), (4, "fp8")])
+def test_deepseek_v4_compressed_layers_take_rejected_drafts(tmp_path, block_size, kv) -> None:
+    """Every attention type (compress rates 2 and 4, window 4): n-gram drafts of 3 close
+    compressor windows and are accepted and rejected, beside chunked prefill and preemption;
+    the greedy tokens are those without speculation. Block 4 resumes prefixes (CSA's first
+    series at block ends in the pages, prefix caching on); block 6 keeps every first series
+    in the slot's ring. The FP8 cache: its own tokens without speculation."""
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
     model = str(make_tiny_v4(tmp_path / "v4"))
-    with pytest.raises(ValueError, match="speculative_config is not supported for deepseek_v4"):
-        LLM(model, speculative_config=NGRAM, block_size=block_size)
+    blocks = 192 // block_size
+    common = dict(
+        max_num_batched_tokens=24, block_size=block_size, kv_cache_blocks=blocks, kv_cache_dtype=kv
+    )
+    want, _, _, _ = _run(model, None, GREEDY, **common)
+    got, stats, preemptions, _ = _run(model, NGRAM, GREEDY, **common)
+    assert got == want
+    spec = stats.spec_decode[0]
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert preemptions > 0
+    assert (sum(stats.prefix_cache_hits.values()) > 0) == (block_size == 4)
 
 
-def test_the_refusal_is_needed_for_deepseek_v4(tmp_path, monkeypatch) -> None:
-    """With the refusal lifted, rolled-back drafts change V4's tokens: the refusal guards a
-    real difference, not a guess."""
-    from afdserve.model.families.deepseek_v4.cache import V4Pages, V4Window
+def test_deepseek_v4_refuses_more_drafts_than_its_rings_hold(tmp_path) -> None:
+    from afdserve.model.families.deepseek_v4.geometry import MAX_DRAFT_ROWS
     from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
-    monkeypatch.setattr(V4Pages, "rollback_refusal", None)
-    monkeypatch.setattr(V4Window, "rollback_refusal", None)
     model = str(make_tiny_v4(tmp_path / "v4"))
-    common = dict(max_num_batched_tokens=24, block_size=4, kv_cache_blocks=48)
-    want, _, _, _ = _run(model, None, GREEDY, rounds=1, **common)
-    got, _, _, _ = _run(model, NGRAM, GREEDY, rounds=1, **common)
-    assert got != want
+    many = {**NGRAM, "num_speculative_tokens": MAX_DRAFT_ROWS + 1}
+    with pytest.raises(ValueError, match=f"num_speculative_tokens={MAX_DRAFT_ROWS + 1} > 16"):
+        LLM(model, speculative_config=many)
 
 
 def test_config_file_mapping_reaches_the_flag(tmp_path) -> None:

@@ -3,10 +3,11 @@ path over the same paged cache. Decode: sequences of different lengths decode to
 steps, so that in one step some close a CSA and/or HCA window (the first window too, and with
 fewer closed entries than index_topk) and some do not. Chunks: several sequences' prefill chunks
 of lengths around both rates and past the window, starting from 0 or mid-window, beside decodes.
-The logits are close to float32 rounding, the tokens equal, and the pages it writes are the ones
-the per-sequence path writes. Pad rows (eagerly padded rows beyond the segments, and the CUDA
-graph buffers' pad segments with stale block tables pointing at real sequences' blocks) attend to
-nothing, write nothing into a real page and stay finite."""
+The logits are close to float32 rounding, the tokens equal, and the pages it writes are the ones the
+per-sequence path writes (chunks: the slot rings as a resumed chunk reads them). Pad rows (eagerly
+padded rows beyond the segments, and the CUDA graph buffers' pad segments with stale block tables
+pointing at real sequences' blocks) attend to nothing, write nothing into a real page and stay
+finite."""
 
 from __future__ import annotations
 
@@ -123,16 +124,43 @@ def decode_meta(
     return AttentionMetadata(full, torch.zeros(rows, dtype=torch.int64), segments, batched_meta)
 
 
-def pages_close(got: PagedCache, want: PagedCache) -> None:
+def pages_close(got: PagedCache, want: PagedCache, rings: bool = True) -> None:
+    """Every page (and with `rings` every slot ring) row for row."""
     for layer, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
-        for name in (*w.pages, *w.slots):  # the pages and the slots' open rings
+        for name in (*w.pages, *(w.slots if rings else ())):
+            # A page sharing its flat buffer with a ring (CSA's first series) alone without.
+            mine, theirs = (
+                (g.flat[name][:-1], w.flat[name][:-1]) if rings else (g.pages[name], w.pages[name])
+            )
             torch.testing.assert_close(
-                g.flat[name][:-1],
-                w.flat[name][:-1],
+                mine,
+                theirs,
                 atol=1e-5,
                 rtol=1e-5,
                 msg=lambda m, n=name, i=layer: f"layer {i} {n}: {m}",
             )
+
+
+def resumed_states_close(
+    got: PagedCache, want: PagedCache, tables: torch.Tensor, ends: list[int]
+) -> None:
+    """What a chunk resuming at each sequence's end reads from its slot rings (the open rows,
+    CSA's first series). The batched path also keeps the rows of a chunk's last R positions,
+    where a rolled-back speculative step resumes (the per-sequence path takes no drafts)."""
+    for g, w in zip(got.layers, want.layers, strict=True):
+        if not g.geometry.rate:
+            continue
+        for table, end in zip(tables, ends, strict=True):
+            states = [c.read(table, end, torch.float32, slot_of(table)) for c in (g, w)]
+            if states[1] is None:
+                continue
+            for part in ("compressor", "indexer"):
+                mine, theirs = getattr(states[0], part), getattr(states[1], part)
+                for field in ("pending_kv", "pending_gate", "prev_kv", "prev_gate"):
+                    a, b = getattr(mine, field, None), getattr(theirs, field, None)
+                    assert (a is None) == (b is None), (part, field, end)
+                    if b is not None:
+                        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -313,9 +341,10 @@ def test_batched_chunks_equal_the_per_sequence_path(
         assert len(calls) > before  # the batched path ran, the reference did not
         close(got[:real], want[:real])
         assert bool(torch.isfinite(got).all())
-        pages_close(twin, reference)
+        pages_close(twin, reference, rings=False)
         for table, start, n in chunks:
             done[int((tables == table).all(1).nonzero())] = start + n
+        resumed_states_close(twin, reference, tables, done)
 
 
 @torch.inference_mode()

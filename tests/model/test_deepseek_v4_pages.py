@@ -147,15 +147,16 @@ def test_fp8_block_bytes_are_what_the_pages_hold(tmp_path) -> None:
 
 def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
     """deepseek-v4-flash, counted by hand. At block_size 128 a block holds the window's rows (a
-    row per position), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series
-    of the CSA window ending the block (4 rows: what a prefix hit there reads); at 16 (no
-    prefix caching: not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA
-    entry slot. The window's rows and the first series sit in the window pool's blocks. A
-    sequence slot holds the open rows (kv and gate, m rows; CSA's two series) and CSA's last
-    first series. FP8 holds 1.70x the bf16 cache's bytes a block at 128 and 1.76x at 16. At
-    context 65536 in 120 GiB, the slots of the scheduler's sequences taken first, then the
-    window pool at its bound (engine/factory.py): 270 bf16 and 459 FP8 sequences (36 and 62
-    while every block kept its window rows and first series), 1.70x."""
+    row per position), the entries (CSA 32 and its indexer's 32, HCA 1) and the first series of
+    the CSA window ending the block (4 rows: what a prefix hit there reads); at 16 (no prefix
+    caching: not a multiple of HCA's 128) 16 window rows, 4 + 4 CSA entries, 1 HCA entry slot.
+    The window's rows and the first series sit in the window pool's blocks. A sequence slot
+    holds the open rows (kv and gate, CSA's two series) and CSA's first series, rings of m + 16
+    rows (CSA 2 m + 16: room for a speculative step's drafts). FP8 holds 1.70x the bf16 cache's
+    bytes a block at 128 and 1.76x at 16. At context 65536 in 120 GiB, the slots of the
+    scheduler's sequences taken first, then the window pool at its bound (engine/factory.py):
+    268 bf16 and 455 FP8 sequences (270 and 459 with rings of m rows, 36 and 62 while every
+    block kept its window rows and first series), 1.70x."""
     flash = preset_config("deepseek-v4-flash")
     v4, layout = flash.family_config, cache_layout(flash)
     d, rope, di = flash.head_dim, flash.qk_rope_head_dim, v4.index_head_dim
@@ -174,8 +175,8 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
             want = 43 * window * key(d, fp8) + 21 * csa + 20 * key(d, fp8)
             blocks[block_size, dtype] = layout.bytes_per_block(block_size, dtype)
             assert blocks[block_size, dtype] == want, (block_size, dtype)
-            opened = 20 * 2 * 128 * d * 2 + 21 * 2 * 4 * 2 * (d + di) * 2
-            assert layout.bytes_per_slot(dtype) == opened + 21 * prev
+            opened = 20 * 2 * (128 + 16) * d * 2 + 21 * 2 * (8 + 16) * 2 * (d + di) * 2
+            assert layout.bytes_per_slot(dtype) == opened + 21 * prev * (8 + 16) // 4
             # The window's rows and the first series sit in the window pool's blocks, the
             # entries in the main ones.
             pooled = 43 * window * key(d, fp8) + 21 * prev_rows
@@ -194,5 +195,4 @@ def test_flash_blocks_hold_what_grows_and_fp8_holds_more_sequences() -> None:
         main = 21 * 32 * (key(d, fp8) + key(di, fp8)) + 20 * key(d, fp8)
         pool = (1 + 256 * 3 + 128) * (43 * 128 * key(d, fp8) + 21 * prev)
         assert fit[dtype] == (budget - seqs * layout.bytes_per_slot(dtype) - pool) // main // 512
-    # Before the window pool (every block its 127 window rows and first series): 36 and 62.
-    assert (fit[torch.bfloat16], fit[FP8]) == (270, 459)
+    assert (fit[torch.bfloat16], fit[FP8]) == (268, 455)

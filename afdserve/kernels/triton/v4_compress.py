@@ -4,18 +4,18 @@ from the pages, the softmax-gated pooling, the entry's norm and rotary, and ever
 
 One program per row at position p, window w = p // m. Slot j of the window is position w m + j:
 p's own projections `KV`, `GATE` for j = p - w m, the open rows `ADDRESSES[r, j]` (the ring in
-the row's sequence slot) before it (later slots are read from the row itself and never kept:
-only a row that closes its window, p = (w + 1) m - 1, has no later slot, and only its entry is
-stored or read). CSA (`OVERLAP`): m more slots before them, window w - 1's first series from the
-prev pages at `ADDRESSES[r, m + 1 + j]` (weight 0 before window 0), the window's own slots taking
-the second series. The gates get the
-position bias in float32; the pooled row is rounded to the projections' dtype, normalised with
-the compressor's norm and rotated on its trailing pairs at position w m (cos and sin rounded to
-that dtype, as `rope_tail`). Writes, as `_compress`: a closing row its entry at `ENTRY_ROW[r]`
-and (CSA) the window's first series to the prev pages at `ADDRESSES[r, 2 m + 1 + j]`, after every
-read of them (a barrier: the prev rows alias window w - 1's); any other real row its projections
-to the open ring at `ADDRESSES[r, m]`. Pad rows write nothing. Loop bounds are constexpr (for
-Triton 3.6's interpreter).
+the row's sequence slot, position q at its row q % R: LayerPages computes every address) before
+it (later slots are read from the row itself and never kept: only a row that closes its window,
+p = (w + 1) m - 1, has no later slot, and only its entry is stored or read). CSA (`OVERLAP`): m
+more slots before them, window w - 1's first series from the prev pages at `ADDRESSES[r, m + 1 +
+j]` (weight 0 before window 0), the window's own slots taking the second series. The gates get
+the position bias in float32; the pooled row is rounded to the projections' dtype, normalised
+with the compressor's norm and rotated on its trailing pairs at position w m (cos and sin
+rounded to that dtype, as `rope_tail`). Writes, as `_compress`: a closing row its entry at
+`ENTRY_ROW[r]` and (CSA) the window's first series to the prev pages at `ADDRESSES[r, 2 m + 1 +
+j]`, after every read of them (a barrier: the prev rows alias window w - 1's); any other real
+row its projections to the open ring at `ADDRESSES[r, m]`. Pad rows write nothing. Loop bounds
+are constexpr (for Triton 3.6's interpreter).
 """
 
 from __future__ import annotations

@@ -307,8 +307,9 @@ def _compress(
     (positions [w m, (w + 1) m)), pooled for every row, kept where p closes it ((p + 1) % m == 0).
     The window's rows before the chunk come from the open rows, the others from the chunk; CSA's
     first series (window w - 1's) from prev_* when that window closed before the chunk, else as
-    the window. Writes: each closed window's entry; the open rows the chunk's end leaves; prev_*
-    by the row closing each piece's last window."""
+    the window. Writes: each closed window's entry; the open rows of the chunk's last R
+    positions (`LayerGeometry.ring`: those a rolled-back speculative step may resume among);
+    prev_* by the row closing each window that ends a block or lies in those positions."""
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     rope_dim = 2 * rope.inv_freq.shape[0]
@@ -318,7 +319,7 @@ def _compress(
         and ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
     ):
         return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
-    w, state_slots = p // m, rows.state_slots()
+    w, state_slots, ring = p // m, rows.state_slots(), pages.geometry.ring
     closes = rows.real & ((p + 1) % m == 0)
     members = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
     window = pages.batch_open_rows(state_slots, members)
@@ -345,17 +346,22 @@ def _compress(
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, first_kv, 0.0)
         first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
-        # Kept: a window ending a block (in its pages), and the chunk's last (in the slot).
-        kept = pages.keeps_prev_in_page(p + 1) | ((p + 1) // m == end // m)
+        # Kept: a window ending a block (in its pages), and those in the chunk's last R
+        # positions (in the slot's ring, at their positions: a rollback may return into the
+        # window after any of them).
+        kept = pages.keeps_prev_in_page(p + 1) | (w * m >= end - ring)
         last = (closes & kept)[:, None].expand(-1, m)
         own_prev = pages.batch_prev_rows((tables, rows.windows), state_slots, members)
         pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
-    still_open = (rows.real & (p >= end // m * m))[:, None]
+    # Every row of the chunk's last R positions (distinct modulo R), not only the window open
+    # at its end: a speculative step's rollback resumes inside any of them. A row closing its
+    # window is never read as open (a chunk resuming past it starts the next window).
+    recent = (rows.real & (p >= end - ring) & ~closes)[:, None]
     own = pages.batch_open_rows(state_slots, p[:, None])
-    pages.store(f"{prefix}open_kv", own, kv[:, None], still_open)
-    pages.store(f"{prefix}open_gate", own, gate[:, None], still_open)
+    pages.store(f"{prefix}open_kv", own, kv[:, None], recent)
+    pages.store(f"{prefix}open_gate", own, gate[:, None], recent)
     new = pages.as_stored(comp.pool(win_kv, win_gate, w * m, rope))  # [rows, dim]
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     pages.store(

@@ -6,13 +6,14 @@ The engine gives each sequence one block table, as for every family (block b of 
 positions [b B, (b + 1) B), B = block_size), a window table over the window pool (`V4Window`:
 its blocks behind the window are freed) and one state slot. A V4 layer keeps, per physical
 block, pages of its own geometry (`LayerGeometry` lists them), each page addressed by position;
-what does not grow with the context, the rows of the window its compressor has not pooled yet,
-sits in the sequence's slot (a ring of m rows). So any chunking works (a chunk reads the state
-its start needs and writes what its end leaves), and preemption by recompute rewrites it from
-position 0. A chunk also writes the state each block it completes leaves at its end (boundary
-writes), so a full block resumes a chunk starting there: prefix caching reuses it where B is a
-multiple of every compress rate, where a block boundary leaves no open row (the slot holds
-nothing a resumed chunk reads).
+what does not grow with the context, the rows of the window its compressor has not pooled yet, sits
+in the sequence's slot (a ring of R rows at their positions, `LayerGeometry.ring`, with room for a
+speculative step's rejected rows). So any chunking works (a chunk reads the state its start needs
+and writes what its end leaves), a rolled-back step resumes at any position it wrote, and preemption
+by recompute rewrites it from position 0. A chunk also writes the state each block it completes
+leaves at its end (boundary writes), so a full block resumes a chunk starting there: prefix caching
+reuses it where B is a multiple of every compress rate, where a block boundary leaves no open row
+(the slot holds nothing a resumed chunk reads).
 
 `read` turns pages and slot into the per-sequence `LayerState` that `V4Attention` consumes, and
 `write` stores the state after a chunk back: the attention itself is the one the model tests hold
@@ -30,7 +31,7 @@ from afdserve.kernels import ops
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
-from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
+from afdserve.model.families.deepseek_v4.geometry import MAX_DRAFT_ROWS, LayerGeometry
 
 _SHORT = {
     "sliding_attention": "sliding",
@@ -60,15 +61,12 @@ GRAPH_CONTEXT_LIMIT = (
 )
 
 
-# Tested: with rows rolled back, tokens differ (tests/engine/test_speculative.py). The window's
-# rows sit at their own positions, so its pages (and a sliding layer's) take rollback.
-ROLLBACK_REFUSAL = (
-    "a compressed layer keeps the open compressor window's rows in a ring of compress_rate rows "
-    "per sequence slot, filled only with the rows of the window open at the chunk's end, and "
-    "CSA's last closed first series in one slot row set: a draft that closes a window starts "
-    "the ring over with the next window's rows and writes its own first series, so once it is "
-    "rejected the window still open at the accepted position has lost its rows and the first "
-    "series its entry pools is the draft's"
+# Speculative steps write rows past what a sequence keeps; the pages hold every row at its own
+# position and the slot rings hold MAX_DRAFT_ROWS beside what a rollback returns to.
+DRAFT_LIMIT = (
+    MAX_DRAFT_ROWS,
+    "DeepSeek-V4's compressor rings keep the open window's rows at their positions with room "
+    f"for {MAX_DRAFT_ROWS} draft rows past a sequence's end (LayerGeometry.ring)",
 )
 
 
@@ -93,10 +91,7 @@ class V4Pages(CacheSpec):
         """`full` where the fused kernels run (FULL_GRAPH_REFUSAL says why not elsewhere)."""
         return () if ops.triton_available() else (("full", FULL_GRAPH_REFUSAL),)
 
-    @property
-    def rollback_refusal(self) -> str | None:
-        """A sliding layer's state is its window pages alone (a row per position, V4Window)."""
-        return None if self.attention_type == "sliding_attention" else ROLLBACK_REFUSAL
+    draft_limit = DRAFT_LIMIT
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         if self.geometry(block_size).resumable:
@@ -184,14 +179,14 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 
 class LayerPages:
-    """One layer's pages over every block of the cache, and its open rows over every sequence
-    slot (`slots`: [num_slots, m, width] per ring). An FP8 cache (kv_cache_dtype="fp8") holds
-    the unrotated channels of its "kv" pages as float8_e4m3fn at `scale` (1.0, as the other
-    families' k_scale: vLLM's default, model/layers/attention.py) and their rotated ones as bf16
-    (`LayerGeometry.stored`): writes quantize, reads dequantize, and `as_stored` gives a chunk's
-    own keys as the pages would, so every key a query reads has passed through the cache
-    whichever chunk wrote it: on a bf16 model (whose compressor state the bf16 pages hold
-    exactly) any chunking, prefix hits included, reads the same keys."""
+    """One layer's pages over every block of the cache, and its open rows over every sequence slot
+    (`slots`: [num_slots, R, width] per ring, `LayerGeometry.ring`). An FP8 cache
+    (kv_cache_dtype="fp8") holds the unrotated channels of its "kv" pages as float8_e4m3fn at
+    `scale` (1.0, as the other families' k_scale: vLLM's default, model/layers/attention.py) and
+    their rotated ones as bf16 (`LayerGeometry.stored`): writes quantize, reads dequantize, and
+    `as_stored` gives a chunk's own keys as the pages would, so every key a query reads has passed
+    through the cache whichever chunk wrote it: on a bf16 model (whose compressor state the bf16
+    pages hold exactly) any chunking, prefix hits included, reads the same keys."""
 
     def __init__(
         self,
@@ -207,7 +202,7 @@ class LayerPages:
         self.geometry = geometry
         self.scale = 1.0
         self.fp8 = dtype == ops.FP8_DTYPE
-        # Each page is [num_blocks, rows, width] and each ring [num_slots, m, width] over a flat
+        # Each page is [num_blocks, rows, width] and each ring [num_slots, R, width] over a flat
         # buffer one row longer: that last row (`scratch`) is where the batched path (batched.py)
         # sends the writes of pad rows, so they never land in a real sequence's state. It
         # belongs to no block or slot and is never read as state; `bytes` counts pages and
@@ -320,13 +315,13 @@ class LayerPages:
         self, slot: torch.Tensor | int, positions: torch.Tensor, name: str = "open_kv"
     ) -> torch.Tensor:
         """Flat rows of ring `name` (the open rows: every compressor's alike) for `positions` of
-        the sequence in `slot` (one sequence: an int; a batch: [rows], positions [rows, n]).
-        Slot -1 (a pad row) reads slot 0's rows (always masked) and writes nowhere (`store`
-        sends them to the scratch row)."""
-        m = self.geometry.rate
+        the sequence in `slot` (one sequence: an int; a batch: [rows], positions [rows, n]):
+        position p at row p % R (`LayerGeometry.ring`). Slot -1 (a pad row) reads slot 0's
+        rows (always masked) and writes nowhere (`store` sends them to the scratch row)."""
+        ring = self.geometry.ring
         if isinstance(slot, torch.Tensor):
             slot = slot.clamp(min=0)[:, None]
-        return self.ring_base[name] + slot * m + positions % m
+        return self.ring_base[name] + slot * ring + positions % ring
 
     def _in_page(self, positions: torch.Tensor) -> torch.Tensor | bool:
         """Whether the window of `positions` ends at a block end where B resumes prefixes: its

@@ -117,8 +117,8 @@ HONOURED = frozenset(
         # YaRN in the spelling transformers folds into rope_parameters (of "compress" only).
         "topk_method",
         "rope_scaling",
-        # The multi-token-prediction layers: transformers does not build them and neither do we
-        # (their `mtp.*` tensors are reported as unexpected and skipped).
+        # The multi-token-prediction layers: the main model skips their `mtp.*` tensors by name;
+        # speculative decoding's `mtp` method builds the draft from them (mtp.py).
         "num_nextn_predict_layers",
     }
 )

@@ -9,6 +9,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.cache import cache_layout
 from afdserve.model.families.deepseek_v4.config import v4_model_fields
 from afdserve.model.families.deepseek_v4.model import V4CausalLM
+from afdserve.model.families.deepseek_v4.mtp import build_v4_mtp
 from afdserve.model.parts import Family
 
 
@@ -23,4 +24,5 @@ FAMILY = Family(
     parse_config,
     V4CausalLM,
     cache_layout,
+    mtp_draft=build_v4_mtp,
 )

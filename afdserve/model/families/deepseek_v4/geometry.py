@@ -12,6 +12,21 @@ import torch
 from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
 
+# The most rows a step may write past what a sequence keeps and take back (a speculative step's
+# drafts): the rings hold them beside every row a rollback can return to (`LayerGeometry.ring`):
+# Flash's HCA rings grow from 128 rows to 144, its CSA rings from 4 to 24 (a slot from 6.0 MB to
+# 10.4 MB). cache.DRAFT_LIMIT refuses more drafts by name.
+MAX_DRAFT_ROWS = 16
+
+
+def ring_rows(rate: int, csa: bool) -> int:
+    """R, the rows of a compressor's slot rings (a position p at row p % R), so that rows at
+    their own positions survive a rolled-back step: a chunk resuming at s reads the open rows
+    of [s - s % m, s) and CSA the first series of the window before (from s - s % m - m), and
+    every row written since, a rejected draft's included, lies before s + MAX_DRAFT_ROWS.
+    R = m (CSA 2 m) + MAX_DRAFT_ROWS keeps those positions apart modulo R."""
+    return (2 * rate if csa else rate) + MAX_DRAFT_ROWS
+
 
 @dataclass(frozen=True)
 class LayerGeometry:
@@ -31,12 +46,13 @@ class LayerGeometry:
       pool beside the window's rows where the window is wider than m (`pooled`).
     - `index_*`: the same for a CSA layer's lightning indexer at `index_head_dim` (its keys
       are `index_entries`).
-    `open` lists the slot's rings, name -> (m, width, storage): `open_kv`, `open_gate` (and
-    `index_open_*`), the kv / gate projections of the window still open (the compressor's tokens
-    not yet pooled), position p at row p % m of the sequence's slot: fixed in size, so kept per
-    sequence rather than per block (HCA's 128 rows would outweigh its block's entries); and
-    CSA's `prev_*` rings: the first series of the last window a chunk closed inside a block
-    (every window's at other block sizes, `prev_in_slot`).
+    `open` lists the slot's rings, name -> (R, width, storage), R = `ring`: `open_kv`,
+    `open_gate` (and `index_open_*`), the kv / gate projections of the compressor's latest rows
+    (what the window still open has not pooled), position p at row p % R of the sequence's
+    slot: fixed in size, so kept per sequence rather than per block (HCA's 128 rows would
+    outweigh its block's entries); and CSA's `prev_*` rings: the first series of the windows a
+    chunk closed inside a block (every window's at other block sizes, `prev_in_slot`), at
+    their positions alike. R leaves room for a speculative step's drafts: see `ring`.
     Storage: "kv" pages (window, entries: what queries read) take the cache's dtype; "state"
     rows (the compressor's open rows and first series) the model's; "float32" stays (`stored`
     says how an FP8 cache holds each)."""
@@ -65,11 +81,12 @@ class LayerGeometry:
             for prefix, width in compressors:
                 pages.append((f"{prefix}entries", slots, width, "kv"))
                 projected = 2 * width if csa else width
-                open_rows.append((f"{prefix}open_kv", rate, projected, "state"))
-                open_rows.append((f"{prefix}open_gate", rate, projected, "state"))
+                ring = ring_rows(rate, csa)
+                open_rows.append((f"{prefix}open_kv", ring, projected, "state"))
+                open_rows.append((f"{prefix}open_gate", ring, projected, "state"))
                 if csa:
-                    open_rows.append((f"{prefix}prev_kv", rate, width, "state"))
-                    open_rows.append((f"{prefix}prev_gate", rate, width, "float32"))
+                    open_rows.append((f"{prefix}prev_kv", ring, width, "state"))
+                    open_rows.append((f"{prefix}prev_gate", ring, width, "float32"))
                     if not prev_in_slot:
                         pages.append((f"{prefix}prev_kv", rate, width, "state"))
                         pages.append((f"{prefix}prev_gate", rate, width, "float32"))
@@ -83,6 +100,11 @@ class LayerGeometry:
             tuple(open_rows),
             prev_in_slot,
         )
+
+    @property
+    def ring(self) -> int:
+        """Rows of each slot ring (`ring_rows`; 0: a sliding layer's, which has none)."""
+        return ring_rows(self.rate, self.kind == "compressed_sparse_attention") if self.rate else 0
 
     def pooled(self, name: str) -> bool:
         """Whether page `name` sits in the engine's window pool (cache.V4Window), whose blocks

@@ -123,6 +123,11 @@ class V4CausalLM(nn.Module):
     # biases, every norm weight): rounding them to bf16 would change what the checkpoint says.
     FLOAT32 = (".attn_hc.", ".ffn_hc.", "hc_head.", ".sinks", ".position_bias", "norm.weight")
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The MTP layer's `mtp.*` tensors are the draft's (mtp.py), skipped here by name."""
+        return None if name.removeprefix("model.").startswith("mtp.") else name
+
     def keep_float32(self) -> None:
         """Make the FLOAT32 parameters float32 (called by the loader before it fills them)."""
         for module_name, module in self.named_modules():

@@ -31,7 +31,7 @@ from afdserve.model.quantization import Fp8Spec
 # Our names of the linear layers the public checkpoint stores in FP8.
 FP8_MODULES = re.compile(
     r"\.(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|compressor\.indexer\.q_b_proj)"
-    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj))$"
+    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)|e_proj|h_proj)$"
 )
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # ue8m0 scales, or their bytes (MXFP8 style)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # int8 as published
