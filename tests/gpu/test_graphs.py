@@ -191,7 +191,8 @@ def test_full_replays_the_decode_graph_for_decode_steps(bf16_model, topology, ca
     assert all(r["mode"] == "replay" for _, r in steps), steps
     assert all(r["key"][4] == ("decode" if u else "mixed") for u, r in steps), steps
     assert {u for u, _ in steps} == {True, False}
-    print(f"{topology} full: {len(gaps)} near-tie divergences, gaps {gaps}")
+    captured = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    print(f"{topology} full: {len(gaps)} near-tie divergences, gaps {gaps}; {captured}")
 
 
 def test_every_captured_size_replays(bf16_model):
