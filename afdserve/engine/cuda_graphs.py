@@ -10,7 +10,10 @@ where the cache has a windowed pool, the windowed layers' slots and tables into 
 write no KV (slot -1), carry token id -1, and belong to no attention segment, so their outputs are
 zero and dropped.
 
-Whether a step captures, replays or runs eagerly is read from the plan, never decided here.
+Whether a step captures, replays or runs eagerly is read from the plan, never decided here, and
+so is the kind of graph (`AttentionRankPlan.graph_kind`): a decode graph launches its attention for
+at most `decode_query_len` query rows a segment (the decode kernels), a mixed one for queries as
+long as the step (the varlen path), so `full` holds both kinds of each size.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from afdserve.engine.graph_tally import CaptureTally
 from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 from afdserve.layout.plan import AttentionRankPlan
@@ -152,18 +156,15 @@ class CudaGraphRunner:
         runner: ModelRunner,
         max_rows: int,
         max_model_len: int,
-        allow_prefill: bool,
         ubatches: int = 1,
         decode_query_len: int = 1,
     ) -> None:
         """`decode_query_len`: the most rows a request has in a decode step (1 + the drafts of
-        speculative decoding), which the decode-only graphs' attention is launched for."""
+        speculative decoding), which the decode graphs' attention is launched for."""
         self.runner = runner
         self.decode_query_len = decode_query_len
         dev = runner.device
         self.max_rows, self.max_model_len = max_rows, max_model_len
-        # full mode replays steps with prefill chunks too, so its graphs budget for long queries.
-        self.allow_prefill = allow_prefill
         width = -(-max_model_len // runner.block_size)
         self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self.route_ids = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
@@ -179,6 +180,12 @@ class CudaGraphRunner:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
+        self.tally = CaptureTally()
+
+    def _query_len(self, plan: AttentionRankPlan, rows: int) -> int:
+        """The query length a graph of the plan's kind launches its attention for: a mixed
+        graph's queries may be the whole ubatch (prefill chunks), a decode graph's 1 + k."""
+        return rows if plan.graph_kind == "mixed" else min(rows, self.decode_query_len)
 
     def _static_inputs(self, plan: AttentionRankPlan) -> StepInputs:
         rows = plan.padded_rows
@@ -187,7 +194,7 @@ class CudaGraphRunner:
             zip(self.ubatches, plan.ubatch_bounds, strict=True)
         ):
             n = hi - lo
-            query = n if self.allow_prefill else min(n, self.decode_query_len)
+            query = self._query_len(plan, n)
             window = None
             if self.window_slots is not None:
                 batched = self.window_ubatches[u].batched(n, query, self.max_model_len)
@@ -219,14 +226,10 @@ class CudaGraphRunner:
         """Copy one step's inputs into the static buffers, each ubatch's segments into its own."""
         rows = plan.padded_rows
         batched = inputs.meta.batched
-        if (
-            not self.allow_prefill
-            and batched is not None
-            and batched.max_query_len > self.decode_query_len
-        ):
+        if batched is not None and batched.max_query_len > self._query_len(plan, rows):
             raise GraphCaptureError(
-                f"a query of {batched.max_query_len} rows replays a decode graph launched for "
-                f"{self.decode_query_len}"
+                f"a query of {batched.max_query_len} rows replays the {plan.graph_kind} graph "
+                f"{plan.key}, launched for {self._query_len(plan, rows)}"
             )
         self.input_ids[:rows].copy_(inputs.input_ids)
         self.route_ids[:rows].copy_(inputs.route_ids)
@@ -270,9 +273,6 @@ class CudaGraphRunner:
                 f"{len(self.ubatches)}"
             )
         key = plan.key
-        if key in self.eager_keys:
-            return self.runner.forward(inputs, plan, boundary)
-        check_replayable(plan.rank, plan.mode, key, self.graphs)
         if plan.mode == "capture":
             # A capture executes the forward twice (its warm run, then the replay), so it runs
             # over blank buffers (pad rows only, as the warm-up steps) and the replay alone runs
@@ -280,17 +280,34 @@ class CudaGraphRunner:
             # prev rows overwrite rows the same step reads). The graph reads the buffers by
             # address, never their contents on the host, so what it holds is the same.
             self._load_blank(plan)
-            if not self._capture(key, plan, boundary):
+            if key in self.graphs or key in self.eager_keys:
+                # Held already (another member of the group captures a kind it lacked): the
+                # warm run alone, so that peers see a capture's sends and receives.
+                self._warm_again(key, plan, boundary)
+            elif not self._capture(key, plan, boundary):
                 # The warm run has run over blank buffers: the step itself runs now, eagerly
                 # (a peer rank sees the same sends and receives as from a replay).
                 self.eager_keys.add(key)
-                return self.runner.forward(inputs, plan, boundary)
+        if key in self.eager_keys:
+            return self.runner.forward(inputs, plan, boundary)
+        check_replayable(plan.rank, plan.mode, key, self.graphs)
         self._load(inputs, plan)
         graph, out = self.graphs[key]
         graph.replay()
         return out
 
+    def _warm_again(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> None:
+        """A capture step's warm run for a key this rank holds: over the blank buffers."""
+        if key in self.graphs:
+            self.graphs[key][0].replay()
+        else:
+            self.runner.forward(self._static_inputs(plan), plan, boundary)
+
     def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> bool:
+        with self.tally.capturing(plan.graph_kind or "decode"):
+            return self._warm_and_capture(key, plan, boundary)
+
+    def _warm_and_capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary) -> bool:
         static = self._static_inputs(plan)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

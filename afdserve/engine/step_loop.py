@@ -11,6 +11,7 @@ step through these, and warm up through the same `warmup_reports` order.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from afdserve.engine.cuda_graphs import PlannedForward
 from afdserve.engine.step_recorder import StepRecorder
 from afdserve.layout.plan import AttentionRankPlan, RankStep, warmup_reports
 from afdserve.layout.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class WorkSource(Protocol):
@@ -58,6 +61,13 @@ class StepMeter:
         return tokens
 
 
+def log_captures(rank: int, start: float, line: str | None) -> None:
+    """The warm-up's line of a rank that captured CUDA graphs: what they cost, by kind."""
+    if line is not None:
+        seconds = time.perf_counter() - start
+        log.info("rank %d warmed up in %.1f s and %s", rank, seconds, line)
+
+
 class AttentionDriver:
     def __init__(
         self,
@@ -75,9 +85,12 @@ class AttentionDriver:
         self.meter = StepMeter()
 
     def warmup(self) -> None:
+        start = time.perf_counter()
         for reports in warmup_reports(self.recorder.table, self.topology):
             self._run(self.source.idle_work(), reports)
         self.meter = StepMeter()  # warm-up steps are no traffic
+        graphs = self.forward.graphs
+        log_captures(self.rank, start, graphs.tally.line() if graphs is not None else None)
 
     def step(self, shutdown: bool = False) -> StepResult:
         work, report = self.source.schedule()

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from afdserve.layout.step import (
+    GRAPH_KINDS,
     GRAPH_MODES,
     MAX_UBATCHES,
     RUN_MODES,
@@ -33,6 +34,7 @@ from afdserve.layout.step import (
 from afdserve.layout.topology import Topology
 
 __all__ = [
+    "GRAPH_KINDS",
     "GRAPH_MODES",
     "MAX_UBATCHES",
     "RUN_MODES",
@@ -61,16 +63,27 @@ def split_rows(rows: int, ubatches: int) -> tuple[int, ...]:
     return tuple(base + 1 if u < extra else base for u in range(ubatches))
 
 
-def capture_reports(size: int, topology: Topology) -> tuple[RankStep, ...]:
-    """Warm-up reports: every attention rank decodes `size` requests, one token each."""
+def capture_reports(size: int, topology: Topology, kind: str = "decode") -> tuple[RankStep, ...]:
+    """Warm-up reports of a graph of `kind`: every attention rank decodes `size` requests, one
+    token each; for "mixed", the same rows as one-token prefill chunks (not decodes), so the
+    step's bounds (a draft pass's included) are the decode step's."""
     _check_int("capture size", size, 1)
-    return tuple(RankStep(size, size, True) for _ in range(topology.attention_ranks))
+    if kind not in GRAPH_KINDS:
+        raise ValueError(f"graph kind must be one of {GRAPH_KINDS}, got {kind!r}")
+    uniform = kind == "decode"
+    return tuple(RankStep(size, size, uniform) for _ in range(topology.attention_ranks))
 
 
 def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep, ...]]:
-    """The lockstep warm-up, the same on every rank: one capture step per capture size, largest
-    first (smaller graphs then share the largest one's memory pool)."""
-    return [capture_reports(size, topology) for size in sorted(table.sizes, reverse=True)]
+    """The lockstep warm-up, the same on every rank: one capture step per capture size and kind
+    the mode captures, largest first (smaller graphs then share the largest one's memory pool),
+    a size's mixed graph, the larger, before its decode one."""
+    kinds = ("mixed", "decode") if table.mode == "full" else ("decode",)
+    return [
+        capture_reports(size, topology, kind)
+        for size in sorted(table.sizes, reverse=True)
+        for kind in kinds
+    ]
 
 
 # ---------------------------------------------------------------- the rules of plan_step
@@ -87,15 +100,24 @@ def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep
 #    it. Real rows always occupy the first rows of the padded batch, so a member's real rows per
 #    ubatch are the overlap of [0, real) with that ubatch's row range.
 # 5. Keys spell out the layout, never a sum two layouts can share:
-#    attention key = ("attention", rank, ubatch_rows, tile_rows),
+#    attention key = ("attention", rank, ubatch_rows, tile_rows, kind),
 #    FFN key       = ("ffn", rank, (ubatch_rows of each peer, in peer order), tile_rows).
 #    The global rank is part of the key because a group may capture a graph while another group
 #    runs eagerly; a key in `GraphTable.captured` must mean "this rank holds this graph".
+#    kind (`GRAPH_KINDS`) is each member's own: "decode" when its report is a uniform decode (or
+#    it has no rows), else "mixed". A decode graph launches the decode attention for at most
+#    1 + k query rows a request, a mixed one the varlen path over queries of any length; so
+#    under "full" a decode-only step replays exactly the graph "full_decode_only" captures, and
+#    a step with prefill chunks the mixed graph of its size. The FFN key has no kind: an FFN
+#    rank's work is its peers' rows whatever their attention ran, so one FFN graph of a layout
+#    pairs with both kinds.
 # 6. Modes: a graph group replays when every key of the group (members and FFN rank) is captured,
-#    otherwise the whole group captures together. An eager group runs "eager" on every member and
-#    on its FFN rank. So an FFN rank replays only when all its peers replay: an eager attention
-#    step (prefill, chunked prefill, a size above the largest capture) makes its FFN rank eager
-#    even when a graph with the same key exists.
+#    otherwise the whole group captures together: every rank of it runs a capture's two passes
+#    (the warm run, then the step), a rank whose key is held already over the graph it holds
+#    (an FFN rank when a member captures its other kind). An eager group runs "eager" on every
+#    member and on its FFN rank. So an FFN rank replays only when all its peers replay: an eager
+#    attention step (prefill, chunked prefill, a size above the largest capture) makes its FFN
+#    rank eager even when a graph with the same key exists.
 # Every peer sends exactly `tile_rows[u]` rows per layer in ubatch u and its FFN rank receives
 # `len(peers) * tile_rows[u]`; pad rows carry zero hidden states and token id -1.
 #
@@ -180,7 +202,8 @@ def _plan_group(
     group_rows = (
         tuple(max(receive[f][u] for f in ffn_ranks) for u in range(ubatches)) if expert else ()
     )
-    keys = _keys(members, peers, rows, tile, group_rows if expert else None)
+    kinds = {rank: _kind(reports[rank]) for rank in members}
+    keys = _keys(members, peers, rows, tile, group_rows if expert else None, kinds)
     mode = _mode(size, keys, table)
 
     member_plans = [
@@ -260,15 +283,23 @@ def _rows_and_tile(
     return rows, tile
 
 
+def _kind(report: RankStep) -> str:
+    """Rule 5: the kind of attention graph a member's step needs."""
+    return "decode" if report.uniform_decode or report.num_tokens == 0 else "mixed"
+
+
 def _keys(
     members: tuple[int, ...],
     peers: dict[int, tuple[int, ...]],
     rows: dict[int, tuple[int, ...]],
     tile: tuple[int, ...],
     group_rows: tuple[int, ...] | None,
+    kinds: dict[int, str],
 ) -> dict[int, GraphKey]:
     """Rules 5 and 8: each rank's graph key; `group_rows` only in an expert-parallel group."""
-    keys: dict[int, GraphKey] = {rank: ("attention", rank, rows[rank], tile) for rank in members}
+    keys: dict[int, GraphKey] = {
+        rank: ("attention", rank, rows[rank], tile, kinds[rank]) for rank in members
+    }
     for f, its_peers in peers.items():
         keys[f] = ("ffn", f, tuple(rows[rank] for rank in its_peers), tile)
         if group_rows is not None:

@@ -13,8 +13,13 @@ RunMode = Literal["idle", "eager", "capture", "replay"]
 RUN_MODES = ("idle", "eager", "capture", "replay")
 GRAPH_MODES = ("none", "full_decode_only", "full")
 MAX_UBATCHES = 4
+# The kinds of attention graph (plan.py, rule 5): "decode" when every segment is one decode (with
+# its drafts when speculating), launching the decode attention; "mixed" when prefill chunks may
+# sit beside decodes, launching the varlen path. `full` captures both, `full_decode_only` the first.
+GRAPH_KINDS = ("decode", "mixed")
 
-# ("attention" | "ffn", rank, ...nested tuples of ints); hashable, and JSON-able as nested lists.
+# ("attention" | "ffn", rank, ...nested tuples of ints[, kind]); hashable, and JSON-able as
+# nested lists.
 GraphKey = tuple
 
 
@@ -125,6 +130,11 @@ class AttentionRankPlan:
         if self.ffn_rank is not None and any(tile < rows for _, rows, tile in pairs):
             raise ValueError(f"rank {self.rank}: a tile is smaller than its ubatch: {self}")
         _check_mode_and_key(self.mode, self.key, self.rank)
+
+    @property
+    def graph_kind(self) -> str | None:
+        """The kind of graph the key names (`GRAPH_KINDS`, rule 5); None when idle."""
+        return None if self.key is None else self.key[4]
 
     def ffn_rows(self, ubatch: int) -> tuple[int, int]:
         """(first row, end row) of this rank's tile in its FFN rank's receive buffer of `ubatch`;

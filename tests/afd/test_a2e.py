@@ -17,7 +17,7 @@ from afdserve.afd.dataplane.wire import read_wire_log
 from afdserve.kernels.a2e import quantize_rows, scale_groups
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan, received
+from .wire_logs import assert_data_plane_matches_plan, received, warmup_steps
 
 FP8 = {"a2e_dtype": "fp8"}
 
@@ -74,7 +74,7 @@ def test_fp8_afd_equals_colocated_fp8(
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     records = llm.step_log()
     assert got == colocated_tokens(model, prompts, max_num_batched_tokens=16, **FP8)
-    warmup = 4 if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, [1, 2, 4, 8])
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     _assert_scales_region(tmp_path, records, hidden)

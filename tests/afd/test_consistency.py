@@ -9,7 +9,7 @@ import pytest
 from afdserve import LLM
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan
+from .wire_logs import assert_data_plane_matches_plan, warmup_steps
 
 CASES = [
     # topology, family, ubatches, budget, gate_on_attention
@@ -142,7 +142,7 @@ def test_in_process_1a1f_matches_colocated(afd_models, tmp_path, ubatches, gate,
     modes = {(r["role"], r["mode"]) for r in records}
     assert got == want
     # What the in-process FFN half ran: every tile, with the planned real rows.
-    warmup = 4 if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, [1, 2, 4, 8])
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     assert {role for role, _ in modes} == {"attention", "ffn"}
     if graph_mode != "none":

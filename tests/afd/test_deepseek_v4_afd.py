@@ -18,7 +18,7 @@ from afdserve.model.families import load_model_config
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan, collectives
+from .wire_logs import assert_data_plane_matches_plan, collectives, warmup_steps
 
 CSA, HCA, SLIDING = (
     "compressed_sparse_attention",
@@ -101,7 +101,7 @@ def test_v4_afd_matches_colocated(
             len({r["real_rows"] for r in rs}) > 1 and max(r["real_rows"] for r in rs) >= 8
             for rs in by_step.values()
         )
-    warmup = len(GRAPH_SIZES) if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, GRAPH_SIZES)
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     # What crossed: rows of width hidden_size, never the hc_mult streams.
     config = load_model_config(model)

@@ -13,7 +13,7 @@ from afdserve import LLM
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan, collectives
+from .wire_logs import assert_data_plane_matches_plan, collectives, warmup_steps
 
 SLOW = pytest.mark.slow
 CASES = [
@@ -59,7 +59,7 @@ def test_dsa_afd_matches_colocated(
     records = llm.step_log()
     assert got == colocated_tokens(model, prompts)
     assert any(r["real_rows"] == budget for r in records if r["role"] == "attention")
-    warmup = len(GRAPH_SIZES) if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, GRAPH_SIZES)
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     if expert_parallel:
         assert collectives(tmp_path)

@@ -19,7 +19,7 @@ from afdserve.cli import build_parser, llm_kwargs
 from afdserve.config import AFDConfig
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan, collectives
+from .wire_logs import assert_data_plane_matches_plan, collectives, warmup_steps
 
 CASES = [
     # topology, family, ubatches, gate_on_attention, graph mode, placement (None: contiguous)
@@ -104,7 +104,7 @@ def test_expert_parallel_matches_colocated(
     }
     assert len(replicated) == 1  # 0 when the router sits on the attention side, no dense layer
 
-    warmup = 4 if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, [1, 2, 4, 8])
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0
     assert _assert_group_collectives(tmp_path, records, topo) > 0
     ffn_records = [r for r in records if r["role"] == "ffn"]

@@ -10,7 +10,7 @@ from afdserve import LLM
 from afdserve.afd.dataplane.wire import mirror_errors
 
 from .conftest import GREEDY, colocated_tokens, mixed_prompts
-from .wire_logs import assert_data_plane_matches_plan
+from .wire_logs import assert_data_plane_matches_plan, warmup_steps
 
 
 def _batch(rank, step, ops):
@@ -73,5 +73,5 @@ def test_data_plane_contract(afd_models, tmp_path, topology, family, ubatches, g
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     records = llm.step_log()  # after shutdown: every rank has written its last step
     assert got == colocated_tokens(model, prompts)
-    warmup = 4 if graph_mode != "none" else 0
+    warmup = warmup_steps(graph_mode, [1, 2, 4, 8])
     assert assert_data_plane_matches_plan(tmp_path, records, warmup) > 0

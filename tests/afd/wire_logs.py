@@ -6,6 +6,15 @@ import json
 from pathlib import Path
 
 from afdserve.afd.dataplane.wire import mirror_errors, read_wire_log
+from afdserve.layout.plan import GraphTable, warmup_reports
+from afdserve.layout.topology import Topology
+
+
+def warmup_steps(graph_mode: str, sizes: list[int]) -> int:
+    """The steps of the lockstep warm-up (`full` captures two kinds of graph of every size);
+    graph mode none has no capture sizes (GraphConfig.capture_sizes)."""
+    sizes = tuple(sizes) if graph_mode != "none" else ()
+    return len(warmup_reports(GraphTable(graph_mode, sizes), Topology(1, 0)))
 
 
 def received(log_dir: Path) -> list[dict]:

@@ -3,7 +3,8 @@ held to the torch path in tests/gpu/test_v4_fused*.py; the clamped bf16 experts 
 colocated engine and in-process 1A1F (the attention half keeping the mHC streams, the FFN half
 behind an InProcessConnector) give the same greedy tokens, float32 ones equal to the CPU engine's,
 over a batch with chunked prefill beside decodes; full_decode_only captures the batched decode
-path and gives graph_mode none's tokens, and so does `full`, which captures the mixed steps."""
+path and gives graph_mode none's tokens, and so does `full`, which captures the mixed steps
+beside the decode ones."""
 
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def test_full_graphs_of_mixed_steps_give_the_eager_tokens(v4_dirs, dtype, topolo
     # More rows than sequences: a prefill chunk in the replayed step.
     assert any(r["mode"] == "replay" and r["real_rows"] > len(PROMPTS) for r in records)
     assert any(r["mode"] == "replay" and r["padded_rows"] > r["real_rows"] for r in records)
+    # Decode-only steps replay the decode graphs (the fused decode compressor), the others the
+    # mixed ones (layout/plan.py, rule 5).
+    assert {r["key"][4] for r in records if r["mode"] == "replay"} == {"decode", "mixed"}
     if dtype == "float32":
         assert got == want
     else:

@@ -1,5 +1,6 @@
 """CUDA graphs on the GPU: graph replay gives the eager engine's tokens (bf16: up to reported
-near-ties), colocated and in-process 1A1F, and every captured size replays."""
+near-ties), colocated and in-process 1A1F, every captured size replays, and `full` replays a
+decode step's graph apart from a mixed step's."""
 
 from __future__ import annotations
 
@@ -135,6 +136,63 @@ def test_ubatch_graphs_equal_eager(bf16_model, bf16_mla_model, family, ubatches,
     if mode == "full":  # 12 prompts decode at most 12 rows: more means a prefill chunk
         assert any(r["real_rows"] > len(prompts) for r in replays), records[:5]
     print(f"{family} ubatches={ubatches} {mode}: {len(gaps)} near-tie divergences, gaps {gaps}")
+
+
+def _note_steps(llm: LLM) -> list[bool]:
+    """Whether each scheduled step was a uniform decode, as the real scheduler gave it."""
+    scheduler = llm.engine.core_client.core.scheduler
+    schedule, uniform = scheduler.schedule, []
+
+    def noted():
+        out = schedule()
+        if out.scheduled:
+            uniform.append(out.uniform_decode)
+        return out
+
+    scheduler.schedule = noted
+    return uniform
+
+
+@pytest.mark.parametrize("topology", ["colocated", "1A1F"])
+def test_full_replays_the_decode_graph_for_decode_steps(bf16_model, topology, caplog):
+    """Under full a decode-only step replays the decode graph of its size (the graph
+    full_decode_only captures: decode attention) and a step with prefill chunks the mixed graph;
+    both kinds of every size are captured at warm-up, which logs them; tokens equal eager."""
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_blocks=512
+    )
+    with LLM(str(bf16_model), **common) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        with (
+            caplog.at_level("INFO", logger="afdserve.engine.step_loop"),
+            LLM(
+                str(bf16_model),
+                topology=topology,
+                connector="inprocess" if topology == "1A1F" else "auto",
+                graph_mode="full",
+                cuda_graph_sizes=SIZES,
+                max_num_batched_tokens=16,
+                log_step_plan=True,
+                **common,
+            ) as graphs,
+        ):
+            runner = graphs.engine.core_client.driver.forward.graphs
+            held = {(key[2][0], key[4]) for key in runner.graphs}
+            uniform = _note_steps(graphs)
+            got = [o.token_ids for o in graphs.generate(prompts, params)]
+            records = [r for r in graphs.step_log() if r["role"] == "attention"]
+            assert not runner.eager_keys
+        gaps = _check(eager, prompts, got, want)
+    assert held == {(size, kind) for size in SIZES for kind in ("decode", "mixed")}
+    assert f"decode {len(SIZES)} (" in caplog.text and f"mixed {len(SIZES)} (" in caplog.text
+    steps = list(zip(uniform, records[-len(uniform) :], strict=True))
+    assert all(r["mode"] == "replay" for _, r in steps), steps
+    assert all(r["key"][4] == ("decode" if u else "mixed") for u, r in steps), steps
+    assert {u for u, _ in steps} == {True, False}
+    captured = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    print(f"{topology} full: {len(gaps)} near-tie divergences, gaps {gaps}; {captured}")
 
 
 def test_every_captured_size_replays(bf16_model):

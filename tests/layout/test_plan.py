@@ -32,12 +32,13 @@ def decode(n: int) -> RankStep:
 def warmed_table(
     topology: Topology, mode: str, sizes: tuple[int, ...], warm: tuple[int, ...], ubatches: int = 1
 ) -> GraphTable:
-    """The table after a warm-up that ran capture steps for the sizes in `warm`."""
+    """The table after a warm-up that ran capture steps for the sizes in `warm`, of every kind
+    the mode captures (as `warmup_reports` does)."""
     table = GraphTable(mode, sizes)
-    for size in warm:
-        table = table.with_captured(
-            plan_step(capture_reports(size, topology), topology, table, ubatches).capture_keys
-        )
+    kinds = ("mixed", "decode") if mode == "full" else ("decode",)
+    for size, kind in itertools.product(warm, kinds):
+        reports = capture_reports(size, topology, kind)
+        table = table.with_captured(plan_step(reports, topology, table, ubatches).capture_keys)
     return table
 
 
@@ -396,7 +397,7 @@ def test_graph_padding_keeps_real_rows_in_front() -> None:
     (rank,) = plan.attention
     assert (rank.padded_rows, rank.ubatch_rows, rank.ubatch_real_rows) == (8, (4, 4), (4, 1))
     assert (rank.tile_rows, rank.ffn_rank, rank.mode) == ((0, 0), None, "capture")
-    assert rank.key == ("attention", 0, (4, 4), (0, 0))
+    assert rank.key == ("attention", 0, (4, 4), (0, 0), "mixed")
     assert plan.ffn == ()
 
 

@@ -27,6 +27,7 @@ from afdserve.afd.dataplane.payload import (
 )
 from afdserve.afd.dataplane.wire import P2P, Wire
 from afdserve.engine.cuda_graphs import capture_graph, check_replayable
+from afdserve.engine.graph_tally import CaptureTally
 from afdserve.kernels.a2e import A2EFormat, scale_groups
 from afdserve.layout.plan import FFNRankPlan
 from afdserve.model.parts import CausalLM
@@ -299,6 +300,7 @@ class FFNStepRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
+        self.tally = CaptureTally()
 
     def run(self, plan: FFNRankPlan, step: int) -> None:
         if plan.mode == "idle":
@@ -311,19 +313,31 @@ class FFNStepRunner:
                 self.exchange.run(draft, step, self.exchange.draft_layers)
 
     def _main(self, plan: FFNRankPlan, step: int) -> None:
-        if plan.mode == "eager" or not self.use_graphs or plan.key in self.eager_keys:
+        if plan.mode == "eager" or not self.use_graphs:
             self.exchange.run(plan, step)
             return
-        check_replayable(plan.rank, plan.mode, plan.key, self.graphs)
-        if plan.mode == "capture" and not self._capture(plan, step):
-            # The warm run has exchanged once; the step's own exchange runs now, eagerly, as
-            # the replay would have (the attention side sees the same sends and receives).
-            self.eager_keys.add(plan.key)
+        key = plan.key
+        if plan.mode == "capture":
+            # A capture exchanges twice, as its peers do: the warm run, then the step.
+            if key in self.graphs or key in self.eager_keys:
+                # Held already: the key has no kind (layout/plan.py, rule 5), so a peer that
+                # captures its other kind of graph finds this rank's graph of the layout made.
+                self.exchange.run(plan, step)
+            elif not self._capture(plan, step):
+                # The warm run has exchanged once; the step's own exchange runs below, eagerly,
+                # as the replay would have (the attention side sees the same sends and receives).
+                self.eager_keys.add(key)
+        if key in self.eager_keys:
             self.exchange.run(plan, step)
             return
-        self.graphs[plan.key].replay()
+        check_replayable(plan.rank, plan.mode, key, self.graphs)
+        self.graphs[key].replay()
 
     def _capture(self, plan: FFNRankPlan, step: int) -> bool:
+        with self.tally.capturing("ffn"):
+            return self._warm_and_capture(plan, step)
+
+    def _warm_and_capture(self, plan: FFNRankPlan, step: int) -> bool:
         self.exchange.run(plan, step)  # warm-up; the attention side warms up alike
         what = f"FFN rank {plan.rank}'s {plan.key}"
         captured = capture_graph(lambda: self.exchange.run(plan, step), self.pool, what)

@@ -160,7 +160,6 @@ def graph_runner(
         runner,
         max(graphs.sizes),
         max_model_len,
-        allow_prefill=graphs.mode == "full",
         ubatches=graphs.ubatches,
         decode_query_len=graphs.decode_query_len,
     )

@@ -7,7 +7,7 @@ import time
 
 from afdserve.afd.dataplane.ffn import FFNStepRunner
 from afdserve.engine.control_round import Control
-from afdserve.engine.step_loop import StepMeter, StepResult
+from afdserve.engine.step_loop import StepMeter, StepResult, log_captures
 from afdserve.engine.step_recorder import StepRecorder
 from afdserve.layout.plan import RankStep, warmup_reports
 from afdserve.layout.topology import Topology
@@ -27,9 +27,11 @@ class FFNDriver:
         self.meter = StepMeter()
 
     def warmup(self) -> None:
+        start = time.perf_counter()
         for reports in warmup_reports(self.recorder.table, self.topology):
             self._run(reports)
         self.meter = StepMeter()
+        log_captures(self.rank, start, self.runner.tally.line())
 
     def step(self) -> StepResult:
         round_ = self.control.exchange(None)
