@@ -13,6 +13,9 @@ RunMode = Literal["idle", "eager", "capture", "replay"]
 RUN_MODES = ("idle", "eager", "capture", "replay")
 GRAPH_MODES = ("none", "full_decode_only", "full")
 MAX_UBATCHES = 4
+# The kinds of draft pass whose keys differ (plan.py, rule 10): pass 0 reads the main model's
+# rows, a chained pass the draft layer's own previous output.
+DRAFT_TAGS = ("draft:first", "draft:chain")
 
 # ("attention" | "ffn", rank, ...nested tuples of ints); hashable, and JSON-able as nested lists.
 GraphKey = tuple
@@ -212,7 +215,14 @@ def _record(
         "peers": peers,
         "mode": plan.mode,
         "key": _jsonable(plan.key),
-        **({"draft_tiles": [list(d.tile_rows) for d in plan.drafts]} if plan.drafts else {}),
+        **(
+            {
+                "draft_tiles": [list(d.tile_rows) for d in plan.drafts],
+                "draft_modes": [d.mode for d in plan.drafts],
+            }
+            if plan.drafts
+            else {}
+        ),
     }
 
 
@@ -255,8 +265,10 @@ class StepPlan:
 
     @property
     def capture_keys(self) -> frozenset[GraphKey]:
-        """Keys captured by this step; feed them to `GraphTable.with_captured` afterwards."""
+        """Keys captured by this step, its draft passes' included; feed them to
+        `GraphTable.with_captured` afterwards."""
         plans: tuple[AttentionRankPlan | FFNRankPlan, ...] = self.attention + self.ffn
+        plans += tuple(draft for plan in plans for draft in plan.drafts)
         return frozenset(plan.key for plan in plans if plan.mode == "capture")
 
     def log_records(self, step: int) -> list[dict[str, Any]]:
