@@ -5,8 +5,9 @@ the speedup those times give at a given acceptance rate (`bench decode --num-spe
 The arithmetic is the usual one for k drafts each accepted with probability `a`, independently
 and in order: a step yields 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on average, and
 costs `verify_ms / plain_ms` plain steps, so speculation yields that many tokens per plain step's
-time. The drafts' own cost is left out: n-gram lookup runs on the CPU between steps, and an MTP
-draft is one decoder layer a draft token, about 1 / num_layers of a step each.
+time. The drafts' own cost is left out where they were not run: n-gram lookup runs on the CPU
+between steps, and an MTP draft is one decoder layer a draft token, about 1 / num_layers of a
+step each; on a model with MTP layers the timed step runs its draft passes (`mtp_timed`).
 """
 
 from __future__ import annotations
