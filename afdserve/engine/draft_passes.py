@@ -70,6 +70,16 @@ class DraftPasses:
         self.settings, self.graphs, self.eager_keys, self.pool = settings, {}, set(), None
         if settings is None:
             return
+        if self.cache.has_window_pool or self.cache.num_slots:
+            # The buffers carry positions, KV slots and segments only (no window view, no
+            # sequence slots). Off CUDA an eager pass pairs with the FFN side's either way.
+            if settings.capture:
+                raise ValueError(
+                    "CUDA graphs of MTP draft passes cover a paged draft cache only; this "
+                    "draft's keeps a windowed pool or sequence slots: use graph_mode='none'"
+                )
+            self.settings = None
+            return
         dev, rows = self.device, settings.max_rows
         width = -(-settings.max_model_len // self.cache.block_size)
         # A chained draft's row may lie past max_model_len, in a block the sequence holds.
