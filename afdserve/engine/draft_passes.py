@@ -139,6 +139,8 @@ class DraftPasses:
                 f"a draft pass of {rows} rows exceeds the buffers ({settings.max_rows})"
             )
         real = 0 if inputs is None else int(inputs.ids.shape[0])
+        if real > rows:
+            raise GraphCaptureError(f"a draft pass of {real} rows exceeds its plan's {rows}")
         segments = () if inputs is None else inputs.meta.segments
         if not settings.capture or key in self.eager_keys:
             self._load(inputs, rows)
