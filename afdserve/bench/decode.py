@@ -11,7 +11,9 @@ scales, and with `--kv-cache-dtype fp8` the cache one byte per element (bench/by
 
 `--num-speculative-tokens k` also times, at each batch, the verification step of speculative
 decoding (1 + k rows a sequence, bench/decode_steps.py) beside the plain step, and gives the
-speedup those step times make at a few acceptance rates (bench/speculation.py).
+speedup those step times make at a few acceptance rates (bench/speculation.py). On a model with
+MTP layers (DeepSeek-V3's) the verification step includes its k MTP draft passes
+(bench/decode_drafts.py), captured in CUDA graphs under a graph mode as the engine's are.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.bench.bytes import step_kv_bytes as step_kv_bytes  # the benches' names, here too
 from afdserve.bench.decode_dp import DataParallelResult, format_dp_table, run_dp_decode_bench
 from afdserve.bench.decode_p2p import run_p2p_decode_bench
-from afdserve.bench.decode_steps import DecodeResult, bench_batch, build_halves
+from afdserve.bench.decode_steps import DecodeResult, bench_batch, build_drafts, build_halves
 from afdserve.bench.decode_steps import DecodeSteps as DecodeSteps
 from afdserve.bench.flags import (
     BENCH_CONNECTORS,
@@ -201,11 +203,14 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
     dev = torch.device(spec.device)
     copy_gbps = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
     attn, ffn = build_halves(spec, raw)
+    # A model with MTP layers runs them: each verification step's k draft passes are timed in
+    # it, under the spec's graph mode like the step.
+    drafts = build_drafts(spec, raw, attn, ffn)
     plain, verify = [], []
     query_len = 1 + spec.num_speculative_tokens
     for batch in spec.batch_sizes:
         plain.append(bench_batch(attn, ffn, spec, batch, copy_gbps))
-        step = bench_batch(attn, ffn, spec, batch, copy_gbps, query_len=query_len)
+        step = bench_batch(attn, ffn, spec, batch, copy_gbps, query_len=query_len, drafts=drafts)
         verify.append(
             VerifyResult(
                 batch,
@@ -213,6 +218,7 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
                 plain[-1].step_ms,
                 step.step_ms,
                 int(layers["num_hidden_layers"]),
+                drafts is not None,
             )
         )
     return plain, verify

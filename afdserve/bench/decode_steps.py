@@ -20,6 +20,7 @@ import torch
 
 from afdserve.afd.ranks.build import StepGraphs, attention_boundary, attention_driver
 from afdserve.bench.bytes import step_weight_bytes, timed_kv_bytes, touched_experts
+from afdserve.bench.decode_drafts import DraftSteps
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.engine.control_round import LocalControl
 from afdserve.engine.cuda_graphs import PlannedForward, check_capturable
@@ -30,10 +31,11 @@ from afdserve.engine.kv_cache import (
     make_kv_cache,
     slots_for,
 )
-from afdserve.engine.model_runner import FFNBoundary, ModelRunner, StepInputs
+from afdserve.engine.model_runner import FFNBoundary, LocalFFN, ModelRunner, StepInputs
 from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import RankStep
 from afdserve.layout.topology import Topology
+from afdserve.model.checkpoint.draft import config_refusal, load_draft, random_draft
 from afdserve.model.checkpoint.loader import (
     TORCH_DTYPES,
     all_tensor_names,
@@ -43,7 +45,7 @@ from afdserve.model.checkpoint.loader import (
 )
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import cache_layout, parse_model_config
-from afdserve.model.parts import CausalLM, ModelParts
+from afdserve.model.parts import CausalLM, ModelParts, MTPDraft
 from afdserve.model.quantization import resolve_quantization
 
 
@@ -120,6 +122,24 @@ def build_half(spec: DecodeSpec, raw: dict, parts: ModelParts, device: torch.dev
     return model
 
 
+def build_drafts(
+    spec: DecodeSpec, raw: dict, attn: CausalLM, ffn: CausalLM
+) -> tuple[MTPDraft, MTPDraft] | None:
+    """The MTP layer beside each half (the same one colocated), with weights drawn from the
+    spec's seed or read from its checkpoint; None where the model has none afdserve builds."""
+    if config_refusal(raw, attn.config.family) is not None:
+        return None
+    device = next(attn.parameters()).device
+
+    def one(main: CausalLM) -> MTPDraft:
+        if spec.random_weights:
+            return random_draft(main, raw, spec.seed, device)
+        return load_draft(spec.model_dir, main, "auto", spec.seed, device)
+
+    draft = one(attn)
+    return draft, draft if ffn is attn else one(ffn)
+
+
 def build_halves(spec: DecodeSpec, raw: dict) -> tuple[CausalLM, CausalLM]:
     """(attention half, FFN half) on the spec's device; colocated, both are the one model."""
     device = torch.device(spec.device)
@@ -147,7 +167,9 @@ class DecodeSteps:
     `query_len` above 1 makes each step a speculative verification step: every sequence
     computes that many rows (its last token and query_len - 1 drafts) and every row's logits are
     taken, as the engine's verification does; the sequences then advance by one position (all
-    drafts rejected, as random weights make them), so the context grows as in plain decode."""
+    drafts rejected, as random weights make them), so the context grows as in plain decode.
+    `drafts`: the MTP layer's (attention half, FFN half), whose k = query_len - 1 draft passes
+    then follow each step inside its timed span (bench/decode_drafts.py)."""
 
     def __init__(
         self,
@@ -157,6 +179,7 @@ class DecodeSteps:
         batch: int,
         boundary: FFNBoundary | None = None,
         query_len: int = 1,
+        drafts: tuple[MTPDraft, MTPDraft] | None = None,
     ) -> None:
         config, dev = model.config, next(model.parameters()).device
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
@@ -196,11 +219,28 @@ class DecodeSteps:
         topology = Topology(1, 0 if spec.topology == "colocated" else 1)
         if boundary is None:
             boundary = attention_boundary(
-                model, topology, 0, False, ffn_model=ffn, a2e_dtype=spec.a2e_dtype
+                model,
+                topology,
+                0,
+                False,
+                ffn_model=ffn,
+                a2e_dtype=spec.a2e_dtype,
+                config=drafts[0].config if drafts else None,
+                ffn_draft=drafts[1] if drafts and not topology.colocated else None,
             )
-        # The step's rows are the one graph size; verification steps launch their attention
-        # for query_len rows a sequence, as the engine's decode graphs with drafts do.
-        graphs = StepGraphs(spec.graph_mode, (rows,), spec.ubatches, query_len)
+        # The step's rows are a graph size; verification steps launch their attention for
+        # query_len rows a sequence, as the engine's decode graphs with drafts do. Draft passes
+        # pad to the step's rows (pass 0) and to the batch (chained passes).
+        sizes = tuple(sorted({batch, rows})) if drafts else (rows,)
+        passes = query_len - 1 if drafts else 0
+        graphs = StepGraphs(spec.graph_mode, sizes, spec.ubatches, query_len, passes)
+        self.drafts = None
+        if drafts:
+            local = LocalFFN(drafts[0], boundary.a2e) if topology.colocated else boundary
+            settings = graphs.draft_settings(dev, last)
+            self.drafts = DraftSteps(
+                drafts[0], model, local, self.tables, bs, query_len, kv_dtype, settings, gen
+            )
         self.eager = PlannedForward(self.runner, boundary)
         self.driver = attention_driver(
             self,
@@ -240,6 +280,8 @@ class DecodeSteps:
         blocks = self.tables[self.row_seq, self.positions // bs].long()
         self.slots.copy_(blocks * bs + self.positions % bs)
         self.context_lens.fill_(position + self.query_len)
+        if self.drafts is not None:
+            self.drafts.advance(position)
 
     # ----- the attention driver's work source: one fixed decode batch -----
     def schedule(self) -> tuple[None, RankStep]:
@@ -264,6 +306,8 @@ class DecodeSteps:
         hidden = forward(inputs, plan, step)
         next_ids = self.runner.logits(hidden, inputs).argmax(dim=-1)
         self.input_ids.copy_(next_ids)
+        if self.drafts is not None and plan.drafts:
+            self.drafts.run(plan, hidden, next_ids, step)
         if self.stamps is not None:
             self.stamps.mark()
         seconds = timer.stop()
@@ -276,14 +320,18 @@ class DecodeSteps:
         if not eager:
             outputs = self.driver.step().outputs
             graphs = self.driver.forward.graphs
-            if graphs is not None and graphs.eager_keys:  # a figure of graphs, or none at all
+            failed = set(graphs.eager_keys) if graphs is not None else set()
+            failed |= self.drafts.passes.eager_keys if self.drafts is not None else set()
+            if failed:  # a figure of graphs, or none at all
                 raise RuntimeError(
-                    f"bench: capturing the graph of {sorted(graphs.eager_keys)} failed (the "
-                    "warning above says why), so the step would be timed eagerly"
+                    f"bench: capturing the graph of {sorted(failed)} failed (the warning "
+                    "above says why), so the step would be timed eagerly"
                 )
             return outputs
         recorder = self.driver.recorder
         plan = recorder.plan([self.schedule()[1]], self.driver.topology).attention[0]
+        # Without its draft passes, whose plan may name graphs this step must not capture.
+        plan = dataclasses.replace(plan, drafts=())
         return self.execute(None, plan, self.eager, recorder.step)
 
 
@@ -321,12 +369,13 @@ def bench_batch(
     copy_gbps: float | None,
     ready: Callable[[], None] | None = None,
     query_len: int = 1,
+    drafts: tuple[MTPDraft, MTPDraft] | None = None,
 ) -> DecodeResult:
     """Warm up, then time `spec.steps` decode steps of a batch of `batch` (their median).
     `ready` runs between the two: -dp's replicas wait there for each other, so that their timed
     steps run at the same time (bench/decode_dp.py). `query_len` > 1: verification steps of
-    that many rows a sequence (DecodeSteps)."""
-    steps = DecodeSteps(attn, ffn, spec, batch, query_len=query_len)
+    that many rows a sequence, followed by `drafts`' passes where given (DecodeSteps)."""
+    steps = DecodeSteps(attn, ffn, spec, batch, query_len=query_len, drafts=drafts)
     hit = touched_experts(steps, ffn)
     for _ in range(WARMUP_STEPS - 1):  # the first of these captures the graph, if any
         steps.step()

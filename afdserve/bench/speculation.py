@@ -5,8 +5,9 @@ the speedup those times give at a given acceptance rate (`bench decode --num-spe
 The arithmetic is the usual one for k drafts each accepted with probability `a`, independently
 and in order: a step yields 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on average, and
 costs `verify_ms / plain_ms` plain steps, so speculation yields that many tokens per plain step's
-time. The drafts' own cost is left out: n-gram lookup runs on the CPU between steps, and an MTP
-draft is one decoder layer a draft token, about 1 / num_layers of a step each.
+time. The drafts' own cost is left out where they were not run: n-gram lookup runs on the CPU
+between steps, and an MTP draft is one decoder layer a draft token, about 1 / num_layers of a
+step each; on a model with MTP layers the timed step runs its draft passes (`mtp_timed`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class VerifyResult:
     # Of the whole target model (a preset's published count, whatever layers were timed): an MTP
     # draft layer costs about 1 / num_layers of a step.
     num_layers: int
+    # The model's k MTP draft passes ran inside each timed verification step (so verify_ms
+    # holds their cost, and no estimate is added for them).
+    mtp_timed: bool = False
 
     @property
     def cost(self) -> float:
@@ -101,8 +105,9 @@ class VerifyResult:
 
     @property
     def mtp_cost(self) -> float:
-        """k MTP layers, at about one decoder layer's share of a plain step each."""
-        return self.k / self.num_layers
+        """k MTP layers, at about one decoder layer's share of a plain step each (0 where the
+        step timed them)."""
+        return 0.0 if self.mtp_timed else self.k / self.num_layers
 
     def as_dict(self) -> dict:
         return {
@@ -125,7 +130,13 @@ def format_verify_table(results: list[VerifyResult]) -> str:
         lines.append(
             f"{r.batch:5d}  {r.k}  {r.plain_ms:8.2f}  {r.verify_ms:9.2f}  {r.cost:11.2f}x{speedups}"
         )
-    if results:
+    if results and results[0].mtp_timed:
+        lines.append(
+            "verify_ms includes the model's k MTP draft passes (same graph mode); x@a: "
+            "speedup at acceptance rate a = (1 - a^(k+1)) / (1 - a) tokens a step over "
+            "verify/plain, the drafts' cost included (+MTP adds nothing more)"
+        )
+    elif results:
         lines.append(
             "x@a: speedup at acceptance rate a = (1 - a^(k+1)) / (1 - a) tokens a step over "
             "verify/plain, the draft's cost left out; +MTP: with k MTP layers at "

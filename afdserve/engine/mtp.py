@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.engine.draft_passes import DraftPasses, PassInputs
 from afdserve.engine.model_runner import FFNBoundary, LocalFFN
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
@@ -45,9 +46,11 @@ class Written:
 
 class MTPProposer:
     """Runs `draft` after each step; its KV mirrors the main cache's blocks one for one. Each
-    pass of the layer is a planned step of one ubatch (`AttentionRankPlan.drafts`, rule 9 of
-    layout/plan.py): under AFD its MoE rows cross the rank's boundary to the FFN ranks as layer
-    N's, padded to the plan's tile, and a pass without real rows still sends its pad tile."""
+    pass of the layer is a planned step of one ubatch (`AttentionRankPlan.drafts`, rules 9 and
+    10 of layout/plan.py), run by `passes` (engine/draft_passes.py: eagerly, or from static
+    buffers as a CUDA graph of the plan's key): under AFD its MoE rows cross the rank's boundary
+    to the FFN ranks as layer N's, padded to the plan's tile, and a pass without real rows still
+    sends its pad tile."""
 
     def __init__(
         self, draft: MTPDraft, main: CausalLM, kv_cache: PagedCache, device: torch.device, k: int
@@ -61,6 +64,7 @@ class MTPProposer:
         )
         self.batched = device.type == "cuda" or layout.batched_segments
         self.local: LocalFFN | None = None
+        self.passes = DraftPasses(draft, main, self.cache, device)
 
     def boundary(self, main: FFNBoundary) -> FFNBoundary:
         """Where the layer's MoE runs: the draft's own FFN half where the rank holds one
@@ -108,8 +112,7 @@ class MTPProposer:
             row += entry.num_new_tokens
         ids = torch.tensor(next_ids, dtype=torch.int64).to(self.device)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        first = lambda positions: self.draft.first_input(hidden[index], ids, positions)  # noqa: E731
-        written.g = self._pass(written, 0, first, ids, written.spans)
+        written.g = self._pass(written, 0, hidden[index], ids, written.spans)
         return written
 
     @torch.inference_mode()
@@ -142,8 +145,7 @@ class MTPProposer:
                 g = g[torch.tensor(keep, device=self.device)]
             ids = torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64).to(self.device)
             spans = [(seqs[i], seqs[i].num_computed_tokens + j - 1, 1) for i in live]
-            chain = lambda positions, g=g, ids=ids: self.draft.chain_input(g, ids, positions)  # noqa: E731
-            g = self._pass(written, j, chain, ids, spans)
+            g = self._pass(written, j, g, ids, spans)
             if g is not None:
                 tokens = self.draft.logits(g).argmax(dim=-1).tolist()
                 for i, token in zip(live, tokens, strict=True):
@@ -152,33 +154,20 @@ class MTPProposer:
             seq.mtp_drafts = (seq.num_computed_tokens, tuple(tokens))
 
     def _pass(
-        self, written: Written, j: int, make_h, ids: torch.Tensor, spans: Spans
+        self, written: Written, j: int, rows: torch.Tensor | None, ids: torch.Tensor, spans: Spans
     ) -> torch.Tensor | None:
-        """Draft pass j under its plan: the layer over `spans`' rows, h' = make_h(positions)
-        [rows, hidden], ids [rows] the tokens that travel with them; its output g, or None
-        without rows (a pad tile still travels where the plan gives one)."""
-        plan, boundary, layer = written.passes[j], written.boundary, self.index
-        boundary.begin_step(plan, written.step)
-        if not spans:
-            if plan.mode != "idle" and any(plan.tile_rows):
-                # One pad row (zeros, token id -1), as the main step's pad rows travel: no
-                # kernel meets an empty batch, and the FFN ranks see a pad row like any other.
-                hidden = self.draft.config.hidden_size
-                x = torch.zeros(1, hidden, dtype=self.draft.dtype, device=self.device)
-                ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
-                routing = self.draft.route_on_attention(layer, x, ids, boundary.a2e.roundtrip)
-                boundary.post(layer, 0, x, ids, routing).wait()
-            return None
-        meta = self._metadata(spans)
-        h = make_h(meta.positions)
-        cos_sin = self.main.cos_sin(meta.positions)
-        x, h = self.draft.attention_half(h, meta, self.cache.layers[0], cos_sin)
-        routing = self.draft.route_on_attention(layer, x, ids, boundary.a2e.roundtrip)
-        return self.draft.add_ffn_output(h, boundary.post(layer, 0, x, ids, routing).wait())
+        """Draft pass j under its plan over `spans`' rows: `rows` [n, hidden] the main hidden
+        rows (j = 0) or the previous pass's output, `ids` [n] the tokens that travel with them;
+        its output g, or None without rows (a pad tile still travels where the plan gives one)."""
+        plan = written.passes[j]
+        written.boundary.begin_step(plan, written.step)
+        graphed = plan.mode in ("capture", "replay") and self.passes.settings is not None
+        inputs = PassInputs(rows, ids, self._metadata(spans, graphed)) if spans else None
+        return self.passes.run(plan, written.boundary, j == 0, inputs)
 
-    def _metadata(self, spans: Spans) -> AttentionMetadata:
+    def _metadata(self, spans: Spans, batched: bool = False) -> AttentionMetadata:
         """Each span's rows at positions [first, first + rows) of its sequence, writing their
-        KV into the MTP cache."""
+        KV into the MTP cache; `batched`: the device segments too (a graphed pass loads them)."""
         positions, slots, segments = [], [], []
         tables = [seq.block_table for seq, _, _ in spans]
         width = max(len(t) for t in tables)
@@ -198,5 +187,5 @@ class MTPProposer:
             positions=position_tensor,
             slot_mapping=slot_tensor,
             segments=segments,
-            batched=batch_segments(segments, self.device) if self.batched else None,
+            batched=batch_segments(segments, self.device) if self.batched or batched else None,
         )

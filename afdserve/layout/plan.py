@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from afdserve.layout.step import (
+    DRAFT_TAGS,
     GRAPH_KINDS,
     GRAPH_MODES,
     MAX_UBATCHES,
@@ -34,6 +35,7 @@ from afdserve.layout.step import (
 from afdserve.layout.topology import Topology
 
 __all__ = [
+    "DRAFT_TAGS",
     "GRAPH_KINDS",
     "GRAPH_MODES",
     "MAX_UBATCHES",
@@ -136,12 +138,18 @@ def warmup_reports(table: GraphTable, topology: Topology) -> list[tuple[RankStep
 # each attention rank runs the draft layer k times, over rows that depend on the tokens the step
 # samples, so their count is known only after the control round. The plan gives each pass the
 # rows that bound it instead:
-# 9. pass 0 covers the rows the step keeps (at most the report's num_tokens), pass j >= 1 one
-#    chained draft a request (at most its num_reqs). Each pass is planned by rules 1-8 as a step
-#    of its own over those reports, in one ubatch and without graphs (mode "eager", or "idle"
-#    with the group), and rides in every rank plan's `drafts`. A rank fills a pass's front rows
-#    with its real ones and pads the rest, as in any step; the FFN ranks run the draft layer
-#    over each pass like any layer, from their plan alone.
+# 9. pass 0 covers the rows the step keeps (at most the report's num_tokens, a decode's shape
+#    when the step is one: each request keeps at most its 1 + k rows), pass j >= 1 one chained
+#    draft a request (at most its num_reqs; a decode's shape always). Each pass is planned by
+#    rules 1-8 as a step of its own over those reports, in one ubatch, and rides in every rank
+#    plan's `drafts`. A rank fills a pass's front rows with its real ones and pads the rest, as
+#    in any step; the FFN ranks run the draft layer over each pass like any layer, from their
+#    plan alone.
+# 10. A draft pass's keys are the keys rule 5 gives its layout, tagged with the pass's kind
+#    (`DRAFT_TAGS`: pass 0 reads the main model's rows, a chained pass the draft's own output,
+#    so the attention side's graphs differ), never a main step's key. Passes are planned in
+#    order against the table and the keys the passes before them capture, so a second pass of
+#    a key captured in the same step replays it.
 
 
 def _real_per_ubatch(real: int, ubatch_rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -185,6 +193,7 @@ def _plan_group(
     table: GraphTable,
     ubatches: int,
     topology: Topology,
+    tag: str | None = None,
 ) -> tuple[list[AttentionRankPlan], list[FFNRankPlan]]:
     """Plans of one group: its member attention ranks and its FFN ranks."""
     group = [reports[rank] for rank in members]
@@ -203,7 +212,7 @@ def _plan_group(
         tuple(max(receive[f][u] for f in ffn_ranks) for u in range(ubatches)) if expert else ()
     )
     kinds = {rank: _kind(reports[rank]) for rank in members}
-    keys = _keys(members, peers, rows, tile, group_rows if expert else None, kinds)
+    keys = _keys(members, peers, rows, tile, group_rows if expert else None, kinds, tag)
     mode = _mode(size, keys, table)
 
     member_plans = [
@@ -295,8 +304,10 @@ def _keys(
     tile: tuple[int, ...],
     group_rows: tuple[int, ...] | None,
     kinds: dict[int, str],
+    tag: str | None = None,
 ) -> dict[int, GraphKey]:
-    """Rules 5 and 8: each rank's graph key; `group_rows` only in an expert-parallel group."""
+    """Rules 5, 8 and 10: each rank's graph key; `group_rows` only in an expert-parallel
+    group, `tag` only in a draft pass (after the kind)."""
     keys: dict[int, GraphKey] = {
         rank: ("attention", rank, rows[rank], tile, kinds[rank]) for rank in members
     }
@@ -304,6 +315,8 @@ def _keys(
         keys[f] = ("ffn", f, tuple(rows[rank] for rank in its_peers), tile)
         if group_rows is not None:
             keys[f] += (group_rows,)
+    if tag is not None:
+        keys = {rank: (*key, tag) for rank, key in keys.items()}
     return keys
 
 
@@ -317,12 +330,28 @@ def _mode(size: int | None, keys: dict[int, GraphKey], table: GraphTable) -> Run
 
 
 def _draft_reports(reports: tuple[RankStep, ...], draft: int) -> tuple[RankStep, ...]:
-    """Rule 9: the reports that bound draft pass `draft` (0: the kept rows; then one row a
-    request)."""
+    """Rule 9: the reports that bound draft pass `draft` (0: the kept rows, a decode's shape
+    when the step is one; then one row a request)."""
     return tuple(
-        RankStep(report.num_tokens if draft == 0 else report.num_reqs, report.num_reqs, False)
+        RankStep(report.num_tokens, report.num_reqs, report.uniform_decode)
+        if draft == 0
+        else RankStep(report.num_reqs, report.num_reqs, report.num_reqs > 0)
         for report in reports
     )
+
+
+def _draft_plans(
+    reports: tuple[RankStep, ...], topology: Topology, table: GraphTable, passes: int
+) -> list[StepPlan]:
+    """Rules 9 and 10: each pass planned against the table and the keys of the passes before
+    it."""
+    plans = []
+    for j in range(passes):
+        tag = DRAFT_TAGS[min(j, 1)]
+        plan = _plan_main(_draft_reports(reports, j), topology, table, 1, tag)
+        table = table.with_captured(plan.capture_keys)
+        plans.append(plan)
+    return plans
 
 
 def plan_step(
@@ -338,11 +367,7 @@ def plan_step(
     plan = _plan_main(reports, topology, graph_table, ubatches)
     if not draft_passes:
         return plan
-    eager = GraphTable()
-    passes = [
-        _plan_main(_draft_reports(tuple(reports), j), topology, eager, 1)
-        for j in range(draft_passes)
-    ]
+    passes = _draft_plans(tuple(reports), topology, graph_table, draft_passes)
     attention = tuple(
         dataclasses.replace(mine, drafts=tuple(p.attention[i] for p in passes))
         for i, mine in enumerate(plan.attention)
@@ -359,7 +384,9 @@ def _plan_main(
     topology: Topology,
     graph_table: GraphTable,
     ubatches: int,
+    tag: str | None = None,
 ) -> StepPlan:
+    """Rules 1-8 (`tag`: a draft pass's kind, rule 10)."""
     reports = tuple(reports)
     if len(reports) != topology.attention_ranks:
         raise ValueError(
@@ -380,7 +407,7 @@ def _plan_main(
     ffn: list[FFNRankPlan] = []
     for ffn_ranks, members in _groups(topology):
         member_plans, ffn_plans = _plan_group(
-            ffn_ranks, members, reports, graph_table, ubatches, topology
+            ffn_ranks, members, reports, graph_table, ubatches, topology, tag
         )
         attention.extend(member_plans)
         ffn.extend(ffn_plans)

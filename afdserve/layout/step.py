@@ -17,9 +17,12 @@ MAX_UBATCHES = 4
 # its drafts when speculating), launching the decode attention; "mixed" when prefill chunks may
 # sit beside decodes, launching the varlen path. `full` captures both, `full_decode_only` the first.
 GRAPH_KINDS = ("decode", "mixed")
+# The kinds of draft pass whose keys differ (plan.py, rule 10): pass 0 reads the main model's
+# rows, a chained pass the draft layer's own previous output.
+DRAFT_TAGS = ("draft:first", "draft:chain")
 
-# ("attention" | "ffn", rank, ...nested tuples of ints[, kind]); hashable, and JSON-able as
-# nested lists.
+# ("attention" | "ffn", rank, ...nested tuples of ints[, kind][, draft tag]); hashable, and
+# JSON-able as nested lists.
 GraphKey = tuple
 
 
@@ -222,7 +225,14 @@ def _record(
         "peers": peers,
         "mode": plan.mode,
         "key": _jsonable(plan.key),
-        **({"draft_tiles": [list(d.tile_rows) for d in plan.drafts]} if plan.drafts else {}),
+        **(
+            {
+                "draft_tiles": [list(d.tile_rows) for d in plan.drafts],
+                "draft_modes": [d.mode for d in plan.drafts],
+            }
+            if plan.drafts
+            else {}
+        ),
     }
 
 
@@ -265,8 +275,10 @@ class StepPlan:
 
     @property
     def capture_keys(self) -> frozenset[GraphKey]:
-        """Keys captured by this step; feed them to `GraphTable.with_captured` afterwards."""
+        """Keys captured by this step, its draft passes' included; feed them to
+        `GraphTable.with_captured` afterwards."""
         plans: tuple[AttentionRankPlan | FFNRankPlan, ...] = self.attention + self.ffn
+        plans += tuple(draft for plan in plans for draft in plan.drafts)
         return frozenset(plan.key for plan in plans if plan.mode == "capture")
 
     def log_records(self, step: int) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
 """MTP drafts across rank processes (gloo): the MTP layer's attention half runs on the
 attention ranks, its MoE rows cross to the FFN ranks as layer N, a draft pass of the plan
-(layout/plan.py, rule 9) after each step. Every topology gives colocated's greedy tokens without
-speculation; a checkpoint whose drafts are provably right has them accepted; one whose drafts
-hang on the MTP layer's experts accepts exactly as many as colocated MTP does, so its MoE ran
-on the FFN ranks (sharded, in an expert group) as it runs colocated."""
+(layout/plan.py, rules 9 and 10) after each step, graphed where the main step is. Every
+topology gives colocated's greedy tokens without speculation; a checkpoint whose drafts are
+provably right has them accepted; one whose drafts hang on the MTP layer's experts accepts
+exactly as many as colocated MTP does, so its MoE ran on the FFN ranks (sharded, in an expert
+group) as it runs colocated."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def generate(model, prompts, modes: set[str] | None = None, **kwargs):
         ranks = llm.engine.stats().spec_decode
     if modes is not None:
         modes.update(r["mode"] for r in llm.step_log())
+        modes.update(f"draft {m}" for r in llm.step_log() for m in r.get("draft_modes", ()))
     drafted = sum(s.num_draft_tokens for s in ranks.values())
     accepted = sum(s.num_accepted_tokens for s in ranks.values())
     return tokens, drafted, accepted
@@ -116,9 +118,9 @@ def test_mtp_afd_matches_colocated(expert_drafts, tmp_path, topology, k, kwargs)
     assert got == (want, drafted, accepted)
     assert 0 < accepted < drafted
     assert ffn_layer_rows(logs, N) > 0
-    # With graphs the main step captures and replays (eagerly on CPU, in the graphs' layout)
-    # while the draft passes after it run eagerly.
-    assert ("replay" in modes) == ("graph_mode" in kwargs)
+    # With graphs the main step and the draft passes after it capture and replay (on CPU
+    # eagerly, in the graphs' layout), on both roles.
+    assert ("replay" in modes) == ("draft replay" in modes) == ("graph_mode" in kwargs)
     if kwargs.get("connector") != "inprocess":
         assert mirror_errors(read_wire_log(str(p) for p in logs.glob("rank*.jsonl"))) == []
 

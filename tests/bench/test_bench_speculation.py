@@ -1,7 +1,8 @@
 """CPU runs of the speculative-decoding benches with the tiny preset (random weights): `bench
 generate` on the repetitive workload with n-gram drafts (accepted drafts, the greedy tokens of no
 speculation), and `bench decode --num-speculative-tokens 1` (a verification step's rows decode
-what plain steps decode, both step times reported)."""
+what plain steps decode, both step times reported; on a checkpoint with an MTP layer the step
+runs its draft passes too)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 import torch
 
 from afdserve.bench.decode import DecodeBench, run_verify_bench
-from afdserve.bench.decode_steps import DecodeSteps, build_halves
+from afdserve.bench.decode_steps import DecodeSteps, build_drafts, build_halves
 from afdserve.bench.speculation import VerifyResult, expected_tokens
 from afdserve.bench.workloads import EDIT_PROBABILITY, workload_prompts
 from afdserve.cli import main
+from afdserve.model.config import read_hf_config
+from afdserve.model.fixtures.tiny import make_tiny_model
 from afdserve.model.presets import preset_hf_config
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
@@ -119,3 +122,33 @@ def test_decode_bench_reports_verification_and_plain_step_times(capsys):
     assert "verification steps of 2 rows a sequence" in printed and "x@a=0.8" in printed
     assert main([*argv, "--num-speculative-tokens", "1", "--topology", "1A1F"]) == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_verification_steps_run_the_mtp_draft_passes(tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint with its MTP layer: each verification step (k = 2) runs the
+    plan's two draft passes, writing the layer's KV at each sequence's positions p and p + 1
+    only; in-process 1A1F (the layer's MoE behind the connector) drafts colocated's tokens, and
+    the bench reports the passes as timed in the step."""
+    model = str(make_tiny_model(tmp_path / "v3", "deepseek_v3", seed=4, mtp_layers=1))
+    runs = {}
+    for topology in ("colocated", "in-process"):
+        s = spec(model_dir=model, preset=None, random_weights=False, topology=topology)
+        raw = read_hf_config(model)
+        attn, ffn = build_halves(s, raw)
+        steps = DecodeSteps(attn, ffn, s, 3, query_len=3, drafts=build_drafts(s, raw, attn, ffn))
+        cache = steps.drafts.passes.cache.layers[0][0]  # [blocks, block size, 1, latent + rope]
+        before = cache.clone()
+        runs[topology] = [steps.step()[0].clone(), steps.drafts.last.clone()]
+        changed = (cache != before).flatten(2).any(-1).nonzero().tolist()  # (block, offset)
+        bs, width = s.block_size, steps.width
+        want = [[i * width + p // bs, p % bs] for i in range(3) for p in (10, 11)]
+        assert sorted(changed) == sorted(want)
+        records = [r for r in steps.driver.recorder.records if r["role"] == "attention"]
+        # Pass 0 bounded by the step's 9 rows, pass 1 by its 3 requests (colocated: no tiles).
+        tiles = [[0], [0]] if topology == "colocated" else [[9], [3]]
+        assert [(r["draft_tiles"], r["draft_modes"]) for r in records] == [(tiles, ["eager"] * 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs.values(), strict=True))
+    assert runs["colocated"][1].shape == (3, 2)
+    argv = ["bench", "decode", "--model", model, *CPU, "--batch-sizes", "2", "--context-len"]
+    assert main([*argv, "10", "--steps", "2", "--num-speculative-tokens", "1"]) == 0
+    assert "verify_ms includes the model's k MTP draft passes" in capsys.readouterr().out

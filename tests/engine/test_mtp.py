@@ -120,9 +120,12 @@ def test_mtp_logits_match_the_reference(mtp_model, reference) -> None:
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-def _run(model: str, speculative: dict | None, **kwargs):
+def _run(model: str, speculative: dict | None, log: list | None = None, **kwargs):
     """Every prompt's greedy tokens, the drafts proposed (request, position, drafts) and the
-    speculation counters."""
+    speculation counters; `log`, when given, gets the step log's records and the draft passes'
+    runner."""
+    if log is not None:
+        kwargs["log_step_plan"] = True
     with LLM(model, dtype="float32", speculative_config=speculative, **kwargs) as llm:
         scheduler = llm.engine.core_client.core.scheduler
         schedule, drafts = scheduler.schedule, []
@@ -139,6 +142,8 @@ def _run(model: str, speculative: dict | None, **kwargs):
         scheduler.schedule = noted
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.engine.stats().spec_decode.get(0)
+        if log is not None:
+            log += [llm.engine.core_client.core.mtp.passes, *llm.step_log()]
     tokens = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
     return [o.outputs[0].token_ids for o in outs], tokens, drafts, stats
 
@@ -290,3 +295,27 @@ def test_data_parallel_replicas_draft_alone(mtp_model) -> None:
         stats = llm.engine.stats().spec_decode
     assert got == want
     assert sorted(stats) == [0, 1] and all(s.num_drafts > 0 for s in stats.values())
+
+
+@pytest.mark.parametrize("topology", ["colocated", "1A1F"])
+def test_graphed_draft_passes_are_token_exact(mtp_model, topology) -> None:
+    """full_decode_only on CPU: the plan gives the draft passes graph keys of their own, which
+    capture and then replay (on CPU: from the same static buffers, eagerly), and every token,
+    draft and acceptance count equals the eager passes'."""
+    common = dict(block_size=4, kv_cache_blocks=64, max_num_seqs=4, topology=topology)
+    if topology == "1A1F":
+        common["connector"] = "inprocess"
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    want = _run(mtp_model, spec, **common)
+    graphs = dict(graph_mode="full_decode_only", cuda_graph_sizes=[2, 4, 8, 16])
+    log: list = []
+    got = _run(mtp_model, spec, log, **common, **graphs)
+    passes, records = log[0], log[1:]
+    assert passes.settings is not None and not passes.graphs  # static buffers, no CUDA graph
+    assert got[0] == want[0] and got[2] == want[2]
+    assert (got[3].num_draft_tokens, got[3].num_accepted_tokens) == (
+        want[3].num_draft_tokens,
+        want[3].num_accepted_tokens,
+    )
+    modes = [r.get("draft_modes", []) for r in records if r["role"] != "ffn"]
+    assert {"capture", "replay"} <= {mode for step in modes for mode in step}, modes

@@ -1,8 +1,10 @@
 """MTP drafts (DeepSeek-V3's next-token-prediction layer) on one GPU under CUDA graphs,
-colocated: the eager engine's greedy tokens without speculation (bf16: up to reported
-near-ties). The main model's verification steps replay their graphs; the MTP layer runs eagerly
-after each step, on the Triton MLA and MoE paths like any layer. The constructed checkpoint
-whose drafts provably equal the main model's tokens (tests/engine/test_mtp.py) accepts them."""
+colocated and in-process 1A1F: the eager engine's greedy tokens without speculation (bf16: up to
+reported near-ties). The main model's verification steps replay their graphs, and so do the MTP
+layer's draft passes after each step (layout/plan.py, rules 9 and 10; engine/draft_passes.py):
+the runner holds a graph of each kind of pass and every capture succeeded. The constructed
+checkpoint whose drafts provably equal the main model's tokens (tests/engine/test_mtp.py)
+accepts them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.layout.plan import DRAFT_TAGS
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 from ..engine.test_mtp import _predictable
@@ -33,11 +36,28 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(model, prompts, params, speculative=None, **kwargs):
+    """Tokens, speculation counters, and the run modes of the main steps and (as "draft
+    MODE") of their draft passes when the step plan is logged."""
     with LLM(str(model), speculative_config=speculative, **COMMON, **kwargs) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.stats().spec_decode.get(0)
-        modes = {r["mode"] for r in llm.step_log()} if kwargs.get("log_step_plan") else set()
+        modes = set()
+        if kwargs.get("log_step_plan"):
+            log = llm.step_log()
+            modes = {r["mode"] for r in log}
+            modes |= {f"draft {m}" for r in log for m in r.get("draft_modes", ())}
+            _check_draft_graphs(llm, speculative["num_speculative_tokens"], modes)
     return got, stats, modes
+
+
+def _check_draft_graphs(llm: LLM, k: int, modes: set[str]) -> None:
+    """The draft passes replayed CUDA graphs: the runner captured a graph of each kind of pass
+    (chained passes only with k > 1), none fell back to eager, and the log shows replays."""
+    passes = llm.engine.core_client.core.mtp.passes
+    assert passes.settings is not None and passes.settings.capture
+    assert not passes.eager_keys, passes.eager_keys
+    assert {key[-1] for key in passes.graphs} == set(DRAFT_TAGS[: min(k, 2)]), list(passes.graphs)
+    assert {"draft capture", "draft replay"} <= modes, modes
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -76,6 +96,7 @@ def test_constructed_mtp_drafts_are_accepted_under_graphs(bf16_mtp_model, tmp_pa
         {"method": "mtp", "num_speculative_tokens": 2},
         graph_mode="full_decode_only",
         cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
+        log_step_plan=True,
     )
     assert got == want
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
@@ -84,7 +105,7 @@ def test_constructed_mtp_drafts_are_accepted_under_graphs(bf16_mtp_model, tmp_pa
 @pytest.mark.parametrize("k", [1, 2])
 def test_mtp_inprocess_1a1f_graphs_equal_eager(bf16_mtp_model, k):
     """1A1F in one process: the main step replays its graphs on both halves, the MTP layer's
-    draft passes cross the in-process boundary as layer N, eagerly."""
+    draft passes cross the in-process boundary as layer N inside their own graphs."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = _prompts()
     with LLM(str(bf16_mtp_model), graph_mode="none", **COMMON) as eager:
@@ -108,8 +129,9 @@ def test_mtp_inprocess_1a1f_graphs_equal_eager(bf16_mtp_model, k):
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["1A1F", "1A2F-ep"])
 def test_mtp_p2p_across_gpus_matches_colocated(tmp_path, expert_parallel):
-    """Ranks on their own GPUs over NCCL, float32, graphs on the main step: colocated's tokens
-    without speculation, and the provably-accepting checkpoint's drafts accepted."""
+    """Ranks on their own GPUs over NCCL, float32, graphs on the main step and the draft passes
+    (the FFN ranks replay their side of each pass): colocated's tokens without speculation, and
+    the provably-accepting checkpoint's drafts accepted."""
     gpus = 3 if expert_parallel else 2
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs (one rank per GPU)")
@@ -129,9 +151,14 @@ def test_mtp_p2p_across_gpus_matches_colocated(tmp_path, expert_parallel):
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
         graph_mode="full_decode_only",
         cuda_graph_sizes=[1, 2, 4, 8],
+        log_step_plan=True,
         **common,
     ) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.stats().spec_decode[0]
+        log = llm.step_log()
     assert got == want
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+    for role in ("attention", "ffn"):
+        modes = {m for r in log if r["role"] == role for m in r.get("draft_modes", ())}
+        assert {"capture", "replay"} <= modes, (role, modes)

@@ -6,9 +6,10 @@ the FFN half runs through `ExpertGroup` (afd/dataplane/expert_group.py) over the
 `group_rows`, and a rank whose peers sent nothing in a ubatch (or that has no peers) still takes
 part in the group's exchange.
 
-`FFNGraphRunner` captures that whole step, per plan key, as one CUDA graph, and replays it exactly
+`FFNStepRunner` captures that whole step, per plan key, as one CUDA graph, and replays it exactly
 when the plan says so; capture follows the attention side's order (a warm run, the capture, one
-replay), so both roles communicate the same number of times in a capture step.
+replay), so both roles communicate the same number of times in a capture step. An MTP draft
+pass (layer N over the pass's tiles) is a step of its own key, captured and replayed alike.
 """
 
 from __future__ import annotations
@@ -306,15 +307,17 @@ class FFNStepRunner:
         if plan.mode == "idle":
             return
         self.exchange.step.set(step)
-        self._main(plan, step)
-        # The draft passes follow the main step eagerly, as the attention side runs them.
+        self._run(plan, step)
+        # The draft passes follow the main step, each eagerly or as its own key's graph (rule 10
+        # of layout/plan.py), as the attention side runs them.
         for draft in plan.drafts:
             if draft.mode != "idle":
-                self.exchange.run(draft, step, self.exchange.draft_layers)
+                self._run(draft, step, self.exchange.draft_layers)
 
-    def _main(self, plan: FFNRankPlan, step: int) -> None:
+    def _run(self, plan: FFNRankPlan, step: int, layers: tuple[int, ...] | None = None) -> None:
+        """The main layers (or a draft pass over `layers`) as the plan's mode says."""
         if plan.mode == "eager" or not self.use_graphs:
-            self.exchange.run(plan, step)
+            self.exchange.run(plan, step, layers)
             return
         key = plan.key
         if plan.mode == "capture":
@@ -322,25 +325,28 @@ class FFNStepRunner:
             if key in self.graphs or key in self.eager_keys:
                 # Held already: the key has no kind (layout/plan.py, rule 5), so a peer that
                 # captures its other kind of graph finds this rank's graph of the layout made.
-                self.exchange.run(plan, step)
-            elif not self._capture(plan, step):
+                self.exchange.run(plan, step, layers)
+            elif not self._capture(plan, step, layers):
                 # The warm run has exchanged once; the step's own exchange runs below, eagerly,
                 # as the replay would have (the attention side sees the same sends and receives).
                 self.eager_keys.add(key)
         if key in self.eager_keys:
-            self.exchange.run(plan, step)
+            self.exchange.run(plan, step, layers)
             return
         check_replayable(plan.rank, plan.mode, key, self.graphs)
         self.graphs[key].replay()
 
-    def _capture(self, plan: FFNRankPlan, step: int) -> bool:
+    def _capture(self, plan: FFNRankPlan, step: int, layers: tuple[int, ...] | None) -> bool:
         with self.tally.capturing("ffn"):
-            return self._warm_and_capture(plan, step)
+            return self._warm_and_capture(plan, step, layers)
 
-    def _warm_and_capture(self, plan: FFNRankPlan, step: int) -> bool:
-        self.exchange.run(plan, step)  # warm-up; the attention side warms up alike
+    def _warm_and_capture(
+        self, plan: FFNRankPlan, step: int, layers: tuple[int, ...] | None
+    ) -> bool:
+        self.exchange.run(plan, step, layers)  # warm-up; the attention side warms up alike
         what = f"FFN rank {plan.rank}'s {plan.key}"
-        captured = capture_graph(lambda: self.exchange.run(plan, step), self.pool, what)
+        run = lambda: self.exchange.run(plan, step, layers)  # noqa: E731
+        captured = capture_graph(run, self.pool, what)
         if captured is None:
             return False
         if self.pool is None:

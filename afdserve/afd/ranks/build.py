@@ -29,6 +29,7 @@ from afdserve.config import MTP_IPC_REFUSAL
 from afdserve.engine.control_round import Control
 from afdserve.engine.cuda_graphs import CudaGraphRunner, PlannedForward, check_capturable
 from afdserve.engine.device import resolve_device
+from afdserve.engine.draft_passes import DraftGraphSettings
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.factory import (
     MemoryReport,
@@ -81,6 +82,18 @@ class StepGraphs:
     ) -> StepRecorder:
         return StepRecorder(
             rank, self.mode, self.sizes, log_path, keep_records, self.ubatches, self.draft_passes
+        )
+
+    def draft_settings(self, device: torch.device, max_model_len: int) -> DraftGraphSettings | None:
+        """The MTP draft passes' graph buffers, where capture and replay passes may come (on
+        every device: off CUDA their buffers run eagerly), or None."""
+        if self.mode == "none" or not self.sizes or not self.draft_passes:
+            return None
+        return DraftGraphSettings(
+            max(self.sizes),
+            max_model_len,
+            self.decode_query_len,
+            device.type == "cuda",
         )
 
     def captured_on(self, device: torch.device) -> bool:
@@ -354,6 +367,9 @@ def build_attention_rank(
         ffn_draft,
     )
     graphs = StepGraphs.of(spec)
+    draft_graphs = graphs.draft_settings(device, core.max_model_len)
+    if core.mtp is not None:  # a kept core's graphs held the earlier world's boundary
+        core.mtp.passes.use_graphs(draft_graphs)
     log_ranks = tuple(range(topology.world_size)) if in_process else None
     driver = attention_driver(
         core,

@@ -79,3 +79,23 @@ def _whole_draft_names(main: CausalLM, raw: dict, names: set[str] | None, build)
     with torch.device("meta"):
         whole = model_class(main.config)(main.config, ModelParts.colocated())
         return set(build(whole, raw, names).state_dict())
+
+
+def config_refusal(raw: dict, main_family: str) -> str | None:
+    """Why a model of config.json `raw` gives no MTP draft (a bench's preset has no folder)."""
+    if family_of(main_family).mtp_draft is None:
+        return f"model family {main_family!r} has no MTP layers afdserve builds"
+    if (raw.get("num_nextn_predict_layers", 0) or 0) < 1:
+        return "its config has no next-token-prediction layers (num_nextn_predict_layers)"
+    return None
+
+
+def random_draft(main: CausalLM, raw: dict, seed: int, device: torch.device | str) -> MTPDraft:
+    """The MTP draft of `main` (config.json `raw`) with weights drawn from `seed` as dummy
+    weights are, each tensor by its name: every half equals its part of the colocated draft."""
+    build = family_of(main.config.family).mtp_draft
+    with _default_dtype(main.dtype), torch.device("meta"):
+        draft = build(main, raw, None)
+    draft = materialize(draft, device).eval()
+    init_random_weights(draft, seed)
+    return draft
