@@ -44,7 +44,8 @@ class PassInputs:
 @dataclass(frozen=True)
 class DraftGraphSettings:
     """The buffers' sizes and the decode graphs' launch shape, as the main step's CudaGraphRunner
-    has them (a pass's plan says its kind: a mixed graph launches the whole pass); `capture`: real CUDA graphs (else capture and replay run the buffers eagerly)."""
+    has them (a pass's plan says its kind: a mixed graph launches the whole pass); `capture`:
+    real CUDA graphs (else capture and replay run the buffers eagerly)."""
 
     max_rows: int
     max_model_len: int

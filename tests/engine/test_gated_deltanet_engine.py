@@ -158,7 +158,7 @@ def test_full_graph_buffers_keep_the_tokens(model, one_shot, split: dict) -> Non
         forward = llm.engine.core_client.driver.forward
         assert forward.graphs is None  # CPU: the graph steps would run eagerly
         forward.graphs = GraphBuffersOnCPU(
-            forward.runner, 12, llm.engine.max_model_len, allow_prefill=True, ubatches=ubatches
+            forward.runner, 12, llm.engine.max_model_len, ubatches=ubatches
         )
         forward.graphs.replays = []
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
