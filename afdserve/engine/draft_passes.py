@@ -84,7 +84,7 @@ class DraftPasses:
         width = -(-settings.max_model_len // self.cache.block_size)
         # A chained draft's row may lie past max_model_len, in a block the sequence holds.
         self.max_context = width * self.cache.block_size
-        self.hidden = torch.zeros(rows, self.draft.config.hidden_size, dtype=self.draft.dtype)
+        self.hidden = torch.zeros(rows, *self.draft.row_shape, dtype=self.draft.dtype)
         self.hidden = self.hidden.to(dev)
         self.next_ids = torch.zeros(rows, dtype=torch.int64, device=dev)  # pad: a valid row
         self.route_ids = torch.full((rows,), -1, dtype=torch.int64, device=dev)

@@ -82,6 +82,9 @@ class MTPDraft(Protocol):
     config: ModelConfig
     parts: ModelParts
     dtype: torch.dtype
+    # One row of what first_input and chain_input take and the layer gives back, e.g.
+    # (hidden,); DeepSeek-V4's mHC streams are (hc_mult, hidden).
+    row_shape: tuple[int, ...]
 
     def cache_layout(self) -> CacheLayout: ...
 

@@ -165,6 +165,24 @@ def test_greedy_tokens_unchanged(v4_mtp, k, kv) -> None:
     assert preemptions > 0 and sum(stats.prefix_cache_hits.values()) > 0
 
 
+def test_draft_passes_from_graph_buffers_keep_the_tokens(v4_mtp, tmp_path) -> None:
+    """Under a graph mode the draft passes run from the static buffers a CUDA graph replays
+    (eagerly on CPU): they hold a row of the main model's mHC streams, [hc_mult, hidden]. The
+    constructed checkpoint's drafts are all accepted there too."""
+    model = _predictable(v4_mtp, tmp_path / "predictable")
+    common = dict(block_size=4, kv_cache_blocks=64)
+    want, _, _ = _run(model, None, **common)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    graphs = dict(graph_mode="full_decode_only", cuda_graph_sizes=[1, 2, 4, 8, 16])
+    with LLM(model, dtype="float32", speculative_config=spec, log_step_plan=True, **graphs) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        modes = {mode for r in llm.step_log() for mode in r.get("draft_modes") or ()}
+        stats = llm.engine.stats().spec_decode[0]
+    assert [o.outputs[0].token_ids for o in outs] == want[: len(PROMPTS)]
+    assert {"capture", "replay"} <= modes, modes
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
 def _predictable(model: str, folder: Path) -> str:
     """The checkpoint made so that the drafts provably equal the main model's tokens: every
     attention output (wo_b) and expert down projection (w2) zero, so each block adds nothing

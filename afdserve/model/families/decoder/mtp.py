@@ -122,6 +122,7 @@ class DeepSeekMTP(nn.Module):
         self.config = draft_config(main.config, raw)
         self.parts = main.parts
         self.dtype = main.dtype
+        self.row_shape = (main.config.hidden_size,)
         self.index = main.config.num_layers
         # The main model is read (embedding, final norm, rotary, lm_head), never registered as
         # a submodule: its tensors are not the draft's to load.

@@ -103,6 +103,8 @@ class V4MTP(nn.Module):
         super().__init__()
         self.config = draft_config(main.config, raw)
         self.parts, self.dtype = main.parts, main.dtype
+        v4 = main.config.family_config
+        self.row_shape = (v4.hc_mult, main.config.hidden_size)  # the mHC streams
         self.index = main.config.num_layers
         # Read (embedding, head, ropes), never registered: its tensors are not the draft's.
         self.__dict__["main"] = main
