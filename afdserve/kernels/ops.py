@@ -449,7 +449,8 @@ def _gpt_oss_experts(
     """Experts with gpt-oss's biases and gain. On CUDA the decode kernels (the grouped GEMMs take
     no biases yet), in row chunks of at most `decode.MAX_PAIRS` pairs past that: no host sync
     and graph capturable at any batch; a prefill chunk re-reads its experts per row chunk."""
-    if x.is_cuda and gate_up.shape[0] == 0:  # a shard without experts
+    if x.is_cuda and (gate_up.shape[0] == 0 or x.shape[0] == 0):
+        # A shard without experts, or an empty ubatch (a graph of 1 row in 2 ubatches).
         return torch.zeros_like(x)
     if _triton_ready(x):
         from afdserve.kernels.moe import decode as triton_moe
