@@ -118,3 +118,45 @@ def test_dsa_model_through_the_kernels_under_the_interpreter() -> None:
     run = run_interpreted(MODEL_CASES, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" ok") == 2, run.stdout
+
+
+GRAPH_CASES = """
+import tempfile
+from pathlib import Path
+
+from afdserve import LLM
+from afdserve.kernels import ops
+from afdserve.kernels.triton import dsa_attention, dsa_indexer
+from afdserve.model.families.dsa.cache import DSAPages
+from afdserve.model.fixtures.tiny import make_tiny_model
+from tests.engine.test_dsa_graphs import BLOCK, BUDGET, GREEDY, full_graph_tokens, prompts
+
+
+def select(q, w, keys, rows, topk, scale):
+    return dsa_indexer.select(q, w, keys, *rows, topk, scale)
+
+
+dsa_indexer.SPLITS = 2  # the interpreter runs every program, those with nothing to score too
+with tempfile.TemporaryDirectory() as root:
+    path = make_tiny_model(Path(root) / "glm", "glm_moe_dsa", seed=1)
+    with LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET) as llm:
+        eager = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+    DSAPages.batched_segments = True  # device segments, as on CUDA
+    ops.dsa_select, ops.dsa_sparse_mla = select, dsa_attention.sparse_mla
+    for split in ({}, {"topology": "1A1F", "connector": "inprocess"}):
+        got, replays = full_graph_tokens(path, split)
+        assert got == eager, (split, got, eager)
+        assert any(kind == "mixed" for (*_, kind), _ in replays), replays
+        print(split.get("topology", "colocated"), "ok")
+"""
+
+
+@pytest.mark.slow  # interpreted launches for every layer of every step
+def test_full_graph_steps_through_the_kernels_under_the_interpreter() -> None:
+    """The tiny GLM-5 under graph_mode full, every step replayed from the graph's static
+    buffers (tests/engine/test_dsa_graphs.py: capacity-sized segments, pad segments, tables as
+    wide as max_model_len with stale columns) with its DSA layers on the kernels: the eager
+    torch path's tokens, colocated and in-process 1A1F on two ubatches."""
+    run = run_interpreted(GRAPH_CASES, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok") == 2, run.stdout

@@ -28,12 +28,13 @@ EAGER_BY_DEFAULT = (
     "indexer keys (the graph's block-table width); ask for graph_mode='full_decode_only' with a "
     "max_model_len that keeps that small"
 )
-# Why "full" is refused: its graphs would capture prefill chunks too. The Triton kernels take
-# prefill rows as they take decode rows, but no GPU test has checked captured prefill yet (and
-# without Triton the torch path's batched selection would gather every row's keys).
+# Why "full" is refused without Triton: a mixed graph launches queries as long as the ubatch, and
+# the torch path's captured selection gathers every row's indexer keys out to max_model_len, rows
+# x max_model_len x index_head_dim. With the kernels a prefill row is a row like a decode one
+# (its own table, read up to its own position), so `full` captures mixed steps there.
 FULL_GRAPH_REFUSAL = (
-    "DSA captures decode steps only (captured prefill chunks are not checked on a GPU yet); use "
-    "graph_mode='full_decode_only'"
+    "without Triton a captured DSA step gathers every row's indexer keys out to max_model_len "
+    "(prefill chunks included); use graph_mode='full_decode_only'"
 )
 
 
@@ -68,8 +69,12 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     full = tuple(i for i in range(config.num_layers) if dsa.has_indexer(i))
     shared = tuple(i for i in range(config.num_layers) if not dsa.has_indexer(i))
-    eager = None if ops.triton_available() else EAGER_BY_DEFAULT
-    specs = [DSAPages(full, latent, dsa.index_head_dim, eager_by_default=eager)]
+    triton = ops.triton_available()
+    policy = dict(
+        eager_by_default=None if triton else EAGER_BY_DEFAULT,
+        graph_refusals=() if triton else (("full", FULL_GRAPH_REFUSAL),),
+    )
+    specs = [DSAPages(full, latent, dsa.index_head_dim, **policy)]
     if shared:
-        specs.append(DSAPages(shared, latent, 0, kind="MLA", eager_by_default=eager))
+        specs.append(DSAPages(shared, latent, 0, kind="MLA", **policy))
     return CacheLayout(tuple(specs), config.num_layers)
