@@ -6,8 +6,9 @@ heads over latent 512 + rope 64, contexts past 2048, bf16 and FP8) against the t
 same GPU (tests/kernels/dsa_cases.py); the model with the kernels against the model with the torch
 path (float32: the same tokens; bf16 and an FP8 cache: up to a near-tie); float32 tokens equal
 the CPU engine's (which tests/model/test_dsa.py holds to transformers), colocated and in-process
-1A1F alike; full_decode_only captures the decode (kernels inside the graph) and gives graph_mode
-none's tokens; `full` is refused by name and `auto` captures decode where Triton loads."""
+1A1F alike; full_decode_only captures the decode (kernels inside the graph) and `full` mixed
+steps too (prefill chunks beside decodes), each giving graph_mode none's tokens; `auto` captures
+decode where Triton loads."""
 
 from __future__ import annotations
 
@@ -155,9 +156,46 @@ def test_sparse_mla_kernel_at_real_widths(cache):
     check_attention(attn, 9, 256, 64, dtype, 4, ops.dsa_sparse_mla, "cuda", torch.bfloat16, 2e-2)
 
 
-def test_full_graph_mode_is_refused_and_auto_captures_decode(dsa_dirs):
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("topology, ubatches", [("colocated", 1), ("1A1F", 2)])
+def test_full_graphs_of_mixed_steps_give_the_eager_tokens(dsa_dirs, family, topology, ubatches):
+    """`full` captures DSA's mixed steps (the kernels read each row's table up to its own
+    position from the graph's static buffers, prefill rows as decode ones): with 16 tokens a
+    step, prefill chunks beside decodes replay mixed graphs of at most 16 rows, decodes alone
+    decode graphs; every capture succeeds and the float32 tokens are graph_mode none's."""
+    model = dsa_dirs[(family, "float32")]
+    want = tokens(model, "float32", "cuda")
+    split = {}
+    if topology == "1A1F":
+        split = dict(topology=topology, connector="inprocess", ubatches=ubatches)
+    with LLM(
+        str(model),
+        dtype="float32",
+        device="cuda",
+        max_num_batched_tokens=16,
+        graph_mode="full",
+        cuda_graph_sizes=[1, 2, 4, 8, 16],
+        log_step_plan=True,
+        use_tqdm_on_load=False,
+        **split,
+    ) as llm:
+        graphs = llm.engine.core_client.driver.forward.graphs
+        assert graphs is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert not graphs.eager_keys  # every capture succeeded (no host sync inside)
+        records = [r for r in llm.step_log() if r["role"] == "attention"]
+    modes = {r["mode"] for r in records}
+    assert {"capture", "replay"} <= modes and "eager" not in modes, modes
+    replays = [r for r in records if r["mode"] == "replay"]
+    # 5 prompts decode at most 5 rows: more in a replay means prefill rows in the graph.
+    assert any(r["real_rows"] > len(PROMPTS) for r in replays), records[:8]
+    assert any(r["padded_rows"] > r["real_rows"] for r in replays)
+    assert {r["key"][4] for r in replays} == {"decode", "mixed"}
+    assert got == want
+
+
+def test_auto_captures_decode(dsa_dirs):
+    """`auto` captures decode where Triton loads, as for every family: full_decode_only."""
     model = dsa_dirs[("deepseek_v32", "bfloat16")]
-    with pytest.raises(ValueError, match=r"graph_mode='full' is not supported for family"):
-        LLM(str(model), device="cuda", graph_mode="full")
     with LLM(str(model), device="cuda") as llm:
         assert llm.graph_config.mode == "full_decode_only"
