@@ -64,7 +64,8 @@ class DSAPages(CacheSpec):
 
 def cache_layout(config: ModelConfig) -> CacheLayout:
     """Layers that run their indexer in one group (latent and keys), GLM-5's shared ones in
-    another (latent only). `auto` captures decode where the Triton kernels can load."""
+    another (latent only). Where the Triton kernels load `auto` captures decode, `full` mixed
+    steps too."""
     dsa = config.family_config
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     full = tuple(i for i in range(config.num_layers) if dsa.has_indexer(i))
