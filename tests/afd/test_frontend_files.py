@@ -7,9 +7,11 @@ server's drain, or by a failed start leaves none."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,8 +124,11 @@ RankWorld(spec, spawn=False)
 """
 
 
-def _frontend(code: str, model: Path) -> subprocess.Popen:
+def _frontend(code: str, model: Path, tmp: str | None = None) -> subprocess.Popen:
+    """`tmp`: the temporary directory its files go to (TMPDIR)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if tmp is not None:
+        env["TMPDIR"] = tmp
     env.pop("AFDSERVE_AUTHKEY", None)
     env.pop("AFDSERVE_AUTHKEY_FILE", None)
     return subprocess.Popen(
@@ -182,9 +187,13 @@ def test_a_killed_frontends_files_go_at_the_next_start_and_a_live_ones_stay(
     from afdserve.config import AFDConfig, EngineConfig, GraphConfig
 
     model = afd_models["qwen3_moe"]
-    spawner = _frontend(SPAWNER_CODE, model)
-    waiter = _frontend(WAITER_CODE, model)
-    live = _frontend(WAITER_CODE, model)
+    # A temporary directory of their own: any frontend started on this machine meanwhile (a
+    # test beside this one) would otherwise remove the killed ones' files first.
+    tmp = tempfile.mkdtemp(prefix="afd-")
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
+    spawner = _frontend(SPAWNER_CODE, model, tmp)
+    waiter = _frontend(WAITER_CODE, model, tmp)
+    live = _frontend(WAITER_CODE, model, tmp)
     procs = [spawner, waiter, live]
     try:
         waiter_key = _line(waiter, "AFDSERVE_AUTHKEY_FILE=")
@@ -214,6 +223,7 @@ def test_a_killed_frontends_files_go_at_the_next_start_and_a_live_ones_stay(
         for proc in procs:
             _end(proc)
         frontend_files.remove_stale()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 SERVER_CODE = """
