@@ -190,6 +190,7 @@ def v4_sparse_attention(
     sinks: torch.Tensor,
     scale: float,
     every: tuple[int, int] | None = None,
+    fp8: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
     the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
@@ -197,17 +198,22 @@ def v4_sparse_attention(
     caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
     window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
     rows: (positions, chunk starts, real); every: (block size, entry rows per block) where
-    `entries` is (new, page, block tables, None): every closed entry of each row (HCA)."""
+    `entries` is (new, page, block tables, None): every closed entry of each row (HCA); fp8:
+    an FP8 cache's (window's rotated page, entries' or None, scale), its pages then e4m3."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_attention as triton_v4_attention
 
-    if not triton_v4_attention.supports(q, own, window[0]):
+    window_rope, entry_rope, kv_scale = fp8 if fp8 is not None else (None, None, 1.0)
+    if not triton_v4_attention.supports(q, own, window[0], window_rope):
         return None
-    if entries is not None and not triton_v4_attention.supports(q, entries[0], entries[1]):
+    if entries is not None and not triton_v4_attention.supports(
+        q, entries[0], entries[1], entry_rope
+    ):
         return None
+    rope_pages = None if fp8 is None else (window_rope, entry_rope)
     return triton_v4_attention.sparse_attention(
-        q, own, *window, entries, rate, *rows, sinks, scale, every
+        q, own, *window, entries, rate, *rows, sinks, scale, every, rope_pages, kv_scale
     )
 
 

@@ -170,20 +170,20 @@ def _attend(
             entries = (new, pages.flat["entries"], rows.tables, None)
         else:
             entries = (new, pages.flat["entries"], _entry_rows(pages, rows, read), read)
-    fused = (
-        None
-        if pages.fp8
-        else ops.v4_sparse_attention(
-            q,
-            kv,
-            (pages.flat["window"], window_rows),
-            entries,
-            comp.rate if comp is not None else 0,
-            (p, rows.start, rows.real),
-            attn.sinks,
-            attn.scale,
-            every,
-        )
+    fp8 = None
+    if pages.fp8:  # the kernel widens the e4m3 channels as `LayerPages.take` does
+        fp8 = (pages.flat["window_rope"], pages.flat.get("entries_rope"), pages.scale)
+    fused = ops.v4_sparse_attention(
+        q,
+        kv,
+        (pages.flat["window"], window_rows),
+        entries,
+        comp.rate if comp is not None else 0,
+        (p, rows.start, rows.real),
+        attn.sinks,
+        attn.scale,
+        every,
+        fp8,
     )
     if fused is not None:
         return fused
