@@ -324,17 +324,22 @@ def v4_index_scores(
     rate: int,
     positions: torch.Tensor,
     start: torch.Tensor,
+    fp8: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer scores of a ubatch [rows, count] float32, its keys read
     from the page in one launch on CUDA (kernels/triton/v4_indexer.py says which), or None where
-    the fast path does not apply and the caller keeps its torch form (batched.py's)."""
+    the fast path does not apply and the caller keeps its torch form (batched.py's); fp8: an FP8
+    cache's (rotated page, scale), `page` then its e4m3 channels."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
 
-    if not triton_v4_indexer.supports(q, new, page):
+    rope_page, kv_scale = fp8 if fp8 is not None else (None, 1.0)
+    if not triton_v4_indexer.supports(q, new, page, rope_page):
         return None
-    return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
+    return triton_v4_indexer.index_scores(
+        q, weights, new, page, entry_rows, rate, positions, start, rope_page, kv_scale
+    )
 
 
 def v4_index_select(
@@ -346,20 +351,24 @@ def v4_index_select(
     rate: int,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk: int,
+    fp8: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer top-k of a ubatch on CUDA (kernels/triton/
     v4_index_select.py): each row's kept entries [rows, topk] int64 (index order, then an index
     no row sees), scored only up to the row's position, no [rows, entries] tensor beyond a
     bounded scratch; tables: (block tables [rows, W], block size, entry rows per block); rows:
-    (positions, chunk starts, real). None where the fast path does not apply and the caller
-    keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
+    (positions, chunk starts, real); fp8: as v4_index_scores'. None where the fast path does not
+    apply and the caller keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_index_select as triton_v4_index_select
 
-    if not triton_v4_index_select.supports(q, new, page, topk):
+    rope_page, kv_scale = fp8 if fp8 is not None else (None, 1.0)
+    if not triton_v4_index_select.supports(q, new, page, topk, rope_page):
         return None
-    return triton_v4_index_select.index_select(q, weights, new, page, tables, rate, rows, topk)
+    return triton_v4_index_select.index_select(
+        q, weights, new, page, tables, rate, rows, topk, rope_page, kv_scale
+    )
 
 
 def v4_norm_rope(

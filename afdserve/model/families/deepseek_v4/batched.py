@@ -246,20 +246,26 @@ def _index_top(
     keeps the first index_topk: visible entries come first, so a top-k beyond the visible
     count keeps all of them and masks the rest, as the per-sequence path."""
     queries = indexer.queries(x, q_residual, rows.positions, rope)
-    if not pages.fp8:  # the fused kernels read pages in the model dtype
-        geometry, page = pages.geometry, pages.pages["index_entries"]
-        top = ops.v4_index_select(
-            *queries,
-            new,
-            pages.flat["index_entries"],
-            (rows.tables, geometry.block_size, page.shape[1]),
-            indexer.rate,
-            (rows.positions, rows.start, rows.real),
-            indexer.topk,
-        )
-        if top is not None:
-            return top
+    geometry, page = pages.geometry, pages.pages["index_entries"]
+    top = ops.v4_index_select(
+        *queries,
+        new,
+        pages.flat["index_entries"],
+        (rows.tables, geometry.block_size, page.shape[1]),
+        indexer.rate,
+        (rows.positions, rows.start, rows.real),
+        indexer.topk,
+        _index_fp8(pages),
+    )
+    if top is not None:
+        return top
     return indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, new, queries))
+
+
+def _index_fp8(pages: LayerPages) -> tuple[torch.Tensor, float] | None:
+    """An FP8 cache's rotated channels of the indexer's entries and its scale, which the fused
+    kernels take beside the e4m3 page to widen it as `LayerPages.take` does (None: bf16 pages)."""
+    return (pages.flat["index_entries_rope"], pages.scale) if pages.fp8 else None
 
 
 def _index_scores(
@@ -282,9 +288,9 @@ def _index_scores(
     q, weights = queries or indexer.queries(x, q_residual, p, rope)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     page = pages.flat["index_entries"]
-    fused = None
-    if not pages.fp8:  # the fused kernels read pages in the model dtype
-        fused = ops.v4_index_scores(q, weights, new, page, entry_rows, m, p, rows.start)
+    fused = ops.v4_index_scores(
+        q, weights, new, page, entry_rows, m, p, rows.start, _index_fp8(pages)
+    )
     if fused is not None:
         return fused
     keys = rows.chunk_or(
