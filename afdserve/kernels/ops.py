@@ -292,10 +292,12 @@ def v4_compress_decode(
     real: torch.Tensor,
     rate: int,
     dim: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
     `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
-    the pages written; rope: (inv_freq, scaling) of the entries' rotary. The torch form is
+    the pages written; rope: (inv_freq, scaling) of the entries' rotary; an FP8 cache's entries
+    (`pages` with `entries_rope`) quantized at `kv_scale`. The torch form is
     model/families/deepseek_v4/batched.py's `_compress`."""
     from afdserve.kernels.triton import v4_compress as triton_v4_compress
 
@@ -312,6 +314,7 @@ def v4_compress_decode(
         real,
         rate,
         dim,
+        kv_scale,
     )
 
 

@@ -58,3 +58,37 @@ def fp8_pages(
         and page.shape[1] + rope_page.shape[1] == dim
     )
     return True if fits else None
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """x (float32, within +-448) rounded to the nearest e4m3 value, ties to even, as float32:
+    the float32 round-to-nearest-even of x over its e4m3 step (2^(e - 3), subnormals 2^-9), so
+    that the cast after it is exact on every device and in the interpreter (whose own casts
+    round otherwise), and equal to torch's. The sign is x's (-0.0 as torch gives it)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    grid = tl.abs(((x / step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2^23: rounds to even
+    return tl.where(bits < 0, -grid, grid)  # the sign bit
+
+
+@triton.jit
+def store_row(PAGE, ROPE_PAGE, row, x, cols, keep, dim, nope, kv_scale, FP8: tl.constexpr):
+    """Channels `cols` [BLOCK] of one row x (the model dtype) into flat row `row` of a page where
+    `keep` -> x as the page gives it back (`LayerPages.as_stored`): FP8 quantizes the channels
+    below `nope` as `reference.quantize_kv` (x / kv_scale, clamped to +-448, to e4m3) and keeps
+    the rest bf16 in ROPE_PAGE."""
+    if FP8:
+        flat = cols < nope
+        scaled = tl.minimum(tl.maximum(x.to(tl.float32) / kv_scale, -448.0), 448.0)
+        quantized = _e4m3_grid(scaled)
+        tl.store(PAGE + row * nope + cols, quantized.to(PAGE.dtype.element_ty), mask=keep & flat)
+        rope = x.to(tl.bfloat16)
+        rotated = (cols >= nope) & (cols < dim)
+        tl.store(ROPE_PAGE + row * (dim - nope) + (cols - nope), rope, mask=keep & rotated)
+        back = tl.where(flat, quantized * kv_scale, rope.to(tl.float32)).to(x.dtype)
+    else:
+        tl.store(PAGE + row * dim + cols, x, mask=keep & (cols < dim))
+        back = x
+    return back

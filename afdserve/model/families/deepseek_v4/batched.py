@@ -319,10 +319,8 @@ def _compress(
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     rope_dim = 2 * rope.inv_freq.shape[0]
-    if (
-        rows.decode
-        and not pages.fp8
-        and ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
+    if rows.decode and ops.fuses_v4_compress(
+        kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim
     ):
         return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
     w, state_slots, ring = p // m, rows.state_slots(), pages.geometry.ring
@@ -393,6 +391,7 @@ def _compress_decode(
     m, p, tables = comp.rate, rows.positions, rows.tables
     members = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
+    names += ("entries_rope",) if pages.fp8 else ()  # the kernel quantizes as `LayerPages.store`
     flat = {name: pages.flat[prefix + name] for name in names}
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     # The open rings' rows of the window and of p (in the row's slot), then (CSA) the first
@@ -418,4 +417,5 @@ def _compress_decode(
         rows.real,
         m,
         comp.dim,
+        pages.scale,
     )
