@@ -12,12 +12,14 @@ that page; a sequence writes only positions of its own chunk
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. full_decode_only graphs capture decode ubatches, `full` any.
-On CUDA (pages in the model dtype) the attention, the indexer's scores and a decode ubatch's
-compressor update are fused launches (ops.v4_*). There no tensor grows as rows x context: HCA's
-attention reads each row's closed entries through its table up to its own position, and CSA's
-indexer scores each row only that far, in row chunks of bounded scratch; so a step of prefill
-chunks beside decodes, shapes fixed by the row count and W, is what `full` graphs capture. The
-torch form (the CPU reference) gathers every entry the table addresses, per row.
+On CUDA the attention, the indexer's scores and a decode ubatch's compressor update are fused
+launches (ops.v4_*), over pages in the model dtype or an FP8 cache's (e4m3 beside bf16 rotated
+channels, read and written in the kernels as `LayerPages` reads and writes them). There no
+tensor grows as rows x context: HCA's attention reads each row's closed entries through its
+table up to its own position, and CSA's indexer scores each row only that far, in row chunks of
+bounded scratch; so a step of prefill chunks beside decodes, shapes fixed by the row count and
+W, is what `full` graphs capture. The torch form (the CPU reference) gathers every entry the
+table addresses, per row.
 """
 
 from __future__ import annotations
