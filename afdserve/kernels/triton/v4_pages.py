@@ -81,7 +81,8 @@ def store_row(PAGE, ROPE_PAGE, row, x, cols, keep, dim, nope, kv_scale, FP8: tl.
     the rest bf16 in ROPE_PAGE."""
     if FP8:
         flat = cols < nope
-        scaled = tl.minimum(tl.maximum(x.to(tl.float32) / kv_scale, -448.0), 448.0)
+        # Correctly rounded (Triton's `/` is approximate), as attention.quantize_fp8.
+        scaled = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), kv_scale), -448.0), 448.0)
         quantized = _e4m3_grid(scaled)
         tl.store(PAGE + row * nope + cols, quantized.to(PAGE.dtype.element_ty), mask=keep & flat)
         rope = x.to(tl.bfloat16)
