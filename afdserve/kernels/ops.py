@@ -190,6 +190,7 @@ def v4_sparse_attention(
     sinks: torch.Tensor,
     scale: float,
     every: tuple[int, int] | None = None,
+    fp8: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
     the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
@@ -197,17 +198,22 @@ def v4_sparse_attention(
     caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
     window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
     rows: (positions, chunk starts, real); every: (block size, entry rows per block) where
-    `entries` is (new, page, block tables, None): every closed entry of each row (HCA)."""
+    `entries` is (new, page, block tables, None): every closed entry of each row (HCA); fp8:
+    an FP8 cache's (window's rotated page, entries' or None, scale), its pages then e4m3."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_attention as triton_v4_attention
 
-    if not triton_v4_attention.supports(q, own, window[0]):
+    window_rope, entry_rope, kv_scale = fp8 if fp8 is not None else (None, None, 1.0)
+    if not triton_v4_attention.supports(q, own, window[0], window_rope):
         return None
-    if entries is not None and not triton_v4_attention.supports(q, entries[0], entries[1]):
+    if entries is not None and not triton_v4_attention.supports(
+        q, entries[0], entries[1], entry_rope
+    ):
         return None
+    rope_pages = None if fp8 is None else (window_rope, entry_rope)
     return triton_v4_attention.sparse_attention(
-        q, own, *window, entries, rate, *rows, sinks, scale, every
+        q, own, *window, entries, rate, *rows, sinks, scale, every, rope_pages, kv_scale
     )
 
 
@@ -286,10 +292,12 @@ def v4_compress_decode(
     real: torch.Tensor,
     rate: int,
     dim: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
     `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
-    the pages written; rope: (inv_freq, scaling) of the entries' rotary. The torch form is
+    the pages written; rope: (inv_freq, scaling) of the entries' rotary; an FP8 cache's entries
+    (`pages` with `entries_rope`) quantized at `kv_scale`. The torch form is
     model/families/deepseek_v4/batched.py's `_compress`."""
     from afdserve.kernels.triton import v4_compress as triton_v4_compress
 
@@ -306,6 +314,7 @@ def v4_compress_decode(
         real,
         rate,
         dim,
+        kv_scale,
     )
 
 
@@ -318,17 +327,22 @@ def v4_index_scores(
     rate: int,
     positions: torch.Tensor,
     start: torch.Tensor,
+    fp8: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer scores of a ubatch [rows, count] float32, its keys read
     from the page in one launch on CUDA (kernels/triton/v4_indexer.py says which), or None where
-    the fast path does not apply and the caller keeps its torch form (batched.py's)."""
+    the fast path does not apply and the caller keeps its torch form (batched.py's); fp8: an FP8
+    cache's (rotated page, scale), `page` then its e4m3 channels."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
 
-    if not triton_v4_indexer.supports(q, new, page):
+    rope_page, kv_scale = fp8 if fp8 is not None else (None, 1.0)
+    if not triton_v4_indexer.supports(q, new, page, rope_page):
         return None
-    return triton_v4_indexer.index_scores(q, weights, new, page, entry_rows, rate, positions, start)
+    return triton_v4_indexer.index_scores(
+        q, weights, new, page, entry_rows, rate, positions, start, rope_page, kv_scale
+    )
 
 
 def v4_index_select(
@@ -340,20 +354,24 @@ def v4_index_select(
     rate: int,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk: int,
+    fp8: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer top-k of a ubatch on CUDA (kernels/triton/
     v4_index_select.py): each row's kept entries [rows, topk] int64 (index order, then an index
     no row sees), scored only up to the row's position, no [rows, entries] tensor beyond a
     bounded scratch; tables: (block tables [rows, W], block size, entry rows per block); rows:
-    (positions, chunk starts, real). None where the fast path does not apply and the caller
-    keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
+    (positions, chunk starts, real); fp8: as v4_index_scores'. None where the fast path does not
+    apply and the caller keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_index_select as triton_v4_index_select
 
-    if not triton_v4_index_select.supports(q, new, page, topk):
+    rope_page, kv_scale = fp8 if fp8 is not None else (None, 1.0)
+    if not triton_v4_index_select.supports(q, new, page, topk, rope_page):
         return None
-    return triton_v4_index_select.index_select(q, weights, new, page, tables, rate, rows, topk)
+    return triton_v4_index_select.index_select(
+        q, weights, new, page, tables, rate, rows, topk, rope_page, kv_scale
+    )
 
 
 def v4_norm_rope(

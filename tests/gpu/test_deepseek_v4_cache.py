@@ -2,7 +2,7 @@
 path on CUDA today): prefix caching gives the tokens of the engine without it (float32: equal, and
 equal to the CPU engine's; bf16 under full_decode_only graphs: equal up to a near-tie), and the FP8
 cache (e4m3 KV pages) gives the CPU FP8 cache's float32 tokens, stays close to the bf16 cache,
-and replays in decode graphs."""
+and replays in decode graphs and, through the fused kernels, in `full` graphs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from afdserve import LLM, SamplingParams
+from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from tests.engine.test_kv_fp8 import _quality_tool
 from tests.gpu.test_graphs import _check
@@ -94,3 +95,25 @@ def test_fp8_cache_bf16_replays_and_stays_close(v4_dirs, tmp_path):
     m = tool.measure(tool.tiny_models(tmp_path)["deepseek_v4"], "bfloat16", tool.PROMPTS[:6], 8)
     print(f"deepseek_v4 bf16 on cuda: agreement {m['agree']:.3f}, mean |dlp| {m['dlp']:.4f}")
     assert m["agree"] >= 0.85 and m["dlp"] < 0.2
+
+
+def test_fp8_cache_bf16_under_full_graphs_gives_the_eager_tokens(v4_dirs, monkeypatch):
+    """`full` captures V4's prefill and mixed steps beside decodes over the FP8 cache: the fused
+    kernels read the e4m3 pages (the torch form, which gathers every row's entries out to the
+    table's end, rows x context, is made to fail), and the tokens are the eager engine's, up
+    to a near-tie."""
+    model = v4_dirs["bfloat16"]
+    fp8 = dict(kv_cache_dtype="fp8", enable_prefix_caching=False)
+    want, _ = rounds(model, "bfloat16", "cuda", **fp8)
+
+    def gathered(*args, **kwargs):
+        raise AssertionError("the torch form ran on CUDA over the FP8 cache")
+
+    monkeypatch.setattr(batched, "_every_entry", gathered)
+    monkeypatch.setattr(batched, "_index_scores", gathered)
+    got, _ = rounds(
+        model, "bfloat16", "cuda", graph_mode="full", cuda_graph_sizes=[1, 2, 4, 8], **fp8
+    )
+    monkeypatch.undo()
+    with LLM(str(model), dtype="bfloat16", device="cuda", graph_mode="none", **fp8) as eager:
+        _check(eager, FIRST + SECOND, got, want)

@@ -441,3 +441,170 @@ def test_norm_rope_equals_the_torch_forms(use, heads, dim, rows, dtype):
     x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
     graph.replay()
     assert torch.equal(captured, triton_v4_norm_rope.norm_rope(x, norm, rotated, back))
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(model, blocks: int, block_size: int, slots: int, gen: torch.Generator):
+    """An FP8 cache (e4m3 "kv" pages beside their bf16 rotated channels, bf16 state) at scale
+    0.5 (the kernels must honour it), every page filled with random rows."""
+    cache = make_kv_cache(model.config, blocks, block_size, FP8, "cuda", num_slots=slots)
+    for pages in cache.layers:
+        pages.scale = 0.5
+        for flat in pages.flat.values():
+            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
+    return cache
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(0, 1), (3, 1), (130, 1), (511, 1), (4095, 1), (8191, 1), (77, 1)], 1),
+     ([(0, 40), (300, 1), (200, 150)], 2)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_fp8_pages_attention_equals_the_torch_path(attention_models, shape, dtype, chunks, pad):
+    """batched._attend over an FP8 cache takes the fused kernel (the e4m3 pages widened in it)
+    and gives the torch form's attention over the same pages (`LayerPages.take` widening them):
+    the window, CSA's selected entries and HCA's every closed entry (walked through the tables);
+    replayed from a graph."""
+    triton_v4_attention = triton_module("v4_attention")
+    model = attention_models[shape]
+    gen = torch.Generator().manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    cache = fp8_cache(model, len(chunks) * width + 2, block_size, len(chunks), gen)
+    for layer in range(3):  # sliding, CSA, HCA
+        attn, pages = model.model.layers[layer].self_attn, cache.layers[layer]
+        n, heads, dim = rows.positions.shape[0], attn.heads, attn.dim
+        q = torch.randn(n, heads, dim, generator=gen).to(dtype).cuda()
+        kv = pages.as_stored(torch.randn(n, dim, generator=gen).to(dtype).cuda())
+        assert triton_v4_attention.supports(q, kv, pages.flat["window"], pages.flat["window_rope"])
+        back = rows.positions[:, None] - torch.arange(attn.window, device="cuda")
+        window_rows = pages.batch_rows("window", rows.tables, back)
+        keys = rows.chunk_or(kv, back, pages.take("window", window_rows, dtype))
+        allowed = (back >= 0) & rows.real[:, None]
+        selected = None
+        if attn.compressor is not None:
+            rate = attn.compressor.rate
+            count = -(-width * block_size // rate)
+            if attn.kind == HCA:
+                read = torch.arange(count).expand(n, count)
+            else:
+                k = min(attn.compressor.indexer.topk, count)
+                read = torch.stack([torch.randperm(count, generator=gen)[:k] for _ in range(n)])
+            read = read.cuda()
+            new = pages.as_stored(torch.randn(n, dim, generator=gen).to(dtype).cuda())
+            selected = (None if attn.kind == HCA else read, new)
+            entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
+            at = (read + 1) * rate - 1
+            stored = pages.take("entries", entry_rows, dtype)
+            keys = torch.cat((keys, rows.chunk_or(new, at, stored)), 1)
+            closed = ((rows.positions + 1) // rate)[:, None]
+            allowed = torch.cat((allowed, read < closed), dim=1)
+        want = attn.attend_batched(q, keys, allowed)
+        call = (attn, pages, q, kv, rows, window_rows, selected)
+        got = batched._attend(*call)
+        real = rows.real
+        assert got.dtype == dtype and bool(torch.isfinite(got).all())
+        assert bool((got[~real] == 0).all())
+        assert relative(got[real], want[real]) < TOL[dtype], (attn.kind, relative(got, want))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = batched._attend(*call)
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        graph.replay()
+        assert torch.equal(captured, batched._attend(*call))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(0, 1), (3, 1), (130, 1), (511, 1), (4095, 1), (8191, 1)], 1),
+     ([(0, 40), (300, 1), (200, 150), (5000, 300)], 2)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_fp8_pages_index_select_keeps_the_torch_top_k(attention_models, shape, chunks, pad):
+    """batched._index_top over an FP8 cache takes the fused selection (the e4m3 index entries
+    widened in the kernel) and keeps, in float32, the entries `Indexer.ranked` keeps over the
+    torch scores of the same pages; so do the fused scores (batched._index_scores)."""
+    triton_select = triton_module("v4_index_select")
+    model = attention_models[shape]
+    indexer = model.model.layers[1].self_attn.compressor.indexer
+    gen = torch.Generator().manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    pages = fp8_cache(model, len(chunks) * width + 2, block_size, len(chunks), gen).layers[1]
+    n = rows.positions.shape[0]
+    x = torch.randn(n, model.config.hidden_size, generator=gen).cuda()
+    q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).cuda()
+    new = pages.as_stored(torch.randn(n, indexer.dim, generator=gen).cuda())
+    rope = model.ropes("cuda")["compress"]
+    q, weights = indexer.queries(x, q_residual, rows.positions, rope)
+    page, rope_page = pages.flat["index_entries"], pages.flat["index_entries_rope"]
+    assert triton_select.supports(q, new, page, indexer.topk, rope_page)
+    count = -(-width * block_size // indexer.rate)
+    every = torch.arange(count, device="cuda").expand(n, count)
+    entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
+    stored = pages.take("index_entries", entry_rows, torch.float32)
+    keys = rows.chunk_or(new, (every + 1) * indexer.rate - 1, stored)
+    closed = torch.where(rows.real, (rows.positions + 1) // indexer.rate, 0)
+    scores = indexer.score(q, weights, keys).masked_fill(every >= closed[:, None], float("-inf"))
+    want = indexer.ranked(scores)
+    want = torch.where(want < closed[:, None], want, count).sort(dim=1).values
+    got = batched._index_top(indexer, pages, x, q_residual, rows, rope, new)
+    assert torch.equal(got[:, : want.shape[1]], want)
+    fused = batched._index_scores(indexer, pages, x, q_residual, rows, rope, new)
+    assert torch.equal(torch.isfinite(fused), torch.isfinite(scores))
+    seen = torch.isfinite(scores)
+    assert relative(fused[seen], scores[seen]) < 1e-5
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("count", [1, 7, 64])
+@torch.inference_mode()
+def test_fp8_pages_compressor_decode_equals_the_torch_path(tmp_path, shape, count):
+    """A bf16 model's decode compressors over an FP8 cache take the fused update (the entries
+    quantized to e4m3 in the kernel, their rotated channels bf16) and leave the pages the torch
+    form leaves (an element may land one e4m3 step apart where the bf16 pooling rounds
+    differently: a loose norm bound, which a misplaced channel or scale far exceeds); the pooled
+    entries come back as the page gives them."""
+    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
+    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
+    model = load_model(path, ModelParts.colocated(), "bfloat16", "cuda", load_format="dummy")[0]
+    gen = torch.Generator().manual_seed(count)
+    block_size, width = 64, 40
+    positions = torch.randint(0, width * block_size - 1, (count,), generator=gen)
+    positions[: min(count, 3)] = torch.tensor([3, 0, 127])[: min(count, 3)]
+    rows = step_rows([(int(p), 1) for p in positions], width, 2, gen)
+    rows = dataclasses.replace(rows, decode=True)
+    rope = model.ropes("cuda")["compress"]
+    rope_dim = 2 * rope.inv_freq.shape[0]
+    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
+        comp = model.model.layers[layer].self_attn.compressor
+        comp = comp.indexer if prefix else comp
+        torch_pages = fp8_cache(model, count * width + 2, block_size, count, gen).layers[layer]
+        fused_pages = make_kv_cache(model.config, count * width + 2, block_size, FP8, "cuda", count)
+        fused_pages = fused_pages.layers[layer]
+        fused_pages.scale = torch_pages.scale
+        for name, flat in torch_pages.flat.items():
+            fused_pages.flat[name].copy_(flat)
+        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
+        x = x.to(torch.bfloat16).cuda()
+        kv = comp.kv_proj(x)
+        assert ops.fuses_v4_compress(kv, fused_pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
+        torch_rows = dataclasses.replace(rows, decode=False)  # the torch form, on CUDA too
+        want = batched._compress(comp, torch_pages, prefix, x, torch_rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
+        if bool(closes.any()):
+            assert relative(got[closes], want[closes]) < 3e-2, (layer, prefix)
+            assert torch.equal(got[closes], fused_pages.as_stored(got[closes]))
+        for name, flat in torch_pages.flat.items():
+            if flat.numel():
+                g, w = fused_pages.flat[name][:-1].float(), flat[:-1].float()
+                assert relative(g, w) < 3e-2, (prefix, name, relative(g, w))

@@ -7,7 +7,9 @@ decode row (batch 1, the first token); decode rows at positions before, across a
 window and the rates, with pad rows (which must give zero); prefill chunks beside decodes (keys
 and entries from the chunk's own rows and from the pages). The tiny V4 shapes and a wide one (20
 heads: two head blocks, one partly masked; head_dim 80: padded; a window and a top-k over one
-key tile). float32 and float16 (the interpreter computes bf16 wrongly). In a subprocess because
+key tile). float32 and float16 (the interpreter computes bf16 wrongly). FP8 caches (e4m3 pages with
+their bf16 rotated channels) read in the kernel, against the torch path over the same pages. In a
+subprocess because
 the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
@@ -53,15 +55,21 @@ def step_rows(chunks, width, block_size, pad, gen):
                             torch.tensor(start), torch.tensor(end))
 
 
-def case(model, layer, chunks, pad, dtype, block_size, seed):
+def case(model, layer, chunks, pad, dtype, block_size, seed, fp8=False):
     # The torch path's `_attend` against the kernel, on the arguments it would pass.
     gen = torch.Generator().manual_seed(seed)
     attn = model.model.layers[layer].self_attn  # its sinks stay float32, as loaded
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, block_size, pad, gen)
     blocks = len(chunks) * width + 2
-    cache = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", num_slots=1)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    cache = make_kv_cache(model.config, blocks, block_size, cache_dtype, "cpu", num_slots=1)
     pages = cache.layers[layer]
+    assert pages.fp8 == fp8
+    rope_pages = None
+    if fp8:
+        pages.scale = 0.5  # the kernels honour a scale other than 1.0
+        rope_pages = (pages.flat["window_rope"], pages.flat.get("entries_rope"))
     for flat in pages.flat.values():
         flat.copy_(torch.randn(flat.shape, generator=gen))
     n, heads, dim = rows.positions.shape[0], attn.heads, attn.dim
@@ -84,9 +92,10 @@ def case(model, layer, chunks, pad, dtype, block_size, seed):
         entries = (new, pages.flat["entries"], entry_rows, read)
     want = batched._attend(attn, pages, q, kv, rows, window_rows, selected)
     got = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows, entries, rate,
-                                     rows.positions, rows.start, rows.real, attn.sinks, attn.scale)
+                                     rows.positions, rows.start, rows.real, attn.sinks, attn.scale,
+                                     None, rope_pages, pages.scale)
     real = rows.real
-    label = (attn.kind, chunks, pad, dtype, heads, dim)
+    label = (attn.kind, chunks, pad, dtype, heads, dim, fp8)
     assert got.dtype == dtype and torch.isfinite(got).all(), label
     assert torch.equal(got[~real], torch.zeros_like(got[~real])), label
     err = float((got[real].double() - want[real].double()).norm() / want[real].double().norm())
@@ -98,7 +107,7 @@ def case(model, layer, chunks, pad, dtype, block_size, seed):
         got = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows,
                                          (new, pages.flat["entries"], rows.tables, None), rate,
                                          rows.positions, rows.start, rows.real, attn.sinks,
-                                         attn.scale, every)
+                                         attn.scale, every, rope_pages, pages.scale)
         assert torch.equal(got[~real], torch.zeros_like(got[~real])), label
         err = float((got[real].double() - want[real].double()).norm()
                     / want[real].double().norm())
@@ -118,10 +127,13 @@ with tempfile.TemporaryDirectory() as root:
             case(model, layer, decode[:1], 0, torch.float32, 4, layer)  # batch 1, first token
             case(model, layer, decode, 3, torch.float32, 4, layer + 10)
             case(model, layer, mixed, 1, torch.float16, 8, layer + 20)
+            case(model, layer, mixed, 1, torch.float16, 8, layer + 30, fp8=True)
+    for layer in range(3):
+        case(tiny, layer, decode, 3, torch.float32, 4, layer + 40, fp8=True)
 """
 
 
 def test_fused_v4_attention_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 24, run.stdout
+    assert run.stdout.count(" ok") == 36, run.stdout

@@ -7,7 +7,8 @@ in index order, then the fill index no row sees. One decode row; decode rows bef
 well past the rate (more closed entries than index_topk), with pad rows (which keep none);
 prefill chunks beside decodes (keys from the chunk's own pooled rows and from the page); the
 scores taken in several row chunks (a small scratch); the tiny indexer (topk 2) and a wide one
-(20 heads, dim 48: padded; topk 40). float32 only (the sets must match exactly). In a
+(20 heads, dim 48: padded; topk 40); FP8 caches (e4m3 entries beside their bf16 rotated
+channels, scale 0.5) read in the kernel. float32 queries only (the sets must match exactly). In a
 subprocess because the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
@@ -52,18 +53,24 @@ def step_rows(chunks, width, pad, gen):
                             torch.tensor(start), torch.tensor(end))
 
 
-def case(model, chunks, pad, block_size, seed, scratch=None):
+def case(model, chunks, pad, block_size, seed, scratch=None, fp8=False):
     gen = torch.Generator().manual_seed(seed)
     indexer = model.model.layers[1].self_attn.compressor.indexer
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
     blocks = len(chunks) * width + 2
-    cache = make_kv_cache(model.config, blocks, block_size, torch.float32, "cpu", num_slots=1)
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    cache = make_kv_cache(model.config, blocks, block_size, cache_dtype, "cpu", num_slots=1)
     pages = cache.layers[1]
+    assert pages.fp8 == fp8
     for flat in pages.flat.values():
         flat.copy_(torch.randn(flat.shape, generator=gen))
-    page = pages.flat["index_entries"]
-    page[torch.rand(page.shape[0], generator=gen) < 0.33] = 0.0  # ties at score 0.0
+    page, rope_page = pages.flat["index_entries"], pages.flat.get("index_entries_rope")
+    tie = torch.rand(page.shape[0], generator=gen) < 0.33
+    page.view(torch.uint8)[tie] = 0  # ties at score 0.0 (e4m3's zero is the zero byte)
+    if fp8:
+        rope_page[tie] = 0.0
+        pages.scale = 0.5  # the kernel honours a scale other than 1.0
     n = rows.positions.shape[0]
     x = torch.randn(n, model.config.hidden_size, generator=gen)
     q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen)
@@ -76,11 +83,12 @@ def case(model, chunks, pad, block_size, seed, scratch=None):
         triton_select.SCORE_ELEMENTS = scratch
     got = triton_select.index_select(
         q, weights, new, page, (rows.tables, block_size, pages.pages["index_entries"].shape[1]),
-        indexer.rate, (rows.positions, rows.start, rows.real), indexer.topk)
+        indexer.rate, (rows.positions, rows.start, rows.real), indexer.topk, rope_page,
+        pages.scale)
     triton_select.SCORE_ELEMENTS = 1 << 26
     count = -(-width * block_size // indexer.rate)
     closed = torch.where(rows.real, (rows.positions + 1) // indexer.rate, 0)
-    label = (indexer.heads, indexer.dim, indexer.topk, chunks, pad, block_size, scratch)
+    label = (indexer.heads, indexer.dim, indexer.topk, chunks, pad, block_size, scratch, fp8)
     assert got.shape == (n, indexer.topk), label
     for r in range(n):
         kept = [e for e in want[r].tolist() if e < closed[r]]
@@ -103,10 +111,12 @@ with tempfile.TemporaryDirectory() as root:
         case(model, decode, 3, 4, 2)
         case(model, mixed, 1, 8, 3)
         case(model, mixed, 2, 16, 4, scratch=300)  # rows in chunks of a small scratch
+        case(model, decode, 3, 4, 5, fp8=True)
+        case(model, mixed, 1, 8, 6, fp8=True)
 """
 
 
 def test_fused_v4_index_select_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 8, run.stdout
+    assert run.stdout.count(" ok") == 12, run.stdout

@@ -5,7 +5,8 @@ real `LayerPages` filled with random rows: the same entries -inf, the others clo
 float32 the same top-k (`Indexer.ranked`). One decode row (batch 1); decode rows before and past
 the rate, over several blocks of entries, with pad rows; prefill chunks beside decodes (keys from
 the chunk's own pooled rows and from the page); the tiny indexer (8 heads of 8) and a wide one
-(20 heads: padded; dim 48: padded); float32 and float16 (the interpreter computes bf16 wrongly).
+(20 heads: padded; dim 48: padded); float32 and float16 (the interpreter computes bf16 wrongly);
+FP8 caches (e4m3 entries beside their bf16 rotated channels, scale 0.5) read in the kernel.
 In a subprocess because the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def step_rows(chunks, width, pad, gen):
                             torch.tensor(start), torch.tensor(end))
 
 
-def case(models, chunks, pad, dtype, block_size, seed):
+def case(models, chunks, pad, dtype, block_size, seed, fp8=False):
     # The torch path's `_index_scores` against the kernel, on the arguments it would pass.
     gen = torch.Generator().manual_seed(seed)
     model = models[dtype]
@@ -59,9 +60,14 @@ def case(models, chunks, pad, dtype, block_size, seed):
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
     blocks = len(chunks) * width + 2
-    pages = make_kv_cache(model.config, blocks, block_size, dtype, "cpu", num_slots=1).layers[1]
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    pages = make_kv_cache(model.config, blocks, block_size, cache_dtype, "cpu",
+                          num_slots=1).layers[1]
+    assert pages.fp8 == fp8
     for flat in pages.flat.values():
         flat.copy_(torch.randn(flat.shape, generator=gen))
+    if fp8:
+        pages.scale = 0.5  # the kernel honours a scale other than 1.0
     n = rows.positions.shape[0]
     x = torch.randn(n, model.config.hidden_size, generator=gen).to(dtype)
     q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).to(dtype)
@@ -73,8 +79,9 @@ def case(models, chunks, pad, dtype, block_size, seed):
     every = torch.arange(count).expand(n, count)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     got = triton_v4_indexer.index_scores(q, weights, new, pages.flat["index_entries"],
-                                         entry_rows, indexer.rate, rows.positions, rows.start)
-    label = (indexer.heads, indexer.dim, indexer.rate, chunks, pad, dtype, block_size)
+                                         entry_rows, indexer.rate, rows.positions, rows.start,
+                                         pages.flat.get("index_entries_rope"), pages.scale)
+    label = (indexer.heads, indexer.dim, indexer.rate, chunks, pad, dtype, block_size, fp8)
     seen = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), seen), label
     err = float((got[seen].double() - want[seen].double()).norm() / want[seen].double().norm())
@@ -96,10 +103,11 @@ with tempfile.TemporaryDirectory() as root:
         case(models, decode, 3, torch.float32, 4, 2)
         case(models, mixed, 1, torch.float32, 8, 3)
         case(models, decode, 1, torch.float16, 16, 4)
+        case(models, mixed, 1, torch.float32, 8, 5, fp8=True)
 """
 
 
 def test_fused_v4_index_scores_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 8, run.stdout
+    assert run.stdout.count(" ok") == 10, run.stdout

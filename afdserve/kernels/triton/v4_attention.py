@@ -15,8 +15,10 @@ FlashMLA's sparse decode reads each selected key once for a head group). The key
   block table in the kernel: the loop stops at the row's own last entry, so a prefill row reads
   its causal extent and a captured step whose tables span max_model_len reads no further.
 That is `StepRows.chunk_or`'s rule, with the addresses `LayerPages` gives (cache.py keeps the
-layout). Softmax online in float32 from the sink (m = sink, l = 1), so a row with every key masked
-gives zero, as the torch path. The window's and READ's loop bounds are constexpr.
+layout). An FP8 cache's pages (unrotated channels e4m3, rotated bf16) are read and widened in the
+kernel as the torch path widens them (v4_pages.py). Softmax online in float32 from the sink (m =
+sink, l = 1), so a row with every key masked gives zero, as the torch path. The window's and
+READ's loop bounds are constexpr.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows
 
 # Heads a program takes and keys per tile (not measured; the head block is tl.dot's minimum M, the
 # tile keeps a head_dim 512 key tile at 16 KB of bf16).
@@ -45,7 +49,24 @@ def _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _entry_keys(NEW, ENTRY_PAGE, read, paged, visible, own, r, p, rows, dim, d, RATE: tl.constexpr):
+def _entry_keys(
+    NEW,
+    ENTRY_PAGE,
+    ENTRY_ROPE,
+    read,
+    paged,
+    visible,
+    own,
+    r,
+    p,
+    rows,
+    dim,
+    d,
+    nope,
+    kv_scale,
+    RATE: tl.constexpr,
+    FP8: tl.constexpr,
+):
     """The keys [BLOCK_KEYS, D] of entries `read`: the chunk's own pooled rows where `own`
     (closed at or past the chunk's start), else the entries page's flat rows `paged`."""
     live_d = d < dim
@@ -55,11 +76,7 @@ def _entry_keys(NEW, ENTRY_PAGE, read, paged, visible, own, r, p, rows, dim, d, 
         mask=(visible & own)[:, None] & live_d[None, :],
         other=0.0,
     )
-    k_paged = tl.load(
-        ENTRY_PAGE + paged[:, None] * dim + d[None, :],
-        mask=(visible & ~own)[:, None] & live_d[None, :],
-        other=0.0,
-    )
+    k_paged = page_rows(ENTRY_PAGE, ENTRY_ROPE, paged, visible & ~own, d, dim, nope, kv_scale, FP8)
     return tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
 
 
@@ -68,9 +85,11 @@ def _sparse_attention_kernel(
     Q,  # [rows, heads, dim]
     OWN,  # [rows, dim]: the chunk's own rotated KV
     WINDOW_PAGE,  # [flat rows, dim]
+    WINDOW_ROPE,  # [flat rows, dim - nope] bf16: an FP8 cache's rotated channels (FP8)
     WINDOW_ROWS,  # [rows, WINDOW] int64
     NEW,  # [rows, dim]: the entry each chunk row pooled (ENTRIES > 0)
     ENTRY_PAGE,  # [flat rows, dim]
+    ENTRY_ROPE,  # [flat rows, dim - nope] bf16 (FP8)
     ENTRY_ROWS,  # [rows, ENTRIES] int64
     READ,  # [rows, ENTRIES] int64: the entry indices
     TABLES,  # [rows, width] int64: each row's block table (EVERY)
@@ -84,6 +103,8 @@ def _sparse_attention_kernel(
     dim,
     scale,
     width,
+    nope,  # the unrotated channels, e4m3 in an FP8 cache's pages (FP8)
+    kv_scale,  # an FP8 cache's scale (FP8)
     WINDOW: tl.constexpr,
     ENTRIES: tl.constexpr,
     RATE: tl.constexpr,
@@ -94,6 +115,7 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # the pages are an FP8 cache's pairs (v4_pages.py)
 ):
     r, head_block = tl.program_id(0), tl.program_id(1)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -123,10 +145,8 @@ def _sparse_attention_kernel(
             mask=(visible & own)[:, None] & live_d[None, :],
             other=0.0,
         )
-        k_paged = tl.load(
-            WINDOW_PAGE + paged[:, None] * dim + d[None, :],
-            mask=(visible & ~own)[:, None] & live_d[None, :],
-            other=0.0,
+        k_paged = page_rows(
+            WINDOW_PAGE, WINDOW_ROPE, paged, visible & ~own, d, dim, nope, kv_scale, FP8
         )
         k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
         m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
@@ -143,7 +163,24 @@ def _sparse_attention_kernel(
             first = (block * BLOCK_SIZE + RATE - 1) // RATE
             page_block = tl.load(TABLES + r * width + block, mask=visible & ~own, other=0)
             paged = page_block * SLOTS + e - first
-            k = _entry_keys(NEW, ENTRY_PAGE, e, paged, visible, own, r, p, rows, dim, d, RATE)
+            k = _entry_keys(
+                NEW,
+                ENTRY_PAGE,
+                ENTRY_ROPE,
+                e,
+                paged,
+                visible,
+                own,
+                r,
+                p,
+                rows,
+                dim,
+                d,
+                nope,
+                kv_scale,
+                RATE,
+                FP8,
+            )
             m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     else:
         for t in range(0, ENTRIES, BLOCK_N):
@@ -152,7 +189,24 @@ def _sparse_attention_kernel(
             visible = (e < ENTRIES) & (read < closed) & real
             own = (read + 1) * RATE - 1 >= start  # the position that closed the entry
             paged = tl.load(ENTRY_ROWS + r * ENTRIES + e, mask=visible & ~own, other=0)
-            k = _entry_keys(NEW, ENTRY_PAGE, read, paged, visible, own, r, p, rows, dim, d, RATE)
+            k = _entry_keys(
+                NEW,
+                ENTRY_PAGE,
+                ENTRY_ROPE,
+                read,
+                paged,
+                visible,
+                own,
+                r,
+                p,
+                rows,
+                dim,
+                d,
+                nope,
+                kv_scale,
+                RATE,
+                FP8,
+            )
             m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     out = acc / l_i[:, None]
     tl.store(
@@ -162,16 +216,22 @@ def _sparse_attention_kernel(
     )
 
 
-def supports(q: torch.Tensor, own: torch.Tensor, window_page: torch.Tensor) -> bool:
-    """q [rows, heads, dim], own [rows, dim], the pages, all of one float dtype, contiguous."""
+def supports(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    page: torch.Tensor,
+    rope_page: torch.Tensor | None = None,
+) -> bool:
+    """q [rows, heads, dim], own [rows, dim] of one float dtype, contiguous; a page in that dtype,
+    or (`rope_page` given) an FP8 cache's pair (v4_pages.fp8_pages)."""
     return (
         q.dim() == 3
         and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and q.dtype == own.dtype == window_page.dtype
+        and q.dtype == own.dtype
         and q.is_contiguous()
         and own.is_contiguous()
-        and window_page.is_contiguous()
         and q.shape[-1] <= 1024
+        and fp8_pages(q.dtype, page, rope_page, q.shape[-1]) is not None
     )
 
 
@@ -188,13 +248,16 @@ def sparse_attention(
     sinks: torch.Tensor,
     scale: float,
     every: tuple[int, int] | None = None,
+    rope_pages: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, its flat
     rows [rows, n], the entry indices [rows, n]) or None (a sliding layer); with `every` (the
     cache's block size, entry rows per block): (new, page, the rows' block tables [rows, W],
     None), every closed entry of each row, read up to the row's last (HCA: no [rows, entries]
-    index tensor, no loop past the row's position). See the module docstring for what each row
-    sees."""
+    index tensor, no loop past the row's position); `rope_pages`: an FP8 cache's rotated pages of
+    the window and the entries (None: a sliding layer's), whose other pages are then e4m3 at
+    `kv_scale`. See the module docstring for what each row sees."""
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
@@ -211,14 +274,20 @@ def sparse_attention(
     else:
         new, entry_page, entry_rows, read = entries
         count = read.shape[1]
+    fp8 = rope_pages is not None
+    window_rope, entry_rope = rope_pages if fp8 else (window_page, None)
+    entry_rope = window_rope if entry_rope is None else entry_rope
+    nope = dim - window_rope.shape[1] if fp8 else dim
     block_h = BLOCK_HEADS
     _sparse_attention_kernel[(rows, triton.cdiv(heads, block_h))](
         q,
         own,
         window_page,
+        window_rope,
         window_rows.contiguous(),
         new.contiguous(),
         entry_page,
+        entry_rope,
         entry_rows.contiguous(),
         read.contiguous(),
         tables.contiguous(),
@@ -232,6 +301,8 @@ def sparse_attention(
         dim,
         scale,
         tables.shape[1],
+        nope,
+        kv_scale,
         WINDOW=window,
         ENTRIES=count,
         RATE=max(rate, 1),
@@ -242,6 +313,7 @@ def sparse_attention(
         BLOCK_N=BLOCK_KEYS,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=fp8,
         # A head_dim of 512 keeps a [16, 512] float32 output and a [32, 512] key tile live: eight
         # warps hold them without spilling (chosen, not measured).
         num_warps=8 if dim > 128 else 4,

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afdserve.kernels.triton.v4_pages import store_row
+
 BLOCK_COLUMNS = 64  # columns a step of the loops takes (not measured)
 
 
@@ -59,13 +61,16 @@ def _compress_kernel(
     BIAS,  # [M, width] float32
     NORM_WEIGHT,  # [DIM] float32
     INV_FREQ,  # [ROPE / 2] float32
-    ENTRIES,  # [flat rows, DIM]: the entries page
+    ENTRIES,  # [flat rows, DIM]: the entries page (FP8: its e4m3 channels [flat rows, nope])
+    ENTRY_ROPE,  # [flat rows, DIM - nope] bf16: an FP8 cache's rotated channels (FP8)
     ENTRY_ROW,  # [rows] int64: the entries page's row of the entry p closes
     NEW,  # [rows, DIM]: the pooled entry (kept where p closes its window)
     POSITIONS,  # [rows] int64
     REAL,  # [rows] bool
     norm_eps,
     scaling,
+    nope,  # the entries' unrotated channels (FP8)
+    kv_scale,  # an FP8 cache's scale (FP8)
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     DIM: tl.constexpr,
@@ -75,6 +80,7 @@ def _compress_kernel(
     OVERLAP: tl.constexpr,
     ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 3 m + 1
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,  # the entries are an FP8 cache's pair (v4_pages.py)
 ):
     r = tl.program_id(0)
     p = tl.load(POSITIONS + r)
@@ -153,10 +159,16 @@ def _compress_kernel(
         sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
         out_even = tl.where(rotated, x_even * cos - x_odd * sin, x_even).to(dtype)
         out_odd = tl.where(rotated, x_odd * cos + x_even * sin, x_odd).to(dtype)
+        # The entry as the page keeps it, and NEW as the page gives it back (as_stored).
+        kept = inside & closes
+        out_even = store_row(
+            ENTRIES, ENTRY_ROPE, entry, out_even, even, kept, DIM, nope, kv_scale, FP8
+        )
+        out_odd = store_row(
+            ENTRIES, ENTRY_ROPE, entry, out_odd, even + 1, kept, DIM, nope, kv_scale, FP8
+        )
         tl.store(NEW + r * DIM + even, out_even, mask=inside)
         tl.store(NEW + r * DIM + even + 1, out_odd, mask=inside)
-        tl.store(ENTRIES + entry * DIM + even, out_even, mask=inside & closes)
-        tl.store(ENTRIES + entry * DIM + even + 1, out_odd, mask=inside & closes)
     opened = tl.load(at + M)
     for c in range(0, WIDTH, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -193,13 +205,15 @@ def compress_decode(
     real: torch.Tensor,
     rate: int,
     dim: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """kv, gate [rows, width] -> the pooled entries [rows, dim] (kept where a row closes its
-    window), the pages written. pages: the flat `open_kv`, `open_gate` (rings), `entries` (and
-    CSA's `prev_kv`, `prev_gate`); addresses [rows, m + 1 (CSA: + 2 m)]: the open rings' rows of
-    the window's positions and of p (and the prev pages' rows of windows w - 1 and w, in the
-    row's block table); entry_rows [rows]: the
-    entries page's row of the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling)."""
+    window; as the entries page gives them back), the pages written. pages: the flat `open_kv`,
+    `open_gate` (rings), `entries` (an FP8 cache's: e4m3 at `kv_scale` beside `entries_rope`,
+    v4_pages.store_row), and CSA's `prev_kv`, `prev_gate`; addresses [rows, m + 1 (CSA: + 2
+    m)]: the open rings' rows of the window's positions and of p (and the prev pages' rows of
+    windows w - 1 and w, in the row's block table); entry_rows [rows]: the entries page's row of
+    the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling)."""
     count = kv.shape[0]
     new = torch.empty(count, dim, dtype=kv.dtype, device=kv.device)
     if count == 0:
@@ -207,6 +221,7 @@ def compress_decode(
     overlap = "prev_kv" in pages
     prev = (pages["prev_kv"], pages["prev_gate"]) if overlap else (kv, kv)  # kv: never read
     inv_freq, scaling = rope
+    fp8 = "entries_rope" in pages
     _compress_kernel[(count,)](
         kv,
         gate,
@@ -218,12 +233,15 @@ def compress_decode(
         norm[0],
         inv_freq,
         pages["entries"],
+        pages.get("entries_rope", pages["entries"]),
         entry_rows.contiguous(),
         new,
         positions,
         real,
         norm[1],
         scaling,
+        pages["entries"].shape[1] if fp8 else dim,
+        kv_scale,
         M=rate,
         M_PAD=triton.next_power_of_2(rate),
         DIM=dim,
@@ -233,6 +251,7 @@ def compress_decode(
         OVERLAP=overlap,
         ADDRESS_WIDTH=addresses.shape[1],
         BLOCK=min(BLOCK_COLUMNS, triton.next_power_of_2(dim)),
+        FP8=fp8,
         # HCA's 128 slots make [128, 64] tiles of kv, gate and weights (chosen, not measured).
         num_warps=8 if rate >= 32 else 4,
     )

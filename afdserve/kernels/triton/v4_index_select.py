@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.triton.dsa_indexer import _order_key
+from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows
 
 BLOCK_ENTRIES = 64  # entries a score step reads (not measured)
 SPLITS = 16  # programs per row scoring entries (not measured)
@@ -37,7 +38,8 @@ def _scores_kernel(
     Q,  # [rows, heads, DIM]: the rotated index queries
     WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
     NEW,  # [rows, DIM]: the entry each chunk row pooled
-    PAGE,  # [flat rows, DIM]: the indexer's entries page
+    PAGE,  # [flat rows, DIM]: the indexer's entries page (FP8: its e4m3 channels [flat, nope])
+    ROPE_PAGE,  # [flat rows, DIM - nope] bf16: an FP8 cache's rotated channels (FP8)
     TABLES,  # [rows, width] int64
     POSITIONS,  # [rows] int64
     START,  # [rows] int64
@@ -49,6 +51,8 @@ def _scores_kernel(
     width,
     count,
     scale,
+    nope,  # the unrotated channels (FP8)
+    kv_scale,  # an FP8 cache's scale (FP8)
     RATE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # the cache's block size
     SLOTS: tl.constexpr,  # entry rows per block of the page
@@ -58,6 +62,7 @@ def _scores_kernel(
     BLOCK_E: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # PAGE and ROPE_PAGE are an FP8 cache's pair (v4_pages.py)
 ):
     local, split = tl.program_id(0), tl.program_id(1)
     r = row0 + local
@@ -88,11 +93,7 @@ def _scores_kernel(
             mask=(seen & own)[:, None] & live_d[None, :],
             other=0.0,
         )
-        k_paged = tl.load(
-            PAGE + paged[:, None] * DIM + d[None, :],
-            mask=(seen & ~own)[:, None] & live_d[None, :],
-            other=0.0,
-        )
+        k_paged = page_rows(PAGE, ROPE_PAGE, paged, seen & ~own, d, DIM, nope, kv_scale, FP8)
         k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
         dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_E]
         scores = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
@@ -157,15 +158,22 @@ def _top_kernel(
         tl.store(OUT + r * TOPK + o, filler, mask=(o >= kept) & (o < TOPK))
 
 
-def supports(q: torch.Tensor, new: torch.Tensor, page: torch.Tensor, topk: int) -> bool:
-    """q [rows, heads, dim], new [rows, dim] and the page of one float dtype, contiguous."""
+def supports(
+    q: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    topk: int,
+    rope_page: torch.Tensor | None = None,
+) -> bool:
+    """q [rows, heads, dim] and new [rows, dim] of one float dtype, contiguous; the page in that
+    dtype, or (`rope_page` given) an FP8 cache's pair (v4_pages.fp8_pages)."""
     return (
         q.dim() == 3
         and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and q.dtype == new.dtype == page.dtype
+        and q.dtype == new.dtype
         and q.is_contiguous()
         and new.is_contiguous()
-        and page.is_contiguous()
+        and fp8_pages(q.dtype, page, rope_page, q.shape[-1]) is not None
         and q.shape[1] <= 128
         and q.shape[2] <= 512
         and 1 <= topk <= 8192
@@ -181,10 +189,13 @@ def index_select(
     rate: int,
     rows_at: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk: int,
+    rope_page: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """-> [rows, topk] int64: each row's kept entries in index order, then ceil(W B / m) (no
     row's: never visible). tables: (the rows' block tables [rows, W], the cache's block size,
-    entry rows per block of `page`); rows_at: (positions, chunk starts, real)."""
+    entry rows per block of `page`); rows_at: (positions, chunk starts, real); `rope_page`: an
+    FP8 cache's rotated channels, `page` then its e4m3 ones at `kv_scale`."""
     rows, heads, dim = q.shape
     table, block_size, slots = tables
     positions, start, real = (t.contiguous() for t in rows_at)
@@ -203,6 +214,7 @@ def index_select(
             weights,
             new,
             page,
+            page if rope_page is None else rope_page,
             table,
             positions,
             start,
@@ -214,6 +226,8 @@ def index_select(
             width,
             count,
             dim**-0.5,
+            dim if rope_page is None else dim - rope_page.shape[1],
+            kv_scale,
             RATE=rate,
             BLOCK_SIZE=block_size,
             SLOTS=slots,
@@ -223,6 +237,7 @@ def index_select(
             BLOCK_E=BLOCK_ENTRIES,
             SPLITS=SPLITS,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            FP8=rope_page is not None,
             num_warps=8 if heads * dim > 4096 else 4,  # 64 heads of 128: a 16 KB q tile
         )
         _top_kernel[(n,)](

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows
+
 BLOCK_ENTRIES = 64  # entries a program scores (not measured)
 
 
@@ -24,7 +26,8 @@ def _index_scores_kernel(
     Q,  # [rows, heads, DIM]: the rotated index queries
     WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
     NEW,  # [rows, DIM]: the entry each chunk row pooled
-    PAGE,  # [flat rows, DIM]: the indexer's entries page
+    PAGE,  # [flat rows, DIM]: the indexer's entries page (FP8: its e4m3 channels [flat, nope])
+    ROPE_PAGE,  # [flat rows, DIM - nope] bf16: an FP8 cache's rotated channels (FP8)
     ENTRY_ROWS,  # [rows, count] int64
     POSITIONS,  # [rows] int64
     START,  # [rows] int64
@@ -33,12 +36,15 @@ def _index_scores_kernel(
     heads,
     count,
     scale,
+    nope,  # the unrotated channels (FP8)
+    kv_scale,  # an FP8 cache's scale (FP8)
     RATE: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # PAGE and ROPE_PAGE are an FP8 cache's pair (v4_pages.py)
 ):
     r, block = tl.program_id(0), tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
@@ -64,11 +70,7 @@ def _index_scores_kernel(
         mask=(inside & own)[:, None] & live_d[None, :],
         other=0.0,
     )
-    k_paged = tl.load(
-        PAGE + paged[:, None] * DIM + d[None, :],
-        mask=(inside & ~own)[:, None] & live_d[None, :],
-        other=0.0,
-    )
+    k_paged = page_rows(PAGE, ROPE_PAGE, paged, inside & ~own, d, DIM, nope, kv_scale, FP8)
     k = tl.where(own[:, None], k_own, k_paged.to(k_own.dtype))
     dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_E]
     scores = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
@@ -76,15 +78,21 @@ def _index_scores_kernel(
     tl.store(SCORES + r * count + e, scores, mask=inside)
 
 
-def supports(q: torch.Tensor, new: torch.Tensor, page: torch.Tensor) -> bool:
-    """q [rows, heads, dim], new [rows, dim] and the page of one float dtype, contiguous."""
+def supports(
+    q: torch.Tensor,
+    new: torch.Tensor,
+    page: torch.Tensor,
+    rope_page: torch.Tensor | None = None,
+) -> bool:
+    """q [rows, heads, dim] and new [rows, dim] of one float dtype, contiguous; the page in that
+    dtype, or (`rope_page` given) an FP8 cache's pair (v4_pages.fp8_pages)."""
     return (
         q.dim() == 3
         and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and q.dtype == new.dtype == page.dtype
+        and q.dtype == new.dtype
         and q.is_contiguous()
         and new.is_contiguous()
-        and page.is_contiguous()
+        and fp8_pages(q.dtype, page, rope_page, q.shape[-1]) is not None
         and q.shape[1] <= 128
         and q.shape[2] <= 512
     )
@@ -99,9 +107,12 @@ def index_scores(
     rate: int,
     positions: torch.Tensor,
     start: torch.Tensor,
+    rope_page: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """-> scores [rows, count] float32 of every entry `entry_rows` [rows, count] addresses (the
-    module docstring says which key each is and which are -inf)."""
+    module docstring says which key each is and which are -inf); `rope_page`: an FP8 cache's
+    rotated channels, `page` then its e4m3 ones at `kv_scale`."""
     rows, heads, dim = q.shape
     count = entry_rows.shape[1]
     scores = torch.empty(rows, count, dtype=torch.float32, device=q.device)
@@ -112,6 +123,7 @@ def index_scores(
         weights.float().contiguous(),
         new,
         page,
+        page if rope_page is None else rope_page,
         entry_rows.contiguous(),
         positions,
         start,
@@ -120,12 +132,15 @@ def index_scores(
         heads,
         count,
         dim**-0.5,
+        dim if rope_page is None else dim - rope_page.shape[1],
+        kv_scale,
         RATE=rate,
         DIM=dim,
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_E=BLOCK_ENTRIES,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=rope_page is not None,
         num_warps=8 if heads * dim > 4096 else 4,  # 64 heads of 128: a 32 KB q tile (not measured)
     )
     return scores

@@ -12,12 +12,14 @@ that page; a sequence writes only positions of its own chunk
 and the entries and series of windows starting in it, so blocks shared by prefix caching (wholly
 before the chunk) are never written and segment order does not matter. Pad rows write to the
 pages' scratch row and give zero. full_decode_only graphs capture decode ubatches, `full` any.
-On CUDA (pages in the model dtype) the attention, the indexer's scores and a decode ubatch's
-compressor update are fused launches (ops.v4_*). There no tensor grows as rows x context: HCA's
-attention reads each row's closed entries through its table up to its own position, and CSA's
-indexer scores each row only that far, in row chunks of bounded scratch; so a step of prefill
-chunks beside decodes, shapes fixed by the row count and W, is what `full` graphs capture. The
-torch form (the CPU reference) gathers every entry the table addresses, per row.
+On CUDA the attention, the indexer's scores and a decode ubatch's compressor update are fused
+launches (ops.v4_*), over pages in the model dtype or an FP8 cache's (e4m3 beside bf16 rotated
+channels, read and written in the kernels as `LayerPages` reads and writes them). There no
+tensor grows as rows x context: HCA's attention reads each row's closed entries through its
+table up to its own position, and CSA's indexer scores each row only that far, in row chunks of
+bounded scratch; so a step of prefill chunks beside decodes, shapes fixed by the row count and
+W, is what `full` graphs capture. The torch form (the CPU reference) gathers every entry the
+table addresses, per row.
 """
 
 from __future__ import annotations
@@ -170,20 +172,20 @@ def _attend(
             entries = (new, pages.flat["entries"], rows.tables, None)
         else:
             entries = (new, pages.flat["entries"], _entry_rows(pages, rows, read), read)
-    fused = (
-        None
-        if pages.fp8
-        else ops.v4_sparse_attention(
-            q,
-            kv,
-            (pages.flat["window"], window_rows),
-            entries,
-            comp.rate if comp is not None else 0,
-            (p, rows.start, rows.real),
-            attn.sinks,
-            attn.scale,
-            every,
-        )
+    fp8 = None
+    if pages.fp8:  # the kernel widens the e4m3 channels as `LayerPages.take` does
+        fp8 = (pages.flat["window_rope"], pages.flat.get("entries_rope"), pages.scale)
+    fused = ops.v4_sparse_attention(
+        q,
+        kv,
+        (pages.flat["window"], window_rows),
+        entries,
+        comp.rate if comp is not None else 0,
+        (p, rows.start, rows.real),
+        attn.sinks,
+        attn.scale,
+        every,
+        fp8,
     )
     if fused is not None:
         return fused
@@ -246,20 +248,26 @@ def _index_top(
     keeps the first index_topk: visible entries come first, so a top-k beyond the visible
     count keeps all of them and masks the rest, as the per-sequence path."""
     queries = indexer.queries(x, q_residual, rows.positions, rope)
-    if not pages.fp8:  # the fused kernels read pages in the model dtype
-        geometry, page = pages.geometry, pages.pages["index_entries"]
-        top = ops.v4_index_select(
-            *queries,
-            new,
-            pages.flat["index_entries"],
-            (rows.tables, geometry.block_size, page.shape[1]),
-            indexer.rate,
-            (rows.positions, rows.start, rows.real),
-            indexer.topk,
-        )
-        if top is not None:
-            return top
+    geometry, page = pages.geometry, pages.pages["index_entries"]
+    top = ops.v4_index_select(
+        *queries,
+        new,
+        pages.flat["index_entries"],
+        (rows.tables, geometry.block_size, page.shape[1]),
+        indexer.rate,
+        (rows.positions, rows.start, rows.real),
+        indexer.topk,
+        _index_fp8(pages),
+    )
+    if top is not None:
+        return top
     return indexer.ranked(_index_scores(indexer, pages, x, q_residual, rows, rope, new, queries))
+
+
+def _index_fp8(pages: LayerPages) -> tuple[torch.Tensor, float] | None:
+    """An FP8 cache's rotated channels of the indexer's entries and its scale, which the fused
+    kernels take beside the e4m3 page to widen it as `LayerPages.take` does (None: bf16 pages)."""
+    return (pages.flat["index_entries_rope"], pages.scale) if pages.fp8 else None
 
 
 def _index_scores(
@@ -282,9 +290,9 @@ def _index_scores(
     q, weights = queries or indexer.queries(x, q_residual, p, rope)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     page = pages.flat["index_entries"]
-    fused = None
-    if not pages.fp8:  # the fused kernels read pages in the model dtype
-        fused = ops.v4_index_scores(q, weights, new, page, entry_rows, m, p, rows.start)
+    fused = ops.v4_index_scores(
+        q, weights, new, page, entry_rows, m, p, rows.start, _index_fp8(pages)
+    )
     if fused is not None:
         return fused
     keys = rows.chunk_or(
@@ -313,10 +321,8 @@ def _compress(
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     rope_dim = 2 * rope.inv_freq.shape[0]
-    if (
-        rows.decode
-        and not pages.fp8
-        and ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
+    if rows.decode and ops.fuses_v4_compress(
+        kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim
     ):
         return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
     w, state_slots, ring = p // m, rows.state_slots(), pages.geometry.ring
@@ -387,6 +393,7 @@ def _compress_decode(
     m, p, tables = comp.rate, rows.positions, rows.tables
     members = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
+    names += ("entries_rope",) if pages.fp8 else ()  # the kernel quantizes as `LayerPages.store`
     flat = {name: pages.flat[prefix + name] for name in names}
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     # The open rings' rows of the window and of p (in the row's slot), then (CSA) the first
@@ -412,4 +419,5 @@ def _compress_decode(
         rows.real,
         m,
         comp.dim,
+        pages.scale,
     )
