@@ -384,7 +384,8 @@ def test_full_graph_layout_mixed_steps_equal_the_per_sequence_path(
     tables as wide as max_model_len whose columns past each sequence's blocks (and whose pad
     segments) keep an earlier, larger step's blocks, pad rows at positions that close every
     window, and a query length of the whole capture size (so decode-only steps run the mixed
-    path too). Logits, tokens and pages are the per-sequence path's."""
+    path too). Logits, tokens and pages are the per-sequence path's (the slot rings as a
+    resumed chunk reads them)."""
     model = models[shape]
     lengths = chunk_lengths(model)
     sequences, steps = 5, 4
@@ -424,6 +425,7 @@ def test_full_graph_layout_mixed_steps_equal_the_per_sequence_path(
         close(got[:real], want[:real])
         assert got[:real].argmax(-1).tolist() == want.argmax(-1).tolist()
         assert bool(torch.isfinite(got).all())
-        pages_close(twin, reference)
+        pages_close(twin, reference, rings=False)
         for i, (_, start, n) in enumerate(chunks):
             done[i] = start + n
+        resumed_states_close(twin, reference, tables, done)
