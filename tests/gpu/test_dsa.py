@@ -4,7 +4,8 @@ dsa_attention.py: MLA over the selected latent rows), the rest on the kernels ev
 The kernels at the real models' widths (64 or 32 indexer heads of 128, index_topk 2048, 128
 heads over latent 512 + rope 64, contexts past 2048, bf16 and FP8) against the torch path on the
 same GPU (tests/kernels/dsa_cases.py); the model with the kernels against the model with the torch
-path (float32: the same tokens; bf16 and an FP8 cache: up to a near-tie); float32 tokens equal
+path (float32: the same tokens; bf16 and an FP8 cache: each kernel call against its oracle on
+the same inputs, tests/kernels/dsa_cases.py `shadowed`); float32 tokens equal
 the CPU engine's (which tests/model/test_dsa.py holds to transformers), colocated and in-process
 1A1F alike; full_decode_only captures the decode (kernels inside the graph) and `full` mixed
 steps too (prefill chunks beside decodes), each giving graph_mode none's tokens; `auto` captures
@@ -19,9 +20,10 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
+from afdserve.model.families.dsa import attention, indexer
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.gpu.test_graphs import _check
-from tests.kernels.dsa_cases import FP8, check_attention, check_selection, dsa_layer
+from tests.kernels.dsa_cases import FP8, check_attention, check_selection, dsa_layer, shadowed
 
 pytestmark = pytest.mark.gpu
 
@@ -99,25 +101,33 @@ def test_full_decode_only_graphs_give_the_eager_tokens(dsa_dirs, family, dtype):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize(
-    "dtype, cache", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
-)
-def test_kernels_give_the_torch_paths_tokens(dsa_dirs, family, dtype, cache, monkeypatch):
+def test_kernels_give_the_torch_paths_tokens_in_float32(dsa_dirs, family, monkeypatch):
     """The model with the DSA kernels against the model with the torch path on the same GPU
-    (the kernels switched off in-process), eager and with prefill chunks: float32 equal, bf16
-    and an FP8 cache (latents and indexer keys float8_e4m3fn) equal up to a near-tie."""
-    model = dsa_dirs[(family, dtype)]
-    got = tokens(model, dtype, "cuda", kv_cache_dtype=cache)
+    (the kernels switched off in-process), eager and with prefill chunks: the same tokens."""
+    model = dsa_dirs[(family, "float32")]
+    got = tokens(model, "float32", "cuda")
     monkeypatch.setattr(ops, "dsa_select", lambda *args: None)
     monkeypatch.setattr(ops, "dsa_sparse_mla", lambda *args: None)
-    want = tokens(model, dtype, "cuda", kv_cache_dtype=cache)
-    if dtype == "float32":
-        assert got == want
-        return
-    with LLM(
-        str(model), dtype=dtype, device="cuda", kv_cache_dtype=cache, graph_mode="none"
-    ) as torch_path:
-        _check(torch_path, PROMPTS, got, want)
+    assert got == tokens(model, "float32", "cuda")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_kernels_match_the_torch_path_at_every_dsa_layer_in_bf16(
+    dsa_dirs, family, cache, monkeypatch
+):
+    """bf16 (and an FP8 cache): every kernel call of a real generation, checked on its own
+    inputs (`shadowed`): the selection is the torch path's up to ties, the attention within
+    bf16 rounding of the exact result. Not the tokens: the tiny models turn rounding into
+    different tokens within a few steps (their indexers keep 4 of many near-equal scores and
+    their routers pick experts by small margins, so an attention rounded otherwise flips a
+    later layer's choices), the torch path against itself with float32 attention scores too,
+    at top-2 gaps up to 0.7 (issue 45)."""
+    select, sparse_mla, seen = shadowed(indexer.select_fast, ops.dsa_sparse_mla)
+    monkeypatch.setattr(attention, "select_fast", select)
+    monkeypatch.setattr(ops, "dsa_sparse_mla", sparse_mla)
+    tokens(dsa_dirs[(family, "bfloat16")], "bfloat16", "cuda", kv_cache_dtype=cache)
+    assert seen["select"] and seen["attend"], seen
 
 
 # Decode rows around index_topk and far past it, a prefill chunk begun mid-sequence, pad rows.

@@ -26,3 +26,30 @@ def run_interpreted(
     return subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+# Prepend to a script whose kernels dot bfloat16 tiles: Triton 3.6's interpreter holds bf16 as
+# numpy uint16 and multiplies those integers in tl.dot (garbage). This widens the operands to
+# float32 first, exactly (bf16 products are exact in float32). Its float32 -> bf16 casts still
+# truncate where a GPU rounds to nearest: bf16 tolerances here are about twice a GPU's.
+BF16_DOTS = """
+import numpy as _np
+import triton.language as _tl
+from triton.runtime import interpreter as _interp
+
+_dot = _interp.InterpreterBuilder.create_dot
+
+
+def _widen(x):
+    if x.dtype.scalar != _tl.bfloat16:
+        return x
+    data = _interp._convert_float(x.data, _tl.bfloat16, _tl.float32, None).view(_np.float32)
+    return _interp.TensorHandle(data, _tl.float32)
+
+
+def _bf16_dot(self, a, b, acc, precision, imprecise):
+    return _dot(self, _widen(a), _widen(b), acc, precision, imprecise)
+
+
+_interp.InterpreterBuilder.create_dot = _bf16_dot
+"""

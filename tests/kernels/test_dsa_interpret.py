@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpret import run_interpreted
+from tests.kernels.interpret import BF16_DOTS, run_interpreted
 
-INTERPRETED_CASES = """
+INTERPRETED_CASES = (
+    BF16_DOTS
+    + """
 import torch
 
 from afdserve.kernels.triton import dsa_attention, dsa_indexer
@@ -33,8 +35,8 @@ def selection(*args, **kwargs):
     print("select", check_selection(*args, select=select, **kwargs), "ok")
 
 
-def attention(*args):
-    print("attend", check_attention(*args, attend=dsa_attention.sparse_mla), "ok")
+def attention(*args, **kwargs):
+    print("attend", check_attention(*args, attend=dsa_attention.sparse_mla, **kwargs), "ok")
 
 
 torch.set_grad_enabled(False)
@@ -51,6 +53,8 @@ for attn in (tiny, wide):
     selection(attn, mixed, 0, torch.float32, 16, 4, negative=True)
     selection(attn, decode, 2, torch.float16, 16, 5)
     selection(attn, mixed, 1, FP8, 4, 6)
+    selection(attn, mixed, 2, torch.bfloat16, 8, 11, q_dtype=torch.bfloat16)
+    selection(attn, decode, 1, FP8, 16, 12, q_dtype=torch.bfloat16)
 # Small steps: many key blocks per scoring program, many score blocks per top-k pass (the kept
 # and tied counts carried across them), one row per scores chunk.
 dsa_indexer.BLOCK_KEYS, dsa_indexer.SPLITS, dsa_indexer.BLOCK_SCORES = 16, 2, 32
@@ -60,28 +64,36 @@ selection(wide, mixed, 0, torch.float32, 8, 10, negative=True)
 for dtype in (torch.float32, torch.float16, FP8):
     attention(tiny, 6, 5, 4, dtype, 7)
     attention(wide, 3, 4, 16, dtype, 8)
+for dtype in (torch.bfloat16, FP8):  # the torch path rounds its scores to bf16 (and see BF16_DOTS)
+    attention(tiny, 6, 5, 4, dtype, 13, q_dtype=torch.bfloat16, tol=2e-2)
 """
+)
 
 
 def test_dsa_kernels_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 20, run.stdout
+    assert run.stdout.count(" ok") == 26, run.stdout
 
 
-MODEL_CASES = """
+MODEL_CASES = (
+    BF16_DOTS
+    + """
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from afdserve import LLM, SamplingParams
 from afdserve.kernels import ops
 from afdserve.kernels.triton import dsa_attention, dsa_indexer
 from afdserve.model.checkpoint.loader import load_model
+from afdserve.model.families.dsa import attention, indexer
 from afdserve.model.families.dsa.cache import DSAPages
 from afdserve.model.fixtures.tiny import make_tiny_model
 from afdserve.model.parts import ModelParts
+from tests.kernels.dsa_cases import shadowed
 from tests.model.test_parity import PROMPTS, afdserve_prefill_logits, hf_logits, relative_close
 
 
@@ -107,17 +119,33 @@ with tempfile.TemporaryDirectory() as root:
             assert (g - w).abs().max() < 1e-4, (family, prompt, float((g - w).abs().max()))
             relative_close(g, hf_logits(hf, prompt))
         print(family, "ok")
+# bf16, its cache bf16 or FP8: every kernel call of a generation checked on its own inputs (not
+# the tokens, which drift from the torch path's within a few steps: tests/gpu/test_dsa.py).
+ops.dsa_select = select
+select_checked, attend_checked, seen = shadowed(indexer.select_fast, dsa_attention.sparse_mla)
+attention.select_fast, ops.dsa_sparse_mla = select_checked, attend_checked
+greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+with tempfile.TemporaryDirectory() as root:
+    for family in ("deepseek_v32", "glm_moe_dsa"):
+        path = make_tiny_model(Path(root) / family, family, seed=2, dtype="bfloat16")
+        for cache in ("auto", "fp8"):
+            with LLM(str(path), dtype="bfloat16", device="cpu", max_num_batched_tokens=16,
+                     kv_cache_dtype=cache, use_tqdm_on_load=False) as llm:
+                llm.generate(PROMPTS, greedy, use_tqdm=False)
+            print(family, cache, len(seen["select"]), max(seen["attend"]), "ok")
 """
+)
 
 
 @pytest.mark.slow  # two minutes of interpreted launches
 def test_dsa_model_through_the_kernels_under_the_interpreter() -> None:
     """The tiny DeepSeek-V3.2 and GLM-5 (top-4 selection, GLM-5's shared layers reusing it)
     with their DSA layers on the kernels, prefill in three chunks beside pad rows: the logits of
-    the torch path and transformers' at every position."""
+    the torch path and transformers' at every position; in bf16 with a bf16 and an FP8 cache,
+    every kernel call of a chunked generation against its oracle (dsa_cases.py `shadowed`)."""
     run = run_interpreted(MODEL_CASES, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 2, run.stdout
+    assert run.stdout.count(" ok") == 6, run.stdout
 
 
 GRAPH_CASES = """
