@@ -91,6 +91,34 @@ def _order_key(scores):
 
 
 @triton.jit
+def radix_threshold(ROW, count, TOPK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Over the float32 scores ROW[0:count]: the order key of the TOPK-th largest (four 8-bit
+    histogram passes, most significant digit first) and how many keys equal to it are kept
+    (the earliest ones: the stable sort's set). Shared with v4_index_select.py."""
+    bins = tl.arange(0, 256)
+    threshold = tl.zeros((), dtype=tl.int64)
+    known = tl.zeros((), dtype=tl.int64)  # the bits of the threshold found so far
+    remaining = tl.full((), TOPK, dtype=tl.int64)  # how many of those matching them to keep
+    steps = (count + BLOCK_S - 1) // BLOCK_S
+    for digit in tl.static_range(4):
+        shift = 24 - 8 * digit
+        hist = tl.zeros([256], dtype=tl.int32)
+        for i in range(0, steps):
+            e = i * BLOCK_S + tl.arange(0, BLOCK_S)
+            valid = e < count
+            key = _order_key(tl.load(ROW + e, mask=valid, other=0.0))
+            match = valid & ((key & known) == threshold)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        hist = hist.to(tl.int64)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1))
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0))
+        threshold |= chosen.to(tl.int64) << shift
+        known |= 255 << shift
+    return threshold, remaining
+
+
+@triton.jit
 def _top_kernel(
     SCORES,  # [rows, width * BLOCK] float32
     TABLES,  # [rows, width] int64
@@ -108,26 +136,8 @@ def _top_kernel(
     p = tl.load(POSITIONS + r)
     last = tl.where(tl.load(REAL + r).to(tl.int1), p, -1)
     take_all = last + 1 <= TOPK  # no more visible positions than kept ones
-    bins = tl.arange(0, 256)
-    threshold = tl.zeros((), dtype=tl.int64)
-    known = tl.zeros((), dtype=tl.int64)  # the bits of the threshold found so far
-    remaining = tl.full((), TOPK, dtype=tl.int64)  # how many of those matching them to keep
+    threshold, remaining = radix_threshold(SCORES + r * span, last + 1, TOPK, BLOCK_S)
     steps = (last + BLOCK_S) // BLOCK_S  # score blocks up to the row's position
-    for digit in tl.static_range(4):
-        shift = 24 - 8 * digit
-        hist = tl.zeros([256], dtype=tl.int32)
-        for i in range(0, steps):
-            t = i * BLOCK_S + tl.arange(0, BLOCK_S)
-            valid = t <= last
-            key = _order_key(tl.load(SCORES + r * span + t, mask=valid, other=0.0))
-            match = valid & ((key & known) == threshold)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        hist = hist.to(tl.int64)
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1))
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0))
-        threshold |= chosen.to(tl.int64) << shift
-        known |= 255 << shift
     kept = tl.zeros((), dtype=tl.int64)
     equal_seen = tl.zeros((), dtype=tl.int64)
     for i in range(0, steps):

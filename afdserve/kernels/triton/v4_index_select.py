@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.triton.dsa_indexer import _order_key
-from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows
+from afdserve.kernels.triton import v4_indexer
+from afdserve.kernels.triton.dsa_indexer import _order_key, radix_threshold
+from afdserve.kernels.triton.v4_pages import page_rows
 
 BLOCK_ENTRIES = 64  # entries a score step reads (not measured)
 SPLITS = 16  # programs per row scoring entries (not measured)
@@ -119,26 +120,8 @@ def _top_kernel(
     p = tl.load(POSITIONS + r)
     closed = tl.where(tl.load(REAL + r).to(tl.int1), (p + 1) // RATE, 0)
     take_all = closed <= TOPK  # no more visible entries than kept ones
-    bins = tl.arange(0, 256)
-    threshold = tl.zeros((), dtype=tl.int64)
-    known = tl.zeros((), dtype=tl.int64)  # the bits of the threshold found so far
-    remaining = tl.full((), TOPK, dtype=tl.int64)  # how many of those matching them to keep
+    threshold, remaining = radix_threshold(SCORES + local * count, closed, TOPK, BLOCK_S)
     steps = (closed + BLOCK_S - 1) // BLOCK_S
-    for digit in tl.static_range(4):
-        shift = 24 - 8 * digit
-        hist = tl.zeros([256], dtype=tl.int32)
-        for i in range(0, steps):
-            e = i * BLOCK_S + tl.arange(0, BLOCK_S)
-            valid = e < closed
-            key = _order_key(tl.load(SCORES + local * count + e, mask=valid, other=0.0))
-            match = valid & ((key & known) == threshold)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        hist = hist.to(tl.int64)
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1))
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0))
-        threshold |= chosen.to(tl.int64) << shift
-        known |= 255 << shift
     kept = tl.zeros((), dtype=tl.int64)
     equal_seen = tl.zeros((), dtype=tl.int64)
     for i in range(0, steps):
@@ -165,19 +148,8 @@ def supports(
     topk: int,
     rope_page: torch.Tensor | None = None,
 ) -> bool:
-    """q [rows, heads, dim] and new [rows, dim] of one float dtype, contiguous; the page in that
-    dtype, or (`rope_page` given) an FP8 cache's pair (v4_pages.fp8_pages)."""
-    return (
-        q.dim() == 3
-        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and q.dtype == new.dtype
-        and q.is_contiguous()
-        and new.is_contiguous()
-        and fp8_pages(q.dtype, page, rope_page, q.shape[-1]) is not None
-        and q.shape[1] <= 128
-        and q.shape[2] <= 512
-        and 1 <= topk <= 8192
-    )
+    """What v4_indexer.py's scores take (the same inputs), and a top-k the kernel ranks."""
+    return 1 <= topk <= 8192 and v4_indexer.supports(q, new, page, rope_page)
 
 
 def index_select(
