@@ -138,7 +138,14 @@ def _frontend(code: str, model: Path, tmp: str | None = None) -> subprocess.Pope
         stderr=subprocess.STDOUT,
         env=env,
         text=True,
+        # SIGINT as a terminal gives it: a run started in the background of a script ignores
+        # SIGINT, and Python then keeps ignoring it in every child (no KeyboardInterrupt).
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _line(proc: subprocess.Popen, marker: str, within: float = 120) -> str:
