@@ -142,22 +142,33 @@ class DraftPasses:
         if real > rows:
             raise GraphCaptureError(f"a draft pass of {real} rows exceeds its plan's {rows}")
         segments = () if inputs is None else inputs.meta.segments
+        if settings.capture and plan.mode == "capture":
+            # Warm run and capture over pad rows only, as the main step's: the replay alone
+            # runs the pass, once (engine/cuda_graphs.py says why). A capture exchanges twice
+            # on every rank (the warm run, then the pass), held key or not.
+            self._load(None, plan)
+            if key in self.graphs or key in self.eager_keys:
+                # Held already (a peer of the group captures a kind this rank has): the warm
+                # run alone, over the blank buffers, as the main step's runner does.
+                self._warm_again(key, plan, boundary, first)
+            elif not self._capture(key, plan, boundary, first):
+                self.eager_keys.add(key)
         if not settings.capture or key in self.eager_keys:
             self._load(inputs, plan)
             out = self._layer(first, *self._static(plan, segments), boundary)
             return out[:real] if real else None
         check_replayable(plan.rank, plan.mode, key, self.graphs)
-        if plan.mode == "capture":
-            # Warm run and capture over pad rows only, as the main step's: the replay alone
-            # runs the pass, once (engine/cuda_graphs.py says why).
-            self._load(None, plan)
-            if not self._capture(key, plan, boundary, first):
-                self.eager_keys.add(key)
-                return self._graphed(plan, boundary, first, inputs)
         self._load(inputs, plan)
         graph, out = self.graphs[key]
         graph.replay()
         return out[:real] if real else None
+
+    def _warm_again(self, key, plan: AttentionRankPlan, boundary: FFNBoundary, first: bool) -> None:
+        """A capture pass's warm run for a key this rank holds: over the blank buffers."""
+        if key in self.graphs:
+            self.graphs[key][0].replay()
+        else:
+            self._layer(first, *self._static(plan, ()), boundary)
 
     def _capture(self, key, plan: AttentionRankPlan, boundary: FFNBoundary, first: bool) -> bool:
         static = self._static(plan, ())
