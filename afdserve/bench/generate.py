@@ -53,6 +53,12 @@ class GenerateBench:
     )
     input_len: int = option(512, help="prompt tokens per request")
     output_len: int = option(256, help="generated tokens per request")
+    max_model_len: int | None = option(
+        None,
+        help="the engine's max_model_len, as serve's (a captured step of some layouts costs "
+        "what one at max_model_len does)",
+        shown="input_len + output_len",
+    )
     workload: str = option(
         "random",
         choices=WORKLOADS,
@@ -66,7 +72,7 @@ class GenerateBench:
         "report the speedup and whether the greedy tokens are the same",
     )
     # Every other engine option, as `LLM` keywords: the flags and defaults `serve` has, so the
-    # figures compare with the server's. max_model_len is input_len + output_len.
+    # figures compare with the server's.
     engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,6 +86,9 @@ class GenerateBench:
         for name in ("input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
+        needed = self.input_len + self.output_len
+        if self.max_model_len is not None and self.max_model_len < needed:
+            raise bad("max_model_len", f"at least input_len + output_len = {needed}, or unset")
         if self.workload not in WORKLOADS:
             raise bad("workload", f"one of {WORKLOADS}")
         if self.compare_no_speculation and self.engine.get("speculative_config") is None:
@@ -90,7 +99,7 @@ class GenerateBench:
     def llm_kwargs(self) -> dict[str, Any]:
         return {
             **{k: v for k, v in self.engine.items() if k != "model"},
-            "max_model_len": self.input_len + self.output_len,
+            "max_model_len": self.max_model_len or self.input_len + self.output_len,
         }
 
 
@@ -250,7 +259,7 @@ def run_engine(spec: GenerateBench, speculate: bool) -> tuple[list[BatchRun], st
             f"{llm.afd_config.topology}, {engine.dtype}, graph_mode={graph.mode}, "
             f"max_num_seqs={engine.max_num_seqs}, "
             f"max_num_batched_tokens={engine.max_num_batched_tokens}, "
-            f"speculation {speculation_of(llm)}"
+            f"max_model_len={llm.engine.max_model_len}, speculation {speculation_of(llm)}"
         )
         return [run_batch(llm, spec, batch, flops) for batch in spec.batch_sizes], ran
 
@@ -293,6 +302,7 @@ def add_generate_parser(kinds: argparse._SubParsersAction) -> None:
             "batch_sizes",
             "input_len",
             "output_len",
+            "max_model_len",
             "workload",
             "compare_no_speculation",
         ),

@@ -114,6 +114,21 @@ def test_data_parallel_replicas_are_colocated_engines(capsys):
     assert "data_parallel_size" in capsys.readouterr().err
 
 
+def test_max_model_len_is_the_engines(capsys):
+    """--max-model-len sets the engine's (as serve's), input + output without it; shorter than
+    one request is refused by name."""
+    args = ["bench", "generate", "--preset", "tiny", "--load-format", "dummy", *CPU]
+    args += ["--batch-sizes", "2", "--input-len", "9", "--output-len", "5"]
+    assert main([*args, "--max-model-len", "64"]) == 0
+    assert "max_model_len=64," in capsys.readouterr().out
+    assert main(args) == 0
+    assert "max_model_len=14," in capsys.readouterr().out
+    assert main([*args, "--max-model-len", "13"]) == 2
+    assert "max_model_len=13 is not allowed: at least input_len + output_len = 14" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_short_request_fails_the_bench():
     def output(tokens: int) -> RequestOutput:
         choice = CompletionOutput(0, "", list(range(tokens)), None, None, "stop")
