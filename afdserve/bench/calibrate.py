@@ -35,7 +35,7 @@ from afdserve.kernels.a2e import A2EFormat
 from afdserve.model.checkpoint.loader import TORCH_DTYPES
 from afdserve.model.families import parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts
-from afdserve.model.presets import PRESETS, hf_config_of
+from afdserve.model.presets import PRESETS, hf_config_of, parse_preset
 from afdserve.planner.kernels import running_expert_kernels
 from afdserve.planner.profile import (
     ExpertKernels,
@@ -61,7 +61,13 @@ TWO_GPU_HANDOVER = {
 class CalibrateBench:
     out: str = option(help="where to write the profile (JSON)")
     model_dir: str | None = option(None, flag="--model", help="a Hugging Face model directory")
-    preset: str | None = option(None, choices=sorted(PRESETS), help="a published config")
+    preset: str | None = option(
+        None,
+        metavar="NAME[:LAYERS]",
+        help=f"a published config: one of {sorted(PRESETS)}, optionally NAME:LAYERS for its "
+        "first LAYERS layers (a model no GPU holds whole: `plan` scales its per-layer costs to "
+        "the whole depth)",
+    )
     random_weights: bool = option(False, help="random weights (a preset has no others)")
     # 80 and 96: from 66 sequences on, the attention kernel gives each sequence one split on an
     # H200 with Qwen3-30B-A3B's 4 KV heads (triton_attention.plan_splits; two at 64), so 64 and
@@ -99,6 +105,8 @@ class CalibrateBench:
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.preset is None):
             raise ValueError("calibrate: give exactly one of --model DIR and --preset NAME")
+        if self.preset is not None:
+            parse_preset(self.preset)  # an unknown name or layer count, refused by name
         if self.preset is not None and not self.random_weights:
             raise ValueError(
                 "calibrate.random_weights: a preset has no checkpoint: add --random-weights"

@@ -12,12 +12,12 @@ from pathlib import Path
 from afdserve.config_args import add_dataclass_arguments, build, option
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import parse_model_config
-from afdserve.model.presets import PRESETS, hf_config_of
+from afdserve.model.presets import LAYERS_SEP, PRESETS, hf_config_of
 from afdserve.planner.deployments import Deployment, enumerate_deployments
 from afdserve.planner.kernels import dispatch_note, running_expert_kernels
 from afdserve.planner.memory import ModelBytes, max_batch, model_bytes
 from afdserve.planner.predict import StepPrediction, predict_step
-from afdserve.planner.profile import Costs, Profile, ValidationPoint
+from afdserve.planner.profile import Costs, ModelShape, Profile, ValidationPoint
 
 TRANSPORTS = ("ipc", "nccl")
 # What `--check` counts as a step predicted right (issue 27's target).
@@ -124,13 +124,26 @@ def load_profile(spec: PlanSpec, config: ModelConfig, name: str) -> Profile:
         profile = Profile.load(shipped[-1])
     m = profile.model
     mine = (config.num_layers, config.num_experts, config.top_k)
-    if (m.num_layers, m.num_experts, m.top_k) != mine:
+    if (m.num_layers, m.num_experts, m.top_k) != mine and not first_layers_of(m, config, name):
         raise ValueError(
             f"profile {spec.profile or 'shipped'} was measured on {m.name} "
             f"({m.num_layers} layers, {m.num_experts} experts, top {m.top_k}), "
-            f"not this model {mine}: calibrate on it"
+            f"not this model {mine}: calibrate on it (or, where no GPU holds it whole, on its "
+            f"first layers: `bench calibrate --preset NAME:LAYERS`)"
         )
     return profile
+
+
+def first_layers_of(measured: ModelShape, config: ModelConfig, name: str) -> bool:
+    """Whether a profile was measured on this model's first layers (`bench calibrate --preset
+    NAME:LAYERS`, for a model no GPU holds whole): then its per-layer costs plan every layer."""
+    base, sep, _ = measured.name.partition(LAYERS_SEP)
+    return (
+        bool(sep)
+        and base == name.partition(LAYERS_SEP)[0]
+        and (measured.num_experts, measured.top_k) == (config.num_experts, config.top_k)
+        and measured.num_layers <= config.num_layers
+    )
 
 
 def _rows_of(
@@ -184,10 +197,18 @@ def _rows_of(
     )
 
 
-def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:
+@dataclass(frozen=True)
+class Plan:
+    rows: list[PlanRow]  # best first
+    profile: Profile
+    sizes: ModelBytes  # of the planned model, at its full depth
+    layers: int  # the planned model's (the profile's may be fewer: `first_layers_of`)
+
+
+def plan(spec: PlanSpec) -> Plan:
     config, name = model_of(spec)
     profile = load_profile(spec, config, name)
-    costs = Costs.fit(profile)
+    costs = Costs.fit(profile).at_depth(config.num_layers)
     kv = "float8_e4m3fn" if spec.kv_cache_dtype == "fp8" else None
     sizes = model_bytes(config, spec.dtype, kv)
     rows = [
@@ -196,10 +217,38 @@ def plan(spec: PlanSpec) -> tuple[list[PlanRow], Profile]:
         if (r := _rows_of(d, costs, sizes, spec, profile.memory_bytes)) is not None
     ]
     rows.sort(key=lambda r: -r.tokens_per_s_per_gpu)
-    return rows, profile
+    return Plan(rows, profile, sizes, config.num_layers)
 
 
-def format_plan(rows: list[PlanRow], spec: PlanSpec, profile: Profile, top: int) -> str:
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def memory_lines(p: Plan, spec: PlanSpec) -> list[str]:
+    """What each role holds at the planned model's full depth, against one GPU's memory."""
+    s, memory = p.sizes, p.profile.memory_bytes
+    room = memory * spec.gpu_memory_utilization
+    lines = [
+        f"weights: colocated {_gib(s.colocated)}, attention rank {_gib(s.attention)}, FFN rank "
+        f"{_gib(s.ffn)} (routed experts {_gib(s.routed_experts)}, of which an expert-parallel "
+        f"rank of F holds 1/F); KV {s.kv_per_token} B a token"
+        + (f" + {_gib(s.state_per_sequence)} a sequence" if s.state_per_sequence else "")
+        + f"; a GPU gives {_gib(room)} ({_gib(memory)} x {spec.gpu_memory_utilization})"
+    ]
+    whole = [role for role, n in (("colocated", s.colocated), ("FFN", s.ffn)) if n > room]
+    if whole:
+        lines.append(f"does not fit one GPU whole: {', '.join(whole)} (weights alone)")
+    m = p.profile.model
+    if m.num_layers != p.layers:
+        lines.append(
+            f"per-layer costs measured on {m.name} ({m.num_layers} of {p.layers} layers): "
+            f"its mean layer stands for every layer"
+        )
+    return lines
+
+
+def format_plan(p: Plan, spec: PlanSpec, top: int) -> str:
+    rows, profile = p.rows, p.profile
     head = (
         f"plan: {spec.preset or spec.model_dir} on {spec.gpus} x "
         f"{profile.hardware.get('device', 'GPU')}, context {spec.context_len} + "
@@ -209,6 +258,7 @@ def format_plan(rows: list[PlanRow], spec: PlanSpec, profile: Profile, top: int)
     )
     lines = [
         head,
+        *memory_lines(p, spec),
         "rank  deployment        worlds  batch/A  max  step_ms  tok/s/GPU   tok/s  busier",
     ]
     for i, r in enumerate(rows[:top], 1):
@@ -335,11 +385,12 @@ def main_plan(args: argparse.Namespace) -> int:
         print(format_check(check_rows(profile, extra), kernels))
         _print_dispatch_note(profile)
         return 0
-    rows, profile = plan(spec)
-    print(format_plan(rows, spec, profile, spec.top))
-    _print_dispatch_note(profile)
+    result = plan(spec)
+    print(format_plan(result, spec, spec.top))
+    _print_dispatch_note(result.profile)
     if spec.json_out:
-        Path(spec.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+        rows = [asdict(r) for r in result.rows]
+        Path(spec.json_out).write_text(json.dumps(rows, indent=1) + "\n")
     if spec.plot:
-        _plot(rows, spec.plot)
+        _plot(result.rows, spec.plot)
     return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 PROFILE_VERSION = 1
@@ -244,6 +244,12 @@ class Costs:
         if profile.expert_kernels is not None:
             read = profile.model.expert_bytes / (float(profile.hardware["copy_gbps"]) * 1e9) * 1e3
         return Costs(profile.model, attention, ffn, fixed, handover, profile.expert_kernels, read)
+
+    def at_depth(self, layers: int) -> Costs:
+        """The same per-layer costs for a model of `layers` layers: a profile measured on a
+        model's first layers (`--preset NAME:LAYERS`) plans the whole model, its mean layer
+        standing for every layer."""
+        return replace(self, model=replace(self.model, num_layers=layers))
 
     def attention_ms(self, batch: float, context: float) -> float:
         """One layer's attention half over `batch` decoding sequences of `context` tokens."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from afdserve.bench.calibrate import CalibrateBench
 from afdserve.cli import main
 from afdserve.model.presets import preset_config
 from afdserve.planner.deployments import Deployment, enumerate_deployments
@@ -170,7 +171,7 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
     spec = PlanSpec(
         gpus=4, context_len=8192, output_len=256, preset="qwen3-30b-a3b", profile=str(path)
     )
-    rows, _ = plan(spec)
+    rows = plan(spec).rows
     by = {r.deployment: r for r in rows}
     sizes = model_bytes(preset_config("qwen3-30b-a3b"))
     # Colocated: what the KV memory beside every weight allows, at prompt + output tokens.
@@ -195,7 +196,7 @@ def test_a_plan_of_four_gpus_ranks_what_fits(tmp_path):
     )
     # A TPOT target: the largest batch whose step is within it.
     tpot = replace(spec, tpot_ms=30.0)
-    for r in plan(tpot)[0]:
+    for r in plan(tpot).rows:
         d = Deployment(r.attention, r.ffn, r.expert_parallel, r.ubatches)
         assert predict_step(Costs.fit(profile), d, r.batch, 8320).step_ms <= 30.0
         if r.batch < min(r.max_batch, 256):
@@ -277,7 +278,8 @@ def test_calibrate_then_plan_on_the_cpu(tmp_path, capsys):
 def test_the_shipped_h200_profile_is_the_default_and_other_models_need_their_own():
     """The profile measured on the H200 ships with the package: a plan of its model needs no
     --profile; a model it was not measured on is refused with the command that measures one."""
-    rows, profile = plan(PlanSpec(gpus=2, context_len=1024, output_len=128, preset="qwen3-30b-a3b"))
+    result = plan(PlanSpec(gpus=2, context_len=1024, output_len=128, preset="qwen3-30b-a3b"))
+    rows, profile = result.rows, result.profile
     assert profile.hardware["device"] == "NVIDIA H200"
     assert profile.model.name == "qwen3-30b-a3b" and len(profile.attention) >= 10
     assert {r.deployment for r in rows} >= {"colocated", "1A1F u1"}
@@ -444,3 +446,59 @@ def test_a_plan_says_when_its_profile_ran_other_experts_kernels_than_the_code(ca
     assert ("note: the profile's FFN points ran" in capsys.readouterr().out) == (
         shipped.decode_max_pairs != triton_moe.MAX_PAIRS
     )
+
+
+def test_a_profile_of_the_first_layers_plans_the_whole_model(tmp_path, capsys):
+    """`bench calibrate --preset deepseek-v4-flash:4` measures what one GPU holds; `plan --preset
+    deepseek-v4-flash` predicts every deployment at its 43 layers from those per-layer costs,
+    and says what each role holds at full depth (neither the whole model nor an FFN rank with
+    every expert fits one H200, so expert-parallel FFN groups are what fit)."""
+    first = replace(SHAPE, name="deepseek-v4-flash:4", num_layers=4, num_experts=256, top_k=6)
+    L = first.num_layers
+    profile = replace(
+        synthetic_profile(),
+        model=first,
+        attention=tuple(
+            StepPoint(b, c, _fixed(b) + L * _attn(b, c))
+            for b in (1, 4, 16, 64)
+            for c in (1024, 8192)
+        ),
+        ffn=tuple(FFNPoint(n, L * _ffn(n)) for n in (1, 8, 64, 512)),
+    )
+    path = tmp_path / "flash4.json"
+    profile.save(path)
+    spec = PlanSpec(
+        gpus=8, context_len=8192, output_len=1024, preset="deepseek-v4-flash", profile=str(path)
+    )
+    result = plan(spec)
+    assert result.layers == 43 and result.rows
+    deep = Costs.fit(profile).at_depth(43)
+    assert deep.attention_ms(16, 8192) == pytest.approx(_attn(16, 8192))  # per layer, as measured
+    for r in result.rows:
+        d = Deployment(r.attention, r.ffn, r.expert_parallel, r.ubatches, "ipc")
+        step = predict_step(deep, d, r.batch, 8192 + 512).step_ms
+        assert r.step_ms == pytest.approx(step)
+        assert step > 43 * (_attn(r.batch / r.ubatches, 8704)) * 0.99  # every layer counted
+    # Neither colocated nor a whole FFN rank fits one GPU: only expert-parallel FFN groups.
+    assert {r.deployment for r in result.rows} and all(r.expert_parallel for r in result.rows)
+    main_args = ["plan", "--preset", "deepseek-v4-flash", "--gpus", "8", "--profile", str(path)]
+    assert main([*main_args, "--context-len", "8192", "--output-len", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert "does not fit one GPU whole: colocated, FFN (weights alone)" in text
+    assert "per-layer costs measured on deepseek-v4-flash:4 (4 of 43 layers)" in text
+    assert f"attention rank {result.sizes.attention / 2**30:.1f} GiB" in text
+    # Another model's first layers, or a profile deeper than the model: refused by name.
+    other = replace(spec, preset="glm-5")
+    with pytest.raises(ValueError, match="measured on deepseek-v4-flash:4"):
+        plan(other)
+    replace(profile, model=replace(first, num_layers=44)).save(path)
+    with pytest.raises(ValueError, match="44 layers"):
+        plan(spec)
+
+
+def test_calibrate_takes_a_preset_of_its_first_layers():
+    assert CalibrateBench(
+        "p.json", preset="deepseek-v4-flash:4", random_weights=True
+    ).preset.endswith(":4")
+    with pytest.raises(ValueError, match="must be an integer in \\[1, 43\\]"):
+        CalibrateBench("p.json", preset="deepseek-v4-flash:44", random_weights=True)
