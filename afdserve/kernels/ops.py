@@ -599,14 +599,22 @@ def moe_experts_fp4(
 ) -> torch.Tensor:
     """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On
     CUDA the Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the
-    experts, graph capturable); elsewhere the reference dequantizes the routed experts one at a
-    time. `glu`: gpt-oss's biases and gain (MXFP4 is this format)."""
+    experts, graph capturable); from `fp4_grouped.MIN_PAIRS` pairs without gpt-oss's biases
+    (prefill) a bf16 copy of a group of experts at a time and the grouped GEMM; elsewhere the
+    reference dequantizes the routed experts one at a time. `glu`: gpt-oss's biases and gain
+    (MXFP4 is this format)."""
     if _triton_ready(x):
         from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
+        from afdserve.kernels.moe import fp4_grouped
 
+        if gate_up[0].shape[0] == 0 and x.is_cuda:  # a shard without experts
+            return torch.zeros_like(x)
+        plain = glu is None or glu.plain  # the grouped GEMM takes no biases
+        if plain and topk_ids.numel() >= fp4_grouped.MIN_PAIRS:
+            if fp4_grouped.supports(x, gate_up, down):
+                # Prefill: each weight decoded once a call, not once per decode-kernel chunk.
+                return fp4_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
         if triton_fp4_moe.supports(x, gate_up, down):
-            if gate_up[0].shape[0] == 0:  # a shard without experts
-                return torch.zeros_like(x)
             return triton_fp4_moe.moe_experts(
                 x, topk_ids, topk_weights, gate_up, down, limit, glu=glu
             )

@@ -144,6 +144,33 @@ def test_fp4_experts_prefill_chunks_and_absent_experts():
     assert rel_err(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("rows", [256, 1024])
+def test_fp4_prefill_path_matches_reference(flash_experts, rows):
+    """From `fp4_grouped.MIN_PAIRS` pairs (prefill) the experts are dequantized a group at a time
+    and run as grouped GEMMs, with the limit and with pairs of id -1; as the dispatch picks it
+    and over groups of three experts; then captured and replayed on new rows."""
+    from afdserve.kernels.moe import fp4_grouped
+
+    experts, hidden, inter, top_k, limit = FLASH
+    gate_up, down = flash_experts
+    x, ids, weights = routed_rows(rows, experts, hidden, top_k, seed=rows)
+    ids[::7, 2] = -1
+    assert ids.numel() >= fp4_grouped.MIN_PAIRS and fp4_grouped.supports(x, gate_up, down)
+    want = plain_reference(x, ids, weights, gate_up, down, limit)
+    out = no_sync(ops.moe_experts_fp4, x, ids, weights, gate_up, down, limit)
+    assert out.dtype == torch.bfloat16 and rel_err(out, want) < 2e-2
+    three = 3 * 3 * hidden * inter * 2
+    out = no_sync(fp4_grouped.moe_experts, x, ids, weights, gate_up, down, limit, three)
+    assert rel_err(out, want) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.moe_experts_fp4(x, ids, weights, gate_up, down, limit)
+    new_x, new_ids, new_weights = routed_rows(rows, experts, hidden, top_k, seed=rows + 1)
+    x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+    graph.replay()
+    assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
     """DeepSeek-V4's FFN half (router, FP4 experts through these kernels, FP8 shared expert)

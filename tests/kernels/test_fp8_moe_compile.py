@@ -65,6 +65,7 @@ GROUPED_GATE_UP = {
     "s_expert": "i32",
     "s_row": "i32",
     "inter_blocks": "i32",
+    "limit": "fp32",
 }
 GROUPED_DOWN = {
     "h_ptr": X,

@@ -100,6 +100,7 @@ def _gate_up_kernel(
     s_expert,
     s_row,
     inter_blocks,
+    limit,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
@@ -109,6 +110,7 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr = False,
     GDC: tl.constexpr = 0,
+    HAS_LIMIT: tl.constexpr = False,
 ):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
@@ -168,6 +170,9 @@ def _gate_up_kernel(
             )
         if GDC == 2:  # the next launch may place its programs while these store
             tl.extra.cuda.gdc_launch_dependents()
+        if HAS_LIMIT:  # DeepSeek-V4's swiglu_limit (reference.swiglu)
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
         act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -248,18 +253,23 @@ def moe_experts(
     a8: bool | None = None,
     weights_left: bool | None = None,
     launch: tuple[int, int, int, int] | None = None,
+    limit: float | None = None,
+    max_pairs: int = GROUPED_MAX_PAIRS,
 ) -> torch.Tensor:
-    """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden];
+    """Same contract as `reference.moe_experts` (ids -1 go to no expert; `limit`: the gate and
+    up clamps of DeepSeek-V4's swiglu_limit). x [rows, hidden];
     `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
     h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
     FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`); `launch`: (gate/up columns,
-    down columns, warps, stages) (None: `FP8_COLUMNS` or `COLUMNS`). Check `supports`."""
+    down columns, warps, stages) (None: `FP8_COLUMNS` or `COLUMNS`); `max_pairs`: pairs a
+    launch takes, more run in row slices (h and y, [pairs, inter] and float32 [pairs, hidden],
+    are its scratch). Check `supports`."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
-    if pairs > GROUPED_MAX_PAIRS:
+    if pairs > max_pairs:
         # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
         # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
         # the experts once per slice costs little.
@@ -274,9 +284,11 @@ def moe_experts(
                 a8,
                 weights_left,
                 launch,
+                limit,
+                max_pairs,
             )
 
-        return in_row_chunks(topk_ids, GROUPED_MAX_PAIRS, run)
+        return in_row_chunks(topk_ids, max_pairs, run)
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
@@ -329,8 +341,10 @@ def moe_experts(
         inter,
         *g_strides,
         triton.cdiv(inter, SCALE_BLOCK),
+        0.0 if limit is None else float(limit),
         COLUMNS=gate_up_columns,
         K_BLOCK=up_step,
+        HAS_LIMIT=limit is not None,
         **common,
         **triton_fp8.operand_modes(a8, up_step, x.dtype, w_fp8),
     )

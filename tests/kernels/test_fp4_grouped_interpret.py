@@ -1,0 +1,74 @@
+"""The FP4 prefill path (kernels/moe/fp4_grouped.py) under Triton's interpreter (TRITON_INTERPRET=1,
+numpy), on CPU:
+
+1. Its dequantizing kernel against `fp4.dequantize_fp4`, bit for bit: every byte (both nibbles'
+   16 codes), the scale bytes from 0 (2^-127, a float32 subnormal) to 254 in float32, and those
+   fp16 and bf16 hold (bf16 from 2: scale byte 1's 2^-127 products are bf16 subnormals, which
+   the interpreter, as a GPU may, flushes to zero; no checkpoint has scales that small).
+2. The grouped GEMM (kernels/moe/grouped.py) with DeepSeek-V4's swiglu_limit, whose clamps bite
+   on these rows, against `reference.moe_experts` with the same limit.
+3. The whole path over several expert groups (a small `group_bytes`), pairs of id -1 among them
+   and the limit, against `fp4.moe_experts_fp4` (the experts dequantized one at a time).
+fp16 rows (the interpreter's bf16 dots are wrong); in a subprocess because the variable must be
+set before any @triton.jit function is defined; Triton 3.7 or later (grouped.py's loops)."""
+
+from __future__ import annotations
+
+from tests.kernels.interpret import run_interpreted
+
+CASES = """
+import torch
+from afdserve.kernels.reference import fp4
+from afdserve.kernels.reference import layers as reference
+from afdserve.kernels.moe import fp4_grouped, grouped
+
+# 1. Every byte under every scale byte, one scale per row of 32 inputs (16 bytes).
+codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # 16 rows of 16 bytes
+for dtype, scales in [(torch.float32, range(0, 255)), (torch.float16, range(100, 140)),
+                      (torch.bfloat16, range(2, 255))]:
+    s = torch.tensor(list(scales), dtype=torch.uint8)
+    packed = codes.repeat(len(s), 1)                       # [16 S, 16]
+    scale = s.repeat_interleave(16)[:, None].contiguous()  # [16 S, 1]
+    out = torch.empty(packed.shape[0], 32, dtype=dtype)
+    fp4_grouped.dequantize(packed, scale, out)
+    want = fp4.dequantize_fp4(packed, scale, dtype)
+    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32)), dtype
+    print("dequantize", dtype, "equal")
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+gen = torch.Generator().manual_seed(3)
+rows, experts, hidden, inter, top_k, limit = 24, 6, 64, 32, 2, 1.5
+x = (2 * torch.randn(rows, hidden, generator=gen)).half()
+ids = torch.rand(rows, experts, generator=gen).topk(top_k, dim=-1).indices
+ids[::5, 1] = -1
+weights = torch.rand(rows, top_k, generator=gen)
+
+# 2. The grouped GEMM with the clamps.
+w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).half()
+w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).half()
+want = reference.moe_experts(x.float(), ids, weights, w13.float(), w2.float(), limit)
+free = reference.moe_experts(x.float(), ids, weights, w13.float(), w2.float())
+assert rel(free, want) > 0.05  # the limit changes these rows' outputs
+got = grouped.moe_experts(x, ids, weights, w13, w2, limit=limit)
+print("grouped limit", rel(got, want))
+assert rel(got, want) < 2e-3
+
+# 3. FP4 experts over groups of two experts (group_bytes of two fp16 copies).
+gate_up = fp4.quantize_fp4(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5)
+down = fp4.quantize_fp4(torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5)
+want = fp4.moe_experts_fp4(x.float(), ids, weights, gate_up, down, limit)
+per_expert = 3 * hidden * inter * 2
+for group in (1, 2, 4, experts):
+    got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit, group * per_expert)
+    print("fp4 grouped", group, rel(got, want))
+    assert got.dtype == x.dtype and rel(got, want) < 2e-3, group
+"""
+
+
+def test_fp4_prefill_path_under_the_interpreter() -> None:
+    run = run_interpreted(CASES, timeout=600, min_triton=(3, 7))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 4, run.stdout
