@@ -13,6 +13,12 @@ batch, the same graph replays, and prints the best per batch and a `TILES` table
 (each config compiles once for every batch: about two minutes for the grid, then the cache).
 
     PYTHONPATH=. python tools/fp4_moe_bench.py --sweep
+
+--prefill times instead, at each batch, the decode kernels (in row chunks of their MAX_PAIRS)
+against the prefill path (kernels/moe/fp4_grouped.py: a bf16 copy of a group of experts, grouped
+GEMMs), for the crossover `fp4_grouped.MIN_PAIRS` and the step's experts at prefill sizes.
+
+    PYTHONPATH=. python tools/fp4_moe_bench.py --prefill --batch-sizes 64,128,256,512,1024,8192
 """
 
 from __future__ import annotations
@@ -98,6 +104,24 @@ def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> Non
     print_best(best)
 
 
+def prefill(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> None:
+    """Both paths at every batch, on the same routing; the faster marked."""
+    from afdserve.kernels.moe import fp4_grouped
+
+    for batch in batches:
+        x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(batch, experts, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
+        weights = torch.rand(batch, TOP_K, device="cuda", generator=gen)
+        chunks = replay_seconds(triton_fp4_moe.moe_experts, x, ids, weights, gu, dn, LIMIT)
+        grouped = replay_seconds(fp4_grouped.moe_experts, x, ids, weights, gu, dn, LIMIT)
+        flops = 2 * batch * TOP_K * 3 * HIDDEN * INTER
+        print(
+            f"batch {batch:5d} ({batch * TOP_K} pairs): decode kernels {chunks * 1e3:8.3f} ms, "
+            f"prefill path {grouped * 1e3:8.3f} ms ({flops / grouped / 1e12:.0f} TFLOP/s): "
+            f"{'prefill path' if grouped < chunks else 'decode kernels'} faster"
+        )
+
+
 def print_best(best: dict[int, tuple[float, Tiles]]) -> None:
     """The fastest shape of each batch, and a `TILES` table of them to paste."""
     print("best per batch:")
@@ -114,6 +138,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--sweep", action="store_true", help="time a grid of tile shapes instead")
+    p.add_argument(
+        "--prefill", action="store_true", help="time the decode kernels against the prefill path"
+    )
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     experts = args.experts
@@ -128,6 +155,9 @@ def main() -> None:
     dn = tuple(torch.stack(t) for t in zip(*down, strict=True))
     if args.sweep:
         sweep(batches, experts, gu, dn, gen)
+        return
+    if args.prefill:
+        prefill(batches, experts, gu, dn, gen)
         return
     bf16_experts = min(experts, 64)  # the bf16 comparison on a 64-expert stack (6 GB)
     gu16 = fp4.dequantize_fp4(gu[0][:bf16_experts], gu[1][:bf16_experts], torch.bfloat16)
