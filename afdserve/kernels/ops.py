@@ -464,16 +464,23 @@ def _gpt_oss_experts(
     limit: float | None,
     glu: ExpertGLU,
 ) -> torch.Tensor:
-    """Experts with gpt-oss's biases and gain. On CUDA the decode kernels (the grouped GEMMs take
-    no biases yet), in row chunks of at most `decode.MAX_PAIRS` pairs past that: no host sync
-    and graph capturable at any batch; a prefill chunk re-reads its experts per row chunk."""
+    """Experts with gpt-oss's biases and gain. On CUDA the decode kernels up to
+    `decode.MAX_PAIRS` pairs, the grouped GEMM past them (which reads each expert once per tile
+    of its rows, where the decode kernels' row chunks would read it once per chunk); no host
+    sync and graph capturable at any batch."""
     if x.is_cuda and (gate_up.shape[0] == 0 or x.shape[0] == 0):
         # A shard without experts, or an empty ubatch (a graph of 1 row in 2 ubatches).
         return torch.zeros_like(x)
     if _triton_ready(x):
         from afdserve.kernels.moe import decode as triton_moe
+        from afdserve.kernels.moe import grouped as triton_grouped_moe
         from afdserve.kernels.moe.routing import in_row_chunks
 
+        many = topk_ids.numel() > triton_moe.MAX_PAIRS
+        if many and triton_grouped_moe.supports(x, gate_up, down):
+            return triton_grouped_moe.moe_experts(
+                x, topk_ids, topk_weights, gate_up, down, limit=limit, glu=glu
+            )
         if triton_moe.supports(x, gate_up, down):
             x = x.contiguous()
 
@@ -599,8 +606,8 @@ def moe_experts_fp4(
 ) -> torch.Tensor:
     """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On
     CUDA the Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the
-    experts, graph capturable); from `fp4_grouped.MIN_PAIRS` pairs without gpt-oss's biases
-    (prefill) a bf16 copy of a group of experts at a time and the grouped GEMM; elsewhere the
+    experts, graph capturable); from `fp4_grouped.MIN_PAIRS` pairs (prefill) a bf16 copy of a
+    group of experts at a time and the grouped GEMM; elsewhere the
     reference dequantizes the routed experts one at a time. `glu`: gpt-oss's biases and gain
     (MXFP4 is this format)."""
     if _triton_ready(x):
@@ -609,11 +616,9 @@ def moe_experts_fp4(
 
         if gate_up[0].shape[0] == 0 and x.is_cuda:  # a shard without experts
             return torch.zeros_like(x)
-        plain = glu is None or glu.plain  # the grouped GEMM takes no biases
-        if plain and topk_ids.numel() >= fp4_grouped.MIN_PAIRS:
-            if fp4_grouped.supports(x, gate_up, down):
-                # Prefill: each weight decoded once a call, not once per decode-kernel chunk.
-                return fp4_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit)
+        if topk_ids.numel() >= fp4_grouped.MIN_PAIRS and fp4_grouped.supports(x, gate_up, down):
+            # Prefill: each weight decoded once a call, not once per decode-kernel chunk.
+            return fp4_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
         if triton_fp4_moe.supports(x, gate_up, down):
             return triton_fp4_moe.moe_experts(
                 x, topk_ids, topk_weights, gate_up, down, limit, glu=glu

@@ -160,7 +160,7 @@ def test_fp4_prefill_path_matches_reference(flash_experts, rows):
     out = no_sync(ops.moe_experts_fp4, x, ids, weights, gate_up, down, limit)
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < 2e-2
     three = 3 * 3 * hidden * inter * 2
-    out = no_sync(fp4_grouped.moe_experts, x, ids, weights, gate_up, down, limit, three)
+    out = no_sync(fp4_grouped.moe_experts, x, ids, weights, gate_up, down, limit, group_bytes=three)
     assert rel_err(out, want) < 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -169,6 +169,31 @@ def test_fp4_prefill_path_matches_reference(flash_experts, rows):
     x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
     graph.replay()
     assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
+
+
+def test_gpt_oss_experts_at_prefill_sizes_match_reference():
+    """gpt-oss's experts (biases, gain, clamp) past the decode kernels' pairs: MXFP4 through
+    the FP4 prefill path, bf16 through the grouped GEMM, against the reference."""
+    from afdserve.kernels.moe import fp4_grouped
+
+    experts, hidden, inter, top_k, limit = 16, 512, 256, 4, 7.0
+    gate_up, down = fp4_experts(experts, hidden, inter, seed=11)
+    x, ids, weights = routed_rows(600, experts, hidden, top_k, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    glu = reference.ExpertGLU(
+        (0.5 * torch.randn(experts, 2 * inter, device="cuda", generator=gen)).bfloat16(),
+        (0.5 * torch.randn(experts, hidden, device="cuda", generator=gen)).bfloat16(),
+        1.702,
+    )
+    glu32 = reference.ExpertGLU(glu.gate_up_bias.float(), glu.down_bias.float(), glu.alpha)
+    assert ids.numel() >= fp4_grouped.MIN_PAIRS
+    want = fp4.moe_experts_fp4(x.float(), ids, weights, gate_up, down, limit, glu32)
+    out = no_sync(ops.moe_experts_fp4, x, ids, weights, gate_up, down, limit, glu)
+    assert rel_err(out, want) < 2e-2
+    w13 = fp4.dequantize_fp4(*gate_up, torch.bfloat16)
+    w2 = fp4.dequantize_fp4(*down, torch.bfloat16)
+    out = no_sync(ops.moe_experts, x, ids, weights, w13, w2, limit, glu)
+    assert rel_err(out, want) < 2e-2
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])

@@ -9,6 +9,7 @@ numpy), on CPU:
    on these rows, against `reference.moe_experts` with the same limit.
 3. The whole path over several expert groups (a small `group_bytes`), pairs of id -1 among them
    and the limit, against `fp4.moe_experts_fp4` (the experts dequantized one at a time).
+4. gpt-oss's expert biases and gain (`ExpertGLU`), in the grouped GEMM and over FP4 groups.
 fp16 rows (the interpreter's bf16 dots are wrong); in a subprocess because the variable must be
 set before any @triton.jit function is defined; Triton 3.7 or later (grouped.py's loops)."""
 
@@ -62,13 +63,31 @@ down = fp4.quantize_fp4(torch.randn(experts, hidden, inter, generator=gen) * int
 want = fp4.moe_experts_fp4(x.float(), ids, weights, gate_up, down, limit)
 per_expert = 3 * hidden * inter * 2
 for group in (1, 2, 4, experts):
-    got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit, group * per_expert)
+    got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit,
+                                  group_bytes=group * per_expert)
     print("fp4 grouped", group, rel(got, want))
     assert got.dtype == x.dtype and rel(got, want) < 2e-3, group
+
+# 4. gpt-oss's biases and gain (MXFP4 is this format), grouped bf16-style and FP4 over groups.
+glu = reference.ExpertGLU(
+    (0.5 * torch.randn(experts, 2 * inter, generator=gen)).half(),
+    (0.5 * torch.randn(experts, hidden, generator=gen)).half(),
+    1.702,
+)
+glu32 = reference.ExpertGLU(glu.gate_up_bias.float(), glu.down_bias.float(), glu.alpha)
+want = reference.moe_experts(x.float(), ids, weights, w13.float(), w2.float(), limit, glu32)
+got = grouped.moe_experts(x, ids, weights, w13, w2, limit=limit, glu=glu)
+print("grouped glu", rel(got, want))
+assert rel(got, want) < 2e-3
+want = fp4.moe_experts_fp4(x.float(), ids, weights, gate_up, down, limit, glu32)
+got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit, glu,
+                              group_bytes=2 * per_expert)
+print("fp4 grouped glu", rel(got, want))
+assert rel(got, want) < 2e-3
 """
 
 
 def test_fp4_prefill_path_under_the_interpreter() -> None:
     run = run_interpreted(CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 4, run.stdout
+    assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 5, run.stdout

@@ -66,6 +66,8 @@ GROUPED_GATE_UP = {
     "s_row": "i32",
     "inter_blocks": "i32",
     "limit": "fp32",
+    "bias_ptr": X,
+    "alpha": "fp32",
 }
 GROUPED_DOWN = {
     "h_ptr": X,
@@ -81,6 +83,7 @@ GROUPED_DOWN = {
     "inter": "i32",
     "s_expert": "i32",
     "s_row": "i32",
+    "bias_ptr": X,
 }
 # What a launch at these shapes specializes as multiples of 16: the pointers, the dims, the
 # experts' scale strides (gate/up's grid [E, 12, 16]: 192 and 16; down's [E, 16, 6]: 96, not 6).

@@ -7,7 +7,8 @@ expert again. At DeepSeek-V4-Flash's experts (256 x 3 x 4096 x 2048, top-6) a ch
 touches ~220 experts and costs ~2.6 ms (the batch-64 step's 2.26 ms, docs/benchmarks.md), so an
 8192-token prefill spends ~97 chunks, ~250 ms, a layer in its experts. Here each weight is decoded
 once a call (a bf16 copy of `GROUP_BYTES` at most at a time) and the GEMMs run in tiles of many
-rows per expert. No host sync: graph capturable.
+rows per expert. gpt-oss's MXFP4 experts (the same format) take it too, with their biases and gain
+(grouped.py takes them). No host sync: graph capturable.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.moe import grouped
+from afdserve.kernels.reference.layers import ExpertGLU
 
 # The bf16 (fp16) copy of one group of experts at most, in bytes: scratch memory against the
 # number of grouped launches (one set per group).
@@ -84,10 +86,13 @@ def moe_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None = None,
+    glu: ExpertGLU | None = None,
     group_bytes: int = GROUP_BYTES,
 ) -> torch.Tensor:
-    """Same contract as `fp4.moe_experts_fp4` without gpt-oss's biases (ids -1: no expert).
-    Check `supports` first. `group_bytes`: the dequantized copy's bound (tests pass small ones)."""
+    """Same contract as `fp4.moe_experts_fp4` (ids -1: no expert; `glu`: gpt-oss's biases,
+    contiguous, and gain). Check `supports` first. `group_bytes`: the dequantized copy's bound
+    (tests pass small ones)."""
+    glu = glu or ExpertGLU()
     experts, two_inter, half_hidden = gate_up[0].shape
     hidden, inter = 2 * half_hidden, two_inter // 2
     if experts == 0 or topk_ids.numel() == 0:
@@ -105,7 +110,9 @@ def moe_experts(
         dequantize(down[0][first:last], down[1][first:last], w2[:n])
         inside = (topk_ids >= first) & (topk_ids < last)
         ids = torch.where(inside, topk_ids - first, -1)
+        b13, b2 = (None if b is None else b[first:last] for b in (glu.gate_up_bias, glu.down_bias))
+        part = ExpertGLU(b13, b2, glu.alpha)
         out += grouped.moe_experts(
-            x, ids, topk_weights, w13[:n], w2[:n], limit=limit, max_pairs=max_pairs
+            x, ids, topk_weights, w13[:n], w2[:n], limit=limit, max_pairs=max_pairs, glu=part
         )
     return out.to(x.dtype)

@@ -25,6 +25,7 @@ from afdserve.kernels.moe.align import assign
 from afdserve.kernels.moe.decode import _k_block, sum_pairs
 from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
+from afdserve.kernels.reference.layers import ExpertGLU
 from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 from afdserve.kernels.triton.fp8_weight_only import (
     as_operand,
@@ -101,6 +102,8 @@ def _gate_up_kernel(
     s_row,
     inter_blocks,
     limit,
+    bias_ptr,
+    alpha,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
@@ -111,6 +114,8 @@ def _gate_up_kernel(
     WEIGHTS_LEFT: tl.constexpr = False,
     GDC: tl.constexpr = 0,
     HAS_LIMIT: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
+    HAS_ALPHA: tl.constexpr = False,
 ):
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
@@ -170,10 +175,17 @@ def _gate_up_kernel(
             )
         if GDC == 2:  # the next launch may place its programs while these store
             tl.extra.cuda.gdc_launch_dependents()
-        if HAS_LIMIT:  # DeepSeek-V4's swiglu_limit (reference.swiglu)
+        if HAS_BIAS:  # gpt-oss's [E, 2I], gate half first (reference.ExpertGLU)
+            bias_row = bias_ptr + e * 2 * inter
+            gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_LIMIT:  # DeepSeek-V4's swiglu_limit and gpt-oss's clamp (reference.swiglu)
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_ALPHA:  # gpt-oss's gain and offset
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -193,6 +205,7 @@ def _down_kernel(
     inter,
     s_expert,
     s_row,
+    bias_ptr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
@@ -202,6 +215,7 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr = False,
     GDC: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False,
 ):
     if GDC:
         tl.extra.cuda.gdc_wait()
@@ -238,6 +252,9 @@ def _down_kernel(
         )
         if GDC == 2:
             tl.extra.cuda.gdc_launch_dependents()
+        if HAS_BIAS:  # gpt-oss's [E, H], before the routing weight (reference.routed_experts)
+            bias = tl.load(bias_ptr + e * hidden + col, mask=col_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
         tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -255,9 +272,11 @@ def moe_experts(
     launch: tuple[int, int, int, int] | None = None,
     limit: float | None = None,
     max_pairs: int = GROUPED_MAX_PAIRS,
+    glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert; `limit`: the gate and
-    up clamps of DeepSeek-V4's swiglu_limit). x [rows, hidden];
+    up clamps of DeepSeek-V4's swiglu_limit and gpt-oss; `glu`: gpt-oss's biases, contiguous,
+    and gain). x [rows, hidden];
     `scales`: (gate_up_scale_inv, down_scale_inv) when the stacks are FP8; `a8`: quantize x and
     h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
     FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`); `launch`: (gate/up columns,
@@ -286,12 +305,14 @@ def moe_experts(
                 launch,
                 limit,
                 max_pairs,
+                glu,
             )
 
         return in_row_chunks(topk_ids, max_pairs, run)
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
+    glu = glu or ExpertGLU()
     w_fp8 = scales is not None
     tile = rows_per_tile(pairs, experts, w_fp8)
     gdc = GDC if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 else 0
@@ -342,9 +363,13 @@ def moe_experts(
         *g_strides,
         triton.cdiv(inter, SCALE_BLOCK),
         0.0 if limit is None else float(limit),
+        x if glu.gate_up_bias is None else glu.gate_up_bias,  # never read without a bias
+        1.0 if glu.alpha is None else float(glu.alpha),
         COLUMNS=gate_up_columns,
         K_BLOCK=up_step,
         HAS_LIMIT=limit is not None,
+        HAS_BIAS=glu.gate_up_bias is not None,
+        HAS_ALPHA=glu.alpha is not None,
         **common,
         **triton_fp8.operand_modes(a8, up_step, x.dtype, w_fp8),
     )
@@ -361,8 +386,10 @@ def moe_experts(
         hidden,
         inter,
         *d_strides,
+        x if glu.down_bias is None else glu.down_bias,  # never read without a bias
         COLUMNS=down_columns,
         K_BLOCK=down_step,
+        HAS_BIAS=glu.down_bias is not None,
         **common,
         **triton_fp8.operand_modes(a8, down_step, x.dtype, w_fp8),
     )
