@@ -37,6 +37,7 @@ from afdserve.model.families import parse_model_config
 from afdserve.model.parts import CausalLM, ModelParts
 from afdserve.model.presets import PRESETS, hf_config_of, parse_preset
 from afdserve.planner.kernels import running_expert_kernels
+from afdserve.planner.memory import model_bytes
 from afdserve.planner.profile import (
     ExpertKernels,
     FFNPoint,
@@ -347,7 +348,8 @@ def run_calibration(spec: CalibrateBench, log=print) -> Profile:
                         "calibrate",
                     )
                 )
-    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * TORCH_DTYPES[spec.dtype].itemsize
+    # As stored: FP8 and FP4 experts are a half and about a quarter of bf16's bytes.
+    expert_bytes = model_bytes(c, spec.dtype).expert_bytes
     shape = ModelShape(
         spec.preset or os.path.basename(os.path.normpath(spec.model_dir)),
         c.num_layers,

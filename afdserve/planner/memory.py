@@ -30,33 +30,38 @@ class ModelBytes:
     # A sequence's fixed state, whatever its length: a linear-attention layer's slot
     # (model/cache.py's SequenceSlots) and a windowed group's pages of one window and step.
     state_per_sequence: int = 0
+    expert_bytes: int = 0  # one routed expert of one layer, as stored (FP8, FP4: their bytes)
 
     def ffn_shard(self, shards: int) -> float:
         """An FFN rank of an expert-parallel group of `shards`: its experts, the rest replicated."""
         return self.ffn - self.routed_experts + self.routed_experts / shards
 
 
-def _half_bytes(config: ModelConfig, parts: ModelParts, dtype: torch.dtype) -> tuple[int, int]:
+def _half_bytes(config: ModelConfig, parts: ModelParts, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(every parameter and buffer, the routed experts' part, the layers holding experts)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(config)(config, parts)
     total = experts = 0
+    layers = set()
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         total += size
         if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             experts += size
+            layers.add(name.split(".experts")[0])
     for _, b in model.named_buffers():
         total += b.numel() * b.element_size()
-    return total, experts
+    return total, experts, len(layers)
 
 
 def model_bytes(
     config: ModelConfig, dtype: str = "bfloat16", kv_dtype: str | None = None
 ) -> ModelBytes:
     torch_dtype = TORCH_DTYPES[dtype]
-    colocated, experts = _half_bytes(config, ModelParts.colocated(), torch_dtype)
-    attention, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
-    ffn, _ = _half_bytes(config, ModelParts(False, True), torch_dtype)
+    colocated, experts, expert_layers = _half_bytes(config, ModelParts.colocated(), torch_dtype)
+    attention, _, _ = _half_bytes(config, ModelParts(True, False), torch_dtype)
+    ffn, _, _ = _half_bytes(config, ModelParts(False, True), torch_dtype)
+    one_expert = experts // max(1, expert_layers * config.num_experts)
     kv = getattr(torch, kv_dtype) if kv_dtype else torch_dtype
     layout = cache_layout(config)
     state = layout.bytes_per_slot(kv)
@@ -66,7 +71,7 @@ def model_bytes(
         # sequence and one block a step: its past window and the blocks its step writes.
         blocks = window_pool_bound(layout.window, BLOCK_SIZE, 1, BLOCK_SIZE) - 1
         state += blocks * layout.bytes_per_window_block(BLOCK_SIZE, kv)
-    return ModelBytes(colocated, attention, ffn, experts, per_token, state)
+    return ModelBytes(colocated, attention, ffn, experts, per_token, state, one_expert)
 
 
 def max_batch(
