@@ -502,3 +502,18 @@ def test_calibrate_takes_a_preset_of_its_first_layers():
     ).preset.endswith(":4")
     with pytest.raises(ValueError, match="must be an integer in \\[1, 43\\]"):
         CalibrateBench("p.json", preset="deepseek-v4-flash:44", random_weights=True)
+
+
+def test_one_routed_experts_bytes_are_counted_as_stored():
+    """What `calibrate` records as model.expert_bytes: bf16 experts at 2 bytes a weight, V4's
+    FP4 ones at half a byte plus a ue8m0 scale per 32, V3.2's FP8 ones at a byte plus a float32
+    scale per 128 x 128 block."""
+    qwen = preset_config("qwen3-30b-a3b")
+    assert model_bytes(qwen).expert_bytes == 3 * qwen.hidden_size * qwen.moe_intermediate_size * 2
+    v4 = preset_config("deepseek-v4-flash:4")
+    weights = 3 * v4.hidden_size * v4.moe_intermediate_size
+    assert model_bytes(v4).expert_bytes == weights // 2 + weights // 32
+    v32 = preset_config("deepseek-v3.2:8")
+    h, i = v32.hidden_size, v32.moe_intermediate_size
+    blocks = 2 * (-(-i // 128)) * (-(-h // 128)) + (-(-h // 128)) * (-(-i // 128))
+    assert model_bytes(v32).expert_bytes == 3 * h * i + 4 * blocks
