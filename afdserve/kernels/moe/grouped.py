@@ -4,8 +4,10 @@ align.py groups the step's (token, k) pairs by expert into padded tiles of `rows
 a program finds its tile's expert from the group ends (routing.tile_rows; tiles past the last
 group exit at once: the grid is static per pair count). Three launches, no gather or scatter:
 1. gate/up: per (tile, intermediate column block), the tile's x rows loaded by token index
-   against the expert's weight tile, read once: h[pair] = silu(x W_gate^T) * (x W_up^T).
-2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T).
+   against the expert's weight tile, read once: h[pair] = silu(x W_gate^T) * (x W_up^T)
+   (with DeepSeek-V4's clamps, and gpt-oss's biases and gain, as decode.py computes them).
+2. down:    the same tiles over hidden column blocks: y[pair] = weight[pair] * (h[pair] W_down^T
+   (+ gpt-oss's bias)).
 3. sum:     out[row] = sum of the row's routed y rows (pairs of id -1 skipped: decode.sum_pairs).
 Weights: bf16/fp16 stacks (gate_up [E, 2I, H], down [E, H, I]), or FP8 with a float32 scale per
 128 x 128 block (model/layers/fp8.py's layout) applied to the dot's float32 partial: w8a8 by
