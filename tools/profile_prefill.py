@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             graph_mode=a.graph_mode,
             max_model_len=a.input_len + 1,
             max_num_batched_tokens=a.max_num_batched_tokens,
-            max_num_seqs=max(a.prompts, 1),
+            max_num_seqs=a.prompts,
             enable_prefix_caching=False,
             use_tqdm_on_load=False,
         )
