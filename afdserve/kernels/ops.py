@@ -189,17 +189,17 @@ def v4_sparse_attention(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     sinks: torch.Tensor,
     scale: float,
-    every: tuple[int, int] | None = None,
+    paging: tuple[int, int] | None = None,
     fp8: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
     the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
     each row sees) -> [rows, heads, dim], or None where the fast path does not apply and the
     caller keeps its torch form (model/families/deepseek_v4/batched.py, the reference).
-    window: (page, flat rows [rows, window]); entries: (new, page, flat rows, indices) or None;
-    rows: (positions, chunk starts, real); every: (block size, entry rows per block) where
-    `entries` is (new, page, block tables, None): every closed entry of each row (HCA); fp8:
-    an FP8 cache's (window's rotated page, entries' or None, scale), its pages then e4m3."""
+    window: (page, flat rows [rows, window]); entries: (new, page, the rows' block tables, the
+    entry indices, or None: every closed entry of each row (HCA)) or None; rows: (positions,
+    chunk starts, real); paging (with entries): (block size, entry rows per block); fp8: an FP8
+    cache's (window's rotated page, entries' or None, scale), its pages then e4m3."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_attention as triton_v4_attention
@@ -213,7 +213,7 @@ def v4_sparse_attention(
         return None
     rope_pages = None if fp8 is None else (window_rope, entry_rope)
     return triton_v4_attention.sparse_attention(
-        q, own, *window, entries, rate, *rows, sinks, scale, every, rope_pages, kv_scale
+        q, own, *window, entries, rate, *rows, sinks, scale, paging, rope_pages, kv_scale
     )
 
 
@@ -293,12 +293,14 @@ def v4_compress_decode(
     rate: int,
     dim: int,
     kv_scale: float = 1.0,
+    chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
     `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
     the pages written; rope: (inv_freq, scaling) of the entries' rotary; an FP8 cache's entries
-    (`pages` with `entries_rope`) quantized at `kv_scale`. The torch form is
-    model/families/deepseek_v4/batched.py's `_compress`."""
+    (`pages` with `entries_rope`) quantized at `kv_scale`; `chunk`: rows of prefill chunks
+    (their starts, the rows keeping a first series, the rows keeping open rows), in three
+    launches. The torch form is model/families/deepseek_v4/batched.py's `_compress`."""
     from afdserve.kernels.triton import v4_compress as triton_v4_compress
 
     return triton_v4_compress.compress_decode(
@@ -315,6 +317,7 @@ def v4_compress_decode(
         rate,
         dim,
         kv_scale,
+        chunk,
     )
 
 

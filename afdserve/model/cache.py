@@ -95,6 +95,10 @@ class CacheSpec(ABC):
         nothing else, and nothing writes them again)."""
         return None
 
+    # Whether every spec of this type builds the same step metadata (what it builds depends on
+    # the ubatch alone, not on the spec's layers): the layout then asks the first of them.
+    step_metadata_per_type: bool = False
+
     def step_metadata(self, meta: AttentionMetadata) -> Any:
         """What the group's layers read of one ubatch beyond `meta`, built once per ubatch
         and shared by every layer of the group (None: nothing). Device ops on `meta.batched`
@@ -242,8 +246,16 @@ class CacheLayout:
 
     def with_step_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """`meta` with what each spec builds of the ubatch for its layers (`step`)."""
-        built = tuple(x for s in self.specs if (x := s.step_metadata(meta)) is not None)
-        return replace(meta, step=built) if built else meta
+        asked: set[type] = set()
+        built = []
+        for spec in self.specs:
+            if spec.step_metadata_per_type:
+                if type(spec) in asked:
+                    continue
+                asked.add(type(spec))
+            if (step := spec.step_metadata(meta)) is not None:
+                built.append(step)
+        return replace(meta, step=tuple(built)) if built else meta
 
     def graph_refusal(self, graph_mode: str) -> str | None:
         return self._first(

@@ -26,6 +26,7 @@ from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4 import model as model_module
 from afdserve.model.families.deepseek_v4.cache import V4Window
 from afdserve.model.families.deepseek_v4.geometry import MAX_DRAFT_ROWS
+from afdserve.model.families.deepseek_v4.rows import StepRows
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
 from tests.engine.test_llm import run
@@ -219,6 +220,36 @@ def test_decode_steps_take_the_batched_path_and_equal_the_per_sequence_one(
         ran.clear()
         assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
     assert not ran
+
+
+def test_a_ubatch_builds_its_rows_once_for_every_layer(
+    shape, one_shot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine builds a ubatch's rows (StepRows: positions, tables, chunk bounds) once, as
+    the cache spec's step metadata, and every layer of every attention type reads that one
+    object (with the page addresses it memoizes), prefill and decode steps alike, rather than
+    rebuilding them per layer; the tokens stay the full forward's."""
+    _, path, block_size = shape
+    of, built, seen = StepRows.of.__func__, [], []
+
+    def building(cls, meta, window=None):
+        rows = of(cls, meta, window)
+        built.append(rows)
+        return rows
+
+    def counted(attn, pages, x, rows, *ropes):
+        seen.append(rows)
+        return batched.step_attention(attn, pages, x, rows, *ropes)
+
+    monkeypatch.setattr(StepRows, "of", classmethod(building))
+    monkeypatch.setattr(model_module, "step_attention", counted)
+    with LLM(str(path), dtype="float32", block_size=block_size) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == one_shot
+        layers = llm.engine.core_client.core.runner.model.config.num_layers
+    assert built and len(seen) == layers * len(built)
+    for i, rows in enumerate(built):
+        assert all(r is rows for r in seen[i * layers : (i + 1) * layers])
+        assert rows.memo  # the layers' shared addresses and rotary tables
 
 
 def test_full_graphs_are_refused_by_name_on_cuda_only_without_triton(

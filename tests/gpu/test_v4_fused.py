@@ -195,9 +195,10 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
             read = read.cuda()
             new = torch.randn(n, dim, generator=gen).to(dtype).cuda()
             entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
-            entries = (new, pages.flat["entries"], entry_rows, read)
+            entries = (new, pages.flat["entries"], rows.tables, read)
+        paging = (block_size, pages.pages["entries"].shape[1]) if entries else None
         call = (q, kv, pages.flat["window"], window_rows, entries, rate)
-        call += (rows.positions, rows.start, rows.real, attn.sinks, attn.scale)
+        call += (rows.positions, rows.start, rows.real, attn.sinks, attn.scale, paging)
         got = triton_v4_attention.sparse_attention(*call)
         # The torch form of `_attend` (ops.v4_sparse_attention would take the kernel on CUDA).
         keys = rows.chunk_or(kv, back, pages.take("window", window_rows))
@@ -213,11 +214,8 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
         assert bool((got[~real] == 0).all())
         assert relative(got[real], want[real]) < TOL[dtype], (attn.kind, relative(got, want))
         if attn.kind == HCA:  # every closed entry, walked through the tables in the kernel
-            slots = pages.pages["entries"].shape[1]
             walked = (new, pages.flat["entries"], rows.tables, None)
-            every = triton_v4_attention.sparse_attention(
-                *call[:4], walked, *call[5:], (block_size, slots)
-            )
+            every = triton_v4_attention.sparse_attention(*call[:4], walked, *call[5:])
             assert bool((every[~real] == 0).all())
             assert relative(every[real], want[real]) < TOL[dtype], relative(every, want)
         graph = torch.cuda.CUDAGraph()
@@ -226,6 +224,66 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
         q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
         graph.replay()
         assert torch.equal(captured, triton_v4_attention.sparse_attention(*call))
+
+
+def torch_compress(comp, pages, prefix, x, rows, rope) -> torch.Tensor:
+    """`batched._compress`'s torch form on CUDA too (the fused kernels refused)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "fuses_v4_compress", lambda *args: False)
+        return batched._compress(comp, pages, prefix, x, rows, rope)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("chunks", "pad"),
+    [([(0, 300), (130, 1), (61, 70), (4000, 200), (127, 1)], 2),
+     ([(0, 1), (1, 600), (8191, 1)], 0)],
+)  # fmt: skip
+@torch.inference_mode()
+def test_compressor_chunks_equal_the_torch_path(tmp_path, shape, dtype, chunks, pad):
+    """Each compressor over prefill chunks beside decode rows (chunks from 0, inside a window,
+    across block ends, longer than a ring) in the fused chunk form (three launches): the entries
+    of the closing rows and every page after the step as `_compress`'s torch form; and replayed
+    from a graph."""
+    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
+    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
+    model = load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
+    gen = torch.Generator().manual_seed(len(chunks))
+    block_size = 64
+    width = -(-max(s + c for s, c in chunks) // block_size) + 1
+    rows = step_rows(chunks, width, pad, gen)
+    assert not rows.decode
+    rope = model.ropes("cuda")["compress"]
+    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
+        comp = model.model.layers[layer].self_attn.compressor
+        comp = comp.indexer if prefix else comp
+        blocks = len(chunks) * width + 2
+        made = [
+            make_kv_cache(model.config, blocks, block_size, dtype, "cuda", len(chunks))
+            for _ in range(3)
+        ]
+        torch_pages, fused_pages, graph_pages = (cache.layers[layer] for cache in made)
+        for name, flat in torch_pages.flat.items():
+            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
+            fused_pages.flat[name].copy_(flat)
+            graph_pages.flat[name].copy_(flat)
+        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
+        x = x.to(dtype).cuda()
+        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
+        assert bool(closes.any())
+        assert relative(got[closes], want[closes]) < TOL[dtype], (layer, prefix)
+        for name, flat in torch_pages.flat.items():
+            assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
+            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
+        graph.replay()
+        assert torch.equal(captured[closes], got[closes])
+        for name, flat in fused_pages.flat.items():
+            assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
 
 
 @pytest.mark.parametrize("shape", ["tiny", "flash"])
@@ -261,8 +319,7 @@ def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
             graph_pages.flat[name].copy_(flat)
         x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
         x = x.to(dtype).cuda()
-        torch_rows = dataclasses.replace(rows, decode=False)  # the torch form, on CUDA too
-        want = batched._compress(comp, torch_pages, prefix, x, torch_rows, rope)
+        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
         got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
         closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
         if bool(closes.any()):
@@ -309,7 +366,7 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
     new = torch.randn(n, indexer.dim, generator=gen).to(dtype).cuda()
     rope = model.ropes("cuda")["compress"]
     # The queries of the float32 model, in the pages' dtype.
-    q, weights = indexer.queries(x.float(), q_residual.float(), rows.positions, rope)
+    q, weights = indexer.queries(x.float(), q_residual.float(), rope.at(rows.positions))
     q = q.to(dtype)
     count = -(-width * block_size // indexer.rate)
     every = torch.arange(count, device="cuda").expand(n, count)
@@ -367,7 +424,7 @@ def test_index_select_keeps_the_torch_top_k(attention_models, shape, dtype, chun
     q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).to(dtype).cuda()
     new = torch.randn(n, indexer.dim, generator=gen).to(dtype).cuda()
     rope = model.ropes("cuda")["compress"]
-    q, weights = indexer.queries(x.float(), q_residual.float(), rows.positions, rope)
+    q, weights = indexer.queries(x.float(), q_residual.float(), rope.at(rows.positions))
     q = q.to(dtype)
     count = -(-width * block_size // indexer.rate)
     every = torch.arange(count, device="cuda").expand(n, count)
@@ -544,7 +601,7 @@ def test_fp8_pages_index_select_keeps_the_torch_top_k(attention_models, shape, c
     q_residual = torch.randn(n, model.config.q_lora_rank, generator=gen).cuda()
     new = pages.as_stored(torch.randn(n, indexer.dim, generator=gen).cuda())
     rope = model.ropes("cuda")["compress"]
-    q, weights = indexer.queries(x, q_residual, rows.positions, rope)
+    q, weights = indexer.queries(x, q_residual, rope.at(rows.positions))
     page, rope_page = pages.flat["index_entries"], pages.flat["index_entries_rope"]
     assert triton_select.supports(q, new, page, indexer.topk, rope_page)
     count = -(-width * block_size // indexer.rate)
@@ -597,8 +654,7 @@ def test_fp8_pages_compressor_decode_equals_the_torch_path(tmp_path, shape, coun
         x = x.to(torch.bfloat16).cuda()
         kv = comp.kv_proj(x)
         assert ops.fuses_v4_compress(kv, fused_pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
-        torch_rows = dataclasses.replace(rows, decode=False)  # the torch form, on CUDA too
-        want = batched._compress(comp, torch_pages, prefix, x, torch_rows, rope)
+        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
         got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
         closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
         if bool(closes.any()):

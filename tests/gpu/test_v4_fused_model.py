@@ -90,9 +90,9 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
     layers = cuda.config.num_layers
     # Of 4 steps: every mHC site, attention and indexer (2 CSA layers), 4 norm-rotaries a layer
-    # and the indexer's; of the 3 decode steps, the compressors (CSA 2, HCA 1).
+    # and the indexer's, the compressors (CSA 2, HCA 1; the prefill step's in chunk form).
     fused = {"mhc": 2 * layers * 4, "attention": layers * 4, "index": 2 * 4}
-    fused |= {"compress": 5 * 3, "norm_rope": (4 * layers + 2) * 4}
+    fused |= {"compress": 5 * 4, "norm_rope": (4 * layers + 2) * 4}
     assert calls == fused
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4 * float(w.abs().max()), rtol=0.0, msg=str(step))

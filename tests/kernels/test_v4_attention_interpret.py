@@ -88,12 +88,12 @@ def case(model, layer, chunks, pad, dtype, block_size, seed, fp8=False):
             read = torch.stack([torch.randperm(count, generator=gen)[:k] for _ in range(n)])
         new = torch.randn(n, dim, generator=gen).to(dtype)
         selected = (read, new)
-        entry_rows = pages.batch_entry_rows("entries", rows.tables, read)
-        entries = (new, pages.flat["entries"], entry_rows, read)
+        entries = (new, pages.flat["entries"], rows.tables, read)
+    paging = (block_size, pages.pages["entries"].shape[1]) if entries else None
     want = batched._attend(attn, pages, q, kv, rows, window_rows, selected)
     got = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows, entries, rate,
                                      rows.positions, rows.start, rows.real, attn.sinks, attn.scale,
-                                     None, rope_pages, pages.scale)
+                                     paging, rope_pages, pages.scale)
     real = rows.real
     label = (attn.kind, chunks, pad, dtype, heads, dim, fp8)
     assert got.dtype == dtype and torch.isfinite(got).all(), label
@@ -103,11 +103,10 @@ def case(model, layer, chunks, pad, dtype, block_size, seed, fp8=False):
     assert err < tol, (label, err)
     print("attention", label, round(err, 8), "ok")
     if attn.kind == HCA:  # every closed entry, addressed through the tables in the kernel
-        every = (block_size, pages.pages["entries"].shape[1])
         got = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows,
                                          (new, pages.flat["entries"], rows.tables, None), rate,
                                          rows.positions, rows.start, rows.real, attn.sinks,
-                                         attn.scale, every, rope_pages, pages.scale)
+                                         attn.scale, paging, rope_pages, pages.scale)
         assert torch.equal(got[~real], torch.zeros_like(got[~real])), label
         err = float((got[real].double() - want[real].double()).norm()
                     / want[real].double().norm())

@@ -75,7 +75,7 @@ def case(models, layer, prefix, positions, pad, dtype, block_size, seed, fp8=Fal
     rope = model.ropes("cpu")["compress"]
     want = batched._compress(comp, torch_pages, prefix, x, rows, rope)
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
-    got = batched._compress_decode(comp, fused_pages, prefix, kv, gate, rows, rope)
+    got = batched._compress_fused(comp, fused_pages, prefix, kv, gate, rows, rope)
     closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
     label = (prefix or "main", comp.rate, positions, pad, dtype, block_size, fp8)
     tol = 1e-2 if fp8 else 1e-5 if dtype == torch.float32 else 2e-3

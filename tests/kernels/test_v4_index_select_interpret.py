@@ -78,7 +78,7 @@ def case(model, chunks, pad, block_size, seed, scratch=None, fp8=False):
     new[::3] = 0.0
     rope = model.ropes("cpu")["compress"]
     want = indexer.ranked(batched._index_scores(indexer, pages, x, q_residual, rows, rope, new))
-    q, weights = indexer.queries(x, q_residual, rows.positions, rope)
+    q, weights = indexer.queries(x, q_residual, rope.at(rows.positions))
     if scratch is not None:
         triton_select.SCORE_ELEMENTS = scratch
     got = triton_select.index_select(

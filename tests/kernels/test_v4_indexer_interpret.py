@@ -74,7 +74,7 @@ def case(models, chunks, pad, dtype, block_size, seed, fp8=False):
     new = torch.randn(n, indexer.dim, generator=gen).to(dtype)
     rope = model.ropes("cpu")["compress"]
     want = batched._index_scores(indexer, pages, x, q_residual, rows, rope, new)
-    q, weights = indexer.queries(x, q_residual, rows.positions, rope)
+    q, weights = indexer.queries(x, q_residual, rope.at(rows.positions))
     count = want.shape[1]
     every = torch.arange(count).expand(n, count)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)

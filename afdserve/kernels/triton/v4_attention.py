@@ -8,12 +8,14 @@ FlashMLA's sparse decode reads each selected key once for a head group). The key
 - window key i (0 <= i < WINDOW) is position p - i: from the chunk's own rows `OWN` when at or past
   the chunk's start, else from the window page at the flat row `WINDOW_ROWS[r, i]`; visible where
   the position is not negative;
-- entry e (0 <= e < ENTRIES) is compressed entry `READ[r, e]`, closed at position (w + 1) m - 1:
-  from the chunk's `NEW` rows when that is at or past the chunk's start, else from the entries page
-  at `ENTRY_ROWS[r, e]`; visible where it closed at or before p (w < (p + 1) // m);
-- or, `EVERY` (HCA), entry e for every e < (p + 1) // m, its page row found through the row's
-  block table in the kernel: the loop stops at the row's own last entry, so a prefill row reads
-  its causal extent and a captured step whose tables span max_model_len reads no further.
+- entry e (0 <= e < ENTRIES) is compressed entry w = `READ[r, e]`, closed at position (w + 1) m - 1:
+  from the chunk's `NEW` rows when that is at or past the chunk's start, else from the entries
+  page; visible where it closed at or before p (w < (p + 1) // m);
+- or, `EVERY` (HCA), entry w for every w < (p + 1) // m: the loop stops at the row's own last
+  entry, so a prefill row reads its causal extent and a captured step whose tables span
+  max_model_len reads no further.
+An entry's page row is found through the row's block table in the kernel (`_entry_rows`), so no
+address tensor is made per layer.
 That is `StepRows.chunk_or`'s rule, with the addresses `LayerPages` gives (cache.py keeps the
 layout). An FP8 cache's pages (unrotated channels e4m3, rotated bf16) are read and widened in the
 kernel as the torch path widens them (v4_pages.py). Softmax online in float32 from the sink (m =
@@ -81,6 +83,18 @@ def _entry_keys(
 
 
 @triton.jit
+def _entry_rows(
+    TABLES, r, width, w, mask, RATE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOTS: tl.constexpr
+):
+    """Flat rows of the entries page of entries `w` of row r (where `mask`): entry w sits in block
+    w m // B of the row's table, at slot w - ceil(b B / m) (cache.LayerPages._entry_rows)."""
+    block = w * RATE // BLOCK_SIZE
+    first = (block * BLOCK_SIZE + RATE - 1) // RATE
+    page_block = tl.load(TABLES + r * width + block, mask=mask, other=0)
+    return page_block * SLOTS + w - first
+
+
+@triton.jit
 def _sparse_attention_kernel(
     Q,  # [rows, heads, dim]
     OWN,  # [rows, dim]: the chunk's own rotated KV
@@ -90,9 +104,8 @@ def _sparse_attention_kernel(
     NEW,  # [rows, dim]: the entry each chunk row pooled (ENTRIES > 0)
     ENTRY_PAGE,  # [flat rows, dim]
     ENTRY_ROPE,  # [flat rows, dim - nope] bf16 (FP8)
-    ENTRY_ROWS,  # [rows, ENTRIES] int64
-    READ,  # [rows, ENTRIES] int64: the entry indices
-    TABLES,  # [rows, width] int64: each row's block table (EVERY)
+    READ,  # [rows, ENTRIES] int64: the entry indices (not EVERY)
+    TABLES,  # [rows, width] int64: each row's block table
     POSITIONS,  # [rows] int64
     START,  # [rows] int64: the chunk's first position
     REAL,  # [rows] bool
@@ -108,9 +121,9 @@ def _sparse_attention_kernel(
     WINDOW: tl.constexpr,
     ENTRIES: tl.constexpr,
     RATE: tl.constexpr,
-    EVERY: tl.constexpr,  # every closed entry, addressed through TABLES (not READ)
-    BLOCK_SIZE: tl.constexpr,  # the cache's block size (EVERY)
-    SLOTS: tl.constexpr,  # entry rows per block of the entries page (EVERY)
+    EVERY: tl.constexpr,  # every closed entry (not READ)
+    BLOCK_SIZE: tl.constexpr,  # the cache's block size
+    SLOTS: tl.constexpr,  # entry rows per block of the entries page
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,17 +165,13 @@ def _sparse_attention_kernel(
         m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     closed = (p + 1) // RATE
     if EVERY:
-        # Every closed entry (HCA): entry e sits in block e m // B of the row's table, at slot
-        # e - ceil(b B / m) (cache.LayerPages._entry_rows); the loop stops at the row's last.
+        # Every closed entry (HCA): the loop stops at the row's last.
         steps = (tl.where(real, closed, 0) + BLOCK_N - 1) // BLOCK_N
         for i in range(0, steps):
             e = i * BLOCK_N + n
             visible = e < closed
             own = (e + 1) * RATE - 1 >= start
-            block = e * RATE // BLOCK_SIZE
-            first = (block * BLOCK_SIZE + RATE - 1) // RATE
-            page_block = tl.load(TABLES + r * width + block, mask=visible & ~own, other=0)
-            paged = page_block * SLOTS + e - first
+            paged = _entry_rows(TABLES, r, width, e, visible & ~own, RATE, BLOCK_SIZE, SLOTS)
             k = _entry_keys(
                 NEW,
                 ENTRY_PAGE,
@@ -188,7 +197,7 @@ def _sparse_attention_kernel(
             read = tl.load(READ + r * ENTRIES + e, mask=e < ENTRIES, other=0)
             visible = (e < ENTRIES) & (read < closed) & real
             own = (read + 1) * RATE - 1 >= start  # the position that closed the entry
-            paged = tl.load(ENTRY_ROWS + r * ENTRIES + e, mask=visible & ~own, other=0)
+            paged = _entry_rows(TABLES, r, width, read, visible & ~own, RATE, BLOCK_SIZE, SLOTS)
             k = _entry_keys(
                 NEW,
                 ENTRY_PAGE,
@@ -247,33 +256,32 @@ def sparse_attention(
     real: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
-    every: tuple[int, int] | None = None,
+    paging: tuple[int, int] | None = None,
     rope_pages: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, its flat
-    rows [rows, n], the entry indices [rows, n]) or None (a sliding layer); with `every` (the
-    cache's block size, entry rows per block): (new, page, the rows' block tables [rows, W],
-    None), every closed entry of each row, read up to the row's last (HCA: no [rows, entries]
-    index tensor, no loop past the row's position); `rope_pages`: an FP8 cache's rotated pages of
-    the window and the entries (None: a sliding layer's), whose other pages are then e4m3 at
-    `kv_scale`. See the module docstring for what each row sees."""
+    """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, the
+    rows' block tables [rows, W], the entry indices [rows, n] or None: every closed entry of each
+    row, read up to the row's last (HCA: no [rows, entries] index tensor, no loop past the row's
+    position)), or None (a sliding layer); `paging` (with entries): the cache's block size and
+    the entries page's rows per block; `rope_pages`: an FP8 cache's rotated pages of the window
+    and the entries (None: a sliding layer's), whose other pages are then e4m3 at `kv_scale`.
+    See the module docstring for what each row sees."""
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
         return out
     window = window_rows.shape[1]
-    tables, block_size, slots = window_rows, 1, 1
     if entries is None:
-        new, entry_page, entry_rows, read = own, window_page, window_rows, window_rows
-        count = 0
-    elif every is not None:
-        new, entry_page, tables, _ = entries
-        entry_rows, read, count = window_rows, window_rows, 0
-        block_size, slots = every
+        new, entry_page, tables, read = own, window_page, window_rows, window_rows
+        block_size, slots, count = 1, 1, 0
     else:
-        new, entry_page, entry_rows, read = entries
-        count = read.shape[1]
+        if paging is None:
+            raise ValueError("sparse_attention: entries need `paging` (block size, entry slots)")
+        new, entry_page, tables, read = entries
+        block_size, slots = paging
+        count = 0 if read is None else read.shape[1]
+        read = tables if read is None else read
     fp8 = rope_pages is not None
     window_rope, entry_rope = rope_pages if fp8 else (window_page, None)
     entry_rope = window_rope if entry_rope is None else entry_rope
@@ -288,7 +296,6 @@ def sparse_attention(
         new.contiguous(),
         entry_page,
         entry_rope,
-        entry_rows.contiguous(),
         read.contiguous(),
         tables.contiguous(),
         positions,
@@ -306,7 +313,7 @@ def sparse_attention(
         WINDOW=window,
         ENTRIES=count,
         RATE=max(rate, 1),
-        EVERY=every is not None and entries is not None,
+        EVERY=entries is not None and entries[3] is None,
         BLOCK_SIZE=block_size,
         SLOTS=slots,
         BLOCK_H=block_h,

@@ -1,6 +1,10 @@
-"""DeepSeek-V4's compressor update of a decode ubatch (model/families/deepseek_v4/batched.py's
-`_compress` where every row is its sequence's only row) in one launch: the window's slots read
-from the pages, the softmax-gated pooling, the entry's norm and rotary, and every page write.
+"""DeepSeek-V4's compressor update of a ubatch (model/families/deepseek_v4/batched.py's
+`_compress`): for a decode ubatch (every row its sequence's only row) one launch: the window's
+slots read from the pages, the softmax-gated pooling, the entry's norm and rotary, and every page
+write; for prefill chunks beside decodes the same pooling with each slot at or past the chunk's
+start read from the chunk's own rows (and CSA's first series of a window the chunk began inside
+from its slots alike), then the state writes in launches of their own (`compress_decode`'s
+`chunk`).
 
 One program per row at position p, window w = p // m. Slot j of the window is position w m + j:
 p's own projections `KV`, `GATE` for j = p - w m, the open rows `ADDRESSES[r, j]` (the ring in
@@ -30,23 +34,68 @@ BLOCK_COLUMNS = 64  # columns a step of the loops takes (not measured)
 
 
 @triton.jit
-def _window_slots(KV, GATE, OPEN_KV, OPEN_GATE, BIAS, r, wr, own, j, cols, live, width):
-    """The window's slots [M_PAD, BLOCK] at `cols`: kv in the pages' dtype, gate biased float32."""
+def _window_slots(KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, width):
+    """A window's slots [M_PAD, BLOCK] at `cols`: where `own`, the projections of the ubatch's
+    rows `src`, else the open rings' rows `wr`; kv in the pages' dtype, gate biased float32."""
     mask = live[:, None] & (cols[None, :] < width)
     from_row = own[:, None] & mask
     from_page = ~own[:, None] & mask
     kv = tl.where(
         own[:, None],
-        tl.load(KV + r * width + cols[None, :] + 0 * j[:, None], mask=from_row, other=0.0),
+        tl.load(KV + src[:, None] * width + cols[None, :], mask=from_row, other=0.0),
         tl.load(OPEN_KV + wr[:, None] * width + cols[None, :], mask=from_page, other=0.0),
     )
     gate = tl.where(
         own[:, None],
-        tl.load(GATE + r * width + cols[None, :] + 0 * j[:, None], mask=from_row, other=0.0),
+        tl.load(GATE + src[:, None] * width + cols[None, :], mask=from_row, other=0.0),
         tl.load(OPEN_GATE + wr[:, None] * width + cols[None, :], mask=from_page, other=0.0),
     ).to(tl.float32)
     gate += tl.load(BIAS + j[:, None] * width + cols[None, :], mask=mask, other=0.0)
     return kv, gate
+
+
+@triton.jit
+def _keep_first_series(
+    KV,
+    GATE,
+    OPEN_KV,
+    OPEN_GATE,
+    BIAS,
+    PREV_KV,
+    PREV_GATE,
+    src,
+    wr,
+    pw,
+    own,
+    j,
+    live,
+    keep_row,
+    DIM: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """CSA: the window's first series (its slots' first DIM columns, gates biased) to the prev
+    rows `pw` where `keep_row`: what the next window's entry overlaps."""
+    for c in range(0, DIM, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        kv, gate = _window_slots(
+            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, WIDTH
+        )
+        keep = keep_row & live[:, None] & (cols[None, :] < DIM)
+        tl.store(PREV_KV + pw[:, None] * DIM + cols[None, :], kv, mask=keep)
+        tl.store(PREV_GATE + pw[:, None] * DIM + cols[None, :], gate, mask=keep)
+
+
+@triton.jit
+def _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, opened, keep, WIDTH: tl.constexpr, BLOCK):
+    """Row r's projections to the open ring's row `opened` where `keep`."""
+    for c in range(0, WIDTH, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        mask = (cols < WIDTH) & keep
+        kv = tl.load(KV + r * WIDTH + cols, mask=mask, other=0.0)
+        gate = tl.load(GATE + r * WIDTH + cols, mask=mask, other=0.0)
+        tl.store(OPEN_KV + opened * WIDTH + cols, kv, mask=mask)
+        tl.store(OPEN_GATE + opened * WIDTH + cols, gate, mask=mask)
 
 
 @triton.jit
@@ -67,6 +116,8 @@ def _compress_kernel(
     NEW,  # [rows, DIM]: the pooled entry (kept where p closes its window)
     POSITIONS,  # [rows] int64
     REAL,  # [rows] bool
+    START,  # [rows] int64: the chunk's first position (CHUNKED)
+    rows,
     norm_eps,
     scaling,
     nope,  # the entries' unrotated channels (FP8)
@@ -78,9 +129,10 @@ def _compress_kernel(
     SECOND: tl.constexpr,  # the first column of the window's own slots: DIM (OVERLAP) or 0
     ROPE: tl.constexpr,
     OVERLAP: tl.constexpr,
-    ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 3 m + 1
+    ADDRESS_WIDTH: tl.constexpr,  # m + 1, CSA 3 m + 1 (CHUNKED: 4 m + 1)
     BLOCK: tl.constexpr,
     FP8: tl.constexpr,  # the entries are an FP8 cache's pair (v4_pages.py)
+    CHUNKED: tl.constexpr,  # rows of prefill chunks: pool and entries only (`compress_chunk`)
 ):
     r = tl.program_id(0)
     p = tl.load(POSITIONS + r)
@@ -89,7 +141,13 @@ def _compress_kernel(
     closes = real & ((p + 1) % M == 0)
     j = tl.arange(0, M_PAD)
     live = j < M
-    own = w * M + j >= p
+    if CHUNKED:
+        start = tl.load(START + r)
+        src = tl.minimum(tl.maximum(r - (p - (w * M + j)), 0), rows - 1)
+    else:  # the row alone in its chunk: every earlier slot is in the ring
+        start = p
+        src = r + 0 * j
+    own = w * M + j >= start
     at = ADDRESSES + r * ADDRESS_WIDTH
     wr = tl.load(at + j, mask=live, other=0)
     pr = wr
@@ -97,20 +155,48 @@ def _compress_kernel(
     if OVERLAP:
         pr = tl.load(at + M + 1 + j, mask=live & (w > 0), other=0)
         pw = tl.load(at + 2 * M + 1 + j, mask=live, other=0)
+    # CSA: window w - 1's first series from the prev rows where it closed before the chunk
+    # (always so for a decode row), else from its slots as the window's own (CHUNKED).
+    paged = w * M <= start
+    earlier = (w - 1) * M + j
+    er = wr
+    if CHUNKED and OVERLAP:
+        er = tl.load(at + 3 * M + 1 + j, mask=live & (w > 0) & ~paged, other=0)
     square_sum = 0.0
     for c in range(0, DIM, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         kv, gate = _window_slots(
-            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, r, wr, own, j, cols + SECOND, live, WIDTH
+            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols + SECOND, live, WIDTH
         )
         gate = tl.where(live[:, None], gate, float("-inf"))
         top = tl.max(gate, axis=0)
         if OVERLAP:
             first = live[:, None] & (cols[None, :] < DIM) & (w > 0)
-            first_kv = tl.load(PREV_KV + pr[:, None] * DIM + cols[None, :], mask=first, other=0.0)
+            from_prev = first & paged
+            first_kv = tl.load(
+                PREV_KV + pr[:, None] * DIM + cols[None, :], mask=from_prev, other=0.0
+            )
             first_gate = tl.load(
-                PREV_GATE + pr[:, None] * DIM + cols[None, :], mask=first, other=float("-inf")
+                PREV_GATE + pr[:, None] * DIM + cols[None, :], mask=from_prev, other=float("-inf")
             ).to(tl.float32)
+            if CHUNKED:
+                src_earlier = tl.minimum(tl.maximum(r - (p - earlier), 0), rows - 1)
+                pending_kv, pending_gate = _window_slots(
+                    KV,
+                    GATE,
+                    OPEN_KV,
+                    OPEN_GATE,
+                    BIAS,
+                    src_earlier,
+                    er,
+                    earlier >= start,
+                    j,
+                    cols,
+                    live & (w > 0) & ~paged,
+                    WIDTH,
+                )
+                first_kv = tl.where(paged, first_kv, pending_kv.to(first_kv.dtype))
+                first_gate = tl.where(paged | ~first, first_gate, pending_gate)
             top = tl.maximum(top, tl.max(first_gate, axis=0))
         weights = tl.exp(gate - top[None, :])
         total = tl.sum(weights, axis=0)
@@ -130,15 +216,26 @@ def _compress_kernel(
         square_sum += tl.sum(squares * squares, axis=0)
         tl.store(NEW + r * DIM + cols, pooled, mask=cols < DIM)
     tl.debug_barrier()  # every read of the prev pages and of NEW's columns is done
-    if OVERLAP:  # the window's first series, for the next window's entry
-        for c in range(0, DIM, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            kv, gate = _window_slots(
-                KV, GATE, OPEN_KV, OPEN_GATE, BIAS, r, wr, own, j, cols, live, WIDTH
-            )
-            keep = closes & live[:, None] & (cols[None, :] < DIM)
-            tl.store(PREV_KV + pw[:, None] * DIM + cols[None, :], kv, mask=keep)
-            tl.store(PREV_GATE + pw[:, None] * DIM + cols[None, :], gate, mask=keep)
+    if OVERLAP and not CHUNKED:  # the window's first series, for the next window's entry
+        _keep_first_series(
+            KV,
+            GATE,
+            OPEN_KV,
+            OPEN_GATE,
+            BIAS,
+            PREV_KV,
+            PREV_GATE,
+            src,
+            wr,
+            pw,
+            own,
+            j,
+            live,
+            closes,
+            DIM,
+            WIDTH,
+            BLOCK,
+        )
     inv = 1.0 / tl.sqrt(square_sum / DIM + norm_eps)
     start = (w * M).to(tl.float32)
     entry = tl.load(ENTRY_ROW + r)
@@ -169,14 +266,69 @@ def _compress_kernel(
         )
         tl.store(NEW + r * DIM + even, out_even, mask=inside)
         tl.store(NEW + r * DIM + even + 1, out_odd, mask=inside)
-    opened = tl.load(at + M)
-    for c in range(0, WIDTH, BLOCK):
-        cols = c + tl.arange(0, BLOCK)
-        keep = (cols < WIDTH) & real & ~closes
-        kv = tl.load(KV + r * WIDTH + cols, mask=keep, other=0.0)
-        gate = tl.load(GATE + r * WIDTH + cols, mask=keep, other=0.0)
-        tl.store(OPEN_KV + opened * WIDTH + cols, kv, mask=keep)
-        tl.store(OPEN_GATE + opened * WIDTH + cols, gate, mask=keep)
+    if not CHUNKED:
+        _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, tl.load(at + M), real & ~closes, WIDTH, BLOCK)
+
+
+@triton.jit
+def _chunk_writes_kernel(
+    KV,  # [rows, WIDTH]
+    GATE,  # [rows, WIDTH]
+    OPEN_KV,  # [flat rows, WIDTH]
+    OPEN_GATE,  # [flat rows, WIDTH]
+    ADDRESSES,  # [rows, ADDRESS_WIDTH] int64: `_compress_kernel`'s
+    PREV_KV,  # [flat rows, DIM] (OVERLAP)
+    PREV_GATE,  # [flat rows, DIM] float32 (OVERLAP)
+    BIAS,  # [M, WIDTH] float32
+    POSITIONS,  # [rows] int64
+    START,  # [rows] int64
+    KEEP,  # [rows] bool: FIRST the closing rows keeping their first series, else the open rows
+    rows,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ADDRESS_WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FIRST: tl.constexpr,
+):
+    """A chunk's state writes after its pooling: FIRST (CSA) the first series of the windows it
+    closes where kept; then, in a launch of its own, the open rows it keeps. Separate launches
+    because a chunk's rows read its sequence's rings (positions before the chunk) while others
+    write them (positions near its end), which may share a ring row modulo R."""
+    r = tl.program_id(0)
+    keep = tl.load(KEEP + r).to(tl.int1)
+    at = ADDRESSES + r * ADDRESS_WIDTH
+    if FIRST:
+        p = tl.load(POSITIONS + r)
+        w = p // M
+        j = tl.arange(0, M_PAD)
+        live = j < M
+        src = tl.minimum(tl.maximum(r - (p - (w * M + j)), 0), rows - 1)
+        own = w * M + j >= tl.load(START + r)
+        wr = tl.load(at + j, mask=live & keep, other=0)
+        pw = tl.load(at + 2 * M + 1 + j, mask=live & keep, other=0)
+        _keep_first_series(
+            KV,
+            GATE,
+            OPEN_KV,
+            OPEN_GATE,
+            BIAS,
+            PREV_KV,
+            PREV_GATE,
+            src,
+            wr,
+            pw,
+            own,
+            j,
+            live,
+            keep,
+            DIM,
+            WIDTH,
+            BLOCK,
+        )
+    else:
+        _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, tl.load(at + M), keep, WIDTH, BLOCK)
 
 
 def supports(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope: int) -> bool:
@@ -206,6 +358,7 @@ def compress_decode(
     rate: int,
     dim: int,
     kv_scale: float = 1.0,
+    chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """kv, gate [rows, width] -> the pooled entries [rows, dim] (kept where a row closes its
     window; as the entries page gives them back), the pages written. pages: the flat `open_kv`,
@@ -213,7 +366,15 @@ def compress_decode(
     v4_pages.store_row), and CSA's `prev_kv`, `prev_gate`; addresses [rows, m + 1 (CSA: + 2
     m)]: the open rings' rows of the window's positions and of p (and the prev pages' rows of
     windows w - 1 and w, in the row's block table); entry_rows [rows]: the entries page's row of
-    the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling)."""
+    the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling).
+    `chunk` (rows of prefill chunks beside decodes, not each alone in its chunk): (the chunks'
+    first positions, the closing rows that keep their window's first series, the rows that keep
+    their projections in the open ring) [rows]; CSA's addresses then also hold the open rings'
+    rows of window w - 1's positions [rows, m] (a window the chunk began inside). Three launches:
+    the pooling and entries, then the first series, then the open rows (`_chunk_writes_kernel`
+    says why). A row's window slots at or past its chunk's start come from the chunk's rows;
+    only a row that closes its window has its pooled entry right (the others' are read by no
+    one: `_compress`'s contract)."""
     count = kv.shape[0]
     new = torch.empty(count, dim, dtype=kv.dtype, device=kv.device)
     if count == 0:
@@ -222,12 +383,24 @@ def compress_decode(
     prev = (pages["prev_kv"], pages["prev_gate"]) if overlap else (kv, kv)  # kv: never read
     inv_freq, scaling = rope
     fp8 = "entries_rope" in pages
+    addresses = addresses.contiguous()
+    shape = dict(
+        M=rate,
+        M_PAD=triton.next_power_of_2(rate),
+        DIM=dim,
+        WIDTH=kv.shape[1],
+        ADDRESS_WIDTH=addresses.shape[1],
+        BLOCK=min(BLOCK_COLUMNS, triton.next_power_of_2(dim)),
+        # HCA's 128 slots make [128, 64] tiles of kv, gate and weights (chosen, not measured).
+        num_warps=8 if rate >= 32 else 4,
+    )
+    start = positions if chunk is None else chunk[0]
     _compress_kernel[(count,)](
         kv,
         gate,
         pages["open_kv"],
         pages["open_gate"],
-        addresses.contiguous(),
+        addresses,
         *prev,
         position_bias,
         norm[0],
@@ -238,21 +411,25 @@ def compress_decode(
         new,
         positions,
         real,
+        start,
+        count,
         norm[1],
         scaling,
         pages["entries"].shape[1] if fp8 else dim,
         kv_scale,
-        M=rate,
-        M_PAD=triton.next_power_of_2(rate),
-        DIM=dim,
-        WIDTH=kv.shape[1],
         SECOND=dim if overlap else 0,
         ROPE=2 * inv_freq.shape[0],
         OVERLAP=overlap,
-        ADDRESS_WIDTH=addresses.shape[1],
-        BLOCK=min(BLOCK_COLUMNS, triton.next_power_of_2(dim)),
         FP8=fp8,
-        # HCA's 128 slots make [128, 64] tiles of kv, gate and weights (chosen, not measured).
-        num_warps=8 if rate >= 32 else 4,
+        CHUNKED=chunk is not None,
+        **shape,
     )
+    if chunk is not None:
+        writes = (kv, gate, pages["open_kv"], pages["open_gate"], addresses, *prev, position_bias)
+        for first, keep in ((True, chunk[1]), (False, chunk[2])):
+            if first and not overlap:
+                continue
+            _chunk_writes_kernel[(count,)](
+                *writes, positions, start, keep.contiguous(), count, FIRST=first, **shape
+            )
     return new

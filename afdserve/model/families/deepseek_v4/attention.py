@@ -243,16 +243,19 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """score [rows, entries] of keys [entries, dim] (every row the same) or [rows, entries,
         dim] (each row its own), unmasked."""
-        return self.score(*self.queries(x, q_residual, positions, rope), keys)
+        return self.score(*self.queries(x, q_residual, rope.at(positions)), keys)
 
     def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: RopeTable
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the rotated query heads q [rows, heads, dim], their weights w [rows, heads] float32,
-        the head scale folded in)."""
+        """-> (the query heads q [rows, heads, dim] rotated by `cos_sin` (the compress base at the
+        rows' positions), their weights w [rows, heads] float32, the head scale folded in)."""
         rows = x.shape[0]
         q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = norm_rope(q, None, rope.at(positions))
+        q = norm_rope(q, None, cos_sin)
         return q, self.weights_proj(x).float() * self.heads**-0.5
 
     def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,9 @@ table addresses, per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from afdserve.kernels import ops
-from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.families.deepseek_v4.attention import (
     Compressor,
     Indexer,
@@ -38,81 +34,7 @@ from afdserve.model.families.deepseek_v4.attention import (
     V4Attention,
 )
 from afdserve.model.families.deepseek_v4.cache import LayerPages
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """One ubatch's rows on the device, each with its segment's table and chunk bounds."""
-
-    positions: torch.Tensor  # [rows] int64
-    tables: torch.Tensor  # [rows, W] int64, W = the block table width (max blocks per sequence)
-    real: torch.Tensor  # [rows] bool: in a segment of context > 0
-    start: torch.Tensor  # [rows] int64: the first position of the row's chunk
-    end: torch.Tensor  # [rows] int64: the chunk's end, its segment's context length
-    decode: bool = False  # every segment one row (known on the host: what a graph captures)
-    # [rows] int64: the segment's state slot, where its open compressor rows sit (-1: pad rows).
-    slots: torch.Tensor | None = None
-    # [rows, W] int64: the segment's window table, which addresses the window's rows (None:
-    # `tables` does).
-    window_tables: torch.Tensor | None = None
-
-    @classmethod
-    def of(
-        cls, meta: AttentionMetadata, window: AttentionMetadata | None = None
-    ) -> StepRows | None:
-        """The rows of `meta`, or None when it carries no device segments (`batched`);
-        `window`: the same rows through the window pool's tables (None: `meta`'s)."""
-        batched = meta.batched
-        if batched is None:
-            return None
-        query_start = batched.query_start.long()
-        row = torch.arange(meta.num_rows, device=query_start.device)
-        # Row r is in segment i when query_start[i] <= r < query_start[i + 1]; rows past the
-        # last segment get index n, the pad segment appended here (no rows, context 0).
-        segment = torch.searchsorted(query_start[1:], row, right=True)
-        context = F.pad(batched.context_lens.long(), (0, 1))[segment]
-        count = F.pad(query_start[1:] - query_start[:-1], (0, 1))[segment]
-        tables = F.pad(batched.block_tables.long(), (0, 0, 0, 1))[segment]
-        slots = batched.state_slots
-        if slots is None and batched.context_lens.numel() == 0:  # pad rows only
-            slots = batched.context_lens
-        window_tables = None
-        if window is not None and window is not meta:
-            window_tables = F.pad(window.batched.block_tables.long(), (0, 0, 0, 1))[segment]
-        return cls(
-            meta.positions.long(),
-            tables,
-            context > 0,
-            context - count,
-            context,
-            batched.max_query_len <= 1,
-            None if slots is None else F.pad(slots.long(), (0, 1), value=-1)[segment],
-            window_tables,
-        )
-
-    @property
-    def windows(self) -> torch.Tensor:
-        """[rows, W] the tables that address each row's window rows."""
-        return self.tables if self.window_tables is None else self.window_tables
-
-    def state_slots(self) -> torch.Tensor:
-        """[rows] the state slots, which a compressed layer's open rows need."""
-        if self.slots is None:
-            raise ValueError("StepRows.slots is None: compressed layers keep open rows in slots")
-        return self.slots
-
-    def chunk_or(
-        self, values: torch.Tensor, positions: torch.Tensor, cached: torch.Tensor
-    ) -> torch.Tensor:
-        """What each row sees at `positions` [rows, n]: the chunk's own rows' `values` [rows,
-        width] where a position is at or past the chunk's start, `cached` [rows, n, width]
-        before it -> [rows, n, width], in values' dtype. Positions past a row's own read a
-        clamped row (kept only where masked)."""
-        rows = values.shape[0]
-        row = torch.arange(rows, device=values.device)
-        source = (row[:, None] - (self.positions[:, None] - positions)).clamp(0, rows - 1)
-        own = (positions >= self.start[:, None])[..., None]
-        return torch.where(own, values[source], cached.to(values.dtype))
+from afdserve.model.families.deepseek_v4.rows import StepRows
 
 
 def step_attention(
@@ -130,12 +52,13 @@ def step_attention(
     (so a row past what the sequence keeps, a rejected draft's, overwrites no other)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    p, real = rows.positions, rows.real
-    cos_sin = rope.at(p)
+    real = rows.real
+    cos_sin = rows.rotary(rope)
     q_residual, q, kv = attn.project(x, cos_sin)
     kv = pages.as_stored(kv)
-    back = p[:, None] - torch.arange(attn.window, device=p.device)  # [rows, window]
-    window_rows = pages.batch_rows("window", rows.windows, back)
+    window_rows = rows.shared(
+        ("window", attn.window, pages.layout), lambda: _window_rows(attn.window, pages, rows)
+    )
     selected = None
     if attn.compressor is not None:
         selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
@@ -143,7 +66,13 @@ def step_attention(
     # After every read of the window (fused kernels read the pages while rows are written).
     pages.store("window", window_rows[:, :1], kv[:, None], real[:, None])  # back[:, 0] is p
     y = attn.finish(out, cos_sin)
-    return torch.where(real[:, None], y, torch.zeros_like(y))
+    return torch.where(real[:, None], y, 0.0)
+
+
+def _window_rows(window: int, pages: LayerPages, rows: StepRows) -> torch.Tensor:
+    """[rows, window] the flat window-page rows of positions p, p - 1, .. p - window + 1."""
+    back = rows.positions[:, None] - torch.arange(window, device=rows.positions.device)
+    return pages.batch_rows("window", rows.windows, back)
 
 
 def _attend(
@@ -159,19 +88,15 @@ def _attend(
     negative; the chunk's own `kv` rows, the page's `window_rows` before the chunk) and its
     `selected` compressed entries ((indices [rows, n] or None: every entry, the chunk's pooled
     `new` [rows, dim]), masked unless closed at or before p) -> [rows, heads, dim]: one fused
-    launch on CUDA (ops.v4_sparse_attention, which reads every closed entry through the tables
-    up to the row's last), the torch form below elsewhere (every entry the tables address,
-    gathered per row)."""
+    launch on CUDA (ops.v4_sparse_attention, which finds each entry's page row through the row's
+    block table, and for every entry reads them up to the row's last), the torch form below
+    elsewhere (every entry the tables address, gathered per row)."""
     p, comp = rows.positions, attn.compressor
-    entries, every = None, None
+    entries, paging = None, None
     if selected is not None:
         read, new = selected
-        if read is None:
-            geometry = pages.geometry
-            every = (geometry.block_size, pages.pages["entries"].shape[1])
-            entries = (new, pages.flat["entries"], rows.tables, None)
-        else:
-            entries = (new, pages.flat["entries"], _entry_rows(pages, rows, read), read)
+        paging = (pages.geometry.block_size, pages.pages["entries"].shape[1])
+        entries = (new, pages.flat["entries"], rows.tables, read)
     fp8 = None
     if pages.fp8:  # the kernel widens the e4m3 channels as `LayerPages.take` does
         fp8 = (pages.flat["window_rope"], pages.flat.get("entries_rope"), pages.scale)
@@ -184,7 +109,7 @@ def _attend(
         (p, rows.start, rows.real),
         attn.sinks,
         attn.scale,
-        every,
+        paging,
         fp8,
     )
     if fused is not None:
@@ -247,7 +172,7 @@ def _index_top(
     scored, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
     keeps the first index_topk: visible entries come first, so a top-k beyond the visible
     count keeps all of them and masks the rest, as the per-sequence path."""
-    queries = indexer.queries(x, q_residual, rows.positions, rope)
+    queries = indexer.queries(x, q_residual, rows.rotary(rope))
     geometry, page = pages.geometry, pages.pages["index_entries"]
     top = ops.v4_index_select(
         *queries,
@@ -287,7 +212,7 @@ def _index_scores(
     m, p = indexer.rate, rows.positions
     count = -(-rows.tables.shape[1] * pages.geometry.block_size // m)
     every = torch.arange(count, device=x.device).expand(x.shape[0], count)
-    q, weights = queries or indexer.queries(x, q_residual, p, rope)
+    q, weights = queries or indexer.queries(x, q_residual, rows.rotary(rope))
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     page = pages.flat["index_entries"]
     fused = ops.v4_index_scores(
@@ -321,10 +246,8 @@ def _compress(
     m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     rope_dim = 2 * rope.inv_freq.shape[0]
-    if rows.decode and ops.fuses_v4_compress(
-        kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim
-    ):
-        return _compress_decode(comp, pages, prefix, kv, gate, rows, rope)
+    if ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim):
+        return _compress_fused(comp, pages, prefix, kv, gate, rows, rope)
     w, state_slots, ring = p // m, rows.state_slots(), pages.geometry.ring
     closes = rows.real & ((p + 1) % m == 0)
     members = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
@@ -379,7 +302,7 @@ def _compress(
     return new
 
 
-def _compress_decode(
+def _compress_fused(
     comp: Compressor,
     pages: LayerPages,
     prefix: str,
@@ -388,23 +311,19 @@ def _compress_decode(
     rows: StepRows,
     rope: RopeTable,
 ) -> torch.Tensor:
-    """`_compress` of a decode ubatch (each row alone in its chunk) as one launch
-    (ops.v4_compress_decode) over the page rows LayerPages addresses -> [rows, dim]."""
-    m, p, tables = comp.rate, rows.positions, rows.tables
-    members = (p // m)[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
+    """`_compress` in ops.v4_compress_decode's launches over the page rows LayerPages addresses
+    -> [rows, dim]: one for a decode ubatch (each row alone in its chunk), three for chunks."""
+    m, p = comp.rate, rows.positions
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
     names += ("entries_rope",) if pages.fp8 else ()  # the kernel quantizes as `LayerPages.store`
     flat = {name: pages.flat[prefix + name] for name in names}
-    entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
-    # The open rings' rows of the window and of p (in the row's slot), then (CSA) the first
-    # series' rows of window w - 1 (read) and of window w (written where p closes it).
-    open_rows = torch.cat((members, p[:, None]), dim=1)
-    wanted = [pages.batch_open_rows(rows.state_slots(), open_rows)]
-    if comp.overlap:
-        prev = torch.cat((members - m, members), dim=1)
-        wanted.append(pages.batch_prev_rows((tables, rows.windows), rows.state_slots(), prev))
-    addresses = torch.cat(wanted, dim=1)
-    entry_rows = pages.batch_entry_rows(f"{prefix}entries", tables, entry)[:, 0]
+    # Both compressors of a CSA layer address their rings alike ("open_kv", "prev_kv" name
+    # them all) and hold as many entries per block: one set of addresses for both.
+    slots = pages.pages[f"{prefix}entries"].shape[1]
+    key = ("compress", rows.decode, m, comp.overlap, slots, pages.layout)
+    addresses, entry_rows, chunk = rows.shared(
+        key, lambda: _compress_addresses(pages, f"{prefix}entries", m, comp.overlap, rows)
+    )
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)
     return ops.v4_compress_decode(
         kv,
@@ -420,4 +339,35 @@ def _compress_decode(
         m,
         comp.dim,
         pages.scale,
+        chunk,
     )
+
+
+def _compress_addresses(
+    pages: LayerPages, entries: str, m: int, overlap: bool, rows: StepRows
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """What `_compress_fused`'s kernels read and write, as flat rows: (the open rings' rows of
+    the row's window and of p (in the row's slot), then (CSA, `overlap`) the first series' rows
+    of window w - 1 (read) and of window w (written where p closes it), and for chunks the open
+    rings' rows of window w - 1 [rows, 2 m + 1 (+ 2 m (+ m))]; the page row of the entry p
+    closes [rows]; for chunks (not `rows.decode`) the kernels' `chunk`: the rows' chunk starts,
+    which closing rows keep their window's first series and which rows their projections in
+    the open ring, as `_compress` keeps them)."""
+    p, tables, slots = rows.positions, rows.tables, rows.state_slots()
+    w = p // m
+    members = w[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window
+    wanted = [pages.batch_open_rows(slots, torch.cat((members, p[:, None]), dim=1))]
+    if overlap:
+        prev = torch.cat((members - m, members), dim=1)
+        wanted.append(pages.batch_prev_rows((tables, rows.windows), slots, prev))
+        if not rows.decode:
+            wanted.append(pages.batch_open_rows(slots, members - m))
+    entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
+    entry_rows = pages.batch_entry_rows(entries, tables, entry)[:, 0]
+    chunk = None
+    if not rows.decode:
+        ring, end = pages.geometry.ring, rows.end
+        closes = rows.real & ((p + 1) % m == 0)
+        kept = pages.keeps_prev_in_page(p + 1) | (w * m >= end - ring)
+        chunk = (rows.start, closes & kept, rows.real & (p >= end - ring) & ~closes)
+    return torch.cat(wanted, dim=1), entry_rows, chunk

@@ -23,15 +23,18 @@ equal to transformers' full forward. An FP8 cache stores the KV pages as float8_
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import CompressorState, LayerState
 from afdserve.model.families.deepseek_v4.geometry import MAX_DRAFT_ROWS, LayerGeometry
+from afdserve.model.families.deepseek_v4.rows import StepRows
 
 _SHORT = {
     "sliding_attention": "sliding",
@@ -92,6 +95,11 @@ class V4Pages(CacheSpec):
         return () if ops.triton_available() else (("full", FULL_GRAPH_REFUSAL),)
 
     draft_limit = DRAFT_LIMIT
+    # Every V4 layer reads a ubatch's rows alike: one StepRows for all three attention types.
+    step_metadata_per_type = True
+
+    def step_metadata(self, meta: AttentionMetadata) -> StepRows | None:
+        return StepRows.of(meta, meta.window or meta)
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         if self.geometry(block_size).resumable:
@@ -248,6 +256,15 @@ class LayerPages:
                     window.pages[name].shape
                 )
         return self
+
+    @property
+    def layout(self) -> Hashable:
+        """What a flat row's address depends on besides the rows: the geometry and each flat
+        buffer's length and ring base. Equal for every layer of one spec (allocated alike, joined
+        to alike window pages), so a ubatch's addresses are made once for all of them
+        (`StepRows.shared`)."""
+        flat = tuple((n, f.shape[0], self.ring_base.get(n, -1)) for n, f in self.flat.items())
+        return (self.geometry, flat)
 
     @property
     def bytes(self) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.attention import LayerState, RopeTable, V4Attention
-from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
+from afdserve.model.families.deepseek_v4.batched import step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages
 from afdserve.model.families.deepseek_v4.geometry import LayerGeometry
 from afdserve.model.families.deepseek_v4.mhc import (
@@ -36,6 +36,7 @@ from afdserve.model.families.deepseek_v4.mhc import (
     expand,
 )
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
+from afdserve.model.families.deepseek_v4.rows import StepRows
 from afdserve.model.layers.moe import Router, RouterHolder, Routing, make_ffn
 from afdserve.model.parts import ModelParts
 
@@ -225,7 +226,7 @@ class V4CausalLM(nn.Module):
         h, x, post, comb = connect(block.attn_hc, block.input_layernorm, h, update)
         attn, ropes = block.self_attn, self._ropes_on(x.device)
         own = ropes["main"] if attn.kind == "sliding_attention" else ropes["compress"]
-        rows = StepRows.of(meta, meta.window or meta)
+        rows = StepRows.find(meta)
         if rows is None:
             y = self._per_sequence(attn, cache, x, meta, own, ropes["compress"])
         else:

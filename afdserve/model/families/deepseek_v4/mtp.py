@@ -28,11 +28,12 @@ from afdserve.model.cache import CacheLayout
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.decoder.mtp import LayerAt
 from afdserve.model.families.deepseek_v4 import names
-from afdserve.model.families.deepseek_v4.batched import StepRows, step_attention
+from afdserve.model.families.deepseek_v4.batched import step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages, V4Pages, V4Window
 from afdserve.model.families.deepseek_v4.mhc import HyperHead, V4RMSNorm, connect, expand
 from afdserve.model.families.deepseek_v4.model import StreamState, V4CausalLM, V4DecoderLayer
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
+from afdserve.model.families.deepseek_v4.rows import StepRows
 from afdserve.model.layers.moe import Routing
 
 SLIDING = "sliding_attention"
@@ -166,7 +167,7 @@ class V4MTP(nn.Module):
         layer = self.layer
         h, x, post, comb = connect(layer.attn_hc, layer.input_layernorm, h, None)
         ropes = self.main._ropes_on(x.device)
-        rows = StepRows.of(meta, meta.window or meta)
+        rows = StepRows.find(meta)
         attn = layer.self_attn
         if rows is None:
             y = V4CausalLM._per_sequence(attn, cache, x, meta, ropes["main"], ropes["compress"])

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.cache import CacheLayout, CacheSpec
 from afdserve.model.config import ModelConfig
+from afdserve.model.families.deepseek_v4.rows import StepRows
 
 # Why "auto" keeps DSA eager on CUDA without Triton: the torch path's captured decode scores
 # every row against the indexer keys of max_model_len positions (the graph's block-table width),
@@ -49,6 +51,11 @@ class DSAPages(CacheSpec):
     kind: str = "DSA"
     graph_refusals: tuple[tuple[str, str], ...] = (("full", FULL_GRAPH_REFUSAL),)
     eager_by_default: str | None = EAGER_BY_DEFAULT
+    # The indexer of every layer reads a ubatch's rows alike: one StepRows for all of them.
+    step_metadata_per_type = True
+
+    def step_metadata(self, meta: AttentionMetadata) -> StepRows | None:
+        return StepRows.of(meta)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return block_size * (self.latent_dim + self.index_dim) * dtype.itemsize

@@ -23,7 +23,7 @@ from torch import nn
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata
 from afdserve.model.config import ModelConfig
-from afdserve.model.families.deepseek_v4.batched import StepRows
+from afdserve.model.families.deepseek_v4.rows import StepRows
 
 # Scores held at once, [rows, heads, context] float32 (256 MiB): rows are scored in chunks of
 # this many elements, so a long context costs more launches rather than memory.
@@ -121,7 +121,7 @@ def select_fast(
     metadata carries device segments only where a test asks for them)."""
     if meta.batched is None:
         return None
-    rows = StepRows.of(meta)
+    rows = StepRows.find(meta)
     # The keys are written at scale 1.0 (an FP8 cache's per-tensor scale, as the latent's).
     return ops.dsa_select(
         q, w, keys_cache, (rows.tables, rows.positions, rows.real), indexer.topk, indexer.scale
@@ -165,7 +165,7 @@ def select_batched(
     """Every row from the device segments (no host sync, CUDA-graph capturable): each row
     gathers its own sequence's keys over the block-table width W, [rows, W B, D], in row chunks
     of fixed size (`_chunks`); pad rows see nothing. -> slots [rows, topk]."""
-    rows = StepRows.of(meta)
+    rows = StepRows.find(meta)
     block_size = keys_cache.shape[1]
     context = torch.arange(rows.tables.shape[1] * block_size, device=q.device)
     visible = (context[None, :] <= rows.positions[:, None]) & rows.real[:, None]
