@@ -404,10 +404,10 @@ def route_greedy(
     scale: float,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The router's plain top-k (softmax or sigmoid scores; with `bias` added for the choice
-    only, noaux_tc of one group) as fused launches on CUDA, or None where the fast path does not
-    apply and the caller keeps its torch form."""
-    if _triton_ready(x) and scoring in ("softmax", "sigmoid"):
+    """The router's plain top-k (softmax, sigmoid or sqrt(softplus) scores; with `bias` added
+    for the choice only, noaux_tc of one group) as fused launches on CUDA, or None where the fast
+    path does not apply and the caller keeps its torch form."""
+    if _triton_ready(x) and scoring in ("softmax", "sigmoid", "sqrtsoftplus"):
         from afdserve.kernels.moe import router as triton_router
 
         if triton_router.supports(x, weight, top_k):

@@ -41,6 +41,8 @@ def router_case(
 
 def reference_scores(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> torch.Tensor:
     logits = x.float() @ weight.float().T
+    if scoring == "sqrtsoftplus":  # DeepSeek-V4
+        return torch.nn.functional.softplus(logits).sqrt()
     return logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
 
 
@@ -86,7 +88,8 @@ def assert_routing_matches(
 
 # Each combination compiles its own kernels on the GPU: the grid is kept to the cases that differ.
 @pytest.mark.parametrize(
-    "scoring,normalize", [("softmax", True), ("softmax", False), ("sigmoid", False)]
+    "scoring,normalize",
+    [("softmax", True), ("softmax", False), ("sigmoid", False), ("sqrtsoftplus", True)],
 )
 @pytest.mark.parametrize("rows", [0, 1, 17, 64])
 @pytest.mark.parametrize("top_k", [1, 2, 8])

@@ -1,10 +1,12 @@
 """The Triton router (kernels/moe/router.py) with a selection bias, as MiniMax-M2 routes (sigmoid
 scores, `e_score_correction_bias` added for the choice only, weights renormalised, noaux_tc of one
-group), under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the experts and weights of
-`Router.forward`'s torch form. float16 rows (the interpreter computes bf16 wrongly);
-tests/gpu/test_router_kernel.py runs it compiled. Both kernels loop over a runtime bound, which
-Triton 3.6's interpreter cannot run on numpy 2.4 (skipped there). In a subprocess: the variable
-must be set before any @triton.jit function is defined."""
+group) and DeepSeek-V4 (the same over sqrt(softplus) scores, logits past softplus's threshold of 20
+and far below 0 among them: `Router.forward`'s torch form itself), under Triton's interpreter
+(TRITON_INTERPRET=1, numpy) on CPU: the experts and weights of `Router.forward`'s torch form.
+float16 rows (the interpreter computes bf16 wrongly); tests/gpu/test_router_kernel.py runs it
+compiled. Both kernels loop over a runtime bound, which Triton 3.6's interpreter cannot run on
+numpy 2.4 (skipped there). In a subprocess: the variable must be set before any @triton.jit
+function is defined."""
 
 from __future__ import annotations
 
@@ -28,6 +30,29 @@ for rows, experts, hidden, top_k, scale in [(1, 16, 64, 2, 1.0), (9, 60, 96, 4, 
     assert torch.equal(ids, ref_ids), (ids, ref_ids)  # both in order of score + bias
     torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
     print("bias", rows, experts, "ok")
+
+# DeepSeek-V4: Router.forward's torch form (float32 logits of the fp16 rows) against the kernel.
+from types import SimpleNamespace
+
+from afdserve.model.layers.moe import Router
+
+for rows, experts, hidden, top_k in [(1, 16, 64, 2), (9, 64, 96, 6)]:
+    gen = torch.Generator().manual_seed(7 * rows + experts)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).half()
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).half()
+    x[0, :4] = 40.0  # logits past the threshold (softplus(x) = x) and far below 0
+    weight[:2, :4] = torch.tensor([[1.0] * 4, [-1.0] * 4]).half()
+    bias = torch.randn(experts, generator=gen) * 0.3
+    router = SimpleNamespace(weight=weight.float(), scoring="sqrtsoftplus")
+    scores = Router._scores(router, x.float())
+    assert float(scores.max()) > 20 ** 0.5 and float(scores.min()) < 1e-3
+    ref_ids = (scores + bias).topk(top_k, dim=-1).indices
+    ref = scores.gather(1, ref_ids)
+    ref = ref / (ref.sum(-1, keepdim=True) + 1e-20) * 1.5
+    ids, weights = triton_router.route(x, weight, top_k, "sqrtsoftplus", True, 1.5, bias)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
+    print("sqrtsoftplus", rows, experts, "ok")
 print("ok")
 """
 

@@ -6,15 +6,16 @@ topk, sum, divide, multiply), each costing a few microseconds even inside a CUDA
 1. logits: fp32 partial logits [splits, rows, E] on a grid of (row blocks, expert blocks, splits
    of H). At one row the E*H weight read dominates (0.5 MB for Qwen3-30B-A3B), so H is split
    until the grid has about `TARGET_PROGRAMS` programs and the read is spread over many SMs.
-2. select: per row, sum the partials (a fixed order, so results are deterministic), softmax or
-   sigmoid, top-k by repeated argmax, then normalise and scale. With a selection bias (noaux_tc
-   of one group: MiniMax-M2's `e_score_correction_bias`) the argmax runs over score + bias and
-   each pick's weight is its score alone.
+2. select: per row, sum the partials (a fixed order, so results are deterministic), softmax,
+   sigmoid or sqrt(softplus) (DeepSeek-V4), top-k by repeated argmax, then normalise and scale.
+   With a selection bias (noaux_tc of one group: MiniMax-M2's and DeepSeek-V4's
+   `e_score_correction_bias`) the argmax runs over score + bias and each pick's weight is its
+   score alone.
 
 Products of bf16/fp16 inputs are exact in fp32 and accumulate in fp32, so the logits equal
 `x.float() @ weight.float().T` up to summation order; no tf32 anywhere (inputs are never fp32).
 Hash layers, grouped `noaux_tc` and `group_limited_greedy` stay on the torch path in
-`Router.forward`.
+`Router.forward`; so do float32 models (their torch logits are float32 products).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 MAX_EXPERTS = 512  # kernel 2 holds a row's scores in registers
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")  # the select kernel's SCORING, by index
 TARGET_PROGRAMS = 128  # about one program per SM of an H100/H200 (132); untimed heuristic
 MAX_SPLITS = 32  # bounds kernel 2's loop over partials
 
@@ -77,6 +79,17 @@ def _logits_kernel(
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (beta 1, threshold 20: x itself above it), with log1p(e^x) taken by
+    Goldberg's form log(u) * y / (u - 1), u = 1 + y: accurate where e^x is far below 1, which a
+    plain log(1 + y) rounds away."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
 def _select_kernel(
     partial_ptr,
     bias_ptr,
@@ -87,7 +100,7 @@ def _select_kernel(
     splits,
     scale,
     HAS_BIAS: tl.constexpr,
-    SIGMOID: tl.constexpr,
+    SCORING: tl.constexpr,  # an index into SCORINGS
     NORMALIZE: tl.constexpr,
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
@@ -99,14 +112,16 @@ def _select_kernel(
     logits = tl.zeros((E_PAD,), dtype=tl.float32)
     for s in range(0, splits):
         logits += tl.load(partial_ptr + (s * rows + row) * experts + e, mask=ok, other=0.0)
-    if SIGMOID:
+    if SCORING == 1:
         scores = tl.sigmoid(logits)
+    elif SCORING == 2:
+        scores = tl.sqrt_rn(_softplus(logits))
     else:
         # Padded experts are -inf before the softmax, so they add nothing to the denominator.
         logits = tl.where(ok, logits, float("-inf"))
         p = tl.exp(logits - tl.max(logits, axis=0))
         scores = p / tl.sum(p, axis=0)
-    # Below every real score (sigmoid and softmax are >= 0), so padding is never picked.
+    # Below every real score (every scoring is >= 0), so padding is never picked.
     scores = tl.where(ok, scores, float("-inf"))
     if HAS_BIAS:  # what picks the experts; their weights stay the scores
         choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
@@ -194,7 +209,7 @@ def route(
         splits,
         float(scale),
         HAS_BIAS=bias is not None,
-        SIGMOID=scoring == "sigmoid",
+        SCORING=SCORINGS.index(scoring),
         NORMALIZE=bool(normalize),
         TOP_K=top_k,
         E_PAD=e_pad,
