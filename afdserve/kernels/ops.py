@@ -191,6 +191,7 @@ def v4_sparse_attention(
     scale: float,
     paging: tuple[int, int] | None = None,
     fp8: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
+    store: bool = False,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's attention of a ubatch over each row's window and compressed entries, with
     the sinks, read from its pages in one launch on CUDA (kernels/triton/v4_attention.py says what
@@ -199,7 +200,8 @@ def v4_sparse_attention(
     window: (page, flat rows [rows, window]); entries: (new, page, the rows' block tables, the
     entry indices, or None: every closed entry of each row (HCA)) or None; rows: (positions,
     chunk starts, real); paging (with entries): (block size, entry rows per block); fp8: an FP8
-    cache's (window's rotated page, entries' or None, scale), its pages then e4m3."""
+    cache's (window's rotated page, entries' or None, scale), its pages then e4m3; store: the
+    kernel also writes each real row's own key to its window row (the first of its rows)."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_attention as triton_v4_attention
@@ -213,7 +215,7 @@ def v4_sparse_attention(
         return None
     rope_pages = None if fp8 is None else (window_rope, entry_rope)
     return triton_v4_attention.sparse_attention(
-        q, own, *window, entries, rate, *rows, sinks, scale, paging, rope_pages, kv_scale
+        q, own, *window, entries, rate, *rows, sinks, scale, paging, rope_pages, kv_scale, store
     )
 
 

@@ -96,6 +96,26 @@ def case(model, layer, chunks, pad, dtype, block_size, seed, fp8=False):
                                      paging, rope_pages, pages.scale)
     real = rows.real
     label = (attn.kind, chunks, pad, dtype, heads, dim, fp8)
+    # With `store` the kernel also writes each real row's key to its window row, as the torch
+    # path's LayerPages.store after the attention (pad rows write nothing; its scratch row aside).
+    before = {name: flat.clone() for name, flat in pages.flat.items()}
+    stored = triton_v4.sparse_attention(q, kv, pages.flat["window"], window_rows, entries, rate,
+                                        rows.positions, rows.start, rows.real, attn.sinks,
+                                        attn.scale, paging, rope_pages, pages.scale, store=True)
+    assert torch.equal(stored, got), label
+    kernel_pages = {name: flat.clone() for name, flat in pages.flat.items()}
+    for name, flat in pages.flat.items():
+        flat.copy_(before[name])
+    pages.store("window", window_rows[:, :1], kv[:, None], real[:, None])
+    changed = 0
+    for name, flat in pages.flat.items():
+        if name.endswith("_rope"):  # the interpreter truncates to bf16 where a GPU rounds
+            torch.testing.assert_close(kernel_pages[name][:-1].float(), flat[:-1].float(),
+                                       rtol=2 ** -7, atol=0, msg=lambda m: f"{label} {name} {m}")
+        else:
+            assert torch.equal(kernel_pages[name][:-1], flat[:-1]), (label, name)
+        changed += int((flat[:-1] != before[name][:-1]).any())
+    assert changed >= (2 if fp8 else 1) or not bool(real.any()), label
     assert got.dtype == dtype and torch.isfinite(got).all(), label
     assert torch.equal(got[~real], torch.zeros_like(got[~real])), label
     err = float((got[real].double() - want[real].double()).norm() / want[real].double().norm())

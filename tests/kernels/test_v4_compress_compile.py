@@ -93,6 +93,7 @@ def test_attention_kernel_compiles_for_sm90(kind, fp8) -> None:
         "BLOCK_D": 512,
         "PRECISION": "tf32",
         "FP8": fp8,
+        "STORE": True,
     }
     built = compile_for_h200(k._sparse_attention_kernel, signature, constants, {"num_warps": 8})
     assert built.asm["cubin"]

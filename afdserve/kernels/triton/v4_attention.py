@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows
+from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows, store_row
 
 # Heads a program takes and keys per tile (not measured; the head block is tl.dot's minimum M, the
 # tile keeps a head_dim 512 key tile at 16 KB of bf16).
@@ -129,6 +129,7 @@ def _sparse_attention_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,  # the pages are an FP8 cache's pairs (v4_pages.py)
+    STORE: tl.constexpr,  # write each real row's own key to its window row (WINDOW_ROWS[r, 0])
 ):
     r, head_block = tl.program_id(0), tl.program_id(1)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -223,6 +224,14 @@ def _sparse_attention_kernel(
         out.to(OUT.dtype.element_ty),
         mask=(h[:, None] < heads) & live_d[None, :],
     )
+    if STORE:
+        # The row's own key to its position's window row (as the page keeps it), by the first
+        # head block. No program of this launch reads that row: a row reads the page only before
+        # its chunk's start, and every row it writes is at or past it.
+        keep = live_d & real & (head_block == 0)
+        row = tl.load(WINDOW_ROWS + r * WINDOW)
+        x = tl.load(OWN + r * dim + d, mask=keep, other=0.0)
+        store_row(WINDOW_PAGE, WINDOW_ROPE, row, x, d, keep, dim, nope, kv_scale, FP8)
 
 
 def supports(
@@ -259,14 +268,17 @@ def sparse_attention(
     paging: tuple[int, int] | None = None,
     rope_pages: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     kv_scale: float = 1.0,
+    store: bool = False,
 ) -> torch.Tensor:
     """-> [rows, heads, dim] in q's dtype; `entries`: (new [rows, dim], the entries page, the
     rows' block tables [rows, W], the entry indices [rows, n] or None: every closed entry of each
     row, read up to the row's last (HCA: no [rows, entries] index tensor, no loop past the row's
     position)), or None (a sliding layer); `paging` (with entries): the cache's block size and
     the entries page's rows per block; `rope_pages`: an FP8 cache's rotated pages of the window
-    and the entries (None: a sliding layer's), whose other pages are then e4m3 at `kv_scale`.
-    See the module docstring for what each row sees."""
+    and the entries (None: a sliding layer's), whose other pages are then e4m3 at `kv_scale`;
+    `store`: also write each real row's `own` key to the window page at `window_rows[r, 0]`
+    (its position's row), as `LayerPages.store` would after the attention. See the module
+    docstring for what each row sees."""
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
@@ -321,6 +333,7 @@ def sparse_attention(
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        STORE=store,
         # A head_dim of 512 keeps a [16, 512] float32 output and a [32, 512] key tile live: eight
         # warps hold them without spilling (chosen, not measured).
         num_warps=8 if dim > 128 else 4,

@@ -62,9 +62,7 @@ def step_attention(
     selected = None
     if attn.compressor is not None:
         selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
-    out = _attend(attn, pages, q, kv, rows, window_rows, selected)
-    # After every read of the window (fused kernels read the pages while rows are written).
-    pages.store("window", window_rows[:, :1], kv[:, None], real[:, None])  # back[:, 0] is p
+    out = _attend(attn, pages, q, kv, rows, window_rows, selected, store=True)
     y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, 0.0)
 
@@ -83,6 +81,7 @@ def _attend(
     rows: StepRows,
     window_rows: torch.Tensor,
     selected: tuple[torch.Tensor | None, torch.Tensor] | None,
+    store: bool = False,
 ) -> torch.Tensor:
     """q [rows, heads, dim] over each row's window (positions p - window + 1 .. p, masked where
     negative; the chunk's own `kv` rows, the page's `window_rows` before the chunk) and its
@@ -90,7 +89,9 @@ def _attend(
     `new` [rows, dim]), masked unless closed at or before p) -> [rows, heads, dim]: one fused
     launch on CUDA (ops.v4_sparse_attention, which finds each entry's page row through the row's
     block table, and for every entry reads them up to the row's last), the torch form below
-    elsewhere (every entry the tables address, gathered per row)."""
+    elsewhere (every entry the tables address, gathered per row). `store`: then write each real
+    row's own key `kv` to its position's window row (`window_rows[:, 0]`), after every read of
+    the window (the fused kernel in the same launch: no row reads a row another writes)."""
     p, comp = rows.positions, attn.compressor
     entries, paging = None, None
     if selected is not None:
@@ -111,6 +112,7 @@ def _attend(
         attn.scale,
         paging,
         fp8,
+        store,
     )
     if fused is not None:
         return fused
@@ -123,7 +125,10 @@ def _attend(
         stored = pages.take("entries", _entry_rows(pages, rows, read), new.dtype)
         keys = torch.cat((keys, rows.chunk_or(new, (read + 1) * comp.rate - 1, stored)), dim=1)
         allowed = torch.cat((allowed, read < ((p + 1) // comp.rate)[:, None]), dim=1)
-    return attn.attend_batched(q, keys, allowed)
+    out = attn.attend_batched(q, keys, allowed)
+    if store:  # window_rows[:, 0] is p's row
+        pages.store("window", window_rows[:, :1], kv[:, None], rows.real[:, None])
+    return out
 
 
 def _every_entry(pages: LayerPages, rows: StepRows, rate: int) -> torch.Tensor:
