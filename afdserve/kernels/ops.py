@@ -550,6 +550,26 @@ def fp8_linear(
     return fp8.fp8_linear(x, q, scale_inv, bias, block)
 
 
+def fp8_grouped_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, groups: int, block: tuple[int, int]
+) -> torch.Tensor | None:
+    """A grouped projection of a block-scaled FP8 weight: x [rows, groups * in], q [groups *
+    out, in] -> [rows, groups * out], group g of x's g-th `in` columns (DeepSeek-V4's grouped
+    output projection), as the w8a8 GEMM of every FP8 projection on CUDA, in one launch that
+    reads the weight as stored; None where it does not apply (off CUDA, float32 rows, groups
+    off the 128-wide blocks) and the caller dequantizes the weight for its own product."""
+    if not _triton_ready(x):
+        return None
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+
+    if not (triton_fp8.w8a8(x.dtype) and triton_fp8.weight_fits(q, scale_inv, block)):
+        return None
+    if x.dim() != 2 or not triton_fp8_w8a8.grouped_supports(x, q, groups):
+        return None
+    return triton_fp8_w8a8.fp8_linear(x, q, scale_inv, None, groups=groups)
+
+
 def dequantize_fp8(
     q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
 ) -> torch.Tensor:

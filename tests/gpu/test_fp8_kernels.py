@@ -97,6 +97,28 @@ def test_fp8_linear_w8a8_matches_its_oracle(m, n, k):
     assert torch.equal(deq, fp8.quantize_activations(x))
 
 
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("groups,n_group,k", [(8, 1024, 4096), (3, 256, 384)])
+def test_fp8_grouped_linear_matches_its_oracle_per_group(m, groups, n_group, k):
+    """A grouped projection (DeepSeek-V4-Flash's output projection: 8 groups of 4096 inputs to
+    1024 outputs) in one launch: group g of x's g-th k columns equals the oracle of that group's
+    own w8a8 product, the weight read as stored; and ops.fp8_grouped_linear takes it."""
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+
+    gen = torch.Generator().manual_seed(m + groups)
+    x = torch.randn(m, groups * k, generator=gen).bfloat16().cuda()
+    w = torch.randn(groups * n_group, k, generator=gen) * k**-0.5
+    q, scale = (t.cuda() for t in fp8.quantize_blockwise(w, BLOCK))
+    out = no_sync(ops.fp8_grouped_linear, x, q, scale, groups, BLOCK)
+    assert out is not None and out.shape == (m, groups * n_group)
+    for g in range(groups):
+        cols, outs = slice(g * k, (g + 1) * k), slice(g * n_group, (g + 1) * n_group)
+        s_g = scale[g * n_group // 128 : (g + 1) * n_group // 128]
+        want = fp8.fp8_linear_w8a8(x[:, cols].float(), q[outs], s_g, None, BLOCK)
+        assert rel_err(out[:, outs], want) < 4e-3, g
+    assert torch.equal(out, triton_fp8_w8a8.fp8_linear(x, q, scale, None, groups=groups))
+
+
 @pytest.mark.parametrize(
     "tiles",
     [

@@ -2,8 +2,10 @@
 under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the norm that quantizes its rows
 gives add_rms_norm-then-quantize_rows' values and scales bit for bit (a partial last group, a
 width under one group), and the GEMM whose last K split sums the partials gives the sum launch's
-bits with its tile counters back at zero. fp16 rows (the interpreter computes bf16 wrongly). In
-a subprocess because the variable must be set before any @triton.jit function is defined."""
+bits with its tile counters back at zero; and the grouped GEMM (one launch for every group of a
+grouped projection) gives each group's own GEMM's bits. fp16 rows (the interpreter computes bf16
+wrongly). In a subprocess because the variable must be set before any @triton.jit function is
+defined."""
 
 from __future__ import annotations
 
@@ -42,10 +44,32 @@ for m, n, k, splits in [(1, 320, 1024, 4), (8, 192, 2048, 8), (3, 200, 640, 2)]:
         rows = fp8.Fp8Rows(*w8a8.quantize_rows(x), x.dtype)
         assert torch.equal(w8a8.fp8_linear(rows, q, s, bias, tiles), want), (m, n, k)
     print("gemm", m, n, k, "ok")
+
+# A grouped projection (DeepSeek-V4's output projection): group g of x's g-th k columns, one
+# launch, bit for bit each group's own GEMM (same tiles and splits: the same float32 sums; the
+# GPU tests hold that GEMM to the reference), rows quantized in the GEMM (m <= 16), by the quantize
+# launch, and already quantized.
+for m, groups, n_group, k, splits in [(1, 4, 128, 256, 2), (20, 3, 256, 384, 1)]:
+    gen = torch.Generator().manual_seed(m + groups)
+    x = torch.randn(m, groups * k, generator=gen).half()
+    q, s = fp8.quantize_blockwise(torch.randn(groups * n_group, k, generator=gen) * k**-0.5,
+                                  (128, 128))
+    tiles = w8a8.Tiles(16 if m <= 16 else 32, 64, 128, splits, 4, 3)
+    assert w8a8.grouped_supports(x, q, groups)
+    got = w8a8.fp8_linear(x, q, s, None, tiles, groups=groups)
+    assert got.shape == (m, groups * n_group)
+    rows = fp8.Fp8Rows(*w8a8.quantize_rows(x), x.dtype)
+    assert torch.equal(w8a8.fp8_linear(rows, q, s, None, tiles, groups=groups), got)
+    for g in range(groups):
+        cols, outs = slice(g * k, (g + 1) * k), slice(g * n_group, (g + 1) * n_group)
+        s_g = s[g * n_group // 128:(g + 1) * n_group // 128]
+        own = w8a8.fp8_linear(x[:, cols].contiguous(), q[outs], s_g, None, tiles)
+        assert torch.equal(got[:, outs], own), (m, groups, g)
+    print("grouped", m, groups, "ok")
 """
 
 
 def test_fused_fp8_launches_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 6, run.stdout
+    assert run.stdout.count(" ok") == 8, run.stdout

@@ -90,6 +90,8 @@ def _gemm_kernel(
     ws_stride,
     k_per_split,
     a_stride,
+    as_stride,
+    n_group,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -103,7 +105,11 @@ def _gemm_kernel(
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.arange(0, GROUP)
     m_ok, n_ok = m < M, n < N
-    a_rows = a_ptr + m.to(tl.int64)[:, None] * a_stride
+    # Grouped (n_group < N): output column j belongs to group j // n_group, which reads x's
+    # columns [g K, (g + 1) K) (a tile never straddles groups: BN divides n_group).
+    g = tl.program_id(0) * BN // n_group
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * a_stride + g * K
+    a_scales = as_ptr + m * as_stride + g * groups
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     # BN divides 128: the tile's columns share one row of the weight's scale grid.
     w_scales = ws_ptr + (tl.program_id(0) * BN // 128) * ws_stride
@@ -123,7 +129,7 @@ def _gemm_kernel(
             if QUANTIZE:  # x's rows in x's dtype: this group quantized here
                 a, row_scales = as_operand(a, True, True)
             else:
-                row_scales = tl.load(as_ptr + m * groups + group, mask=m_ok, other=0.0)
+                row_scales = tl.load(a_scales + group, mask=m_ok, other=0.0)
             block_scale = tl.load(w_scales + group)
             acc += tl.dot(a, tl.trans(w)) * (row_scales * block_scale)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -186,6 +192,18 @@ def tiles_for(m: int, n: int, k: int) -> Tiles:
     return Tiles(bm, bn, bk, splits, 4, stages)
 
 
+def grouped_supports(x: torch.Tensor, q: torch.Tensor, groups: int) -> bool:
+    """A grouped projection whose groups meet on the 128-wide activation groups and on whole
+    output tiles (tiles are at most 128 columns wide)."""
+    k, n = q.shape[1], q.shape[0]
+    return (
+        x.shape[-1] == groups * k
+        and k % GROUP == 0
+        and n % groups == 0
+        and (n // groups) % 128 == 0
+    )
+
+
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)])."""
     m, k = x2.shape
@@ -205,14 +223,21 @@ def fp8_linear(
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None,
     tiles: Tiles | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
     """`kernels/fp8.fp8_linear_w8a8` on CUDA: x [..., in] (bf16/fp16, or rows [M, in] already
     quantized by the kernel before) -> [..., out] in x's dtype. Check `triton_fp8.supports`
-    first. `tiles` overrides `tiles_for` (the kernel bench sweeps them)."""
+    first. `tiles` overrides `tiles_for` (the kernel bench sweeps them). `groups` > 1: a grouped
+    projection (`grouped_supports`), x [..., groups * in] and q [groups * out_g, in]: output
+    group g of x's g-th `in` columns, one launch."""
     quantized = isinstance(x, Fp8Rows)
-    lead, k = x.shape[:-1], x.shape[-1]
+    lead, k = x.shape[:-1], q.shape[1]
     n = q.shape[0]
-    x2 = x.values if quantized else x.reshape(-1, k)
+    if x.shape[-1] != groups * k or n % groups:
+        raise ValueError(
+            f"fp8_linear: x {tuple(x.shape)}, weight {tuple(q.shape)}, {groups} groups"
+        )
+    x2 = x.values if quantized else x.reshape(-1, groups * k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -227,6 +252,8 @@ def fp8_linear(
         xq, xs = (x2, x2) if fused else quantize_rows(x2)
     scale_inv = scale_inv.contiguous()
     bm, bn, bk, splits, warps, stages = tiles or tiles_for(m, n, k)
+    if groups > 1 and (n // groups) % bn:
+        raise ValueError(f"fp8_linear: {n // groups} outputs a group, not a multiple of {bn}")
     steps_per_split = triton.cdiv(triton.cdiv(k, bk), splits)
     splits = triton.cdiv(triton.cdiv(k, bk), steps_per_split)
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x2.device)
@@ -250,6 +277,8 @@ def fp8_linear(
         scale_inv.stride(0),
         steps_per_split * bk,
         xq.stride(0),
+        xs.stride(0) if not fused else 0,
+        n // groups,
         HAS_BIAS=bias is not None,
         BM=bm,
         BN=bn,

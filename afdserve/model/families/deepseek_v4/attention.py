@@ -26,7 +26,7 @@ from torch import nn
 from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm, v4_rms_norm
-from afdserve.model.layers.fp8 import linear_weight
+from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
 
 # Keys as the cache gives them back (an FP8 cache's round trip, cache.LayerPages.as_stored): applied
 # to a chunk's own keys and entries, so a query reads every key alike wherever it came from.
@@ -411,6 +411,12 @@ class V4Attention(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         rows = out.shape[0]
+        o_a = self.o_a_proj
+        if isinstance(o_a, Fp8Linear):  # on CUDA one w8a8 launch from the FP8 weight as stored
+            args = (o_a.weight, o_a.weight_scale_inv, self.groups, o_a.block)
+            low = ops.fp8_grouped_linear(out.reshape(rows, -1), *args)
+            if low is not None:
+                return self.o_b_proj(low)
         grouped = out.reshape(rows, self.groups, -1).transpose(0, 1)  # [groups, rows, in]
         weight = linear_weight(self.o_a_proj, out.dtype)  # dequantized when FP8
         w = weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
