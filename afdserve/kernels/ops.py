@@ -30,7 +30,6 @@ from afdserve.kernels.reference.layers import causal_attention as causal_attenti
 from afdserve.kernels.reference.layers import dequantize_kv as dequantize_kv
 from afdserve.kernels.reference.layers import gather_kv as gather_kv
 from afdserve.kernels.reference.layers import quantize_kv as quantize_kv
-from afdserve.kernels.reference.layers import swiglu as swiglu
 
 
 def _triton_ready(t: torch.Tensor) -> bool:
@@ -49,6 +48,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
 
         return triton_rotary.rotate(x, cos, sin, interleave)
     return reference.rotate(x, cos, sin, interleave)
+
+
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None = None, alpha: float | None = None
+) -> torch.Tensor:
+    """silu(gate) * up (`reference.swiglu`: `limit` clamps first, `alpha` is gpt-oss's gain),
+    on CUDA one launch (kernels/triton/swiglu.py) where there is no gain."""
+    if alpha is None and _triton_ready(gate):
+        from afdserve.kernels.triton import swiglu as triton_swiglu
+
+        if triton_swiglu.supports(gate, up):
+            return triton_swiglu.swiglu(gate, up, limit)
+    return reference.swiglu(gate, up, limit, alpha)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -305,3 +305,24 @@ def test_rotary_matches_reference(interleave, dtype, rows, heads, dim):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 2048), (64, 2048), (300, 18432)])
+@pytest.mark.parametrize("limit", [None, 10.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu_equals_torch_on_cuda(rows, width, limit, dtype):
+    """The shared experts' activation in one launch (ops.swiglu on CUDA, without and with
+    DeepSeek-V4's clamps) equals torch's kernels on the same device within one rounding of the
+    rows' dtype; graph capturable."""
+    gen = torch.Generator().manual_seed(rows + width)
+    gate = (torch.randn(rows, width, generator=gen) * 6).to(dtype).cuda()
+    up = (torch.randn(rows, width, generator=gen) * 6).to(dtype).cuda()
+    got = no_sync(ops.swiglu, gate, up, limit)
+    want = reference.swiglu(gate, up, limit)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(got, want, rtol=ulp, atol=ulp)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.swiglu(gate, up, limit)
+    graph.replay()
+    assert torch.equal(captured, got)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
@@ -53,6 +52,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.limit is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
