@@ -144,9 +144,17 @@ def cache_blocks_for(
         return CacheBlocks(config.max_num_seqs * needed_one, window)
     split = split_budget(max(0, budget), per_block, per_window, bound, want)
     if split.blocks < needed_one:
+        held = ""
+        if slots:  # the per-sequence state comes out of the budget first
+            gib = slots * layout.bytes_per_slot(dtype) / (1 << 30)
+            held = (
+                f" (the state slots of max_num_seqs={config.max_num_seqs} sequences take "
+                f"{gib:.1f} GiB first: lower max_num_seqs too)"
+            )
         raise ValueError(
             f"KV cache: room for {split.blocks} blocks of {bs} tokens, but one sequence of "
-            f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free memory"
+            f"max_model_len={max_model_len} needs {needed_one}; lower max_model_len or free "
+            f"memory{held}"
         )
     return split
 

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.config import EngineConfig
 from afdserve.engine.cuda_graphs import CudaGraphRunner
+from afdserve.engine.factory import CPU_CACHE_BUDGET, cache_blocks_for
 from afdserve.engine.model_runner import ModelRunner
+from afdserve.model.families import cache_layout, load_model_config
 from afdserve.model.families.gated_deltanet.spans import DeltaSpans
 from afdserve.model.fixtures.tiny import make_tiny_model
 from tests.engine.test_llm import run
@@ -194,3 +197,18 @@ def test_spans_are_built_once_per_ubatch(model, one_shot, monkeypatch) -> None:
     ) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == one_shot
     assert calls["forward"] > 0 and calls["spans"] == 2 * calls["forward"], calls
+
+
+def test_slots_that_leave_no_room_for_blocks_are_named(model: Path) -> None:
+    """The engine keeps one state slot per sequence the scheduler may run, out of the cache's
+    budget first: a max_num_seqs whose slots leave no room for one sequence's blocks is refused
+    with the slots' size and max_num_seqs named (CPU budget: 1 GiB), before anything is
+    allocated."""
+    config = load_model_config(model)
+    per_slot = cache_layout(config).bytes_per_slot(torch.float32)
+    seqs = CPU_CACHE_BUDGET // per_slot + 1
+    engine = EngineConfig(model=str(model), max_num_seqs=seqs, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match=rf"state slots of max_num_seqs={seqs} .* max_num_seqs"):
+        cache_blocks_for(engine, config, torch.float32, 64, torch.device("cpu"))
+    fits = replace(engine, max_num_seqs=8)
+    assert cache_blocks_for(fits, config, torch.float32, 64, torch.device("cpu")).blocks > 0
