@@ -109,6 +109,14 @@ def quantizes_for_gemm(
     return h.shape[0] > triton_fp8_w8a8.QUANTIZE_IN_GEMM_ROWS
 
 
+def quantize_rows(x: torch.Tensor) -> fp8.Fp8Rows:
+    """x's rows quantized for the w8a8 GEMM once, for several GEMMs of the same rows (where
+    `quantizes_for_gemm` holds: each GEMM would quantize them again in a launch of its own)."""
+    from afdserve.kernels.triton import fp8_w8a8 as triton_fp8_w8a8
+
+    return fp8.Fp8Rows(*triton_fp8_w8a8.quantize_rows(x), x.dtype)
+
+
 def prepare_qkv(
     qkv: torch.Tensor,
     layout: QKVLayout,

@@ -176,3 +176,32 @@ def test_model_with_the_fused_launches_serves_the_same_tokens_and_logprobs(
         _, want = serve(**kw)
         monkeypatch.undo()
         assert got == want
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 300])
+@pytest.mark.parametrize("limit", [None, 10.0])
+def test_gated_mlp_quantizes_its_rows_once_for_gate_and_up(rows, limit, monkeypatch):
+    """An FP8 GatedMLP (shared experts, dense layers) past QUANTIZE_IN_GEMM_ROWS rows quantizes
+    x once for its gate and up GEMMs: the bits of each GEMM quantizing them itself."""
+    from afdserve.kernels import ops
+    from afdserve.model.layers.common import GatedMLP
+    from afdserve.model.layers.fp8 import Fp8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    mlp = GatedMLP(2048, 1024, limit)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        dense = getattr(mlp, name)
+        linear = Fp8Linear(dense.in_features, dense.out_features, False, BLOCK, "cuda")
+        w = torch.randn(dense.out_features, dense.in_features, generator=gen) * 0.03
+        q, s = fp8.quantize_blockwise(w, BLOCK)
+        linear.weight.data.copy_(q)
+        linear.weight_scale_inv.data.copy_(s)
+        setattr(mlp, name, linear)
+    x = torch.randn(rows, 2048, generator=gen).bfloat16().cuda()
+    calls = []
+    quantize = ops.quantize_rows
+    monkeypatch.setattr(ops, "quantize_rows", lambda t: calls.append(1) or quantize(t))
+    got = no_sync(mlp, x)
+    assert len(calls) == (1 if rows > 16 else 0)
+    monkeypatch.setattr(ops, "quantizes_for_gemm", lambda *args: False)
+    assert torch.equal(got, mlp(x))

@@ -52,4 +52,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = self.gate_proj, self.up_proj
+        scales = getattr(gate, "weight_scale_inv", None)  # an Fp8Linear (so is up)
+        if scales is not None and ops.quantizes_for_gemm(x, gate.weight, scales, gate.block):
+            x = ops.quantize_rows(x)  # once for both w8a8 GEMMs, each of which would
+        return self.down_proj(ops.swiglu(gate(x), up(x), self.limit))
