@@ -429,10 +429,10 @@ def route_greedy(
     """The router's plain top-k (softmax, sigmoid or sqrt(softplus) scores; with `bias` added
     for the choice only, noaux_tc of one group) as fused launches on CUDA, or None where the fast
     path does not apply and the caller keeps its torch form."""
-    if _triton_ready(x) and scoring in ("softmax", "sigmoid", "sqrtsoftplus"):
+    if _triton_ready(x):
         from afdserve.kernels.moe import router as triton_router
 
-        if triton_router.supports(x, weight, top_k):
+        if scoring in triton_router.SCORINGS and triton_router.supports(x, weight, top_k):
             return triton_router.route(x, weight, top_k, scoring, normalize, scale, bias)
     return None
 

@@ -55,5 +55,5 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj, self.up_proj
         scales = getattr(gate, "weight_scale_inv", None)  # an Fp8Linear (so is up)
         if scales is not None and ops.quantizes_for_gemm(x, gate.weight, scales, gate.block):
-            x = ops.quantize_rows(x)  # once for both w8a8 GEMMs, each of which would
+            x = ops.quantize_rows(x)  # once, where each w8a8 GEMM would quantize them again
         return self.down_proj(ops.swiglu(gate(x), up(x), self.limit))

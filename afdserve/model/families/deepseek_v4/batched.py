@@ -325,7 +325,7 @@ def _compress_fused(
     # Both compressors of a CSA layer address their rings alike ("open_kv", "prev_kv" name
     # them all) and hold as many entries per block: one set of addresses for both.
     slots = pages.pages[f"{prefix}entries"].shape[1]
-    key = ("compress", rows.decode, m, comp.overlap, slots, pages.layout)
+    key = ("compress", m, comp.overlap, slots, pages.layout)
     addresses, entry_rows, chunk = rows.shared(
         key, lambda: _compress_addresses(pages, f"{prefix}entries", m, comp.overlap, rows)
     )

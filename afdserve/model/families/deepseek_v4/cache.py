@@ -99,7 +99,7 @@ class V4Pages(CacheSpec):
     step_metadata_per_type = True
 
     def step_metadata(self, meta: AttentionMetadata) -> StepRows | None:
-        return StepRows.of(meta, meta.window or meta)
+        return StepRows.of_ubatch(meta)
 
     def prefix_reuse_refusal(self, block_size: int) -> str | None:
         if self.geometry(block_size).resumable:

@@ -72,12 +72,18 @@ class StepRows:
         )
 
     @classmethod
+    def of_ubatch(cls, meta: AttentionMetadata) -> StepRows | None:
+        """The rows of a ubatch's metadata, its window pool's tables where it has them: what
+        the cache specs build as step metadata and `find` builds from bare metadata."""
+        return cls.of(meta, meta.window or meta)
+
+    @classmethod
     def find(cls, meta: AttentionMetadata) -> StepRows | None:
         """The ubatch's rows as the engine built them once for all its layers
         (`CacheLayout.with_step_metadata`), or built here from bare metadata (a test, a bench);
         None without device segments."""
         built = next((s for s in meta.step if isinstance(s, cls)), None)
-        return built if built is not None else cls.of(meta, meta.window or meta)
+        return built if built is not None else cls.of_ubatch(meta)
 
     def shared(self, key: Hashable, build: Callable[[], T]) -> T:
         """`build()`, made by the first layer of the ubatch that asks by `key` and handed to the

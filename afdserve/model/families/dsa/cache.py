@@ -55,7 +55,7 @@ class DSAPages(CacheSpec):
     step_metadata_per_type = True
 
     def step_metadata(self, meta: AttentionMetadata) -> StepRows | None:
-        return StepRows.of(meta)
+        return StepRows.of_ubatch(meta)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return block_size * (self.latent_dim + self.index_dim) * dtype.itemsize
