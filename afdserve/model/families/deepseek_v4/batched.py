@@ -248,13 +248,13 @@ def _compress(
     the window. Writes: each closed window's entry; the open rows of the chunk's last R
     positions (`LayerGeometry.ring`: those a rolled-back speculative step may resume among);
     prev_* by the row closing each window that ends a block or lies in those positions."""
-    m, p, tables, end = comp.rate, rows.positions, rows.tables, rows.end
+    m, p, tables = comp.rate, rows.positions, rows.tables
     kv, gate = comp.kv_proj(x), comp.gate_proj(x)
     rope_dim = 2 * rope.inv_freq.shape[0]
     if ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim):
         return _compress_fused(comp, pages, prefix, kv, gate, rows, rope)
-    w, state_slots, ring = p // m, rows.state_slots(), pages.geometry.ring
-    closes = rows.real & ((p + 1) % m == 0)
+    w, state_slots = p // m, rows.state_slots()
+    closes, keep_first, keep_open = _keeps(pages, rows, m)
     members = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
     window = pages.batch_open_rows(state_slots, members)
     win_kv = rows.chunk_or(kv, members, pages.take(f"{prefix}open_kv", window))
@@ -280,19 +280,12 @@ def _compress(
         first = (w > 0)[:, None, None]  # before window 0: no first series (weight 0)
         first_kv = torch.where(first, first_kv, 0.0)
         first_gate = torch.where(first, first_gate, float("-inf")).to(win_gate.dtype)
-        # Kept: a window ending a block (in its pages), and those in the chunk's last R
-        # positions (in the slot's ring, at their positions: a rollback may return into the
-        # window after any of them).
-        kept = pages.keeps_prev_in_page(p + 1) | (w * m >= end - ring)
-        last = (closes & kept)[:, None].expand(-1, m)
+        last = keep_first[:, None].expand(-1, m)
         own_prev = pages.batch_prev_rows((tables, rows.windows), state_slots, members)
         pages.store(f"{prefix}prev_kv", own_prev, win_kv[..., :d], last)
         pages.store(f"{prefix}prev_gate", own_prev, win_gate[..., :d], last)
         win_kv, win_gate = comp.overlap_slots(first_kv, first_gate, win_kv, win_gate)
-    # Every row of the chunk's last R positions (distinct modulo R), not only the window open
-    # at its end: a speculative step's rollback resumes inside any of them. A row closing its
-    # window is never read as open (a chunk resuming past it starts the next window).
-    recent = (rows.real & (p >= end - ring) & ~closes)[:, None]
+    recent = keep_open[:, None]
     own = pages.batch_open_rows(state_slots, p[:, None])
     pages.store(f"{prefix}open_kv", own, kv[:, None], recent)
     pages.store(f"{prefix}open_gate", own, gate[:, None], recent)
@@ -369,10 +362,21 @@ def _compress_addresses(
             wanted.append(pages.batch_open_rows(slots, members - m))
     entry = ((p + 1) // m - 1).clamp(min=0)[:, None]
     entry_rows = pages.batch_entry_rows(entries, tables, entry)[:, 0]
-    chunk = None
-    if not rows.decode:
-        ring, end = pages.geometry.ring, rows.end
-        closes = rows.real & ((p + 1) % m == 0)
-        kept = pages.keeps_prev_in_page(p + 1) | (w * m >= end - ring)
-        chunk = (rows.start, closes & kept, rows.real & (p >= end - ring) & ~closes)
+    chunk = None if rows.decode else (rows.start, *_keeps(pages, rows, m)[1:])
     return torch.cat(wanted, dim=1), entry_rows, chunk
+
+
+def _keeps(
+    pages: LayerPages, rows: StepRows, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[rows] each: which rows close their window ((p + 1) % m == 0); which of those keep the
+    window's first series (CSA): a window ending a block (in its pages) and those in the
+    chunk's last R positions (in the slot's ring, at their positions: a rollback may return
+    into the window after any of them); and which rows keep their projections in the open
+    ring: every row of the chunk's last R positions (distinct modulo R), not only the window
+    open at its end, but a row closing its window (never read as open: a chunk resuming past
+    it starts the next window)."""
+    p, end, ring = rows.positions, rows.end, pages.geometry.ring
+    closes = rows.real & ((p + 1) % m == 0)
+    kept = pages.keeps_prev_in_page(p + 1) | (p // m * m >= end - ring)
+    return closes, closes & kept, rows.real & (p >= end - ring) & ~closes
