@@ -293,7 +293,7 @@ def dsa_sparse_mla(
 
 
 def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_dim: int) -> bool:
-    """Whether `v4_compress_decode` runs for these projections and pages."""
+    """Whether `v4_compress` runs for these projections and pages."""
     if not _triton_ready(kv):
         return False
     from afdserve.kernels.triton import v4_compress as triton_v4_compress
@@ -301,7 +301,7 @@ def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_di
     return triton_v4_compress.supports(kv, open_kv, dim, rope_dim)
 
 
-def v4_compress_decode(
+def v4_compress(
     kv: torch.Tensor,
     gate: torch.Tensor,
     pages: dict[str, torch.Tensor],
@@ -317,7 +317,7 @@ def v4_compress_decode(
     kv_scale: float = 1.0,
     chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """DeepSeek-V4's compressor update of a decode ubatch in one launch, where
+    """DeepSeek-V4's compressor update of a ubatch, one launch for decode rows, where
     `fuses_v4_compress` holds (kernels/triton/v4_compress.py): the pooled entries [rows, dim],
     the pages written; rope: (inv_freq, scaling) of the entries' rotary; an FP8 cache's entries
     (`pages` with `entries_rope`) quantized at `kv_scale`; `chunk`: rows of prefill chunks
@@ -325,7 +325,7 @@ def v4_compress_decode(
     launches. The torch form is model/families/deepseek_v4/batched.py's `_compress`."""
     from afdserve.kernels.triton import v4_compress as triton_v4_compress
 
-    return triton_v4_compress.compress_decode(
+    return triton_v4_compress.compress(
         kv,
         gate,
         pages,

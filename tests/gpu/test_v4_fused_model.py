@@ -78,8 +78,8 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     )
     monkeypatch.setattr(
         triton_v4_compress,
-        "compress_decode",
-        counted("compress", triton_v4_compress.compress_decode),
+        "compress",
+        counted("compress", triton_v4_compress.compress),
     )
     monkeypatch.setattr(
         triton_v4_select, "index_select", counted("index", triton_v4_select.index_select)

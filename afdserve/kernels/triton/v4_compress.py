@@ -3,7 +3,7 @@
 slots read from the pages, the softmax-gated pooling, the entry's norm and rotary, and every page
 write; for prefill chunks beside decodes the same pooling with each slot at or past the chunk's
 start read from the chunk's own rows (and CSA's first series of a window the chunk began inside
-from its slots alike), then the state writes in launches of their own (`compress_decode`'s
+from its slots alike), then the state writes in launches of their own (`compress`'s
 `chunk`).
 
 One program per row at position p, window w = p // m. Slot j of the window is position w m + j:
@@ -344,7 +344,7 @@ def supports(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope: int) -> bo
     )
 
 
-def compress_decode(
+def compress(
     kv: torch.Tensor,
     gate: torch.Tensor,
     pages: dict[str, torch.Tensor],

@@ -309,7 +309,7 @@ def _compress_fused(
     rows: StepRows,
     rope: RopeTable,
 ) -> torch.Tensor:
-    """`_compress` in ops.v4_compress_decode's launches over the page rows LayerPages addresses
+    """`_compress` in ops.v4_compress's launches over the page rows LayerPages addresses
     -> [rows, dim]: one for a decode ubatch (each row alone in its chunk), three for chunks."""
     m, p = comp.rate, rows.positions
     names = ("open_kv", "open_gate", "entries") + (("prev_kv", "prev_gate") if comp.overlap else ())
@@ -323,7 +323,7 @@ def _compress_fused(
         key, lambda: _compress_addresses(pages, f"{prefix}entries", m, comp.overlap, rows)
     )
     norm = (comp.kv_norm.weight, comp.kv_norm.eps)
-    return ops.v4_compress_decode(
+    return ops.v4_compress(
         kv,
         gate,
         flat,
