@@ -15,26 +15,14 @@ from tests.kernels.interpret import run_interpreted
 
 INTERPRETED_CASES = """
 import tempfile
-from pathlib import Path
 
 import torch
 
 from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
-from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4 import batched
-from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
-from afdserve.model.parts import ModelParts
 
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-SLIDING = "sliding_attention"
-
-
-def models_of(root, name, **overrides):
-    path = make_tiny_v4(Path(root) / name, seed=3, layer_types=[SLIDING, CSA, HCA, CSA],
-                        **overrides)
-    return {dtype: load_model(path, ModelParts.colocated(), str(dtype)[6:])[0]
-            for dtype in (torch.float32, torch.float16)}
+from tests.kernels.v4_cases import CSA, HCA, SLIDING, models_of
 
 
 def step_rows(chunks, width, pad, gen):
