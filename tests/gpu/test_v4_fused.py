@@ -233,6 +233,50 @@ def torch_compress(comp, pages, prefix, x, rows, rope) -> torch.Tensor:
         return batched._compress(comp, pages, prefix, x, rows, rope)
 
 
+def compressor_model(tmp_path, shape: str, dtype: torch.dtype):
+    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
+    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
+    return load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
+
+
+def check_compressors(model, rows, sequences, width, block_size, dtype, gen, must_close):
+    """Each compressor (CSA's, its indexer's, HCA's) over `rows` (sequence i in slot i) from
+    randomly filled pages: the entries of the closing rows (`must_close`: some row closes) and
+    every page after the step but the scratch rows as `_compress`'s torch form, and the same
+    replayed from a graph."""
+    rope = model.ropes("cuda")["compress"]
+    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
+        comp = model.model.layers[layer].self_attn.compressor
+        comp = comp.indexer if prefix else comp
+        blocks = sequences * width + 2
+        made = [
+            make_kv_cache(model.config, blocks, block_size, dtype, "cuda", sequences)
+            for _ in range(3)
+        ]
+        torch_pages, fused_pages, graph_pages = (cache.layers[layer] for cache in made)
+        for name, flat in torch_pages.flat.items():
+            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
+            fused_pages.flat[name].copy_(flat)
+            graph_pages.flat[name].copy_(flat)
+        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
+        x = x.to(dtype).cuda()
+        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
+        assert bool(closes.any()) or not must_close
+        if bool(closes.any()):
+            assert relative(got[closes], want[closes]) < TOL[dtype], (layer, prefix)
+        for name, flat in torch_pages.flat.items():
+            assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
+            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
+        graph.replay()
+        assert torch.equal(captured[closes], got[closes])
+        for name, flat in fused_pages.flat.items():
+            assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
+
+
 @pytest.mark.parametrize("shape", ["tiny", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -246,44 +290,13 @@ def test_compressor_chunks_equal_the_torch_path(tmp_path, shape, dtype, chunks, 
     across block ends, longer than a ring) in the fused chunk form (three launches): the entries
     of the closing rows and every page after the step as `_compress`'s torch form; and replayed
     from a graph."""
-    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
-    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
-    model = load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
+    model = compressor_model(tmp_path, shape, dtype)
     gen = torch.Generator().manual_seed(len(chunks))
     block_size = 64
     width = -(-max(s + c for s, c in chunks) // block_size) + 1
     rows = step_rows(chunks, width, pad, gen)
     assert not rows.decode
-    rope = model.ropes("cuda")["compress"]
-    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
-        comp = model.model.layers[layer].self_attn.compressor
-        comp = comp.indexer if prefix else comp
-        blocks = len(chunks) * width + 2
-        made = [
-            make_kv_cache(model.config, blocks, block_size, dtype, "cuda", len(chunks))
-            for _ in range(3)
-        ]
-        torch_pages, fused_pages, graph_pages = (cache.layers[layer] for cache in made)
-        for name, flat in torch_pages.flat.items():
-            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
-            fused_pages.flat[name].copy_(flat)
-            graph_pages.flat[name].copy_(flat)
-        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
-        x = x.to(dtype).cuda()
-        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
-        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
-        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
-        assert bool(closes.any())
-        assert relative(got[closes], want[closes]) < TOL[dtype], (layer, prefix)
-        for name, flat in torch_pages.flat.items():
-            assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
-            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
-        graph.replay()
-        assert torch.equal(captured[closes], got[closes])
-        for name, flat in fused_pages.flat.items():
-            assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
+    check_compressors(model, rows, len(chunks), width, block_size, dtype, gen, must_close=True)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "flash"])
@@ -295,44 +308,14 @@ def test_compressor_decode_equals_the_torch_path(tmp_path, shape, dtype, count):
     positions that open, continue and close windows, two pad rows: the entries of the closing
     rows and every page after the step (the open rows in the slots too; but the scratch rows) as
     `_compress`'s torch form."""
-    overrides = FLASH_ATTENTION if shape == "flash" else {"layer_types": [SLIDING, CSA, HCA, CSA]}
-    path = make_tiny_v4(tmp_path / shape, seed=3, **overrides)
-    model = load_model(path, ModelParts.colocated(), str(dtype)[6:], "cuda", load_format="dummy")[0]
+    model = compressor_model(tmp_path, shape, dtype)
     gen = torch.Generator().manual_seed(count)
     block_size, width = 64, 40
     positions = torch.randint(0, width * block_size - 1, (count,), generator=gen)
     positions[: min(count, 3)] = torch.tensor([3, 0, 127])[: min(count, 3)]
     rows = step_rows([(int(p), 1) for p in positions], width, 2, gen)
     rows = dataclasses.replace(rows, decode=True)
-    rope = model.ropes("cuda")["compress"]
-    for layer, prefix in ((1, ""), (1, "index_"), (2, "")):
-        comp = model.model.layers[layer].self_attn.compressor
-        comp = comp.indexer if prefix else comp
-        blocks = count * width + 2
-        made = [
-            make_kv_cache(model.config, blocks, block_size, dtype, "cuda", count) for _ in range(3)
-        ]  # a state slot per row
-        torch_pages, fused_pages, graph_pages = (cache.layers[layer] for cache in made)
-        for name, flat in torch_pages.flat.items():
-            flat.copy_(torch.randn(flat.shape, generator=gen).to(flat.dtype))
-            fused_pages.flat[name].copy_(flat)
-            graph_pages.flat[name].copy_(flat)
-        x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
-        x = x.to(dtype).cuda()
-        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
-        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
-        closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
-        if bool(closes.any()):
-            assert relative(got[closes], want[closes]) < TOL[dtype], (layer, prefix)
-        for name, flat in torch_pages.flat.items():
-            assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
-            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
-        graph.replay()
-        assert torch.equal(captured[closes], got[closes])
-        for name, flat in fused_pages.flat.items():
-            assert torch.equal(graph_pages.flat[name][:-1], flat[:-1]), name
+    check_compressors(model, rows, count, width, block_size, dtype, gen, must_close=False)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "flash"])
