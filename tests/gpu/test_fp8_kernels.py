@@ -655,11 +655,9 @@ def test_packed_fp8_qkv_on_cuda_matches_the_dequantized_model(wide_heads, tmp_pa
         want = [o.token_ids for o in bf16.generate(prompts, params)]
     with LLM(str(wide_heads), **common) as eager:
         attn = next(
-            m
-            for m in eager.engine.core_client.core.runner.model.modules()
-            if hasattr(m, "qkv_weight_scale_inv")
+            m for m in eager.engine.core_client.core.runner.model.modules() if hasattr(m, "qkv")
         )
-        assert attn.qkv_weight_scale_inv is not None and attn.qkv_weight.is_cuda
+        assert attn.qkv is not None and attn.qkv.scale_inv is not None and attn.qkv.weight.is_cuda
         got = [o.token_ids for o in eager.generate(prompts, params)]
         with LLM(
             str(wide_heads), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common

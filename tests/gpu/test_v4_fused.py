@@ -27,11 +27,9 @@ from afdserve.model.families.deepseek_v4.mhc import (
 )
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.parts import ModelParts
+from tests.kernels.v4_cases import CSA, HCA, SLIDING, projected
 
 pytestmark = pytest.mark.gpu
-
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-SLIDING = "sliding_attention"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 # V4-Flash's attention shapes on a model of hidden 64 (dummy weights: only the attention's
 # shapes, sinks and scale matter here).
@@ -226,11 +224,11 @@ def test_sparse_attention_equals_the_torch_path(attention_models, shape, dtype, 
         assert torch.equal(captured, triton_v4_attention.sparse_attention(*call))
 
 
-def torch_compress(comp, pages, prefix, x, rows, rope) -> torch.Tensor:
+def torch_compress(comp, pages, prefix, projections, rows, rope) -> torch.Tensor:
     """`batched._compress`'s torch form on CUDA too (the fused kernels refused)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ops, "fuses_v4_compress", lambda *args: False)
-        return batched._compress(comp, pages, prefix, x, rows, rope)
+        return batched._compress(comp, pages, prefix, projections, rows, rope)
 
 
 def compressor_model(tmp_path, shape: str, dtype: torch.dtype):
@@ -259,9 +257,9 @@ def check_compressors(model, rows, sequences, width, block_size, dtype, gen, mus
             fused_pages.flat[name].copy_(flat)
             graph_pages.flat[name].copy_(flat)
         x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
-        x = x.to(dtype).cuda()
-        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
-        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        projections = projected(model, layer, prefix, x.to(dtype).cuda())
+        want = torch_compress(comp, torch_pages, prefix, projections, rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, projections, rows, rope)
         closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
         assert bool(closes.any()) or not must_close
         if bool(closes.any()):
@@ -270,7 +268,7 @@ def check_compressors(model, rows, sequences, width, block_size, dtype, gen, mus
             assert relative(fused_pages.flat[name][:-1], flat[:-1]) < TOL[dtype], (prefix, name)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # nothing runs: graph_pages keep the step's start
-            captured = batched._compress(comp, graph_pages, prefix, x, rows, rope)
+            captured = batched._compress(comp, graph_pages, prefix, projections, rows, rope)
         graph.replay()
         assert torch.equal(captured[closes], got[closes])
         for name, flat in fused_pages.flat.items():
@@ -634,11 +632,11 @@ def test_fp8_pages_compressor_decode_equals_the_torch_path(tmp_path, shape, coun
         for name, flat in torch_pages.flat.items():
             fused_pages.flat[name].copy_(flat)
         x = torch.randn(rows.positions.shape[0], model.config.hidden_size, generator=gen)
-        x = x.to(torch.bfloat16).cuda()
-        kv = comp.kv_proj(x)
-        assert ops.fuses_v4_compress(kv, fused_pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim)
-        want = torch_compress(comp, torch_pages, prefix, x, rows, rope)
-        got = batched._compress(comp, fused_pages, prefix, x, rows, rope)
+        projections = projected(model, layer, prefix, x.to(torch.bfloat16).cuda())
+        open_kv = fused_pages.flat[f"{prefix}open_kv"]
+        assert ops.fuses_v4_compress(projections[0], open_kv, comp.dim, rope_dim)
+        want = torch_compress(comp, torch_pages, prefix, projections, rows, rope)
+        got = batched._compress(comp, fused_pages, prefix, projections, rows, rope)
         closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
         if bool(closes.any()):
             assert relative(got[closes], want[closes]) < 3e-2, (layer, prefix)

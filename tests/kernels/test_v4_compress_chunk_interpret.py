@@ -23,7 +23,7 @@ from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.model.families.deepseek_v4 import batched
 from afdserve.model.families.deepseek_v4.rows import StepRows
 
-from tests.kernels.v4_cases import CSA, HCA, SLIDING, models_of
+from tests.kernels.v4_cases import CSA, HCA, SLIDING, models_of, projected
 
 
 def chunk_rows(chunks, width, pad, gen):
@@ -63,8 +63,8 @@ def case(models, layer, prefix, chunks, pad, dtype, block_size, seed, fp8=False)
     n = rows.positions.shape[0]
     x = torch.randn(n, model.config.hidden_size, generator=gen).to(dtype)
     rope = model.ropes("cpu")["compress"]
-    want = batched._compress(comp, torch_pages, prefix, x, rows, rope)
-    kv, gate = comp.kv_proj(x), comp.gate_proj(x)
+    kv, gate = projected(model, layer, prefix, x)
+    want = batched._compress(comp, torch_pages, prefix, (kv, gate), rows, rope)
     got = batched._compress_fused(comp, fused_pages, prefix, kv, gate, rows, rope)
     closes = rows.real & ((rows.positions + 1) % comp.rate == 0)
     label = (prefix or "main", comp.rate, chunks, pad, dtype, block_size, fp8)

@@ -22,7 +22,7 @@ def compress_signature(fp8: bool) -> dict:
     pointers = dict.fromkeys(("KV", "GATE", "OPEN_KV", "OPEN_GATE", "PREV_KV", "NEW"), "*bf16")
     pointers |= dict.fromkeys(("PREV_GATE", "BIAS", "NORM_WEIGHT", "INV_FREQ"), "*fp32")
     pointers |= dict.fromkeys(("ADDRESSES", "ENTRY_ROW", "POSITIONS", "START"), "*i64")
-    scalars = {"rows": "i32", "norm_eps": "fp32", "scaling": "fp32", "nope": "i32"}
+    scalars = {"rows": "i32", "row": "i32", "norm_eps": "fp32", "scaling": "fp32", "nope": "i32"}
     return {
         **pointers,
         "ENTRIES": page,

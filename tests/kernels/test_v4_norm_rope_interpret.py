@@ -4,8 +4,9 @@ interpreter (TRITON_INTERPRET=1, numpy) on CPU, against the torch forms it repla
 model (the q heads: unweighted norm and rotary; the KV row: weighted and rotary; the q residual:
 weighted only; the indexer's queries: rotary only; the output: rotary undone), one row (batch 1)
 and odd row counts, 1, 4 and 3 heads, dims 16, 80 and 512 with 4, 20 and 32 rotated pairs;
-float32 and float16 (the interpreter computes bf16 wrongly). In a subprocess because the variable
-must be set before any @triton.jit function is defined."""
+float32 and float16 (the interpreter computes bf16 wrongly); the KV row and the q residual as
+column slices of a wider output, as the packed q_a/kv GEMM hands them. In a subprocess because
+the variable must be set before any @triton.jit function is defined."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ for rows, heads, dim, pairs in [(1, 4, 16, 4), (3, 1, 80, 20), (5, 3, 512, 32)]:
         for use, (norm, rotated, back) in USES.items():
             gen = torch.Generator().manual_seed(rows + heads + dim)
             x = (torch.randn(rows, heads, dim, generator=gen) * 3).to(dtype)
+            if use in ("kv", "q_residual"):  # as the model hands them: slices of a packed GEMM
+                packed = torch.zeros(rows, 8 + heads * dim + 24, dtype=dtype)
+                packed[:, 8 : 8 + heads * dim] = x.flatten(1)
+                x = packed[:, 8 : 8 + heads * dim].view(rows, heads, dim)
             weight = torch.rand(dim, generator=gen) + 0.5
             angle = torch.rand(rows, pairs, generator=gen) * 50
             cos, sin = angle.cos() * 1.1, angle.sin() * 1.1

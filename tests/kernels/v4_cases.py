@@ -25,3 +25,12 @@ def models_of(root: str, name: str, **overrides) -> dict[torch.dtype, torch.nn.M
         dtype: load_model(path, ModelParts.colocated(), str(dtype)[6:])[0]
         for dtype in (torch.float32, torch.float16)
     }
+
+
+def projected(model: torch.nn.Module, layer: int, prefix: str, x: torch.Tensor):
+    """The (kv, gate) `batched._compress` takes for `prefix`'s compressor of `layer` ("" its own,
+    "index_" its indexer's): column slices of the packed GEMM's output, as the engine runs it."""
+    own, index = model.model.layers[layer].self_attn.compressor.project(x)
+    kv, gate = index if prefix else own
+    assert kv.stride(0) > kv.shape[1], "the loader packs the compressors' projections"
+    return kv, gate

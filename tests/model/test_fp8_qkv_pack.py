@@ -57,13 +57,13 @@ def test_fp8_qkv_is_packed_and_equals_three_gemms(wide_heads: Path) -> None:
     assert layers
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     for attn in layers:
-        assert attn.qkv_weight is not None and attn.qkv_weight.dtype == FP8_DTYPE
-        assert attn.qkv_weight.shape == (256 + 2 * 128, 64)
-        assert attn.qkv_weight_scale_inv.shape == (4, 1)
+        assert attn.qkv is not None and attn.qkv.weight.dtype == FP8_DTYPE
+        assert attn.qkv.weight.shape == (256 + 2 * 128, 64)
+        assert attn.qkv.scale_inv.shape == (4, 1)
         # The projections are views of the packed matrix and grid: loading filled those.
-        assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[256:].data_ptr()
-        assert attn.v_proj.weight_scale_inv.data_ptr() == attn.qkv_weight_scale_inv[3:].data_ptr()
-        packed = ops.fp8_linear(x, attn.qkv_weight, attn.qkv_weight_scale_inv, None, attn.qkv_block)
+        assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[256:].data_ptr()
+        assert attn.v_proj.weight_scale_inv.data_ptr() == attn.qkv.scale_inv[3:].data_ptr()
+        packed = ops.fp8_linear(x, attn.qkv.weight, attn.qkv.scale_inv, None, attn.qkv.block)
         three = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
         torch.testing.assert_close(packed, three, rtol=1e-5, atol=1e-6)
 
@@ -82,4 +82,4 @@ def test_projections_off_block_boundaries_stay_three(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "tiny", "qwen3_moe", quantization="fp8")
     model, _ = load_model(path, ModelParts.colocated(), "float32")
     layers = [m for m in model.modules() if isinstance(m, GQAAttention)]
-    assert layers and all(m.qkv_weight is None for m in layers)
+    assert layers and all(m.qkv is None for m in layers)

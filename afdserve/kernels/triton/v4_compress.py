@@ -34,20 +34,21 @@ BLOCK_COLUMNS = 64  # columns a step of the loops takes (not measured)
 
 
 @triton.jit
-def _window_slots(KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, width):
+def _window_slots(KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, width, row):
     """A window's slots [M_PAD, BLOCK] at `cols`: where `own`, the projections of the ubatch's
-    rows `src`, else the open rings' rows `wr`; kv in the pages' dtype, gate biased float32."""
+    rows `src` (`row` apart), else the open rings' rows `wr`; kv in the pages' dtype, gate
+    biased float32."""
     mask = live[:, None] & (cols[None, :] < width)
     from_row = own[:, None] & mask
     from_page = ~own[:, None] & mask
     kv = tl.where(
         own[:, None],
-        tl.load(KV + src[:, None] * width + cols[None, :], mask=from_row, other=0.0),
+        tl.load(KV + src[:, None] * row + cols[None, :], mask=from_row, other=0.0),
         tl.load(OPEN_KV + wr[:, None] * width + cols[None, :], mask=from_page, other=0.0),
     )
     gate = tl.where(
         own[:, None],
-        tl.load(GATE + src[:, None] * width + cols[None, :], mask=from_row, other=0.0),
+        tl.load(GATE + src[:, None] * row + cols[None, :], mask=from_row, other=0.0),
         tl.load(OPEN_GATE + wr[:, None] * width + cols[None, :], mask=from_page, other=0.0),
     ).to(tl.float32)
     gate += tl.load(BIAS + j[:, None] * width + cols[None, :], mask=mask, other=0.0)
@@ -70,6 +71,7 @@ def _keep_first_series(
     j,
     live,
     keep_row,
+    row,
     DIM: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -79,7 +81,7 @@ def _keep_first_series(
     for c in range(0, DIM, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         kv, gate = _window_slots(
-            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, WIDTH
+            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols, live, WIDTH, row
         )
         keep = keep_row & live[:, None] & (cols[None, :] < DIM)
         tl.store(PREV_KV + pw[:, None] * DIM + cols[None, :], kv, mask=keep)
@@ -87,13 +89,13 @@ def _keep_first_series(
 
 
 @triton.jit
-def _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, opened, keep, WIDTH: tl.constexpr, BLOCK):
-    """Row r's projections to the open ring's row `opened` where `keep`."""
+def _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, row, opened, keep, WIDTH: tl.constexpr, BLOCK):
+    """Row r's projections (`row` apart) to the open ring's row `opened` where `keep`."""
     for c in range(0, WIDTH, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         mask = (cols < WIDTH) & keep
-        kv = tl.load(KV + r * WIDTH + cols, mask=mask, other=0.0)
-        gate = tl.load(GATE + r * WIDTH + cols, mask=mask, other=0.0)
+        kv = tl.load(KV + r * row + cols, mask=mask, other=0.0)
+        gate = tl.load(GATE + r * row + cols, mask=mask, other=0.0)
         tl.store(OPEN_KV + opened * WIDTH + cols, kv, mask=mask)
         tl.store(OPEN_GATE + opened * WIDTH + cols, gate, mask=mask)
 
@@ -118,6 +120,7 @@ def _compress_kernel(
     REAL,  # [rows] bool
     START,  # [rows] int64: the chunk's first position (CHUNKED)
     rows,
+    row,  # the stride of KV's and GATE's rows (views of one packed GEMM's output)
     norm_eps,
     scaling,
     nope,  # the entries' unrotated channels (FP8)
@@ -166,7 +169,7 @@ def _compress_kernel(
     for c in range(0, DIM, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         kv, gate = _window_slots(
-            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols + SECOND, live, WIDTH
+            KV, GATE, OPEN_KV, OPEN_GATE, BIAS, src, wr, own, j, cols + SECOND, live, WIDTH, row
         )
         gate = tl.where(live[:, None], gate, float("-inf"))
         top = tl.max(gate, axis=0)
@@ -194,6 +197,7 @@ def _compress_kernel(
                     cols,
                     live & (w > 0) & ~paged,
                     WIDTH,
+                    row,
                 )
                 first_kv = tl.where(paged, first_kv, pending_kv.to(first_kv.dtype))
                 first_gate = tl.where(paged | ~first, first_gate, pending_gate)
@@ -232,6 +236,7 @@ def _compress_kernel(
             j,
             live,
             closes,
+            row,
             DIM,
             WIDTH,
             BLOCK,
@@ -267,7 +272,9 @@ def _compress_kernel(
         tl.store(NEW + r * DIM + even, out_even, mask=inside)
         tl.store(NEW + r * DIM + even + 1, out_odd, mask=inside)
     if not CHUNKED:
-        _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, tl.load(at + M), real & ~closes, WIDTH, BLOCK)
+        _keep_open(
+            KV, GATE, OPEN_KV, OPEN_GATE, r, row, tl.load(at + M), real & ~closes, WIDTH, BLOCK
+        )
 
 
 @triton.jit
@@ -284,6 +291,7 @@ def _chunk_writes_kernel(
     START,  # [rows] int64
     KEEP,  # [rows] bool: FIRST the closing rows keeping their first series, else the open rows
     rows,
+    row,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     DIM: tl.constexpr,
@@ -323,20 +331,23 @@ def _chunk_writes_kernel(
             j,
             live,
             keep,
+            row,
             DIM,
             WIDTH,
             BLOCK,
         )
     else:
-        _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, tl.load(at + M), keep, WIDTH, BLOCK)
+        _keep_open(KV, GATE, OPEN_KV, OPEN_GATE, r, row, tl.load(at + M), keep, WIDTH, BLOCK)
 
 
 def supports(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope: int) -> bool:
-    """Projections and pages of one float dtype, contiguous; an even dim, rotary within it."""
+    """Projections and pages of one float dtype, the projections' rows dense (rows may lie
+    apart: kv and gate as slices of one GEMM's output), the pages contiguous; an even dim,
+    rotary within it."""
     return (
         kv.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and kv.dtype == open_kv.dtype
-        and kv.is_contiguous()
+        and kv.stride(1) == 1
         and open_kv.is_contiguous()
         and dim % 2 == 0
         and rope % 2 == 0
@@ -360,13 +371,14 @@ def compress(
     kv_scale: float = 1.0,
     chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """kv, gate [rows, width] -> the pooled entries [rows, dim] (kept where a row closes its
-    window; as the entries page gives them back), the pages written. pages: the flat `open_kv`,
-    `open_gate` (rings), `entries` (an FP8 cache's: e4m3 at `kv_scale` beside `entries_rope`,
-    v4_pages.store_row), and CSA's `prev_kv`, `prev_gate`; addresses [rows, m + 1 (CSA: + 2
-    m)]: the open rings' rows of the window's positions and of p (and the prev pages' rows of
-    windows w - 1 and w, in the row's block table); entry_rows [rows]: the entries page's row of
-    the entry p closes; norm: (weight, eps); rope: (inv_freq, scaling).
+    """kv, gate [rows, width] (rows may lie apart, alike in both) -> the pooled entries
+    [rows, dim] (kept where a row closes its window; as the entries page gives them back), the
+    pages written. pages: the flat `open_kv`, `open_gate` (rings), `entries` (an FP8 cache's:
+    e4m3 at `kv_scale` beside `entries_rope`, v4_pages.store_row), and CSA's `prev_kv`,
+    `prev_gate`; addresses [rows, m + 1 (CSA: + 2 m)]: the open rings' rows of the window's
+    positions and of p (and the prev pages' rows of windows w - 1 and w, in the row's block
+    table); entry_rows [rows]: the entries page's row of the entry p closes; norm: (weight,
+    eps); rope: (inv_freq, scaling).
     `chunk` (rows of prefill chunks beside decodes, not each alone in its chunk): (the chunks'
     first positions, the closing rows that keep their window's first series, the rows that keep
     their projections in the open ring) [rows]; CSA's addresses then also hold the open rings'
@@ -375,6 +387,8 @@ def compress(
     says why). A row's window slots at or past its chunk's start come from the chunk's rows;
     only a row that closes its window has its pooled entry right (the others' are read by no
     one: `_compress`'s contract)."""
+    if gate.stride() != kv.stride():  # the kernels read both at one row stride
+        kv, gate = kv.contiguous(), gate.contiguous()
     count = kv.shape[0]
     new = torch.empty(count, dim, dtype=kv.dtype, device=kv.device)
     if count == 0:
@@ -413,6 +427,7 @@ def compress(
         real,
         start,
         count,
+        kv.stride(0),
         norm[1],
         scaling,
         pages["entries"].shape[1] if fp8 else dim,
@@ -430,6 +445,13 @@ def compress(
             if first and not overlap:
                 continue
             _chunk_writes_kernel[(count,)](
-                *writes, positions, start, keep.contiguous(), count, FIRST=first, **shape
+                *writes,
+                positions,
+                start,
+                keep.contiguous(),
+                count,
+                kv.stride(0),
+                FIRST=first,
+                **shape,
             )
     return new

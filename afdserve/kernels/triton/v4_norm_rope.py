@@ -20,12 +20,13 @@ import triton.language as tl
 
 @triton.jit
 def _norm_rope_kernel(
-    X,  # [rows, heads, DIM]
-    OUT,  # [rows, heads, DIM]
+    X,  # [rows, heads, DIM]: heads dense, rows `row` apart
+    OUT,  # [rows, heads, DIM] contiguous
     WEIGHT,  # [DIM] (NORM 2)
     COS,  # [rows, PAIRS] float32
     SIN,  # [rows, PAIRS] float32
     heads,
+    row,
     eps,
     DIM: tl.constexpr,
     PAIRS: tl.constexpr,
@@ -38,8 +39,9 @@ def _norm_rope_kernel(
     i = tl.arange(0, BLOCK)
     inside = i < DIM // 2
     base = (r * heads + head) * DIM
-    even = tl.load(X + base + 2 * i, mask=inside, other=0.0).to(tl.float32)
-    odd = tl.load(X + base + 2 * i + 1, mask=inside, other=0.0).to(tl.float32)
+    at = r * row + head * DIM
+    even = tl.load(X + at + 2 * i, mask=inside, other=0.0).to(tl.float32)
+    odd = tl.load(X + at + 2 * i + 1, mask=inside, other=0.0).to(tl.float32)
     if NORM != 0:
         mean = (tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / DIM
         inv = 1.0 / tl.sqrt(mean + eps)
@@ -68,11 +70,13 @@ def _norm_rope_kernel(
 
 
 def supports(x: torch.Tensor) -> bool:
-    """x [rows, heads, dim] contiguous, a float dtype, an even dim."""
+    """x [rows, heads, dim] with dense heads (rows may lie apart: a slice of a packed GEMM's
+    output), a float dtype, an even dim."""
     return (
         x.dim() == 3
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and x.is_contiguous()
+        and x.stride(2) == 1
+        and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
         and x.shape[-1] % 2 == 0
         and x.shape[-1] <= 8192
     )
@@ -84,15 +88,16 @@ def norm_rope(
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     negate: bool = False,
 ) -> torch.Tensor:
-    """x [rows, heads, dim] -> the same shape and dtype. norm: None, (None, eps) unweighted or
-    (weight, eps); cos_sin: None or cos, sin [rows, pairs] float32 of the trailing pairs."""
+    """x [rows, heads, dim] (`supports`' strides) -> the same shape and dtype, contiguous.
+    norm: None, (None, eps) unweighted or (weight, eps); cos_sin: None or cos, sin [rows, pairs]
+    float32 of the trailing pairs."""
     rows, heads, dim = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows == 0 or heads == 0:
         return out
     mode = 0 if norm is None else (1 if norm[0] is None else 2)
     weight = x if mode != 2 else norm[0]
-    cos, sin = cos_sin if cos_sin is not None else (x, x)  # placeholders, never read
+    cos, sin = cos_sin if cos_sin is not None else (out, out)  # placeholders, never read
     pairs = 0 if cos_sin is None else cos.shape[-1]
     _norm_rope_kernel[(rows, heads)](
         x,
@@ -101,6 +106,7 @@ def norm_rope(
         cos.contiguous(),
         sin.contiguous(),
         heads,
+        x.stride(0),
         0.0 if norm is None else norm[1],
         DIM=dim,
         PAIRS=pairs,

@@ -33,6 +33,7 @@ from afdserve.kernels.ops import quantize_fp4
 from afdserve.model.config import ModelConfig
 from afdserve.model.families import load_model_config, model_class
 from afdserve.model.families.deepseek_v4 import names as v4_names
+from afdserve.model.families.deepseek_v4.attention import V4Attention
 from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_form
 from afdserve.model.families.gpt_oss import names as gpt_oss_names
 from afdserve.model.families.gpt_oss import quant as gpt_oss_quant
@@ -117,9 +118,12 @@ def build_model(
     if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
+    if parts.attention:
         for module in model.modules():
             if isinstance(module, GQAAttention):
                 module.pack_qkv()
+            elif isinstance(module, V4Attention):
+                module.pack()
     return model.eval()
 
 

@@ -11,7 +11,6 @@ engine/factory.py refuses a checkpoint that carries them), constants inside a ca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afdserve.kernels import ops
@@ -20,6 +19,7 @@ from afdserve.kernels.ops import Fp8Rows
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers.common import RMSNorm, Rotary
 from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
+from afdserve.model.layers.packed import PackedLinear
 
 LayerCache = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -51,46 +51,20 @@ class GQAAttention(nn.Module):
         self.scale = config.softmax_scale
         self.eps = config.rms_norm_eps
         self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (module docstring)
-        self.qkv_weight: torch.Tensor | None = None  # set by pack_qkv
-        self.qkv_weight_scale_inv: torch.Tensor | None = None  # FP8 packed: its scale grid
-        self.qkv_block: tuple[int, int] | None = None
-        self.qkv_bias: torch.Tensor | None = None
+        self.qkv: PackedLinear | None = None  # set by pack_qkv
         # gpt-oss: a learned sink logit per head (a parameter there) and a sliding window.
         self.sinks: torch.Tensor | None = None
         self.window: int | None = None
 
     def pack_qkv(self) -> None:
-        """Lay q, k and v's weights out as one [q + k + v, hidden] matrix, so a step runs one GEMM
-        instead of three. The three projections become views of it: checkpoints still load (and
-        state dicts still read) by the Hugging Face names. Call once the weights are allocated.
-        FP8 projections pack too (weights and scale grids) when each one's rows end on a scale
-        block boundary, so that their grids stack; otherwise they run as three GEMMs."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if all(isinstance(p, Fp8Linear) for p in projections):
-            if any(p.out_features % p.block[0] for p in projections):
-                return
-            names = ("weight", "weight_scale_inv", "bias")
-            self.qkv_block = projections[0].block
-        elif all(isinstance(p, nn.Linear) for p in projections):
-            names = ("weight", "bias")
-        else:
-            return
-        for name in names:
-            tensors = [getattr(p, name) for p in projections]
-            if tensors[0] is None:
-                continue
-            packed = torch.cat([t.detach() for t in tensors])
-            sizes = [t.shape[0] for t in tensors]
-            for proj, view in zip(projections, packed.split(sizes), strict=True):
-                setattr(proj, name, nn.Parameter(view, requires_grad=False))
-            setattr(self, f"qkv_{name}", packed)
+        """q, k and v as one GEMM (model/layers/packed.py); FP8 projections pack too when each
+        one's rows end on a scale block boundary, otherwise they run as three GEMMs."""
+        self.qkv = PackedLinear.of((self.q_proj, self.k_proj, self.v_proj))
 
     def takes_fp8_rows(self, h: torch.Tensor) -> bool:
         """Whether the norm before this layer may hand `forward` its rows quantized for the
         packed FP8 q/k/v GEMM (ops.quantizes_for_gemm), saving that GEMM's quantize launch."""
-        if self.qkv_weight_scale_inv is None:
-            return False
-        return ops.quantizes_for_gemm(h, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_block)
+        return self.qkv is not None and self.qkv.takes_fp8_rows(h)
 
     def forward(
         self,
@@ -101,12 +75,8 @@ class GQAAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         rows = x.shape[0]
-        if self.qkv_weight_scale_inv is not None:
-            qkv = ops.fp8_linear(
-                x, self.qkv_weight, self.qkv_weight_scale_inv, self.qkv_bias, self.qkv_block
-            )
-        elif self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.qkv is not None:
+            qkv = self.qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         k_cache, v_cache = cache

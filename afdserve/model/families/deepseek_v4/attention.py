@@ -27,6 +27,7 @@ from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.mhc import V4RMSNorm, unweighted_rms_norm, v4_rms_norm
 from afdserve.model.layers.fp8 import Fp8Linear, linear_weight
+from afdserve.model.layers.packed import PackedLinear
 
 # Keys as the cache gives them back (an FP8 cache's round trip, cache.LayerPages.as_stored): applied
 # to a chunk's own keys and entries, so a query reads every key alike wherever it came from.
@@ -131,6 +132,27 @@ class Compressor(nn.Module):
         # A CSA layer's compressor carries the layer's lightning indexer (the checkpoint names it
         # `attn.indexer.*`, transformers `self_attn.compressor.indexer.*`).
         self.indexer: Indexer | None = None
+        self.packed: PackedLinear | None = None  # set by pack
+
+    def pack(self) -> None:
+        """kv and gate, and the indexer's (they read the same rows), as one GEMM: one launch a
+        ubatch where there were two (CSA four). Call once the weights are allocated."""
+        self.packed = PackedLinear.of(self._projections())
+
+    def _projections(self) -> list[nn.Module]:
+        own = [self.kv_proj, self.gate_proj]
+        return own if self.indexer is None else own + [self.indexer.kv_proj, self.indexer.gate_proj]
+
+    def project(
+        self, x: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """x [rows, hidden] -> ((kv, gate), the indexer's (kv, gate) or None): once packed,
+        column slices of one GEMM's output (rows strided alike)."""
+        if self.packed is None:
+            out = [p(x) for p in self._projections()]
+        else:
+            out = self.packed.split(x)
+        return (out[0], out[1]), (None if len(out) == 2 else (out[2], out[3]))
 
     def extend(
         self,
@@ -312,6 +334,7 @@ class V4Attention(nn.Module):
         )
         self.o_b_proj = nn.Linear(self.groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
+        self.q_a_kv: PackedLinear | None = None  # set by pack
         self.compressor: Compressor | None = None
         if self.kind != "sliding_attention":
             rate = v4.compress_rate(layer)
@@ -361,18 +384,29 @@ class V4Attention(nn.Module):
         out = self._attend(q, keys, allowed)
         return self.finish(out, cos_sin), after
 
+    def pack(self) -> None:
+        """q_a and kv (both read the layer's input) as one GEMM, and the compressor's
+        projections as another (model/layers/packed.py). Call once the weights are allocated."""
+        self.q_a_kv = PackedLinear.of((self.q_a_proj, self.kv_proj))
+        if self.compressor is not None:
+            self.compressor.pack()
+
     def project(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [rows, hidden] at the rows' rotary cos_sin -> (the q low-rank residual the indexer
         reads, q [rows, heads, dim], kv [rows, dim]: K and V), both rotated."""
         rows = x.shape[0]
+        if self.q_a_kv is None:
+            q_a, kv = self.q_a_proj(x), self.kv_proj(x)
+        else:
+            q_a, kv = self.q_a_kv.split(x)
         q_a_norm = (self.q_a_norm.weight, self.q_a_norm.eps)
-        q_residual = norm_rope(self.q_a_proj(x)[:, None], q_a_norm, None)[:, 0]
+        q_residual = norm_rope(q_a[:, None], q_a_norm, None)[:, 0]
         q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
         q = norm_rope(q, (None, self.eps), cos_sin)
         kv_norm = (self.kv_norm.weight, self.kv_norm.eps)
-        return q_residual, q, norm_rope(self.kv_proj(x)[:, None], kv_norm, cos_sin)[:, 0]
+        return q_residual, q, norm_rope(kv[:, None], kv_norm, cos_sin)[:, 0]
 
     def finish(self, out: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention output [rows, heads, dim] -> [rows, hidden]."""

@@ -154,12 +154,13 @@ def _compressed(
     None, every entry closed at or before the row; CSA the indexer's top-k (`_index_top`).
     Entries at or past the (p + 1) // m closed ones are masked there."""
     comp = attn.compressor
-    if comp.indexer is None:
-        return None, _compress(comp, pages, "", x, rows, rope)
+    own, index = comp.project(x)
+    if index is None:
+        return None, _compress(comp, pages, "", own, rows, rope)
     indexer = comp.indexer
-    index_new = _compress(indexer, pages, "index_", x, rows, rope)
+    index_new = _compress(indexer, pages, "index_", index, rows, rope)
     top = _index_top(indexer, pages, x, q_residual, rows, rope, index_new)
-    return top, _compress(comp, pages, "", x, rows, rope)
+    return top, _compress(comp, pages, "", own, rows, rope)
 
 
 def _index_top(
@@ -236,12 +237,13 @@ def _compress(
     comp: Compressor,
     pages: LayerPages,
     prefix: str,
-    x: torch.Tensor,
+    projected: tuple[torch.Tensor, torch.Tensor],
     rows: StepRows,
     rope: RopeTable,
 ) -> torch.Tensor:
-    """Feed each row's token to one compressor (pages `prefix`*: HCA's, CSA's or its indexer's)
-    and write what the per-sequence path writes -> [rows, dim]: the entry of p's window w = p // m
+    """Feed each row's projections (kv, gate: `Compressor.project`'s) to one compressor (pages
+    `prefix`*: HCA's, CSA's or its indexer's) and write what the per-sequence path writes ->
+    [rows, dim]: the entry of p's window w = p // m
     (positions [w m, (w + 1) m)), pooled for every row, kept where p closes it ((p + 1) % m == 0).
     The window's rows before the chunk come from the open rows, the others from the chunk; CSA's
     first series (window w - 1's) from prev_* when that window closed before the chunk, else as
@@ -249,13 +251,13 @@ def _compress(
     positions (`LayerGeometry.ring`: those a rolled-back speculative step may resume among);
     prev_* by the row closing each window that ends a block or lies in those positions."""
     m, p, tables = comp.rate, rows.positions, rows.tables
-    kv, gate = comp.kv_proj(x), comp.gate_proj(x)
+    kv, gate = projected
     rope_dim = 2 * rope.inv_freq.shape[0]
     if ops.fuses_v4_compress(kv, pages.flat[f"{prefix}open_kv"], comp.dim, rope_dim):
         return _compress_fused(comp, pages, prefix, kv, gate, rows, rope)
     w, state_slots = p // m, rows.state_slots()
     closes, keep_first, keep_open = _keeps(pages, rows, m)
-    members = w[:, None] * m + torch.arange(m, device=x.device)  # [rows, m]: p's window
+    members = w[:, None] * m + torch.arange(m, device=kv.device)  # [rows, m]: p's window
     window = pages.batch_open_rows(state_slots, members)
     win_kv = rows.chunk_or(kv, members, pages.take(f"{prefix}open_kv", window))
     win_gate = rows.chunk_or(gate, members, pages.take(f"{prefix}open_gate", window))
