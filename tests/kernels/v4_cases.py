@@ -31,6 +31,6 @@ def projected(model: torch.nn.Module, layer: int, prefix: str, x: torch.Tensor):
     """The (kv, gate) `batched._compress` takes for `prefix`'s compressor of `layer` ("" its own,
     "index_" its indexer's): column slices of the packed GEMM's output, as the engine runs it."""
     own, index = model.model.layers[layer].self_attn.compressor.project(x)
-    kv, gate = index if prefix else own
+    kv, gate = index[:2] if prefix else own
     assert kv.stride(0) > kv.shape[1], "the loader packs the compressors' projections"
     return kv, gate

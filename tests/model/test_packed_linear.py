@@ -1,9 +1,10 @@
 """Linear layers that read the same rows packed into one GEMM (model/layers/packed.py), as the
-loader packs them: DeepSeek-V4's q_a with kv, and each compressor's kv and gate with its
-indexer's, in float32 and in V4-Flash's FP8 layout (at 128-row projections, so that the scale
-grids stack); what cannot pack (kinds mixed, biases on some, FP8 rows off a scale block) is left
-as it was. The oracle is each layer run alone: the packed outputs must equal them, and the
-layers' parameters must be views of the packed matrix (what the checkpoint loaded)."""
+loader packs them: DeepSeek-V4's q_a with kv, CSA's q_b with its indexer's, and each compressor's
+kv and gate with its indexer's kv, gate and head weights; in float32 and in V4-Flash's FP8
+layout (at 128-row projections, so that the scale grids stack). What cannot pack (kinds mixed,
+biases on some, FP8 rows off a scale block) is left as it was. The oracle is each layer run
+alone: the packed outputs must equal them, and the layers' parameters must be views of the
+packed matrix (what the checkpoint loaded)."""
 
 from __future__ import annotations
 
@@ -44,16 +45,24 @@ def test_v4_projections_pack_and_equal_each_layer_alone(tmp_path: Path) -> None:
         torch.testing.assert_close(kv, attn.kv_proj(x), rtol=1e-6, atol=1e-6)
         comp = attn.compressor
         if comp is None:
-            assert attn.kind == "sliding_attention"
+            assert attn.kind == "sliding_attention" and attn.q_b is None
             continue
         own, index = comp.project(x)
         alone = [comp.kv_proj, comp.gate_proj]
         got = list(own)
         if attn.kind == "compressed_sparse_attention":
-            alone += [comp.indexer.kv_proj, comp.indexer.gate_proj]
+            indexer = comp.indexer
+            alone += [indexer.kv_proj, indexer.gate_proj, indexer.weights_proj]
             got += list(index)
+            # q_b with the indexer's: both read the q residual.
+            assert attn.q_b is not None and attn.q_b.sizes == (4 * 16, 8 * 8)
+            shares_storage(indexer.q_b_proj, attn.q_b, 1)
+            residual = torch.randn(7, 16, generator=torch.Generator().manual_seed(2))
+            q, index_q = attn.q_b.split(residual)
+            torch.testing.assert_close(q, attn.q_b_proj(residual), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(index_q, indexer.q_b_proj(residual), rtol=1e-6, atol=1e-6)
         else:
-            assert index is None
+            assert index is None and attn.q_b is None
         assert comp.packed is not None and len(comp.packed.sizes) == len(alone)
         for i, (layer, out) in enumerate(zip(alone, got, strict=True)):
             shares_storage(layer, comp.packed, i)
@@ -75,6 +84,13 @@ def test_v4_fp8_projections_pack_their_scale_grids(tmp_path: Path) -> None:
         q_a, kv = packed.split(x)
         torch.testing.assert_close(q_a, attn.q_a_proj(x), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(kv, attn.kv_proj(x), rtol=1e-5, atol=1e-6)
+        if attn.kind == "compressed_sparse_attention":  # q_b (4 x 128) with the indexer's (8 x 64)
+            q_b, indexer = attn.q_b, attn.compressor.indexer
+            assert q_b is not None and q_b.sizes == (512, 512) and q_b.scale_inv.shape == (8, 1)
+            residual = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
+            q, index_q = q_b.split(residual)
+            torch.testing.assert_close(q, attn.q_b_proj(residual), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(index_q, indexer.q_b_proj(residual), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -135,24 +135,29 @@ class Compressor(nn.Module):
         self.packed: PackedLinear | None = None  # set by pack
 
     def pack(self) -> None:
-        """kv and gate, and the indexer's (they read the same rows), as one GEMM: one launch a
-        ubatch where there were two (CSA four). Call once the weights are allocated."""
+        """kv and gate, and the indexer's kv, gate and head weights (they read the same rows), as
+        one GEMM: one launch a ubatch where there were two (CSA five). Call once the weights are
+        allocated."""
         self.packed = PackedLinear.of(self._projections())
 
     def _projections(self) -> list[nn.Module]:
         own = [self.kv_proj, self.gate_proj]
-        return own if self.indexer is None else own + [self.indexer.kv_proj, self.indexer.gate_proj]
+        if self.indexer is None:
+            return own
+        return own + [self.indexer.kv_proj, self.indexer.gate_proj, self.indexer.weights_proj]
 
     def project(
         self, x: torch.Tensor
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
-        """x [rows, hidden] -> ((kv, gate), the indexer's (kv, gate) or None): once packed,
-        column slices of one GEMM's output (rows strided alike)."""
+    ) -> tuple[
+        tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ]:
+        """x [rows, hidden] -> ((kv, gate), the indexer's (kv, gate, head weights) or None): once
+        packed, column slices of one GEMM's output (rows strided alike)."""
         if self.packed is None:
             out = [p(x) for p in self._projections()]
         else:
             out = self.packed.split(x)
-        return (out[0], out[1]), (None if len(out) == 2 else (out[2], out[3]))
+        return (out[0], out[1]), (None if len(out) == 2 else (out[2], out[3], out[4]))
 
     def extend(
         self,
@@ -272,13 +277,16 @@ class Indexer(Compressor):
         x: torch.Tensor,
         q_residual: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
+        projected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the query heads q [rows, heads, dim] rotated by `cos_sin` (the compress base at the
-        rows' positions), their weights w [rows, heads] float32, the head scale folded in)."""
-        rows = x.shape[0]
-        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = norm_rope(q, None, cos_sin)
-        return q, self.weights_proj(x).float() * self.heads**-0.5
+        rows' positions), their weights w [rows, heads] float32, the head scale folded in).
+        `projected`: q_b_proj(q_residual) and weights_proj(x), where packed GEMMs made them."""
+        if projected is None:
+            projected = (self.q_b_proj(q_residual), self.weights_proj(x))
+        q_rows, weights = projected
+        q = norm_rope(q_rows.view(q_rows.shape[0], self.heads, self.dim), None, cos_sin)
+        return q, weights.float() * self.heads**-0.5
 
     def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """sum_h w_h relu(q_h . k) / sqrt(dim) for keys as `score_keys` takes them."""
@@ -335,6 +343,7 @@ class V4Attention(nn.Module):
         self.o_b_proj = nn.Linear(self.groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
         self.q_a_kv: PackedLinear | None = None  # set by pack
+        self.q_b: PackedLinear | None = None  # CSA: with the indexer's, set by pack
         self.compressor: Compressor | None = None
         if self.kind != "sliding_attention":
             rate = v4.compress_rate(layer)
@@ -357,7 +366,7 @@ class V4Attention(nn.Module):
         compress on the others); compress_rope: the compressors'; stored: the cache's round
         trip of keys and entries. -> (output, the state after these rows)."""
         cos_sin = rope.at(positions)
-        q_residual, q, kv = self.project(x, cos_sin)
+        q_residual, q, kv, _ = self.project(x, cos_sin)
         kv = stored(kv)
         keys, key_pos = kv, positions
         if state is not None:
@@ -385,17 +394,21 @@ class V4Attention(nn.Module):
         return self.finish(out, cos_sin), after
 
     def pack(self) -> None:
-        """q_a and kv (both read the layer's input) as one GEMM, and the compressor's
-        projections as another (model/layers/packed.py). Call once the weights are allocated."""
+        """q_a and kv (both read the layer's input) as one GEMM, CSA's q_b with its indexer's
+        (both read the q residual) as another, and the compressor's projections as a third
+        (model/layers/packed.py). Call once the weights are allocated."""
         self.q_a_kv = PackedLinear.of((self.q_a_proj, self.kv_proj))
         if self.compressor is not None:
             self.compressor.pack()
+            if self.compressor.indexer is not None:
+                self.q_b = PackedLinear.of((self.q_b_proj, self.compressor.indexer.q_b_proj))
 
     def project(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [rows, hidden] at the rows' rotary cos_sin -> (the q low-rank residual the indexer
-        reads, q [rows, heads, dim], kv [rows, dim]: K and V), both rotated."""
+        reads, q [rows, heads, dim], kv [rows, dim]: K and V, both rotated; the indexer's
+        q_b_proj(q residual) where packed with q_b (`pack`), else None)."""
         rows = x.shape[0]
         if self.q_a_kv is None:
             q_a, kv = self.q_a_proj(x), self.kv_proj(x)
@@ -403,10 +416,13 @@ class V4Attention(nn.Module):
             q_a, kv = self.q_a_kv.split(x)
         q_a_norm = (self.q_a_norm.weight, self.q_a_norm.eps)
         q_residual = norm_rope(q_a[:, None], q_a_norm, None)[:, 0]
-        q = self.q_b_proj(q_residual).view(rows, self.heads, self.dim)
-        q = norm_rope(q, (None, self.eps), cos_sin)
+        if self.q_b is None:
+            q, index_q = self.q_b_proj(q_residual), None
+        else:
+            q, index_q = self.q_b.split(q_residual)
+        q = norm_rope(q.view(rows, self.heads, self.dim), (None, self.eps), cos_sin)
         kv_norm = (self.kv_norm.weight, self.kv_norm.eps)
-        return q_residual, q, norm_rope(kv[:, None], kv_norm, cos_sin)[:, 0]
+        return q_residual, q, norm_rope(kv[:, None], kv_norm, cos_sin)[:, 0], index_q
 
     def finish(self, out: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention output [rows, heads, dim] -> [rows, hidden]."""

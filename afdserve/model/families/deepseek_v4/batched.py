@@ -54,14 +54,14 @@ def step_attention(
         return torch.zeros_like(x)
     real = rows.real
     cos_sin = rows.rotary(rope)
-    q_residual, q, kv = attn.project(x, cos_sin)
+    q_residual, q, kv, index_q = attn.project(x, cos_sin)
     kv = pages.as_stored(kv)
     window_rows = rows.shared(
         ("window", attn.window, pages.layout), lambda: _window_rows(attn.window, pages, rows)
     )
     selected = None
     if attn.compressor is not None:
-        selected = _compressed(attn, pages, x, q_residual, rows, compress_rope)
+        selected = _compressed(attn, pages, x, (q_residual, index_q), rows, compress_rope)
     out = _attend(attn, pages, q, kv, rows, window_rows, selected, store=True)
     y = attn.finish(out, cos_sin)
     return torch.where(real[:, None], y, 0.0)
@@ -145,21 +145,26 @@ def _compressed(
     attn: V4Attention,
     pages: LayerPages,
     x: torch.Tensor,
-    q_residual: torch.Tensor,
+    residual: tuple[torch.Tensor, torch.Tensor | None],
     rows: StepRows,
     rope: RopeTable,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The compressed entries each row attends to, (indices [rows, n] or None, the entry each
     row pooled [rows, dim], which `_attend` reads for entries closed inside the chunk): HCA
     None, every entry closed at or before the row; CSA the indexer's top-k (`_index_top`).
-    Entries at or past the (p + 1) // m closed ones are masked there."""
+    Entries at or past the (p + 1) // m closed ones are masked there. residual: the q residual
+    and the indexer's q_b_proj of it where `V4Attention.project` made that (else None)."""
     comp = attn.compressor
     own, index = comp.project(x)
     if index is None:
         return None, _compress(comp, pages, "", own, rows, rope)
     indexer = comp.indexer
-    index_new = _compress(indexer, pages, "index_", index, rows, rope)
-    top = _index_top(indexer, pages, x, q_residual, rows, rope, index_new)
+    q_residual, index_q = residual
+    if index_q is None:
+        index_q = indexer.q_b_proj(q_residual)
+    index_new = _compress(indexer, pages, "index_", index[:2], rows, rope)
+    projected = (index_q, index[2])
+    top = _index_top(indexer, pages, x, q_residual, rows, rope, index_new, projected)
     return top, _compress(comp, pages, "", own, rows, rope)
 
 
@@ -171,14 +176,16 @@ def _index_top(
     rows: StepRows,
     rope: RopeTable,
     new: torch.Tensor,
+    projected: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The indexer's choice [rows, n]: on CUDA its top index_topk entries among those closed at
     or before the row, scored only that far (ops.v4_index_select: no [rows, entries] tensor
     beyond a bounded scratch, the rest an index no row sees); elsewhere every padded entry
     scored, invisible ones -inf, and `Indexer.ranked` (the per-sequence path's stable sort)
     keeps the first index_topk: visible entries come first, so a top-k beyond the visible
-    count keeps all of them and masks the rest, as the per-sequence path."""
-    queries = indexer.queries(x, q_residual, rows.rotary(rope))
+    count keeps all of them and masks the rest, as the per-sequence path. `projected`: the
+    indexer's raw queries and weights where packed GEMMs made them (`Indexer.queries`)."""
+    queries = indexer.queries(x, q_residual, rows.rotary(rope), projected)
     geometry, page = pages.geometry, pages.pages["index_entries"]
     top = ops.v4_index_select(
         *queries,
