@@ -353,11 +353,13 @@ def v4_index_scores(
     positions: torch.Tensor,
     start: torch.Tensor,
     fp8: tuple[torch.Tensor, float] | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer scores of a ubatch [rows, count] float32, its keys read
     from the page in one launch on CUDA (kernels/triton/v4_indexer.py says which), or None where
     the fast path does not apply and the caller keeps its torch form (batched.py's); fp8: an FP8
-    cache's (rotated page, scale), `page` then its e4m3 channels."""
+    cache's (rotated page, scale), `page` then its e4m3 channels; the heads' weights are
+    `weights` (any float dtype) times `weight_scale`, in float32."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_indexer as triton_v4_indexer
@@ -366,7 +368,7 @@ def v4_index_scores(
     if not triton_v4_indexer.supports(q, new, page, rope_page):
         return None
     return triton_v4_indexer.index_scores(
-        q, weights, new, page, entry_rows, rate, positions, start, rope_page, kv_scale
+        q, weights, new, page, entry_rows, rate, positions, start, rope_page, kv_scale, weight_scale
     )
 
 
@@ -380,13 +382,15 @@ def v4_index_select(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk: int,
     fp8: tuple[torch.Tensor, float] | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """DeepSeek-V4's lightning indexer top-k of a ubatch on CUDA (kernels/triton/
     v4_index_select.py): each row's kept entries [rows, topk] int64 (index order, then an index
     no row sees), scored only up to the row's position, no [rows, entries] tensor beyond a
     bounded scratch; tables: (block tables [rows, W], block size, entry rows per block); rows:
-    (positions, chunk starts, real); fp8: as v4_index_scores'. None where the fast path does not
-    apply and the caller keeps its torch form (batched.py's scores and `Indexer.ranked`)."""
+    (positions, chunk starts, real); fp8, weight_scale: as v4_index_scores'. None where the fast
+    path does not apply and the caller keeps its torch form (batched.py's scores and
+    `Indexer.ranked`)."""
     if not _triton_ready(q):
         return None
     from afdserve.kernels.triton import v4_index_select as triton_v4_index_select
@@ -395,7 +399,7 @@ def v4_index_select(
     if not triton_v4_index_select.supports(q, new, page, topk, rope_page):
         return None
     return triton_v4_index_select.index_select(
-        q, weights, new, page, tables, rate, rows, topk, rope_page, kv_scale
+        q, weights, new, page, tables, rate, rows, topk, rope_page, kv_scale, weight_scale
     )
 
 

@@ -353,6 +353,7 @@ def test_index_scores_equal_the_torch_path(attention_models, shape, dtype, chunk
     every = torch.arange(count, device="cuda").expand(n, count)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     call = (q, weights, new, page, entry_rows, indexer.rate, rows.positions, rows.start)
+    call += (None, 1.0, indexer.weight_scale)  # bf16 pages; the heads' weight scale
     got = triton_v4_indexer.index_scores(*call)
     # The torch form of `_index_scores` (ops.v4_index_scores would take the kernel on CUDA).
     keys = rows.chunk_or(
@@ -418,6 +419,7 @@ def test_index_select_keeps_the_torch_top_k(attention_models, shape, dtype, chun
     tables = (rows.tables, block_size, pages.pages["index_entries"].shape[1])
     call = (q, weights, new, page, tables, indexer.rate)
     call += ((rows.positions, rows.start, rows.real), indexer.topk)
+    call += (None, 1.0, indexer.weight_scale)  # bf16 pages; the heads' weight scale
     got = triton_select.index_select(*call)
     visible = got < closed[:, None]
     assert torch.equal(visible.sum(1), closed.clamp(max=indexer.topk))

@@ -79,12 +79,14 @@ def case(model, chunks, pad, block_size, seed, scratch=None, fp8=False):
     rope = model.ropes("cpu")["compress"]
     want = indexer.ranked(batched._index_scores(indexer, pages, x, q_residual, rows, rope, new))
     q, weights = indexer.queries(x, q_residual, rope.at(rows.positions))
+    # As the packed GEMM gives them: a column slice (rows apart), scaled in the kernel.
+    weights = torch.cat((weights, torch.zeros_like(weights)), dim=1)[:, : indexer.heads]
     if scratch is not None:
         triton_select.SCORE_ELEMENTS = scratch
     got = triton_select.index_select(
         q, weights, new, page, (rows.tables, block_size, pages.pages["index_entries"].shape[1]),
         indexer.rate, (rows.positions, rows.start, rows.real), indexer.topk, rope_page,
-        pages.scale)
+        pages.scale, indexer.weight_scale)
     triton_select.SCORE_ELEMENTS = 1 << 26
     count = -(-width * block_size // indexer.rate)
     closed = torch.where(rows.real, (rows.positions + 1) // indexer.rate, 0)

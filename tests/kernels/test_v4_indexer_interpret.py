@@ -63,12 +63,15 @@ def case(models, chunks, pad, dtype, block_size, seed, fp8=False):
     rope = model.ropes("cpu")["compress"]
     want = batched._index_scores(indexer, pages, x, q_residual, rows, rope, new)
     q, weights = indexer.queries(x, q_residual, rope.at(rows.positions))
+    # As the packed GEMM gives them: a column slice (rows apart), scaled in the kernel.
+    weights = torch.cat((weights, torch.zeros_like(weights)), dim=1)[:, : indexer.heads]
     count = want.shape[1]
     every = torch.arange(count).expand(n, count)
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     got = triton_v4_indexer.index_scores(q, weights, new, pages.flat["index_entries"],
                                          entry_rows, indexer.rate, rows.positions, rows.start,
-                                         pages.flat.get("index_entries_rope"), pages.scale)
+                                         pages.flat.get("index_entries_rope"), pages.scale,
+                                         indexer.weight_scale)
     label = (indexer.heads, indexer.dim, indexer.rate, chunks, pad, dtype, block_size, fp8)
     seen = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), seen), label

@@ -37,7 +37,7 @@ SCORE_ELEMENTS = 1 << 26
 @triton.jit
 def _scores_kernel(
     Q,  # [rows, heads, DIM]: the rotated index queries
-    WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
+    WEIGHTS,  # [rows, heads]: w_h before the head scale, rows `weights_row` apart
     NEW,  # [rows, DIM]: the entry each chunk row pooled
     PAGE,  # [flat rows, DIM]: the indexer's entries page (FP8: its e4m3 channels [flat, nope])
     ROPE_PAGE,  # [flat rows, DIM - nope] bf16: an FP8 cache's rotated channels (FP8)
@@ -49,6 +49,8 @@ def _scores_kernel(
     row0,  # the chunk's first row
     rows,
     heads,
+    weights_row,
+    weight_scale,
     width,
     count,
     scale,
@@ -75,7 +77,8 @@ def _scores_kernel(
         mask=(h[:, None] < heads) & live_d[None, :],
         other=0.0,
     )
-    w = tl.load(WEIGHTS + r * heads + h, mask=h < heads, other=0.0)
+    w = tl.load(WEIGHTS + r * weights_row + h, mask=h < heads, other=0.0).to(tl.float32)
+    w = w * weight_scale  # in float32, as `Indexer.score`
     p = tl.load(POSITIONS + r)
     start = tl.load(START + r)
     closed = tl.where(tl.load(REAL + r).to(tl.int1), (p + 1) // RATE, 0)
@@ -163,11 +166,13 @@ def index_select(
     topk: int,
     rope_page: torch.Tensor | None = None,
     kv_scale: float = 1.0,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """-> [rows, topk] int64: each row's kept entries in index order, then ceil(W B / m) (no
     row's: never visible). tables: (the rows' block tables [rows, W], the cache's block size,
     entry rows per block of `page`); rows_at: (positions, chunk starts, real); `rope_page`: an
-    FP8 cache's rotated channels, `page` then its e4m3 ones at `kv_scale`."""
+    FP8 cache's rotated channels, `page` then its e4m3 ones at `kv_scale`; weights as
+    v4_indexer.index_scores' (times `weight_scale`)."""
     rows, heads, dim = q.shape
     table, block_size, slots = tables
     positions, start, real = (t.contiguous() for t in rows_at)
@@ -176,7 +181,9 @@ def index_select(
     out = torch.empty(rows, topk, dtype=torch.int64, device=q.device)
     if rows == 0:
         return out
-    table, weights = table.long().contiguous(), weights.float().contiguous()
+    table = table.long().contiguous()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
     chunk = max(1, SCORE_ELEMENTS // max(count, 1))
     scores = torch.empty(min(rows, chunk), max(count, 1), dtype=torch.float32, device=q.device)
     for lo in range(0, rows, chunk):
@@ -195,6 +202,8 @@ def index_select(
             lo,
             rows,
             heads,
+            weights.stride(0),
+            weight_scale,
             width,
             count,
             dim**-0.5,

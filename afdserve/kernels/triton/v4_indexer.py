@@ -24,7 +24,7 @@ BLOCK_ENTRIES = 64  # entries a program scores (not measured)
 @triton.jit
 def _index_scores_kernel(
     Q,  # [rows, heads, DIM]: the rotated index queries
-    WEIGHTS,  # [rows, heads] float32: w_h, the head scale folded in
+    WEIGHTS,  # [rows, heads]: w_h before the head scale, rows `weights_row` apart
     NEW,  # [rows, DIM]: the entry each chunk row pooled
     PAGE,  # [flat rows, DIM]: the indexer's entries page (FP8: its e4m3 channels [flat, nope])
     ROPE_PAGE,  # [flat rows, DIM - nope] bf16: an FP8 cache's rotated channels (FP8)
@@ -34,6 +34,8 @@ def _index_scores_kernel(
     SCORES,  # [rows, count] float32
     rows,
     heads,
+    weights_row,
+    weight_scale,
     count,
     scale,
     nope,  # the unrotated channels (FP8)
@@ -56,7 +58,8 @@ def _index_scores_kernel(
         mask=(h[:, None] < heads) & live_d[None, :],
         other=0.0,
     )
-    w = tl.load(WEIGHTS + r * heads + h, mask=h < heads, other=0.0)
+    w = tl.load(WEIGHTS + r * weights_row + h, mask=h < heads, other=0.0).to(tl.float32)
+    w = w * weight_scale  # in float32, as `Indexer.score`
     p = tl.load(POSITIONS + r)
     start = tl.load(START + r)
     inside = e < count
@@ -109,10 +112,14 @@ def index_scores(
     start: torch.Tensor,
     rope_page: torch.Tensor | None = None,
     kv_scale: float = 1.0,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """-> scores [rows, count] float32 of every entry `entry_rows` [rows, count] addresses (the
     module docstring says which key each is and which are -inf); `rope_page`: an FP8 cache's
-    rotated channels, `page` then its e4m3 ones at `kv_scale`."""
+    rotated channels, `page` then its e4m3 ones at `kv_scale`; weights [rows, heads] (any float
+    dtype, rows may lie apart) times `weight_scale` in float32 are the heads' weights."""
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
     rows, heads, dim = q.shape
     count = entry_rows.shape[1]
     scores = torch.empty(rows, count, dtype=torch.float32, device=q.device)
@@ -120,7 +127,7 @@ def index_scores(
         return scores
     _index_scores_kernel[(rows, triton.cdiv(count, BLOCK_ENTRIES))](
         q,
-        weights.float().contiguous(),
+        weights,
         new,
         page,
         page if rope_page is None else rope_page,
@@ -130,6 +137,8 @@ def index_scores(
         scores,
         rows,
         heads,
+        weights.stride(0),
+        weight_scale,
         count,
         dim**-0.5,
         dim if rope_page is None else dim - rope_page.shape[1],

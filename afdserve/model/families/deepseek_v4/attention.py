@@ -237,6 +237,7 @@ class Indexer(Compressor):
             config.hidden_size, v4.index_head_dim, v4.csa_rate, True, config.rms_norm_eps
         )
         self.heads, self.topk = v4.index_n_heads, v4.index_topk
+        self.weight_scale = self.heads**-0.5  # the head weights' scale, applied in float32
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
 
@@ -280,18 +281,21 @@ class Indexer(Compressor):
         projected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the query heads q [rows, heads, dim] rotated by `cos_sin` (the compress base at the
-        rows' positions), their weights w [rows, heads] float32, the head scale folded in).
-        `projected`: q_b_proj(q_residual) and weights_proj(x), where packed GEMMs made them."""
+        rows' positions), their weights [rows, heads] as projected: `score` and the fused kernels
+        take them to float32 times `weight_scale`). `projected`: q_b_proj(q_residual) and
+        weights_proj(x), where packed GEMMs made them."""
         if projected is None:
             projected = (self.q_b_proj(q_residual), self.weights_proj(x))
         q_rows, weights = projected
         q = norm_rope(q_rows.view(q_rows.shape[0], self.heads, self.dim), None, cos_sin)
-        return q, weights.float() * self.heads**-0.5
+        return q, weights
 
     def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """sum_h w_h relu(q_h . k) / sqrt(dim) for keys as `score_keys` takes them."""
+        """sum_h w_h relu(q_h . k) / sqrt(dim) for keys as `score_keys` takes them; w_h: the
+        weights `queries` gives, in float32 times `weight_scale`."""
         spec = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
         scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.dim**-0.5
+        weights = weights.float() * self.weight_scale
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
     def ranked(self, scores: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,7 @@ def _index_top(
         (rows.positions, rows.start, rows.real),
         indexer.topk,
         _index_fp8(pages),
+        indexer.weight_scale,
     )
     if top is not None:
         return top
@@ -229,7 +230,7 @@ def _index_scores(
     entry_rows = pages.batch_entry_rows("index_entries", rows.tables, every)
     page = pages.flat["index_entries"]
     fused = ops.v4_index_scores(
-        q, weights, new, page, entry_rows, m, p, rows.start, _index_fp8(pages)
+        q, weights, new, page, entry_rows, m, p, rows.start, _index_fp8(pages), indexer.weight_scale
     )
     if fused is not None:
         return fused
