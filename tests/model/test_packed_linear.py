@@ -1,10 +1,10 @@
 """Linear layers that read the same rows packed into one GEMM (model/layers/packed.py), as the
-loader packs them: DeepSeek-V4's q_a with kv, CSA's q_b with its indexer's, and each compressor's
-kv and gate with its indexer's kv, gate and head weights; in float32 and in V4-Flash's FP8
-layout (at 128-row projections, so that the scale grids stack). What cannot pack (kinds mixed,
-biases on some, FP8 rows off a scale block) is left as it was. The oracle is each layer run
-alone: the packed outputs must equal them, and the layers' parameters must be views of the
-packed matrix (what the checkpoint loaded)."""
+loader packs them: DeepSeek-V4's q_a with kv, CSA's q_b with its indexer's, each compressor's kv
+and gate with its indexer's kv, gate and head weights, and the shared experts' gate and up; in
+float32 and in V4-Flash's FP8 layout (at 128-row projections, so that the scale grids stack).
+What cannot pack (kinds mixed, biases on some, FP8 rows off a scale block) is left as it was.
+The oracle is each layer run alone: the packed outputs must equal them, and the layers'
+parameters must be views of the packed matrix (what the checkpoint loaded)."""
 
 from __future__ import annotations
 
@@ -14,20 +14,33 @@ import pytest
 import torch
 from torch import nn
 
+from afdserve.kernels import ops
 from afdserve.model.checkpoint.loader import load_model
 from afdserve.model.families.deepseek_v4.attention import V4Attention
 from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
 from afdserve.model.fixtures.deepseek_v4_quant import quantize_v4_checkpoint
+from afdserve.model.layers.common import GatedMLP
 from afdserve.model.layers.fp8 import Fp8Linear
 from afdserve.model.layers.packed import PackedLinear
 from afdserve.model.parts import ModelParts
 
 
-def v4_layers(path: Path) -> list[V4Attention]:
+def v4_layers(path: Path, kind: type = V4Attention) -> list[nn.Module]:
     model, _ = load_model(path, ModelParts.colocated(), "float32")
-    layers = [m for m in model.modules() if isinstance(m, V4Attention)]
+    layers = [m for m in model.modules() if isinstance(m, kind)]
     assert layers
     return layers
+
+
+def check_gate_up(mlp: GatedMLP, x: torch.Tensor, tol: float) -> None:
+    """The packed gate/up (swiglu over its column slices) as the two layers alone."""
+    assert mlp.gate_up is not None
+    shares_storage(mlp.up_proj, mlp.gate_up, 1)
+    gate, up = mlp.gate_up.split(x)
+    torch.testing.assert_close(gate, mlp.gate_proj(x), rtol=tol, atol=1e-6)
+    torch.testing.assert_close(up, mlp.up_proj(x), rtol=tol, atol=1e-6)
+    alone = mlp.down_proj(ops.swiglu(mlp.gate_proj(x), mlp.up_proj(x), mlp.limit))
+    torch.testing.assert_close(mlp(x), alone, rtol=tol, atol=1e-6)
 
 
 def shares_storage(layer: nn.Module, packed: PackedLinear, index: int) -> None:
@@ -63,6 +76,8 @@ def test_v4_projections_pack_and_equal_each_layer_alone(tmp_path: Path) -> None:
             torch.testing.assert_close(index_q, indexer.q_b_proj(residual), rtol=1e-6, atol=1e-6)
         else:
             assert index is None and attn.q_b is None
+    for mlp in v4_layers(tmp_path / "v4", GatedMLP):  # the shared experts
+        check_gate_up(mlp, x, 1e-6)
         assert comp.packed is not None and len(comp.packed.sizes) == len(alone)
         for i, (layer, out) in enumerate(zip(alone, got, strict=True)):
             shares_storage(layer, comp.packed, i)
@@ -72,7 +87,14 @@ def test_v4_projections_pack_and_equal_each_layer_alone(tmp_path: Path) -> None:
 
 def test_v4_fp8_projections_pack_their_scale_grids(tmp_path: Path) -> None:
     """V4-Flash's layout (q_a and kv FP8 with ue8m0 block scales) at 128-row projections."""
-    path = make_tiny_v4(tmp_path / "v4", seed=2, q_lora_rank=128, head_dim=128, index_head_dim=64)
+    path = make_tiny_v4(
+        tmp_path / "v4",
+        seed=2,
+        q_lora_rank=128,
+        head_dim=128,
+        index_head_dim=64,
+        moe_intermediate_size=128,
+    )
     quantize_v4_checkpoint(path, expert_dtype="fp8")
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
     for attn in v4_layers(path):
@@ -91,6 +113,9 @@ def test_v4_fp8_projections_pack_their_scale_grids(tmp_path: Path) -> None:
             q, index_q = q_b.split(residual)
             torch.testing.assert_close(q, attn.q_b_proj(residual), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(index_q, indexer.q_b_proj(residual), rtol=1e-5, atol=1e-6)
+    for mlp in v4_layers(path, GatedMLP):  # the shared experts, FP8 (two 128-row blocks)
+        assert isinstance(mlp.gate_proj, Fp8Linear) and mlp.gate_up.scale_inv.shape == (2, 1)
+        check_gate_up(mlp, x, 1e-5)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from afdserve.model.families.deepseek_v4.quant import load_problem_v4, stored_fo
 from afdserve.model.families.gpt_oss import names as gpt_oss_names
 from afdserve.model.families.gpt_oss import quant as gpt_oss_quant
 from afdserve.model.layers.attention import GQAAttention
-from afdserve.model.layers.common import Rotary
+from afdserve.model.layers.common import GatedMLP, Rotary
 from afdserve.model.layers.fp8 import (
     BLOCK_SPARSE_MOE_FAMILIES,
     SCALE_SUFFIX,
@@ -118,12 +118,11 @@ def build_model(
     if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
-    if parts.attention:
-        for module in model.modules():
-            if isinstance(module, GQAAttention):
-                module.pack_qkv()
-            elif isinstance(module, V4Attention):
-                module.pack()
+    for module in model.modules():  # layers reading the same rows as one GEMM (layers/packed.py)
+        if isinstance(module, GQAAttention):
+            module.pack_qkv()
+        elif isinstance(module, (V4Attention, GatedMLP)):
+            module.pack()
     return model.eval()
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from afdserve.kernels import ops
 from afdserve.model.config import ModelConfig
+from afdserve.model.layers.packed import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +51,16 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: PackedLinear | None = None  # set by pack
+
+    def pack(self) -> None:
+        """gate and up as one GEMM (model/layers/packed.py); FP8 ones where each ends on a scale
+        block. Call once the weights are allocated."""
+        self.gate_up = PackedLinear.of((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:  # swiglu reads the two halves as column slices
+            return self.down_proj(ops.swiglu(*self.gate_up.split(x), self.limit))
         gate, up = self.gate_proj, self.up_proj
         scales = getattr(gate, "weight_scale_inv", None)  # an Fp8Linear (so is up)
         if scales is not None and ops.quantizes_for_gemm(x, gate.weight, scales, gate.block):

@@ -15,7 +15,12 @@ from torch import nn
 
 from afdserve.kernels import ops
 from afdserve.kernels.ops import Fp8Rows
-from afdserve.model.layers.fp8 import Fp8Linear
+
+
+def _block_scaled(layer: nn.Module) -> bool:
+    """An `Fp8Linear` (model/layers/fp8.py, known by its parts: that module imports the MoE
+    layers, which import the dense MLP that packs here)."""
+    return getattr(layer, "weight_scale_inv", None) is not None and hasattr(layer, "block")
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class PackedLinear:
         """Pack `layers` (their parameters become views of the packed ones), or None where they
         cannot share one matrix: kinds mixed, biases on some only, or FP8 layers whose rows do
         not each end on a scale block (their grids would not stack)."""
-        if all(isinstance(layer, Fp8Linear) for layer in layers):
+        if all(_block_scaled(layer) for layer in layers):
             block = layers[0].block
             if any(layer.block != block or layer.out_features % block[0] for layer in layers):
                 return None
