@@ -118,17 +118,13 @@ def build_model(
     if parts.attention and isinstance(getattr(model, "rotary", None), Rotary):  # V4: its own
         inv = torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=device)
         model.rotary.inv_freq = inv
-    for module in model.modules():  # layers reading the same rows as one GEMM (layers/packed.py)
-        if isinstance(module, GQAAttention):
-            module.pack_qkv()
-        elif isinstance(module, (V4Attention, GatedMLP)):
-            module.pack()
     return model.eval()
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """Storage on `device` for a module built on meta, with the dtypes and indexes its parts
-    keep (an MTP draft goes through here too: model/checkpoint/draft.py)."""
+    keep, and the layers that read the same rows packed into one GEMM (layers/packed.py: their
+    weights load into views of it). An MTP draft goes through here too (checkpoint/draft.py)."""
     # Module.to_empty's empty_like of a meta tensor goes through torch._refs, whose first use
     # imports it (about two seconds of every rank's start); torch.empty of the shape does not.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -140,6 +136,10 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn.
             module.e_score_correction_bias = module.e_score_correction_bias.float()
         if isinstance(module, Experts):
             module.index_held()  # to_empty left the shard's expert index unwritten
+        if isinstance(module, GQAAttention):
+            module.pack_qkv()
+        elif isinstance(module, (V4Attention, GatedMLP)):
+            module.pack()
     return model
 
 

@@ -1,8 +1,9 @@
-"""Linear layers that read the same rows, run as one GEMM: GQA's q/k/v, DeepSeek-V4's q_a and kv
-projections, and its compressors' kv and gate (with the indexer's). One [sum of outs, in] matrix
-takes a launch (and, in FP8, one quantize of the rows) where there were several. The layers'
-parameters become views of it, so checkpoints still load, and state dicts still read, by the
-Hugging Face names; pack once the weights are allocated, before they load."""
+"""Linear layers that read the same rows, run as one GEMM: GQA's q/k/v, every GatedMLP's gate and
+up, DeepSeek-V4's q_a and kv, CSA's two q_b, and its compressors' kv and gate (with the
+indexer's kv, gate and head weights). One [sum of outs, in] matrix takes a launch (and, in FP8,
+one quantize of the rows) where there were several. The layers' parameters become views of it,
+so checkpoints still load, and state dicts still read, by the Hugging Face names; the loader
+packs once the weights are allocated, before they load (checkpoint/loader.py's materialize)."""
 
 from __future__ import annotations
 
