@@ -31,6 +31,7 @@ QUANTIZATIONS = ("fp8",)  # the values of EngineConfig.quantization (model/quant
 CONTROL_PLANES = ("auto", "gloo", "shm")
 # The values of EngineConfig.kv_cache_dtype: vLLM's names ("fp8_e4m3" is its alias of "fp8").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+DEFAULT_BLOCK_SIZE = 16  # vLLM's on CUDA; EngineConfig.block_size "auto" starts from it
 A2E_DTYPES = ("auto", "bfloat16", "fp8")  # the formats of kernels/a2e.py
 ROUTING_POLICIES = ("prefix", "least-tokens")  # frontend/routing.py
 ENGINE_PROCESS = ("auto", "on", "off")  # AFDConfig.own_engine_process
@@ -191,7 +192,13 @@ class EngineConfig:
         shown="what gpu_memory_utilization leaves on CUDA; max_num_seqs x max_model_len on CPU, "
         "at most 1 GiB",
     )
-    block_size: int = option(16, help="tokens per KV-cache block")
+    block_size: int | None = option(
+        None,
+        help="tokens per KV-cache block",
+        shown=f"{DEFAULT_BLOCK_SIZE}, or with prefix caching on the smallest multiple of it at "
+        "which the model's cache can reuse a block by its prefix: 128 for DeepSeek-V4-Flash, "
+        "its longest compress rate",
+    )
     gpu_memory_utilization: float = option(
         0.85,
         help="the share of its GPU's memory a rank may fill: its KV cache gets what is "
@@ -302,7 +309,7 @@ class EngineConfig:
             "True or False",
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) is not None or name == "block_size":
+            if getattr(self, name) is not None:
                 _positive_int(owner, name, getattr(self, name))
         if self.max_model_len is not None:
             _positive_int(owner, "max_model_len", self.max_model_len)

@@ -21,7 +21,7 @@ from afdserve.config import (
 )
 from afdserve.engine.cuda_graphs import auto_graph_mode, check_capturable
 from afdserve.engine.device import resolve_device, with_batch_limits
-from afdserve.engine.factory import max_model_len_for, prefix_caching_for
+from afdserve.engine.factory import max_model_len_for, prefix_caching_for, with_block_size
 from afdserve.engine.sampling_params import SamplingParams, candidate_params
 from afdserve.engine.step_recorder import StepLogFile
 from afdserve.engine.tokenizer import load_tokenizer
@@ -178,6 +178,8 @@ class LLM:
                 log.info("graph_mode auto is none for %s (%s)", model_config.family, why)
                 self.graph_config = dataclasses.replace(self.graph_config, mode=mode)
         check_capturable(model_config, device, self.graph_config.mode)
+        # Every rank gets the block size resolved here, as it gets the batch limits.
+        self.engine_config = with_block_size(self.engine_config, model_config)
         if self.engine_config.enable_prefix_caching:  # one the model cannot honour: refused here
             prefix_caching_for(self.engine_config, model_config)
         if self.afd_config.ffn_expert_parallel:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from afdserve.config import EngineConfig, SpeculativeConfig
+from afdserve.config import DEFAULT_BLOCK_SIZE, EngineConfig, SpeculativeConfig
 from afdserve.engine.device import resolve_device
 from afdserve.engine.engine_core import EngineCore
 from afdserve.engine.kv_cache import (
@@ -29,6 +30,7 @@ from afdserve.model.parts import CausalLM, ModelParts
 log = logging.getLogger(__name__)
 
 CPU_CACHE_BUDGET = 1 << 30  # bytes of KV cache on CPU when kv_cache_blocks is not given
+MAX_AUTO_BLOCK_SIZE = 256  # the largest block size "auto" picks for prefix reuse
 
 
 @dataclass(frozen=True)
@@ -175,11 +177,33 @@ def split_budget(
     return CacheBlocks(blocks if want is None else min(blocks, want), window)
 
 
+def block_size_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    """EngineConfig.block_size, "auto" (None) resolved: DEFAULT_BLOCK_SIZE, or with prefix
+    caching not turned off the smallest multiple of it at which the model's cache can reuse a
+    block by its prefix (a DeepSeek-V4 block must end on every compressor window), as vLLM
+    raises a hybrid model's block size to what its cache needs. Where no size up to
+    MAX_AUTO_BLOCK_SIZE can, prefix caching stays off and the block size stays the default."""
+    if config.block_size is not None:
+        return config.block_size
+    if config.enable_prefix_caching is False:
+        return DEFAULT_BLOCK_SIZE
+    layout = cache_layout(model_config)
+    sizes = range(DEFAULT_BLOCK_SIZE, MAX_AUTO_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE)
+    return next((b for b in sizes if layout.prefix_reuse_refusal(b) is None), DEFAULT_BLOCK_SIZE)
+
+
+def with_block_size(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """`config` with block_size "auto" resolved (`block_size_for`)."""
+    if config.block_size is not None:
+        return config
+    return dataclasses.replace(config, block_size=block_size_for(config, model_config))
+
+
 def prefix_caching_for(config: EngineConfig, model_config: ModelConfig) -> bool:
     """Whether the rank caches prefixes: on unless turned off, and off where the model's cache
     layout cannot reuse a block by its prefix at this block size, where asking for it is an
     error rather than ignored."""
-    why = cache_layout(model_config).prefix_reuse_refusal(config.block_size)
+    why = cache_layout(model_config).prefix_reuse_refusal(block_size_for(config, model_config))
     if why is None:
         return config.enable_prefix_caching is not False
     if config.enable_prefix_caching:
@@ -253,6 +277,7 @@ def create_engine_core(
     """`device` overrides config.device (a rank process picks its own GPU)."""
     device = device if device is not None else torch.device(resolve_device(config.device))
     model, report = load_half(config, parts, device, rank)
+    config = with_block_size(config, model.config)
     # The model dtype, not the first parameter's (an FP8 weight's is float8); the cache's may be
     # FP8 on its own (kv_cache_dtype), which does not touch the weights.
     dtype = cache_dtype(config.kv_cache_dtype, model.dtype)

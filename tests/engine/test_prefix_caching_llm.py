@@ -87,6 +87,37 @@ def test_deepseek_v4_refuses_the_flag_and_defaults_off(tmp_path, caplog) -> None
     assert [(len(o.token_ids), o.num_cached_tokens) for o in outs] == [(2, 0), (2, 0)]
 
 
+def test_auto_block_size_turns_deepseek_v4_caching_on(tmp_path, caplog) -> None:
+    """block_size "auto": the default 16 where it lets blocks be reused (every family but V4 at
+    rates above 16), else the smallest multiple of 16 that does (V4-Flash: its HCA rate 128);
+    16 with caching turned off or where no size can (a recurrent state); a size given stays."""
+    from afdserve.engine.factory import block_size_for
+    from afdserve.model.fixtures.deepseek_v4 import make_tiny_v4
+    from afdserve.model.presets import write_preset_config
+
+    flash = str(write_preset_config("deepseek-v4-flash:4", tmp_path / "flash"))
+    config = load_model_config(flash)
+    assert block_size_for(EngineConfig(model=flash), config) == 128
+    assert prefix_caching_for(EngineConfig(model=flash), config) is True
+    off = EngineConfig(model=flash, enable_prefix_caching=False)
+    assert block_size_for(off, config) == 16
+    given = EngineConfig(model=flash, block_size=16)
+    assert block_size_for(given, config) == 16
+    with caplog.at_level(logging.INFO, logger="afdserve.engine.factory"):
+        assert prefix_caching_for(given, config) is False
+    assert "use a block_size that is a multiple of 128" in caplog.text
+    rates = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 24}
+    model = str(make_tiny_v4(tmp_path / "v4", compress_rates=rates))
+    with LLM(model, dtype="float32", kv_cache_blocks=16) as llm:
+        assert llm.prefix_caching is True
+        assert llm.engine_config.block_size == 48
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([[5, 6, 7, 8] * 13] * 2, params, use_tqdm=False)
+        outs += llm.generate([[5, 6, 7, 8] * 13], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 48]  # the first two in one step
+    assert outs[0].token_ids == outs[2].token_ids
+
+
 def test_flags_reach_the_configs() -> None:
     from afdserve.cli import build_parser, llm_kwargs
     from afdserve.config import engine_configs
