@@ -118,7 +118,7 @@ def cache_blocks_for(
     rest goes to the main pool. `extra_bytes_per_block`: pages beside the model's over the same
     blocks (an MTP layer's)."""
     layout = cache_layout(model_config)
-    bs = config.block_size
+    bs = block_size_for(config, model_config)
     per_window = layout.bytes_per_window_block(bs, dtype)
     per_block = bytes_per_block(model_config, bs, dtype) - per_window + extra_bytes_per_block
     needed_one = -(-max_model_len // bs)
