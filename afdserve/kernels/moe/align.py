@@ -12,6 +12,10 @@ The slots keep pair order within a group (stable), so results do not depend on l
 Slots past a group's count are never written (the kernels mask them by the count); pairs with
 an id outside [0, experts) get no slot. Sizes are static per pair count (a CUDA graph replays
 them): the slot buffer holds the worst case, every group one partial tile past its pairs.
+Every size that follows the pair count (the pairs, the chunk length, the chunks) is a runtime
+argument, unspecialized, and the count grid's pad is fixed by the expert count: one compile per
+expert count and tile height serves every step, so a server's warm-up compiles what its traffic
+runs (a pair count a power of two apart used to compile both kernels again, under traffic).
 """
 
 from __future__ import annotations
@@ -47,22 +51,26 @@ def max_tiles(pairs: int, experts: int, rows: int) -> int:
     return triton.cdiv(pairs, rows) + min(experts, pairs)
 
 
+def _most_chunks(experts_pad: int) -> int:
+    """The count grid's rows: as many chunks as GRID_CELLS allows (a power of two, >= 2)."""
+    return max(2, GRID_CELLS // experts_pad)
+
+
 def _chunking(pairs: int, experts_pad: int) -> tuple[int, int]:
     """(pairs per chunk, chunks): as many chunks as the count grid allows."""
-    most = max(1, GRID_CELLS // experts_pad)
-    chunk = max(SUB, triton.next_power_of_2(triton.cdiv(pairs, most)))
+    chunk = max(SUB, triton.next_power_of_2(triton.cdiv(pairs, _most_chunks(experts_pad))))
     return chunk, triton.cdiv(pairs, chunk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "chunk_len"])
 def _count_kernel(
     ids_ptr,
     counts_ptr,
     rank_ptr,
     num_pairs,
     num_experts,
+    chunk_len,
     E_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     GDC: tl.constexpr = 0,
 ):
@@ -71,8 +79,8 @@ def _count_kernel(
     chunk = tl.program_id(0)
     expert = tl.arange(0, E_PAD)
     seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    for s in range(0, CHUNK, SUB):
-        pair = chunk * CHUNK + s + tl.arange(0, SUB)
+    for s in range(0, chunk_len, SUB):
+        pair = chunk * chunk_len + s + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
         hit = (ids[None, :] == expert[:, None]) & (expert[:, None] < num_experts)  # [E_PAD, SUB]
         before = tl.cumsum(hit.to(tl.int32), axis=1) - 1 + seen[:, None]
@@ -82,7 +90,7 @@ def _count_kernel(
     tl.store(counts_ptr + chunk * E_PAD + expert, seen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_chunks", "chunk_len"])
 def _place_kernel(
     ids_ptr,
     counts_ptr,
@@ -93,10 +101,10 @@ def _place_kernel(
     num_pairs,
     num_experts,
     num_chunks,
+    chunk_len,
     ROWS: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     GDC: tl.constexpr = 0,
 ):
@@ -117,8 +125,8 @@ def _place_kernel(
         keep = expert < num_experts
         tl.store(end_ptr + expert, end, mask=keep)
         tl.store(count_ptr + expert, count, mask=keep)
-    for s in range(0, CHUNK, SUB):
-        pair = chunk * CHUNK + s + tl.arange(0, SUB)
+    for s in range(0, chunk_len, SUB):
+        pair = chunk * chunk_len + s + tl.arange(0, SUB)
         ok = pair < num_pairs
         ids = tl.load(ids_ptr + pair, mask=ok, other=-1).to(tl.int32)
         rank = tl.load(rank_ptr + pair, mask=ok, other=0)
@@ -148,8 +156,8 @@ def assign(ids: torch.Tensor, experts: int, rows: int, gdc: int = 0) -> Assignme
         rank,
         pairs,
         experts,
+        chunk,
         E_PAD=experts_pad,
-        CHUNK=chunk,
         SUB=SUB,
         GDC=gdc,
         num_warps=warps,
@@ -165,10 +173,10 @@ def assign(ids: torch.Tensor, experts: int, rows: int, gdc: int = 0) -> Assignme
         pairs,
         experts,
         chunks,
+        chunk,
         ROWS=rows,
         E_PAD=experts_pad,
-        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
-        CHUNK=chunk,
+        CHUNKS_PAD=_most_chunks(experts_pad),
         SUB=SUB,
         GDC=gdc,
         num_warps=warps,
