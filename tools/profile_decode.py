@@ -54,6 +54,10 @@ ka = prof.key_averages()
 total = sum(e.device_time_total for e in ka if e.device_type.name == "CUDA") or 1
 rows = sorted((e for e in ka if e.device_time_total > 0), key=lambda e: -e.self_device_time_total)
 print(f"GPU time per step (sum of kernels): {total / a.steps / 1e3:.2f} ms")
+# Kernels per step, both halves: every GPU kernel event (graph replays' included) counts.
+launches = sum(e.count for e in ka if e.device_type.name == "CUDA") / a.steps
+layers = attn.config.num_hidden_layers
+print(f"GPU kernels per step: {launches:.0f}, {launches / layers:.1f} per layer of {layers}")
 for e in rows[: a.rows]:
     print(
         f"{e.self_device_time_total / a.steps:10.1f} us/step  {e.count // a.steps:5d}/step  "
