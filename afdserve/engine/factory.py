@@ -180,13 +180,19 @@ def split_budget(
 def block_size_for(config: EngineConfig, model_config: ModelConfig) -> int:
     """EngineConfig.block_size, "auto" (None) resolved: DEFAULT_BLOCK_SIZE, or with prefix
     caching not turned off the smallest multiple of it at which the model's cache can reuse a
-    block by its prefix (a DeepSeek-V4 block must end on every compressor window), as vLLM
+    block by its prefix (a layout whose blocks must end on a compressor window: its rate), as vLLM
     raises a hybrid model's block size to what its cache needs. Where no size up to
     MAX_AUTO_BLOCK_SIZE can, prefix caching stays off and the block size stays the default."""
     if config.block_size is not None:
         return config.block_size
     if config.enable_prefix_caching is False:
         return DEFAULT_BLOCK_SIZE
+    return auto_block_size(model_config)
+
+
+def auto_block_size(model_config: ModelConfig) -> int:
+    """The block size "auto" gives the model with prefix caching on (`block_size_for`); the
+    benches' default too, so that they time the pages a default engine holds."""
     layout = cache_layout(model_config)
     sizes = range(DEFAULT_BLOCK_SIZE, MAX_AUTO_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE)
     return next((b for b in sizes if layout.prefix_reuse_refusal(b) is None), DEFAULT_BLOCK_SIZE)
