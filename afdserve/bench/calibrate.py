@@ -29,6 +29,7 @@ from afdserve.bench.decode_steps import DecodeSteps, build_half
 from afdserve.bench.flags import add_bench_flags, sizes
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.config_args import build, option
+from afdserve.engine.factory import MAX_AUTO_BLOCK_SIZE
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
@@ -100,7 +101,7 @@ class CalibrateBench:
     graph_mode: str = "full_decode_only"
     dtype: str = "bfloat16"
     device: str = "cuda"
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's "auto" (engine/factory.py auto_block_size)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -205,7 +206,8 @@ class Calibration:
         if self.device.type != "cuda":
             return True
         self.release()
-        tokens = batch * (context + WARMUP_STEPS + self.spec.steps + 2 * self.spec.block_size)
+        block = self.spec.block_size or MAX_AUTO_BLOCK_SIZE
+        tokens = batch * (context + WARMUP_STEPS + self.spec.steps + 2 * block)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return tokens * self.kv_per_token < 0.97 * free - (1 << 30)

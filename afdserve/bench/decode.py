@@ -67,7 +67,7 @@ class DecodeBench:
     steps: int = option(20, help="timed decode steps per batch")
     dtype: str = "bfloat16"
     device: str = "cuda"
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's "auto" (engine/factory.py auto_block_size)
     compare_hf: bool = option(False, help="also time transformers' model on the same weights")
     seed: int = option(0, help="seed of random weights and tokens")
     quantization: str | None = None  # "fp8": block-scaled FP8 weights (EngineConfig's option)
@@ -98,7 +98,7 @@ class DecodeBench:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise bad("batch_sizes", "a non-empty list of integers >= 1")
         for field in ("context_len", "ubatches", "block_size"):
-            if getattr(self, field) < 1:
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
         if self.steps < 2:
             raise bad("steps", "an integer >= 2")

@@ -24,6 +24,7 @@ from afdserve.bench.decode_drafts import DraftSteps
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.engine.control_round import LocalControl
 from afdserve.engine.cuda_graphs import PlannedForward, check_capturable
+from afdserve.engine.factory import auto_block_size
 from afdserve.engine.kv_cache import (
     bytes_per_block,
     cache_dtype,
@@ -78,7 +79,7 @@ class DecodeSpec(Protocol):
     @property
     def device(self) -> str: ...
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int | None: ...  # None: the engine's auto
     @property
     def seed(self) -> int: ...
     @property
@@ -185,7 +186,7 @@ class DecodeSteps:
         self.model, self.spec, self.batch, self.device = model, spec, batch, dev
         self.query_len, self.rows = query_len, batch * query_len
         self.stamps = None  # kernels/triton_stamp.Stamps at the start and end of each step
-        bs = spec.block_size
+        self.block_size = bs = spec.block_size or auto_block_size(config)
         last = spec.context_len + WARMUP_STEPS + spec.steps + query_len - 1
         self.width = math.ceil(last / bs)
         kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
@@ -275,7 +276,7 @@ class DecodeSteps:
     def _advance(self) -> None:
         """Point the step's tensors at the next position (device-side writes only)."""
         position = self.spec.context_len + self.step_index
-        bs = self.spec.block_size
+        bs = self.block_size
         torch.add(self.row_offset, position, out=self.positions)
         blocks = self.tables[self.row_seq, self.positions // bs].long()
         self.slots.copy_(blocks * bs + self.positions % bs)

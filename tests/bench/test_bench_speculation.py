@@ -140,7 +140,7 @@ def test_verification_steps_run_the_mtp_draft_passes(tmp_path, capsys):
         before = cache.clone()
         runs[topology] = [steps.step()[0].clone(), steps.drafts.last.clone()]
         changed = (cache != before).flatten(2).any(-1).nonzero().tolist()  # (block, offset)
-        bs, width = s.block_size, steps.width
+        bs, width = steps.block_size, steps.width
         want = [[i * width + p // bs, p % bs] for i in range(3) for p in (10, 11)]
         assert sorted(changed) == sorted(want)
         records = [r for r in steps.driver.recorder.records if r["role"] == "attention"]
