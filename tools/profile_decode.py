@@ -56,7 +56,7 @@ rows = sorted((e for e in ka if e.device_time_total > 0), key=lambda e: -e.self_
 print(f"GPU time per step (sum of kernels): {total / a.steps / 1e3:.2f} ms")
 # Kernels per step, both halves: every GPU kernel event (graph replays' included) counts.
 launches = sum(e.count for e in ka if e.device_type.name == "CUDA") / a.steps
-layers = attn.config.num_hidden_layers
+layers = attn.config.num_layers
 print(f"GPU kernels per step: {launches:.0f}, {launches / layers:.1f} per layer of {layers}")
 for e in rows[: a.rows]:
     print(
