@@ -301,6 +301,31 @@ def fuses_v4_compress(kv: torch.Tensor, open_kv: torch.Tensor, dim: int, rope_di
     return triton_v4_compress.supports(kv, open_kv, dim, rope_dim)
 
 
+def v4_compress_addresses(
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    windows: torch.Tensor,
+    end: torch.Tensor,
+    real: torch.Tensor,
+    geometry: tuple[int, int, int, int, int],
+    bases: tuple[int, int],
+    overlap: bool,
+    chunk: bool,
+    prev: tuple[bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """DeepSeek-V4's compressor addresses of a ubatch in one launch on CUDA
+    (kernels/triton/v4_addresses.py), or None where the caller keeps its torch form
+    (model/families/deepseek_v4/batched.py's `_compress_addresses`)."""
+    if not _triton_ready(positions):
+        return None
+    from afdserve.kernels.triton import v4_addresses as triton_v4_addresses
+
+    return triton_v4_addresses.addresses(
+        positions, slots, tables, windows, end, real, geometry, bases, overlap, chunk, prev
+    )
+
+
 def v4_compress(
     kv: torch.Tensor,
     gate: torch.Tensor,

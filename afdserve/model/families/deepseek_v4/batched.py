@@ -361,6 +361,17 @@ def _compress_addresses(
     closes [rows]; for chunks (not `rows.decode`) the kernels' `chunk`: the rows' chunk starts,
     which closing rows keep their window's first series and which rows their projections in
     the open ring, as `_compress` keeps them)."""
+    fused = pages.fused_compress_addresses(entries, rows, m, overlap)
+    if fused is not None:  # one launch where the kernels run
+        addresses, entry_rows, keeps = fused
+        return addresses, entry_rows, None if keeps is None else (rows.start, *keeps)
+    return compress_addresses(pages, entries, m, overlap, rows)
+
+
+def compress_addresses(
+    pages: LayerPages, entries: str, m: int, overlap: bool, rows: StepRows
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """`_compress_addresses` in torch: the CPU path, and the kernel's oracle in the tests."""
     p, tables, slots = rows.positions, rows.tables, rows.state_slots()
     w = p // m
     members = w[:, None] * m + torch.arange(m, device=p.device)  # [rows, m]: p's window

@@ -400,6 +400,28 @@ class LayerPages:
         """[rows] whether a window ending at `window_end` keeps its first series in the pages."""
         return self._in_page(window_end - 1)
 
+    def fused_compress_addresses(
+        self, entries: str, rows: StepRows, m: int, overlap: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """batched.py's `_compress_addresses` of `rows` in one launch where the
+        kernels run (ops.v4_compress_addresses), else None: (addresses, entry rows, the chunk's
+        (keep first series, keep open rows) or None for decode)."""
+        g = self.geometry
+        prev_rows = self.pages["prev_kv"].shape[1] if "prev_kv" in self.pages else 1
+        return ops.v4_compress_addresses(
+            rows.positions,
+            rows.state_slots(),
+            rows.tables,
+            rows.windows,
+            rows.end,
+            rows.real,
+            (m, g.ring, g.block_size, self.pages[entries].shape[1], prev_rows),
+            (self.ring_base["open_kv"], self.ring_base.get("prev_kv", 0)),
+            overlap,
+            not rows.decode,
+            (g.prev_in_slot, g.pooled("prev_kv")),
+        )
+
     def batch_entry_rows(
         self, name: str, tables: torch.Tensor, entries: torch.Tensor
     ) -> torch.Tensor:
