@@ -58,10 +58,11 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
         triton_module("v4_index_select"),
     )
     triton_v4_norm_rope = triton_module("v4_norm_rope")
+    triton_v4_addresses = triton_module("v4_addresses")
     path = make_tiny_v4(tmp_path / "tiny", seed=2)
     cpu = load_model(path, ModelParts.colocated(), "float32")[0]
     cuda = load_model(path, ModelParts.colocated(), "float32", "cuda")[0]
-    calls = {"mhc": 0, "attention": 0, "compress": 0, "index": 0, "norm_rope": 0}
+    calls = {"mhc": 0, "attention": 0, "compress": 0, "index": 0, "norm_rope": 0, "addresses": 0}
 
     def counted(name, fn):
         def wrapped(*args, **kwargs):
@@ -87,7 +88,12 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     monkeypatch.setattr(
         triton_v4_norm_rope, "norm_rope", counted("norm_rope", triton_v4_norm_rope.norm_rope)
     )
+    monkeypatch.setattr(
+        triton_v4_addresses, "addresses", counted("addresses", triton_v4_addresses.addresses)
+    )
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
+    # The compressors' addresses: once per page layout and step (layers of one layout share).
+    assert 0 < calls.pop("addresses") <= calls["compress"]
     layers = cuda.config.num_layers
     # Of 4 steps: every mHC site, attention and indexer (2 CSA layers), 4 norm-rotaries a layer
     # and the indexer's, the compressors (CSA 2, HCA 1; the prefill step's in chunk form).
