@@ -29,7 +29,7 @@ from afdserve.bench.decode_steps import DecodeSteps, build_half
 from afdserve.bench.flags import add_bench_flags, sizes
 from afdserve.bench.report import WARMUP_STEPS, Timer
 from afdserve.config_args import build, option
-from afdserve.engine.factory import MAX_AUTO_BLOCK_SIZE
+from afdserve.engine.factory import auto_block_size
 from afdserve.engine.kv_cache import bytes_per_block
 from afdserve.engine.model_runner import Ready
 from afdserve.kernels.a2e import A2EFormat
@@ -206,7 +206,7 @@ class Calibration:
         if self.device.type != "cuda":
             return True
         self.release()
-        block = self.spec.block_size or MAX_AUTO_BLOCK_SIZE
+        block = self.spec.block_size or auto_block_size(self.config)
         tokens = batch * (context + WARMUP_STEPS + self.spec.steps + 2 * block)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
