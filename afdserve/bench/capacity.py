@@ -31,7 +31,7 @@ from afdserve.bench.flags import (
 from afdserve.bench.report import invalid, model_dir_for, report
 from afdserve.config import GRAPH_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from afdserve.config_args import build, option
-from afdserve.engine.factory import blocks_in_budget, split_budget
+from afdserve.engine.factory import auto_block_size, blocks_in_budget, split_budget
 from afdserve.engine.kv_cache import slots_for, window_pool_bound
 from afdserve.kernels import ops
 from afdserve.llm import LLM
@@ -56,7 +56,7 @@ class CapacityBench:
     connector: str = "p2p"  # the data plane of 1A1F: one of BENCH_CONNECTORS
     device: str = "cuda"
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's "auto" (engine/factory.py auto_block_size)
     # The scheduler never runs more than max_num_seqs sequences, nor more tokens than
     # max_num_batched_tokens, in one step: the batch is capped by both.
     max_num_seqs: int = 1024
@@ -82,7 +82,7 @@ class CapacityBench:
         if not self.topologies or any(t not in TOPOLOGIES for t in self.topologies):
             raise bad("topologies", f"a non-empty list of {TOPOLOGIES}")
         for field in ("context_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, field) < 1:
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
         if self.steps < 2:
             raise bad("steps", "an integer >= 2")
@@ -265,9 +265,10 @@ def capacity_by_bytes(spec: CapacityBench) -> Capacity:
     dtype = ops.FP8_DTYPE if fp8 else getattr(torch, spec.dtype)
     budget = int(spec.cache_gib * 2**30)
     limits = (spec.max_num_seqs, spec.max_num_batched_tokens)
-    blocks = blocks_by_bytes(config, budget, spec.block_size, dtype, *limits)
+    block_size = spec.block_size or auto_block_size(config)
+    blocks = blocks_by_bytes(config, budget, block_size, dtype, *limits)
     limit = min(spec.max_num_seqs, spec.max_num_batched_tokens)
-    return Capacity(BY_BYTES, 0, blocks, spec.block_size, budget, 0, spec.context_len, limit)
+    return Capacity(BY_BYTES, 0, blocks, block_size, budget, 0, spec.context_len, limit)
 
 
 def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:
