@@ -101,8 +101,7 @@ def _addresses_kernel(
         )  # fmt: skip
         tl.store(out + col + j, rows, mask=j < 2 * M)
         col += 2 * M
-        if CHUNK:
-            q = w * M - M + j  # window w - 1's open rows
+        if CHUNK:  # window w - 1's open rows: q's first M
             tl.store(out + col + j, open_base + s * RING + _mod(q, RING), mask=j < M)
     # The entry p closes, clamped into the entries the table addresses.
     count = (span + M - 1) // M
