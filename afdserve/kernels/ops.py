@@ -706,6 +706,12 @@ def moe_experts_fp4(
     return fp4.moe_experts_fp4(x, topk_ids, topk_weights, gate_up, down, limit, glu)
 
 
+def _slots_contiguous(states: torch.Tensor) -> bool:
+    """Each slot of `states` [slots, ...] contiguous, the slots at any stride (they may live in
+    the paged groups' pages: model/cache.py's `SlotPlan`)."""
+    return states.shape[0] == 0 or states[0].is_contiguous()
+
+
 def delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -718,7 +724,7 @@ def delta_rule_step(
 ) -> torch.Tensor:
     """One decode step of the gated delta rule over state slots, in place
     (kernels/reference/delta_rule.py's `step_slots`)."""
-    if _triton_ready(v) and states.is_contiguous():
+    if _triton_ready(v) and _slots_contiguous(states):
         from afdserve.kernels.triton import delta_rule as triton_delta_rule
 
         return triton_delta_rule.step_slots(q, k, v, g, beta, states, slots, fresh)
@@ -731,7 +737,7 @@ def causal_conv_spans(
     """The delta-rule layers' short causal convolution and SiLU over spans of rows, each after its
     slot's window, the windows updated in place (kernels/reference/delta_chunked.py's
     `conv_spans`). On CUDA one Triton launch, no host sync."""
-    if _triton_ready(x) and windows.is_contiguous():
+    if _triton_ready(x) and _slots_contiguous(windows):
         from afdserve.kernels.triton import short_conv as triton_short_conv
 
         return triton_short_conv.conv_spans(x, weight, windows, spans)
@@ -751,7 +757,7 @@ def delta_rule_spans(
     """The gated delta rule's chunked form over spans of rows, each from its slot's state, the
     states updated in place, outputs into `out` (kernels/reference/delta_chunked.py's
     `chunked_spans`). On CUDA one Triton launch, no host sync."""
-    if _triton_ready(v) and states.is_contiguous() and out.is_contiguous():
+    if _triton_ready(v) and _slots_contiguous(states) and out.is_contiguous():
         from afdserve.kernels.triton import delta_chunked as triton_delta_chunked
 
         triton_delta_chunked.chunked_spans(q, k, v, g, beta, states, spans, out)

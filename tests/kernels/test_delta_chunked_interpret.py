@@ -4,7 +4,8 @@ short_conv.py) under Triton's interpreter against the torch reference
 of C rows, fresh and from a non-zero state or window, with rows of other segments between them
 left untouched, as is every other slot, and pad entries (slot -1) skipped; a decay per head
 (grouped key heads, q, k and v as views of one convolved row, value dims past one block) and
-per key channel (Kimi)."""
+per key channel (Kimi); and the slots at a stride past their size (slots in the paged groups'
+pages, model/cache.py's SlotPlan), the bytes between them untouched."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ from afdserve.kernels.triton import short_conv
 
 C = 16
 gen = torch.Generator().manual_seed(0)
+
+
+def strided(t):
+    # t's slots 37 elements apart, the gaps -9 (returns the view and its buffer).
+    size = t[0].numel()
+    buf = torch.full((t.shape[0], size + 37), -9.0, dtype=t.dtype)
+    buf[:, :size] = t.flatten(1)
+    return buf[:, :size].view(t.shape), buf
+
+
 # (rows, slot, fresh); a one-row gap (another segment's row) before each span.
 LENGTHS = [(1, 0, 0), (C - 1, 2, 0), (C, 3, 1), (C + 1, 4, 0), (2 * C + 3, 5, 0), (2, 1, 0)]
 spans, row = [], 0
@@ -47,6 +58,11 @@ torch.testing.assert_close(got[span_rows], want[span_rows], atol=1e-5, rtol=1e-5
 assert (got[~span_rows] == 0).all() and (want[~span_rows] == 0).all()
 torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
 torch.testing.assert_close(got_w[untouched], windows[untouched], atol=0, rtol=0)
+view, buf = strided(windows)
+assert not view.is_contiguous()
+torch.testing.assert_close(short_conv.conv_spans(x, weight, view, spans), got, atol=0, rtol=0)
+torch.testing.assert_close(view, got_w, atol=0, rtol=0)
+assert (buf[:, view[0].numel():] == -9.0).all()
 
 SHAPES = [(1, 2, 8, 40, False), (2, 2, 16, 8, True)]
 for hk, hv, dk, dv, per_channel in SHAPES:
@@ -65,6 +81,12 @@ for hk, hv, dk, dv, per_channel in SHAPES:
     assert (got_o[~span_rows] == 7.0).all()
     torch.testing.assert_close(got_s, want_s, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got_s[untouched], states[untouched], atol=0, rtol=0)
+    view, buf = strided(states)
+    again = torch.full((rows, hv, dv), 7.0)
+    tri.chunked_spans(q, k, v, g, beta, view, spans, again, chunk=C)
+    torch.testing.assert_close(again, got_o, atol=0, rtol=0)
+    torch.testing.assert_close(view, got_s, atol=0, rtol=0)
+    assert (buf[:, view[0].numel():] == -9.0).all()
 print("ok")
 """
 

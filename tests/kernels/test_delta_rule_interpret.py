@@ -1,7 +1,9 @@
 """The Triton decode step of the gated delta rule (kernels/triton/delta_rule.py) under Triton's
 interpreter against the torch reference (kernels/reference/delta_rule.py): a decay per head and
 per key channel, grouped key heads, value dims past one block, fresh rows, pad rows sent to a
-scratch slot or of the pad marker (slot -1, skipped), every other slot untouched."""
+scratch slot or of the pad marker (slot -1, skipped), every other slot untouched; and the slots
+at a stride past their size (slots in the paged groups' pages, model/cache.py's SlotPlan), the
+bytes between them untouched."""
 
 from __future__ import annotations
 
@@ -13,6 +15,16 @@ from afdserve.kernels.reference import delta_rule as ref
 from afdserve.kernels.triton import delta_rule as tri
 
 gen = torch.Generator().manual_seed(0)
+
+
+def strided(t):
+    # t's slots 37 floats apart, the gaps -9 (returns the view and its buffer).
+    size = t[0].numel()
+    buf = torch.full((t.shape[0], size + 37), -9.0)
+    buf[:, :size] = t.flatten(1)
+    return buf[:, :size].view(t.shape), buf
+
+
 SHAPES = [(2, 4, 8, 8, False), (2, 2, 16, 40, True), (1, 3, 8, 24, False)]
 for hk, hv, dk, dv, per_channel in SHAPES:
     b, slots_total = 5, 6
@@ -39,6 +51,12 @@ for hk, hv, dk, dv, per_channel in SHAPES:
     torch.testing.assert_close(got[:2], ref_all[:2], atol=1e-5, rtol=1e-5)
     assert (ref_all[4] == 0).all()
     torch.testing.assert_close(ref_states[:5], want_states[:5], atol=1e-5, rtol=1e-5)
+    view, buf = strided(states)
+    assert not view.is_contiguous() and view[0].is_contiguous()
+    got_strided = tri.step_slots(q, k, v, g, beta, view, slots, fresh)
+    torch.testing.assert_close(got_strided, got, atol=0, rtol=0)
+    torch.testing.assert_close(view[:5], got_states[:5], atol=0, rtol=0)
+    assert (buf[:, view[0].numel():] == -9.0).all()
 print("ok")
 """
 

@@ -57,11 +57,12 @@ def _chunks_kernel(
     V,  # [rows, hv, dv], row stride stride_v
     G,  # [rows, hv] or [rows, hv, dk] float32
     BETA,  # [rows, hv] float32
-    S,  # [slots, hv, dk, dv] float32
+    S,  # [slots, hv, dk, dv] float32, slot stride stride_s
     SPANS,  # [n, 4] int32: row_start, row_end, state_slot, fresh
     OUT,  # [rows, hv, dv]
     stride_q,
     stride_v,
+    stride_s,
     hv,
     group,  # value heads per key head
     dk,
@@ -83,7 +84,7 @@ def _chunks_kernel(
     rk = tl.arange(0, BK)
     rv = vblock * BV + tl.arange(0, BV)
     mk, mv = rk < dk, rv < dv
-    base = S + (tl.maximum(slot, 0) * hv + head) * dk * dv
+    base = S + tl.maximum(slot, 0) * stride_s + head * dk * dv
     tile = rk[:, None] * dv + rv[None, :]
     s_mask = mk[:, None] & mv[None, :] & active
     s = tl.load(base + tile, mask=s_mask, other=0.0)  # [BK, BV]
@@ -160,8 +161,9 @@ def chunked_spans(
     out: torch.Tensor,
     chunk: int = CHUNK,
 ) -> None:
-    """As reference.delta_chunked.chunked_spans (its docstring has the shapes); states must be
-    contiguous float32, out contiguous. `chunk`: rows per step of a span (a power of two >= 16)."""
+    """As reference.delta_chunked.chunked_spans (its docstring has the shapes); states float32,
+    each slot contiguous (the slots at any stride), out contiguous. `chunk`: rows per step of a
+    span (a power of two >= 16)."""
     n = spans.shape[0]
     hv, dv, dk = v.shape[1], v.shape[2], k.shape[2]
     if n == 0:
@@ -186,6 +188,7 @@ def chunked_spans(
         out,
         q.stride(0),
         v.stride(0),
+        states.stride(0),
         hv,
         hv // k.shape[1],
         dk,

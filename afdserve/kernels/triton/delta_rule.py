@@ -17,10 +17,11 @@ def _step_kernel(
     V,  # [b, hv, dv]
     G,  # [b, hv] or [b, hv, dk]
     BETA,  # [b, hv]
-    S,  # [slots, hv, dk, dv] float32
+    S,  # [slots, hv, dk, dv] float32, slot stride stride_s
     SLOTS,  # [b]
     FRESH,  # [b] int8
     OUT,  # [b, hv, dv] float32
+    stride_s,
     hv,
     group,  # value heads per key head
     dk,
@@ -48,7 +49,7 @@ def _step_kernel(
         decay = tl.exp(g)[:, None]
     else:
         decay = tl.exp(tl.load(G + seq * hv + head).to(tl.float32))
-    base = S + (tl.maximum(slot, 0) * hv + head) * dk * dv
+    base = S + tl.maximum(slot, 0) * stride_s + head * dk * dv
     tile = rk[:, None] * dv + rv[None, :]
     mask = mk[:, None] & mv[None, :]
     s = tl.load(base + tile, mask=mask, other=0.0)
@@ -92,6 +93,7 @@ def step_slots(
         slots.contiguous(),
         fresh.to(torch.int8).contiguous(),
         out,
+        states.stride(0),
         hv,
         hv // k.shape[1],
         dk,

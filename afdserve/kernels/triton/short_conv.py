@@ -16,10 +16,11 @@ import triton.language as tl
 def _conv_kernel(
     X,  # [rows, channels], row stride stride_x
     W,  # [channels, TAPS]
-    WIN,  # [slots, channels, TAPS - 1]
+    WIN,  # [slots, channels, TAPS - 1], slot stride stride_win
     SPANS,  # [n, 4] int32: row_start, row_end, state_slot, fresh
     OUT,  # [rows, channels] contiguous
     stride_x,
+    stride_win,
     channels,
     TAPS: tl.constexpr,
     BW: tl.constexpr,  # >= TAPS - 1, a power of two
@@ -37,7 +38,7 @@ def _conv_kernel(
     keep = (tl.load(SPANS + span * 4 + 3) == 0) & active
     rc = cblock * BC + tl.arange(0, BC)
     mc = (rc < channels) & active
-    window = WIN + slot * channels * width
+    window = WIN + slot * stride_win
     for b0 in range(r0, r1, BR):
         rows = (b0 + tl.arange(0, BR)).to(tl.int64)
         live = rows < r1
@@ -84,7 +85,8 @@ def _conv_kernel(
 def conv_spans(
     x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, spans: torch.Tensor
 ) -> torch.Tensor:
-    """As reference.delta_chunked.conv_spans (its docstring has the shapes); windows contiguous."""
+    """As reference.delta_chunked.conv_spans (its docstring has the shapes); each slot's window
+    contiguous (the slots at any stride)."""
     rows, channels = x.shape
     taps = weight.shape[-1]
     out = torch.zeros(rows, channels, dtype=x.dtype, device=x.device)
@@ -101,6 +103,7 @@ def conv_spans(
         spans.to(torch.int32).contiguous(),
         out,
         x.stride(0),
+        windows.stride(0),
         channels,
         TAPS=taps,
         BW=max(2, triton.next_power_of_2(taps - 1)),
