@@ -119,6 +119,8 @@ class Capacity:
     context_len: int
     scheduler_limit: int  # sequences one step may hold: min(max_num_seqs, max_num_batched_tokens)
     decode_tokens_per_s: float | None = None
+    # Blocks each sequence's state slot takes where the slots live in the pool's pages.
+    slot_pages: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -126,8 +128,9 @@ class Capacity:
 
     @property
     def sequences_that_fit(self) -> int:
-        """Sequences of context_len tokens held at once (the block manager gives whole blocks)."""
-        return self.num_blocks // -(-self.context_len // self.block_size)
+        """Sequences of context_len tokens held at once (the block manager gives whole blocks,
+        and a slot's pages where the slots live in the pool)."""
+        return self.num_blocks // (-(-self.context_len // self.block_size) + self.slot_pages)
 
     @property
     def batch(self) -> int:
@@ -190,6 +193,7 @@ def read_capacity(llm: LLM, topology: str, spec: CapacityBench) -> list[Capacity
             ready.memory.parameter_bytes,
             spec.context_len,
             min(spec.max_num_seqs, spec.max_num_batched_tokens),
+            slot_pages=ready.limits.slot_pages,
         )
         for rank, ready in llm.rank_ready.items()
         if ready.limits is not None
@@ -231,12 +235,15 @@ def blocks_by_bytes(
     max_num_batched_tokens: int = 16384,
 ) -> int:
     """Blocks a cache of `budget` bytes holds, as engine/factory.py's cache_blocks_for counts
-    them on a GPU: the state slots of max_num_seqs sequences first (where the layout keeps
-    any), then the windowed layers' pool at its bound (where it has one), then whole blocks."""
+    them on a GPU: the state slots of max_num_seqs sequences first where the layout keeps them
+    in memory of their own (where it keeps them in the pages, only the slots' scratch), then
+    the windowed layers' pool at its bound (where it has one), then whole blocks."""
     layout = cache_layout(config)
-    slots = slots_for(config, max_num_seqs, dtype) * layout.bytes_per_slot(dtype)
     per_window = layout.bytes_per_window_block(block_size, dtype)
     per_block = layout.bytes_per_block(block_size, dtype) - per_window
+    if pages := layout.slot_pages(block_size, dtype):
+        return max(0, budget // per_block - pages)
+    slots = slots_for(config, max_num_seqs, dtype) * layout.bytes_per_slot(dtype)
     if layout.window is None:
         return max(0, blocks_in_budget(budget - slots, budget, 1.0, per_block))
     bound = window_pool_bound(layout.window, block_size, max_num_seqs, max_num_batched_tokens)
@@ -255,7 +262,8 @@ def sequences_by_bytes(
     """Sequences of context_len tokens that fit in a cache of `budget` bytes."""
     limits = (max_num_seqs, max_num_batched_tokens)
     blocks = blocks_by_bytes(config, budget, block_size, dtype, *limits)
-    return blocks // -(-context_len // block_size)
+    pages = cache_layout(config).slot_pages(block_size, dtype)
+    return blocks // (-(-context_len // block_size) + pages)
 
 
 def capacity_by_bytes(spec: CapacityBench) -> Capacity:
@@ -268,7 +276,10 @@ def capacity_by_bytes(spec: CapacityBench) -> Capacity:
     block_size = spec.block_size or auto_block_size(config)
     blocks = blocks_by_bytes(config, budget, block_size, dtype, *limits)
     limit = min(spec.max_num_seqs, spec.max_num_batched_tokens)
-    return Capacity(BY_BYTES, 0, blocks, block_size, budget, 0, spec.context_len, limit)
+    pages = cache_layout(config).slot_pages(block_size, dtype)
+    return Capacity(
+        BY_BYTES, 0, blocks, block_size, budget, 0, spec.context_len, limit, slot_pages=pages
+    )
 
 
 def run_capacity_bench(spec: CapacityBench) -> list[Capacity]:

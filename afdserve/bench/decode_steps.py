@@ -192,10 +192,13 @@ class DecodeSteps:
         kv_dtype = cache_dtype(spec.kv_cache_dtype, TORCH_DTYPES[spec.dtype])
         if kv_dtype != TORCH_DTYPES[spec.dtype]:
             check_fp8_kv(config, dev)
-        check_cache_fits(config, batch, spec.context_len, batch * self.width, bs, kv_dtype, dev)
-        # One state slot per sequence where the layout keeps one (linear attention).
+        # One state slot per sequence where the layout keeps one (linear attention), in the
+        # pages past the tables' blocks where the engine keeps them there (the same strides).
         slots = slots_for(config, batch, kv_dtype)
-        self.kv = make_kv_cache(config, batch * self.width, bs, kv_dtype, dev, slots)
+        pages = cache_layout(config).slot_pages(bs, kv_dtype)
+        blocks = batch * (self.width + pages)
+        check_cache_fits(config, batch, spec.context_len, blocks, bs, kv_dtype, dev)
+        self.kv = make_kv_cache(config, blocks, bs, kv_dtype, dev, slots, shared_slots=pages > 0)
         gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
         for t in self.kv.tensors():
             if t.dtype.itemsize == 1:  # torch draws no float8: draw float32, cast
@@ -350,8 +353,10 @@ def check_cache_fits(
     place of an out-of-memory traceback halfway through the batch sizes."""
     if device.type != "cuda":
         return
+    layout = cache_layout(config)
     need = bytes_per_block(config, block_size, dtype) * blocks
-    need += cache_layout(config).bytes_per_slot(dtype) * slots_for(config, batch, dtype)
+    if not layout.slot_pages(block_size, dtype):  # else the slots are in the blocks
+        need += layout.bytes_per_slot(dtype) * slots_for(config, batch, dtype)
     free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise ValueError(

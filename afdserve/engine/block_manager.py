@@ -15,8 +15,10 @@ block wholly before c - window + 1 is released and its entry becomes the null bl
 nothing writes or reads. A prefix hit then needs the window's blocks before it still cached too.
 
 State slots (model/cache.py's `SequenceSlots`): a sequence takes one with its first blocks and
-gives it back with them; there are max_num_seqs of them, and none needs zeroing (a layer starts
-from an empty state at position 0).
+gives it back with them, and none needs zeroing (a layer starts from an empty state at position
+0). Either there are max_num_seqs of them in memory of their own, or (`slot_pages`) they live in
+the pages of the one pool (engine/shared_pages.py), each taking `slot_pages` blocks' worth while
+it is held, so admission asks for a slot and blocks together.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from afdserve.engine.block_pool import BlockPool
 from afdserve.engine.prefix_hash import ROOT, block_hash
 from afdserve.engine.sequence import Sequence
+from afdserve.engine.shared_pages import SharedPages
 
 NULL_BLOCK = 0  # a windowed table's entry for a block released behind the window
 
@@ -40,9 +43,12 @@ class BlockManager:
         num_slots: int = 0,
         window: int | None = None,
         num_window_blocks: int = 0,
+        slot_pages: int = 0,
     ) -> None:
         """`window`, `num_window_blocks`: the windowed layers' window and their own pool (its
-        block 0 is the null block); None: the layout has no windowed layers."""
+        block 0 is the null block); None: the layout has no windowed layers. `slot_pages`: the
+        blocks a state slot takes where the slots live in the pool's pages (0: in memory of
+        their own)."""
         if num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks={num_blocks}: must be >= 1")
         if block_size < 1:
@@ -53,7 +59,15 @@ class BlockManager:
         # Blocks a sequence of n tokens needs (the cache layout's `blocks_for`; default: every
         # block holds block_size positions).
         self._blocks_for = blocks_for or (lambda n, size: -(-n // size))
-        self._pool = BlockPool(num_blocks)
+        if slot_pages and (prefix_caching or window is not None or num_slots < 1):
+            raise ValueError(
+                "BlockManager.slot_pages: slots in the pool's pages need num_slots >= 1 and "
+                "neither prefix caching nor a window pool"
+            )
+        self._shared: SharedPages | None = None
+        self._pool: BlockPool | SharedPages = BlockPool(num_blocks)
+        if slot_pages:
+            self._shared = self._pool = SharedPages(num_blocks, slot_pages, num_slots)
         self.window = window
         self._window_pool: BlockPool | None = None
         if window is not None:
@@ -94,7 +108,14 @@ class BlockManager:
 
     @property
     def num_free_slots(self) -> int:
+        if self._shared is not None:
+            return self._shared.num_free_slots
         return len(self._free_slots)
+
+    @property
+    def slot_pages(self) -> int:
+        """Blocks a held slot takes of the pool (0: slots have memory of their own)."""
+        return 0 if self._shared is None else self._shared.slot_pages
 
     @property
     def num_cached_blocks(self) -> int:
@@ -122,6 +143,11 @@ class BlockManager:
         total = self.blocks_for(num_tokens)
         return max(0, total - len(seq.block_table))
 
+    def fits_alone(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` positions fits the cache with nothing else held
+        (its slot's pages too, where slots live in the pool)."""
+        return self.blocks_for(num_tokens) + self.slot_pages <= self._num_blocks
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self._pool.num_free
 
@@ -144,6 +170,8 @@ class BlockManager:
         `cached_prefix`), can cover `[0, num_tokens)` now. Cached blocks nobody references
         sit in the free queue: taking them costs free blocks too."""
         total = self.blocks_for(num_tokens)
+        if self._shared is not None:
+            return self._shared.can_take(total, 1 if seq.state_slot is None else 0)
         if not self.can_allocate(total - len(cached) + self._unreferenced(self._pool, cached)):
             return False
         pool = self._window_pool
@@ -269,7 +297,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Blocks so that both tables of `seq` cover `[0, num_tokens)`, and its state slot if
         it has none yet."""
-        if self._num_slots and seq.state_slot is None:
+        if self._shared is not None and seq.state_slot is None:
+            if not self._shared.can_take(self.blocks_needed(seq, num_tokens), 1):
+                raise RuntimeError(
+                    f"no free state slot for {seq.request_id!r} beside its blocks: "
+                    f"{self._shared.num_free_slots} slot(s) and {self._shared.num_free} "
+                    "block(s) free (the scheduler admits by can_admit)"
+                )
+            seq.state_slot = self._shared.take_slot()
+        elif self._num_slots and seq.state_slot is None:
             if not self._free_slots:
                 raise RuntimeError(
                     f"no free state slot for {seq.request_id!r}: all {self._num_slots} are held "
@@ -284,7 +320,12 @@ class BlockManager:
             self._extend(self._window_pool, seq.window_table, needed, seq, num_tokens)
 
     def _extend(
-        self, pool: BlockPool, table: list[int], needed: int, seq: Sequence, num_tokens: int
+        self,
+        pool: BlockPool | SharedPages,
+        table: list[int],
+        needed: int,
+        seq: Sequence,
+        num_tokens: int,
     ) -> None:
         if needed > pool.num_free:
             kind = "window " if pool is self._window_pool else ""
@@ -312,5 +353,8 @@ class BlockManager:
         seq.window_first = 0
         seq.num_registered_blocks = 0
         if seq.state_slot is not None:
-            self._free_slots.append(seq.state_slot)
+            if self._shared is not None:
+                self._shared.release_slot(seq.state_slot)
+            else:
+                self._free_slots.append(seq.state_slot)
             seq.state_slot = None

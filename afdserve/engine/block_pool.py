@@ -18,13 +18,37 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-class BlockPool:
+class RefCounts:
+    """The references to each handed-out block of a pool (referenced blocks only)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def check_held(self, block: int, owner: str) -> None:
+        """A block without references in a table is a stale table: fail loudly, never corrupt."""
+        if self._refs.get(block, 0) < 1:
+            raise RuntimeError(f"block {block} of {owner!r} is not allocated (stale table)")
+
+    def _unref(self, block: int) -> bool:
+        """One reference fewer; True where that was the last."""
+        refs = self._refs[block] - 1
+        if refs:
+            self._refs[block] = refs
+            return False
+        del self._refs[block]
+        return True
+
+
+class BlockPool(RefCounts):
     """Blocks `[reserved, num_blocks)` are handed out; blocks below `reserved` never are (a
     windowed table's null block, which stands for a block freed behind the window)."""
 
     def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+        super().__init__()
         self.num_blocks = num_blocks
-        self._refs: dict[int, int] = {}  # referenced blocks only
         # Blocks `[_fresh, num_blocks)` were never handed out: free, without a hash, taken in order
         # after the freed blocks without a hash and before any cached block is evicted.
         self._fresh = reserved
@@ -43,9 +67,6 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._block_of)
-
-    def refs(self, block: int) -> int:
-        return self._refs.get(block, 0)
 
     def cached(self, digest: bytes) -> int | None:
         """The block registered under `digest`, referenced or not."""
@@ -75,17 +96,8 @@ class BlockPool:
             del self._free[block]
         self._refs[block] = refs + 1
 
-    def check_held(self, block: int, owner: str) -> None:
-        """A block without references in a table is a stale table: fail loudly, never corrupt."""
-        if self._refs.get(block, 0) < 1:
-            raise RuntimeError(f"block {block} of {owner!r} is not allocated (stale table)")
-
     def release(self, block: int) -> None:
-        refs = self._refs[block] - 1
-        if refs:
-            self._refs[block] = refs
-        else:
-            del self._refs[block]
+        if self._unref(block):
             self._free[block] = None
             if block not in self._hash_of:
                 self._free.move_to_end(block, last=False)

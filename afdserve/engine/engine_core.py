@@ -74,6 +74,7 @@ class EngineCore:
             kv_cache.num_slots,
             kv_cache.layout.window if kv_cache.num_window_blocks is not None else None,
             kv_cache.num_window_blocks or 0,
+            kv_cache.slot_pages,
         )
         self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.drafter)
@@ -88,7 +89,11 @@ class EngineCore:
         self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
         self.extra_stop_ids = tuple(eos[1:])
         self.limits = RequestLimits(
-            self.max_model_len, self.config.vocab_size, kv_cache.num_blocks, kv_cache.block_size
+            self.max_model_len,
+            self.config.vocab_size,
+            kv_cache.num_blocks,
+            kv_cache.block_size,
+            kv_cache.slot_pages,
         )
 
     # ----- requests -----

@@ -86,6 +86,10 @@ class CacheBlocks:
 
     blocks: int
     window_blocks: int | None = None
+    # Where the state slots live in the blocks' pages (`CacheLayout.slot_plan`): how many, and
+    # the blocks each takes while held (0: the slots, if any, have memory of their own).
+    slots: int = 0
+    slot_pages: int = 0
 
 
 def kv_blocks_for(
@@ -113,10 +117,11 @@ def cache_blocks_for(
 ) -> CacheBlocks:
     """The pools of the cache for `dtype`, the cache's own dtype (float8_e4m3fn: half a bf16
     block's bytes, so twice the blocks in the same budget). The state slots of a layout that
-    keeps a state per sequence (max_num_seqs of them) come out of the budget first, then the
-    windowed layers' pool at its bound (`window_pool_bound`: it never needs more), and the
-    rest goes to the main pool. `extra_bytes_per_block`: pages beside the model's over the same
-    blocks (an MTP layer's)."""
+    keeps a state per sequence come out of the budget first where they have memory of their own
+    (max_num_seqs of them); where they can live in the pages (`CacheLayout.slot_plan`) the pool
+    holds them as blocks (`_shared`). Then the windowed layers' pool at its bound
+    (`window_pool_bound`: it never needs more), and the rest goes to the main pool.
+    `extra_bytes_per_block`: pages beside the model's over the same blocks (an MTP layer's)."""
     layout = cache_layout(model_config)
     bs = block_size_for(config, model_config)
     per_window = layout.bytes_per_window_block(bs, dtype)
@@ -126,12 +131,17 @@ def cache_blocks_for(
     if layout.window is not None:
         limits = (config.max_num_seqs, config.max_num_batched_tokens)
         bound = window_pool_bound(layout.window, bs, *limits)
+    slot_pages = layout.slot_pages(bs, dtype)
     if config.kv_cache_blocks is not None:
         blocks = config.kv_cache_blocks
+        if slot_pages:  # as given, like the blocks themselves: the scheduler says what fits
+            return _shared(blocks, slot_pages, config, 1, max_model_len, bs)
         # Past blocks + 1 the window's pool is never short before the main one is.
         return CacheBlocks(blocks, None if bound is None else min(bound, blocks + 1))
-    slots = slots_for(model_config, config.max_num_seqs, dtype)
-    budget = -slots * layout.bytes_per_slot(dtype)
+    # State slots of memory of their own come out of the budget first; slots in the pages take
+    # blocks as they are held (the pages past the blocks: their scratch slot).
+    slots = 0 if slot_pages else slots_for(model_config, config.max_num_seqs, dtype)
+    budget = -slots * layout.bytes_per_slot(dtype) - slot_pages * per_block
     want = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -140,11 +150,13 @@ def cache_blocks_for(
         budget += cache_budget(free, total, config.gpu_memory_utilization)
     else:
         budget += CPU_CACHE_BUDGET
-        want = config.max_num_seqs * needed_one
+        want = config.max_num_seqs * (needed_one + slot_pages)
     if per_block == 0:  # every layer windowed: the main table only counts positions
         window = min(bound, max(0, budget) // per_window)
         return CacheBlocks(config.max_num_seqs * needed_one, window)
     split = split_budget(max(0, budget), per_block, per_window, bound, want)
+    if slot_pages:
+        return _shared(split.blocks, slot_pages, config, needed_one, max_model_len, bs)
     if split.blocks < needed_one:
         held = ""
         if slots:  # the per-sequence state comes out of the budget first
@@ -159,6 +171,21 @@ def cache_blocks_for(
             f"memory{held}"
         )
     return split
+
+
+def _shared(
+    blocks: int, slot_pages: int, config: EngineConfig, needed_one: int, max_len: int, bs: int
+) -> CacheBlocks:
+    """The pool where every held state slot takes `slot_pages` of the `blocks`: slots for as
+    many sequences as max_num_seqs, or as the pages could hold slots alone."""
+    if blocks < needed_one + slot_pages:
+        raise ValueError(
+            f"KV cache: room for {blocks} blocks of {bs} tokens, but one sequence of "
+            f"max_model_len={max_len} needs {needed_one} and its state slot {slot_pages} more; "
+            "lower max_model_len or free memory"
+        )
+    slots = min(config.max_num_seqs, blocks // slot_pages)
+    return CacheBlocks(blocks, slots=slots, slot_pages=slot_pages)
 
 
 def split_budget(
@@ -298,9 +325,16 @@ def create_engine_core(
         draft_bytes = draft.cache_layout().bytes_per_block(config.block_size, dtype)
     pools = cache_blocks_for(config, model.config, dtype, max_len, device, draft_bytes)
     blocks = pools.blocks
-    slots = slots_for(model.config, config.max_num_seqs, dtype)
+    slots = pools.slots or slots_for(model.config, config.max_num_seqs, dtype)
     cache = make_kv_cache(
-        model.config, blocks, config.block_size, dtype, device, slots, pools.window_blocks
+        model.config,
+        blocks,
+        config.block_size,
+        dtype,
+        device,
+        slots,
+        pools.window_blocks,
+        shared_slots=pools.slot_pages > 0,
     )
     window = "" if pools.window_blocks is None else f" (+ {pools.window_blocks} window blocks)"
     log.info(

@@ -71,12 +71,16 @@ def make_kv_cache(
     device: torch.device | str,
     num_slots: int = 0,
     num_window_blocks: int | None = None,
+    shared_slots: bool = False,
 ) -> PagedCache:
     """The model's paged cache over `num_blocks` blocks, each layer's pages as its spec says,
-    `num_slots` sequence slots where the layout keeps a state per sequence, and the windowed
-    layers' own pool of `num_window_blocks` (None: they share `num_blocks`)."""
+    `num_slots` sequence slots where the layout keeps a state per sequence (`shared_slots`: in
+    the blocks' pages), and the windowed layers' own pool of `num_window_blocks` (None: they
+    share `num_blocks`)."""
     layout = cache_layout(config)
-    return layout.allocate(num_blocks, block_size, dtype, device, num_slots, num_window_blocks)
+    return layout.allocate(
+        num_blocks, block_size, dtype, device, num_slots, num_window_blocks, shared_slots
+    )
 
 
 def window_pool_bound(

@@ -25,6 +25,8 @@ class RequestLimits:
     vocab_size: int
     num_blocks: int
     block_size: int
+    # Blocks a sequence's state slot takes where the slots live in the pool's pages (0: none).
+    slot_pages: int = 0
 
 
 def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimits) -> None:
@@ -44,10 +46,11 @@ def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimi
             )
     longest = min(len(prompt) + params.max_tokens, limits.max_model_len)
     blocks = -(-longest // limits.block_size)
-    if blocks > limits.num_blocks:
+    if blocks + limits.slot_pages > limits.num_blocks:
+        slot = f" and its state slot {limits.slot_pages} more" if limits.slot_pages else ""
         raise RequestError(
-            f"prompt + max_tokens: {longest} tokens need {blocks} KV blocks, but the cache holds "
-            f"{limits.num_blocks} blocks of {limits.block_size} tokens"
+            f"prompt + max_tokens: {longest} tokens need {blocks} KV blocks{slot}, but the cache "
+            f"holds {limits.num_blocks} blocks of {limits.block_size} tokens"
         )
 
 

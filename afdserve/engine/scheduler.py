@@ -204,7 +204,7 @@ class Scheduler:
                 if not self.config.chunked_prefill:
                     break
                 num_new = budget
-            if bm.blocks_for(num_cached + num_new) > bm.num_blocks:
+            if not bm.fits_alone(num_cached + num_new):
                 raise self._too_small(seq, num_cached + num_new)
             if not bm.can_admit(seq, cached, num_cached + num_new):
                 break
@@ -300,8 +300,13 @@ class Scheduler:
         `num_computed_tokens = 0` and returns to the front of the waiting queue, keeping its
         generated tokens, which are recomputed like prompt tokens. Sampling is therefore
         unaffected: each token is still sampled exactly once, from the same prefix."""
-        while not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new):
-            if self.running[-1] is seq and len(self.running) == 1:
+        positions = seq.num_computed_tokens + num_new
+        while not self.block_manager.can_grow(seq, positions):
+            # Alone yet short: where slots live in the pool's pages, its own slot may sit low
+            # in the pages its blocks need; preempted, it comes back into the topmost slot.
+            bm = self.block_manager
+            alone = self.running[-1] is seq and len(self.running) == 1
+            if alone and not (bm.slot_pages and bm.fits_alone(positions)):
                 raise self._too_small(seq, num_new)
             victim = self.running.pop()
             self.block_manager.free(victim)
@@ -319,9 +324,10 @@ class Scheduler:
     def _too_small(self, seq: Sequence, num_new: int) -> RuntimeError:
         positions = seq.num_computed_tokens + num_new
         bm = self.block_manager
+        slot = f" and its state slot's {bm.slot_pages}" if bm.slot_pages else ""
         return RuntimeError(
             f"KV cache too small: request {seq.request_id!r} alone needs "
-            f"{bm.blocks_for(positions)} blocks for {positions} positions, but the cache "
+            f"{bm.blocks_for(positions)} blocks for {positions} positions{slot}, but the cache "
             f"holds {bm.num_blocks} blocks of {bm.block_size} tokens "
             f"({bm.num_blocks * bm.block_size} positions)"
         )

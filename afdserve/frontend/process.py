@@ -95,6 +95,7 @@ class ProcessClient(EngineCoreClient):
             limits[0].vocab_size,
             min(lim.num_blocks for lim in limits),
             limits[0].block_size,
+            max(lim.slot_pages for lim in limits),
         )
         self.max_model_len, self.vocab_size = self.limits.max_model_len, self.limits.vocab_size
         attention = range(spec.topology.attention_ranks)

@@ -27,6 +27,9 @@ import torch
 from afdserve.kernels.metadata import AttentionMetadata
 
 GRAPH_MODES = ("none", "full_decode_only", "full")
+# Every part of a state slot kept in the paged groups' pages starts on a multiple of it (any
+# dtype's size, and the alignment vectorized loads want).
+SLOT_ALIGN = 64
 
 
 class CacheSpec(ABC):
@@ -75,6 +78,12 @@ class CacheSpec(ABC):
         fixed size per sequence (DeepSeek-V4's open compressor rows). 0: none."""
         return 0
 
+    def page_rows(self, block_size: int, dtype: torch.dtype) -> tuple[int, ...] | None:
+        """Bytes per block of each tensor of one layer's cache, where each is a contiguous
+        `[blocks, ...]` tensor whose pages may lend their bytes to state slots
+        (`CacheLayout.slot_pages`); None: its pages lend nothing."""
+        return None
+
     @staticmethod
     def tensors(layer_cache: Any) -> Iterator[torch.Tensor]:
         """Every tensor of one layer's cache (the benches fill them)."""
@@ -110,10 +119,13 @@ class CacheSpec(ABC):
 class SequenceSlots(CacheSpec):
     """A group of layers whose state per sequence has a fixed size, whatever its length (a
     linear-attention layer's recurrent state and convolution window): one slot per running
-    sequence, `[num_slots, ...]` per tensor, none per block. The engine gives a sequence its
-    slot with its first blocks and takes it back with them; a layer starts from an empty state
-    wherever a segment starts at position 0, so a slot needs no zeroing when it changes hands
-    (and a sequence preempted by recompute starts afresh)."""
+    sequence, none per block. Each layer's state is a few parts, `[slots + 1, ...]` tensors
+    whose last slot is a scratch no sequence holds (where a torch step sends the writes of pad
+    entries). The engine gives a sequence its slot with its first blocks and takes it back with
+    them; a layer starts from an empty state wherever a segment starts at position 0, so a slot
+    needs no zeroing when it changes hands (and a sequence preempted by recompute starts
+    afresh). The parts are tensors of their own, or views into the pages of the paged groups
+    (`CacheLayout.slot_pages`): then a slot's stride is not its size, and kernels read it."""
 
     rollback_refusal = (
         "a recurrent state folds in every row it is fed, so rejected drafts cannot be taken "
@@ -130,14 +142,31 @@ class SequenceSlots(CacheSpec):
         raise TypeError(f"{type(self).__name__} holds slots, not blocks: use allocate_slots")
 
     @abstractmethod
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        """Bytes one layer of the group holds per sequence slot."""
+    def slot_parts(self, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """(shape, dtype) of each part of one layer's state per slot."""
 
     @abstractmethod
+    def layer_cache(self, parts: tuple[torch.Tensor, ...]) -> Any:
+        """One layer's cache from its parts, each `[slots + 1, *shape]` (the last: scratch)."""
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one layer of the group holds per sequence slot."""
+        return sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in self.slot_parts(dtype))
+
     def allocate_slots(
         self, num_slots: int, dtype: torch.dtype, device: torch.device | str
     ) -> list[Any]:
-        """One layer cache per layer of the group, over `num_slots` slots."""
+        """One layer cache per layer of the group, over `num_slots` slots of their own."""
+        parts = self.slot_parts(dtype)
+        return [
+            self.layer_cache(
+                tuple(
+                    torch.zeros(num_slots + 1, *shape, dtype=dt, device=device)
+                    for shape, dt in parts
+                )
+            )
+            for _ in self.layers
+        ]
 
 
 @dataclass(frozen=True)
@@ -154,6 +183,9 @@ class PagedKV(CacheSpec):
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return self.tensors_per_layer * block_size * self.heads * self.dim * dtype.itemsize
 
+    def page_rows(self, block_size: int, dtype: torch.dtype) -> tuple[int, ...] | None:
+        return (block_size * self.heads * self.dim * dtype.itemsize,) * self.tensors_per_layer
+
     def allocate(self, num_blocks, block_size, dtype, device) -> list[Any]:
         shape = (num_blocks, block_size, self.heads, self.dim)
 
@@ -161,6 +193,20 @@ class PagedKV(CacheSpec):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return [(one(), one() if self.tensors_per_layer == 2 else None) for _ in self.layers]
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where the state slots live when they share the paged groups' pages (vLLM v1's hybrid
+    allocator gives a sequence's recurrent state pages of the one pool the same way): every
+    paged tensor of every layer is a *row* of `row_bytes` per block, slot s of S holds blocks
+    `[N - (S - s) pages, N - (S - s - 1) pages)` of every row, and each part of each slot
+    layer's state (in order: spec, layer, part) sits in one row at a byte offset of that span.
+    The slots' scratch (slot S) holds `pages` blocks past the N the block tables address."""
+
+    pages: int
+    row_bytes: int
+    places: tuple[tuple[int, int], ...]  # (row, byte offset) per part
 
 
 @dataclass(frozen=True)
@@ -204,6 +250,52 @@ class CacheLayout:
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
+
+    def slot_plan(self, block_size: int, dtype: torch.dtype) -> SlotPlan | None:
+        """How the `SequenceSlots` specs' state fits the pages of the paged groups, or None
+        where it cannot: no such state, a windowed or slot-keeping paged group, or page rows of
+        unequal sizes. The parts go into the rows first-fit, largest first, over the fewest
+        blocks a slot can hold them in."""
+        slot_specs = [s for s in self.specs if isinstance(s, SequenceSlots)]
+        if not any(s.bytes_per_slot(dtype) for s in slot_specs):
+            return None
+        rows: list[int] = []
+        for spec in self.specs:
+            if isinstance(spec, SequenceSlots):
+                continue
+            per = spec.page_rows(block_size, dtype)
+            if per is None or spec.window is not None or spec.bytes_per_slot(dtype):
+                return None
+            rows += list(per) * len(spec.layers)
+        if not rows or len(set(rows)) != 1 or rows[0] % SLOT_ALIGN:
+            return None
+        row = rows[0]
+        sizes = [
+            -(-torch.Size(shape).numel() * dt.itemsize // SLOT_ALIGN) * SLOT_ALIGN
+            for spec in slot_specs
+            for _ in spec.layers
+            for shape, dt in spec.slot_parts(dtype)
+        ]
+        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+        pages = max(-(-sum(sizes) // (len(rows) * row)), -(-max(sizes) // row))
+        while True:  # ends: a span of sum(sizes) bytes holds every part in row 0
+            fill = [0] * len(rows)
+            places: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+            for i in order:
+                r = next((r for r, f in enumerate(fill) if f + sizes[i] <= pages * row), None)
+                if r is None:
+                    break
+                places[i] = (r, fill[r])
+                fill[r] += sizes[i]
+            else:
+                return SlotPlan(pages, row, tuple(places))
+            pages += 1
+
+    def slot_pages(self, block_size: int, dtype: torch.dtype) -> int:
+        """Blocks one sequence slot takes of the pool when the slots share the pages (0: they
+        cannot, and take bytes of their own)."""
+        plan = self.slot_plan(block_size, dtype)
+        return 0 if plan is None else plan.pages
 
     def _first(self, reasons) -> str | None:
         return next((r for r in reasons if r is not None), None)
@@ -287,29 +379,48 @@ class CacheLayout:
         device: torch.device | str,
         num_slots: int = 0,
         num_window_blocks: int | None = None,
+        shared_slots: bool = False,
     ) -> PagedCache:
-        """`num_slots`: sequence slots of the `SequenceSlots` specs (the engine's max_num_seqs);
-        required where the layout has such specs. `num_window_blocks`: the windowed groups'
-        own pool, which the engine addresses through a second block table (None: they hold
-        `num_blocks` pages addressed by the one table, as a bench's fixed tables do)."""
+        """`num_slots`: sequence slots of the `SequenceSlots` specs; required where the layout
+        has such specs. `shared_slots`: those slots live in the pages of the last
+        `num_slots * slot_pages` blocks (`slot_plan`), which the block manager then hands out
+        as blocks or as slots, never both; otherwise in tensors of their own.
+        `num_window_blocks`: the windowed groups' own pool, which the engine addresses through
+        a second block table (None: they hold `num_blocks` pages addressed by the one table, as
+        a bench's fixed tables do)."""
         if num_slots < 1 and self.bytes_per_slot(dtype):
             raise ValueError(f"num_slots={num_slots}: this cache layout needs >= 1 state slot")
+        plan = self.slot_plan(block_size, dtype) if shared_slots else None
+        if shared_slots and (plan is None or num_slots * plan.pages > num_blocks):
+            raise ValueError(
+                f"shared_slots: {num_slots} slots of {self.slot_pages(block_size, dtype)} "
+                f"blocks cannot live in {num_blocks} blocks of this layout's pages"
+            )
+        pages = num_blocks + (plan.pages if plan is not None else 0)  # + the slots' scratch
         layers: list[Any] = [None] * self.num_layers
         windowed: dict[int, Any] = {}
+        rows: list[torch.Tensor] = []
         for spec in self.specs:
             if isinstance(spec, SequenceSlots):
+                if plan is not None:
+                    continue  # carved out of the rows below
                 caches = spec.allocate_slots(num_slots, dtype, device)
             elif num_window_blocks is not None and spec.window is not None:
                 caches = spec.allocate(num_window_blocks, block_size, dtype, device)
             elif spec.bytes_per_slot(dtype):  # pages and a slot per sequence beside them
                 caches = spec.allocate(num_blocks, block_size, dtype, device, num_slots=num_slots)
             else:
-                caches = spec.allocate(num_blocks, block_size, dtype, device)
+                caches = spec.allocate(pages, block_size, dtype, device)
+                if plan is not None:
+                    rows += [t for cache in caches for t in spec.tensors(cache)]
             for i, cache in zip(spec.layers, caches, strict=True):
                 if spec.window is not None:
                     windowed[i] = cache
                 else:
                     layers[i] = cache
+        if plan is not None:
+            for i, cache in self._slot_views(plan, rows, num_blocks, num_slots, dtype):
+                layers[i] = cache
         for spec in self.specs:
             for i in spec.layers if spec.window is None else ():
                 if i in windowed:
@@ -319,7 +430,41 @@ class CacheLayout:
         slots = num_slots if self.bytes_per_slot(dtype) else 0
         if self.window is None:
             num_window_blocks = None
-        return PagedCache(self, layers, num_blocks, block_size, dtype, slots, num_window_blocks)
+        slot_pages = 0 if plan is None else plan.pages
+        return PagedCache(
+            self, layers, num_blocks, block_size, dtype, slots, num_window_blocks, slot_pages
+        )
+
+    def _slot_views(
+        self,
+        plan: SlotPlan,
+        rows: list[torch.Tensor],
+        num_blocks: int,
+        num_slots: int,
+        dtype: torch.dtype,
+    ) -> Iterator[tuple[int, Any]]:
+        """(layer, its cache) of every slot layer, each part a `[num_slots + 1, *shape]` view
+        into its row: slot s at block `num_blocks - (num_slots - s) * pages`."""
+        places = iter(plan.places)
+        first = (num_blocks - num_slots * plan.pages) * plan.row_bytes
+        for spec in self.specs:
+            if not isinstance(spec, SequenceSlots):
+                continue
+            for i in spec.layers:
+                parts = []
+                for shape, dt in spec.slot_parts(dtype):
+                    row, offset = next(places)
+                    flat = rows[row].view(-1).view(torch.uint8).view(dt)
+                    inner = torch.empty(shape, device="meta").stride()
+                    size = dt.itemsize
+                    parts.append(
+                        flat.as_strided(
+                            (num_slots + 1, *shape),
+                            (plan.pages * plan.row_bytes // size, *inner),
+                            (first + offset) // size,
+                        )
+                    )
+                yield i, spec.layer_cache(tuple(parts))
 
 
 class PagedCache:
@@ -334,10 +479,14 @@ class PagedCache:
         dtype: torch.dtype,
         num_slots: int = 0,
         num_window_blocks: int | None = None,
+        slot_pages: int = 0,
     ) -> None:
         self.layout, self.layers = layout, layers
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.num_slots = num_slots  # sequence slots (0: the layout keeps no state per sequence)
+        # Blocks a slot takes of the pool where the slots live in the pages (0: in their own
+        # tensors); the pages then run `slot_pages` past num_blocks (the slots' scratch).
+        self.slot_pages = slot_pages
         # The windowed groups' own pool (None: they share the blocks and the one table).
         self.num_window_blocks = num_window_blocks
         # Whether each sequence has a window table (`AttentionMetadata.window`), and the layers
@@ -353,10 +502,11 @@ class PagedCache:
             per_window = layout.bytes_per_window_block(block_size, dtype)
             per_block -= per_window
             window_bytes = per_window * num_window_blocks
-        self.bytes = (
-            per_block * num_blocks + window_bytes + layout.bytes_per_slot(dtype) * num_slots
-        )
+        own_slots = 0 if slot_pages else layout.bytes_per_slot(dtype) * num_slots
+        self.bytes = per_block * (num_blocks + slot_pages) + window_bytes + own_slots
         self.summary = layout.describe(block_size, dtype)
+        if slot_pages and self.summary is not None:
+            self.summary += f" (in the pages: {slot_pages} blocks a held slot)"
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache, layer by layer."""

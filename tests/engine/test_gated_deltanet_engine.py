@@ -53,7 +53,11 @@ def test_chunked_prefill_gives_the_one_shot_tokens(model, one_shot, budget: int)
 
 
 def test_preemption_by_recompute_keeps_the_tokens(model, one_shot) -> None:
-    blocks = -(-(29 + NEW_TOKENS) // BLOCK) + 1  # the longest sequence and one block more
+    # The longest sequence, one block more, and the pages of one state slot: the slots live in
+    # the pool's pages (model/cache.py's SlotPlan), so they compete with the blocks.
+    pages = cache_layout(load_model_config(model)).slot_pages(BLOCK, torch.float32)
+    assert pages > 0
+    blocks = -(-(29 + NEW_TOKENS) // BLOCK) + 1 + pages
     llm = LLM(
         str(model),
         dtype="float32",
@@ -67,7 +71,8 @@ def test_preemption_by_recompute_keeps_the_tokens(model, one_shot) -> None:
     assert [o.token_ids for o in outs] == one_shot
     manager = llm.engine.core_client.core.block_manager
     assert manager.num_free_blocks == blocks
-    assert manager.num_slots == 3 and manager.num_free_slots == 3
+    slots = min(3, blocks // pages)
+    assert manager.num_slots == slots and manager.num_free_slots == slots
 
 
 def test_decode_graph_layout_keeps_the_tokens(model, one_shot) -> None:
@@ -199,16 +204,22 @@ def test_spans_are_built_once_per_ubatch(model, one_shot, monkeypatch) -> None:
     assert calls["forward"] > 0 and calls["spans"] == 2 * calls["forward"], calls
 
 
-def test_slots_that_leave_no_room_for_blocks_are_named(model: Path) -> None:
-    """The engine keeps one state slot per sequence the scheduler may run, out of the cache's
-    budget first: a max_num_seqs whose slots leave no room for one sequence's blocks is refused
-    with the slots' size and max_num_seqs named (CPU budget: 1 GiB), before anything is
-    allocated."""
+def test_slots_take_pages_of_the_pool_not_max_num_seqs_bytes(model: Path) -> None:
+    """The slots live in the pool's pages: a max_num_seqs whose slots alone would overflow the
+    budget (CPU: 1 GiB) reserves nothing up front; the pool is sized by the budget and holds
+    as many slots as its pages could, each taking its pages only while held."""
     config = load_model_config(model)
-    per_slot = cache_layout(config).bytes_per_slot(torch.float32)
+    layout = cache_layout(config)
+    pages = layout.slot_pages(16, torch.float32)
+    per_slot = layout.bytes_per_slot(torch.float32)
     seqs = CPU_CACHE_BUDGET // per_slot + 1
     engine = EngineConfig(model=str(model), max_num_seqs=seqs, max_num_batched_tokens=64)
-    with pytest.raises(ValueError, match=rf"state slots of max_num_seqs={seqs} .* max_num_seqs"):
-        cache_blocks_for(engine, config, torch.float32, 64, torch.device("cpu"))
-    fits = replace(engine, max_num_seqs=8)
-    assert cache_blocks_for(fits, config, torch.float32, 64, torch.device("cpu")).blocks > 0
+    pools = cache_blocks_for(engine, config, torch.float32, 64, torch.device("cpu"))
+    per_block = layout.bytes_per_block(16, torch.float32)
+    assert pools.slot_pages == pages
+    want = seqs * (4 + pages)  # every sequence at max_model_len 64 with its slot
+    assert pools.blocks == min(want, CPU_CACHE_BUDGET // per_block - pages)
+    assert pools.slots == min(seqs, pools.blocks // pages) < seqs
+    # A slot's bytes, spread over its pages' rows, never exceed the pages' (first-fit waste
+    # only), and never beat the bytes themselves.
+    assert per_slot <= pages * per_block < 2 * per_slot + per_block

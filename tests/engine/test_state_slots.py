@@ -1,7 +1,8 @@
 """State slots (model/cache.py's SequenceSlots): the block manager gives a running sequence one
 slot with its first blocks and takes it back with them; the scheduler's preemption and retirement
-return it; the cache's bytes and the memory budget count max_num_seqs slots; the step metadata
-carries each segment's slot through a ubatch split."""
+return it; a cache with slots of their own counts them in its bytes, and the memory budget of a
+layout whose slots live in the pages takes them out of the blocks; the step metadata carries
+each segment's slot through a ubatch split."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_preemption_and_retirement_return_the_slots() -> None:
     assert bm.num_free_slots == 3 and bm.num_free_blocks == 6
 
 
-def test_cache_bytes_and_budget_count_max_num_seqs_slots() -> None:
+def test_cache_bytes_count_own_slots_and_the_budget_shares_the_pages() -> None:
     config = preset_config("qwen3-next-80b-a3b:8")  # 6 linear layers, 2 full
     layout = cache_layout(config)
     dtype = torch.bfloat16
@@ -111,10 +112,16 @@ def test_cache_bytes_and_budget_count_max_num_seqs_slots() -> None:
     assert cache.bytes == 3 * layout.bytes_per_block(16, dtype) + 7 * per_slot
     held = sum(t.numel() * t.element_size() for t in cache.tensors())
     assert held == cache.bytes
+    # The engine keeps them in the pages: the budget reserves no slot bytes up front, only the
+    # scratch slot's pages past the blocks; each held slot takes `pages` blocks.
+    pages = layout.slot_pages(16, dtype)
+    per_block = layout.bytes_per_block(16, dtype)
+    assert per_slot <= pages * per_block
     engine = EngineConfig(model="unused", max_num_seqs=32, block_size=16)
     blocks = kv_blocks_for(engine, config, dtype, 4096, torch.device("cpu"))
-    budget_blocks = (CPU_CACHE_BUDGET - 32 * per_slot) // layout.bytes_per_block(16, dtype)
-    assert blocks == min(32 * 256, budget_blocks)
+    assert blocks == min(32 * (256 + pages), CPU_CACHE_BUDGET // per_block - pages)
+    shared = make_kv_cache(config, blocks, 16, dtype, "meta", num_slots=7, shared_slots=True)
+    assert shared.slot_pages == pages and shared.bytes == (blocks + pages) * per_block
 
 
 def test_segments_carry_their_slot_through_a_ubatch_split() -> None:

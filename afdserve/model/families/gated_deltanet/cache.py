@@ -28,10 +28,12 @@ FP8_REFUSAL = "its recurrent state and convolution window are not quantized"
 @dataclass
 class LinearState:
     """One linear layer's slots: `conv` [slots, conv_dim, K - 1], and `delta` [slots, hv, dk,
-    dv], a view of a buffer one slot longer (`delta_all`): that last slot, the scratch, is where
+    dv], a view of a part one slot longer (`delta_all`): that last slot, the scratch, is where
     the torch decode step (kernels/reference/delta_rule.py) sends the writes of entries of slot
     -1 (segments that do not step, pad segments), so they never land in a sequence's state (the
-    kernels skip them). It is never read as state; the cache's bytes count the slots only."""
+    kernels skip them). It is never read as state; the cache's bytes count the slots only. Where
+    the slots live in the full layers' pages (model/cache.py's `SlotPlan`), a slot's stride is
+    not its size; each slot's own tensor is contiguous."""
 
     conv: torch.Tensor
     delta_all: torch.Tensor
@@ -57,28 +59,15 @@ class DeltaNetState(SequenceSlots):
     # a graph captures.
     batched_segments = True
 
-    def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def slot_parts(self, dtype: torch.dtype):
         return (
-            (self.conv_dim, self.conv_kernel - 1),
-            (self.heads, self.key_head_dim, self.value_head_dim),
+            ((self.conv_dim, self.conv_kernel - 1), dtype),
+            ((self.heads, self.key_head_dim, self.value_head_dim), torch.float32),
         )
 
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        conv, delta = self._shapes()
-        return (
-            torch.Size(conv).numel() * dtype.itemsize
-            + torch.Size(delta).numel() * torch.float32.itemsize
-        )
-
-    def allocate_slots(self, num_slots, dtype, device) -> list[LinearState]:
-        conv, delta = self._shapes()
-        return [
-            LinearState(
-                torch.zeros(num_slots, *conv, dtype=dtype, device=device),
-                torch.zeros(num_slots + 1, *delta, dtype=torch.float32, device=device),
-            )
-            for _ in self.layers
-        ]
+    def layer_cache(self, parts: tuple[torch.Tensor, ...]) -> LinearState:
+        conv, delta = parts
+        return LinearState(conv[:-1], delta)
 
     @staticmethod
     def tensors(layer_cache: LinearState):
