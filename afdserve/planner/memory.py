@@ -28,7 +28,8 @@ class ModelBytes:
     routed_experts: int  # of `ffn`, the routed experts' part (sharded by expert parallelism)
     kv_per_token: int  # of the layers that keep every position (not the windowed groups)
     # A sequence's fixed state, whatever its length: a linear-attention layer's slot
-    # (model/cache.py's SequenceSlots) and a windowed group's pages of one window and step.
+    # (model/cache.py's SequenceSlots; the blocks it takes where it lives in the pages) and a
+    # windowed group's pages of one window and step.
     state_per_sequence: int = 0
     expert_bytes: int = 0  # one routed expert of one layer, as stored (FP8, FP4: their bytes)
 
@@ -65,6 +66,8 @@ def model_bytes(
     kv = getattr(torch, kv_dtype) if kv_dtype else torch_dtype
     layout = cache_layout(config)
     state = layout.bytes_per_slot(kv)
+    if pages := layout.slot_pages(BLOCK_SIZE, kv):  # the slot lives in blocks' pages
+        state = pages * layout.bytes_per_block(BLOCK_SIZE, kv)
     per_token = bytes_per_block(config, 1, kv) - layout.bytes_per_window_block(1, kv)
     if layout.window is not None:
         # A sequence's share of the window pool's bound (kv_cache.window_pool_bound) at one
