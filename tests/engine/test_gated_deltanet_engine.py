@@ -223,3 +223,31 @@ def test_slots_take_pages_of_the_pool_not_max_num_seqs_bytes(model: Path) -> Non
     # A slot's bytes, spread over its pages' rows, never exceed the pages' (first-fit waste
     # only), and never beat the bytes themselves.
     assert per_slot <= pages * per_block < 2 * per_slot + per_block
+
+
+def test_slots_and_blocks_trade_pages_and_keep_the_tokens(model: Path) -> None:
+    """Short and long prompts arriving over time in a pool just larger than the longest
+    sequence and two slots: the pages serve as slots for the short ones and as blocks for the
+    long ones in turn, sequences are preempted and recomputed, and every output equals its
+    one-shot tokens; every page is free at the end."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = (2, 35, 3, 4, 30, 5, 6, 28, 7, 1)
+    many = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    with LLM(str(model), dtype="float32", block_size=BLOCK) as alone:
+        want = [o.token_ids for o in alone.generate(many, GREEDY)]
+    pages = cache_layout(load_model_config(model)).slot_pages(BLOCK, torch.float32)
+    blocks = -(-(35 + NEW_TOKENS) // BLOCK) + 2 * pages + 2
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_blocks=blocks,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+    )
+    outs, preempted = run(llm, many, GREEDY, late={i: 3 * i for i in range(len(many))})
+    assert preempted > 0
+    assert [o.token_ids for o in outs] == want
+    manager = llm.engine.core_client.core.block_manager
+    assert manager.num_free_blocks == blocks
+    assert manager.num_free_slots == manager.num_slots == min(6, blocks // pages)
