@@ -104,8 +104,8 @@ class SharedPages(RefCounts):
         while self._top and self._top - 1 in self._free_set:  # shrink the blocks' part
             self._top -= 1
             self._free_set.discard(self._top)
-        if not self._free_set:
-            self._free.clear()
+        if len(self._free) > 2 * len(self._free_set) + 64:  # drop the entries shrinking left
+            self._free = sorted(self._free_set)
 
     def take_slot(self) -> int:
         while self._free_slots:
@@ -126,5 +126,5 @@ class SharedPages(RefCounts):
         while self._low < self.num_slots and self._low in self._free_slot_set:  # shrink
             self._free_slot_set.discard(self._low)
             self._low += 1
-        if not self._free_slot_set:
-            self._free_slots.clear()
+        if len(self._free_slots) > 2 * len(self._free_slot_set) + 64:
+            self._free_slots = sorted(-s for s in self._free_slot_set)

@@ -30,17 +30,18 @@ def slot_range(pool: SharedPages, slot: int) -> range:
     return range(first, first + pool.slot_pages)
 
 
-def test_pages_are_blocks_or_slots_never_both_under_churn() -> None:
+@pytest.mark.parametrize("pages,slot_pages,slots,steps", [(40, 3, 9, 3000), (400, 5, 60, 6000)])
+def test_pages_are_blocks_or_slots_never_both_under_churn(pages, slot_pages, slots, steps) -> None:
     rng = random.Random(0)
-    pool = SharedPages(num_pages=40, slot_pages=3, num_slots=9)
+    pool = SharedPages(num_pages=pages, slot_pages=slot_pages, num_slots=slots)
     blocks: list[int] = []
-    slots: list[int] = []
-    for _ in range(3000):
+    held_slots: list[int] = []
+    for _ in range(steps):
         action = rng.random()
         if action < 0.3 and blocks:
             pool.release(blocks.pop(rng.randrange(len(blocks))))
-        elif action < 0.45 and slots:
-            pool.release_slot(slots.pop(rng.randrange(len(slots))))
+        elif action < 0.45 and held_slots:
+            pool.release_slot(held_slots.pop(rng.randrange(len(held_slots))))
         elif action < 0.8:
             can = pool.can_take(1, 0)
             assert can == (pool.num_free >= 1)
@@ -53,18 +54,19 @@ def test_pages_are_blocks_or_slots_never_both_under_churn() -> None:
             can = pool.can_take(0, 1)
             assert can == (pool.num_free_slots >= 1)
             if can:
-                slots.append(pool.take_slot())
+                held_slots.append(pool.take_slot())
             else:
                 with pytest.raises(RuntimeError):
                     pool.take_slot()
-        held = [p for s in slots for p in slot_range(pool, s)] + blocks
-        assert len(held) == len(set(held)) and all(0 <= p < 40 for p in held)
-        assert pool.num_free + len(blocks) + 3 * len(slots) <= 40
+        held = [p for s in held_slots for p in slot_range(pool, s)] + blocks
+        assert len(held) == len(set(held)) and all(0 <= p < pages for p in held)
+        assert pool.num_free + len(blocks) + slot_pages * len(held_slots) <= pages
+        assert len(pool._free) <= 2 * len(pool._free_set) + 65  # the lazy heap stays bounded
     for block in blocks:
         pool.release(block)
-    for slot in slots:
+    for slot in held_slots:
         pool.release_slot(slot)
-    assert pool.num_free == 40 and pool.num_free_slots == 9
+    assert pool.num_free == pages and pool.num_free_slots == slots
 
 
 def test_memory_flows_between_slots_and_blocks() -> None:
