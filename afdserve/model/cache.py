@@ -25,11 +25,9 @@ from typing import Any
 import torch
 
 from afdserve.kernels.metadata import AttentionMetadata
+from afdserve.model.slot_plan import Part, SlotPlan, pack, part_bytes, views
 
 GRAPH_MODES = ("none", "full_decode_only", "full")
-# Every part of a state slot kept in the paged groups' pages starts on a multiple of it (any
-# dtype's size, and the alignment vectorized loads want).
-SLOT_ALIGN = 64
 
 
 class CacheSpec(ABC):
@@ -196,20 +194,6 @@ class PagedKV(CacheSpec):
 
 
 @dataclass(frozen=True)
-class SlotPlan:
-    """Where the state slots live when they share the paged groups' pages (vLLM v1's hybrid
-    allocator gives a sequence's recurrent state pages of the one pool the same way): every
-    paged tensor of every layer is a *row* of `row_bytes` per block, slot s of S holds blocks
-    `[N - (S - s) pages, N - (S - s - 1) pages)` of every row, and each part of each slot
-    layer's state (in order: spec, layer, part) sits in one row at a byte offset of that span.
-    The slots' scratch (slot S) holds `pages` blocks past the N the block tables address."""
-
-    pages: int
-    row_bytes: int
-    places: tuple[tuple[int, int], ...]  # (row, byte offset) per part
-
-
-@dataclass(frozen=True)
 class CacheLayout:
     """A model's specs, one per group of layers; every layer in exactly one group."""
 
@@ -252,12 +236,11 @@ class CacheLayout:
         return max(s.blocks_for(num_tokens, block_size) for s in self.specs)
 
     def slot_plan(self, block_size: int, dtype: torch.dtype) -> SlotPlan | None:
-        """How the `SequenceSlots` specs' state fits the pages of the paged groups, or None
-        where it cannot: no such state, a windowed or slot-keeping paged group, or page rows of
-        unequal sizes. The parts go into the rows first-fit, largest first, over the fewest
-        blocks a slot can hold them in."""
-        slot_specs = [s for s in self.specs if isinstance(s, SequenceSlots)]
-        if not any(s.bytes_per_slot(dtype) for s in slot_specs):
+        """How the `SequenceSlots` specs' state fits the pages of the paged groups
+        (model/slot_plan.py), or None where it cannot: no such state, a windowed or
+        slot-keeping paged group, or page rows of unequal sizes."""
+        parts = self._slot_parts(dtype)
+        if not any(part_bytes(p) for p in parts):
             return None
         rows: list[int] = []
         for spec in self.specs:
@@ -267,29 +250,19 @@ class CacheLayout:
             if per is None or spec.window is not None or spec.bytes_per_slot(dtype):
                 return None
             rows += list(per) * len(spec.layers)
-        if not rows or len(set(rows)) != 1 or rows[0] % SLOT_ALIGN:
+        if len(set(rows)) != 1:
             return None
-        row = rows[0]
-        sizes = [
-            -(-torch.Size(shape).numel() * dt.itemsize // SLOT_ALIGN) * SLOT_ALIGN
-            for spec in slot_specs
+        return pack(len(rows), rows[0], parts)
+
+    def _slot_parts(self, dtype: torch.dtype) -> list[Part]:
+        """Every part of every slot layer, in order: spec, layer, part."""
+        return [
+            part
+            for spec in self.specs
+            if isinstance(spec, SequenceSlots)
             for _ in spec.layers
-            for shape, dt in spec.slot_parts(dtype)
+            for part in spec.slot_parts(dtype)
         ]
-        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-        pages = max(-(-sum(sizes) // (len(rows) * row)), -(-max(sizes) // row))
-        while True:  # ends: a span of sum(sizes) bytes holds every part in row 0
-            fill = [0] * len(rows)
-            places: list[tuple[int, int]] = [(0, 0)] * len(sizes)
-            for i in order:
-                r = next((r for r, f in enumerate(fill) if f + sizes[i] <= pages * row), None)
-                if r is None:
-                    break
-                places[i] = (r, fill[r])
-                fill[r] += sizes[i]
-            else:
-                return SlotPlan(pages, row, tuple(places))
-            pages += 1
 
     def slot_pages(self, block_size: int, dtype: torch.dtype) -> int:
         """Blocks one sequence slot takes of the pool when the slots share the pages (0: they
@@ -443,28 +416,13 @@ class CacheLayout:
         num_slots: int,
         dtype: torch.dtype,
     ) -> Iterator[tuple[int, Any]]:
-        """(layer, its cache) of every slot layer, each part a `[num_slots + 1, *shape]` view
-        into its row: slot s at block `num_blocks - (num_slots - s) * pages`."""
-        places = iter(plan.places)
-        first = (num_blocks - num_slots * plan.pages) * plan.row_bytes
+        """(layer, its cache) of every slot layer, its parts views into the rows."""
+        parts = iter(views(plan, rows, self._slot_parts(dtype), num_blocks, num_slots))
         for spec in self.specs:
-            if not isinstance(spec, SequenceSlots):
-                continue
-            for i in spec.layers:
-                parts = []
-                for shape, dt in spec.slot_parts(dtype):
-                    row, offset = next(places)
-                    flat = rows[row].view(-1).view(torch.uint8).view(dt)
-                    inner = torch.empty(shape, device="meta").stride()
-                    size = dt.itemsize
-                    parts.append(
-                        flat.as_strided(
-                            (num_slots + 1, *shape),
-                            (plan.pages * plan.row_bytes // size, *inner),
-                            (first + offset) // size,
-                        )
-                    )
-                yield i, spec.layer_cache(tuple(parts))
+            if isinstance(spec, SequenceSlots):
+                for i in spec.layers:
+                    count = len(spec.slot_parts(dtype))
+                    yield i, spec.layer_cache(tuple(next(parts) for _ in range(count)))
 
 
 class PagedCache:
