@@ -9,7 +9,8 @@
 #   v4-serve-auto, v4-serve-full   served DeepSeek-V4-Flash:4 (issue 42/44): 1024 in / 128 out at
 #                                  4 req/s and unbounded, the 16 x 2048 shared-prefix workload
 #                                  with prefix caching on and off, under that graph mode
-#   v4-generate                    `bench generate` on the same workload (the served ratio)
+#   v4-generate                    `bench generate` on the same workload (the served ratio), and
+#                                  one 1024-token prefill step (the TTFT yardstick)
 #   v4-kernels                     bench decode at contexts 8192 and 65536, the decode profile at
 #                                  batch 1 and 64, an 8192-token prefill profile (issue 43)
 #   qwen-serve                     Qwen3-30B-A3B served with defaults, 200 prompts (issue 44)
@@ -97,6 +98,8 @@ group() {
     v4-generate)
         run v4-generate $AFD bench generate --model "$(preset_dir "$V4")" --load-format dummy \
             --max-model-len 8192 --batch-sizes 1,100 --input-len 1024 --output-len 128
+        # One 1024-token prefill step: the yardstick of the served TTFT target.
+        run v4-prefill-1024 python tools/profile_prefill.py --preset "$V4" --input-len 1024
         ;;
     v4-kernels)
         for ctx in 8192 65536; do
