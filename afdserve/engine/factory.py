@@ -21,6 +21,7 @@ from afdserve.engine.kv_cache import (
 )
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.model.cache import PagedCache
 from afdserve.model.checkpoint.draft import load_draft, mtp_refusal
 from afdserve.model.checkpoint.loader import LoadReport, load_model
 from afdserve.model.config import ModelConfig
@@ -188,6 +189,13 @@ def _shared(
     return CacheBlocks(blocks, slots=slots, slot_pages=slot_pages)
 
 
+def max_concurrency(blocks: int, per_sequence: int, cache: PagedCache) -> float:
+    """Sequences of `per_sequence` blocks the main pool holds at once, by memory (vLLM's
+    start-up line; the scheduler's max_num_seqs aside): each with its state slot's blocks where
+    the slots live in the pages."""
+    return blocks / max(1, per_sequence + cache.slot_pages)
+
+
 def split_budget(
     budget: int, per_block: int, per_window: int, bound: int | None, want: int | None = None
 ) -> CacheBlocks:
@@ -345,6 +353,11 @@ def create_engine_core(
         str(dtype).removeprefix("torch."),
         cache.bytes,
         f" ({cache.summary})" if cache.summary else "",
+    )
+    log.info(
+        "maximum concurrency for %d tokens per request: %.2fx",
+        max_len,
+        max_concurrency(blocks, cache.layout.blocks_for(max_len, config.block_size), cache),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

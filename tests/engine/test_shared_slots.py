@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from afdserve import LLM
 from afdserve.engine.block_manager import BlockManager
 from afdserve.engine.kv_cache import make_kv_cache
 from afdserve.engine.sampling_params import SamplingParams
@@ -170,3 +171,15 @@ def test_each_slot_writes_its_own_pages_and_blocks_stay_apart(tmp_path) -> None:
                 last = (start + part[slot].nbytes - 1 - row.data_ptr()) // row_bytes
                 base = blocks - (slots - slot) * pages
                 assert base <= first <= last < base + pages
+
+
+def test_the_start_up_line_counts_a_slot_s_pages_in_the_concurrency(tmp_path, caplog) -> None:
+    """vLLM's 'maximum concurrency' line: sequences of max_model_len the pool holds at once,
+    each with its slot's pages."""
+    model = make_tiny_model(tmp_path / "m", "qwen3_next", seed=0)
+    pages = cache_layout(load_model_config(model)).slot_pages(4, torch.float32)
+    blocks = 3 * (16 + pages)  # three sequences of 64 tokens with their slots
+    args = dict(dtype="float32", block_size=4, kv_cache_blocks=blocks, max_model_len=64)
+    with caplog.at_level("INFO", logger="afdserve.engine.factory"), LLM(str(model), **args):
+        pass
+    assert "maximum concurrency for 64 tokens per request: 3.00x" in caplog.text
