@@ -23,7 +23,7 @@
 #
 # The server needs fastapi, uvicorn and pydantic: where the device lacks them, carry their
 # wheels in ./.whl (pip download --python-version 3.12 --only-binary :all: -d .whl fastapi
-# uvicorn) and this installs them first.
+# uvicorn prometheus-client) and this installs them first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}
@@ -44,8 +44,8 @@ run() {  # run NAME CMD...: its output to $OUT/NAME.log, its tail to the index
 }
 
 wheels() {
-    python -c "import fastapi, uvicorn" 2>/dev/null && return
-    [ -d .whl ] && pip install -q --no-index --find-links .whl fastapi uvicorn httpx && return
+    python -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null && return
+    [ -d .whl ] && pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client && return
     log "no fastapi/uvicorn here and no ./.whl to install them from: server groups skipped"
     return 1
 }
