@@ -30,7 +30,13 @@ FLOATS = {"qk_scale_log2": "fp32", "v_scale": "fp32"}
 
 
 def compile_for_h200(
-    fp8: bool, launch, block_q: int = 2, direct: bool = False, gpt_oss: bool = False
+    fp8: bool,
+    launch,
+    block_q: int = 2,
+    direct: bool = False,
+    gpt_oss: bool = False,
+    head_dim: int = 128,
+    group: int = 8,
 ) -> object:
     """The kernel at Qwen3-30B-A3B's heads (32 q heads, 4 KV heads, dim 128, cache block 16):
     a decode launch (`block_q` 2: 16 rows of 8 heads) or a prefill one (8: 64 rows). `gpt_oss`:
@@ -44,11 +50,11 @@ def compile_for_h200(
     kernel = ta._paged_attention_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     constants = {
-        "GROUP": 8,
-        "GROUP_PAD": 8,
+        "GROUP": group,
+        "GROUP_PAD": group,
         "BLOCK_Q": block_q,
-        "HEAD_DIM": 64 if gpt_oss else 128,
-        "DIM_PAD": 64 if gpt_oss else 128,
+        "HEAD_DIM": 64 if gpt_oss else head_dim,
+        "DIM_PAD": 64 if gpt_oss else triton.next_power_of_2(head_dim),
         "CACHE_BLOCK": 16,
         "BLOCK_N": launch.block_n,
         "DIRECT": direct,
@@ -146,3 +152,21 @@ def test_gpt_oss_launches_compile_without_spills() -> None:
             launch = ta.FP8_DECODE_LAUNCH if fp8 and block_q == 2 else ta.DEFAULT_LAUNCH
             compiled = compile_for_h200(fp8, launch, block_q, direct, gpt_oss=True)
             assert_loop_does_not_spill(compiled)
+
+
+def test_wide_heads_fit_the_shared_memory_of_sm_90() -> None:
+    """Kimi-Linear's NoPE MLA reads its 576-channel latent whole (padded to 1024), 32 query
+    heads over it: the launch and query block `paged_attention` picks for such heads, decode
+    and prefill, fit sm_90's 227 KiB of shared memory (232448 bytes a block), where the default
+    launch asks 332 KB at decode and failed to launch on an H100 (OutOfResources)."""
+    from afdserve.kernels.triton import attention as ta
+
+    limit = 232448
+    for dim in (512, 576):
+        for decode in (True, False):
+            block_q = ta.query_block(decode, 32, dim)
+            wide = compile_for_h200(False, ta.WIDE_LAUNCH, block_q, head_dim=dim, group=32)
+            assert wide.metadata.shared <= limit, (dim, decode, wide.metadata.shared)
+    assert ta.query_block(False, 8, 128) == 8  # narrow heads keep their tiles
+    default = compile_for_h200(False, ta.DEFAULT_LAUNCH, 1, head_dim=576, group=32)
+    assert default.metadata.shared > limit

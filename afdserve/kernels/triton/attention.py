@@ -61,6 +61,26 @@ DEFAULT_LAUNCH = Launch()
 # per SM planned keeps every batch's programs in one wave (tests/kernels/
 # test_attention_compile.py checks all of this on the SASS).
 FP8_DECODE_LAUNCH = Launch(block_n=64, warps=4, stages=5, programs_per_sm=2, maxnreg=128)
+# Heads padded to 512 channels or more (MLA's latent read whole, 576 wide in Kimi-Linear's NoPE
+# layers, padded to 1024): the default 64-token tiles over 3 stages ask 332 KB of shared memory
+# at decode, past sm_90's 227 KiB (OutOfResources on an H100); 32 tokens over 2 stages and at
+# most 32 query rows a program ask 199 KB (tests/kernels/test_attention_compile.py).
+WIDE_HEAD_DIM = 512
+WIDE_LAUNCH = Launch(block_n=32, warps=8, stages=2)
+WIDE_TILE_ROWS = 32
+
+
+def wide_head(dim: int) -> bool:
+    return triton.next_power_of_2(dim) >= WIDE_HEAD_DIM
+
+
+def query_block(decode: bool, group_pad: int, dim: int) -> int:
+    """Query positions a program takes (each with its group's heads): 16 rows at decode, 64 in
+    prefill, 32 at most for wide heads."""
+    rows = MIN_TILE_ROWS if decode else 64
+    if wide_head(dim):
+        rows = min(rows, WIDE_TILE_ROWS)
+    return max(1, rows // group_pad)
 
 
 @triton.jit
@@ -493,14 +513,13 @@ def paged_attention(
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     decode = batched.max_query_len <= 1
-    if decode:
-        block_q = max(1, MIN_TILE_ROWS // group_pad)
-    else:
-        block_q = max(1, 64 // group_pad)
+    block_q = query_block(decode, group_pad, dim)
     segments = int(batched.context_lens.shape[0])
     if segments == 0 or batched.max_context_len == 0:
         return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
-    if launch is None:
+    if launch is None and wide_head(dim):
+        launch = WIDE_LAUNCH
+    elif launch is None:
         launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     span = batched.max_context_len
