@@ -140,7 +140,7 @@ class SequenceSlots(CacheSpec):
         raise TypeError(f"{type(self).__name__} holds slots, not blocks: use allocate_slots")
 
     @abstractmethod
-    def slot_parts(self, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    def slot_parts(self, dtype: torch.dtype) -> tuple[Part, ...]:
         """(shape, dtype) of each part of one layer's state per slot."""
 
     @abstractmethod

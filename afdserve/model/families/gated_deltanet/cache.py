@@ -17,6 +17,7 @@ from afdserve.model.cache import CacheLayout, PagedKV, SequenceSlots
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.gated_deltanet.config import FULL, LINEAR, GDNConfig
 from afdserve.model.families.gated_deltanet.spans import DeltaSpans
+from afdserve.model.slot_plan import Part
 
 PREFIX_REUSE_REFUSAL = (
     "a linear-attention layer keeps one recurrent state per sequence, not per block, so a cached "
@@ -59,7 +60,7 @@ class DeltaNetState(SequenceSlots):
     # a graph captures.
     batched_segments = True
 
-    def slot_parts(self, dtype: torch.dtype):
+    def slot_parts(self, dtype: torch.dtype) -> tuple[Part, ...]:
         return (
             ((self.conv_dim, self.conv_kernel - 1), dtype),
             ((self.heads, self.key_head_dim, self.value_head_dim), torch.float32),
