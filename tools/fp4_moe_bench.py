@@ -15,10 +15,13 @@ batch, the same graph replays, and prints the best per batch and a `TILES` table
     PYTHONPATH=. python tools/fp4_moe_bench.py --sweep
 
 --prefill times instead, at each batch, the decode kernels (in row chunks of their MAX_PAIRS)
-against the prefill path (kernels/moe/fp4_grouped.py: a bf16 copy of a group of experts, grouped
-GEMMs), for the crossover `fp4_grouped.MIN_PAIRS` and the step's experts at prefill sizes.
+against both ways of the prefill path (kernels/moe/fp4_grouped.py: the weights decoded in
+registers per tile of pairs, `DIRECT`; or a bf16 copy of a group of experts and grouped GEMMs),
+for `fp4_grouped.DIRECT`, the crossover `fp4_grouped.MIN_PAIRS` and the step's experts at prefill
+sizes.
 
-    PYTHONPATH=. python tools/fp4_moe_bench.py --prefill --batch-sizes 64,128,256,512,1024,8192
+    PYTHONPATH=. python tools/fp4_moe_bench.py --prefill --batch-sizes 64,128,256,512,1024,8192 \
+        [--direct-launches "64,128,128,8,3;32,64,128,4,3"]
 """
 
 from __future__ import annotations
@@ -104,22 +107,55 @@ def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> Non
     print_best(best)
 
 
-def prefill(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> None:
-    """Both paths at every batch, on the same routing; the faster marked."""
+def prefill(
+    batches: list[int],
+    experts: int,
+    gu,
+    dn,
+    gen: torch.Generator,
+    launches: tuple[tuple[int, ...], ...] = (),
+) -> None:
+    """The decode kernels and both ways of the prefill path at every batch, on the same routing,
+    and the in-register way at each of `launches` (`fp4_grouped.DIRECT_LAUNCH`'s fields); the
+    fastest named."""
     from afdserve.kernels.moe import fp4_grouped
 
     for batch in batches:
         x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
         ids = torch.rand(batch, experts, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
         weights = torch.rand(batch, TOP_K, device="cuda", generator=gen)
-        chunks = replay_seconds(triton_fp4_moe.moe_experts, x, ids, weights, gu, dn, LIMIT)
-        grouped = replay_seconds(fp4_grouped.moe_experts, x, ids, weights, gu, dn, LIMIT)
         flops = 2 * batch * TOP_K * 3 * HIDDEN * INTER
-        print(
-            f"batch {batch:5d} ({batch * TOP_K} pairs): decode kernels {chunks * 1e3:8.3f} ms, "
-            f"prefill path {grouped * 1e3:8.3f} ms ({flops / grouped / 1e12:.0f} TFLOP/s): "
-            f"{'prefill path' if grouped < chunks else 'decode kernels'} faster"
+        times = {
+            "decode kernels": replay_seconds(
+                triton_fp4_moe.moe_experts, x, ids, weights, gu, dn, LIMIT
+            ),
+            **{
+                name: replay_seconds(
+                    lambda *a, d=direct: fp4_grouped.moe_experts(*a, direct=d),
+                    x,
+                    ids,
+                    weights,
+                    gu,
+                    dn,
+                    LIMIT,
+                )
+                for name, direct in (("in registers", True), ("bf16 copy", False))
+            },
+        }
+        for launch in launches:
+            times[f"in registers {launch}"] = replay_seconds(
+                lambda *a, t=launch: fp4_grouped.moe_experts(*a, direct=True, launch=t),
+                x,
+                ids,
+                weights,
+                gu,
+                dn,
+                LIMIT,
+            )
+        cells = ", ".join(
+            f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in times.items()
         )
+        print(f"batch {batch:5d} ({batch * TOP_K} pairs): {cells}: {min(times, key=times.get)}")
 
 
 def print_best(best: dict[int, tuple[float, Tiles]]) -> None:
@@ -141,7 +177,15 @@ def main() -> None:
     p.add_argument(
         "--prefill", action="store_true", help="time the decode kernels against the prefill path"
     )
+    p.add_argument(
+        "--direct-launches",
+        default="",
+        help="with --prefill, also the in-register way at these launches, ';'-separated, each "
+        "'gate_up_columns,down_columns,k_block,warps,stages'",
+    )
     args = p.parse_args()
+    named = [launch for launch in args.direct_launches.split(";") if launch]
+    launches = tuple(tuple(int(v) for v in launch.split(",")) for launch in named)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     experts = args.experts
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -157,7 +201,7 @@ def main() -> None:
         sweep(batches, experts, gu, dn, gen)
         return
     if args.prefill:
-        prefill(batches, experts, gu, dn, gen)
+        prefill(batches, experts, gu, dn, gen, launches)
         return
     bf16_experts = min(experts, 64)  # the bf16 comparison on a 64-expert stack (6 GB)
     gu16 = fp4.dequantize_fp4(gu[0][:bf16_experts], gu[1][:bf16_experts], torch.bfloat16)

@@ -127,7 +127,7 @@ group() {
         done
         ;;
     capacity)
-        for p in qwen3-30b-a3b qwen3.5-35b-a3b:8 qwen3-next-80b-a3b:8; do
+        for p in qwen3-30b-a3b qwen3.5-35b-a3b:8 qwen3-next-80b-a3b:8 kimi-linear-48b-a3b:8; do
             run "capacity-${p//[:.]/-}" $AFD bench capacity --preset "$p" --load-format dummy \
                 --context-len 32768 --topologies colocated
         done

@@ -146,9 +146,9 @@ def test_fp4_experts_prefill_chunks_and_absent_experts():
 
 @pytest.mark.parametrize("rows", [256, 1024])
 def test_fp4_prefill_path_matches_reference(flash_experts, rows):
-    """From `fp4_grouped.MIN_PAIRS` pairs (prefill) the experts are dequantized a group at a time
-    and run as grouped GEMMs, with the limit and with pairs of id -1; as the dispatch picks it
-    and over groups of three experts; then captured and replayed on new rows."""
+    """From `fp4_grouped.MIN_PAIRS` pairs (prefill) the prefill path, with the limit and with
+    pairs of id -1: as the dispatch picks it, each way (weights decoded in registers per tile of
+    pairs; a bf16 copy over groups of three experts); then captured and replayed on new rows."""
     from afdserve.kernels.moe import fp4_grouped
 
     experts, hidden, inter, top_k, limit = FLASH
@@ -160,8 +160,19 @@ def test_fp4_prefill_path_matches_reference(flash_experts, rows):
     out = no_sync(ops.moe_experts_fp4, x, ids, weights, gate_up, down, limit)
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < 2e-2
     three = 3 * 3 * hidden * inter * 2
-    out = no_sync(fp4_grouped.moe_experts, x, ids, weights, gate_up, down, limit, group_bytes=three)
-    assert rel_err(out, want) < 2e-2
+    for direct in (True, False):
+        out = no_sync(
+            fp4_grouped.moe_experts,
+            x,
+            ids,
+            weights,
+            gate_up,
+            down,
+            limit,
+            group_bytes=three,
+            direct=direct,
+        )
+        assert rel_err(out, want) < 2e-2, direct
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.moe_experts_fp4(x, ids, weights, gate_up, down, limit)

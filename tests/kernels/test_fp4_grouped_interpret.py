@@ -10,6 +10,11 @@ numpy), on CPU:
 3. The whole path over several expert groups (a small `group_bytes`), pairs of id -1 among them
    and the limit, against `fp4.moe_experts_fp4` (the experts dequantized one at a time).
 4. gpt-oss's expert biases and gain (`ExpertGLU`), in the grouped GEMM and over FP4 groups.
+5. The in-register way (`direct=True`): tiles of 16, 32 and 64 pairs of one expert, float32 rows
+   (only the accumulation order differs from the reference: float32's tolerance) and fp16 rows,
+   random bytes (every code) under a spread of scale bytes, pairs of id -1, the limit, gpt-oss's
+   biases and gain, columns past the dims, and row slices (a small `SLICE_BYTES`), against
+   `fp4.moe_experts_fp4`; and the stacks it refuses by name.
 fp16 rows (the interpreter's bf16 dots are wrong); in a subprocess because the variable must be
 set before any @triton.jit function is defined; Triton 3.7 or later (grouped.py's loops)."""
 
@@ -84,6 +89,52 @@ got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit, glu,
                               group_bytes=2 * per_expert)
 print("fp4 grouped glu", rel(got, want))
 assert rel(got, want) < 2e-3
+
+# 5. The in-register way.
+hidden, inter, experts = 128, 64, 6
+def packed(rows_out, cols_in):
+    return (torch.randint(0, 256, (experts, rows_out, cols_in // 2), dtype=torch.uint8,
+                          generator=gen),
+            torch.randint(112, 121, (experts, rows_out, cols_in // 32), dtype=torch.uint8,
+                          generator=gen))
+gate_up, down = packed(2 * inter, hidden), packed(hidden, inter)
+glu = reference.ExpertGLU(torch.randn(experts, 2 * inter, generator=gen),
+                          torch.randn(experts, hidden, generator=gen), 1.702)
+for rows, dtype, launch, use_glu, limit, rtol in [
+    (5, torch.float32, (32, 64, 64, 4, 2), False, 1.0, 1e-5),        # 16-row tiles, clamps bite
+    (40, torch.float32, (64, 128, 128, 4, 3), True, 10.0, 1e-5),     # 32-row tiles, columns past
+    (100, torch.float16, fp4_grouped.DIRECT_LAUNCH, False, None, 3e-3),  # 64-row tiles
+    (100, torch.float32, (16, 32, 256, 4, 2), True, None, 1e-5),     # K step wider than inter
+]:
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    ids = torch.rand(rows, experts, generator=gen).topk(top_k, dim=-1).indices
+    ids[::7, 0] = -1
+    weights = torch.rand(rows, top_k, generator=gen)
+    g = glu if use_glu else None
+    want = fp4.moe_experts_fp4(x.float(), ids, weights, gate_up, down, limit, g)
+    got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, limit,
+                                  None if g is None else reference.ExpertGLU(
+                                      g.gate_up_bias.to(dtype), g.down_bias.to(dtype), g.alpha),
+                                  direct=True, launch=launch)
+    print("direct", rows, dtype, launch, rel(got, want))
+    assert got.dtype == dtype and rel(got, want) < rtol, (rows, dtype, launch)
+# Row slices: scratch for 30 pairs at a time.
+fp4_grouped.SLICE_BYTES = 30 * (2 * inter + 4 * hidden)
+x = torch.randn(50, hidden, generator=gen)
+ids = torch.rand(50, experts, generator=gen).topk(top_k, dim=-1).indices
+weights = torch.rand(50, top_k, generator=gen)
+want = fp4.moe_experts_fp4(x, ids, weights, gate_up, down, 10.0)
+got = fp4_grouped.moe_experts(x, ids, weights, gate_up, down, 10.0, direct=True)
+print("direct slices", rel(got, want))
+assert rel(got, want) < 1e-5
+odd = (gate_up[0][:, :, :24].contiguous(), gate_up[1][:, :, :3].contiguous())  # hidden 48
+try:
+    fp4_grouped.moe_experts(x[:, :48], ids, weights, odd, down, direct=True)
+except ValueError as e:
+    assert "multiples of 64" in str(e), e
+    print("direct refused")
+else:
+    raise AssertionError("hidden 48 was not refused")
 """
 
 
@@ -91,3 +142,5 @@ def test_fp4_prefill_path_under_the_interpreter() -> None:
     run = run_interpreted(CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 5, run.stdout
+    # Four cases, the row slices and the refusal.
+    assert run.stdout.count("direct ") == 6 and "direct refused" in run.stdout, run.stdout

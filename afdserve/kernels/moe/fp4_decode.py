@@ -74,18 +74,25 @@ def supports(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
 ) -> bool:
-    """CUDA bf16/fp16 rows, uint8 packed weights and scales, contiguous, reduction dims
-    multiples of 64 (`MIN_K_BLOCK`; a scale per 32 inputs), packed bytes that start on a 4-byte
-    boundary (the kernels read them as int32 words). Others take the reference."""
-    tensors = (*gate_up, *down)
+    """CUDA bf16/fp16 rows over `decodable` experts. Others take the reference."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
+    return decodable(gate_up, down) and x.shape[-1] == 2 * gate_up[0].shape[2]
+
+
+def decodable(
+    gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]
+) -> bool:
+    """uint8 packed weights and scales, contiguous, reduction dims multiples of 64
+    (`MIN_K_BLOCK`; a scale per 32 inputs), packed bytes that start on a 4-byte boundary (the
+    kernels read them as int32 words)."""
+    tensors = (*gate_up, *down)
     if not all(t.dtype == torch.uint8 and t.is_contiguous() for t in tensors):
         return False
     if gate_up[0].storage_offset() % 4 or down[0].storage_offset() % 4:
         return False
     hidden, inter = 2 * gate_up[0].shape[2], 2 * down[0].shape[2]
-    return hidden % MIN_K_BLOCK == 0 and inter % MIN_K_BLOCK == 0 and x.shape[-1] == hidden
+    return hidden % MIN_K_BLOCK == 0 and inter % MIN_K_BLOCK == 0
 
 
 # Two fp16s' sign, exponent bits 1-0 and top mantissa bit (bits 15, 11-9 and 31, 27-25): where

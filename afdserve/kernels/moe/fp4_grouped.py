@@ -1,14 +1,21 @@
-"""FP4 routed experts for prefill-sized batches: the experts dequantized to x's dtype a group at a
-time, then the grouped GEMM (grouped.py) over the pairs routed into the group.
+"""FP4 routed experts for prefill-sized batches, over align.py's tiles of pairs grouped by expert
+(grouped.py's assignment), in one of two ways:
 
-The decode kernels (fp4_decode.py) decode each weight in registers for the pairs of one launch,
-at most `fp4_decode.MAX_PAIRS`; a longer batch runs in row chunks that each decode every touched
-expert again. At DeepSeek-V4-Flash's experts (256 x 3 x 4096 x 2048, top-6) a chunk of 85 rows
-touches ~220 experts and costs ~2.6 ms (the batch-64 step's 2.26 ms, docs/benchmarks.md), so an
-8192-token prefill spends ~97 chunks, ~250 ms, a layer in its experts. Here each weight is decoded
-once a call (a bf16 copy of `GROUP_BYTES` at most at a time) and the GEMMs run in tiles of many
-rows per expert. gpt-oss's MXFP4 experts (the same format) take it too, with their biases and gain
-(grouped.py takes them). No host sync: graph capturable.
+- **in registers** (`DIRECT`): grouped.py's tiling with fp4_decode.py's K loop: each program
+  decodes its expert's weight tile in registers (`fp4_decode._fp4_step`'s bit moves) for a tile
+  of up to 64 of that expert's pairs, so a weight is decoded once per tile of rows and no bf16
+  copy exists. The decode kernels (fp4_decode.py) hold their pair list in registers and take at
+  most `fp4_decode.MAX_PAIRS` pairs a launch: a longer batch ran in row chunks of 85 rows at
+  DeepSeek-V4-Flash's top-6, each decoding again every expert it touched (~220 of 256).
+- **through a bf16 copy**: the experts dequantized to x's dtype a group of `GROUP_BYTES` at a
+  time (~16 GB of traffic a layer at Flash's 256 x 3 x 4096 x 2048), then grouped.py's GEMM.
+
+By arithmetic (sm_90, Flash's experts): decoding a weight takes about 4.6 instructions
+(fp4_decode.py), so decoding all 6.4G weights of a layer once is about 1 ms of the SMs' integer
+issue, where the copy moves ~16 GB (~4 ms at 4 TB/s) before its GEMM. A 1024-token prefill (6144
+pairs, ~24 an expert) decodes each weight once in registers; an 8192-token one (~192 an expert)
+three times, against a GEMM of 2.5 TFLOP a layer. gpt-oss's MXFP4 experts (the same format) take
+both ways, with their biases and gain. No host sync: graph capturable.
 """
 
 from __future__ import annotations
@@ -17,7 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe import grouped
+from afdserve.kernels.moe import fp4_decode, grouped
+from afdserve.kernels.moe.align import assign
+from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.moe.fp4_decode import _fp4_step, _x_slices
+from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.layers import ExpertGLU
 
 # The bf16 (fp16) copy of one group of experts at most, in bytes: scratch memory against the
@@ -30,6 +41,12 @@ SLICE_BYTES = 1 << 30
 # crossover for the H200's sweep (tools/fp4_moe_bench.py).
 MIN_PAIRS = 1536
 BLOCK = 1024  # packed bytes per dequantizing program
+# Whether this path decodes the weights in registers (module docstring) rather than copying them.
+DIRECT = True
+# The in-register way's launch: (intermediate columns per gate/up program, whose gate and up
+# rows make one weight tile of twice as many; hidden columns per down program; K step; warps;
+# stages), fp4_decode.TILES' shape. Untimed at tiles of more than 16 rows.
+DIRECT_LAUNCH = (64, 128, 128, 4, 3)
 
 
 def supports(x: torch.Tensor, gate_up: tuple, down: tuple) -> bool:
@@ -79,6 +96,192 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     return out
 
 
+@triton.jit
+def _direct_gate_up_kernel(
+    x_ptr,
+    slots_ptr,
+    end_ptr,
+    count_ptr,
+    w_ptr,
+    s_ptr,
+    h_ptr,
+    num_experts,
+    top_k,
+    hidden,
+    inter,
+    w_row,
+    s_row,
+    limit,
+    bias_ptr,
+    alpha,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+):
+    """h[pair] for a tile of one expert's pairs (tile_rows) and COLUMNS intermediate columns: the
+    gate rows of those columns and then their up rows as one weight tile of 2 * COLUMNS rows,
+    decoded in registers as the dots' left operand (fp4_decode._gate_up_kernel's tile).
+    [E, 2I, H / 8] int32 words and [E, 2I, H / 32] scales; w_row = H / 8, s_row = H / 32."""
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < inter
+        r = tl.arange(0, 2 * COLUMNS)
+        # Columns past the last read the last one's bytes and rows past the tile's pairs read
+        # pair 0's row (tile_rows), so no load is masked; neither is stored.
+        both_col = tl.minimum(tl.program_id(1) * COLUMNS + r % COLUMNS, inter - 1)
+        both_row = e * 2 * inter + (r // COLUMNS) * inter + both_col
+        both_w = w_ptr + both_row * w_row
+        both_s = s_ptr + both_row * s_row
+        x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
+        acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
+        for k0 in range(0, hidden, K_BLOCK):
+            xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK, True)
+        # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+        both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
+        gate, up = tl.split(both)
+        if HAS_BIAS:  # gpt-oss's [E, 2I], gate half first
+            bias_row = bias_ptr + e * 2 * inter
+            gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if HAS_ALPHA:
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
+        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _direct_down_kernel(
+    h_ptr,
+    slots_ptr,
+    end_ptr,
+    count_ptr,
+    weights_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    num_experts,
+    hidden,
+    inter,
+    w_row,
+    s_row,
+    bias_ptr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """y[pair] = weight[pair] * (h[pair] W_down^T (+ its bias)) for a tile of one expert's pairs
+    and COLUMNS hidden columns. [E, H, I / 8] int32 words, [E, H, I / 32] scales; w_row = I / 8,
+    s_row = I / 32."""
+    expert, pairs, row_ok = tile_rows(slots_ptr, end_ptr, count_ptr, num_experts, ROWS, E_PAD)
+    if expert < num_experts:
+        e = expert.to(tl.int64)
+        col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        col_ok = col < hidden
+        load_col = tl.minimum(col, hidden - 1).to(tl.int64)
+        down_w = w_ptr + (e * hidden + load_col) * w_row
+        down_s = s_ptr + (e * hidden + load_col) * s_row
+        h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
+        acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
+        for k0 in range(0, inter, K_BLOCK):
+            hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
+            acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, True)
+        acc = tl.trans(acc)
+        if HAS_BIAS:  # gpt-oss's [E, H], before the routing weight
+            acc += tl.load(bias_ptr + e * hidden + col, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
+        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _direct(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    limit: float | None,
+    glu: ExpertGLU,
+    launch: tuple[int, int, int, int, int],
+) -> torch.Tensor:
+    """The in-register way over x [rows, hidden] whose pairs fit the scratch (h and y)."""
+    experts, two_inter, half_hidden = gate_up[0].shape
+    hidden, inter = 2 * half_hidden, two_inter // 2
+    rows, top_k = topk_ids.shape
+    pairs = rows * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    tile = grouped.rows_per_tile(pairs, experts)
+    groups = assign(ids, experts, tile)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    gate_up_columns, down_columns, k_block, warps, stages = launch
+    common = dict(ROWS=tile, E_PAD=max(16, triton.next_power_of_2(experts)))
+    options = dict(num_warps=warps, num_stages=stages)
+    _direct_gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
+        x,
+        groups.slots,
+        groups.expert_end,
+        groups.expert_count,
+        fp4_decode._words(gate_up[0]),
+        gate_up[1],
+        h,
+        experts,
+        top_k,
+        hidden,
+        inter,
+        hidden // 8,
+        hidden // 32,
+        0.0 if limit is None else float(limit),
+        x if glu.gate_up_bias is None else glu.gate_up_bias,  # never read without a bias
+        1.0 if glu.alpha is None else float(glu.alpha),
+        COLUMNS=gate_up_columns,
+        K_BLOCK=fp4_decode._k_block(hidden, k_block),
+        HAS_LIMIT=limit is not None,
+        HAS_BIAS=glu.gate_up_bias is not None,
+        HAS_ALPHA=glu.alpha is not None,
+        **common,
+        **options,
+    )
+    _direct_down_kernel[(groups.tiles, triton.cdiv(hidden, down_columns))](
+        h,
+        groups.slots,
+        groups.expert_end,
+        groups.expert_count,
+        weights,
+        fp4_decode._words(down[0]),
+        down[1],
+        y,
+        experts,
+        hidden,
+        inter,
+        inter // 8,
+        inter // 32,
+        x if glu.down_bias is None else glu.down_bias,  # never read without a bias
+        COLUMNS=down_columns,
+        K_BLOCK=fp4_decode._k_block(inter, k_block),
+        HAS_BIAS=glu.down_bias is not None,
+        **common,
+        **options,
+    )
+    return sum_pairs(y, ids, torch.empty_like(x), experts)
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -88,15 +291,43 @@ def moe_experts(
     limit: float | None = None,
     glu: ExpertGLU | None = None,
     group_bytes: int = GROUP_BYTES,
+    direct: bool | None = None,
+    launch: tuple[int, int, int, int, int] = DIRECT_LAUNCH,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4` (ids -1: no expert; `glu`: gpt-oss's biases,
-    contiguous, and gain). Check `supports` first. `group_bytes`: the dequantized copy's bound
-    (tests pass small ones)."""
+    contiguous, and gain). Check `supports` first. `direct`: decode the weights in registers
+    (None: `DIRECT`, where the stacks are `fp4_decode.decodable`), else through the bf16 copy, whose
+    bound is `group_bytes` (tests pass small ones); `launch`: the in-register way's
+    (`DIRECT_LAUNCH`)."""
     glu = glu or ExpertGLU()
     experts, two_inter, half_hidden = gate_up[0].shape
     hidden, inter = 2 * half_hidden, two_inter // 2
     if experts == 0 or topk_ids.numel() == 0:
         return torch.zeros_like(x)
+    if DIRECT if direct is None else direct:
+        if fp4_decode.decodable(gate_up, down):
+            x = x.contiguous()
+            # h and y of at most SLICE_BYTES: longer batches in row slices.
+            max_pairs = max(1, SLICE_BYTES // (2 * inter + 4 * hidden))
+            return in_row_chunks(
+                topk_ids,
+                max_pairs,
+                lambda chunk: _direct(
+                    x[chunk],
+                    topk_ids[chunk],
+                    topk_weights[chunk],
+                    gate_up,
+                    down,
+                    limit,
+                    glu,
+                    launch,
+                ),
+            )
+        if direct:
+            raise ValueError(
+                "direct=True: these FP4 experts cannot be decoded in registers (it takes "
+                "contiguous uint8 stacks on 4-byte boundaries, dims multiples of 64)"
+            )
     per_expert = 3 * hidden * inter * x.element_size()
     size = max(1, min(experts, group_bytes // per_expert))
     w13 = torch.empty(size, two_inter, hidden, dtype=x.dtype, device=x.device)
