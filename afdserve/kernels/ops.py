@@ -680,8 +680,8 @@ def moe_experts_fp4(
 ) -> torch.Tensor:
     """Routed experts whose weights are FP4 ((packed, scale) pairs, kernels/reference/fp4.py). On
     CUDA the Triton kernels read the FP4 bytes and dequantize in registers (no bf16 copy of the
-    experts, graph capturable); from `fp4_grouped.MIN_PAIRS` pairs (prefill) a bf16 copy of a
-    group of experts at a time and the grouped GEMM; elsewhere the
+    experts, graph capturable); from `fp4_grouped.MIN_PAIRS` pairs (past one decode launch) in
+    tiles of pairs grouped by expert, each weight tile decoded once per tile; elsewhere the
     reference dequantizes the routed experts one at a time. `glu`: gpt-oss's biases and gain
     (MXFP4 is this format)."""
     if _triton_ready(x):
@@ -691,7 +691,8 @@ def moe_experts_fp4(
         if gate_up[0].shape[0] == 0 and x.is_cuda:  # a shard without experts
             return torch.zeros_like(x)
         if topk_ids.numel() >= fp4_grouped.MIN_PAIRS and fp4_grouped.supports(x, gate_up, down):
-            # Prefill: each weight decoded once a call, not once per decode-kernel chunk.
+            # Past one launch of the decode kernels: each weight decoded once per tile of pairs,
+            # not once per decode-kernel chunk.
             return fp4_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, limit, glu)
         if triton_fp4_moe.supports(x, gate_up, down):
             return triton_fp4_moe.moe_experts(

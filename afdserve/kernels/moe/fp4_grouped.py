@@ -10,12 +10,14 @@
 - **through a bf16 copy**: the experts dequantized to x's dtype a group of `GROUP_BYTES` at a
   time (~16 GB of traffic a layer at Flash's 256 x 3 x 4096 x 2048), then grouped.py's GEMM.
 
-By arithmetic (sm_90, Flash's experts): decoding a weight takes about 4.6 instructions
-(fp4_decode.py), so decoding all 6.4G weights of a layer once is about 1 ms of the SMs' integer
-issue, where the copy moves ~16 GB (~4 ms at 4 TB/s) before its GEMM. A 1024-token prefill (6144
-pairs, ~24 an expert) decodes each weight once in registers; an 8192-token one (~192 an expert)
-three times, against a GEMM of 2.5 TFLOP a layer. gpt-oss's MXFP4 experts (the same format) take
-both ways, with their biases and gain. No host sync: graph capturable.
+Decoding a weight takes about 5 instructions (sm_90 SASS of these loops), so decoding all 6.4G
+weights of a Flash layer once is about 1 ms of the SMs' integer issue, where the copy moves ~16 GB
+before its GEMM. A 1024-token prefill (6144 pairs, ~24 an expert) decodes each weight once; an
+8192-token one (~192 an expert) three times, against 2.5 TFLOP of dots a layer. Measured on an
+H100 (docs/benchmarks.md, 2026-12-06): 3.9 ms a layer at 6144 pairs (the copy: 13.6 ms; the
+decode kernels' chunks: 28.9 ms), 12.1 ms at 49152 (205 TFLOP/s; the copy: 22.8 ms). gpt-oss's
+MXFP4 experts (the same format) take both ways, with their biases and gain. No host sync: graph
+capturable.
 """
 
 from __future__ import annotations
@@ -37,15 +39,20 @@ GROUP_BYTES = 1 << 30
 # h and y of the grouped GEMM (grouped.moe_experts' scratch) at most, in bytes: more pairs run
 # in row slices, each reading the group's copy again.
 SLICE_BYTES = 1 << 30
-# Pairs from which `ops.moe_experts_fp4` takes this path: three decode-kernel chunks. Untimed: a
-# crossover for the H200's sweep (tools/fp4_moe_bench.py).
-MIN_PAIRS = 1536
+# Pairs from which `ops.moe_experts_fp4` takes this path: where the decode kernels would run in
+# row chunks. At Flash's experts on an H100 (tools/fp4_moe_bench.py --prefill, 2026-12-06) the
+# in-register way took 2.05 ms at 768 pairs against the chunks' 4.19 ms, and 3.9 against 28.9
+# ms at 6144; up to 512 pairs both are one pass over the touched experts.
+MIN_PAIRS = fp4_decode.MAX_PAIRS + 1
 BLOCK = 1024  # packed bytes per dequantizing program
-# Whether this path decodes the weights in registers (module docstring) rather than copying them.
+# Whether this path decodes the weights in registers (module docstring) rather than copying them:
+# faster at every batch measured, 768 to 49152 pairs (3.5x at 6144, 1.9x at 49152; H100, the
+# bench above).
 DIRECT = True
 # The in-register way's launch: (intermediate columns per gate/up program, whose gate and up
 # rows make one weight tile of twice as many; hidden columns per down program; K step; warps;
-# stages), fp4_decode.TILES' shape. Untimed at tiles of more than 16 rows.
+# stages), fp4_decode.TILES' shape: the fastest of four at 768 to 24576 pairs, within 6% of the
+# best at 49152 (the same bench, `--direct-launches`).
 DIRECT_LAUNCH = (64, 128, 128, 4, 3)
 
 
