@@ -59,6 +59,21 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 
 @triton.jit
+def glu_act(gate, up, limit, alpha, HAS_LIMIT: tl.constexpr, HAS_ALPHA: tl.constexpr):
+    """Every expert kernel's activation on float32 gate and up tiles (reference.swiglu): the clamps
+    of DeepSeek-V4's swiglu_limit and gpt-oss (`HAS_LIMIT`), then silu(gate) * up, or gpt-oss's
+    (up + 1) * gate * sigmoid(alpha gate) (`HAS_ALPHA`)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if HAS_ALPHA:
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    return act
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     ids_ptr,
@@ -104,13 +119,7 @@ def _gate_up_kernel(
         if HAS_BIAS:
             gate += gate_bias[None, :]
             up += up_bias[None, :]
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if HAS_ALPHA:
-            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
+        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.moe.decode import glu_act, sum_pairs
 from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
 from afdserve.kernels.reference.layers import ExpertGLU
 
@@ -269,13 +269,7 @@ def _gate_up_kernel(
         if HAS_BIAS:
             gate += gate_bias[None, :]
             up += up_bias[None, :]
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if HAS_ALPHA:
-            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
+        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
         out = h_ptr + rows[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

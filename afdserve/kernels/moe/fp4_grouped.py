@@ -28,7 +28,7 @@ import triton.language as tl
 
 from afdserve.kernels.moe import fp4_decode, grouped
 from afdserve.kernels.moe.align import assign
-from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.moe.decode import glu_act, sum_pairs
 from afdserve.kernels.moe.fp4_decode import _fp4_step, _x_slices
 from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.layers import ExpertGLU
@@ -157,13 +157,7 @@ def _direct_gate_up_kernel(
             bias_row = bias_ptr + e * 2 * inter
             gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if HAS_ALPHA:
-            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
+        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

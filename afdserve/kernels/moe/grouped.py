@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.moe.align import assign
-from afdserve.kernels.moe.decode import _k_block, sum_pairs
+from afdserve.kernels.moe.decode import _k_block, glu_act, sum_pairs
 from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.fp8 import FP8_DTYPE
 from afdserve.kernels.reference.layers import ExpertGLU
@@ -181,13 +181,7 @@ def _gate_up_kernel(
             bias_row = bias_ptr + e * 2 * inter
             gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_LIMIT:  # DeepSeek-V4's swiglu_limit and gpt-oss's clamp (reference.swiglu)
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if HAS_ALPHA:  # gpt-oss's gain and offset
-            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
+        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
         out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
         tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
