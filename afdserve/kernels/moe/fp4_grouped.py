@@ -28,8 +28,9 @@ import triton.language as tl
 
 from afdserve.kernels.moe import fp4_decode, grouped
 from afdserve.kernels.moe.align import assign
-from afdserve.kernels.moe.decode import glu_act, sum_pairs
+from afdserve.kernels.moe.decode import sum_pairs
 from afdserve.kernels.moe.fp4_decode import _fp4_step, _x_slices
+from afdserve.kernels.moe.grouped import store_h, store_y
 from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.layers import ExpertGLU
 
@@ -153,13 +154,23 @@ def _direct_gate_up_kernel(
         # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
         gate, up = tl.split(both)
-        if HAS_BIAS:  # gpt-oss's [E, 2I], gate half first
-            bias_row = bias_ptr + e * 2 * inter
-            gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
-        out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
-        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        store_h(
+            gate,
+            up,
+            e,
+            pairs,
+            row_ok,
+            col,
+            col_ok,
+            h_ptr,
+            inter,
+            limit,
+            bias_ptr,
+            alpha,
+            HAS_LIMIT,
+            HAS_BIAS,
+            HAS_ALPHA,
+        )
 
 
 @triton.jit
@@ -201,13 +212,7 @@ def _direct_down_kernel(
             hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
             acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, True)
         acc = tl.trans(acc)
-        if HAS_BIAS:  # gpt-oss's [E, H], before the routing weight
-            acc += tl.load(bias_ptr + e * hidden + col, mask=col_ok, other=0.0).to(tl.float32)[
-                None, :
-            ]
-        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
-        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+        store_y(acc, e, pairs, row_ok, col, col_ok, y_ptr, weights_ptr, hidden, bias_ptr, HAS_BIAS)
 
 
 def _direct(

@@ -88,6 +88,50 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool
 
 
 @triton.jit
+def store_h(
+    gate,
+    up,
+    e,
+    pairs,
+    row_ok,
+    col,
+    col_ok,
+    h_ptr,
+    inter,
+    limit,
+    bias_ptr,
+    alpha,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+):
+    """A grouped gate/up tile's epilogue: float32 gate and up [ROWS, COLUMNS] of expert e plus
+    gpt-oss's biases ([E, 2I], gate half first: reference.ExpertGLU), the activation, and h's
+    rows of the tile's pairs."""
+    if HAS_BIAS:
+        bias_row = bias_ptr + e * 2 * inter
+        gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
+    out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
+    tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def store_y(
+    acc, e, pairs, row_ok, col, col_ok, y_ptr, weights_ptr, hidden, bias_ptr, HAS_BIAS: tl.constexpr
+):
+    """A grouped down tile's epilogue: float32 acc [ROWS, COLUMNS] of expert e plus gpt-oss's bias
+    ([E, H], before the routing weight: reference.routed_experts), times each pair's weight,
+    into y's rows of the tile's pairs."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * hidden + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
+    tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     slots_ptr,
@@ -177,13 +221,23 @@ def _gate_up_kernel(
             )
         if GDC == 2:  # the next launch may place its programs while these store
             tl.extra.cuda.gdc_launch_dependents()
-        if HAS_BIAS:  # gpt-oss's [E, 2I], gate half first (reference.ExpertGLU)
-            bias_row = bias_ptr + e * 2 * inter
-            gate += tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
-        out = h_ptr + pairs.to(tl.int64)[:, None] * inter + col[None, :]
-        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        store_h(
+            gate,
+            up,
+            e,
+            pairs,
+            row_ok,
+            col,
+            col_ok,
+            h_ptr,
+            inter,
+            limit,
+            bias_ptr,
+            alpha,
+            HAS_LIMIT,
+            HAS_BIAS,
+            HAS_ALPHA,
+        )
 
 
 @triton.jit
@@ -248,12 +302,7 @@ def _down_kernel(
         )
         if GDC == 2:
             tl.extra.cuda.gdc_launch_dependents()
-        if HAS_BIAS:  # gpt-oss's [E, H], before the routing weight (reference.routed_experts)
-            bias = tl.load(bias_ptr + e * hidden + col, mask=col_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        out = y_ptr + pairs.to(tl.int64)[:, None] * hidden + col[None, :]
-        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+        store_y(acc, e, pairs, row_ok, col, col_ok, y_ptr, weights_ptr, hidden, bias_ptr, HAS_BIAS)
 
 
 def moe_experts(
