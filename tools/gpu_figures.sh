@@ -13,6 +13,8 @@
 #                                  one 1024-token prefill step (the TTFT yardstick)
 #   v4-kernels                     bench decode at contexts 8192 and 65536, the decode profile at
 #                                  batch 1 and 64, an 8192-token prefill profile (issue 43)
+#   fp4                            the FP4 experts: the prefill ways against the decode kernels,
+#                                  and the decode kernels' tile sweep at 64 rows (issue 43)
 #   qwen-serve                     Qwen3-30B-A3B served with defaults, 200 prompts (issue 44)
 #   families                       bench decode of each new family's preset (issues 45, 46)
 #   capacity                       bench capacity at 32768, hybrid against plain KV (issue 46)
@@ -26,6 +28,8 @@
 # uvicorn prometheus-client) and this installs them first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The tools import afdserve from this tree (`python tools/x.py` puts only tools/ on the path).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 AFD="python -m afdserve.cli"
@@ -112,6 +116,11 @@ group() {
         done
         run v4-prefill python tools/profile_prefill.py --preset "$V4" --input-len 8192 \
             --max-num-batched-tokens 8192
+        ;;
+    fp4)
+        run fp4-prefill python tools/fp4_moe_bench.py --prefill \
+            --batch-sizes 64,128,256,512,1024,8192
+        run fp4-sweep python tools/fp4_moe_bench.py --sweep --batch-sizes 64
         ;;
     qwen-serve)
         wheels && serve_and_load qwen-serve "$(preset_dir qwen3-30b-a3b)" "" \
