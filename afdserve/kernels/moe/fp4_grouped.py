@@ -8,16 +8,13 @@
   most `fp4_decode.MAX_PAIRS` pairs a launch: a longer batch ran in row chunks of 85 rows at
   DeepSeek-V4-Flash's top-6, each decoding again every expert it touched (~220 of 256).
 - **through a bf16 copy**: the experts dequantized to x's dtype a group of `GROUP_BYTES` at a
-  time (~16 GB of traffic a layer at Flash's 256 x 3 x 4096 x 2048), then grouped.py's GEMM.
+  time, then grouped.py's GEMM: every expert written and read back in bf16 before any dot.
 
-Decoding a weight takes about 5 instructions (sm_90 SASS of these loops), so decoding all 6.4G
-weights of a Flash layer once is about 1 ms of the SMs' integer issue, where the copy moves ~16 GB
-before its GEMM. A 1024-token prefill (6144 pairs, ~24 an expert) decodes each weight once; an
-8192-token one (~192 an expert) three times, against 2.5 TFLOP of dots a layer. Measured on an
-H100 (docs/benchmarks.md, 2026-12-06): 3.9 ms a layer at 6144 pairs (the copy: 13.6 ms; the
-decode kernels' chunks: 28.9 ms), 12.1 ms at 49152 (205 TFLOP/s; the copy: 22.8 ms). gpt-oss's
-MXFP4 experts (the same format) take both ways, with their biases and gain. No host sync: graph
-capturable.
+The in-register way is faster at every batch `tools/fp4_moe_bench.py --prefill` measured
+(docs/benchmarks.md, "FP4 experts decoded in registers for prefill"): a 1024-token prefill decodes
+each weight once and an 8192-token one three times, where the copy moves four bytes a weight
+first. gpt-oss's MXFP4 experts (the same format) take both ways, with their biases and gain. No
+host sync: graph capturable.
 """
 
 from __future__ import annotations
@@ -40,20 +37,23 @@ GROUP_BYTES = 1 << 30
 # h and y of the grouped GEMM (grouped.moe_experts' scratch) at most, in bytes: more pairs run
 # in row slices, each reading the group's copy again.
 SLICE_BYTES = 1 << 30
+
+
+def _slice_pairs(hidden: int, inter: int) -> int:
+    """Pairs whose h ([pairs, inter] in x's bf16/fp16) and y ([pairs, hidden] float32) fit
+    SLICE_BYTES."""
+    return max(1, SLICE_BYTES // (2 * inter + 4 * hidden))
+
+
 # Pairs from which `ops.moe_experts_fp4` takes this path: where the decode kernels would run in
-# row chunks. At Flash's experts on an H100 (tools/fp4_moe_bench.py --prefill, 2026-12-06) the
-# in-register way took 2.05 ms at 768 pairs against the chunks' 4.19 ms, and 3.9 against 28.9
-# ms at 6144; up to 512 pairs both are one pass over the touched experts.
+# row chunks, each decoding the touched experts again (up to there both are one pass over them).
 MIN_PAIRS = fp4_decode.MAX_PAIRS + 1
 BLOCK = 1024  # packed bytes per dequantizing program
-# Whether this path decodes the weights in registers (module docstring) rather than copying them:
-# faster at every batch measured, 768 to 49152 pairs (3.5x at 6144, 1.9x at 49152; H100, the
-# bench above).
+# Whether this path decodes the weights in registers (module docstring) rather than copying them.
 DIRECT = True
 # The in-register way's launch: (intermediate columns per gate/up program, whose gate and up
 # rows make one weight tile of twice as many; hidden columns per down program; K step; warps;
-# stages), fp4_decode.TILES' shape: the fastest of four at 768 to 24576 pairs, within 6% of the
-# best at 49152 (the same bench, `--direct-launches`).
+# stages), fp4_decode.TILES' shape, chosen by the bench's `--direct-launches` sweep.
 DIRECT_LAUNCH = (64, 128, 128, 4, 3)
 
 
@@ -314,10 +314,9 @@ def moe_experts(
         if fp4_decode.decodable(gate_up, down):
             x = x.contiguous()
             # h and y of at most SLICE_BYTES: longer batches in row slices.
-            max_pairs = max(1, SLICE_BYTES // (2 * inter + 4 * hidden))
             return in_row_chunks(
                 topk_ids,
-                max_pairs,
+                _slice_pairs(hidden, inter),
                 lambda chunk: _direct(
                     x[chunk],
                     topk_ids[chunk],
@@ -338,7 +337,7 @@ def moe_experts(
     size = max(1, min(experts, group_bytes // per_expert))
     w13 = torch.empty(size, two_inter, hidden, dtype=x.dtype, device=x.device)
     w2 = torch.empty(size, hidden, inter, dtype=x.dtype, device=x.device)
-    max_pairs = max(grouped.GROUPED_MAX_PAIRS, SLICE_BYTES // (2 * inter + 4 * hidden))
+    max_pairs = max(grouped.GROUPED_MAX_PAIRS, _slice_pairs(hidden, inter))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for first in range(0, experts, size):
         last = min(experts, first + size)
