@@ -5,12 +5,17 @@ matmul peak, how busy the GPU was (launch-bound when well below 100%), kernel la
 and layer, and the kernels by GPU time; on a CPU the operators by CPU time instead.
 
     PYTHONPATH=. python tools/profile_prefill.py --preset deepseek-v4-flash:4 --prompts 8 \
-        --input-len 1024 [--max-num-batched-tokens 8192] [--graph-mode none] [--rows 30]
+        --input-len 1024 [--max-num-batched-tokens 8192] [--graph-mode none] [--rows 30] \
+        [--set afdserve.kernels.triton.v4_attention.PREFILL_BLOCK_HEADS=32 ...]
+
+--set overrides a kernel module's integer constant before the engine starts (the colocated
+engine runs in this process), so one launch constant can be swept step by step.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import time
 
@@ -35,10 +40,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rows", type=int, default=30, help="kernels printed")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=INT",
+        help="override a kernel module's integer constant first (repeatable)",
+    )
     a = p.parse_args(argv)
     if min(a.prompts, a.input_len, a.max_num_batched_tokens, a.rows) < 1:
         p.error("--prompts, --input-len, --max-num-batched-tokens and --rows must be >= 1")
+    try:
+        a.overrides = [override(text) for text in a.set]
+    except ValueError as err:
+        p.error(str(err))
     return a
+
+
+def override(text: str) -> tuple[object, str, int]:
+    """'MODULE.NAME=INT' -> (the module, NAME, INT), NAME an integer constant it defines."""
+    target, sep, value = text.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"--set {text!r}: expected MODULE.NAME=INT")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--set {text!r}: cannot import {module_name} ({err})") from None
+    if not isinstance(getattr(module, name, None), int):
+        raise ValueError(f"--set {text!r}: {module_name} has no integer constant {name}")
+    try:
+        return module, name, int(value)
+    except ValueError:
+        raise ValueError(f"--set {text!r}: {value!r} is not an integer") from None
 
 
 def prompts_of(count: int, length: int, vocab: int, salt: int) -> list[list[int]]:
@@ -48,6 +82,8 @@ def prompts_of(count: int, length: int, vocab: int, salt: int) -> list[list[int]
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    for module, name, value in a.overrides:
+        setattr(module, name, value)
     cuda = a.device.startswith("cuda")
     with model_dir_for(a.model, a.preset, a.load_format) as model_dir:
         config = load_model_config(model_dir)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,19 +30,22 @@ def test_profile_prefill_reports_the_prompts_it_ran():
     assert len(ops) == 5
 
 
-def test_profile_prefill_refuses_a_bad_size():
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--prompts", "0"], "must be >= 1"),
+        (["--set", "BLOCK_ROWS"], "expected MODULE.NAME=INT"),
+        (["--set", "afdserve.no_such_module.X=1"], "cannot import afdserve.no_such_module"),
+        (["--set", "afdserve.bench.flops.nothing=1"], "has no integer constant nothing"),
+        (["--set", "afdserve.bench.flops.active_parameters=1"], "no integer constant"),
+    ],
+)
+def test_profile_prefill_refuses_bad_arguments(args, says):
     run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools/profile_prefill.py"),
-            "--preset",
-            "tiny",
-            "--prompts",
-            "0",
-        ],
+        [sys.executable, str(REPO / "tools/profile_prefill.py"), "--preset", "tiny", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=120,
     )
-    assert run.returncode == 2 and "must be >= 1" in run.stderr
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]

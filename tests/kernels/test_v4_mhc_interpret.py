@@ -2,7 +2,7 @@
 (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on CUDA
 (model/families/deepseek_v4/mhc.py: `expand`, `HyperConnection`, `v4_rms_norm`): the updated
 streams, the normalised collapse, post and comb. Cases: one row, odd row counts (9: two blocks of
-rows, the second partly masked), 2, 3 (padded) and 4 streams, widths under one chunk, not a power
+rows, the second partly masked; 64 to 96: the block-of-rows kernel), 2, 3 (padded) and 4 streams, widths under one chunk, not a power
 of two and over one collapse block, with and without the update (layer 0), 20 Sinkhorn rounds
 and one; float32 and float16 (the interpreter computes bf16 wrongly; tests/gpu covers it). In a
 subprocess because the variable must be set before any @triton.jit function is defined."""
@@ -54,6 +54,10 @@ CASES = [
     (5, 3, 200, torch.float16, 20, True),
     (9, 2, 1100, torch.float32, 1, True),
     (2, 3, 48, torch.float32, 3, True),
+    # From ROWS_KERNEL_FROM rows: the block-of-rows kernel (a partial block, 3 streams padded).
+    (70, 3, 200, torch.float16, 20, True),
+    (64, 4, 256, torch.float32, 20, False),
+    (96, 2, 40, torch.float32, 2, True),
 ]
 for i, args in enumerate(CASES):
     case(*args, seed=i)
@@ -63,4 +67,4 @@ for i, args in enumerate(CASES):
 def test_fused_mhc_site_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 6, run.stdout
+    assert run.stdout.count(" ok") == 9, run.stdout

@@ -7,6 +7,11 @@ columns (skipped at layer 0, where there is no block output yet), stored; then t
 of h''s sum of squares and of the (2 + n) n dot products of h' with the mapping weight `fn`. Each
 program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidden floats: 1.5 MB
 on V4-Flash) is read from memory once however many rows there are.
+`_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
+of hidden) whose dot products are one `tl.dot` of the block's updated streams, [rows, n chunk]
+flattened, with the chunk's `fn` (float32 FMAs, exact as the per-row sums). The per-row kernel
+reduces across its threads once per row and per chunk, about 19x its bytes' time at 8192 rows
+(docs/benchmarks.md, 2026-12-06); a block of rows shares one product instead.
 `_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
 the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
 sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
@@ -28,6 +33,10 @@ import triton.language as tl
 # stays near 32 float32 registers a thread at eight warps; not measured).
 FN_TILE = 8192
 MAX_ROWS_PER_PROGRAM = 8
+# From this many rows a site takes `_mix_rows_kernel`, BLOCK_ROWS rows a program (the smallest
+# tile `tl.dot` takes is 16 rows; both chosen, not measured: tools/mhc_bench.py sweeps them).
+ROWS_KERNEL_FROM = 64
+BLOCK_ROWS = 32
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
 
 
@@ -85,6 +94,67 @@ def _mix_kernel(
         squares = tl.sum(tl.sum(h * h, axis=1), axis=0)
         sums = tl.where(mix == mixes, squares, dots)
         tl.store(PARTIAL + (row * CHUNKS + chunk) * MIX_PAD + mix, sums, mask=row < rows)
+
+
+@triton.jit
+def _mix_rows_kernel(
+    H,  # [rows, n, hidden]: the streams before the update
+    Y,  # [rows, hidden]: the block's output (EXPAND only)
+    POST,  # [rows, n] float32: the previous site's post (EXPAND only)
+    COMB,  # [rows, n, n] float32: the previous site's comb (EXPAND only)
+    H_OUT,  # [rows, n, hidden]: the streams after it (EXPAND only)
+    FN,  # [mixes, n * hidden]
+    PARTIAL,  # [rows, CHUNKS, MIX_PAD] float32: dots, then the sum of squares at `mixes`
+    rows,
+    n,
+    hidden,
+    mixes,
+    EXPAND: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_PAD: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    chunk = tl.program_id(1)
+    # The chunk's columns of every stream, flattened stream-major: the K axis of the product.
+    k = tl.arange(0, N_PAD * BLOCK)
+    stream, col = k // BLOCK, chunk * BLOCK + k % BLOCK
+    live_k = (stream < n) & (col < hidden)
+    tile = (row[:, None] < rows) & live_k[None, :]  # [ROWS, N_PAD * BLOCK]
+    at = row[:, None] * n * hidden + (stream * hidden + col)[None, :]
+    if EXPAND:
+        dtype = H.dtype.element_ty
+        # comb^T h: out[k] = sum_j comb[j, k] h[j], comb rounded to the streams' dtype first;
+        # each h[j] is read once per output stream, from cache after the first.
+        mixed = tl.zeros([ROWS, N_PAD * BLOCK], dtype=tl.float32)
+        for j in range(n):
+            h_j = tl.load(H + row[:, None] * n * hidden + (j * hidden + col)[None, :], mask=tile)
+            comb = tl.load(COMB + row[:, None] * n * n + (j * n + stream)[None, :], mask=tile)
+            mixed += comb.to(dtype).to(tl.float32) * h_j.to(tl.float32)
+        post = tl.load(POST + row[:, None] * n + stream[None, :], mask=tile, other=0.0)
+        y = tl.load(Y + row[:, None] * hidden + col[None, :], mask=tile, other=0.0)
+        spread = (post.to(dtype).to(tl.float32) * y.to(tl.float32)).to(dtype)
+        h = (spread.to(tl.float32) + mixed.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(H_OUT + at, h, mask=tile)
+    else:
+        h = tl.load(H + at, mask=tile, other=0.0)
+    h = tl.where(tile, h.to(tl.float32), 0.0)
+    mix = tl.arange(0, MIX_PAD)
+    fn = tl.load(
+        FN + mix[None, :] * n * hidden + (stream * hidden + col)[:, None],
+        mask=live_k[:, None] & (mix[None, :] < mixes),
+        other=0.0,
+    ).to(tl.float32)  # [N_PAD * BLOCK, MIX_PAD]
+    dots = tl.dot(h, fn, input_precision="ieee")  # [ROWS, MIX_PAD]
+    squares = tl.sum(h * h, axis=1)
+    sums = tl.where(mix[None, :] == mixes, squares[:, None], dots)
+    tl.store(
+        PARTIAL + (row[:, None] * CHUNKS + chunk) * MIX_PAD + mix[None, :],
+        sums,
+        mask=row[:, None] < rows,
+    )
 
 
 @triton.jit
@@ -217,7 +287,12 @@ def hyper_connection(
     n_pad, mix_pad = triton.next_power_of_2(n), triton.next_power_of_2(mixes + 1)
     block = max(16, min(triton.next_power_of_2(hidden), FN_TILE // (mix_pad * n_pad)))
     chunks = triton.cdiv(hidden, block)
-    per_program = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+    # `tl.dot` takes no fewer than 16 columns: one stream's 3 mixings (n = 1) stay per row.
+    by_rows = rows >= ROWS_KERNEL_FROM and mix_pad >= 16
+    if by_rows:
+        per_program = BLOCK_ROWS
+    else:
+        per_program = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
     expand = y is not None
     out = torch.empty_like(h) if expand else h
     x = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
@@ -227,7 +302,8 @@ def hyper_connection(
         return out, x, post_out, comb_out
     partial = torch.empty(rows, chunks, mix_pad, dtype=torch.float32, device=h.device)
     ready = (y, post, comb) if expand else (h, h, h)  # placeholders, never read
-    _mix_kernel[(triton.cdiv(rows, per_program), chunks)](
+    mix_kernel = _mix_rows_kernel if by_rows else _mix_kernel
+    mix_kernel[(triton.cdiv(rows, per_program), chunks)](
         h,
         *ready,
         out,

@@ -35,6 +35,13 @@ from afdserve.kernels.triton.v4_pages import fp8_pages, page_rows, store_row
 # tile keeps a head_dim 512 key tile at 16 KB of bf16).
 BLOCK_HEADS = 16
 BLOCK_KEYS = 32
+# From PREFILL_ROWS rows a program takes PREFILL_BLOCK_HEADS heads: each key it loads then feeds
+# that many heads, so a prefill step reads its keys 4x less often at V4-Flash's 64 heads, and
+# enough programs remain to fill the GPU (a decode batch keeps the narrow block, for programs).
+# Both chosen, not measured: `tools/profile_prefill.py --set` sweeps them. A head_dim 512 block
+# of 64 heads compiles for sm_90 at eight warps without spills (tests/kernels).
+PREFILL_ROWS = 512
+PREFILL_BLOCK_HEADS = 64
 
 
 @triton.jit
@@ -298,7 +305,8 @@ def sparse_attention(
     window_rope, entry_rope = rope_pages if fp8 else (window_page, None)
     entry_rope = window_rope if entry_rope is None else entry_rope
     nope = dim - window_rope.shape[1] if fp8 else dim
-    block_h = BLOCK_HEADS
+    block_h = PREFILL_BLOCK_HEADS if rows >= PREFILL_ROWS else BLOCK_HEADS
+    block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # tl.dot's least M is 16
     _sparse_attention_kernel[(rows, triton.cdiv(heads, block_h))](
         q,
         own,

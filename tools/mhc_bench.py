@@ -1,0 +1,63 @@
+"""Time DeepSeek-V4's fused mHC site (kernels/triton/mhc.py) at V4-Flash's shape (4 streams of
+4096, 20 Sinkhorn rounds, bf16 streams, with the update) on CUDA, each way of its mixing kernel
+(per row; blocks of BLOCK_ROWS rows) at each row count, against the time the site's bytes need at
+the device's copy bandwidth (the streams read and written, the collapse written, `fn` once).
+`--block-rows` sweeps BLOCK_ROWS; the fastest way per row count sets ROWS_KERNEL_FROM.
+
+    PYTHONPATH=. python tools/mhc_bench.py [--rows 1,8,64,256,1024,8192] [--block-rows 16,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from fp4_moe_bench import replay_seconds
+
+from afdserve.bench.bytes import measure_copy_bandwidth
+from afdserve.kernels.triton import mhc
+from afdserve.model.families.deepseek_v4.mhc import HyperConnection
+
+N, HIDDEN, ITERS = 4, 4096, 20
+
+
+def site_bytes(rows: int) -> int:
+    streams = rows * N * HIDDEN * 2
+    return 2 * streams + rows * HIDDEN * 2 * 2 + (2 + N) * N * N * HIDDEN * 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,64,256,1024,8192")
+    parser.add_argument("--block-rows", default="16,32,64")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hc = HyperConnection(HIDDEN, N, ITERS, 1e-6, 1e-6).cuda()
+    with torch.no_grad():
+        hc.fn.normal_(generator=gen).mul_((N * HIDDEN) ** -0.5)
+        hc.base.normal_(generator=gen).mul_(0.5)
+        hc.scale.uniform_(0.5, 1.5, generator=gen)
+    weight = torch.ones(HIDDEN, device="cuda")
+    copy = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    ways = [("per row", 1 << 30, mhc.BLOCK_ROWS)]
+    ways += [(f"blocks of {b}", 0, b) for b in map(int, args.block_rows.split(","))]
+    print("| rows | bytes' time | " + " | ".join(w[0] for w in ways) + " |")
+    print("| --- " * (len(ways) + 2) + "|")
+    for rows in map(int, args.rows.split(",")):
+        h = torch.randn(rows, N, HIDDEN, device="cuda", generator=gen).bfloat16()
+        y = torch.randn(rows, HIDDEN, device="cuda", generator=gen).bfloat16()
+        post = torch.rand(rows, N, device="cuda", generator=gen) * 2
+        comb = torch.rand(rows, N, N, device="cuda", generator=gen)
+        site = (h, y, post, comb, hc.fn, hc.base, hc.scale, weight, ITERS, 1e-6, 1e-6, 1e-6)
+        cells = []
+        for _, start, block in ways:
+            mhc.ROWS_KERNEL_FROM, mhc.BLOCK_ROWS = start, block
+            cells.append(f"{replay_seconds(mhc.hyper_connection, *site) * 1e3:.3f} ms")
+        bound = site_bytes(rows) / (copy * 1e9) * 1e3
+        print(f"| {rows} | {bound:.3f} ms | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
