@@ -1,16 +1,16 @@
 """DeepSeek-V4's fused attention of a ubatch (kernels/triton/v4_attention.py) under Triton's
 interpreter (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on CUDA
-(`batched._attend`'s own form: gathered window and entries, `chunk_or`, `attend_batched`), over
-a real `LayerPages` filled with random rows: sliding, CSA (random top-k) and HCA (every entry:
-as indices, and as the kernel's own walk through the tables up to each row's last) layers; one
-decode row (batch 1, the first token); decode rows at positions before, across and past the
-window and the rates, with pad rows (which must give zero); prefill chunks beside decodes (keys
-and entries from the chunk's own rows and from the pages). The tiny V4 shapes and a wide one (20
-heads: two head blocks, one partly masked; head_dim 80: padded; a window and a top-k over one
-key tile; and in one block of 32, as prefill steps take them). float32 and float16 (the interpreter computes bf16 wrongly). FP8 caches (e4m3 pages with
-their bf16 rotated channels) read in the kernel, against the torch path over the same pages. In a
-subprocess because
-the variable must be set before any @triton.jit function is defined."""
+(`batched._attend`'s own form: gathered window and entries, `chunk_or`, `attend_batched`), over a
+real `LayerPages` filled with random rows: sliding, CSA (random top-k) and HCA (every entry: as
+indices, and as the kernel's own walk through the tables up to each row's last) layers; one decode
+row (batch 1, the first token); decode rows at positions before, across and past the window and the
+rates, with pad rows (which must give zero); prefill chunks beside decodes (keys and entries from
+the chunk's own rows and from the pages). The tiny V4 shapes and a wide one (20 heads: two head
+blocks, one partly masked; head_dim 80: padded; a window and a top-k over one key tile; and in one
+block of 32, as prefill steps take them). float32 and float16 (the interpreter computes bf16
+wrongly). FP8 caches (e4m3 pages with their bf16 rotated channels) read in the kernel, against the
+torch path over the same pages. In a subprocess because the variable must be set before any
+@triton.jit function is defined."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on CUDA
 (model/families/deepseek_v4/mhc.py: `expand`, `HyperConnection`, `v4_rms_norm`): the updated
 streams, the normalised collapse, post and comb. Cases: one row, odd row counts (9: two blocks of
-rows, the second partly masked; 64 to 96: the block-of-rows kernel), 2, 3 (padded) and 4 streams, widths under one chunk, not a power
-of two and over one collapse block, with and without the update (layer 0), 20 Sinkhorn rounds
-and one; float32 and float16 (the interpreter computes bf16 wrongly; tests/gpu covers it). In a
-subprocess because the variable must be set before any @triton.jit function is defined."""
+rows, the second partly masked; 64 to 96: the block-of-rows kernel), 2, 3 (padded) and 4 streams,
+widths under one chunk, not a power of two and over one collapse block, with and without the update
+(layer 0), 20 Sinkhorn rounds and one; float32 and float16 (the interpreter computes bf16 wrongly;
+tests/gpu covers it). In a subprocess because the variable must be set before any @triton.jit
+function is defined."""
 
 from __future__ import annotations
 
