@@ -13,8 +13,9 @@
 #                                  one 1024-token prefill step (the TTFT yardstick)
 #   v4-kernels                     bench decode at contexts 8192 and 65536, the decode profile at
 #                                  batch 1 and 64, an 8192-token prefill profile (issue 43)
-#   mhc                            mHC's mixing kernels by row count, then the 8192-token
-#                                  prefill profile they bound (issue 43)
+#   v4-prefill                     mHC's mixing kernels by row count, then the 8192-token
+#                                  prefill profile: as it is, with the earlier per-row mix and
+#                                  16-head attention (the before), and 32 heads (issue 43)
 #   fp4                            the FP4 experts: the prefill ways against the decode kernels,
 #                                  and the decode kernels' tile sweep at 64 rows (issue 43)
 #   qwen-serve                     Qwen3-30B-A3B served with defaults, 200 prompts (issue 44)
@@ -119,9 +120,14 @@ group() {
         run v4-prefill python tools/profile_prefill.py --preset "$V4" --input-len 8192 \
             --max-num-batched-tokens 8192
         ;;
-    mhc)
+    v4-prefill)
+        local k=afdserve.kernels.triton
         run mhc-bench python tools/mhc_bench.py
         run v4-prefill python tools/profile_prefill.py --preset "$V4" --input-len 1024
+        run v4-prefill-before python tools/profile_prefill.py --preset "$V4" --input-len 1024 \
+            --set $k.mhc.ROWS_KERNEL_FROM=1000000000 --set $k.v4_attention.PREFILL_BLOCK_HEADS=16
+        run v4-prefill-h32 python tools/profile_prefill.py --preset "$V4" --input-len 1024 \
+            --set $k.v4_attention.PREFILL_BLOCK_HEADS=32
         ;;
     fp4)
         run fp4-prefill python tools/fp4_moe_bench.py --prefill \
