@@ -1,5 +1,6 @@
 """The launches the w8a8 FP8 path folds into others (tests/gpu/test_fp8_fusions.py on the GPU),
-under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the norm that quantizes its rows
+under Triton's interpreter (TRITON_INTERPRET=1, numpy) on CPU: the quantize launch gives the
+reference's scales, and the values of a program per group; the norm that quantizes its rows
 gives add_rms_norm-then-quantize_rows' values and scales bit for bit (a partial last group, a
 width under one group), and the GEMM whose last K split sums the partials gives the sum launch's
 bits with its tile counters back at zero; and the grouped GEMM (one launch for every group of a
@@ -16,6 +17,24 @@ import torch
 from afdserve.kernels.reference import fp8
 from afdserve.kernels.triton import fp8_w8a8 as w8a8
 from afdserve.kernels.triton import norm as triton_norm
+
+# The quantize launch: its power-of-two scales those of the reference's groups, its values those
+# of a program per group (the interpreter's e4m3 conversion is not the GPU's, so the values are
+# checked launch against launch; tests/gpu/test_fp8_kernels.py holds them to the reference). Over
+# one program's block of groups, a partial last group, a width under one group.
+for rows, width in [(3, 256), (4, 1300), (2, 96), (2, 2176)]:
+    gen = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width, generator=gen) * torch.logspace(-3, 3, width)).half()
+    values, scales = w8a8.quantize_rows(x)
+    groups = torch.nn.functional.pad(x.float(), (0, -width % 128)).unflatten(1, (-1, 128))
+    want = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1) / 448.0)))
+    assert torch.equal(scales, want), (rows, width)
+    w8a8.QUANTIZE_GROUPS = 1
+    one_values, one_scales = w8a8.quantize_rows(x)
+    w8a8.QUANTIZE_GROUPS = 8
+    assert torch.equal(values.view(torch.uint8), one_values.view(torch.uint8)), (rows, width)
+    assert torch.equal(scales, one_scales), (rows, width)
+    print("quantize", rows, width, "ok")
 
 for rows, width in [(3, 256), (5, 200), (2, 96)]:
     gen = torch.Generator().manual_seed(rows + width)
@@ -72,4 +91,4 @@ for m, groups, n_group, k, splits in [(1, 4, 128, 256, 2), (20, 3, 256, 384, 1)]
 def test_fused_fp8_launches_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600, min_triton=(3, 7))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 8, run.stdout
+    assert run.stdout.count(" ok") == 12, run.stdout

@@ -42,6 +42,10 @@ QUANTIZE_IN_GEMM_ROWS = 16
 # second launch, which costs a launch per split GEMM: two a layer at a batch of 1 (q/k/v and
 # o_proj), one at 64 (docs/benchmarks.md, "Kernel constants").
 REDUCE_IN_GEMM = True
+# Groups of 128 one program of the quantize launch takes: a program per (row, group) made 262144
+# programs of one warp for 8192 rows of 4096, ~10x the bytes' time (a V4 prefill profile,
+# docs/benchmarks.md 2026-12-06); 1024 values a program at four warps (chosen, not measured).
+QUANTIZE_GROUPS = 8
 # Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
 MAX_SPLIT_TILES = 512
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -61,16 +65,26 @@ def _tile_counters(weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, K, x_stride, groups, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    x_stride,
+    groups,
+    FP8_LIMIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
+    # One row's GROUPS groups of GROUP columns a program, each group's scale its own.
     row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = c < K
     x = tl.load(x_ptr + row * x_stride + c, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
     shift = exact_shift(amax, FP8_LIMIT)
-    tl.store(q_ptr + row * K + c, (x * tl.exp2(-shift)).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row * groups + tl.program_id(1), tl.exp2(shift))
+    tl.store(q_ptr + row * K + c, (x * tl.exp2(-shift)[:, None]).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * groups + g, tl.exp2(shift), mask=g < groups)
 
 
 @triton.jit
@@ -211,8 +225,18 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x2.device)
     scales = torch.empty(m, groups, dtype=torch.float32, device=x2.device)
     if m:
-        _quantize_kernel[(m, groups)](
-            x2, q, scales, k, x2.stride(0), groups, FP8_LIMIT=FP8_MAX, GROUP=GROUP, num_warps=1
+        per = min(QUANTIZE_GROUPS, triton.next_power_of_2(groups))
+        _quantize_kernel[(m, triton.cdiv(groups, per))](
+            x2,
+            q,
+            scales,
+            k,
+            x2.stride(0),
+            groups,
+            FP8_LIMIT=FP8_MAX,
+            GROUP=GROUP,
+            GROUPS=per,
+            num_warps=max(1, per // 2),
         )
     return q, scales
 
