@@ -93,6 +93,31 @@ def add_rms_norm(
     return reference.add_rms_norm(h, delta, weight, eps)
 
 
+def zero_centred_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x / rms(x) * (1 + weight), None); given `delta`, the residual add first: (the norm of
+    x + delta, x + delta). One launch on CUDA."""
+    if _triton_ready(x) and x.shape[-1] <= 16384 and (delta is None or delta.shape == x.shape):
+        from afdserve.kernels.triton import norm as triton_norm
+
+        return triton_norm.hybrid_norm(x, weight, eps, delta=delta)
+    if delta is not None:
+        x = x + delta
+    return reference.zero_centred_rms_norm(x, weight, eps), None if delta is None else x
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """rms_norm(x, weight) * silu(z), z shaped as x. One launch on CUDA."""
+    if _triton_ready(x) and x.shape[-1] <= 16384 and z.shape == x.shape:
+        from afdserve.kernels.triton import norm as triton_norm
+
+        return triton_norm.hybrid_norm(x, weight, eps, z=z)[0]
+    return reference.gated_rms_norm(x, z, weight, eps)
+
+
 def quantizes_for_gemm(
     h: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> bool:

@@ -281,6 +281,28 @@ def test_add_rms_norm_matches_reference(dtype, rows, width):
     torch.testing.assert_close(got_x, want_x, rtol=tol, atol=1e-5 if tol == 0 else tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "heads", "width"), [(1, 16, 256), (64, 32, 128), (7, 1, 2048)])
+def test_hybrid_norms_match_reference(dtype, rows, heads, width):
+    """The Gated DeltaNet hybrids' norms in one launch: zero-centred over a strided view of
+    heads and after the residual add (the sum bit-equal to `h + delta`), and gated by silu(z)."""
+    gen = torch.Generator().manual_seed(rows + width)
+    both = (torch.randn(rows, heads, 2 * width, generator=gen) * 3).to(dtype).cuda()
+    x, z = both[..., :width], both[..., width:]
+    weight = (0.1 * torch.randn(width, generator=gen)).to(dtype).cuda()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    got = no_sync(ops.zero_centred_rms_norm, x, weight, 1e-6)
+    torch.testing.assert_close(got[0], reference.zero_centred_rms_norm(x, weight, 1e-6), **tol)
+    h = x.reshape(rows, heads * width).contiguous()
+    delta = torch.randn(h.shape, generator=gen).to(dtype).cuda()
+    wide = (0.1 * torch.randn(heads * width, generator=gen)).to(dtype).cuda()
+    got_x, got_h = no_sync(ops.zero_centred_rms_norm, h, wide, 1e-6, delta)
+    assert torch.equal(got_h, h + delta)
+    torch.testing.assert_close(got_x, reference.zero_centred_rms_norm(h + delta, wide, 1e-6), **tol)
+    got = no_sync(ops.gated_rms_norm, x, z, weight + 1, 1e-6)
+    torch.testing.assert_close(got, reference.gated_rms_norm(x, z, weight + 1, 1e-6), **tol)
+
+
 def test_rms_norm_strided_rows():
     x = torch.randn(8, 3, 256, device="cuda", dtype=torch.bfloat16)[:, 1]  # row stride 768
     weight = torch.rand(256, device="cuda", dtype=torch.bfloat16)

@@ -84,6 +84,22 @@ def add_rms_norm(
     return rms_norm(h, weight, eps), h
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * (1 + weight), in float32, rounded once to x's dtype (the Gated DeltaNet
+    hybrids' norm: the weight is stored as gain - 1)."""
+    f = x.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return (f * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """rms_norm(x) (rounded to x's dtype, times the weight in its dtype), then times silu(z) in
+    float32, rounded once to x's dtype (transformers' RMSNormGated)."""
+    return (rms_norm(x, weight, eps) * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
 def prepare_qkv(
     qkv: torch.Tensor,
     layout: QKVLayout,

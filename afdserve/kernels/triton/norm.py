@@ -68,6 +68,88 @@ def _rms_norm_kernel(
         )
 
 
+@triton.jit
+def _hybrid_norm_kernel(
+    X,
+    Z,
+    W,
+    Y,
+    D,
+    H,
+    stride_x,
+    stride_z,
+    stride_d,
+    width,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The Gated DeltaNet hybrids' two norms (kernels/reference/layers.py has their torch
+    forms): zero-centred, x / rms(x) * (1 + w) in float32 rounded once (after `h + delta` where
+    ADD, stored to H); or GATED, the plain norm's rounding times silu(z) in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = X.dtype.element_ty
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:
+        d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(dtype)
+        tl.store(H + row * width + cols, x, mask=mask)
+    f = x.to(tl.float32)
+    f = f * (1.0 / tl.sqrt(tl.sum(f * f, axis=0) / width + eps))
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    if GATED:
+        z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (f.to(dtype).to(tl.float32) * w.to(tl.float32)).to(W.dtype.element_ty)
+        y = y.to(tl.float32) * (z * tl.sigmoid(z))
+    else:
+        y = f * (1.0 + w.to(tl.float32))
+    tl.store(Y + row * width + cols, y.to(dtype), mask=mask)
+
+
+def hybrid_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    z: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., width] (last dim contiguous) -> (the norm [..., width] in x's dtype, h + delta or
+    None): zero-centred, after the residual add where `delta` is given; or gated by z (same
+    shape as x) where it is given (the two are not combined)."""
+    flat = _rows(x)
+    rows, width = flat.shape
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    summed = None
+    gate = flat if z is None else _rows(z)
+    d = flat if delta is None else _rows(delta)
+    if delta is not None:
+        summed = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(width)
+        _hybrid_norm_kernel[(rows,)](
+            flat,
+            gate,
+            weight,
+            out,
+            d,
+            out if summed is None else summed,
+            flat.stride(0),
+            gate.stride(0),
+            d.stride(0),
+            width,
+            eps,
+            BLOCK=block,
+            ADD=delta is not None,
+            GATED=z is not None,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    shape = x.shape
+    return out.view(shape), None if summed is None else summed.view(shape)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()

@@ -21,9 +21,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = x.float()
-        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (f * (1.0 + self.weight.float())).to(x.dtype)
+        return ops.zero_centred_rms_norm(x, self.weight, self.eps)[0]
+
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of h + delta, h + delta): the residual add in the norm's launch."""
+        return ops.zero_centred_rms_norm(h, self.weight, self.eps, delta)
 
 
 class GatedAttention(nn.Module):

@@ -30,10 +30,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        f = x.float()
-        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (self.weight * f.to(x.dtype)) * F.silu(z.float())
-        return out.to(x.dtype)
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class DeltaRuleLayer(nn.Module):

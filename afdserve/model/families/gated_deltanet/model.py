@@ -126,14 +126,14 @@ class HybridCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.model.layers[layer]
         if ffn_out is not None:
-            h = h + ffn_out
-        x = block.input_layernorm(h)
+            x, h = block.input_layernorm.add(h, ffn_out)
+        else:
+            x = block.input_layernorm(h)
         if hasattr(block, "linear_attn"):
             out = block.linear_attn(x, meta, cache)
         else:
             out = block.self_attn(x, meta, cache, cos_sin)
-        h = h + out
-        return block.post_attention_layernorm(h), h
+        return block.post_attention_layernorm.add(h, out)
 
     def add_ffn_output(self, h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor:
         return h + ffn_out
