@@ -487,7 +487,10 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
     for name, stored in state.items():
         if name.endswith(SCALE_SUFFIX):
             continue  # computed with its weight
-        tensor = torch.empty_like(stored, dtype=model.dtype) if is_fp8(stored) else stored
+        stack = name.endswith(_EXPERT_STACKS + _EXPERT_BIASES)
+        # An FP8 weight's values in the model dtype first (a stack's one expert at a time).
+        staged = is_fp8(stored) and not stack
+        tensor = torch.empty_like(stored, dtype=model.dtype) if staged else stored
         if stored.dtype == torch.uint8 and name.endswith(_EXPERT_STACKS):  # FP4 experts
             scale = state[name + SCALE_SUFFIX]
             for index, expert in enumerate(held.get(name, range(stored.shape[0]))):
@@ -507,17 +510,38 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
             tensor.copy_(keys.argsort(dim=-1)[:, : tensor.shape[1]])
         elif name.endswith("norm.weight"):
             tensor.fill_(1.0)
-        elif name.endswith(_EXPERT_STACKS + _EXPERT_BIASES):
-            experts = held.get(name, range(tensor.shape[0]))
+        elif stack:
+            experts = held.get(name, range(stored.shape[0]))
             for index, expert in enumerate(experts):  # [E, out, in]: one slice per expert
                 gen.manual_seed(_tensor_seed(seed, name, expert))
-                tensor[index].normal_(0.0, std, generator=gen)
+                if not is_fp8(stored):
+                    stored[index].normal_(0.0, std, generator=gen)
+                    continue
+                values = torch.empty_like(stored[index], dtype=model.dtype)
+                _quantize_into(model, name, state, values.normal_(0.0, std, generator=gen), index)
+            continue
         else:
             gen.manual_seed(_tensor_seed(seed, name))
             spread = 0.01 if name.endswith("e_score_correction_bias") else std
             tensor.normal_(0.0, spread, generator=gen)
         if tensor is not stored:
-            quant = model.config.quantization
-            values, grid = quantize_weight(tensor, name.endswith("gate_up_proj"), quant.block)
-            stored.copy_(values)
-            state[name + SCALE_SUFFIX].copy_(grid)
+            _quantize_into(model, name, state, tensor)
+
+
+def _quantize_into(
+    model: CausalLM,
+    name: str,
+    state: dict[str, torch.Tensor],
+    values: torch.Tensor,
+    expert: int | None = None,
+) -> None:
+    """An FP8 weight's values (or those of one expert of a stack: a float32 copy of a whole
+    stack is tens of GB at DeepSeek's sizes) quantized into the model with their scales."""
+    quantized, grid = quantize_weight(
+        values, name.endswith("gate_up_proj"), model.config.quantization.block
+    )
+    stored, scales = state[name], state[name + SCALE_SUFFIX]
+    if expert is not None:
+        stored, scales = stored[expert], scales[expert]
+    stored.copy_(quantized)
+    scales.copy_(grid)
