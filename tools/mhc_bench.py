@@ -1,10 +1,13 @@
 """Time DeepSeek-V4's fused mHC site (kernels/triton/mhc.py) at V4-Flash's shape (4 streams of
 4096, 20 Sinkhorn rounds, bf16 streams, with the update) on CUDA, each way of its mixing kernel
-(per row; blocks of BLOCK_ROWS rows) at each row count, against the time the site's bytes need at
-the device's copy bandwidth (the streams read and written, the collapse written, `fn` once).
-`--block-rows` sweeps BLOCK_ROWS; the fastest way per row count sets ROWS_KERNEL_FROM.
+(per row; blocks of BLOCK_ROWS rows, their products as ROWS_DOT says) at each row count, against
+the time the site's bytes need at the device's copy bandwidth (the streams read and written, the
+collapse written, `fn` once).
+`--block-rows` and `--dots` sweep BLOCK_ROWS and ROWS_DOT; the fastest way per row count sets
+ROWS_KERNEL_FROM.
 
-    PYTHONPATH=. python tools/mhc_bench.py [--rows 1,8,64,256,1024,8192] [--block-rows 16,32,64]
+    PYTHONPATH=. python tools/mhc_bench.py [--rows 1,64,1024,8192] [--block-rows 32,64] \
+        [--dots bf16x3,tf32x3,ieee]
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def site_bytes(rows: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,8,64,256,1024,8192")
-    parser.add_argument("--block-rows", default="16,32,64")
+    parser.add_argument("--rows", default="1,64,256,1024,8192")
+    parser.add_argument("--block-rows", default="32,64")
+    parser.add_argument("--dots", default="bf16x3,tf32x3,ieee", help="ROWS_DOT values swept")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     hc = HyperConnection(HIDDEN, N, ITERS, 1e-6, 1e-6).cuda()
@@ -40,8 +44,12 @@ def main() -> None:
     weight = torch.ones(HIDDEN, device="cuda")
     copy = measure_copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {copy:.0f} GB/s")
-    ways = [("per row", 1 << 30, mhc.BLOCK_ROWS)]
-    ways += [(f"blocks of {b}", 0, b) for b in map(int, args.block_rows.split(","))]
+    ways = [("per row", 1 << 30, mhc.BLOCK_ROWS, mhc.ROWS_DOT)]
+    ways += [
+        (f"{b} rows, {dot}", 0, b, dot)
+        for b in map(int, args.block_rows.split(","))
+        for dot in args.dots.split(",")
+    ]
     print("| rows | bytes' time | " + " | ".join(w[0] for w in ways) + " |")
     print("| --- " * (len(ways) + 2) + "|")
     for rows in map(int, args.rows.split(",")):
@@ -51,8 +59,8 @@ def main() -> None:
         comb = torch.rand(rows, N, N, device="cuda", generator=gen)
         site = (h, y, post, comb, hc.fn, hc.base, hc.scale, weight, ITERS, 1e-6, 1e-6, 1e-6)
         cells = []
-        for _, start, block in ways:
-            mhc.ROWS_KERNEL_FROM, mhc.BLOCK_ROWS = start, block
+        for _, start, block, dot in ways:
+            mhc.ROWS_KERNEL_FROM, mhc.BLOCK_ROWS, mhc.ROWS_DOT = start, block, dot
             cells.append(f"{replay_seconds(mhc.hyper_connection, *site) * 1e3:.3f} ms")
         bound = site_bytes(rows) / (copy * 1e9) * 1e3
         print(f"| {rows} | {bound:.3f} ms | " + " | ".join(cells) + " |", flush=True)

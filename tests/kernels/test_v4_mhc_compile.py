@@ -1,7 +1,8 @@
-"""DeepSeek-V4's mHC mixing kernels (kernels/triton/mhc.py: the per-row form for decode batches,
-the block-of-rows form for prefill) compile for the H200 (sm_90) down to a cubin with no spills, at
-V4-Flash's site (4 streams of 4096, 24 mixings), bf16 streams, with and without the update. Their
-numbers are tests/kernels/test_v4_mhc_interpret.py's on CPU and tests/gpu/test_v4_fused.py's."""
+"""DeepSeek-V4's mHC mixing kernels (kernels/triton/mhc.py: the per-row form for decode batches, the
+block-of-rows form for prefill, each way of its products) compile for the H200 (sm_90) down to a
+cubin with no spills, at V4-Flash's site (4 streams of 4096, 24 mixings), bf16 streams, with and
+without the update. Their numbers are tests/kernels/test_v4_mhc_interpret.py's on CPU and
+tests/gpu/test_v4_fused.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.kernels.test_fp8_moe_compile import compile_for_h200
 triton = pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("by_rows", [False, True])
+@pytest.mark.parametrize("by_rows", [False, "bf16x3", "tf32x3"])
 @pytest.mark.parametrize("expand", [False, True])
 def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
     from afdserve.kernels.triton import mhc as k
@@ -32,5 +33,7 @@ def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
         "N_PAD": n,
         "MIX_PAD": mix_pad,
     }
+    if by_rows:
+        constants["DOT"] = by_rows  # the block-of-rows kernel's tensor-core products
     built = compile_for_h200(kernel, signature, constants, {"num_warps": 8})
     assert built.asm["cubin"] and ".local" not in built.asm["ptx"]

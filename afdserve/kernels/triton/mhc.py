@@ -8,10 +8,9 @@ of h''s sum of squares and of the (2 + n) n dot products of h' with the mapping 
 program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidden floats: 1.5 MB
 on V4-Flash) is read from memory once however many rows there are.
 `_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
-of hidden) whose dot products are one `tl.dot` of the block's updated streams, [rows, n chunk]
-flattened, with the chunk's `fn` (float32 FMAs, exact as the per-row sums). The per-row kernel
-reduces across its threads once per row and per chunk, about 19x its bytes' time at 8192 rows
-(docs/benchmarks.md, 2026-12-06); a block of rows shares one product instead.
+of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
+flattened, with the chunk's `fn` on tensor cores (`ROWS_DOT`: three passes, near float32). The
+per-row kernel takes about 18x its bytes' time at 8192 rows (docs/benchmarks.md, 2026-12-06).
 `_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
 the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
 sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
@@ -37,6 +36,11 @@ MAX_ROWS_PER_PROGRAM = 8
 # tile `tl.dot` takes is 16 rows; both chosen, not measured: tools/mhc_bench.py sweeps them).
 ROWS_KERNEL_FROM = 64
 BLOCK_ROWS = 32
+# How `_mix_rows_kernel` multiplies float32 `fn` by the block's rows on tensor cores: "bf16x3"
+# (bf16 streams, exact as operands: fn split into three bf16 parts, 24 bits in all), "tf32x3",
+# or "ieee" (float32 FMAs, which ran at ~19x the site's bytes' time on an H100, 2026-12-06).
+# Any but "ieee" is near float32 (3 passes); "bf16x3" falls back to "tf32x3" for other dtypes.
+ROWS_DOT = "bf16x3"
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
 
 
@@ -115,6 +119,7 @@ def _mix_rows_kernel(
     BLOCK: tl.constexpr,
     N_PAD: tl.constexpr,
     MIX_PAD: tl.constexpr,
+    DOT: tl.constexpr,  # ROWS_DOT, resolved for the streams' dtype
 ):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     chunk = tl.program_id(1)
@@ -147,7 +152,17 @@ def _mix_rows_kernel(
         mask=live_k[:, None] & (mix[None, :] < mixes),
         other=0.0,
     ).to(tl.float32)  # [N_PAD * BLOCK, MIX_PAD]
-    dots = tl.dot(h, fn, input_precision="ieee")  # [ROWS, MIX_PAD]
+    if DOT == "bf16x3":  # h holds bf16 values: exact as a bf16 operand
+        hb = h.to(tl.bfloat16)
+        hi = fn.to(tl.bfloat16)
+        rest = fn - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        dots = tl.dot(hb, lo)
+        dots = tl.dot(hb, mid, dots)
+        dots = tl.dot(hb, hi, dots)  # [ROWS, MIX_PAD]
+    else:
+        dots = tl.dot(h, fn, input_precision=DOT)
     squares = tl.sum(h * h, axis=1)
     sums = tl.where(mix[None, :] == mixes, squares[:, None], dots)
     tl.store(
@@ -303,6 +318,8 @@ def hyper_connection(
     partial = torch.empty(rows, chunks, mix_pad, dtype=torch.float32, device=h.device)
     ready = (y, post, comb) if expand else (h, h, h)  # placeholders, never read
     mix_kernel = _mix_rows_kernel if by_rows else _mix_kernel
+    dot = "tf32x3" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
+    extra = {"DOT": dot} if by_rows else {}
     mix_kernel[(triton.cdiv(rows, per_program), chunks)](
         h,
         *ready,
@@ -319,6 +336,7 @@ def hyper_connection(
         BLOCK=block,
         N_PAD=n_pad,
         MIX_PAD=mix_pad,
+        **extra,
         num_warps=8,  # the FN_TILE tile and its product with the streams (chosen, not measured)
     )
     collapse_block = min(triton.next_power_of_2(hidden), COLLAPSE_BLOCK)
