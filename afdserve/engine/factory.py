@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -145,9 +146,13 @@ def cache_blocks_for(
     budget = -slots * layout.bytes_per_slot(dtype) - slot_pages * per_block
     want = None
     if device.type == "cuda":
+        # An engine closed before this one may still hold its cache and graphs in reference
+        # cycles; collect them and hand the allocator's unused blocks back to the device, so
+        # the free memory measured is memory one allocation of the cache can take (reserved
+        # blocks are fragments: counted as free, an 11 GiB cache failed to fit them on an H100).
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        # Memory this process's allocator holds but does not use is free for the cache too.
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget += cache_budget(free, total, config.gpu_memory_utilization)
     else:
         budget += CPU_CACHE_BUDGET
