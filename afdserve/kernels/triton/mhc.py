@@ -9,8 +9,11 @@ program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidd
 on V4-Flash) is read from memory once however many rows there are.
 `_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
 of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
-flattened, with the chunk's `fn` on tensor cores (`ROWS_DOT`: three passes, near float32). The
-per-row kernel takes about 18x its bytes' time at 8192 rows (docs/benchmarks.md, 2026-12-06).
+flattened, with the chunk's `fn` on tensor cores (`ROWS_DOT`: three passes, near float32).
+Both took ~16x their bytes' time at 8192 rows however they multiplied (docs/benchmarks.md,
+2026-12-06) while their programs ran rows first: each read 128 bytes of rows 32 KB apart, a
+power-of-two stride that can pile every read of the moment onto a few memory channels. Their
+programs now run chunks first (the launch grid below); not yet timed.
 `_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
 the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
 sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
@@ -64,7 +67,7 @@ def _mix_kernel(
     N_PAD: tl.constexpr,
     MIX_PAD: tl.constexpr,
 ):
-    first_row, chunk = tl.program_id(0) * ROWS, tl.program_id(1)
+    first_row, chunk = tl.program_id(1) * ROWS, tl.program_id(0)
     stream = tl.arange(0, N_PAD)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mix = tl.arange(0, MIX_PAD)
@@ -121,8 +124,8 @@ def _mix_rows_kernel(
     MIX_PAD: tl.constexpr,
     DOT: tl.constexpr,  # ROWS_DOT, resolved for the streams' dtype
 ):
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    chunk = tl.program_id(1)
+    row = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    chunk = tl.program_id(0)
     # The chunk's columns of every stream, flattened stream-major: the K axis of the product.
     k = tl.arange(0, N_PAD * BLOCK)
     stream, col = k // BLOCK, chunk * BLOCK + k % BLOCK
@@ -320,7 +323,10 @@ def hyper_connection(
     mix_kernel = _mix_rows_kernel if by_rows else _mix_kernel
     dot = "tf32x3" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
     extra = {"DOT": dot} if by_rows else {}
-    mix_kernel[(triton.cdiv(rows, per_program), chunks)](
+    # Chunks first in launch order: programs that run together read adjacent columns of the same
+    # rows (whole DRAM pages). Rows first, each read 128 bytes of a row 32 KB from the next one,
+    # and every way of the products took ~16x the site's bytes' time (docs/benchmarks.md).
+    mix_kernel[(chunks, triton.cdiv(rows, per_program))](
         h,
         *ready,
         out,
