@@ -13,7 +13,7 @@ from tests.kernels.test_fp8_moe_compile import compile_for_h200
 triton = pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("by_rows", [False, "bf16x3", "tf32x3"])
+@pytest.mark.parametrize("by_rows", [False, "bf16x3", "ieee"])
 @pytest.mark.parametrize("expand", [False, True])
 def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
     from afdserve.kernels.triton import mhc as k

@@ -9,7 +9,7 @@ program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidd
 on V4-Flash) is read from memory once however many rows there are.
 `_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
 of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
-flattened, with the chunk's `fn` on tensor cores (`ROWS_DOT`: three passes, near float32).
+flattened, with the chunk's `fn` (`ROWS_DOT`: three bf16 passes on tensor cores, near float32).
 Both took ~16x their bytes' time at 8192 rows however they multiplied (docs/benchmarks.md,
 2026-12-06) while their programs ran rows first: each read 128 bytes of rows 32 KB apart, a
 power-of-two stride that can pile every read of the moment onto a few memory channels. Their
@@ -39,10 +39,10 @@ MAX_ROWS_PER_PROGRAM = 8
 # tile `tl.dot` takes is 16 rows; both chosen, not measured: tools/mhc_bench.py sweeps them).
 ROWS_KERNEL_FROM = 64
 BLOCK_ROWS = 32
-# How `_mix_rows_kernel` multiplies float32 `fn` by the block's rows on tensor cores: "bf16x3"
-# (bf16 streams, exact as operands: fn split into three bf16 parts, 24 bits in all), "tf32x3",
-# or "ieee" (float32 FMAs, which ran at ~19x the site's bytes' time on an H100, 2026-12-06).
-# Any but "ieee" is near float32 (3 passes); "bf16x3" falls back to "tf32x3" for other dtypes.
+# How `_mix_rows_kernel` multiplies float32 `fn` by the block's rows: "bf16x3" on tensor cores
+# (bf16 streams are exact bf16 operands; fn split into three bf16 parts, 24 bits in all), or a
+# `tl.dot` input precision ("ieee": float32 FMAs; "tf32x3"). At 8192 rows on an H100 bf16x3 took
+# 3.6 ms a site, ieee 4.1, tf32x3 10.3 (docs/benchmarks.md); other dtypes than bf16 take ieee.
 ROWS_DOT = "bf16x3"
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
 
@@ -321,7 +321,7 @@ def hyper_connection(
     partial = torch.empty(rows, chunks, mix_pad, dtype=torch.float32, device=h.device)
     ready = (y, post, comb) if expand else (h, h, h)  # placeholders, never read
     mix_kernel = _mix_rows_kernel if by_rows else _mix_kernel
-    dot = "tf32x3" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
+    dot = "ieee" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
     extra = {"DOT": dot} if by_rows else {}
     # Chunks first in launch order: programs that run together read adjacent columns of the same
     # rows (whole DRAM pages). Rows first, each read 128 bytes of a row 32 KB from the next one,
