@@ -43,8 +43,9 @@ QUANTIZE_IN_GEMM_ROWS = 16
 # o_proj), one at 64 (docs/benchmarks.md, "Kernel constants").
 REDUCE_IN_GEMM = True
 # Groups of 128 one program of the quantize launch takes: a program per (row, group) made 262144
-# programs of one warp for 8192 rows of 4096, ~10x the bytes' time (a V4 prefill profile,
-# docs/benchmarks.md 2026-12-06); 1024 values a program at four warps (chosen, not measured).
+# programs of one warp for 8192 rows of 4096. With 8 (1024 values at four warps), the 24 launches
+# of a V4-Flash:4 8192-token step took 1.77 ms on an H100, where they had taken 8.1 ms
+# (docs/benchmarks.md, 2026-12-06); other counts not tried.
 QUANTIZE_GROUPS = 8
 # Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
 MAX_SPLIT_TILES = 512
