@@ -91,11 +91,11 @@ def test_direct_kernels_compile_for_sm90(rows, hidden, inter, glu) -> None:
     gate_up = {
         **common,
         "COLUMNS": columns,
-        "K_BLOCK": fp4_decode._k_block(hidden, k_block),
+        **fp4_decode.k_constants(hidden, k_block),
         "HAS_LIMIT": True,
         "HAS_ALPHA": glu,
     }
-    down = {**common, "COLUMNS": down_columns, "K_BLOCK": fp4_decode._k_block(inter, k_block)}
+    down = {**common, "COLUMNS": down_columns, **fp4_decode.k_constants(inter, k_block)}
     options = {"num_warps": warps, "num_stages": stages}
     for kernel, signature, constants in (
         (k._direct_gate_up_kernel, DIRECT_GATE_UP, gate_up),

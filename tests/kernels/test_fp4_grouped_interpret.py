@@ -26,7 +26,7 @@ CASES = """
 import torch
 from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference import layers as reference
-from afdserve.kernels.moe import fp4_grouped, grouped
+from afdserve.kernels.moe import fp4_decode, fp4_grouped, grouped
 
 # 1. Every byte under every scale byte, one scale per row of 32 inputs (16 bytes).
 codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # 16 rows of 16 bytes
@@ -118,6 +118,20 @@ for rows, dtype, launch, use_glu, limit, rtol in [
                                   direct=True, launch=launch)
     print("direct", rows, dtype, launch, rel(got, want))
     assert got.dtype == dtype and rel(got, want) < rtol, (rows, dtype, launch)
+# A K tail: hidden 192 is one step of 128 and one of 64 (fp4_decode.k_steps), gpt-oss's way.
+hidden = 192
+tail_gate_up, tail_down = packed(2 * inter, hidden), packed(hidden, inter)
+assert fp4_decode.k_steps(hidden, 128) == (128, 64)
+x = torch.randn(40, hidden, generator=gen)
+ids = torch.rand(40, experts, generator=gen).topk(top_k, dim=-1).indices
+weights = torch.rand(40, top_k, generator=gen)
+tail_glu = reference.ExpertGLU(glu.gate_up_bias, torch.randn(experts, hidden, generator=gen), 1.702)
+want = fp4.moe_experts_fp4(x, ids, weights, tail_gate_up, tail_down, 10.0, tail_glu)
+got = fp4_grouped.moe_experts(x, ids, weights, tail_gate_up, tail_down, 10.0, tail_glu,
+                              direct=True, launch=(32, 64, 128, 4, 2))
+print("direct tail", rel(got, want))
+assert rel(got, want) < 1e-5
+hidden = 128
 # Row slices: scratch for 30 pairs at a time.
 fp4_grouped.SLICE_BYTES = 30 * (2 * inter + 4 * hidden)
 x = torch.randn(50, hidden, generator=gen)
@@ -143,4 +157,4 @@ def test_fp4_prefill_path_under_the_interpreter() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 5, run.stdout
     # Four cases, the row slices and the refusal.
-    assert run.stdout.count("direct ") == 6 and "direct refused" in run.stdout, run.stdout
+    assert run.stdout.count("direct ") == 7 and "direct refused" in run.stdout, run.stdout

@@ -75,8 +75,8 @@ def experts(e, rows_out, cols_in, gen, low, high):
                           generator=gen)
     return packed, scale
 
-def check(rows, dtype, tiles, limit, seed, rtol, e=4):
-    hidden, inter, top_k = 64, 64, 2
+def check(rows, dtype, tiles, limit, seed, rtol, e=4, dims=(64, 64)):
+    (hidden, inter), top_k = dims, 2
     gen = torch.Generator().manual_seed(seed)
     # Scales 2^-17..2^-5 around the 1 / sqrt(64) a weight would have: both dots stay O(1).
     gate_up = experts(e, 2 * inter, hidden, gen, 110, 122)
@@ -104,6 +104,9 @@ for rows, dtype, tiles, limit, rtol, *e in [
     (k.MAX_PAIRS // 2 + 3, torch.float32, T(32, 32), 10.0, 1e-6),  # 2 chunks, many tiles
 ]:
     print(rows, dtype, tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
+# K tails (k_steps): 192 = 128 + 64 and 320 = 2 x 128 + 64, both kernels, both operand orders.
+for tiles in (T(32, 64, k_block=128), T(32, 64, k_block=128, weights_left=False)):
+    print("tail", tiles, check(5, torch.float32, tiles, 10.0, 7, 1e-6, dims=(192, 320)))
 """
 
 
@@ -114,3 +117,4 @@ def test_kernels_under_the_interpreter() -> None:
         INTERPRETED_CASES, timeout=300, min_triton=(3, 7), env={"TRITON_DEFAULT_FP_FUSION": "1"}
     )
     assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("tail ") == 2, run.stdout

@@ -66,9 +66,12 @@ def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) ->
     return triton.compile(source, target=GPUTarget(*H200), options=options)
 
 
-def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
-    """Both kernels at one tile shape, with a launch's constants at Flash's shape: a full pair
-    list by expert, or (`by_expert` False) a decode batch's, one program per pair."""
+def compile_tiles(
+    tiles, by_expert: bool = True, hidden: int = 4096, inter: int = 2048
+) -> tuple[object, object]:
+    """Both kernels at one tile shape, with a launch's constants at Flash's shape (or another's
+    reduction dims): a full pair list by expert, or (`by_expert` False) a decode batch's, one
+    program per pair."""
     from afdserve.kernels.moe import fp4_decode as k
 
     common = {
@@ -82,13 +85,25 @@ def compile_tiles(tiles, by_expert: bool = True) -> tuple[object, object]:
         "HAS_LIMIT": True,
         **common,
         "COLUMNS": tiles.gate_up_columns,
-        "K_BLOCK": k._k_block(4096, tiles.k_block),
+        **k.k_constants(hidden, tiles.k_block),
     }
-    down = {**common, "COLUMNS": tiles.down_columns, "K_BLOCK": k._k_block(2048, tiles.k_block)}
+    down = {**common, "COLUMNS": tiles.down_columns, **k.k_constants(inter, tiles.k_block)}
     return (
         compile_for_h200(k._gate_up_kernel, GATE_UP, gate_up, options),
         compile_for_h200(k._down_kernel, DOWN, down, options),
     )
+
+
+def test_kernels_compile_with_a_k_tail_for_sm90() -> None:
+    """gpt-oss's dims (2880 = 22 steps of 128 and a tail of 64): both kernels with their last,
+    narrower K step, nothing spilled."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    tiles = k.TILES[0][1]
+    assert k.k_steps(2880, tiles.k_block) == (128, 64)
+    for by_expert in (True, False):
+        for kernel in compile_tiles(tiles, by_expert, 2880, 2880):
+            assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"]
 
 
 def test_kernels_compile_for_sm90() -> None:

@@ -34,8 +34,8 @@ MAX_PAIRS = 512
 
 
 class Tiles(NamedTuple):
-    """One launch's tile shape (module docstring). `k_block` is the K step wanted: a dimension it
-    does not divide takes its widest power-of-two divisor, at least one scale group (32)."""
+    """One launch's tile shape (module docstring). `k_block` is the K step wanted (`k_steps`: a
+    dimension it does not divide ends on one narrower step)."""
 
     gate_up_columns: int
     down_columns: int
@@ -60,13 +60,23 @@ def tiles_for(pairs: int) -> Tiles:
 MIN_K_BLOCK = 64
 
 
-def _k_block(dim: int, wanted: int) -> int:
-    block = max(wanted, MIN_K_BLOCK)
-    while dim % block:
-        block //= 2
-    if block < MIN_K_BLOCK:
+def k_steps(dim: int, wanted: int) -> tuple[int, int]:
+    """(K step, tail) over a reduction dim: steps of a power of two from MIN_K_BLOCK up to
+    `wanted`, then one step of the rest (dim % step: 0 or a power of two, at least
+    MIN_K_BLOCK), so a dim that is not a multiple of the step wanted (gpt-oss's 2880 = 64 x 45)
+    keeps the wide step rather than falling to the narrowest."""
+    if dim % MIN_K_BLOCK:
         raise ValueError(f"reduction dim {dim} is not a multiple of {MIN_K_BLOCK}")
-    return block
+    block = max(triton.next_power_of_2(wanted), MIN_K_BLOCK)
+    while block > MIN_K_BLOCK and (block > dim or (dim % block) & (dim % block - 1)):
+        block //= 2
+    return block, dim % block
+
+
+def k_constants(dim: int, wanted: int) -> dict[str, int]:
+    """`k_steps` as the kernels' K_BLOCK and TAIL."""
+    block, tail = k_steps(dim, wanted)
+    return {"K_BLOCK": block, "TAIL": tail}
 
 
 def supports(
@@ -184,6 +194,30 @@ def _fp4_step(
 
 
 @triton.jit
+def fp4_reduce(
+    acc,
+    x_rows,
+    w_rows,
+    s_rows,
+    dim,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
+    """acc += x W^T over all `dim` inputs of one weight tile (`_fp4_step`'s arguments): steps of
+    K_BLOCK, then one of TAIL (`k_steps`)."""
+    for k0 in range(0, dim - TAIL, K_BLOCK):
+        xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
+        acc = _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+    if TAIL > 0:
+        xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL)
+        acc = _fp4_step(acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT)
+    return acc
+
+
+@triton.jit
 def _fp4_dot(acc, xs, w, WEIGHTS_LEFT: tl.constexpr):
     """acc += xs w^T, as acc^T += w xs^T when the weights are the A operand."""
     # One return per helper, after a constexpr if: Triton checks every return's type alike.
@@ -235,6 +269,7 @@ def _gate_up_kernel(
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
     expert, pair, mine, rank, count, col, col_ok = program_pairs(
@@ -260,9 +295,9 @@ def _gate_up_kernel(
         rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
-        for k0 in range(0, hidden, K_BLOCK):
-            xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
-            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+        acc = fp4_reduce(
+            acc, x_rows, both_w, both_s, hidden, ROWS, 2 * COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
+        )
         # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
         gate, up = tl.split(both)
@@ -294,6 +329,7 @@ def _down_kernel(
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
     expert, pair, mine, rank, count, col, col_ok = program_pairs(
@@ -311,9 +347,9 @@ def _down_kernel(
         rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
-        for k0 in range(0, inter, K_BLOCK):
-            hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
-            acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+        acc = fp4_reduce(
+            acc, h_rows, down_w, down_s, inter, ROWS, COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
+        )
         acc = _rows_major(acc, WEIGHTS_LEFT)
         if HAS_BIAS:
             acc += bias[None, :]
@@ -371,7 +407,7 @@ def _launch(
         HAS_BIAS=glu.gate_up_bias is not None,
         HAS_ALPHA=glu.alpha is not None,
         COLUMNS=columns,
-        K_BLOCK=_k_block(hidden, tiles.k_block),
+        **k_constants(hidden, tiles.k_block),
         **common,
     )
     columns = tiles.down_columns
@@ -390,7 +426,7 @@ def _launch(
         x if glu.down_bias is None else glu.down_bias,  # unused placeholder without
         HAS_BIAS=glu.down_bias is not None,
         COLUMNS=columns,
-        K_BLOCK=_k_block(inter, tiles.k_block),
+        **k_constants(inter, tiles.k_block),
         **common,
     )
     return sum_pairs(launch.y, ids, launch.out, experts)

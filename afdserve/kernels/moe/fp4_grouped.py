@@ -2,7 +2,7 @@
 (grouped.py's assignment), in one of two ways:
 
 - **in registers** (`DIRECT`): grouped.py's tiling with fp4_decode.py's K loop: each program
-  decodes its expert's weight tile in registers (`fp4_decode._fp4_step`'s bit moves) for a tile
+  decodes its expert's weight tile in registers (`fp4_decode.fp4_reduce`'s bit moves) for a tile
   of up to 64 of that expert's pairs, so a weight is decoded once per tile of rows and no bf16
   copy exists. The decode kernels (fp4_decode.py) hold their pair list in registers and take at
   most `fp4_decode.MAX_PAIRS` pairs a launch: a longer batch ran in row chunks of 85 rows at
@@ -26,7 +26,7 @@ import triton.language as tl
 from afdserve.kernels.moe import fp4_decode, grouped
 from afdserve.kernels.moe.align import assign
 from afdserve.kernels.moe.decode import sum_pairs
-from afdserve.kernels.moe.fp4_decode import _fp4_step, _x_slices
+from afdserve.kernels.moe.fp4_decode import fp4_reduce
 from afdserve.kernels.moe.grouped import store_h, store_y
 from afdserve.kernels.moe.routing import in_row_chunks, tile_rows
 from afdserve.kernels.reference.layers import ExpertGLU
@@ -125,6 +125,7 @@ def _direct_gate_up_kernel(
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     E_PAD: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -148,9 +149,9 @@ def _direct_gate_up_kernel(
         both_s = s_ptr + both_row * s_row
         x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
         acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
-        for k0 in range(0, hidden, K_BLOCK):
-            xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
-            acc = _fp4_step(acc, xs, both_w, both_s, k0, 2 * COLUMNS, K_BLOCK, True)
+        acc = fp4_reduce(
+            acc, x_rows, both_w, both_s, hidden, ROWS, 2 * COLUMNS, K_BLOCK, TAIL, True
+        )
         # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
         gate, up = tl.split(both)
@@ -192,6 +193,7 @@ def _direct_down_kernel(
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
@@ -208,9 +210,7 @@ def _direct_down_kernel(
         down_s = s_ptr + (e * hidden + load_col) * s_row
         h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
         acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
-        for k0 in range(0, inter, K_BLOCK):
-            hs = _x_slices(h_rows, k0, ROWS, K_BLOCK)
-            acc = _fp4_step(acc, hs, down_w, down_s, k0, COLUMNS, K_BLOCK, True)
+        acc = fp4_reduce(acc, h_rows, down_w, down_s, inter, ROWS, COLUMNS, K_BLOCK, TAIL, True)
         acc = tl.trans(acc)
         store_y(acc, e, pairs, row_ok, col, col_ok, y_ptr, weights_ptr, hidden, bias_ptr, HAS_BIAS)
 
@@ -257,7 +257,7 @@ def _direct(
         x if glu.gate_up_bias is None else glu.gate_up_bias,  # never read without a bias
         1.0 if glu.alpha is None else float(glu.alpha),
         COLUMNS=gate_up_columns,
-        K_BLOCK=fp4_decode._k_block(hidden, k_block),
+        **fp4_decode.k_constants(hidden, k_block),
         HAS_LIMIT=limit is not None,
         HAS_BIAS=glu.gate_up_bias is not None,
         HAS_ALPHA=glu.alpha is not None,
@@ -280,7 +280,7 @@ def _direct(
         inter // 32,
         x if glu.down_bias is None else glu.down_bias,  # never read without a bias
         COLUMNS=down_columns,
-        K_BLOCK=fp4_decode._k_block(inter, k_block),
+        **fp4_decode.k_constants(inter, k_block),
         HAS_BIAS=glu.down_bias is not None,
         **common,
         **options,
