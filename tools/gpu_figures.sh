@@ -20,6 +20,8 @@
 #                                  and the decode kernels' tile sweep at 64 rows (issue 43)
 #   qwen-serve                     Qwen3-30B-A3B served with defaults, 200 prompts (issue 44)
 #   families                       bench decode of each new family's preset (issues 45, 46)
+#   gpt-oss                        gpt-oss-120b:8 decode and its batch-64 profile after the FP4
+#                                  K tail, deepseek-v3.2:4's batch-64 profile (issue 45)
 #   capacity                       bench capacity at 32768, hybrid against plain KV (issue 46)
 #   spec                           speculation: n-gram on the repetitive workload, MTP's
 #                                  verification step against a plain one (issue 47)
@@ -146,6 +148,12 @@ group() {
             run "decode-${p//[:.]/-}" $AFD bench decode --preset "$p" --random-weights \
                 --graph-mode full_decode_only --context-len 1024 --batch-sizes 1,64,256
         done
+        ;;
+    gpt-oss)
+        run decode-gpt-oss $AFD bench decode --preset gpt-oss-120b:8 --random-weights \
+            --graph-mode full_decode_only --context-len 1024 --batch-sizes 1,64,256
+        run profile-gpt-oss-b64 python tools/profile_decode.py --preset gpt-oss-120b:8 --batch 64
+        run profile-v32-b64 python tools/profile_decode.py --preset deepseek-v3.2:4 --batch 64
         ;;
     capacity)
         for p in qwen3-30b-a3b qwen3.5-35b-a3b:8 qwen3-next-80b-a3b:8 kimi-linear-48b-a3b:8; do
