@@ -42,10 +42,8 @@ QUANTIZE_IN_GEMM_ROWS = 16
 # second launch, which costs a launch per split GEMM: two a layer at a batch of 1 (q/k/v and
 # o_proj), one at 64 (docs/benchmarks.md, "Kernel constants").
 REDUCE_IN_GEMM = True
-# Groups of 128 one program of the quantize launch takes: a program per (row, group) made 262144
-# programs of one warp for 8192 rows of 4096. With 8 (1024 values at four warps), the 24 launches
-# of a V4-Flash:4 8192-token step took 1.77 ms on an H100, where they had taken 8.1 ms
-# (docs/benchmarks.md, 2026-12-06); other counts not tried.
+# Groups of 128 one program of the quantize launch takes: one per program left prefill steps with
+# hundreds of thousands of one-warp programs (docs/benchmarks.md, 2026-12-06; 8 the one tried).
 QUANTIZE_GROUPS = 8
 # Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
 MAX_SPLIT_TILES = 512

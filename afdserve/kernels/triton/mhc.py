@@ -10,10 +10,7 @@ on V4-Flash) is read from memory once however many rows there are.
 `_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
 of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
 flattened, with the chunk's `fn` (`ROWS_DOT`: three bf16 passes on tensor cores, near float32).
-Both took ~16x their bytes' time at 8192 rows however they multiplied (docs/benchmarks.md,
-2026-12-06) while their programs ran rows first: each read 128 bytes of rows 32 KB apart, a
-power-of-two stride that can pile every read of the moment onto a few memory channels. Their
-programs now run chunks first (the launch grid below); not yet timed.
+Both run chunks first in launch order (see the launch below).
 `_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
 the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
 sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
@@ -41,8 +38,8 @@ ROWS_KERNEL_FROM = 64
 BLOCK_ROWS = 32
 # How `_mix_rows_kernel` multiplies float32 `fn` by the block's rows: "bf16x3" on tensor cores
 # (bf16 streams are exact bf16 operands; fn split into three bf16 parts, 24 bits in all), or a
-# `tl.dot` input precision ("ieee": float32 FMAs; "tf32x3"). At 8192 rows on an H100 bf16x3 took
-# 3.6 ms a site, ieee 4.1, tf32x3 10.3 (docs/benchmarks.md); other dtypes than bf16 take ieee.
+# `tl.dot` input precision ("ieee": float32 FMAs; "tf32x3"), bf16x3 the fastest of the three
+# (docs/benchmarks.md, 2026-12-06); other dtypes than bf16 take ieee.
 ROWS_DOT = "bf16x3"
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
 
@@ -324,8 +321,8 @@ def hyper_connection(
     dot = "ieee" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
     extra = {"DOT": dot} if by_rows else {}
     # Chunks first in launch order: programs that run together read adjacent columns of the same
-    # rows (whole DRAM pages). Rows first, each read 128 bytes of a row 32 KB from the next one,
-    # and every way of the products took ~16x the site's bytes' time (docs/benchmarks.md).
+    # rows. Rows first, they read 128 bytes of rows 32 KB apart, a power-of-two stride that can
+    # crowd a few memory channels; every way of the products was as slow then (docs/benchmarks.md).
     mix_kernel[(chunks, triton.cdiv(rows, per_program))](
         h,
         *ready,

