@@ -43,10 +43,20 @@ for dtype in (torch.float32, torch.float16):
         got, _ = triton_norm.hybrid_norm(x, weight + 1, 1e-6, z=z)
         close(got, reference.gated_rms_norm(x, z, weight + 1, 1e-6), dtype, label + ("gated",))
         print("norms", label, "ok")
+
+# A weight of another dtype than x's: the gated norm's product in torch's promotion of the two.
+gen = torch.Generator().manual_seed(0)
+for x_dtype, w_dtype in [(torch.float32, torch.float16), (torch.float16, torch.float32)]:
+    x = (torch.randn(4, 96, generator=gen) * 3).to(x_dtype)
+    z = torch.randn(4, 96, generator=gen).to(x_dtype)
+    weight = (torch.randn(96, generator=gen) + 1).to(w_dtype)
+    got, _ = triton_norm.hybrid_norm(x, weight, 1e-6, z=z)
+    close(got, reference.gated_rms_norm(x, z, weight, 1e-6), x_dtype, ("mixed", x_dtype, w_dtype))
+    print("norms mixed", x_dtype, w_dtype, "ok")
 """
 
 
 def test_hybrid_norms_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 6, run.stdout
+    assert run.stdout.count(" ok") == 8, run.stdout

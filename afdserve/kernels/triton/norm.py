@@ -84,6 +84,7 @@ def _hybrid_norm_kernel(
     BLOCK: tl.constexpr,
     ADD: tl.constexpr,
     GATED: tl.constexpr,
+    WIDE_WEIGHT: tl.constexpr,  # W's dtype is wider than X's: `weight * normed` is in W's
 ):
     """The Gated DeltaNet hybrids' two norms (kernels/reference/layers.py has their torch
     forms): zero-centred, x / rms(x) * (1 + w) in float32 rounded once (after `h + delta` where
@@ -102,7 +103,8 @@ def _hybrid_norm_kernel(
     w = tl.load(W + cols, mask=mask, other=0.0)
     if GATED:
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (f.to(dtype).to(tl.float32) * w.to(tl.float32)).to(W.dtype.element_ty)
+        y = f.to(dtype).to(tl.float32) * w.to(tl.float32)
+        y = y.to(W.dtype.element_ty) if WIDE_WEIGHT else y.to(dtype)  # torch's promotion
         y = y.to(tl.float32) * (z * tl.sigmoid(z))
     else:
         y = f * (1.0 + w.to(tl.float32))
@@ -144,6 +146,7 @@ def hybrid_norm(
             BLOCK=block,
             ADD=delta is not None,
             GATED=z is not None,
+            WIDE_WEIGHT=torch.promote_types(weight.dtype, x.dtype) != x.dtype,
             num_warps=4 if block <= 2048 else 8,
         )
     shape = x.shape
