@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def override(text: str) -> tuple[object, str, int]:
-    """'MODULE.NAME=INT' -> (the module, NAME, INT), NAME an integer constant it defines."""
+    """'MODULE.NAME=INT' -> (the module, NAME, INT), NAME an integer constant it defines (a
+    switch, True or False, takes 1 or 0 and stays a bool)."""
     target, sep, value = text.partition("=")
     module_name, _, name = target.rpartition(".")
     if not sep or not module_name:
@@ -70,9 +71,14 @@ def override(text: str) -> tuple[object, str, int]:
     if not isinstance(getattr(module, name, None), int):
         raise ValueError(f"--set {text!r}: {module_name} has no integer constant {name}")
     try:
-        return module, name, int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(f"--set {text!r}: {value!r} is not an integer") from None
+    if isinstance(getattr(module, name), bool):
+        if number not in (0, 1):
+            raise ValueError(f"--set {text!r}: {name} is a switch: 0 or 1")
+        return module, name, bool(number)
+    return module, name, number
 
 
 def prompts_of(count: int, length: int, vocab: int, salt: int) -> list[list[int]]:

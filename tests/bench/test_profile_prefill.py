@@ -38,6 +38,7 @@ def test_profile_prefill_reports_the_prompts_it_ran():
         (["--set", "afdserve.no_such_module.X=1"], "cannot import afdserve.no_such_module"),
         (["--set", "afdserve.bench.flops.nothing=1"], "has no integer constant nothing"),
         (["--set", "afdserve.bench.flops.active_parameters=1"], "no integer constant"),
+        (["--set", "os.supports_bytes_environ=2"], "supports_bytes_environ is a switch: 0 or 1"),
     ],
 )
 def test_profile_prefill_refuses_bad_arguments(args, says):
