@@ -54,7 +54,7 @@ run() {  # run NAME CMD...: its output to $OUT/NAME.log, its tail to the index
 
 wheels() {
     python -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null && return
-    [ -d .whl ] && pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client && return
+    [ -d .whl ] && python -m pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client && return
     log "no fastapi/uvicorn here and no ./.whl to install them from: server groups skipped"
     return 1
 }

@@ -211,6 +211,9 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
     for batch in spec.batch_sizes:
         plain.append(bench_batch(attn, ffn, spec, batch, copy_gbps))
         step = bench_batch(attn, ffn, spec, batch, copy_gbps, query_len=query_len, drafts=drafts)
+        alone = None
+        if drafts is not None:  # the verification's own time, its draft passes not run
+            alone = bench_batch(attn, ffn, spec, batch, copy_gbps, query_len=query_len).step_ms
         verify.append(
             VerifyResult(
                 batch,
@@ -219,6 +222,7 @@ def run_verify_bench(spec: DecodeBench) -> tuple[list[DecodeResult], list[Verify
                 step.step_ms,
                 int(layers["num_hidden_layers"]),
                 drafts is not None,
+                alone,
             )
         )
     return plain, verify

@@ -93,6 +93,10 @@ class VerifyResult:
     # The model's k MTP draft passes ran inside each timed verification step (so verify_ms
     # holds their cost, and no estimate is added for them).
     mtp_timed: bool = False
+    # With MTP timed: the same verification step with no draft pass run, so the drafts' share
+    # (verify_ms - this) and the verification's own (this / plain_ms) read apart. On a preset's
+    # first layers a draft layer weighs 1 / LAYERS of the step, not 1 / num_layers.
+    alone_ms: float | None = None
 
     @property
     def cost(self) -> float:
@@ -104,6 +108,11 @@ class VerifyResult:
         return expected_tokens(acceptance_rate, self.k) / (self.cost + draft_cost)
 
     @property
+    def alone_cost(self) -> float | None:
+        """The verification step without its draft passes, in plain steps."""
+        return None if self.alone_ms is None else self.alone_ms / self.plain_ms
+
+    @property
     def mtp_cost(self) -> float:
         """k MTP layers, at about one decoder layer's share of a plain step each (0 where the
         step timed them)."""
@@ -113,6 +122,7 @@ class VerifyResult:
         return {
             **asdict(self),
             "verify_over_plain": self.cost,
+            "alone_over_plain": self.alone_cost,
             "speedup": {str(a): self.speedup(a) for a in ACCEPTANCE_RATES},
             "speedup_with_mtp_draft": {
                 str(a): self.speedup(a, self.mtp_cost) for a in ACCEPTANCE_RATES
@@ -122,17 +132,28 @@ class VerifyResult:
 
 def format_verify_table(results: list[VerifyResult]) -> str:
     rates = "".join(f"  x@a={a}   +MTP" for a in ACCEPTANCE_RATES)
-    lines = [f"batch  k  plain_ms  verify_ms  verify/plain{rates}"]
+    alone = any(r.alone_ms is not None for r in results)
+    split = "  alone_ms  alone/plain" if alone else ""
+    lines = [f"batch  k  plain_ms  verify_ms  verify/plain{split}{rates}"]
     for r in results:
         speedups = "".join(
             f"  {r.speedup(a):6.2f}x {r.speedup(a, r.mtp_cost):5.2f}x" for a in ACCEPTANCE_RATES
         )
+        parts = ""
+        if alone:
+            parts = (
+                f"  {'-':>8}  {'-':>11} "
+                if r.alone_ms is None
+                else f"  {r.alone_ms:8.2f}  {r.alone_cost:10.2f}x"
+            )
         lines.append(
-            f"{r.batch:5d}  {r.k}  {r.plain_ms:8.2f}  {r.verify_ms:9.2f}  {r.cost:11.2f}x{speedups}"
+            f"{r.batch:5d}  {r.k}  {r.plain_ms:8.2f}  {r.verify_ms:9.2f}  {r.cost:11.2f}x"
+            f"{parts}{speedups}"
         )
     if results and results[0].mtp_timed:
         lines.append(
-            "verify_ms includes the model's k MTP draft passes (same graph mode); x@a: "
+            "verify_ms includes the model's k MTP draft passes (same graph mode); alone_ms is "
+            "the same step with no draft pass run, so the drafts take verify_ms - alone_ms; x@a: "
             "speedup at acceptance rate a = (1 - a^(k+1)) / (1 - a) tokens a step over "
             "verify/plain, the drafts' cost included (+MTP adds nothing more)"
         )

@@ -6,6 +6,7 @@ runs its draft passes too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -151,4 +152,9 @@ def test_verification_steps_run_the_mtp_draft_passes(tmp_path, capsys):
     assert runs["colocated"][1].shape == (3, 2)
     argv = ["bench", "decode", "--model", model, *CPU, "--batch-sizes", "2", "--context-len"]
     assert main([*argv, "10", "--steps", "2", "--num-speculative-tokens", "1"]) == 0
-    assert "verify_ms includes the model's k MTP draft passes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "verify_ms includes the model's k MTP draft passes" in printed
+    assert "alone_ms  alone/plain" in printed  # the step again with no draft pass run
+    s = spec(model_dir=model, preset=None, random_weights=False, batch_sizes=(2,), steps=2)
+    _, (r,) = run_verify_bench(dataclasses.replace(s, context_len=10, num_speculative_tokens=1))
+    assert r.mtp_timed and r.alone_ms > 0 and r.alone_cost == r.alone_ms / r.plain_ms

@@ -32,10 +32,11 @@ import triton.language as tl
 # stays near 32 float32 registers a thread at eight warps; not measured).
 FN_TILE = 8192
 MAX_ROWS_PER_PROGRAM = 8
-# From this many rows a site takes `_mix_rows_kernel`, BLOCK_ROWS rows a program (the smallest
-# tile `tl.dot` takes is 16 rows; both chosen, not measured: tools/mhc_bench.py sweeps them).
+# From this many rows a site takes `_mix_rows_kernel`, BLOCK_ROWS rows a program. The mix's time
+# grows with its number of programs, not its rows: 64 rows a program took half the time of 32
+# at 1024 and 8192 rows, and the same at 64 (tools/mhc_bench.py, docs/benchmarks.md 2026-12-06).
 ROWS_KERNEL_FROM = 64
-BLOCK_ROWS = 32
+BLOCK_ROWS = 64
 # How `_mix_rows_kernel` multiplies float32 `fn` by the block's rows: "bf16x3" on tensor cores
 # (bf16 streams are exact bf16 operands; fn split into three bf16 parts, 24 bits in all), or a
 # `tl.dot` input precision ("ieee": float32 FMAs; "tf32x3"), bf16x3 the fastest of the three
@@ -321,8 +322,8 @@ def hyper_connection(
     dot = "ieee" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
     extra = {"DOT": dot} if by_rows else {}
     # Chunks first in launch order: programs that run together read adjacent columns of the same
-    # rows. Rows first, they read 128 bytes of rows 32 KB apart, a power-of-two stride that can
-    # crowd a few memory channels; every way of the products was as slow then (docs/benchmarks.md).
+    # rows. Measured against rows first, it changed nothing (3.62 against 3.60 ms at 8192 rows,
+    # docs/benchmarks.md 2026-12-06); kept for the reads it keeps together.
     mix_kernel[(chunks, triton.cdiv(rows, per_program))](
         h,
         *ready,
