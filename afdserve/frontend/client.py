@@ -64,6 +64,10 @@ class EngineClient:
         self.processor.abort(request_id)
         self.core_client.abort(request_id)
 
+    def wake(self) -> None:
+        """Any thread: work was queued for the stepping thread (EngineCoreClient.wake)."""
+        self.core_client.wake()
+
     def step(self) -> list[SequenceOutput]:
         """Advance the engine; returns the outputs that changed. Returns [] promptly when idle."""
         try:

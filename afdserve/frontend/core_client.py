@@ -109,6 +109,11 @@ class EngineCoreClient(ABC):
     def step_log(self) -> list[dict]:
         return []
 
+    def wake(self) -> None:
+        """From any thread, once a request or abort is queued for the thread that steps: a
+        client whose `step` waits on its ranks returns early, so the queue is read at once."""
+        return None
+
     def repair(self) -> bool:
         """After `step` raised for a failed rank: rebuild the engine around what survived (only
         the failed ranks reload their weights), dropping every request (the caller resumes

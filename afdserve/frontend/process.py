@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter
 
+from afdserve.afd.ranks.channel import Waker
 from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 # must not send every other request to the other attention ranks.
 ROUTING_MAX_NEW_TOKENS = 1024
 # How long step() waits for a rank's outputs when none are in: short, so that the thread that
-# steps (the server's engine loop) takes new requests and aborts within it while ranks compute.
+# steps (the server's engine loop) notices a failed rank and the stop signal within it while
+# ranks compute; a new request or abort ends the wait at once (`wake`).
 OUTPUT_WAIT_S = 0.005
 
 
@@ -69,6 +71,7 @@ class ProcessClient(EngineCoreClient):
         self.rank_stats: dict[int, RankStats] = {}
         self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
+        self._waker = Waker()  # ends step()'s wait for outputs when a request is queued
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         # A world whose failed ranks are replaced in place keeps its survivors when one fails:
         # gloo worlds only (CPU). A survivor of an NCCL world may sit in a collective with the
@@ -152,7 +155,7 @@ class ProcessClient(EngineCoreClient):
             raise WorkerError("a rank failed: the world is being rebuilt")
         results, self._carried = self._carried, []
         rejected: RequestError | None = None
-        for msg in self.world.messages(0.0 if results else OUTPUT_WAIT_S):
+        for msg in self.world.messages(0.0 if results else OUTPUT_WAIT_S, self._waker):
             if isinstance(msg, Outputs):
                 self.rank_stats[msg.rank] = msg.stats
                 self.iteration_tokens.update(msg.stats.step_tokens)
@@ -271,7 +274,11 @@ class ProcessClient(EngineCoreClient):
             log.warning("could not start standby rank processes", exc_info=True)
         return True
 
+    def wake(self) -> None:
+        self._waker.wake()
+
     def shutdown(self) -> None:
         if not self.closed:
             self.closed = True
             self.world.shutdown()
+            self._waker.close()

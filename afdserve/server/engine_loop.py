@@ -201,12 +201,14 @@ class EngineLoop:
                 accepted.set_exception(RuntimeError(self.error or "the engine is shutting down"))
             else:
                 self._commands.put(_Add(request_id, prompt, params, deliver, accepted))
+                self.client.wake()  # the thread may be waiting on the ranks' outputs
         return accepted
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if not self._closed:
                 self._commands.put(_Abort(request_id))
+                self.client.wake()
 
     def resume_on(self, client: EngineClient) -> None:
         """The engine was restarted: go on with every request held since it failed. The error
@@ -221,6 +223,7 @@ class EngineLoop:
         """Stop the thread and fail whatever is in flight; the client itself stays open."""
         self._stop.set()
         self._commands.put(None)
+        self.client.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 

@@ -598,3 +598,34 @@ def test_the_listener_outlives_running_out_of_file_descriptors() -> None:
     assert run.returncode == 0, run.stderr
     assert "accepting a rank connection failed" in run.stdout, run.stdout
     assert "RANK 2" in run.stdout, run.stdout
+
+
+def test_a_waker_ends_a_wait_on_connections_and_drains():
+    """Another thread's wake() ends a wait that includes the waker at once; drained, the waker
+    is quiet again; wakes pile up without blocking and are ignored once it is closed."""
+    from multiprocessing.connection import wait
+
+    from afdserve.afd.ranks.channel import Waker
+
+    waker = Waker()
+    quiet_a, quiet_b = socket.socketpair()  # a connection that never speaks
+    try:
+        assert wait([quiet_a, waker], timeout=0.0) == []
+        timer = threading.Timer(0.05, waker.wake)
+        started = time.monotonic()
+        timer.start()
+        assert wait([quiet_a, waker], timeout=30.0) == [waker]
+        assert time.monotonic() - started < 10.0  # woken, not timed out
+        timer.join()
+        waker.drain()
+        assert wait([quiet_a, waker], timeout=0.0) == []
+        for _ in range(100_000):  # far more than a socket buffer holds: never blocks
+            waker.wake()
+        assert wait([waker], timeout=0.0) == [waker]
+        waker.drain()
+        assert wait([waker], timeout=0.0) == []
+    finally:
+        waker.close()
+        quiet_a.close()
+        quiet_b.close()
+    waker.wake()  # closed: ignored

@@ -428,3 +428,35 @@ class RankListener:
                 self.ready.get_nowait()[1].close()
             except queue.Empty:
                 return
+
+
+class Waker:
+    """A socket pair: any thread's `wake()` ends a `multiprocessing.connection.wait` that
+    includes this (its `fileno()`), so a thread waiting on its ranks' outputs also notices work
+    that another thread queued for it. `drain()` after the wait; wakes never block (a full pair
+    means a wake is pending already) and are ignored once closed."""
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def wake(self) -> None:
+        try:
+            self._write.send(b"\0")
+        except OSError:  # BlockingIOError: a wake is pending; others: closed
+            pass
+
+    def drain(self) -> None:
+        try:
+            while self._read.recv(4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+
+    def close(self) -> None:
+        self._read.close()
+        self._write.close()

@@ -45,8 +45,9 @@ from afdserve.engine.requests import RequestError
 
 log = logging.getLogger(__name__)
 
-# Idle ranks back off from 1 ms to 20 ms between control rounds: a new request waits at most one
-# round, and idle worlds do not keep every core busy.
+# Idle ranks back off from 1 ms to 20 ms between control rounds, so that idle worlds do not keep
+# every core busy; an attention rank waits on its frontend channel meanwhile, so a request
+# addressed to it starts the next round as soon as it arrives, not after the backoff.
 IDLE_SLEEP_S = (0.001, 0.020)
 CONNECT_TIMEOUT_S = 300.0
 # An attention rank reports at least this often, also when idle: the frontend's proof of
@@ -325,8 +326,9 @@ def _step_until_shutdown(built: BuiltRank, rank: int, conn: Channel, sender: Out
             last_sent = time.monotonic()
         if result.has_work:
             idle_sleep = IDLE_SLEEP_S[0]
+        elif conn.poll(idle_sleep):  # a message: the next round applies it at once
+            idle_sleep = IDLE_SLEEP_S[0]
         else:
-            time.sleep(idle_sleep)
             idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_S[1])
 
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, read_key
+from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, Waker, read_key
 from afdserve.afd.ranks.frontend_files import make_store_dir, remove, write_key_file
 from afdserve.afd.ranks.messages import (
     Outputs,
@@ -356,10 +356,15 @@ class RankWorld:
         now = time.monotonic()
         self.last_heard = {rank: now for rank in self.ready if self.ready[rank].limits}
 
-    def messages(self, timeout: float) -> list:
-        """Every message waiting from any rank (a broken connection becomes `Lost`)."""
+    def messages(self, timeout: float, waker: Waker | None = None) -> list:
+        """Every message waiting from any rank (a broken connection becomes `Lost`); the wait
+        ends early when `waker` is woken (then drained)."""
         msgs: list = []
-        for conn in wait(list(self.conns.values()), timeout=timeout):
+        watched: list = [*self.conns.values(), *([waker] if waker is not None else [])]
+        for conn in wait(watched, timeout=timeout):
+            if conn is waker:
+                waker.drain()
+                continue
             rank = next(r for r, c in self.conns.items() if c is conn)
             try:
                 while conn.poll():
