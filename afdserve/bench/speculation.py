@@ -142,7 +142,7 @@ def format_verify_table(results: list[VerifyResult]) -> str:
         parts = ""
         if alone:
             parts = (
-                f"  {'-':>8}  {'-':>11} "
+                f"  {'-':>8}  {'-':>11}"
                 if r.alone_ms is None
                 else f"  {r.alone_ms:8.2f}  {r.alone_cost:10.2f}x"
             )

@@ -71,8 +71,8 @@ class ProcessClient(EngineCoreClient):
         self.rank_stats: dict[int, RankStats] = {}
         self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
-        self._waker = Waker()  # ends step()'s wait for outputs when a request is queued
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
+        self._waker = Waker()  # ends step()'s wait for outputs when a request is queued
         # A world whose failed ranks are replaced in place keeps its survivors when one fails:
         # gloo worlds only (CPU). A survivor of an NCCL world may sit in a collective with the
         # dead rank that only ncclCommAbort from another thread ends, and one of an "ipc" world
