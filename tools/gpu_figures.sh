@@ -28,10 +28,11 @@
 #   fp8                            Qwen3-30B-A3B decode, bf16 and FP8 (issue 49)
 #   gpu-tests                      the GPU tests of the layers changed since their last GPU run
 #   next                           what the open issues wait on, shortest first: the FP4 and
-#                                  gpt-oss GPU tests after the K tail (issue 45), MTP's
-#                                  verification with and without its draft (47), the mHC mix
-#                                  at 64 and 128 rows, one 1024-token V4 prefill (42's TTFT
-#                                  yardstick), then served V4 under `full` (42)
+#                                  gpt-oss GPU tests after the K tail (issue 45), the MTP GPU
+#                                  tests with the failed draft capture, mHC at 64 rows a
+#                                  program, MTP's verification with and without its draft
+#                                  (47), the mHC mix at 64 and 128 rows, one 1024-token V4
+#                                  prefill (42's TTFT yardstick), then served V4 under `full`
 #
 # The server needs fastapi, uvicorn and pydantic: where the device lacks them, carry their
 # wheels in ./.whl (pip download --python-version 3.12 --only-binary :all: -d .whl fastapi
@@ -191,7 +192,8 @@ group() {
         ;;
     next)
         run next-tests python -m pytest -q -p no:cacheprovider tests/gpu/test_fp4_moe.py \
-            tests/gpu/test_gpt_oss.py
+            tests/gpu/test_gpt_oss.py tests/gpu/test_mtp_gpu.py tests/gpu/test_v4_fused.py -k \
+            "not v4_fused or mhc"
         run mtp-verify-alone $AFD bench decode --preset "$V4" --random-weights \
             --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,64 \
             --num-speculative-tokens 1
