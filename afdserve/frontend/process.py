@@ -136,6 +136,8 @@ class ProcessClient(EngineCoreClient):
         self.owner[request_id], self.cost[request_id] = rank, cost
         message = AddRequest(request_id, tuple(prompt_token_ids), params, tuple(output_token_ids))
         self.world.send(rank, message)
+        # Every attention rank joins each control round: wake the idle others too.
+        self.world.nudge(r for r in range(self.spec.topology.attention_ranks) if r != rank)
 
     def abort(self, request_id: str) -> None:
         rank = self.owner.get(request_id)

@@ -38,6 +38,7 @@ from afdserve.afd.ranks.codec import DecodeError, decode, encode
 from afdserve.afd.ranks.messages import (
     AddRequest,
     Hello,
+    Nudge,
     Outputs,
     Parted,
     RankReady,
@@ -262,6 +263,7 @@ def test_every_message_type_round_trips_equal(afd_models):
         spec,
         Hello(3),
         Shutdown(),
+        Nudge(),
         RankReady(
             0,
             "attention",

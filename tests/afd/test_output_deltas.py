@@ -100,8 +100,8 @@ def _capture_messages(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[Outputs
     received: list[Outputs] = []
     messages = world.messages
 
-    def recording(timeout: float) -> list:
-        msgs = messages(timeout)
+    def recording(timeout: float, waker=None) -> list:
+        msgs = messages(timeout, waker)
         received.extend(msg for msg in msgs if isinstance(msg, Outputs))
         return msgs
 

@@ -39,6 +39,7 @@ MESSAGES: tuple[type, ...] = (
     messages.AddRequest,
     messages.AbortRequest,
     messages.Shutdown,
+    messages.Nudge,
     messages.Outputs,
     messages.Rejected,
     messages.RankFailed,

@@ -81,6 +81,13 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class Nudge:
+    """Frontend -> an attention rank: another attention rank was given work. Every rank of a
+    world joins each control round, so an idle one waiting on its channel steps at once
+    instead of after its backoff; it carries nothing."""
+
+
+@dataclass(frozen=True)
 class Rejoin:
     """Frontend -> a rank that `Parted`: join world generation `generation` through the store
     at `store_path` (a fresh file in the world's 0700 directory), keeping the half it holds."""

@@ -28,6 +28,7 @@ from afdserve.afd.ranks.messages import (
     AbortRequest,
     AddRequest,
     Hello,
+    Nudge,
     Outputs,
     Parted,
     RankFailed,
@@ -232,7 +233,7 @@ def _wait_for_rejoin(rank: int, conn: Channel) -> Rejoin | None:
             return msg
         if isinstance(msg, Shutdown):
             return None
-        if not isinstance(msg, (AddRequest, AbortRequest)):
+        if not isinstance(msg, (AddRequest, AbortRequest, Nudge)):
             raise TypeError(f"rank {rank}: unexpected message {type(msg).__name__}")
 
 
@@ -253,7 +254,7 @@ def _apply(built: BuiltRank, rank: int, conn: Channel) -> bool:
             built.core.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             return True
-        else:
+        elif not isinstance(msg, Nudge):  # a nudge only ends the wait that read it
             raise TypeError(f"rank {rank}: unexpected message {type(msg).__name__}")
     return False
 

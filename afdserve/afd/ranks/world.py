@@ -32,6 +32,7 @@ from pathlib import Path
 from afdserve.afd.ranks.channel import Channel, ChannelError, RankListener, Waker, read_key
 from afdserve.afd.ranks.frontend_files import make_store_dir, remove, write_key_file
 from afdserve.afd.ranks.messages import (
+    Nudge,
     Outputs,
     Parted,
     RankFailed,
@@ -422,6 +423,17 @@ class RankWorld:
 
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
+
+    def nudge(self, ranks) -> None:
+        """A `Nudge` to each of `ranks`, best effort: a rank whose channel is gone or broken
+        is left to `messages` and `check_alive` to report."""
+        for rank in ranks:
+            conn = self.conns.get(rank)
+            if conn is not None:
+                try:
+                    conn.send(Nudge())
+                except OSError:
+                    pass
 
     # ----- rebuilding a broken world around its survivors -----
     def failed_ranks(self) -> set[int]:
