@@ -71,6 +71,8 @@ class ProcessClient(EngineCoreClient):
         self.rank_stats: dict[int, RankStats] = {}
         self.iteration_tokens: Counter[int] = Counter()  # every rank's steps: tokens -> steps
         self._carried: list[TokenDelta] = []
+        # rank -> the AddRequests and AbortRequests for it, in order, sent by the next step().
+        self._outbox: dict[int, list[AddRequest | AbortRequest]] = {}
         self.world = RankWorld(spec, spawn, frontend_address, startup_timeout_s)
         self._waker = Waker()  # ends step()'s wait for outputs when a request is queued
         # A world whose failed ranks are replaced in place keeps its survivors when one fails:
@@ -135,15 +137,27 @@ class ProcessClient(EngineCoreClient):
         rank, cost = self.router.route(prompt_token_ids, budget)
         self.owner[request_id], self.cost[request_id] = rank, cost
         message = AddRequest(request_id, tuple(prompt_token_ids), params, tuple(output_token_ids))
-        self.world.send(rank, message)
-        # Every attention rank joins each control round: wake the idle others too.
-        self.world.nudge(r for r in range(self.spec.topology.attention_ranks) if r != rank)
+        self._outbox.setdefault(rank, []).append(message)
 
     def abort(self, request_id: str) -> None:
         rank = self.owner.get(request_id)
         if rank is not None and not self.broken:  # a broken world drops every request anyway
-            self.world.send(rank, AbortRequest(request_id))
+            self._outbox.setdefault(rank, []).append(AbortRequest(request_id))
             self._forget(request_id)
+
+    def _flush(self) -> None:
+        """Send what add_request and abort queued, one write per rank: a rank woken by a burst
+        of requests (one generate() call, a server's queue) reads all of it before it schedules,
+        and batches it. Every rank joins each control round, so the attention ranks that got
+        nothing are nudged out of their idle wait too."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for rank, messages in outbox.items():
+            self.world.send_many(rank, messages)
+        if any(isinstance(m, AddRequest) for messages in outbox.values() for m in messages):
+            others = range(self.spec.topology.attention_ranks)
+            self.world.nudge(r for r in others if r not in outbox)
 
     def _forget(self, request_id: str) -> None:
         rank = self.owner.pop(request_id, None)
@@ -155,6 +169,7 @@ class ProcessClient(EngineCoreClient):
             raise WorkerError("the engine is shut down")
         if self.broken:
             raise WorkerError("a rank failed: the world is being rebuilt")
+        self._flush()
         results, self._carried = self._carried, []
         rejected: RequestError | None = None
         for msg in self.world.messages(0.0 if results else OUTPUT_WAIT_S, self._waker):
@@ -264,6 +279,7 @@ class ProcessClient(EngineCoreClient):
         self.owner.clear()
         self.cost.clear()
         self._carried = []
+        self._outbox.clear()  # for the world that failed
         self._take_ready()
         log.info(
             "world rebuilt in %.1f s: rank(s) %s replaced, the others kept their weights",

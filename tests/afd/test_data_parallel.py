@@ -37,13 +37,13 @@ def test_two_replicas_give_the_tokens_of_one_engine(oracle: list[list[int]]) -> 
         core = llm.engine.core_client
         assert isinstance(core, ProcessClient)
         routed: list[int] = []
-        add = core.world.send
+        add = core.world.send_many
 
-        def spy(rank: int, message) -> None:
-            routed.append(rank)
-            add(rank, message)
+        def spy(rank: int, messages: list) -> None:
+            routed.extend(rank for _ in messages)
+            add(rank, messages)
 
-        core.world.send = spy
+        core.world.send_many = spy
         assert greedy(llm) == oracle
         # Least outstanding work first: six equal requests alternate over the two replicas.
         assert sorted(set(routed)) == [0, 1] and routed.count(0) == routed.count(1)

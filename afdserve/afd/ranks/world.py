@@ -424,6 +424,9 @@ class RankWorld:
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
 
+    def send_many(self, rank: int, messages: list) -> None:
+        self.conns[rank].send_many(messages)
+
     def nudge(self, ranks) -> None:
         """A `Nudge` to each of `ranks`, best effort: a rank whose channel is gone or broken
         is left to `messages` and `check_alive` to report."""
