@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -424,10 +424,10 @@ class RankWorld:
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
 
-    def send_many(self, rank: int, messages: list) -> None:
+    def send_many(self, rank: int, messages: Iterable[object]) -> None:
         self.conns[rank].send_many(messages)
 
-    def nudge(self, ranks) -> None:
+    def nudge(self, ranks: Iterable[int]) -> None:
         """A `Nudge` to each of `ranks`, best effort: a rank whose channel is gone or broken
         is left to `messages` and `check_alive` to report."""
         for rank in ranks:
