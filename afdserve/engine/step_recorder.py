@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections import Counter
 
 from afdserve.layout.plan import GraphTable, StepPlan, plan_step
@@ -34,12 +35,14 @@ class StepRecorder:
         self.rank, self.ubatches, self.draft_passes = rank, ubatches, draft_passes
         self.table = GraphTable(mode=graph_mode, sizes=tuple(sizes))
         self.step = 0
+        self._planned_at = 0.0  # the wall clock of the last plan, for the log's lines
         self.keep_records = keep_records or log_path is not None
         self.records: list[dict] = []
         self.mode_counts: Counter[str] = Counter()
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115
 
     def plan(self, reports, topology: Topology) -> StepPlan:
+        self._planned_at = time.time()
         return plan_step(reports, topology, self.table, self.ubatches, self.draft_passes)
 
     def record(self, plan: StepPlan, ranks: tuple[int, ...] | None = None) -> None:
@@ -54,7 +57,10 @@ class StepRecorder:
             if self.keep_records:
                 self.records.append(rec)
             if self._log is not None:
-                self._log.write(json.dumps(rec) + "\n")
+                # Wall clocks: when the step was planned and when this rank had run it, host
+                # work included (tools/step_times.py reads a served engine's steps from them).
+                times = {"start": round(self._planned_at, 6), "end": round(time.time(), 6)}
+                self._log.write(json.dumps({**rec, **times}) + "\n")
                 self._log.flush()
         self.table = self.table.with_captured(plan.capture_keys)
         self.step += 1

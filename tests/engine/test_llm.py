@@ -5,6 +5,7 @@ while it keeps serving the others."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -329,6 +330,22 @@ def test_temporary_step_log_outlives_shutdown_but_not_its_file(model_dir: str) -
     assert during and all(r["role"] == "attention" for r in during)
     assert llm.step_log() == during
     assert path is not None and not os.path.exists(path)
+
+
+def test_step_log_lines_carry_each_steps_wall_clocks(model_dir: str) -> None:
+    """Each line says when its step was planned and run: the generate call's steps lie inside it,
+    in order, each run after it was planned, none planned before the one before it ended."""
+    with LLM(model_dir, dtype="float32", max_model_len=64, log_step_plan=True) as llm:
+        before = time.time() - 1e-6  # the lines' clocks are rounded to microseconds
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0))
+        after = time.time() + 1e-6
+        lines = sorted(llm.step_log(), key=lambda r: r["step"])
+    ours = [r for r in lines if r["start"] >= before]
+    assert len(ours) >= 4  # a prefill step, then a decode step per further token
+    for line in ours:
+        assert before <= line["start"] <= line["end"] <= after
+    for prev, line in zip(ours, ours[1:]):
+        assert line["start"] >= prev["end"]
 
 
 @pytest.mark.parametrize("skip", [True, False])
