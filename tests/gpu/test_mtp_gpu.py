@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.draft_passes import DraftPasses
 from afdserve.layout.plan import DRAFT_TAGS
 from afdserve.model.fixtures.tiny import make_tiny_model
 
@@ -128,37 +129,38 @@ def test_mtp_inprocess_1a1f_graphs_equal_eager(bf16_mtp_model, k):
 
 
 @pytest.mark.parametrize("topology", ["colocated", "1A1F"])
-def test_failed_draft_capture_runs_the_pass_eagerly(bf16_mtp_model, topology, caplog):
+def test_failed_draft_capture_runs_the_pass_eagerly(bf16_mtp_model, topology, caplog, monkeypatch):
     """A draft pass whose capture fails (a host sync inside it, which CUDA forbids while
     capturing) runs its key eagerly from then on, the reason logged; the main step's graphs are
-    untouched and the tokens are the eager engine's (bf16: up to near-ties)."""
+    untouched and the tokens are the eager engine's (bf16: up to near-ties). The engine captures
+    every key while it warms up, so the pass is made to fail before the engine is built."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = _prompts()
     split = dict(topology="1A1F", connector="inprocess") if topology == "1A1F" else {}
+    layer = DraftPasses._layer
+
+    def syncing_layer(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed under capture: the capture fails
+        return layer(self, *args, **kwargs)
+
     with LLM(str(bf16_mtp_model), graph_mode="none", **COMMON) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(
-            str(bf16_mtp_model),
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-            graph_mode="full_decode_only",
-            cuda_graph_sizes=[1, 2, 4, 8],
-            **split,
-            **COMMON,
-        ) as llm:
-            passes = llm.engine.core_client.core.mtp.passes
-            layer = passes._layer
-
-            def syncing_layer(*args, **kwargs):
-                if torch.cuda.is_current_stream_capturing():
-                    torch.cuda.synchronize()  # not allowed under capture: the capture fails
-                return layer(*args, **kwargs)
-
-            passes._layer = syncing_layer
-            with caplog.at_level("WARNING", logger="afdserve.engine.cuda_graphs"):
+        monkeypatch.setattr(DraftPasses, "_layer", syncing_layer)
+        with caplog.at_level("WARNING", logger="afdserve.engine.cuda_graphs"):
+            with LLM(
+                str(bf16_mtp_model),
+                speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                graph_mode="full_decode_only",
+                cuda_graph_sizes=[1, 2, 4, 8],
+                **split,
+                **COMMON,
+            ) as llm:
+                passes = llm.engine.core_client.core.mtp.passes
                 got = [o.token_ids for o in llm.generate(prompts, params)]
-            assert passes.eager_keys and not passes.graphs
-            assert "failed twice, so that key runs eagerly" in caplog.text
-            assert llm.engine.core_client.driver.forward.graphs.graphs  # the main step's
+                assert passes.eager_keys and not passes.graphs
+                assert "failed twice, so that key runs eagerly" in caplog.text
+                assert llm.engine.core_client.driver.forward.graphs.graphs  # the main step's
         _check(eager, prompts, got, want)
 
 
