@@ -9,6 +9,8 @@
 #   v4-serve-auto, v4-serve-full   served DeepSeek-V4-Flash:4 (issue 42/44): 1024 in / 128 out at
 #                                  4 req/s and unbounded, the 16 x 2048 shared-prefix workload
 #                                  with prefix caching on and off, under that graph mode
+#   v4-prefix-full                 the shared-prefix workload alone, prefix caching on and off,
+#                                  under `full`
 #   v4-generate                    `bench generate` on the same workload (the served ratio), and
 #                                  one 1024-token prefill step (the TTFT yardstick)
 #   v4-kernels                     bench decode at contexts 8192 and 65536, the decode profile at
@@ -95,21 +97,31 @@ serve_and_load() {  # serve_and_load NAME DIR "SERVE FLAGS" "BENCH FLAGS"...
     tail -n 5 "$OUT/$name-server.log" >>"$OUT/index.log"
 }
 
+PREFIXED="--num-prefixes 16 --prefix-len 2048 --input-len 64 --output-len 128 --request-rate 4 --num-prompts 80"
+
 v4_serve() {  # v4_serve GRAPH_MODE
     local dir
     dir=$(preset_dir "$V4")
     serve_and_load "v4-serve-$1" "$dir" "--max-model-len 8192 --graph-mode $1" \
-        "--input-len 1024 --output-len 128 --request-rate 4,inf --num-prompts 80" \
-        "--num-prefixes 16 --prefix-len 2048 --input-len 64 --output-len 128 --request-rate 4 --num-prompts 80"
+        "--input-len 1024 --output-len 128 --request-rate 4,inf --num-prompts 80" "$PREFIXED"
+    v4_prefix_off "$1"
+}
+
+v4_prefix_off() {  # v4_prefix_off GRAPH_MODE: the shared-prefix workload, prefix caching off
+    local dir
+    dir=$(preset_dir "$V4")
     serve_and_load "v4-serve-$1-nocache" "$dir" \
-        "--max-model-len 8192 --graph-mode $1 --no-enable-prefix-caching" \
-        "--num-prefixes 16 --prefix-len 2048 --input-len 64 --output-len 128 --request-rate 4 --num-prompts 80"
+        "--max-model-len 8192 --graph-mode $1 --no-enable-prefix-caching" "$PREFIXED"
 }
 
 group() {
     case $1 in
     v4-serve-auto) wheels && v4_serve auto ;;
     v4-serve-full) wheels && v4_serve full ;;
+    v4-prefix-full)
+        wheels && serve_and_load v4-prefix-full "$(preset_dir "$V4")" \
+            "--max-model-len 8192 --graph-mode full" "$PREFIXED" && v4_prefix_off full
+        ;;
     v4-generate)
         run v4-generate $AFD bench generate --model "$(preset_dir "$V4")" --load-format dummy \
             --max-model-len 8192 --batch-sizes 1,100 --input-len 1024 --output-len 128
