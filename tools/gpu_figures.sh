@@ -29,12 +29,10 @@
 #                                  verification step against a plain one (issue 47)
 #   fp8                            Qwen3-30B-A3B decode, bf16 and FP8 (issue 49)
 #   gpu-tests                      the GPU tests of the layers changed since their last GPU run
-#   next                           what the open issues wait on, shortest first: the FP4 and
-#                                  gpt-oss GPU tests after the K tail (issue 45), the MTP GPU
-#                                  tests with the failed draft capture, mHC at 64 rows a
-#                                  program, MTP's verification with and without its draft
-#                                  (47), the mHC mix at 64 and 128 rows, one 1024-token V4
-#                                  prefill (42's TTFT yardstick), then served V4 under `full`
+#   next                           what issue 42 waits on: tools/served_steps.sh full (three
+#                                  loads, the step log, the server's TTFT split) after the
+#                                  channel's TCP_NODELAY, the prefix workload with caching off,
+#                                  then v4-generate (the saturation ratio and the prefill step)
 #
 # The server needs fastapi, uvicorn and pydantic: where the device lacks them, carry their
 # wheels in ./.whl (pip download --python-version 3.12 --only-binary :all: -d .whl fastapi
@@ -203,16 +201,11 @@ group() {
         done
         ;;
     next)
-        run next-tests python -m pytest -q -p no:cacheprovider tests/gpu/test_fp4_moe.py \
-            tests/gpu/test_gpt_oss.py tests/gpu/test_mtp_gpu.py tests/gpu/test_v4_fused.py -k \
-            "not v4_fused or mhc"
-        run mtp-verify-alone $AFD bench decode --preset "$V4" --random-weights \
-            --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,64 \
-            --num-speculative-tokens 1
-        run mhc-rows python tools/mhc_bench.py --rows 1024,8192 --block-rows 64,128 --dots bf16x3
-        run v4-prefill-1024 python tools/profile_prefill.py --preset "$V4" --prompts 1 \
-            --input-len 1024
-        wheels && v4_serve full
+        # Served V4 after the channel's TCP_NODELAY: the three loads with the step log and the
+        # server's TTFT split, the shared-prefix workload with caching off, and generate.
+        wheels && OUT="$OUT/served" tools/served_steps.sh full
+        v4_prefix_off full
+        group v4-generate
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \
