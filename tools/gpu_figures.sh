@@ -29,10 +29,16 @@
 #                                  verification step against a plain one (issue 47)
 #   fp8                            Qwen3-30B-A3B decode, bf16 and FP8 (issue 49)
 #   gpu-tests                      the GPU tests of the layers changed since their last GPU run
-#   next                           what issue 42 waits on: tools/served_steps.sh full (three
-#                                  loads, the step log, the server's TTFT split) after the
-#                                  channel's TCP_NODELAY, the prefix workload with caching off,
-#                                  then v4-generate (the saturation ratio and the prefill step)
+#   v4-steps                       served V4 under `full` with the step log on: 4 req/s,
+#                                  unbounded, the shared prefixes (tools/step_times.py --window
+#                                  with windows.log splits v4-steps.jsonl by load; metrics.log
+#                                  holds the server's TTFT, queue and prefill histograms)
+#   next                           what issue 42 waits on after the channel's TCP_NODELAY:
+#                                  v4-steps, the prefix workload with caching off, v4-generate
+#
+# Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
+# metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
+# device call brings back 8).
 #
 # The server needs fastapi, uvicorn and pydantic: where the device lacks them, carry their
 # wheels in ./.whl (pip download --python-version 3.12 --only-binary :all: -d .whl fastapi
@@ -83,12 +89,20 @@ serve_and_load() {  # serve_and_load NAME DIR "SERVE FLAGS" "BENCH FLAGS"...
         kill -0 $pid 2>/dev/null || break
         sleep 1
     done
-    local i=0
+    local i=0 start
     for load in "$@"; do
         i=$((i + 1))
+        start=$(date +%s.%N)
         # shellcheck disable=SC2086
         run "$name-$i" $AFD bench serve --base-url "http://127.0.0.1:$PORT" --model-dir "$dir" \
             $load --json "$OUT/$name-$i.json"
+        # The load's wall-clock window (tools/step_times.py --window splits a step log by it),
+        # and the server's own split of the first token's wait so far (cumulative histograms:
+        # from the HTTP arrival, queued at the rank, the prefill).
+        echo "window $name-$i $start $(date +%s.%N)" >>"$OUT/windows.log"
+        curl -s "http://127.0.0.1:$PORT/metrics" |
+            grep -E '^vllm:(time_to_first_token|request_queue_time|request_prefill_time)_seconds' |
+            sed "s/^/$name-$i /" >>"$OUT/metrics.log"
     done
     kill -INT $pid 2>/dev/null
     wait $pid 2>/dev/null
@@ -200,11 +214,15 @@ group() {
                 --graph-mode full_decode_only --context-len 1024 --batch-sizes 1,8,64,256 $q
         done
         ;;
+    v4-steps)
+        wheels && serve_and_load v4-steps "$(preset_dir "$V4")" \
+            "--max-model-len 8192 --graph-mode full --log-step-plan $OUT/v4-steps.jsonl" \
+            "--input-len 1024 --output-len 128 --request-rate 4 --num-prompts 40" \
+            "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
+        ;;
     next)
-        # Served V4 after the channel's TCP_NODELAY: the three loads with the step log and the
-        # server's TTFT split, the shared-prefix workload with caching off, and generate.
-        wheels && OUT="$OUT/served" tools/served_steps.sh full
-        v4_prefix_off full
+        group v4-steps
+        wheels && v4_prefix_off full
         group v4-generate
         ;;
     gpu-tests)
@@ -219,10 +237,17 @@ group() {
 }
 
 [ $# -gt 0 ] || {
-    sed -n '2,30p' "$0"
+    sed -n '2,/^set /{/^set /!p}' "$0"
     exit 2
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
+pack() {  # at most 8 files come back from a device call: past that, one archive travels
+    [ "$(find "$OUT" -type f | wc -l)" -gt 8 ] || return 0
+    tar -czf /tmp/gpu-figures.tgz -C "$OUT" . && find "$OUT" -type f ! -name index.log -delete &&
+        mv /tmp/gpu-figures.tgz "$OUT/"
+}
+trap 'exit 143' TERM INT  # a `timeout` around this still packs what ran
+trap pack EXIT
 for g in "$@"; do
     group "$g"
 done
