@@ -70,32 +70,27 @@ def _wait_rejected(listener: RankListener, n: int, within: float = HANDSHAKE_TIM
     assert listener.rejected == n
 
 
-def test_both_sides_prove_the_key(listener):
+def _connected_pair(listener: RankListener, rank: int = 0) -> tuple:
+    """(the rank's channel, the frontend's channel) of one authenticated connection, after the
+    rank's Hello."""
     got = {}
     worker = threading.Thread(target=lambda: got.setdefault("conn", connect(listener.address, KEY)))
     worker.start()
     worker.join(5)
-    got["conn"].send(Hello(2))
-    hello, conn = listener.get(timeout=5)
-    assert hello == Hello(2)
+    got["conn"].send(Hello(rank))
+    hello, frontend = listener.get(timeout=5)
+    assert hello == Hello(rank)
+    return got["conn"], frontend
+
+
+def test_both_sides_prove_the_key(listener):
+    rank, conn = _connected_pair(listener, 2)
     conn.send(Shutdown())
-    assert got["conn"].recv(timeout=5) == Shutdown()
+    assert rank.recv(timeout=5) == Shutdown()
     with pytest.raises(ChannelError):
         connect(listener.address, os.urandom(32))  # the frontend drops it: the peer sees it
     _wait_rejected(listener, 1)
     assert listener.get(timeout=0.2) is None
-
-
-def _connected_pair(listener: RankListener) -> tuple:
-    """(the rank's channel, the frontend's channel) of one authenticated connection."""
-    got = {}
-    worker = threading.Thread(target=lambda: got.setdefault("conn", connect(listener.address, KEY)))
-    worker.start()
-    worker.join(5)
-    got["conn"].send(Hello(0))
-    hello, frontend = listener.get(timeout=5)
-    assert hello == Hello(0)
-    return got["conn"], frontend
 
 
 def test_both_ends_send_each_message_at_once(listener):
