@@ -79,11 +79,17 @@ def test_caching_gives_the_uncached_tokens(afd_models, reference, topology, extr
             check_world(reference, llm, data)
 
         run()
-        stats = llm.engine.stats()
         core = getattr(llm.engine.core_client, "core", None)
         if core is not None:  # one process: the tiny cache did preempt and evict
             assert core.scheduler.num_preemptions > 0 and core.block_manager.evicted_blocks > 0
-    assert sum(stats.prefix_cache_hits.values()) > 0  # the workloads did share prefixes
+        # Whether the random workloads met a cached block is up to their draws; a prompt sent
+        # twice meets its own three blocks (the router sends it back to the rank that cached
+        # them), and the ranks' stats report that hit.
+        hits = sum(llm.engine.stats().prefix_cache_hits.values())
+        again = [[(7 * i) % 250 for i in range(1, 15)]]
+        assert tokens(llm, again, GREEDY) == tokens(reference, again, GREEDY)
+        assert tokens(llm, again, GREEDY) == tokens(reference, again, GREEDY)
+        assert sum(llm.engine.stats().prefix_cache_hits.values()) > hits
 
 
 def ffn_rows(log_dir, layer: int = 0) -> int:
