@@ -16,7 +16,7 @@ import torch
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.a2e import A2EFormat
-from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.cache import PagedCache
 from afdserve.model.layers.moe import Routing
@@ -105,13 +105,11 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, padded_rows: int) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
-        row_seq: list[int] = []  # which scheduled sequence each row belongs to
         spans: list[tuple[int, int, int, int]] = []  # row_start, row_end, seq index, context
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Sequence, int, int]] = []
-        tables = [entry.seq.block_table for entry in out.scheduled]
         for index, entry in enumerate(out.scheduled):
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
@@ -119,7 +117,6 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             ids.extend(entry.draft_ids)  # past token_ids: the drafts this step verifies
             positions.extend(range(start, end))
-            row_seq.extend([index] * (end - start))
             spans.append((row, len(ids), index, end))
             if entry.samples:  # the last token's row, and each draft's
                 sample_rows.extend(range(len(ids) - 1 - len(entry.draft_ids), len(ids)))
@@ -135,55 +132,49 @@ class ModelRunner:
         if padded_rows < real:
             raise ValueError(f"padded_rows={padded_rows} < real rows {real}")
         pad = padded_rows - real
-        # One host-to-device copy for every per-row input; pad rows: id 0 to embed, -1 to route.
-        host = torch.tensor(
-            [ids + [0] * pad, ids + [-1] * pad, positions + [0] * pad, row_seq + [0] * pad],
-            dtype=torch.int64,
-        )
-        dev = self.device
-        input_ids, route_ids, position_tensor, seq_of_row = host.to(dev).unbind(0)
-        rows = (position_tensor, seq_of_row, real, spans)
+        # Every integer the step's tensors hold goes to the device in one copy per dtype
+        # (`HostStage`): a copy per tensor costs the host a synchronizing round trip each, and
+        # the host's time before a step's launch is time the GPU stands idle.
+        stage = HostStage()
+        input_ids = stage.int64(ids + [0] * pad)  # pad rows: id 0 to embed, -1 to route
+        route_ids = stage.int64(ids + [-1] * pad)
+        position_tensor = stage.int64(positions + [0] * pad)
+        sample_tensor = stage.int64(sample_rows)
+        prompt_tensor = stage.int64(prompt_rows)
         state = [-1 if e.seq.state_slot is None else e.seq.state_slot for e in out.scheduled]
+        main = _MetadataStage(
+            stage,
+            [e.seq.block_table for e in out.scheduled],
+            spans,
+            pad,
+            self.block_size,
+            state,
+            self.batched_metadata,
+        )
         window = None
         if self.kv_cache.has_window_pool:
-            window = self._metadata([e.seq.window_table for e in out.scheduled], *rows, state)
-        meta = self._metadata(tables, *rows, state, window)
+            window = _MetadataStage(
+                stage,
+                [e.seq.window_table for e in out.scheduled],
+                spans,
+                pad,
+                self.block_size,
+                state,
+                self.batched_metadata,
+            )
+        stage.upload(self.device)
+        positions_dev = position_tensor.get()
+        window_meta = window.build(positions_dev, spans, state) if window is not None else None
         return StepInputs(
-            input_ids,
-            route_ids,
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            input_ids.get(),
+            route_ids.get(),
+            main.build(positions_dev, spans, state, window_meta),
+            sample_tensor.get(),
             sample_seqs,
             real,
-            prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64).to(dev),
+            prompt_rows=prompt_tensor.get(),
             prompt_spans=tuple(prompt_spans),
         )
-
-    def _metadata(
-        self,
-        tables: list[list[int]],
-        positions: torch.Tensor,
-        seq_of_row: torch.Tensor,
-        real: int,
-        spans: list[tuple[int, int, int, int]],
-        state: list[int],
-        window: AttentionMetadata | None = None,
-    ) -> AttentionMetadata:
-        """The rows' view through one kind of block table (the main one, or the windowed
-        layers'): their KV slots and segments."""
-        dev, bs = self.device, self.block_size
-        width = max((len(t) for t in tables), default=0)
-        table_tensor = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64
-        ).to(dev)
-        slots = table_tensor[seq_of_row, positions // bs] * bs + positions % bs
-        slots[real:] = -1  # pad rows write no KV
-        segments = tuple(
-            Segment(r0, r1, table_tensor[index], context, state[index])
-            for r0, r1, index, context in spans
-        )
-        batched = batch_segments(segments, dev) if self.batched_metadata else None
-        return AttentionMetadata(positions, slots, segments, batched, window)
 
     @torch.inference_mode()
     def forward(
@@ -224,3 +215,125 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return self.model.logits(hidden[inputs.sample_rows])
+
+
+class Staged:
+    """One array of a `HostStage`: its device tensor once the stage is uploaded."""
+
+    def __init__(self, stage: HostStage, dtype: torch.dtype, start: int, shape: tuple[int, ...]):
+        self.stage, self.dtype, self.start, self.shape = stage, dtype, start, shape
+
+    def get(self) -> torch.Tensor:
+        flat = self.stage.uploaded[self.dtype]
+        count = 1
+        for size in self.shape:
+            count *= size
+        return flat[self.start : self.start + count].view(self.shape)
+
+
+class HostStage:
+    """Integer arrays gathered on the host and copied to the device together: one pinned
+    buffer and one asynchronous copy per dtype (int64, int32). The pinned buffers come from
+    torch's caching host allocator, which keeps a buffer until the copy that read it is done."""
+
+    def __init__(self) -> None:
+        self.values: dict[torch.dtype, list[int]] = {torch.int64: [], torch.int32: []}
+        self.uploaded: dict[torch.dtype, torch.Tensor] = {}
+
+    def _add(self, dtype: torch.dtype, values: list[int], shape: tuple[int, ...]) -> Staged:
+        flat = self.values[dtype]
+        # Each array starts 16 bytes in, as an allocation would: kernels specialized on their
+        # pointers' alignment see one alignment whatever the step's sizes.
+        flat.extend([0] * (-len(flat) % (16 // dtype.itemsize)))
+        staged = Staged(self, dtype, len(flat), shape)
+        flat.extend(values)
+        return staged
+
+    def int64(self, values: list[int]) -> Staged:
+        return self._add(torch.int64, values, (len(values),))
+
+    def int32(self, values: list[int]) -> Staged:
+        return self._add(torch.int32, values, (len(values),))
+
+    def int32_rows(self, rows: list[list[int]], width: int) -> Staged:
+        """`rows`, each exactly `width` long, as one [len(rows), width] tensor."""
+        return self._add(torch.int32, [v for row in rows for v in row], (len(rows), width))
+
+    def int64_rows(self, rows: list[list[int]], width: int) -> Staged:
+        return self._add(torch.int64, [v for row in rows for v in row], (len(rows), width))
+
+    def upload(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        for dtype, values in self.values.items():
+            host = torch.tensor(values, dtype=dtype)
+            if pin:
+                host = host.pin_memory()
+            self.uploaded[dtype] = host.to(device, non_blocking=pin)
+
+
+class _MetadataStage:
+    """The rows' view through one kind of block table (the main one, or the windowed
+    layers'), staged: their KV slots, block tables and segments' tensors."""
+
+    def __init__(
+        self,
+        stage: HostStage,
+        tables: list[list[int]],
+        spans: list[tuple[int, int, int, int]],
+        pad: int,
+        block_size: int,
+        state: list[int],
+        batched: bool,
+    ) -> None:
+        width = max((len(t) for t in tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        slots: list[int] = []
+        for r0, r1, index, context in spans:  # one run per block the span's positions touch
+            table, position = tables[index], context - (r1 - r0)
+            while position < context:
+                block, offset = divmod(position, block_size)
+                run = min(context - position, block_size - offset)
+                base = table[block] * block_size + offset
+                slots.extend(range(base, base + run))
+                position += run
+        self.slots = stage.int64(slots + [-1] * pad)  # pad rows write no KV
+        self.tables = stage.int64_rows(padded, width) if padded else stage.int64_rows([[0]], 1)
+        self.batched = None
+        if batched:
+            starts = [r0 for r0, _, _, _ in spans] + [spans[-1][1] if spans else 0]
+            self.batched = (
+                stage.int32(starts),
+                stage.int32([context for _, _, _, context in spans]),
+                stage.int32_rows(padded, width) if padded else None,
+                stage.int32(state) if any(slot >= 0 for slot in state) else None,
+                max((r1 - r0 for r0, r1, _, _ in spans), default=0),
+                max((context for _, _, _, context in spans), default=0),
+            )
+
+    def build(
+        self,
+        positions: torch.Tensor,
+        spans: list[tuple[int, int, int, int]],
+        state: list[int],
+        window: AttentionMetadata | None = None,
+    ) -> AttentionMetadata:
+        table = self.tables.get()
+        segments = tuple(
+            Segment(r0, r1, table[index], context, state[index]) for r0, r1, index, context in spans
+        )
+        batched = None
+        if self.batched is not None:
+            starts, contexts, tables, slots, max_query, max_context = self.batched
+            batched = BatchedSegments(
+                query_start=starts.get(),
+                context_lens=contexts.get(),
+                block_tables=(
+                    tables.get()
+                    if tables is not None
+                    else torch.zeros(0, 1, dtype=torch.int32, device=positions.device)
+                ),
+                max_query_len=max_query,
+                max_context_len=max_context,
+                state_slots=slots.get() if slots is not None else None,
+            )
+        return AttentionMetadata(positions, self.slots.get(), segments, batched, window)

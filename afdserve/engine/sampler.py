@@ -34,7 +34,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
 
     greedy_rows = [row for row, seq in enumerate(seqs) if seq.params.greedy]
     random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-    if greedy_rows:
+    if greedy_rows and not random_rows:  # all greedy: no gather, no index to copy over
+        tokens = processed.argmax(dim=-1)
+    elif greedy_rows:
         index = torch.tensor(greedy_rows, device=logits.device)
         tokens[index] = processed[index].argmax(dim=-1)
     if random_rows:
