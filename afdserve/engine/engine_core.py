@@ -198,8 +198,10 @@ class EngineCore:
             row += len(rows)
         by_seq: dict[int, int | list[int]] = {}
         if plain:
-            index = torch.tensor(plain_rows, device=logits.device)
-            result = sample(logits[index] if spec else logits, plain)
+            # Without drafts every row samples plainly: no index to copy over (a copy from
+            # pageable memory waits for the step's forward).
+            rows = logits[torch.tensor(plain_rows, device=logits.device)] if spec else logits
+            result = sample(rows, plain)
             by_seq.update(zip((id(s) for s in plain), result.token_ids))
             for seq, entry in zip(plain, result.logprobs, strict=True):
                 if seq.params.logprobs is not None:

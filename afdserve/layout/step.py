@@ -91,7 +91,10 @@ class GraphTable:
         return self.sizes[-1] if self.sizes else 0
 
     def with_captured(self, keys: Iterable[GraphKey]) -> GraphTable:
-        return dataclasses.replace(self, captured=self.captured | frozenset(keys))
+        new = frozenset(keys) - self.captured
+        if not new:  # every step records its keys: most add none, and need no new table
+            return self
+        return dataclasses.replace(self, captured=self.captured | new)
 
 
 def _check_mode_and_key(mode: str, key: GraphKey | None, rank: int) -> None:
