@@ -142,26 +142,16 @@ class ModelRunner:
         sample_tensor = stage.int64(sample_rows)
         prompt_tensor = stage.int64(prompt_rows)
         state = [-1 if e.seq.state_slot is None else e.seq.state_slot for e in out.scheduled]
-        main = _MetadataStage(
-            stage,
-            [e.seq.block_table for e in out.scheduled],
-            spans,
-            pad,
-            self.block_size,
-            state,
-            self.batched_metadata,
-        )
-        window = None
-        if self.kv_cache.has_window_pool:
-            window = _MetadataStage(
-                stage,
-                [e.seq.window_table for e in out.scheduled],
-                spans,
-                pad,
-                self.block_size,
-                state,
-                self.batched_metadata,
+
+        def view(tables: list[list[int]]) -> _MetadataStage:
+            return _MetadataStage(
+                stage, tables, spans, pad, self.block_size, state, self.batched_metadata
             )
+
+        main = view([e.seq.block_table for e in out.scheduled])
+        window = None  # the windowed layers' own pool, through their own tables
+        if self.kv_cache.has_window_pool:
+            window = view([e.seq.window_table for e in out.scheduled])
         stage.upload(self.device)
         positions_dev = position_tensor.get()
         window_meta = window.build(positions_dev, spans, state) if window is not None else None
