@@ -33,8 +33,9 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what issue 42 waits on after the channel's TCP_NODELAY:
-#                                  v4-steps, the prefix workload with caching off, v4-generate
+#   next                           what issue 42 waits on after the one-copy step inputs:
+#                                  the GPU tests of the engine's paths, the host profile at
+#                                  batch 4 (tools/host_profile.py)
 #
 # Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
 # metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
@@ -221,9 +222,10 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        group v4-steps
-        wheels && v4_prefix_off full
-        group v4-generate
+        run engine-gpu-tests python -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py \
+            tests/gpu/test_deepseek_v4_cache.py tests/gpu/test_gated_deltanet_gpu.py \
+            tests/gpu/test_prefix_caching_gpu.py tests/gpu/test_inprocess.py
+        run host-profile-b4 python tools/host_profile.py --preset "$V4" --batch 4 --steps 300
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \
