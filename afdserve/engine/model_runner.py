@@ -8,6 +8,7 @@ m > 1 ubatches the attention of ubatch u+1 overlaps the FFN of ubatch u.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +17,7 @@ import torch
 from afdserve.engine.scheduler import SchedulerOutput
 from afdserve.engine.sequence import Sequence
 from afdserve.kernels.a2e import A2EFormat
-from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, Segment, keeps_state
 from afdserve.layout.plan import AttentionRankPlan
 from afdserve.model.cache import PagedCache
 from afdserve.model.layers.moe import Routing
@@ -154,11 +155,11 @@ class ModelRunner:
             window = view([e.seq.window_table for e in out.scheduled])
         stage.upload(self.device)
         positions_dev = position_tensor.get()
-        window_meta = window.build(positions_dev, spans, state) if window is not None else None
+        window_meta = window.build(positions_dev) if window is not None else None
         return StepInputs(
             input_ids.get(),
             route_ids.get(),
-            main.build(positions_dev, spans, state, window_meta),
+            main.build(positions_dev, window_meta),
             sample_tensor.get(),
             sample_seqs,
             real,
@@ -215,10 +216,7 @@ class Staged:
 
     def get(self) -> torch.Tensor:
         flat = self.stage.uploaded[self.dtype]
-        count = 1
-        for size in self.shape:
-            count *= size
-        return flat[self.start : self.start + count].view(self.shape)
+        return flat[self.start : self.start + math.prod(self.shape)].view(self.shape)
 
 
 class HostStage:
@@ -227,11 +225,13 @@ class HostStage:
     torch's caching host allocator, which keeps a buffer until the copy that read it is done."""
 
     def __init__(self) -> None:
-        self.values: dict[torch.dtype, list[int]] = {torch.int64: [], torch.int32: []}
+        # Only the dtypes some array was staged in travel (no int32 copy where no kernel
+        # reads the batched segments).
+        self.values: dict[torch.dtype, list[int]] = {}
         self.uploaded: dict[torch.dtype, torch.Tensor] = {}
 
     def _add(self, dtype: torch.dtype, values: list[int], shape: tuple[int, ...]) -> Staged:
-        flat = self.values[dtype]
+        flat = self.values.setdefault(dtype, [])
         # Each array starts 16 bytes in, as an allocation would: kernels specialized on their
         # pointers' alignment see one alignment whatever the step's sizes.
         flat.extend([0] * (-len(flat) % (16 // dtype.itemsize)))
@@ -245,12 +245,9 @@ class HostStage:
     def int32(self, values: list[int]) -> Staged:
         return self._add(torch.int32, values, (len(values),))
 
-    def int32_rows(self, rows: list[list[int]], width: int) -> Staged:
+    def rows(self, dtype: torch.dtype, rows: list[list[int]], width: int) -> Staged:
         """`rows`, each exactly `width` long, as one [len(rows), width] tensor."""
-        return self._add(torch.int32, [v for row in rows for v in row], (len(rows), width))
-
-    def int64_rows(self, rows: list[list[int]], width: int) -> Staged:
-        return self._add(torch.int64, [v for row in rows for v in row], (len(rows), width))
+        return self._add(dtype, [v for row in rows for v in row], (len(rows), width))
 
     def upload(self, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -287,29 +284,27 @@ class _MetadataStage:
                 slots.extend(range(base, base + run))
                 position += run
         self.slots = stage.int64(slots + [-1] * pad)  # pad rows write no KV
-        self.tables = stage.int64_rows(padded, width) if padded else stage.int64_rows([[0]], 1)
+        self.spans, self.state = spans, state
+        self.tables = stage.rows(torch.int64, padded or [[0]], width if padded else 1)
         self.batched = None
         if batched:
             starts = [r0 for r0, _, _, _ in spans] + [spans[-1][1] if spans else 0]
             self.batched = (
                 stage.int32(starts),
                 stage.int32([context for _, _, _, context in spans]),
-                stage.int32_rows(padded, width) if padded else None,
-                stage.int32(state) if any(slot >= 0 for slot in state) else None,
+                stage.rows(torch.int32, padded, width) if padded else None,
+                stage.int32(state) if keeps_state(state) else None,
                 max((r1 - r0 for r0, r1, _, _ in spans), default=0),
                 max((context for _, _, _, context in spans), default=0),
             )
 
     def build(
-        self,
-        positions: torch.Tensor,
-        spans: list[tuple[int, int, int, int]],
-        state: list[int],
-        window: AttentionMetadata | None = None,
+        self, positions: torch.Tensor, window: AttentionMetadata | None = None
     ) -> AttentionMetadata:
         table = self.tables.get()
         segments = tuple(
-            Segment(r0, r1, table[index], context, state[index]) for r0, r1, index, context in spans
+            Segment(r0, r1, table[index], context, self.state[index])
+            for r0, r1, index, context in self.spans
         )
         batched = None
         if self.batched is not None:

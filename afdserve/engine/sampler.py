@@ -30,16 +30,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         )
     logits = logits.float()  # [n, vocab]
     processed = process_logits(logits, seqs)  # [n, vocab]
-    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
 
     greedy_rows = [row for row, seq in enumerate(seqs) if seq.params.greedy]
     random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-    if greedy_rows and not random_rows:  # all greedy: no gather, no index to copy over
+    if not random_rows:  # all greedy: no gather, no index to copy over
         tokens = processed.argmax(dim=-1)
-    elif greedy_rows:
-        index = torch.tensor(greedy_rows, device=logits.device)
-        tokens[index] = processed[index].argmax(dim=-1)
-    if random_rows:
+    else:
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            tokens[index] = processed[index].argmax(dim=-1)
         index = torch.tensor(random_rows, device=logits.device)
         tokens[index] = _draw(processed[index], [seqs[row] for row in random_rows])
 

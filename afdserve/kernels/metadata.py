@@ -62,9 +62,15 @@ def _state_slots(segments: tuple[Segment, ...], device: torch.device) -> torch.T
     """The segments' state slots, or None where the cache keeps no state per sequence (no
     copy to the device for the other families)."""
     slots = [s.state_slot for s in segments]
-    if all(slot < 0 for slot in slots):
+    if not keeps_state(slots):
         return None
     return torch.tensor(slots, dtype=torch.int32).to(device)
+
+
+def keeps_state(slots: list[int]) -> bool:
+    """Whether a step's segments have state slots to send (-1: none): a cache without
+    per-sequence state sends none."""
+    return any(slot >= 0 for slot in slots)
 
 
 @dataclass(frozen=True)
