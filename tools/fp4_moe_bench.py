@@ -59,7 +59,7 @@ def replay_seconds(fn, *args, repeats: int = 50) -> float:
 
 
 def sweep_grid() -> list[Tiles]:
-    """21 shapes, the weights the dot's A operand but for one control: columns per gate/up and
+    """24 shapes, the weights the dot's A operand but for one control: columns per gate/up and
     down program at 4 warps, by K step and stages; 8 warps over wider tiles; a 512 K step. (Its
     B-operand shapes and gate/up tiles under 64 rows compile to 2-3x the instructions per
     weight: tests/kernels/test_fp4_moe_compile.py's SASS, 2026-12-02.)"""
@@ -68,6 +68,7 @@ def sweep_grid() -> list[Tiles]:
     grid += [Tiles(gu, dn, stages=st) for st in (2, 4) for gu, dn in widths]
     grid += [Tiles(64, 128, warps=8), Tiles(128, 256, warps=8)]
     grid += [Tiles(32, 64, k_block=512), Tiles(64, 128, k_block=512)]
+    grid += [Tiles(gu, dn, k_block=64) for gu, dn in widths[1:]]  # fewer registers a thread
     return [*grid, Tiles(64, 64, weights_left=False)]
 
 

@@ -20,6 +20,7 @@ from afdserve.kernels.reference.fp4 import FP4_BLOCK as FP4_BLOCK
 from afdserve.kernels.reference.fp4 import as_bytes as as_bytes
 from afdserve.kernels.reference.fp4 import e8m0_to_float as e8m0_to_float
 from afdserve.kernels.reference.fp4 import quantize_fp4 as quantize_fp4
+from afdserve.kernels.reference.fp4 import scale_problem as scale_problem
 from afdserve.kernels.reference.fp8 import FP8_DTYPE as FP8_DTYPE
 from afdserve.kernels.reference.fp8 import FP8_MAX as FP8_MAX
 from afdserve.kernels.reference.fp8 import Fp8Rows as Fp8Rows

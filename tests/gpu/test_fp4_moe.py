@@ -246,3 +246,52 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
         # The tiny model's dims (32) are below the kernels' K step (64): on CUDA they take the
         # reference dequantization to bf16, whose bf16 GEMMs round more than fp32 accumulation.
         assert rel_err(out, want) < 4e-2, layer
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weights_left", "inputs"),
+    [
+        (torch.bfloat16, True, 576),
+        (torch.float16, True, 576),
+        (torch.bfloat16, False, 512),  # this order takes no K tail (`_launch` refuses it)
+        (torch.float16, False, 512),
+    ],
+)
+def test_decode_is_the_reference_bit_for_bit(dtype, weights_left, inputs):
+    """Every byte (every code in both nibbles) at every byte of a word, under every scale byte
+    the dtype's path takes (bf16: `fp4_decode.SCALE_BYTES`, its weights taken 2^-16 small by a
+    packed bf16 multiply, subnormal 0.5 codes included; fp16: scales fp16 holds), over 576
+    inputs (K steps of 128 and a tail of 64) or 512: the decoded weights equal
+    `fp4.dequantize_fp4`'s in that dtype bit for bit (zeros as +0: the read-back's sums lose a
+    zero's sign; the CPU formula tests keep it)."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    low, high = k.SCALE_BYTES if dtype == torch.bfloat16 else (103, 140)
+    scales = torch.arange(low, high + 1, dtype=torch.uint8)
+    scales = torch.cat([scales, scales[: -len(scales) % 64]])  # whole tiles of 64 rows
+    codes = torch.arange(256, dtype=torch.uint8)  # 512 inputs a row: every byte once
+    packed = torch.stack([codes.roll(r) for r in range(len(scales))])  # every byte offset
+    packed = torch.cat([packed, packed[:, :32]], dim=1)[:, : inputs // 2]
+    scale = scales[:, None].expand(-1, inputs // 32).contiguous()
+    from tests.gpu.fp4_read_back import decoded_weights
+
+    got = decoded_weights((packed.cuda(), scale.cuda()), dtype, weights_left).cpu()
+    # A sum starting from +0 reads a -0 weight back as +0: zeros compare as +0.
+    want = fp4.dequantize_fp4(packed, scale, dtype).float() + 0.0
+    wrong = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert not len(wrong), (
+        f"{len(wrong)} of {got.numel()} weights differ, first (row, input, got, want): "
+        f"{[(r, i, got[r, i].item(), want[r, i].item()) for r, i in wrong[:6].tolist()]}"
+    )
+
+
+def test_weights_as_b_operand_with_a_k_tail_are_refused():
+    """The weights as the dot's B operand sum a narrower last K step twice when compiled (the
+    read-back above showed it): a launch that would take one is refused by name."""
+    from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
+
+    gate_up, down = fp4_experts(4, 576, 512, seed=3)
+    x, ids, weights = routed_rows(2, 4, 576, 2, seed=3)
+    tiles = triton_fp4_moe.TILES[0][1]._replace(weights_left=False)
+    with pytest.raises(ValueError, match=r"B operand over dims \[576\].*allowed: weights_left"):
+        triton_fp4_moe.moe_experts(x, ids, weights, gate_up, down, None, lambda pairs: tiles)

@@ -63,6 +63,44 @@ def test_decode_formula_is_the_reference_bit_for_bit() -> None:
     assert torch.equal(bf16, fp4.dequantize_fp4(packed, scale, torch.bfloat16))
 
 
+BF16_PAIR = 0x81C081C0 - (1 << 32)
+HIGH_SIGNS = 0x88008800 - (1 << 32)
+BF16_SCALES = (18, 144)  # fp4_decode.SCALE_BYTES (the module needs Triton; this test does not)
+
+
+def kernel_decode_bf16(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`_fp4_step`'s decode for bf16 rows: each input's e2m1 value times 2^-126 as bf16 bits,
+    times the factor 2^(s - 17) in bf16 (one rounding, as the packed multiply), then 2^16 (the
+    reduction's scale back), as float32 [..., n] in input order."""
+    low = (words & 0x00770077) | ((words << 6) & ~0x00770077)
+    high = (words & HIGH_SIGNS) | ((words >> 6) & ~HIGH_SIGNS)
+    halves = (
+        (low << 6) & BF16_PAIR,
+        (low << 2) & BF16_PAIR,
+        (high << 4) & BF16_PAIR,
+        high & BF16_PAIR,
+    )
+    nibbles = [halves[i % 4] >> (16 if i >= 4 else 0) for i in range(8)]
+    unit = torch.stack([n.to(torch.int16).view(torch.bfloat16) for n in nibbles], dim=-1)
+    factor = ((scale.to(torch.int32) + 126 - 16) << 7).to(torch.int16).view(torch.bfloat16)
+    factor = factor.repeat_interleave(fp4.FP4_BLOCK, dim=-1)
+    return (unit.flatten(-2) * factor).float() * 2.0**16
+
+
+def test_bf16_decode_formula_is_the_reference_bit_for_bit() -> None:
+    """The bf16 rows' decode (its own bit moves, and a factor kept in bf16's range by taking the
+    weights 2^-16 small): every byte at every byte offset under every scale byte it takes, the
+    reference's bf16 weights, signed zeros and the subnormal 0.5 codes included."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    scales = torch.arange(BF16_SCALES[0], BF16_SCALES[1] + 1, dtype=torch.uint8)
+    rows = torch.stack([codes.roll(r) for r in range(4)])
+    packed = rows.repeat(len(scales), 1)
+    scale = scales.repeat_interleave(4)[:, None].expand(-1, 16).contiguous()
+    got = kernel_decode_bf16(packed.view(torch.int32), scale)
+    want = fp4.dequantize_fp4(packed, scale, torch.bfloat16).float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 INTERPRETED_CASES = """
 import torch
 from afdserve.kernels.reference import fp4
@@ -104,9 +142,16 @@ for rows, dtype, tiles, limit, rtol, *e in [
     (k.MAX_PAIRS // 2 + 3, torch.float32, T(32, 32), 10.0, 1e-6),  # 2 chunks, many tiles
 ]:
     print(rows, dtype, tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
-# K tails (k_steps): 192 = 128 + 64 and 320 = 2 x 128 + 64, both kernels, both operand orders.
-for tiles in (T(32, 64, k_block=128), T(32, 64, k_block=128, weights_left=False)):
+# K tails (k_steps): 192 = 128 + 64 and 320 = 2 x 128 + 64, both kernels; the weights as the B
+# operand take no tail (wrong when compiled for the GPU): refused by name.
+for tiles in (T(32, 64, k_block=128), T(32, 64, k_block=256)):
     print("tail", tiles, check(5, torch.float32, tiles, 10.0, 7, 1e-6, dims=(192, 320)))
+try:
+    check(5, torch.float32, T(32, 64, k_block=128, weights_left=False), 10.0, 7, 1, dims=(192, 320))
+except ValueError as e:
+    assert "B operand over dims [192, 320]" in str(e), e
+else:
+    raise AssertionError("a B-operand launch with a K tail ran")
 """
 
 

@@ -100,6 +100,14 @@ def refused(path: Path, message: str) -> None:
             r"layers\.2\.ffn\.experts\.3\.w1\.scale: dtype torch\.float32 for an FP4 expert "
             r".*ue8m0",
         ),
+        (  # a group scale of 2^18 (byte 145): past what the FP4 kernels take
+            replaced(
+                "layers.2.ffn.experts.3.w1.scale",
+                torch.full((32, 1), 145, dtype=torch.uint8).view(E8M0),
+            ),
+            r"layers\.2\.ffn\.experts\.3\.w1\.scale: an FP4 group scale of 2\^18 \(ue8m0 byte "
+            r"145\); afdserve's FP4 kernels take scales up to 2\^17 \(byte 144\)",
+        ),
         (
             replaced("layers.2.ffn.experts.3.w1.weight", torch.zeros(32, 32)),
             r"layers\.2\.ffn\.experts\.3\.w1\.weight: dtype torch\.float32 for an FP4 expert "

@@ -95,3 +95,21 @@ def test_mxfp4_bytes_under_a_plain_config_are_refused(dirs, tmp_path) -> None:
 def test_fp8_option_on_mxfp4_is_refused(dirs) -> None:
     with pytest.raises(ValueError, match="quantization='fp8' on an MXFP4 checkpoint"):
         load_model(dirs[1], ModelParts.colocated(), "float32", quantization="fp8")
+
+
+def test_group_scale_past_the_fp4_kernels_is_refused(dirs, tmp_path) -> None:
+    """A ue8m0 group scale above 2^17 (byte 144), which the FP4 kernels' bf16 decode cannot
+    hold, is refused when it loads, naming the tensor and the largest allowed."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "m"
+    shutil.copytree(dirs[1], copy)
+    tensors = load_file(copy / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("down_proj_scales"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[3] = 200
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=rf"{name}: an FP4 group scale of 2\^73 \(ue8m0 byte 200\)"
+    ):
+        load_model(copy, ModelParts.colocated(), "float32")

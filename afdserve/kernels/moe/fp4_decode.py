@@ -3,9 +3,12 @@ three Triton launches with no host sync, routed in registers as decode.py is (mo
 
 sm_90 has no FP4 tensor cores: each program loads its expert's packed bytes as int32 words (word
 j holds inputs 8j..8j + 7) and their ue8m0 scales, decodes them to x's dtype in registers with
-bit moves, two weights per 32-bit operation (`_fp4_step`: the decode, not the bytes, bounds these
-kernels), and feeds tl.dot with an fp32 accumulator; no bf16 copy of the weights ever exists.
-Every weight is `fp4.dequantize_fp4`'s bit for bit; only the accumulation order differs.
+bit moves, two weights per 32-bit operation (`_fp4_step`), and feeds tl.dot with an fp32
+accumulator; no bf16 copy of the weights ever exists. Every weight is `fp4.dequantize_fp4`'s bit
+for bit; only the accumulation order differs. Neither the bytes nor the decode's instructions
+bound these kernels: bf16 rows' decode at 3.3 instructions a weight rather than 4.9 gained 2-6%
+(docs/benchmarks.md, 2026-12-06); with two programs an SM (255 registers a thread at 512 pairs)
+they issue about a quarter of what the SM could, waiting on each quarter step's dot.
 `Tiles` is the tile shape: with `weights_left` the decoded tile is the dot's A operand, which
 wgmma takes from registers (at least 64 rows per 4 warps), else B. No load is masked: rows past a
 tile's pairs read pair 0's row, columns past the last read its bytes; neither is stored. Batches
@@ -27,6 +30,7 @@ import triton.language as tl
 
 from afdserve.kernels.moe.decode import glu_act, sum_pairs
 from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
+from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference.layers import ExpertGLU
 
 # Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
@@ -106,8 +110,22 @@ def decodable(
 
 
 # Two fp16s' sign, exponent bits 1-0 and top mantissa bit (bits 15, 11-9 and 31, 27-25): where
-# `_fp4_step` puts two e2m1 codes. As an int32 (a larger literal would make the ops 64-bit).
+# `_fp4_step` puts two e2m1 codes for fp16 and float32 rows. As an int32 (a larger literal would
+# make the ops 64-bit).
 FP16_PAIR = tl.constexpr(0x8E008E00 - (1 << 32))
+# The same for two bf16s (bits 15, 8-6 and 31, 24-22), for bf16 rows.
+BF16_PAIR = tl.constexpr(0x81C081C0 - (1 << 32))
+# Nibbles 2, 3, 6 and 7's signs (`_fp4_step`).
+HIGH_SIGNS = tl.constexpr(0x88008800 - (1 << 32))
+# bf16 rows: a code in BF16_PAIR's bits is its value times 2^-126, the weight that value times
+# 2^(s - 127), so the factor would be 2^(s - 1), past bf16's range for s > 128. The weights are
+# taken 2^-16 small instead (factor 2^(s - 17)) and the sums 2^16 large after the reduction: both
+# exact, so bf16 rows get every weight bit for bit for scale bytes s in [SCALE_BYTES]: 2^-109 to
+# 2^17 (no real group is outside: checkpoint loads refuse larger, `fp4.scale_problem`).
+BF16_SHIFT = tl.constexpr(16)
+# s >= 18: 0.5 x 2^(s - 143), the smallest product, a normal bf16; s <= 144: the factor one.
+SCALE_BYTES = (1 + 1 + BF16_SHIFT.value, fp4.MAX_SCALE_BYTE)
+assert fp4.MAX_SCALE_BYTE == 127 + 1 + BF16_SHIFT.value
 
 
 @triton.jit
@@ -144,53 +162,74 @@ def _fp4_step(
     """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile: rows at `w_rows` / `s_rows`
     ([COLUMNS] pointers to a row's int32 words and its scale bytes), xs from `_x_slices`.
 
-    Nibbles i and i + 4 of a word become two fp16s in one int32 (`FP16_PAIR`'s bits): an e2m1
-    code there is its value times 2^-14, exactly (e2m1's exponent 0 lands in fp16's subnormals,
-    so the odd code 0.5 needs no select). Each fp16 -> fp32 is exact; then times the group's
-    factor 2^(s - 127 + 14), the fp32 bits (s + 14) << 23 of the scale byte s (right for
-    s <= 240, a scale up to 2^113, which no real group reaches; s <= 1 gives subnormals). For
-    bf16 x the pair is packed to bf16 and multiplied as one; for fp16 x the product is fp32,
-    rounded once. e2m1 * 2^(s - 127) has at most two significant bits, so every step is exact.
-    The dot's K pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), one word's halves: no repacking.
-    The words load as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes."""
+    Nibbles i and i + 4 of a word become two 16-bit floats in one int32, each code's sign, and
+    its magnitude as the float's exponent bits 1-0 and top mantissa bit: the code's value times
+    2^-126 (bf16) or 2^-14 (fp16), exactly, e2m1's exponent 0 landing in the float's subnormals,
+    so the odd code 0.5 needs no select. For bf16 x the pair is the dot's operand after one
+    packed bf16 multiply by the group's factor 2^(s - 127 + 126 - BF16_SHIFT) (`SCALE_BYTES`);
+    for fp16 and float32 x each fp16 widens to fp32 (exact) and takes the factor 2^(s - 127 +
+    14), the fp32 bits (s + 14) << 23 (right for s <= 240), then rounds once to x's dtype.
+    e2m1 * 2^(s - 127) has at most two significant bits, so every step is exact. The dot's K
+    pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), one word's halves: no repacking. The words load
+    as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes."""
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
     at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
     w = tl.load(w_rows[:, None, None] + at)
-    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :])
-    # [COLUMNS, GROUPS, 1]: 2^(s - 127 + 14), one per 32 inputs (4 words).
-    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    # Nibbles i and i + 4 of every word (bits 4i and 16 + 4i) -> two fp16s in one int32 (bits
-    # FP16_PAIR). A code's sign must move 3 bits further than its magnitude (1 above it in the
-    # nibble, 4 above it in the fp16), onto the next nibble's magnitude; so first the even
-    # nibbles (0, 2, 4, 6: `spread`, magnitudes in place, signs 3 up) and the odd ones (`odd`,
-    # magnitudes 3 down, signs in place) are pulled apart, a shift and a bit select each; then
-    # each pair is one shift and one and.
-    spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
-    odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
-    halves = (
-        (spread << 9) & FP16_PAIR,
-        (odd << 8) & FP16_PAIR,
-        (spread << 1) & FP16_PAIR,
-        odd & FP16_PAIR,
-    )
+    scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :]).to(tl.int32)
     dtype = xs[0].dtype
     if dtype == tl.bfloat16:
-        # bf16 has fp32's exponent range: the factor is a bf16 too, and the multiply a packed
-        # bf16 pair (one instruction for two weights) after the pack rather than before it.
-        factor = factor.to(tl.bfloat16)
+        # A code's sign must land 6 bits further than its magnitude (3 above it in the nibble, 9
+        # above it in the bf16): nibbles 0, 1, 4, 5 keep their magnitudes and take their signs 6
+        # up (`low`), nibbles 2, 3, 6, 7 keep their signs and take their magnitudes 6 down
+        # (`high`), a shift and a bit select each; then each pair is at most a shift and an and.
+        low = (w & 0x00770077) | ((w << 6) & ~0x00770077)
+        high = (w & HIGH_SIGNS) | ((w >> 6) & ~HIGH_SIGNS)
+        halves = (
+            (low << 6) & BF16_PAIR,
+            (low << 2) & BF16_PAIR,
+            (high << 4) & BF16_PAIR,
+            high & BF16_PAIR,
+        )
+        # [COLUMNS, GROUPS, 1]: 2^(s - 1 - BF16_SHIFT) as bf16 bits, twice.
+        factor = (scale + 126 - BF16_SHIFT) << 7
+        factor = (factor | (factor << 16))[:, :, None]
+    else:
+        # The same for fp16, a sign 3 bits further than its magnitude: the even nibbles keep
+        # their magnitudes and take their signs 3 up (`spread`), the odd ones keep their signs
+        # and take their magnitudes 3 down (`odd`).
+        spread = (w & 0x07070707) | ((w << 3) & ~0x07070707)
+        odd = ((w >> 3) & 0x0E0E0E0E) | (w & ~0x0E0E0E0E)
+        halves = (
+            (spread << 9) & FP16_PAIR,
+            (odd << 8) & FP16_PAIR,
+            (spread << 1) & FP16_PAIR,
+            odd & FP16_PAIR,
+        )
+        factor = ((scale + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
     for i in tl.static_range(4):
         # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
-        # 8j + i + 4), one register, so no repacking before the fp16 -> fp32 conversions.
+        # 8j + i + 4), one register, so no repacking.
         bits = halves[i]
-        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
-        value = both.to(tl.float16, bitcast=True).to(tl.float32)
         if dtype == tl.bfloat16:
-            value = value.to(tl.bfloat16) * factor[:, :, :, None]
+            bits = _bf16_pair_product(bits, factor)
+        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
+        if dtype == tl.bfloat16:
+            value = both.to(tl.bfloat16, bitcast=True)
         else:
+            value = both.to(tl.float16, bitcast=True).to(tl.float32)
             value = (value * factor[:, :, :, None]).to(dtype)
         acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
     return acc
+
+
+@triton.jit
+def _bf16_pair_product(bits, factor):
+    """Two bf16s in an int32 times two others, as one packed multiply (Triton multiplies a bf16
+    tensor an element at a time, and re-pairing the elements costs more than the multiply)."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, factor], dtype=tl.int32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -208,12 +247,17 @@ def fp4_reduce(
 ):
     """acc += x W^T over all `dim` inputs of one weight tile (`_fp4_step`'s arguments): steps of
     K_BLOCK, then one of TAIL (`k_steps`)."""
+    # bf16 rows sum weights 2^-BF16_SHIFT small (`_fp4_step`): the sums so far the same, exactly.
+    if x_rows.dtype.element_ty == tl.bfloat16:
+        acc = acc * (1.0 / (1 << BF16_SHIFT))
     for k0 in range(0, dim - TAIL, K_BLOCK):
         xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
         acc = _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
     if TAIL > 0:
         xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL)
         acc = _fp4_step(acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT)
+    if x_rows.dtype.element_ty == tl.bfloat16:
+        acc = acc * (1 << BF16_SHIFT)
     return acc
 
 
@@ -378,6 +422,15 @@ def _launch(
     [rows, top_k] -> [rows, hidden]."""
     top_k, hidden = topk_ids.shape[1], x.shape[1]
     inter = 2 * down[0].shape[2]
+    tails = [dim for dim in (hidden, inter) if k_steps(dim, tiles.k_block)[1]]
+    if tails and not tiles.weights_left:
+        # Compiled for the GPU (Triton 3.6, sm_90), this order sums the narrower last K step
+        # twice (tests/gpu/test_fp4_moe.py reads the weights back); `TILES` never picks it.
+        raise ValueError(
+            f"{tiles}: the weights as the dot's B operand over dims {tails}, which end on a "
+            f"narrower K step than {tiles.k_block}; allowed: weights_left=True, or dims that "
+            "are multiples of the K step"
+        )
     experts = gate_up[0].shape[0]
     launch = decode_launch(x, topk_ids, topk_weights, experts, inter, tiles.rows)
     ids, pairs, slots = launch.ids, launch.ids.numel(), launch.slots

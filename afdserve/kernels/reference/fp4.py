@@ -25,6 +25,10 @@ E8M0_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 ONE_BYTE = (torch.uint8, torch.int8, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+# The largest scale byte the CUDA kernels take (kernels/moe/fp4_decode.py, `SCALE_BYTES`): 2^17,
+# weights up to 6 x 2^17. Real groups sit far below (DeepSeek-V4 and gpt-oss: about 2^-7 to 2^0);
+# a checkpoint with a larger one is refused when it loads (`scale_problem`).
+MAX_SCALE_BYTE = E8M0_BIAS + 17
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -32,6 +36,17 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in ONE_BYTE:
         raise ValueError(f"dtype {t.dtype}: expected a one-byte dtype, one of {ONE_BYTE}")
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def scale_problem(name: str, scale: torch.Tensor) -> str | None:
+    """Why checkpoint scale tensor `name` (ue8m0 bytes) cannot be loaded (None: it can)."""
+    top = int(as_bytes(scale).max()) if scale.numel() else 0
+    if top <= MAX_SCALE_BYTE:
+        return None
+    return (
+        f"{name}: an FP4 group scale of 2^{top - E8M0_BIAS} (ue8m0 byte {top}); afdserve's FP4 "
+        f"kernels take scales up to 2^{MAX_SCALE_BYTE - E8M0_BIAS} (byte {MAX_SCALE_BYTE})"
+    )
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:

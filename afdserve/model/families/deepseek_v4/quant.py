@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
-from afdserve.kernels.ops import FP4_BLOCK, as_bytes, e8m0_to_float
+from afdserve.kernels.ops import FP4_BLOCK, as_bytes, e8m0_to_float, scale_problem
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4 import names
 from afdserve.model.layers.fp8 import SCALE_SUFFIX, Fp8Linear, load_problem, quantize_experts
@@ -130,7 +130,7 @@ def load_problem_v4(
             return (
                 f"{name}: dtype {src.dtype} for an FP4 expert (expert_dtype='fp4'); expected {what}"
             )
-        return None
+        return scale_problem(name, src) if scale else None
     if src.dtype in PACKED_ONLY and ".experts." in target:
         return (
             f"{name}: dtype {src.dtype} (FP4-packed experts) in a checkpoint whose "

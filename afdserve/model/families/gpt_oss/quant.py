@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from afdserve.kernels import ops
+from afdserve.kernels.ops import scale_problem
 from afdserve.model.config import ModelConfig
 from afdserve.model.families.deepseek_v4.quant import Fp4Experts
 from afdserve.model.layers.fp8 import SCALE_SUFFIX
@@ -68,7 +69,7 @@ def load_problem(name: str, src: torch.Tensor, dst: torch.Tensor) -> str | None:
                 f"{name}: dtype {src.dtype} for an MXFP4 expert tensor; expected uint8 ({what}, "
                 "as quant_method='mxfp4' stores them)"
             )
-        return None
+        return scale_problem(name, src) if name.endswith("_scales") else None
     if src.dtype == torch.uint8:
         return (
             f"{name}: uint8 (MXFP4 bytes) in a checkpoint whose config.json has no "
