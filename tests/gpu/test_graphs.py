@@ -259,7 +259,11 @@ def test_failed_capture_runs_the_key_eagerly(bf16_model, caplog):
     are the eager engine's and the engine goes on serving."""
     prompts = _prompts(4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256)
+    # Two engines live at once: a fixed cache each, not a share of free memory (the eager one's
+    # share leaves the second no room on an 80 GB card).
+    common = dict(
+        device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, kv_cache_blocks=512
+    )
     with LLM(str(bf16_model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
         with LLM(
