@@ -33,9 +33,13 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what issue 42 waits on after the one-copy step inputs:
-#                                  the GPU tests of the engine's paths, the host profile at
-#                                  batch 4 (tools/host_profile.py)
+#   next                           what the seventeenth session left for the GPU: the GPU
+#                                  tests that did not run (the failed-capture test's fix,
+#                                  prefix caching, 1A1F in process, the FP4 read-back of the
+#                                  B operand and its refusal), V4's per-layer profile for the
+#                                  planner (issue 43: `plan --preset deepseek-v4-flash
+#                                  --profile $OUT/calibrate-v4.json`) and its decode on the
+#                                  bf16 FP4 decode
 #
 # Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
 # metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
@@ -222,10 +226,14 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        run engine-gpu-tests python -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py \
-            tests/gpu/test_deepseek_v4_cache.py tests/gpu/test_gated_deltanet_gpu.py \
-            tests/gpu/test_prefix_caching_gpu.py tests/gpu/test_inprocess.py
-        run host-profile-b4 python tools/host_profile.py --preset "$V4" --batch 4 --steps 300
+        run left-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
+            tests/gpu/test_prefix_caching_gpu.py tests/gpu/test_inprocess.py \
+            tests/gpu/test_graphs.py::test_failed_capture_runs_the_key_eagerly \
+            tests/gpu/test_fp4_moe.py
+        run calibrate-v4 $AFD bench calibrate --preset "$V4" --random-weights \
+            --out "$OUT/calibrate-v4.json"
+        run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
+            --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,8,64
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \
