@@ -65,7 +65,9 @@ def test_decode_formula_is_the_reference_bit_for_bit() -> None:
 
 BF16_PAIR = 0x81C081C0 - (1 << 32)
 HIGH_SIGNS = 0x88008800 - (1 << 32)
-BF16_SCALES = (18, 144)  # fp4_decode.SCALE_BYTES (the module needs Triton; this test does not)
+# fp4_decode.SCALE_BYTES (that module needs Triton; this test does not): from the smallest scale
+# whose products are normal bf16s to the largest a checkpoint may carry.
+BF16_SCALES = (18, fp4.MAX_SCALE_BYTE)
 
 
 def kernel_decode_bf16(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

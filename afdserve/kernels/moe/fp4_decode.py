@@ -422,7 +422,8 @@ def _launch(
     [rows, top_k] -> [rows, hidden]."""
     top_k, hidden = topk_ids.shape[1], x.shape[1]
     inter = 2 * down[0].shape[2]
-    tails = [dim for dim in (hidden, inter) if k_steps(dim, tiles.k_block)[1]]
+    steps = {dim: k_constants(dim, tiles.k_block) for dim in (hidden, inter)}
+    tails = [dim for dim, step in steps.items() if step["TAIL"]]
     if tails and not tiles.weights_left:
         # Compiled for the GPU (Triton 3.6, sm_90), this order sums the narrower last K step
         # twice (tests/gpu/test_fp4_moe.py reads the weights back); `TILES` never picks it.
@@ -460,7 +461,7 @@ def _launch(
         HAS_BIAS=glu.gate_up_bias is not None,
         HAS_ALPHA=glu.alpha is not None,
         COLUMNS=columns,
-        **k_constants(hidden, tiles.k_block),
+        **steps[hidden],
         **common,
     )
     columns = tiles.down_columns
@@ -479,7 +480,7 @@ def _launch(
         x if glu.down_bias is None else glu.down_bias,  # unused placeholder without
         HAS_BIAS=glu.down_bias is not None,
         COLUMNS=columns,
-        **k_constants(inter, tiles.k_block),
+        **steps[inter],
         **common,
     )
     return sum_pairs(launch.y, ids, launch.out, experts)

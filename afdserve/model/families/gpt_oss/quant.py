@@ -63,13 +63,14 @@ def load_problem(name: str, src: torch.Tensor, dst: torch.Tensor) -> str | None:
     """Why checkpoint tensor `name` cannot fill `dst` (None: it can): FP4 bytes and ue8m0 scales
     must be uint8, as published; an unquantized tensor must not be."""
     if dst.dtype == torch.uint8:
-        what = "ue8m0 scales" if name.endswith("_scales") else "packed e2m1 pairs"
+        scale = name.endswith("_scales")
+        what = "ue8m0 scales" if scale else "packed e2m1 pairs"
         if src.dtype != torch.uint8:
             return (
                 f"{name}: dtype {src.dtype} for an MXFP4 expert tensor; expected uint8 ({what}, "
                 "as quant_method='mxfp4' stores them)"
             )
-        return scale_problem(name, src) if name.endswith("_scales") else None
+        return scale_problem(name, src) if scale else None
     if src.dtype == torch.uint8:
         return (
             f"{name}: uint8 (MXFP4 bytes) in a checkpoint whose config.json has no "
