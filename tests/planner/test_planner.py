@@ -496,6 +496,31 @@ def test_a_profile_of_the_first_layers_plans_the_whole_model(tmp_path, capsys):
         plan(spec)
 
 
+def test_the_shipped_v4_profile_plans_the_whole_model_on_2_4_and_8_gpus():
+    """The profile `bench calibrate --preset deepseek-v4-flash:4` measured on one H100 ships with
+    the package: its own 21 steps are predicted within 5%, and `plan --preset deepseek-v4-flash`
+    (43 layers) needs no --profile. On 2 GPUs nothing fits (the FFN rank alone holds 138 GiB of
+    experts), on 4 and 8 only expert-parallel FFN groups do."""
+    path = REPO / "afdserve/planner/profiles/h100-deepseek-v4-flash.json"
+    profile = Profile.load(path)
+    assert profile.model.name == "deepseek-v4-flash:4"
+    assert profile.hardware["device"] == "NVIDIA H100 80GB HBM3"
+    pairs = check_rows(profile, [])
+    assert len(pairs) == len(profile.validation) == 21
+    for v, predicted in pairs:
+        assert predicted == pytest.approx(v.step_ms, rel=0.05), v
+    rows = {}
+    for gpus in (2, 4, 8):
+        spec = PlanSpec(gpus=gpus, context_len=8192, output_len=1024, preset="deepseek-v4-flash")
+        result = plan(spec)
+        assert result.profile == profile and result.layers == 43
+        assert result.sizes.ffn > 128 * 2**30 > 8 * 2**30 > result.sizes.attention
+        rows[gpus] = result.rows
+    assert not rows[2]
+    assert rows[4] and rows[8] and all(r.expert_parallel for r in rows[4] + rows[8])
+    assert max(r.tokens_per_s for r in rows[8]) > max(r.tokens_per_s for r in rows[4])
+
+
 def test_calibrate_takes_a_preset_of_its_first_layers():
     assert CalibrateBench(
         "p.json", preset="deepseek-v4-flash:4", random_weights=True
