@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.model_runner import ModelRunner
 from afdserve.model.fixtures.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -253,10 +254,11 @@ def test_cuda_float32_matches_cpu(tmp_path, family):
         assert got == want, topology
 
 
-def test_failed_capture_runs_the_key_eagerly(bf16_model, caplog):
+def test_failed_capture_runs_the_key_eagerly(bf16_model, caplog, monkeypatch):
     """A capture that fails (here: a host sync inside the forward, which CUDA forbids while
     capturing) is retried once, then its key runs eagerly with the reason logged: the tokens
-    are the eager engine's and the engine goes on serving."""
+    are the eager engine's and the engine goes on serving. The engine captures every key while
+    it warms up, so the forward is made to fail before the engine is built."""
     prompts = _prompts(4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # Two engines live at once: a fixed cache each, not a share of free memory (the eager one's
@@ -264,22 +266,22 @@ def test_failed_capture_runs_the_key_eagerly(bf16_model, caplog):
     common = dict(
         device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, kv_cache_blocks=512
     )
+    forward = ModelRunner.forward
+
+    def syncing_forward(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed under capture: the capture fails
+        return forward(self, *args, **kwargs)
+
     with LLM(str(bf16_model), **common) as eager:
         want = [o.token_ids for o in eager.generate(prompts, params)]
-        with LLM(
-            str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common
-        ) as llm:
-            graphs = llm.engine.core_client.driver.forward.graphs
-            forward = graphs.runner.forward
-
-            def syncing_forward(*args, **kwargs):
-                if torch.cuda.is_current_stream_capturing():
-                    torch.cuda.synchronize()  # not allowed under capture: the capture fails
-                return forward(*args, **kwargs)
-
-            graphs.runner.forward = syncing_forward
-            with caplog.at_level("WARNING", logger="afdserve.engine.cuda_graphs"):
+        monkeypatch.setattr(ModelRunner, "forward", syncing_forward)
+        with caplog.at_level("WARNING", logger="afdserve.engine.cuda_graphs"):
+            with LLM(
+                str(bf16_model), graph_mode="full_decode_only", cuda_graph_sizes=SIZES, **common
+            ) as llm:
+                graphs = llm.engine.core_client.driver.forward.graphs
                 got = [o.token_ids for o in llm.generate(prompts, params)]
-            assert graphs.eager_keys and not graphs.graphs
-            assert "failed twice, so that key runs eagerly" in caplog.text
+                assert graphs.eager_keys and not graphs.graphs
+                assert "failed twice, so that key runs eagerly" in caplog.text
         _check(eager, prompts, got, want)
