@@ -140,6 +140,7 @@ for rows, dtype, tiles, limit, rtol, *e in [
     (9, torch.float32, T(64, 32, k_block=64, rows=32), None, 1e-6),  # no clamp, 32-row tiles
     (3, torch.float16, T(32, 32), 10.0, 2e-3),  # h in fp16
     (3, torch.float32, T(32, 32), 10.0, 1e-6, 16),  # fewer pairs than experts: one per pair
+    (40, torch.float32, T(32, 32), 10.0, 1e-6, 128),  # the same over two chunks of the pair list
     (3, torch.float32, T(128, 128, k_block=64), 10.0, 1e-6),  # columns past the dims
     (k.MAX_PAIRS // 2 + 3, torch.float32, T(32, 32), 10.0, 1e-6),  # 2 chunks, many tiles
 ]:

@@ -80,7 +80,7 @@ def compile_tiles(
         "ROWS": tiles.rows,
         "WEIGHTS_LEFT": tiles.weights_left,
     }
-    options = {"num_warps": tiles.warps, "num_stages": tiles.stages}
+    options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "maxnreg": tiles.max_registers}
     gate_up = {
         "HAS_LIMIT": True,
         **common,
@@ -116,3 +116,42 @@ def test_kernels_compile_for_sm90() -> None:
     for tiles, by_expert in [*builds, (first._replace(weights_left=False), True)]:
         for kernel in compile_tiles(tiles, by_expert):
             assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"], tiles
+
+
+def resources(kernel) -> dict[str, int]:
+    """The cubin's registers a thread and stack bytes (spills), by the cuobjdump Triton ships."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+
+
+@pytest.mark.parametrize(("pairs_pad", "by_expert"), [(512, True), (256, False), (64, False)])
+def test_three_programs_an_sm_without_spills(pairs_pad: int, by_expert: bool) -> None:
+    """At a decode batch's pair lists (64 pairs of a batch of 8, 512 of a batch of 64) both
+    kernels of the table's shape keep to `max_registers` with nothing spilled: three programs of
+    4 warps an SM."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    tiles = k.TILES[0][1]
+    common = {
+        "PAIRS_PAD": pairs_pad, "BY_EXPERT": by_expert, "ROWS": tiles.rows, "WEIGHTS_LEFT": True
+    }  # fmt: skip
+    options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "maxnreg": tiles.max_registers}
+    gate_up = {"HAS_LIMIT": True, **common, "COLUMNS": tiles.gate_up_columns}
+    down = {**common, "COLUMNS": tiles.down_columns}
+    for kernel, signature, constants in (
+        (k._gate_up_kernel, GATE_UP, {**gate_up, **k.k_constants(4096, tiles.k_block)}),
+        (k._down_kernel, DOWN, {**down, **k.k_constants(2048, tiles.k_block)}),
+    ):
+        used = resources(compile_for_h200(kernel, signature, constants, options))
+        assert used["REG"] <= tiles.max_registers and used["STACK"] == 0, (kernel, used)

@@ -1,5 +1,6 @@
 """Routed experts straight from FP4 weights (DeepSeek-V4's e2m1 + ue8m0, kernels/reference/fp4.py),
-three Triton launches with no host sync, routed in registers as decode.py is (moe/routing.py).
+three Triton launches with no host sync, each program ranking its pairs a chunk of the pair list
+at a time (moe/routing.py's by-chunk form).
 
 sm_90 has no FP4 tensor cores: each program loads its expert's packed bytes as int32 words (word
 j holds inputs 8j..8j + 7) and their ue8m0 scales, decodes them to x's dtype in registers with
@@ -7,8 +8,9 @@ bit moves, two weights per 32-bit operation (`_fp4_step`), and feeds tl.dot with
 accumulator; no bf16 copy of the weights ever exists. Every weight is `fp4.dequantize_fp4`'s bit
 for bit; only the accumulation order differs. Neither the bytes nor the decode's instructions
 bound these kernels: bf16 rows' decode at 3.3 instructions a weight rather than 4.9 gained 2-6%
-(docs/benchmarks.md, 2026-12-06); with two programs an SM (255 registers a thread at 512 pairs)
-they issue about a quarter of what the SM could, waiting on each quarter step's dot.
+(docs/benchmarks.md, 2026-12-06); they wait on each quarter step's dot, so they are capped at
+`Tiles.max_registers` for three programs an SM where 255 registers a thread allowed two (4-5%
+faster at 8 and 64 rows, the eighteenth session's section there).
 `Tiles` is the tile shape: with `weights_left` the decoded tile is the dot's A operand, which
 wgmma takes from registers (at least 64 rows per 4 warps), else B. No load is masked: rows past a
 tile's pairs read pair 0's row, columns past the last read its bytes; neither is stored. Batches
@@ -29,11 +31,16 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.moe.decode import glu_act, sum_pairs
-from afdserve.kernels.moe.routing import decode_launch, in_row_chunks, program_pairs, tile_pairs
+from afdserve.kernels.moe.routing import (
+    decode_launch,
+    in_row_chunks,
+    program_pairs_by_chunk,
+    tile_pairs_by_chunk,
+)
 from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference.layers import ExpertGLU
 
-# Pairs one launch takes (its pair list is held in registers); a larger batch runs in chunks.
+# Pairs one launch takes (each program re-reads the pair list); a larger batch runs in row chunks.
 MAX_PAIRS = 512
 
 
@@ -48,6 +55,11 @@ class Tiles(NamedTuple):
     warps: int = 4
     stages: int = 3
     weights_left: bool = True
+    # Registers a thread at most: three programs of 4 warps an SM (65536 / 384 = 170, ptxas
+    # allocates by 8). Left to itself ptxas gives the down kernel 193-219 (two programs an SM,
+    # half its issue slots idle waiting on the dots) where 153-168 hold it without a spill
+    # (tests/kernels/test_fp4_moe_compile.py checks the cubin's stack).
+    max_registers: int | None = 168
 
 
 # By pair count, each row used up to its first field. One shape serves every batch: the fastest
@@ -316,7 +328,7 @@ def _gate_up_kernel(
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+    expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
     )
     # One weight tile of 2 * COLUMNS rows, the gate rows of these columns and then their up
@@ -336,7 +348,9 @@ def _gate_up_kernel(
         gate_bias = tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)
         up_bias = tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)
     for first in range(0, count, ROWS):
-        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs_by_chunk(
+            ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
+        )
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
         acc = fp4_reduce(
@@ -376,7 +390,7 @@ def _down_kernel(
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
 ):
-    expert, pair, mine, rank, count, col, col_ok = program_pairs(
+    expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
     )
     if HAS_BIAS:  # [E, H]; an expert slot without pairs reads expert 0's
@@ -388,7 +402,9 @@ def _down_kernel(
     down_w = w_ptr + expert * hidden * w_row + load_col * w_row
     down_s = s_ptr + expert * hidden * s_row + load_col * s_row
     for first in range(0, count, ROWS):
-        rows, row_ok = tile_pairs(pair, mine, rank, first, count, ROWS)
+        rows, row_ok = tile_pairs_by_chunk(
+            ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
+        )
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
         acc = fp4_reduce(
@@ -440,6 +456,7 @@ def _launch(
         WEIGHTS_LEFT=tiles.weights_left,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
+        maxnreg=tiles.max_registers,
     )
     columns = tiles.gate_up_columns
     _gate_up_kernel[(triton.cdiv(inter, columns), slots)](

@@ -1,10 +1,16 @@
 """How an expert program finds its expert and its (token, expert) pairs, shared by the MoE kernels.
 
-The decode kernels (decode.py, fp8_decode.py, fp4_decode.py) hold the step's pair list in
-registers: `program_pairs` is the prologue each of their gate/up and down kernels opens with, a
-program per (column tile, expert slot). With fewer pairs than experts, slot `s` takes the expert
-of pair `s` and runs only if `s` is that expert's first pair; with more, slot `s` is expert `s`.
-Pairs with id -1 (a pad row, or an expert another rank holds) belong to no program.
+The decode kernels' gate/up and down kernels open with a program per (column tile, expert slot).
+With fewer pairs than experts, slot `s` takes the expert of pair `s` and runs only if `s` is that
+expert's first pair; with more, slot `s` is expert `s`. Pairs with id -1 (a pad row, or an expert
+another rank holds) belong to no program. Two forms of the same ranking:
+- held (decode.py, fp8_decode.py): `program_pairs` ranks the whole pair list once and holds it in
+  registers across the weight loop, `tile_pairs` picks a tile's pairs from it;
+- by chunk (fp4_decode.py): `program_pairs_by_chunk` and `tile_pairs_by_chunk` re-read the list
+  64 pairs at a time, so no [ROWS, PAIRS_PAD] pick (64 registers a thread at 512 pairs) sets the
+  kernel's register count. The FP4 kernels need that to hold three programs an SM under their
+  register cap (4-5% faster at 8 and 64 rows on an H100); the bf16 kernels measured no faster
+  read by chunk (docs/benchmarks.md, 2026-12-06, eighteenth session), so they keep the held form.
 The grouped kernels (grouped.py) read align.py's assignment instead: `tile_rows`.
 The host side (`DecodeLaunch`, `in_row_chunks`) is what every decode path sets up alike.
 """
@@ -62,6 +68,76 @@ def tile_pairs(pair, mine, rank, first, count, ROWS: tl.constexpr):
     row = first + tl.arange(0, ROWS)
     pick = mine[None, :] & (rank[None, :] == row[:, None])  # [ROWS, PAIRS_PAD]
     return tl.sum(tl.where(pick, pair[None, :], 0), axis=1), row < count
+
+
+# Pairs the by-chunk form reads at a time.
+CHUNK = tl.constexpr(64)
+
+
+@triton.jit
+def _expert_of(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """The expert program `slot` owns, and whether it owns one (`expert_pairs`' rule), the pair
+    list read a chunk at a time."""
+    if BY_EXPERT:
+        expert = slot.to(tl.int64)
+        owns = slot >= 0
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        earlier = 0
+        for c in range(0, PAIRS_PAD, CHUNK):
+            pair = c + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+            earlier += tl.sum(((ids == expert) & (pair < slot)).to(tl.int32), axis=0)
+        owns = (earlier == 0) & (expert >= 0)
+    return expert, owns
+
+
+@triton.jit
+def program_pairs_by_chunk(
+    ids_ptr,
+    num_pairs,
+    width,
+    PAIRS_PAD: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """`program_pairs` by chunk: (expert, whether the program owns it, its pair count, the tile's
+    output columns, which are < `width`)."""
+    expert, owns = _expert_of(ids_ptr, num_pairs, tl.program_id(1), PAIRS_PAD, BY_EXPERT)
+    count = 0
+    for c in range(0, PAIRS_PAD, CHUNK):
+        pair = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        count += tl.sum(((ids == expert) & owns).to(tl.int32), axis=0)
+    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    return expert, owns, count, col, col < width
+
+
+@triton.jit
+def tile_pairs_by_chunk(
+    ids_ptr,
+    num_pairs,
+    expert,
+    owns,
+    first,
+    count,
+    PAIRS_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """`tile_pairs` by chunk: the program's pairs of ranks [first, first + ROWS) among its
+    expert's, in pair order, and which of those rows exist."""
+    row = first + tl.arange(0, ROWS)
+    found = tl.zeros((ROWS,), dtype=tl.int32)
+    seen = 0
+    for c in range(0, PAIRS_PAD, CHUNK):
+        pair = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        mine = ((ids == expert) & owns).to(tl.int32)
+        rank = seen + tl.cumsum(mine, axis=0) - 1
+        pick = (mine[None, :] != 0) & (rank[None, :] == row[:, None])  # [ROWS, CHUNK]
+        found += tl.sum(tl.where(pick, pair[None, :], 0), axis=1)
+        seen += tl.sum(mine, axis=0)
+    return found, row < count
 
 
 @triton.jit
