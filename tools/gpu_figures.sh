@@ -33,13 +33,12 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what the seventeenth session left for the GPU: the GPU
-#                                  tests that did not run (the failed-capture test's fix,
-#                                  prefix caching, 1A1F in process, the FP4 read-back of the
-#                                  B operand and its refusal), V4's per-layer profile for the
-#                                  planner (issue 43: `plan --preset deepseek-v4-flash
-#                                  --profile $OUT/calibrate-v4.json`) and its decode on the
-#                                  bf16 FP4 decode
+#   next                           what the eighteenth session left for the GPU: the
+#                                  failed-capture test's fix, the FP4 kernels' GPU tests on the
+#                                  merged by-chunk routing (the same kernel code passed on the
+#                                  branch), the FP4 bench and V4's decode on it, and V4's profile
+#                                  again (issue 43: the shipped one predates the by-chunk FP4
+#                                  kernels; copy it over afdserve/planner/profiles/)
 #
 # Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
 # metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
@@ -227,13 +226,13 @@ group() {
         ;;
     next)
         run left-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
-            tests/gpu/test_prefix_caching_gpu.py tests/gpu/test_inprocess.py \
             tests/gpu/test_graphs.py::test_failed_capture_runs_the_key_eagerly \
             tests/gpu/test_fp4_moe.py
-        run calibrate-v4 $AFD bench calibrate --preset "$V4" --random-weights \
-            --out "$OUT/calibrate-v4.json"
+        run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
             --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,8,64
+        run calibrate-v4 $AFD bench calibrate --preset "$V4" --random-weights \
+            --out "$OUT/calibrate-v4.json"
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \
