@@ -4,9 +4,10 @@
 - **in registers** (`DIRECT`): grouped.py's tiling with fp4_decode.py's K loop: each program
   decodes its expert's weight tile in registers (`fp4_decode.fp4_reduce`'s bit moves) for a tile
   of up to 64 of that expert's pairs, so a weight is decoded once per tile of rows and no bf16
-  copy exists. The decode kernels (fp4_decode.py) hold their pair list in registers and take at
-  most `fp4_decode.MAX_PAIRS` pairs a launch: a longer batch ran in row chunks of 85 rows at
-  DeepSeek-V4-Flash's top-6, each decoding again every expert it touched (~220 of 256).
+  copy exists. The decode kernels (fp4_decode.py) rank a launch's pair list in every program
+  and take at most `fp4_decode.MAX_PAIRS` pairs a launch: a longer batch ran in row chunks of
+  85 rows at DeepSeek-V4-Flash's top-6, each decoding again every expert it touched (~220 of
+  256).
 - **through a bf16 copy**: the experts dequantized to x's dtype a group of `GROUP_BYTES` at a
   time, then grouped.py's GEMM: every expert written and read back in bf16 before any dot.
 
