@@ -35,10 +35,11 @@ from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels import ops
 from afdserve.kernels.moe import decode as triton_moe
 from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
-from afdserve.kernels.moe.fp4_decode import Tiles
+from afdserve.kernels.moe.fp4_decode import Tiles, tiles_for
 from afdserve.kernels.reference import fp4
 
 HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
+TILES_SHIPPED = tiles_for(1)  # one shape serves every batch (fp4_decode.TILES)
 
 
 def replay_seconds(fn, *args, repeats: int = 50) -> float:
@@ -59,16 +60,21 @@ def replay_seconds(fn, *args, repeats: int = 50) -> float:
 
 
 def sweep_grid() -> list[Tiles]:
-    """24 shapes, the weights the dot's A operand but for one control: columns per gate/up and
-    down program at 4 warps, by K step and stages; 8 warps over wider tiles; a 512 K step. (Its
-    B-operand shapes and gate/up tiles under 64 rows compile to 2-3x the instructions per
-    weight: tests/kernels/test_fp4_moe_compile.py's SASS, 2026-12-02.)"""
+    """28 shapes, the weights the dot's A operand but for one control: columns per gate/up and
+    down program at 4 warps, by K step and stages; 8 warps over wider tiles; a 512 K step; the
+    shipped shape by its register cap (none: two programs an SM; 128: four, if ptxas fits it),
+    and 8 warps at 128 (two programs of 8). (Its B-operand shapes and gate/up tiles under 64
+    rows compile to 2-3x the instructions per weight: tests/kernels/test_fp4_moe_compile.py's
+    SASS, 2026-12-02.)"""
     widths = ((32, 64), (32, 128), (64, 64), (64, 128))
     grid = [Tiles(gu, dn, k_block=k) for k in (128, 256) for gu, dn in widths]
     grid += [Tiles(gu, dn, stages=st) for st in (2, 4) for gu, dn in widths]
     grid += [Tiles(64, 128, warps=8), Tiles(128, 256, warps=8)]
     grid += [Tiles(32, 64, k_block=512), Tiles(64, 128, k_block=512)]
     grid += [Tiles(gu, dn, k_block=64) for gu, dn in widths[1:]]  # fewer registers a thread
+    shipped = TILES_SHIPPED
+    grid += [shipped._replace(max_registers=r) for r in (None, 128)]
+    grid += [shipped._replace(warps=8, max_registers=128), shipped._replace(stages=4)]
     return [*grid, Tiles(64, 64, weights_left=False)]
 
 

@@ -36,7 +36,8 @@
 #   next                           what the eighteenth session left for the GPU: the
 #                                  failed-capture test's fix, the FP4 kernels' GPU tests on the
 #                                  merged by-chunk routing (the same kernel code passed on the
-#                                  branch), the FP4 bench and V4's decode on it, and V4's profile
+#                                  branch), the FP4 bench, its sweep (register caps 128-none)
+#                                  and V4's decode on it, and V4's profile
 #                                  again (issue 43: the shipped one predates the by-chunk FP4
 #                                  kernels; copy it over afdserve/planner/profiles/)
 #
@@ -229,6 +230,7 @@ group() {
             tests/gpu/test_graphs.py::test_failed_capture_runs_the_key_eagerly \
             tests/gpu/test_fp4_moe.py
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
+        run fp4-sweep python tools/fp4_moe_bench.py --sweep  # the register caps too
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
             --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,8,64
         run calibrate-v4 $AFD bench calibrate --preset "$V4" --random-weights \
