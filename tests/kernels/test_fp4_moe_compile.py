@@ -5,6 +5,11 @@ tests/kernels/test_fp4_kernel_interpret.py's)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -67,20 +72,24 @@ def compile_for_h200(kernel, signature: dict, constants: dict, options: dict) ->
 
 
 def compile_tiles(
-    tiles, by_expert: bool = True, hidden: int = 4096, inter: int = 2048
+    tiles,
+    by_expert: bool = True,
+    hidden: int = 4096,
+    inter: int = 2048,
+    pairs_pad: int | None = None,
 ) -> tuple[object, object]:
     """Both kernels at one tile shape, with a launch's constants at Flash's shape (or another's
     reduction dims): a full pair list by expert, or (`by_expert` False) a decode batch's, one
-    program per pair."""
+    program per pair; `pairs_pad` the padded pair list (default: MAX_PAIRS by expert, else 64)."""
     from afdserve.kernels.moe import fp4_decode as k
 
     common = {
-        "PAIRS_PAD": k.MAX_PAIRS if by_expert else 64,
+        "PAIRS_PAD": pairs_pad or (k.MAX_PAIRS if by_expert else 64),
         "BY_EXPERT": by_expert,
         "ROWS": tiles.rows,
         "WEIGHTS_LEFT": tiles.weights_left,
     }
-    options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "maxnreg": tiles.max_registers}
+    options = tiles.options()
     gate_up = {
         "HAS_LIMIT": True,
         **common,
@@ -120,11 +129,6 @@ def test_kernels_compile_for_sm90() -> None:
 
 def resources(kernel) -> dict[str, int]:
     """The cubin's registers a thread and stack bytes (spills), by the cuobjdump Triton ships."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -143,15 +147,7 @@ def test_three_programs_an_sm_without_spills(pairs_pad: int, by_expert: bool) ->
     from afdserve.kernels.moe import fp4_decode as k
 
     tiles = k.TILES[0][1]
-    common = {
-        "PAIRS_PAD": pairs_pad, "BY_EXPERT": by_expert, "ROWS": tiles.rows, "WEIGHTS_LEFT": True
-    }  # fmt: skip
-    options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "maxnreg": tiles.max_registers}
-    gate_up = {"HAS_LIMIT": True, **common, "COLUMNS": tiles.gate_up_columns}
-    down = {**common, "COLUMNS": tiles.down_columns}
-    for kernel, signature, constants in (
-        (k._gate_up_kernel, GATE_UP, {**gate_up, **k.k_constants(4096, tiles.k_block)}),
-        (k._down_kernel, DOWN, {**down, **k.k_constants(2048, tiles.k_block)}),
-    ):
-        used = resources(compile_for_h200(kernel, signature, constants, options))
+    assert tiles.weights_left
+    for kernel in compile_tiles(tiles, by_expert, pairs_pad=pairs_pad):
+        used = resources(kernel)
         assert used["REG"] <= tiles.max_registers and used["STACK"] == 0, (kernel, used)

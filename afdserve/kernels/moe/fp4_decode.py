@@ -61,6 +61,10 @@ class Tiles(NamedTuple):
     # (tests/kernels/test_fp4_moe_compile.py checks the cubin's stack).
     max_registers: int | None = 168
 
+    def options(self) -> dict:
+        """The launch options of this shape (a launch's, and a compile test's)."""
+        return {"num_warps": self.warps, "num_stages": self.stages, "maxnreg": self.max_registers}
+
 
 # By pair count, each row used up to its first field. One shape serves every batch: the fastest
 # of `tools/fp4_moe_bench.py --sweep` at Flash's shape (docs/benchmarks.md, "Kernel constants").
@@ -454,9 +458,7 @@ def _launch(
     common = dict(
         **launch.routing,
         WEIGHTS_LEFT=tiles.weights_left,
-        num_warps=tiles.warps,
-        num_stages=tiles.stages,
-        maxnreg=tiles.max_registers,
+        **tiles.options(),
     )
     columns = tiles.gate_up_columns
     _gate_up_kernel[(triton.cdiv(inter, columns), slots)](

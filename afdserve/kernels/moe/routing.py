@@ -58,8 +58,15 @@ def program_pairs(
     grid: `expert_pairs`' five values, then the tile's output columns and which are < `width`."""
     slot = tl.program_id(1)
     expert, pair, mine, rank, count = expert_pairs(ids_ptr, num_pairs, slot, PAIRS_PAD, BY_EXPERT)
+    col, col_ok = _columns(width, COLUMNS)
+    return expert, pair, mine, rank, count, col, col_ok
+
+
+@triton.jit
+def _columns(width, COLUMNS: tl.constexpr):
+    """The program's tile of output columns (grid axis 0) and which are < `width`."""
     col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    return expert, pair, mine, rank, count, col, col < width
+    return col, col < width
 
 
 @triton.jit
@@ -75,6 +82,13 @@ CHUNK = tl.constexpr(64)
 
 
 @triton.jit
+def _chunk(ids_ptr, num_pairs, first):
+    """Pairs [first, first + CHUNK) and their expert ids (-1 past the list)."""
+    pair = first + tl.arange(0, CHUNK)
+    return pair, tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+
+
+@triton.jit
 def _expert_of(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
     """The expert program `slot` owns, and whether it owns one (`expert_pairs`' rule), the pair
     list read a chunk at a time."""
@@ -85,8 +99,7 @@ def _expert_of(ids_ptr, num_pairs, slot, PAIRS_PAD: tl.constexpr, BY_EXPERT: tl.
         expert = tl.load(ids_ptr + slot).to(tl.int64)
         earlier = 0
         for c in range(0, PAIRS_PAD, CHUNK):
-            pair = c + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+            pair, ids = _chunk(ids_ptr, num_pairs, c)
             earlier += tl.sum(((ids == expert) & (pair < slot)).to(tl.int32), axis=0)
         owns = (earlier == 0) & (expert >= 0)
     return expert, owns
@@ -106,11 +119,10 @@ def program_pairs_by_chunk(
     expert, owns = _expert_of(ids_ptr, num_pairs, tl.program_id(1), PAIRS_PAD, BY_EXPERT)
     count = 0
     for c in range(0, PAIRS_PAD, CHUNK):
-        pair = c + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        _, ids = _chunk(ids_ptr, num_pairs, c)
         count += tl.sum(((ids == expert) & owns).to(tl.int32), axis=0)
-    col = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    return expert, owns, count, col, col < width
+    col, col_ok = _columns(width, COLUMNS)
+    return expert, owns, count, col, col_ok
 
 
 @triton.jit
@@ -130,8 +142,7 @@ def tile_pairs_by_chunk(
     found = tl.zeros((ROWS,), dtype=tl.int32)
     seen = 0
     for c in range(0, PAIRS_PAD, CHUNK):
-        pair = c + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        pair, ids = _chunk(ids_ptr, num_pairs, c)
         mine = ((ids == expert) & owns).to(tl.int32)
         rank = seen + tl.cumsum(mine, axis=0) - 1
         pick = (mine[None, :] != 0) & (rank[None, :] == row[:, None])  # [ROWS, CHUNK]
