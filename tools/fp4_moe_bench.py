@@ -14,6 +14,11 @@ batch, the same graph replays, and prints the best per batch and a `TILES` table
 
     PYTHONPATH=. python tools/fp4_moe_bench.py --sweep
 
+--splits times instead the shipped shape at each of these K splits (`Tiles.splits`) at each
+batch, routed over all experts, as the sweep does.
+
+    PYTHONPATH=. python tools/fp4_moe_bench.py --splits 1,2,4,8 --batch-sizes 1,2,4,8
+
 --prefill times instead, at each batch, the decode kernels (in row chunks of their MAX_PAIRS)
 against both ways of the prefill path (kernels/moe/fp4_grouped.py: the weights decoded in
 registers per tile of pairs, `DIRECT`; or a bf16 copy of a group of experts and grouped GEMMs),
@@ -78,10 +83,11 @@ def sweep_grid() -> list[Tiles]:
     return [*grid, Tiles(64, 64, weights_left=False)]
 
 
-def sweep(batches: list[int], experts: int, gu, dn, gen: torch.Generator) -> None:
-    """Every shape of `sweep_grid` at every batch; a shape that fails (to compile, or for want
-    of shared memory) is reported and skipped."""
-    grid = sweep_grid()
+def sweep(
+    batches: list[int], experts: int, gu, dn, gen: torch.Generator, grid: list[Tiles]
+) -> None:
+    """Every shape of `grid` at every batch; a shape that fails (to compile, or for want of
+    shared memory) is reported and skipped."""
     best: dict[int, tuple[float, Tiles]] = {}
     for batch in batches:
         x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
@@ -181,6 +187,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--sweep", action="store_true", help="time a grid of tile shapes instead")
+    p.add_argument("--splits", default="", help="time the shipped shape at these K splits instead")
     p.add_argument(
         "--prefill", action="store_true", help="time the decode kernels against the prefill path"
     )
@@ -204,8 +211,9 @@ def main() -> None:
         down.append(fp4.quantize_fp4(w2))
     gu = tuple(torch.stack(t) for t in zip(*gate_up, strict=True))
     dn = tuple(torch.stack(t) for t in zip(*down, strict=True))
-    if args.sweep:
-        sweep(batches, experts, gu, dn, gen)
+    if args.sweep or args.splits:
+        grid = [TILES_SHIPPED._replace(splits=int(n)) for n in args.splits.split(",") if n]
+        sweep(batches, experts, gu, dn, gen, grid or sweep_grid())
         return
     if args.prefill:
         prefill(batches, experts, gu, dn, gen, launches)

@@ -84,14 +84,20 @@ def test_fp4_experts_match_reference(flash_experts, rows):
 
 def tile_shapes():
     """The table's shapes, and variants of its first: the weights as the dot's B operand, a
-    narrower K step, 8 warps over twice the columns."""
+    narrower K step, 8 warps over twice the columns, K split in 2 and 8."""
     try:  # called at collection, also where there is no Triton (nor CUDA: all skip then)
         from afdserve.kernels.moe import fp4_decode as k
     except ImportError:
         return []
     first = k.TILES[0][1]
     wide = first._replace(gate_up_columns=2 * first.gate_up_columns, warps=8)
-    variants = (first._replace(weights_left=False), first._replace(k_block=128), wide)
+    variants = (
+        first._replace(weights_left=False),
+        first._replace(k_block=128),
+        wide,
+        first._replace(splits=2),
+        first._replace(splits=8),
+    )
     return list(dict.fromkeys([t for _, t in k.TILES] + list(variants)))
 
 
@@ -129,6 +135,34 @@ def test_fp4_experts_replay_in_cuda_graph(flash_experts, rows):
         x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
         graph.replay()
         assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_fp4_split_k_replays_in_cuda_graph(flash_experts, splits):
+    """A K-split launch (each tile's last split sums the partials) captured once and replayed on
+    new rows: its counters are back at zero after every launch, so each replay sums anew."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    experts, hidden, _, top_k, limit = FLASH
+    gate_up, down = flash_experts
+    tiles = k.TILES[0][1]._replace(splits=splits)
+    x, ids, weights = routed_rows(2, experts, hidden, top_k, seed=200)
+
+    def run():
+        return k.moe_experts(x, ids, weights, gate_up, down, limit, lambda pairs: tiles)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (201, 202, 203):
+        new_x, new_ids, new_weights = routed_rows(2, experts, hidden, top_k, seed)
+        x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+        graph.replay()
+        assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
+    torch.cuda.synchronize()
+    assert all(not c.any() for c in k._COUNTERS.values())
 
 
 def test_fp4_experts_prefill_chunks_and_absent_experts():

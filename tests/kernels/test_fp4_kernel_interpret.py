@@ -145,10 +145,26 @@ for rows, dtype, tiles, limit, rtol, *e in [
     (k.MAX_PAIRS // 2 + 3, torch.float32, T(32, 32), 10.0, 1e-6),  # 2 chunks, many tiles
 ]:
     print(rows, dtype, tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
+# K splits (Tiles.splits): each tile's last split sums the partials; dims of 256 are 4 steps of
+# 64, so 3 splits take 2 + 2 and 8 take 4 of one step. An expert with more pairs than a tile
+# (40 rows over 4 experts, 16-row tiles), fewer pairs than experts, the fp16 h, and a launch run
+# twice (its counters left at zero).
+for rows, dtype, tiles, limit, rtol, *e in [
+    (3, torch.float32, T(32, 32, k_block=64, splits=2), 10.0, 1e-6, 4, (256, 256)),
+    (3, torch.float32, T(32, 64, k_block=64, splits=3), 1.0, 1e-6, 16, (256, 256)),
+    (40, torch.float32, T(32, 32, k_block=64, splits=8), 10.0, 1e-6, 4, (256, 256)),
+    (3, torch.float16, T(32, 32, k_block=64, splits=4), 10.0, 2e-3, 4, (256, 256)),
+]:
+    for _ in range(2):
+        print("split", tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
+        assert k._COUNTERS and all(not c.any() for c in k._COUNTERS.values()), k._COUNTERS
 # K tails (k_steps): 192 = 128 + 64 and 320 = 2 x 128 + 64, both kernels; the weights as the B
 # operand take no tail (wrong when compiled for the GPU): refused by name.
 for tiles in (T(32, 64, k_block=128), T(32, 64, k_block=256)):
     print("tail", tiles, check(5, torch.float32, tiles, 10.0, 7, 1e-6, dims=(192, 320)))
+# A split reduction with the tail in its last split: 320 = 2 x 128 + 64, two splits.
+tiles = T(32, 64, k_block=128, splits=2)
+print("tail", check(5, torch.float32, tiles, 10.0, 7, 1e-6, 4, (192, 320)))
 try:
     check(5, torch.float32, T(32, 64, k_block=128, weights_left=False), 10.0, 7, 1, dims=(192, 320))
 except ValueError as e:
@@ -165,4 +181,5 @@ def test_kernels_under_the_interpreter() -> None:
         INTERPRETED_CASES, timeout=300, min_triton=(3, 7), env={"TRITON_DEFAULT_FP_FUSION": "1"}
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("tail ") == 2, run.stdout
+    assert run.stdout.count("tail ") == 3, run.stdout
+    assert run.stdout.count("split ") == 8, run.stdout

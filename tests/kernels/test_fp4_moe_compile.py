@@ -21,12 +21,15 @@ GATE_UP = {
     "w_ptr": "*i32",
     "s_ptr": "*u8",
     "h_ptr": "*bf16",
+    "part_ptr": "*fp32",
+    "count_ptr": "*i32",
     "num_pairs": "i32",
     "top_k": "i32",
     "hidden": "i32",
     "inter": "i32",
     "w_row": "i32",
     "s_row": "i32",
+    "k_per_split": "i32",
     "limit": "fp32",
 }
 DOWN = {
@@ -36,11 +39,14 @@ DOWN = {
     "w_ptr": "*i32",
     "s_ptr": "*u8",
     "y_ptr": "*fp32",
+    "part_ptr": "*fp32",
+    "count_ptr": "*i32",
     "num_pairs": "i32",
     "hidden": "i32",
     "inter": "i32",
     "w_row": "i32",
     "s_row": "i32",
+    "k_per_split": "i32",
 }
 # What a launch at DeepSeek-V4-Flash's shape specializes as multiples of 16: the pointers (torch's
 # allocations) and the dims and row strides (4096, 2048, their / 8 and / 32); not top_k (6).
@@ -50,6 +56,8 @@ ALIGNED = {
     "w_ptr",
     "s_ptr",
     "h_ptr",
+    "part_ptr",
+    "count_ptr",
     "weights_ptr",
     "y_ptr",
     "hidden",
@@ -88,6 +96,7 @@ def compile_tiles(
         "BY_EXPERT": by_expert,
         "ROWS": tiles.rows,
         "WEIGHTS_LEFT": tiles.weights_left,
+        "SPLITS": tiles.splits,
     }
     options = tiles.options()
     gate_up = {
@@ -139,14 +148,17 @@ def resources(kernel) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
 
 
-@pytest.mark.parametrize(("pairs_pad", "by_expert"), [(512, True), (256, False), (64, False)])
-def test_three_programs_an_sm_without_spills(pairs_pad: int, by_expert: bool) -> None:
-    """At a decode batch's pair lists (64 pairs of a batch of 8, 512 of a batch of 64) both
-    kernels of the table's shape keep to `max_registers` with nothing spilled: three programs of
-    4 warps an SM."""
+@pytest.mark.parametrize(
+    ("pairs_pad", "by_expert", "splits"),
+    [(512, True, 1), (256, False, 1), (64, False, 1), (64, False, 4)],
+)
+def test_three_programs_an_sm_without_spills(pairs_pad: int, by_expert: bool, splits: int) -> None:
+    """At a decode batch's pair lists (64 pairs of a batch of 8, 512 of a batch of 64, and a
+    small batch's K split) both kernels of the table's shape keep to `max_registers` with
+    nothing spilled: three programs of 4 warps an SM."""
     from afdserve.kernels.moe import fp4_decode as k
 
-    tiles = k.TILES[0][1]
+    tiles = k.TILES[0][1]._replace(splits=splits)
     assert tiles.weights_left
     for kernel in compile_tiles(tiles, by_expert, pairs_pad=pairs_pad):
         used = resources(kernel)

@@ -60,6 +60,9 @@ class Tiles(NamedTuple):
     # half its issue slots idle waiting on the dots) where 153-168 hold it without a spill
     # (tests/kernels/test_fp4_moe_compile.py checks the cubin's stack).
     max_registers: int | None = 168
+    # K ranges a column tile's reduction is cut into, one program each (`SPLIT_COUNTERS`): at a
+    # batch of 1 a launch has only ~190 programs, each a serial chain of 32 K steps.
+    splits: int = 1
 
     def options(self) -> dict:
         """The launch options of this shape (a launch's, and a compile test's)."""
@@ -263,15 +266,39 @@ def fp4_reduce(
 ):
     """acc += x W^T over all `dim` inputs of one weight tile (`_fp4_step`'s arguments): steps of
     K_BLOCK, then one of TAIL (`k_steps`)."""
+    return fp4_reduce_range(
+        acc, x_rows, w_rows, s_rows, 0, dim, True, dim, ROWS, COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
+    )
+
+
+@triton.jit
+def fp4_reduce_range(
+    acc,
+    x_rows,
+    w_rows,
+    s_rows,
+    k_begin,
+    k_end,
+    with_tail,
+    dim,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
+    """`fp4_reduce` over the K steps in [k_begin, k_end) (multiples of K_BLOCK), and the TAIL
+    step if `with_tail`: one split's part of the sum."""
     # bf16 rows sum weights 2^-BF16_SHIFT small (`_fp4_step`): the sums so far the same, exactly.
     if x_rows.dtype.element_ty == tl.bfloat16:
         acc = acc * (1.0 / (1 << BF16_SHIFT))
-    for k0 in range(0, dim - TAIL, K_BLOCK):
+    for k0 in range(k_begin, tl.minimum(k_end, dim - TAIL), K_BLOCK):
         xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
         acc = _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
     if TAIL > 0:
-        xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL)
-        acc = _fp4_step(acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT)
+        if with_tail:
+            xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL)
+            acc = _fp4_step(acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT)
     if x_rows.dtype.element_ty == tl.bfloat16:
         acc = acc * (1 << BF16_SHIFT)
     return acc
@@ -305,6 +332,61 @@ def _rows_major(acc, WEIGHTS_LEFT: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _split_range(k_per_split, dim, SPLITS: tl.constexpr):
+    """This program's K range (grid axis 2) and whether it takes the TAIL step: all of it for
+    one split, as `fp4_reduce`."""
+    if SPLITS == 1:
+        k_begin = 0
+        k_end = dim
+        with_tail = True
+    else:
+        split = tl.program_id(2)
+        k_begin = split * k_per_split
+        k_end = k_begin + k_per_split
+        with_tail = split == SPLITS - 1
+    return k_begin, k_end, with_tail
+
+
+@triton.jit
+def _counted_in_last(count_ptr, SPLITS: tl.constexpr):
+    """Counts this split in on its (column tile, expert slot)'s counter; whether it was the last
+    to finish, so that every split's partial is in memory (in L2: read them with .cg)."""
+    tl.debug_barrier()  # every thread's partial stored before this split counts in
+    counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+
+
+@triton.jit
+def _reset_counter(count_ptr):
+    """The last split leaves its counter at zero for the next launch (and graph replay)."""
+    tl.atomic_xchg(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)
+
+
+@triton.jit
+def _split_sum(parts, stride, mask, SPLITS: tl.constexpr):
+    """The splits' partials at `parts` (split s at s * stride), summed in split order."""
+    total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(parts + split * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _store_act(
+    acc, mask, out, gate_bias, up_bias, limit, alpha, HAS_LIMIT, HAS_BIAS, HAS_ALPHA, COLUMNS
+):
+    """h = the GLU of a tile's summed [ROWS, 2C] gate and up columns (module docstring, 1)."""
+    # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
+    ROWS: tl.constexpr = acc.shape[0]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, COLUMNS)), (0, 2, 1)))
+    if HAS_BIAS:
+        gate += gate_bias[None, :]
+        up += up_bias[None, :]
+    act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
+    tl.store(out, act.to(out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,
@@ -312,12 +394,15 @@ def _gate_up_kernel(
     w_ptr,
     s_ptr,
     h_ptr,
+    part_ptr,
+    count_ptr,
     num_pairs,
     top_k,
     hidden,
     inter,
     w_row,
     s_row,
+    k_per_split,
     limit,
     bias_ptr,
     alpha,
@@ -331,6 +416,7 @@ def _gate_up_kernel(
     K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
@@ -347,28 +433,71 @@ def _gate_up_kernel(
     both_row = expert * 2 * inter + (r // COLUMNS) * inter + both_col
     both_w = w_ptr + both_row * w_row
     both_s = s_ptr + both_row * s_row
+    gate_bias, up_bias = col, col  # placeholders without a bias
     if HAS_BIAS:  # [E, 2I], gate half first; an expert slot without pairs reads expert 0's
         bias_row = bias_ptr + tl.maximum(expert, 0) * 2 * inter
         gate_bias = tl.load(bias_row + col, mask=col_ok, other=0.0).to(tl.float32)
         up_bias = tl.load(bias_row + inter + col, mask=col_ok, other=0.0).to(tl.float32)
+    k_begin, k_end, with_tail = _split_range(k_per_split, hidden, SPLITS)
+    # Split s's float32 partials (SPLITS > 1): [s, pair, column tile, its 2C accumulator columns].
+    part_row = tl.num_programs(0) * 2 * COLUMNS
+    split_stride = num_pairs * part_row
+    part = part_ptr + tl.program_id(0) * 2 * COLUMNS + r[None, :]
     for first in range(0, count, ROWS):
         rows, row_ok = tile_pairs_by_chunk(
             ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
         )
         x_rows = x_ptr + (rows // top_k)[:, None] * hidden  # [ROWS, 1]
         acc = _acc_zeros(ROWS, 2 * COLUMNS, WEIGHTS_LEFT)
-        acc = fp4_reduce(
-            acc, x_rows, both_w, both_s, hidden, ROWS, 2 * COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
+        acc = fp4_reduce_range(
+            acc,
+            x_rows,
+            both_w,
+            both_s,
+            k_begin,
+            k_end,
+            with_tail,
+            hidden,
+            ROWS,
+            2 * COLUMNS,
+            K_BLOCK,
+            TAIL,
+            WEIGHTS_LEFT,
         )
-        # [ROWS, 2C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
-        both = tl.permute(tl.reshape(_rows_major(acc, WEIGHTS_LEFT), (ROWS, 2, COLUMNS)), (0, 2, 1))
-        gate, up = tl.split(both)
-        if HAS_BIAS:
-            gate += gate_bias[None, :]
-            up += up_bias[None, :]
-        act = glu_act(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
-        out = h_ptr + rows[:, None] * inter + col[None, :]
-        tl.store(out, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = _rows_major(acc, WEIGHTS_LEFT)  # [ROWS, 2C]: the gate columns, then the up ones
+        if SPLITS == 1:
+            out = h_ptr + rows[:, None] * inter + col[None, :]
+            _store_act(
+                acc, row_ok[:, None] & col_ok[None, :], out, gate_bias, up_bias, limit, alpha,
+                HAS_LIMIT, HAS_BIAS, HAS_ALPHA, COLUMNS,
+            )  # fmt: skip
+        else:  # the [ROWS, 2C] tile as it is: its last split splits it
+            tl.store(part + rows[:, None] * part_row + tl.program_id(2) * split_stride, acc,
+                     mask=row_ok[:, None])  # fmt: skip
+    if SPLITS > 1:
+        if count > 0:
+            if _counted_in_last(count_ptr, SPLITS):
+                for first in range(0, count, ROWS):
+                    rows, row_ok = tile_pairs_by_chunk(
+                        ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
+                    )
+                    total = _split_sum(part + rows[:, None] * part_row, split_stride,
+                                       row_ok[:, None], SPLITS)  # fmt: skip
+                    out = h_ptr + rows[:, None] * inter + col[None, :]
+                    _store_act(
+                        total, row_ok[:, None] & col_ok[None, :], out, gate_bias, up_bias, limit,
+                        alpha, HAS_LIMIT, HAS_BIAS, HAS_ALPHA, COLUMNS,
+                    )  # fmt: skip
+                _reset_counter(count_ptr)
+
+
+@triton.jit
+def _store_down(acc, rows, row_ok, mask, out, bias, weights_ptr, HAS_BIAS: tl.constexpr):
+    """y = the pair's weight times a tile's summed down columns (module docstring, 2)."""
+    if HAS_BIAS:
+        acc += bias[None, :]
+    weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out, acc * weight[:, None], mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -379,11 +508,14 @@ def _down_kernel(
     w_ptr,
     s_ptr,
     y_ptr,
+    part_ptr,
+    count_ptr,
     num_pairs,
     hidden,
     inter,
     w_row,
     s_row,
+    k_per_split,
     bias_ptr,
     HAS_BIAS: tl.constexpr,
     PAIRS_PAD: tl.constexpr,
@@ -393,10 +525,12 @@ def _down_kernel(
     K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
     )
+    bias = col  # a placeholder without one
     if HAS_BIAS:  # [E, H]; an expert slot without pairs reads expert 0's
         bias = tl.load(bias_ptr + tl.maximum(expert, 0) * hidden + col, mask=col_ok, other=0.0)
         bias = bias.to(tl.float32)
@@ -405,27 +539,98 @@ def _down_kernel(
     load_col = tl.minimum(col, hidden - 1)
     down_w = w_ptr + expert * hidden * w_row + load_col * w_row
     down_s = s_ptr + expert * hidden * s_row + load_col * s_row
+    k_begin, k_end, with_tail = _split_range(k_per_split, inter, SPLITS)
+    split_stride = num_pairs * hidden  # split s's float32 partials at [s, pair, column]
     for first in range(0, count, ROWS):
         rows, row_ok = tile_pairs_by_chunk(
             ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
         )
         h_rows = h_ptr + rows[:, None] * inter
         acc = _acc_zeros(ROWS, COLUMNS, WEIGHTS_LEFT)
-        acc = fp4_reduce(
-            acc, h_rows, down_w, down_s, inter, ROWS, COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
+        acc = fp4_reduce_range(
+            acc,
+            h_rows,
+            down_w,
+            down_s,
+            k_begin,
+            k_end,
+            with_tail,
+            inter,
+            ROWS,
+            COLUMNS,
+            K_BLOCK,
+            TAIL,
+            WEIGHTS_LEFT,
         )
         acc = _rows_major(acc, WEIGHTS_LEFT)
-        if HAS_BIAS:
-            acc += bias[None, :]
-        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        out = y_ptr + rows[:, None] * hidden + col[None, :]
-        tl.store(out, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+        mask = row_ok[:, None] & col_ok[None, :]
+        if SPLITS == 1:
+            out = y_ptr + rows[:, None] * hidden + col[None, :]
+            _store_down(acc, rows, row_ok, mask, out, bias, weights_ptr, HAS_BIAS)
+        else:
+            part = part_ptr + tl.program_id(2) * split_stride + rows[:, None] * hidden
+            tl.store(part + col[None, :], acc, mask=mask)
+    if SPLITS > 1:
+        if count > 0:
+            if _counted_in_last(count_ptr, SPLITS):
+                for first in range(0, count, ROWS):
+                    rows, row_ok = tile_pairs_by_chunk(
+                        ids_ptr, num_pairs, expert, owns, first, count, PAIRS_PAD, ROWS
+                    )
+                    mask = row_ok[:, None] & col_ok[None, :]
+                    part = part_ptr + rows[:, None] * hidden + col[None, :]
+                    acc = _split_sum(part, split_stride, mask, SPLITS)
+                    out = y_ptr + rows[:, None] * hidden + col[None, :]
+                    _store_down(acc, rows, row_ok, mask, out, bias, weights_ptr, HAS_BIAS)
+                _reset_counter(count_ptr)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """Packed bytes [..., n / 2] as int32 words [..., n / 8]: word j holds inputs 8j..8j + 7,
     input 8j + i in its nibble i (bits 4i..4i + 3: little-endian, byte b is bits 8b..8b + 7)."""
     return packed.view(torch.int32)
+
+
+# Counters a split launch's (column tile, expert slot) programs count in on, one set per weight
+# so that launches over different weights never share one (each launch leaves them at zero). A
+# launch with more of those programs runs unsplit.
+SPLIT_COUNTERS = 4096
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+class Split(NamedTuple):
+    """One kernel's K split: `splits` ranges of `k_per_split` inputs (the last also takes the
+    TAIL step), summed in split order by each tile's last split to finish."""
+
+    splits: int
+    k_per_split: int
+
+    def partials(self, pairs: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """The float32 partials [splits, pairs, width] (a placeholder unsplit)."""
+        if self.splits == 1:
+            return like
+        return torch.empty(self.splits, pairs, width, dtype=torch.float32, device=like.device)
+
+    def counters(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's zeroed counters (a placeholder unsplit)."""
+        if self.splits == 1:
+            return weight
+        key = (weight.device, weight.data_ptr())
+        if key not in _COUNTERS:
+            _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=weight.device)
+        return _COUNTERS[key]
+
+
+def _splits(wanted: int, dim: int, step: dict[str, int], programs: int) -> Split:
+    """At most `wanted` splits of a reduction over `dim` inputs, each a whole number of its
+    K_BLOCK steps (`k_constants`' `step`); one where the launch's programs outnumber
+    `SPLIT_COUNTERS`, or with a single step."""
+    block, tail = step["K_BLOCK"], step["TAIL"]
+    blocks = (dim - tail) // block
+    if wanted <= 1 or programs > SPLIT_COUNTERS or blocks < 2:
+        return Split(1, dim)
+    per_split = triton.cdiv(blocks, min(wanted, blocks))
+    return Split(triton.cdiv(blocks, per_split), per_split * block)
 
 
 def _launch(
@@ -461,18 +666,22 @@ def _launch(
         **tiles.options(),
     )
     columns = tiles.gate_up_columns
-    _gate_up_kernel[(triton.cdiv(inter, columns), slots)](
+    split = _splits(tiles.splits, hidden, steps[hidden], triton.cdiv(inter, columns) * slots)
+    _gate_up_kernel[(triton.cdiv(inter, columns), slots, split.splits)](
         x,
         ids,
         _words(gate_up[0]),
         gate_up[1],
         launch.h,
+        split.partials(pairs, triton.cdiv(inter, columns) * 2 * columns, x),
+        split.counters(gate_up[0]),
         pairs,
         top_k,
         hidden,
         inter,
         hidden // 8,
         hidden // 32,
+        split.k_per_split,
         0.0 if limit is None else float(limit),
         x if glu.gate_up_bias is None else glu.gate_up_bias,  # unused placeholder without
         1.0 if glu.alpha is None else float(glu.alpha),
@@ -480,25 +689,31 @@ def _launch(
         HAS_BIAS=glu.gate_up_bias is not None,
         HAS_ALPHA=glu.alpha is not None,
         COLUMNS=columns,
+        SPLITS=split.splits,
         **steps[hidden],
         **common,
     )
     columns = tiles.down_columns
-    _down_kernel[(triton.cdiv(hidden, columns), slots)](
+    split = _splits(tiles.splits, inter, steps[inter], triton.cdiv(hidden, columns) * slots)
+    _down_kernel[(triton.cdiv(hidden, columns), slots, split.splits)](
         launch.h,
         ids,
         launch.weights,
         _words(down[0]),
         down[1],
         launch.y,
+        split.partials(pairs, hidden, x),
+        split.counters(down[0]),
         pairs,
         hidden,
         inter,
         inter // 8,
         inter // 32,
+        split.k_per_split,
         x if glu.down_bias is None else glu.down_bias,  # unused placeholder without
         HAS_BIAS=glu.down_bias is not None,
         COLUMNS=columns,
+        SPLITS=split.splits,
         **steps[inter],
         **common,
     )
