@@ -19,6 +19,10 @@ past `MAX_PAIRS` pairs run in row chunks, each the same three launches:
    (gpt-oss, `ExpertGLU`: plus their biases, and (u' + 1) * g' * sigmoid(alpha g') instead).
 2. down:    y[pair] = weight[pair] * (h[pair] W_down^T (+ its bias)), fp32.
 3. sum:     out[row] = sum of the row's top_k y rows, cast to x's dtype.
+With `Tiles.splits` > 1 each of the first two cuts its reduction into K ranges, a program each
+(grid axis 2), writes float32 partials, and the last of a tile's splits to finish sums them in
+split order and applies the step's epilogue (fp8_w8a8.py's way): more weight bytes in flight
+where a few pairs leave most SMs a single program.
 """
 
 from __future__ import annotations
