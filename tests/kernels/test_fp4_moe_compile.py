@@ -163,3 +163,19 @@ def test_three_programs_an_sm_without_spills(pairs_pad: int, by_expert: bool, sp
     for kernel in compile_tiles(tiles, by_expert, pairs_pad=pairs_pad):
         used = resources(kernel)
         assert used["REG"] <= tiles.max_registers and used["STACK"] == 0, (kernel, used)
+
+
+def test_k_splits_take_whole_steps_and_the_tail_last() -> None:
+    """`_splits` cuts a reduction into whole K steps (the last split also takes the tail), never
+    into more splits than steps, and runs unsplit past `SPLIT_COUNTERS` programs."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    flash = k.k_constants(4096, 128)  # 32 steps of 128
+    assert k._splits(4, 4096, flash, 192) == k.Split(4, 1024)
+    assert k._splits(3, 4096, flash, 192) == k.Split(3, 11 * 128)  # 11 + 11 + 10 steps
+    assert k._splits(64, 4096, flash, 192) == k.Split(32, 128)
+    assert k._splits(4, 4096, flash, k.SPLIT_COUNTERS + 1) == k.Split(1, 4096)
+    assert k._splits(1, 4096, flash, 192) == k.Split(1, 4096)
+    tail = k.k_constants(2880, 128)  # gpt-oss: 22 steps of 128 and one of 64
+    assert k._splits(4, 2880, tail, 192) == k.Split(4, 6 * 128)  # 6 + 6 + 6 + 4 and the tail
+    assert k._splits(4, 192, k.k_constants(192, 128), 192) == k.Split(1, 192)  # one step
