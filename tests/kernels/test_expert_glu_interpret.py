@@ -4,10 +4,10 @@ against `reference.moe_experts` in float32: the FP4 kernels (kernels/moe/fp4_dec
 over the dequantized weights, and the unquantized ones (kernels/moe/decode.py, bf16 gpt-oss).
 
 Cases: biases and gain with the clamp binding, biases alone, the gain alone; float32 rows
-(float32's tolerance) and fp16; expert-parallel ids (-1: pairs held elsewhere, and expert slots
-without pairs, whose bias loads read expert 0's and are never stored). Skipped without Triton,
-or where its interpreter cannot run a loop on this numpy (3.6 on numpy 2.4; run it with numpy
-< 2.4)."""
+(float32's tolerance) and fp16; the FP4 kernels' K split; expert-parallel ids (-1: pairs held
+elsewhere, and expert slots without pairs, whose bias loads read expert 0's and are never
+stored). Skipped without Triton, or where its interpreter cannot run a loop on this numpy (3.6
+on numpy 2.4; run it with numpy < 2.4)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ def experts(e, rows_out, cols_in, gen):
     scale = torch.randint(112, 124, (e, rows_out, cols_in // 32), dtype=torch.uint8, generator=gen)
     return packed, scale
 
-def check(rows, dtype, biases, alpha, limit, absent, seed, rtol):
-    hidden, inter, top_k, e = 64, 64, 2, 4
+def check(rows, dtype, biases, alpha, limit, absent, seed, rtol, splits=1):
+    # A K split needs two steps of 64 to cut: dims of 128 then.
+    hidden = inter = 64 if splits == 1 else 128
+    top_k, e = 2, 4
     gen = torch.Generator().manual_seed(seed)
     gate_up, down = experts(e, 2 * inter, hidden, gen), experts(e, hidden, inter, gen)
     b13 = torch.randn(e, 2 * inter, generator=gen).to(dtype) if biases else None
@@ -40,7 +42,7 @@ def check(rows, dtype, biases, alpha, limit, absent, seed, rtol):
     if absent:  # an expert-parallel shard: pairs of experts 2 and 3 are held elsewhere
         ids = torch.where(ids >= 2, -1, ids)
     weights = torch.rand(rows, top_k, generator=gen)
-    tiles = k.Tiles(32, 32, k_block=64)
+    tiles = k.Tiles(32, 32, k_block=64, splits=splits)
     out = k.moe_experts(x, ids, weights, gate_up, down, limit, lambda pairs: tiles, glu=glu)
     w13 = fp4.dequantize_fp4(*gate_up, torch.float32)
     w2 = fp4.dequantize_fp4(*down, torch.float32)
@@ -60,6 +62,10 @@ for rows, dtype, biases, alpha, limit, absent, rtol in [
     (3, torch.float16, True, 1.702, 1.0, False, 3e-3),  # h in fp16
 ]:
     print(rows, dtype, check(rows, dtype, biases, alpha, limit, absent, rows, rtol))
+# Both K split in two (Tiles.splits): the biases and the gain in the last split's epilogue,
+# with pairs held elsewhere.
+print("split", check(7, torch.float32, True, 1.702, 1.0, True, 7, 1e-6, splits=2))
+assert k._COUNTERS, "the launch ran unsplit"
 
 def check_plain(rows, dtype, absent, seed, rtol):
     hidden, inter, top_k, e = 64, 48, 2, 4
