@@ -14,8 +14,9 @@ batch, the same graph replays, and prints the best per batch and a `TILES` table
 
     PYTHONPATH=. python tools/fp4_moe_bench.py --sweep
 
---splits times instead the shipped shape at each of these K splits (`Tiles.splits`) at each
-batch, routed over all experts, as the sweep does.
+--splits times instead the shipped shape at each of these K splits (`Tiles.splits`), each with
+four quarter dots a K step and with one (`Tiles.one_dot`), at each batch, routed over all
+experts, as the sweep does.
 
     PYTHONPATH=. python tools/fp4_moe_bench.py --splits 1,2,4,8 --batch-sizes 1,2,4,8
 
@@ -187,7 +188,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--sweep", action="store_true", help="time a grid of tile shapes instead")
-    p.add_argument("--splits", default="", help="time the shipped shape at these K splits instead")
+    p.add_argument(
+        "--splits", default="", help="time the shipped shape at these K splits (and one dot)"
+    )
     p.add_argument(
         "--prefill", action="store_true", help="time the decode kernels against the prefill path"
     )
@@ -212,7 +215,8 @@ def main() -> None:
     gu = tuple(torch.stack(t) for t in zip(*gate_up, strict=True))
     dn = tuple(torch.stack(t) for t in zip(*down, strict=True))
     if args.sweep or args.splits:
-        grid = [TILES_SHIPPED._replace(splits=int(n)) for n in args.splits.split(",") if n]
+        splits = [int(n) for n in args.splits.split(",") if n]
+        grid = [TILES_SHIPPED._replace(splits=n, one_dot=d) for d in (False, True) for n in splits]
         sweep(batches, experts, gu, dn, gen, grid or sweep_grid())
         return
     if args.prefill:

@@ -26,6 +26,7 @@ def _read_back(
     K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     inputs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -33,16 +34,20 @@ def _read_back(
     x_rows = eye + inputs[:, None] * dim
     acc = k.fp4_reduce(
         acc, x_rows, w + cols * w_row, s + cols * s_row, dim, ROWS, COLUMNS, K_BLOCK, TAIL,
-        WEIGHTS_LEFT,
+        WEIGHTS_LEFT, ONE_DOT,
     )  # fmt: skip
     tl.store(out + cols[None, :] * dim + inputs[:, None], k._rows_major(acc, WEIGHTS_LEFT))
 
 
 def decoded_weights(
-    stack: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, weights_left: bool
+    stack: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype,
+    weights_left: bool,
+    one_dot: bool = False,
 ) -> torch.Tensor:
     """stack: (packed [out, in / 2], scales [out, in / 32]) on CUDA, out a multiple of 64 -> the
-    decoded weights [out, in], float32, for rows of `dtype`."""
+    decoded weights [out, in], float32, for rows of `dtype` (`one_dot`: `Tiles.one_dot`'s K
+    order)."""
     packed, scale = stack
     rows, dim = packed.shape[0], 2 * packed.shape[1]
     tiles, columns = k.TILES[0][1], 64
@@ -59,6 +64,7 @@ def decoded_weights(
         ROWS=tiles.rows,
         COLUMNS=columns,
         WEIGHTS_LEFT=weights_left,
+        ONE_DOT=one_dot,
         **k.k_constants(dim, tiles.k_block),
     )
     return out

@@ -84,7 +84,7 @@ def test_fp4_experts_match_reference(flash_experts, rows):
 
 def tile_shapes():
     """The table's shapes, and variants of its first: the weights as the dot's B operand, a
-    narrower K step, 8 warps over twice the columns, K split in 2 and 8."""
+    narrower K step, 8 warps over twice the columns, K split in 2 and 8, one dot a K step."""
     try:  # called at collection, also where there is no Triton (nor CUDA: all skip then)
         from afdserve.kernels.moe import fp4_decode as k
     except ImportError:
@@ -97,6 +97,8 @@ def tile_shapes():
         wide,
         first._replace(splits=2),
         first._replace(splits=8),
+        first._replace(one_dot=True),
+        first._replace(one_dot=True, splits=4),
     )
     return list(dict.fromkeys([t for _, t in k.TILES] + list(variants)))
 
@@ -283,15 +285,17 @@ def test_v4_ffn_half_from_fp4_checkpoint_in_cuda_graph(tmp_path_factory, rows):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "weights_left", "inputs"),
+    ("dtype", "weights_left", "inputs", "one_dot"),
     [
-        (torch.bfloat16, True, 576),
-        (torch.float16, True, 576),
-        (torch.bfloat16, False, 512),  # this order takes no K tail (`_launch` refuses it)
-        (torch.float16, False, 512),
+        (torch.bfloat16, True, 576, False),
+        (torch.float16, True, 576, False),
+        (torch.bfloat16, False, 512, False),  # this order takes no K tail (`_launch` refuses it)
+        (torch.float16, False, 512, False),
+        (torch.bfloat16, True, 576, True),  # one dot a K step (`Tiles.one_dot`)
+        (torch.float16, True, 576, True),
     ],
 )
-def test_decode_is_the_reference_bit_for_bit(dtype, weights_left, inputs):
+def test_decode_is_the_reference_bit_for_bit(dtype, weights_left, inputs, one_dot):
     """Every byte (every code in both nibbles) at every byte of a word, under every scale byte
     the dtype's path takes (bf16: `fp4_decode.SCALE_BYTES`, its weights taken 2^-16 small by a
     packed bf16 multiply, subnormal 0.5 codes included; fp16: scales fp16 holds), over 576
@@ -309,7 +313,7 @@ def test_decode_is_the_reference_bit_for_bit(dtype, weights_left, inputs):
     scale = scales[:, None].expand(-1, inputs // 32).contiguous()
     from tests.gpu.fp4_read_back import decoded_weights
 
-    got = decoded_weights((packed.cuda(), scale.cuda()), dtype, weights_left).cpu()
+    got = decoded_weights((packed.cuda(), scale.cuda()), dtype, weights_left, one_dot).cpu()
     # A sum starting from +0 reads a -0 weight back as +0: zeros compare as +0.
     want = fp4.dequantize_fp4(packed, scale, dtype).float() + 0.0
     wrong = (got.view(torch.int32) != want.view(torch.int32)).nonzero()

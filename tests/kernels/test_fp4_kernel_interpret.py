@@ -158,6 +158,15 @@ for rows, dtype, tiles, limit, rtol, *e in [
     for _ in range(2):
         print("split", tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
         assert k._COUNTERS and all(not c.any() for c in k._COUNTERS.values()), k._COUNTERS
+# One dot a K step (Tiles.one_dot): float32 and fp16 rows, with a K tail, with a split.
+for rows, dtype, tiles, rtol, dims in [
+    (3, torch.float32, T(32, 32, k_block=64, one_dot=True), 1e-6, (64, 64)),
+    (9, torch.float32, T(64, 32, k_block=128, rows=32, one_dot=True), 1e-6, (256, 128)),
+    (3, torch.float16, T(32, 32, k_block=128, one_dot=True), 2e-3, (256, 128)),
+    (5, torch.float32, T(32, 64, k_block=128, one_dot=True), 1e-6, (192, 320)),
+    (5, torch.float32, T(32, 64, k_block=128, splits=2, one_dot=True), 1e-6, (192, 320)),
+]:
+    print("one dot", tiles, check(rows, dtype, tiles, 10.0, rows, rtol, 4, dims))
 # K tails (k_steps): 192 = 128 + 64 and 320 = 2 x 128 + 64, both kernels; the weights as the B
 # operand take no tail (wrong when compiled for the GPU): refused by name.
 for tiles in (T(32, 64, k_block=128), T(32, 64, k_block=256)):
@@ -183,3 +192,4 @@ def test_kernels_under_the_interpreter() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("tail ") == 3, run.stdout
     assert run.stdout.count("split ") == 8, run.stdout
+    assert run.stdout.count("one dot ") == 5, run.stdout

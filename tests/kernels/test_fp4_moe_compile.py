@@ -97,6 +97,7 @@ def compile_tiles(
         "ROWS": tiles.rows,
         "WEIGHTS_LEFT": tiles.weights_left,
         "SPLITS": tiles.splits,
+        "ONE_DOT": tiles.one_dot,
     }
     options = tiles.options()
     gate_up = {
@@ -179,3 +180,32 @@ def test_k_splits_take_whole_steps_and_the_tail_last() -> None:
     tail = k.k_constants(2880, 128)  # gpt-oss: 22 steps of 128 and one of 64
     assert k._splits(4, 2880, tail, 192) == k.Split(4, 6 * 128)  # 6 + 6 + 6 + 4 and the tail
     assert k._splits(4, 192, k.k_constants(192, 128), 192) == k.Split(1, 192)  # one step
+
+
+def sass(kernel) -> str:
+    """The cubin's SASS, by the cuobjdump Triton ships."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("pairs_pad", [512, 64])
+def test_one_dot_waits_once_a_k_step(pairs_pad: int) -> None:
+    """`Tiles.one_dot`: both kernels' K loop issues its 16 wgmmas and waits once, where the four
+    quarter dots wait four times; the decoded weights stay in registers (no shared-memory copy
+    of the A operand), under the register cap and without spills."""
+    from afdserve.kernels.moe import fp4_decode as k
+
+    shipped = k.TILES[0][1]
+    for one_dot, waits in ((False, 4), (True, 1)):
+        tiles = shipped._replace(one_dot=one_dot)
+        for kernel in compile_tiles(tiles, pairs_pad == 512, pairs_pad=pairs_pad):
+            code = sass(kernel)
+            assert code.count("WARPGROUP.DEPBAR") == waits, (tiles, code.count("WARPGROUP.DEPBAR"))
+            # What goes to shared memory is x's tile (rows first) alone, never the weights.
+            stored = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<(\d+)x", kernel.asm["ttgir"])
+            assert stored and all(int(rows) == tiles.rows for rows in stored), stored
+            used = resources(kernel)
+            assert used["REG"] <= tiles.max_registers and used["STACK"] == 0, (tiles, used)

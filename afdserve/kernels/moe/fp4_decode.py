@@ -22,7 +22,8 @@ past `MAX_PAIRS` pairs run in row chunks, each the same three launches:
 With `Tiles.splits` > 1 each of the first two cuts its reduction into K ranges, a program each
 (grid axis 2), writes float32 partials, and the last of a tile's splits to finish sums them in
 split order and applies the step's epilogue (fp8_w8a8.py's way): more weight bytes in flight
-where a few pairs leave most SMs a single program.
+where a few pairs leave most SMs a single program. With `Tiles.one_dot` each K step is one dot
+over all eight nibbles of its words rather than four (`_fp4_step`): one `wgmma` wait a step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Tiles(NamedTuple):
     # K ranges a column tile's reduction is cut into, one program each (`SPLIT_COUNTERS`): at a
     # batch of 1 a launch has only ~190 programs, each a serial chain of 32 K steps.
     splits: int = 1
+    # One dot a K step over all eight nibbles of the tile's words (`_fp4_step`), where four dots
+    # of a quarter each wait in turn: Triton waits on each dot whose A operand is in registers.
+    one_dot: bool = False
 
     def options(self) -> dict:
         """The launch options of this shape (a launch's, and a compile test's)."""
@@ -152,23 +156,32 @@ assert fp4.MAX_SCALE_BYTE == 127 + 1 + BF16_SHIFT.value
 
 
 @triton.jit
-def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr):
-    """The inputs of nibbles (i, i + 4) of the tile's words for i = 0..3, each [ROWS, K_BLOCK / 4]:
-    column 2j + h of slice i is x[:, k0 + 8j + i + 4h], matching `_fp4_step`'s weight order.
+def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr, ONE_DOT: tl.constexpr):
+    """x's [ROWS, K_BLOCK] tile in `_fp4_step`'s weight order. Four dots: the inputs of nibbles
+    (i, i + 4) of the tile's words for i = 0..3, each [ROWS, K_BLOCK / 4]: column 2j + h of slice
+    i is x[:, k0 + 8j + i + 4h]. One dot: the tile with column 32g + 16(i >> 1) + 8(i & 1) + 2w
+    + h holding x[:, k0 + 8(4g + w) + i + 4h].
     x_rows: [ROWS, 1] pointers to the pairs' rows, all in bounds (a tile's rows past its pairs
     read pair 0's row, and are never stored), so no mask: one contiguous load, then splits."""
     x = tl.load(x_rows + k0 + tl.arange(0, K_BLOCK)[None, :])
-    x = tl.reshape(x, (ROWS, K_BLOCK // 8, 2, 2, 2))  # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
-    b0, b1 = tl.split(x)
-    x0, x2 = tl.split(b0)
-    x1, x3 = tl.split(b1)
-    shape: tl.constexpr = (ROWS, K_BLOCK // 4)
-    return (
-        tl.reshape(x0, shape),
-        tl.reshape(x1, shape),
-        tl.reshape(x2, shape),
-        tl.reshape(x3, shape),
-    )
+    if ONE_DOT:
+        x = tl.reshape(x, (ROWS, K_BLOCK // 32, 4, 2, 2, 2))  # [:, g, w, h, i >> 1, i & 1]
+        xs = tl.reshape(tl.permute(x, (0, 1, 4, 5, 2, 3)), (ROWS, K_BLOCK))
+    else:
+        x = tl.reshape(
+            x, (ROWS, K_BLOCK // 8, 2, 2, 2)
+        )  # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
+        b0, b1 = tl.split(x)
+        x0, x2 = tl.split(b0)
+        x1, x3 = tl.split(b1)
+        shape: tl.constexpr = (ROWS, K_BLOCK // 4)
+        xs = (
+            tl.reshape(x0, shape),
+            tl.reshape(x1, shape),
+            tl.reshape(x2, shape),
+            tl.reshape(x3, shape),
+        )
+    return xs
 
 
 @triton.jit
@@ -181,6 +194,7 @@ def _fp4_step(
     COLUMNS: tl.constexpr,
     K_BLOCK: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """acc += x W^T over inputs [k0, k0 + K_BLOCK) of one weight tile: rows at `w_rows` / `s_rows`
     ([COLUMNS] pointers to a row's int32 words and its scale bytes), xs from `_x_slices`.
@@ -194,13 +208,16 @@ def _fp4_step(
     14), the fp32 bits (s + 14) << 23 (right for s <= 240), then rounds once to x's dtype.
     e2m1 * 2^(s - 127) has at most two significant bits, so every step is exact. The dot's K
     pairs (2j, 2j + 1) are (8j + i, 8j + i + 4), one word's halves: no repacking. The words load
-    as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes."""
+    as [COLUMNS, K / 32, 4] tiles beside their [COLUMNS, K / 32] scale bytes. `ONE_DOT`: the four
+    quarters stacked in the order each thread already holds them (word j = 4g + w, w across the
+    four threads of a dot fragment's row), one dot of the whole K step, one wait (sm_90 SASS:
+    one `WARPGROUP.DEPBAR` a step where four dots have four)."""
     GROUPS: tl.constexpr = K_BLOCK // 32
     g = tl.arange(0, GROUPS)
     at = k0 // 8 + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
     w = tl.load(w_rows[:, None, None] + at)
     scale = tl.load(s_rows[:, None] + k0 // 32 + g[None, :]).to(tl.int32)
-    dtype = xs[0].dtype
+    dtype = xs.dtype if ONE_DOT else xs[0].dtype
     if dtype == tl.bfloat16:
         # A code's sign must land 6 bits further than its magnitude (3 above it in the nibble, 9
         # above it in the bf16): nibbles 0, 1, 4, 5 keep their magnitudes and take their signs 6
@@ -230,19 +247,37 @@ def _fp4_step(
             odd & FP16_PAIR,
         )
         factor = ((scale + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    for i in tl.static_range(4):
-        # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
-        # 8j + i + 4), one register, so no repacking.
-        bits = halves[i]
+    if ONE_DOT:
+        b0, b1, b2, b3 = halves
         if dtype == tl.bfloat16:
-            bits = _bf16_pair_product(bits, factor)
-        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [COLUMNS, GROUPS, 4, 2]
+            b0 = _bf16_pair_product(b0, factor)
+            b1 = _bf16_pair_product(b1, factor)
+            b2 = _bf16_pair_product(b2, factor)
+            b3 = _bf16_pair_product(b3, factor)
+        # [C, G, 4 (w), 2 (i & 1), 2 (i >> 1)] -> [C, G, i >> 1, i & 1, w], then each word's
+        # halves h: K index 32g + 16(i >> 1) + 8(i & 1) + 2w + h (`_x_slices`' order).
+        bits = tl.permute(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (0, 1, 4, 3, 2))
+        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))
         if dtype == tl.bfloat16:
             value = both.to(tl.bfloat16, bitcast=True)
         else:
             value = both.to(tl.float16, bitcast=True).to(tl.float32)
-            value = (value * factor[:, :, :, None]).to(dtype)
-        acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
+            value = (value * factor[:, :, :, None, None, None]).to(dtype)
+        acc = _fp4_dot(acc, xs, tl.reshape(value, (COLUMNS, K_BLOCK)), WEIGHTS_LEFT)
+    else:
+        for i in tl.static_range(4):
+            # Both halves of a word side by side: the dot's K pair (2j, 2j + 1) is (8j + i,
+            # 8j + i + 4), one register, so no repacking.
+            bits = halves[i]
+            if dtype == tl.bfloat16:
+                bits = _bf16_pair_product(bits, factor)
+            both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [C, G, 4, 2]
+            if dtype == tl.bfloat16:
+                value = both.to(tl.bfloat16, bitcast=True)
+            else:
+                value = both.to(tl.float16, bitcast=True).to(tl.float32)
+                value = (value * factor[:, :, :, None]).to(dtype)
+            acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
     return acc
 
 
@@ -267,12 +302,14 @@ def fp4_reduce(
     K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,
 ):
     """acc += x W^T over all `dim` inputs of one weight tile (`_fp4_step`'s arguments): steps of
     K_BLOCK, then one of TAIL (`k_steps`)."""
     return fp4_reduce_range(
-        acc, x_rows, w_rows, s_rows, 0, dim, True, dim, ROWS, COLUMNS, K_BLOCK, TAIL, WEIGHTS_LEFT
-    )
+        acc, x_rows, w_rows, s_rows, 0, dim, True, dim, ROWS, COLUMNS, K_BLOCK, TAIL,
+        WEIGHTS_LEFT, ONE_DOT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -290,6 +327,7 @@ def fp4_reduce_range(
     K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """`fp4_reduce` over the K steps in [k_begin, k_end) (multiples of K_BLOCK), and the TAIL
     step if `with_tail`: one split's part of the sum."""
@@ -297,12 +335,14 @@ def fp4_reduce_range(
     if x_rows.dtype.element_ty == tl.bfloat16:
         acc = acc * (1.0 / (1 << BF16_SHIFT))
     for k0 in range(k_begin, tl.minimum(k_end, dim - TAIL), K_BLOCK):
-        xs = _x_slices(x_rows, k0, ROWS, K_BLOCK)
-        acc = _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT)
+        xs = _x_slices(x_rows, k0, ROWS, K_BLOCK, ONE_DOT)
+        acc = _fp4_step(acc, xs, w_rows, s_rows, k0, COLUMNS, K_BLOCK, WEIGHTS_LEFT, ONE_DOT)
     if TAIL > 0:
         if with_tail:
-            xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL)
-            acc = _fp4_step(acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT)
+            xs = _x_slices(x_rows, dim - TAIL, ROWS, TAIL, ONE_DOT)
+            acc = _fp4_step(
+                acc, xs, w_rows, s_rows, dim - TAIL, COLUMNS, TAIL, WEIGHTS_LEFT, ONE_DOT
+            )
     if x_rows.dtype.element_ty == tl.bfloat16:
         acc = acc * (1 << BF16_SHIFT)
     return acc
@@ -421,6 +461,7 @@ def _gate_up_kernel(
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
     SPLITS: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, inter, PAIRS_PAD, BY_EXPERT, COLUMNS
@@ -467,6 +508,7 @@ def _gate_up_kernel(
             K_BLOCK,
             TAIL,
             WEIGHTS_LEFT,
+            ONE_DOT,
         )
         acc = _rows_major(acc, WEIGHTS_LEFT)  # [ROWS, 2C]: the gate columns, then the up ones
         if SPLITS == 1:
@@ -530,6 +572,7 @@ def _down_kernel(
     TAIL: tl.constexpr,
     WEIGHTS_LEFT: tl.constexpr,
     SPLITS: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     expert, owns, count, col, col_ok = program_pairs_by_chunk(
         ids_ptr, num_pairs, hidden, PAIRS_PAD, BY_EXPERT, COLUMNS
@@ -565,6 +608,7 @@ def _down_kernel(
             K_BLOCK,
             TAIL,
             WEIGHTS_LEFT,
+            ONE_DOT,
         )
         acc = _rows_major(acc, WEIGHTS_LEFT)
         mask = row_ok[:, None] & col_ok[None, :]
@@ -667,6 +711,7 @@ def _launch(
     common = dict(
         **launch.routing,
         WEIGHTS_LEFT=tiles.weights_left,
+        ONE_DOT=tiles.one_dot,
         **tiles.options(),
     )
     columns = tiles.gate_up_columns
