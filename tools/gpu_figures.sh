@@ -35,8 +35,8 @@
 #                                  holds the server's TTFT, queue and prefill histograms)
 #   next                           what the eighteenth and nineteenth sessions left for the
 #                                  GPU: the failed-capture test's fix, the FP4 kernels' GPU
-#                                  tests (the by-chunk routing, the K split), the K split by
-#                                  batch, the FP4 bench, its sweep (register caps 128-none)
+#                                  tests (the by-chunk routing, the K split, one dot), both
+#                                  by batch, the FP4 bench, its sweep (register caps 128-none)
 #                                  and V4's decode on it, and V4's profile
 #                                  again (issue 43: the shipped one predates the by-chunk FP4
 #                                  kernels; copy it over afdserve/planner/profiles/)
@@ -229,8 +229,10 @@ group() {
         run left-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
             tests/gpu/test_graphs.py::test_failed_capture_runs_the_key_eagerly \
             tests/gpu/test_fp4_moe.py
-        # The K split by batch (fp4_decode.Tiles.splits): the fastest goes into TILES by pairs.
-        run fp4-splits python tools/fp4_moe_bench.py --splits 1,2,4,8 --batch-sizes 1,2,4,8,16
+        # The K split and one dot a K step by batch (fp4_decode.Tiles.splits, .one_dot): the
+        # fastest goes into TILES by pairs (a split past 4096 programs runs unsplit).
+        run fp4-splits python tools/fp4_moe_bench.py --splits 1,2,4,8 \
+            --batch-sizes 1,2,4,8,16,64
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
         run fp4-sweep python tools/fp4_moe_bench.py --sweep  # the register caps too
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
