@@ -27,7 +27,7 @@ for `fp4_grouped.DIRECT`, the crossover `fp4_grouped.MIN_PAIRS` and the step's e
 sizes.
 
     PYTHONPATH=. python tools/fp4_moe_bench.py --prefill --batch-sizes 64,128,256,512,1024,8192 \
-        [--direct-launches "64,128,128,8,3;32,64,128,4,3"]
+        [--direct-launches "64,128,128,8,3;32,64,128,4,3;64,128,128,4,3,1"]
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def main() -> None:
         "--direct-launches",
         default="",
         help="with --prefill, also the in-register way at these launches, ';'-separated, each "
-        "'gate_up_columns,down_columns,k_block,warps,stages'",
+        "'gate_up_columns,down_columns,k_block,warps,stages[,one_dot]'",
     )
     args = p.parse_args()
     named = [launch for launch in args.direct_launches.split(";") if launch]

@@ -233,6 +233,9 @@ group() {
         # fastest goes into TILES by pairs (a split past 4096 programs runs unsplit).
         run fp4-splits python tools/fp4_moe_bench.py --splits 1,2,4,8 \
             --batch-sizes 1,2,4,8,16,64
+        # The prefill path's in-register way with one dot a K step, against its four.
+        run fp4-prefill-one-dot python tools/fp4_moe_bench.py --prefill --batch-sizes 1024,8192 \
+            --direct-launches "64,128,128,4,3,1"
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
         run fp4-sweep python tools/fp4_moe_bench.py --sweep  # the register caps too
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \

@@ -71,23 +71,32 @@ def test_grouped_kernels_with_the_limit_and_biases_compile_for_sm90(hidden, glu)
 
 
 @pytest.mark.parametrize(
-    ("rows", "hidden", "inter", "glu"),
+    ("rows", "hidden", "inter", "glu", "one_dot"),
     [
-        (16, 4096, 2048, False),
-        (32, 4096, 2048, False),
-        (64, 4096, 2048, False),
-        (64, 2880, 2880, True),
+        (16, 4096, 2048, False, False),
+        (32, 4096, 2048, False, False),
+        (64, 4096, 2048, False, False),
+        (64, 2880, 2880, True, False),
+        (64, 4096, 2048, False, True),
+        (64, 2880, 2880, True, True),
     ],
-    ids=["deepseek-v4-16", "deepseek-v4-32", "deepseek-v4-64", "gpt-oss-64"],
+    ids=[
+        "deepseek-v4-16",
+        "deepseek-v4-32",
+        "deepseek-v4-64",
+        "gpt-oss-64",
+        "deepseek-v4-64-one-dot",
+        "gpt-oss-64-one-dot",
+    ],
 )
-def test_direct_kernels_compile_for_sm90(rows, hidden, inter, glu) -> None:
+def test_direct_kernels_compile_for_sm90(rows, hidden, inter, glu, one_dot) -> None:
     """gate/up with the clamps (V4's swiglu_limit; gpt-oss's with its biases and gain) and down,
-    at `DIRECT_LAUNCH` over tiles of `rows` pairs."""
+    at `DIRECT_LAUNCH` over tiles of `rows` pairs (and with one dot a K step)."""
     from afdserve.kernels.moe import fp4_decode
     from afdserve.kernels.moe import fp4_grouped as k
 
-    columns, down_columns, k_block, warps, stages = k.DIRECT_LAUNCH
-    common = {"ROWS": rows, "E_PAD": 128 if glu else 256, "HAS_BIAS": glu}
+    columns, down_columns, k_block, warps, stages, _ = k.DIRECT_LAUNCH
+    common = {"ROWS": rows, "E_PAD": 128 if glu else 256, "HAS_BIAS": glu, "ONE_DOT": one_dot}
     gate_up = {
         **common,
         "COLUMNS": columns,

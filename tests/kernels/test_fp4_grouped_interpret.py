@@ -105,6 +105,8 @@ for rows, dtype, launch, use_glu, limit, rtol in [
     (40, torch.float32, (64, 128, 128, 4, 3), True, 10.0, 1e-5),     # 32-row tiles, columns past
     (100, torch.float16, fp4_grouped.DIRECT_LAUNCH, False, None, 3e-3),  # 64-row tiles
     (100, torch.float32, (16, 32, 256, 4, 2), True, None, 1e-5),     # K step wider than inter
+    (40, torch.float32, (64, 128, 128, 4, 3, 1), True, 10.0, 1e-5),  # one dot a K step
+    (100, torch.float16, (64, 128, 128, 4, 3, 1), False, None, 3e-3),
 ]:
     x = torch.randn(rows, hidden, generator=gen).to(dtype)
     ids = torch.rand(rows, experts, generator=gen).topk(top_k, dim=-1).indices
@@ -157,4 +159,4 @@ def test_fp4_prefill_path_under_the_interpreter() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("equal") == 3 and run.stdout.count("fp4 grouped") == 5, run.stdout
     # Four cases, the row slices and the refusal.
-    assert run.stdout.count("direct ") == 7 and "direct refused" in run.stdout, run.stdout
+    assert run.stdout.count("direct ") == 9 and "direct refused" in run.stdout, run.stdout

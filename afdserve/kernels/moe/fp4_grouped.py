@@ -54,8 +54,9 @@ BLOCK = 1024  # packed bytes per dequantizing program
 DIRECT = True
 # The in-register way's launch: (intermediate columns per gate/up program, whose gate and up
 # rows make one weight tile of twice as many; hidden columns per down program; K step; warps;
-# stages), fp4_decode.TILES' shape, chosen by the bench's `--direct-launches` sweep.
-DIRECT_LAUNCH = (64, 128, 128, 4, 3)
+# stages; one dot a K step, 0 or 1: `fp4_decode.Tiles.one_dot`), fp4_decode.TILES' shape, chosen
+# by the bench's `--direct-launches` sweep (one dot not timed yet).
+DIRECT_LAUNCH = (64, 128, 128, 4, 3, 0)
 
 
 def supports(x: torch.Tensor, gate_up: tuple, down: tuple) -> bool:
@@ -131,6 +132,7 @@ def _direct_gate_up_kernel(
     HAS_LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """h[pair] for a tile of one expert's pairs (tile_rows) and COLUMNS intermediate columns: the
     gate rows of those columns and then their up rows as one weight tile of 2 * COLUMNS rows,
@@ -151,7 +153,7 @@ def _direct_gate_up_kernel(
         x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * hidden
         acc = tl.zeros((2 * COLUMNS, ROWS), dtype=tl.float32)
         acc = fp4_reduce(
-            acc, x_rows, both_w, both_s, hidden, ROWS, 2 * COLUMNS, K_BLOCK, TAIL, True
+            acc, x_rows, both_w, both_s, hidden, ROWS, 2 * COLUMNS, K_BLOCK, TAIL, True, ONE_DOT
         )
         # [2C, ROWS] -> [ROWS, 2, C] -> [ROWS, C, 2] -> gate and up, [ROWS, C] each.
         both = tl.permute(tl.reshape(tl.trans(acc), (ROWS, 2, COLUMNS)), (0, 2, 1))
@@ -197,6 +199,7 @@ def _direct_down_kernel(
     TAIL: tl.constexpr,
     E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """y[pair] = weight[pair] * (h[pair] W_down^T (+ its bias)) for a tile of one expert's pairs
     and COLUMNS hidden columns. [E, H, I / 8] int32 words, [E, H, I / 32] scales; w_row = I / 8,
@@ -211,7 +214,9 @@ def _direct_down_kernel(
         down_s = s_ptr + (e * hidden + load_col) * s_row
         h_rows = h_ptr + pairs.to(tl.int64)[:, None] * inter
         acc = tl.zeros((COLUMNS, ROWS), dtype=tl.float32)
-        acc = fp4_reduce(acc, h_rows, down_w, down_s, inter, ROWS, COLUMNS, K_BLOCK, TAIL, True)
+        acc = fp4_reduce(
+            acc, h_rows, down_w, down_s, inter, ROWS, COLUMNS, K_BLOCK, TAIL, True, ONE_DOT
+        )
         acc = tl.trans(acc)
         store_y(acc, e, pairs, row_ok, col, col_ok, y_ptr, weights_ptr, hidden, bias_ptr, HAS_BIAS)
 
@@ -224,7 +229,7 @@ def _direct(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
     glu: ExpertGLU,
-    launch: tuple[int, int, int, int, int],
+    launch: tuple[int, ...],
 ) -> torch.Tensor:
     """The in-register way over x [rows, hidden] whose pairs fit the scratch (h and y)."""
     experts, two_inter, half_hidden = gate_up[0].shape
@@ -237,8 +242,12 @@ def _direct(
     groups = assign(ids, experts, tile)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    gate_up_columns, down_columns, k_block, warps, stages = launch
-    common = dict(ROWS=tile, E_PAD=max(16, triton.next_power_of_2(experts)))
+    gate_up_columns, down_columns, k_block, warps, stages, *one_dot = launch
+    common = dict(
+        ROWS=tile,
+        E_PAD=max(16, triton.next_power_of_2(experts)),
+        ONE_DOT=bool(one_dot and one_dot[0]),
+    )
     options = dict(num_warps=warps, num_stages=stages)
     _direct_gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
         x,
@@ -299,7 +308,7 @@ def moe_experts(
     glu: ExpertGLU | None = None,
     group_bytes: int = GROUP_BYTES,
     direct: bool | None = None,
-    launch: tuple[int, int, int, int, int] = DIRECT_LAUNCH,
+    launch: tuple[int, ...] = DIRECT_LAUNCH,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4` (ids -1: no expert; `glu`: gpt-oss's biases,
     contiguous, and gain). Check `supports` first. `direct`: decode the weights in registers
