@@ -168,9 +168,8 @@ def _x_slices(x_rows, k0, ROWS: tl.constexpr, K_BLOCK: tl.constexpr, ONE_DOT: tl
         x = tl.reshape(x, (ROWS, K_BLOCK // 32, 4, 2, 2, 2))  # [:, g, w, h, i >> 1, i & 1]
         xs = tl.reshape(tl.permute(x, (0, 1, 4, 5, 2, 3)), (ROWS, K_BLOCK))
     else:
-        x = tl.reshape(
-            x, (ROWS, K_BLOCK // 8, 2, 2, 2)
-        )  # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
+        # x[:, 8j + 4h + 2a + b] at [:, j, h, a, b]
+        x = tl.reshape(x, (ROWS, K_BLOCK // 8, 2, 2, 2))
         b0, b1 = tl.split(x)
         x0, x2 = tl.split(b0)
         x1, x3 = tl.split(b1)
