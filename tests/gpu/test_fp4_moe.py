@@ -144,6 +144,7 @@ def test_fp4_split_k_replays_in_cuda_graph(flash_experts, splits):
     """A K-split launch (each tile's last split sums the partials) captured once and replayed on
     new rows: its counters are back at zero after every launch, so each replay sums anew."""
     from afdserve.kernels.moe import fp4_decode as k
+    from afdserve.kernels.triton import counters
 
     experts, hidden, _, top_k, limit = FLASH
     gate_up, down = flash_experts
@@ -164,7 +165,7 @@ def test_fp4_split_k_replays_in_cuda_graph(flash_experts, splits):
         graph.replay()
         assert rel_err(out, plain_reference(x, ids, weights, gate_up, down, limit)) < 2e-2
     torch.cuda.synchronize()
-    assert all(not c.any() for c in k._COUNTERS.values())
+    assert all(not c.any() for c in counters._COUNTERS.values())
 
 
 def test_fp4_experts_prefill_chunks_and_absent_experts():

@@ -95,6 +95,7 @@ def test_last_split_sums_the_partials_as_the_sum_launch_does(tiles, m, n, k, mon
     """Every split count and tile, with and without a bias: the sum launch's bits, call after
     call (each launch leaves its tile counters at zero for the next)."""
     from afdserve.kernels.triton import fp8_w8a8 as w8a8
+    from afdserve.kernels.triton.counters import tile_counters
 
     x, q, scale, b = fp8_linear_case(m, n, k, torch.bfloat16, bias=n == 200, seed=m + 5 * n)
     tiles = w8a8.Tiles(*tiles)
@@ -103,7 +104,7 @@ def test_last_split_sums_the_partials_as_the_sum_launch_does(tiles, m, n, k, mon
     monkeypatch.setattr(w8a8, "REDUCE_IN_GEMM", True)
     for _ in range(3):
         assert torch.equal(no_sync(w8a8.fp8_linear, x, q, scale, b, tiles), want)
-    assert int(w8a8._tile_counters(q).count_nonzero()) == 0
+    assert int(tile_counters(q, w8a8.MAX_SPLIT_TILES).count_nonzero()) == 0
 
 
 def test_last_split_sum_replays_in_a_cuda_graph():

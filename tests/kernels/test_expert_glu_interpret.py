@@ -22,6 +22,7 @@ from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.moe import decode
 from afdserve.kernels.moe import fp4_decode as k
+from afdserve.kernels.triton import counters
 
 def experts(e, rows_out, cols_in, gen):
     packed = torch.randint(0, 256, (e, rows_out, cols_in // 2), dtype=torch.uint8, generator=gen)
@@ -65,7 +66,7 @@ for rows, dtype, biases, alpha, limit, absent, rtol in [
 # Both K split in two (Tiles.splits): the biases and the gain in the last split's epilogue,
 # with pairs held elsewhere.
 print("split", check(7, torch.float32, True, 1.702, 1.0, True, 7, 1e-6, splits=2))
-assert k._COUNTERS, "the launch ran unsplit"
+assert counters._COUNTERS, "the launch ran unsplit"
 
 def check_plain(rows, dtype, absent, seed, rtol):
     hidden, inter, top_k, e = 64, 48, 2, 4

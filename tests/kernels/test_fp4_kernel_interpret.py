@@ -108,6 +108,7 @@ import torch
 from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference import layers as reference
 from afdserve.kernels.moe import fp4_decode as k
+from afdserve.kernels.triton import counters
 
 def experts(e, rows_out, cols_in, gen, low, high):
     packed = torch.randint(0, 256, (e, rows_out, cols_in // 2), dtype=torch.uint8, generator=gen)
@@ -157,7 +158,7 @@ for rows, dtype, tiles, limit, rtol, *e in [
 ]:
     for _ in range(2):
         print("split", tiles, check(rows, dtype, tiles, limit, rows, rtol, *e))
-        assert k._COUNTERS and all(not c.any() for c in k._COUNTERS.values()), k._COUNTERS
+        assert counters._COUNTERS and all(not c.any() for c in counters._COUNTERS.values())
 # One dot a K step (Tiles.one_dot): float32 and fp16 rows, with a K tail, with a split.
 for rows, dtype, tiles, rtol, dims in [
     (3, torch.float32, T(32, 32, k_block=64, one_dot=True), 1e-6, (64, 64)),

@@ -44,6 +44,7 @@ from afdserve.kernels.moe.routing import (
 )
 from afdserve.kernels.reference import fp4
 from afdserve.kernels.reference.layers import ExpertGLU
+from afdserve.kernels.triton.counters import tile_counters
 
 # Pairs one launch takes (each program re-reads the pair list); a larger batch runs in row chunks.
 MAX_PAIRS = 512
@@ -392,18 +393,23 @@ def _split_range(k_per_split, dim, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _counter(count_ptr):
+    """This program's (column tile, expert slot) counter."""
+    return count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+
+
+@triton.jit
 def _counted_in_last(count_ptr, SPLITS: tl.constexpr):
-    """Counts this split in on its (column tile, expert slot)'s counter; whether it was the last
-    to finish, so that every split's partial is in memory (in L2: read them with .cg)."""
+    """Counts this split in on its tile's counter; whether it was the last to finish, so that
+    every split's partial is in memory (in L2: read them with .cg)."""
     tl.debug_barrier()  # every thread's partial stored before this split counts in
-    counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    return tl.atomic_add(_counter(count_ptr), 1, sem="acq_rel", scope="gpu") == SPLITS - 1
 
 
 @triton.jit
 def _reset_counter(count_ptr):
     """The last split leaves its counter at zero for the next launch (and graph replay)."""
-    tl.atomic_xchg(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)
+    tl.atomic_xchg(_counter(count_ptr), 0)
 
 
 @triton.jit
@@ -638,11 +644,9 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
-# Counters a split launch's (column tile, expert slot) programs count in on, one set per weight
-# so that launches over different weights never share one (each launch leaves them at zero). A
-# launch with more of those programs runs unsplit.
+# Counters a split launch's (column tile, expert slot) programs count in on, per weight
+# (`counters.tile_counters`). A launch with more of those programs runs unsplit.
 SPLIT_COUNTERS = 4096
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 class Split(NamedTuple):
@@ -660,12 +664,7 @@ class Split(NamedTuple):
 
     def counters(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's zeroed counters (a placeholder unsplit)."""
-        if self.splits == 1:
-            return weight
-        key = (weight.device, weight.data_ptr())
-        if key not in _COUNTERS:
-            _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=weight.device)
-        return _COUNTERS[key]
+        return weight if self.splits == 1 else tile_counters(weight, SPLIT_COUNTERS)
 
 
 def _splits(wanted: int, dim: int, step: dict[str, int], programs: int) -> Split:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from afdserve.kernels.reference.fp8 import FP8_DTYPE, FP8_MAX, Fp8Rows
+from afdserve.kernels.triton.counters import tile_counters
 from afdserve.kernels.triton.fp8_weight_only import (
     MAX_SPLITS,
     SCALE_BLOCK,
@@ -45,21 +46,9 @@ REDUCE_IN_GEMM = True
 # Groups of 128 one program of the quantize launch takes: one per program left prefill steps with
 # hundreds of thousands of one-warp programs (docs/benchmarks.md, 2026-12-06; 8 the one tried).
 QUANTIZE_GROUPS = 8
-# Tile counters per weight: a split launch has fewer tiles than `tiles_for`'s program target.
+# Tile counters per weight (`counters.tile_counters`): a split launch has fewer tiles than
+# `tiles_for`'s program target.
 MAX_SPLIT_TILES = 512
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tile_counters(weight: torch.Tensor) -> torch.Tensor:
-    """The zeroed counters of one weight's split tiles, one set per weight so that GEMMs of
-    different weights never share one (each launch leaves its counters at zero)."""
-    key = (weight.device, weight.data_ptr())
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(
-            MAX_SPLIT_TILES, dtype=torch.int32, device=weight.device
-        )
-    return counters
 
 
 @triton.jit
@@ -283,7 +272,7 @@ def fp8_linear(
     bias_arg = bias if bias is not None else y  # never read without a bias
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
     reduce = splits > 1 and REDUCE_IN_GEMM and grid[0] * grid[1] <= MAX_SPLIT_TILES
-    counters = _tile_counters(q) if reduce else y  # never read unless reducing
+    counters = tile_counters(q, MAX_SPLIT_TILES) if reduce else y  # never read unless reducing
     _gemm_kernel[grid](
         xq,
         xs,
