@@ -41,11 +41,11 @@ from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels import ops
 from afdserve.kernels.moe import decode as triton_moe
 from afdserve.kernels.moe import fp4_decode as triton_fp4_moe
-from afdserve.kernels.moe.fp4_decode import Tiles, tiles_for
+from afdserve.kernels.moe.fp4_decode import MAX_PAIRS, Tiles, tiles_for
 from afdserve.kernels.reference import fp4
 
 HIDDEN, INTER, TOP_K, LIMIT = 4096, 2048, 6, 10.0
-TILES_SHIPPED = tiles_for(1)  # one shape serves every batch (fp4_decode.TILES)
+TILES_SHIPPED = tiles_for(MAX_PAIRS)  # every batch's shape but a single row's (fp4_decode.TILES)
 
 
 def replay_seconds(fn, *args, repeats: int = 50) -> float:
@@ -81,7 +81,8 @@ def sweep_grid() -> list[Tiles]:
     shipped = TILES_SHIPPED
     grid += [shipped._replace(max_registers=r) for r in (None, 128)]
     grid += [shipped._replace(warps=8, max_registers=128), shipped._replace(stages=4)]
-    return [*grid, Tiles(64, 64, weights_left=False)]
+    # One dot a K step won at every batch (`--splits`), so the grid's A-operand shapes take it.
+    return [*(t._replace(one_dot=True) for t in grid), Tiles(64, 64, weights_left=False)]
 
 
 def sweep(

@@ -33,13 +33,11 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what the eighteenth and nineteenth sessions left for the
-#                                  GPU: the failed-capture test's fix, the FP4 kernels' GPU
-#                                  tests (the by-chunk routing, the K split, one dot), both
-#                                  by batch, the FP4 bench, its sweep (register caps 128-none)
-#                                  and V4's decode on it, and V4's profile
-#                                  again (issue 43: the shipped one predates the by-chunk FP4
-#                                  kernels; copy it over afdserve/planner/profiles/)
+#   next                           what the twentieth session left for the GPU: the tile
+#                                  sweep with one dot a K step (register caps 128-none), the
+#                                  FP4 bench and V4's decode after it, and on an H200 the
+#                                  FP4 share and V4's table of issue 43 (the twentieth
+#                                  session's figures are an H100's)
 #
 # Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
 # metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
@@ -226,22 +224,10 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        run left-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
-            tests/gpu/test_graphs.py::test_failed_capture_runs_the_key_eagerly \
-            tests/gpu/test_fp4_moe.py
-        # The K split and one dot a K step by batch (fp4_decode.Tiles.splits, .one_dot): the
-        # fastest goes into TILES by pairs (a split past 4096 programs runs unsplit).
-        run fp4-splits python tools/fp4_moe_bench.py --splits 1,2,4,8 \
-            --batch-sizes 1,2,4,8,16,64
-        # The prefill path's in-register way with one dot a K step, against its four.
-        run fp4-prefill-one-dot python tools/fp4_moe_bench.py --prefill --batch-sizes 1024,8192 \
-            --direct-launches "64,128,128,4,3,1"
+        run fp4-sweep python tools/fp4_moe_bench.py --sweep  # one dot a K step, the caps too
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
-        run fp4-sweep python tools/fp4_moe_bench.py --sweep  # the register caps too
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
             --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,8,64
-        run calibrate-v4 $AFD bench calibrate --preset "$V4" --random-weights \
-            --out "$OUT/calibrate-v4.json"
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \

@@ -78,9 +78,14 @@ class Tiles(NamedTuple):
         return {"num_warps": self.warps, "num_stages": self.stages, "maxnreg": self.max_registers}
 
 
-# By pair count, each row used up to its first field. One shape serves every batch: the fastest
-# of `tools/fp4_moe_bench.py --sweep` at Flash's shape (docs/benchmarks.md, "Kernel constants").
-TILES: tuple[tuple[int, Tiles], ...] = ((MAX_PAIRS, Tiles(64, 128, k_block=128)),)
+# By pair count, each row used up to its first field: the sweep's shape (`tools/fp4_moe_bench.py
+# --sweep` at Flash's shape) with one dot a K step, which won at every batch, and a K split of two
+# for a batch of one, the only batch a split won (`--splits`; docs/benchmarks.md, "One dot a K
+# step and a split for one row, timed").
+TILES: tuple[tuple[int, Tiles], ...] = (
+    (6, Tiles(64, 128, k_block=128, splits=2, one_dot=True)),
+    (MAX_PAIRS, Tiles(64, 128, k_block=128, one_dot=True)),
+)
 
 
 def tiles_for(pairs: int) -> Tiles:
