@@ -1,7 +1,13 @@
 """Run a script of kernel cases under Triton's interpreter (TRITON_INTERPRET=1, numpy), in a
 subprocess: the variable must be set before any @triton.jit function is defined, so not in the
 test process. Skips where Triton is not installed, or older than `min_triton` (3.6's interpreter
-cannot run a loop bounded by a reduced tensor, which several expert kernels have)."""
+cannot run a loop bounded by a reduced tensor, which several expert kernels have).
+
+Which interpreter runs which: Triton 3.6 (the device's) on numpy < 2.4 runs every script but
+those that ask for `min_triton` (3, 9); on numpy 2.4 its loops fail ("only 0-dimensional arrays
+can be converted to Python scalars"). Triton 3.9 runs those, but rejects a mask that joins a
+tensor with a scalar comparison ("mask has unsupported dtype", 2026-12-07), which most other
+kernels have."""
 
 from __future__ import annotations
 

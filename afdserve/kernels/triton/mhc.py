@@ -11,9 +11,10 @@ on V4-Flash) is read from memory once however many rows there are.
 of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
 flattened, with the chunk's `fn` (`ROWS_DOT`: three bf16 passes on tensor cores, near float32).
 Both run chunks first in launch order (see the launch below).
-`_collapse_kernel`, one program per row: the partial sums reduced in a fixed order (no atomics:
-the same bits every run), the mappings (sigmoids, softmax, Sinkhorn in registers), the collapse
-sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS norm of it.
+`_collapse_kernel`, one program per row: the partial sums of all chunks loaded at once and reduced
+in a fixed order (no atomics: the same bits every run), the mappings (sigmoids, softmax, Sinkhorn
+in registers), the collapse sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS
+norm of it.
 
 Numerics follow the torch path: post and comb rounded to the streams' dtype before the update and
 each product and sum rounded as torch's; the mappings in float32; the norm's statistics of the
@@ -135,9 +136,14 @@ def _mix_rows_kernel(
         # comb^T h: out[k] = sum_j comb[j, k] h[j], comb rounded to the streams' dtype first;
         # each h[j] is read once per output stream, from cache after the first.
         mixed = tl.zeros([ROWS, N_PAD * BLOCK], dtype=tl.float32)
-        for j in range(n):
-            h_j = tl.load(H + row[:, None] * n * hidden + (j * hidden + col)[None, :], mask=tile)
-            comb = tl.load(COMB + row[:, None] * n * n + (j * n + stream)[None, :], mask=tile)
+        for j in range(N_PAD):  # a constexpr bound (module docstring); streams past n masked
+            live_j = tile & (j < n)
+            h_j = tl.load(
+                H + row[:, None] * n * hidden + (j * hidden + col)[None, :], mask=live_j, other=0.0
+            )
+            comb = tl.load(
+                COMB + row[:, None] * n * n + (j * n + stream)[None, :], mask=live_j, other=0.0
+            )
             mixed += comb.to(dtype).to(tl.float32) * h_j.to(tl.float32)
         post = tl.load(POST + row[:, None] * n + stream[None, :], mask=tile, other=0.0)
         y = tl.load(Y + row[:, None] * hidden + col[None, :], mask=tile, other=0.0)
@@ -191,6 +197,7 @@ def _collapse_kernel(
     norm_eps,
     ITERS: tl.constexpr,
     PARTS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK: tl.constexpr,
     N_PAD: tl.constexpr,
@@ -201,20 +208,23 @@ def _collapse_kernel(
     live = j < n
     pair = live[:, None] & live[None, :]
     pair_at = 2 * n + j[:, None] * n + j[None, :]
-    partial = PARTIAL + row * PARTS * MIX_PAD
-    pre = tl.zeros([N_PAD], dtype=tl.float32)
-    post = tl.zeros([N_PAD], dtype=tl.float32)
-    comb = tl.zeros([N_PAD, N_PAD], dtype=tl.float32)
-    squares = tl.load(partial + mixes)
-    pre += tl.load(partial + j, mask=live, other=0.0)
-    post += tl.load(partial + n + j, mask=live, other=0.0)
-    comb += tl.load(partial + pair_at, mask=pair, other=0.0)
-    for c in range(1, PARTS):
-        at = partial + c * MIX_PAD
-        squares += tl.load(at + mixes)
-        pre += tl.load(at + j, mask=live, other=0.0)
-        post += tl.load(at + n + j, mask=live, other=0.0)
-        comb += tl.load(at + pair_at, mask=pair, other=0.0)
+    # Every chunk's partials in one load each, summed across chunks: a loop over the chunks
+    # (64 at V4-Flash's site) waits on each chunk's loads in turn, one program a row.
+    part = tl.arange(0, PARTS_PAD)
+    part_live = part < PARTS
+    at = PARTIAL + row * PARTS * MIX_PAD + part * MIX_PAD  # [PARTS_PAD]
+    squares = tl.sum(tl.load(at + mixes, mask=part_live, other=0.0), axis=0)
+    by_part = part_live[:, None] & live[None, :]
+    pre = tl.sum(tl.load(at[:, None] + j[None, :], mask=by_part, other=0.0), axis=0)
+    post = tl.sum(tl.load(at[:, None] + n + j[None, :], mask=by_part, other=0.0), axis=0)
+    comb = tl.sum(
+        tl.load(
+            at[:, None, None] + pair_at[None, :, :],
+            mask=part_live[:, None, None] & pair[None, :, :],
+            other=0.0,
+        ),
+        axis=0,
+    )
     inv = 1.0 / tl.sqrt(squares / (n * hidden) + hc_norm_eps)
     pre = tl.sigmoid(pre * inv * tl.load(SCALE) + tl.load(BASE + j, mask=live, other=0.0)) + hc_eps
     post = 2.0 * tl.sigmoid(
@@ -361,6 +371,7 @@ def hyper_connection(
         norm_eps,
         ITERS=iters,
         PARTS=chunks,
+        PARTS_PAD=triton.next_power_of_2(chunks),
         CHUNKS=triton.cdiv(hidden, collapse_block),
         BLOCK=collapse_block,
         N_PAD=n_pad,
