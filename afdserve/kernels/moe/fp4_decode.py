@@ -262,12 +262,7 @@ def _fp4_step(
         # [C, G, 4 (w), 2 (i & 1), 2 (i >> 1)] -> [C, G, i >> 1, i & 1, w], then each word's
         # halves h: K index 32g + 16(i >> 1) + 8(i & 1) + 2w + h (`_x_slices`' order).
         bits = tl.permute(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (0, 1, 4, 3, 2))
-        both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))
-        if dtype == tl.bfloat16:
-            value = both.to(tl.bfloat16, bitcast=True)
-        else:
-            value = both.to(tl.float16, bitcast=True).to(tl.float32)
-            value = (value * factor[:, :, :, None, None, None]).to(dtype)
+        value = _operand(bits, factor[:, :, :, None, None, None], dtype)
         acc = _fp4_dot(acc, xs, tl.reshape(value, (COLUMNS, K_BLOCK)), WEIGHTS_LEFT)
     else:
         for i in tl.static_range(4):
@@ -276,14 +271,22 @@ def _fp4_step(
             bits = halves[i]
             if dtype == tl.bfloat16:
                 bits = _bf16_pair_product(bits, factor)
-            both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))  # [C, G, 4, 2]
-            if dtype == tl.bfloat16:
-                value = both.to(tl.bfloat16, bitcast=True)
-            else:
-                value = both.to(tl.float16, bitcast=True).to(tl.float32)
-                value = (value * factor[:, :, :, None]).to(dtype)
+            value = _operand(bits, factor[:, :, :, None], dtype)  # [C, G, 4, 2]
             acc = _fp4_dot(acc, xs[i], tl.reshape(value, (COLUMNS, K_BLOCK // 4)), WEIGHTS_LEFT)
     return acc
+
+
+@triton.jit
+def _operand(bits, factor, dtype: tl.constexpr):
+    """Words of two 16-bit values (`bits`: bf16 ones already scaled by `_bf16_pair_product`, fp16
+    ones not) as the dot's operand in x's `dtype`, each word's halves side by side: [..., 2].
+    fp16 values are scaled by `factor` (broadcast to [..., 2]) in float32."""
+    both = tl.join(bits.to(tl.int16), (bits >> 16).to(tl.int16))
+    if dtype == tl.bfloat16:
+        value = both.to(tl.bfloat16, bitcast=True)
+    else:
+        value = (both.to(tl.float16, bitcast=True).to(tl.float32) * factor).to(dtype)
+    return value
 
 
 @triton.jit
