@@ -20,6 +20,8 @@ host sync: graph capturable.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -52,11 +54,22 @@ MIN_PAIRS = fp4_decode.MAX_PAIRS + 1
 BLOCK = 1024  # packed bytes per dequantizing program
 # Whether this path decodes the weights in registers (module docstring) rather than copying them.
 DIRECT = True
-# The in-register way's launch: (intermediate columns per gate/up program, whose gate and up
-# rows make one weight tile of twice as many; hidden columns per down program; K step; warps;
-# stages; one dot a K step, 0 or 1: `fp4_decode.Tiles.one_dot`), fp4_decode.TILES' shape, chosen
-# by the bench's `--direct-launches` sweep (one dot: 5% at 1024 rows, even at 8192).
-DIRECT_LAUNCH = (64, 128, 128, 4, 3, 1)
+
+
+class DirectLaunch(NamedTuple):
+    """The in-register way's launch (a plain tuple of its first five fields or all six will do)."""
+
+    gate_up_columns: int  # intermediate columns a program: its gate and up rows, one tile of 2x
+    down_columns: int  # hidden columns a down program
+    k_block: int
+    warps: int
+    stages: int
+    one_dot: bool = False  # one dot a K step: `fp4_decode.Tiles.one_dot`
+
+
+# fp4_decode.TILES' shape, chosen by the bench's `--direct-launches` sweep (one dot: 5% at 1024
+# rows, even at 8192).
+DIRECT_LAUNCH = DirectLaunch(64, 128, 128, 4, 3, one_dot=True)
 
 
 def supports(x: torch.Tensor, gate_up: tuple, down: tuple) -> bool:
@@ -229,7 +242,7 @@ def _direct(
     down: tuple[torch.Tensor, torch.Tensor],
     limit: float | None,
     glu: ExpertGLU,
-    launch: tuple[int, ...],
+    launch: DirectLaunch | tuple[int, ...],
 ) -> torch.Tensor:
     """The in-register way over x [rows, hidden] whose pairs fit the scratch (h and y)."""
     experts, two_inter, half_hidden = gate_up[0].shape
@@ -242,12 +255,8 @@ def _direct(
     groups = assign(ids, experts, tile)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    gate_up_columns, down_columns, k_block, warps, stages, *one_dot = launch
-    common = dict(
-        ROWS=tile,
-        E_PAD=max(16, triton.next_power_of_2(experts)),
-        ONE_DOT=bool(one_dot and one_dot[0]),
-    )
+    gate_up_columns, down_columns, k_block, warps, stages, one_dot = DirectLaunch(*launch)
+    common = dict(ROWS=tile, E_PAD=max(16, triton.next_power_of_2(experts)), ONE_DOT=bool(one_dot))
     options = dict(num_warps=warps, num_stages=stages)
     _direct_gate_up_kernel[(groups.tiles, triton.cdiv(inter, gate_up_columns))](
         x,
@@ -308,7 +317,7 @@ def moe_experts(
     glu: ExpertGLU | None = None,
     group_bytes: int = GROUP_BYTES,
     direct: bool | None = None,
-    launch: tuple[int, ...] = DIRECT_LAUNCH,
+    launch: DirectLaunch | tuple[int, ...] = DIRECT_LAUNCH,
 ) -> torch.Tensor:
     """Same contract as `fp4.moe_experts_fp4` (ids -1: no expert; `glu`: gpt-oss's biases,
     contiguous, and gain). Check `supports` first. `direct`: decode the weights in registers
