@@ -480,15 +480,17 @@ def route_greedy(
     normalize: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    hashed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The router's plain top-k (softmax, sigmoid or sqrt(softplus) scores; with `bias` added
-    for the choice only, noaux_tc of one group) as fused launches on CUDA, or None where the fast
-    path does not apply and the caller keeps its torch form."""
+    for the choice only, noaux_tc of one group) or, with `hashed` = (tid2eid, checked token ids),
+    a hash layer's table lookup, as fused launches on CUDA; None where the fast path does not
+    apply and the caller keeps its torch form."""
     if _triton_ready(x):
         from afdserve.kernels.moe import router as triton_router
 
         if scoring in triton_router.SCORINGS and triton_router.supports(x, weight, top_k):
-            return triton_router.route(x, weight, top_k, scoring, normalize, scale, bias)
+            return triton_router.route(x, weight, top_k, scoring, normalize, scale, bias, hashed)
     return None
 
 

@@ -180,3 +180,49 @@ def test_router_with_selection_bias(experts, hidden, top_k, rows):
     ref = scores.gather(1, ids)
     ref = ref / ref.sum(-1, keepdim=True)
     torch.testing.assert_close(weights[keep], ref[keep], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_router_hash_layer_matches_the_torch_form_and_replays(rows):
+    """DeepSeek-V4's hash layers at V4-Flash's shape (256 experts, top-6, H 4096): each row's
+    experts are tid2eid[token id] in the table's order (a pad row's -1 reads row 0), weighed by
+    their sqrt(softplus) scores renormalised; against `Router.forward`'s torch form, eager and
+    replayed from a CUDA graph on new token ids."""
+    from types import SimpleNamespace
+
+    from afdserve.model.layers.moe import Router
+
+    experts, hidden, top_k, vocab, scale = 256, 4096, 6, 1000, 1.5
+    x, weight = router_case(rows, experts, hidden, torch.bfloat16, seed=rows + 91)
+    gen = torch.Generator().manual_seed(rows)
+    table = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(vocab)])
+    table = table.to(DEVICE)
+    tokens = torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE)
+    tokens[-1] = -1
+    router = SimpleNamespace(
+        weight=weight.float(), scoring="sqrtsoftplus", hash=True, tid2eid=table, layer=0,
+        method="noaux_tc", n_group=1, top_k=top_k, scale=scale,
+    )  # fmt: skip
+    router._scores = lambda rows_in: Router._scores(router, rows_in)
+
+    def torch_form():
+        # Router.forward on float32 weights keeps its torch form (the kernel takes bf16 only).
+        return Router.forward(router, x, tokens)
+
+    hashed = (table, tokens)
+    ids, weights = triton_router.route(x, weight, top_k, "sqrtsoftplus", False, scale, None, hashed)
+    ref_ids, ref = torch_form()
+    assert torch.equal(ids, ref_ids) and torch.equal(ids, table[tokens.clamp(min=0)])
+    torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights = triton_router.route(
+            x, weight, top_k, "sqrtsoftplus", False, scale, None, hashed
+        )
+    tokens.copy_(torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_ids, ref = torch_form()
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)

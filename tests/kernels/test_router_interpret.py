@@ -1,7 +1,8 @@
 """The Triton router (kernels/moe/router.py) with a selection bias, as MiniMax-M2 routes (sigmoid
 scores, `e_score_correction_bias` added for the choice only, weights renormalised, noaux_tc of one
 group) and DeepSeek-V4 (the same over sqrt(softplus) scores, logits past softplus's threshold of 20
-and far below 0 among them: `Router.forward`'s torch form itself), under Triton's interpreter
+and far below 0 among them: `Router.forward`'s torch form itself; and its hash layers, whose
+experts come from `tid2eid` by token id, a pad row's -1 among them), under Triton's interpreter
 (TRITON_INTERPRET=1, numpy) on CPU: the experts and weights of `Router.forward`'s torch form.
 float16 rows (the interpreter computes bf16 wrongly); tests/gpu/test_router_kernel.py runs it
 compiled. Both kernels loop over a runtime bound, which Triton 3.6's interpreter cannot run on
@@ -53,6 +54,32 @@ for rows, experts, hidden, top_k in [(1, 16, 64, 2), (9, 64, 96, 6)]:
     assert torch.equal(ids, ref_ids), (ids, ref_ids)
     torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
     print("sqrtsoftplus", rows, experts, "ok")
+
+# DeepSeek-V4's hash layers: each row's experts from tid2eid[token id] (pad rows -1 look up row
+# 0), weighed by their sqrt(softplus) scores renormalised, against Router.forward's torch form
+# (CPU tensors take it), the table's order kept.
+for rows, experts, hidden, top_k, vocab in [(1, 16, 64, 2, 5), (9, 64, 96, 6, 40)]:
+    gen = torch.Generator().manual_seed(11 * rows + experts)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).half()
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).half()
+    table = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(vocab)])
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens[-1] = -1  # a pad row
+    if rows > 1:
+        tokens[0] = vocab - 1
+    router = SimpleNamespace(
+        weight=weight.float(), scoring="sqrtsoftplus", hash=True, tid2eid=table, layer=0,
+        method="noaux_tc", n_group=1, top_k=top_k, scale=1.5,
+    )
+    router._scores = lambda x, r=router: Router._scores(r, x)
+    ref_ids, ref = Router.forward(router, x, tokens)
+    assert torch.equal(ref_ids, table[tokens.clamp(min=0)])
+    ids, weights = triton_router.route(
+        x, weight, top_k, "sqrtsoftplus", False, 1.5, torch.zeros(experts), (table, tokens)
+    )
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
+    print("hash", rows, experts, "ok")
 print("ok")
 """
 

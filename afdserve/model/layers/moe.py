@@ -77,9 +77,16 @@ class Router(nn.Module):
             )
             if fused is not None:
                 return fused
-        scores = self._scores(x)  # [rows, experts]
         if self.hash:
             check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
+            table = (self.tid2eid, token_ids)
+            fused = ops.route_greedy(
+                x, self.weight, self.top_k, self.scoring, True, self.scale, hashed=table
+            )
+            if fused is not None:
+                return fused
+        scores = self._scores(x)  # [rows, experts]
+        if self.hash:
             ids = self.tid2eid[token_ids.clamp(min=0).long()]
             weights = scores.gather(1, ids)
             return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale
