@@ -472,6 +472,24 @@ def v4_norm_rope(
     return triton_v4_norm_rope.norm_rope(x, norm, cos_sin, negate)
 
 
+def step_rows(
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: int,
+    slots: torch.Tensor | None,
+    window_tables: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...] | None:
+    """A ubatch's per-row fields from its device segments (`StepRows.of`) in one launch on
+    CUDA; None elsewhere (the caller keeps its torch form)."""
+    if _triton_ready(query_start):
+        from afdserve.kernels.triton import step_rows as triton_step_rows
+
+        args = (query_start, context_lens, block_tables, rows, slots, window_tables)
+        return triton_step_rows.step_rows(*args)
+    return None
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from afdserve.kernels.metadata import AttentionMetadata
+from afdserve.kernels import ops
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments
 
 T = TypeVar("T")
 
@@ -46,30 +47,25 @@ class StepRows:
         batched = meta.batched
         if batched is None:
             return None
-        query_start = batched.query_start.long()
-        row = torch.arange(meta.num_rows, device=query_start.device)
-        # Row r is in segment i when query_start[i] <= r < query_start[i + 1]; rows past the
-        # last segment get index n, the pad segment appended here (no rows, context 0).
-        segment = torch.searchsorted(query_start[1:], row, right=True)
-        context = F.pad(batched.context_lens.long(), (0, 1))[segment]
-        count = F.pad(query_start[1:] - query_start[:-1], (0, 1))[segment]
-        tables = F.pad(batched.block_tables.long(), (0, 0, 0, 1))[segment]
         slots = batched.state_slots
         if slots is None and batched.context_lens.numel() == 0:  # pad rows only
             slots = batched.context_lens
         window_tables = None
         if window is not None and window is not meta:
-            window_tables = F.pad(window.batched.block_tables.long(), (0, 0, 0, 1))[segment]
-        return cls(
-            meta.positions.long(),
-            tables,
-            context > 0,
-            context - count,
-            context,
-            batched.max_query_len <= 1,
-            None if slots is None else F.pad(slots.long(), (0, 1), value=-1)[segment],
+            window_tables = window.batched.block_tables
+        fused = ops.step_rows(
+            batched.query_start,
+            batched.context_lens,
+            batched.block_tables,
+            meta.num_rows,
+            slots,
             window_tables,
         )
+        if fused is None:
+            fused = _rows_torch(batched, meta.num_rows, slots, window_tables)
+        tables, real, start, end, slots, window_tables = fused
+        decode = batched.max_query_len <= 1
+        return cls(meta.positions.long(), tables, real, start, end, decode, slots, window_tables)
 
     @classmethod
     def of_ubatch(cls, meta: AttentionMetadata) -> StepRows | None:
@@ -122,3 +118,26 @@ class StepRows:
         source = (row[:, None] - (self.positions[:, None] - positions)).clamp(0, rows - 1)
         own = (positions >= self.start[:, None])[..., None]
         return torch.where(own, values[source], cached.to(values.dtype))
+
+
+def _rows_torch(
+    batched: BatchedSegments,
+    rows: int,
+    slots: torch.Tensor | None,
+    window_tables: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`ops.step_rows`' fields in torch ops (off CUDA): (tables, real, start, end, slots,
+    window tables) of each row."""
+    query_start = batched.query_start.long()
+    row = torch.arange(rows, device=query_start.device)
+    # Row r is in segment i when query_start[i] <= r < query_start[i + 1]; rows past the last
+    # segment get index n, the pad segment appended here (no rows, context 0).
+    segment = torch.searchsorted(query_start[1:], row, right=True)
+    context = F.pad(batched.context_lens.long(), (0, 1))[segment]
+    count = F.pad(query_start[1:] - query_start[:-1], (0, 1))[segment]
+    tables = F.pad(batched.block_tables.long(), (0, 0, 0, 1))[segment]
+    if window_tables is not None:
+        window_tables = F.pad(window_tables.long(), (0, 0, 0, 1))[segment]
+    if slots is not None:
+        slots = F.pad(slots.long(), (0, 1), value=-1)[segment]
+    return tables, context > 0, context - count, context, slots, window_tables

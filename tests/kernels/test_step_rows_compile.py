@@ -1,0 +1,27 @@
+"""The rows kernel (kernels/triton/step_rows.py) compiles for the H200 (sm_90) down to a cubin,
+with and without state slots and window tables, on any machine with Triton. Its numbers are
+tests/kernels/test_step_rows_interpret.py's on CPU and the tiny V4's on a GPU
+(tests/gpu/test_v4_fused_model.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.test_fp8_moe_compile import compile_for_h200
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("slots, window", [(True, True), (False, False)])
+def test_rows_kernel_compiles_for_sm90(slots, window) -> None:
+    from afdserve.kernels.triton import step_rows as k
+
+    signature = {"QUERY_START": "*i32", "CONTEXT": "*i32", "TABLES": "*i32", "SLOTS": "*i32"}
+    signature |= {"WINDOW": "*i32", "TABLES_OUT": "*i64", "REAL_OUT": "*i1"}
+    signature |= {"START_OUT": "*i64", "END_OUT": "*i64", "SLOTS_OUT": "*i64"}
+    signature |= {"WINDOW_OUT": "*i64", "rows": "i32", "segments": "i32", "width": "i32"}
+    signature |= {"window_width": "i32", "tables_stride": "i32", "window_stride": "i32"}
+    constants = {"HAS_SLOTS": slots, "HAS_WINDOW": window, "ROWS": k.ROW_BLOCK}
+    constants |= {"SEGMENTS": k.SEGMENT_BLOCK, "COLUMNS": k.COLUMN_BLOCK}
+    built = compile_for_h200(k._rows_kernel, signature, constants, {"num_warps": 4})
+    assert built.asm["cubin"]

@@ -1,0 +1,51 @@
+"""A ubatch's rows in one launch (kernels/triton/step_rows.py) against `StepRows.of`'s torch form
+(`rows._rows_torch`), field by field, under Triton's interpreter on CPU: a decode ubatch with
+graph pad rows, a mixed one, pad rows alone (no segment), state slots and window tables or
+neither, a table that is a column slice of a wider one, more segments than one block of segment
+ends and more table columns than one column block."""
+
+from __future__ import annotations
+
+from tests.kernels.interpret import run_interpreted
+
+CASES = """
+import torch
+from afdserve.kernels.metadata import BatchedSegments
+from afdserve.kernels.triton import step_rows as k
+from afdserve.model.families.deepseek_v4.rows import _rows_torch
+
+gen = torch.Generator().manual_seed(3)
+
+def case(counts, pad, width, slots, window, wide=False):
+    n = len(counts)
+    starts = torch.tensor([0] + list(counts)).cumsum(0).to(torch.int32)
+    context = torch.randint(0, 500, (n,), generator=gen).to(torch.int32)
+    tables = torch.randint(0, 10**6, (n, width + (7 if wide else 0)), generator=gen)
+    tables = tables.to(torch.int32)[:, 3 : 3 + width] if wide else tables.to(torch.int32)
+    batched = BatchedSegments(starts, context, tables, max(counts, default=0), 500)
+    rows = int(starts[-1]) + pad
+    slot_ids = torch.randperm(n + 5, generator=gen)[:n].to(torch.int32) if slots else None
+    if slots and n == 0:
+        slot_ids = context  # the pad-only ubatch's (StepRows.of)
+    wtables = None
+    if window:
+        wtables = torch.randint(0, 999, (n, width // 2 + 1), generator=gen).to(torch.int32)
+    got = k.step_rows(starts, context, tables, rows, slot_ids, wtables)
+    want = _rows_torch(batched, rows, slot_ids, wtables)
+    for name, g, w in zip(("tables", "real", "start", "end", "slots", "window"), got, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert g.dtype == w.dtype and torch.equal(g, w), (name, counts, g, w)
+
+case([1, 1, 1, 1], pad=4, width=8, slots=True, window=True)  # decode, graph pad rows
+case([1, 5, 1, 9], pad=0, width=20, slots=True, window=False, wide=True)  # mixed
+case([], pad=6, width=8, slots=True, window=False)  # pad rows alone
+case([3, 1], pad=1, width=200, slots=False, window=True)  # past one column block
+case([1] * 130 + [4], pad=3, width=5, slots=True, window=True)  # past one block of ends
+print("ok")
+"""
+
+
+def test_step_rows_match_the_torch_form_under_the_interpreter() -> None:
+    run = run_interpreted(CASES, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
