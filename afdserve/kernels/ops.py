@@ -490,6 +490,18 @@ def step_rows(
     return None
 
 
+def window_rows(
+    positions: torch.Tensor, tables: torch.Tensor, window: int, block: int, page_rows: int
+) -> torch.Tensor | None:
+    """DeepSeek-V4's window addresses of a ubatch's rows (`step_rows.window_rows`) in one launch
+    on CUDA; None elsewhere."""
+    if _triton_ready(positions):
+        from afdserve.kernels.triton import step_rows as triton_step_rows
+
+        return triton_step_rows.window_rows(positions, tables, window, block, page_rows)
+    return None
+
+
 def route_greedy(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -1,7 +1,7 @@
-"""The rows kernel (kernels/triton/step_rows.py) compiles for the H200 (sm_90) down to a cubin,
-with and without state slots and window tables, on any machine with Triton. Its numbers are
-tests/kernels/test_step_rows_interpret.py's on CPU and the tiny V4's on a GPU
-(tests/gpu/test_v4_fused_model.py)."""
+"""The rows and window-rows kernels (kernels/triton/step_rows.py) compile for the H200 (sm_90)
+down to a cubin, the rows kernel with and without state slots and window tables, on any machine
+with Triton. Their numbers are tests/kernels/test_step_rows_interpret.py's on CPU and the tiny
+V4's on a GPU (tests/gpu/test_v4_fused_model.py)."""
 
 from __future__ import annotations
 
@@ -24,4 +24,13 @@ def test_rows_kernel_compiles_for_sm90(slots, window) -> None:
     constants = {"HAS_SLOTS": slots, "HAS_WINDOW": window, "ROWS": k.ROW_BLOCK}
     constants |= {"SEGMENTS": k.SEGMENT_BLOCK, "COLUMNS": k.COLUMN_BLOCK}
     built = compile_for_h200(k._rows_kernel, signature, constants, {"num_warps": 4})
+    assert built.asm["cubin"]
+
+
+def test_window_rows_kernel_compiles_for_sm90() -> None:
+    from afdserve.kernels.triton import step_rows as k
+
+    signature = {"POSITIONS": "*i64", "TABLES": "*i64", "OUT": "*i64", "window": "i32"}
+    signature |= {"span": "i32", "block": "i32", "page_rows": "i32", "tables_stride": "i32"}
+    built = compile_for_h200(k._window_rows_kernel, signature, {"WINDOW": 128}, {"num_warps": 1})
     assert built.asm["cubin"]

@@ -2,7 +2,9 @@
 (`rows._rows_torch`), field by field, under Triton's interpreter on CPU: a decode ubatch with
 graph pad rows, a mixed one, pad rows alone (no segment), state slots and window tables or
 neither, a table that is a column slice of a wider one, more segments than one block of segment
-ends and more table columns than one column block."""
+ends and more table columns than one column block. And the rows' window addresses
+(`window_rows`) against `LayerPages.batch_rows`' torch arithmetic, positions near 0 (clamped
+below) and past the tables' span (clamped above) among them."""
 
 from __future__ import annotations
 
@@ -42,6 +44,18 @@ case([1, 5, 1, 9], pad=0, width=20, slots=True, window=False, wide=True)  # mixe
 case([], pad=6, width=8, slots=True, window=False)  # pad rows alone
 case([3, 1], pad=1, width=200, slots=False, window=True)  # past one column block
 case([1] * 130 + [4], pad=3, width=5, slots=True, window=True)  # past one block of ends
+
+# window_rows: LayerPages._rows_of over positions clamped into the tables' span (batch_rows).
+for rows, width, window, block, page_rows in [(5, 4, 8, 4, 4), (3, 6, 128, 16, 16)]:
+    tables = torch.randint(0, 1000, (rows, width + 2), generator=gen)[:, 1 : 1 + width]
+    positions = torch.randint(0, width * block + 9, (rows,), generator=gen)
+    positions[0] = 1  # most of its window before position 0
+    positions[-1] = width * block + 5  # past what the table addresses
+    back = positions[:, None] - torch.arange(window)
+    q = back.clamp(0, width * block - 1)
+    want = tables.gather(1, q // block) * page_rows + q % page_rows
+    got = k.window_rows(positions, tables, window, block, page_rows)
+    assert torch.equal(got, want), (got, want)
 print("ok")
 """
 

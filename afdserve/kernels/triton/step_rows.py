@@ -1,7 +1,7 @@
 """A ubatch's rows from its device segments in one launch: what `StepRows.of`
 (model/families/deepseek_v4/rows.py) builds in about twenty small torch ops (a searchsorted, the
 casts, pads and gathers of each per-segment field), once per ubatch, for DeepSeek-V4's layers and
-DSA's indexer.
+DSA's indexer. And the rows' window addresses in one more (`window_rows`), once per page layout.
 
 One program per block of rows. Row r is in segment i when query_start[i] <= r < query_start[i+1]:
 i is the count of segment ends at or before r, which the program sums over the ends in blocks
@@ -146,3 +146,52 @@ def step_rows(
         num_warps=4,
     )
     return tables, real, start, end, slots_out, window_out
+
+
+@triton.jit(do_not_specialize=["span", "tables_stride"])
+def _window_rows_kernel(
+    POSITIONS,  # [rows] int64
+    TABLES,  # [rows, W] int64, rows tables_stride apart
+    OUT,  # [rows, window] int64
+    window,
+    span,  # W * block: the positions the tables address
+    block,
+    page_rows,
+    tables_stride,
+    WINDOW: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    back = tl.arange(0, WINDOW)
+    ok = back < window
+    position = tl.load(POSITIONS + row)
+    q = tl.minimum(tl.maximum(position - back, 0), span - 1)
+    page = tl.load(TABLES + row * tables_stride + q // block, mask=ok, other=0)
+    tl.store(OUT + row * window + back, page * page_rows + q % page_rows, mask=ok)
+
+
+def window_rows(
+    positions: torch.Tensor, tables: torch.Tensor, window: int, block: int, page_rows: int
+) -> torch.Tensor:
+    """[rows, window] the flat window-page rows of positions p, p - 1, .. p - window + 1 of each
+    row (`LayerPages.batch_rows("window", tables, back)`): each clamped into the W * block
+    positions the row's table [W] addresses (a clamped read is always masked), its page's row
+    `page_rows` a page."""
+    rows = positions.shape[0]
+    out = torch.empty(rows, window, dtype=torch.int64, device=positions.device)
+    if rows == 0 or window == 0:
+        return out
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    _window_rows_kernel[(rows,)](
+        positions,
+        tables,
+        out,
+        window,
+        tables.shape[1] * block,
+        block,
+        page_rows,
+        tables.stride(0),
+        WINDOW=triton.next_power_of_2(window),
+        num_warps=1 if window <= 128 else 4,
+    )
+    return out
