@@ -490,6 +490,18 @@ def step_rows(
     return None
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos/sin [rows, half] of positions times float32 inverse frequencies, scaled, in one
+    launch on CUDA (`rotary.cos_sin`); None elsewhere."""
+    if _triton_ready(positions) and inv_freq.dtype == torch.float32:
+        from afdserve.kernels.triton import rotary as triton_rotary
+
+        return triton_rotary.cos_sin(positions, inv_freq, scaling)
+    return None
+
+
 def window_rows(
     positions: torch.Tensor, tables: torch.Tensor, window: int, block: int, page_rows: int
 ) -> torch.Tensor | None:

@@ -91,7 +91,25 @@ def test_tiny_v4_logits_fused_on_cuda_equal_the_torch_path(tmp_path, monkeypatch
     monkeypatch.setattr(
         triton_v4_addresses, "addresses", counted("addresses", triton_v4_addresses.addresses)
     )
+    triton_step_rows, triton_rotary = triton_module("step_rows"), triton_module("rotary")
+    shared = {"rows": 0, "window_rows": 0, "cos_sin": 0}  # what a ubatch builds for its layers
+
+    def counted_shared(name, fn):
+        def wrapped(*args, **kwargs):
+            shared[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        triton_step_rows, "step_rows", counted_shared("rows", triton_step_rows.step_rows)
+    )
+    monkeypatch.setattr(
+        triton_step_rows, "window_rows", counted_shared("window_rows", triton_step_rows.window_rows)
+    )
+    monkeypatch.setattr(triton_rotary, "cos_sin", counted_shared("cos_sin", triton_rotary.cos_sin))
     want, got = engine_steps(cpu, "cpu"), engine_steps(cuda, "cuda")
+    assert all(shared.values()), shared  # none fell back to its torch form
     # The compressors' addresses: once per page layout and step (layers of one layout share).
     assert 0 < calls.pop("addresses") <= calls["compress"]
     layers = cuda.config.num_layers

@@ -4,7 +4,8 @@ graph pad rows, a mixed one, pad rows alone (no segment), state slots and window
 neither, a table that is a column slice of a wider one, more segments than one block of segment
 ends and more table columns than one column block. And the rows' window addresses
 (`window_rows`) against `LayerPages.batch_rows`' torch arithmetic, positions near 0 (clamped
-below) and past the tables' span (clamped above) among them."""
+below) and past the tables' span (clamped above) among them; and the rows' rotary tables
+(`rotary.cos_sin`) against `RopeTable.at`'s torch form, positions up to 2**20 among them."""
 
 from __future__ import annotations
 
@@ -56,6 +57,17 @@ for rows, width, window, block, page_rows in [(5, 4, 8, 4, 4), (3, 6, 128, 16, 1
     want = tables.gather(1, q // block) * page_rows + q % page_rows
     got = k.window_rows(positions, tables, window, block, page_rows)
     assert torch.equal(got, want), (got, want)
+
+# cos_sin: RopeTable.at's torch form (the kernel's path is CUDA's only).
+from afdserve.kernels.triton import rotary
+from afdserve.model.families.deepseek_v4.attention import RopeTable
+
+inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+table = RopeTable(inv_freq, 1.25)
+for positions in (torch.tensor([0, 1, 7, 4095, 2**20 - 1]), torch.arange(37)):
+    got = rotary.cos_sin(positions, inv_freq, 1.25)
+    for g, w in zip(got, table.at(positions)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 print("ok")
 """
 

@@ -66,3 +66,44 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
             INTERLEAVE=interleave,
         )
     return out
+
+
+@triton.jit
+def _cos_sin_kernel(POSITIONS, INV_FREQ, COS, SIN, rows, scaling, HALF: tl.constexpr,
+                    ROWS: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, HALF_PAD)
+    ok = (row < rows)[:, None] & (i < HALF)[None, :]
+    position = tl.load(POSITIONS + row, mask=row < rows, other=0).to(tl.float32)
+    freqs = position[:, None] * tl.load(INV_FREQ + i, mask=i < HALF, other=0.0)[None, :]
+    out = row.to(tl.int64)[:, None] * HALF + i[None, :]
+    # libdevice's cosf/sinf (range-reduced, as torch's CUDA cos/sin), then the one multiply.
+    tl.store(COS + out, tl.cos(freqs) * scaling, mask=ok)
+    tl.store(SIN + out, tl.sin(freqs) * scaling, mask=ok)
+
+
+def cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [rows, half] float32 of positions [rows] (any integer dtype) times inv_freq
+    [half] float32, each times `scaling`: DeepSeek-V4's `RopeTable.at` in one launch, where torch
+    takes six (the cast, the product, cos, sin and two scalings)."""
+    rows, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(rows, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if rows == 0:
+        return cos, sin
+    block = 16
+    _cos_sin_kernel[(triton.cdiv(rows, block),)](
+        positions.contiguous(),
+        inv_freq.contiguous(),
+        cos,
+        sin,
+        rows,
+        float(scaling),
+        HALF=half,
+        ROWS=block,
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return cos, sin

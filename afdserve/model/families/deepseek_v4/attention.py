@@ -47,6 +47,9 @@ class RopeTable:
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [rows, rope_dim / 2], one per interleaved pair."""
+        fused = ops.rope_cos_sin(positions, self.inv_freq, self.scaling)
+        if fused is not None:
+            return fused
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.scaling, freqs.sin() * self.scaling
 
