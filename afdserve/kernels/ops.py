@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels.metadata import AttentionMetadata, QKVLayout
+from afdserve.kernels.metadata import AttentionMetadata, BatchedSegments, QKVLayout
 from afdserve.kernels.reference import delta_chunked as reference_delta_chunked
 from afdserve.kernels.reference import delta_rule as reference_delta_rule
 from afdserve.kernels.reference import fp4, fp8
@@ -473,20 +473,18 @@ def v4_norm_rope(
 
 
 def step_rows(
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    batched: BatchedSegments,
     rows: int,
     slots: torch.Tensor | None,
     window_tables: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...] | None:
     """A ubatch's per-row fields from its device segments (`StepRows.of`) in one launch on
     CUDA; None elsewhere (the caller keeps its torch form)."""
-    if _triton_ready(query_start):
+    if _triton_ready(batched.query_start):
         from afdserve.kernels.triton import step_rows as triton_step_rows
 
-        args = (query_start, context_lens, block_tables, rows, slots, window_tables)
-        return triton_step_rows.step_rows(*args)
+        starts, context, tables = batched.query_start, batched.context_lens, batched.block_tables
+        return triton_step_rows.step_rows(starts, context, tables, rows, slots, window_tables)
     return None
 
 

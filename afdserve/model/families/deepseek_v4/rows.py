@@ -53,14 +53,7 @@ class StepRows:
         window_tables = None
         if window is not None and window is not meta:
             window_tables = window.batched.block_tables
-        fused = ops.step_rows(
-            batched.query_start,
-            batched.context_lens,
-            batched.block_tables,
-            meta.num_rows,
-            slots,
-            window_tables,
-        )
+        fused = ops.step_rows(batched, meta.num_rows, slots, window_tables)
         if fused is None:
             fused = _rows_torch(batched, meta.num_rows, slots, window_tables)
         tables, real, start, end, slots, window_tables = fused
