@@ -226,3 +226,39 @@ def test_router_hash_layer_matches_the_torch_form_and_replays(rows):
     ref_ids, ref = torch_form()
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref, rtol=1e-5, atol=1e-7)
+
+
+BAD_TOKEN_IN_A_GRAPH = """
+import torch
+from afdserve.kernels.moe import router
+x = torch.randn(4, 512, device="cuda").bfloat16()
+weight = torch.randn(64, 512, device="cuda").bfloat16()
+table = torch.randint(0, 64, (100, 6), device="cuda")
+tokens = torch.tensor([3, 99, -1, 0], device="cuda")
+router.route(x, weight, 6, "sqrtsoftplus", False, 1.0, None, (table, tokens))  # compiled
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    router.route(x, weight, 6, "sqrtsoftplus", False, 1.0, None, (table, tokens))
+graph.replay()
+torch.cuda.synchronize()
+print("valid ids replayed")
+tokens[1] = 100  # one past the table
+graph.replay()
+torch.cuda.synchronize()
+print("a bad id replayed")
+"""
+
+
+def test_hash_layer_kernel_stops_a_graph_on_a_token_id_outside_the_table():
+    """Under a graph `Router.forward` leaves the token check to the hash kernel's device assert
+    (no `check_token_ids` launches): a replay over an id past the table must fail, not read
+    past it. In a subprocess: a device-side assert ends the CUDA context."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", BAD_TOKEN_IN_A_GRAPH], capture_output=True, text=True, timeout=300
+    )
+    assert "valid ids replayed" in run.stdout, run.stderr[-3000:]
+    assert run.returncode != 0 and "a bad id replayed" not in run.stdout
+    assert "token id outside the hash table" in run.stderr or "device-side assert" in run.stderr

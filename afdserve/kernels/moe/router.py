@@ -14,9 +14,10 @@ topk, sum, divide, multiply), each costing a few microseconds even inside a CUDA
 
 Products of bf16/fp16 inputs are exact in fp32 and accumulate in fp32, so the logits equal
 `x.float() @ weight.float().T` up to summation order; no tf32 anywhere (inputs are never fp32).
-Hash layers (DeepSeek-V4's first three) take the same two launches: the select kernel reads each
-row's experts from the layer's `tid2eid` row of its token id, in place of the top-k, and weighs
-them by their scores, renormalised (the torch form's `+ 1e-20` kept). Grouped `noaux_tc` and
+Hash layers (DeepSeek-V4's first three) take the same two launches: a select kernel of their own
+reads each row's experts from the layer's `tid2eid` row of its token id, in place of the top-k,
+weighs them by their scores, renormalised (the torch form's `+ 1e-20` kept), and asserts the id in
+range on the device (so a graph needs no launches of `check_token_ids`). Grouped `noaux_tc` and
 `group_limited_greedy` stay on the torch path in `Router.forward`; so do float32 models (their
 torch logits are float32 products).
 """
@@ -93,27 +94,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _select_kernel(
-    partial_ptr,
-    bias_ptr,
-    table_ptr,
-    tokens_ptr,
-    ids_ptr,
-    weights_ptr,
-    rows,
-    experts,
-    splits,
-    table_rows,
-    scale,
-    HAS_BIAS: tl.constexpr,
-    HASH: tl.constexpr,  # experts from table_ptr[token id] (a hash layer), not the top-k
-    SCORING: tl.constexpr,  # an index into SCORINGS
-    NORMALIZE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    E_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
-):
-    row = tl.program_id(0)
+def _row_scores(partial_ptr, row, rows, experts, splits, SCORING: tl.constexpr,
+                E_PAD: tl.constexpr):  # fmt: skip
+    """The row's scores [E_PAD] float32 from its split logits, -inf past the experts."""
     e = tl.arange(0, E_PAD)
     ok = e < experts
     logits = tl.zeros((E_PAD,), dtype=tl.float32)
@@ -129,26 +112,35 @@ def _select_kernel(
         p = tl.exp(logits - tl.max(logits, axis=0))
         scores = p / tl.sum(p, axis=0)
     # Below every real score (every scoring is >= 0), so padding is never picked.
-    scores = tl.where(ok, scores, float("-inf"))
+    return tl.where(ok, scores, float("-inf"))
+
+
+@triton.jit
+def _select_kernel(
+    partial_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    rows,
+    experts,
+    splits,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    SCORING: tl.constexpr,  # an index into SCORINGS
+    NORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    ok = e < experts
+    scores = _row_scores(partial_ptr, row, rows, experts, splits, SCORING, E_PAD)
     if HAS_BIAS:  # what picks the experts; their weights stay the scores
         choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
     else:
         choice = scores
     slot = tl.arange(0, K_PAD)
-    keep = slot < TOP_K
-    if HASH:
-        # Pad rows carry token id -1 and look up row 0 (their output is dropped); the caller
-        # has checked every other id (`check_token_ids`), the clamp only bounds the read.
-        token = tl.load(tokens_ptr + row).to(tl.int64)
-        token = tl.minimum(tl.maximum(token, 0), table_rows - 1)
-        top_ids = tl.load(table_ptr + token * TOP_K + slot, mask=keep, other=0)
-        # Each pick's score out of the row's registers (the loader checked the ids < experts).
-        hit = e[None, :] == top_ids[:, None]
-        top_weights = tl.sum(tl.where(hit & keep[:, None], scores[None, :], 0.0), axis=1)
-        top_weights = top_weights / (tl.sum(top_weights, axis=0) + 1e-20)
-        tl.store(ids_ptr + row * TOP_K + slot, top_ids, mask=keep)
-        tl.store(weights_ptr + row * TOP_K + slot, top_weights * scale, mask=keep)
-        return
     top_ids = tl.zeros((K_PAD,), dtype=tl.int64)
     top_weights = tl.zeros((K_PAD,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
@@ -162,6 +154,46 @@ def _select_kernel(
         choice = tl.where(e == pick, float("-inf"), choice)
     if NORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)  # K_PAD padding is 0
+    keep = slot < TOP_K
+    tl.store(ids_ptr + row * TOP_K + slot, top_ids, mask=keep)
+    tl.store(weights_ptr + row * TOP_K + slot, top_weights * scale, mask=keep)
+
+
+# Compiled with device asserts on (debug): under a CUDA graph the token ids are checked here,
+# where `check_token_ids` would add its own launches; eagerly the caller checks them first.
+@triton.jit(debug=True)
+def _hash_select_kernel(
+    partial_ptr,
+    table_ptr,
+    tokens_ptr,
+    ids_ptr,
+    weights_ptr,
+    rows,
+    experts,
+    splits,
+    table_rows,
+    scale,
+    SCORING: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    """A hash layer's routing: the row's experts are tid2eid[token id] in the table's order,
+    weighed by their scores renormalised (`Router.forward`'s `+ 1e-20` kept)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    scores = _row_scores(partial_ptr, row, rows, experts, splits, SCORING, E_PAD)
+    slot = tl.arange(0, K_PAD)
+    keep = slot < TOP_K
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    tl.device_assert((token >= -1) & (token < table_rows), "token id outside the hash table")
+    # Pad rows carry token id -1 and look up row 0 (their output is dropped).
+    token = tl.minimum(tl.maximum(token, 0), table_rows - 1)
+    top_ids = tl.load(table_ptr + token * TOP_K + slot, mask=keep, other=0)
+    # Each pick's score out of the row's registers (the loader checked the ids < experts).
+    hit = (e[None, :] == top_ids[:, None]) & keep[:, None]
+    top_weights = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
+    top_weights = top_weights / (tl.sum(top_weights, axis=0) + 1e-20)
     tl.store(ids_ptr + row * TOP_K + slot, top_ids, mask=keep)
     tl.store(weights_ptr + row * TOP_K + slot, top_weights * scale, mask=keep)
 
@@ -188,12 +220,22 @@ def route(
     """x [rows, H] bf16/fp16, weight [E, H] of the same dtype -> (ids int64 [rows, top_k],
     weights float32 [rows, top_k], descending; with `bias` [E] (added to the scores for the
     choice only) in the order of score + bias). With `hashed` = (tid2eid int64 [V, top_k],
-    token ids [rows], checked to be -1 or < V) a hash layer's: the table row's experts in its
-    order, weighed by their scores renormalised (`normalize` and `bias` unread). Check
+    token ids [rows], -1 for pad rows) a hash layer's: the table row's experts in its order,
+    weighed by their scores renormalised (`normalize` and `bias` unread); an id outside [-1, V)
+    stops the kernel with a device-side assert (check them first for a clear error). Check
     `supports` first; this only assumes the shapes, so it also runs on CPU tensors under
     TRITON_INTERPRET=1."""
     rows, hidden = x.shape
     experts = weight.shape[0]
+    if hashed is not None:
+        table, tokens = hashed[0].contiguous(), hashed[1]
+        if tokens.dim() == 1 and tokens.stride(0) != 1:
+            tokens = tokens.contiguous()
+        if table.dim() != 2 or table.shape[1] != top_k or tuple(tokens.shape) != (rows,):
+            raise ValueError(
+                f"hash routing: a [V, {top_k}] table and {rows} token ids, got "
+                f"{tuple(table.shape)} and {tuple(tokens.shape)}"
+            )
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
     if rows == 0:
@@ -223,35 +265,25 @@ def route(
         num_warps=warps,
     )
     e_pad = triton.next_power_of_2(experts)
-    table, tokens = partial, partial  # unread by a top-k layer
+    common = dict(SCORING=SCORINGS.index(scoring), TOP_K=top_k, E_PAD=e_pad)
+    common |= dict(K_PAD=triton.next_power_of_2(top_k), num_warps=1 if e_pad <= 256 else 4)
     if hashed is not None:
-        table, tokens = hashed[0].contiguous(), hashed[1]
-        if tokens.dim() == 1 and tokens.stride(0) != 1:
-            tokens = tokens.contiguous()
-        if table.dim() != 2 or table.shape[1] != top_k or tuple(tokens.shape) != (rows,):
-            raise ValueError(
-                f"hash routing: a [V, {top_k}] table and {rows} token ids, got "
-                f"{tuple(table.shape)} and {tuple(tokens.shape)}"
-            )
+        _hash_select_kernel[(rows,)](
+            partial, table, tokens, ids, weights, rows, experts, splits, table.shape[0],
+            float(scale), **common,
+        )  # fmt: skip
+        return ids, weights
     _select_kernel[(rows,)](
         partial,
         partial if bias is None else bias,  # unread without a bias
-        table,
-        tokens,
         ids,
         weights,
         rows,
         experts,
         splits,
-        table.shape[0],
         float(scale),
-        HAS_BIAS=bias is not None and hashed is None,
-        HASH=hashed is not None,
-        SCORING=SCORINGS.index(scoring),
+        HAS_BIAS=bias is not None,
         NORMALIZE=bool(normalize),
-        TOP_K=top_k,
-        E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k),
-        num_warps=1 if e_pad <= 256 else 4,
+        **common,
     )
     return ids, weights

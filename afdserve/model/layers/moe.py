@@ -78,13 +78,17 @@ class Router(nn.Module):
             if fused is not None:
                 return fused
         if self.hash:
-            check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
+            capturing = token_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing:  # eagerly a clear error before any kernel reads the ids
+                check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
             table = (self.tid2eid, token_ids)
             fused = ops.route_greedy(
                 x, self.weight, self.top_k, self.scoring, True, self.scale, hashed=table
             )
-            if fused is not None:
+            if fused is not None:  # its kernel asserts the ids in range on the device
                 return fused
+            if capturing:
+                check_token_ids(token_ids, self.tid2eid.shape[0], self.layer)
         scores = self._scores(x)  # [rows, experts]
         if self.hash:
             ids = self.tid2eid[token_ids.clamp(min=0).long()]
