@@ -33,8 +33,10 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what the twentieth session left for the GPU: the mHC
-#                                  collapse's GPU tests, the tile
+#   next                           what the twentieth and twenty-first sessions left for
+#                                  the GPU: the mHC collapse's, the ubatch's shared kernels'
+#                                  and the hash router's GPU tests, the launches a layer
+#                                  (profiles of 4 and 8 layers at batch 1), the tile
 #                                  sweep with one dot a K step (register caps 128-none), the
 #                                  FP4 bench and V4's decode after it, and on an H200 the
 #                                  FP4 share and V4's table of issue 43 (the twentieth
@@ -225,9 +227,16 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        # The mHC collapse's partials in one load (twentieth session, not yet run on a GPU).
+        # The mHC collapse's partials in one load (twentieth session), the ubatch's shared
+        # kernels and the hash layers' router (twenty-first): none yet run on a GPU.
         run v4-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
-            tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py
+            tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py \
+            tests/gpu/test_step_rows.py tests/gpu/test_router_kernel.py
+        # Launches a step at 4 and 8 layers: the difference / 4 is a CSA or HCA layer's own.
+        for layers in 4 8; do
+            run "v4-profile-b1-$layers" python tools/profile_decode.py \
+                --preset "${V4%%:*}:$layers" --batch 1 --context-len 8192 --rows 200
+        done
         run fp4-sweep python tools/fp4_moe_bench.py --sweep  # one dot a K step, the caps too
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
         run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
