@@ -227,8 +227,8 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        # The mHC collapse's partials in one load (twentieth session), the ubatch's shared
-        # kernels and the hash layers' router (twenty-first): none yet run on a GPU.
+        # The mHC collapse (twentieth session) and the ubatch's shared kernels (twenty-first):
+        # their GPU tests have not run yet (the decode graphs ran through them on an H100).
         run v4-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
             tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py \
             tests/gpu/test_step_rows.py tests/gpu/test_router_kernel.py
