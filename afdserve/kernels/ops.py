@@ -523,9 +523,10 @@ def route_greedy(
     hashed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The router's plain top-k (softmax, sigmoid or sqrt(softplus) scores; with `bias` added
-    for the choice only, noaux_tc of one group) or, with `hashed` = (tid2eid, checked token ids),
-    a hash layer's table lookup, as fused launches on CUDA; None where the fast path does not
-    apply and the caller keeps its torch form."""
+    for the choice only, noaux_tc of one group) or, with `hashed` = (tid2eid, token ids), a hash
+    layer's table lookup (an id outside the table stops the kernel with a device-side assert), as
+    fused launches on CUDA; None where the fast path does not apply and the caller keeps its
+    torch form."""
     if _triton_ready(x):
         from afdserve.kernels.moe import router as triton_router
 
