@@ -69,14 +69,7 @@ def step_attention(
 
 def _window_rows(window: int, pages: LayerPages, rows: StepRows) -> torch.Tensor:
     """[rows, window] the flat window-page rows of positions p, p - 1, .. p - window + 1."""
-    rows_a_page = pages.pages["window"].shape[1]
-    fused = ops.window_rows(
-        rows.positions, rows.windows, window, pages.geometry.block_size, rows_a_page
-    )
-    if fused is not None:
-        return fused
-    back = rows.positions[:, None] - torch.arange(window, device=rows.positions.device)
-    return pages.batch_rows("window", rows.windows, back)
+    return pages.batch_window_rows(rows.windows, rows.positions, window)
 
 
 def _attend(

@@ -382,6 +382,19 @@ class LayerPages:
         span = tables.shape[1] * self.geometry.block_size
         return self._rows_of(name, tables, positions.clamp(0, span - 1))
 
+    def batch_window_rows(
+        self, tables: torch.Tensor, positions: torch.Tensor, window: int
+    ) -> torch.Tensor:
+        """[rows, window] the flat window-page rows of positions p, p - 1, .. p - window + 1 of
+        each row (positions [rows]): `batch_rows`, in one launch on CUDA."""
+        page_rows = self.pages["window"].shape[1]
+        block = self.geometry.block_size
+        fused = ops.window_rows(positions, tables, window, block, page_rows)
+        if fused is not None:
+            return fused
+        back = positions[:, None] - torch.arange(window, device=positions.device)
+        return self.batch_rows("window", tables, back)
+
     def batch_open_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of the open rings: slots [rows] (-1: a pad row), positions [rows, n]."""
         return self._open_rows(slots, positions)
