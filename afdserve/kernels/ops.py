@@ -226,6 +226,21 @@ def hyper_connection(
     return triton_mhc.hyper_connection(h, y, post, comb, fn, base, scale, norm_weight, iters, *eps)
 
 
+def mhc_expand(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor | None:
+    """DeepSeek-V4's streams after a block with no mHC site after it (the last layer's FFN):
+    post * y + comb^T h in one launch on CUDA, or None where the caller keeps its torch form
+    (model/families/deepseek_v4/mhc.py's `expand`)."""
+    if not _triton_ready(h):
+        return None
+    from afdserve.kernels.triton import mhc as triton_mhc
+
+    if not triton_mhc.supports_update(h, y, post, comb):
+        return None
+    return triton_mhc.expand(h, y, post, comb)
+
+
 def v4_sparse_attention(
     q: torch.Tensor,
     own: torch.Tensor,

@@ -112,6 +112,31 @@ def test_mhc_site_equals_the_torch_path(rows, n, hidden, dtype, update):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "n", "hidden"),
+    [(1, 4, 4096), (7, 4, 4096), (64, 4, 4096), (300, 4, 4096), (5, 3, 200)],
+)
+@torch.inference_mode()
+def test_mhc_expand_equals_the_torch_path(rows, n, hidden, dtype):
+    """The update alone (after the last layer): the torch form's streams, eager and replayed."""
+    _, _, h, step = mhc_inputs(rows, n, hidden, dtype, True, rows + n)
+    got = ops.mhc_expand(h, *step)
+    assert got is not None  # the fused path applies
+    want = expand(h, *step)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert relative(got, want) < TOL[dtype], relative(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.mhc_expand(h, *step)
+    _, _, fresh_h, fresh_step = mhc_inputs(rows, n, hidden, dtype, True, rows + n + 1)
+    h.copy_(fresh_h)
+    for buffer, value in zip(step, fresh_step, strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    assert torch.equal(captured, ops.mhc_expand(h, *step))
+
+
 def attention_model(root: Path, name: str, **overrides):
     path = make_tiny_v4(root / name, seed=3, **overrides)
     return load_model(path, ModelParts.colocated(), "float32", "cuda", load_format="dummy")[0]

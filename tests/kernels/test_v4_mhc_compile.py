@@ -10,19 +10,36 @@ import re
 
 import pytest
 
-from tests.kernels.test_fp8_moe_compile import compile_for_h200
+from tests.kernels.test_fp8_moe_compile import H200, compile_for_h200
 
 triton = pytest.importorskip("triton")
+
+
+def compile_as_launched(kernel, signature: dict, constants: dict, warps: int) -> object:
+    """As a launch from torch builds it: the pointers and `hidden` (4096) known to be multiples
+    of 16, so the streams' loads may be vector loads."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = {name for name, kind in signature.items() if kind.startswith("*")} | {"hidden"}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget(*H200), options={"num_warps": warps})
 
 
 @pytest.mark.parametrize("by_rows", [False, "bf16x3", "ieee"])
 @pytest.mark.parametrize("expand", [False, True])
 def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
+    """No spills. The block-of-rows kernel (prefill): its streams, update and output read and
+    written in 128-bit vectors, and few enough registers that two programs share an SM (its
+    first form gathered 2-byte elements and took 239 registers, one program an SM)."""
     from afdserve.kernels.triton import mhc as k
+    from tests.kernels.test_fp4_moe_compile import resources, sass
 
     n, hidden = 4, 4096
     mix_pad = triton.next_power_of_2((2 + n) * n + 1)
-    block = max(16, min(hidden, k.FN_TILE // (mix_pad * n)))
+    block = k.ROWS_CHUNK if by_rows else max(16, min(hidden, k.FN_TILE // (mix_pad * n)))
     kernel = k._mix_rows_kernel if by_rows else k._mix_kernel
     signature = dict.fromkeys(("H", "Y", "H_OUT"), "*bf16")
     signature |= dict.fromkeys(("POST", "COMB", "FN", "PARTIAL"), "*fp32")
@@ -37,8 +54,40 @@ def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
     }
     if by_rows:
         constants["DOT"] = by_rows  # the block-of-rows kernel's tensor-core products
-    built = compile_for_h200(kernel, signature, constants, {"num_warps": 8})
+        constants["STEP"] = k.ROWS_STEP
+    warps = k.ROWS_WARPS if by_rows else 8
+    built = compile_as_launched(kernel, signature, constants, warps)
     assert built.asm["cubin"] and ".local" not in built.asm["ptx"]
+    used = resources(built)
+    assert used.get("STACK", 0) == 0, used
+    if by_rows:
+        assert used["REG"] * warps * 32 * 2 <= 65536, used  # two programs an SM
+        code = sass(built)
+        assert not re.search(r"\b(LDG|STG)\.E\.U16\b", code), "2-byte loads or stores"
+        assert re.search(r"\bSTG\.E\.128\b", code), "the streams not stored in vectors"
+
+
+@pytest.mark.parametrize(
+    ("rows", "block", "step", "warps"), [(64, 64, 64, 8), (1, 256, 256, 1), (8, 32, 32, 1)]
+)
+def test_expand_kernel_compiles_for_sm90(rows, block, step, warps) -> None:
+    """The update alone at V4-Flash's streams, as `expand` launches it for prefill (the shipped
+    chunk and step), for one decode row and for eight: no spills, the streams read and written
+    in 128-bit vectors."""
+    from afdserve.kernels.triton import mhc as k
+    from tests.kernels.test_fp4_moe_compile import resources, sass
+
+    signature = dict.fromkeys(("H", "Y", "H_OUT"), "*bf16")
+    signature |= dict.fromkeys(("POST", "COMB"), "*fp32")
+    signature |= dict.fromkeys(("rows", "n", "hidden"), "i32")
+    if rows == 64:
+        assert (block, step, warps) == (k.ROWS_CHUNK, k.ROWS_STEP, k.ROWS_WARPS)
+    constants = {"ROWS": rows, "BLOCK": block, "STEP": step, "N_PAD": 4}
+    built = compile_as_launched(k._expand_kernel, signature, constants, warps)
+    assert resources(built).get("STACK", 0) == 0
+    code = sass(built)
+    assert not re.search(r"\b(LDG|STG)\.E\.U16\b", code), "2-byte loads or stores"
+    assert re.search(r"\bSTG\.E\.128\b", code), "the streams not stored in vectors"
 
 
 def test_collapse_kernel_compiles_for_sm90_and_loads_the_partials_at_once() -> None:

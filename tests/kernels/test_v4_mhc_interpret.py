@@ -1,12 +1,13 @@
 """DeepSeek-V4's fused mHC site (kernels/triton/mhc.py) under Triton's interpreter
 (TRITON_INTERPRET=1, numpy) on CPU, against the torch path it replaces on CUDA
 (model/families/deepseek_v4/mhc.py: `expand`, `HyperConnection`, `v4_rms_norm`): the updated
-streams, the normalised collapse, post and comb. Cases: one row, odd row counts (9: two blocks of
-rows, the second partly masked; 64 to 96: the block-of-rows kernel), 2, 3 (padded) and 4 streams,
-widths under one chunk, not a power of two and over one collapse block, with and without the update
-(layer 0), 20 Sinkhorn rounds and one; float32 and float16 (the interpreter computes bf16 wrongly;
-tests/gpu covers it). In a subprocess because the variable must be set before any @triton.jit
-function is defined."""
+streams, the normalised collapse, post and comb; and the update alone (`expand`). Cases: one
+row, odd row counts (9: two blocks of rows, the second partly masked; 64 to 96: the
+block-of-rows kernel, its chunks' loop over column steps), 2, 3 (padded) and 4 streams, widths
+under one chunk, not a power of two and over one collapse block, with and without the update
+(layer 0), 20 Sinkhorn rounds and one; float32 and float16 (the interpreter computes bf16
+wrongly; tests/gpu covers it). In a subprocess because the variable must be set before any
+@triton.jit function is defined."""
 
 from __future__ import annotations
 
@@ -59,13 +60,43 @@ CASES = [
     (70, 3, 200, torch.float16, 20, True),
     (64, 4, 256, torch.float32, 20, False),
     (96, 2, 40, torch.float32, 2, True),
+    # Three chunks of ROWS_CHUNK columns, the last partly masked, each in steps of ROWS_STEP.
+    (65, 4, 600, torch.float16, 20, True),
 ]
 for i, args in enumerate(CASES):
     case(*args, seed=i)
+
+
+def expand_case(rows, n, hidden, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, n, hidden, generator=gen).to(dtype)
+    y = torch.randn(rows, hidden, generator=gen).to(dtype)
+    post = torch.rand(rows, n, generator=gen) * 2
+    comb = torch.rand(rows, n, n, generator=gen)
+    want = expand(h, y, post, comb)
+    got = triton_mhc.expand(h, y, post, comb)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err < (1e-6 if dtype == torch.float32 else 1e-3), (rows, n, hidden, dtype, err)
+    print("expand", (rows, n, hidden, dtype), "ok")
+
+
+# Decode rows (a step of columns a program) and from ROWS_KERNEL_FROM (chunks in steps).
+for i, args in enumerate([(1, 4, 256, torch.float32), (5, 3, 200, torch.float16),
+                          (70, 4, 600, torch.float16), (64, 2, 40, torch.float32)]):
+    expand_case(*args, seed=100 + i)
+
+# The chunks' loop over column steps (the shipped chunk is one step): 128 columns in steps of 32.
+shipped = triton_mhc.ROWS_CHUNK, triton_mhc.ROWS_STEP
+triton_mhc.ROWS_CHUNK, triton_mhc.ROWS_STEP = 128, 32
+case(65, 4, 600, torch.float16, 20, True, seed=50)
+case(64, 3, 200, torch.float32, 20, False, seed=51)
+expand_case(70, 4, 600, torch.float16, seed=52)
+triton_mhc.ROWS_CHUNK, triton_mhc.ROWS_STEP = shipped
 """
 
 
 def test_fused_mhc_site_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 9, run.stdout
+    assert run.stdout.count(" ok") == 17, run.stdout

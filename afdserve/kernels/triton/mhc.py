@@ -8,9 +8,11 @@ of h''s sum of squares and of the (2 + n) n dot products of h' with the mapping 
 program loads its slice of `fn` once for all its rows, so `fn` (n (2 + n) n hidden floats: 1.5 MB
 on V4-Flash) is read from memory once however many rows there are.
 `_mix_rows_kernel`, the same for prefill-sized row counts: one program per (block of rows, chunk
-of hidden) whose dot products are a `tl.dot` of the block's updated streams, [rows, n chunk]
-flattened, with the chunk's `fn` (`ROWS_DOT`: three bf16 passes on tensor cores, near float32).
-Both run chunks first in launch order (see the launch below).
+of hidden), which takes its chunk in steps of columns and each step one stream at a time: the
+stream's update, [rows, step] (`_updated_stream`), and its product with that stream's columns of
+`fn` as one more K range of a `tl.dot` (`ROWS_DOT`: three bf16 passes on tensor cores, near
+float32). The two mixing kernels run chunks first in launch order (see the launch below).
+`_expand_kernel`, the update alone, where no site follows (after the last layer).
 `_collapse_kernel`, one program per row: the partial sums of all chunks loaded at once and reduced
 in a fixed order (no atomics: the same bits every run), the mappings (sigmoids, softmax, Sinkhorn
 in registers), the collapse sum_j pre_j h'_j rounded to the streams' dtype and the weighted RMS
@@ -43,6 +45,16 @@ BLOCK_ROWS = 64
 # `tl.dot` input precision ("ieee": float32 FMAs; "tf32x3"), bf16x3 the fastest of the three
 # (docs/benchmarks.md, 2026-12-06); other dtypes than bf16 take ieee.
 ROWS_DOT = "bf16x3"
+# `_mix_rows_kernel`'s columns of each stream a program, in steps of ROWS_STEP (a loop), and
+# its warps. Its tiles are [rows, columns] of one stream at a time, so the streams are read in
+# 128-bit vectors and 64 rows by 64 columns take 128 registers a thread: two programs an SM.
+# Swept on one H100 at V4-Flash's site (tools/mhc_bench.py, docs/benchmarks.md 2026-12-07):
+# 64 x 64 columns at 8 warps 0.570 ms at 8192 rows (steps of 32: 0.775; chunks of 256 or 512
+# columns within 4%, slower at 64 rows), where the first form, gathered [rows, 4 x 64] tiles at
+# 239 registers, took 1.95 ms.
+ROWS_CHUNK = 64
+ROWS_STEP = 64
+ROWS_WARPS = 8
 COLLAPSE_BLOCK = 1024  # columns per step of the collapse and norm loops (not measured)
 
 
@@ -103,6 +115,39 @@ def _mix_kernel(
 
 
 @triton.jit
+def _updated_stream(
+    streams,  # the streams' first element of the tile's rows and columns, stream 0
+    h_at,  # [ROWS, STEP] int32: offsets of stream 0's tile
+    live,  # [ROWS, STEP]
+    COMB,
+    POST,
+    at_row,  # [ROWS]: the tile's rows
+    live_row,
+    y,  # [ROWS, STEP] float32: the block output's columns
+    n,
+    hidden,
+    k,
+    ROWS: tl.constexpr,
+    STEP: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    """Stream k of the update, one [rows, columns] tile: post_k y + sum_j comb[j, k] h_j (comb^T
+    h), post and comb rounded to the streams' dtype first; the other streams' tiles read from
+    cache after the first stream's."""
+    dtype = streams.dtype.element_ty
+    mixed = tl.zeros([ROWS, STEP], dtype=tl.float32)
+    for j in range(N_PAD):  # a constexpr bound (module docstring); streams past n masked
+        h_j = tl.load(streams + j * hidden + h_at, mask=live & (j < n), other=0.0)
+        comb = tl.load(
+            COMB + at_row * n * n + j * n + k, mask=live_row & (j < n) & (k < n), other=0.0
+        )
+        mixed += comb.to(dtype).to(tl.float32)[:, None] * h_j.to(tl.float32)
+    post = tl.load(POST + at_row * n + k, mask=live_row & (k < n), other=0.0)
+    spread = (post.to(dtype).to(tl.float32)[:, None] * y).to(dtype)
+    return (spread.to(tl.float32) + mixed.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _mix_rows_kernel(
     H,  # [rows, n, hidden]: the streams before the update
     Y,  # [rows, hidden]: the block's output (EXPAND only)
@@ -122,61 +167,103 @@ def _mix_rows_kernel(
     N_PAD: tl.constexpr,
     MIX_PAD: tl.constexpr,
     DOT: tl.constexpr,  # ROWS_DOT, resolved for the streams' dtype
+    STEP: tl.constexpr,  # columns of each stream a step of the chunk's loop (divides BLOCK)
 ):
-    row = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    chunk = tl.program_id(0)
-    # The chunk's columns of every stream, flattened stream-major: the K axis of the product.
-    k = tl.arange(0, N_PAD * BLOCK)
-    stream, col = k // BLOCK, chunk * BLOCK + k % BLOCK
-    live_k = (stream < n) & (col < hidden)
-    tile = (row[:, None] < rows) & live_k[None, :]  # [ROWS, N_PAD * BLOCK]
-    at = row[:, None] * n * hidden + (stream * hidden + col)[None, :]
-    if EXPAND:
-        dtype = H.dtype.element_ty
-        # comb^T h: out[k] = sum_j comb[j, k] h[j], comb rounded to the streams' dtype first;
-        # each h[j] is read once per output stream, from cache after the first.
-        mixed = tl.zeros([ROWS, N_PAD * BLOCK], dtype=tl.float32)
-        for j in range(N_PAD):  # a constexpr bound (module docstring); streams past n masked
-            live_j = tile & (j < n)
-            h_j = tl.load(
-                H + row[:, None] * n * hidden + (j * hidden + col)[None, :], mask=live_j, other=0.0
-            )
-            comb = tl.load(
-                COMB + row[:, None] * n * n + (j * n + stream)[None, :], mask=live_j, other=0.0
-            )
-            mixed += comb.to(dtype).to(tl.float32) * h_j.to(tl.float32)
-        post = tl.load(POST + row[:, None] * n + stream[None, :], mask=tile, other=0.0)
-        y = tl.load(Y + row[:, None] * hidden + col[None, :], mask=tile, other=0.0)
-        spread = (post.to(dtype).to(tl.float32) * y.to(tl.float32)).to(dtype)
-        h = (spread.to(tl.float32) + mixed.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(H_OUT + at, h, mask=tile)
-    else:
-        h = tl.load(H + at, mask=tile, other=0.0)
-    h = tl.where(tile, h.to(tl.float32), 0.0)
+    first_row, chunk = tl.program_id(1) * ROWS, tl.program_id(0)
+    r = tl.arange(0, ROWS)  # rows within the block
+    c = tl.arange(0, STEP)
     mix = tl.arange(0, MIX_PAD)
-    fn = tl.load(
-        FN + mix[None, :] * n * hidden + (stream * hidden + col)[:, None],
-        mask=live_k[:, None] & (mix[None, :] < mixes),
-        other=0.0,
-    ).to(tl.float32)  # [N_PAD * BLOCK, MIX_PAD]
-    if DOT == "bf16x3":  # h holds bf16 values: exact as a bf16 operand
-        hb = h.to(tl.bfloat16)
-        hi = fn.to(tl.bfloat16)
-        rest = fn - hi.to(tl.float32)
-        mid = rest.to(tl.bfloat16)
-        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-        dots = tl.dot(hb, lo)
-        dots = tl.dot(hb, mid, dots)
-        dots = tl.dot(hb, hi, dots)  # [ROWS, MIX_PAD]
-    else:
-        dots = tl.dot(h, fn, input_precision=DOT)
-    squares = tl.sum(h * h, axis=1)
+    live_row = first_row + r < rows
+    # Offsets within the block and step, int32 and held across the loops; each step moves the
+    # scalar bases (64-bit pointer tensors held across it took ~180 registers a thread).
+    h_at = r[:, None] * n * hidden + c[None, :]  # [ROWS, STEP]: stream 0's
+    y_at = r[:, None] * hidden + c[None, :]
+    fn_at = mix[None, :] * n * hidden + c[:, None]  # [STEP, MIX_PAD]: stream 0's
+    dots = tl.zeros([ROWS, MIX_PAD], dtype=tl.float32)
+    squares = tl.zeros([ROWS], dtype=tl.float32)
+    for step in range(BLOCK // STEP):  # constexpr bounds (module docstring)
+        first_col = chunk * BLOCK + step * STEP
+        live = live_row[:, None] & (first_col + c < hidden)[None, :]  # [ROWS, STEP]
+        streams = H + first_row * n * hidden + first_col
+        if EXPAND:
+            y = tl.load(Y + first_row * hidden + first_col + y_at, mask=live, other=0.0)
+            y = y.to(tl.float32)
+        # One output stream at a time, all in [rows, columns] tiles of one shape: its update
+        # reads the step's columns of every stream (from cache after the first), its product
+        # with the stream's columns of `fn` is one more K range of the dots.
+        for k in range(N_PAD):  # streams past n masked
+            live_k = live & (k < n)
+            if EXPAND:
+                h = _updated_stream(
+                    streams, h_at, live, COMB, POST, first_row + r, live_row, y,
+                    n, hidden, k, ROWS, STEP, N_PAD,
+                )  # fmt: skip
+                at = first_row * n * hidden + first_col + k * hidden + h_at
+                tl.store(H_OUT + at, h, mask=live_k)
+            else:
+                h = tl.load(streams + k * hidden + h_at, mask=live_k, other=0.0)
+            h = tl.where(live_k, h.to(tl.float32), 0.0)
+            fn = tl.load(
+                FN + first_col + k * hidden + fn_at,
+                mask=((first_col + c < hidden) & (k < n))[:, None] & (mix[None, :] < mixes),
+                other=0.0,
+            ).to(tl.float32)  # [STEP, MIX_PAD]
+            if DOT == "bf16x3":  # h holds bf16 values: exact as a bf16 operand
+                hb = h.to(tl.bfloat16)
+                hi = fn.to(tl.bfloat16)
+                rest = fn - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                dots = tl.dot(hb, lo, dots)
+                dots = tl.dot(hb, mid, dots)
+                dots = tl.dot(hb, hi, dots)  # [ROWS, MIX_PAD]
+            else:
+                dots = tl.dot(h, fn, dots, input_precision=DOT)
+            squares += tl.sum(h * h, axis=1)
     sums = tl.where(mix[None, :] == mixes, squares[:, None], dots)
     tl.store(
-        PARTIAL + (row[:, None] * CHUNKS + chunk) * MIX_PAD + mix[None, :],
+        PARTIAL + ((first_row + r[:, None]) * CHUNKS + chunk) * MIX_PAD + mix[None, :],
         sums,
-        mask=row[:, None] < rows,
+        mask=live_row[:, None],
     )
+
+
+@triton.jit
+def _expand_kernel(
+    H,  # [rows, n, hidden]: the streams before the update
+    Y,  # [rows, hidden]: the block's output
+    POST,  # [rows, n] float32
+    COMB,  # [rows, n, n] float32
+    H_OUT,  # [rows, n, hidden]: the streams after it
+    rows,
+    n,
+    hidden,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEP: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    """The update alone (after the last layer, where no site follows), `_mix_rows_kernel`'s
+    tiles without the products."""
+    first_row, chunk = tl.program_id(1) * ROWS, tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, STEP)
+    live_row = first_row + r < rows
+    h_at = r[:, None] * n * hidden + c[None, :]
+    y_at = r[:, None] * hidden + c[None, :]
+    for step in range(BLOCK // STEP):  # constexpr bounds (module docstring)
+        first_col = chunk * BLOCK + step * STEP
+        live = live_row[:, None] & (first_col + c < hidden)[None, :]
+        streams = H + first_row * n * hidden + first_col
+        y = tl.load(Y + first_row * hidden + first_col + y_at, mask=live, other=0.0)
+        y = y.to(tl.float32)
+        for k in range(N_PAD):
+            h = _updated_stream(
+                streams, h_at, live, COMB, POST, first_row + r, live_row, y,
+                n, hidden, k, ROWS, STEP, N_PAD,
+            )  # fmt: skip
+            at = first_row * n * hidden + first_col + k * hidden + h_at
+            tl.store(H_OUT + at, h, mask=live & (k < n))
 
 
 @triton.jit
@@ -273,22 +360,72 @@ def supports(
     comb: torch.Tensor | None,
     fn: torch.Tensor,
 ) -> bool:
-    """Contiguous streams of a float dtype, the block output in their dtype, float32 mappings."""
+    """Contiguous streams of a float dtype, `fn` [(2 + n) n, n hidden], and the update (if any)
+    as `supports_update` takes it."""
+    if h.dim() != 3 or h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    _, n, hidden = h.shape
+    if not (h.is_contiguous() and fn.is_contiguous() and fn.shape == ((2 + n) * n, n * hidden)):
+        return False
+    return y is None or supports_update(h, y, post, comb)
+
+
+def supports_update(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> bool:
+    """Contiguous streams [rows, n, hidden] of a float dtype, the block output [rows, hidden] in
+    their dtype, post [rows, n] and comb [rows, n, n] contiguous float32."""
     if h.dim() != 3 or h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     rows, n, hidden = h.shape
-    if not (h.is_contiguous() and fn.is_contiguous() and fn.shape == ((2 + n) * n, n * hidden)):
-        return False
-    if y is None:
-        return True
     return (
-        y.dtype == h.dtype
+        h.is_contiguous()
+        and y.dtype == h.dtype
         and y.shape == (rows, hidden)
         and y.is_contiguous()
         and post.dtype == comb.dtype == torch.float32
+        and post.shape == (rows, n)
+        and comb.shape == (rows, n, n)
         and post.is_contiguous()
         and comb.is_contiguous()
     )
+
+
+def expand(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """The update alone, one launch: the streams h [rows, n, hidden] after the block output y
+    [rows, hidden] with the site's post [rows, n] and comb [rows, n, n] float32 -> post y +
+    comb^T h, new streams (the torch form: model/families/deepseek_v4/mhc.py's `expand`)."""
+    rows, n, hidden = h.shape
+    out = torch.empty_like(h)
+    if rows == 0:
+        return out
+    width = triton.next_power_of_2(hidden)
+    if rows >= ROWS_KERNEL_FROM:
+        step = min(ROWS_STEP, width)
+        per_program, block, warps = BLOCK_ROWS, max(step, min(ROWS_CHUNK, width)), ROWS_WARPS
+    else:  # decode batches: a step of columns a program, ~256 elements a stream (8 a thread)
+        per_program = triton.next_power_of_2(rows)
+        step = min(width, max(ROWS_STEP, 256 // per_program))
+        block, warps = step, max(1, min(4, per_program * step // 256))
+    grid = (triton.cdiv(hidden, block), triton.cdiv(rows, per_program))
+    _expand_kernel[grid](
+        h,
+        y,
+        post,
+        comb,
+        out,
+        rows,
+        n,
+        hidden,
+        ROWS=per_program,
+        BLOCK=block,
+        STEP=step,
+        N_PAD=triton.next_power_of_2(n),
+        num_warps=warps,
+    )
+    return out
 
 
 def hyper_connection(
@@ -311,14 +448,17 @@ def hyper_connection(
     rows, n, hidden = h.shape
     mixes = (2 + n) * n
     n_pad, mix_pad = triton.next_power_of_2(n), triton.next_power_of_2(mixes + 1)
-    block = max(16, min(triton.next_power_of_2(hidden), FN_TILE // (mix_pad * n_pad)))
-    chunks = triton.cdiv(hidden, block)
     # `tl.dot` takes no fewer than 16 columns: one stream's 3 mixings (n = 1) stay per row.
     by_rows = rows >= ROWS_KERNEL_FROM and mix_pad >= 16
+    width = triton.next_power_of_2(hidden)
     if by_rows:
         per_program = BLOCK_ROWS
+        step = min(ROWS_STEP, width)
+        block = max(step, min(ROWS_CHUNK, width))
     else:
         per_program = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+        block = max(16, min(width, FN_TILE // (mix_pad * n_pad)))
+    chunks = triton.cdiv(hidden, block)
     expand = y is not None
     out = torch.empty_like(h) if expand else h
     x = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
@@ -330,7 +470,7 @@ def hyper_connection(
     ready = (y, post, comb) if expand else (h, h, h)  # placeholders, never read
     mix_kernel = _mix_rows_kernel if by_rows else _mix_kernel
     dot = "ieee" if ROWS_DOT == "bf16x3" and h.dtype != torch.bfloat16 else ROWS_DOT
-    extra = {"DOT": dot} if by_rows else {}
+    extra = {"DOT": dot, "STEP": step} if by_rows else {}
     # Chunks first in launch order: programs that run together read adjacent columns of the same
     # rows. Measured against rows first, it changed nothing (3.62 against 3.60 ms at 8192 rows,
     # docs/benchmarks.md 2026-12-06); kept for the reads it keeps together.
@@ -351,7 +491,8 @@ def hyper_connection(
         N_PAD=n_pad,
         MIX_PAD=mix_pad,
         **extra,
-        num_warps=8,  # the FN_TILE tile and its product with the streams (chosen, not measured)
+        # The FN_TILE tile and its product with the streams (chosen, not measured); ROWS_WARPS.
+        num_warps=ROWS_WARPS if by_rows else 8,
     )
     collapse_block = min(triton.next_power_of_2(hidden), COLLAPSE_BLOCK)
     _collapse_kernel[(rows,)](

@@ -84,6 +84,15 @@ def expand(
     )
 
 
+def update_streams(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """`expand` where no site follows (after the last layer): one launch on CUDA
+    (ops.mhc_expand), the torch form elsewhere."""
+    fused = ops.mhc_expand(h, y, post, comb)
+    return expand(h, y, post, comb) if fused is None else fused
+
+
 StreamUpdate = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # y, post, comb
 
 

@@ -33,7 +33,7 @@ from afdserve.model.families.deepseek_v4.mhc import (
     HyperHead,
     V4RMSNorm,
     connect,
-    expand,
+    update_streams,
 )
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
 from afdserve.model.families.deepseek_v4.rows import StepRows
@@ -176,7 +176,7 @@ class V4CausalLM(nn.Module):
 
     @staticmethod
     def expand_ffn(state: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
-        return expand(state[0], ffn_out, state[1], state[2])
+        return update_streams(state[0], ffn_out, state[1], state[2])
 
     def route_on_attention(
         self,

@@ -30,7 +30,7 @@ from afdserve.model.families.decoder.mtp import LayerAt
 from afdserve.model.families.deepseek_v4 import names
 from afdserve.model.families.deepseek_v4.batched import step_attention
 from afdserve.model.families.deepseek_v4.cache import LayerPages, V4Pages, V4Window
-from afdserve.model.families.deepseek_v4.mhc import HyperHead, V4RMSNorm, connect, expand
+from afdserve.model.families.deepseek_v4.mhc import HyperHead, V4RMSNorm, connect, update_streams
 from afdserve.model.families.deepseek_v4.model import StreamState, V4CausalLM, V4DecoderLayer
 from afdserve.model.families.deepseek_v4.quant import convert_to_quantized
 from afdserve.model.families.deepseek_v4.rows import StepRows
@@ -192,7 +192,7 @@ class V4MTP(nn.Module):
 
     def add_ffn_output(self, state: StreamState, ffn_out: torch.Tensor) -> torch.Tensor:
         """g, the layer's streams [rows, hc_mult, hidden]."""
-        return expand(state[0], ffn_out, state[1], state[2])
+        return update_streams(state[0], ffn_out, state[1], state[2])
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         layer, main = self.layer, self.main
