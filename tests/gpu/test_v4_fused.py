@@ -137,6 +137,32 @@ def test_mhc_expand_equals_the_torch_path(rows, n, hidden, dtype):
     assert torch.equal(captured, ops.mhc_expand(h, *step))
 
 
+@torch.inference_mode()
+def test_mhc_past_2_31_stream_elements():
+    """A prefill of 131136 rows at V4-Flash's 4 x 4096 streams (2^31 elements and 64 rows
+    more, 4.3 GB of bf16): the last rows' update and site equal the torch path on those rows
+    alone, where 32-bit offsets would wrap onto the first rows."""
+    n, hidden = 4, 4096
+    rows = 2**31 // (n * hidden) + 64
+    hc, weight, tail_h, tail_step = mhc_inputs(64, n, hidden, torch.bfloat16, True, 7)
+    h = torch.zeros(rows, n, hidden, dtype=torch.bfloat16, device="cuda")
+    y = torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    post = torch.zeros(rows, n, device="cuda")
+    comb = torch.zeros(rows, n, n, device="cuda")
+    for whole, tail in zip((h, y, post, comb), (tail_h, *tail_step), strict=True):
+        whole[-64:] = tail
+    streams = ops.mhc_expand(h, y, post, comb)
+    assert torch.equal(streams[-64:], ops.mhc_expand(tail_h, *tail_step))
+    assert not streams[:-64].any()
+    del streams
+    eps = (hc.hc_eps, hc.norm_eps, 1e-6)
+    args = (hc.fn, hc.base, hc.scale, weight, hc.iters, eps)
+    got = ops.hyper_connection(h, (y, post, comb), *args)
+    want = ops.hyper_connection(tail_h, tail_step, *args)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[-64:], w)
+
+
 def attention_model(root: Path, name: str, **overrides):
     path = make_tiny_v4(root / name, seed=3, **overrides)
     return load_model(path, ModelParts.colocated(), "float32", "cuda", load_format="dummy")[0]

@@ -169,7 +169,8 @@ def _mix_rows_kernel(
     DOT: tl.constexpr,  # ROWS_DOT, resolved for the streams' dtype
     STEP: tl.constexpr,  # columns of each stream a step of the chunk's loop (divides BLOCK)
 ):
-    first_row, chunk = tl.program_id(1) * ROWS, tl.program_id(0)
+    # 64-bit: a long prefill's streams pass 2^31 elements (131072 rows of 4 x 4096).
+    first_row, chunk = tl.program_id(1).to(tl.int64) * ROWS, tl.program_id(0)
     r = tl.arange(0, ROWS)  # rows within the block
     c = tl.arange(0, STEP)
     mix = tl.arange(0, MIX_PAD)
@@ -245,7 +246,8 @@ def _expand_kernel(
 ):
     """The update alone (after the last layer, where no site follows), `_mix_rows_kernel`'s
     tiles without the products."""
-    first_row, chunk = tl.program_id(1) * ROWS, tl.program_id(0)
+    # 64-bit: a long prefill's streams pass 2^31 elements (131072 rows of 4 x 4096).
+    first_row, chunk = tl.program_id(1).to(tl.int64) * ROWS, tl.program_id(0)
     r = tl.arange(0, ROWS)
     c = tl.arange(0, STEP)
     live_row = first_row + r < rows
@@ -290,7 +292,7 @@ def _collapse_kernel(
     N_PAD: tl.constexpr,
     MIX_PAD: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit, as the mixing kernels' rows
     j = tl.arange(0, N_PAD)
     live = j < n
     pair = live[:, None] & live[None, :]
