@@ -33,14 +33,12 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what the twentieth and twenty-first sessions left for
-#                                  the GPU: the mHC collapse's, the ubatch's shared kernels'
-#                                  and the hash router's GPU tests, the launches a layer
-#                                  (profiles of 4 and 8 layers at batch 1), the tile
-#                                  sweep with one dot a K step (register caps 128-none), the
-#                                  FP4 bench and V4's decode after it, and on an H200 the
-#                                  FP4 share and V4's table of issue 43 (the twentieth
-#                                  session's figures are an H100's)
+#   next                           what the twenty-second session left for the GPU: the
+#                                  mHC tests past 2^31 stream elements (64-bit rows, not
+#                                  yet run), then on an H200 issue 43's table (decode at
+#                                  8192 and 65536, colocated and in-process, the FP4
+#                                  experts' share, the 8192-token prefill), which has run
+#                                  on H100s only since the twelfth session
 #
 # Each load's wall-clock window goes to windows.log, the server's TTFT split after it to
 # metrics.log. More than 8 files under $OUT are packed into one gpu-figures.tgz at the end (a
@@ -227,20 +225,20 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        # The mHC collapse (twentieth session) and the ubatch's shared kernels (twenty-first):
-        # their GPU tests have not run yet (the decode graphs ran through them on an H100).
+        # The mHC kernels' 64-bit rows (twenty-second session): 4.3 GB of streams, then all
+        # of test_v4_fused.py (the mHC site and update at the shipped 64 x 64 columns).
         run v4-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
-            tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py \
-            tests/gpu/test_step_rows.py tests/gpu/test_router_kernel.py
-        # Launches a step at 4 and 8 layers: the difference / 4 is a CSA or HCA layer's own.
-        for layers in 4 8; do
-            run "v4-profile-b1-$layers" python tools/profile_decode.py \
-                --preset "${V4%%:*}:$layers" --batch 1 --context-len 8192 --rows 200
+            tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py
+        for c in 8192 65536; do
+            for topology in colocated in-process; do
+                run "v4-decode-$c-$topology" $AFD bench decode --preset "$V4" --random-weights \
+                    --graph-mode full_decode_only --context-len "$c" --batch-sizes 1,8,64 \
+                    --topology "$topology"
+            done
         done
-        run fp4-sweep python tools/fp4_moe_bench.py --sweep  # one dot a K step, the caps too
         run fp4-bench python tools/fp4_moe_bench.py --batch-sizes 1,8,64
-        run v4-decode-8192 $AFD bench decode --preset "$V4" --random-weights \
-            --graph-mode full_decode_only --context-len 8192 --batch-sizes 1,8,64
+        run v4-prefill python tools/profile_prefill.py --preset "$V4" --input-len 8192 \
+            --max-num-batched-tokens 8192
         ;;
     gpu-tests)
         run gpu-tests python -m pytest -q -p no:cacheprovider -x tests/gpu/test_gated_deltanet_gpu.py \
