@@ -393,6 +393,19 @@ def supports_update(
     )
 
 
+def expand_tiles(rows: int, hidden: int) -> tuple[int, int, int, int]:
+    """`_expand_kernel`'s (rows a program, columns of each stream a program, a step of them,
+    warps) for `rows` x `hidden` streams: the mixing's tiles from ROWS_KERNEL_FROM rows; for
+    decode batches one step a program of at least 256 elements a stream (8 a thread a warp)."""
+    width = triton.next_power_of_2(hidden)
+    if rows >= ROWS_KERNEL_FROM:
+        step = min(ROWS_STEP, width)
+        return BLOCK_ROWS, max(step, min(ROWS_CHUNK, width)), step, ROWS_WARPS
+    per_program = triton.next_power_of_2(rows)
+    step = min(width, max(ROWS_STEP, 256 // per_program))
+    return per_program, step, step, max(1, min(4, per_program * step // 256))
+
+
 def expand(
     h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
@@ -403,14 +416,7 @@ def expand(
     out = torch.empty_like(h)
     if rows == 0:
         return out
-    width = triton.next_power_of_2(hidden)
-    if rows >= ROWS_KERNEL_FROM:
-        step = min(ROWS_STEP, width)
-        per_program, block, warps = BLOCK_ROWS, max(step, min(ROWS_CHUNK, width)), ROWS_WARPS
-    else:  # decode batches: a step of columns a program, ~256 elements a stream (8 a thread)
-        per_program = triton.next_power_of_2(rows)
-        step = min(width, max(ROWS_STEP, 256 // per_program))
-        block, warps = step, max(1, min(4, per_program * step // 256))
+    per_program, block, step, warps = expand_tiles(rows, hidden)
     grid = (triton.cdiv(hidden, block), triton.cdiv(rows, per_program))
     _expand_kernel[grid](
         h,
