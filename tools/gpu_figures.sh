@@ -34,7 +34,7 @@
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
 #   next                           what the twenty-second session left for the GPU: the
-#                                  mHC tests past 2^31 stream elements (64-bit rows, not
+#                                  mHC and norm-rotary tests past 2^31 elements (64-bit rows, not
 #                                  yet run), then on an H200 issue 43's table (decode at
 #                                  8192 and 65536, colocated and in-process, the FP4
 #                                  experts' share, the 8192-token prefill), which has run
@@ -225,7 +225,7 @@ group() {
             "--input-len 1024 --output-len 128 --request-rate inf --num-prompts 80" "$PREFIXED"
         ;;
     next)
-        # The mHC kernels' 64-bit rows (twenty-second session): 4.3 GB of streams, then all
+        # The 64-bit rows (twenty-second session): 4.3 GB of streams and of q, then all
         # of test_v4_fused.py (the mHC site and update at the shipped 64 x 64 columns).
         run v4-gpu-tests python -m pytest -q -p no:cacheprovider --tb=short \
             tests/gpu/test_v4_fused.py tests/gpu/test_v4_fused_model.py

@@ -534,6 +534,22 @@ def test_norm_rope_equals_the_torch_forms(use, heads, dim, rows, dtype):
     assert torch.equal(captured, triton_v4_norm_rope.norm_rope(x, norm, rotated, back))
 
 
+@torch.inference_mode()
+def test_norm_rope_past_2_31_elements():
+    """V4-Flash's q at 65600 rows (64 heads of 512: 2^31 elements and 64 rows more, 4.3 GB):
+    the last rows' norm and rotary equal those rows' alone, where 32-bit offsets would wrap."""
+    rows, heads, dim = 2**31 // (64 * 512) + 64, 64, 512
+    gen = torch.Generator().manual_seed(5)
+    tail = (torch.randn(64, heads, dim, generator=gen) * 3).bfloat16().cuda()
+    angle = torch.rand(rows, 32, generator=gen).cuda() * 5000
+    x = torch.zeros(rows, heads, dim, dtype=torch.bfloat16, device="cuda")
+    x[-64:] = tail
+    got = ops.v4_norm_rope(x, (None, 1e-6), (angle.cos(), angle.sin()))
+    want = ops.v4_norm_rope(tail, (None, 1e-6), (angle[-64:].cos(), angle[-64:].sin()))
+    assert torch.equal(got[-64:], want)
+    assert not got[:-64].any()
+
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -143,7 +143,7 @@ def _sparse_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     live_d = d < dim
     q = tl.load(
-        Q + (r * heads + h[:, None]) * dim + d[None, :],
+        Q + r.to(tl.int64) * heads * dim + (h[:, None] * dim + d[None, :]),
         mask=(h[:, None] < heads) & live_d[None, :],
         other=0.0,
     )
@@ -227,7 +227,7 @@ def _sparse_attention_kernel(
             m_i, l_i, acc = _online_tile(q, k, visible, m_i, l_i, acc, scale, PRECISION)
     out = acc / l_i[:, None]
     tl.store(
-        OUT + (r * heads + h[:, None]) * dim + d[None, :],
+        OUT + r.to(tl.int64) * heads * dim + (h[:, None] * dim + d[None, :]),
         out.to(OUT.dtype.element_ty),
         mask=(h[:, None] < heads) & live_d[None, :],
     )

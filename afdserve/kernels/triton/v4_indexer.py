@@ -54,7 +54,7 @@ def _index_scores_kernel(
     e = block * BLOCK_E + tl.arange(0, BLOCK_E)
     live_d = d < DIM
     q = tl.load(
-        Q + (r * heads + h[:, None]) * DIM + d[None, :],
+        Q + r.to(tl.int64) * heads * DIM + (h[:, None] * DIM + d[None, :]),
         mask=(h[:, None] < heads) & live_d[None, :],
         other=0.0,
     )

@@ -34,7 +34,8 @@ def _norm_rope_kernel(
     NEGATE: tl.constexpr,
     BLOCK: tl.constexpr,  # a power of two >= DIM / 2
 ):
-    r, head = tl.program_id(0), tl.program_id(1)
+    # 64-bit rows: V4's q is 32768 elements a token, 2^31 past 65536 tokens a step.
+    r, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dtype = X.dtype.element_ty
     i = tl.arange(0, BLOCK)
     inside = i < DIM // 2
