@@ -49,7 +49,8 @@ def _sparse_mla_kernel(
     lat = tl.arange(0, BLOCK_L)
     rot = tl.arange(0, BLOCK_R)
     live_h = h < heads
-    q_rows = Q + (r * heads + h[:, None]) * width
+    # 64-bit rows: 128 heads of 576 is 73728 elements a token, 2^31 past 29127 tokens a step.
+    q_rows = Q + r.to(tl.int64) * heads * width + h[:, None] * width
     q_lat = tl.load(
         q_rows + lat[None, :], mask=live_h[:, None] & (lat < LATENT)[None, :], other=0.0
     )
@@ -88,7 +89,7 @@ def _sparse_mla_kernel(
         m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     tl.store(
-        OUT + (r * heads + h[:, None]) * LATENT + lat[None, :],
+        OUT + r.to(tl.int64) * heads * LATENT + (h[:, None] * LATENT + lat[None, :]),
         out.to(OUT.dtype.element_ty),
         mask=live_h[:, None] & (lat < LATENT)[None, :],
     )

@@ -56,7 +56,7 @@ def _scores_kernel(
     d = tl.arange(0, BLOCK_D)
     live_d = d < DIM
     q = tl.load(
-        Q + (r * heads + h[:, None]) * DIM + d[None, :],
+        Q + r.to(tl.int64) * heads * DIM + (h[:, None] * DIM + d[None, :]),
         mask=(h[:, None] < heads) & live_d[None, :],
         other=0.0,
     )
