@@ -39,14 +39,18 @@ def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
 
     n, hidden = 4, 4096
     mix_pad = triton.next_power_of_2((2 + n) * n + 1)
-    block = k.ROWS_CHUNK if by_rows else max(16, min(hidden, k.FN_TILE // (mix_pad * n)))
+    if by_rows:
+        rows_a_program, block, step, warps = k.rows_tiles(hidden)
+    else:
+        rows_a_program, warps = k.MAX_ROWS_PER_PROGRAM, 8
+        block = max(16, min(hidden, k.FN_TILE // (mix_pad * n)))
     kernel = k._mix_rows_kernel if by_rows else k._mix_kernel
     signature = dict.fromkeys(("H", "Y", "H_OUT"), "*bf16")
     signature |= dict.fromkeys(("POST", "COMB", "FN", "PARTIAL"), "*fp32")
     signature |= dict.fromkeys(("rows", "n", "hidden", "mixes"), "i32")
     constants = {
         "EXPAND": expand,
-        "ROWS": k.BLOCK_ROWS if by_rows else k.MAX_ROWS_PER_PROGRAM,
+        "ROWS": rows_a_program,
         "CHUNKS": triton.cdiv(hidden, block),
         "BLOCK": block,
         "N_PAD": n,
@@ -54,8 +58,7 @@ def test_mix_kernels_compile_for_sm90(by_rows, expand) -> None:
     }
     if by_rows:
         constants["DOT"] = by_rows  # the block-of-rows kernel's tensor-core products
-        constants["STEP"] = k.ROWS_STEP
-    warps = k.ROWS_WARPS if by_rows else 8
+        constants["STEP"] = step
     built = compile_as_launched(kernel, signature, constants, warps)
     assert built.asm["cubin"] and ".local" not in built.asm["ptx"]
     used = resources(built)

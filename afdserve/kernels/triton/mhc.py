@@ -355,6 +355,12 @@ def _collapse_kernel(
         )
 
 
+def _float_streams(h: torch.Tensor) -> bool:
+    """Contiguous streams [rows, n, hidden] of a float dtype."""
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    return h.dim() == 3 and h.dtype in floats and h.is_contiguous()
+
+
 def supports(
     h: torch.Tensor,
     y: torch.Tensor | None,
@@ -364,10 +370,10 @@ def supports(
 ) -> bool:
     """Contiguous streams of a float dtype, `fn` [(2 + n) n, n hidden], and the update (if any)
     as `supports_update` takes it."""
-    if h.dim() != 3 or h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if not _float_streams(h):
         return False
     _, n, hidden = h.shape
-    if not (h.is_contiguous() and fn.is_contiguous() and fn.shape == ((2 + n) * n, n * hidden)):
+    if not (fn.is_contiguous() and fn.shape == ((2 + n) * n, n * hidden)):
         return False
     return y is None or supports_update(h, y, post, comb)
 
@@ -377,12 +383,11 @@ def supports_update(
 ) -> bool:
     """Contiguous streams [rows, n, hidden] of a float dtype, the block output [rows, hidden] in
     their dtype, post [rows, n] and comb [rows, n, n] contiguous float32."""
-    if h.dim() != 3 or h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if not _float_streams(h):
         return False
     rows, n, hidden = h.shape
     return (
-        h.is_contiguous()
-        and y.dtype == h.dtype
+        y.dtype == h.dtype
         and y.shape == (rows, hidden)
         and y.is_contiguous()
         and post.dtype == comb.dtype == torch.float32
@@ -393,14 +398,22 @@ def supports_update(
     )
 
 
+def rows_tiles(hidden: int) -> tuple[int, int, int, int]:
+    """The block-of-rows tiles both `_mix_rows_kernel` and `_expand_kernel` take from
+    ROWS_KERNEL_FROM rows: (rows a program, columns of each stream a program, a step of them,
+    warps)."""
+    width = triton.next_power_of_2(hidden)
+    step = min(ROWS_STEP, width)
+    return BLOCK_ROWS, max(step, min(ROWS_CHUNK, width)), step, ROWS_WARPS
+
+
 def expand_tiles(rows: int, hidden: int) -> tuple[int, int, int, int]:
     """`_expand_kernel`'s (rows a program, columns of each stream a program, a step of them,
     warps) for `rows` x `hidden` streams: the mixing's tiles from ROWS_KERNEL_FROM rows; for
     decode batches one step a program of at least 256 elements a stream (8 a thread a warp)."""
-    width = triton.next_power_of_2(hidden)
     if rows >= ROWS_KERNEL_FROM:
-        step = min(ROWS_STEP, width)
-        return BLOCK_ROWS, max(step, min(ROWS_CHUNK, width)), step, ROWS_WARPS
+        return rows_tiles(hidden)
+    width = triton.next_power_of_2(hidden)
     per_program = triton.next_power_of_2(rows)
     step = min(width, max(ROWS_STEP, 256 // per_program))
     return per_program, step, step, max(1, min(4, per_program * step // 256))
@@ -458,14 +471,13 @@ def hyper_connection(
     n_pad, mix_pad = triton.next_power_of_2(n), triton.next_power_of_2(mixes + 1)
     # `tl.dot` takes no fewer than 16 columns: one stream's 3 mixings (n = 1) stay per row.
     by_rows = rows >= ROWS_KERNEL_FROM and mix_pad >= 16
-    width = triton.next_power_of_2(hidden)
     if by_rows:
-        per_program = BLOCK_ROWS
-        step = min(ROWS_STEP, width)
-        block = max(step, min(ROWS_CHUNK, width))
+        per_program, block, step, warps = rows_tiles(hidden)
     else:
         per_program = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+        width = triton.next_power_of_2(hidden)
         block = max(16, min(width, FN_TILE // (mix_pad * n_pad)))
+        warps = 8  # the FN_TILE tile and its product with the streams (chosen, not measured)
     chunks = triton.cdiv(hidden, block)
     expand = y is not None
     out = torch.empty_like(h) if expand else h
@@ -499,8 +511,7 @@ def hyper_connection(
         N_PAD=n_pad,
         MIX_PAD=mix_pad,
         **extra,
-        # The FN_TILE tile and its product with the streams (chosen, not measured); ROWS_WARPS.
-        num_warps=ROWS_WARPS if by_rows else 8,
+        num_warps=warps,
     )
     collapse_block = min(triton.next_power_of_2(hidden), COLLAPSE_BLOCK)
     _collapse_kernel[(rows,)](
