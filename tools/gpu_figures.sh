@@ -33,9 +33,10 @@
 #                                  unbounded, the shared prefixes (tools/step_times.py --window
 #                                  with windows.log splits v4-steps.jsonl by load; metrics.log
 #                                  holds the server's TTFT, queue and prefill histograms)
-#   next                           what the twenty-second session left for the GPU: the
-#                                  mHC and norm-rotary tests past 2^31 elements (64-bit rows, not
-#                                  yet run), then on an H200 issue 43's table (decode at
+#   next                           the V4 GPU tests (with the mHC and norm-rotary tests past
+#                                  2^31 elements: passed on an H100 in the twenty-third
+#                                  session; a cold Triton cache needs more than 200 s for the
+#                                  two files), then issue 43's table for an H200 (decode at
 #                                  8192 and 65536, colocated and in-process, the FP4
 #                                  experts' share, the 8192-token prefill), which has run
 #                                  on H100s only since the twelfth session
