@@ -54,6 +54,14 @@ BF16_PAIR = gl.constexpr(0x81C081C0 - (1 << 32))
 HIGH_SIGNS = gl.constexpr(0x88008800 - (1 << 32))
 LOW_KEEP = gl.constexpr(0x00770077)
 BF16_SHIFT = gl.constexpr(16)
+# Gluon's names that changed after Triton 3.6 (the device's): shared memory seen as another
+# shape (`_reinterpret` there) and a TMA load (`async_copy_global_to_shared` there).
+_REINTERPRET = getattr(
+    gl.shared_memory_descriptor,
+    "reinterpret",
+    getattr(gl.shared_memory_descriptor, "_reinterpret", None),
+)
+_TMA_LOAD = getattr(tma, "async_load", tma.async_copy_global_to_shared)
 # Registers a thread of each decode partition and of each loader (setmaxnreg's steps of 8).
 DECODE_REGISTERS = gl.constexpr(152)
 LOADER_REGISTERS = gl.constexpr(24)
@@ -77,7 +85,7 @@ def _load_words(descs, bufs, bars, at, steps, part):
         a = i % NA
         mbarrier.wait(w_empty.index(a), ((i // NA) & 1) ^ 1)
         mbarrier.expect(w_ready.index(a), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [row0, i * KW], w_ready.index(a), words.index(a))
+        _TMA_LOAD(w_desc, [row0, i * KW], w_ready.index(a), words.index(a))
 
 
 @gluon.jit
@@ -91,10 +99,10 @@ def _load_once(descs, bufs, bars, at, steps, part):
     KB: gl.constexpr = xs.type.shape[2]
     mbarrier.expect(s_ready, s_desc.block_type.nbytes)
     groups = expert * STEPS * (KB // 32)
-    tma.async_copy_global_to_shared(s_desc, [groups, col0], s_ready, scales)
+    _TMA_LOAD(s_desc, [groups, col0], s_ready, scales)
     mbarrier.expect(x_ready, STEPS * x_desc.block_type.nbytes)
     for i in gl.static_range(STEPS):
-        tma.async_copy_global_to_shared(x_desc, [xrow0, i * KB], x_ready, xs.index(i))
+        _TMA_LOAD(x_desc, [xrow0, i * KB], x_ready, xs.index(i))
 
 
 @gluon.jit
@@ -118,7 +126,7 @@ def _decode(descs, bufs, bars, at, steps, part):
     LT: gl.constexpr = gl.BlockedLayout([1, 1], [G, 32 // G], [1, W], [0, 1])
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     # Step i's scales are groups G i .. G i + G - 1: rows of the group-major copy.
-    by_step = scales._reinterpret(gl.uint8, [scales.type.shape[0] // G, G, ROWS * PARTS], plain)
+    by_step = _REINTERPRET(scales, gl.uint8, [scales.type.shape[0] // G, G, ROWS * PARTS], plain)
     mbarrier.wait(s_ready, 0)
     for i in range(steps):
         a = i % NA
