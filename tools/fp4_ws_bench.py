@@ -45,15 +45,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels.moe import fp4_decode
+from afdserve.kernels.moe.fp4_decode import BF16_PAIR, BF16_SHIFT, HIGH_SIGNS
 from afdserve.kernels.reference import fp4
 from tools.fp4_moe_bench import replay_seconds
 
-# fp4_decode's bit patterns (see `_fp4_step` there): two bf16s' sign and magnitude bits, the
-# nibbles whose signs stay and whose magnitudes move, and the weights' 2^-16 offset.
-BF16_PAIR = gl.constexpr(0x81C081C0 - (1 << 32))
-HIGH_SIGNS = gl.constexpr(0x88008800 - (1 << 32))
+# The nibbles that keep their magnitudes in `fp4_decode._fp4_step`'s bit moves.
 LOW_KEEP = gl.constexpr(0x00770077)
-BF16_SHIFT = gl.constexpr(16)
 # Gluon's names that changed after Triton 3.6 (the device's): shared memory seen as another
 # shape (`_reinterpret` there) and a TMA load (`async_copy_global_to_shared` there).
 _REINTERPRET = getattr(
