@@ -20,6 +20,8 @@
 #                                  16-head attention (the before), and 32 heads (issue 43)
 #   fp4                            the FP4 experts: the prefill ways against the decode kernels,
 #                                  and the decode kernels' tile sweep at 64 rows (issue 43)
+#   fp4-ws                         the warp-specialized FP4 kernel against the shipped gate/up
+#                                  kernel (tools/fp4_ws_bench.py; issue 43, twenty-third session)
 #   qwen-serve                     Qwen3-30B-A3B served with defaults, 200 prompts (issue 44)
 #   families                       bench decode of each new family's preset (issues 45, 46)
 #   gpt-oss                        gpt-oss-120b:8 decode and its batch-64 profile after the FP4
@@ -170,6 +172,9 @@ group() {
         run fp4-prefill python tools/fp4_moe_bench.py --prefill \
             --batch-sizes 64,128,256,512,1024,8192
         run fp4-sweep python tools/fp4_moe_bench.py --sweep --batch-sizes 64
+        ;;
+    fp4-ws)
+        run fp4-ws python tools/fp4_ws_bench.py --slots 6,36,200
         ;;
     qwen-serve)
         wheels && serve_and_load qwen-serve "$(preset_dir qwen3-30b-a3b)" "" \
