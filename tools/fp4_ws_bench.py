@@ -279,7 +279,36 @@ class Config(tuple):
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        return cls(int(v) for v in text.split(","))
+        values = [int(v) for v in text.split(",")]
+        if len(values) != 5:
+            raise ValueError(
+                f"config {text!r}: wanted 5 integers, BM, decode warps, word stages, decoded "
+                "stages and decode partitions (1, 2 or 4), e.g. '128,8,6,2,4'"
+            )
+        return cls(values)
+
+
+# What the tool times unless told otherwise (and what its compile test builds).
+DEFAULT_CONFIGS = "128,8,6,2,4;128,8,4,2,2;128,8,4,2,1"
+
+
+def parse_configs(text: str) -> list[Config]:
+    """';'-separated configs."""
+    return [Config.parse(c) for c in text.split(";") if c]
+
+
+def launch_options(config: Config, hidden: int) -> dict:
+    """`fp4_ws_kernel`'s constexprs and launch options for a config at reduction dim `hidden`."""
+    rows, decode_warps, word_stages, decoded_stages, parts = config
+    return {
+        "HIDDEN": hidden,
+        "NA": word_stages,
+        "NB": decoded_stages,
+        "DECODE_WARPS": decode_warps,
+        "PARTS": parts,
+        "num_warps": 4,  # the default partition: one warpgroup issuing the wgmmas
+        "maxnreg": 128,  # 16 warps an SM at 128 registers; the partitions then reallocate
+    }
 
 
 def descriptors(words2d, x2d, scales_t2d, rows: int, k_block: int, n: int):
@@ -298,7 +327,7 @@ def descriptors(words2d, x2d, scales_t2d, rows: int, k_block: int, n: int):
 def fp4_ws(packed, scales_t, x_slots, slot_expert, config: Config, k_block: int = 128):
     """packed [E, R, H / 2] uint8, scales_t [E, H / 32, R] uint8, x_slots [S, N, H] bf16,
     slot_expert [S] int32 -> [S, N, R] float32: x_slots[s] @ W[slot_expert[s]]^T."""
-    rows, decode_warps, word_stages, decoded_stages, parts = config
+    rows = config[0]
     experts, width, half = packed.shape
     hidden = 2 * half
     slots, n, _ = x_slots.shape
@@ -312,10 +341,8 @@ def fp4_ws(packed, scales_t, x_slots, slot_expert, config: Config, k_block: int 
     )
     out = torch.empty(slots, n, width, dtype=torch.float32, device=x_slots.device)
     fp4_ws_kernel[(width // rows, slots)](
-        w_desc, x_desc, s_desc, slot_expert, out, width, width,
-        HIDDEN=hidden, NA=word_stages, NB=decoded_stages, DECODE_WARPS=decode_warps,
-        PARTS=parts, num_warps=4, maxnreg=128,
-    )  # fmt: skip
+        w_desc, x_desc, s_desc, slot_expert, out, width, width, **launch_options(config, hidden)
+    )
     return out
 
 
@@ -334,8 +361,8 @@ def kernel_seconds(fn, name: str, repeats: int = 10) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slots", default="6,36,200", help="experts touched, one slot each")
-    p.add_argument("--rows", type=int, default=8, help="x rows a slot (wgmma's N: 8 or 16)")
-    p.add_argument("--configs", default="128,8,6,2,4;128,8,4,2,2;128,8,4,2,1")
+    p.add_argument("--rows", type=int, default=8, choices=(8, 16), help="x rows a slot (wgmma's N)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated configs (Config)")
     args = p.parse_args()
     hidden, width, experts = 4096, 4096, 256  # V4-Flash's gate and up rows, 256 experts
     dev = torch.device("cuda")
@@ -353,7 +380,7 @@ def main() -> None:
     copy = measure_copy_bandwidth(dev)
     name = torch.cuda.get_device_name()
     print(f"{name}, copy bandwidth {copy:.0f} GB/s, Triton {triton.__version__}")
-    configs = [Config.parse(c) for c in args.configs.split(";") if c]
+    configs = parse_configs(args.configs)
     for slots in (int(s) for s in args.slots.split(",")):
         slot_expert = torch.randperm(experts, device=dev, generator=gen)[:slots].to(torch.int32)
         nbytes = slots * width * (hidden // 2 + hidden // 32)

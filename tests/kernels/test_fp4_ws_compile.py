@@ -12,36 +12,28 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from tests.kernels.test_fp4_moe_compile import sass  # noqa: E402
+from tools import fp4_ws_bench as bench  # noqa: E402
 
 H200 = ("cuda", 90, 32)
 
 
-def compile_config(config: tuple[int, ...], hidden: int = 4096, width: int = 4096, n: int = 8):
+def compile_config(config: bench.Config, hidden: int = 4096, width: int = 4096, n: int = 8):
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from tools import fp4_ws_bench as bench
-
-    rows, decode_warps, word_stages, decoded_stages, parts = config
     w_desc, x_desc, s_desc = bench.descriptors(
         torch.zeros(8 * width, hidden // 8, dtype=torch.int32),
         torch.zeros(8 * n, hidden, dtype=torch.bfloat16),
         torch.zeros(8 * hidden // 32, width, dtype=torch.uint8),
-        rows,
+        config[0],
         128,
         n,
     )
     kernel = bench.fp4_ws_kernel
-    constants = {
-        "HIDDEN": hidden,
-        "NA": word_stages,
-        "NB": decoded_stages,
-        "DECODE_WARPS": decode_warps,
-        "PARTS": parts,
-        "num_warps": 4,
-    }
+    constants = bench.launch_options(config, hidden)
+    options = {"num_warps": constants["num_warps"], "maxnreg": constants.pop("maxnreg")}
     signature = {
         "w_desc": mangle_type(w_desc),
         "x_desc": mangle_type(x_desc),
@@ -55,10 +47,10 @@ def compile_config(config: tuple[int, ...], hidden: int = 4096, width: int = 409
     aligned = ("slot_expert_ptr", "out_ptr", "rows_per_expert", "out_row")
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget(*H200), options={"num_warps": 4, "maxnreg": 128})
+    return triton.compile(source, target=GPUTarget(*H200), options=options)
 
 
-@pytest.mark.parametrize("config", [(128, 8, 6, 2, 4), (128, 8, 4, 2, 2), (128, 8, 4, 2, 1)])
+@pytest.mark.parametrize("config", bench.parse_configs(bench.DEFAULT_CONFIGS))
 def test_warp_specialized_fp4_kernel_compiles_for_sm90(config: tuple[int, ...]) -> None:
     """The cubin has its partitions (register reallocation), the weights and x by TMA, the dots
     as async wgmma from shared memory, and fits one SM's shared memory."""
