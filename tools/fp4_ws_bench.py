@@ -45,12 +45,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from afdserve.bench.bytes import measure_copy_bandwidth
 from afdserve.kernels.moe import fp4_decode
-from afdserve.kernels.moe.fp4_decode import BF16_PAIR, BF16_SHIFT, HIGH_SIGNS
+from afdserve.kernels.moe.fp4_decode import BF16_PAIR, BF16_SHIFT, HIGH_SIGNS, LOW_MAGNITUDES
 from afdserve.kernels.reference import fp4
 from tools.fp4_moe_bench import replay_seconds
 
-# The nibbles that keep their magnitudes in `fp4_decode._fp4_step`'s bit moves.
-LOW_KEEP = gl.constexpr(0x00770077)
 # Gluon's names that changed after Triton 3.6 (the device's): shared memory seen as another
 # shape (`_reinterpret` there) and a TMA load (`async_copy_global_to_shared` there).
 _REINTERPRET = getattr(
@@ -136,7 +134,7 @@ def _decode(descs, bufs, bars, at, steps, part):
         scale = by_step.index(i).slice(R0, ROWS, 1).load(LT)
         scale = gl.convert_layout(gl.permute(scale, (1, 0)), LS).to(gl.int32)
         w = gl.convert_layout(gl.reshape(w, [ROWS, G, 4]), L3)
-        low = (w & LOW_KEEP) | ((w << 6) & ~LOW_KEEP)
+        low = (w & LOW_MAGNITUDES) | ((w << 6) & ~LOW_MAGNITUDES)
         high = (w & HIGH_SIGNS) | ((w >> 6) & ~HIGH_SIGNS)
         f = (scale + (126 - BF16_SHIFT)) << 7
         f = gl.expand_dims(f | (f << 16), 2)

@@ -148,6 +148,8 @@ def decodable(
 FP16_PAIR = tl.constexpr(0x8E008E00 - (1 << 32))
 # The same for two bf16s (bits 15, 8-6 and 31, 24-22), for bf16 rows.
 BF16_PAIR = tl.constexpr(0x81C081C0 - (1 << 32))
+# Nibbles 0, 1, 4 and 5's magnitudes (`_fp4_step`).
+LOW_MAGNITUDES = tl.constexpr(0x00770077)
 # Nibbles 2, 3, 6 and 7's signs (`_fp4_step`).
 HIGH_SIGNS = tl.constexpr(0x88008800 - (1 << 32))
 # bf16 rows: a code in BF16_PAIR's bits is its value times 2^-126, the weight that value times
@@ -228,7 +230,7 @@ def _fp4_step(
         # above it in the bf16): nibbles 0, 1, 4, 5 keep their magnitudes and take their signs 6
         # up (`low`), nibbles 2, 3, 6, 7 keep their signs and take their magnitudes 6 down
         # (`high`), a shift and a bit select each; then each pair is at most a shift and an and.
-        low = (w & 0x00770077) | ((w << 6) & ~0x00770077)
+        low = (w & LOW_MAGNITUDES) | ((w << 6) & ~LOW_MAGNITUDES)
         high = (w & HIGH_SIGNS) | ((w >> 6) & ~HIGH_SIGNS)
         halves = (
             (low << 6) & BF16_PAIR,
