@@ -566,30 +566,26 @@ def moe_experts(
         # The GPU kernels take a clamp only with gpt-oss's biases and gain so far (DeepSeek-V4's
         # swiglu_limit alone): the reference, graph capturable in its dense form.
         return _reference_experts(x, topk_ids, topk_weights, gate_up, down, limit)
-    if x.is_cuda:
-        from afdserve.kernels.moe import torch_grouped as moe_gpu
+    if _triton_ready(x):
+        from afdserve.kernels.moe import decode as triton_moe
+        from afdserve.kernels.moe import grouped as triton_grouped_moe
+        from afdserve.kernels.moe import torch_grouped
 
         if gate_up.shape[0] == 0:  # a shard without experts (more FFN ranks than experts)
             return torch.zeros_like(x)
         # Few pairs (decode): the fused Triton kernels, which route in registers and read each
         # touched expert once. More: the Triton grouped GEMM over a sort-free assignment (no
         # torch sort / scatter / gather around it); past GROUPED_MAX_PAIRS (prefill chunks,
-        # compute-bound) torch's grouped GEMM. The first crossover was measured.
-        if _triton_ready(x):
-            from afdserve.kernels.moe import decode as triton_moe
-            from afdserve.kernels.moe import grouped as triton_grouped_moe
-
-            pairs = topk_ids.numel()
-            if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
-                # Pairs with id -1 (no expert here) are skipped inside the kernels.
-                return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
-            grouped = pairs <= triton_grouped_moe.GROUPED_MAX_PAIRS
-            if grouped and triton_grouped_moe.supports(x, gate_up, down):
-                # Pairs with id -1 get no row of any expert there: no masking needed.
-                return triton_grouped_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
-        if moe_gpu.supports(x, gate_up, down):
-            ids, weights = _no_absent_pairs(topk_ids, topk_weights)
-            return moe_gpu.moe_experts(x, ids, weights, gate_up, down)
+        # compute-bound) torch's grouped GEMM. The first crossover was measured. Every path
+        # skips pairs with id -1 (no expert here) itself.
+        pairs = topk_ids.numel()
+        if pairs <= triton_moe.MAX_PAIRS and triton_moe.supports(x, gate_up, down):
+            return triton_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        grouped = pairs <= triton_grouped_moe.GROUPED_MAX_PAIRS
+        if grouped and triton_grouped_moe.supports(x, gate_up, down):
+            return triton_grouped_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        if torch_grouped.supports(x, gate_up, down):
+            return torch_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down)
     return _reference_experts(x, topk_ids, topk_weights, gate_up, down)
 
 
@@ -645,16 +641,6 @@ def _reference_experts(
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return reference.moe_experts_dense(*args)
     return reference.moe_experts(*args)
-
-
-def _no_absent_pairs(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's grouped GEMM indexes experts by id: a pair with id -1 (no expert here) becomes
-    expert 0 with weight 0: correct, but it costs a row of expert 0's work (the Triton kernels
-    skip such pairs instead)."""
-    absent = topk_ids < 0
-    return topk_ids.masked_fill(absent, 0), topk_weights.masked_fill(absent, 0.0)
 
 
 def fp8_linear(

@@ -171,8 +171,9 @@ def moe_case(
 
 def moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
     """The reference in float64, on the touched experts only (the full Qwen3 stack in float64
-    would be 7 GB)."""
-    hit, local = ids.unique(return_inverse=True)
+    would be 7 GB). Pairs of id -1 stay -1 (no expert)."""
+    hit = ids[ids >= 0].unique()
+    local = torch.searchsorted(hit, ids.clamp_min(0)).masked_fill(ids < 0, -1)
     return reference.moe_experts(
         x.double(), local, weights.double(), gate_up[hit].double(), down[hit].double()
     )
@@ -235,9 +236,39 @@ def test_moe_dispatch_uses_triton_for_few_pairs():
 
     small = moe_case(triton_moe.MAX_PAIRS // 8, *QWEN3_MOE, seed=31)
     assert torch.equal(no_sync(ops.moe_experts, *small), triton_moe.moe_experts(*small))
-    # The grouped GEMM adds picks with atomics, in no fixed order: equal up to bf16 rounding.
+    # The two grouped paths sum a row's pairs in different orders: equal up to bf16 rounding.
     large = moe_case(triton_moe.MAX_PAIRS // 8 + 1, *QWEN3_MOE, seed=32)
     assert rel_err(no_sync(ops.moe_experts, *large), moe_gpu.moe_experts(*large)) < 1e-2
+
+
+@pytest.mark.parametrize("rows,shared", [(1100, False), (1030, True), (2048, False)])
+def test_prefill_experts_match_reference(rows, shared):
+    """ops' bf16 path past the Triton grouped GEMM (prefill chunks): torch's grouped GEMM with
+    the activation and the weighted sum as Triton launches. Against the float64 reference with
+    pairs of no expert in every position (a row's first pair, a whole row: exactly zero), the
+    same bits every run, no host sync, and replayed in a CUDA graph on new inputs."""
+    from afdserve.kernels.moe import grouped as triton_grouped_moe
+    from afdserve.kernels.moe import torch_grouped
+
+    case = list(moe_case(rows, *QWEN3_MOE, seed=rows, shared=shared))
+    assert case[1].numel() > triton_grouped_moe.GROUPED_MAX_PAIRS
+    ids = case[1]
+    ids[::3, 0] = -1
+    ids[7] = -1
+    out = no_sync(ops.moe_experts, *case)
+    assert torch.equal(out, torch_grouped.moe_experts(*case))  # what ops dispatched to, again
+    assert torch.equal(out[7], torch.zeros_like(out[7]))
+    assert rel_err(out, moe_reference(*case)) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.moe_experts(*case)
+    for seed in (rows + 1, rows + 2):
+        new = moe_case(rows, *QWEN3_MOE, seed=seed, shared=shared)
+        for buffer, value in zip(case[:3], new[:3]):
+            buffer.copy_(value)
+        ids[1::4, 2] = -1
+        graph.replay()
+        assert rel_err(captured, moe_reference(*case)) < 2e-2
 
 
 def test_moe_fp32_falls_back_to_reference():

@@ -170,17 +170,23 @@ def _sum_kernel(
     y_ptr,
     ids_ptr,
     out_ptr,
+    slots_ptr,
+    weights_ptr,
     num_experts,
     top_k,
     hidden,
     TOP_K_PAD: tl.constexpr,
     COLUMNS: tl.constexpr,
     GDC: tl.constexpr = 0,
+    HAS_SLOTS: tl.constexpr = False,
+    HAS_WEIGHTS: tl.constexpr = False,
 ):
     """out[row] = the sum of the row's y rows, skipping pairs routed to no expert here (id
     outside [0, num_experts): never written). Every expert path's last launch: the row's top_k
     loads are one [TOP_K_PAD, COLUMNS] tile, issued together rather than one after another, and
-    reduced in tl.sum's fixed tree order (the same bits every run and on every rank)."""
+    reduced in tl.sum's fixed tree order (the same bits every run and on every rank).
+    `HAS_SLOTS`: a pair's y row is slots[pair] (y grouped by expert); `HAS_WEIGHTS`: each y row
+    is scaled by its pair's routing weight here, in float32."""
     if GDC:  # launched early (programmatic dependent launch): wait for the kernels before
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
@@ -190,31 +196,52 @@ def _sum_kernel(
     expert = tl.load(ids_ptr + pair, mask=j < top_k, other=-1)
     routed = (j < top_k) & (expert >= 0) & (expert < num_experts)
     ok = col < hidden
+    source = pair
+    if HAS_SLOTS:
+        source = tl.load(slots_ptr + pair, mask=routed, other=0).to(tl.int64)
     y = tl.load(
-        y_ptr + pair[:, None] * hidden + col[None, :], mask=routed[:, None] & ok[None, :], other=0.0
-    )
+        y_ptr + source[:, None] * hidden + col[None, :],
+        mask=routed[:, None] & ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_WEIGHTS:
+        y *= tl.load(weights_ptr + pair, mask=routed, other=0.0).to(tl.float32)[:, None]
     out = tl.sum(y, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def sum_pairs(
-    y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int, gdc: int = 0
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    experts: int,
+    gdc: int = 0,
+    slots: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    columns: int = SUM_COLUMNS,
+    warps: int = 4,
 ) -> torch.Tensor:
     """`_sum_kernel` over out [rows, hidden] from y [rows * top_k, hidden] float32 and the flat
-    ids [rows * top_k]."""
+    ids [rows * top_k]; or, with `slots` [rows * top_k], pair p's row of y is slots[p] (y in any
+    float dtype, rows no routed pair names left unread), and with `weights` [rows * top_k] each
+    row is scaled by its pair's weight before the sum. `columns`, `warps`: a program's tile."""
     rows, hidden = out.shape
     top_k = ids.numel() // max(1, rows)
-    _sum_kernel[(rows, triton.cdiv(hidden, SUM_COLUMNS))](
+    _sum_kernel[(rows, triton.cdiv(hidden, columns))](
         y,
         ids,
         out,
+        ids if slots is None else slots,  # never read without them
+        ids if weights is None else weights,
         experts,
         top_k,
         hidden,
         TOP_K_PAD=max(2, triton.next_power_of_2(top_k)),
-        COLUMNS=SUM_COLUMNS,
+        COLUMNS=columns,
         GDC=gdc,
-        num_warps=4,
+        HAS_SLOTS=slots is not None,
+        HAS_WEIGHTS=weights is not None,
+        num_warps=warps,
         launch_pdl=gdc > 0,
     )
     return out

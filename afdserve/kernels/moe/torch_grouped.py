@@ -1,10 +1,15 @@
-"""Routed experts as two grouped GEMMs (`torch.nn.functional.grouped_mm`), with no host sync.
+"""Routed experts as two grouped GEMMs (`torch.nn.functional.grouped_mm`), with no host sync:
+the path of prefill chunks (compute-bound), where cuBLAS's grouped GEMM beats tiles of our own.
 
-Rows are sorted by expert on the device; per-expert row counts become the grouped GEMM's offsets,
-so the number of rows each expert gets never reaches the host (the reference's `.tolist()` does).
-Experts that get no rows are skipped by the grouped kernel: a decode step reads only the experts
-its batch touches. `ops.moe_experts` uses this path above `triton_moe.MAX_PAIRS` (token, expert)
-pairs; below it, the Triton decode kernels measured faster (docs/benchmarks.md).
+Pairs are sorted by expert on the device; per-expert pair counts become the grouped GEMM's
+offsets, so the number of rows each expert gets never reaches the host (the reference's
+`.tolist()` does). Pairs of no expert here (id outside [0, experts): pad rows, experts another
+rank holds) sort past the last group, where neither GEMM computes them. Around the GEMMs, two
+Triton launches rather than torch's elementwise chain: the activation over the gate/up output in
+place (kernels/triton/swiglu.py), and the routing weights and the sum of each row's pairs in one
+read of the down output (`decode.sum_pairs` through each pair's slot), in float32, rounded once.
+That chain (a float32 copy of y, its product with the weights, a cast back and an atomic
+index_add_) took twice the GEMMs' time in an 8192-token prefill step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afdserve.kernels.moe.decode import sum_pairs
+from afdserve.kernels.triton.swiglu import swiglu
+
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """grouped_mm runs bf16 only; its operands need 16-byte aligned rows."""
-    if not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm") or not x.is_cuda:
         return False
     if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
         return False
@@ -30,21 +38,28 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as `reference.moe_experts`. x [rows, hidden] bf16."""
+    """Same contract as `reference.moe_experts` (ids -1 go to no expert). x [rows, hidden] bf16
+    on CUDA (`supports`)."""
     rows, top_k = topk_ids.shape
-    experts = gate_up.shape[0]
+    experts, inter = gate_up.shape[0], down.shape[2]
+    out = torch.empty_like(x)
+    if rows == 0:
+        return out
     flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # [rows * k] picks grouped by expert
-    token_of = order // top_k
+    absent = (flat_ids < 0) | (flat_ids >= experts)
+    keys = flat_ids.masked_fill(absent, experts)  # absent pairs in a last group of their own
+    order = torch.argsort(keys, stable=True)  # [rows * k] pairs grouped by expert
     # bincount on CUDA reads the max id back to the host; a scatter-add does not.
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # end row of each expert's group
-    sorted_x = x.index_select(0, token_of)  # [rows * k, hidden]
-    # grouped_mm computes a @ b per group with b [E, K, N]: the stored [E, N, K] weights transposed.
-    gate, up = F.grouped_mm(sorted_x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [rows * k, hidden]
-    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    out = torch.zeros_like(x)
-    out.index_add_(0, token_of, (y.float() * weights).to(x.dtype))
-    return out
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    # End row of each expert's group; the last is where the absent pairs start.
+    offsets = torch.cumsum(counts[:experts], dim=0, dtype=torch.int32)
+    sorted_x = x.index_select(0, order // top_k)  # [rows * k, hidden]
+    # grouped_mm computes a @ b per group with b [E, K, N]: the stored [E, N, K] weights
+    # transposed. Rows past the last group are left unwritten, and nothing reads them.
+    gate_up_out = F.grouped_mm(sorted_x, gate_up.transpose(1, 2), offs=offsets)
+    h = swiglu(gate_up_out[:, :inter], gate_up_out[:, inter:], rows_end=offsets[-1:])
+    y = F.grouped_mm(h, down.transpose(1, 2), offs=offsets)  # [rows * k, hidden]
+    slots = torch.empty_like(order)  # pair p's row of y
+    slots.scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    return sum_pairs(y, flat_ids, out, experts, slots=slots, weights=topk_weights.reshape(-1))

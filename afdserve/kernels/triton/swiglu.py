@@ -14,9 +14,22 @@ BLOCK = 1024  # columns a program takes (not measured)
 
 @triton.jit
 def _swiglu_kernel(
-    G, U, Y, width, stride_g, stride_u, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr
+    G,
+    U,
+    Y,
+    END,
+    width,
+    stride_g,
+    stride_u,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    HAS_END: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_END:  # rows from END[0] on hold no values (a grouped GEMM's rows past its groups)
+        if row >= tl.load(END):
+            return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0)
@@ -43,9 +56,15 @@ def supports(gate: torch.Tensor, up: torch.Tensor) -> bool:
     )
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    limit: float | None = None,
+    rows_end: torch.Tensor | None = None,
+) -> torch.Tensor:
     """silu(gate) * up [rows, width] (`supports`), with `limit`: gate clamped to <= limit and up
-    to [-limit, limit] first."""
+    to [-limit, limit] first. `rows_end`: a one-element int32 tensor on the rows' device; rows
+    from its value on are neither read nor written (known on the device only: no host sync)."""
     rows, width = gate.shape
     out = torch.empty(rows, width, dtype=gate.dtype, device=gate.device)
     if rows and width:
@@ -53,11 +72,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> 
             gate,
             up,
             out,
+            gate if rows_end is None else rows_end,  # never read without it
             width,
             gate.stride(0),
             up.stride(0),
             0.0 if limit is None else float(limit),
             HAS_LIMIT=limit is not None,
+            HAS_END=rows_end is not None,
             BLOCK=BLOCK,
             num_warps=4,
         )
