@@ -15,6 +15,12 @@ and one that fails (to compile, launch or match) is reported and skipped. About 
 register cap) and prints the fastest per shape (each compiles once: about two more minutes).
 
     PYTHONPATH=. python tools/attention_bench.py --sweep
+
+--prefill SxL,... times prefill instead: S sequences of L new tokens each over a bf16 cache
+(causal), by TFLOP/s (4 x head dim FLOPs per query head and visible key) against the device's
+measured bf16 matmul rate; with --sweep, over a grid that adds the query rows a program takes.
+
+    PYTHONPATH=. python tools/attention_bench.py --prefill 8x1024,2x4096 --sweep
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's folder
 
 from afdserve.bench.bytes import measure_copy_bandwidth
+from afdserve.bench.flops import measure_matmul_tflops
 from afdserve.kernels import ops
 from afdserve.kernels.metadata import AttentionMetadata, Segment, batch_segments
 from afdserve.kernels.reference import layers as reference
@@ -57,6 +64,77 @@ def decode_case(batch: int, ctx: int, gen: torch.Generator):
     q = torch.randn(batch, HEADS, DIM, device="cuda", generator=gen).bfloat16()
     k8, v8 = reference.quantize_kv(k, FP8, K_SCALE), reference.quantize_kv(v, FP8, V_SCALE)
     return q, (k, v), (k8, v8), meta
+
+
+def prefill_case(seqs: int, length: int, gen: torch.Generator):
+    """q [seqs * length, heads, dim] bf16, a bf16 cache of the same tokens in shuffled blocks,
+    and a prefill step's metadata (each sequence's `length` tokens all new)."""
+    per_seq = -(-length // BLOCK)
+    blocks = seqs * per_seq
+    shape = (blocks, BLOCK, KV_HEADS, DIM)
+    k = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(seqs, -1)
+    segments = tuple(Segment(i * length, (i + 1) * length, tables[i], length) for i in range(seqs))
+    rows = seqs * length
+    meta = AttentionMetadata(
+        positions=torch.arange(length, device="cuda").repeat(seqs),
+        slot_mapping=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+        segments=segments,
+        batched=batch_segments(segments, torch.device("cuda")),
+    )
+    q = torch.randn(rows, HEADS, DIM, device="cuda", generator=gen).bfloat16()
+    return q, (k, v), meta
+
+
+def prefill_grid() -> list[Launch]:
+    """The shipped prefill launch first, then context tiles of 32-128 tokens over 4 or 8 warps
+    and 2-4 stages, at 64 and 128 query rows a program."""
+    grid = [triton_attention.PREFILL_LAUNCH]
+    for rows in (64, 128):
+        for block_n, warps, stages in (
+            (64, 4, 3),
+            (128, 4, 3),
+            (64, 8, 3),
+            (128, 8, 3),
+            (32, 4, 3),
+            (64, 8, 2),
+            (128, 8, 2),
+            (64, 4, 2),
+            (64, 8, 4),
+        ):
+            grid.append(Launch(block_n, warps, stages, prefill_rows=rows))
+    return grid
+
+
+def bench_prefill(seqs: int, length: int, peak: float, sweep: bool, gen, best: dict) -> None:
+    q, (k, v), meta = prefill_case(seqs, length, gen)
+    flops = 4 * DIM * HEADS * seqs * length * (length + 1) / 2
+    one = AttentionMetadata(meta.positions[:length], meta.slot_mapping[:length], meta.segments[:1])
+    ref = reference.paged_attention(q[:length].float(), k.float(), v.float(), one, DIM**-0.5)
+    for launch in [None, *(prefill_grid() if sweep else [])]:
+
+        def run(launch=launch) -> torch.Tensor:
+            if launch is None:
+                return ops.paged_attention(q, k, v, meta, DIM**-0.5)
+            return triton_attention.paged_attention(q, k, v, meta, DIM**-0.5, launch=launch)
+
+        label = "shipped" if launch is None else str(launch)
+        try:
+            err = rel_err(run()[:length], ref)
+            if not err < 2e-2:
+                raise RuntimeError(f"relative error {err:.2e} against the reference")
+            t = replay_seconds(run)
+        except Exception as e:  # a launch the device cannot run: reported, skipped
+            msg = str(e).splitlines()[0][:90] if str(e) else ""
+            print(f"{seqs:5d} {length:6d}  {label}: failed, {type(e).__name__}: {msg}")
+            continue
+        tflops = flops / t / 1e12
+        row = f"{seqs:5d} {length:6d} {t * 1e6:9.1f} {tflops:7.1f} {tflops / peak:7.1%}"
+        print(f"{row} {err:9.1e}  {label}")
+        key = (seqs, length, "prefill")
+        if launch is not None and (key not in best or t < best[key][0]):
+            best[key] = (t, launch)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -141,16 +219,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="batch x context, comma separated")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch constants")
+    p.add_argument("--prefill", help="sequences x new tokens, comma separated: prefill instead")
     args = p.parse_args()
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
+    best: dict[tuple[int, int, str], tuple[float, Launch]] = {}
+    if args.prefill:
+        peak = measure_matmul_tflops(torch.device("cuda"))
+        print(f"paged prefill attention, causal, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}")
+        print(f"device bf16 matmul rate {peak:.0f} TFLOP/s")
+        print(" seqs length        us  TFLOP/s of_peak   rel_err  launch")
+        for seqs, length in (tuple(int(n) for n in s.split("x")) for s in args.prefill.split(",")):
+            bench_prefill(seqs, length, peak, args.sweep, gen, best)
+            torch.cuda.empty_cache()
+        for (seqs, length, _), (t, launch) in best.items():
+            print(f"fastest: {seqs} x {length} {t * 1e6:8.1f} us  {launch}")
+        return
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     copy = measure_copy_bandwidth(torch.device("cuda"))
     print(
         f"paged decode attention, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}, block "
         f"{BLOCK}; device copy bandwidth {copy:.0f} GB/s"
     )
     print("batch    ctx  cache      us    GB/s  of_copy   rel_err  fp8_speedup / launch")
-    best: dict[tuple[int, int, str], tuple[float, Launch]] = {}
     for batch, ctx in shapes:
         try:
             bench_shape(batch, ctx, copy, args.sweep, gen, best)

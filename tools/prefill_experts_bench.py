@@ -19,7 +19,7 @@ from fp4_moe_bench import replay_seconds  # tools/, on sys.path as this script's
 
 from afdserve.bench.flops import measure_matmul_tflops
 from afdserve.kernels import ops
-from afdserve.kernels.moe import decode
+from afdserve.kernels.moe import decode, torch_grouped
 from afdserve.kernels.triton.swiglu import swiglu
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
@@ -61,7 +61,9 @@ def stages(tokens: int, sweep: bool, peak: float) -> None:
         "gate/up grouped GEMM": lambda: F.grouped_mm(sorted_x, gate_up.mT, offs=offsets),
         "activation": lambda: swiglu(gu[:, :INTER], gu[:, INTER:], rows_end=offsets[-1:]),
         "down grouped GEMM": lambda: F.grouped_mm(h, down.transpose(1, 2), offs=offsets),
-        "weighted sum": lambda: decode.sum_pairs(y, flat, out, EXPERTS, slots=slots, weights=w),
+        "weighted sum": lambda: decode.sum_pairs(
+            y, flat, out, EXPERTS, 0, slots, w, *torch_grouped.SUM_TILE
+        ),
         "whole path": lambda: ops.moe_experts(x, ids, weights, gate_up, down),
     }
     flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER

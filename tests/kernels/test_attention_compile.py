@@ -140,6 +140,11 @@ def test_prefill_launches_compile() -> None:
 
     for fp8 in (False, True):
         assert_loop_does_not_spill(compile_for_h200(fp8, ta.DEFAULT_LAUNCH, block_q=8))
+    # What paged_attention launches for prefill over a bf16 cache at Qwen3-30B-A3B's heads: 128
+    # rows. (Over an FP8 cache they spill in the loop: it keeps DEFAULT_LAUNCH's 64, above.)
+    block_q = ta.query_block(False, 8, 128, ta.PREFILL_LAUNCH.prefill_rows)
+    assert block_q == 16
+    assert_loop_does_not_spill(compile_for_h200(False, ta.PREFILL_LAUNCH, block_q=block_q))
 
 
 def test_gpt_oss_launches_compile_without_spills() -> None:
@@ -152,6 +157,9 @@ def test_gpt_oss_launches_compile_without_spills() -> None:
             launch = ta.FP8_DECODE_LAUNCH if fp8 and block_q == 2 else ta.DEFAULT_LAUNCH
             compiled = compile_for_h200(fp8, launch, block_q, direct, gpt_oss=True)
             assert_loop_does_not_spill(compiled)
+    for direct in (False, True):  # prefill over a bf16 cache: PREFILL_LAUNCH's 128 rows
+        compiled = compile_for_h200(False, ta.PREFILL_LAUNCH, 16, direct, gpt_oss=True)
+        assert_loop_does_not_spill(compiled)
 
 
 def test_wide_heads_fit_the_shared_memory_of_sm_90() -> None:

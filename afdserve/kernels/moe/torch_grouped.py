@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from afdserve.kernels.moe.decode import sum_pairs
 from afdserve.kernels.triton.swiglu import swiglu
 
+# The weighted sum's tile (hidden columns a program takes, warps): 1024 x 4 took 110 us for
+# 65536 pairs of 2048 channels on an H100 where decode's 512 x 4 took 202, 2048 x 8 109 (tools/
+# prefill_experts_bench.py --sweep, docs/benchmarks.md, 2026-12-07).
+SUM_TILE = (1024, 4)
+
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """grouped_mm runs bf16 only; its operands need 16-byte aligned rows."""
@@ -62,4 +67,6 @@ def moe_experts(
     y = F.grouped_mm(h, down.transpose(1, 2), offs=offsets)  # [rows * k, hidden]
     slots = torch.empty_like(order)  # pair p's row of y
     slots.scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return sum_pairs(y, flat_ids, out, experts, slots=slots, weights=topk_weights.reshape(-1))
+    columns, warps = SUM_TILE
+    weights = topk_weights.reshape(-1)
+    return sum_pairs(y, flat_ids, out, experts, 0, slots, weights, columns, warps)

@@ -47,10 +47,21 @@ class Launch:
     stages: int = STAGES
     programs_per_sm: int = PROGRAMS_PER_SM
     maxnreg: int | None = None  # registers per thread ptxas may use (None: its own choice)
+    # Query rows (positions x their group's heads) a prefill program takes; decode takes 16.
+    prefill_rows: int = 64
 
 
-# A cache of q's dtype, and prefill over any cache.
+# Decode over a cache of q's dtype, and prefill where `PREFILL_LAUNCH` does not apply.
 DEFAULT_LAUNCH = Launch()
+# Prefill and mixed steps over a cache of q's dtype, heads of up to `PREFILL_HEAD_DIM` channels:
+# 128 query rows a program over 32-token tiles, the fastest of `tools/attention_bench.py --prefill
+# 8x1024,2x4096 --sweep` on an H100 (309 against 355 us at 8 x 1024, 976 against 1101 at 2 x 4096;
+# docs/benchmarks.md, 2026-12-07). Others keep `DEFAULT_LAUNCH` (64 rows): over an FP8 cache
+# the 128 rows spill in the loop (its dequantized tiles live beside them; tests/kernels/
+# test_attention_compile.py), and 128 rows of a float32 accumulator 256 channels wide would not
+# fit 4 warps' registers.
+PREFILL_LAUNCH = Launch(block_n=32, prefill_rows=128)
+PREFILL_HEAD_DIM = 128
 # Decode over an FP8 cache. Up to 4 stages Triton's pipeliner (3.6) issues a tile's K/V copies
 # one iteration ahead and waits for all of them at the loop top (async_wait num=0), so a
 # program's loads never overlap its own compute: an SM has its 4 programs x one tile in flight,
@@ -74,10 +85,10 @@ def wide_head(dim: int) -> bool:
     return triton.next_power_of_2(dim) >= WIDE_HEAD_DIM
 
 
-def query_block(decode: bool, group_pad: int, dim: int) -> int:
-    """Query positions a program takes (each with its group's heads): 16 rows at decode, 64 in
-    prefill, 32 at most for wide heads."""
-    rows = MIN_TILE_ROWS if decode else 64
+def query_block(decode: bool, group_pad: int, dim: int, prefill_rows: int = 64) -> int:
+    """Query positions a program takes (each with its group's heads): 16 rows at decode,
+    `prefill_rows` in prefill, 32 at most for wide heads."""
+    rows = MIN_TILE_ROWS if decode else prefill_rows
     if wide_head(dim):
         rows = min(rows, WIDE_TILE_ROWS)
     return max(1, rows // group_pad)
@@ -500,7 +511,9 @@ def paged_attention(
     The caches are both q's dtype, or both float8_e4m3fn (read with k_scale / v_scale).
     With a `window` the splits cover a query block's windows, not the whole context.
     `launch`: the kernel's launch constants (default: `FP8_DECODE_LAUNCH` for decode over an FP8
-    cache, else `DEFAULT_LAUNCH`); only benchmarks pass it."""
+    cache, `PREFILL_LAUNCH` for longer queries over a cache of q's dtype and heads up to
+    `PREFILL_HEAD_DIM` channels, `WIDE_LAUNCH` for wide heads, else `DEFAULT_LAUNCH`); only
+    benchmarks pass it."""
     batched = meta.batched
     assert batched is not None, "the Triton path needs meta.batched (filled for CUDA steps)"
     rows, heads, dim = q.shape
@@ -513,7 +526,6 @@ def paged_attention(
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     decode = batched.max_query_len <= 1
-    block_q = query_block(decode, group_pad, dim)
     segments = int(batched.context_lens.shape[0])
     if segments == 0 or batched.max_context_len == 0:
         return torch.zeros(rows, heads, dim, dtype=q.dtype, device=q.device)
@@ -521,6 +533,9 @@ def paged_attention(
         launch = WIDE_LAUNCH
     elif launch is None:
         launch = FP8_DECODE_LAUNCH if fp8_kv and decode else DEFAULT_LAUNCH
+        if not (decode or fp8_kv) and triton.next_power_of_2(dim) <= PREFILL_HEAD_DIM:
+            launch = PREFILL_LAUNCH
+    block_q = query_block(decode, group_pad, dim, launch.prefill_rows)
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
     span = batched.max_context_len
     if window is not None:  # the keys one query block can see
