@@ -3,7 +3,8 @@ and the weighted sum of each row's pairs as Triton launches) under Triton's inte
 (TRITON_INTERPRET=1, numpy), on CPU, where torch runs grouped_mm too.
 
 Against the float64 reference with pairs of no expert (id -1, or an id past the shard's experts)
-in every position: a row's first pair, a whole row (exactly zero). And the sum alone, reading y
+in every position: a row's first pair, a whole row (exactly zero); x column-major gives the
+same bits. And the sum alone, reading y
 through each pair's slot with its weight, against the same sum in float64 (float32 y: to float32
 rounding). In a subprocess because the variable must be set before any @triton.jit function is
 defined (tests/kernels/interpret.py).
@@ -39,6 +40,8 @@ for rows, e, hidden, inter, k in [(40, 8, 64, 32, 2), (33, 16, 128, 64, 4), (3, 
     # bf16 outputs; the interpreter truncates float32 -> bf16 casts (tests/kernels/interpret.py)
     assert got.shape == x.shape and got.dtype == torch.bfloat16 and err < 2e-2, (rows, err)
     assert torch.equal(got[-1], torch.zeros_like(got[-1])), rows
+    column_major = x.t().contiguous().t()  # the same rows, strides (1, rows)
+    assert torch.equal(torch_grouped.moe_experts(column_major, ids, weights, w13, w2), got), rows
 
 rows, k, hidden = 9, 3, 700  # hidden past one program's 512 columns, masked
 gen = torch.Generator().manual_seed(0)

@@ -47,7 +47,7 @@ def moe_experts(
     on CUDA (`supports`)."""
     rows, top_k = topk_ids.shape
     experts, inter = gate_up.shape[0], down.shape[2]
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, as the sum writes
     if rows == 0:
         return out
     flat_ids = topk_ids.reshape(-1)
