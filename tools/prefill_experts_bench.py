@@ -36,33 +36,25 @@ def stages(tokens: int, sweep: bool, peak: float) -> None:
     logits = torch.randn(tokens, EXPERTS, device="cuda", generator=gen)
     weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    order, offsets, slots = torch_grouped.group_pairs(flat, EXPERTS)
     sorted_x = x.index_select(0, order // TOP_K)
-    gu = F.grouped_mm(sorted_x, gate_up.transpose(1, 2), offs=offsets)
+    gu = F.grouped_mm(sorted_x, gate_up.mT, offs=offsets)
     h = swiglu(gu[:, :INTER], gu[:, INTER:], rows_end=offsets[-1:])
-    y = F.grouped_mm(h, down.transpose(1, 2), offs=offsets)
-    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
+    y = F.grouped_mm(h, down.mT, offs=offsets)
     out = torch.empty_like(x)
     w = weights.reshape(-1)
+    columns, warps = torch_grouped.SUM_TILE
 
     def sort_and_gather() -> None:
-        o = torch.argsort(flat, stable=True)
-        c = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
-        c.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        torch.cumsum(c, 0, dtype=torch.int32)
-        x.index_select(0, o // TOP_K)
-        torch.empty_like(o).scatter_(0, o, torch.arange(o.numel(), device="cuda"))
+        x.index_select(0, torch_grouped.group_pairs(flat, EXPERTS)[0] // TOP_K)
 
     runs = {
         "sort, gather, slots": sort_and_gather,
         "gate/up grouped GEMM": lambda: F.grouped_mm(sorted_x, gate_up.mT, offs=offsets),
         "activation": lambda: swiglu(gu[:, :INTER], gu[:, INTER:], rows_end=offsets[-1:]),
-        "down grouped GEMM": lambda: F.grouped_mm(h, down.transpose(1, 2), offs=offsets),
+        "down grouped GEMM": lambda: F.grouped_mm(h, down.mT, offs=offsets),
         "weighted sum": lambda: decode.sum_pairs(
-            y, flat, out, EXPERTS, 0, slots, w, *torch_grouped.SUM_TILE
+            y, flat, out, EXPERTS, slots=slots, weights=w, columns=columns, warps=warps
         ),
         "whole path": lambda: ops.moe_experts(x, ids, weights, gate_up, down),
     }

@@ -51,22 +51,40 @@ def moe_experts(
     if rows == 0:
         return out
     flat_ids = topk_ids.reshape(-1)
-    absent = (flat_ids < 0) | (flat_ids >= experts)
-    keys = flat_ids.masked_fill(absent, experts)  # absent pairs in a last group of their own
-    order = torch.argsort(keys, stable=True)  # [rows * k] pairs grouped by expert
-    # bincount on CUDA reads the max id back to the host; a scatter-add does not.
-    counts = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
-    # End row of each expert's group; the last is where the absent pairs start.
-    offsets = torch.cumsum(counts[:experts], dim=0, dtype=torch.int32)
+    order, offsets, slots = group_pairs(flat_ids, experts)
     sorted_x = x.index_select(0, order // top_k)  # [rows * k, hidden]
     # grouped_mm computes a @ b per group with b [E, K, N]: the stored [E, N, K] weights
     # transposed. Rows past the last group are left unwritten, and nothing reads them.
     gate_up_out = F.grouped_mm(sorted_x, gate_up.transpose(1, 2), offs=offsets)
     h = swiglu(gate_up_out[:, :inter], gate_up_out[:, inter:], rows_end=offsets[-1:])
     y = F.grouped_mm(h, down.transpose(1, 2), offs=offsets)  # [rows * k, hidden]
-    slots = torch.empty_like(order)  # pair p's row of y
-    slots.scatter_(0, order, torch.arange(order.numel(), device=x.device))
     columns, warps = SUM_TILE
-    weights = topk_weights.reshape(-1)
-    return sum_pairs(y, flat_ids, out, experts, 0, slots, weights, columns, warps)
+    return sum_pairs(
+        y,
+        flat_ids,
+        out,
+        experts,
+        slots=slots,
+        weights=topk_weights.reshape(-1),
+        columns=columns,
+        warps=warps,
+    )
+
+
+def group_pairs(
+    flat_ids: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs [rows * k] grouped by expert on the device: (order, the pairs in group order;
+    offsets [experts] int32, each group's end row, the grouped GEMM's `offs`; slots, pair p's
+    row in that order). Pairs of no expert (id outside [0, experts)) sort past the last group."""
+    absent = (flat_ids < 0) | (flat_ids >= experts)
+    keys = flat_ids.masked_fill(absent, experts)  # absent pairs in a last group of their own
+    order = torch.argsort(keys, stable=True)
+    # bincount on CUDA reads the max id back to the host; a scatter-add does not.
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=flat_ids.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    # End row of each expert's group; the last is where the absent pairs start.
+    offsets = torch.cumsum(counts[:experts], dim=0, dtype=torch.int32)
+    slots = torch.empty_like(order)
+    slots.scatter_(0, order, torch.arange(order.numel(), device=flat_ids.device))
+    return order, offsets, slots
