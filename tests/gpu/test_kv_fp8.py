@@ -143,7 +143,7 @@ def test_fp8_prepare_qkv_matches_reference(norm, scales):
     may land on the neighbouring e4m3 value, rarely. v is copied, so always bit for bit."""
     from afdserve.kernels.triton import qkv as triton_qkv
 
-    for rows in (1, 7, 64):
+    for rows in (1, 7, 64, triton_qkv.PREFILL_FROM + 3):  # the last: prefill's tiles of rows
         case = fp8_qkv_case(rows, norm, seed=rows + 100 * norm)
         assert triton_qkv.supports(case["qkv"], case["k_cache"], case["v_cache"], 128)
         k_want, v_want = case["k_cache"].clone(), case["v_cache"].clone()

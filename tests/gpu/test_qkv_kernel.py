@@ -114,6 +114,29 @@ def test_prepare_qkv_matches_reference(heads, kv_heads, dim, dtype, norm, interl
         check_case(case, got, k_before, v_before)
 
 
+@pytest.mark.parametrize("tile", [None, 2, 16])  # None: the shipped PREFILL_ROWS
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 4, 128), (8, 8, 96), (4, 1, 64)])
+def test_prepare_qkv_prefill_tiles_match_reference(
+    heads, kv_heads, dim, dtype, norm, interleave, tile, monkeypatch
+):
+    """Prefill's tiles of several rows a program (a launch of PREFILL_FROM rows or more), a
+    partial last tile included: the same contract as one row a program."""
+    from afdserve.kernels.triton import qkv as triton_qkv
+
+    if tile is not None:
+        monkeypatch.setattr(triton_qkv, "PREFILL_ROWS", tile)
+    rows = triton_qkv.PREFILL_FROM + triton_qkv.PREFILL_ROWS // 2 + 1
+    seed = hash((heads, kv_heads, dim, dtype, norm, interleave, tile))
+    case = qkv_case(rows, heads, kv_heads, dim, DTYPES[dtype], norm, seed)
+    case["layout"] = dataclasses.replace(case["layout"], interleave=interleave)
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    got = triton_qkv.prepare_qkv(**case)
+    check_case(case, got, k_before, v_before)
+
+
 def test_prepare_qkv_float32_norm_weights():
     """Norm weights in float32 with bf16 activations: the reference's norm output is float32 then,
     and so is its rotary; the kernel follows and rounds q to bf16 once at the end."""

@@ -2,7 +2,8 @@
 numpy) on CPU, against `reference.prepare_qkv`: q and both whole caches (pad rows, slot -1, write
 nothing). Layouts: Qwen3's per-head norms over the whole head's rotary; MiniMax-M2's norms over the
 row's whole q and k (weights of heads * head_dim) with rotary on half of each head, the rest passed
-through; the partial rotary with no norm (bit for bit) and interleaved. float32 and float16 (the
+through; the partial rotary with no norm (bit for bit) and interleaved; each at one row a program
+and in prefill's tiles of several rows. float32 and float16 (the
 interpreter's bf16 is unreliable, and so is its float8_e4m3fn cast, which rounds 1.97 to 1.0: the
 FP8 cache is tests/gpu/test_qkv_kernel.py's, which runs the same layouts compiled). In a
 subprocess: the variable must be set before any @triton.jit function is defined."""
@@ -63,6 +64,10 @@ CASES = [
 ]
 for seed, (h, kv, d, rot, norm, over, inter, dt) in enumerate(CASES):
     check(case(h, kv, d, rot, norm, over, inter, dt, seed), exact=not norm)
+# Prefill's tiles of several rows: 6 rows as a tile of 4 and a partial one (pads in both).
+triton_qkv.PREFILL_FROM, triton_qkv.PREFILL_ROWS = 4, 4
+for seed, (h, kv, d, rot, norm, over, inter, dt) in enumerate(CASES):
+    check(case(h, kv, d, rot, norm, over, inter, dt, seed + 100), exact=not norm)
 print("ok")
 """
 

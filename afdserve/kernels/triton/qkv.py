@@ -4,12 +4,13 @@ MiniMax-M2's partial rope passes the rest through), and the k/v writes into the 
 Eagerly that is six launches per layer, each a few microseconds of mostly launch overhead at
 decode batch sizes.
 
-Grid (rows, heads + kv_heads): program (r, h) reads head h of row r from the fused qkv row (for a
-norm over the heads also the row's whole q or k, whose statistics each program recomputes from
-cache rather than in a launch of their own). q and k heads sit back to back there, so head h's
-source is columns [h * dim, (h + 1) * dim) either way. A q program writes the new q; a k program
-writes its rotated k and copies the matching v head into the cache, at the row's slot (slot -1:
-nothing).
+Grid (row tiles, heads + kv_heads): program (t, h) reads head h of tile t's rows from the fused
+qkv rows (for a norm over the heads also each row's whole q or k, whose statistics each program
+recomputes from cache rather than in a launch of their own). A tile is one row at decode sizes
+and `PREFILL_ROWS` rows in a launch of `PREFILL_FROM` rows or more. q and k heads sit back to
+back there, so head h's source is columns [h * dim, (h + 1) * dim) either way. A q program writes
+the new q; a k program writes its rotated k and copies the matching v head into the cache, at each
+row's slot (slot -1: nothing).
 
 Numerics follow the reference composition step by step, rounding where it rounds: the normalised
 head to qkv's dtype, the weight product to the promoted dtype, cos/sin to that dtype, and each
@@ -69,8 +70,9 @@ def _norm_rotate(
     NORM_WIDTH: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One head: (first, second) rotated halves and the pass-through channels past the rotary
-    width, in float32, each already rounded to DT. The norm's statistics are the head's own, or
+    """One head of a tile of rows ([ROWS, channels] indices, `src` and `row_src` [ROWS, 1]):
+    (first, second) rotated halves and the pass-through channels past the rotary width, in
+    float32, each already rounded to DT. The norm's statistics are each row's head's own, or
     with OVER_HEADS the row's whole q (or k) at `row_src` (indices n, n_mask)."""
     if INTERLEAVE:
         idx1 = 2 * i
@@ -85,13 +87,15 @@ def _norm_rotate(
     if NORM:
         if OVER_HEADS:
             a = tl.load(row_src + n, mask=n_mask, other=0.0).to(tl.float32)
-            sum_sq = tl.sum(a * a, axis=0)
+            sum_sq = tl.sum(a * a, axis=1, keep_dims=True)
         else:
             a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-            sum_sq = tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)
+            sum_sq = tl.sum(a1 * a1, axis=1, keep_dims=True) + tl.sum(
+                a2 * a2, axis=1, keep_dims=True
+            )
             if PASS > 0:
                 ap = xp.to(tl.float32)
-                sum_sq = sum_sq + tl.sum(ap * ap, axis=0)
+                sum_sq = sum_sq + tl.sum(ap * ap, axis=1, keep_dims=True)
         # Times 1/width rather than over width: torch's CUDA mean does the same, and the product
         # is correctly rounded where Triton's float division (div.full.f32) is approximate.
         inv_width: tl.constexpr = 1.0 / NORM_WIDTH
@@ -128,6 +132,7 @@ def _qkv_kernel(
     stride_cos,
     stride_sin,
     stride_slot,
+    n_rows,
     eps,
     k_scale,
     v_scale,
@@ -145,14 +150,19 @@ def _qkv_kernel(
     OVER_HEADS: tl.constexpr,
     DT: tl.constexpr,
     FP8_KV: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # A tile of ROWS rows of one head: one row a program at decode sizes, several in prefill,
+    # where a program of one row's head is too small to keep the loads in flight.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < n_rows)[:, None]
+    row = rows.to(tl.int64)[:, None]  # [ROWS, 1]
     head = tl.program_id(1)
     PASS: tl.constexpr = DIM - 2 * ROT_HALF
-    i = tl.arange(0, ROT_PAD)
-    mask = i < ROT_HALF
-    j = tl.arange(0, PASS_PAD)
-    pass_mask = j < PASS
+    i = tl.arange(0, ROT_PAD)[None, :]
+    mask = (i < ROT_HALF) & row_ok
+    j = tl.arange(0, PASS_PAD)[None, :]
+    pass_mask = (j < PASS) & row_ok
     x_row = X + row * stride_x
     src = x_row + head * DIM
     c = _round(tl.load(COS + row * stride_cos + i, mask=mask, other=0.0).to(tl.float32), DT)
@@ -160,7 +170,7 @@ def _qkv_kernel(
     # Names assigned in both branches of this runtime `if` must keep one type: q's and k's
     # columns (different widths) get names of their own.
     if head < HEADS:
-        q_cols = tl.arange(0, Q_NORM_PAD)
+        q_cols = tl.arange(0, Q_NORM_PAD)[None, :]
         o1, o2, op = _norm_rotate(
             src,
             QW,
@@ -173,7 +183,7 @@ def _qkv_kernel(
             pass_mask,
             x_row,
             q_cols,
-            q_cols < HEADS * DIM,
+            (q_cols < HEADS * DIM) & row_ok,
             eps,
             ROT_HALF,
             PASS,
@@ -189,7 +199,7 @@ def _qkv_kernel(
         tl.store(dst + 2 * ROT_HALF + j, op.to(Q.dtype.element_ty), mask=pass_mask)
     else:
         kv = head - HEADS
-        k_cols = tl.arange(0, K_NORM_PAD)
+        k_cols = tl.arange(0, K_NORM_PAD)[None, :]
         o1, o2, op = _norm_rotate(
             src,
             KW,
@@ -202,7 +212,7 @@ def _qkv_kernel(
             pass_mask,
             x_row + HEADS * DIM,
             k_cols,
-            k_cols < KV_HEADS * DIM,
+            (k_cols < KV_HEADS * DIM) & row_ok,
             eps,
             ROT_HALF,
             PASS,
@@ -212,19 +222,27 @@ def _qkv_kernel(
             KV_HEADS * DIM if OVER_HEADS else DIM,
             DT,
         )
-        slot = tl.load(SLOT + row * stride_slot).to(tl.int64)
+        slot = tl.load(SLOT + row * stride_slot, mask=row_ok, other=-1).to(tl.int64)
         offset = (slot * KV_HEADS + kv) * DIM  # masked off entirely when slot is -1
         # Quantized by _store_k: o1/o2 must keep the q branch's float32 type.
         _store_k(K_CACHE, offset, o1, i, mask & (slot >= 0), k_scale, FP8_KV)
         _store_k(K_CACHE, offset, o2, ROT_HALF + i, mask & (slot >= 0), k_scale, FP8_KV)
         _store_k(K_CACHE, offset, op, 2 * ROT_HALF + j, pass_mask & (slot >= 0), k_scale, FP8_KV)
-        d = tl.arange(0, DIM_PAD)
+        d = tl.arange(0, DIM_PAD)[None, :]
         keep = (d < DIM) & (slot >= 0)
         v = tl.load(src + KV_HEADS * DIM + d, mask=keep, other=0.0)  # v head kv: kv_heads later
         if FP8_KV:
             v = quantize_fp8(v, v_scale, V_CACHE.dtype.element_ty)
         tl.store(V_CACHE + offset + d, v.to(V_CACHE.dtype.element_ty), mask=keep)
 
+
+# Rows a program takes in a launch of PREFILL_FROM rows or more (not with a norm over the heads,
+# whose statistics tile is already a whole row): one row's head, 128 channels over one warp, is too
+# little work to keep the loads in flight when a prefill step launches 8192 x 40 of them. Tiles
+# of 8 rows took an 8192-token Qwen3-30B-A3B step's 48 prologues from 8.65 to 2.89 ms on an H100
+# (tools/profile_prefill.py, docs/benchmarks.md, 2026-12-07); other tiles not yet swept.
+PREFILL_ROWS = 8
+PREFILL_FROM = 1024
 
 # The widest q (heads * head_dim) whose norm statistics a program reads in one tile.
 MAX_NORM_WIDTH = 16384
@@ -285,7 +303,8 @@ def prepare_qkv(
     dtype = torch.promote_types(q_norm.dtype, qkv.dtype) if norm else qkv.dtype
     rot_half = layout.rotary_width // 2
     rot_pad = triton.next_power_of_2(rot_half)
-    _qkv_kernel[(rows, heads + kv_heads)](
+    tile = PREFILL_ROWS if rows >= PREFILL_FROM and not over_heads else 1
+    _qkv_kernel[(triton.cdiv(rows, tile), heads + kv_heads)](
         qkv,
         q_norm if norm else qkv,  # unread when NORM is off
         k_norm if norm else qkv,
@@ -299,6 +318,7 @@ def prepare_qkv(
         cos.stride(0),
         sin.stride(0),
         slot_mapping.stride(0),
+        rows,
         layout.eps,
         float(k_scale),
         float(v_scale),
@@ -316,7 +336,8 @@ def prepare_qkv(
         OVER_HEADS=over_heads,
         DT=_TL_DTYPES[dtype],
         FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4 if over_heads else max(1, min(4, rot_pad // 64)),
+        ROWS=tile,
+        num_warps=4 if over_heads else max(1, min(4, tile * rot_pad // 64)),
         enable_fp_fusion=False,
     )
     return q
