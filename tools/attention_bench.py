@@ -135,6 +135,40 @@ def bench_prefill(seqs: int, length: int, peak: float, sweep: bool, gen, best: d
         key = (seqs, length, "prefill")
         if launch is not None and (key not in best or t < best[key][0]):
             best[key] = (t, launch)
+    bench_flash(q, k, v, meta, seqs, length, flops, peak, ref)
+
+
+def bench_flash(q, k, v, meta, seqs: int, length: int, flops: float, peak: float, ref) -> None:
+    """torch's own FlashAttention-2 varlen kernel over the same step, k and v gathered out of
+    the pages into contiguous rows first (not timed): the yardstick for a prefill of no cached
+    prefix. On an H100 it lost to the paged kernel at 8 x 1024 and won by 8% at 2 x 4096; in
+    the engine's 8192-token step it took 16.3 ms against 14.2 (docs/benchmarks.md, 2026-12-07),
+    so the engine does not call it."""
+    slots = torch.cat(
+        [
+            (seg.block_table[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).view(-1)[
+                :length
+            ]
+            for seg in meta.segments
+        ]
+    )
+    kc, vc = k.view(-1, KV_HEADS, DIM)[slots], v.view(-1, KV_HEADS, DIM)[slots]
+    cu = torch.arange(0, (seqs + 1) * length, length, dtype=torch.int32, device="cuda")
+
+    def run() -> torch.Tensor:
+        return torch.ops.aten._flash_attention_forward(
+            q, kc, vc, cu, cu, length, length, 0.0, True, False, scale=DIM**-0.5
+        )[0]
+
+    try:
+        err = rel_err(run()[:length], ref)
+        t = replay_seconds(run)
+    except Exception as e:  # no flash kernel in this build, or it refuses the shape
+        print(f"{seqs:5d} {length:6d}  torch flash varlen: failed, {type(e).__name__}: {e}"[:200])
+        return
+    tflops = flops / t / 1e12
+    row = f"{seqs:5d} {length:6d} {t * 1e6:9.1f} {tflops:7.1f} {tflops / peak:7.1%}"
+    print(f"{row} {err:9.1e}  torch flash varlen (contiguous k, v)")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-mode", default="auto")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (weights)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (the paged cache)")
     p.add_argument("--rows", type=int, default=30, help="kernels printed")
     p.add_argument(
         "--set",
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             load_format=a.load_format,
             device=a.device,
             dtype=a.dtype,
+            quantization=a.quantization,
+            kv_cache_dtype=a.kv_cache_dtype,
             graph_mode=a.graph_mode,
             max_model_len=a.input_len + 1,
             max_num_batched_tokens=a.max_num_batched_tokens,
@@ -142,6 +146,22 @@ def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool) -> str:
             f"  {100 * tflops / peak:.1f}% of the measured bf16 matmul rate ({peak:.0f} TFLOP/s); "
             f"GPU busy {busy * 1e3:.1f} ms ({100 * busy / wall:.0f}% of the wall); {launches} "
             f"kernel launches, {launches / steps / config.num_layers:.0f} a step and layer"
+        )
+        if a.quantization == "fp8":
+            fp8_peak = measure_matmul_tflops(torch.device(a.device), fp8=True)
+            lines.append(
+                f"  {100 * tflops / fp8_peak:.1f}% of the measured FP8 matmul rate "
+                f"({fp8_peak:.0f} TFLOP/s)"
+            )
+        # The host's CUDA runtime calls: launches, and any synchronizing call (a copy to the host,
+        # a stream sync) that drains the queue and leaves the GPU idle until the next launch.
+        runtime = sorted(
+            (e for e in events if e.device_type.name == "CPU" and e.key.startswith("cuda")),
+            key=lambda e: -e.cpu_time_total,
+        )[:6]
+        lines.append(
+            "  host runtime calls: "
+            + ", ".join(f"{e.key} x{e.count} {e.cpu_time_total / 1e3:.1f} ms" for e in runtime)
         )
         rows = sorted(kernels, key=lambda e: -e.device_time_total)[: a.rows]
         lines.append(f"  {'GPU ms':>8} {'share':>6} {'calls':>6}  kernel")

@@ -1,6 +1,6 @@
 """What a prefill's arithmetic is measured against: the model's active parameters per token (2
 FLOPs each, the convention the issue's and vLLM's throughput figures use; attention's own
-context-dependent FLOPs are left out) and the device's measured bf16 matmul rate."""
+context-dependent FLOPs are left out) and the device's measured bf16 (or FP8) matmul rate."""
 
 from __future__ import annotations
 
@@ -35,9 +35,21 @@ def active_parameters(config: ModelConfig) -> int:
     return int(total)
 
 
-def measure_matmul_tflops(device: torch.device, n: int = 8192) -> float:
-    """TFLOP/s of an n x n x n bf16 matmul on `device` (median of 10 after 3 warm-ups)."""
+def measure_matmul_tflops(device: torch.device, n: int = 8192, fp8: bool = False) -> float:
+    """TFLOP/s of an n x n x n bf16 matmul on `device` (median of 10 after 3 warm-ups); with
+    `fp8`, of torch's e4m3 scaled matmul (bf16 out), the rate FP8 weights are held to."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    times = [device_seconds(lambda: torch.mm(a, b), device) for _ in range(13)][3:]
+    if fp8:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major
+
+        def step() -> torch.Tensor:
+            return torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+    else:
+
+        def step() -> torch.Tensor:
+            return torch.mm(a, b)
+
+    times = [device_seconds(step, device) for _ in range(13)][3:]
     return 2 * n**3 / statistics.median(times) / 1e12
