@@ -62,3 +62,27 @@ assert err < 1e-5, err
 def test_prefill_experts_under_the_interpreter() -> None:
     run = run_interpreted(INTERPRETED_CASES, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_group_pairs_against_its_definition() -> None:
+    """The grouping alone (plain torch, any device): order the stable sort of the pairs by
+    expert with absent ids last, offsets each expert's cumulative count, slots the inverse of
+    the order; int16 keys below 2^15 experts, the ids' own past it."""
+    import pytest
+
+    pytest.importorskip("triton")  # the module imports its Triton launches
+    import torch
+
+    from afdserve.kernels.moe.torch_grouped import group_pairs
+
+    gen = torch.Generator().manual_seed(0)
+    for experts in (1, 8, 128, 300, 2**15):
+        for n in (0, 1, 7, 1000, 65536):
+            ids = torch.randint(-1, experts + 2, (n,), generator=gen)
+            keys = torch.where((ids < 0) | (ids >= experts), experts, ids)
+            order, offsets, slots = group_pairs(ids, experts)
+            assert torch.equal(order, torch.argsort(keys, stable=True))
+            counts = torch.bincount(keys, minlength=experts + 1)[:experts]
+            assert offsets.dtype == torch.int32
+            assert torch.equal(offsets, torch.cumsum(counts, 0).to(torch.int32))
+            assert torch.equal(slots[order], torch.arange(n))
