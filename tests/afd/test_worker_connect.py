@@ -59,3 +59,41 @@ def test_a_frontend_with_another_key_is_not_retried():
         assert time.monotonic() - start < 10, "a key mismatch must fail at once"
     finally:
         impostor.close()
+
+
+def test_a_rank_whose_frontend_died_before_it_connected_stops(tmp_path):
+    """A spawned rank (AFDSERVE_STORE_PATH set) whose frontend is gone before it connects stops
+    at its first refused retry, not after CONNECT_TIMEOUT_S with its memory held: a real worker
+    process, orphaned by the process that spawned it exiting at once."""
+    import subprocess
+    import sys
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there
+    log = tmp_path / "rank.log"
+    env = {
+        **os.environ,
+        "AFDSERVE_FRONTEND": f"127.0.0.1:{port}",
+        "AFDSERVE_AUTHKEY": KEY.hex(),
+        "AFDSERVE_STORE_PATH": str(tmp_path / "store"),
+        "RANK": "0",
+    }
+    spawn = (  # as world.spawn_rank sets it: the spawner's pid
+        "import os, subprocess, sys; os.environ['AFDSERVE_FRONTEND_PID'] = str(os.getpid()); "
+        f"p = subprocess.Popen([sys.executable, '-m', 'afdserve.afd.ranks.worker'], "
+        f"stdout=subprocess.DEVNULL, stderr=open({str(log)!r}, 'w')); print(p.pid)"
+    )
+    out = subprocess.run([sys.executable, "-c", spawn], env=env, capture_output=True, text=True)
+    pid = int(out.stdout)
+    deadline = time.monotonic() + 90  # the import of torch first; CONNECT_TIMEOUT_S is 300
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"the orphaned rank {pid} still retries: {log.read_text()[-500:]}")
+    assert "frontend that spawned this rank" in log.read_text()

@@ -350,11 +350,15 @@ def serve_ffn(built: BuiltRank, rank: int, conn: Channel) -> None:
             last_sent = time.monotonic()
 
 
-def connect_to_frontend(address: tuple[str, int], authkey: bytes, deadline: float) -> Channel:
+def connect_to_frontend(
+    address: tuple[str, int], authkey: bytes, deadline: float, parent: int | None = None
+) -> Channel:
     """The rank's channel to the frontend, retried until `deadline` while the network says no:
     under torchrun a rank may start before the frontend listens (refused), and a frontend host
     under load may reset or time out a connection. A failed handshake (ChannelError: the keys
-    differ) is not retried."""
+    differ) is not retried. `parent`: the pid of the frontend that spawned this rank; once this
+    process has another parent the frontend is gone (killed before the rank connected), and the
+    rank stops rather than retrying for the rest of `deadline` with its memory held."""
     while True:
         try:
             return connect(address, authkey)
@@ -363,6 +367,11 @@ def connect_to_frontend(address: tuple[str, int], authkey: bytes, deadline: floa
         except (ConnectionError, TimeoutError):
             if time.monotonic() > deadline:
                 raise
+            if parent is not None and os.getppid() != parent:
+                raise ConnectionError(
+                    f"the frontend that spawned this rank (pid {parent}) is gone; nothing "
+                    f"listens at {address[0]}:{address[1]}"
+                ) from None
             time.sleep(0.5)
 
 
@@ -370,6 +379,7 @@ def main() -> None:
     """`python -m afdserve.afd.ranks.worker`: one rank, under the launcher or torchrun.
     AFDSERVE_FRONTEND=host:port says where the frontend listens; the key comes from
     AFDSERVE_AUTHKEY (hex) or AFDSERVE_AUTHKEY_FILE (channel.read_key)."""
+    parent = None
     if spawned_by_frontend():
         # Spawned by the built-in launcher: the frontend owns this process's life (it drains,
         # then sends Shutdown, and SIGKILLs what is left). A SIGINT or SIGTERM sent to the whole
@@ -377,6 +387,9 @@ def main() -> None:
         # the rank under requests the frontend is still draining.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # From the launcher, not getppid(): a frontend killed while this rank still imports
+        # would already have left it to another parent.
+        parent = int(os.environ.get("AFDSERVE_FRONTEND_PID", os.getppid()))
     host, port = os.environ["AFDSERVE_FRONTEND"].rsplit(":", 1)
     authkey = read_key()
     if authkey is None:
@@ -384,7 +397,11 @@ def main() -> None:
             "afdserve rank: set AFDSERVE_AUTHKEY (hex) or AFDSERVE_AUTHKEY_FILE to the "
             "frontend's key (its log says where it is)"
         )
-    conn = connect_to_frontend((host, int(port)), authkey, time.monotonic() + CONNECT_TIMEOUT_S)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    try:
+        conn = connect_to_frontend((host, int(port)), authkey, deadline, parent)
+    except (ConnectionError, TimeoutError) as err:
+        sys.exit(f"afdserve rank: cannot reach the frontend: {err}")
     try:
         worker_main(int(os.environ["RANK"]), conn)
     except BaseException:

@@ -216,6 +216,8 @@ def spawn_rank(
         AFDSERVE_FRONTEND=f"{address[0]}:{address[1]}",
         AFDSERVE_AUTHKEY=authkey.hex(),
         AFDSERVE_STORE_PATH=os.path.join(store_dir, "store"),
+        # The rank stops waiting for this frontend once it is no longer its parent.
+        AFDSERVE_FRONTEND_PID=str(os.getpid()),
     )
     env.pop("AFDSERVE_AUTHKEY_FILE", None)
     return subprocess.Popen(
