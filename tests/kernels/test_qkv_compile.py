@@ -14,8 +14,9 @@ H200 = ("cuda", 90, 32)
 
 
 def compile_for_h200(rows: int, fp8: bool, over_heads: bool = False) -> object:
-    """Qwen3-30B-A3B's heads (32 q, 4 KV, dim 128, full rotary), or MiniMax-M2's norm over its
-    48 q and 8 KV heads with rotary on 64 of 128 channels."""
+    """The launch `prepare_qkv` makes for `rows` rows: Qwen3-30B-A3B's heads (32 q, 4 KV, dim
+    128, full rotary), or MiniMax-M2's norm over its 48 q and 8 KV heads with rotary on 64 of
+    128 channels."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,6 +25,7 @@ def compile_for_h200(rows: int, fp8: bool, over_heads: bool = False) -> object:
 
     kernel = qkv._qkv_kernel
     heads, kv_heads, rot_half = (48, 8, 32) if over_heads else (32, 4, 64)
+    tile, warps = qkv.launch_tile(rows, rot_half, over_heads)
     constants = {
         "HEADS": heads,
         "KV_HEADS": kv_heads,
@@ -39,7 +41,7 @@ def compile_for_h200(rows: int, fp8: bool, over_heads: bool = False) -> object:
         "OVER_HEADS": over_heads,
         "DT": tl.bfloat16,
         "FP8_KV": fp8,
-        "ROWS": rows,
+        "ROWS": tile,
     }
     cache = "*fp8e4nv" if fp8 else "*bf16"
     pointers = {"X": "*bf16", "QW": "*bf16", "KW": "*bf16", "COS": "*fp32", "SIN": "*fp32"}
@@ -49,7 +51,6 @@ def compile_for_h200(rows: int, fp8: bool, over_heads: bool = False) -> object:
     signature.update({name: "constexpr" for name in constants})
     aligned = [n for n in kernel.arg_names if signature[n].startswith("*")]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    warps = 4 if over_heads else max(1, min(4, rows * rot_half // 64))
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget(*H200), options={"num_warps": warps})
 
@@ -59,10 +60,11 @@ def compile_for_h200(rows: int, fp8: bool, over_heads: bool = False) -> object:
 def test_qkv_tiles_compile_without_spills(tile: str, fp8: bool) -> None:
     from afdserve.kernels.triton import qkv
 
-    compiled = compile_for_h200(qkv.PREFILL_ROWS if tile == "prefill" else 1, fp8)
+    compiled = compile_for_h200(qkv.PREFILL_FROM if tile == "prefill" else 1, fp8)
     assert compiled.asm["cubin"] and ".local" not in compiled.asm["ptx"]
+    assert (compiled.metadata.num_warps, tile) in ((1, "decode"), (4, "prefill"))
 
 
 def test_norm_over_heads_compiles_without_spills() -> None:
-    compiled = compile_for_h200(1, False, over_heads=True)
+    compiled = compile_for_h200(4096, False, over_heads=True)  # one row a program at any count
     assert compiled.asm["cubin"] and ".local" not in compiled.asm["ptx"]

@@ -244,6 +244,16 @@ def _qkv_kernel(
 PREFILL_ROWS = 8
 PREFILL_FROM = 1024
 
+
+def launch_tile(rows: int, rot_pad: int, over_heads: bool) -> tuple[int, int]:
+    """(rows a program, warps) of a launch over `rows` rows whose rotary halves pad to
+    `rot_pad` channels (the compile test builds the kernel at these too)."""
+    if over_heads:
+        return 1, 4
+    tile = PREFILL_ROWS if rows >= PREFILL_FROM else 1
+    return tile, max(1, min(4, tile * rot_pad // 64))
+
+
 # The widest q (heads * head_dim) whose norm statistics a program reads in one tile.
 MAX_NORM_WIDTH = 16384
 
@@ -303,7 +313,7 @@ def prepare_qkv(
     dtype = torch.promote_types(q_norm.dtype, qkv.dtype) if norm else qkv.dtype
     rot_half = layout.rotary_width // 2
     rot_pad = triton.next_power_of_2(rot_half)
-    tile = PREFILL_ROWS if rows >= PREFILL_FROM and not over_heads else 1
+    tile, warps = launch_tile(rows, rot_pad, over_heads)
     _qkv_kernel[(triton.cdiv(rows, tile), heads + kv_heads)](
         qkv,
         q_norm if norm else qkv,  # unread when NORM is off
@@ -337,7 +347,7 @@ def prepare_qkv(
         DT=_TL_DTYPES[dtype],
         FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
         ROWS=tile,
-        num_warps=4 if over_heads else max(1, min(4, tile * rot_pad // 64)),
+        num_warps=warps,
         enable_fp_fusion=False,
     )
     return q
