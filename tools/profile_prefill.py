@@ -18,9 +18,10 @@ import argparse
 import importlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from afdserve import LLM, SamplingParams
 from afdserve.bench.flops import active_parameters, measure_matmul_tflops
@@ -43,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (the paged cache)")
     p.add_argument("--rows", type=int, default=30, help="kernels printed")
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs without the profiler first (its per-op cost slows the host)",
+    )
+    p.add_argument("--gaps", type=int, default=8, help="largest GPU idle gaps printed")
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -52,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if min(a.prompts, a.input_len, a.max_num_batched_tokens, a.rows) < 1:
         p.error("--prompts, --input-len, --max-num-batched-tokens and --rows must be >= 1")
+    if min(a.repeats, a.gaps) < 0:
+        p.error("--repeats and --gaps must be >= 0")
     try:
         a.overrides = [override(text) for text in a.set]
     except ValueError as err:
@@ -81,6 +91,107 @@ def override(text: str) -> tuple[object, str, int]:
             raise ValueError(f"--set {text!r}: {name} is a switch: 0 or 1")
         return module, name, bool(number)
     return module, name, number
+
+
+WINDOW = "profile_prefill.generate"  # the profiled call's range, the idle analysis's bounds
+
+
+@dataclass(frozen=True)
+class DeviceSpan:
+    """One kernel, copy or fill on the GPU's timeline (us), with its host launch call's start
+    (None where the profile links none) and the Python line that made that call."""
+
+    start: float
+    end: float
+    name: str
+    launched: float | None = None
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Gap:
+    idle: float  # us the GPU stood idle
+    host_late: float  # of which the next span's launch came after the previous span had ended
+    before: str
+    after: DeviceSpan
+
+
+@dataclass(frozen=True)
+class Idle:
+    first: float  # us from the window's start to the first span
+    last: float  # us from the last span's end to the window's end
+    gaps: list[Gap]  # between spans, largest first
+
+    @property
+    def between(self) -> float:
+        return sum(g.idle for g in self.gaps)
+
+    @property
+    def host_late(self) -> float:
+        return sum(g.host_late for g in self.gaps)
+
+
+def idle_of(spans: list[DeviceSpan], begin: float, end: float) -> Idle:
+    """Where the GPU stood idle inside [begin, end]: before its first span, after its last and
+    between them (overlapping spans, as on several streams, leave no gap)."""
+    spans = sorted(spans, key=lambda s: s.start)
+    if not spans:
+        return Idle(end - begin, 0.0, [])
+    gaps: list[Gap] = []
+    reach, previous = spans[0].end, spans[0].name
+    for span in spans[1:]:
+        if span.start > reach:
+            late = 0.0 if span.launched is None else min(span.start, span.launched) - reach
+            gaps.append(Gap(span.start - reach, max(0.0, late), previous, span))
+        if span.end > reach:
+            reach, previous = span.end, span.name
+    gaps.sort(key=lambda g: -g.idle)
+    return Idle(max(0.0, spans[0].start - begin), max(0.0, end - reach), gaps)
+
+
+def timeline(events) -> tuple[list[DeviceSpan], float, float]:
+    """The profiled window's device spans, each linked through the CUDA runtime call that
+    launched it (the same correlation id) to the first afdserve frame of its Python stack."""
+    window = next((e for e in events if e.name == WINDOW), None)
+    if window is None:
+        raise RuntimeError(f"the profile holds no {WINDOW!r} range")
+    calls = {
+        e.id: e
+        for e in events
+        if e.device_type.name == "CPU" and e.name.startswith("cu") and not e.is_async
+    }
+    spans = []
+    for e in events:
+        if e.device_type.name != "CUDA":
+            continue
+        call = calls.get(e.id)
+        where = ""
+        op = call
+        while op is not None and not where:
+            where = next((f for f in op.stack if "afdserve/" in f or "tools/" in f), "")
+            op = op.cpu_parent
+        launched = call.time_range.start if call is not None else None
+        spans.append(DeviceSpan(e.time_range.start, e.time_range.end, e.name, launched, where))
+    return spans, window.time_range.start, window.time_range.end
+
+
+def idle_lines(found: tuple[list[DeviceSpan], float, float], top: int) -> list[str]:
+    spans, begin, end = found
+    idle = idle_of(spans, begin, end)
+    linked = sum(s.launched is not None for s in spans)
+    lines = [
+        f"  GPU idle: {idle.first / 1e3:.1f} ms before the first kernel, {idle.last / 1e3:.1f} "
+        f"ms after the last, {idle.between / 1e3:.1f} ms between in {len(idle.gaps)} gaps, "
+        f"{idle.host_late / 1e3:.1f} ms of it waiting for the host's launch "
+        f"({linked} of {len(spans)} spans linked to their launch)",
+        f"  {'idle us':>8} {'late':>6}  after -> next kernel  [launched from]",
+    ]
+    for g in idle.gaps[:top]:
+        lines.append(
+            f"  {g.idle:8.0f} {g.host_late:6.0f}  {g.before[:40]} -> {g.after.name[:40]}"
+            f"  [{g.after.where[-90:]}]"
+        )
+    return lines
 
 
 def prompts_of(count: int, length: int, vocab: int, salt: int) -> list[list[int]]:
@@ -113,32 +224,48 @@ def main(argv: list[str] | None = None) -> int:
             vocab = llm.engine.vocab_size
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             llm.generate(prompts_of(a.prompts, a.input_len, vocab, 1), params, use_tqdm=False)
-            prompts = prompts_of(a.prompts, a.input_len, vocab, 2)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=activities) as prof:
+
+            def timed(salt: int) -> tuple[float, list]:
+                prompts = prompts_of(a.prompts, a.input_len, vocab, salt)
                 start = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                if cuda:
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - start
+                with record_function(WINDOW):
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    if cuda:
+                        torch.cuda.synchronize()
+                return time.perf_counter() - start, outs
+
+            walls = sorted(timed(10 + i)[0] for i in range(a.repeats))
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            # Stacks name the Python line that launched the kernel after each idle gap.
+            with profile(activities=activities, with_stack=cuda and a.gaps > 0) as prof:
+                wall, outs = timed(2)
     if any(len(o.outputs[0].token_ids) != 1 for o in outs):
         raise RuntimeError("a request did not produce its one token")
-    print(report(prof, a, config, wall, cuda))
+    print(report(prof, a, config, wall, cuda, walls))
     return 0
 
 
-def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool) -> str:
+def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool, walls: list[float]) -> str:
     tokens = a.prompts * a.input_len
     steps = math.ceil(tokens / a.max_num_batched_tokens)
-    tflops = 2 * active_parameters(config) * tokens / wall / 1e12
+    flops = 2 * active_parameters(config) * tokens
+    tflops = flops / wall / 1e12
     lines = [
         f"prefill: {a.prompts} x {a.input_len} tokens, {a.max_num_batched_tokens} a step "
         f"(~{steps} steps), {config.num_layers} layers: {wall * 1e3:.1f} ms wall, "
-        f"{tokens / wall:.0f} tokens/s, {tflops:.1f} TFLOP/s by active parameters"
+        f"{tokens / wall:.0f} tokens/s, {tflops:.1f} TFLOP/s by active parameters (profiled)"
     ]
+    peak = measure_matmul_tflops(torch.device(a.device)) if cuda else None
+    if walls:
+        median = walls[len(walls) // 2]
+        rate = flops / median / 1e12
+        share = f", {100 * rate / peak:.1f}% of the measured bf16 matmul rate" if peak else ""
+        lines.append(
+            f"  without the profiler: median {median * 1e3:.1f} ms of {len(walls)} runs "
+            f"({walls[0] * 1e3:.1f}..{walls[-1] * 1e3:.1f}), {rate:.1f} TFLOP/s{share}"
+        )
     events = prof.key_averages()
     if cuda:
-        peak = measure_matmul_tflops(torch.device(a.device))
         kernels = [e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0]
         busy = sum(e.device_time_total for e in kernels) / 1e6  # us -> s
         launches = sum(e.count for e in kernels)
@@ -163,6 +290,8 @@ def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool) -> str:
             "  host runtime calls: "
             + ", ".join(f"{e.key} x{e.count} {e.cpu_time_total / 1e3:.1f} ms" for e in runtime)
         )
+        if a.gaps:
+            lines.extend(idle_lines(timeline(prof.events()), a.gaps))
         rows = sorted(kernels, key=lambda e: -e.device_time_total)[: a.rows]
         lines.append(f"  {'GPU ms':>8} {'share':>6} {'calls':>6}  kernel")
         for e in rows:
@@ -170,7 +299,9 @@ def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool) -> str:
             share = 100 * e.device_time_total / 1e6 / busy
             lines.append(f"  {ms:8.2f} {share:5.1f}% {e.count:6d}  {e.key[:110]}")
     else:
-        ops = sorted(events, key=lambda e: -e.self_cpu_time_total)[: a.rows]
+        ops = sorted((e for e in events if e.key != WINDOW), key=lambda e: -e.self_cpu_time_total)[
+            : a.rows
+        ]
         lines.append(f"  {'CPU ms':>8} {'calls':>6}  operator (self time; no GPU here)")
         for e in ops:
             lines.append(f"  {e.self_cpu_time_total / 1e3:8.2f} {e.count:6d}  {e.key[:110]}")

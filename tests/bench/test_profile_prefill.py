@@ -50,3 +50,26 @@ def test_profile_prefill_refuses_bad_arguments(args, says):
         timeout=120,
     )
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+
+
+def test_idle_of_splits_the_gpus_idle_time_and_blames_late_launches():
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_prefill import DeviceSpan, idle_of
+
+    spans = [
+        DeviceSpan(130.0, 150.0, "c", launched=140.0, where="model.py:3"),  # launched late
+        DeviceSpan(10.0, 50.0, "a", launched=5.0),
+        DeviceSpan(40.0, 100.0, "b", launched=6.0),  # overlaps a: no gap between them
+        DeviceSpan(160.0, 170.0, "d", launched=20.0),  # queued early: a gap of the GPU's own
+        DeviceSpan(171.0, 180.0, "e"),  # no launch linked: never blamed on the host
+    ]
+    idle = idle_of(spans, begin=0.0, end=200.0)
+    assert (idle.first, idle.last) == (10.0, 20.0)
+    assert [(g.idle, g.host_late, g.before, g.after.name) for g in idle.gaps] == [
+        (30.0, 30.0, "b", "c"),
+        (10.0, 0.0, "c", "d"),
+        (1.0, 0.0, "d", "e"),
+    ]
+    assert (idle.between, idle.host_late) == (41.0, 30.0)
+    assert idle.gaps[0].after.where == "model.py:3"
+    assert idle_of([], 0.0, 5.0).first == 5.0
