@@ -66,13 +66,17 @@ SCALE_BLOCK = 128
 GDC = 2
 
 
+# The tallest tile of pairs for FP8 weights (rows_per_tile).
+FP8_MAX_ROWS = 16
+
+
 def rows_per_tile(pairs: int, experts: int, w_fp8: bool = False) -> int:
     """Pairs of one expert per tile: twice the mean load, at least tl.dot's smallest height (16),
-    at most 64 (16 for FP8 weights). An expert with more pairs spans several tiles, each
+    at most 64 (`FP8_MAX_ROWS` for FP8 weights). An expert with more pairs spans several tiles, each
     re-reading its weights; for FP8 tiles taller than 16 rows cost more than the re-reads, where
     bf16 prefers the taller ones (measured on an H200)."""
     mean = -(-pairs // max(1, min(pairs, experts)))
-    return min(16 if w_fp8 else 64, max(16, triton.next_power_of_2(2 * mean)))
+    return min(FP8_MAX_ROWS if w_fp8 else 64, max(16, triton.next_power_of_2(2 * mean)))
 
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -316,7 +320,7 @@ def moe_experts(
     weights_left: bool | None = None,
     launch: tuple[int, int, int, int] | None = None,
     limit: float | None = None,
-    max_pairs: int = GROUPED_MAX_PAIRS,
+    max_pairs: int | None = None,
     glu: ExpertGLU | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.moe_experts` (ids -1 go to no expert; `limit`: the gate and
@@ -326,13 +330,14 @@ def moe_experts(
     h per row in groups of 128 too (w8a8; None: `triton_fp8.W8A8_EXPERTS`); `weights_left`:
     FP8 weights as the dots' left operand (None: `FP8_WEIGHTS_LEFT`); `launch`: (gate/up columns,
     down columns, warps, stages) (None: `FP8_COLUMNS` or `COLUMNS`); `max_pairs`: pairs a
-    launch takes, more run in row slices (h and y, [pairs, inter] and float32 [pairs, hidden],
-    are its scratch). Check `supports`."""
+    launch takes (None: `GROUPED_MAX_PAIRS`), more run in row slices (h and y, [pairs, inter]
+    and float32 [pairs, hidden], are its scratch). Check `supports`."""
     rows, top_k = topk_ids.shape
     pairs = rows * top_k
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
+    max_pairs = GROUPED_MAX_PAIRS if max_pairs is None else max_pairs
     if pairs > max_pairs:
         # Long prefill chunks (FP8 experts take this path at any count): slices of rows, so
         # that h and y (float32 [pairs, hidden]) stay bounded; compute-bound there, so reading
