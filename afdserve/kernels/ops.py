@@ -728,6 +728,10 @@ def moe_experts_fp8(
         small = pairs <= triton_fp8_moe.MAX_PAIRS
         if small and triton_fp8_moe.supports(x, gate_up[0], down[0], block):
             return triton_fp8_moe.moe_experts(x, topk_ids, topk_weights, gate_up, down)
+        if 0 < FP8_DEQUANTIZE_FROM <= pairs:
+            out = _fp8_experts_as_bf16(x, topk_ids, topk_weights, gate_up, down, block)
+            if out is not None:
+                return out
         if tuple(block) == (128, 128) and triton_grouped_moe.supports(x, gate_up[0], down[0]):
             return triton_grouped_moe.moe_experts(
                 x, topk_ids, topk_weights, gate_up[0], down[0], (gate_up[1], down[1])
@@ -737,6 +741,64 @@ def moe_experts_fp8(
         w2 = fp8.dequantize_blockwise(*down, x.dtype, block)
         return moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
     return fp8.moe_experts_fp8(x, topk_ids, topk_weights, gate_up, down, block, limit)
+
+
+# Pairs from which FP8 experts (block 128 x 128, bf16 x) are dequantized to a bf16 copy of the
+# layer's experts for torch's grouped GEMM, where that copy is at most FP8_DEQUANTIZE_MAX_BYTES
+# (0: never). A prefill chunk is compute-bound, and the Triton grouped kernels' 16-row FP8 tiles
+# are made for decode's few pairs per expert: an 8192-token Qwen3-30B-A3B step took 254.5 ms
+# through them and 169.3 ms through the copy on an H100 (docs/benchmarks.md, 2026-12-07). The
+# copy costs ~0.66 ms a layer there and the bf16 GEMMs 0.018 ms per 1024 pairs against the
+# Triton kernels' 0.046: even from ~24k pairs, so from 32768 (4096 tokens at top-8).
+FP8_DEQUANTIZE_FROM = 32768
+FP8_DEQUANTIZE_MAX_BYTES = 2 << 30
+
+
+def dequantize_stack(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """An FP8 expert stack [E, N, K] with its 128 x 128 grid [E, N / 128, K / 128] in `dtype`, in
+    one Triton pass over it as the matrix [E * N, K] (the same values as `fp8.dequantize_blockwise`
+    per expert); None where N is not whole blocks (gate/up halves that do not meet on a block
+    boundary keep a grid each, `fp8.dequantize_gate_up`), the grid is not 128 x 128 blocks or
+    the stack is not contiguous. The caller checks the device (`_triton_ready`)."""
+    from afdserve.kernels.triton import fp8_weight_only as triton_fp8
+
+    experts, n, k = q.shape
+    if n % 128 or not q.is_contiguous() or q.dtype != fp8.FP8_DTYPE:
+        return None
+    if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != (
+        experts,
+        *fp8.scale_grid(n, k, (128, 128)),
+    ):
+        return None
+    q2d, s2d = q.view(experts * n, k), scale_inv.reshape(experts * n // 128, -1)
+    return triton_fp8.dequantize(q2d, s2d, dtype).view(experts, n, k)
+
+
+def _fp8_experts_as_bf16(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+) -> torch.Tensor | None:
+    """`moe_experts_fp8` through a transient bf16 copy of the stacks (`dequantize_stack`) and
+    torch's grouped GEMM: weight-only, x stays bf16. None where it does not apply (the copy too
+    large, a grid that does not tile a stack as one matrix)."""
+    from afdserve.kernels.moe import torch_grouped
+
+    (q13, s13), (q2, s2) = gate_up, down
+    if x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
+        return None
+    if 2 * (q13.numel() + q2.numel()) > FP8_DEQUANTIZE_MAX_BYTES:
+        return None
+    w13 = dequantize_stack(q13, s13, x.dtype)
+    w2 = dequantize_stack(q2, s2, x.dtype) if w13 is not None else None
+    if w2 is None or not torch_grouped.supports(x, w13, w2):
+        return None
+    return torch_grouped.moe_experts(x, topk_ids, topk_weights, w13, w2)
 
 
 def moe_experts_fp4(

@@ -264,6 +264,35 @@ def test_fp8_moe_matches_reference(experts, hidden, inter, top_k, rows, shared):
     assert rel_err(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize(
+    "experts,hidden,inter,top_k,rows", [(*QWEN3_MOE, 300), (8, 256, 128, 2, 90)]
+)
+def test_fp8_moe_as_a_bf16_copy_matches_reference(experts, hidden, inter, top_k, rows, monkeypatch):
+    """Long prefill chunks may dequantize the stacks for torch's grouped GEMM
+    (`ops.FP8_DEQUANTIZE_FROM`): weight-only, so within bf16 GEMM error of the reference over
+    the same dequantized weights; pairs of no expert (id -1) contribute nothing."""
+    monkeypatch.setattr(ops, "FP8_DEQUANTIZE_FROM", 1)
+    x, ids, weights, gate_up, down = moe_case(rows, experts, hidden, inter, top_k, seed=rows)
+    ids[::5, 0] = -1
+    gu, dn = fp8_experts(gate_up, down)
+    copy = ops.dequantize_stack(*gu, torch.bfloat16)
+    assert torch.equal(copy, fp8.dequantize_gate_up(*gu, torch.bfloat16, BLOCK))
+    out = no_sync(ops.moe_experts_fp8, x, ids, weights, gu, dn, BLOCK)
+    ref = fp8_moe_reference(x, ids, weights, gu, dn, a8=False)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    # Stacks whose halves do not meet on a scale block (intermediate 96) keep the Triton path.
+    x, ids, weights, gate_up, down = moe_case(rows, 16, 256, 96, 4, seed=rows + 1)
+    gu, dn = fp8_experts(gate_up, down)
+    assert ops._fp8_experts_as_bf16(x, ids, weights, gu, dn, BLOCK) is None
+    assert (
+        rel_err(
+            ops.moe_experts_fp8(x, ids, weights, gu, dn, BLOCK),
+            fp8_moe_reference(x, ids, weights, gu, dn),
+        )
+        < 2e-2
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_fp8_decode_and_grouped_kernels_agree(rows):
     """Both FP8 paths on the same decode batch; pairs of no expert (id -1) contribute nothing
