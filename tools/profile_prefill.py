@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gaps", type=int, default=8, help="largest GPU idle gaps printed")
     p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="record Python stacks to name each gap's launch line (slows the profiled host ~1.5x)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -151,8 +156,10 @@ def idle_of(spans: list[DeviceSpan], begin: float, end: float) -> Idle:
 
 def timeline(events) -> tuple[list[DeviceSpan], float, float]:
     """The profiled window's device spans, each linked through the CUDA runtime call that
-    launched it (the same correlation id) to the first afdserve frame of its Python stack."""
-    window = next((e for e in events if e.name == WINDOW), None)
+    launched it (the same correlation id) to the first afdserve frame of its Python stack, or
+    the operators that made the call. The window is the host's range (the profiler also shows
+    it on the GPU's timeline, as an annotation)."""
+    window = next((e for e in events if e.name == WINDOW and e.device_type.name == "CPU"), None)
     if window is None:
         raise RuntimeError(f"the profile holds no {WINDOW!r} range")
     calls = {
@@ -162,14 +169,16 @@ def timeline(events) -> tuple[list[DeviceSpan], float, float]:
     }
     spans = []
     for e in events:
-        if e.device_type.name != "CUDA":
+        if e.device_type.name != "CUDA" or e.name == WINDOW:
             continue
         call = calls.get(e.id)
-        where = ""
-        op = call
+        # The first afdserve frame of the stacks (--stacks), else the operators around the call.
+        where, names, op = "", [], call.cpu_parent if call is not None else None
         while op is not None and not where:
-            where = next((f for f in op.stack if "afdserve/" in f or "tools/" in f), "")
+            where = next((f for f in op.stack or () if "afdserve/" in f), "")
+            names.append(op.name)
             op = op.cpu_parent
+        where = where or " < ".join(names[:3])
         launched = call.time_range.start if call is not None else None
         spans.append(DeviceSpan(e.time_range.start, e.time_range.end, e.name, launched, where))
     return spans, window.time_range.start, window.time_range.end
@@ -236,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
             walls = sorted(timed(10 + i)[0] for i in range(a.repeats))
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            # Stacks name the Python line that launched the kernel after each idle gap.
-            with profile(activities=activities, with_stack=cuda and a.gaps > 0) as prof:
+            with profile(activities=activities, with_stack=cuda and a.stacks) as prof:
                 wall, outs = timed(2)
     if any(len(o.outputs[0].token_ids) != 1 for o in outs):
         raise RuntimeError("a request did not produce its one token")
@@ -266,7 +274,12 @@ def report(prof, a: argparse.Namespace, config, wall: float, cuda: bool, walls: 
         )
     events = prof.key_averages()
     if cuda:
-        kernels = [e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0]
+        # The window's own range shows on the GPU's timeline too (a user annotation): no kernel.
+        kernels = [
+            e
+            for e in events
+            if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key != WINDOW
+        ]
         busy = sum(e.device_time_total for e in kernels) / 1e6  # us -> s
         launches = sum(e.count for e in kernels)
         lines.append(
