@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from afdserve import LLM, SamplingParams
 from afdserve.bench.flops import active_parameters, measure_matmul_tflops
 from afdserve.bench.report import model_dir_for
+from afdserve.config_args import parse_sizes
 from afdserve.model.families import load_model_config
 
 
@@ -38,6 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--graph-mode", default="auto")
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=parse_sizes,
+        default=None,
+        help="token counts captured, comma-separated (with --graph-mode full a prefill step of "
+        "one of them replays a graph)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (weights)")
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             quantization=a.quantization,
             kv_cache_dtype=a.kv_cache_dtype,
             graph_mode=a.graph_mode,
+            cuda_graph_sizes=a.cuda_graph_sizes,
             max_model_len=a.input_len + 1,
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_num_seqs=a.prompts,
