@@ -259,8 +259,8 @@ class HostStage:
     def upload(self, device: torch.device) -> None:
         pin = device.type == "cuda"
         for dtype, values in self.values.items():
-            # Through an array.array: packing a list of ints there is ~3.5x faster than
-            # torch.tensor(list) (1.1 ms saved for an 8192-token step's 40k values).
+            # Through an array.array: it packs a list of ints several times faster than
+            # torch.tensor(list), host time before the step's first launch (docs/benchmarks.md).
             packed = array.array(_TYPECODES[dtype], values)
             host = torch.frombuffer(packed, dtype=dtype) if values else torch.empty(0, dtype=dtype)
             if pin:

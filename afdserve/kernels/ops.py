@@ -746,10 +746,8 @@ def moe_experts_fp8(
 # Pairs from which FP8 experts (block 128 x 128, bf16 x) are dequantized to a bf16 copy of the
 # layer's experts for torch's grouped GEMM, where that copy is at most FP8_DEQUANTIZE_MAX_BYTES
 # (0: never). A prefill chunk is compute-bound, and the Triton grouped kernels' 16-row FP8 tiles
-# are made for decode's few pairs per expert: an 8192-token Qwen3-30B-A3B step took 254.5 ms
-# through them and 169.3 ms through the copy on an H100 (docs/benchmarks.md, 2026-12-07). The
-# copy costs ~0.66 ms a layer there and the bf16 GEMMs 0.018 ms per 1024 pairs against the
-# Triton kernels' 0.046: even from ~24k pairs, so from 32768 (4096 tokens at top-8).
+# are made for decode's few pairs per expert. The copy's fixed cost a layer breaks even against
+# their per-pair cost near 24k pairs, hence 32768 (docs/benchmarks.md, "FP8 prefill").
 FP8_DEQUANTIZE_FROM = 32768
 FP8_DEQUANTIZE_MAX_BYTES = 2 << 30
 

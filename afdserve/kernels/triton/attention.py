@@ -548,7 +548,7 @@ def paged_attention(
         # Rows no segment covers (graph padding) are never written by the kernel: zero them.
         # Where the host's segments span every row (an eager step; the kernel reads segment i's
         # rows as [query_start[i], query_start[i + 1]), so they run back to back) every row is
-        # written, and the fill (21 us a layer for an 8192-row prefill) is skipped. A graph's
+        # written, and the fill (a prefill step's whole output) is skipped. A graph's
         # static metadata has no host segments: it zeroes.
         spans = meta.segments
         covered = bool(spans) and spans[0].row_start == 0 and spans[-1].row_end == rows

@@ -238,9 +238,8 @@ def _qkv_kernel(
 
 # Rows a program takes in a launch of PREFILL_FROM rows or more (not with a norm over the heads,
 # whose statistics tile is already a whole row): one row's head, 128 channels over one warp, is too
-# little work to keep the loads in flight when a prefill step launches 8192 x 40 of them. Tiles
-# of 8 rows took an 8192-token Qwen3-30B-A3B step's 48 prologues from 8.65 to 2.89 ms on an H100
-# (tools/profile_prefill.py, docs/benchmarks.md, 2026-12-07); other tiles not yet swept.
+# little work to keep the loads in flight when a prefill step launches 8192 x 40 of them. 8 rows
+# against 4 and 16: docs/benchmarks.md (tools/profile_prefill.py --set ...PREFILL_ROWS=N).
 PREFILL_ROWS = 8
 PREFILL_FROM = 1024
 
