@@ -763,14 +763,17 @@ def dequantize_stack(
     from afdserve.kernels.triton import fp8_weight_only as triton_fp8
 
     experts, n, k = q.shape
-    if n % 128 or not q.is_contiguous() or q.dtype != fp8.FP8_DTYPE:
-        return None
-    if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != (
-        experts,
-        *fp8.scale_grid(n, k, (128, 128)),
+    block = (128, 128)
+    if (
+        n % 128
+        or not q.is_contiguous()
+        or scale_inv.shape != (experts, *fp8.scale_grid(n, k, block))
     ):
         return None
+    # Whole blocks of N: the stack's grid, its experts' stacked, is the matrix's.
     q2d, s2d = q.view(experts * n, k), scale_inv.reshape(experts * n // 128, -1)
+    if not triton_fp8.grid_fits(q2d, s2d, block):
+        return None
     return triton_fp8.dequantize(q2d, s2d, dtype).view(experts, n, k)
 
 

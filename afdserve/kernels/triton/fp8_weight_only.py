@@ -38,7 +38,12 @@ SUM_BLOCK = 1024
 
 def weight_fits(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> bool:
     """A contiguous 2-D FP8 weight on CUDA with its float32 grid of 128 x 128 blocks."""
-    if not (q.is_cuda and q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
+    return q.is_cuda and grid_fits(q, scale_inv, block)
+
+
+def grid_fits(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> bool:
+    """`weight_fits` on any device (what `dequantize` reads, the interpreter included)."""
+    if not (q.dtype == FP8_DTYPE and q.dim() == 2 and q.is_contiguous()):
         return False
     if scale_inv.dtype != torch.float32:
         return False
