@@ -21,6 +21,11 @@ register cap) and prints the fastest per shape (each compiles once: about two mo
 measured bf16 matmul rate; with --sweep, over a grid that adds the query rows a program takes.
 
     PYTHONPATH=. python tools/attention_bench.py --prefill 8x1024,2x4096 --sweep
+
+--mixed L+DxC,... times a mixed step's attention (a chunk of L new tokens beside D decodes at
+context C) on the flat grid of query blocks and on a grid of segments (`FLAT_RATIO`).
+
+    PYTHONPATH=. python tools/attention_bench.py --mixed 1024+63x1024,512+255x4096
 """
 
 from __future__ import annotations
@@ -85,6 +90,57 @@ def prefill_case(seqs: int, length: int, gen: torch.Generator):
     )
     q = torch.randn(rows, HEADS, DIM, device="cuda", generator=gen).bfloat16()
     return q, (k, v), meta
+
+
+def mixed_case(length: int, decodes: int, ctx: int, gen: torch.Generator):
+    """q, a bf16 cache in shuffled blocks and the metadata of a mixed step: one sequence's chunk
+    of `length` new tokens (its whole context), then `decodes` sequences of one row each at
+    context `ctx`."""
+    lens = [length] + [ctx] * decodes
+    per_seq = [-(-n // BLOCK) for n in lens]
+    shape = (sum(per_seq), BLOCK, KV_HEADS, DIM)
+    k = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    perm = torch.randperm(shape[0], device="cuda", generator=gen).to(torch.int32)
+    width, used, row, segments = max(per_seq), 0, 0, []
+    for i, (n, blocks) in enumerate(zip(lens, per_seq, strict=True)):
+        table = torch.zeros(width, dtype=torch.int32, device="cuda")
+        table[:blocks] = perm[used : used + blocks]
+        used += blocks
+        q_len = length if i == 0 else 1
+        segments.append(Segment(row, row + q_len, table, n))
+        row += q_len
+    positions = torch.cat(
+        [torch.arange(length), torch.full((decodes,), ctx - 1, dtype=torch.int64)]
+    ).cuda()
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=torch.zeros(row, dtype=torch.int64, device="cuda"),
+        segments=tuple(segments),
+        batched=batch_segments(tuple(segments), torch.device("cuda")),
+    )
+    q = torch.randn(row, HEADS, DIM, device="cuda", generator=gen).bfloat16()
+    return q, (k, v), meta
+
+
+def bench_mixed(length: int, decodes: int, ctx: int, gen) -> None:
+    """One mixed step's attention on the flat grid (`FLAT_RATIO`, shipped) and on a segment's
+    grid (FLAT_RATIO 0), each checked against the reference."""
+    q, (k, v), meta = mixed_case(length, decodes, ctx, gen)
+    ref = reference.paged_attention(q.float(), k.float(), v.float(), meta, DIM**-0.5)
+    shipped = triton_attention.FLAT_RATIO
+    for ratio, label in ((shipped, "flat grid (shipped)"), (0, "a segment's grid")):
+        triton_attention.FLAT_RATIO = ratio
+
+        def run() -> torch.Tensor:
+            return ops.paged_attention(q, k, v, meta, DIM**-0.5)
+
+        err = rel_err(run(), ref)
+        if not err < 2e-2:
+            raise RuntimeError(f"{label}: relative error {err:.2e} against the reference")
+        t = replay_seconds(run)
+        print(f"{length:6d} + {decodes:4d} x {ctx:6d}  {t * 1e6:9.1f} us {err:9.1e}  {label}")
+    triton_attention.FLAT_RATIO = shipped
 
 
 def prefill_grid() -> list[Launch]:
@@ -254,9 +310,22 @@ def main() -> None:
     p.add_argument("--shapes", default=SHAPES, help="batch x context, comma separated")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch constants")
     p.add_argument("--prefill", help="sequences x new tokens, comma separated: prefill instead")
+    p.add_argument(
+        "--mixed",
+        help="L+DxC, comma separated: a chunk of L new tokens beside D decodes at context C, "
+        "on the flat grid and on a segment's",
+    )
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     best: dict[tuple[int, int, str], tuple[float, Launch]] = {}
+    if args.mixed:
+        print(f"paged attention of mixed steps, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}")
+        for case in args.mixed.split(","):
+            length, rest = case.split("+")
+            decodes, ctx = rest.split("x")
+            bench_mixed(int(length), int(decodes), int(ctx), gen)
+            torch.cuda.empty_cache()
+        return
     if args.prefill:
         peak = measure_matmul_tflops(torch.device("cuda"))
         print(f"paged prefill attention, causal, {HEADS} q heads, {KV_HEADS} KV heads, dim {DIM}")

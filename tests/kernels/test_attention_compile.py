@@ -37,6 +37,7 @@ def compile_for_h200(
     gpt_oss: bool = False,
     head_dim: int = 128,
     group: int = 8,
+    flat: bool = False,
 ) -> object:
     """The kernel at Qwen3-30B-A3B's heads (32 q heads, 4 KV heads, dim 128, cache block 16):
     a decode launch (`block_q` 2: 16 rows of 8 heads) or a prefill one (8: 64 rows). `gpt_oss`:
@@ -64,6 +65,7 @@ def compile_for_h200(
         "CAUSAL": not (fp8 and block_q == 2),
         "HAS_SINKS": gpt_oss,  # gpt-oss's sinks and windows: compiled away elsewhere
         "HAS_WINDOW": gpt_oss,
+        "FLAT": flat,
     }
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(POINTERS, **FLOATS, K=kv, V=kv)
@@ -144,7 +146,9 @@ def test_prefill_launches_compile() -> None:
     # rows. (Over an FP8 cache they spill in the loop: it keeps DEFAULT_LAUNCH's 64, above.)
     block_q = ta.query_block(False, 8, 128, ta.PREFILL_LAUNCH.prefill_rows)
     assert block_q == 16
-    assert_loop_does_not_spill(compile_for_h200(False, ta.PREFILL_LAUNCH, block_q=block_q))
+    for flat in (False, True):  # a program per segment's block, or per block of the step
+        compiled = compile_for_h200(False, ta.PREFILL_LAUNCH, block_q=block_q, flat=flat)
+        assert_loop_does_not_spill(compiled)
 
 
 def test_gpt_oss_launches_compile_without_spills() -> None:

@@ -107,6 +107,33 @@ k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03)))
 ref = reference.paged_attention(q.double(), k, v, meta, 128**-0.5)
 assert float((out[:5].double() - ref).norm() / ref.norm()) < TOL[torch.float16]
 assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+# The flat grid (a program per query block of the step): a long chunk beside decodes, and a
+# mixed graph's layout, a segment per row with most of them empty and the batch's whole length
+# as the longest query; both would launch more than twice the programs a segment each.
+q, k8, v8, meta = fp8_case([40, 1, 1, 1, 1, 1], [90, 5, 17, 33, 64, 120], 32, 4, 128,
+                           torch.float16, (0.05, 0.03), seed=5)
+rows, block_q = q.shape[0], triton_attention.query_block(False, 8, 128)
+assert 6 * -(-40 // block_q) > 2 * triton_attention.flat_blocks(rows, 6, block_q)
+out = triton_attention.paged_attention(q, k8, v8, meta, 128**-0.5, 0.05, 0.03)
+k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03)))
+ref = reference.paged_attention(q.double(), k, v, meta, 128**-0.5)
+assert float((out.double() - ref).norm() / ref.norm()) < TOL[torch.float16]
+# As a graph launches it: `rows` segments, the real ones first, then empty ones at the last
+# row, and the whole batch's length as the longest query (the static metadata of a mixed graph).
+b = meta.batched
+pad = rows - b.context_lens.shape[0]
+graph = type(b)(
+    query_start=torch.cat([b.query_start, b.query_start[-1:].repeat(pad)]),
+    context_lens=torch.cat([b.context_lens, torch.zeros(pad, dtype=torch.int32)]),
+    block_tables=torch.cat([b.block_tables, b.block_tables[:1].repeat(pad, 1)]),
+    max_query_len=rows,
+    max_context_len=4096,
+)
+graph_meta = AttentionMetadata(meta.positions, meta.slot_mapping, (), graph)
+# In one slice of the context, and in slices merged by the combine kernel.
+for launch in (None, triton_attention.Launch(block_n=16, programs_per_sm=1024)):
+    out = triton_attention.paged_attention(q, k8, v8, graph_meta, 128**-0.5, 0.05, 0.03, launch)
+    assert float((out.double() - ref).norm() / ref.norm()) < TOL[torch.float16], launch
 print("ok")
 """
 

@@ -4,15 +4,19 @@ KV write that skips pad rows on the device (no host sync).
 Attention is split-K ("flash decoding"): program (segment, kv_head, query_block * splits + split)
 attends one block of query rows x all query heads sharing that KV head over one slice of the
 context and writes its partial output with its log-sum-exp; `combine_splits` merges the slices
-(one split writes the final output directly). A KV head's query heads are folded into one
-tile's rows: a decode step feeds `tl.dot` at least 16 rows, each KV tile read once per KV
-head. An FP8 cache is read without dequantizing: the tiles' bytes are cast in registers to the
-dots' dtype (float16, exact for every e4m3 value; float32 for a float32 q), q is cast to it once
-(a bf16 q is exact unless |q| > 65504 or tiny), k_scale is folded into the score scale and
-v_scale into the output's normalization (kernel arguments, so graphs capture them): as exact as
-dequantizing, k * scale never rounded. Whole tiles run without token masks, the partial last
-tile with them (K unmasked where the head dim needs no padding: tokens past the slice get -inf).
-FP8 decode has its own launch (`FP8_DECODE_LAUNCH`). The KV write is `reference.quantize_kv`'s.
+(one split writes the final output directly). Where most segments' queries are far shorter than
+the longest (a prefill chunk beside decodes; a mixed graph, launched for a query of the whole
+batch in every segment) the grid is the step's query blocks instead, (block, kv_head, split),
+each program finding its segment by a binary search over the query starts. A KV head's query
+heads are folded into one tile's rows: a decode step feeds `tl.dot` at least 16 rows, each KV
+tile read once per KV head. An FP8 cache is read without dequantizing: the tiles' bytes are
+cast in registers to the dots' dtype (float16, exact for every e4m3 value; float32 for a float32
+q), q is cast to it once (a bf16 q is exact unless |q| > 65504 or tiny), k_scale is folded into
+the score scale and v_scale into the output's normalization (kernel arguments, so graphs
+capture them): as exact as dequantizing, k * scale never rounded. Whole tiles run without token
+masks, the partial last tile with them (K unmasked where the head dim needs no padding: tokens
+past the slice get -inf). FP8 decode has its own launch (`FP8_DECODE_LAUNCH`). The KV write is
+`reference.quantize_kv`'s.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ DEFAULT_LAUNCH = Launch()
 # test_attention_compile.py), and 128 rows of a float32 accumulator 256 channels wide would not
 # fit 4 warps' registers.
 PREFILL_LAUNCH = Launch(block_n=32, prefill_rows=128)
+# The flat grid (module docstring) from this many times the programs of a segment's grid over
+# the flat one's (0: never). Decode (one query row a segment) keeps the segment grid: its
+# programs would pay the binary search's dependent loads for no empty program saved.
+FLAT_RATIO = 2
 PREFILL_HEAD_DIM = 128
 # Decode over an FP8 cache. Up to 4 stages Triton's pipeliner (3.6) issues a tile's K/V copies
 # one iteration ahead and waits for all of them at the loop top (async_wait num=0), so a
@@ -211,6 +219,7 @@ def _paged_attention_kernel(
     stride_bt,
     split_tokens,
     num_splits,
+    num_segments,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -225,11 +234,28 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
-    seg = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    if FLAT:  # program_id(0) is a query block of the step (`flat_blocks`), (2) the split
+        block = tl.program_id(0)
+        split = tl.program_id(2)
+        # Segment i owns blocks from start(i) = query_start[i] // BLOCK_Q + i, increasing in i
+        # (cdiv(q_len, BLOCK_Q) of them at most, and one for an empty segment): the block's
+        # segment is the last whose start is at or before it.
+        seg = 0
+        right = num_segments
+        while right - seg > 1:
+            mid = (seg + right) // 2
+            if tl.load(query_start + mid) // BLOCK_Q + mid <= block:
+                seg = mid
+            else:
+                right = mid
+        q_block = block - (tl.load(query_start + seg) // BLOCK_Q + seg)
+    else:
+        seg = tl.program_id(0)
+        q_block = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
 
     row_lo = tl.load(query_start + seg)
     row_hi = tl.load(query_start + seg + 1)
@@ -377,6 +403,13 @@ def _paged_attention_kernel(
         tl.store(p_ptrs, out, mask=store_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + rows * stride_lr + head * stride_lh + split, lse, mask=row_ok)
+
+
+def flat_blocks(rows: int, segments: int, block_q: int) -> int:
+    """Query blocks of a step of `rows` query rows in `segments` (the flat grid's programs along
+    its first axis): each segment's rows in blocks of `block_q` from its own first row, so at
+    most one partial block a segment beyond rows // block_q (an empty segment takes one)."""
+    return rows // block_q + segments
 
 
 @functools.cache
@@ -537,11 +570,22 @@ def paged_attention(
             launch = PREFILL_LAUNCH
     block_q = query_block(decode, group_pad, dim, launch.prefill_rows)
     q_blocks = triton.cdiv(max(batched.max_query_len, 1), block_q)
+    blocks = flat_blocks(rows, segments, block_q)
+    # A grid of segments x their longest query's blocks, or of the step's query blocks where
+    # that one would be more than FLAT_RATIO times as many programs (a mixed step: one long
+    # prefill chunk beside many decodes; a mixed graph, launched for every row a segment with
+    # the whole batch as its query): most of its programs would find no rows and end.
+    flat = FLAT_RATIO > 0 and segments * q_blocks > FLAT_RATIO * blocks
     span = batched.max_context_len
     if window is not None:  # the keys one query block can see
         span = min(span, window + block_q - 1)
     splits, split_tokens = plan_splits(
-        segments, kv_heads, q_blocks, span, _sm_count(q.device), launch
+        1 if flat else segments,
+        kv_heads,
+        blocks if flat else q_blocks,
+        span,
+        _sm_count(q.device),
+        launch,
     )
     direct = splits == 1
     if direct:
@@ -565,7 +609,7 @@ def paged_attention(
         part_strides, lse_strides = parts.stride()[:3], lse.stride()[:2]
     tables = batched.block_tables
     qk_scale_log2 = scale * LOG2E * (float(k_scale) if fp8_kv else 1.0)
-    grid = (segments, kv_heads, q_blocks * splits)
+    grid = (blocks, kv_heads, splits) if flat else (segments, kv_heads, q_blocks * splits)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -595,6 +639,7 @@ def paged_attention(
         tables.stride(0),
         split_tokens,
         splits,
+        segments,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -609,6 +654,7 @@ def paged_attention(
         CAUSAL=not (fp8_kv and decode),
         HAS_SINKS=sinks is not None,
         HAS_WINDOW=window is not None,
+        FLAT=flat,
         num_warps=launch.warps,
         num_stages=launch.stages,
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
