@@ -73,6 +73,8 @@ CASES = {
     "chunked": ([5, 130], [261, 130], 2),
     # Enough programs that the context is not split: the kernel writes the output directly.
     "wide": ([1] * 160, [1 + (7 * i) % 300 for i in range(160)], 1),
+    # A chunk beside decodes: the flat grid of query blocks (triton_attention.FLAT_RATIO).
+    "mixed": ([100] + [1] * 20, [300] + [1 + 13 * i for i in range(20)], 2),
 }
 # Qwen3-MoE's heads at every case and dtype; other GQA groups and head sizes on a few. Each shape
 # compiles its own kernels, which is most of this file's run time.

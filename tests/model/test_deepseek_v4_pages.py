@@ -104,7 +104,10 @@ def test_fp8_pages_batched_equals_per_sequence(model, block_size) -> None:
         ids = torch.randint(0, 256, (sum(n for _, _, n in chunks),), generator=gen)
         want = forward(model, caches[0], ids, step_meta(chunks, 0, False, True))
         got = forward(model, caches[1], ids, step_meta(chunks, 0, True, True))
-        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0.0)
+        # Keys one FP8 ulp apart (below) move a few logits by about 1e-4 of the largest: seen
+        # on one CPU at 1.24e-4 (2 of 3900 logits), where another's GEMMs rounded both paths
+        # alike. A wrong row or position moves them by the order of the largest itself.
+        torch.testing.assert_close(got, want, atol=1e-3 * float(want.abs().max()), rtol=0.0)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         for i, (_, start, n) in enumerate(chunks):
             done[i] = start + n
