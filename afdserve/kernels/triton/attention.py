@@ -65,11 +65,11 @@ DEFAULT_LAUNCH = Launch()
 # test_attention_compile.py), and 128 rows of a float32 accumulator 256 channels wide would not
 # fit 4 warps' registers.
 PREFILL_LAUNCH = Launch(block_n=32, prefill_rows=128)
+PREFILL_HEAD_DIM = 128
 # The flat grid (module docstring) from this many times the programs of a segment's grid over
 # the flat one's (0: never). Decode (one query row a segment) keeps the segment grid: its
 # programs would pay the binary search's dependent loads for no empty program saved.
 FLAT_RATIO = 2
-PREFILL_HEAD_DIM = 128
 # Decode over an FP8 cache. Up to 4 stages Triton's pipeliner (3.6) issues a tile's K/V copies
 # one iteration ahead and waits for all of them at the loop top (async_wait num=0), so a
 # program's loads never overlap its own compute: an SM has its 4 programs x one tile in flight,
