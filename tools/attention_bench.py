@@ -129,18 +129,21 @@ def bench_mixed(length: int, decodes: int, ctx: int, gen) -> None:
     q, (k, v), meta = mixed_case(length, decodes, ctx, gen)
     ref = reference.paged_attention(q.float(), k.float(), v.float(), meta, DIM**-0.5)
     shipped = triton_attention.FLAT_RATIO
-    for ratio, label in ((shipped, "flat grid (shipped)"), (0, "a segment's grid")):
-        triton_attention.FLAT_RATIO = ratio
 
-        def run() -> torch.Tensor:
-            return ops.paged_attention(q, k, v, meta, DIM**-0.5)
+    def run() -> torch.Tensor:
+        return ops.paged_attention(q, k, v, meta, DIM**-0.5)
 
-        err = rel_err(run(), ref)
-        if not err < 2e-2:
-            raise RuntimeError(f"{label}: relative error {err:.2e} against the reference")
-        t = replay_seconds(run)
-        print(f"{length:6d} + {decodes:4d} x {ctx:6d}  {t * 1e6:9.1f} us {err:9.1e}  {label}")
-    triton_attention.FLAT_RATIO = shipped
+    try:
+        for ratio, label in ((shipped, "flat grid (shipped)"), (0, "a segment's grid")):
+            triton_attention.FLAT_RATIO = ratio
+            err = rel_err(run(), ref)
+            if not err < 2e-2:
+                raise RuntimeError(f"{label}: relative error {err:.2e} against the reference")
+            t = replay_seconds(run)
+            row = f"{length:6d} + {decodes:4d} x {ctx:6d}  {t * 1e6:9.1f} us {err:9.1e}"
+            print(f"{row}  {label}")
+    finally:
+        triton_attention.FLAT_RATIO = shipped
 
 
 def prefill_grid() -> list[Launch]:

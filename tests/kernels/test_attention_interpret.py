@@ -118,17 +118,13 @@ out = triton_attention.paged_attention(q, k8, v8, meta, 128**-0.5, 0.05, 0.03)
 k, v = ((c.float() * s).double() for c, s in zip((k8, v8), (0.05, 0.03)))
 ref = reference.paged_attention(q.double(), k, v, meta, 128**-0.5)
 assert float((out.double() - ref).norm() / ref.norm()) < TOL[torch.float16]
-# As a graph launches it: `rows` segments, the real ones first, then empty ones at the last
-# row, and the whole batch's length as the longest query (the static metadata of a mixed graph).
-b = meta.batched
-pad = rows - b.context_lens.shape[0]
-graph = type(b)(
-    query_start=torch.cat([b.query_start, b.query_start[-1:].repeat(pad)]),
-    context_lens=torch.cat([b.context_lens, torch.zeros(pad, dtype=torch.int32)]),
-    block_tables=torch.cat([b.block_tables, b.block_tables[:1].repeat(pad, 1)]),
-    max_query_len=rows,
-    max_context_len=4096,
-)
+# As a mixed graph launches it, through the graph runner's own static buffers: `rows`
+# segments, the real ones first, then empty ones, the whole batch as the longest query.
+from afdserve.engine.cuda_graphs import UbatchBuffers
+
+buffers = UbatchBuffers(rows, meta.batched.block_tables.shape[1], torch.device("cpu"))
+buffers.load(meta.batched, rows, rows)
+graph = buffers.batched(rows, rows, 4096)
 graph_meta = AttentionMetadata(meta.positions, meta.slot_mapping, (), graph)
 # In one slice of the context, and in slices merged by the combine kernel.
 for launch in (None, triton_attention.Launch(block_n=16, programs_per_sm=1024)):
